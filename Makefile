@@ -1,0 +1,49 @@
+# Two commands matter: `make demo` (the main job) and `make test` (the test suite).
+# Both bootstrap a virtualenv in .venv on a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+DEMO_DIR ?= var/demo
+
+.PHONY: venv demo test test-fast lint typecheck bench reliability clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	bash scripts/ensure_java.sh
+	$(PY) -m spark.jobs.flights --stash sqlite:///$(abspath $(DEMO_DIR))/stash.db --blob file://$(abspath $(DEMO_DIR))/blob
+
+test: venv
+	bash scripts/ensure_postgres.sh
+	bash scripts/ensure_java.sh
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: venv
+	$(PY) -m pytest -q -x -m "not slow"
+
+lint: venv
+	$(VENV)/bin/ruff check stash persist spark tests bench
+	$(VENV)/bin/ruff format --check stash persist spark tests bench
+
+typecheck: venv
+	$(VENV)/bin/mypy stash persist
+
+bench: venv
+	bash scripts/ensure_postgres.sh
+	bash scripts/ensure_java.sh
+	$(PY) -m bench.run_all
+
+reliability: venv
+	bash scripts/ensure_postgres.sh
+	STASH_RELIABILITY=long $(PY) -m pytest -q tests/reliability
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,67 @@
+"""Alembic environment of the stash schema.
+
+Targets :data:`stash.schema.metadata`.  The database URL comes from, in order: a
+connection handed over by :mod:`stash.migrate` (``config.attributes["connection"]``),
+``-x url=...``, the ``STASH_URL`` environment variable, or ``sqlalchemy.url`` in the ini.
+"""
+
+from __future__ import annotations
+
+import os
+
+import sqlalchemy as sa
+from alembic import context
+
+from stash.schema import metadata
+
+config = context.config
+
+
+def _url() -> str:
+    url = context.get_x_argument(as_dictionary=True).get("url") or os.environ.get("STASH_URL")
+    url = url or config.get_main_option("sqlalchemy.url")
+    if not url:
+        raise SystemExit("no database URL: pass -x url=URL or set STASH_URL")
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    return url
+
+
+def _include_object(obj: object, name: str | None, type_: str, reflected: bool, compare_to: object) -> bool:
+    # The stash_entries view is managed by the revisions themselves.
+    return not (type_ == "table" and name == "stash_entries")
+
+
+def _run(connection: sa.Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=metadata,
+        include_object=_include_object,
+        render_as_batch=connection.dialect.name == "sqlite",
+        compare_type=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=_url(), target_metadata=metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _run(connection)
+        return
+    engine = sa.create_engine(_url(), poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        _run(conn)
+    engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

@@ -1,0 +1,124 @@
+"""Persist's error types.
+
+Every error persist raises on purpose is a :class:`PersistError`.  Invariants kept here:
+
+* an operation that raised one of these committed nothing (the shard's state is the one
+  before the call) unless the error says ``is_indeterminate()``;
+* messages name the shard, blob key or bound that broke the rule.
+
+Names follow the persist-client seed (``004``): ``InvalidUsage`` and its cases
+(``UpdateNotBeyondLower``, ``UpdateBeyondUpper``, ``InvalidBounds``,
+``InvalidBatchBounds``, ``InvalidRewrite``), plus ``UpperMismatch`` and
+``SinceViolation``.
+"""
+
+from __future__ import annotations
+
+from stash import Antichain
+
+
+class PersistError(Exception):
+    """Base class of every error persist raises on purpose."""
+
+    def is_indeterminate(self) -> bool:
+        """True when the outcome of a commit cannot be known."""
+        return False
+
+
+class InvalidUsage(PersistError):
+    """The caller broke a rule of the API (bad bounds, bad schema, bad time)."""
+
+
+class UpdateNotBeyondLower(InvalidUsage):
+    """An update's time is less than the batch's lower.
+
+    Attributes: ``time`` (int), ``lower`` (Antichain).
+    """
+
+    def __init__(self, time: int, lower: Antichain) -> None:
+        self.time = time
+        self.lower = lower
+        super().__init__(f"update time {time} is not beyond the batch lower {lower}")
+
+
+class UpdateBeyondUpper(InvalidUsage):
+    """An update's time is not less than the batch's upper.
+
+    Attributes: ``time`` (int), ``upper`` (Antichain).
+    """
+
+    def __init__(self, time: int, upper: Antichain) -> None:
+        self.time = time
+        self.upper = upper
+        super().__init__(f"update time {time} is not less than the batch upper {upper}")
+
+
+class InvalidBounds(InvalidUsage):
+    """``lower`` is not ``<=`` ``upper``."""
+
+    def __init__(self, lower: Antichain, upper: Antichain) -> None:
+        self.lower = lower
+        self.upper = upper
+        super().__init__(f"invalid bounds: lower {lower} is not <= upper {upper}")
+
+
+class InvalidBatchBounds(InvalidUsage):
+    """A batch's bounds do not fit the append (e.g. batches not contiguous)."""
+
+
+class InvalidRewrite(InvalidUsage):
+    """``Batch.rewrite_ts`` was asked for a frontier/upper it cannot honour."""
+
+
+class UpperMismatch(PersistError):
+    """``compare_and_append`` lost a race: the shard's upper is not the expected one.
+
+    Attributes: ``expected`` and ``current`` (Antichain). Nothing was committed.
+    """
+
+    def __init__(self, expected: Antichain, current: Antichain) -> None:
+        self.expected = expected
+        self.current = current
+        super().__init__(f"upper mismatch: expected {expected}, current upper is {current}")
+
+
+class SinceViolation(PersistError):
+    """A read ``as_of`` a time that the shard's since has already passed.
+
+    Attributes: ``as_of`` (int), ``since`` (Antichain).
+    """
+
+    def __init__(self, as_of: int, since: Antichain) -> None:
+        self.as_of = as_of
+        self.since = since
+        super().__init__(f"as_of {as_of} is not beyond the shard's since {since}")
+
+
+class CorruptPart(PersistError):
+    """A part's bytes do not match its checksum or are not valid Parquet.
+
+    Attributes: ``key`` (the blob key, or ``"<inline>"``).
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        super().__init__(f"corrupt part {key}: {reason}")
+
+
+class BlobError(PersistError):
+    """A blob store call failed (I/O error, injected fault, invalid key)."""
+
+
+class InvalidKey(BlobError, ValueError):
+    """A blob key or shard name breaks the naming rules (would escape the blob root)."""
+
+
+class ConsensusError(PersistError):
+    """A consensus (stash) call failed; ``is_indeterminate()`` follows the stash error."""
+
+    def __init__(self, message: str, indeterminate: bool = False) -> None:
+        self._indeterminate = indeterminate
+        super().__init__(message)
+
+    def is_indeterminate(self) -> bool:
+        return self._indeterminate

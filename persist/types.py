@@ -1,0 +1,151 @@
+"""Metadata types shared by persist's modules: batch descriptions, part references and
+hollow batches.
+
+Invariants kept here:
+
+* a :class:`Description` satisfies ``lower <= upper`` (as frontiers) and describes the
+  updates with ``lower <= time < upper``, whose times may have been advanced to ``since``;
+* a :class:`PartRef` names exactly one immutable Parquet object: either a blob key
+  (``key``) or inline Parquet bytes held in the shard state (``inline``), never both;
+  ``checksum`` is the SHA-256 hex digest of the Parquet bytes;
+* a :class:`HollowBatch` lists its parts grouped into runs: ``runs`` holds the indexes in
+  ``parts`` where each run after the first starts, and each run is sorted by
+  (key, value, time);
+* all three are immutable and round-trip through JSON (``to_json`` / ``from_json``).
+
+Source of the idea: persist's ``Description`` and ``HollowBatch`` in the seeds
+(``002``, ``004``).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any
+
+from stash import Antichain
+
+
+@dataclass(frozen=True)
+class Description:
+    """The bounds of a batch: updates at times in ``[lower, upper)``, advanced to ``since``.
+
+    Raises:
+        ValueError: ``lower`` is not ``<=`` ``upper``.
+    """
+
+    lower: Antichain
+    upper: Antichain
+    since: Antichain = field(default_factory=lambda: Antichain.from_elem(0))
+
+    def __post_init__(self) -> None:
+        if not self.lower <= self.upper:
+            raise ValueError(f"description lower {self.lower} is not <= upper {self.upper}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "lower": self.lower.to_json(),
+            "upper": self.upper.to_json(),
+            "since": self.since.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Description:
+        return cls(
+            Antichain.from_json(d["lower"]),
+            Antichain.from_json(d["upper"]),
+            Antichain.from_json(d["since"]),
+        )
+
+    def __str__(self) -> str:
+        return f"({self.lower}, {self.upper}, {self.since})"
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """A reference to one Parquet part: in the blob store (``key``) or inline (``inline``).
+
+    Attributes:
+        key: blob key of the part, or ``None`` for an inline part.
+        inline: the Parquet bytes of an inline part, or ``None``.
+        rows: number of updates (rows) in the part.
+        encoded_size_bytes: size of the Parquet bytes.
+        checksum: SHA-256 hex digest of the Parquet bytes.
+    """
+
+    key: str | None
+    rows: int
+    encoded_size_bytes: int
+    checksum: str
+    inline: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if (self.key is None) == (self.inline is None):
+            raise ValueError("a part is either in the blob store (key) or inline, exactly one")
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "rows": self.rows,
+            "bytes": self.encoded_size_bytes,
+            "sha256": self.checksum,
+        }
+        if self.key is not None:
+            d["key"] = self.key
+        else:
+            assert self.inline is not None
+            d["inline"] = base64.b64encode(self.inline).decode("ascii")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PartRef:
+        inline = d.get("inline")
+        return cls(
+            key=d.get("key"),
+            rows=int(d["rows"]),
+            encoded_size_bytes=int(d["bytes"]),
+            checksum=str(d["sha256"]),
+            inline=None if inline is None else base64.b64decode(inline),
+        )
+
+
+@dataclass(frozen=True)
+class HollowBatch:
+    """A batch's metadata plus references to its parts (the seed's ``HollowBatch``).
+
+    Attributes:
+        desc: the batch's :class:`Description`.
+        parts: the parts, run after run.
+        len: the number of updates (rows) in all parts.
+        runs: indexes into ``parts`` where the second, third, ... run begins; a batch
+            with one run (or none) has ``runs == ()``.
+    """
+
+    desc: Description
+    parts: tuple[PartRef, ...] = ()
+    len: int = 0
+    runs: tuple[int, ...] = ()
+
+    def is_empty(self) -> bool:
+        return self.len == 0
+
+    def run_parts(self) -> list[tuple[PartRef, ...]]:
+        """The parts split into their runs (each run sorted by key, value, time)."""
+        bounds = [0, *self.runs, len(self.parts)]
+        return [self.parts[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if a < b]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "desc": self.desc.to_json(),
+            "parts": [p.to_json() for p in self.parts],
+            "len": self.len,
+            "runs": list(self.runs),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> HollowBatch:
+        return cls(
+            desc=Description.from_json(d["desc"]),
+            parts=tuple(PartRef.from_json(p) for p in d["parts"]),
+            len=int(d["len"]),
+            runs=tuple(int(r) for r in d.get("runs", ())),
+        )

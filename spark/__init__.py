@@ -1,0 +1,40 @@
+"""PySpark 4 Python data sources over stash catalogs and persist shards, and Spark jobs.
+
+``from spark import register; register(session)`` registers two formats:
+
+* ``stash``: batch read of a stash collection (:mod:`spark.stash_source`);
+* ``persist``: batch read, batch write and streaming read of a persist shard
+  (:mod:`spark.persist_source`).
+
+Invariants: importing this package does not import pyspark (the data source modules are
+imported lazily by :func:`register`), and ``register`` is idempotent.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["register", "build_session"]
+
+
+def register(session: SparkSession) -> SparkSession:
+    """Register the ``stash`` and ``persist`` formats on ``session``; return the session.
+
+    Registering twice is harmless (the later registration replaces the earlier one).
+    """
+    from spark.persist_source import PersistDataSource
+    from spark.stash_source import StashDataSource
+
+    session.dataSource.register(StashDataSource)
+    session.dataSource.register(PersistDataSource)
+    return session
+
+
+def build_session(*args: object, **kwargs: object) -> SparkSession:
+    """Shorthand for :func:`spark.session.build_session` (same arguments)."""
+    from spark.session import build_session as _build
+
+    return _build(*args, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,517 @@
+"""The Stash: the whole contract of the seed's ``Stash`` and ``Append`` traits, once.
+
+:class:`Stash` implements every method of the contract (checks, exact error messages,
+consolidation, the peek rules) on top of the primitive transactions of a backend
+(:mod:`stash.txn`).  Backends (:mod:`stash.memory`, :mod:`stash.sql`) only store rows and
+frontiers.  Invariants kept here:
+
+* every public method is one transaction: it commits entirely or not at all;
+* ``since <= upper`` for every collection (``compact`` refuses a since beyond the upper,
+  ``seal`` refuses to go backwards);
+* ``append`` checks every batch before anything is written, so a bad batch anywhere
+  commits nothing, whatever the order of the batches;
+* ``iter`` and ``peek`` return consolidated data, times advanced to since, sorted by the
+  codecs' order;
+* a readonly handle never writes; a fenced handle fails every later call with an
+  unrecoverable error.
+
+Source: the seed Stash trait (``003``): ``Stash``, ``Append``, ``peek_timestamp``,
+``peek``, ``peek_one``, ``peek_key_one``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Literal, TypeVar
+
+from stash.antichain import I64_MAX, Antichain
+from stash.codec import CodecLike, resolve_codec
+from stash.collection import (
+    AppendBatch,
+    StashCollection,
+    check_diff,
+    check_time,
+    validate_collection_name,
+)
+from stash.consolidation import consolidate_updates
+from stash.errors import AppendLowerMismatch, PeekSinceUpperError, ReadOnlyError, StashError
+from stash.txn import Row, Txn
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K")
+V = TypeVar("V")
+R = TypeVar("R")
+
+Mode = Literal["writable", "readonly", "savepoint"]
+MODES = ("writable", "readonly", "savepoint")
+
+
+def _ac(t: int | None) -> Antichain:
+    return Antichain.from_option(t)
+
+
+def _check_antichain(value: object, what: str) -> Antichain:
+    if not isinstance(value, Antichain):
+        raise StashError(f"{what} must be an Antichain, got {type(value).__name__}")
+    return value
+
+
+class Stash(abc.ABC):
+    """A durable metadata store of named collections of ``((key, value), time, diff)``.
+
+    Open one with :meth:`Stash.open`.  A handle is safe to share between threads; every
+    method is a transaction of its own.  Use it as a context manager to close it.
+
+    Attributes:
+        mode: ``"writable"``, ``"readonly"`` or ``"savepoint"``.
+        fenced: whether this handle took (and checks) the leader epoch.
+    """
+
+    mode: Mode
+    fenced: bool
+
+    def __init__(self, mode: Mode, fenced: bool) -> None:
+        if mode not in MODES:
+            raise StashError(f"unknown mode {mode!r}; expected one of {list(MODES)}")
+        self.mode = mode
+        self.fenced = fenced
+        self._collections: dict[str, tuple[int, str, str]] = {}
+        self._closed = False
+
+    # ----------------------------------------------------------------- opening
+    @staticmethod
+    def open(url: str, *, mode: Mode = "writable", fenced: bool = True, **options: Any) -> Stash:
+        """Open a stash.
+
+        Args:
+            url: ``memory://`` (a fresh in-process store; ``memory://NAME`` shares a named
+                one within the process), ``sqlite:///path/to/file.db`` (the embedded
+                default), or ``postgresql+psycopg://user:pass@host:port/db``.
+            mode: ``"writable"``; ``"readonly"`` (reads only, the epoch untouched);
+                ``"savepoint"`` (everything works, nothing is ever committed).
+            fenced: in writable mode, take the leader epoch so that older handles are
+                fenced, and check it on every transaction.  ``fenced=False`` handles are
+                optimistic multi-writers: they never fence and are never fenced.
+            options: backend options (e.g. ``synchronous="NORMAL"`` for SQLite).
+
+        Raises:
+            StashError: malformed URL, unknown scheme, unreachable server, schema behind
+                the alembic head (with the command to run).
+        """
+        from stash.url import open_url
+
+        return open_url(url, mode=mode, fenced=fenced, **options)
+
+    # ----------------------------------------------------- backend obligations
+    @abc.abstractmethod
+    def _txn(self, write: bool) -> AbstractContextManager[Txn]:
+        """A transaction; ``write=True`` takes the write lock up front."""
+
+    def _close(self) -> None:  # noqa: B027 - optional hook
+        """Release backend resources."""
+
+    # ---------------------------------------------------------------- helpers
+    def _run(self, write: bool, fn: Callable[[Txn], R]) -> R:
+        """Run ``fn`` in one transaction. Backends override this to retry transient
+        failures (a busy database, a serialization failure) by running ``fn`` again."""
+        with self._txn(write) as tx:
+            return fn(tx)
+
+    def _write(self, fn: Callable[[Txn], R]) -> R:
+        self._check_open()
+        if self.mode == "readonly":
+            raise ReadOnlyError("cannot write through a stash opened in readonly mode")
+        return self._run(True, fn)
+
+    def _read(self, fn: Callable[[Txn], R]) -> R:
+        self._check_open()
+        return self._run(False, fn)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StashError("stash handle is closed")
+
+    @staticmethod
+    def _cid(collection: StashCollection[Any, Any]) -> int:
+        if not isinstance(collection, StashCollection):
+            raise StashError(
+                f"expected a StashCollection, got {type(collection).__name__}"
+            )
+        return collection.id
+
+    # ---------------------------------------------------------- collections
+    def collection(
+        self, name: str, key: CodecLike = None, value: CodecLike = None
+    ) -> StashCollection[Any, Any]:
+        """Load or create the named collection.
+
+        A new collection has no entries, since ``{0}`` and upper ``{0}``.
+
+        Args:
+            name: 1 to 255 characters, no control characters.
+            key, value: codecs (default canonical JSON); see :func:`stash.codec.resolve_codec`.
+
+        Returns: a :class:`StashCollection` carrying the codecs.
+
+        Raises:
+            StashError: bad name; the collection exists with other codecs (naming both);
+                it does not exist and this handle is readonly.
+        """
+        validate_collection_name(name)
+        kc, vc = resolve_codec(key), resolve_codec(value)
+        found = self._collections.get(name)
+        if found is None:
+            found = self._read(lambda tx: tx.lookup_collection(name))
+            if found is None:
+                if self.mode == "readonly":
+                    raise StashError(f"collection {name} does not exist (readonly stash)")
+
+                def create(tx: Txn) -> tuple[int, str, str]:
+                    got = tx.lookup_collection(name)
+                    if got is None:
+                        got = (tx.create_collection(name, kc.name, vc.name), kc.name, vc.name)
+                    return got
+
+                found = self._write(create)
+            self._collections[name] = found
+        cid, kname, vname = found
+        if (kname, vname) != (kc.name, vc.name):
+            raise StashError(
+                f"collection {name} was created with codecs (key={kname}, value={vname}) "
+                f"but opened with (key={kc.name}, value={vc.name})"
+            )
+        return StashCollection(cid, name, kc, vc)
+
+    def collections(self) -> dict[str, StashCollection[Any, Any]]:
+        """Every collection by name, with the codecs it was created with."""
+        listed = self._read(lambda tx: tx.list_collections())
+        out: dict[str, StashCollection[Any, Any]] = {}
+        for name, cid, kname, vname in sorted(listed):
+            try:
+                kc, vc = resolve_codec(kname), resolve_codec(vname)
+            except StashError:
+                kc, vc = resolve_codec("json"), resolve_codec("json")
+            out[name] = StashCollection(cid, name, kc, vc)
+        return out
+
+    # ------------------------------------------------------------------ reads
+    def since(self, collection: StashCollection[Any, Any]) -> Antichain:
+        """The collection's since (compaction) frontier."""
+        cid = self._cid(collection)
+        return _ac(self._read(lambda tx: tx.frontiers(cid))[0])
+
+    def upper(self, collection: StashCollection[Any, Any]) -> Antichain:
+        """The collection's upper frontier: every time before it is sealed."""
+        cid = self._cid(collection)
+        return _ac(self._read(lambda tx: tx.frontiers(cid))[1])
+
+    def iter(self, collection: StashCollection[K, V]) -> list[tuple[tuple[K, V], int, int]]:
+        """Every entry as ``((key, value), time, diff)``: consolidated, times advanced to
+        the since, sorted by (key, value, time). Times may be beyond the upper.
+
+        Raises:
+            StashError: the since is the empty frontier
+                (``cannot iterate collection with empty since frontier``).
+        """
+        since, rows = self._read(lambda tx: self._iter_rows(tx, self._cid(collection), None))
+        cons = consolidate_updates(((k, v), max(t, since), d) for k, v, t, d in rows)
+        kc, vc = collection.key_codec, collection.value_codec
+        out = [((kc.decode(k), vc.decode(v)), t, d) for (k, v), t, d in cons]
+        out.sort(key=lambda e: (kc.sort_key(e[0][0]), vc.sort_key(e[0][1]), e[1]))
+        return out
+
+    def iter_key(self, collection: StashCollection[K, V], key: K) -> list[tuple[V, int, int]]:
+        """Entries of one key as ``(value, time, diff)``: consolidated, times advanced to
+        the since, sorted by (value, time).
+
+        Raises:
+            StashError: the since is the empty frontier.
+        """
+        cid = self._cid(collection)
+        kj = collection.key_codec.encode(key)
+        since, rows = self._read(lambda tx: self._iter_rows(tx, cid, kj))
+        cons = consolidate_updates((v, max(t, since), d) for _, v, t, d in rows)
+        vc = collection.value_codec
+        out = [(vc.decode(v), t, d) for v, t, d in cons]
+        out.sort(key=lambda e: (vc.sort_key(e[0]), e[1]))
+        return out
+
+    @staticmethod
+    def _iter_rows(tx: Txn, cid: int, key: str | None) -> tuple[int, list[Row]]:
+        since, _ = tx.frontiers(cid)
+        if since is None:
+            raise StashError("cannot iterate collection with empty since frontier")
+        return since, tx.rows(cid, key)
+
+    @staticmethod
+    def _peek_ts(cid: int, since: int | None, upper: int | None) -> int:
+        s, u = _ac(since), _ac(upper)
+        if u <= s:
+            raise PeekSinceUpperError(f"collection {cid} since {s} is not less than upper {u}")
+        if upper is None:
+            return I64_MAX
+        return upper - 1
+
+    def peek_timestamp(self, collection: StashCollection[Any, Any]) -> int:
+        """The latest time at which sealed entries can be read: ``upper - 1`` (or the
+        maximum i64 for the empty upper).
+
+        Raises:
+            PeekSinceUpperError: ``since`` is not less than ``upper``
+                (``collection 7 since {0} is not less than upper {0}``).
+        """
+        cid = self._cid(collection)
+        return self._read(lambda tx: self._peek_ts(cid, *tx.frontiers(cid)))
+
+    def _peek_raw(
+        self, collection: StashCollection[Any, Any], key: str | None = None
+    ) -> list[tuple[str, str, int]]:
+        cid = self._cid(collection)
+
+        def peek(tx: Txn) -> list[tuple[str, str, int]]:
+            return tx.peek_rows(cid, self._peek_ts(cid, *tx.frontiers(cid)), key)
+
+        return self._read(peek)
+
+    def peek(self, collection: StashCollection[K, V]) -> list[tuple[K, V, int]]:
+        """The sealed contents as ``(key, value, diff)``: consolidated, sorted by
+        (key, value).
+
+        Raises:
+            PeekSinceUpperError: since is not less than upper.
+        """
+        kc, vc = collection.key_codec, collection.value_codec
+        out = [(kc.decode(k), vc.decode(v), d) for k, v, d in self._peek_raw(collection)]
+        out.sort(key=lambda e: (kc.sort_key(e[0]), vc.sort_key(e[1])))
+        return out
+
+    def peek_one(self, collection: StashCollection[K, V]) -> dict[K, V]:
+        """The sealed contents as a ``{key: value}`` dict (in key order).
+
+        Raises:
+            StashError: a multiplicity other than 1 (``unexpected peek multiplicity``) or
+                a key with two values; PeekSinceUpperError as for :meth:`peek`.
+        """
+        res: dict[K, V] = {}
+        for k, v, d in self.peek(collection):
+            if d != 1:
+                raise StashError("unexpected peek multiplicity")
+            if k in res:
+                raise StashError(f"duplicate peek keys for collection {collection.id}")
+            res[k] = v
+        return res
+
+    def peek_key_one(self, collection: StashCollection[K, V], key: K) -> V | None:
+        """The sealed value of one key, or ``None``.
+
+        Raises:
+            StashError: the key has several values or a multiplicity other than 1
+                (``multiple values unexpected``); PeekSinceUpperError as for :meth:`peek`.
+        """
+        rows = self._peek_raw(collection, collection.key_codec.encode(key))
+        if not rows:
+            return None
+        if len(rows) > 1 or rows[0][2] != 1:
+            raise StashError("multiple values unexpected")
+        return collection.value_codec.decode(rows[0][1])  # type: ignore[no-any-return]
+
+    # ----------------------------------------------------------------- writes
+    def update(
+        self, collection: StashCollection[K, V], data: tuple[K, V], time: int, diff: int
+    ) -> None:
+        """Add one entry; its time must be at or beyond the upper. Durable on return."""
+        self.update_many(collection, [(data, time, diff)])
+
+    def update_many(
+        self,
+        collection: StashCollection[K, V],
+        entries: Iterable[tuple[tuple[K, V], int, int]],
+    ) -> None:
+        """Add entries atomically; each time must be at or beyond the upper.
+
+        Raises:
+            StashError: ``entry time 2 is less than the current upper frontier {3}``, or
+                an entry that does not encode; nothing is written then.
+        """
+        cid = self._cid(collection)
+        rows: list[Row] = []
+        for (k, v), t, d in entries:
+            kj, vj = collection.encode_entry(k, v)
+            rows.append((kj, vj, check_time(t), check_diff(d)))
+
+        def write(tx: Txn) -> None:
+            self._check_entry_times(rows, tx.frontiers(cid)[1])
+            tx.insert(cid, rows)
+
+        self._write(write)
+
+    @staticmethod
+    def _check_entry_times(rows: Sequence[Row], upper: int | None) -> None:
+        for _, _, t, _ in rows:
+            if upper is None or t < upper:
+                raise StashError(
+                    f"entry time {t} is less than the current upper frontier {_ac(upper)}"
+                )
+
+    def seal(self, collection: StashCollection[Any, Any], upper: Antichain) -> None:
+        """Advance the upper: every time before ``upper`` becomes definite.
+
+        Raises:
+            StashError: ``seal request {2} is less than the current upper frontier {3}``.
+        """
+        self.seal_batch([(collection, upper)])
+
+    def seal_batch(
+        self, seals: Sequence[tuple[StashCollection[Any, Any], Antichain]]
+    ) -> None:
+        """Several seals in one transaction (all or none)."""
+        items = [(self._cid(c), _check_antichain(u, "seal request")) for c, u in seals]
+
+        def write(tx: Txn) -> None:
+            tx.lock(sorted({cid for cid, _ in items}))
+            for cid, new in items:
+                self._seal_tx(tx, cid, new)
+
+        self._write(write)
+
+    @staticmethod
+    def _seal_tx(tx: Txn, cid: int, new: Antichain) -> None:
+        _, upper = tx.frontiers(cid)
+        cur = _ac(upper)
+        if not cur <= new:
+            raise StashError(f"seal request {new} is less than the current upper frontier {cur}")
+        tx.set_upper(cid, new.as_option())
+
+    def compact(self, collection: StashCollection[Any, Any], since: Antichain) -> None:
+        """Advance the since (logical compaction): earlier times read as ``since``.
+
+        Raises:
+            StashError: ``compact request {2} is less than the current since frontier
+                {3}`` or ``compact request {4} is greater than the current upper frontier
+                {3}``.
+        """
+        self.compact_batch([(collection, since)])
+
+    def compact_batch(
+        self, compactions: Sequence[tuple[StashCollection[Any, Any], Antichain]]
+    ) -> None:
+        """Several compactions in one transaction (all or none)."""
+        items = [(self._cid(c), _check_antichain(s, "compact request")) for c, s in compactions]
+
+        def write(tx: Txn) -> None:
+            tx.lock(sorted({cid for cid, _ in items}))
+            for cid, new in items:
+                self._compact_tx(tx, cid, new)
+
+        self._write(write)
+
+    @staticmethod
+    def _compact_tx(tx: Txn, cid: int, new: Antichain) -> None:
+        since, upper = tx.frontiers(cid)
+        cur_since, cur_upper = _ac(since), _ac(upper)
+        if not cur_since <= new:
+            raise StashError(
+                f"compact request {new} is less than the current since frontier {cur_since}"
+            )
+        if not new <= cur_upper:
+            raise StashError(
+                f"compact request {new} is greater than the current upper frontier {cur_upper}"
+            )
+        tx.set_since(cid, new.as_option())
+
+    def consolidate(self, collection: StashCollection[Any, Any]) -> None:
+        """Physical compaction: rows at or before the since are merged into one row per
+        (key, value) at the since (all rows go if the since is empty)."""
+        self.consolidate_batch([collection])
+
+    def consolidate_batch(self, collections: Sequence[StashCollection[Any, Any]]) -> None:
+        """Consolidate several collections in one transaction."""
+        ids = sorted({self._cid(c) for c in collections})
+
+        def write(tx: Txn) -> None:
+            tx.lock(ids)
+            for cid in ids:
+                tx.consolidate(cid, tx.frontiers(cid)[0], None)
+
+        self._write(write)
+
+    def append(self, batches: Iterable[AppendBatch]) -> None:
+        """Atomically add entries to, seal and compact several collections (the seed's
+        ``Append``).
+
+        For each batch: ``lower`` must equal the collection's upper (then ``upper`` is the
+        new upper and ``compact`` the new since); entries must be at or beyond ``lower``.
+        Batches are checked in the order given (two batches of one collection chain).
+
+        Raises:
+            AppendLowerMismatch: ``append lower {1} does not match the current upper
+                frontier {2} of collection orders``;
+            StashError: any seal/compact/entry-time rule of the single methods.
+            In every case nothing is committed.
+        """
+        batches = list(batches)
+        for b in batches:
+            if not isinstance(b, AppendBatch):
+                raise StashError(f"append takes AppendBatch objects, got {type(b).__name__}")
+            _check_antichain(b.lower, "append lower")
+            _check_antichain(b.upper, "append upper")
+            _check_antichain(b.compact, "append compact")
+            for (k, v), t, d in b.entries:
+                if not isinstance(k, str) or not isinstance(v, str):
+                    raise StashError("append batch entries must be encoded (use append_to_batch)")
+                check_time(t)
+                check_diff(d)
+        if not batches:
+            return
+        self._write(lambda tx: self._append_tx(tx, batches))
+
+    def _append_tx(self, tx: Txn, batches: list[AppendBatch]) -> None:
+        tx.lock(sorted({b.collection.id for b in batches}))
+        for b in batches:
+            cid = b.collection.id
+            _, upper = tx.frontiers(cid)
+            if _ac(upper) != b.lower:
+                raise AppendLowerMismatch(
+                    f"append lower {b.lower} does not match the current upper frontier "
+                    f"{_ac(upper)} of collection {b.collection.name}",
+                    b.collection.name,
+                    b.lower,
+                    _ac(upper),
+                )
+            rows = [(k, v, t, d) for (k, v), t, d in b.entries]
+            self._check_entry_times(rows, upper)
+            if rows:
+                tx.insert(cid, rows)
+            self._seal_tx(tx, cid, b.upper)
+            self._compact_tx(tx, cid, b.compact)
+            if rows:
+                # Keep the collection physically consolidated where this batch touched it.
+                tx.consolidate(cid, b.compact.as_option(), {k for k, _, _, _ in rows})
+
+    # ------------------------------------------------------------- leadership
+    def confirm_leadership(self) -> None:
+        """Check that this handle is still the leader.
+
+        Raises:
+            FenceError: a newer handle took the epoch (unrecoverable).
+        """
+        self._read(lambda tx: tx.check_fence())
+
+    def close(self) -> None:
+        """Release the handle's resources. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def __enter__(self) -> Stash:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[Any]:  # pragma: no cover - guard against misuse
+        raise TypeError("a Stash is not iterable; use stash.iter(collection)")

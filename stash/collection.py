@@ -1,0 +1,155 @@
+"""Collection handles and append batches.
+
+A :class:`StashCollection` names one durable collection of ``((key, value), time, diff)``
+and carries the codecs of its keys and values.  An :class:`AppendBatch` is the unit of the
+atomic multi-collection ``append``.  Invariants kept here:
+
+* a handle's ``id`` and ``name`` never change, and the codecs are the ones recorded with
+  the collection (checked when the handle was made);
+* an ``AppendBatch``'s entries are already encoded (canonical JSON text), so a batch can
+  be checked and committed without the codecs;
+* ``make_batch`` builds the seed's "next tick" batch: ``lower`` = current upper ``{t}``,
+  ``upper`` = ``{t + 1}``, ``compact`` = ``{t}``, entries at time ``t``.
+
+Source of the idea: the seed's ``StashCollection``, ``AppendBatch``, ``make_batch`` and
+``append_to_batch`` (``003``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from stash.antichain import I64_MAX, Antichain, check_i64
+from stash.errors import StashError
+
+if TYPE_CHECKING:
+    from stash.base import Stash
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+MAX_NAME_LENGTH = 255
+
+
+def validate_collection_name(name: object) -> str:
+    """Return ``name`` if it is a valid collection name.
+
+    Rules: a ``str`` of 1 to 255 characters with no control characters (NUL included).
+
+    Raises:
+        StashError: the name breaks a rule; the message says which.
+    """
+    if not isinstance(name, str):
+        raise StashError(f"collection name must be a str, got {type(name).__name__}")
+    if not name:
+        raise StashError("collection name must not be empty")
+    if len(name) > MAX_NAME_LENGTH:
+        raise StashError(
+            f"collection name is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}"
+        )
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        raise StashError(f"collection name {name!r} contains a control character")
+    return name
+
+
+@dataclass(frozen=True)
+class StashCollection(Generic[K, V]):
+    """A handle to one named collection of a stash.
+
+    Attributes:
+        id: the collection's id in the stash (``int``).
+        name: its name (``str``).
+        key_codec, value_codec: the codecs of keys and values (see :mod:`stash.codec`).
+    """
+
+    id: int
+    name: str
+    key_codec: Any = field(compare=False)
+    value_codec: Any = field(compare=False)
+
+    def make_batch(self, stash: Stash) -> AppendBatch:
+        """A new batch for this collection from its current upper ``{t}``: lower ``{t}``,
+        upper ``{t + 1}``, compact ``{t}``, entries at time ``t``.
+
+        Raises:
+            StashError: the upper is the empty frontier (``cannot determine batch
+                timestamp``) or ``t + 1`` overflows i64 (``cannot determine new upper``).
+        """
+        lower = stash.upper(self)
+        t = lower.as_option()
+        if t is None:
+            raise StashError("cannot determine batch timestamp")
+        if t >= I64_MAX:
+            raise StashError("cannot determine new upper")
+        return AppendBatch(
+            collection=self,
+            lower=lower,
+            upper=Antichain.from_elem(t + 1),
+            compact=Antichain.from_elem(t),
+            timestamp=t,
+        )
+
+    def append_to_batch(self, batch: AppendBatch, key: K, value: V, diff: int) -> None:
+        """Encode ``(key, value)`` and add it to ``batch`` at ``batch.timestamp`` with
+        ``diff``.
+
+        Raises:
+            StashError: the batch is for another collection, or key/value/diff is invalid.
+        """
+        if batch.collection.id != self.id:
+            raise StashError(
+                f"batch is for collection {batch.collection.name}, not {self.name}"
+            )
+        batch.entries.append(
+            (
+                (self.key_codec.encode(key), self.value_codec.encode(value)),
+                batch.timestamp,
+                _check_diff(diff),
+            )
+        )
+
+    def encode_entry(self, key: K, value: V) -> tuple[str, str]:
+        """The canonical encodings of ``(key, value)``."""
+        return self.key_codec.encode(key), self.value_codec.encode(value)
+
+
+def _check_diff(diff: object) -> int:
+    try:
+        return check_i64(diff, "diff")
+    except (TypeError, ValueError) as e:
+        raise StashError(str(e)) from None
+
+
+def check_time(time: object) -> int:
+    """Return ``time`` if it is an i64 int, else raise :class:`StashError`."""
+    try:
+        return check_i64(time, "time")
+    except (TypeError, ValueError) as e:
+        raise StashError(str(e)) from None
+
+
+def check_diff(diff: object) -> int:
+    """Return ``diff`` if it is an i64 int, else raise :class:`StashError`."""
+    return _check_diff(diff)
+
+
+@dataclass
+class AppendBatch:
+    """One collection's part of an atomic ``append`` (the seed's ``AppendBatch``).
+
+    Attributes:
+        collection: the target collection.
+        lower: must equal the collection's upper when the append commits.
+        upper: becomes the collection's new upper.
+        compact: becomes the collection's new since.
+        timestamp: the time ``append_to_batch`` gives entries.
+        entries: ``[((key_json, value_json), time, diff)]``, already encoded.
+    """
+
+    collection: StashCollection[Any, Any]
+    lower: Antichain
+    upper: Antichain
+    compact: Antichain
+    timestamp: int = 0
+    entries: list[tuple[tuple[str, str], int, int]] = field(default_factory=list)

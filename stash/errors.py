@@ -1,0 +1,83 @@
+"""The stash's error type.
+
+Every failure the stash reports is a :class:`StashError` (or a subclass), whose ``str()``
+starts with ``stash error: ``.  Invariants kept here:
+
+* ``is_unrecoverable()`` is true only for fencing (:class:`FenceError`): retrying with the
+  same handle can never succeed;
+* ``is_indeterminate()`` is true only when the outcome of a commit cannot be known
+  (:class:`IndeterminateError`); such an error is never reported as success or as a plain
+  failure;
+* no message ever carries a password (URLs are rendered with the password hidden).
+
+Source of the idea: the seed Stash trait's ``StashError`` (``003``).
+"""
+
+from __future__ import annotations
+
+PREFIX = "stash error: "
+
+
+class StashError(Exception):
+    """A stash operation failed; ``str()`` is ``"stash error: <message>"``.
+
+    Attributes:
+        message: the message without the ``stash error: `` prefix.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(PREFIX + message)
+
+    def __str__(self) -> str:
+        return PREFIX + self.message
+
+    def is_unrecoverable(self) -> bool:
+        """True only for fencing errors: this handle can never succeed again."""
+        return False
+
+    def is_indeterminate(self) -> bool:
+        """True when the outcome of the operation (a COMMIT) cannot be known."""
+        return False
+
+
+class FenceError(StashError):
+    """This handle was fenced by a newer leader (a later epoch); unrecoverable."""
+
+    def is_unrecoverable(self) -> bool:
+        return True
+
+
+class IndeterminateError(StashError):
+    """The connection was lost during COMMIT: the change may or may not be durable."""
+
+    def is_indeterminate(self) -> bool:
+        return True
+
+
+class PeekSinceUpperError(StashError):
+    """A peek was asked of a collection whose since is not less than its upper."""
+
+
+class AppendLowerMismatch(StashError):
+    """An ``append`` batch's lower did not match the collection's upper (a lost race).
+
+    Attributes:
+        collection: the collection's name.
+        expected: the batch's lower (an ``Antichain``).
+        current: the collection's current upper (an ``Antichain``).
+    """
+
+    def __init__(self, message: str, collection: str, expected: object, current: object) -> None:
+        super().__init__(message)
+        self.collection = collection
+        self.expected = expected
+        self.current = current
+
+
+class ReadOnlyError(StashError):
+    """A mutation was attempted through a handle opened with ``mode="readonly"``."""
+
+
+class MigrationRequired(StashError):
+    """The database's schema is behind the code's alembic head."""

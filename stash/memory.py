@@ -1,0 +1,315 @@
+"""The in-memory backend (``memory://``) and ``Memory(inner)``, a write-through read cache.
+
+:class:`MemoryStash` keeps collections in process memory.  ``memory://`` opens a fresh
+store; ``memory://NAME`` shares a named store between handles of one process (so reopen,
+fencing and concurrent handles can be exercised).  Invariants kept here:
+
+* a transaction changes the store in place under one lock and keeps an undo log, which
+  it replays if the call fails, so a failed call changes nothing;
+* rows are held consolidated by ``(key, value, time)`` (a dict of diffs, zero dropped);
+* fencing follows the SQL backends: a writable fenced open bumps the store's epoch and
+  every later call of an older fenced handle fails unrecoverably.
+
+:class:`Memory` wraps any :class:`~stash.base.Stash` and caches frontiers and rows of the
+collections it reads, writing every change through and dropping the cached state of the
+collections a write touched, as the seed's ``Memory<S>`` does.  It assumes it is the only
+writer of the collections it caches (the seed uses it for the fenced leader).
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import threading
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from stash.base import Mode, Stash
+from stash.errors import FenceError, StashError
+from stash.txn import Row, Txn
+
+
+@dataclass
+class _Coll:
+    name: str
+    key_codec: str
+    value_codec: str
+    since: int | None = 0
+    upper: int | None = 0
+    rows: dict[tuple[str, str, int], int] = field(default_factory=dict)
+
+
+@dataclass
+class _Store:
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    colls: dict[int, _Coll] = field(default_factory=dict)
+    by_name: dict[str, int] = field(default_factory=dict)
+    epoch: int = 0
+    nonce: bytes = b""
+
+
+_NAMED: dict[str, _Store] = {}
+_NAMED_LOCK = threading.Lock()
+
+
+def named_store(name: str) -> _Store:
+    """The process-wide store called ``name`` (``""`` means a fresh private store)."""
+    if not name:
+        return _Store()
+    with _NAMED_LOCK:
+        return _NAMED.setdefault(name, _Store())
+
+
+class _MemTxn:
+    """Mutates the store in place and keeps an undo log; ``rollback`` restores it."""
+
+    def __init__(self, stash: MemoryStash, store: _Store) -> None:
+        self.stash = stash
+        self.store = store
+        self.created: list[int] = []
+        self.undo_front: dict[int, tuple[int | None, int | None]] = {}
+        self.undo_rows: dict[tuple[int, tuple[str, str, int]], int | None] = {}
+
+    def _get(self, cid: int) -> _Coll:
+        c = self.store.colls.get(cid)
+        if c is None:
+            raise StashError(f"collection id {cid} does not exist")
+        return c
+
+    def lookup_collection(self, name: str) -> tuple[int, str, str] | None:
+        cid = self.store.by_name.get(name)
+        if cid is None:
+            return None
+        c = self._get(cid)
+        return cid, c.key_codec, c.value_codec
+
+    def create_collection(self, name: str, key_codec: str, value_codec: str) -> int:
+        cid = max([0, *self.store.colls]) + 1
+        self.store.colls[cid] = _Coll(name, key_codec, value_codec)
+        self.store.by_name[name] = cid
+        self.created.append(cid)
+        return cid
+
+    def list_collections(self) -> list[tuple[str, int, str, str]]:
+        return [(c.name, i, c.key_codec, c.value_codec) for i, c in self.store.colls.items()]
+
+    def lock(self, ids: Sequence[int]) -> None:
+        for cid in ids:
+            self._get(cid)
+
+    def frontiers(self, cid: int) -> tuple[int | None, int | None]:
+        c = self._get(cid)
+        return c.since, c.upper
+
+    def _save_front(self, cid: int) -> _Coll:
+        c = self._get(cid)
+        self.undo_front.setdefault(cid, (c.since, c.upper))
+        return c
+
+    def set_upper(self, cid: int, upper: int | None) -> None:
+        self._save_front(cid).upper = upper
+
+    def set_since(self, cid: int, since: int | None) -> None:
+        self._save_front(cid).since = since
+
+    def _set_row(self, cid: int, c: _Coll, kvt: tuple[str, str, int], n: int) -> None:
+        self.undo_rows.setdefault((cid, kvt), c.rows.get(kvt))
+        if n:
+            c.rows[kvt] = n
+        else:
+            c.rows.pop(kvt, None)
+
+    def insert(self, cid: int, rows: Sequence[Row]) -> None:
+        c = self._get(cid)
+        for k, v, t, d in rows:
+            self._set_row(cid, c, (k, v, t), c.rows.get((k, v, t), 0) + d)
+
+    def rows(self, cid: int, key: str | None = None) -> list[Row]:
+        items = self._get(cid).rows.items()
+        return [(k, v, t, d) for (k, v, t), d in items if key is None or k == key]
+
+    def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
+        acc: dict[tuple[str, str], int] = {}
+        for (k, v, t), d in self._get(cid).rows.items():
+            if t <= ts and (key is None or k == key):
+                acc[(k, v)] = acc.get((k, v), 0) + d
+        return [(k, v, d) for (k, v), d in acc.items() if d]
+
+    def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
+        c = self._get(cid)
+        moved = [
+            (kvt, d)
+            for kvt, d in c.rows.items()
+            if (since is None or kvt[2] < since) and (keys is None or kvt[0] in keys)
+        ]
+        for kvt, _ in moved:
+            self._set_row(cid, c, kvt, 0)
+        if since is not None:
+            self.insert(cid, [(k, v, since, d) for (k, v, _t), d in moved])
+
+    def check_fence(self) -> None:
+        self.stash._check_fence(self.store)
+
+    def rollback(self) -> None:
+        for (cid, kvt), old in self.undo_rows.items():
+            rows = self.store.colls[cid].rows
+            if old is None:
+                rows.pop(kvt, None)
+            else:
+                rows[kvt] = old
+        for cid, (since, upper) in self.undo_front.items():
+            c = self.store.colls[cid]
+            c.since, c.upper = since, upper
+        for cid in self.created:
+            c = self.store.colls.pop(cid)
+            self.store.by_name.pop(c.name, None)
+
+
+class MemoryStash(Stash):
+    """The pure in-memory backend (``memory://`` or ``memory://NAME``).
+
+    Savepoint mode works on a private deep copy of the named store taken at open.
+    """
+
+    def __init__(self, name: str = "", *, mode: Mode = "writable", fenced: bool = True) -> None:
+        super().__init__(mode, fenced)
+        store = named_store(name)
+        if mode == "savepoint":
+            with store.lock:
+                store = _Store(colls=copy.deepcopy(store.colls), by_name=dict(store.by_name),
+                               epoch=store.epoch, nonce=store.nonce)
+        self._store = store
+        self._epoch: int | None = None
+        self._nonce = b""
+        if fenced and mode == "writable":
+            with store.lock:
+                store.epoch += 1
+                store.nonce = secrets.token_bytes(16)
+                self._epoch, self._nonce = store.epoch, store.nonce
+
+    def _check_fence(self, store: _Store) -> None:
+        if self._epoch is not None and (store.epoch, store.nonce) != (self._epoch, self._nonce):
+            raise FenceError(
+                f"stash fenced: this handle's epoch {self._epoch} was superseded by "
+                f"epoch {store.epoch}"
+            )
+
+    @contextmanager
+    def _txn(self, write: bool) -> Iterator[Txn]:
+        store = self._store
+        with store.lock:
+            self._check_fence(store)
+            tx = _MemTxn(self, store)
+            try:
+                yield tx
+            except BaseException:
+                tx.rollback()
+                raise
+
+    def __repr__(self) -> str:
+        return f"MemoryStash(mode={self.mode!r}, fenced={self.fenced})"
+
+
+class Memory(Stash):
+    """A write-through read cache over any stash (the seed's ``Memory<S>``).
+
+    Reads of frontiers and rows are served from a cache filled on first use; every
+    write goes to ``inner`` first and then drops the cache of the collections it touched.
+    Only correct while this wrapper is the single writer of those collections.
+
+    Args:
+        inner: the stash that holds the durable state.
+    """
+
+    def __init__(self, inner: Stash) -> None:
+        super().__init__(inner.mode, inner.fenced)
+        self.inner = inner
+        self._lock = threading.RLock()
+        self._front: dict[int, tuple[int | None, int | None]] = {}
+        self._rows: dict[int, list[Row]] = {}
+
+    @contextmanager
+    def _txn(self, write: bool) -> Iterator[Txn]:
+        with self.inner._txn(write) as itx, self._lock:
+            tx = _CachedTxn(self, itx, write)
+            yield tx
+        if write:
+            with self._lock:
+                for cid in tx.touched:
+                    self._front.pop(cid, None)
+                    self._rows.pop(cid, None)
+
+    def _close(self) -> None:
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"Memory({self.inner!r})"
+
+
+class _CachedTxn:
+    def __init__(self, cache: Memory, inner: Txn, write: bool) -> None:
+        self.cache = cache
+        self.inner = inner
+        self.write = write
+        self.touched: set[int] = set()
+
+    def lookup_collection(self, name: str) -> tuple[int, str, str] | None:
+        return self.inner.lookup_collection(name)
+
+    def create_collection(self, name: str, key_codec: str, value_codec: str) -> int:
+        return self.inner.create_collection(name, key_codec, value_codec)
+
+    def list_collections(self) -> list[tuple[str, int, str, str]]:
+        return self.inner.list_collections()
+
+    def lock(self, ids: Sequence[int]) -> None:
+        self.inner.lock(ids)
+
+    def frontiers(self, cid: int) -> tuple[int | None, int | None]:
+        if self.write or cid in self.touched:
+            return self.inner.frontiers(cid)
+        f = self.cache._front.get(cid)
+        if f is None:
+            f = self.cache._front[cid] = self.inner.frontiers(cid)
+        return f
+
+    def set_upper(self, cid: int, upper: int | None) -> None:
+        self.touched.add(cid)
+        self.inner.set_upper(cid, upper)
+
+    def set_since(self, cid: int, since: int | None) -> None:
+        self.touched.add(cid)
+        self.inner.set_since(cid, since)
+
+    def insert(self, cid: int, rows: Sequence[Row]) -> None:
+        self.touched.add(cid)
+        self.inner.insert(cid, rows)
+
+    def _all(self, cid: int) -> list[Row]:
+        r = self.cache._rows.get(cid)
+        if r is None:
+            r = self.cache._rows[cid] = self.inner.rows(cid)
+        return r
+
+    def rows(self, cid: int, key: str | None = None) -> list[Row]:
+        if self.write or cid in self.touched:
+            return self.inner.rows(cid, key)
+        return [r for r in self._all(cid) if key is None or r[0] == key]
+
+    def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
+        if self.write or cid in self.touched:
+            return self.inner.peek_rows(cid, ts, key)
+        acc: dict[tuple[str, str], int] = {}
+        for k, v, t, d in self._all(cid):
+            if t <= ts and (key is None or k == key):
+                acc[(k, v)] = acc.get((k, v), 0) + d
+        return [(k, v, d) for (k, v), d in acc.items() if d]
+
+    def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
+        self.touched.add(cid)
+        self.inner.consolidate(cid, since, keys)
+
+    def check_fence(self) -> None:
+        self.inner.check_fence()

@@ -1,0 +1,106 @@
+"""The stash's SQL schema, defined once as SQLAlchemy metadata (created only by alembic).
+
+Tables: ``fence(epoch, nonce)`` (one row: the leader epoch), ``collections``
+(``collection_id``, unique ``name``, ``key_codec``, ``value_codec``), ``data``
+(``collection_id, key, value, time, diff``, indexed on ``(collection_id, key)`` and
+``(collection_id, time)``), ``sinces`` and ``uppers`` (one row per collection; NULL is the
+empty frontier), and the view ``stash_entries(collection, key, value, time, diff)``.
+
+Keys and values are canonical JSON: ``jsonb`` on Postgres, JSON text on SQLite, so
+``SELECT * FROM stash_entries`` is readable.  ``SCHEMA_HEAD`` must equal the alembic head
+revision in ``migrations/versions`` (a test checks it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.types import TypeDecorator
+
+SCHEMA_HEAD = "0001"
+
+STASH_ENTRIES_VIEW = (
+    "CREATE VIEW stash_entries AS "
+    "SELECT c.name AS collection, d.key AS key, d.value AS value, d.time AS time, "
+    "d.diff AS diff FROM data d JOIN collections c ON c.collection_id = d.collection_id"
+)
+
+
+class JsonText(TypeDecorator[str]):
+    """Canonical JSON text in Python; ``jsonb`` on Postgres, ``TEXT`` elsewhere.
+
+    On Postgres the text is sent with a ``::jsonb`` cast and read back as text re-rendered
+    canonically by the backend (see :mod:`stash.sql`).
+    """
+
+    impl = sa.Text
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: sa.Dialect) -> sa.types.TypeEngine[Any]:
+        if dialect.name == "postgresql":
+            return dialect.type_descriptor(postgresql.JSONB())
+        return dialect.type_descriptor(sa.Text())
+
+
+metadata = sa.MetaData()
+
+fence = sa.Table(
+    "fence",
+    metadata,
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("nonce", sa.LargeBinary, nullable=False),
+)
+
+collections = sa.Table(
+    "collections",
+    metadata,
+    sa.Column("collection_id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("name", sa.Text, nullable=False, unique=True),
+    sa.Column("key_codec", sa.Text, nullable=False),
+    sa.Column("value_codec", sa.Text, nullable=False),
+)
+
+data = sa.Table(
+    "data",
+    metadata,
+    sa.Column(
+        "collection_id",
+        sa.Integer,
+        sa.ForeignKey("collections.collection_id"),
+        nullable=False,
+    ),
+    sa.Column("key", JsonText, nullable=False),
+    sa.Column("value", JsonText, nullable=False),
+    sa.Column("time", sa.BigInteger, nullable=False),
+    sa.Column("diff", sa.BigInteger, nullable=False),
+    sa.Index("data_collection_key", "collection_id", "key"),
+    sa.Index("data_collection_time", "collection_id", "time"),
+)
+
+sinces = sa.Table(
+    "sinces",
+    metadata,
+    sa.Column(
+        "collection_id",
+        sa.Integer,
+        sa.ForeignKey("collections.collection_id"),
+        primary_key=True,
+        autoincrement=False,
+    ),
+    sa.Column("since", sa.BigInteger, nullable=True),
+)
+
+uppers = sa.Table(
+    "uppers",
+    metadata,
+    sa.Column(
+        "collection_id",
+        sa.Integer,
+        sa.ForeignKey("collections.collection_id"),
+        primary_key=True,
+        autoincrement=False,
+    ),
+    sa.Column("upper", sa.BigInteger, nullable=True),
+)

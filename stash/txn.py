@@ -1,0 +1,71 @@
+"""The storage primitives every stash backend implements, inside one transaction.
+
+A backend gives :class:`stash.base.Stash` a :class:`Txn` per operation; the base class
+implements the whole contract (checks, error messages, consolidation rules) once on top
+of these primitives.  Invariants a backend must keep:
+
+* everything done through one ``Txn`` commits atomically or not at all;
+* a new collection starts with no rows, since ``{0}`` and upper ``{0}``;
+* ``None`` stands for the empty frontier in ``frontiers``/``set_upper``/``set_since``;
+* keys and values are canonical JSON text (see :mod:`stash.codec`), so text equality is
+  value equality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+Row = tuple[str, str, int, int]
+"""``(key_json, value_json, time, diff)``."""
+
+
+class Txn(Protocol):
+    """Primitive reads and writes of one backend transaction."""
+
+    def lookup_collection(self, name: str) -> tuple[int, str, str] | None:
+        """``(id, key_codec, value_codec)`` of the named collection, or ``None``."""
+        ...
+
+    def create_collection(self, name: str, key_codec: str, value_codec: str) -> int:
+        """Create a collection (no rows, since ``{0}``, upper ``{0}``); return its id."""
+        ...
+
+    def list_collections(self) -> list[tuple[str, int, str, str]]:
+        """``[(name, id, key_codec, value_codec)]`` of every collection."""
+        ...
+
+    def lock(self, ids: Sequence[int]) -> None:
+        """Take write locks on these collections' frontiers, in the given (sorted) order."""
+        ...
+
+    def frontiers(self, cid: int) -> tuple[int | None, int | None]:
+        """``(since, upper)`` of a collection; ``None`` is the empty frontier."""
+        ...
+
+    def set_upper(self, cid: int, upper: int | None) -> None: ...
+
+    def set_since(self, cid: int, since: int | None) -> None: ...
+
+    def insert(self, cid: int, rows: Sequence[Row]) -> None:
+        """Add rows (no consolidation needed)."""
+        ...
+
+    def rows(self, cid: int, key: str | None = None) -> list[Row]:
+        """All rows of a collection (of one key if given), in no particular order."""
+        ...
+
+    def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
+        """``[(key, value, diff)]`` of rows with ``time <= ts``, consolidated by
+        ``(key, value)``, zero sums dropped, in no particular order."""
+        ...
+
+    def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
+        """Physically consolidate rows with ``time <= since`` (of these keys only if
+        given) into one row per ``(key, value)`` at ``since``; ``since=None`` (the empty
+        frontier) deletes every row."""
+        ...
+
+    def check_fence(self) -> None:
+        """Raise :class:`stash.errors.FenceError` if this handle has been fenced."""
+        ...

@@ -26,5 +26,15 @@ __all__ = [
 from stash.base import Stash  # noqa: E402
 from stash.collection import AppendBatch, StashCollection  # noqa: E402
 from stash.memory import Memory, MemoryStash  # noqa: E402
+from stash.table import TableTransaction  # noqa: E402
+from stash.typed import TypedCollection  # noqa: E402
 
-__all__ += ["AppendBatch", "Memory", "MemoryStash", "Stash", "StashCollection"]
+__all__ += [
+    "AppendBatch",
+    "Memory",
+    "MemoryStash",
+    "Stash",
+    "StashCollection",
+    "TableTransaction",
+    "TypedCollection",
+]

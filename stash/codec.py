@@ -63,13 +63,17 @@ def _check_depth(value: Any, depth: int = 0) -> None:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise StashError(f"JSON object keys must be strings, got {type(k).__name__}")
+            _check_depth(k, depth + 1)
             _check_depth(v, depth + 1)
     elif isinstance(value, list | tuple):
         for v in value:
             _check_depth(v, depth + 1)
     elif isinstance(value, float) and not math.isfinite(value):
         raise StashError(f"value {value!r} is not JSON: NaN and infinities are not allowed")
-    elif value is not None and not isinstance(value, str | int | float | bool):
+    elif isinstance(value, str):
+        if "\x00" in value:
+            raise StashError("value contains a NUL character (\\u0000), which is not allowed")
+    elif value is not None and not isinstance(value, int | float | bool):
         raise StashError(f"value of type {type(value).__name__} is not JSON-encodable")
 
 
@@ -89,8 +93,6 @@ def canonical_json(value: Any) -> str:
         )
     except (TypeError, ValueError) as e:
         raise StashError(f"value is not JSON-encodable: {e}") from None
-    if "\x00" in text:
-        raise StashError("value contains a NUL character (\\u0000), which is not allowed")
     if len(text) > MAX_ENCODED_BYTES:
         raise StashError(f"encoded value is larger than {MAX_ENCODED_BYTES} bytes")
     return text

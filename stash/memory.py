@@ -12,8 +12,11 @@ fencing and concurrent handles can be exercised).  Invariants kept here:
 
 :class:`Memory` wraps any :class:`~stash.base.Stash` and caches frontiers and rows of the
 collections it reads, writing every change through and dropping the cached state of the
-collections a write touched, as the seed's ``Memory<S>`` does.  It assumes it is the only
-writer of the collections it caches (the seed uses it for the fenced leader).
+collections a write touched, as the seed's ``Memory<S>`` does.  It caches only when the
+inner handle is a fenced writable leader (the seed's use); over any other handle it
+passes every call through, since other writers could change what it would cache.  Even
+for a leader, optimistic ``fenced=False`` writers of the same collections make the cache
+stale: do not mix them with a cached leader.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from __future__ import annotations
 import copy
 import secrets
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from stash.base import Mode, Stash
 from stash.errors import FenceError, StashError
@@ -49,6 +52,8 @@ class _Store:
     epoch: int = 0
     nonce: bytes = b""
 
+
+R = TypeVar("R")
 
 _NAMED: dict[str, _Store] = {}
 _NAMED_LOCK = threading.Lock()
@@ -226,20 +231,32 @@ class Memory(Stash):
     def __init__(self, inner: Stash) -> None:
         super().__init__(inner.mode, inner.fenced)
         self.inner = inner
+        # Caching is sound only for the single leader: a fenced writable handle.
+        self.caching = inner.fenced and inner.mode == "writable"
         self._lock = threading.RLock()
         self._front: dict[int, tuple[int | None, int | None]] = {}
         self._rows: dict[int, list[Row]] = {}
 
+    def _run(self, write: bool, fn: Callable[[Txn], R]) -> R:
+        touched: set[int] = set()
+
+        def attempt(itx: Txn) -> R:
+            tx = _CachedTxn(self, itx, write or not self.caching, touched)
+            return fn(tx)
+
+        try:
+            return self.inner._run(write, attempt)
+        finally:
+            if touched:
+                with self._lock:
+                    for cid in touched:
+                        self._front.pop(cid, None)
+                        self._rows.pop(cid, None)
+
     @contextmanager
-    def _txn(self, write: bool) -> Iterator[Txn]:
-        with self.inner._txn(write) as itx, self._lock:
-            tx = _CachedTxn(self, itx, write)
-            yield tx
-        if write:
-            with self._lock:
-                for cid in tx.touched:
-                    self._front.pop(cid, None)
-                    self._rows.pop(cid, None)
+    def _txn(self, write: bool) -> Iterator[Txn]:  # pragma: no cover - _run is used
+        raise NotImplementedError("Memory runs transactions through the inner stash")
+        yield
 
     def _close(self) -> None:
         self.inner.close()
@@ -249,11 +266,11 @@ class Memory(Stash):
 
 
 class _CachedTxn:
-    def __init__(self, cache: Memory, inner: Txn, write: bool) -> None:
+    def __init__(self, cache: Memory, inner: Txn, bypass: bool, touched: set[int]) -> None:
         self.cache = cache
         self.inner = inner
-        self.write = write
-        self.touched: set[int] = set()
+        self.write = bypass
+        self.touched = touched
 
     def lookup_collection(self, name: str) -> tuple[int, str, str] | None:
         return self.inner.lookup_collection(name)
@@ -270,9 +287,12 @@ class _CachedTxn:
     def frontiers(self, cid: int) -> tuple[int | None, int | None]:
         if self.write or cid in self.touched:
             return self.inner.frontiers(cid)
-        f = self.cache._front.get(cid)
+        with self.cache._lock:
+            f = self.cache._front.get(cid)
         if f is None:
-            f = self.cache._front[cid] = self.inner.frontiers(cid)
+            f = self.inner.frontiers(cid)
+            with self.cache._lock:
+                self.cache._front[cid] = f
         return f
 
     def set_upper(self, cid: int, upper: int | None) -> None:
@@ -288,9 +308,12 @@ class _CachedTxn:
         self.inner.insert(cid, rows)
 
     def _all(self, cid: int) -> list[Row]:
-        r = self.cache._rows.get(cid)
+        with self.cache._lock:
+            r = self.cache._rows.get(cid)
         if r is None:
-            r = self.cache._rows[cid] = self.inner.rows(cid)
+            r = self.inner.rows(cid)
+            with self.cache._lock:
+                self.cache._rows[cid] = r
         return r
 
     def rows(self, cid: int, key: str | None = None) -> list[Row]:

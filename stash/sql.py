@@ -109,6 +109,7 @@ class SqlStash(Stash):
         self._sp_conn: sa.Connection | None = None
         self._sp_trans: sa.RootTransaction | None = None
         self._sp_lock = threading.RLock()
+        self._opening = True  # a server that is down at open fails fast, without retries
         if self.backend == "sqlite":
             sync = str(synchronous).upper()
             if sync not in SYNCHRONOUS_MODES:
@@ -133,6 +134,7 @@ class SqlStash(Stash):
                 self._sp_trans = self._sp_conn.begin()
             if fenced and mode == "writable":
                 self._take_epoch()
+            self._opening = False
         except BaseException:
             self.engine.dispose()
             raise
@@ -200,7 +202,7 @@ class SqlStash(Stash):
             return IndeterminateError(
                 f"postgres: connection lost during COMMIT; the outcome is unknown: {msg}"
             )
-        if state in _PG_RETRY_STATES or (lost and not during_commit):
+        if state in _PG_RETRY_STATES or (lost and not during_commit and not self._opening):
             return _Transient(e)
         return StashError(f"postgres: {msg}")
 

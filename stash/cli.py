@@ -1,0 +1,170 @@
+"""The ``stash`` command line: migrate, list collections, peek, iter, consolidate.
+
+Output is a readable table (rich) or JSON with ``--json``.  Invariants kept here: URLs
+are shown with the password hidden; errors are printed as one line and exit with code 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from stash.base import Stash
+from stash.errors import StashError
+from stash.url import parse_url, safe_url
+
+console = Console()
+
+
+def _fail(e: Exception) -> None:
+    click.echo(str(e), err=True)
+    sys.exit(1)
+
+
+def _open(url: str, readonly: bool = True) -> Stash:
+    return Stash.open(url, mode="readonly" if readonly else "writable", fenced=False)
+
+
+def _show(rows: list[dict[str, Any]], columns: list[str], as_json: bool, title: str) -> None:
+    if as_json:
+        click.echo(json.dumps(rows, sort_keys=True, default=str))
+        return
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*[_cell(r[c]) for c in columns])
+    console.print(table)
+
+
+def _cell(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+
+
+def _guard(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except StashError as e:
+        _fail(e)
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
+def main(verbose: bool) -> None:
+    """Inspect and maintain a stash (memory://, sqlite:///path, postgresql+psycopg://...)."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+
+
+@main.command()
+@click.argument("url")
+@click.option("--revision", default="head", show_default=True)
+def migrate(url: str, revision: str) -> None:
+    """Bring the database at URL to the alembic head (or REVISION)."""
+
+    def run() -> None:
+        import sqlalchemy as sa
+
+        from stash.migrate import upgrade
+
+        u = parse_url(url)
+        if u.get_backend_name() == "postgresql":
+            u = u.set(drivername="postgresql+psycopg")
+        engine = sa.create_engine(u)
+        try:
+            upgrade(engine, revision)
+        except Exception as e:  # noqa: BLE001 - report any driver error as one line
+            raise StashError(f"migrate {safe_url(u)}: {type(e).__name__}: {e}") from None
+        finally:
+            engine.dispose()
+        click.echo(f"{safe_url(u)} is at {revision}")
+
+    _guard(run)
+
+
+@main.command("collections")
+@click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def collections_cmd(url: str, as_json: bool) -> None:
+    """List the collections with their since, upper and codecs."""
+
+    def run() -> None:
+        with _open(url) as s:
+            rows = [
+                {
+                    "name": name,
+                    "id": c.id,
+                    "since": str(s.since(c)),
+                    "upper": str(s.upper(c)),
+                    "key_codec": c.key_codec.name,
+                    "value_codec": c.value_codec.name,
+                }
+                for name, c in s.collections().items()
+            ]
+        _show(rows, ["name", "id", "since", "upper", "key_codec", "value_codec"], as_json,
+              f"collections of {safe_url(url)}")
+
+    _guard(run)
+
+
+def _coll(s: Stash, name: str) -> Any:
+    found = s.collections().get(name)
+    if found is None:
+        raise StashError(f"collection {name} does not exist")
+    return found
+
+
+@main.command()
+@click.argument("url")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def peek(url: str, name: str, as_json: bool) -> None:
+    """Show the sealed contents of collection NAME as (key, value, diff)."""
+
+    def run() -> None:
+        with _open(url) as s:
+            c = _coll(s, name)
+            rows = [{"key": k, "value": v, "diff": d} for k, v, d in s.peek(c)]
+        _show(rows, ["key", "value", "diff"], as_json, f"peek {name}")
+
+    _guard(run)
+
+
+@main.command("iter")
+@click.argument("url")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def iter_cmd(url: str, name: str, as_json: bool) -> None:
+    """Show every entry of collection NAME as (key, value, time, diff)."""
+
+    def run() -> None:
+        with _open(url) as s:
+            c = _coll(s, name)
+            rows = [{"key": k, "value": v, "time": t, "diff": d} for (k, v), t, d in s.iter(c)]
+        _show(rows, ["key", "value", "time", "diff"], as_json, f"iter {name}")
+
+    _guard(run)
+
+
+@main.command()
+@click.argument("url")
+@click.argument("name")
+def consolidate(url: str, name: str) -> None:
+    """Physically consolidate collection NAME up to its since."""
+
+    def run() -> None:
+        with _open(url, readonly=False) as s:
+            s.consolidate(_coll(s, name))
+        click.echo(f"consolidated {name}")
+
+    _guard(run)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,541 @@
+"""The stash contract suite: every test runs unchanged on every backend (memory, memory
+over SQLite, SQLite, Postgres). Messages are checked to the letter (DESIGN section 3)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest_helpers import tick
+
+from stash import (
+    AppendBatch,
+    AppendLowerMismatch,
+    Antichain,
+    PeekSinceUpperError,
+    Stash,
+    StashError,
+    TableTransaction,
+    TypedCollection,
+)
+from stash.antichain import I64_MAX
+
+A = Antichain.from_elem
+EMPTY = Antichain()
+
+
+def err(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    return str(excinfo.value)
+
+
+# --------------------------------------------------------------- collections
+def test_new_collection_is_empty_with_zero_frontiers(stash: Stash) -> None:
+    c = stash.collection("orders")
+    assert stash.since(c) == A(0)
+    assert stash.upper(c) == A(0)
+    assert stash.iter(c) == []
+    assert "orders" in stash.collections()
+    with pytest.raises(PeekSinceUpperError) as e:
+        stash.peek(c)
+    assert err(e) == f"stash error: collection {c.id} since {{0}} is not less than upper {{0}}"
+
+
+def test_collection_handles_share_state(open_stash) -> None:  # type: ignore[no-untyped-def]
+    s1, s2 = open_stash(), open_stash()
+    c1, c2 = s1.collection("orders"), s2.collection("orders")
+    assert c1.id == c2.id
+    s1.update(c1, ("k", "v"), 0, 1)
+    s1.seal(c1, A(1))
+    assert s2.peek(c2) == [("k", "v", 1)]
+
+
+@pytest.mark.parametrize("name", ["", "x" * 256, "bad\x00name", "tab\tname", 7])
+def test_bad_collection_name_is_rejected_and_creates_nothing(stash: Stash, name: object) -> None:
+    with pytest.raises(StashError) as e:
+        stash.collection(name)  # type: ignore[arg-type]
+    assert str(e.value).startswith("stash error: collection name")
+    assert stash.collections() == {}
+
+
+def test_name_of_255_characters_is_accepted(stash: Stash) -> None:
+    name = "n" * 255
+    c = stash.collection(name)
+    assert stash.collections()[name].id == c.id
+
+
+def test_reopen_with_other_codecs_names_both(open_stash) -> None:  # type: ignore[no-untyped-def]
+    s = open_stash()
+    s.collection("ids", key="int", value="str")
+    s2 = open_stash()
+    with pytest.raises(StashError) as e:
+        s2.collection("ids", key="json", value="str")
+    assert "key=int, value=str" in err(e) and "key=json, value=str" in err(e)
+    assert s2.collection("ids", key=int, value=str).key_codec.name == "int"
+
+
+def test_sql_injection_in_names_keys_values_is_data(stash: Stash) -> None:
+    evil = "x'); DROP TABLE data; --"
+    c = stash.collection(evil)
+    stash.update(c, ({"k": evil}, evil), 0, 1)
+    stash.seal(c, A(1))
+    assert stash.peek(c) == [({"k": evil}, evil, 1)]
+    assert evil in stash.collections()
+
+
+# ------------------------------------------------------------- update / seal
+def test_update_then_seal_then_peek(stash: Stash) -> None:
+    c = stash.collection("c")
+    stash.update(c, ("a", 1), 0, 1)
+    stash.update_many(c, [(("b", 2), 1, 1), (("a", 1), 2, 1), (("c", 3), 5, 1)])
+    stash.seal(c, A(3))
+    assert stash.peek_timestamp(c) == 2
+    assert stash.peek(c) == [("a", 1, 2), ("b", 2, 1)]
+    assert stash.iter(c) == [(("a", 1), 0, 1), (("a", 1), 2, 1), (("b", 2), 1, 1), (("c", 3), 5, 1)]
+    assert stash.iter_key(c, "a") == [(1, 0, 1), (1, 2, 1)]
+
+
+def test_entry_time_before_upper_is_rejected_and_nothing_written(stash: Stash) -> None:
+    c = stash.collection("c")
+    stash.seal(c, A(3))
+    with pytest.raises(StashError) as e:
+        stash.update_many(c, [(("ok", 1), 3, 1), (("late", 1), 2, 1)])
+    assert err(e) == "stash error: entry time 2 is less than the current upper frontier {3}"
+    stash.seal(c, A(4))
+    assert stash.peek(c) == []
+
+
+def test_seal_backwards_is_rejected(stash: Stash) -> None:
+    c = stash.collection("c")
+    stash.seal(c, A(3))
+    with pytest.raises(StashError) as e:
+        stash.seal(c, A(2))
+    assert err(e) == "stash error: seal request {2} is less than the current upper frontier {3}"
+    assert stash.upper(c) == A(3)
+
+
+def test_seal_batch_is_atomic(stash: Stash) -> None:
+    a, b = stash.collection("a"), stash.collection("b")
+    stash.seal(b, A(5))
+    with pytest.raises(StashError):
+        stash.seal_batch([(a, A(3)), (b, A(4))])
+    assert stash.upper(a) == A(0)
+    stash.seal_batch([(a, A(3)), (b, A(6))])
+    assert (stash.upper(a), stash.upper(b)) == (A(3), A(6))
+
+
+def test_empty_upper_frontier(stash: Stash) -> None:
+    c = stash.collection("c")
+    stash.update(c, ("k", "v"), 7, 1)
+    stash.seal(c, EMPTY)
+    assert stash.upper(c) == EMPTY
+    assert stash.peek_timestamp(c) == I64_MAX
+    assert stash.peek(c) == [("k", "v", 1)]
+    with pytest.raises(StashError) as e:
+        stash.update(c, ("k", "v"), 8, 1)
+    assert err(e) == "stash error: entry time 8 is less than the current upper frontier {}"
+    stash.seal(c, EMPTY)  # sealing to {} again is fine
+    with pytest.raises(StashError) as e2:
+        c.make_batch(stash)
+    assert err(e2) == "stash error: cannot determine batch timestamp"
+
+
+# ---------------------------------------------------------------- compaction
+def test_compact_rules(stash: Stash) -> None:
+    c = stash.collection("c")
+    stash.seal(c, A(3))
+    stash.compact(c, A(2))
+    with pytest.raises(StashError) as e:
+        stash.compact(c, A(1))
+    assert err(e) == "stash error: compact request {1} is less than the current since frontier {2}"
+    with pytest.raises(StashError) as e:
+        stash.compact(c, A(4))
+    assert err(e) == "stash error: compact request {4} is greater than the current upper frontier {3}"
+    assert stash.since(c) == A(2)
+
+
+def test_compact_advances_times_and_consolidate_keeps_contents(stash: Stash) -> None:
+    c = stash.collection("c")
+    stash.update_many(c, [(("a", 1), 0, 1), (("a", 1), 1, 1), (("b", 1), 1, 1), (("b", 1), 2, -1),
+                          (("x", 9), 4, 1)])
+    stash.seal(c, A(4))
+    stash.compact(c, A(3))
+    before = stash.iter(c)
+    assert before == [(("a", 1), 3, 2), (("x", 9), 4, 1)]
+    stash.consolidate(c)
+    assert stash.iter(c) == before
+    assert stash.peek(c) == [("a", 1, 2)]
+    stash.consolidate_batch([c])
+    assert stash.iter(c) == before
+
+
+def test_compact_batch_and_empty_since(stash: Stash) -> None:
+    c = stash.collection("c")
+    stash.update(c, ("a", 1), 0, 1)
+    stash.seal(c, EMPTY)
+    stash.compact_batch([(c, EMPTY)])
+    assert stash.since(c) == EMPTY
+    with pytest.raises(StashError) as e:
+        stash.iter(c)
+    assert err(e) == "stash error: cannot iterate collection with empty since frontier"
+    with pytest.raises(StashError) as e:
+        stash.iter_key(c, "a")
+    assert err(e) == "stash error: cannot iterate collection with empty since frontier"
+    with pytest.raises(PeekSinceUpperError) as e2:
+        stash.peek(c)
+    assert err(e2) == f"stash error: collection {c.id} since {{}} is not less than upper {{}}"
+    stash.consolidate(c)
+
+
+# --------------------------------------------------------------------- peek
+def test_peek_one_and_peek_key_one(stash: Stash) -> None:
+    c = stash.collection("c")
+    stash.update_many(c, [(("a", 1), 0, 1), (("b", 2), 0, 1), (("late", 0), 5, 1)])
+    stash.seal(c, A(1))
+    assert stash.peek_one(c) == {"a": 1, "b": 2}
+    assert stash.peek_key_one(c, "a") == 1
+    assert stash.peek_key_one(c, "late") is None
+    assert stash.peek_key_one(c, "nope") is None
+    stash.update(c, ("a", 1), 1, 1)
+    stash.seal(c, A(2))
+    with pytest.raises(StashError) as e:
+        stash.peek_one(c)
+    assert err(e) == "stash error: unexpected peek multiplicity"
+    with pytest.raises(StashError) as e:
+        stash.peek_key_one(c, "a")
+    assert err(e) == "stash error: multiple values unexpected"
+    stash.update_many(c, [(("a", 1), 2, -1), (("b", 3), 2, 1)])
+    stash.seal(c, A(3))
+    with pytest.raises(StashError) as e:
+        stash.peek_one(c)
+    assert err(e) == f"stash error: duplicate peek keys for collection {c.id}"
+
+
+# ------------------------------------------------------------------- append
+def test_append_single_and_make_batch(stash: Stash) -> None:
+    c = stash.collection("orders")
+    b = c.make_batch(stash)
+    assert (b.lower, b.upper, b.compact, b.timestamp) == (A(0), A(1), A(0), 0)
+    c.append_to_batch(b, "k", {"qty": 1}, 1)
+    stash.append([b])
+    assert (stash.upper(c), stash.since(c)) == (A(1), A(0))
+    tick(stash, c, [("k", {"qty": 1}, -1), ("k", {"qty": 2}, 1)])
+    assert stash.peek_one(c) == {"k": {"qty": 2}}
+    assert stash.iter(c) == [(("k", {"qty": 2}), 1, 1)]
+
+
+def test_append_lower_mismatch_message(stash: Stash) -> None:
+    c = stash.collection("orders")
+    b = AppendBatch(c, lower=A(1), upper=A(3), compact=A(1), timestamp=1)
+    stash.seal(c, A(2))
+    with pytest.raises(AppendLowerMismatch) as e:
+        stash.append([b])
+    assert err(e) == (
+        "stash error: append lower {1} does not match the current upper frontier {2} "
+        "of collection orders"
+    )
+    assert (e.value.expected, e.value.current) == (A(1), A(2))
+
+
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_append_is_atomic_across_collections(stash: Stash, bad_first: bool) -> None:
+    good, bad = stash.collection("good"), stash.collection("bad")
+    stash.seal(bad, A(5))
+    gb = good.make_batch(stash)
+    good.append_to_batch(gb, "k", "v", 1)
+    bb = AppendBatch(bad, lower=A(0), upper=A(6), compact=A(0), timestamp=0)
+    bad.append_to_batch(bb, "k", "v", 1)
+    with pytest.raises(AppendLowerMismatch):
+        stash.append([bb, gb] if bad_first else [gb, bb])
+    assert stash.upper(good) == A(0) and stash.iter(good) == []
+    assert stash.upper(bad) == A(5) and stash.iter(bad) == []
+
+
+@pytest.mark.parametrize(
+    ("upper", "compact", "message"),
+    [
+        (A(0), A(0), None),
+        (A(2), A(3), "stash error: compact request {3} is greater than the current upper frontier {2}"),
+        (A(2), A(-1), "stash error: compact request {-1} is less than the current since frontier {0}"),
+    ],
+)
+def test_append_checks_seal_and_compact(stash: Stash, upper: Antichain, compact: Antichain,
+                                        message: str | None) -> None:
+    ok, c = stash.collection("ok"), stash.collection("c")
+    okb = ok.make_batch(stash)
+    ok.append_to_batch(okb, 1, 1, 1)
+    b = AppendBatch(c, lower=A(0), upper=upper, compact=compact, timestamp=0)
+    c.append_to_batch(b, "k", "v", 1)
+    if message is None:
+        stash.append([okb, b])
+        assert stash.upper(c) == upper
+        return
+    with pytest.raises(StashError) as e:
+        stash.append([okb, b])
+    assert err(e) == message
+    assert stash.upper(ok) == A(0) and stash.iter(ok) == [] and stash.iter(c) == []
+
+
+def test_append_entry_before_lower_commits_nothing(stash: Stash) -> None:
+    c = stash.collection("c")
+    b = AppendBatch(c, lower=A(0), upper=A(5), compact=A(0), timestamp=0)
+    b.entries.append((('"k"', '"v"'), 0, 1))
+    stash.seal(c, A(0))
+    b2 = AppendBatch(c, lower=A(0), upper=A(5), compact=A(0), timestamp=-1)
+    c.append_to_batch(b2, "k", "v", 1)
+    with pytest.raises(StashError) as e:
+        stash.append([b2])
+    assert err(e) == "stash error: entry time -1 is less than the current upper frontier {0}"
+    stash.append([b])
+    assert stash.peek(c) == [("k", "v", 1)]
+
+
+def test_two_batches_for_one_collection_chain(stash: Stash) -> None:
+    c = stash.collection("c")
+    b1 = AppendBatch(c, lower=A(0), upper=A(1), compact=A(0), timestamp=0)
+    b2 = AppendBatch(c, lower=A(1), upper=A(2), compact=A(1), timestamp=1)
+    c.append_to_batch(b1, "a", 1, 1)
+    c.append_to_batch(b2, "a", 1, -1)
+    stash.append([b1, b2])
+    assert stash.upper(c) == A(2) and stash.peek(c) == []
+
+
+def test_empty_append_is_noop(stash: Stash) -> None:
+    stash.append([])
+
+
+def test_append_rejects_unencoded_entries(stash: Stash) -> None:
+    c = stash.collection("c")
+    b = c.make_batch(stash)
+    b.entries.append((("k", {"not": "encoded"}), 0, 1))  # type: ignore[arg-type]
+    with pytest.raises(StashError):
+        stash.append([b])
+    assert stash.upper(c) == A(0)
+
+
+# ------------------------------------------------------------------- codecs
+@dataclasses.dataclass(frozen=True)
+class Item:
+    name: str
+    qty: int
+
+
+def test_codecs_round_trip(stash: Stash) -> None:
+    cases = [
+        ("ints", "int", "int", 5, -(2**63)),
+        ("strs", "str", "str", "ключ", "värde"),
+        ("bytes", "bytes", "bytes", b"\x00\xff", b""),
+        ("json", "json", "json", {"b": [1, 2.5, None, True]}, ["x", {"y": {}}]),
+        ("records", "str", Item, "k", Item("w", 3)),
+    ]
+    for name, kc, vc, k, v in cases:
+        c = stash.collection(name, key=kc, value=vc)
+        stash.update(c, (k, v), 0, 1)
+        stash.seal(c, A(1))
+        assert stash.peek(c) == [(k, v, 1)], name
+        assert stash.peek_key_one(c, k) == v
+
+
+def test_json_is_canonical(stash: Stash) -> None:
+    c = stash.collection("c")
+    stash.update_many(c, [(({"b": 1, "a": 2}, 1.0), 0, 1), (({"a": 2, "b": 1}, 1), 0, 1)])
+    stash.seal(c, A(1))
+    assert stash.peek(c) == [({"a": 2, "b": 1}, 1, 2)]
+
+
+@pytest.mark.parametrize("value", [float("nan"), {1: "int key"}, {"s": {1, 2}}, object(), "nul\x00"])
+def test_non_json_value_is_rejected_and_nothing_written(stash: Stash, value: object) -> None:
+    c = stash.collection("c")
+    with pytest.raises(StashError):
+        stash.update_many(c, [(("ok", 1), 0, 1), (("bad", value), 0, 1)])
+    b = c.make_batch(stash)
+    with pytest.raises(StashError):
+        c.append_to_batch(b, "bad", value, 1)
+    stash.seal(c, A(1))
+    assert stash.peek(c) == []
+
+
+def test_too_deep_value_is_rejected(stash: Stash) -> None:
+    c = stash.collection("c")
+    deep: object = 1
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(StashError) as e:
+        stash.update(c, ("k", deep), 0, 1)
+    assert "nested deeper" in err(e)
+
+
+@pytest.mark.parametrize(("t", "d"), [(2**63, 1), (0, 2**63), ("1", 1), (0, 1.5), (True, 1)])
+def test_bad_time_or_diff(stash: Stash, t: object, d: object) -> None:
+    c = stash.collection("c")
+    with pytest.raises(StashError):
+        stash.update(c, ("k", "v"), t, d)  # type: ignore[arg-type]
+
+
+def test_bad_frontier_type(stash: Stash) -> None:
+    c = stash.collection("c")
+    with pytest.raises(StashError):
+        stash.seal(c, 3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------- TypedCollection
+def test_typed_collection(stash: Stash) -> None:
+    t: TypedCollection[str, int] = TypedCollection("config", key="str", value="int")
+    assert t.insert_without_overwrite(stash, "a", 1) == 1
+    assert t.insert_without_overwrite(stash, "a", 2) == 1
+    t.upsert_key(stash, "a", 3)
+    t.upsert_key(stash, "b", 4)
+    assert t.peek_one(stash) == {"a": 3, "b": 4}
+    t.upsert(stash, [("a", 5), ("c", 6)])
+    assert t.peek_one(stash) == {"a": 5, "b": 4, "c": 6}
+    assert t.peek_key_one(stash, "c") == 6
+    assert t.upper(stash) == stash.upper(t.get(stash))
+
+
+def test_typed_collection_bumps_upper_when_since_equals_upper(stash: Stash) -> None:
+    t: TypedCollection[str, str] = TypedCollection("t")
+    c = t.get(stash)
+    stash.seal(c, A(4))
+    stash.compact(c, A(4))
+    t.upsert_key(stash, "k", "v")
+    assert t.peek_one(stash) == {"k": "v"}
+    assert stash.upper(c) == A(6)
+
+
+def test_typed_collection_lost_race_raises(open_stash) -> None:  # type: ignore[no-untyped-def]
+    s1 = open_stash()
+    t: TypedCollection[str, int] = TypedCollection("t")
+    t.upsert_key(s1, "k", 1)
+    c = t.get(s1)
+    batch = c.make_batch(s1)
+    t.upsert_key(open_stash(), "k", 2)
+    c.append_to_batch(batch, "k", 3, 1)
+    with pytest.raises(AppendLowerMismatch):
+        s1.append([batch])
+    assert t.peek_one(s1) == {"k": 2}
+
+
+# --------------------------------------------------------- TableTransaction
+def test_table_transaction_commit(stash: Stash) -> None:
+    c = stash.collection("users")
+    tick(stash, c, [(1, {"name": "ann"}, 1), (2, {"name": "bob"}, 1)])
+    tt = TableTransaction(stash.peek_one(c), lambda a, b: a["name"] == b["name"])
+    tt.insert(3, {"name": "cy"})
+    with pytest.raises(StashError) as e:
+        tt.insert(4, {"name": "ann"})
+    assert err(e) == "stash error: uniqueness violation"
+    with pytest.raises(StashError):
+        tt.insert(1, {"name": "zed"})
+    assert tt.update(lambda k, v: {"name": "bo"} if k == 2 else None) == 1
+    with pytest.raises(StashError):
+        tt.update(lambda k, v: {"name": "same"})
+    assert tt.delete(lambda k, v: k == 1) == [(1, {"name": "ann"})]
+    tt.set(5, {"name": "ann"})  # ann was deleted, so the name is free again
+    tt.set(3, None)
+    assert tt.items() == {2: {"name": "bo"}, 5: {"name": "ann"}}
+    assert tt.pending() == [
+        (1, {"name": "ann"}, -1),
+        (2, {"name": "bob"}, -1),
+        (2, {"name": "bo"}, 1),
+        (5, {"name": "ann"}, 1),
+    ]
+    b = c.make_batch(stash)
+    for k, v, d in tt.pending():
+        c.append_to_batch(b, k, v, d)
+    stash.append([b])
+    assert stash.peek_one(c) == tt.items()
+
+
+# ------------------------------------------------------------------ reopen
+def test_reopen_and_read(open_stash, backend: str) -> None:  # type: ignore[no-untyped-def]
+    s = open_stash()
+    c = s.collection("c", key="int")
+    tick(s, c, [(1, "one", 1)])
+    s.close()
+    s2 = open_stash()
+    c2 = s2.collection("c", key="int")
+    assert s2.peek_one(c2) == {1: "one"}
+    assert s2.upper(c2) == A(1)
+
+
+def test_closed_handle_refuses(open_stash) -> None:  # type: ignore[no-untyped-def]
+    s = open_stash()
+    c = s.collection("c")
+    s.close()
+    with pytest.raises(StashError):
+        s.upper(c)
+
+
+# -------------------------------------------------------------------- modes
+def test_readonly_mode(open_stash) -> None:  # type: ignore[no-untyped-def]
+    w = open_stash(fenced=True)
+    c = w.collection("c")
+    tick(w, c, [("k", "v", 1)])
+    r = open_stash(mode="readonly")
+    rc = r.collection("c")
+    assert r.peek(rc) == [("k", "v", 1)]
+    for op in (lambda: r.update(rc, ("x", 1), 5, 1), lambda: r.seal(rc, A(9)),
+               lambda: r.compact(rc, A(1)), lambda: r.consolidate(rc),
+               lambda: r.append([rc.make_batch(r)]), lambda: r.collection("new")):
+        with pytest.raises(StashError) as e:
+            op()
+        assert "readonly" in err(e)
+    w.confirm_leadership()  # the readonly open did not take the epoch
+    assert w.peek(c) == [("k", "v", 1)]
+
+
+def test_savepoint_mode_commits_nothing(open_stash) -> None:  # type: ignore[no-untyped-def]
+    w = open_stash(fenced=True)
+    c = w.collection("c")
+    tick(w, c, [("k", "v", 1)])
+    sp = open_stash(mode="savepoint")
+    sc = sp.collection("c")
+    tick(sp, sc, [("k", "v", -1), ("k2", "v2", 1)])
+    new = sp.collection("brand-new")
+    sp.update(new, ("x", 1), 0, 1)
+    assert sp.peek(sc) == [("k2", "v2", 1)]
+    w.confirm_leadership()
+    assert w.peek(c) == [("k", "v", 1)]
+    assert "brand-new" not in w.collections()
+    sp.close()
+    assert w.peek(c) == [("k", "v", 1)]
+
+
+# ------------------------------------------------------------------ fencing
+def test_fencing(open_stash) -> None:  # type: ignore[no-untyped-def]
+    old = open_stash(fenced=True)
+    c = old.collection("c")
+    tick(old, c, [("a", 1, 1)])
+    optimistic = open_stash(fenced=False)
+    new = open_stash(fenced=True)
+    with pytest.raises(StashError) as e:
+        tick(old, c, [("b", 2, 1)])
+    assert e.value.is_unrecoverable()
+    with pytest.raises(StashError) as e:
+        old.confirm_leadership()
+    assert e.value.is_unrecoverable()
+    with pytest.raises(StashError) as e:
+        old.peek(c)
+    assert e.value.is_unrecoverable()
+    nc = new.collection("c")
+    assert new.peek(nc) == [("a", 1, 1)]
+    new.confirm_leadership()
+    tick(optimistic, optimistic.collection("c"), [("c", 3, 1)])
+    fresh = open_stash(mode="readonly")
+    assert fresh.peek(fresh.collection("c")) == [("a", 1, 1), ("c", 3, 1)]
+
+
+def test_error_kinds() -> None:
+    e = StashError("boom")
+    assert str(e) == "stash error: boom"
+    assert not e.is_unrecoverable() and not e.is_indeterminate()
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["", "nonsense", "mysql://u:pw@h/db", "sqlite://", "sqlite:///:memory:", "postgresql+pg8000://u@h/d"],
+)
+def test_malformed_url(url: str) -> None:
+    with pytest.raises(StashError) as e:
+        Stash.open(url)
+    assert err(e).startswith("stash error: ")
+    assert "pw" not in err(e)

@@ -1,0 +1,125 @@
+"""Hypothesis properties: consolidation, antichain order, codecs, TableTransaction."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stash import Antichain, StashError, TableTransaction
+from stash.codec import JsonCodec, canonical_json, json_sort_key
+from stash.consolidation import consolidate_updates
+
+updates = st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 3), st.integers(-2, 2)))
+
+
+@given(updates)
+def test_consolidation_preserves_weighted_multiset(ups: list[tuple[str, int, int]]) -> None:
+    out = consolidate_updates(ups)
+    ref: Counter[tuple[str, int]] = Counter()
+    for d, t, n in ups:
+        ref[(d, t)] += n
+    assert {(d, t): n for d, t, n in out} == {k: v for k, v in ref.items() if v}
+    assert all(n != 0 for _, _, n in out)
+    assert len({(d, t) for d, t, _ in out}) == len(out)
+    assert consolidate_updates(out) == out  # idempotent
+
+
+opt = st.one_of(st.none(), st.integers(-5, 5))
+
+
+@given(opt, opt, opt)
+def test_antichain_partial_order(a: int | None, b: int | None, c: int | None) -> None:
+    x, y, z = Antichain.from_option(a), Antichain.from_option(b), Antichain.from_option(c)
+    assert x <= x
+    if x <= y and y <= x:
+        assert x == y
+    if x <= y and y <= z:
+        assert x <= z
+    assert x <= y or y <= x  # total order over i64
+    assert Antichain() >= x  # the empty frontier is the top
+    assert x.join(y) >= x and x.meet(y) <= x
+    assert Antichain.from_json(x.to_json()) == x
+
+
+texts = st.text(alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)))
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**60), 2**60) | st.floats(allow_nan=False,
+                                                                        allow_infinity=False)
+    | texts,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@given(json_values, json_values)
+def test_json_codec_is_canonical_and_ordered(a: Any, b: Any) -> None:
+    c = JsonCodec()
+    ta, tb = c.encode(a), c.encode(b)
+    assert c.encode(c.decode(ta)) == ta
+    assert (ta == tb) == (c.decode(ta) == c.decode(tb))
+    ka, kb = json_sort_key(c.decode(ta)), json_sort_key(c.decode(tb))
+    assert (ka < kb) or (kb < ka) or (ka == kb)
+
+
+users = st.dictionaries(st.integers(0, 6), st.sampled_from(["ann", "bob", "cy", "dee"]), max_size=4)
+ops = st.lists(
+    st.tuples(st.sampled_from(["insert", "set", "delete", "update"]), st.integers(0, 6),
+              st.one_of(st.none(), st.sampled_from(["ann", "bob", "cy", "dee", "eve"]))),
+    max_size=12,
+)
+
+
+@given(users, ops)
+def test_table_transaction_against_model(initial0: dict[int, str], ops_: list[Any]) -> None:
+    # Make the initial state itself unique by name.
+    initial: dict[int, str] = {}
+    for k, v in initial0.items():
+        if v not in initial.values():
+            initial[k] = v
+    tt = TableTransaction(initial, lambda a, b: a == b)
+    model = dict(initial)
+    for op, k, v in ops_:
+        before = tt.items()
+        try:
+            if op == "insert":
+                assert v is not None or True
+                tt.insert(k, v or "x")
+                assert k not in model and (v or "x") not in model.values()
+                model[k] = v or "x"
+            elif op == "set":
+                tt.set(k, v)
+                if v is None:
+                    model.pop(k, None)
+                else:
+                    assert all(mv != v for mk, mv in model.items() if mk != k)
+                    model[k] = v
+            elif op == "delete":
+                deleted = tt.delete(lambda kk, vv, k=k: kk == k)
+                assert deleted == ([(k, model[k])] if k in model else [])
+                model.pop(k, None)
+            else:
+                n = tt.update(lambda kk, vv, k=k, v=v: v if kk == k and v else None)
+                assert n == (1 if k in model and v else 0)
+                if k in model and v:
+                    assert all(mv != v for mk, mv in model.items() if mk != k)
+                    model[k] = v
+        except StashError as e:
+            assert "uniqueness violation" in str(e)
+            assert tt.items() == before  # a rejected edit changes nothing
+        assert tt.items() == dict(sorted(model.items()))
+        names = list(tt.items().values())
+        assert len(names) == len(set(names))
+    # Applying pending() to the initial state gives items().
+    acc: Counter[tuple[int, str]] = Counter({(k, v): 1 for k, v in initial.items()})
+    keys_seen = []
+    for k, v, d in tt.pending():
+        acc[(k, v)] += d
+        keys_seen.append(k)
+        assert d in (1, -1)
+    assert {kv for kv, n in acc.items() if n} == set(tt.items().items())
+    assert all(n in (0, 1) for n in acc.values())
+    assert keys_seen == sorted(keys_seen)
+    canonical_json(list(tt.items().items()))

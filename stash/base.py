@@ -138,9 +138,7 @@ class Stash(abc.ABC):
     @staticmethod
     def _cid(collection: StashCollection[Any, Any]) -> int:
         if not isinstance(collection, StashCollection):
-            raise StashError(
-                f"expected a StashCollection, got {type(collection).__name__}"
-            )
+            raise StashError(f"expected a StashCollection, got {type(collection).__name__}")
         return collection.id
 
     # ---------------------------------------------------------- collections
@@ -365,9 +363,7 @@ class Stash(abc.ABC):
         """
         self.seal_batch([(collection, upper)])
 
-    def seal_batch(
-        self, seals: Sequence[tuple[StashCollection[Any, Any], Antichain]]
-    ) -> None:
+    def seal_batch(self, seals: Sequence[tuple[StashCollection[Any, Any], Antichain]]) -> None:
         """Several seals in one transaction (all or none)."""
         items = [(self._cid(c), _check_antichain(u, "seal request")) for c, u in seals]
 

@@ -107,8 +107,12 @@ def collections_cmd(url: str, as_json: bool) -> None:
                 }
                 for name, c in s.collections().items()
             ]
-        _show(rows, ["name", "id", "since", "upper", "key_codec", "value_codec"], as_json,
-              f"collections of {safe_url(url)}")
+        _show(
+            rows,
+            ["name", "id", "since", "upper", "key_codec", "value_codec"],
+            as_json,
+            f"collections of {safe_url(url)}",
+        )
 
     _guard(run)
 

@@ -88,7 +88,10 @@ def canonical_json(value: Any) -> str:
     _check_depth(value)
     try:
         text = json.dumps(
-            _normalize(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+            _normalize(value),
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
             allow_nan=False,
         )
     except (TypeError, ValueError) as e:
@@ -236,15 +239,16 @@ class RecordCodec(Generic[T]):
         self.cls = cls
         self.name = f"record:{cls.__module__}.{cls.__qualname__}"
         self._fields: tuple[str, ...] = (
-            tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+            tuple(f.name for f in dataclasses.fields(cls))
             if dataclasses.is_dataclass(cls)
             else tuple(cls.__struct_fields__)  # type: ignore[attr-defined]
         )
 
     def _as_dict(self, value: T) -> dict[str, Any]:
         if not isinstance(value, self.cls):
-            raise StashError(f"{self.name} codec: expected {self.cls.__qualname__}, "
-                             f"got {type(value).__name__}")
+            raise StashError(
+                f"{self.name} codec: expected {self.cls.__qualname__}, got {type(value).__name__}"
+            )
         return {f: getattr(value, f) for f in self._fields}
 
     def encode(self, value: T) -> str:
@@ -253,8 +257,10 @@ class RecordCodec(Generic[T]):
     def decode(self, text: str) -> T:
         d = _loads(text, self.name)
         if not isinstance(d, dict) or set(d) != set(self._fields):
-            raise StashError(f"{self.name} codec: stored value {text[:200]!r} does not have "
-                             f"the fields {list(self._fields)}")
+            raise StashError(
+                f"{self.name} codec: stored value {text[:200]!r} does not have "
+                f"the fields {list(self._fields)}"
+            )
         try:
             return self.cls(**d)
         except TypeError as e:
@@ -288,7 +294,7 @@ def resolve_codec(spec: CodecLike) -> Any:
         if spec in _BUILTIN:
             return _BUILTIN[spec]()
         if spec.startswith("record:"):
-            module, _, qual = spec[len("record:"):].rpartition(".")
+            module, _, qual = spec[len("record:") :].rpartition(".")
             try:
                 obj: Any = importlib.import_module(module)
                 for part in qual.split("."):
@@ -296,8 +302,10 @@ def resolve_codec(spec: CodecLike) -> Any:
             except (ImportError, AttributeError, ValueError):
                 raise StashError(f"unknown record codec {spec!r}: cannot import it") from None
             return RecordCodec(obj)
-        raise StashError(f"unknown codec {spec!r}; expected one of {sorted(_BUILTIN)}, "
-                         "a record type, or a codec object")
+        raise StashError(
+            f"unknown codec {spec!r}; expected one of {sorted(_BUILTIN)}, "
+            "a record type, or a codec object"
+        )
     if spec is int:
         return IntCodec()
     if spec is str:

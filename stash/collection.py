@@ -98,9 +98,7 @@ class StashCollection(Generic[K, V]):
             StashError: the batch is for another collection, or key/value/diff is invalid.
         """
         if batch.collection.id != self.id:
-            raise StashError(
-                f"batch is for collection {batch.collection.name}, not {self.name}"
-            )
+            raise StashError(f"batch is for collection {batch.collection.name}, not {self.name}")
         batch.entries.append(
             (
                 (self.key_codec.encode(key), self.value_codec.encode(value)),

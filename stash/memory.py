@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from stash.base import Mode, Stash
 from stash.errors import FenceError, StashError
@@ -183,8 +183,12 @@ class MemoryStash(Stash):
         store = named_store(name)
         if mode == "savepoint":
             with store.lock:
-                store = _Store(colls=copy.deepcopy(store.colls), by_name=dict(store.by_name),
-                               epoch=store.epoch, nonce=store.nonce)
+                store = _Store(
+                    colls=copy.deepcopy(store.colls),
+                    by_name=dict(store.by_name),
+                    epoch=store.epoch,
+                    nonce=store.nonce,
+                )
         self._store = store
         self._epoch: int | None = None
         self._nonce = b""

@@ -72,7 +72,7 @@ class TableTransaction(Generic[K, V]):
         """The visible value of ``key`` or ``None``."""
         if key in self._pending:
             v = self._pending[key]
-            return None if v is _DELETED else v  # type: ignore[no-any-return]
+            return None if v is _DELETED else v
         return self.initial.get(key)
 
     def _visible(self, key: K) -> bool:

@@ -74,7 +74,9 @@ def open_url(url: str, *, mode: Mode, fenced: bool, **options: Any) -> Stash:
         from stash.sql import SqlStash
 
         if u.get_driver_name() not in ("psycopg", "psycopg2", "") and u.drivername != "postgresql":
-            raise StashError(f"unsupported postgres driver in {safe_url(u)!r}; use postgresql+psycopg")
+            raise StashError(
+                f"unsupported postgres driver in {safe_url(u)!r}; use postgresql+psycopg"
+            )
         return SqlStash(u.set(drivername="postgresql+psycopg"), mode=mode, fenced=fenced, **options)
     raise StashError(
         f"unknown stash URL scheme {u.drivername!r} in {safe_url(u)!r}: expected memory, "

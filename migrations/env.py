@@ -27,7 +27,9 @@ def _url() -> str:
     return url
 
 
-def _include_object(obj: object, name: str | None, type_: str, reflected: bool, compare_to: object) -> bool:
+def _include_object(
+    obj: object, name: str | None, type_: str, reflected: bool, compare_to: object
+) -> bool:
     # The stash_entries view is managed by the revisions themselves.
     return not (type_ == "table" and name == "stash_entries")
 

@@ -1,0 +1,89 @@
+"""Persist: shards of ``((key, value), time, diff)`` updates stored as Parquet parts in a
+blob store, their state versions kept in a stash collection (DESIGN section 5).
+
+Public names import from here, as ``from stash import Stash, Antichain`` does::
+
+    from persist import PersistClient, UpperMismatch
+    client = PersistClient(stash, "file:///tmp/blob")
+    write, read = client.open("orders", key_schema, value_schema)
+
+Invariants are stated by each module: :mod:`persist.state` (shard state and leases),
+:mod:`persist.consensus` (versions by compare-and-set), :mod:`persist.write` /
+:mod:`persist.read` (handles), :mod:`persist.compactor`, :mod:`persist.gc`,
+:mod:`persist.spine` (the Spine), :mod:`persist.parts` and :mod:`persist.blob`.
+"""
+
+from persist.batch import Batch
+from persist.blob import Blob, FileBlob, MemoryBlob, UnreliableBlob, open_blob
+from persist.client import CompactionMode, PersistClient, RetryingBlob
+from persist.compactor import CompactionReport, Compactor
+from persist.consensus import Consensus, ShardMachine, VersionedData
+from persist.errors import (
+    BlobError,
+    ConsensusError,
+    CorruptPart,
+    InvalidBatchBounds,
+    InvalidBounds,
+    InvalidKey,
+    InvalidRewrite,
+    InvalidUsage,
+    PersistError,
+    SinceViolation,
+    UpdateBeyondUpper,
+    UpdateNotBeyondLower,
+    UpperMismatch,
+)
+from persist.gc import GcReport, collect_garbage
+from persist.read import Listen, ListenEvent, ReadHandle, read_batch, read_batches
+from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
+from persist.state import LeaseExpired, ShardState
+from persist.types import Description, HollowBatch, PartRef
+from persist.write import BatchBuilder, WriteHandle
+
+__all__ = [
+    "ApplyMergeResult",
+    "Batch",
+    "BatchBuilder",
+    "Blob",
+    "BlobError",
+    "CompactionMode",
+    "CompactionReport",
+    "Compactor",
+    "Consensus",
+    "ConsensusError",
+    "CorruptPart",
+    "Description",
+    "FileBlob",
+    "FueledMergeReq",
+    "FueledMergeRes",
+    "GcReport",
+    "HollowBatch",
+    "InvalidBatchBounds",
+    "InvalidBounds",
+    "InvalidKey",
+    "InvalidRewrite",
+    "InvalidUsage",
+    "LeaseExpired",
+    "Listen",
+    "ListenEvent",
+    "MemoryBlob",
+    "PartRef",
+    "PersistClient",
+    "PersistError",
+    "ReadHandle",
+    "RetryingBlob",
+    "ShardMachine",
+    "ShardState",
+    "SinceViolation",
+    "Trace",
+    "UnreliableBlob",
+    "UpdateBeyondUpper",
+    "UpdateNotBeyondLower",
+    "UpperMismatch",
+    "VersionedData",
+    "WriteHandle",
+    "collect_garbage",
+    "open_blob",
+    "read_batch",
+    "read_batches",
+]

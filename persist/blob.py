@@ -600,8 +600,10 @@ class ArrowFsBlob(_ClosableMixin):
                 self._write(path, data)
                 return
             parent = path.rsplit("/", 1)[0] if "/" in path else ""
-            tmp = f"{parent}/{_TMP_PREFIX}{uuid.uuid4().hex}" if parent else (
-                f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            tmp = (
+                f"{parent}/{_TMP_PREFIX}{uuid.uuid4().hex}"
+                if parent
+                else (f"{_TMP_PREFIX}{uuid.uuid4().hex}")
             )
             try:
                 self._write(tmp, data)
@@ -690,8 +692,11 @@ def _secrets_of(uri: str) -> list[str]:
     if "@" in parts.netloc:
         userinfo = parts.netloc.rsplit("@", 1)[0]
         out.append(userinfo)
-        out.extend(s for s in userinfo.split(":") if s)
-        out.extend(unquote(s) for s in userinfo.split(":") if s)
+        user, _, password = userinfo.partition(":")
+        if password:
+            out.extend((password, unquote(password)))
+        if len(user) >= 4:  # access key ids sit here; short user names are left readable
+            out.extend((user, unquote(user)))
     for _, v in parse_qsl(parts.query, keep_blank_values=True):
         if v:
             out.append(v)
@@ -737,10 +742,15 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
     scheme = uri.split("://", 1)[0].lower()
     if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
         raise InvalidUsage(f"blob URI {redact_uri(uri)!r} has a malformed scheme")
+    # Errors are raised outside ``except`` blocks so that no exception carrying the raw
+    # URI (and its credentials) is chained to them as ``__context__``.
+    problem: str | None = None
     try:
         parts = urlsplit(uri)
     except ValueError as e:
-        raise InvalidUsage(f"malformed blob URI {redact_uri(uri)!r}: {_scrub(str(e), uri)}") from None
+        problem = f"malformed blob URI {redact_uri(uri)!r}: {_scrub(str(e), uri)}"
+    if problem is not None:
+        raise InvalidUsage(problem)
     if scheme == "memory":
         if parts.path or parts.query or parts.fragment or "@" in parts.netloc:
             raise InvalidUsage(
@@ -748,10 +758,12 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
             )
         if parts.netloc == "":
             return MemoryBlob()
-        try:
-            return MemoryBlob(parts.netloc)
-        except InvalidKey as e:
-            raise InvalidUsage(f"malformed blob URI {redact_uri(uri)!r}: {e}") from None
+        if not _is_valid_key(parts.netloc) or "/" in parts.netloc:
+            raise InvalidUsage(
+                f"malformed blob URI {redact_uri(uri)!r}: the memory store name must be "
+                "one key segment ([A-Za-z0-9][A-Za-z0-9._=-]*)"
+            )
+        return MemoryBlob(parts.netloc)
     if scheme == "file":
         if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
             raise InvalidUsage(
@@ -765,10 +777,12 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
     try:
         fs, path = pafs.FileSystem.from_uri(uri)
     except (pa.ArrowException, OSError, ValueError, TypeError) as e:
-        raise InvalidUsage(
+        problem = (
             f"cannot open blob store {redact_uri(uri)!r}: {type(e).__name__}: "
             f"{_scrub(str(e), uri)[:500]}"
-        ) from None
+        )
+    if problem is not None:
+        raise InvalidUsage(problem)
     return ArrowFsBlob(fs, path)
 
 

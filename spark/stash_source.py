@@ -164,9 +164,9 @@ def _resolve(column: str, key: Any, value: Any, flatten: bool) -> Any:
     if flatten and isinstance(value, dict) and column in value:
         return value[column]
     if column == "key":
-        return key
+        return None if flatten and isinstance(key, dict) else key
     if column == "value":
-        return value
+        return None if flatten and isinstance(value, dict) else value
     if column.startswith("value_") and flatten and isinstance(value, dict):
         return value.get(column[len("value_") :])
     return None

@@ -298,6 +298,13 @@ class Stash(abc.ABC):
         for k, v, d in self.peek(collection):
             if d != 1:
                 raise StashError("unexpected peek multiplicity")
+            try:
+                hash(k)
+            except TypeError:
+                raise StashError(
+                    f"peek_one needs hashable keys, but collection {collection.name} has a "
+                    f"{type(k).__name__} key; use peek()"
+                ) from None
             if k in res:
                 raise StashError(f"duplicate peek keys for collection {collection.id}")
             res[k] = v

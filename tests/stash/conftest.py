@@ -23,6 +23,7 @@ def migrate_to_head(url: str) -> None:
     finally:
         engine.dispose()
 
+
 BACKENDS = ["memory", "memory-over-sqlite", "sqlite", "postgres"]
 _counter = itertools.count()
 

@@ -29,8 +29,14 @@ def test_cli_commands(tmp_path: Path) -> None:
     res = r.invoke(main, ["collections", url, "--json"])
     assert res.exit_code == 0
     assert json.loads(res.output) == [
-        {"id": 1, "key_codec": "json", "name": "orders", "since": "{1}", "upper": "{2}",
-         "value_codec": "json"}
+        {
+            "id": 1,
+            "key_codec": "json",
+            "name": "orders",
+            "since": "{1}",
+            "upper": "{2}",
+            "value_codec": "json",
+        }
     ]
     res = r.invoke(main, ["peek", url, "orders", "--json"])
     assert json.loads(res.output) == [

@@ -9,9 +9,9 @@ import pytest
 from conftest_helpers import tick
 
 from stash import (
+    Antichain,
     AppendBatch,
     AppendLowerMismatch,
-    Antichain,
     PeekSinceUpperError,
     Stash,
     StashError,
@@ -149,14 +149,18 @@ def test_compact_rules(stash: Stash) -> None:
     assert err(e) == "stash error: compact request {1} is less than the current since frontier {2}"
     with pytest.raises(StashError) as e:
         stash.compact(c, A(4))
-    assert err(e) == "stash error: compact request {4} is greater than the current upper frontier {3}"
+    assert (
+        err(e) == "stash error: compact request {4} is greater than the current upper frontier {3}"
+    )
     assert stash.since(c) == A(2)
 
 
 def test_compact_advances_times_and_consolidate_keeps_contents(stash: Stash) -> None:
     c = stash.collection("c")
-    stash.update_many(c, [(("a", 1), 0, 1), (("a", 1), 1, 1), (("b", 1), 1, 1), (("b", 1), 2, -1),
-                          (("x", 9), 4, 1)])
+    stash.update_many(
+        c,
+        [(("a", 1), 0, 1), (("a", 1), 1, 1), (("b", 1), 1, 1), (("b", 1), 2, -1), (("x", 9), 4, 1)],
+    )
     stash.seal(c, A(4))
     stash.compact(c, A(3))
     before = stash.iter(c)
@@ -254,12 +258,21 @@ def test_append_is_atomic_across_collections(stash: Stash, bad_first: bool) -> N
     ("upper", "compact", "message"),
     [
         (A(0), A(0), None),
-        (A(2), A(3), "stash error: compact request {3} is greater than the current upper frontier {2}"),
-        (A(2), A(-1), "stash error: compact request {-1} is less than the current since frontier {0}"),
+        (
+            A(2),
+            A(3),
+            "stash error: compact request {3} is greater than the current upper frontier {2}",
+        ),
+        (
+            A(2),
+            A(-1),
+            "stash error: compact request {-1} is less than the current since frontier {0}",
+        ),
     ],
 )
-def test_append_checks_seal_and_compact(stash: Stash, upper: Antichain, compact: Antichain,
-                                        message: str | None) -> None:
+def test_append_checks_seal_and_compact(
+    stash: Stash, upper: Antichain, compact: Antichain, message: str | None
+) -> None:
     ok, c = stash.collection("ok"), stash.collection("c")
     okb = ok.make_batch(stash)
     ok.append_to_batch(okb, 1, 1, 1)
@@ -342,7 +355,9 @@ def test_json_is_canonical(stash: Stash) -> None:
     assert stash.peek(c) == [({"a": 2, "b": 1}, 1, 2)]
 
 
-@pytest.mark.parametrize("value", [float("nan"), {1: "int key"}, {"s": {1, 2}}, object(), "nul\x00"])
+@pytest.mark.parametrize(
+    "value", [float("nan"), {1: "int key"}, {"s": {1, 2}}, object(), "nul\x00"]
+)
 def test_non_json_value_is_rejected_and_nothing_written(stash: Stash, value: object) -> None:
     c = stash.collection("c")
     with pytest.raises(StashError):
@@ -473,9 +488,14 @@ def test_readonly_mode(open_stash) -> None:  # type: ignore[no-untyped-def]
     r = open_stash(mode="readonly")
     rc = r.collection("c")
     assert r.peek(rc) == [("k", "v", 1)]
-    for op in (lambda: r.update(rc, ("x", 1), 5, 1), lambda: r.seal(rc, A(9)),
-               lambda: r.compact(rc, A(1)), lambda: r.consolidate(rc),
-               lambda: r.append([rc.make_batch(r)]), lambda: r.collection("new")):
+    for op in (
+        lambda: r.update(rc, ("x", 1), 5, 1),
+        lambda: r.seal(rc, A(9)),
+        lambda: r.compact(rc, A(1)),
+        lambda: r.consolidate(rc),
+        lambda: r.append([rc.make_batch(r)]),
+        lambda: r.collection("new"),
+    ):
         with pytest.raises(StashError) as e:
             op()
         assert "readonly" in err(e)
@@ -532,7 +552,14 @@ def test_error_kinds() -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["", "nonsense", "mysql://u:pw@h/db", "sqlite://", "sqlite:///:memory:", "postgresql+pg8000://u@h/d"],
+    [
+        "",
+        "nonsense",
+        "mysql://u:pw@h/db",
+        "sqlite://",
+        "sqlite:///:memory:",
+        "postgresql+pg8000://u@h/d",
+    ],
 )
 def test_malformed_url(url: str) -> None:
     with pytest.raises(StashError) as e:

@@ -25,7 +25,9 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(request.getfixturevalue("postgres_url"))
 
 
-def _include(obj: object, name: str | None, type_: str, reflected: bool, compare_to: object) -> bool:
+def _include(
+    obj: object, name: str | None, type_: str, reflected: bool, compare_to: object
+) -> bool:
     return not (type_ == "table" and name in ("alembic_version", "stash_entries"))
 
 
@@ -76,9 +78,20 @@ def test_alembic_command_line_and_plain_sql_view(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/cli.db"
     root = Path(__file__).resolve().parents[2]
     subprocess.run(
-        [sys.executable, "-m", "alembic", "-c", str(root / "migrations/alembic.ini"),
-         "-x", f"url={url}", "upgrade", "head"],
-        check=True, cwd=tmp_path, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "alembic",
+            "-c",
+            str(root / "migrations/alembic.ini"),
+            "-x",
+            f"url={url}",
+            "upgrade",
+            "head",
+        ],
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
     )
     with Stash.open(url) as s:
         c = s.collection("orders")
@@ -87,9 +100,11 @@ def test_alembic_command_line_and_plain_sql_view(tmp_path: Path) -> None:
         s.append([b])
     import sqlite3
 
-    rows = sqlite3.connect(f"{tmp_path}/cli.db").execute(
-        "SELECT collection, json_extract(value, '$.qty'), time, diff FROM stash_entries"
-    ).fetchall()
+    rows = (
+        sqlite3.connect(f"{tmp_path}/cli.db")
+        .execute("SELECT collection, json_extract(value, '$.qty'), time, diff FROM stash_entries")
+        .fetchall()
+    )
     assert rows == [("orders", 2, 0, 1)]
 
 

@@ -46,8 +46,10 @@ def test_antichain_partial_order(a: int | None, b: int | None, c: int | None) ->
 
 texts = st.text(alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)))
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**60), 2**60) | st.floats(allow_nan=False,
-                                                                        allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**60), 2**60)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | texts,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
     max_leaves=10,
@@ -66,8 +68,11 @@ def test_json_codec_is_canonical_and_ordered(a: Any, b: Any) -> None:
 
 users = st.dictionaries(st.integers(0, 6), st.sampled_from(["ann", "bob", "cy", "dee"]), max_size=4)
 ops = st.lists(
-    st.tuples(st.sampled_from(["insert", "set", "delete", "update"]), st.integers(0, 6),
-              st.one_of(st.none(), st.sampled_from(["ann", "bob", "cy", "dee", "eve"]))),
+    st.tuples(
+        st.sampled_from(["insert", "set", "delete", "update"]),
+        st.integers(0, 6),
+        st.one_of(st.none(), st.sampled_from(["ann", "bob", "cy", "dee", "eve"])),
+    ),
     max_size=12,
 )
 

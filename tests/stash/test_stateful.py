@@ -5,6 +5,7 @@ each backend and a plain-Python reference model; after every step ``iter``, ``pe
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
 from typing import Any
 
@@ -13,10 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from stash import AppendBatch, Antichain, Memory, Stash, StashError
+from stash import Antichain, AppendBatch, Memory, Stash, StashError
 from stash.antichain import I64_MAX
-import json
-
 from stash.codec import canonical_json, json_sort_key
 
 NAMES = ["a", "b", "c"]
@@ -86,8 +85,10 @@ class StashMachine(RuleBasedStateMachine):
             self.model.data[n][((k, canonical_json(v)), t)] += d
         except StashError as e:
             assert not ok, str(e)
-            assert str(e) == (f"stash error: entry time {t} is less than the current upper "
-                              f"frontier {Antichain.from_option(upper)}")
+            assert str(e) == (
+                f"stash error: entry time {t} is less than the current upper "
+                f"frontier {Antichain.from_option(upper)}"
+            )
 
     @rule(n=st.sampled_from(NAMES), delta=st.integers(-1, 3), empty=st.booleans())
     def seal(self, n: str, delta: int, empty: bool) -> None:
@@ -120,8 +121,11 @@ class StashMachine(RuleBasedStateMachine):
         self.stash.consolidate(self.colls[n])
 
     @rule(
-        picks=st.lists(st.tuples(st.sampled_from(NAMES), keys, values, diffs, st.booleans()),
-                       min_size=1, max_size=4),
+        picks=st.lists(
+            st.tuples(st.sampled_from(NAMES), keys, values, diffs, st.booleans()),
+            min_size=1,
+            max_size=4,
+        ),
         stale=st.booleans(),
     )
     def append(self, picks: list[Any], stale: bool) -> None:
@@ -135,9 +139,13 @@ class StashMachine(RuleBasedStateMachine):
                     return
                 lower = upper - 1 if stale and upper > 0 else upper
                 ok = ok and lower == upper
-                batches[n] = AppendBatch(c, Antichain.from_elem(lower),
-                                         Antichain.from_elem(lower + 1),
-                                         Antichain.from_elem(lower), timestamp=lower)
+                batches[n] = AppendBatch(
+                    c,
+                    Antichain.from_elem(lower),
+                    Antichain.from_elem(lower + 1),
+                    Antichain.from_elem(lower),
+                    timestamp=lower,
+                )
             c.append_to_batch(batches[n], k, v, d)
         ok = ok and all(
             Antichain.from_option(self.model.since[n]) <= b.compact for n, b in batches.items()
@@ -200,12 +208,15 @@ def test_stash_matches_model(backend: str, tmp_path: Any, request: pytest.Fixtur
             return f"sqlite:///{tmp_path}/stateful{next(_ids)}.db"
 
     machine = type(
-        "M", (StashMachine,), {"url_factory": staticmethod(factory),
-                               "wrap": backend == "memory-over-sqlite"}
+        "M",
+        (StashMachine,),
+        {"url_factory": staticmethod(factory), "wrap": backend == "memory-over-sqlite"},
     )
     examples = 60 if backend == "memory" else 15
     machine.TestCase.settings = settings(
-        max_examples=examples, stateful_step_count=25, deadline=None,
+        max_examples=examples,
+        stateful_step_count=25,
+        deadline=None,
         suppress_health_check=list(HealthCheck),
     )
     machine.TestCase().runTest()

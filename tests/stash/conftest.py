@@ -3,43 +3,17 @@ that opens (and reopens) handles on one fresh store of the parametrised backend.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from dbutil import backend_url
 
 from stash import Memory, Stash
-from stash.migrate import upgrade
-
-
-def migrate_to_head(url: str) -> None:
-    """Run the alembic migrations on a fresh database (what `stash migrate URL` does)."""
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(url)
-    try:
-        upgrade(engine)
-    finally:
-        engine.dispose()
-
 
 BACKENDS = ["memory", "memory-over-sqlite", "sqlite", "postgres"]
-_counter = itertools.count()
 
 OpenStash = Callable[..., Stash]
-
-
-def backend_url(request: pytest.FixtureRequest, backend: str, tmp_path: Any) -> str:
-    if backend == "memory":
-        return f"memory://contract{next(_counter)}"
-    if backend in ("sqlite", "memory-over-sqlite"):
-        return f"sqlite:///{tmp_path}/stash.db"
-    if backend == "postgres":
-        url = str(request.getfixturevalue("postgres_url"))
-        migrate_to_head(url)
-        return url
-    raise AssertionError(backend)
 
 
 @pytest.fixture(params=BACKENDS)

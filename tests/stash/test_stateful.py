@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from dbutil import backend_url, migrate_to_head
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -181,8 +182,6 @@ class StashMachine(RuleBasedStateMachine):
 
 @pytest.mark.parametrize("backend", ["memory", "memory-over-sqlite", "sqlite", "postgres"])
 def test_stash_matches_model(backend: str, tmp_path: Any, request: pytest.FixtureRequest) -> None:
-    from conftest import backend_url
-
     if backend == "postgres":
         base = backend_url(request, backend, tmp_path)
         import sqlalchemy as sa
@@ -195,8 +194,6 @@ def test_stash_matches_model(backend: str, tmp_path: Any, request: pytest.Fixtur
             with engine.connect() as conn:
                 conn.exec_driver_sql("DROP SCHEMA public CASCADE")
                 conn.exec_driver_sql("CREATE SCHEMA public")
-            from conftest import migrate_to_head
-
             migrate_to_head(base)
             next(counter)
             return base

@@ -37,13 +37,15 @@ typecheck: venv
 	$(VENV)/bin/mypy stash persist
 
 bench: venv
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	bash scripts/ensure_postgres.sh
 	bash scripts/ensure_java.sh
 	$(PY) -m bench.run_all
 
 reliability: venv
 	bash scripts/ensure_postgres.sh
-	STASH_RELIABILITY=long $(PY) -m pytest -q tests/reliability
+	STASH_RELIABILITY=long $(PY) -m pytest -q -p no:cacheprovider tests/reliability
+	$(PY) tests/reliability/report.py --mode long
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

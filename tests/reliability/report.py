@@ -43,7 +43,8 @@ def main() -> None:
     ]
     for (campaign, mode), row in sorted(latest.items()):
         notes = ", ".join(
-            f"{k}={v}" for k, v in sorted(row.items())
+            f"{k}={v}"
+            for k, v in sorted(row.items())
             if k not in {*COLUMNS, "campaign", "mode", "at"}
         )
         cells = " | ".join(str(row.get(c, "")) for c in COLUMNS)

@@ -14,8 +14,9 @@ from campaign import record, runs
 from stash import Stash, StashError
 
 
-def _old_leader(url: str, r: int, opened: mp.synchronize.Event, go: mp.synchronize.Event,
-                out: mp.Queue) -> None:  # type: ignore[type-arg]
+def _old_leader(
+    url: str, r: int, opened: mp.synchronize.Event, go: mp.synchronize.Event, out: mp.Queue
+) -> None:  # type: ignore[type-arg]
     s = Stash.open(url, fenced=True)
     c = s.collection("leader", key="str", value="str")
     b = c.make_batch(s)
@@ -37,8 +38,9 @@ def _old_leader(url: str, r: int, opened: mp.synchronize.Event, go: mp.synchroni
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
-def test_deposed_leader_writes_nothing(backend: str, tmp_path: Path,
-                                       request: pytest.FixtureRequest) -> None:
+def test_deposed_leader_writes_nothing(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     from dbutil import backend_url
 
     url = backend_url(request, backend, tmp_path)
@@ -66,6 +68,14 @@ def test_deposed_leader_writes_nothing(backend: str, tmp_path: Path,
         assert all(f"new-{r}-{i}" in contents for i in range(20))
         new.close()
         total_attempts += attempts
-    record(f"fencing: deposed leader on {backend}", runs=rounds, faults=rounds,
-           acknowledged=20 * rounds, lost=0, duplicated=0, partial=0, unclear=0,
-           deposed_attempts=total_attempts)
+    record(
+        f"fencing: deposed leader on {backend}",
+        runs=rounds,
+        faults=rounds,
+        acknowledged=20 * rounds,
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=0,
+        deposed_attempts=total_attempts,
+    )

@@ -27,8 +27,9 @@ INJECTIONS = [
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
-def test_injection_attempts_are_plain_data(backend: str, tmp_path: Path,
-                                           request: pytest.FixtureRequest) -> None:
+def test_injection_attempts_are_plain_data(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     from dbutil import backend_url
 
     url = backend_url(request, backend, tmp_path)

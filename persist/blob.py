@@ -513,6 +513,8 @@ class ArrowFsBlob(_ClosableMixin):
     ``.tmp-<uuid>`` object in the target's directory and moves it over the target; on
     object stores (S3, GCS, Azure) a single put is already atomic per object, so it writes
     the target directly. Missing directories are created on filesystems that have them.
+    No fsync and no permission control: for local directories use :class:`FileBlob`
+    (which :func:`open_blob` picks for ``file://`` URIs and paths).
 
     Args:
         fs: the filesystem.

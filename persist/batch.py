@@ -1,0 +1,210 @@
+"""Batches: updates written (to blob parts or inline) but not yet appended to a shard.
+
+A :class:`Batch` wraps a :class:`~persist.types.HollowBatch` (description, parts, runs)
+together with the shard it was written for (the seed persist-client's ``Batch``, ``004``).
+It is made by :meth:`persist.write.BatchBuilder.finish` or decoded from the bytes of
+:meth:`Batch.into_transmittable`, and is consumed by
+:meth:`persist.write.WriteHandle.compare_and_append_batch`.
+
+Invariants kept here:
+
+* every update of a batch has a time ``t`` with ``lower <= t < upper`` *after* the
+  batch's timestamps are advanced to its ``lower``: a fresh batch's parts hold times in
+  ``[lower, upper)``; :meth:`Batch.rewrite_ts` is metadata-only (no blob call): it raises
+  the description's ``lower`` to the rewrite frontier, and every reader of a hollow batch
+  advances times to its ``lower`` (:func:`persist.read.read_batch`), which is exactly the
+  seed's "every timestamp is advanced by the frontier";
+* the rewrite frontier and the upper never regress across ``rewrite_ts`` calls, and the
+  frontier stays strictly before the upper (:class:`~persist.errors.InvalidRewrite`);
+* a batch is *consumed* once appended (or turned into transmittable bytes): ``delete``
+  of a consumed batch deletes nothing (its parts belong to the shard or to the holder of
+  the bytes);
+* ``delete`` removes exactly the batch's blob parts (inline parts need nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from persist.blob import Blob
+from persist.errors import BlobError, InvalidRewrite, InvalidUsage
+from persist.types import Description, HollowBatch
+from stash import Antichain
+
+__all__ = ["TRANSMIT_FORMAT", "Batch"]
+
+log = logging.getLogger(__name__)
+
+#: Format tag of transmittable batches.
+TRANSMIT_FORMAT = "persist-batch-v1"
+
+
+class Batch:
+    """A batch of updates written for one shard, not yet appended.
+
+    Attributes:
+        shard_id: the shard it was written for.
+        hollow: its :class:`HollowBatch` (description, parts, runs, len).
+        rewritten: whether :meth:`rewrite_ts` moved its lower beyond its data's times
+            (then readers must advance times to ``lower``; see the module docstring).
+    """
+
+    def __init__(
+        self,
+        blob: Blob,
+        shard_id: str,
+        hollow: HollowBatch,
+        *,
+        rewritten: bool = False,
+        rewrite_frontier: Antichain | None = None,
+    ) -> None:
+        self._blob = blob
+        self.shard_id = shard_id
+        self.hollow = hollow
+        self.rewritten = rewritten
+        self._rewrite_frontier = rewrite_frontier
+        self._consumed = False
+
+    def __repr__(self) -> str:
+        d = self.hollow.desc
+        return (
+            f"Batch(shard={self.shard_id}, lower={d.lower}, upper={d.upper}, "
+            f"rows={self.hollow.len}, parts={len(self.hollow.parts)})"
+        )
+
+    @property
+    def lower(self) -> Antichain:
+        """The batch's lower frontier."""
+        return self.hollow.desc.lower
+
+    @property
+    def upper(self) -> Antichain:
+        """The batch's upper frontier."""
+        return self.hollow.desc.upper
+
+    @property
+    def len(self) -> int:
+        """Number of updates (rows) in the batch (after consolidation)."""
+        return self.hollow.len
+
+    @property
+    def consumed(self) -> bool:
+        """Whether the batch was appended, deleted or transmitted."""
+        return self._consumed
+
+    def blob_keys(self) -> list[str]:
+        """The blob keys of its non-inline parts."""
+        return [p.key for p in self.hollow.parts if p.key is not None]
+
+    def _check_live(self, what: str) -> None:
+        if self._consumed:
+            raise InvalidUsage(
+                f"cannot {what} a batch of shard {self.shard_id} that was already "
+                "appended, deleted or transmitted"
+            )
+
+    def rewrite_ts(self, frontier: Antichain, new_upper: Antichain) -> None:
+        """Advance every timestamp of this not-yet-appended batch by ``frontier`` (each
+        time ``t`` becomes ``max(t, frontier)``) and replace its upper by ``new_upper``;
+        metadata only (the seed's ``Batch::rewrite_ts``).  May be called again with a
+        frontier and upper that do not regress.
+
+        Raises:
+            InvalidRewrite: ``frontier`` is empty, earlier than a previous rewrite
+                frontier, or not strictly before ``new_upper``; ``new_upper`` is earlier
+                than the batch's upper.
+            InvalidUsage: the batch was already consumed.
+        """
+        self._check_live("rewrite")
+        if not isinstance(frontier, Antichain) or not isinstance(new_upper, Antichain):
+            raise InvalidRewrite("rewrite_ts takes two Antichains (frontier, new_upper)")
+        if frontier.is_empty():
+            raise InvalidRewrite("rewrite frontier must not be the empty antichain")
+        if self._rewrite_frontier is not None and not self._rewrite_frontier <= frontier:
+            raise InvalidRewrite(
+                f"rewrite frontier {frontier} regresses from the previous {self._rewrite_frontier}"
+            )
+        d = self.hollow.desc
+        if not d.upper <= new_upper:
+            raise InvalidRewrite(f"new upper {new_upper} regresses from the batch upper {d.upper}")
+        if new_upper <= frontier:
+            raise InvalidRewrite(
+                f"rewrite frontier {frontier} is not strictly before the new upper {new_upper}"
+            )
+        new_lower = d.lower.join(frontier)
+        if new_lower != d.lower and self.hollow.len > 0:
+            self.rewritten = True
+        self._rewrite_frontier = frontier
+        self.hollow = HollowBatch(
+            desc=Description(new_lower, new_upper, d.since),
+            parts=self.hollow.parts,
+            len=self.hollow.len,
+            runs=self.hollow.runs,
+        )
+
+    def mark_consumed(self) -> None:
+        """Record that the parts now belong elsewhere (appended or transmitted)."""
+        self._consumed = True
+
+    def delete(self) -> None:
+        """Delete the batch's blob parts (best effort: a failed delete leaves garbage for
+        GC) and mark it consumed.  A consumed batch deletes nothing."""
+        if self._consumed:
+            return
+        self._consumed = True
+        for key in self.blob_keys():
+            try:
+                self._blob.delete(key)
+            except BlobError as e:
+                log.warning("could not delete part %s of an abandoned batch: %s", key, e)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form carried by :meth:`into_transmittable`."""
+        return {
+            "format": TRANSMIT_FORMAT,
+            "shard_id": self.shard_id,
+            "batch": self.hollow.to_json(),
+            "rewritten": self.rewritten,
+            "rewrite_frontier": (
+                None if self._rewrite_frontier is None else self._rewrite_frontier.to_json()
+            ),
+        }
+
+    def into_transmittable(self) -> bytes:
+        """The batch as bytes (UTF-8 JSON) to hand to another process, which turns it back
+        with :meth:`persist.write.WriteHandle.batch_from_transmittable`.  This batch is
+        consumed: the receiver becomes responsible for appending or deleting it.
+
+        Raises:
+            InvalidUsage: the batch was already consumed.
+        """
+        self._check_live("transmit")
+        data = json.dumps(self.to_json(), separators=(",", ":")).encode("utf-8")
+        self._consumed = True
+        return data
+
+    @classmethod
+    def from_transmittable(cls, blob: Blob, data: bytes) -> Batch:
+        """Inverse of :meth:`into_transmittable` (see
+        :meth:`persist.write.WriteHandle.batch_from_transmittable`).
+
+        Raises:
+            InvalidUsage: ``data`` is not a transmittable batch.
+        """
+        try:
+            d = json.loads(bytes(data).decode("utf-8"))
+            if not isinstance(d, dict) or d.get("format") != TRANSMIT_FORMAT:
+                raise ValueError(f"format tag is not {TRANSMIT_FORMAT!r}")
+            hollow = HollowBatch.from_json(d["batch"])
+            rf = d.get("rewrite_frontier")
+            return cls(
+                blob,
+                str(d["shard_id"]),
+                hollow,
+                rewritten=bool(d.get("rewritten", False)),
+                rewrite_frontier=None if rf is None else Antichain.from_json(rf),
+            )
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise InvalidUsage(f"not a transmittable persist batch: {e}") from e

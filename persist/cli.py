@@ -1,0 +1,283 @@
+"""The ``persist`` command line: list shards, inspect one, compact it, collect its garbage.
+
+``persist --stash URL --blob URI shards | inspect SHARD | compact SHARD | gc SHARD``
+(``--stash``/``--blob`` also from ``PERSIST_STASH``/``PERSIST_BLOB``).  Output is a
+readable table (rich) or JSON with ``--json``.  Invariants kept here: reads open the stash
+readonly; URLs are never printed with credentials; errors are printed as one line and
+exit with code 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from persist.client import PersistClient
+from persist.errors import PersistError
+from persist.gc import collect_garbage
+from persist.state import ShardState
+from stash import Stash, StashError
+
+console = Console()
+
+
+@contextmanager
+def _client(ctx: click.Context, readonly: bool) -> Iterator[PersistClient]:
+    url, blob = ctx.obj["stash"], ctx.obj["blob"]
+    s = Stash.open(url, mode="readonly" if readonly else "writable", fenced=False)
+    c = PersistClient(s, blob, compaction="off")
+    try:
+        yield c
+    finally:
+        c.close()
+        s.close()
+
+
+def _guard(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except (PersistError, StashError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+
+
+def summary(st: ShardState, retired: int = 0) -> dict[str, Any]:
+    """The numbers ``inspect`` shows: frontiers, batches, parts, rows, bytes, leases,
+    retired parts waiting for GC."""
+    batches = st.batches()
+    parts = [p for b in batches for p in b.parts]
+    return {
+        "name": st.name,
+        "shard_id": st.shard_id,
+        "seqno": st.seqno,
+        "since": st.since.to_json(),
+        "upper": st.upper.to_json(),
+        "batches": len(batches),
+        "parts": len(parts),
+        "inline_parts": sum(1 for p in parts if p.inline is not None),
+        "rows": sum(b.len for b in batches),
+        "bytes": sum(p.encoded_size_bytes for p in parts),
+        "inline_bytes": st.inline_bytes(),
+        "readers": len(st.readers),
+        "writers": len(st.writers),
+        "retired": retired,
+        "merges_outstanding": len(st.trace.all_fueled_merge_reqs()),
+        "key_schema": [f"{f.name}: {f.type}" for f in st.key_schema],
+        "value_schema": [f"{f.name}: {f.type}" for f in st.value_schema],
+    }
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*[v if isinstance(v, str) else json.dumps(v) for v in r])
+    console.print(t)
+
+
+def _fmt(frontier: Any) -> str:
+    return "{" + ",".join(map(str, frontier)) + "}"
+
+
+@click.group()
+@click.option(
+    "--stash",
+    "stash_url",
+    envvar="PERSIST_STASH",
+    required=True,
+    help="Stash URL holding consensus (sqlite:///path, postgresql+psycopg://...).",
+)
+@click.option(
+    "--blob",
+    "blob_uri",
+    envvar="PERSIST_BLOB",
+    required=True,
+    help="Blob store URI (file:///path, s3://bucket/prefix, ...).",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
+@click.pass_context
+def main(ctx: click.Context, stash_url: str, blob_uri: str, verbose: bool) -> None:
+    """Inspect and maintain persist shards."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+    ctx.obj = {"stash": stash_url, "blob": blob_uri}
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def shards(ctx: click.Context, as_json: bool) -> None:
+    """List the shards with their frontiers and sizes."""
+
+    def run() -> None:
+        with _client(ctx, readonly=True) as c:
+            names = c.shards()
+            out = [
+                summary(c.machine(sid).fetch(), len(c.consensus.retired(sid)))
+                for sid in names.values()
+            ]
+        if as_json:
+            click.echo(json.dumps(out, sort_keys=True))
+            return
+        _table(
+            "shards",
+            ["name", "shard_id", "seqno", "since", "upper", "batches", "rows", "bytes"],
+            [
+                [
+                    s["name"],
+                    s["shard_id"],
+                    s["seqno"],
+                    _fmt(s["since"]),
+                    _fmt(s["upper"]),
+                    s["batches"],
+                    s["rows"],
+                    s["bytes"],
+                ]
+                for s in out
+            ],
+        )
+
+    _guard(run)
+
+
+@main.command()
+@click.argument("shard")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (summary and batches).")
+@click.option("--state", "full_state", is_flag=True, help="With --json: the whole state.")
+@click.pass_context
+def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> None:
+    """Show a shard (name or id): since, upper, seqno, batches, parts, rows, bytes."""
+
+    def run() -> None:
+        with _client(ctx, readonly=True) as c:
+            st = c.inspect(shard)
+            retired = len(c.consensus.retired(st.shard_id))
+        s = summary(st, retired)
+        batches = [
+            {
+                "lower": b.desc.lower.to_json(),
+                "upper": b.desc.upper.to_json(),
+                "since": b.desc.since.to_json(),
+                "rows": b.len,
+                "parts": len(b.parts),
+                "bytes": sum(p.encoded_size_bytes for p in b.parts),
+                "inline": sum(1 for p in b.parts if p.inline is not None),
+            }
+            for b in st.batches()
+        ]
+        if as_json:
+            doc: dict[str, Any] = {"summary": s, "batches": batches}
+            if full_state:
+                doc["state"] = st.to_json()
+            click.echo(json.dumps(doc, sort_keys=True))
+            return
+        _table(
+            f"shard {s['name']} ({s['shard_id']})",
+            ["field", "value"],
+            [
+                [
+                    k,
+                    _fmt(v)
+                    if k in ("since", "upper")
+                    else v
+                    if isinstance(v, str)
+                    else json.dumps(v),
+                ]
+                for k, v in s.items()
+            ],
+        )
+        _table(
+            "batches",
+            ["lower", "upper", "since", "rows", "parts", "inline", "bytes"],
+            [
+                [
+                    _fmt(b["lower"]),
+                    _fmt(b["upper"]),
+                    _fmt(b["since"]),
+                    b["rows"],
+                    b["parts"],
+                    b["inline"],
+                    b["bytes"],
+                ]
+                for b in batches
+            ],
+        )
+
+    _guard(run)
+
+
+@main.command()
+@click.argument("shard")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def compact(ctx: click.Context, shard: str, as_json: bool) -> None:
+    """Answer every outstanding merge request of a shard."""
+
+    def run() -> None:
+        with _client(ctx, readonly=False) as c:
+            r = c.compactor.compact_once(shard)
+            after = summary(c.inspect(shard))
+        out = {
+            "applied": r.applied,
+            "not_applied": r.not_applied,
+            "failed": r.failed,
+            "rows_in": r.rows_in,
+            "rows_out": r.rows_out,
+            "bytes_written": r.bytes_written,
+            "batches_after": after["batches"],
+        }
+        if as_json:
+            click.echo(json.dumps(out, sort_keys=True))
+        else:
+            _table(f"compaction of {shard}", ["field", "value"], [[k, v] for k, v in out.items()])
+        if r.failed:
+            sys.exit(1)
+
+    _guard(run)
+
+
+@main.command()
+@click.argument("shard")
+@click.option(
+    "--grace",
+    "grace",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="Seconds a blob must have been unreferenced before it is deleted.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def gc(ctx: click.Context, shard: str, grace: float, as_json: bool) -> None:
+    """Delete a shard's unreferenced blobs older than the grace period; truncate its
+    consensus versions."""
+
+    def run() -> None:
+        with _client(ctx, readonly=False) as c:
+            r = collect_garbage(c, shard, grace_seconds=grace)
+        out = {
+            "shard_id": r.shard_id,
+            "deleted_retired": len(r.deleted_retired),
+            "deleted_abandoned": len(r.deleted_abandoned),
+            "kept_recent": r.kept_recent,
+            "referenced": r.referenced,
+            "failed": len(r.failed),
+        }
+        if as_json:
+            click.echo(json.dumps(out, sort_keys=True))
+        else:
+            _table(f"gc of {shard}", ["field", "value"], [[k, v] for k, v in out.items()])
+
+    _guard(run)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

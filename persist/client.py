@@ -1,0 +1,349 @@
+"""The persist client: opens shards (by name) on a stash (consensus) and a blob store.
+
+:class:`PersistClient` (the persist-client ``PersistClient``) ties together consensus
+(:mod:`persist.consensus`, on a :class:`stash.Stash`), a blob store
+(:mod:`persist.blob`), one :class:`~persist.consensus.ShardMachine` per open shard, and a
+:class:`~persist.compactor.Compactor` that answers the Spine's merge requests in the
+background, inline after each append, or not at all.
+
+Invariants kept here:
+
+* a shard name maps to exactly one ShardId, for every process (the registry in
+  consensus); the shard's key and value schemas are fixed when it is created: opening it
+  with other schemas fails with an error naming both, and changes nothing;
+* all handles of one shard in one client share one state machine (one cached version);
+* compaction never fails an append: merge errors are logged, the merge request stays in
+  the trace and is answered later (``compact_once`` re-issues every outstanding one).
+
+Sources: the persist-client ``PersistClient`` / ``open`` and the first engine's
+maintenance (``000``/``001``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import Literal, TypeVar
+
+import pyarrow as pa
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from persist.blob import Blob, BlobMetrics, open_blob
+from persist.compactor import Compactor
+from persist.consensus import Consensus, ShardMachine, validate_shard_id, validate_shard_name
+from persist.errors import BlobError, InvalidKey, InvalidUsage, PersistError
+from persist.parts import DEFAULT_TARGET_PART_BYTES, updates_schema
+from persist.read import Listen, ReadHandle
+from persist.spine import FueledMergeReq
+from persist.state import ShardState
+from persist.write import WriteHandle
+from stash import Stash, StashError
+
+__all__ = ["CompactionMode", "PersistClient", "RetryingBlob"]
+
+log = logging.getLogger(__name__)
+
+CompactionMode = Literal["background", "inline", "off"]
+_T = TypeVar("_T")
+
+
+class RetryingBlob:
+    """A :class:`~persist.blob.Blob` wrapper retrying transient :class:`BlobError` s
+    (not :class:`InvalidKey`) with exponential backoff, ``attempts`` tries per call.
+
+    Every blob call persist makes is idempotent (a ``set`` writes immutable bytes under a
+    fresh key; ``delete`` of a missing key is fine), so a retry is always safe.
+    """
+
+    def __init__(self, inner: Blob, attempts: int = 3) -> None:
+        self.inner = inner
+        self.attempts = max(1, attempts)
+
+    def __repr__(self) -> str:
+        return f"RetryingBlob({self.inner!r}, attempts={self.attempts})"
+
+    @property
+    def metrics(self) -> BlobMetrics:
+        """The inner store's counters."""
+        return self.inner.metrics
+
+    @staticmethod
+    def _retryable(e: BaseException) -> bool:
+        return isinstance(e, BlobError) and not isinstance(e, InvalidKey)
+
+    def _retry(self, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()  # the common case, without building a retry loop
+        except BlobError as e:
+            if self.attempts == 1 or not self._retryable(e):
+                raise
+        r = Retrying(
+            stop=stop_after_attempt(self.attempts - 1),
+            wait=wait_exponential_jitter(multiplier=0.005, max=0.25, jitter=0.005),
+            retry=retry_if_exception(self._retryable),
+            reraise=True,
+        )
+        return r(fn)
+
+    def get(self, key: str) -> bytes | None:
+        return self._retry(lambda: self.inner.get(key))
+
+    def set(self, key: str, value: bytes) -> None:
+        self._retry(lambda: self.inner.set(key, value))
+
+    def delete(self, key: str) -> None:
+        self._retry(lambda: self.inner.delete(key))
+
+    def list_keys(self, prefix: str = "") -> list[tuple[str, int]]:
+        return self._retry(lambda: self.inner.list_keys(prefix))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _schema_str(s: pa.Schema) -> str:
+    return "[" + ", ".join(f"{f.name}: {f.type}" for f in s) + "]"
+
+
+class PersistClient:
+    """Opens shards stored in ``blob`` with their state in ``stash``.
+
+    Args:
+        stash: an open :class:`stash.Stash` (``fenced=False`` to share it between
+            processes); the client does not close it.
+        blob: a blob URI (``file:///path``, ``memory://``, any ``pyarrow.fs`` URI) or a
+            :class:`~persist.blob.Blob`.
+        compaction: ``"background"`` (a daemon thread answers merge requests),
+            ``"inline"`` (the writer answers them right after its append; handy in
+            tests) or ``"off"`` (use :meth:`Compactor.compact_once` / ``persist compact``).
+        reader_lease_seconds, writer_lease_seconds: lease durations (seconds); a handle
+            that does not heartbeat (any operation does) within it is expired by others.
+        inline_max_bytes: a batch whose Parquet encoding is at most this many bytes is
+            kept inline in the state (no blob call).
+        inline_total_max_bytes: no new inline part while the state already holds this
+            many inline bytes (they go to blob instead).
+        target_part_bytes: target in-memory size (bytes) of a part.
+        write_workers, read_workers: threads for uploading / fetching parts.
+        blob_retries, consensus_retries: attempts per blob / consensus call on transient
+            errors.
+        gc_grace_seconds, gc_interval_seconds: the background compactor also runs GC on a
+            shard it compacted, at most every ``gc_interval_seconds``, deleting blobs
+            unreferenced for ``gc_grace_seconds``; ``gc_interval_seconds=None`` disables.
+        piggyback_seconds: the background compactor offers its results this long to the
+            next append of this process, which applies them in its own version (one
+            compare-and-set instead of two), before applying them itself.
+        clock: wall-clock seconds (``time.time``), injectable for tests.
+    """
+
+    def __init__(
+        self,
+        stash: Stash,
+        blob: str | Blob,
+        *,
+        compaction: CompactionMode = "background",
+        reader_lease_seconds: float = 900.0,
+        writer_lease_seconds: float = 3600.0,
+        inline_max_bytes: int = 4096,
+        inline_total_max_bytes: int = 256 * 1024,
+        target_part_bytes: int = DEFAULT_TARGET_PART_BYTES,
+        write_workers: int = 2,
+        read_workers: int = 4,
+        blob_retries: int = 3,
+        consensus_retries: int = 4,
+        gc_grace_seconds: float = 3600.0,
+        gc_interval_seconds: float | None = 300.0,
+        piggyback_seconds: float = 0.05,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if compaction not in ("background", "inline", "off"):
+            raise InvalidUsage(
+                f"compaction must be 'background', 'inline' or 'off', got {compaction!r}"
+            )
+        self.stash = stash
+        self._owns_blob = isinstance(blob, str)
+        raw = open_blob(blob) if isinstance(blob, str) else blob
+        self.raw_blob = raw
+        self.blob: Blob = RetryingBlob(raw, blob_retries)
+        self.consensus = Consensus(stash, retries=consensus_retries)
+        self.compaction = compaction
+        self.reader_lease_seconds = reader_lease_seconds
+        self.writer_lease_seconds = writer_lease_seconds
+        self.inline_max_bytes = inline_max_bytes
+        self.inline_total_max_bytes = inline_total_max_bytes
+        self.target_part_bytes = target_part_bytes
+        self.write_workers = write_workers
+        self.read_workers = read_workers
+        self.gc_grace_seconds = gc_grace_seconds
+        self.gc_interval_seconds = gc_interval_seconds
+        self.piggyback_seconds = piggyback_seconds
+        self.clock = clock
+        self._machines: dict[str, ShardMachine] = {}
+        self._handles: weakref.WeakSet[WriteHandle | ReadHandle | Listen] = weakref.WeakSet()
+        self._closed = False
+        self.compactor = Compactor(self)
+        if compaction == "background":
+            self.compactor.start()
+
+    def __repr__(self) -> str:
+        return f"PersistClient({self.stash!r}, {self.raw_blob!r}, compaction={self.compaction!r})"
+
+    # ------------------------------------------------------------------ shards
+    def machine(self, shard_id: str) -> ShardMachine:
+        """The state machine of ``shard_id`` (shared by this client's handles)."""
+        validate_shard_id(shard_id)
+        m = self._machines.get(shard_id)
+        if m is None:
+            m = self._machines.setdefault(
+                shard_id, ShardMachine(self.consensus, shard_id, clock=self.clock)
+            )
+        return m
+
+    def shards(self) -> dict[str, str]:
+        """Every registered shard: name -> shard id."""
+        return self.consensus.shards()
+
+    def shard_id(self, shard: str) -> str:
+        """Resolve a shard name (or a shard id) to a shard id.
+
+        Raises:
+            InvalidUsage: no shard has that name.
+        """
+        if shard.startswith("s") and len(shard) == 37:
+            try:
+                return validate_shard_id(shard)
+            except InvalidUsage:
+                pass
+        validate_shard_name(shard)
+        sid = self.consensus.lookup(shard)
+        if sid is None:
+            raise InvalidUsage(f"no shard named {shard!r}")
+        return sid
+
+    def _open_machine(
+        self, name: str, key_schema: pa.Schema, value_schema: pa.Schema
+    ) -> ShardMachine:
+        self._check_open()
+        validate_shard_name(name)
+        updates_schema(key_schema, value_schema)  # validates the schemas
+        now_ms = int(self.clock() * 1000)
+        shard_id = self.consensus.register(name, now_ms)
+        m = self.machine(shard_id)
+        st = m.initialize(ShardState(shard_id, name, key_schema, value_schema))
+        if not (st.key_schema.equals(key_schema) and st.value_schema.equals(value_schema)):
+            raise InvalidUsage(
+                f"shard {name!r} ({shard_id}) was created with key schema "
+                f"{_schema_str(st.key_schema)} and value schema {_schema_str(st.value_schema)}, "
+                f"but was opened with key schema {_schema_str(key_schema)} and value schema "
+                f"{_schema_str(value_schema)}"
+            )
+        return m
+
+    def open(
+        self, shard_name: str, key_schema: pa.Schema, value_schema: pa.Schema
+    ) -> tuple[WriteHandle, ReadHandle]:
+        """Open (creating if needed) the shard ``shard_name``: a writer and a leased reader
+        (holding the shard's current since).  The writer registers itself in the shard
+        state with its first append (building batches touches no state).
+
+        Raises:
+            InvalidUsage: bad name or schemas; the shard exists with other schemas.
+            ConsensusError: the stash failed.
+        """
+        m = self._open_machine(shard_name, key_schema, value_schema)
+        return (
+            self._writer(m, shard_name, key_schema, value_schema),
+            self._reader(m, shard_name, key_schema, value_schema),
+        )
+
+    def open_writer(
+        self, shard_name: str, key_schema: pa.Schema, value_schema: pa.Schema
+    ) -> WriteHandle:
+        """Open (creating if needed) the shard and return a writer only (no state change:
+        the writer is registered by its first append, so e.g. Spark executors that only
+        build batches cost nothing in consensus)."""
+        m = self._open_machine(shard_name, key_schema, value_schema)
+        return self._writer(m, shard_name, key_schema, value_schema)
+
+    def _writer(
+        self, m: ShardMachine, name: str, key_schema: pa.Schema, value_schema: pa.Schema
+    ) -> WriteHandle:
+        wid = "w" + uuid.uuid4().hex
+        w = WriteHandle(self, m, name, wid, key_schema, value_schema, self.writer_lease_seconds)
+        self._handles.add(w)
+        return w
+
+    def open_reader(
+        self, shard_name: str, key_schema: pa.Schema, value_schema: pa.Schema
+    ) -> ReadHandle:
+        """Open (creating if needed) the shard and return a leased reader only (registered
+        in the shard state, holding the shard's current since)."""
+        m = self._open_machine(shard_name, key_schema, value_schema)
+        return self._reader(m, shard_name, key_schema, value_schema)
+
+    def _reader(
+        self, m: ShardMachine, name: str, key_schema: pa.Schema, value_schema: pa.Schema
+    ) -> ReadHandle:
+        rid = "r" + uuid.uuid4().hex
+        rl = self.reader_lease_seconds
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            st.register_reader(rid, m.now_ms(), int(rl * 1000), "read handle")
+            return None, True
+
+        m.apply(fn, keep=(rid,))
+        r = ReadHandle(self, m, name, rid, key_schema, value_schema, rl)
+        self._handles.add(r)
+        return r
+
+    def inspect(self, shard: str) -> ShardState:
+        """The latest state of a shard (by name or id), freshly read."""
+        return self.machine(self.shard_id(shard)).fetch()
+
+    # -------------------------------------------------------------- compaction
+    def _on_merge_reqs(self, machine: ShardMachine, reqs: list[FueledMergeReq]) -> None:
+        """Called by a writer after a successful append that produced merge requests."""
+        if self.compaction == "inline":
+            try:
+                self.compactor.run_reqs(machine, reqs)
+            except PersistError as e:
+                log.warning("inline compaction of shard %s failed: %s", machine.shard_id, e)
+        elif self.compaction == "background":
+            self.compactor.notify(machine.shard_id)
+
+    def _notify_compactor(self, shard_id: str) -> None:
+        """Called when a shard's since may have moved."""
+        if self.compaction == "background":
+            self.compactor.notify(shard_id)
+
+    # ----------------------------------------------------------------- closing
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidUsage("this PersistClient is closed")
+
+    def close(self) -> None:
+        """Stop the background compactor, expire the handles this client opened (their
+        leases and since holds go away; best effort), and close the blob store if the
+        client opened it from a URI.  The stash is the caller's.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.compactor.stop()
+        for h in list(self._handles):
+            try:
+                h.expire()
+            except (PersistError, StashError) as e:
+                log.info("could not expire %r on close: %s", h, e)
+        if self._owns_blob:
+            try:
+                self.raw_blob.close()
+            except BlobError:  # pragma: no cover
+                pass
+
+    def __enter__(self) -> PersistClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,338 @@
+"""The compactor: answers the Spine's merge requests (physical compaction).
+
+For a :class:`~persist.spine.FueledMergeReq` the compactor reads the inputs' parts
+(times advanced to each batch's lower and since, see :func:`persist.read.read_batches`),
+advances every time to the request's since, consolidates (vectorised, with
+:func:`persist.parts.consolidate`), writes the result as one sorted run (inline if small)
+and swaps it into the trace by compare-and-set (:meth:`ShardState.apply_merge_res`),
+re-applied on seqno races.  It runs inline after an append, as a background thread of
+the client, from ``persist compact``, or from any process (Spark) holding a client.
+
+Invariants kept here:
+
+* a merge never changes what any readable ``as_of`` (``>= since``) sees: the output
+  holds exactly the inputs' updates with times advanced to the request's since, which
+  is ``<=`` the shard's since;
+* blob keys the applied output replaces are *retired* in the same version (GC deletes
+  them after the grace period, so readers of an older version keep working); an output
+  that was not applied is deleted at once unless the latest state references or
+  retired it (which only an indeterminate commit can cause);
+* a failed merge changes nothing but leaves garbage for GC; the request stays in the
+  trace and :meth:`Compactor.compact_once` issues it again.
+
+Sources: the first engine's maintenance requests (``000``/``001``) and the Spine's
+``FueledMergeReq``/``apply_merge_res`` (``002``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from persist.consensus import ShardMachine, Stale
+from persist.errors import PersistError
+from persist.parts import consolidate, updates_schema, write_parts
+from persist.read import read_batches
+from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
+from persist.state import ShardState
+from persist.types import HollowBatch
+
+if TYPE_CHECKING:
+    from persist.client import PersistClient
+
+__all__ = ["CompactionReport", "Compactor"]
+
+
+def _keys(res: FueledMergeRes) -> list[str]:
+    return [p.key for p in res.output.parts if p.key is not None]
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompactionReport:
+    """What a compaction pass did.
+
+    Attributes:
+        applied: merges swapped into the trace.
+        not_applied: merges whose result no longer matched (stale requests).
+        failed: merges that raised (logged; the request stays outstanding).
+        rows_in, rows_out: updates read and written (rows).
+        bytes_written: encoded bytes of the outputs.
+        results: the :class:`ApplyMergeResult` of each merge tried.
+    """
+
+    applied: int = 0
+    not_applied: int = 0
+    failed: int = 0
+    rows_in: int = 0
+    rows_out: int = 0
+    bytes_written: int = 0
+    results: list[ApplyMergeResult] = field(default_factory=list)
+
+    def add(self, other: CompactionReport) -> None:
+        self.applied += other.applied
+        self.not_applied += other.not_applied
+        self.failed += other.failed
+        self.rows_in += other.rows_in
+        self.rows_out += other.rows_out
+        self.bytes_written += other.bytes_written
+        self.results.extend(other.results)
+
+
+class Compactor:
+    """Answers merge requests for the shards of one :class:`PersistClient`.
+
+    Thread-safe.  :meth:`start` runs a daemon thread that compacts every shard it is
+    :meth:`notify`-ed about (and runs GC on it at most every ``gc_interval_seconds``).
+    """
+
+    def __init__(self, client: PersistClient) -> None:
+        self.client = client
+        self._cv = threading.Condition()
+        self._pending: set[str] = set()
+        self._busy = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._last_gc: dict[str, float] = {}
+        self.totals = CompactionReport()
+
+    # ---------------------------------------------------------------- merging
+    def compute(self, machine: ShardMachine, req: FueledMergeReq) -> tuple[FueledMergeRes, int]:
+        """Compute (and write the parts of) the answer to a merge request, without
+        applying it.  Returns the result and the number of rows read.
+
+        Raises:
+            CorruptPart, BlobError: reading or writing failed (outputs already written
+                are left to GC).
+        """
+        c = self.client
+        st = machine.state()
+        ks, vs = st.key_schema, st.value_schema
+        inputs: list[HollowBatch] = [i.batch for i in req.inputs]
+        table = read_batches(c.blob, inputs, updates_schema(ks, vs), max_workers=c.read_workers)
+        rows_in = table.num_rows
+        table = consolidate(table, ks.names, vs.names, since=req.desc.since.as_option())
+        inline_max = c.inline_max_bytes if st.inline_bytes() < c.inline_total_max_bytes else 0
+        prefix = f"{machine.shard_id}/c/{machine.now_ms()}-{uuid.uuid4().hex[:16]}"
+        parts = write_parts(
+            c.blob,
+            table,
+            prefix,
+            target_part_bytes=c.target_part_bytes,
+            inline_max_bytes=inline_max,
+            max_workers=c.write_workers,
+        )
+        return FueledMergeRes(HollowBatch(req.desc, tuple(parts), table.num_rows)), rows_in
+
+    def apply(self, machine: ShardMachine, results: list[FueledMergeRes]) -> list[ApplyMergeResult]:
+        """Swap computed results into the shard's trace in one compare-and-set (retried
+        on seqno races); outputs that were not applied are deleted.
+
+        Raises:
+            ConsensusError: the commit failed (outputs are deleted unless the outcome is
+                indeterminate).
+        """
+        if not results:
+            return []
+
+        def fn(s: ShardState, fresh: bool) -> tuple[list[ApplyMergeResult], bool]:
+            now = machine.now_ms()
+            rs: list[ApplyMergeResult] = []
+            changed = False
+            for res in results:
+                if s.contains_batch(res.output):  # applied by an earlier attempt
+                    rs.append(ApplyMergeResult.APPLIED_EXACT)
+                    continue
+                r = s.apply_merge_res(res, now)
+                changed = changed or r.applied()
+                rs.append(r)
+            if not all(r.applied() for r in rs) and not fresh:
+                raise Stale()
+            return rs, changed
+
+        try:
+            rs = machine.apply(fn)
+        except PersistError as e:
+            # An earlier attempt of this apply may have committed (its outcome was
+            # indeterminate, then learned by re-reading): only outputs the latest
+            # known state neither references nor retired may go.
+            if not e.is_indeterminate():
+                self.release_outputs(machine, results)
+            raise
+        self.release_outputs(
+            machine, [r for r, a in zip(results, rs, strict=True) if not a.applied()]
+        )
+        return rs
+
+    def release_outputs(self, machine: ShardMachine, results: list[FueledMergeRes]) -> None:
+        """Delete the blob outputs of results the latest known state neither references
+        nor retired (they were not applied)."""
+        keys = [k for r in results for k in _keys(r)]
+        if not keys:
+            return
+        st = machine.state()
+        protected = st.referenced_blob_keys()
+        if any(k not in protected for k in keys):
+            try:
+                protected |= set(machine.consensus.retired(machine.shard_id))
+            except PersistError as e:  # cannot tell: leave them to GC
+                log.warning("not deleting unused compaction outputs: %s", e)
+                return
+        self._delete_outputs(keys, protected)
+
+    def _delete_outputs(self, keys: list[str], protected: set[str]) -> None:
+        for k in keys:
+            if k in protected:
+                continue
+            try:
+                self.client.blob.delete(k)
+            except PersistError as e:  # garbage for GC
+                log.warning("could not delete unused compaction output %s: %s", k, e)
+
+    def merge(self, machine: ShardMachine, req: FueledMergeReq) -> CompactionReport:
+        """Answer one merge request and apply the result (see the module docstring).
+
+        Raises:
+            CorruptPart, BlobError, ConsensusError: reading, writing or committing failed
+                (nothing was applied).
+        """
+        return self.run_reqs(machine, [req], raise_errors=True)
+
+    def run_reqs(
+        self,
+        machine: ShardMachine,
+        reqs: list[FueledMergeReq],
+        *,
+        piggyback_seconds: float = 0.0,
+        raise_errors: bool = False,
+    ) -> CompactionReport:
+        """Answer the given requests: compute every result, then (after offering them for
+        ``piggyback_seconds`` to a writer's next append, which applies them in its own
+        version) apply what is left in one compare-and-set.  Failures are logged and
+        counted (or raised with ``raise_errors``)."""
+        report = CompactionReport()
+        results: list[FueledMergeRes] = []
+        for req in reqs:
+            try:
+                res, rows_in = self.compute(machine, req)
+            except PersistError as e:
+                if raise_errors:
+                    raise
+                report.failed += 1
+                log.warning("merge of %s in shard %s failed: %s", req.desc, machine.shard_id, e)
+                continue
+            results.append(res)
+            report.rows_in += rows_in
+            report.rows_out += res.output.len
+            report.bytes_written += sum(p.encoded_size_bytes for p in res.output.parts)
+        if results and piggyback_seconds > 0:
+            machine.offer_merge_results(results)
+            deadline = time.monotonic() + piggyback_seconds
+            while machine.offered_count() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            left = machine.take_merge_results()
+            report.applied += len(results) - len(left)  # taken by a writer's append
+            results = left
+        try:
+            rs = self.apply(machine, results)
+        except PersistError as e:
+            if raise_errors:
+                raise
+            report.failed += len(results)
+            log.warning("applying merges in shard %s failed: %s", machine.shard_id, e)
+            rs = []
+        report.results.extend(rs)
+        report.applied += sum(1 for r in rs if r.applied())
+        report.not_applied += sum(1 for r in rs if not r.applied())
+        with self._cv:
+            self.totals.add(report)
+        return report
+
+    def compact_once(self, shard: str, *, fresh: bool = True) -> CompactionReport:
+        """Answer every outstanding merge request of a shard (name or id), from a fresh
+        read of its state (or this process's latest known version if not ``fresh``)."""
+        m = self.client.machine(self.client.shard_id(shard))
+        st = m.fetch() if fresh else m.state()
+        reqs = st.trace.all_fueled_merge_reqs()
+        piggyback = self.client.piggyback_seconds if not fresh else 0.0
+        return self.run_reqs(m, reqs, piggyback_seconds=piggyback)
+
+    # ------------------------------------------------------------- background
+    def start(self) -> None:
+        """Start the background thread (idempotent)."""
+        with self._cv:
+            if self._thread is not None:
+                return
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="persist-compactor", daemon=True)
+            self._thread.start()
+
+    def notify(self, shard_id: str) -> None:
+        """Ask the background thread to compact ``shard_id`` soon."""
+        with self._cv:
+            self._pending.add(shard_id)
+            self._cv.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the background thread has nothing pending.  Returns False on
+        timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._pending or self._busy:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+        return True
+
+    def stop(self) -> None:
+        """Stop the background thread (pending work is dropped) and wait for it."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+            t = self._thread
+            self._thread = None
+        if t is not None and t is not threading.current_thread():
+            t.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    self._pending.clear()
+                    self._busy = False
+                    self._cv.notify_all()
+                    return
+                shards = sorted(self._pending)
+                self._pending.clear()
+                self._busy = True
+            for sid in shards:
+                try:
+                    self.compact_once(sid, fresh=False)
+                    self._maybe_gc(sid)
+                except Exception as e:  # never let the thread die
+                    log.warning("background compaction of shard %s failed: %s", sid, e)
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def _maybe_gc(self, shard_id: str) -> None:
+        interval = self.client.gc_interval_seconds
+        if interval is None:
+            return
+        now = time.monotonic()
+        last = self._last_gc.get(shard_id)
+        if last is not None and now - last < interval:
+            return
+        self._last_gc[shard_id] = now
+        from persist.gc import collect_garbage
+
+        collect_garbage(self.client, shard_id, grace_seconds=self.client.gc_grace_seconds)

@@ -1,0 +1,709 @@
+"""Consensus: a linearizable log of each shard's state versions, kept in a stash.
+
+Each shard has one stash collection, ``persist.shard.<shard_id>`` (keys ``str``, values
+``json``), holding the *latest* state version as a set of entries, one per component of
+the state (see :meth:`persist.state.ShardState.to_entries`); the entry ``meta`` is an
+object holding the version's ``seqno``.  A new version is written by
+:meth:`Consensus.compare_and_set` as one stash ``append`` whose entries are only the
+components that changed: the old value retracted (diff ``-1``) and
+the new one inserted (diff ``+1``), at time ``seqno``.  The collection's upper is always
+``head seqno + 1``, so the append's ``lower`` is the expected seqno's successor and two
+writers racing on the same seqno cannot both win: the loser gets the stash's
+``AppendLowerMismatch`` and nothing of its batch is committed.  Each append also moves the
+collection's since to the new seqno, so older versions are logically truncated in the
+same transaction (the stash consolidates the touched keys physically; :meth:`truncate`
+consolidates the rest).  The state stays readable JSON in the stash (``stash_entries``).
+
+Blob keys retired by compaction (waiting for GC's grace period) live in a second
+collection per shard, ``persist.retired.<shard_id>`` (key: blob key, value: retirement
+ms), written in the same atomic stash ``append`` as the version that retired (or, for GC,
+forgot) them; its upper is recorded in the state (``retired_upper``), so the version's
+compare-and-set also orders the retired collection's changes.  Keeping them out of the
+state keeps every version small however many parts wait for their grace period.
+
+A registry collection, ``persist.shards`` (key: shard name, value ``{"shard_id": ...}``),
+maps names to :class:`ShardId` strings; registering races resolve the same way.
+
+:class:`ShardMachine` is the state machine of one shard in one process (after the
+persist-client ``Machine``): it caches the last version it saw, applies a transition to a
+copy, publishes it by compare-and-set and on a lost race re-reads the head and re-applies
+the transition.  Compaction results computed by this process may ride along in a writer's
+version (:meth:`ShardMachine.offer_merge_results`), saving a compare-and-set per merge.
+Transient consensus failures are retried with backoff (tenacity); an
+indeterminate commit is resolved by re-reading the head and re-running the transition,
+which must recognise its own already-committed effect (appends carry an idempotency
+token, the other transitions are idempotent).
+
+Invariants kept here: a version is only ever published on top of the version it was
+computed from; a caller is told "committed" only if the version is durable, "not
+committed" only if it is not, and otherwise gets a :class:`ConsensusError` whose
+``is_indeterminate()`` is true.
+
+Sources: the seed persist engine's consensus/meta handling (``000``/``001``) and the
+stash's ``Append`` (``003``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
+
+from tenacity import (
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from persist.errors import ConsensusError, InvalidUsage, PersistError
+from persist.spine import FueledMergeRes
+from persist.state import ShardState
+from stash import AppendBatch, AppendLowerMismatch, Stash, StashCollection, StashError
+from stash.antichain import Antichain
+from stash.codec import canonical_json
+
+__all__ = [
+    "REGISTRY_COLLECTION",
+    "RETIRED_COLLECTION_PREFIX",
+    "SHARD_COLLECTION_PREFIX",
+    "RetiredChange",
+    "Consensus",
+    "ShardMachine",
+    "Stale",
+    "VersionedData",
+    "new_shard_id",
+    "validate_shard_id",
+    "validate_shard_name",
+]
+
+log = logging.getLogger(__name__)
+
+REGISTRY_COLLECTION = "persist.shards"
+SHARD_COLLECTION_PREFIX = "persist.shard."
+RETIRED_COLLECTION_PREFIX = "persist.retired."
+META_KEY = "meta"
+
+_SHARD_ID_RE = re.compile(r"s[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_SHARD_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]{0,199}")
+
+T = TypeVar("T")
+
+
+def new_shard_id() -> str:
+    """A fresh ShardId: ``"s"`` followed by a UUID4 (DESIGN section 2)."""
+    return "s" + str(uuid.uuid4())
+
+
+def validate_shard_id(shard_id: object) -> str:
+    """Return ``shard_id`` if it is a ShardId (``s`` + lower-case UUID).
+
+    Raises:
+        InvalidUsage: it is not.
+    """
+    if not isinstance(shard_id, str) or not _SHARD_ID_RE.fullmatch(shard_id):
+        raise InvalidUsage(f"invalid shard id {shard_id!r}: expected 's' followed by a UUID")
+    return shard_id
+
+
+def validate_shard_name(name: object) -> str:
+    """Return ``name`` if it is a valid shard name: 1 to 200 characters, starting with a
+    letter or digit, then letters, digits, ``_``, ``.``, ``=`` or ``-``.
+
+    Raises:
+        InvalidUsage: naming the rule broken.
+    """
+    if not isinstance(name, str):
+        raise InvalidUsage(f"shard name must be a str, got {type(name).__name__}")
+    if not _SHARD_NAME_RE.fullmatch(name):
+        raise InvalidUsage(
+            f"invalid shard name {name!r}: it must be 1 to 200 characters, start with a "
+            "letter or digit, and contain only letters, digits, '_', '.', '=' and '-'"
+        )
+    return name
+
+
+class VersionedData(NamedTuple):
+    """One state version as stored: ``seqno``, the entries' JSON values by key, and the
+    entries' canonical JSON texts by key (what a retraction must repeat exactly)."""
+
+    seqno: int
+    data: dict[str, Any]
+    texts: dict[str, str]
+
+
+@dataclass(frozen=True)
+class RetiredChange:
+    """Changes to a shard's retired collection made with one version: the collection's
+    current upper ``lower`` and the keys (blob key -> retirement ms) to add and remove."""
+
+    lower: int
+    adds: Mapping[str, int]
+    removes: Mapping[str, int]
+
+
+def _wrap(e: StashError, what: str) -> ConsensusError:
+    return ConsensusError(f"consensus {what} failed: {e}", indeterminate=e.is_indeterminate())
+
+
+class Consensus:
+    """Shard state versions in a stash (see the module docstring).
+
+    Args:
+        stash: an open, writable :class:`stash.Stash` (``fenced=False`` so that several
+            processes can share it; readonly works for reads).
+        retries: attempts for a consensus call that fails with a transient (determinate)
+            stash error, with exponential backoff; ``1`` means no retry.
+
+    Thread-safe.
+    """
+
+    def __init__(self, stash: Stash, *, retries: int = 4) -> None:
+        self.stash = stash
+        self.retries = max(1, retries)
+        self._colls: dict[str, StashCollection[Any, Any]] = {}
+        self._retired_colls: dict[str, StashCollection[Any, Any]] = {}
+        self._lock = threading.Lock()
+        self._registry: StashCollection[Any, Any] | None = None
+
+    # ----------------------------------------------------------------- helpers
+    @staticmethod
+    def _retryable(e: BaseException) -> bool:
+        return (
+            isinstance(e, StashError)
+            and not isinstance(e, AppendLowerMismatch)
+            and not e.is_indeterminate()
+            and not e.is_unrecoverable()
+        )
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            try:
+                return fn()  # the common case, without building a retry loop
+            except StashError as e:
+                if self.retries == 1 or not self._retryable(e):
+                    raise
+            r = Retrying(
+                stop=stop_after_attempt(self.retries - 1),
+                wait=wait_exponential_jitter(multiplier=0.005, max=0.5, jitter=0.005),
+                retry=retry_if_exception(self._retryable),
+                reraise=True,
+            )
+            return r(fn)
+        except AppendLowerMismatch:
+            raise
+        except StashError as e:
+            raise _wrap(e, what) from e
+
+    def collection(self, shard_id: str) -> StashCollection[Any, Any]:
+        """The stash collection holding ``shard_id``'s versions (created if missing)."""
+        validate_shard_id(shard_id)
+        with self._lock:
+            c = self._colls.get(shard_id)
+        if c is None:
+            c = self._call(
+                f"opening collection of shard {shard_id}",
+                lambda: self.stash.collection(
+                    SHARD_COLLECTION_PREFIX + shard_id, key="str", value="json"
+                ),
+            )
+            with self._lock:
+                self._colls[shard_id] = c
+        return c
+
+    def retired_collection(self, shard_id: str) -> StashCollection[Any, Any]:
+        """The stash collection holding ``shard_id``'s retired blob keys."""
+        validate_shard_id(shard_id)
+        with self._lock:
+            c = self._retired_colls.get(shard_id)
+        if c is None:
+            c = self._call(
+                f"opening the retired collection of shard {shard_id}",
+                lambda: self.stash.collection(
+                    RETIRED_COLLECTION_PREFIX + shard_id, key="str", value="int"
+                ),
+            )
+            with self._lock:
+                self._retired_colls[shard_id] = c
+        return c
+
+    def retired(self, shard_id: str) -> dict[str, int]:
+        """The shard's retired blob keys: key -> wall-clock ms of retirement."""
+        if shard_id not in self._retired_colls and self.stash.mode == "readonly":
+            name = RETIRED_COLLECTION_PREFIX + shard_id
+            if name not in self._call("listing collections", self.stash.collections):
+                return {}  # never written: nothing retired
+        c = self.retired_collection(shard_id)
+        rows = self._call(f"reading retired keys of shard {shard_id}", lambda: self.stash.iter(c))
+        out: dict[str, int] = {}
+        for (k, v), _t, d in rows:
+            if d > 0:
+                out[str(k)] = int(v)
+        return out
+
+    def _registry_coll(self) -> StashCollection[Any, Any] | None:
+        """The registry collection; ``None`` when it does not exist yet and the stash
+        is readonly (so no shard exists)."""
+        if self._registry is None:
+            if self.stash.mode == "readonly" and REGISTRY_COLLECTION not in self._call(
+                "listing collections", self.stash.collections
+            ):
+                return None
+            self._registry = self._call(
+                "opening the shard registry",
+                lambda: self.stash.collection(REGISTRY_COLLECTION, key="str", value="json"),
+            )
+        return self._registry
+
+    @staticmethod
+    def encode(value: Any) -> str:
+        """The canonical JSON text of a value (what the stash stores)."""
+        return canonical_json(value)
+
+    # ---------------------------------------------------------------- versions
+    def head(self, shard_id: str) -> VersionedData | None:
+        """The latest version of the shard's state, or ``None`` if it has none.
+
+        Raises:
+            ConsensusError: the stash failed (after retries) or holds malformed entries.
+        """
+        c = self.collection(shard_id)
+        rows = self._call(f"head of shard {shard_id}", lambda: self.stash.iter(c))
+        return self._assemble(shard_id, rows)
+
+    def _assemble(
+        self, shard_id: str, rows: list[tuple[tuple[Any, Any], int, int]]
+    ) -> VersionedData | None:
+        acc: dict[tuple[str, str], int] = {}
+        values: dict[tuple[str, str], Any] = {}
+        for (k, v), _t, d in rows:
+            text = canonical_json(v)
+            acc[(k, text)] = acc.get((k, text), 0) + d
+            values[(k, text)] = v
+        data: dict[str, Any] = {}
+        texts: dict[str, str] = {}
+        for (k, text), n in acc.items():
+            if n == 0:
+                continue
+            if n != 1 or k in data:
+                raise ConsensusError(
+                    f"consensus collection of shard {shard_id} is corrupt: entry {k!r} "
+                    f"has multiplicity {n} or several values"
+                )
+            data[k] = values[(k, text)]
+            texts[k] = text
+        if not data:
+            return None
+        meta = data.get(META_KEY)
+        seqno = meta.get("seqno") if isinstance(meta, dict) else None
+        if isinstance(seqno, bool) or not isinstance(seqno, int):
+            raise ConsensusError(
+                f"consensus collection of shard {shard_id} is corrupt: no meta.seqno entry"
+            )
+        return VersionedData(seqno, data, texts)
+
+    def head_seqno(self, shard_id: str) -> int | None:
+        """The latest seqno (cheap: read from the collection's upper), or ``None``."""
+        c = self.collection(shard_id)
+        upper = self._call(f"upper of shard {shard_id}", lambda: self.stash.upper(c))
+        t = upper.as_option()
+        if t is None or t == 0:
+            return None
+        return t - 1
+
+    def compare_and_set(
+        self,
+        shard_id: str,
+        expected: int | None,
+        new: Mapping[str, str],
+        prev: Mapping[str, str] | None = None,
+        retired: RetiredChange | None = None,
+    ) -> bool:
+        """Publish the version ``expected + 1`` (``0`` when ``expected`` is ``None``) if the
+        head is still ``expected``.
+
+        Args:
+            shard_id: the shard.
+            expected: the seqno the new version was computed from, ``None`` for the first.
+            new: the new version's entries as canonical JSON texts by key; ``new["meta"]``
+                must be an object whose ``seqno`` is ``expected + 1`` (``0`` for the first).
+            prev: the ``expected`` version's entry texts (required unless ``expected`` is
+                ``None``), as returned by :meth:`head` or passed to the previous call.
+            retired: changes to the retired collection committed atomically with the
+                version (``new`` must record the collection's new upper, ``lower + 1``).
+
+        Returns: ``True`` if committed, ``False`` if the head was not ``expected`` (a lost
+            race: nothing was committed).
+
+        Raises:
+            ConsensusError: the stash failed (after retries); ``is_indeterminate()`` tells
+                whether the version may nevertheless have been committed.
+        """
+        if META_KEY not in new:
+            raise InvalidUsage(f"a consensus version needs a {META_KEY!r} entry with its seqno")
+        seqno = 0 if expected is None else expected + 1
+        prev = {} if prev is None else prev
+        c = self.collection(shard_id)
+        key = c.key_codec.encode
+        entries: list[tuple[tuple[str, str], int, int]] = []
+        for k, text in new.items():
+            old = prev.get(k)
+            if old == text:
+                continue
+            kt = key(k)
+            if old is not None:
+                entries.append(((kt, old), seqno, -1))
+            entries.append(((kt, text), seqno, 1))
+        for k, old in prev.items():
+            if k not in new:
+                entries.append(((key(k), old), seqno, -1))
+        batch = AppendBatch(
+            collection=c,
+            lower=Antichain.from_elem(seqno),
+            upper=Antichain.from_elem(seqno + 1),
+            compact=Antichain.from_elem(seqno),
+            timestamp=seqno,
+            entries=entries,
+        )
+        batches = [batch]
+        if retired is not None:
+            rc = self.retired_collection(shard_id)
+            rb = AppendBatch(
+                collection=rc,
+                lower=Antichain.from_elem(retired.lower),
+                upper=Antichain.from_elem(retired.lower + 1),
+                compact=Antichain.from_elem(retired.lower),
+                timestamp=retired.lower,
+            )
+            for k, ms in retired.adds.items():
+                rc.append_to_batch(rb, k, ms, 1)
+            for k, ms in retired.removes.items():
+                rc.append_to_batch(rb, k, ms, -1)
+            batches.append(rb)
+        try:
+            self._call(
+                f"compare_and_set of shard {shard_id} at seqno {seqno}",
+                lambda: self.stash.append(batches),
+            )
+        except AppendLowerMismatch as e:
+            if e.collection != c.name:
+                raise ConsensusError(
+                    f"the retired collection of shard {shard_id} is out of step with its state: {e}"
+                ) from e
+            return False
+        return True
+
+    def scan(self, shard_id: str, from_seqno: int = 0) -> list[VersionedData]:
+        """Versions with seqno ``>= from_seqno`` still held.  Consensus truncates every
+        older version in the append that writes the next one, so this is the head alone
+        (or nothing)."""
+        h = self.head(shard_id)
+        return [] if h is None or h.seqno < from_seqno else [h]
+
+    def truncate(self, shard_id: str) -> None:
+        """Physically drop every version before the head (consolidate the collection)."""
+        c = self.collection(shard_id)
+        self._call(f"truncate of shard {shard_id}", lambda: self.stash.consolidate(c))
+
+    # ----------------------------------------------------------------- registry
+    def shards(self) -> dict[str, str]:
+        """Every registered shard: name -> shard id."""
+        reg = self._registry_coll()
+        if reg is None:
+            return {}
+        rows = self._call("listing shards", lambda: self.stash.iter(reg))
+        out: dict[str, str] = {}
+        for (name, v), _t, d in rows:
+            if d > 0 and isinstance(v, dict):
+                out[str(name)] = str(v.get("shard_id"))
+        return dict(sorted(out.items()))
+
+    def lookup(self, name: str) -> str | None:
+        """The shard id registered under ``name``, or ``None``."""
+        reg = self._registry_coll()
+        if reg is None:
+            return None
+        rows = self._call(f"looking up shard {name!r}", lambda: self.stash.iter_key(reg, name))
+        for v, _t, d in rows:
+            if d > 0 and isinstance(v, dict):
+                return str(v["shard_id"])
+        return None
+
+    def register(self, name: str, now_ms: int) -> str:
+        """The id of shard ``name``, registering a new id if there is none (race-safe:
+        of two processes registering one name at once, both get the winner's id)."""
+        validate_shard_name(name)
+        reg = self._registry_coll()
+        if reg is None:
+            raise ConsensusError(f"cannot register shard {name!r}: the stash is readonly")
+        for attempt in range(1000):
+            # Read the upper first: the append below commits only if nothing was
+            # registered since, so the lookup in between cannot be stale.
+            upper = self._call("reading the registry upper", lambda: self.stash.upper(reg))
+            found = self.lookup(name)
+            if found is not None:
+                return found
+            shard_id = new_shard_id()
+            t = upper.as_option()
+            if t is None:
+                raise ConsensusError("the shard registry is sealed (empty upper)")
+            batch = AppendBatch(
+                collection=reg,
+                lower=upper,
+                upper=Antichain.from_elem(t + 1),
+                compact=Antichain.from_elem(t),
+                timestamp=t,
+            )
+            reg.append_to_batch(batch, name, {"shard_id": shard_id, "created_ms": now_ms}, 1)
+            try:
+                self._call(
+                    f"registering shard {name!r}",
+                    partial(self.stash.append, [batch]),
+                )
+            except AppendLowerMismatch:
+                time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
+                continue
+            return shard_id
+        raise ConsensusError(f"could not register shard {name!r}: too much contention")
+
+
+class Stale(Exception):
+    """Raised by a transition that would fail on a cached state: the machine re-reads the
+    head and runs it again on the fresh state (where failing is then real)."""
+
+
+@dataclass
+class _Cache:
+    state: ShardState
+    data: dict[str, Any]
+    texts: dict[str, str]
+
+
+class ShardMachine:
+    """The state machine of one shard within one process (thread-safe).
+
+    Args:
+        consensus: where versions live.
+        shard_id: the shard.
+        clock: wall-clock seconds (``time.time`` by default; injectable for tests).
+        max_races: how many lost compare-and-set races one transition may suffer before
+            giving up with :class:`ConsensusError` (a livelock guard; every lost race is
+            someone else's progress).
+    """
+
+    def __init__(
+        self,
+        consensus: Consensus,
+        shard_id: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        max_races: int = 10_000,
+    ) -> None:
+        self.consensus = consensus
+        self.shard_id = validate_shard_id(shard_id)
+        self.clock = clock
+        self.max_races = max_races
+        self._lock = threading.RLock()
+        self._offered_lock = threading.Lock()
+        self._cache: _Cache | None = None
+        self.metrics = {"cas": 0, "cas_lost": 0, "heads": 0, "indeterminate": 0}
+        self._offered: list[FueledMergeRes] = []
+
+    # ------------------------------------------------- merge results to piggyback
+    def offer_merge_results(self, results: list[FueledMergeRes]) -> None:
+        """Offer compaction results to the next transition of this process that wants
+        them (a writer's append applies them in its own version, saving a
+        compare-and-set); see :meth:`take_merge_results`."""
+        with self._offered_lock:
+            self._offered.extend(results)
+
+    def take_merge_results(self) -> list[FueledMergeRes]:
+        """Take every offered compaction result (the taker applies them or offers them
+        back)."""
+        with self._offered_lock:
+            out, self._offered = self._offered, []
+            return out
+
+    def offered_count(self) -> int:
+        """How many offered results are waiting."""
+        with self._offered_lock:
+            return len(self._offered)
+
+    def now_ms(self) -> int:
+        """The clock in integer milliseconds."""
+        return int(self.clock() * 1000)
+
+    # ------------------------------------------------------------------ reads
+    def _load(self) -> _Cache | None:
+        self.metrics["heads"] += 1
+        h = self.consensus.head(self.shard_id)
+        if h is None:
+            return None
+        st = ShardState.from_entries(h.data)
+        if st.seqno != h.seqno:  # pragma: no cover - both read the same entry
+            raise ConsensusError(f"shard {self.shard_id}: seqno mismatch in state")
+        return _Cache(st, h.data, h.texts)
+
+    def fetch(self) -> ShardState:
+        """Re-read the head from consensus (and cache it).
+
+        Raises:
+            PersistError: the shard has no state (it was never initialised).
+        """
+        with self._lock:
+            c = self._load()
+            if c is None:
+                raise PersistError(f"shard {self.shard_id} has no state in consensus")
+            self._cache = c
+            return c.state
+
+    def recent(self) -> ShardState:
+        """The latest state: the cached one if the head seqno did not move (one cheap
+        read of the collection's upper), else re-read.
+
+        Raises:
+            PersistError: the shard has no state.
+        """
+        with self._lock:
+            if self._cache is not None:
+                seq = self.consensus.head_seqno(self.shard_id)
+                if seq == self._cache.state.seqno:
+                    return self._cache.state
+            return self.fetch()
+
+    def state(self) -> ShardState:
+        """The cached state (read from consensus the first time).  Do not mutate it."""
+        with self._lock:
+            if self._cache is None:
+                return self.fetch()
+            return self._cache.state
+
+    def seqno(self) -> int:
+        """The cached state's seqno."""
+        return self.state().seqno
+
+    def initialize(self, initial: ShardState) -> ShardState:
+        """Load the shard's state, writing ``initial`` as version 0 if it has none yet.
+
+        Returns: the state now at the head (``initial`` or whatever won the race).
+        """
+        with self._lock:
+            for _ in range(100):
+                c = self._load()
+                if c is not None:
+                    self._cache = c
+                    return c.state
+                initial.seqno = 0
+                data = initial.to_entries()
+                texts = {k: Consensus.encode(v) for k, v in data.items()}
+                if self.consensus.compare_and_set(self.shard_id, None, texts, None):
+                    self._cache = _Cache(initial, data, texts)
+                    return initial
+            raise ConsensusError(f"could not initialise shard {self.shard_id}")
+
+    # ----------------------------------------------------------------- writes
+    def apply(
+        self,
+        fn: Callable[[ShardState, bool], tuple[T, bool]],
+        *,
+        keep: tuple[str, ...] = (),
+    ) -> T:
+        """Apply a transition and publish it by compare-and-set.
+
+        ``fn(state, fresh)`` mutates ``state`` (a private copy of the latest known
+        version; ``fresh`` tells whether it was just read from consensus) and returns
+        ``(result, changed)``.  It raises :class:`Stale` to ask for a fresh state before
+        failing, or any other exception to abort (nothing is committed).  Expired leases
+        (except the ids in ``keep``) are dropped in the same version.
+
+        Returns: ``fn``'s result from the run whose version was committed (or that
+        needed no change).
+
+        Raises:
+            whatever ``fn`` raises; ConsensusError (after retries, or on an indeterminate
+            outcome that re-reading could not resolve).
+        """
+        with self._lock:
+            fresh = False
+            races = 0
+            indeterminate = 0
+            if self._cache is None:
+                self.fetch()
+                fresh = True
+            while True:
+                cache = self._cache
+                assert cache is not None
+                st = cache.state.clone()
+                try:
+                    result, changed = fn(st, fresh)
+                except Stale:
+                    if fresh:
+                        raise
+                    self.fetch()
+                    fresh = True
+                    continue
+                if st.expire_leases(self.now_ms(), keep):
+                    changed = True
+                retired: RetiredChange | None = None
+                if st.retire_adds or st.retire_removes:
+                    retired = RetiredChange(
+                        st.retired_upper, dict(st.retire_adds), dict(st.retire_removes)
+                    )
+                    st.retire_adds, st.retire_removes = {}, {}
+                    st.retired_upper += 1
+                    changed = True
+                if not changed:
+                    return result
+                st.seqno = cache.state.seqno + 1
+                data = st.to_entries()
+                texts = {
+                    k: (
+                        cache.texts[k]
+                        if k in cache.data and cache.data[k] == v
+                        else Consensus.encode(v)
+                    )
+                    for k, v in data.items()
+                }
+                self.metrics["cas"] += 1
+                try:
+                    ok = self.consensus.compare_and_set(
+                        self.shard_id, cache.state.seqno, texts, cache.texts, retired
+                    )
+                except ConsensusError as e:
+                    if not e.is_indeterminate():
+                        raise
+                    self.metrics["indeterminate"] += 1
+                    indeterminate += 1
+                    log.warning("indeterminate commit on shard %s: %s", self.shard_id, e)
+                    if indeterminate > 5:
+                        raise
+                    # Learn the outcome: re-read; fn recognises its own committed effect.
+                    try:
+                        self.fetch()
+                    except ConsensusError as e2:
+                        raise ConsensusError(
+                            f"{e}; and re-reading the head to learn the outcome failed: {e2}",
+                            indeterminate=True,
+                        ) from e2
+                    fresh = True
+                    continue
+                if ok:
+                    self._cache = _Cache(st, data, texts)
+                    return result
+                self.metrics["cas_lost"] += 1
+                races += 1
+                if races > self.max_races:
+                    raise ConsensusError(
+                        f"shard {self.shard_id}: gave up after {races} lost compare-and-set races"
+                    )
+                if races > 2:
+                    time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
+                self.fetch()
+                fresh = True

@@ -1,0 +1,547 @@
+"""Reading a shard: snapshots as of a time, listens to new updates, leased since holds.
+
+A :class:`ReadHandle` is a leased reader of one shard (the persist-client ``ReadHandle``):
+it holds the shard's since back at its own since hold until it downgrades it or its lease
+expires (no heartbeat within the lease duration), so that data it may still read is never
+compacted past what it needs.  Reads go through :func:`read_batch`, which is also the
+entry point for other readers of hollow batches (compactor, Spark).
+
+Invariants kept here:
+
+* a hollow batch's updates are read with their times advanced to the batch's ``lower``
+  and ``since`` (``t -> max(t, lower, since)``); for ordinary batches this changes
+  nothing, for a batch whose timestamps were rewritten it applies the rewrite (see
+  :mod:`persist.batch`);
+* ``snapshot(as_of)`` is the shard's contents at ``as_of``: every update with time
+  ``<= as_of``, consolidated, one row per distinct (key, value) with ``_time = as_of`` and
+  its summed ``_diff``, rows summing to zero absent; it needs ``since <= as_of < upper``
+  (``SinceViolation`` / ``InvalidUsage``), or waits for the upper with ``wait=True``;
+* a :class:`Listen` emits every update with time ``> as_of`` exactly once, in time
+  order of the batches' uppers, each ``updates`` event followed by the ``progress``
+  frontier it completes; its own lease holds the since at most at the last progress
+  minus one, so compaction never moves an update it has yet to emit into the range it
+  already emitted.
+
+Sources: the persist-client ``ReadHandle``, ``Listen`` and ``LeasedReaderState`` (seed
+``004``) and the first engine's listeners (``000``/``001``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist.blob import Blob
+from persist.consensus import ShardMachine, Stale
+from persist.errors import InvalidUsage, PersistError, SinceViolation
+from persist.parts import TIME, consolidate, read_parts, updates_schema
+from persist.state import ShardState
+from persist.types import HollowBatch, PartRef
+from stash import Antichain
+
+if TYPE_CHECKING:
+    from persist.client import PersistClient
+
+__all__ = ["Listen", "ListenEvent", "ReadHandle", "read_batch", "read_batches"]
+
+log = logging.getLogger(__name__)
+
+
+def _elem(a: Antichain) -> int | None:
+    return a.as_option()
+
+
+def read_batches(
+    blob: Blob,
+    batches: Sequence[HollowBatch],
+    schema: pa.Schema,
+    *,
+    lower: int | None = None,
+    upper: int | None = None,
+    max_workers: int = 4,
+) -> pa.Table:
+    """Read hollow batches into one updates table (not consolidated).
+
+    Every time is advanced to its batch's ``lower`` and ``since`` (``t -> max(t, lower,
+    since)``; see the module docstring); then, if given, only rows with ``lower <= t``
+    and ``t < upper`` are kept.
+
+    Args:
+        blob: the store of the non-inline parts.
+        batches: the hollow batches (any order).
+        schema: the shard's updates schema (:func:`persist.parts.updates_schema`).
+        lower, upper: optional time bounds (``upper`` exclusive).
+        max_workers: fetch/decode threads.
+
+    Raises:
+        CorruptPart: a part is missing or corrupt (naming its blob key).
+        BlobError: a fetch failed.
+    """
+    refs: list[PartRef] = []
+    floors: list[int] = []
+    rows: list[int] = []
+    for b in batches:
+        floor = max(
+            (e for e in (_elem(b.desc.lower), _elem(b.desc.since)) if e is not None),
+            default=None,
+        )
+        for p in b.parts:
+            refs.append(p)
+            floors.append(-(2**63) if floor is None else floor)
+            rows.append(p.rows)
+    # Threads only pay off for blob fetches; inline parts decode faster in this thread.
+    remote = sum(1 for r in refs if r.inline is None)
+    workers = max(1, min(max_workers, remote))
+    table = read_parts(blob, refs, schema=schema, max_workers=workers)
+    if table.num_rows == 0:
+        return table
+    ti = table.schema.get_field_index(TIME)
+    times = table.column(TIME)
+    floor_arr = np.repeat(np.asarray(floors, dtype=np.int64), np.asarray(rows, dtype=np.int64))
+    if len(floor_arr) == table.num_rows:
+        t_np = np.asarray(times.to_numpy(), dtype=np.int64)
+        if (t_np < floor_arr).any():
+            t_np = np.maximum(t_np, floor_arr)
+            times = pa.chunked_array([pa.array(t_np, pa.int64())])
+            table = table.set_column(ti, table.schema.field(ti), times)
+    mask = None
+    if lower is not None:
+        mask = pc.greater_equal(times, pa.scalar(lower, pa.int64()))
+    if upper is not None:
+        m2 = pc.less(times, pa.scalar(upper, pa.int64()))
+        mask = m2 if mask is None else pc.and_(mask, m2)
+    if mask is not None:
+        table = table.filter(mask)
+    return table
+
+
+def read_batch(
+    blob: Blob,
+    batch: HollowBatch,
+    schema: pa.Schema,
+    *,
+    lower: int | None = None,
+    upper: int | None = None,
+    max_workers: int = 4,
+) -> pa.Table:
+    """:func:`read_batches` of one batch."""
+    return read_batches(blob, [batch], schema, lower=lower, upper=upper, max_workers=max_workers)
+
+
+def _as_time(x: int | Antichain, what: str) -> int:
+    if isinstance(x, Antichain):
+        t = x.as_option()
+        if t is None:
+            raise InvalidUsage(f"{what} must be a time, not the empty antichain")
+        return t
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise InvalidUsage(f"{what} must be an int time or an Antichain, got {type(x).__name__}")
+    return x
+
+
+def _as_frontier(x: int | Antichain, what: str) -> Antichain:
+    if isinstance(x, Antichain):
+        return x
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise InvalidUsage(f"{what} must be an Antichain or an int, got {type(x).__name__}")
+    return Antichain.from_elem(x)
+
+
+@dataclass(frozen=True)
+class ListenEvent:
+    """One event of a :class:`Listen`.
+
+    Attributes:
+        kind: ``"updates"`` or ``"progress"``.
+        updates: for ``"updates"``: a table of the shard's updates schema, consolidated
+            per (key, value, time), times in ``[previous progress, progress)``.
+        progress: for ``"progress"``: the new frontier; every update before it was
+            emitted.
+    """
+
+    kind: Literal["updates", "progress"]
+    updates: pa.Table | None = None
+    progress: Antichain | None = None
+
+
+class ReadHandle:
+    """A leased reader of one shard.  Made by :meth:`persist.client.PersistClient.open`.
+
+    Attributes:
+        shard_id: the shard's id.  name: its registered name.
+        reader_id: this reader's id in the shard state.
+        key_schema, value_schema: the shard's schemas.
+    """
+
+    def __init__(
+        self,
+        client: PersistClient,
+        machine: ShardMachine,
+        name: str,
+        reader_id: str,
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        lease_seconds: float,
+    ) -> None:
+        self._client = client
+        self._machine = machine
+        self.shard_id = machine.shard_id
+        self.name = name
+        self.reader_id = reader_id
+        self.key_schema = key_schema
+        self.value_schema = value_schema
+        self.schema = updates_schema(key_schema, value_schema)
+        self._lease_ms = int(lease_seconds * 1000)
+        self._expired = False
+        self._last_heartbeat_ms = machine.now_ms()
+
+    def __repr__(self) -> str:
+        return f"ReadHandle(shard={self.name!r} {self.shard_id}, reader={self.reader_id})"
+
+    def _check(self) -> None:
+        if self._expired:
+            raise InvalidUsage(f"reader {self.reader_id} of shard {self.shard_id} was expired")
+
+    # ---------------------------------------------------------------- frontiers
+    @property
+    def since(self) -> Antichain:
+        """This reader's since hold (the shard's since is at most this)."""
+        self._check()
+        st = self._machine.state()
+        r = st.readers.get(self.reader_id)
+        if r is None:
+            st = self._machine.fetch()
+        return st.reader(self.reader_id).since
+
+    def shard_since(self) -> Antichain:
+        """The shard's since, freshly read."""
+        return self._machine.fetch().since
+
+    def fetch_recent_upper(self) -> Antichain:
+        """The shard's upper, freshly read from consensus."""
+        return self._machine.recent().upper
+
+    # -------------------------------------------------------------------- leases
+    def downgrade_since(self, since: Antichain | int) -> None:
+        """Advance this reader's since hold to ``since``: it promises not to read before
+        it; the shard's since follows the meet of the live readers' holds.  Also renews
+        the lease.
+
+        Raises:
+            InvalidUsage: ``since`` is earlier than the current hold; the reader expired
+                (:class:`~persist.state.LeaseExpired`).
+        """
+        self._check()
+        frontier = _as_frontier(since, "since")
+        now = self._machine.now_ms()
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if self.reader_id not in st.readers and not fresh:
+                raise Stale()
+            return None, st.downgrade_reader_since(self.reader_id, frontier, now)
+
+        self._machine.apply(fn, keep=(self.reader_id,))
+        self._last_heartbeat_ms = now
+        self._client._notify_compactor(self.shard_id)
+
+    def heartbeat(self) -> None:
+        """Renew the lease now.
+
+        Raises:
+            LeaseExpired: the lease already ran out and another process dropped it.
+        """
+        self._check()
+        now = self._machine.now_ms()
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if self.reader_id not in st.readers and not fresh:
+                raise Stale()
+            st.heartbeat_reader(self.reader_id, now)
+            return None, True
+
+        self._machine.apply(fn, keep=(self.reader_id,))
+        self._last_heartbeat_ms = now
+
+    def _maybe_heartbeat(self) -> None:
+        if self._machine.now_ms() - self._last_heartbeat_ms > self._lease_ms // 4:
+            self.heartbeat()
+
+    def expire(self) -> None:
+        """Release the lease (the since hold goes away).  The handle is unusable after.
+        Idempotent."""
+        if self._expired:
+            return
+        self._expired = True
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            return None, st.expire_reader(self.reader_id)
+
+        self._machine.apply(fn)
+        self._client._notify_compactor(self.shard_id)
+
+    # --------------------------------------------------------------------- reads
+    def _state_for(self, as_of: int, wait: bool, timeout: float | None) -> ShardState:
+        st = self._machine.recent()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            if not st.since.less_equal(as_of):
+                raise SinceViolation(as_of, st.since)
+            if not st.upper.less_equal(as_of):
+                return st
+            if not wait:
+                raise InvalidUsage(
+                    f"snapshot as_of {as_of} of shard {self.name!r} is not before its upper "
+                    f"{st.upper}: the data is not yet definite (use wait=True to wait)"
+                )
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"shard {self.name!r}: upper {st.upper} did not pass as_of {as_of} "
+                    f"within {timeout} s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+            st = self._machine.recent()
+
+    def snapshot_batches(
+        self, as_of: int | Antichain, *, wait: bool = False, timeout: float | None = None
+    ) -> list[HollowBatch]:
+        """The hollow batches holding the shard's updates up to ``as_of`` (for callers
+        that read parts themselves, e.g. Spark; read them with :func:`read_batches`
+        using ``upper=as_of + 1``, then consolidate with ``since=as_of``).
+
+        Raises: as :meth:`snapshot`.
+        """
+        self._check()
+        t = _as_time(as_of, "as_of")
+        self._maybe_heartbeat()
+        st = self._state_for(t, wait, timeout)
+        return [b for b in st.batches() if b.len > 0 and b.desc.lower.less_equal(t)]
+
+    def snapshot(
+        self, as_of: int | Antichain, *, wait: bool = False, timeout: float | None = None
+    ) -> pa.Table:
+        """The shard's contents as of ``as_of``: one row per distinct (key, value) with
+        ``_time = as_of`` and its summed ``_diff`` (never zero), sorted by key and value.
+
+        Args:
+            as_of: a time (int) or ``{t}``.
+            wait: if ``as_of`` is not yet before the upper, wait until it is.
+            timeout: with ``wait``, give up after this many seconds (``TimeoutError``).
+
+        Raises:
+            SinceViolation: ``as_of`` is before the shard's since.
+            InvalidUsage: ``as_of`` is at or beyond the upper (without ``wait``).
+            CorruptPart: a part is missing or corrupt (naming its blob key).
+            BlobError, ConsensusError: storage failed.
+        """
+        self._check()
+        t = _as_time(as_of, "as_of")
+        batches = self.snapshot_batches(t, wait=wait, timeout=timeout)
+        table = read_batches(
+            self._client.blob,
+            batches,
+            self.schema,
+            upper=t + 1,
+            max_workers=self._client.read_workers,
+        )
+        return consolidate(
+            table,
+            self.key_schema.names,
+            self.value_schema.names,
+            since=t,
+        )
+
+    def listen(
+        self,
+        as_of: int | Antichain,
+        *,
+        poll_min_seconds: float = 0.001,
+        poll_max_seconds: float = 0.25,
+        hold_interval_seconds: float = 1.0,
+    ) -> Listen:
+        """An iterator of :class:`ListenEvent`\\ s: the updates with times ``> as_of`` as
+        they commit, each batch of updates followed by the new upper (``progress``).
+        Polls consensus with exponential backoff between ``poll_min_seconds`` and
+        ``poll_max_seconds``.  Stops after the progress ``{}`` (the shard was closed).
+        The listen holds its own lease, whose since hold follows the emitted progress
+        (moved at most every ``hold_interval_seconds``, each move being a state
+        change); close it (or use it as a context manager).
+
+        Raises:
+            SinceViolation: ``as_of`` is before the shard's since.
+        """
+        self._check()
+        listen = Listen(
+            self,
+            _as_time(as_of, "as_of"),
+            poll_min_seconds,
+            poll_max_seconds,
+            hold_interval_seconds,
+        )
+        self._client._handles.add(listen)
+        return listen
+
+    def __enter__(self) -> ReadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.expire()
+        except PersistError as e:  # pragma: no cover - best effort on exit
+            log.warning("could not expire reader %s: %s", self.reader_id, e)
+
+
+class Listen:
+    """A listen over a shard from ``as_of`` (see :meth:`ReadHandle.listen`)."""
+
+    def __init__(
+        self,
+        handle: ReadHandle,
+        as_of: int,
+        poll_min: float,
+        poll_max: float,
+        hold_interval: float = 1.0,
+    ) -> None:
+        self._h = handle
+        self._machine = handle._machine
+        self.as_of = as_of
+        self._frontier = as_of + 1  # every time < frontier was emitted (or is <= as_of)
+        self._poll_min = poll_min
+        self._poll_max = poll_max
+        self._hold_interval_ms = int(hold_interval * 1000)
+        self._pending: list[ListenEvent] = []
+        self._done = False
+        self._closed = False
+        self.reader_id = "l" + uuid.uuid4().hex
+        self._lease_ms = handle._lease_ms
+        now = self._machine.now_ms()
+        hold = Antichain.from_elem(as_of)
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if not st.since.less_equal(as_of):
+                if not fresh:
+                    raise Stale()
+                raise SinceViolation(as_of, st.since)
+            st.register_reader(self.reader_id, now, self._lease_ms, "listen", since=hold)
+            return None, True
+
+        self._machine.apply(fn, keep=(self.reader_id,))
+        self._last_hold_ms = now
+        self._hold = hold
+
+    @property
+    def frontier(self) -> Antichain:
+        """Every update before this frontier has been emitted."""
+        return Antichain.from_elem(self._frontier) if not self._done else Antichain()
+
+    def __iter__(self) -> Iterator[ListenEvent]:
+        return self
+
+    def __next__(self) -> ListenEvent:
+        delay = self._poll_min
+        while not self._pending:
+            if self._done or self._closed:
+                raise StopIteration
+            if not self._step():
+                time.sleep(delay)
+                delay = min(delay * 2, self._poll_max)
+        return self._pending.pop(0)
+
+    def poll(self) -> list[ListenEvent]:
+        """The events available now, without waiting (possibly none)."""
+        if not self._done and not self._closed:
+            self._step()
+        out, self._pending = self._pending, []
+        return out
+
+    def _step(self) -> bool:
+        """Check consensus once; queue events if the upper moved.  Returns whether it
+        queued any."""
+        st = self._machine.recent()
+        upper = st.upper
+        u = upper.as_option()
+        if u is not None and u <= self._frontier:
+            self._maybe_renew(st)
+            return False
+        f = self._frontier
+        batches = [
+            b
+            for b in st.batches()
+            if b.len > 0
+            and not b.desc.upper.less_equal(f)
+            and (u is None or b.desc.lower.less_than(u))
+        ]
+        if batches:
+            table = read_batches(
+                self._h._client.blob,
+                batches,
+                self._h.schema,
+                lower=f,
+                upper=u,
+                max_workers=self._h._client.read_workers,
+            )
+            table = consolidate(table, self._h.key_schema.names, self._h.value_schema.names)
+            if table.num_rows:
+                self._pending.append(ListenEvent("updates", updates=table))
+        self._pending.append(ListenEvent("progress", progress=upper))
+        if u is None:
+            self._done = True
+            self.close()
+        else:
+            self._frontier = u
+            self._maybe_renew(st, advanced=True)
+        return True
+
+    def _maybe_renew(self, st: ShardState, advanced: bool = False) -> None:
+        """Move the listen's hold up to the emitted frontier minus one (at most every
+        hold interval) and keep the lease alive (every quarter lease)."""
+        now = self._machine.now_ms()
+        if now - self._last_hold_ms < min(self._hold_interval_ms, self._lease_ms // 4):
+            return
+        if not advanced and now - self._last_hold_ms < self._lease_ms // 4:
+            return
+        target = Antichain.from_elem(self._frontier - 1)
+        self._last_hold_ms = now
+
+        def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
+            if self.reader_id not in s.readers and not fresh:
+                raise Stale()
+            r = s.reader(self.reader_id)
+            return None, s.downgrade_reader_since(self.reader_id, r.since.join(target), now)
+
+        self._machine.apply(fn, keep=(self.reader_id,))
+        self._hold = target
+        self._h._client._notify_compactor(self._machine.shard_id)
+
+    def close(self) -> None:
+        """Release the listen's lease.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
+            return None, s.expire_reader(self.reader_id)
+
+        try:
+            self._machine.apply(fn)
+        except PersistError as e:
+            log.warning("could not release listen lease %s: %s", self.reader_id, e)
+
+    def expire(self) -> None:
+        """Same as :meth:`close`."""
+        self.close()
+
+    def __enter__(self) -> Listen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,538 @@
+"""The state of one shard: what a version in consensus holds, and its transitions.
+
+A :class:`ShardState` is one version of a shard's metadata (the seed persist-client's
+``State``): its identity and Arrow schemas, the flattened Spine :class:`~persist.spine.Trace`
+(which carries the shard's ``since`` and ``upper``), the leased readers with their since
+holds, the writers, and the counter of the shard's *retired* collection (blob keys a
+compaction stopped referencing, waiting for GC, kept by consensus beside the state so that
+the state stays small however many parts wait for their grace period).  Versions
+are numbered by ``seqno``; consensus (:mod:`persist.consensus`) stores them.
+
+Invariants kept here (every transition keeps them or raises before changing anything):
+
+* ``since`` and ``upper`` are the trace's; ``upper`` only advances (the trace only takes
+  the batch starting at its upper) and ``since`` only advances;
+* while at least one reader is registered, the shard's ``since`` is ``<=`` the meet
+  (the earliest) of the live readers' since holds: a reader's hold is never passed; a
+  reader's hold only advances; a new reader's hold starts at the shard's since;
+* a reader or writer whose last heartbeat is older than its lease duration is expired and
+  dropped by :meth:`ShardState.expire_leases` (its hold stops holding the since back);
+* a transition that stops referencing blob keys lists them in ``retire_adds`` (key ->
+  wall-clock ms), one that lets GC forget deleted ones in ``retire_removes``; consensus
+  writes them to the retired collection in the same atomic append as the new version and
+  bumps ``retired_upper`` (that collection's upper) in it; these two maps are transient
+  (never serialised, empty in every published version);
+* the readable JSON forms round-trip exactly: :meth:`ShardState.to_entries` /
+  :meth:`ShardState.from_entries` (one JSON value per component, so that consensus can
+  store a new version as the few entries that changed) and :meth:`ShardState.to_json` /
+  :meth:`ShardState.from_json` (one document, for ``persist inspect --json``).
+
+Sources of the ideas: the seed persist engine's ``AppliedState`` (``000``/``001``), the
+Spine's flattened trace (``002``), the persist-client batch and lease handling (``004``).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pyarrow as pa
+
+from persist.errors import InvalidUsage, PersistError
+from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
+from persist.types import HollowBatch
+from stash import Antichain
+
+__all__ = [
+    "LeaseExpired",
+    "ReaderState",
+    "ShardState",
+    "WriterState",
+    "schema_from_json",
+    "schema_to_json",
+]
+
+# Entry keys of the flattened state (see ShardState.to_entries).
+_SHARD = "shard"
+_META = "meta"
+_TRACE_MAPS = ("hollow_batches", "spine_batches")
+_READER = "reader/"
+_WRITER = "writer/"
+
+
+class LeaseExpired(InvalidUsage):
+    """A reader or writer handle was used after its lease expired (it was dropped from the
+    shard state because it did not heartbeat within its lease duration).
+
+    Attributes: ``shard_id`` (str), ``handle_id`` (str).
+    """
+
+    def __init__(self, shard_id: str, handle_id: str, what: str = "reader") -> None:
+        self.shard_id = shard_id
+        self.handle_id = handle_id
+        super().__init__(
+            f"{what} {handle_id} of shard {shard_id} is not registered: its lease expired "
+            "(no heartbeat within the lease duration) or it was expired"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_json_cached(schema: pa.Schema) -> str:
+    return json.dumps(_schema_to_json(schema))
+
+
+def schema_to_json(schema: pa.Schema) -> dict[str, Any]:
+    """A readable and exact JSON form of an Arrow schema: ``{"fields": ["name: type", ...],
+    "ipc": base64 of the Arrow IPC schema message}`` (``fields`` is informational)."""
+    out: dict[str, Any] = json.loads(_schema_json_cached(schema))
+    return out
+
+
+def _schema_to_json(schema: pa.Schema) -> dict[str, Any]:
+    return {
+        "fields": [f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in schema],
+        "ipc": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
+    }
+
+
+def schema_from_json(d: Mapping[str, Any]) -> pa.Schema:
+    """Inverse of :func:`schema_to_json`.
+
+    Raises:
+        PersistError: the IPC bytes are not an Arrow schema.
+    """
+    try:
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["ipc"])))
+    except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
+        raise PersistError(f"stored schema is not a valid Arrow IPC schema: {e}") from e
+
+
+@dataclass(frozen=True)
+class ReaderState:
+    """A leased reader (the seed's ``LeasedReaderState``).
+
+    Attributes:
+        since: the reader's since hold: the shard's since never passes it.
+        last_heartbeat_ms: wall-clock time (ms since the epoch) of its last heartbeat.
+        lease_duration_ms: the reader is expired once ``now > last_heartbeat_ms +
+            lease_duration_ms``.
+        purpose: a free-form description (``"read handle"``, ``"listen"``, ...).
+    """
+
+    since: Antichain
+    last_heartbeat_ms: int
+    lease_duration_ms: int
+    purpose: str = ""
+
+    def expired(self, now_ms: int) -> bool:
+        """True when the lease ran out at ``now_ms``."""
+        return now_ms > self.last_heartbeat_ms + self.lease_duration_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "since": self.since.to_json(),
+            "last_heartbeat_ms": self.last_heartbeat_ms,
+            "lease_duration_ms": self.lease_duration_ms,
+            "purpose": self.purpose,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ReaderState:
+        return cls(
+            Antichain.from_json(d["since"]),
+            int(d["last_heartbeat_ms"]),
+            int(d["lease_duration_ms"]),
+            str(d.get("purpose", "")),
+        )
+
+
+@dataclass(frozen=True)
+class WriterState:
+    """A writer (the seed's ``WriterState``).
+
+    Attributes:
+        last_heartbeat_ms: wall-clock time (ms) of its last append or heartbeat.
+        lease_duration_ms: the writer is dropped once its lease runs out.
+        last_token: the idempotency token of the writer's last committed append, used to
+            learn the outcome of an append whose commit was indeterminate.
+    """
+
+    last_heartbeat_ms: int
+    lease_duration_ms: int
+    last_token: str | None = None
+
+    def expired(self, now_ms: int) -> bool:
+        """True when the lease ran out at ``now_ms``."""
+        return now_ms > self.last_heartbeat_ms + self.lease_duration_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "last_heartbeat_ms": self.last_heartbeat_ms,
+            "lease_duration_ms": self.lease_duration_ms,
+            "last_token": self.last_token,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> WriterState:
+        tok = d.get("last_token")
+        return cls(
+            int(d["last_heartbeat_ms"]),
+            int(d["lease_duration_ms"]),
+            None if tok is None else str(tok),
+        )
+
+
+@dataclass
+class ShardState:
+    """One version of a shard's state.  Mutable: transitions change it in place, so callers
+    work on a :meth:`clone` and publish it by compare-and-set.
+
+    Attributes:
+        shard_id: ``"s"`` + a UUID.
+        name: the shard's registered name.
+        key_schema, value_schema: the Arrow schemas of the key and value columns.
+        seqno: the version number in consensus (``-1`` before the first version).
+        trace: the Spine holding the batches, ``since`` and ``upper``.
+        readers: reader id -> :class:`ReaderState`.
+        writers: writer id -> :class:`WriterState`.
+        retired_upper: the upper of the shard's retired collection (see the module
+            docstring).
+        retire_adds, retire_removes: transient (not serialised) changes to the retired
+            collection made by this transition: blob key -> retirement ms.
+    """
+
+    shard_id: str
+    name: str
+    key_schema: pa.Schema
+    value_schema: pa.Schema
+    seqno: int = -1
+    trace: Trace = field(default_factory=Trace)
+    readers: dict[str, ReaderState] = field(default_factory=dict)
+    writers: dict[str, WriterState] = field(default_factory=dict)
+    retired_upper: int = 0
+    retire_adds: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    retire_removes: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    # ----------------------------------------------------------------- reading
+    @property
+    def since(self) -> Antichain:
+        """The shard's since (the trace's)."""
+        return self.trace.since
+
+    @property
+    def upper(self) -> Antichain:
+        """The shard's upper (the trace's)."""
+        return self.trace.upper
+
+    def clone(self) -> ShardState:
+        """An independent copy (batches and frontiers are immutable and shared)."""
+        return replace(
+            self,
+            trace=self.trace.copy(),
+            readers=dict(self.readers),
+            writers=dict(self.writers),
+            retire_adds={},
+            retire_removes={},
+        )
+
+    def batches(self) -> list[HollowBatch]:
+        """The trace's hollow batches, oldest first."""
+        return list(self.trace.batches())
+
+    def referenced_blob_keys(self) -> set[str]:
+        """Blob keys of every part the trace references (inline parts have none)."""
+        return {p.key for b in self.trace.batches() for p in b.parts if p.key is not None}
+
+    def inline_bytes(self) -> int:
+        """Total size (bytes) of the inline parts held in this state."""
+        return sum(
+            p.encoded_size_bytes
+            for b in self.trace.batches()
+            for p in b.parts
+            if p.inline is not None
+        )
+
+    def blob_bytes(self) -> int:
+        """Total size (bytes) of the blob parts the trace references."""
+        return sum(
+            p.encoded_size_bytes for b in self.trace.batches() for p in b.parts if p.key is not None
+        )
+
+    def num_parts(self) -> int:
+        """Number of parts (inline and blob) the trace references."""
+        return sum(len(b.parts) for b in self.trace.batches())
+
+    # ------------------------------------------------------------ transitions
+    def register_reader(
+        self,
+        reader_id: str,
+        now_ms: int,
+        lease_ms: int,
+        purpose: str = "",
+        since: Antichain | None = None,
+    ) -> Antichain:
+        """Add a reader holding ``since`` (default: the shard's current since); returns
+        its hold.
+
+        Raises:
+            InvalidUsage: ``since`` is before the shard's since.
+        """
+        hold = self.since if since is None else since
+        if not self.since <= hold:
+            raise InvalidUsage(
+                f"reader {reader_id} of shard {self.shard_id} cannot hold since {hold}: "
+                f"the shard's since is already {self.since}"
+            )
+        self.readers[reader_id] = ReaderState(hold, now_ms, lease_ms, purpose)
+        return hold
+
+    def reader(self, reader_id: str) -> ReaderState:
+        """The reader's state.
+
+        Raises:
+            LeaseExpired: the reader is not registered (expired or never registered).
+        """
+        r = self.readers.get(reader_id)
+        if r is None:
+            raise LeaseExpired(self.shard_id, reader_id)
+        return r
+
+    def heartbeat_reader(self, reader_id: str, now_ms: int) -> None:
+        """Renew the reader's lease.
+
+        Raises:
+            LeaseExpired: the reader is not registered.
+        """
+        r = self.reader(reader_id)
+        self.readers[reader_id] = replace(r, last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms))
+
+    def downgrade_reader_since(self, reader_id: str, since: Antichain, now_ms: int) -> bool:
+        """Advance the reader's since hold to ``since`` (and heartbeat); the shard's since
+        follows the meet of the holds.  Returns whether anything changed.
+
+        Raises:
+            LeaseExpired: the reader is not registered.
+            InvalidUsage: ``since`` is earlier than the reader's current hold.
+        """
+        r = self.reader(reader_id)
+        if not r.since <= since:
+            raise InvalidUsage(
+                f"reader {reader_id} of shard {self.shard_id} cannot move its since "
+                f"backwards from {r.since} to {since}"
+            )
+        changed = since != r.since or now_ms > r.last_heartbeat_ms
+        self.readers[reader_id] = replace(
+            r, since=since, last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms)
+        )
+        return self._recompute_since() or changed
+
+    def expire_reader(self, reader_id: str) -> bool:
+        """Drop the reader (its hold is released).  Returns whether it was registered."""
+        if self.readers.pop(reader_id, None) is None:
+            return False
+        self._recompute_since()
+        return True
+
+    def expire_writer(self, writer_id: str) -> bool:
+        """Drop the writer.  Returns whether it was registered."""
+        return self.writers.pop(writer_id, None) is not None
+
+    def expire_leases(self, now_ms: int, keep: Iterable[str] = ()) -> bool:
+        """Drop readers and writers whose lease ran out at ``now_ms`` (except the ids in
+        ``keep``, the caller's own handles).  Returns whether anything changed."""
+        keep_set = set(keep)
+        dead_r = [
+            rid for rid, r in self.readers.items() if r.expired(now_ms) and rid not in keep_set
+        ]
+        dead_w = [
+            wid for wid, w in self.writers.items() if w.expired(now_ms) and wid not in keep_set
+        ]
+        for rid in dead_r:
+            del self.readers[rid]
+        for wid in dead_w:
+            del self.writers[wid]
+        if dead_r:
+            self._recompute_since()
+        return bool(dead_r or dead_w)
+
+    def _recompute_since(self) -> bool:
+        """Advance the trace's since to the meet of the readers' holds (never backwards;
+        with no reader the since stays where it is).  Returns whether it moved."""
+        if not self.readers:
+            return False
+        holds = iter(self.readers.values())
+        meet = next(holds).since
+        for r in holds:
+            meet = meet.meet(r.since)
+        if self.trace.since < meet:
+            self.trace.downgrade_since(meet)
+            return True
+        return False
+
+    def append_batch(
+        self, batch: HollowBatch, writer_id: str, token: str, now_ms: int, lease_ms: int
+    ) -> list[FueledMergeReq]:
+        """Push ``batch`` (which must start at the upper) into the trace and record the
+        writer's heartbeat and idempotency ``token``.  Returns the Spine's merge requests.
+
+        Raises:
+            InvalidUsage: the batch does not start at the upper, or is empty in time
+                (nothing changes).
+        """
+        try:
+            reqs = self.trace.push_batch(batch)
+        except ValueError as e:
+            raise InvalidUsage(f"cannot append to shard {self.shard_id}: {e}") from e
+        self.writers[writer_id] = WriterState(now_ms, lease_ms, token)
+        return reqs
+
+    def heartbeat_writer(self, writer_id: str, now_ms: int, lease_ms: int) -> None:
+        """Register or renew a writer, keeping its last token."""
+        w = self.writers.get(writer_id)
+        tok = None if w is None else w.last_token
+        self.writers[writer_id] = WriterState(now_ms, lease_ms, tok)
+
+    def apply_merge_res(self, res: FueledMergeRes, now_ms: int) -> ApplyMergeResult:
+        """Swap a compaction result into the trace; blob keys it stops referencing are
+        retired at ``now_ms`` (listed in ``retire_adds``, for GC after its grace period)."""
+        before = self.referenced_blob_keys()
+        result = self.trace.apply_merge_res(res)
+        if result.applied():
+            after = self.referenced_blob_keys()
+            for key in before - after:
+                self.retire_adds[key] = now_ms
+        return result
+
+    def contains_batch(self, batch: HollowBatch) -> bool:
+        """Whether the trace holds exactly this hollow batch (e.g. a merge result that
+        an earlier attempt already applied)."""
+        return any(b == batch for b in self.trace.batches())
+
+    def forget_retired(self, retired: Mapping[str, int]) -> bool:
+        """Remove retired keys (key -> retirement ms, exactly as stored) from the retired
+        collection, after GC deleted them.  Returns whether anything changed."""
+        self.retire_removes.update(retired)
+        return bool(retired)
+
+    # ------------------------------------------------------------------- JSON
+    def to_entries(self) -> dict[str, Any]:
+        """The state flattened into one JSON value per component, keyed by a path:
+
+        ``meta`` (``seqno``, ``since``, ``upper``, the trace's ``next_id`` and
+        ``fueling_merges``: what changes with every version, kept in one entry),
+        ``shard`` (id, name, schemas), ``trace/hollow_batches/<id>``,
+        ``trace/spine_batches/<id>``, ``reader/<id>``, ``writer/<id>``,
+        (retired keys live in their own collection).  A new version differs from the
+        previous one in
+        ``meta`` and the few components that changed, so consensus writes little.
+        """
+        t = self.trace.to_json()
+        meta = {k: v for k, v in t.items() if k not in _TRACE_MAPS}
+        meta["seqno"] = self.seqno
+        meta["retired_upper"] = self.retired_upper
+        out: dict[str, Any] = {
+            _META: meta,
+            _SHARD: {
+                "shard_id": self.shard_id,
+                "name": self.name,
+                "key_schema": schema_to_json(self.key_schema),
+                "value_schema": schema_to_json(self.value_schema),
+            },
+        }
+        for m in _TRACE_MAPS:
+            for k, v in t[m].items():
+                out[f"trace/{m}/{k}"] = v
+        for rid, r in self.readers.items():
+            out[_READER + rid] = r.to_json()
+        for wid, w in self.writers.items():
+            out[_WRITER + wid] = w.to_json()
+        return out
+
+    @classmethod
+    def from_entries(cls, entries: Mapping[str, Any]) -> ShardState:
+        """Inverse of :meth:`to_entries`.
+
+        Raises:
+            PersistError: an entry is missing or malformed.
+        """
+        seqno: object = "?"
+        try:
+            shard = entries[_SHARD]
+            trace_json: dict[str, Any] = dict(entries[_META])
+            seqno = trace_json.pop("seqno")
+            retired_upper = int(trace_json.pop("retired_upper", 0))
+            maps: dict[str, dict[str, Any]] = {m: {} for m in _TRACE_MAPS}
+            readers: dict[str, ReaderState] = {}
+            writers: dict[str, WriterState] = {}
+            for k, v in entries.items():
+                if k.startswith("trace/"):
+                    _, m, ident = k.split("/", 2)
+                    maps[m][ident] = v
+                elif k.startswith(_READER):
+                    readers[k[len(_READER) :]] = ReaderState.from_json(v)
+                elif k.startswith(_WRITER):
+                    writers[k[len(_WRITER) :]] = WriterState.from_json(v)
+                elif k not in (_SHARD, _META):
+                    raise ValueError(f"unknown state entry {k!r}")
+            trace_json.update(maps)
+            if isinstance(seqno, bool) or not isinstance(seqno, int):
+                raise ValueError(f"seqno {seqno!r} is not an int")
+            return cls(
+                shard_id=str(shard["shard_id"]),
+                name=str(shard["name"]),
+                key_schema=schema_from_json(shard["key_schema"]),
+                value_schema=schema_from_json(shard["value_schema"]),
+                seqno=seqno,
+                trace=Trace.from_json(trace_json),
+                readers=readers,
+                writers=writers,
+                retired_upper=retired_upper,
+            )
+        except PersistError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PersistError(f"malformed shard state at seqno {seqno}: {e}") from e
+
+    def to_json(self) -> dict[str, Any]:
+        """One readable JSON document of this version (for inspection)."""
+        return {
+            "seqno": self.seqno,
+            "shard_id": self.shard_id,
+            "name": self.name,
+            "since": self.since.to_json(),
+            "upper": self.upper.to_json(),
+            "key_schema": schema_to_json(self.key_schema),
+            "value_schema": schema_to_json(self.value_schema),
+            "trace": self.trace.to_json(),
+            "readers": {k: v.to_json() for k, v in sorted(self.readers.items())},
+            "writers": {k: v.to_json() for k, v in sorted(self.writers.items())},
+            "retired_upper": self.retired_upper,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ShardState:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            PersistError: the document is malformed.
+        """
+        try:
+            return cls(
+                shard_id=str(d["shard_id"]),
+                name=str(d["name"]),
+                key_schema=schema_from_json(d["key_schema"]),
+                value_schema=schema_from_json(d["value_schema"]),
+                seqno=int(d["seqno"]),
+                trace=Trace.from_json(d["trace"]),
+                readers={k: ReaderState.from_json(v) for k, v in d["readers"].items()},
+                writers={k: WriterState.from_json(v) for k, v in d["writers"].items()},
+                retired_upper=int(d.get("retired_upper", 0)),
+            )
+        except PersistError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PersistError(f"malformed shard state document: {e}") from e

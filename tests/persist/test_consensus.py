@@ -1,0 +1,286 @@
+"""Consensus on the stash, the shard state and its JSON forms, the state machine."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from persist.consensus import (
+    Consensus,
+    ShardMachine,
+    Stale,
+    new_shard_id,
+    validate_shard_id,
+    validate_shard_name,
+)
+from persist.errors import ConsensusError, InvalidUsage
+from persist.spine import FueledMergeRes
+from persist.state import LeaseExpired, ShardState
+from persist.types import Description, HollowBatch, PartRef
+from stash import Antichain, Stash, StashError
+
+KS = pa.schema([("k", pa.int64())])
+VS = pa.schema([("v", pa.string()), ("n", pa.float64())])
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def stash(request: pytest.FixtureRequest, tmp_path: Path) -> Stash:
+    url = "memory://" if request.param == "memory" else f"sqlite:///{tmp_path}/stash.db"
+    s = Stash.open(url, fenced=False)
+    yield s
+    s.close()
+
+
+def ac(t: int) -> Antichain:
+    return Antichain.from_elem(t)
+
+
+def texts(cons: Consensus, seqno: int, **extra: object) -> dict[str, str]:
+    d: dict[str, object] = {"meta": {"seqno": seqno}, **extra}
+    return {k: cons.encode(v) for k, v in d.items()}
+
+
+def test_head_and_compare_and_set(stash: Stash) -> None:
+    c = Consensus(stash)
+    sid = new_shard_id()
+    assert c.head(sid) is None
+    assert c.head_seqno(sid) is None
+    v0 = texts(c, 0, a={"x": 1}, b=[1, 2])
+    assert c.compare_and_set(sid, None, v0)
+    h = c.head(sid)
+    assert h is not None and h.seqno == 0 and h.data["a"] == {"x": 1}
+    assert h.texts == v0
+    # A second "first version" loses: nothing changes.
+    assert not c.compare_and_set(sid, None, texts(c, 0, a={"x": 2}))
+    v1 = texts(c, 1, a={"x": 3}, c="new")  # b removed, a changed, c added
+    assert c.compare_and_set(sid, 0, v1, v0)
+    # Stale expected seqno loses and commits nothing.
+    assert not c.compare_and_set(sid, 0, texts(c, 1, a={"x": 9}), v0)
+    h = c.head(sid)
+    assert h is not None and h.seqno == 1
+    assert h.data == {"meta": {"seqno": 1}, "a": {"x": 3}, "c": "new"}
+    assert c.head_seqno(sid) == 1
+    assert [v.seqno for v in c.scan(sid)] == [1]
+    with pytest.raises(InvalidUsage, match="meta"):
+        c.compare_and_set(sid, 1, {"a": "1"}, v1)
+
+
+def test_racing_compare_and_set_has_one_winner(stash: Stash) -> None:
+    c = Consensus(stash)
+    sid = new_shard_id()
+    v0 = texts(c, 0)
+    assert c.compare_and_set(sid, None, v0)
+    wins: list[int] = []
+    barrier = threading.Barrier(6)
+
+    def attempt(i: int) -> None:
+        barrier.wait()
+        if c.compare_and_set(sid, 0, texts(c, 1, who=i), v0):
+            wins.append(i)
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1
+    h = c.head(sid)
+    assert h is not None and h.seqno == 1 and h.data["who"] == wins[0]
+
+
+def test_old_versions_are_truncated_and_state_is_readable(stash: Stash) -> None:
+    c = Consensus(stash)
+    sid = new_shard_id()
+    m = ShardMachine(c, sid)
+    m.initialize(ShardState(sid, "orders", KS, VS))
+    for i in range(5):
+
+        def fn(st: ShardState, fresh: bool, i: int = i) -> tuple[None, bool]:
+            st.register_reader(f"r{i}", m.now_ms(), 60_000)
+            return None, True
+
+        m.apply(fn)
+    coll = c.collection(sid)
+    assert stash.since(coll) == ac(5) and stash.upper(coll) == ac(6)
+    c.truncate(sid)
+    rows = stash.iter(coll)
+    # Only the head version is left: one live row per entry, readable JSON.
+    assert all(d == 1 for _, _, d in rows)
+    keys = [k for (k, _), _, _ in rows]
+    assert len(keys) == len(set(keys))
+    by_key = {k: v for (k, v), _, _ in rows}
+    assert by_key["meta"]["seqno"] == 5
+    assert by_key["shard"]["name"] == "orders"
+    assert by_key["shard"]["key_schema"]["fields"] == ["k: int64"]
+    assert sorted(k for k in keys if k.startswith("reader/")) == [f"reader/r{i}" for i in range(5)]
+
+
+def test_registry(stash: Stash) -> None:
+    c = Consensus(stash)
+    a = c.register("orders", 1)
+    assert c.register("orders", 2) == a
+    assert c.lookup("orders") == a and c.lookup("nope") is None
+    ids: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def reg() -> None:
+        barrier.wait()
+        ids.append(c.register("customers", 3))
+
+    threads = [threading.Thread(target=reg) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == 1
+    assert c.shards() == {"customers": ids[0], "orders": a}
+    validate_shard_id(a)
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "a/b", ".hidden", "x" * 201, "a b", "é"])
+def test_shard_names_are_validated(bad: str) -> None:
+    with pytest.raises(InvalidUsage, match="shard name"):
+        validate_shard_name(bad)
+
+
+@pytest.mark.parametrize("bad", ["x", "s123", "S" + "0" * 36, "s../../etc"])
+def test_shard_ids_are_validated(bad: str) -> None:
+    with pytest.raises(InvalidUsage, match="shard id"):
+        validate_shard_id(bad)
+
+
+def _part(i: int, inline: bool) -> PartRef:
+    if inline:
+        return PartRef(None, 1, 3, "ab" * 32, inline=b"abc")
+    return PartRef(f"s/b/1-x/{i}.parquet", 10, 100, "cd" * 32)
+
+
+def _state_with_everything() -> ShardState:
+    sid = new_shard_id()
+    st = ShardState(sid, "orders", KS, VS)
+    for i in range(6):
+        hb = HollowBatch(Description(ac(i), ac(i + 1)), (_part(i, i % 2 == 0),), 1)
+        st.trace.push_batch(hb)
+    st.register_reader("r1", 1000, 60_000, "read handle")
+    st.heartbeat_writer("w1", 1000, 60_000)
+    st.retired_upper = 3
+    st.seqno = 7
+    return st
+
+
+def test_state_json_round_trips() -> None:
+    st = _state_with_everything()
+    assert ShardState.from_json(st.to_json()) == st
+    assert ShardState.from_entries(st.to_entries()) == st
+    assert st.inline_bytes() == 9 and st.blob_bytes() == 300
+    assert st.referenced_blob_keys() == {f"s/b/1-x/{i}.parquet" for i in (1, 3, 5)}
+
+
+def test_malformed_state_is_reported() -> None:
+    st = _state_with_everything()
+    entries = st.to_entries()
+    del entries["trace/hollow_batches/0-1"]
+    with pytest.raises(Exception, match="seqno 7"):
+        ShardState.from_entries(entries)
+
+
+def test_reader_leases_hold_the_since() -> None:
+    st = ShardState(new_shard_id(), "orders", KS, VS)
+    st.register_reader("a", now_ms=0, lease_ms=1000)
+    st.register_reader("b", now_ms=0, lease_ms=10_000)
+    st.downgrade_reader_since("a", ac(5), now_ms=10)
+    assert st.since == ac(0)  # b still holds 0
+    st.downgrade_reader_since("b", ac(3), now_ms=10)
+    assert st.since == ac(3)  # the meet of the holds
+    with pytest.raises(InvalidUsage, match="backwards"):
+        st.downgrade_reader_since("a", ac(4), now_ms=20)
+    # a's lease ran out long ago; b's did not: expiring a releases nothing below b.
+    assert st.expire_leases(now_ms=5000)
+    assert set(st.readers) == {"b"} and st.since == ac(3)
+    with pytest.raises(LeaseExpired):
+        st.heartbeat_reader("a", 5000)
+    st.downgrade_reader_since("b", ac(8), now_ms=5000)
+    assert st.since == ac(8)
+    st.expire_reader("b")
+    assert st.since == ac(8)  # no reader: the since stays
+    with pytest.raises(InvalidUsage, match="already"):
+        st.register_reader("c", 0, 10, since=ac(2))
+
+
+def test_machine_retries_lost_races_on_fresh_state(stash: Stash) -> None:
+    c = Consensus(stash)
+    sid = new_shard_id()
+    m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
+    m1.initialize(ShardState(sid, "orders", KS, VS))
+    m2.state()  # cache version 0
+
+    def add(name: str):  # type: ignore[no-untyped-def]
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            st.register_reader(name, m1.now_ms(), 60_000)
+            return None, True
+
+        return fn
+
+    m1.apply(add("one"))
+    m2.apply(add("two"))  # m2's cache is stale: it loses once, re-reads, re-applies
+    assert m2.metrics["cas_lost"] == 1
+    assert set(m1.fetch().readers) == {"one", "two"}
+    assert m1.fetch().seqno == 2
+
+    def fails_on_stale(st: ShardState, fresh: bool) -> tuple[None, bool]:
+        if "three" not in st.readers:
+            if not fresh:
+                raise Stale()
+            raise InvalidUsage("really not there")
+        return None, False
+
+    with pytest.raises(InvalidUsage, match="really"):
+        m1.apply(fails_on_stale)
+    assert m1.fetch().seqno == 2  # nothing committed
+
+
+class BrokenStash:
+    """A stash whose every call fails (determinately)."""
+
+    def __init__(self, inner: Stash) -> None:
+        self.inner = inner
+
+    def collection(self, *a: object, **k: object) -> object:
+        return self.inner.collection(*a, **k)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        def fail(*a: object, **k: object) -> None:
+            raise StashError("connection refused")
+
+        return fail
+
+
+def test_stash_failures_become_consensus_errors(stash: Stash) -> None:
+    c = Consensus(BrokenStash(stash), retries=2)  # type: ignore[arg-type]
+    sid = new_shard_id()
+    with pytest.raises(ConsensusError, match="connection refused") as e:
+        c.head(sid)
+    assert not e.value.is_indeterminate()
+
+
+def test_merge_results_retire_replaced_blob_keys() -> None:
+    st = _state_with_everything()
+    reqs = st.trace.all_fueled_merge_reqs()
+    if not reqs:
+        for i in range(6, 12):
+            reqs += st.trace.push_batch(
+                HollowBatch(Description(ac(i), ac(i + 1)), (_part(i, False),), 1)
+            )
+    assert reqs
+    req = reqs[0]
+    out = HollowBatch(req.desc, (PartRef("s/c/2-y/out.parquet", 1, 10, "ef" * 32),), 1)
+    before = st.referenced_blob_keys()
+    r = st.apply_merge_res(FueledMergeRes(out), now_ms=4242)
+    assert r.applied()
+    gone = before - st.referenced_blob_keys()
+    assert gone and st.retire_adds == {k: 4242 for k in gone}
+    assert "s/c/2-y/out.parquet" in st.referenced_blob_keys()
+    st.trace.validate()

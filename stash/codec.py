@@ -79,7 +79,8 @@ def _check_depth(value: Any, depth: int = 0) -> None:
 
 def canonical_json(value: Any) -> str:
     """Canonical JSON text: sorted keys, no spaces, UTF-8 kept, floats that are whole
-    numbers written as integers (so ``1.0`` and ``1`` are the same value, as in ``jsonb``).
+    numbers written as integers (so ``1.0`` and ``1`` are the same value, as in ``jsonb``,
+    which keeps a number's exact decimal).
 
     Raises:
         StashError: the value is not JSON (NaN, sets, objects, non-str keys, too deep,
@@ -105,7 +106,7 @@ def _normalize(value: Any) -> Any:
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
     if isinstance(value, float):
-        if value.is_integer() and abs(value) < 2**53:
+        if value.is_integer():
             return int(value)
         return value
     if isinstance(value, int):

@@ -73,6 +73,10 @@ def _check_depth(value: Any, depth: int = 0) -> None:
     elif isinstance(value, str):
         if "\x00" in value:
             raise StashError("value contains a NUL character (\\u0000), which is not allowed")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise StashError("value contains a lone surrogate, which is not valid UTF-8") from None
     elif value is not None and not isinstance(value, int | float | bool):
         raise StashError(f"value of type {type(value).__name__} is not JSON-encodable")
 
@@ -169,6 +173,10 @@ class IntCodec:
         return str(value)
 
     def decode(self, text: str) -> int:
+        try:
+            return int(text)  # the canonical form of an int is its decimal digits
+        except ValueError:
+            pass
         v = _loads(text, self.name)
         if isinstance(v, float) and v.is_integer():
             v = int(v)

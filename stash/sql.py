@@ -1,24 +1,36 @@
-"""The SQL backends of the stash (SQLite, the embedded default, and Postgres) through
-SQLAlchemy Core.
+"""The SQL backends of the stash: SQLite (the embedded default) here, Postgres in
+:mod:`stash.postgres`, both on a SQLAlchemy engine (pool, URL, dialect, alembic).
+
+Transactions run on the pool's DBAPI connections (``sqlite3`` / ``psycopg``) with
+hand-written SQL whose values are always bound parameters: the hot path of a stash is a
+handful of tiny statements, and SQLAlchemy's per-statement machinery cost more than the
+database did (see ``bench/bench_stash_append.py``).  The schema itself is SQLAlchemy
+metadata (:mod:`stash.schema`), created only by alembic.
 
 Invariants kept here:
 
 * every public stash method runs as one database transaction; writers on SQLite take the
   write lock up front (``BEGIN IMMEDIATE``), so a transaction never fails half-way on a
-  lock upgrade; transient failures ("database is locked", serialization failures, a lost
-  connection before COMMIT) are retried with jittered exponential backoff (tenacity)
-  until the retry budget is spent, so they never reach the caller while it lasts;
-* a COMMIT whose outcome cannot be known (the connection dropped during it) raises an
-  :class:`~stash.errors.IndeterminateError`, never success or plain failure;
+  lock upgrade;
+* transient failures ("database is locked", serialization failures and deadlocks, a
+  connection lost before COMMIT, a collection created concurrently) are retried, the
+  whole transaction again, with jittered exponential backoff (tenacity) until the retry
+  budget is spent, so they never reach the caller while it lasts;
+* a COMMIT whose outcome cannot be known raises an
+  :class:`~stash.errors.IndeterminateError`, never success or plain failure (Postgres
+  first asks the server what became of the transaction, see :mod:`stash.postgres`);
 * a fenced writable handle bumps ``fence.epoch`` at open and checks epoch and nonce in
-  every transaction (holding the fence row ``FOR SHARE`` on Postgres so a concurrent
-  fencing waits for it); an older handle then fails with a :class:`FenceError`;
-* SQL is built with SQLAlchemy Core: every value is a bound parameter;
-* the schema is only created by alembic; a database behind the head fails to open with
-  the revision found and the command to run, except that a writable SQLite stash
-  upgrades itself;
+  every transaction, before anything it writes; an older handle then fails with a
+  :class:`~stash.errors.FenceError`;
+* a database behind the alembic head fails to open with the revision found and the
+  command to run, except that a writable SQLite stash upgrades itself;
 * SQLite runs in WAL mode with ``synchronous=FULL`` by default; the database file is
-  created readable by its owner only.
+  created readable by its owner only;
+* savepoint mode runs on one private connection inside one transaction that is never
+  committed, against session-private (``TEMP``) copies of the stash tables taken at open:
+  other handles see nothing and are never blocked by its row locks;
+* no message, log line or repr carries a password (URLs go through
+  :func:`stash.url.safe_url`).
 
 Source of the idea: the seed's ``Sqlite`` and ``Postgres`` stash backends (``003``).
 """
@@ -29,11 +41,12 @@ import json
 import logging
 import os
 import secrets
+import sqlite3
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 import tenacity
@@ -43,29 +56,94 @@ from sqlalchemy.engine import URL
 
 from stash import schema
 from stash.base import Mode, Stash
-from stash.codec import canonical_json
 from stash.errors import FenceError, IndeterminateError, MigrationRequired, StashError
 from stash.migrate import alembic_config, current_revision
-from stash.schema import collections, data, fence, sinces, uppers
 from stash.txn import Row, Txn
 from stash.url import safe_url
+
+if TYPE_CHECKING:
+    from sqlalchemy.pool import PoolProxiedConnection
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
-IN_CHUNK = 500
 
-# Postgres SQLSTATEs that mean "run the transaction again".
-_PG_RETRY_STATES = {"40001", "40P01"}
+#: The stash tables, each with its columns in order (savepoint copies use them).
+TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "fence": ("epoch", "nonce"),
+    "collections": ("collection_id", "name", "key_codec", "value_codec"),
+    "data": ("collection_id", "key", "value", "time", "diff"),
+    "sinces": ("collection_id", "since"),
+    "uppers": ("collection_id", "upper"),
+}
 
 
 class _Transient(Exception):
-    """Internal: a transaction failed in a way that is safe to retry."""
+    """Internal: a transaction failed in a way that is safe to run again."""
 
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name if it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def fence_error(mine: int, found: int | None) -> FenceError:
+    """The unrecoverable error of a handle whose epoch ``mine`` was superseded."""
+    return FenceError(
+        f"stash fenced: this handle's epoch {mine} was superseded by epoch {found}; "
+        "another handle opened the stash with fenced=True"
+    )
+
+
+class _Ops:
+    """What differs between SQL backends: how a transaction begins, commits and fails.
+
+    One instance per :class:`SqlStash`; :class:`SqliteOps` here, ``PgOps`` in
+    :mod:`stash.postgres`.
+    """
+
+    name = "sql"
+
+    def txn(self, stash: SqlStash, dbc: Any, write: bool, savepoint: bool) -> SqlTxn:
+        """A primitive transaction on the DBAPI connection ``dbc``."""
+        raise NotImplementedError
+
+    def begin(self, dbc: Any, write: bool) -> None:
+        """Start a transaction on ``dbc`` (``write``: take the write lock up front)."""
+        raise NotImplementedError
+
+    def commit(self, stash: SqlStash, tx: SqlTxn, dbc: Any) -> None:
+        """Commit; raise :class:`_Transient` (not committed, run again),
+        :class:`IndeterminateError` (outcome unknown) or :class:`StashError`."""
+        raise NotImplementedError
+
+    def rollback(self, dbc: Any) -> None:
+        """Roll back whatever is open on ``dbc``; never raises."""
+        raise NotImplementedError
+
+    def is_lost(self, e: BaseException, dbc: Any) -> bool:
+        """Whether ``e`` means the connection is gone (never to be reused)."""
+        return False
+
+    def classify(self, e: BaseException, opening: bool) -> BaseException:
+        """Map a failure to :class:`_Transient` (retry), a :class:`StashError`, or ``e``
+        itself (a bug or an interrupt: re-raised as is)."""
+        raise NotImplementedError
+
+    def savepoint_open(self, dbc: Any) -> None:
+        """Start the never-committed transaction of a savepoint handle and copy the stash
+        tables into session-private temporary tables that shadow them."""
+        raise NotImplementedError
+
+    def execute(self, dbc: Any, sql: str) -> None:
+        """Run one parameterless statement (``SAVEPOINT`` and friends)."""
+        dbc.execute(sql)
 
 
 class SqlStash(Stash):
@@ -79,13 +157,19 @@ class SqlStash(Stash):
             ``EXTRA``, ``OFF``).
         busy_timeout: seconds SQLite waits on a lock before reporting busy (default 5).
         retry_budget: seconds of retries of transient failures before giving up
-            (default 60).
+            (default 60); also bounds how long Postgres is asked about a lost COMMIT.
         pool_size: connections kept per handle (default 5).
         auto_migrate: upgrade a database behind the alembic head at open (default: true
             for writable SQLite, false otherwise).
+        connect_timeout: Postgres: seconds to wait for a connection (default 10; an
+            integer >= 2, libpq's rule).
+        pre_ping: Postgres: test a pooled connection with a round trip before each
+            transaction (default false: a dead connection fails the transaction before
+            COMMIT, which is then run again on a new one, so the ping only costs time).
 
     Raises:
-        StashError: unreachable database, bad option, schema behind head.
+        StashError: unreachable database (at once, without retries), bad option, schema
+            behind head.
     """
 
     def __init__(
@@ -99,17 +183,25 @@ class SqlStash(Stash):
         retry_budget: float = 60.0,
         pool_size: int = 5,
         auto_migrate: bool | None = None,
+        connect_timeout: float = 10.0,
+        pre_ping: bool = False,
     ) -> None:
         super().__init__(mode, fenced)
         self._url = url
         self.backend = url.get_backend_name()
-        self.retry_budget = float(retry_budget)
+        try:
+            self.retry_budget = float(retry_budget)
+            pool_size = int(pool_size)
+        except (TypeError, ValueError):
+            raise StashError("retry_budget must be a number and pool_size an integer") from None
+        if self.retry_budget < 0 or pool_size < 1:
+            raise StashError("retry_budget must be >= 0 and pool_size >= 1")
         self._epoch: int | None = None
         self._nonce = b""
-        self._sp_conn: sa.Connection | None = None
-        self._sp_trans: sa.RootTransaction | None = None
+        self._sp_fairy: PoolProxiedConnection | None = None
         self._sp_lock = threading.RLock()
         self._opening = True  # a server that is down at open fails fast, without retries
+        self._ops: _Ops
         if self.backend == "sqlite":
             sync = str(synchronous).upper()
             if sync not in SYNCHRONOUS_MODES:
@@ -117,26 +209,25 @@ class SqlStash(Stash):
                     f"sqlite synchronous must be one of {list(SYNCHRONOUS_MODES)}, got {synchronous!r}"
                 )
             self.engine = _sqlite_engine(url, sync, float(busy_timeout), pool_size, mode)
+            self._ops = SqliteOps()
         else:
-            self.engine = sa.create_engine(
-                url,
-                pool_size=pool_size,
-                pool_pre_ping=True,
-                json_serializer=lambda v: v,
-                connect_args={"connect_timeout": 10},
+            from stash.postgres import PgOps, pg_engine
+
+            self.engine = pg_engine(
+                url, pool_size=pool_size, connect_timeout=connect_timeout, pre_ping=pre_ping
             )
+            self._ops = PgOps()
         try:
             if auto_migrate is None:
                 auto_migrate = self.backend == "sqlite" and mode == "writable"
             self._check_schema(auto_migrate)
             if mode == "savepoint":
-                self._sp_conn = self.engine.connect()
-                self._sp_trans = self._sp_conn.begin()
+                self._open_savepoint()
             if fenced and mode == "writable":
                 self._take_epoch()
             self._opening = False
         except BaseException:
-            self.engine.dispose()
+            self._close()
             raise
 
     def __repr__(self) -> str:
@@ -144,69 +235,61 @@ class SqlStash(Stash):
 
     # ------------------------------------------------------------ open helpers
     def _check_schema(self, auto_migrate: bool) -> None:
-        def check(conn: sa.Connection) -> None:
-            found = current_revision(conn)
-            if found == schema.SCHEMA_HEAD:
-                return
-            if not auto_migrate or found not in (None, *_older_revisions()):
-                raise MigrationRequired(
-                    f"database {safe_url(self._url)} is at schema revision "
-                    f"{found or 'none (empty database)'} but this code needs "
-                    f"{schema.SCHEMA_HEAD}; run: stash migrate '{safe_url(self._url)}'"
-                )
-            log.info("upgrading stash schema of %s from %s to %s", safe_url(self._url),
-                     found, schema.SCHEMA_HEAD)
-            command.upgrade(alembic_config(conn), "head")
+        def check() -> None:
+            with self.engine.connect() as conn:
+                conn.execution_options(stash_write=True)
+                with conn.begin():
+                    found = current_revision(conn)
+                    if found == schema.SCHEMA_HEAD:
+                        return
+                    if not auto_migrate or found not in (None, *_older_revisions()):
+                        raise MigrationRequired(
+                            f"database {safe_url(self._url)} is at schema revision "
+                            f"{found or 'none (empty database)'} but this code needs "
+                            f"{schema.SCHEMA_HEAD}; run: stash migrate '{safe_url(self._url)}'"
+                        )
+                    log.info(
+                        "upgrading stash schema of %s from %s to %s",
+                        safe_url(self._url),
+                        found,
+                        schema.SCHEMA_HEAD,
+                    )
+                    command.upgrade(alembic_config(conn), "head")
 
-        self._with_conn(True, check)
+        self._retrying(check)
 
     def _take_epoch(self) -> None:
         nonce = secrets.token_bytes(16)
-
-        def bump(conn: sa.Connection) -> int:
-            conn.execute(sa.update(fence).values(epoch=fence.c.epoch + 1, nonce=nonce))
-            return int(conn.execute(sa.select(fence.c.epoch)).scalar_one())
-
-        self._epoch = self._with_conn(True, bump)
+        self._epoch = self._run(True, lambda tx: _sql_txn(tx).bump_epoch(nonce))
         self._nonce = nonce
         log.info("stash %s: took leader epoch %d", safe_url(self._url), self._epoch)
 
-    def _with_conn(self, write: bool, fn: Callable[[sa.Connection], R]) -> R:
-        """Run ``fn`` on a plain connection in one transaction, with the retry policy."""
+    def _open_savepoint(self) -> None:
+        def open_sp() -> PoolProxiedConnection:
+            fairy = self.engine.raw_connection()
+            try:
+                self._ops.savepoint_open(fairy.driver_connection)
+            except BaseException:
+                fairy.invalidate()
+                fairy.close()
+                raise
+            return fairy
 
-        def attempt() -> R:
-            with self.engine.connect() as conn:
-                conn.execution_options(stash_write=write)
-                with conn.begin():
-                    return fn(conn)
-
-        return self._retrying(attempt)
+        self._sp_fairy = self._retrying(open_sp)
 
     # --------------------------------------------------------- transactions
-    def _classify(self, e: BaseException, during_commit: bool) -> BaseException:
-        """Map a driver error to a retry (``_Transient``) or a StashError."""
-        if isinstance(e, StashError):
-            return e
-        if not isinstance(e, sa.exc.DBAPIError):
-            return e
-        orig = e.orig if e.orig is not None else e
-        msg = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-        if self.backend == "sqlite":
-            low = msg.lower()
-            if "locked" in low or "busy" in low:
-                return _Transient(e)
-            return StashError(f"sqlite: {msg}")
-        state = getattr(orig, "sqlstate", None)
-        lost = e.connection_invalidated or isinstance(e, sa.exc.OperationalError) and state is None
-        if during_commit and lost:
-            return IndeterminateError(
-                f"postgres: connection lost during COMMIT; the outcome is unknown: {msg}"
-            )
-        if state in _PG_RETRY_STATES or (lost and not during_commit and not self._opening):
-            return _Transient(e)
-        return StashError(f"postgres: {msg}")
-
     def _retrying(self, attempt: Callable[[], R]) -> R:
+        """Run ``attempt`` until it returns or fails for good; transient failures are
+        retried with jittered exponential backoff within ``retry_budget`` seconds (the
+        first try runs without building a tenacity loop: that costs tens of microseconds)."""
+        try:
+            return self._classified(attempt)
+        except _Transient as t:
+            log.info(
+                "stash %s: transient failure, running the transaction again: %s",
+                safe_url(self._url),
+                first_line(_driver_error(t.cause)),
+            )
         retryer = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(_Transient),
             wait=tenacity.wait_random_exponential(multiplier=0.002, max=0.5),
@@ -216,81 +299,143 @@ class SqlStash(Stash):
         try:
             for at in retryer:
                 with at:
-                    try:
-                        return attempt()
-                    except _Transient:
-                        raise
-                    except BaseException as e:
-                        raise self._classify(e, getattr(e, "_stash_commit", False)) from None
+                    return self._classified(attempt)
         except _Transient as t:
             raise StashError(
-                f"{self.backend}: {t.cause.orig if isinstance(t.cause, sa.exc.DBAPIError) else t.cause}"
+                f"{self._ops.name}: {first_line(_driver_error(t.cause))}"
                 f" (gave up after retrying for {self.retry_budget:g} s)"
             ) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _classified(self, attempt: Callable[[], R]) -> R:
+        """One try; failures come out as :class:`_Transient`, a :class:`StashError`, or
+        (bugs, interrupts) as they were."""
+        try:
+            return attempt()
+        except _Transient:
+            raise
+        except BaseException as e:
+            c = self._ops.classify(e, self._opening)
+            if c is e:
+                raise
+            raise c from None
+
     def _run(self, write: bool, fn: Callable[[Txn], R]) -> R:
-        if self._sp_conn is not None:
-            return self._run_savepoint(fn)
+        if self._sp_fairy is not None:
+            return self._run_savepoint(write, fn)
+        return self._retrying(lambda: self._attempt(write, fn))
 
-        def attempt() -> R:
-            with self.engine.connect() as conn:
-                conn.execution_options(stash_write=write)
-                trans = conn.begin()
-                try:
-                    tx = SqlTxn(self, conn)
-                    if self._epoch is not None:
-                        tx.check_fence()
-                    result = fn(tx)
-                except BaseException:
-                    if trans.is_active:
-                        try:
-                            trans.rollback()
-                        except sa.exc.DBAPIError:
-                            pass
-                    raise
-                try:
-                    trans.commit()
-                except sa.exc.DBAPIError as e:
-                    e._stash_commit = True  # type: ignore[attr-defined]
-                    raise
-                return result
-
-        return self._retrying(attempt)
-
-    def _run_savepoint(self, fn: Callable[[Txn], R]) -> R:
-        assert self._sp_conn is not None
-        with self._sp_lock:
-            nested = self._sp_conn.begin_nested()
+    def _attempt(self, write: bool, fn: Callable[[Txn], R]) -> R:
+        """One try of a transaction on a pooled connection."""
+        ops = self._ops
+        fairy = self.engine.raw_connection()
+        dbc = fairy.driver_connection
+        try:
+            ops.begin(dbc, write)
             try:
-                result = fn(SqlTxn(self, self._sp_conn))
-            except BaseException as e:
-                nested.rollback()
-                raise self._classify(e, False) from None
-            nested.commit()
+                tx = ops.txn(self, dbc, write, False)
+                result = fn(tx)
+                tx.finish()
+            except BaseException:
+                ops.rollback(dbc)
+                raise
+            ops.commit(self, tx, dbc)
             return result
+        except BaseException as e:
+            cause = e.cause if isinstance(e, _Transient) else e
+            if ops.is_lost(cause, dbc) or isinstance(e, IndeterminateError):
+                fairy.invalidate()  # never hand a broken connection to the next caller
+            raise
+        finally:
+            fairy.close()
+
+    def _run_savepoint(self, write: bool, fn: Callable[[Txn], R]) -> R:
+        """One operation of a savepoint handle: a SAVEPOINT inside its open transaction,
+        released on success and rolled back to on failure (no retries: a lost connection
+        loses the savepoint's state, so it ends the handle's usefulness)."""
+        ops = self._ops
+        with self._sp_lock:
+            fairy = self._sp_fairy
+            if fairy is None:  # pragma: no cover - closed concurrently
+                raise StashError("stash handle is closed")
+            dbc = fairy.driver_connection
+            try:
+                ops.execute(dbc, "SAVEPOINT stash_op")
+                try:
+                    tx = ops.txn(self, dbc, write, True)
+                    result = fn(tx)
+                    tx.finish()
+                except BaseException:
+                    ops.execute(dbc, "ROLLBACK TO SAVEPOINT stash_op")
+                    ops.execute(dbc, "RELEASE SAVEPOINT stash_op")
+                    raise
+                ops.execute(dbc, "RELEASE SAVEPOINT stash_op")
+                return result
+            except BaseException as e:
+                cause = e.cause if isinstance(e, _Transient) else e
+                if ops.is_lost(cause, dbc):
+                    raise StashError(
+                        f"{ops.name}: the connection of this savepoint handle was lost, and "
+                        f"with it everything done through it: {first_line(_driver_error(cause))}"
+                    ) from None
+                c = ops.classify(cause, False)
+                if isinstance(c, _Transient):
+                    raise StashError(f"{ops.name}: {first_line(_driver_error(cause))}") from None
+                if c is cause:
+                    raise
+                raise c from None
 
     @contextmanager
-    def _txn(self, write: bool) -> Iterator[Txn]:  # pragma: no cover - _run is used
-        with self.engine.connect() as conn:
-            conn.execution_options(stash_write=write)
-            with conn.begin():
-                yield SqlTxn(self, conn)
+    def _txn(self, write: bool) -> Iterator[Txn]:
+        """One transaction without retries (``_run`` is what the stash uses)."""
+        fairy = self.engine.raw_connection()
+        dbc = fairy.driver_connection
+        try:
+            self._ops.begin(dbc, write)
+            tx = self._ops.txn(self, dbc, write, False)
+            try:
+                yield tx
+                tx.finish()
+            except BaseException:
+                self._ops.rollback(dbc)
+                raise
+            self._ops.commit(self, tx, dbc)
+        finally:
+            fairy.close()
 
     def _close(self) -> None:
-        if self._sp_conn is not None:
-            if self._sp_trans is not None and self._sp_trans.is_active:
-                self._sp_trans.rollback()
-            self._sp_conn.close()
-            self._sp_conn = None
+        fairy, self._sp_fairy = self._sp_fairy, None
+        if fairy is not None:
+            with self._sp_lock:
+                self._ops.rollback(fairy.driver_connection)
+                # The connection held the savepoint's temporary tables: never reuse it.
+                fairy.invalidate()
+                fairy.close()
         self.engine.dispose()
+
+
+def _driver_error(e: BaseException) -> BaseException:
+    """The DBAPI exception inside a SQLAlchemy wrapper (or ``e`` itself)."""
+    if isinstance(e, sa.exc.DBAPIError) and e.orig is not None:
+        return e.orig
+    return e
+
+
+def _sql_txn(tx: Txn) -> SqlTxn:
+    assert isinstance(tx, SqlTxn)
+    return tx
 
 
 def _older_revisions() -> tuple[str, ...]:
     return ()
 
 
-def _sqlite_engine(url: URL, sync: str, busy_timeout: float, pool_size: int, mode: Mode) -> sa.Engine:
+# ------------------------------------------------------------------- SQLite
+
+
+def _sqlite_engine(
+    url: URL, sync: str, busy_timeout: float, pool_size: int, mode: Mode
+) -> sa.Engine:
     assert url.database is not None
     path = Path(url.database).expanduser()
     if not path.exists():
@@ -327,162 +472,263 @@ def _sqlite_engine(url: URL, sync: str, busy_timeout: float, pool_size: int, mod
     return engine
 
 
-def _chunks(items: Sequence[Any], n: int = IN_CHUNK) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
+_SQLITE_IOERR = 10  # SQLITE_IOERR: the primary result code of every I/O failure
+
+
+class SqliteOps(_Ops):
+    """SQLite: ``BEGIN IMMEDIATE`` writers, busy means "run again"."""
+
+    name = "sqlite"
+
+    def txn(self, stash: SqlStash, dbc: Any, write: bool, savepoint: bool) -> SqlTxn:
+        tx = SqlTxn(stash, dbc, write)
+        if stash._epoch is not None and not savepoint:
+            tx.check_fence()
+        return tx
+
+    def begin(self, dbc: Any, write: bool) -> None:
+        dbc.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    def commit(self, stash: SqlStash, tx: SqlTxn, dbc: Any) -> None:
+        try:
+            dbc.execute("COMMIT")
+        except sqlite3.Error as e:
+            self.rollback(dbc)
+            low = str(e).lower()
+            if "locked" in low or "busy" in low:
+                raise _Transient(e) from None
+            if getattr(e, "sqlite_errorcode", 0) & 0xFF == _SQLITE_IOERR:
+                # An I/O error while writing or syncing the WAL: the commit frame may or
+                # may not have reached the disk.
+                raise IndeterminateError(
+                    f"sqlite: COMMIT failed with an I/O error; the outcome is unknown: "
+                    f"{first_line(e)}"
+                ) from None
+            raise StashError(f"sqlite: COMMIT failed: {first_line(e)}") from None
+
+    def rollback(self, dbc: Any) -> None:
+        try:
+            if dbc.in_transaction:
+                dbc.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+    def classify(self, e: BaseException, opening: bool) -> BaseException:
+        if isinstance(e, StashError):
+            return e
+        orig = _driver_error(e)
+        if isinstance(orig, UnicodeError):
+            return StashError(f"sqlite: a value is not valid Unicode text: {first_line(orig)}")
+        if not isinstance(orig, sqlite3.Error):
+            return e
+        low = first_line(orig).lower()
+        if "locked" in low or "busy" in low:
+            return _Transient(orig)
+        return StashError(f"sqlite: {first_line(orig)}")
+
+    def savepoint_open(self, dbc: Any) -> None:
+        dbc.execute("BEGIN")
+        for statement in _SQLITE_SAVEPOINT_DDL:
+            dbc.execute(statement)
+
+
+# Session-private copies of the stash tables for a savepoint handle (the temp schema is
+# searched before main, so the unqualified names of SqlTxn's statements resolve to them).
+_SQLITE_SAVEPOINT_DDL = (
+    "CREATE TEMP TABLE fence (epoch INTEGER NOT NULL, nonce BLOB NOT NULL)",
+    "INSERT INTO temp.fence (epoch, nonce) SELECT epoch, nonce FROM main.fence",
+    "CREATE TEMP TABLE collections (collection_id INTEGER PRIMARY KEY,"
+    " name TEXT NOT NULL UNIQUE, key_codec TEXT NOT NULL, value_codec TEXT NOT NULL)",
+    "INSERT INTO temp.collections (collection_id, name, key_codec, value_codec)"
+    " SELECT collection_id, name, key_codec, value_codec FROM main.collections",
+    "CREATE TEMP TABLE data (collection_id INTEGER NOT NULL, key TEXT NOT NULL,"
+    " value TEXT NOT NULL, time INTEGER NOT NULL, diff INTEGER NOT NULL)",
+    "INSERT INTO temp.data (collection_id, key, value, time, diff)"
+    " SELECT collection_id, key, value, time, diff FROM main.data",
+    "CREATE INDEX temp.data_collection_key ON data (collection_id, key)",
+    "CREATE INDEX temp.data_collection_time ON data (collection_id, time)",
+    "CREATE TEMP TABLE sinces (collection_id INTEGER PRIMARY KEY, since INTEGER)",
+    "INSERT INTO temp.sinces (collection_id, since) SELECT collection_id, since FROM main.sinces",
+    "CREATE TEMP TABLE uppers (collection_id INTEGER PRIMARY KEY, upper INTEGER)",
+    "INSERT INTO temp.uppers (collection_id, upper) SELECT collection_id, upper FROM main.uppers",
+)
+
+
+_SQLITE_PEEK = (
+    "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND time <= :ts"
+    " GROUP BY key, value HAVING sum(diff) <> 0"
+)
+# With a key, "+time" keeps SQLite (which has no statistics) off the (collection_id, time)
+# index: the (collection_id, key) index finds a key's few rows instead of scanning the
+# collection (and the per-key consolidation of every append stays O(rows of the key)).
+_SQLITE_PEEK_KEY = (
+    "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND +time <= :ts"
+    " AND key = :k GROUP BY key, value HAVING sum(diff) <> 0"
+)
+_SQLITE_GROUPS = (
+    "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND time <= :s"
+    " GROUP BY key, value HAVING count(*) > 1"
+)
+_SQLITE_GROUPS_KEY = (
+    "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND +time <= :s"
+    " AND key = :k GROUP BY key, value HAVING count(*) > 1"
+)
+_SQLITE_GROUPS_KEYS = (
+    "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND +time <= :s"
+    " AND key IN (SELECT value FROM json_each(:ks)) GROUP BY key, value HAVING count(*) > 1"
+)
 
 
 class SqlTxn:
-    """The primitives of :class:`stash.txn.Txn` on one SQLAlchemy connection.
+    """The primitives of :class:`stash.txn.Txn` on one SQLite connection (``sqlite3``,
+    named parameters).  :class:`stash.postgres.PgTxn` overrides them for Postgres.
 
     Frontiers read in the transaction are cached in it, so an ``append`` reads each
     collection's since and upper once.
+
+    Args:
+        stash: the handle (for its epoch and nonce).
+        dbc: the DBAPI connection, inside a transaction.
+        write: whether this is a write transaction.
     """
 
-    def __init__(self, stash: SqlStash, conn: sa.Connection) -> None:
+    def __init__(self, stash: SqlStash, dbc: Any, write: bool) -> None:
         self.stash = stash
-        self.conn = conn
-        self.pg = stash.backend == "postgresql"
+        self.dbc = dbc
+        self.write = write
         self._front: dict[int, list[int | None]] = {}
-        if self.pg:
-            self._key: Any = sa.cast(data.c.key, sa.Text)
-            self._value: Any = sa.cast(data.c.value, sa.Text)
-        else:
-            self._key, self._value = data.c.key, data.c.value
 
-    def _canon(self, text: str) -> str:
-        return canonical_json(json.loads(text)) if self.pg else text
+    def finish(self) -> None:
+        """Called once ``fn`` is done and before COMMIT (buffered work goes out here)."""
 
+    def _one(self, sql: str, params: dict[str, Any]) -> Any:
+        return self.dbc.execute(sql, params).fetchone()
+
+    # ----------------------------------------------------------------- fence
+    def check_fence(self) -> None:
+        mine = self.stash._epoch
+        if mine is None:
+            return
+        row = self._one("SELECT epoch, nonce FROM fence", {})
+        self._compare_fence(row)
+
+    def _compare_fence(self, row: Any) -> None:
+        mine = self.stash._epoch
+        if mine is None:
+            return
+        epoch, nonce = (None, None) if row is None else (int(row[0]), bytes(row[1]))
+        if (epoch, nonce) != (mine, self.stash._nonce):
+            raise fence_error(mine, epoch)
+
+    def bump_epoch(self, nonce: bytes) -> int:
+        """Take the next leader epoch with ``nonce``; return it."""
+        cur = self.dbc.execute("UPDATE fence SET epoch = epoch + 1, nonce = :n", {"n": nonce})
+        if cur.rowcount != 1:
+            raise StashError(
+                f"the fence table holds {cur.rowcount} rows instead of 1; the stash schema is damaged"
+            )
+        return int(self._one("SELECT epoch FROM fence", {})[0])
+
+    # ------------------------------------------------------------ collections
     def lookup_collection(self, name: str) -> tuple[int, str, str] | None:
-        row = self.conn.execute(
-            sa.select(collections.c.collection_id, collections.c.key_codec,
-                      collections.c.value_codec).where(collections.c.name == name)
-        ).first()
+        row = self._one(
+            "SELECT collection_id, key_codec, value_codec FROM collections WHERE name = :name",
+            {"name": name},
+        )
         return None if row is None else (int(row[0]), str(row[1]), str(row[2]))
 
     def create_collection(self, name: str, key_codec: str, value_codec: str) -> int:
-        res = self.conn.execute(
-            sa.insert(collections).values(name=name, key_codec=key_codec, value_codec=value_codec)
+        cur = self.dbc.execute(
+            "INSERT INTO collections (name, key_codec, value_codec) VALUES (:name, :k, :v)",
+            {"name": name, "k": key_codec, "v": value_codec},
         )
-        cid = int(res.inserted_primary_key[0])  # type: ignore[index]
-        self.conn.execute(sa.insert(sinces).values(collection_id=cid, since=0))
-        self.conn.execute(sa.insert(uppers).values(collection_id=cid, upper=0))
+        cid = int(cur.lastrowid)
+        self.dbc.execute("INSERT INTO sinces (collection_id, since) VALUES (:c, 0)", {"c": cid})
+        self.dbc.execute("INSERT INTO uppers (collection_id, upper) VALUES (:c, 0)", {"c": cid})
         self._front[cid] = [0, 0]
         return cid
 
     def list_collections(self) -> list[tuple[str, int, str, str]]:
-        rows = self.conn.execute(
-            sa.select(collections.c.name, collections.c.collection_id, collections.c.key_codec,
-                      collections.c.value_codec)
-        )
+        rows = self.dbc.execute(
+            "SELECT name, collection_id, key_codec, value_codec FROM collections"
+        ).fetchall()
         return [(str(n), int(i), str(k), str(v)) for n, i, k, v in rows]
 
+    # ------------------------------------------------------------- frontiers
     def lock(self, ids: Sequence[int]) -> None:
-        if self.pg and ids:
-            rows = self.conn.execute(
-                sa.select(uppers.c.collection_id, uppers.c.upper, sinces.c.since)
-                .join(sinces, sinces.c.collection_id == uppers.c.collection_id)
-                .where(uppers.c.collection_id.in_(list(ids)))
-                .order_by(uppers.c.collection_id)
-                .with_for_update(of=uppers)
-            )
-            for cid, upper, since in rows:
-                self._front[int(cid)] = [since, upper]
+        """SQLite writers hold the database's write lock already (``BEGIN IMMEDIATE``)."""
 
     def frontiers(self, cid: int) -> tuple[int | None, int | None]:
         f = self._front.get(cid)
         if f is None:
-            row = self.conn.execute(
-                sa.select(sinces.c.since, uppers.c.upper)
-                .join(uppers, uppers.c.collection_id == sinces.c.collection_id)
-                .where(sinces.c.collection_id == cid)
-            ).first()
+            row = self._one(
+                "SELECT s.since, u.upper FROM sinces s JOIN uppers u "
+                "ON u.collection_id = s.collection_id WHERE s.collection_id = :c",
+                {"c": cid},
+            )
             if row is None:
                 raise StashError(f"collection id {cid} does not exist")
             f = self._front[cid] = [row[0], row[1]]
         return f[0], f[1]
 
     def set_upper(self, cid: int, upper: int | None) -> None:
-        self.conn.execute(sa.update(uppers).where(uppers.c.collection_id == cid).values(upper=upper))
+        self.dbc.execute(
+            "UPDATE uppers SET upper = :u WHERE collection_id = :c", {"u": upper, "c": cid}
+        )
         self.frontiers(cid)
         self._front[cid][1] = upper
 
     def set_since(self, cid: int, since: int | None) -> None:
-        self.conn.execute(sa.update(sinces).where(sinces.c.collection_id == cid).values(since=since))
+        self.dbc.execute(
+            "UPDATE sinces SET since = :s WHERE collection_id = :c", {"s": since, "c": cid}
+        )
         self.frontiers(cid)
         self._front[cid][0] = since
 
+    # ------------------------------------------------------------------ rows
     def insert(self, cid: int, rows: Sequence[Row]) -> None:
         if rows:
-            self.conn.execute(
-                sa.insert(data),
-                [{"collection_id": cid, "key": k, "value": v, "time": t, "diff": d}
-                 for k, v, t, d in rows],
+            self.dbc.executemany(
+                "INSERT INTO data (collection_id, key, value, time, diff) VALUES (?, ?, ?, ?, ?)",
+                [(cid, k, v, t, d) for k, v, t, d in rows],
             )
 
     def rows(self, cid: int, key: str | None = None) -> list[Row]:
-        q = sa.select(self._key, self._value, data.c.time, data.c.diff).where(
-            data.c.collection_id == cid
-        )
-        if key is not None:
-            q = q.where(data.c.key == key)
-        c = self._canon
-        return [(c(k), c(v), int(t), int(d)) for k, v, t, d in self.conn.execute(q)]
+        if key is None:
+            cur = self.dbc.execute(
+                "SELECT key, value, time, diff FROM data WHERE collection_id = :c", {"c": cid}
+            )
+        else:
+            cur = self.dbc.execute(
+                "SELECT key, value, time, diff FROM data WHERE collection_id = :c AND key = :k",
+                {"c": cid, "k": key},
+            )
+        return [(k, v, int(t), int(d)) for k, v, t, d in cur.fetchall()]
 
     def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
-        total = sa.func.sum(data.c.diff)
-        q = (
-            sa.select(self._key, self._value, total)
-            .where(data.c.collection_id == cid, data.c.time <= ts)
-            .group_by(data.c.key, data.c.value)
-            .having(total != 0)
+        cur = self.dbc.execute(
+            _SQLITE_PEEK if key is None else _SQLITE_PEEK_KEY, {"c": cid, "ts": ts, "k": key}
         )
-        if key is not None:
-            q = q.where(data.c.key == key)
-        c = self._canon
-        return [(c(k), c(v), int(d)) for k, v, d in self.conn.execute(q)]
+        return [(k, v, int(d)) for k, v, d in cur.fetchall()]
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
         if since is None:
-            self.conn.execute(sa.delete(data).where(data.c.collection_id == cid))
+            self.dbc.execute("DELETE FROM data WHERE collection_id = :c", {"c": cid})
             return
-        groups: list[tuple[str, str, int]] = []
-        base = (
-            sa.select(self._key, self._value, sa.func.sum(data.c.diff))
-            .where(data.c.collection_id == cid, data.c.time <= since)
-            .group_by(data.c.key, data.c.value)
-            .having(sa.func.count() > 1)
-        )
-        c = self._canon
+        params: dict[str, Any] = {"c": cid, "s": since}
         if keys is None:
-            groups = [(c(k), c(v), int(d)) for k, v, d in self.conn.execute(base)]
+            statement = _SQLITE_GROUPS
+        elif len(keys) == 1:
+            statement = _SQLITE_GROUPS_KEY
+            params["k"] = next(iter(keys))
         else:
-            for chunk in _chunks(sorted(keys)):
-                q = base.where(data.c.key.in_(list(chunk)))
-                groups.extend((c(k), c(v), int(d)) for k, v, d in self.conn.execute(q))
+            statement = _SQLITE_GROUPS_KEYS
+            params["ks"] = json.dumps(sorted(keys))
+        groups = self.dbc.execute(statement, params).fetchall()
         if not groups:
             return
-        self.conn.execute(
-            sa.delete(data).where(
-                data.c.collection_id == cid,
-                data.c.key == sa.bindparam("k", type_=schema.JsonText),
-                data.c.value == sa.bindparam("v", type_=schema.JsonText),
-                data.c.time <= since,
-            ),
-            [{"k": k, "v": v} for k, v, _ in groups],
+        self.dbc.executemany(
+            "DELETE FROM data WHERE collection_id = ? AND key = ? AND value = ? AND +time <= ?",
+            [(cid, k, v, since) for k, v, _ in groups],
         )
-        self.insert(cid, [(k, v, since, d) for k, v, d in groups if d != 0])
-
-    def check_fence(self) -> None:
-        q = sa.select(fence.c.epoch, fence.c.nonce)
-        if self.pg:
-            q = q.with_for_update(read=True)
-        row = self.conn.execute(q).first()
-        epoch, nonce = (None, None) if row is None else (int(row[0]), bytes(row[1]))
-        mine = self.stash._epoch
-        if mine is None:
-            return
-        if (epoch, nonce) != (mine, self.stash._nonce):
-            raise FenceError(
-                f"stash fenced: this handle's epoch {mine} was superseded by epoch {epoch}"
-            )
+        self.insert(cid, [(k, v, since, int(d)) for k, v, d in groups if d != 0])

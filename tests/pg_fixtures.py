@@ -45,7 +45,7 @@ def _unavailable(reason: str) -> NoReturn:
     """Fail under CI, skip otherwise; never returns."""
     if in_ci():
         pytest.fail(f"PostgreSQL is required under CI but unavailable: {reason}", pytrace=False)
-    pytest.skip(f"PostgreSQL unavailable: {reason}")
+    pytest.skip(f"PostgreSQL unavailable (not CI, so skipped): {reason}")
 
 
 def _ensure_binaries() -> str | None:

@@ -61,7 +61,7 @@ def _ensure_java() -> str | None:
 def _unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"Spark is required in CI: {reason}", pytrace=False)
-    pytest.skip(f"Spark unavailable: {reason}")
+    pytest.skip(f"Spark unavailable (not CI, so skipped): {reason}")
 
 
 _SESSION: dict[str, Any] = {}

@@ -19,11 +19,14 @@ Invariants kept here:
 * a batch is *consumed* once appended (or turned into transmittable bytes): ``delete``
   of a consumed batch deletes nothing (its parts belong to the shard or to the holder of
   the bytes);
-* ``delete`` removes exactly the batch's blob parts (inline parts need nothing).
+* ``delete`` removes exactly the batch's blob parts (inline parts need nothing);
+* transmittable bytes carry a SHA-256 digest of their content: bytes damaged in transit
+  are refused with :class:`~persist.errors.InvalidUsage`, never appended (issue 7).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from typing import Any
@@ -39,6 +42,13 @@ log = logging.getLogger(__name__)
 
 #: Format tag of transmittable batches.
 TRANSMIT_FORMAT = "persist-batch-v1"
+
+
+def _digest(body: dict[str, Any]) -> str:
+    """SHA-256 hex of a transmittable batch's JSON body (keys sorted): a batch damaged in
+    transit (a flipped part key, bound or checksum) is refused instead of appended."""
+    text = json.dumps(body, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 class Batch:
@@ -181,7 +191,9 @@ class Batch:
             InvalidUsage: the batch was already consumed.
         """
         self._check_live("transmit")
-        data = json.dumps(self.to_json(), separators=(",", ":")).encode("utf-8")
+        body = self.to_json()
+        body["digest"] = _digest(body)
+        data = json.dumps(body, separators=(",", ":")).encode("utf-8")
         self._consumed = True
         return data
 
@@ -197,6 +209,9 @@ class Batch:
             d = json.loads(bytes(data).decode("utf-8"))
             if not isinstance(d, dict) or d.get("format") != TRANSMIT_FORMAT:
                 raise ValueError(f"format tag is not {TRANSMIT_FORMAT!r}")
+            digest = d.pop("digest", None)
+            if digest != _digest(d):
+                raise ValueError("its SHA-256 digest does not match (corrupted in transit)")
             hollow = HollowBatch.from_json(d["batch"])
             rf = d.get("rewrite_frontier")
             return cls(

@@ -122,9 +122,14 @@ class PersistClient:
         reader_lease_seconds, writer_lease_seconds: lease durations (seconds); a handle
             that does not heartbeat (any operation does) within it is expired by others.
         inline_max_bytes: a batch whose Parquet encoding is at most this many bytes is
-            kept inline in the state (no blob call).
+            kept inline in the state (no blob call). The default, 16 KiB, keeps one-row
+            appends of wide schemas inline (a one-row part of the 19-column flights
+            table is ~4 KiB of Parquet: schema and per-column metadata); compaction
+            outputs above it go to blob, so compaction moves inline data out as it
+            merges.
         inline_total_max_bytes: no new inline part while the state already holds this
-            many inline bytes (they go to blob instead).
+            many inline bytes (they go to blob instead); bounds the state's size when
+            compaction falls behind or is off.
         target_part_bytes: target in-memory size (bytes) of a part.
         write_workers, read_workers: threads for uploading / fetching parts.
         blob_retries, consensus_retries: attempts per blob / consensus call on transient
@@ -146,8 +151,8 @@ class PersistClient:
         compaction: CompactionMode = "background",
         reader_lease_seconds: float = 900.0,
         writer_lease_seconds: float = 3600.0,
-        inline_max_bytes: int = 4096,
-        inline_total_max_bytes: int = 256 * 1024,
+        inline_max_bytes: int = 16 * 1024,
+        inline_total_max_bytes: int = 1024 * 1024,
         target_part_bytes: int = DEFAULT_TARGET_PART_BYTES,
         write_workers: int = 2,
         read_workers: int = 4,

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from persist.consensus import ShardMachine, Stale
 from persist.errors import PersistError
-from persist.parts import consolidate, updates_schema, write_parts
+from persist.parts import consolidate_order, updates_schema, write_parts
 from persist.read import read_batches
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
 from persist.state import ShardState
@@ -117,18 +117,23 @@ class Compactor:
         inputs: list[HollowBatch] = [i.batch for i in req.inputs]
         table = read_batches(c.blob, inputs, updates_schema(ks, vs), max_workers=c.read_workers)
         rows_in = table.num_rows
-        table = consolidate(table, ks.names, vs.names, since=req.desc.since.as_option())
+        table, order = consolidate_order(
+            table, ks.names, vs.names, since=req.desc.since.as_option()
+        )
+        rows_out = table.num_rows if order is None else len(order)
         inline_max = c.inline_max_bytes if st.inline_bytes() < c.inline_total_max_bytes else 0
-        prefix = f"{machine.shard_id}/c/{machine.now_ms()}-{uuid.uuid4().hex[:16]}"
+        stem = f"{machine.now_ms()}-{uuid.uuid4().hex[:16]}-"  # flat keys, see persist.gc
         parts = write_parts(
             c.blob,
             table,
-            prefix,
+            f"{machine.shard_id}/c",
             target_part_bytes=c.target_part_bytes,
             inline_max_bytes=inline_max,
             max_workers=c.write_workers,
+            order=order,
+            name_prefix=stem,
         )
-        return FueledMergeRes(HollowBatch(req.desc, tuple(parts), table.num_rows)), rows_in
+        return FueledMergeRes(HollowBatch(req.desc, tuple(parts), rows_out)), rows_in
 
     def apply(self, machine: ShardMachine, results: list[FueledMergeRes]) -> list[ApplyMergeResult]:
         """Swap computed results into the shard's trace in one compare-and-set (retried

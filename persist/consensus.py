@@ -546,7 +546,16 @@ class ShardMachine:
         h = self.consensus.head(self.shard_id)
         if h is None:
             return None
-        st = ShardState.from_entries(h.data)
+        try:
+            st = ShardState.from_entries(h.data)
+        except PersistError as e:
+            if self.shard_id in str(e):
+                raise
+            raise PersistError(f"shard {self.shard_id}: {e}") from e
+        if st.shard_id != self.shard_id:
+            raise PersistError(
+                f"shard {self.shard_id}: its state is corrupt: it names shard {st.shard_id!r}"
+            )
         if st.seqno != h.seqno:  # pragma: no cover - both read the same entry
             raise ConsensusError(f"shard {self.shard_id}: seqno mismatch in state")
         return _Cache(st, h.data, h.texts)

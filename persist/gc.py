@@ -1,8 +1,11 @@
 """Garbage collection of a shard's blobs and consensus versions.
 
 Blob keys of a shard all start with ``<shard_id>/`` and name their creation time:
-``<shard_id>/<kind>/<unix ms>-<random>/<uuid>.parquet`` (``kind`` is ``b`` for batches
-written by writers, ``c`` for compaction outputs).  :func:`collect_garbage` deletes
+``<shard_id>/<kind>/<unix ms>-<random>-<uuid>.parquet`` (one flat directory per kind, so
+that an upload creates no directory; keys of the earlier layout
+``<shard_id>/<kind>/<unix ms>-<random>/<uuid>.parquet``, still written by Spark jobs,
+are understood too; ``kind`` is ``b`` for batches written by writers, ``c`` for
+compaction outputs).  :func:`collect_garbage` deletes
 
 * *retired* keys: parts a compaction replaced; the shard's retired collection records when
   each stopped being referenced, and it is deleted once that is older than the grace period (a reader that
@@ -46,7 +49,7 @@ def key_created_ms(key: str) -> int | None:
     """The creation time (unix ms) encoded in a part's blob key, or ``None`` if the key
     does not follow persist's layout."""
     segs = key.split("/")
-    if len(segs) < 4:
+    if len(segs) < 3:
         return None
     head = segs[2].split("-", 1)[0]
     return int(head) if head.isdigit() else None
@@ -63,6 +66,7 @@ class GcReport:
         kept_recent: unreferenced keys kept because they are younger than the grace.
         referenced: keys the latest state references.
         failed: keys whose deletion failed (tried again next time).
+        deleted_temporaries: temporary files of interrupted uploads deleted (FileBlob).
     """
 
     shard_id: str
@@ -71,6 +75,7 @@ class GcReport:
     kept_recent: int = 0
     referenced: int = 0
     failed: list[str] = field(default_factory=list)
+    deleted_temporaries: int = 0
 
 
 def collect_garbage(
@@ -133,5 +138,8 @@ def collect_garbage(
             return None, s.forget_retired(done)
 
         m.apply(fn)
+    sweep = getattr(client.raw_blob, "sweep_temporaries", None)
+    if sweep is not None:  # a FileBlob: uploads killed mid-write leave temporary files
+        report.deleted_temporaries = sweep(f"{shard_id}/", grace)
     client.consensus.truncate(shard_id)
     return report

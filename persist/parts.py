@@ -24,15 +24,20 @@ Invariants kept here:
   run's parts are row slices of one sorted table, so they stay sorted;
 * :func:`decode_part` never returns data whose SHA-256 differs from the
   :class:`~persist.types.PartRef`'s checksum: it raises
-  :class:`~persist.errors.CorruptPart` naming the part's key instead.
+  :class:`~persist.errors.CorruptPart` naming the part's key instead; :func:`read_parts`
+  either decodes verified bytes or, for an inline part whose very ``bytes`` object this
+  process encoded or already verified, returns the table cached for it
+  (:data:`INLINE_CACHE`), which is what decoding those bytes gives.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import threading
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -51,6 +56,7 @@ __all__ = [
     "DIFF",
     "TIME",
     "consolidate",
+    "consolidate_order",
     "decode_part",
     "encode_part",
     "make_part_ref",
@@ -69,6 +75,10 @@ DEFAULT_TARGET_PART_BYTES = 64 * _MIB
 #: A table at least twice this size (in-memory bytes) is split into ``max_workers`` parts
 #: so that they encode in parallel (pyarrow releases the GIL while encoding).
 MIN_PARALLEL_PART_BYTES = 8 * _MIB
+#: Parts at least this large (encoded bytes) are decoded by Arrow's thread pool.
+_THREADED_DECODE_MIN_BYTES = 1 * _MIB
+#: Parts of at most this many rows are encoded without dictionaries.
+_DICTIONARY_MIN_ROWS = 64
 #: Tables up to this many in-memory bytes are encoded whole first, to test for inlining.
 _INLINE_PROBE_BYTES = 256 * 1024
 
@@ -115,6 +125,12 @@ def updates_schema(key_schema: pa.Schema, value_schema: pa.Schema) -> pa.Schema:
             "key_schema and value_schema must be pyarrow.Schema, got "
             f"{type(key_schema).__name__} and {type(value_schema).__name__}"
         )
+    return _updates_schema(key_schema, value_schema)
+
+
+@functools.lru_cache(maxsize=256)
+def _updates_schema(key_schema: pa.Schema, value_schema: pa.Schema) -> pa.Schema:
+    """:func:`updates_schema` after the type check (cached: writers call it per append)."""
     seen: dict[str, str] = {}
     for role, schema in (("key", key_schema), ("value", value_schema)):
         for f in schema:
@@ -395,13 +411,17 @@ def _adjacent(
 # more values than there are rows are replaced by their dense rank. As many leading
 # columns as fit are packed into one uint64 word (most significant first), the rows are
 # sorted by that word with numpy, and only the rows tied on it are sorted by Arrow on
-# (tie run, remaining columns). Codes are computed by two threads (numpy and pyarrow
-# release the GIL), and the final gather (take) too.
+# (tie run, remaining columns). Codes are computed in the calling thread by default
+# (``_CODE_WORKERS``; threads were measured slower on a busy two-core machine), a
+# string/binary/decimal column is ranked only if its codes surely fit the bits left (a
+# dictionary encoding is wasted on a column that then does not fit), and the numpy sort
+# is a timsort when the word is nearly sorted already.
 
 #: Tables with fewer rows are sorted by Arrow's multi-column sort_indices directly.
 _CODES_MIN_ROWS = 20_000
-#: Threads computing column codes.
-_CODE_WORKERS = 2
+#: Threads computing column codes (1: measured faster than 2 threads on a busy two-core
+#: machine, since part of the work holds the GIL).
+_CODE_WORKERS = 1
 _U64_MAX = 2**64 - 1
 #: Bits packed into the first sort word (tests lower it to exercise tie resolution).
 _WORD_BITS = 64
@@ -526,6 +546,17 @@ def _column_codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, int]:
     return _rank_codes(arr)
 
 
+def _is_rank_coded(t: pa.DataType) -> bool:
+    """Whether :func:`_column_codes` codes this type by rank (dictionary encoding):
+    strings, binaries and decimals (bool is cheap and narrow)."""
+    return not (
+        pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_temporal(t)
+        or pa.types.is_boolean(t)
+    )
+
+
 def _bits(size: int) -> int:
     return (size - 1).bit_length()
 
@@ -541,30 +572,48 @@ def _first_word(columns: Sequence[pa.ChunkedArray | pa.Array]) -> tuple[np.ndarr
     word: np.ndarray | None = None
     used = 0
     covered = 0
-    with ThreadPoolExecutor(max_workers=max(1, _CODE_WORKERS)) as ex:
+
+    def add(codes: np.ndarray, size: int) -> bool:
+        """Pack one column's codes; False when they do not fit any more."""
+        nonlocal word, used, covered
+        bits = _bits(size)
+        if used + bits > _WORD_BITS:
+            return False
+        covered += 1
+        if bits == 0:
+            return True
+        if word is None:
+            word = codes.astype(np.uint64, copy=True)
+        else:
+            word <<= np.uint64(bits)
+            word |= codes
+        used += bits
+        return True
+
+    if _CODE_WORKERS <= 1:
+        n = len(columns[0]) if columns else 0
+        for col in columns:
+            if _is_rank_coded(col.type) and used + n.bit_length() > _WORD_BITS:
+                # Ranking (dictionary-encoding) a column costs a hash of every value and
+                # may not fit the bits left: stop here; rows tied on the word are sorted
+                # by Arrow on the remaining columns (cheap when ties are few).
+                break
+            if not add(*_column_codes(col)):
+                break
+        return word, covered
+    with ThreadPoolExecutor(max_workers=_CODE_WORKERS) as ex:
         pending: deque[Future[tuple[np.ndarray, int]]] = deque()
         nxt = 0
         while True:
-            while len(pending) < max(1, _CODE_WORKERS) and nxt < len(columns):
+            while len(pending) < _CODE_WORKERS and nxt < len(columns):
                 pending.append(ex.submit(_column_codes, columns[nxt]))
                 nxt += 1
             if not pending:
                 break
-            codes, size = pending.popleft().result()
-            bits = _bits(size)
-            if used + bits > _WORD_BITS:
+            if not add(*pending.popleft().result()):
                 for f in pending:
                     f.cancel()
                 break
-            covered += 1
-            if bits == 0:
-                continue
-            if word is None:
-                word = codes.astype(np.uint64, copy=True)
-            else:
-                word <<= np.uint64(bits)
-                word |= codes
-            used += bits
     return word, covered
 
 
@@ -582,7 +631,10 @@ def _codes_order(table: pa.Table, cols: Sequence[str]) -> tuple[np.ndarray, np.n
         order = np.arange(n, dtype=np.int64)
         tie = np.ones(n - 1, dtype=bool)
     else:
-        order = np.argsort(word)
+        # Timsort (numpy's stable kind) is several times faster on nearly sorted words
+        # (data appended in time order) and about half as fast on random ones.
+        descents = int(np.count_nonzero(word[1:] < word[:-1]))
+        order = np.argsort(word, kind="stable" if descents * 4 < n else "quicksort")
         first = word[order]
         tie = first[1:] == first[:-1]
     if not tie.any():
@@ -613,15 +665,11 @@ def _codes_order(table: pa.Table, cols: Sequence[str]) -> tuple[np.ndarray, np.n
     return order, same
 
 
-def _parallel_take(table: pa.Table, order: np.ndarray) -> pa.Table:
-    """``table.take(order)``, the two halves of ``order`` taken by two threads."""
-    n = len(order)
-    if _CODE_WORKERS <= 1 or n < 2 * _CODES_MIN_ROWS:
-        return table.take(pa.array(order))
-    half = n // 2
-    with ThreadPoolExecutor(max_workers=2) as ex:
-        halves = list(ex.map(table.take, [pa.array(order[:half]), pa.array(order[half:])]))
-    return pa.concat_tables(halves)
+def _take(table: pa.Table, order: np.ndarray) -> pa.Table:
+    """``table.take(order)`` (one gather; threads gathering halves were measured slower
+    on a busy two-core machine, and the write path gathers part by part in its encoding
+    threads instead, see :func:`write_parts`)."""
+    return table.take(pa.array(order, pa.int64()))
 
 
 def _sum_groups(diffs: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -661,7 +709,7 @@ def consolidate(
     recognised by comparing each row with its predecessor, column after column, and is
     not sorted again; otherwise small tables use Arrow's multi-column ``sort_indices``
     and large ones (at least 20,000 rows) a numpy sort of packed order-preserving
-    integer codes (see the comment above ``_CODES_MIN_ROWS``), using two threads.
+    integer codes (see the comment above ``_CODES_MIN_ROWS``).
     Groups of equal rows are adjacent after sorting and are summed with
     ``numpy.add.reduceat`` (no hashing).
 
@@ -679,6 +727,24 @@ def consolidate(
             rejects, ``_time``/``_diff`` are not non-null int64, or a diff sum
             overflows int64.
     """
+    table, order = consolidate_order(table, key_names, value_names, since)
+    return table if order is None else _take(table, order)
+
+
+def consolidate_order(
+    table: pa.Table,
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    since: int | None = None,
+) -> tuple[pa.Table, np.ndarray | None]:
+    """:func:`consolidate` without the final gather: returns ``(base, order)`` where the
+    consolidated updates are ``base`` if ``order`` is ``None``, else
+    ``base.take(order)`` (``order`` an int64 numpy array of row positions). Writers pass
+    ``order`` on to :func:`write_parts`, which gathers each part in its own encoding
+    thread instead of materialising the whole sorted table first.
+
+    Raises: as :func:`consolidate`.
+    """
     cols = [*key_names, *value_names, TIME]
     for c in [*cols, DIFF]:
         if table.schema.get_field_index(c) < 0:
@@ -694,19 +760,26 @@ def consolidate(
             )
     n = table.num_rows
     if n == 0:
-        return table
+        return table, None
+    if n == 1:  # one row (a one-row append): sorted, one group
+        if table.column(DIFF)[0].as_py() == 0:
+            return table.slice(0, 0), None
+        if since is not None and table.column(TIME)[0].as_py() < since:
+            i = table.schema.get_field_index(TIME)
+            table = table.set_column(i, table.schema.field(i), pa.array([since], pa.int64()))
+        return table, None
     if since is not None:
         times = table.column(TIME)
         if pc.min(times).as_py() < since:
             i = table.schema.get_field_index(TIME)
             advanced = pc.max_element_wise(times, pa.scalar(since, pa.int64()))
             table = table.set_column(i, table.schema.field(i), advanced)
+    order: np.ndarray | None = None
     if n > 1:
         in_order, same = _adjacent(table, cols, check_order=True)
         if not in_order:
             if n >= _CODES_MIN_ROWS:
                 order, same = _codes_order(table, cols)
-                table = _parallel_take(table, order)
             else:
                 arrow_order = pc.sort_indices(table, sort_keys=[(c, "ascending") for c in cols])
                 table = table.take(arrow_order)
@@ -717,16 +790,22 @@ def consolidate(
     if same is None or not same.any():
         zero = pc.equal(table.column(DIFF), 0)
         if pc.any(zero).as_py():
-            table = table.filter(pc.invert(zero))
-        return table
+            if order is None:
+                table = table.filter(pc.invert(zero))
+            else:
+                order = order[~_bools(zero)[order]]
+        return table, order
     starts = np.flatnonzero(np.concatenate(([True], ~same)))
     diffs = np.asarray(table.column(DIFF).to_numpy(), dtype=np.int64)
+    if order is not None:
+        diffs = diffs[order]
     sums = _sum_groups(diffs, starts)
     keep = sums != 0
-    out = table.take(pa.array(starts[keep]))
+    rows = starts[keep] if order is None else order[starts[keep]]
+    out = table.take(pa.array(rows, pa.int64()))
     return out.set_column(
         diff_index, table.schema.field(diff_index), pa.array(sums[keep], pa.int64())
-    )
+    ), None
 
 
 # -------------------------------------------------------------------------- parts
@@ -735,7 +814,8 @@ def consolidate(
 def encode_part(table: pa.Table) -> bytes:
     """Encode one part as Parquet bytes.
 
-    Settings chosen for speed: snappy compression, dictionary encoding on, statistics
+    Settings chosen for speed: snappy compression, dictionary encoding on (for parts of
+    more than ``_DICTIONARY_MIN_ROWS`` rows), statistics
     only for ``_time`` (min/max time of the part), the Arrow schema stored so that types
     such as ``large_string`` or time zones round-trip.
 
@@ -749,7 +829,9 @@ def encode_part(table: pa.Table) -> bytes:
             table,
             sink,
             compression="snappy",
-            use_dictionary=True,
+            # Dictionaries only pay off on more than a few rows; a one-row part without
+            # them encodes ~15% faster and is ~15% smaller (measured on flights).
+            use_dictionary=table.num_rows > _DICTIONARY_MIN_ROWS,
             write_statistics=stats,
             store_schema=True,
         )
@@ -792,6 +874,66 @@ def _part_name(ref: PartRef) -> str:
     return ref.key if ref.key is not None else "<inline>"
 
 
+class _InlineCache:
+    """Decoded inline parts, by the identity of their bytes (an LRU bounded in Arrow
+    bytes), so that a part this process encoded or verified is not parsed again, e.g. by
+    the compactor merging the one-row batches its writer just appended.
+
+    An entry holds the very ``bytes`` object of a :class:`PartRef`'s ``inline`` and the
+    table those bytes decode to; it answers only a ref carrying that same object. The
+    table was either encoded into those bytes (whose SHA-256 the ref was made with) or
+    decoded from them after their checksum was verified, so a hit returns exactly what
+    decoding the verified bytes would; a ref read anew from consensus (other bytes
+    objects) is verified and decoded. Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, tuple[bytes, pa.Table, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, ref: PartRef) -> pa.Table | None:
+        data = ref.inline
+        if data is None:
+            return None
+        with self._lock:
+            entry = self._entries.get(id(data))
+            if entry is None or entry[0] is not data:
+                return None
+            self._entries.move_to_end(id(data))
+            return entry[1]
+
+    def put(self, ref: PartRef, table: pa.Table) -> None:
+        data = ref.inline
+        if data is None or self.max_bytes <= 0:
+            return
+        size = table.get_total_buffer_size() + len(data)
+        if size > 4 * (table.nbytes + len(data)) + 4096 or size > self.max_bytes // 4:
+            # A slice of a larger table (caching it would pin the parent's buffers;
+            # copying it costs about what decoding does), or too big.
+            return
+        table = table.replace_schema_metadata(None)
+        with self._lock:
+            old = self._entries.pop(id(data), None)
+            if old is not None:
+                self._bytes -= old[2]
+            self._entries[id(data)] = (data, table, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes and self._entries:
+                _, (_, _, dropped) = self._entries.popitem(last=False)
+                self._bytes -= dropped
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+
+#: The process-wide cache of decoded inline parts (64 MiB of Arrow data at most).
+INLINE_CACHE = _InlineCache(64 * _MIB)
+
+
 def decode_part(data: bytes, ref: PartRef, columns: Sequence[str] | None = None) -> pa.Table:
     """Verify ``data`` against ``ref`` (size, SHA-256, row count) and parse it.
 
@@ -815,7 +957,12 @@ def decode_part(data: bytes, ref: PartRef, columns: Sequence[str] | None = None)
         raise CorruptPart(name, f"SHA-256 {digest} does not match the reference {ref.checksum}")
     try:
         pf = pq.ParquetFile(pa.BufferReader(data))
-        table = pf.read(columns=list(columns) if columns is not None else None)
+        table = pf.read(
+            columns=list(columns) if columns is not None else None,
+            # Arrow's column-parallel decoding only pays off on big parts; on small ones
+            # its task dispatch costs more than the decoding (~35% of a one-row part).
+            use_threads=len(data) >= _THREADED_DECODE_MIN_BYTES,
+        )
     except (pa.ArrowException, OSError, ValueError, KeyError, IndexError) as e:
         raise CorruptPart(name, f"not readable as Parquet: {str(e)[:300]}") from None
     if table.num_rows != ref.rows:
@@ -889,15 +1036,21 @@ def write_parts(
     target_part_bytes: int = DEFAULT_TARGET_PART_BYTES,
     inline_max_bytes: int = 4096,
     max_workers: int = 2,
+    order: np.ndarray | None = None,
+    name_prefix: str = "",
 ) -> list[PartRef]:
     """Encode ``table`` as Parquet parts and upload them; return their refs in order.
 
-    The table is written as given (consolidate it first for a sorted run). If its whole
+    The table is written as given (consolidate it first for a sorted run), or, with
+    ``order`` (an int64 numpy array of row positions, e.g. from
+    :func:`consolidate_order`), as ``table.take(order)``: each part is then gathered
+    by the thread that encodes it, so the whole reordered table never exists at once
+    and gathering overlaps encoding. If its whole
     encoding is at most ``inline_max_bytes`` it becomes one inline part (no blob call;
     seed ``004``'s inline writes). Otherwise it is split by :func:`split_for_parts` (at
     least ``max_workers`` parts when it holds at least ``2 * MIN_PARALLEL_PART_BYTES``)
     and the parts are encoded and uploaded by ``max_workers`` threads, each at key
-    ``f"{key_prefix}/{uuid}.parquet"``. An empty table gives ``[]``.
+    ``f"{key_prefix}/{name_prefix}{uuid}.parquet"``. An empty table gives ``[]``.
 
     If an upload fails, the keys already attempted are deleted best-effort (an orphan
     left by a failing delete is garbage to GC; no reference to it exists) and the error
@@ -908,11 +1061,14 @@ def write_parts(
         InvalidUsage: bad sizes, or the table cannot be encoded.
         BlobError: an upload failed (its outcome is indeterminate for that key).
     """
-    validate_key(f"{key_prefix}/x.parquet")
+    validate_key(f"{key_prefix}/{name_prefix}x.parquet")
     if inline_max_bytes < 0:
         raise InvalidUsage(f"inline_max_bytes must be >= 0, got {inline_max_bytes}")
     if max_workers < 1:
         raise InvalidUsage(f"max_workers must be >= 1, got {max_workers}")
+    if order is not None and len(order) != table.num_rows:
+        # A row subset or permutation: materialise the (rare) subset case.
+        table, order = _take(table, order), None
     n = table.num_rows
     if n == 0:
         return []
@@ -920,18 +1076,28 @@ def write_parts(
     min_parts = 1
     if max_workers > 1 and nbytes >= 2 * MIN_PARALLEL_PART_BYTES:
         min_parts = min(max_workers, nbytes // MIN_PARALLEL_PART_BYTES)
+    if order is not None and (min_parts == 1 or nbytes <= _INLINE_PROBE_BYTES):
+        table, order = _take(table, order), None  # one part: nothing to overlap
     pieces = split_for_parts(table, target_part_bytes, min_parts=min_parts)
     whole: bytes | None = None
-    if len(pieces) == 1 or nbytes <= _INLINE_PROBE_BYTES:
+    if order is None and (len(pieces) == 1 or nbytes <= _INLINE_PROBE_BYTES):
         whole = encode_part(table)
         if len(whole) <= inline_max_bytes:
-            return [make_part_ref(None, whole, n, inline=True)]
+            ref = make_part_ref(None, whole, n, inline=True)
+            INLINE_CACHE.put(ref, table)
+            return [ref]
         if len(pieces) > 1 and len(whole) <= target_part_bytes:
             pieces = [table]  # the whole encoding fits one part: reuse it
-    keys = [f"{key_prefix}/{uuid.uuid4().hex}.parquet" for _ in pieces]
+    keys = [f"{key_prefix}/{name_prefix}{uuid.uuid4().hex}.parquet" for _ in pieces]
+    # Row offsets of the pieces (slices of the table, or of ``order``).
+    starts = [0]
+    for p in pieces[:-1]:
+        starts.append(starts[-1] + p.num_rows)
 
     def upload(i: int) -> PartRef:
         piece = pieces[i]
+        if order is not None:
+            piece = _take(table, order[starts[i] : starts[i] + piece.num_rows])
         data = whole if whole is not None and len(pieces) == 1 else encode_part(piece)
         ref = make_part_ref(keys[i], data, piece.num_rows)
         blob.set(keys[i], data)
@@ -982,6 +1148,18 @@ def read_parts(
         return schema.empty_table()
 
     def fetch(ref: PartRef) -> pa.Table:
+        cached = INLINE_CACHE.get(ref)
+        if cached is not None:
+            try:
+                table = cached if columns is None else cached.select(list(columns))
+            except KeyError:
+                missing = [c for c in columns or () if c not in cached.column_names]
+                raise CorruptPart(_part_name(ref), f"has no column(s) {missing}") from None
+            if schema is not None and not table.schema.equals(schema):
+                have = ", ".join(f"{f.name}: {f.type}" for f in table.schema)
+                want = ", ".join(f"{f.name}: {f.type}" for f in schema)
+                raise CorruptPart(_part_name(ref), f"schema ({have}) does not match ({want})")
+            return table
         if ref.inline is not None:
             data = ref.inline
         else:
@@ -991,6 +1169,8 @@ def read_parts(
                 raise CorruptPart(ref.key, "the part is missing from the blob store")
             data = got
         table = decode_part(data, ref, columns)
+        if columns is None:
+            INLINE_CACHE.put(ref, table)  # verified: its checksum matched
         if schema is not None and not table.schema.equals(schema):
             have = ", ".join(f"{f.name}: {f.type}" for f in table.schema)
             want = ", ".join(f"{f.name}: {f.type}" for f in schema)

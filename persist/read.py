@@ -105,17 +105,24 @@ def read_batches(
         return table
     ti = table.schema.get_field_index(TIME)
     times = table.column(TIME)
-    floor_arr = np.repeat(np.asarray(floors, dtype=np.int64), np.asarray(rows, dtype=np.int64))
-    if len(floor_arr) == table.num_rows:
-        t_np = np.asarray(times.to_numpy(), dtype=np.int64)
-        if (t_np < floor_arr).any():
-            t_np = np.maximum(t_np, floor_arr)
-            times = pa.chunked_array([pa.array(t_np, pa.int64())])
-            table = table.set_column(ti, table.schema.field(ti), times)
+    mm = pc.min_max(times)
+    t_min, t_max = int(mm["min"].as_py()), int(mm["max"].as_py())
+    if t_min < max(floors):
+        # Some time may lie below its batch's floor: advance them (row-aligned floors).
+        floor_arr = np.repeat(np.asarray(floors, dtype=np.int64), np.asarray(rows, dtype=np.int64))
+        if len(floor_arr) == table.num_rows:
+            t_np = np.asarray(times.to_numpy(), dtype=np.int64)
+            if (t_np < floor_arr).any():
+                t_np = np.maximum(t_np, floor_arr)
+                times = pa.chunked_array([pa.array(t_np, pa.int64())])
+                table = table.set_column(ti, table.schema.field(ti), times)
+                t_min, t_max = int(t_np.min()), int(t_np.max())
+    # Filter only when some time may lie outside [lower, upper): a filter copies the
+    # whole table.
     mask = None
-    if lower is not None:
+    if lower is not None and t_min < lower:
         mask = pc.greater_equal(times, pa.scalar(lower, pa.int64()))
-    if upper is not None:
+    if upper is not None and t_max >= upper:
         m2 = pc.less(times, pa.scalar(upper, pa.int64()))
         mask = m2 if mask is None else pc.and_(mask, m2)
     if mask is not None:
@@ -144,6 +151,8 @@ def _as_time(x: int | Antichain, what: str) -> int:
         return t
     if isinstance(x, bool) or not isinstance(x, int):
         raise InvalidUsage(f"{what} must be an int time or an Antichain, got {type(x).__name__}")
+    if not -(2**63) <= x < 2**63:
+        raise InvalidUsage(f"{what} {x} is outside the i64 range of times")
     return x
 
 
@@ -152,6 +161,8 @@ def _as_frontier(x: int | Antichain, what: str) -> Antichain:
         return x
     if isinstance(x, bool) or not isinstance(x, int):
         raise InvalidUsage(f"{what} must be an Antichain or an int, got {type(x).__name__}")
+    if not -(2**63) <= x < 2**63:
+        raise InvalidUsage(f"{what} {x} is outside the i64 range of times")
     return Antichain.from_elem(x)
 
 

@@ -85,6 +85,20 @@ def _schema_json_cached(schema: pa.Schema) -> str:
     return json.dumps(_schema_to_json(schema))
 
 
+@functools.lru_cache(maxsize=256)
+def _shard_entry(
+    shard_id: str, name: str, key_schema: pa.Schema, value_schema: pa.Schema
+) -> dict[str, Any]:
+    """The ``shard`` entry of :meth:`ShardState.to_entries` (the same dict for the same
+    shard, so that versions compare it cheaply; do not mutate it)."""
+    return {
+        "shard_id": shard_id,
+        "name": name,
+        "key_schema": schema_to_json(key_schema),
+        "value_schema": schema_to_json(value_schema),
+    }
+
+
 def schema_to_json(schema: pa.Schema) -> dict[str, Any]:
     """A readable and exact JSON form of an Arrow schema: ``{"fields": ["name: type", ...],
     "ipc": base64 of the Arrow IPC schema message}`` (``fields`` is informational)."""
@@ -436,12 +450,7 @@ class ShardState:
         meta["retired_upper"] = self.retired_upper
         out: dict[str, Any] = {
             _META: meta,
-            _SHARD: {
-                "shard_id": self.shard_id,
-                "name": self.name,
-                "key_schema": schema_to_json(self.key_schema),
-                "value_schema": schema_to_json(self.value_schema),
-            },
+            _SHARD: _shard_entry(self.shard_id, self.name, self.key_schema, self.value_schema),
         }
         for m in _TRACE_MAPS:
             for k, v in t[m].items():

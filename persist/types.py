@@ -11,7 +11,8 @@ Invariants kept here:
 * a :class:`HollowBatch` lists its parts grouped into runs: ``runs`` holds the indexes in
   ``parts`` where each run after the first starts, and each run is sorted by
   (key, value, time);
-* all three are immutable and round-trip through JSON (``to_json`` / ``from_json``).
+* all three are immutable and round-trip through JSON (``to_json`` / ``from_json``); a
+  :class:`HollowBatch` computes its JSON once and returns the same (read-only) dict.
 
 Source of the idea: persist's ``Description`` and ``HollowBatch`` in the seeds
 (``002``, ``004``).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from stash import Antichain
@@ -134,6 +136,12 @@ class HollowBatch:
         return [self.parts[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if a < b]
 
     def to_json(self) -> dict[str, Any]:
+        """The JSON form; computed once per (immutable) batch and shared by every call,
+        so that a state version re-serialises only its new batches: do not mutate it."""
+        return self._json
+
+    @cached_property
+    def _json(self) -> dict[str, Any]:
         return {
             "desc": self.desc.to_json(),
             "parts": [p.to_json() for p in self.parts],

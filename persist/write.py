@@ -47,7 +47,13 @@ from persist.errors import (
     UpdateNotBeyondLower,
     UpperMismatch,
 )
-from persist.parts import TIME, consolidate, to_updates_table, updates_schema, write_parts
+from persist.parts import (
+    TIME,
+    consolidate_order,
+    to_updates_table,
+    updates_schema,
+    write_parts,
+)
 from persist.read import read_batch
 from persist.spine import FueledMergeReq
 from persist.state import ShardState
@@ -70,6 +76,8 @@ def _frontier(x: Antichain | int, what: str) -> Antichain:
         return x
     if isinstance(x, bool) or not isinstance(x, int):
         raise InvalidUsage(f"{what} must be an Antichain or an int, got {type(x).__name__}")
+    if not -(2**63) <= x < 2**63:
+        raise InvalidUsage(f"{what} {x} is outside the i64 range of times")
     return Antichain.from_elem(x)
 
 
@@ -129,6 +137,9 @@ class WriteHandle:
 
     # ------------------------------------------------------------------- writing
     def _key_prefix(self, kind: str = "b") -> str:
+        """The stem of a batch's blob keys, ``<shard_id>/<kind>/<unix ms>-<random>``;
+        its parts are ``<stem>-<uuid>.parquet`` (see :mod:`persist.gc`): one flat
+        directory per shard and kind, so an upload creates no directory."""
         return f"{self.shard_id}/{kind}/{self._machine.now_ms()}-{uuid.uuid4().hex[:16]}"
 
     def _inline_max(self) -> int:
@@ -141,19 +152,23 @@ class WriteHandle:
     def _normalize(self, updates: Updates) -> pa.Table:
         return to_updates_table(updates, self.key_schema, self.value_schema)
 
-    def _write_run(self, table: pa.Table, prefix: str) -> list[PartRef]:
-        """Consolidate (sort) ``table`` and write it as one run."""
-        table = consolidate(table, self.key_schema.names, self.value_schema.names)
-        if table.num_rows == 0:
+    def _write_run(self, table: pa.Table, stem: str) -> list[PartRef]:
+        """Consolidate (sort) ``table`` and write it as one run, its parts at keys
+        ``<stem>-<uuid>.parquet`` (``stem`` from :meth:`_key_prefix`)."""
+        table, order = consolidate_order(table, self.key_schema.names, self.value_schema.names)
+        if (table.num_rows if order is None else len(order)) == 0:
             return []
         c = self._client
+        directory, name = stem.rsplit("/", 1)
         return write_parts(
             c.blob,
             table,
-            prefix,
+            directory,
             target_part_bytes=c.target_part_bytes,
             inline_max_bytes=self._inline_max(),
             max_workers=c.write_workers,
+            order=order,
+            name_prefix=name + "-",
         )
 
     def builder(self, lower: Antichain | int) -> BatchBuilder:

@@ -283,8 +283,14 @@ class Stash(abc.ABC):
             PeekSinceUpperError: since is not less than upper.
         """
         kc, vc = collection.key_codec, collection.value_codec
-        out = [(kc.decode(k), vc.decode(v), d) for k, v, d in self._peek_raw(collection)]
-        out.sort(key=lambda e: (kc.sort_key(e[0]), vc.sort_key(e[1])))
+        rows = self._peek_raw(collection)
+        # Sort by key; only keys with several values need their values' sort keys.
+        rows.sort(key=lambda r: r[0])
+        dup = {rows[i][0] for i in range(1, len(rows)) if rows[i][0] == rows[i - 1][0]}
+        out = [(kc.decode(k), vc.decode(v), d) for k, v, d in rows]
+        if dup:
+            out.sort(key=lambda e: vc.sort_key(e[1]))
+        out.sort(key=lambda e: kc.sort_key(e[0]))
         return out
 
     def peek_one(self, collection: StashCollection[K, V]) -> dict[K, V]:

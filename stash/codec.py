@@ -123,8 +123,20 @@ def _normalize(value: Any) -> Any:
 def json_sort_key(value: Any) -> tuple[Any, ...]:
     """Total order over JSON values: null < false < true < numbers < strings < arrays <
     objects; arrays lexicographic; objects by their sorted (key, value) items."""
+    t = type(value)
+    if t is str:
+        return (3, value)
+    if t is int or t is float:
+        return (2, value)
+    if t is dict:
+        return (5, tuple([(k, json_sort_key(value[k])) for k in sorted(value)]))
+    if t is list or t is tuple:
+        return (4, tuple([json_sort_key(v) for v in value]))
     if value is None:
         return (0,)
+    if t is bool:
+        return (1, value)
+    # Subclasses of the JSON types.
     if isinstance(value, bool):
         return (1, value)
     if isinstance(value, int | float):

@@ -1,0 +1,262 @@
+"""Security campaign, persist side (issue 7):
+
+* shard names (and ids, and blob keys) that try to escape the blob root -- ``..``,
+  absolute paths, NUL, backslashes, very long names, hidden names -- are refused by
+  ``client.open`` (and every other entry point taking one) with an InvalidUsage naming
+  the rule, register nothing, and create no file anywhere;
+* the FileBlob's directories are ``0700`` and its files ``0600``, even under a permissive
+  umask, after writes, compaction and GC;
+* blob URIs carrying credentials (user info, query secrets) never appear in reprs, error
+  messages, logs or the ``persist`` command's output; neither does the stash password.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from campaign import record
+from click.testing import CliRunner
+
+from persist import (
+    FileBlob,
+    InvalidKey,
+    InvalidUsage,
+    PersistClient,
+    PersistError,
+    collect_garbage,
+    open_blob,
+)
+from persist.cli import main
+from stash import Stash
+
+KS = pa.schema([("k", pa.int64())])
+VS = pa.schema([("v", pa.string())])
+
+ESCAPES = [
+    "..",
+    "../escape",
+    "../../../../tmp/escape",
+    "a/../../escape",
+    "/etc/passwd",
+    "/tmp/escape",
+    "a/b",
+    "a\\..\\..\\escape",
+    "..\\escape",
+    "a\x00b",
+    "\x00",
+    "x" * 201,
+    "y" * 5000,
+    "",
+    ".hidden",
+    ".tmp-0123",
+    "~root",
+    "a b",
+    "name\n",
+    "file:///etc/passwd",
+    "ｆｕｌｌｗｉｄｔｈ",
+    "%2e%2e%2fescape",
+]
+
+BAD_KEYS = [
+    "..",
+    "../escape",
+    "a/../../escape",
+    "/etc/passwd",
+    "a\\..\\escape",
+    "a\x00b",
+    "",
+    ".hidden",
+    "a/.tmp-0123",
+    "a//b",
+    "a/",
+    "/",
+    "a/./b",
+    "z" * 256,
+    "a/" * 600,
+]
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def test_escaping_shard_names_are_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "blob"
+    refused = 0
+    with Stash.open(f"sqlite:///{tmp_path}/s.db", fenced=False) as stash:
+        client = PersistClient(stash, FileBlob(root), compaction="off", inline_max_bytes=0)
+        w, _ = client.open("legit", KS, VS)
+        w.compare_and_append([(((1,), ("x" * 100,)), 0, 1)], 0, 1)
+        shards_before, tree_before = client.shards(), _tree(tmp_path)
+        for name in ESCAPES:
+            for fn in (
+                lambda n=name: client.open(n, KS, VS),
+                lambda n=name: client.open_writer(n, KS, VS),
+                lambda n=name: client.open_reader(n, KS, VS),
+                lambda n=name: client.inspect(n),
+                lambda n=name: collect_garbage(client, n, grace_seconds=0),
+                lambda n=name: client.compactor.compact_once(n),
+                lambda n=name: client.machine(n),
+            ):
+                with pytest.raises(InvalidUsage) as e:
+                    fn()
+                msg = str(e.value)
+                assert "shard" in msg and ("name" in msg or "id" in msg), msg
+                assert "\x00" not in msg  # names are shown escaped
+                refused += 1
+        # Blob keys built from such names are refused before any I/O, too.
+        for key in BAD_KEYS:
+            for fn in (
+                lambda k=key: client.raw_blob.set(k, b"x"),
+                lambda k=key: client.raw_blob.get(k),
+                lambda k=key: client.raw_blob.delete(k),
+            ):
+                with pytest.raises(InvalidKey):
+                    fn()
+                refused += 1
+        assert client.shards() == shards_before
+        assert _tree(tmp_path) == tree_before, "a refused name created files"
+        assert not list(outside.iterdir())
+        client.close()
+    record(
+        "security: persist shard names and blob keys escaping the blob root",
+        runs=len(ESCAPES),
+        faults=refused,
+        acknowledged=0,
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=0,
+    )
+
+
+def _modes(root: Path) -> list[tuple[str, int]]:
+    out = [(".", stat.S_IMODE(os.stat(root).st_mode))]
+    for p in root.rglob("*"):
+        out.append((str(p.relative_to(root)), stat.S_IMODE(os.lstat(p).st_mode)))
+    return out
+
+
+def test_blob_directory_is_user_only(tmp_path: Path) -> None:
+    """Under umask 000: the blob root, every directory and every part file are the
+    user's only, after appends, compaction and GC."""
+    old = os.umask(0)
+    try:
+        root = tmp_path / "deep" / "blob"
+        with Stash.open(f"sqlite:///{tmp_path}/s.db", fenced=False) as stash:
+            client = PersistClient(stash, f"file://{root}", compaction="inline", inline_max_bytes=0)
+            w, r = client.open("perm", KS, VS)
+            for t in range(12):
+                w.compare_and_append([(((t,), ("v" * 50,)), t, 1)], t, t + 1)
+            r.downgrade_since(10)
+            client.compactor.compact_once("perm")
+            collect_garbage(client, "perm", grace_seconds=0)
+            modes = _modes(root)
+            client.close()
+        assert len(modes) > 5
+        bad = [(p, oct(m)) for p, m in modes if m & 0o077]
+        assert not bad, f"group/other can access {bad[:5]}"
+        files = [m for p, m in modes if (root / p).is_file()]
+        assert files and all(m == 0o600 for m in files)
+        assert stat.S_IMODE(os.stat(tmp_path / "deep").st_mode) & 0o077 == 0
+    finally:
+        os.umask(old)
+
+
+SECRET_USER = "AKIAIOSFODNN7EXAMPLE"
+SECRET_PASS = "wJalrXUtnFEMIK7MDENGbPxRfiCYzzSecret"
+SECRET_TOKEN = "FwoGZXIvYXdzEJr-session-token"
+
+
+def _leaks(text: str) -> list[str]:
+    return [s for s in (SECRET_USER, SECRET_PASS, SECRET_TOKEN) if s in text]
+
+
+def test_blob_credentials_never_shown(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    s3 = f"s3://{SECRET_USER}:{SECRET_PASS}@bucket/prefix?endpoint_override=127.0.0.1:1&scheme=http"
+    shown: list[str] = []
+    # Opening works (no network yet): reprs are clean.
+    blob = open_blob(s3)
+    shown.append(repr(blob))
+    with Stash.open(f"sqlite:///{tmp_path}/s.db", fenced=False) as stash:
+        client = PersistClient(stash, s3, compaction="off")
+        shown.append(repr(client))
+        shown.append(repr(client.blob))
+        client.close()
+    # Malformed variants fail with clean messages.
+    for bad in (
+        s3 + "&session_token=" + SECRET_TOKEN,
+        s3 + "&not_an_option=" + SECRET_PASS,
+        f"s3://{SECRET_USER}:{SECRET_PASS}@",
+        f"memory://{SECRET_USER}:{SECRET_PASS}@x",
+        f"file://{SECRET_USER}:{SECRET_PASS}@host/path",
+        f"nosuchscheme://{SECRET_USER}:{SECRET_PASS}@host/p",
+        f"s3://{SECRET_USER}:{SECRET_PASS}@bucket/p?endpoint_override=[::1",
+    ):
+        with pytest.raises(PersistError) as e:
+            open_blob(bad)
+        shown += [str(e.value), repr(e.value)]
+        cause = e.value.__cause__ or e.value.__context__
+        shown.append(repr(cause) if cause is not None else "")
+    # The CLI, with the credentialed blob URI, on a stash that has a shard.
+    db = tmp_path / "cli.db"
+    with Stash.open(f"sqlite:///{db}", fenced=False) as stash:
+        c = PersistClient(stash, "memory://", compaction="off")
+        c.open("cli", KS, VS)
+        c.close()
+    runner = CliRunner()
+    for args in (
+        ["shards"],
+        ["shards", "--json"],
+        ["inspect", "cli"],
+        ["inspect", "cli", "--json"],
+        ["inspect", "../../etc/passwd"],
+    ):
+        res = runner.invoke(main, ["--stash", f"sqlite:///{db}", "--blob", s3, "-v", *args])
+        shown.append(res.output)
+        if args[0] == "shards":
+            assert res.exit_code == 0 and "cli" in res.output, res.output
+        if res.exception is not None and not isinstance(res.exception, SystemExit):
+            shown.append(repr(res.exception))
+    for args in (["shards"], ["inspect", "cli"]):
+        res = runner.invoke(
+            main, ["--stash", f"sqlite:///{db}", "--blob", s3 + "&bad=" + SECRET_PASS, *args]
+        )
+        assert res.exit_code == 1, res.output
+        shown.append(res.output)
+    shown += [caplog.text, capsys.readouterr().out, capsys.readouterr().err]
+    leaked = [(i, _leaks(t)) for i, t in enumerate(shown) if _leaks(t)]
+    assert not leaked, [(shown[i][:300], w) for i, w in leaked]
+    record(
+        "security: blob credentials in reprs, errors, logs, CLI output",
+        runs=len(shown),
+        faults=0,
+        acknowledged=0,
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=len(leaked),
+    )
+
+
+@pytest.mark.postgres
+def test_stash_password_never_in_persist_cli(postgres_url: str, tmp_path: Path) -> None:
+    from sqlalchemy.engine import make_url
+
+    u = make_url(postgres_url)
+    secret = u.password
+    assert secret
+    down = u.set(port=1).render_as_string(hide_password=False)
+    res = CliRunner().invoke(main, ["--stash", down, "--blob", f"file://{tmp_path}/b", "shards"])
+    assert res.exit_code == 1 and secret not in res.output
+    assert "error:" in res.output

@@ -130,12 +130,18 @@ def stream(pg: str) -> Iterator[Callable[..., tuple[Stream, threading.Thread]]]:
         s.close()
 
 
-def _finish(st: Stream, t: threading.Thread, pg: str) -> None:
+def _finish(st: Stream, t: threading.Thread, pg: str, campaign: str, faults: int) -> None:
     st.stop.set()
     t.join(timeout=60)
     assert not t.is_alive()
     with Stash.open(pg, mode="readonly") as reader:
         st.check(reader)
+    from campaign import record  # tests/reliability is on sys.path via pyproject
+
+    outcomes = list(st.outcomes.values())
+    record(campaign, runs=1, faults=faults, acknowledged=outcomes.count("ok"), lost=0,
+           duplicated=0, partial=0, unclear=0,
+           indeterminate=outcomes.count("indeterminate"), failed=outcomes.count("failed"))
 
 
 def test_server_restarts_during_appends(
@@ -148,7 +154,7 @@ def test_server_restarts_during_appends(
     st.wait_for(20)  # recovered without reopening the handle
     postgres_server.restart("immediate")  # a crash: WAL recovery at start
     st.wait_for(20)
-    _finish(st, t, pg)
+    _finish(st, t, pg, "server faults: postgres restarted (fast, immediate) during appends", 2)
     assert st.errors == []
     password = make_url(pg).password
     assert password and password not in caplog.text
@@ -162,7 +168,7 @@ def test_backends_terminated_during_appends(pg, postgres_server: PostgresServer,
     for _ in range(5):
         killed += postgres_server.terminate_backends(dbname(pg))
         st.wait_for(10)
-    _finish(st, t, pg)
+    _finish(st, t, pg, "server faults: pg_terminate_backend during appends", killed)
     assert killed >= 5
     assert st.errors == []
 

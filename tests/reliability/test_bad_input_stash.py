@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from campaign import record
+from campaign import record, runs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -71,7 +71,7 @@ def test_garbage_never_crashes_or_half_writes(backend: str, tmp_path: Path) -> N
     s.update(c, ("seed", 1), 0, 1)
     counts = {"calls": 0, "errors": 0}
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=runs(150, 1500), deadline=None, suppress_health_check=list(HealthCheck))
     @given(op=st.sampled_from(OPS), a=garbage, b=garbage, d=garbage)
     def run(op: str, a: Any, b: Any, d: Any) -> None:
         before = _snapshot(s, ["target"])

@@ -166,9 +166,11 @@ def test_regression_gc_sweeps_temporaries_of_killed_uploads(tmp_path: Path) -> N
         assert parts
         leftover = parts[0].parent / ".tmp-0123456789abcdef"
         leftover.write_bytes(b"half an upload")
-        assert collect_garbage(client, SHARD, grace_seconds=3600).deleted_temporaries == 0
+        report = collect_garbage(client, SHARD, grace_seconds=3600)
+        assert report.deleted_temporaries == 0
         assert leftover.exists()
-        assert collect_garbage(client, SHARD, grace_seconds=0).deleted_temporaries == 1
+        report = collect_garbage(client, SHARD, grace_seconds=0)
+        assert report.deleted_temporaries == 1
         assert not leftover.exists()
         assert all(p.exists() for p in parts)  # referenced parts untouched
         client.close()

@@ -202,37 +202,41 @@ class Consensus:
         except StashError as e:
             raise _wrap(e, what) from e
 
-    def collection(self, shard_id: str) -> StashCollection[Any, Any]:
-        """The stash collection holding ``shard_id``'s versions (created if missing)."""
+    def _cached_collection(
+        self,
+        cache: dict[str, StashCollection[Any, Any]],
+        shard_id: str,
+        name: str,
+        value_codec: str,
+        what: str,
+    ) -> StashCollection[Any, Any]:
         validate_shard_id(shard_id)
         with self._lock:
-            c = self._colls.get(shard_id)
+            c = cache.get(shard_id)
         if c is None:
             c = self._call(
-                f"opening collection of shard {shard_id}",
-                lambda: self.stash.collection(
-                    SHARD_COLLECTION_PREFIX + shard_id, key="str", value="json"
-                ),
+                f"opening {what} of shard {shard_id}",
+                lambda: self.stash.collection(name, key="str", value=value_codec),
             )
             with self._lock:
-                self._colls[shard_id] = c
+                cache[shard_id] = c
         return c
+
+    def collection(self, shard_id: str) -> StashCollection[Any, Any]:
+        """The stash collection holding ``shard_id``'s versions (created if missing)."""
+        return self._cached_collection(
+            self._colls, shard_id, SHARD_COLLECTION_PREFIX + shard_id, "json", "collection"
+        )
 
     def retired_collection(self, shard_id: str) -> StashCollection[Any, Any]:
         """The stash collection holding ``shard_id``'s retired blob keys."""
-        validate_shard_id(shard_id)
-        with self._lock:
-            c = self._retired_colls.get(shard_id)
-        if c is None:
-            c = self._call(
-                f"opening the retired collection of shard {shard_id}",
-                lambda: self.stash.collection(
-                    RETIRED_COLLECTION_PREFIX + shard_id, key="str", value="int"
-                ),
-            )
-            with self._lock:
-                self._retired_colls[shard_id] = c
-        return c
+        return self._cached_collection(
+            self._retired_colls,
+            shard_id,
+            RETIRED_COLLECTION_PREFIX + shard_id,
+            "int",
+            "the retired collection",
+        )
 
     def retired(self, shard_id: str) -> dict[str, int]:
         """The shard's retired blob keys: key -> wall-clock ms of retirement."""

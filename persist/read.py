@@ -42,7 +42,8 @@ import pyarrow.compute as pc
 from persist.blob import Blob
 from persist.consensus import ShardMachine, Stale
 from persist.errors import InvalidUsage, PersistError, SinceViolation
-from persist.parts import TIME, consolidate, read_parts, updates_schema
+from persist.handle import ShardHandle
+from persist.parts import TIME, consolidate, read_parts
 from persist.state import ShardState
 from persist.types import HollowBatch, PartRef
 from stash import Antichain
@@ -183,7 +184,7 @@ class ListenEvent:
     progress: Antichain | None = None
 
 
-class ReadHandle:
+class ReadHandle(ShardHandle):
     """A leased reader of one shard.  Made by :meth:`persist.client.PersistClient.open`.
 
     Attributes:
@@ -191,6 +192,8 @@ class ReadHandle:
         reader_id: this reader's id in the shard state.
         key_schema, value_schema: the shard's schemas.
     """
+
+    role = "reader"
 
     def __init__(
         self,
@@ -202,24 +205,9 @@ class ReadHandle:
         value_schema: pa.Schema,
         lease_seconds: float,
     ) -> None:
-        self._client = client
-        self._machine = machine
-        self.shard_id = machine.shard_id
-        self.name = name
+        super().__init__(client, machine, name, reader_id, key_schema, value_schema, lease_seconds)
         self.reader_id = reader_id
-        self.key_schema = key_schema
-        self.value_schema = value_schema
-        self.schema = updates_schema(key_schema, value_schema)
-        self._lease_ms = int(lease_seconds * 1000)
-        self._expired = False
         self._last_heartbeat_ms = machine.now_ms()
-
-    def __repr__(self) -> str:
-        return f"ReadHandle(shard={self.name!r} {self.shard_id}, reader={self.reader_id})"
-
-    def _check(self) -> None:
-        if self._expired:
-            raise InvalidUsage(f"reader {self.reader_id} of shard {self.shard_id} was expired")
 
     # ---------------------------------------------------------------- frontiers
     @property
@@ -235,10 +223,6 @@ class ReadHandle:
     def shard_since(self) -> Antichain:
         """The shard's since, freshly read."""
         return self._machine.fetch().since
-
-    def fetch_recent_upper(self) -> Antichain:
-        """The shard's upper, freshly read from consensus."""
-        return self._machine.recent().upper
 
     # -------------------------------------------------------------------- leases
     def downgrade_since(self, since: Antichain | int) -> None:

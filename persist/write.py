@@ -47,11 +47,11 @@ from persist.errors import (
     UpdateNotBeyondLower,
     UpperMismatch,
 )
+from persist.handle import ShardHandle
 from persist.parts import (
     TIME,
     consolidate_order,
     to_updates_table,
-    updates_schema,
     write_parts,
 )
 from persist.read import read_batch
@@ -88,7 +88,7 @@ def _time_range(table: pa.Table) -> tuple[int, int] | None:
     return int(mm["min"].as_py()), int(mm["max"].as_py())
 
 
-class WriteHandle:
+class WriteHandle(ShardHandle):
     """A writer of one shard.  Made by :meth:`persist.client.PersistClient.open`.
 
     Attributes:
@@ -96,6 +96,8 @@ class WriteHandle:
         writer_id: this writer's id in the shard state.
         key_schema, value_schema: the shard's schemas; ``schema`` the updates schema.
     """
+
+    role = "writer"
 
     def __init__(
         self,
@@ -107,33 +109,14 @@ class WriteHandle:
         value_schema: pa.Schema,
         lease_seconds: float,
     ) -> None:
-        self._client = client
-        self._machine = machine
-        self.shard_id = machine.shard_id
-        self.name = name
+        super().__init__(client, machine, name, writer_id, key_schema, value_schema, lease_seconds)
         self.writer_id = writer_id
-        self.key_schema = key_schema
-        self.value_schema = value_schema
-        self.schema = updates_schema(key_schema, value_schema)
-        self._lease_ms = int(lease_seconds * 1000)
-        self._expired = False
-
-    def __repr__(self) -> str:
-        return f"WriteHandle(shard={self.name!r} {self.shard_id}, writer={self.writer_id})"
-
-    def _check(self) -> None:
-        if self._expired:
-            raise InvalidUsage(f"writer {self.writer_id} of shard {self.shard_id} was expired")
 
     # ---------------------------------------------------------------- frontiers
     @property
     def upper(self) -> Antichain:
         """The most recent upper this process knows of (no consensus call)."""
         return self._machine.state().upper
-
-    def fetch_recent_upper(self) -> Antichain:
-        """The shard's upper, freshly read from consensus."""
-        return self._machine.recent().upper
 
     # ------------------------------------------------------------------- writing
     def _key_prefix(self, kind: str = "b") -> str:

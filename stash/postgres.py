@@ -366,11 +366,24 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
                 q("c_keys AS (SELECT DISTINCT k::jsonb AS key FROM unnest(%(ck)s::text[]) AS k)")
             )
             by_key = q(" AND key IN (SELECT key FROM c_keys)")
-        sources = [
-            q(
-                "SELECT key, value, diff FROM data WHERE collection_id = %(c)s AND time <= %(cs)s{}"
-            ).format(by_key)
-        ]
+            # Stored rows are fetched key by key through the (collection_id, key) index
+            # (a LATERAL probe per key; OFFSET 0 keeps the planner from flattening it
+            # into a join, and "(time <= ..) IS TRUE" from using the time index, which a
+            # generic plan made while the table was small prefers): otherwise each
+            # append scans every row of the collection up to the since, O(collection).
+            sources: list[sql.Composable] = [
+                q(
+                    "SELECT d.key, d.value, d.diff FROM c_keys k CROSS JOIN LATERAL"
+                    " (SELECT key, value, diff FROM data WHERE collection_id = %(c)s"
+                    " AND key = k.key AND (time <= %(cs)s) IS TRUE OFFSET 0) d"
+                )
+            ]
+        else:
+            sources = [
+                q(
+                    "SELECT key, value, diff FROM data WHERE collection_id = %(c)s AND time <= %(cs)s"
+                )
+            ]
         if has_rows:
             sources.append(
                 q("SELECT key, value, diff FROM c_new WHERE time <= %(cs)s{}").format(by_key)
@@ -383,8 +396,12 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
         )
         ctes.append(
             q(
-                "c_del AS (DELETE FROM data d USING c_grp g WHERE d.collection_id = %(c)s"
-                " AND d.time <= %(cs)s AND d.key = g.key AND d.value = g.value)"
+                # Gated by "EXISTS (c_grp)" (a one-time filter): an append of new keys,
+                # the common case, has no group and never runs the scan, whatever plan
+                # was cached for it.
+                "c_del AS (DELETE FROM data d USING c_grp g WHERE EXISTS (SELECT 1 FROM c_grp)"
+                " AND d.collection_id = %(c)s AND (d.time <= %(cs)s) IS TRUE"
+                " AND d.key = g.key AND d.value = g.value)"
             )
         )
         inserts.append(q("SELECT %(c)s, key, value, %(cs)s::int8, diff FROM c_grp WHERE diff <> 0"))
@@ -424,9 +441,12 @@ _PEEK_SQL = (
     " WHERE collection_id = %(c)s AND time <= %(ts)s"
     " GROUP BY key, value HAVING sum(diff) <> 0"
 )
+# "(time <= ..) IS TRUE": not an index condition, so even a generic plan cached while the
+# table was tiny finds the key through the (collection_id, key) index, never by scanning
+# the collection's rows in time order.
 _PEEK_KEY_SQL = (
     "SELECT key::text, value::text, sum(diff)::int8 FROM data"
-    " WHERE collection_id = %(c)s AND time <= %(ts)s AND key = %(k)s::jsonb"
+    " WHERE collection_id = %(c)s AND (time <= %(ts)s) IS TRUE AND key = %(k)s::jsonb"
     " GROUP BY key, value HAVING sum(diff) <> 0"
 )
 
@@ -470,8 +490,8 @@ class PgTxn(SqlTxn):
         self._wrote = False
 
     # ------------------------------------------------------------- plumbing
-    def _exec(self, statement: str, params: Any = None) -> Any:
-        return self.cur.execute(statement, params)
+    def _exec(self, statement: str, params: Any = None, prepare: bool | None = None) -> Any:
+        return self.cur.execute(statement, params, prepare=prepare)
 
     def _ensure_fence(self) -> None:
         if self._fence_pending:
@@ -648,7 +668,13 @@ class PgTxn(SqlTxn):
         if cons == "keys":
             params["ck"] = p.cons
         self._wrote = True
-        self._exec(_FLUSH_SQL[(bool(p.rows), cons)], params)
+        # A batch with retractions (an update of stored keys) consolidates groups and
+        # deletes rows: it is planned afresh each time (never a cached generic plan, which
+        # may have been made while the table was tiny and then scan the whole
+        # collection).  Appends of new keys keep the prepared plan; for them the
+        # deletion is gated off (see _flush_sql).
+        fresh = cons is not None and any(r[3] < 0 for r in p.rows)
+        self._exec(_FLUSH_SQL[(bool(p.rows), cons)], params, prepare=False if fresh else None)
 
     def rows(self, cid: int, key: str | None = None) -> list[Row]:
         self._ensure_fence()

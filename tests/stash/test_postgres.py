@@ -239,6 +239,115 @@ def test_generic_plan_of_the_append_statement_has_no_array_scan(
             assert used  # every variant takes parameters
 
 
+def _data_rows_read(plan: dict[str, Any]) -> int:
+    """Rows that the scans of table ``data`` in an ``EXPLAIN (ANALYZE, FORMAT JSON)`` plan
+    produced, over all their loops."""
+    n = 0
+    if plan.get("Relation Name") == "data" and "Scan" in plan.get("Node Type", ""):
+        n += int(plan.get("Actual Rows", 0)) * int(plan.get("Actual Loops", 0))
+        n += int(plan.get("Rows Removed by Filter", 0))
+        n += int(plan.get("Rows Removed by Index Recheck", 0))
+    for child in plan.get("Plans", []):
+        n += _data_rows_read(child)
+    return n
+
+
+def test_cached_plans_made_on_a_tiny_collection_stay_key_driven(
+    opened, postgres_server, pg
+) -> None:  # type: ignore[no-untyped-def]
+    """The stash's statements are prepared with generic plans, made once per connection,
+    often while the table is still tiny; on a tiny table the planner may prefer the
+    (collection_id, time) index, i.e. reading every row of the collection.  Such a plan,
+    kept while the collection grows, made every append O(collection) (1,260 appends/s
+    fell to 390 within 8,000 entries).  Prepared on 5 rows and run on 3,000, the append of
+    a new key and peek_key_one must read only a handful of rows."""
+    import json
+
+    from stash.postgres import _FLUSH_SQL, _PEEK_KEY_SQL
+
+    s = opened(fenced=False)
+    c = s.collection("c", key="int", value="int")
+    tick(s, c, [(i, i, 1) for i in range(5)])
+    append_sql = _FLUSH_SQL[(True, "keys")]
+    names = ["c", "u", "su", "s", "ss", "cs", "ks", "vs", "ts", "ds", "ck", "k"]
+    types = ["int", "int8", "bool", "int8", "bool", "int8"] + ["text[]"] * 2 + ["int8[]"] * 2
+    types += ["text[]", "text"]
+
+    def positional(statement: str) -> tuple[str, list[str]]:
+        used = [n for n in names if f"%({n})s" in statement]
+        for i, n in enumerate(used):
+            statement = statement.replace(f"%({n})s", f"${i + 1}")
+        return statement, used
+
+    with postgres_server.connect(dbname(pg)) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        statements = {"append": append_sql, "peek_key": _PEEK_KEY_SQL.replace("%(ts)s", "%(cs)s")}
+        used: dict[str, list[str]] = {}
+        for name, statement in statements.items():
+            q, used[name] = positional(statement)
+            argtypes = ", ".join(types[names.index(n)] for n in used[name])
+            conn.execute(f"PREPARE {name}({argtypes}) AS {q}")
+        upper = 1
+
+        def execute(name: str, explain: bool) -> dict[str, Any]:
+            key = "2999"
+            values: dict[str, Any] = {
+                "c": c.id,
+                "u": upper + 1,
+                "su": True,
+                "s": upper,
+                "ss": True,
+                "cs": upper,
+                "ks": [str(10**6)],
+                "vs": [str(10**6)],
+                "ts": [upper],
+                "ds": [1],
+                "ck": [str(10**6)],
+                "k": key,
+            }
+            args = sql.SQL(", ").join(sql.Literal(values[n]) for n in used[name])
+            prefix = "EXPLAIN (ANALYZE, FORMAT JSON) " if explain else ""
+            with conn.transaction(force_rollback=True):
+                cur = conn.execute(
+                    sql.SQL("{}EXECUTE {}({})").format(sql.SQL(prefix), sql.Identifier(name), args)
+                )
+                row = cur.fetchone() if explain else None
+            return {} if row is None else dict(row[0][0]["Plan"])
+
+        for name in statements:  # the generic plans are made (and cached) now
+            execute(name, explain=False)
+        for i in range(5, 3000, 500):
+            tick(s, c, [(j, j, 1) for j in range(i, min(i + 500, 3000))])
+        upper = s.upper(c).as_option()
+        assert upper is not None
+        for name in statements:
+            plan = execute(name, explain=True)
+            assert _data_rows_read(plan) <= 10, (name, json.dumps(plan, indent=1))
+
+
+def test_updates_of_stored_keys_are_planned_afresh(opened, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A batch that retracts (updates stored keys) deletes and rewrites rows; its
+    statement is never run from a cached generic plan (see the test above), while
+    appends of new keys are."""
+    from stash.postgres import PgTxn
+
+    calls: list[tuple[str, bool | None]] = []
+    real = PgTxn._exec
+
+    def spy(self: PgTxn, statement: str, params: Any = None, prepare: bool | None = None) -> Any:
+        calls.append((statement, prepare))
+        return real(self, statement, params, prepare)
+
+    s = opened(fenced=False)
+    c = s.collection("c", key="int", value="int")
+    monkeypatch.setattr(PgTxn, "_exec", spy)
+    tick(s, c, [(1, 1, 1)])
+    tick(s, c, [(1, 1, -1), (1, 2, 1)])
+    flushes = [p for q, p in calls if q.startswith("WITH c_new")]
+    assert flushes == [None, False]
+    assert s.peek_key_one(c, 1) == 2
+
+
 def test_lone_surrogate_is_a_clear_stash_error(opened) -> None:  # type: ignore[no-untyped-def]
     s = opened(fenced=False)
     c = s.collection("c", key="str", value="str")

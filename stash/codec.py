@@ -56,29 +56,75 @@ class Codec(Protocol[T]):
         ...
 
 
-def _check_depth(value: Any, depth: int = 0) -> None:
+def _raise_not_json(value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise StashError(f"value {value!r} is not JSON: NaN and infinities are not allowed")
+    raise StashError(f"value of type {type(value).__name__} is not JSON-encodable")
+
+
+def _scan(value: Any, depth: int) -> bool:
+    """Check that ``value`` is JSON the codec accepts (str keys, finite floats, at most
+    ``MAX_JSON_DEPTH`` levels: a container at depth ``d`` holds keys and items at depth
+    ``d + 1``); return whether it holds a whole float (to be written as an integer).
+    Strings are checked later, on the encoded text (see :func:`canonical_json`)."""
+    t = type(value)
+    if t is dict:
+        if value and depth >= MAX_JSON_DEPTH:
+            raise StashError(f"value is nested deeper than {MAX_JSON_DEPTH} levels")
+        found = False
+        for k, v in value.items():
+            if type(k) is not str and not isinstance(k, str):
+                raise StashError(f"JSON object keys must be strings, got {type(k).__name__}")
+            tv = type(v)
+            if tv is str or tv is int or tv is bool or v is None:
+                continue
+            if _scan(v, depth + 1):
+                found = True
+        return found
+    if t is list or t is tuple:
+        if value and depth >= MAX_JSON_DEPTH:
+            raise StashError(f"value is nested deeper than {MAX_JSON_DEPTH} levels")
+        found = False
+        for v in value:
+            tv = type(v)
+            if tv is str or tv is int or tv is bool or v is None:
+                continue
+            if _scan(v, depth + 1):
+                found = True
+        return found
+    if t is float:
+        if not math.isfinite(value):
+            _raise_not_json(value)
+        return bool(value.is_integer())
+    if t is str or t is int or t is bool or value is None:
+        return False
+    # Subclasses (IntEnum, str enums, OrderedDict, ...): as their base type.
     if depth > MAX_JSON_DEPTH:
         raise StashError(f"value is nested deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise StashError(f"JSON object keys must be strings, got {type(k).__name__}")
-            _check_depth(k, depth + 1)
-            _check_depth(v, depth + 1)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            _check_depth(v, depth + 1)
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise StashError(f"value {value!r} is not JSON: NaN and infinities are not allowed")
-    elif isinstance(value, str):
+        return _scan(dict(value), depth)
+    if isinstance(value, list | tuple):
+        return _scan(list(value), depth)
+    if isinstance(value, float):
+        return _scan(float(value), depth)
+    if isinstance(value, str | int):
+        return False
+    _raise_not_json(value)
+    return False  # pragma: no cover - _raise_not_json always raises
+
+
+def _check_strings(value: Any) -> None:
+    """Raise for a NUL character anywhere in ``value``'s strings (keys included)."""
+    if isinstance(value, str):
         if "\x00" in value:
             raise StashError("value contains a NUL character (\\u0000), which is not allowed")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise StashError("value contains a lone surrogate, which is not valid UTF-8") from None
-    elif value is not None and not isinstance(value, int | float | bool):
-        raise StashError(f"value of type {type(value).__name__} is not JSON-encodable")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k)
+            _check_strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _check_strings(v)
 
 
 def canonical_json(value: Any) -> str:
@@ -86,14 +132,19 @@ def canonical_json(value: Any) -> str:
     numbers written as integers (so ``1.0`` and ``1`` are the same value, as in ``jsonb``,
     which keeps a number's exact decimal).
 
+    One pass in Python checks the structure (and finds whole floats); strings are checked
+    on the encoded text, in C: a NUL is always escaped as ``\\u0000`` there (only then
+    are the strings searched), and a lone surrogate makes the text unencodable as UTF-8.
+
     Raises:
         StashError: the value is not JSON (NaN, sets, objects, non-str keys, too deep,
-            larger than 16 MiB encoded).
+            a NUL character or a lone surrogate in a string, larger than 16 MiB encoded).
     """
-    _check_depth(value)
+    if _scan(value, 0):
+        value = _normalize(value)
     try:
         text = json.dumps(
-            _normalize(value),
+            value,
             sort_keys=True,
             separators=(",", ":"),
             ensure_ascii=False,
@@ -101,6 +152,14 @@ def canonical_json(value: Any) -> str:
         )
     except (TypeError, ValueError) as e:
         raise StashError(f"value is not JSON-encodable: {e}") from None
+    except RecursionError:
+        raise StashError(f"value is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if "\\u0000" in text:
+        _check_strings(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise StashError("value contains a lone surrogate, which is not valid UTF-8") from None
     if len(text) > MAX_ENCODED_BYTES:
         raise StashError(f"encoded value is larger than {MAX_ENCODED_BYTES} bytes")
     return text

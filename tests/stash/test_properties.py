@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stash import Antichain, StashError, TableTransaction
@@ -64,6 +64,94 @@ def test_json_codec_is_canonical_and_ordered(a: Any, b: Any) -> None:
     assert (ta == tb) == (c.decode(ta) == c.decode(tb))
     ka, kb = json_sort_key(c.decode(ta)), json_sort_key(c.decode(tb))
     assert (ka < kb) or (kb < ka) or (ka == kb)
+
+
+def _reference_canonical_json(value: Any, depth: int = 0) -> str:
+    """The codec's rules written plainly (a walk that checks every node, then a
+    normalising copy), the model the fast :func:`canonical_json` must agree with."""
+    import json
+    import math
+
+    def check(v: Any, d: int) -> None:
+        if d > 64:
+            raise StashError("too deep")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise StashError("key")
+                check(k, d + 1)
+                check(x, d + 1)
+        elif isinstance(v, list | tuple):
+            for x in v:
+                check(x, d + 1)
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise StashError("nan")
+        elif isinstance(v, str):
+            if "\x00" in v:
+                raise StashError("nul")
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise StashError("surrogate") from None
+        elif v is not None and not isinstance(v, int | float | bool):
+            raise StashError("type")
+
+    def norm(v: Any) -> Any:
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [norm(x) for x in v]
+        return v
+
+    check(value, depth)
+    return json.dumps(norm(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+any_texts = st.text(alphabet=st.sampled_from(["a", "\x00", "\\", "u", "0", "\ud800", "é", '"']))
+# Mostly JSON, with some garbage: NaN and infinities (floats), NUL characters, lone
+# surrogates and spelled-out backslash-u0000 (texts), sets, bytes, objects, int keys.
+any_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | any_texts
+    | any_texts
+    | any_texts
+    | st.sampled_from([b"x", frozenset({1}), object()]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(any_texts | any_texts | any_texts | st.integers(0, 3), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def _nest(value: Any, levels: int) -> Any:
+    for i in range(levels):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+@settings(max_examples=400)
+@given(any_values, st.integers(0, 3), st.sampled_from([0, 60, 62, 63, 64, 65]))
+def test_canonical_json_agrees_with_the_plain_rules(value: Any, scalar: int, levels: int) -> None:
+    """Same text or both a StashError: on garbage (NaN, sets, bytes, int keys, NUL
+    characters, lone surrogates, a literal backslash-u0000 spelled out) and around the
+    depth limit."""
+    value = _nest([value, [scalar], {}, []][scalar], levels)
+    try:
+        want: str | None = _reference_canonical_json(value)
+    except StashError:
+        want = None
+    try:
+        got: str | None = canonical_json(value)
+    except StashError:
+        got = None
+    assert got == want
 
 
 users = st.dictionaries(st.integers(0, 6), st.sampled_from(["ann", "bob", "cy", "dee"]), max_size=4)

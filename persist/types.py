@@ -5,9 +5,10 @@ Invariants kept here:
 
 * a :class:`Description` satisfies ``lower <= upper`` (as frontiers) and describes the
   updates with ``lower <= time < upper``, whose times may have been advanced to ``since``;
-* a :class:`PartRef` names exactly one immutable Parquet object: either a blob key
-  (``key``) or inline Parquet bytes held in the shard state (``inline``), never both;
-  ``checksum`` is the SHA-256 hex digest of the Parquet bytes;
+* a :class:`PartRef` names exactly one immutable encoded part: either a blob key
+  (``key``, a Parquet object) or inline bytes held in the shard state (``inline``, an
+  Arrow IPC stream; see ``persist.parts.encode_inline_part``), never both; ``checksum``
+  is the SHA-256 hex digest of the encoded bytes;
 * a :class:`HollowBatch` lists its parts grouped into runs: ``runs`` holds the indexes in
   ``parts`` where each run after the first starts, and each run is sorted by
   (key, value, time);
@@ -65,14 +66,15 @@ class Description:
 
 @dataclass(frozen=True)
 class PartRef:
-    """A reference to one Parquet part: in the blob store (``key``) or inline (``inline``).
+    """A reference to one part: Parquet in the blob store (``key``) or inline (``inline``).
 
     Attributes:
         key: blob key of the part, or ``None`` for an inline part.
-        inline: the Parquet bytes of an inline part, or ``None``.
+        inline: the bytes of an inline part (Arrow IPC; older states hold Parquet), or
+            ``None``.
         rows: number of updates (rows) in the part.
-        encoded_size_bytes: size of the Parquet bytes.
-        checksum: SHA-256 hex digest of the Parquet bytes.
+        encoded_size_bytes: size of the encoded bytes.
+        checksum: SHA-256 hex digest of the encoded bytes.
     """
 
     key: str | None

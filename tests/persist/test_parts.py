@@ -23,8 +23,10 @@ import persist.parts as parts
 from persist.blob import Blob, BlobMetrics, FileBlob, MemoryBlob, UnreliableBlob
 from persist.errors import BlobError, CorruptPart, InvalidKey, InvalidUsage
 from persist.parts import (
+    INLINE_CACHE,
     consolidate,
     decode_part,
+    encode_inline_part,
     encode_part,
     make_part_ref,
     read_parts,
@@ -446,6 +448,30 @@ def test_garbage_with_matching_checksum_is_corrupt() -> None:
         decode_part(data, make_part_ref("k/y.parquet", data, 10), columns=["k", "missing"])
 
 
+def test_inline_parts_are_arrow_ipc_and_parquet_inline_parts_still_read() -> None:
+    """Inline parts are Arrow IPC streams (cheap for a few rows); the format is told by
+    the magic bytes, so an inline part written as Parquet still decodes. A blob part is
+    only ever read as Parquet."""
+    t = _sample(5)
+    ipc = encode_inline_part(t)
+    assert ipc[:4] == b"\xff\xff\xff\xff"
+    ref = make_part_ref(None, ipc, 5, inline=True)
+    back = decode_part(ipc, ref)
+    assert back.equals(t) and back.schema == t.schema  # types (tz, decimal) round-trip
+    assert decode_part(ipc, ref, columns=["_diff", "k"]).column_names == ["_diff", "k"]
+    with pytest.raises(CorruptPart, match=r"<inline>.*has no column\(s\) \['missing'\]"):
+        decode_part(ipc, ref, columns=["k", "missing"])
+    with pytest.raises(CorruptPart, match="has 5 rows, the reference says 6"):
+        decode_part(ipc, make_part_ref(None, ipc, 6, inline=True))
+    torn = ipc[: len(ipc) // 2]
+    with pytest.raises(CorruptPart, match="<inline>.*not readable as Arrow IPC"):
+        decode_part(torn, make_part_ref(None, torn, 5, inline=True))
+    with pytest.raises(CorruptPart, match="not readable as Parquet"):
+        decode_part(ipc, make_part_ref("k/ipc.parquet", ipc, 5))
+    pq_bytes = encode_part(t)
+    assert decode_part(pq_bytes, make_part_ref(None, pq_bytes, 5, inline=True)).equals(t)
+
+
 def test_make_part_ref_rules() -> None:
     with pytest.raises(InvalidUsage, match="needs a blob key"):
         make_part_ref(None, b"x", 1)
@@ -478,8 +504,11 @@ def test_small_batch_is_inline(tmp_path: Path) -> None:
     t = _sample(3)
     refs = write_parts(blob, t, "s1/batch-1", inline_max_bytes=64 * 1024)
     assert len(refs) == 1 and refs[0].inline is not None and refs[0].key is None
+    assert refs[0].inline[:4] == b"\xff\xff\xff\xff"  # Arrow IPC
     assert blob.metrics.sets == 0 and blob.list_keys() == []
     assert read_parts(blob, refs).equals(t)
+    INLINE_CACHE.clear()
+    assert read_parts(blob, refs).equals(t)  # decoded, not cached
 
 
 def test_empty_batch_has_no_parts(tmp_path: Path) -> None:

@@ -126,7 +126,10 @@ class PersistContender(Contender):
     """
 
     name = PERSIST
-    settings = "SQLite stash (WAL, synchronous=FULL), file blob, Parquet parts (snappy)"
+    settings = (
+        "SQLite stash (WAL, synchronous=FULL), file blob (parts fsynced), "
+        "Parquet parts (snappy)"
+    )
 
     def __init__(self, root: Path, compaction: str = "background") -> None:
         super().__init__(root)

@@ -51,13 +51,73 @@ from stash import Antichain
 if TYPE_CHECKING:
     from persist.client import PersistClient
 
-__all__ = ["Listen", "ListenEvent", "ReadHandle", "read_batch", "read_batches"]
+__all__ = ["Listen", "ListenEvent", "ReadHandle", "read_batch", "read_batches", "snapshot_table"]
 
 log = logging.getLogger(__name__)
 
 
 def _elem(a: Antichain) -> int | None:
     return a.as_option()
+
+
+def _layout(batches: Sequence[HollowBatch]) -> tuple[list[PartRef], list[int], list[int]]:
+    """The parts of ``batches`` in order, each part's time floor (its batch's lower and
+    since; ``-2**63`` if none) and each part's row count."""
+    refs: list[PartRef] = []
+    floors: list[int] = []
+    rows: list[int] = []
+    for b in batches:
+        floor = max(
+            (e for e in (_elem(b.desc.lower), _elem(b.desc.since)) if e is not None),
+            default=None,
+        )
+        for p in b.parts:
+            refs.append(p)
+            floors.append(-(2**63) if floor is None else floor)
+            rows.append(p.rows)
+    return refs, floors, rows
+
+
+def _read_refs(
+    blob: Blob, refs: Sequence[PartRef], schema: pa.Schema, max_workers: int
+) -> pa.Table:
+    # Threads only pay off for blob fetches; inline parts decode faster in this thread.
+    remote = sum(1 for r in refs if r.inline is None)
+    workers = max(1, min(max_workers, remote))
+    return read_parts(blob, refs, schema=schema, max_workers=workers)
+
+
+def _advance_and_filter(
+    table: pa.Table, floors: list[int], rows: list[int], lower: int | None, upper: int | None
+) -> pa.Table:
+    """Advance each row's time to its part's floor, then keep ``lower <= t < upper``."""
+    if table.num_rows == 0:
+        return table
+    ti = table.schema.get_field_index(TIME)
+    times = table.column(TIME)
+    mm = pc.min_max(times)
+    t_min, t_max = int(mm["min"].as_py()), int(mm["max"].as_py())
+    if t_min < max(floors):
+        # Some time may lie below its batch's floor: advance them (row-aligned floors).
+        floor_arr = np.repeat(np.asarray(floors, dtype=np.int64), np.asarray(rows, dtype=np.int64))
+        if len(floor_arr) == table.num_rows:
+            t_np = np.asarray(times.to_numpy(), dtype=np.int64)
+            if (t_np < floor_arr).any():
+                t_np = np.maximum(t_np, floor_arr)
+                times = pa.chunked_array([pa.array(t_np, pa.int64())])
+                table = table.set_column(ti, table.schema.field(ti), times)
+                t_min, t_max = int(t_np.min()), int(t_np.max())
+    # Filter only when some time may lie outside [lower, upper): a filter copies the
+    # whole table.
+    mask = None
+    if lower is not None and t_min < lower:
+        mask = pc.greater_equal(times, pa.scalar(lower, pa.int64()))
+    if upper is not None and t_max >= upper:
+        m2 = pc.less(times, pa.scalar(upper, pa.int64()))
+        mask = m2 if mask is None else pc.and_(mask, m2)
+    if mask is not None:
+        table = table.filter(mask)
+    return table
 
 
 def read_batches(
@@ -86,49 +146,50 @@ def read_batches(
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
     """
-    refs: list[PartRef] = []
-    floors: list[int] = []
-    rows: list[int] = []
-    for b in batches:
-        floor = max(
-            (e for e in (_elem(b.desc.lower), _elem(b.desc.since)) if e is not None),
-            default=None,
-        )
-        for p in b.parts:
-            refs.append(p)
-            floors.append(-(2**63) if floor is None else floor)
-            rows.append(p.rows)
-    # Threads only pay off for blob fetches; inline parts decode faster in this thread.
-    remote = sum(1 for r in refs if r.inline is None)
-    workers = max(1, min(max_workers, remote))
-    table = read_parts(blob, refs, schema=schema, max_workers=workers)
-    if table.num_rows == 0:
-        return table
-    ti = table.schema.get_field_index(TIME)
-    times = table.column(TIME)
-    mm = pc.min_max(times)
-    t_min, t_max = int(mm["min"].as_py()), int(mm["max"].as_py())
-    if t_min < max(floors):
-        # Some time may lie below its batch's floor: advance them (row-aligned floors).
-        floor_arr = np.repeat(np.asarray(floors, dtype=np.int64), np.asarray(rows, dtype=np.int64))
-        if len(floor_arr) == table.num_rows:
-            t_np = np.asarray(times.to_numpy(), dtype=np.int64)
-            if (t_np < floor_arr).any():
-                t_np = np.maximum(t_np, floor_arr)
-                times = pa.chunked_array([pa.array(t_np, pa.int64())])
-                table = table.set_column(ti, table.schema.field(ti), times)
-                t_min, t_max = int(t_np.min()), int(t_np.max())
-    # Filter only when some time may lie outside [lower, upper): a filter copies the
-    # whole table.
-    mask = None
-    if lower is not None and t_min < lower:
-        mask = pc.greater_equal(times, pa.scalar(lower, pa.int64()))
-    if upper is not None and t_max >= upper:
-        m2 = pc.less(times, pa.scalar(upper, pa.int64()))
-        mask = m2 if mask is None else pc.and_(mask, m2)
-    if mask is not None:
-        table = table.filter(mask)
-    return table
+    refs, floors, rows = _layout(batches)
+    table = _read_refs(blob, refs, schema, max_workers)
+    return _advance_and_filter(table, floors, rows, lower, upper)
+
+
+def snapshot_table(
+    blob: Blob,
+    batches: Sequence[HollowBatch],
+    schema: pa.Schema,
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    as_of: int,
+    *,
+    max_workers: int = 4,
+) -> pa.Table:
+    """The updates of ``batches`` as of ``as_of``, consolidated: times ``> as_of`` dropped,
+    the rest advanced to ``as_of``, one row per distinct (key, value) with its summed
+    ``_diff`` (never zero), sorted by key and value (what :meth:`ReadHandle.snapshot`
+    returns).
+
+    When the data is one run whose parts hold a single time (e.g. a shard written by one
+    append, or compacted up to its since) it is already consolidated (every writer of a
+    run consolidates it), so it is returned as read, its ``_time`` set to ``as_of``,
+    without sorting it again; otherwise it is read with :func:`read_batches` and
+    consolidated (:func:`persist.parts.consolidate`).
+
+    Raises:
+        CorruptPart: a part is missing or corrupt (naming its blob key).
+        BlobError: a fetch failed.
+    """
+    refs, floors, rows = _layout(batches)
+    table = _read_refs(blob, refs, schema, max_workers)
+    live = [b for b in batches if b.parts]
+    if len(live) == 1 and not live[0].runs and table.num_rows:
+        ti = table.schema.get_field_index(TIME)
+        mm = pc.min_max(table.column(ti))
+        lo, hi = int(mm["min"].as_py()), int(mm["max"].as_py())
+        if lo == hi:
+            if max(lo, floors[0]) > as_of:
+                return table.slice(0, 0)
+            times = pa.array(np.full(table.num_rows, as_of, dtype=np.int64))
+            return table.set_column(ti, table.schema.field(ti), times)
+    table = _advance_and_filter(table, floors, rows, None, as_of + 1)
+    return consolidate(table, list(key_names), list(value_names), since=as_of)
 
 
 def read_batch(
@@ -341,18 +402,14 @@ class ReadHandle(ShardHandle):
         self._check()
         t = _as_time(as_of, "as_of")
         batches = self.snapshot_batches(t, wait=wait, timeout=timeout)
-        table = read_batches(
+        return snapshot_table(
             self._client.blob,
             batches,
             self.schema,
-            upper=t + 1,
-            max_workers=self._client.read_workers,
-        )
-        return consolidate(
-            table,
             self.key_schema.names,
             self.value_schema.names,
-            since=t,
+            t,
+            max_workers=self._client.read_workers,
         )
 
     def listen(

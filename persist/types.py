@@ -11,7 +11,9 @@ Invariants kept here:
   is the SHA-256 hex digest of the encoded bytes;
 * a :class:`HollowBatch` lists its parts grouped into runs: ``runs`` holds the indexes in
   ``parts`` where each run after the first starts, and each run is sorted by
-  (key, value, time);
+  (key, value, time) and consolidated (one row per distinct (key, value, time), its diff
+  never zero: every writer of a run consolidates first), which lets a snapshot of a
+  single run at a single time skip consolidation;
 * all three are immutable and round-trip through JSON (``to_json`` / ``from_json``); a
   :class:`HollowBatch` computes its JSON once and returns the same (read-only) dict.
 

@@ -258,18 +258,16 @@ def read_snapshot(
     as_of: int,
 ) -> pa.Table:
     """The updates of ``batches`` at ``as_of``: times ``> as_of`` dropped, the rest
-    advanced to ``as_of``, consolidated (persist's ``read_batches`` + ``consolidate``,
-    as ``ReadHandle.snapshot`` does for a whole shard).
+    advanced to ``as_of``, consolidated (persist's ``snapshot_table``, as
+    ``ReadHandle.snapshot`` does for a whole shard).
 
     Raises:
         persist.errors.CorruptPart: a part is missing (compacted and garbage-collected
             during the read: retry it) or corrupt.
     """
-    from persist.parts import consolidate
-    from persist.read import read_batches
+    from persist.read import snapshot_table
 
-    table = read_batches(blob, list(batches), schema, upper=as_of + 1)
-    return consolidate(table, list(key_names), list(value_names), since=as_of)
+    return snapshot_table(blob, list(batches), schema, key_names, value_names, as_of)
 
 
 # ---------------------------------------------------------- arrow helpers

@@ -25,7 +25,7 @@ from persist.parts import (
     updates_schema,
     write_parts,
 )
-from persist.read import read_batches
+from persist.read import read_batches, snapshot_table
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain, Stash
 
@@ -254,3 +254,44 @@ def test_writer_blob_keys_are_flat_and_collected(stash: Stash, tmp_path: Path) -
         assert r.snapshot(0).num_rows == 1
     finally:
         c.close()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.lists(_row, max_size=25), min_size=1, max_size=3),
+    st.integers(0, 6),
+    st.integers(0, 3),
+    st.booleans(),
+)
+def test_snapshot_table_gives_what_read_and_consolidate_give(
+    runs: list[list[tuple[Any, ...]]], as_of: int, since: int, single_time: bool
+) -> None:
+    """The snapshot's shortcut (one consolidated run at a single time is returned as
+    read, its time set to ``as_of``) against the general path, on one batch of one run,
+    one batch of several runs, and several batches; times below a batch's lower or since
+    and above ``as_of`` included."""
+    blob = MemoryBlob()
+    batches: list[HollowBatch] = []
+    for b, rows in enumerate(runs):
+        if single_time:
+            rows = [(*r[:3], 2, r[4]) for r in rows]
+        table = consolidate(_table(rows), KS.names, VS.names)
+        refs = write_parts(blob, table, f"s/b{b}", inline_max_bytes=2000 if b % 2 else 0)
+        desc = Description(
+            Antichain.from_elem(b), Antichain.from_elem(b + 5), Antichain.from_elem(since)
+        )
+        batches.append(HollowBatch(desc, tuple(refs), table.num_rows))
+    if len(batches) == 3:  # two runs in one batch
+        a, c = batches[0], batches[2]
+        merged = HollowBatch(
+            Description(a.desc.lower, c.desc.upper, a.desc.since),
+            a.parts + c.parts,
+            a.len + c.len,
+            (len(a.parts),) if a.parts and c.parts else (),
+        )
+        batches = [merged, batches[1]]
+    for chosen in (batches, batches[:1]):
+        got = snapshot_table(blob, chosen, SCHEMA, KS.names, VS.names, as_of)
+        table = read_batches(blob, chosen, SCHEMA, upper=as_of + 1)
+        want = consolidate(table, KS.names, VS.names, since=as_of)
+        assert got.equals(want), (got.to_pylist(), want.to_pylist())

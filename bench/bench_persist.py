@@ -127,8 +127,7 @@ class PersistContender(Contender):
 
     name = PERSIST
     settings = (
-        "SQLite stash (WAL, synchronous=FULL), file blob (parts fsynced), "
-        "Parquet parts (snappy)"
+        "SQLite stash (WAL, synchronous=FULL), file blob (parts fsynced), Parquet parts (LZ4_RAW)"
     )
 
     def __init__(self, root: Path, compaction: str = "background") -> None:

@@ -82,6 +82,11 @@ MIN_PARALLEL_PART_BYTES = 8 * _MIB
 _THREADED_DECODE_MIN_BYTES = 1 * _MIB
 #: Parts of at most this many rows are encoded without dictionaries.
 _DICTIONARY_MIN_ROWS = 64
+#: Rows sampled (strided) to choose the dictionary-encoded columns of a part.
+_DICTIONARY_SAMPLE_ROWS = 8192
+#: A column is dictionary-encoded when its sample has fewer distinct values than this
+#: fraction of the sample's rows.
+_DICTIONARY_MAX_DISTINCT = 0.3
 #: Tables up to this many in-memory bytes are encoded whole first (as one part if it fits).
 _INLINE_PROBE_BYTES = 256 * 1024
 #: Tables of at most this many rows are encoded as Arrow IPC first, to test for inlining.
@@ -816,13 +821,32 @@ def consolidate_order(
 # -------------------------------------------------------------------------- parts
 
 
+def _dictionary_columns(table: pa.Table) -> list[str]:
+    """The columns worth dictionary-encoding: those with few distinct values (under
+    ``_DICTIONARY_MAX_DISTINCT`` of a strided sample of ``_DICTIONARY_SAMPLE_ROWS`` rows).
+    A column of mostly distinct values would fill a dictionary page and fall back to
+    plain encoding, the dictionary work wasted (~15% of encoding lineitem)."""
+    n = table.num_rows
+    if n <= _DICTIONARY_MIN_ROWS:
+        return []
+    step = max(1, n // _DICTIONARY_SAMPLE_ROWS)
+    sample = table.take(pa.array(np.arange(0, n, step, dtype=np.int64))) if step > 1 else table
+    limit = _DICTIONARY_MAX_DISTINCT * sample.num_rows
+    return [
+        name
+        for name, col in zip(sample.column_names, sample.columns, strict=True)
+        if pc.count_distinct(col, mode="all").as_py() < limit
+    ]
+
+
 def encode_part(table: pa.Table) -> bytes:
     """Encode one part as Parquet bytes.
 
-    Settings chosen for speed: snappy compression, dictionary encoding on (for parts of
-    more than ``_DICTIONARY_MIN_ROWS`` rows), statistics
-    only for ``_time`` (min/max time of the part), the Arrow schema stored so that types
-    such as ``large_string`` or time zones round-trip.
+    Settings chosen for speed: LZ4 compression (``LZ4_RAW``), dictionary encoding for the columns
+    with few distinct values (:func:`_dictionary_columns`), statistics
+    only for ``_time`` (min/max time of the part), decimals of precision up to 18 stored
+    as integers, the Arrow schema stored so that types such as ``large_string`` or time
+    zones round-trip.
 
     Raises:
         InvalidUsage: pyarrow cannot encode the table.
@@ -833,12 +857,17 @@ def encode_part(table: pa.Table) -> bytes:
         pq.write_table(
             table,
             sink,
-            compression="snappy",
-            # Dictionaries only pay off on more than a few rows; a one-row part without
-            # them encodes ~15% faster and is ~15% smaller (measured on flights).
-            use_dictionary=table.num_rows > _DICTIONARY_MIN_ROWS,
+            # LZ4 (Parquet's LZ4_RAW): as fast to write as snappy and as small, and
+            # its parts decode ~30% faster (lineitem) than snappy's.
+            compression="lz4",
+            # Dictionaries only pay off on more than a few rows and on columns with few
+            # distinct values.
+            use_dictionary=_dictionary_columns(table),
             write_statistics=stats,
             store_schema=True,
+            # Decimals of precision <= 18 as INT32/INT64 (as delta-rs and pyiceberg write
+            # them): they decode ~1.7x faster than fixed-length byte arrays.
+            store_decimal_as_integer=True,
         )
     except (pa.ArrowException, ValueError, TypeError) as e:
         raise InvalidUsage(f"cannot encode part as Parquet: {e}") from None

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -661,3 +662,30 @@ def test_write_read_under_random_blob_faults(tmp_path: Path, seed: int) -> None:
     u.faults(False)
     for key, _ in u.list_keys():
         assert not key.rsplit("/", 1)[-1].startswith(".")
+
+
+def test_part_encoding_settings() -> None:
+    """Blob parts: LZ4 (LZ4_RAW) compression, decimals of precision <= 18 as integers
+    (as delta-rs and pyiceberg write them), dictionaries only on columns with few
+    distinct values, and only for parts of more than a few rows."""
+    n = 20_000
+    t = pa.table(
+        {
+            "unique": pa.array(range(n), pa.int64()),
+            "few": pa.array([f"s{i % 7}" for i in range(n)], pa.string()),
+            "dec": pa.array(
+                [decimal.Decimal(i % 500) / 100 for i in range(n)], pa.decimal128(15, 2)
+            ),
+            "_time": pa.array([0] * n, pa.int64()),
+            "_diff": pa.array([1] * n, pa.int64()),
+        }
+    )
+    assert parts._dictionary_columns(t) == ["few", "dec", "_time", "_diff"]
+    assert parts._dictionary_columns(t.slice(0, 10)) == []
+    data = encode_part(t)
+    meta = pq.ParquetFile(pa.BufferReader(data)).metadata
+    assert meta.schema.column(2).physical_type == "INT64"
+    col = meta.row_group(0).column
+    assert {col(i).compression for i in range(5)} == {"LZ4"}
+    assert "RLE_DICTIONARY" in col(1).encodings and "RLE_DICTIONARY" not in col(0).encodings
+    assert decode_part(data, make_part_ref("k/p.parquet", data, n)).equals(t)

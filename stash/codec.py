@@ -68,24 +68,19 @@ def _scan(value: Any, depth: int) -> bool:
     ``d + 1``); return whether it holds a whole float (to be written as an integer).
     Strings are checked later, on the encoded text (see :func:`canonical_json`)."""
     t = type(value)
+    items: Any = None
     if t is dict:
-        if value and depth >= MAX_JSON_DEPTH:
-            raise StashError(f"value is nested deeper than {MAX_JSON_DEPTH} levels")
-        found = False
-        for k, v in value.items():
+        for k in value:
             if type(k) is not str and not isinstance(k, str):
                 raise StashError(f"JSON object keys must be strings, got {type(k).__name__}")
-            tv = type(v)
-            if tv is str or tv is int or tv is bool or v is None:
-                continue
-            if _scan(v, depth + 1):
-                found = True
-        return found
-    if t is list or t is tuple:
+        items = value.values()
+    elif t is list or t is tuple:
+        items = value
+    if items is not None:
         if value and depth >= MAX_JSON_DEPTH:
             raise StashError(f"value is nested deeper than {MAX_JSON_DEPTH} levels")
         found = False
-        for v in value:
+        for v in items:
             tv = type(v)
             if tv is str or tv is int or tv is bool or v is None:
                 continue

@@ -139,9 +139,18 @@ def _finish(st: Stream, t: threading.Thread, pg: str, campaign: str, faults: int
     from campaign import record  # tests/reliability is on sys.path via pyproject
 
     outcomes = list(st.outcomes.values())
-    record(campaign, runs=1, faults=faults, acknowledged=outcomes.count("ok"), lost=0,
-           duplicated=0, partial=0, unclear=0,
-           indeterminate=outcomes.count("indeterminate"), failed=outcomes.count("failed"))
+    record(
+        campaign,
+        runs=1,
+        faults=faults,
+        acknowledged=outcomes.count("ok"),
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=0,
+        indeterminate=outcomes.count("indeterminate"),
+        failed=outcomes.count("failed"),
+    )
 
 
 def test_server_restarts_during_appends(

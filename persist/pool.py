@@ -1,9 +1,11 @@
-"""The process-wide pool of worker threads that encode, decode, upload and fetch parts.
+"""The process-wide pools of worker threads that encode, decode, upload and fetch parts.
 
 Creating a thread pool for every read or write cost about 1-3 ms of a 20 ms snapshot
 (threads started and joined each time), so :func:`run_all` hands its tasks to one pool
 that lives as long as the process. pyarrow's Parquet codecs, ``hashlib`` and file I/O
-release the GIL, so these threads run in parallel.
+release the GIL, so these threads run in parallel. A second pool takes blob uploads
+(:func:`submit_io`), so that a writer encodes the next part while the last one is
+written and fsynced (or sent over the network) instead of waiting for it.
 
 Invariants kept here:
 
@@ -17,8 +19,9 @@ Invariants kept here:
 * a call never waits for a pool thread to *start*: the calling thread claims tasks too,
   and helpers still queued when no task is left are cancelled. So calls nested in tasks,
   a pool busy with other calls, or a pool whose threads are gone cannot deadlock it;
-* a child made by ``os.fork`` (Spark's Python workers are forked) starts a pool of its
-  own (the parent's threads do not exist in the child), so it decodes in parallel too.
+* a child made by ``os.fork`` (Spark's Python workers are forked) starts pools of its
+  own (the parent's threads do not exist in the child), so it works in parallel too;
+* tasks of the upload pool never wait for either pool, so they always finish.
 """
 
 from __future__ import annotations
@@ -27,24 +30,27 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["POOL_THREADS", "run_all"]
+__all__ = ["IO_THREADS", "POOL_THREADS", "run_all", "submit_io"]
 
 _T = TypeVar("_T")
 
 #: Threads of the shared pool (several concurrent calls, e.g. a writer and the
 #: background compactor, each get up to their ``max_workers``).
 POOL_THREADS = 8
+#: Threads of the upload pool.
+IO_THREADS = 4
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_io_pool: ThreadPoolExecutor | None = None
 
 
 def _reset_after_fork() -> None:
-    global _lock, _pool
+    global _lock, _pool, _io_pool
     _lock = threading.Lock()
-    _pool = None
+    _pool = _io_pool = None
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -56,6 +62,17 @@ def _executor() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="persist")
         return _pool
+
+
+def submit_io(fn: Callable[..., _T], *args: Any) -> Future[_T]:
+    """Run ``fn(*args)`` in the upload pool (``IO_THREADS`` threads shared by the
+    process); ``fn`` must not wait for either pool. Returns its future."""
+    global _io_pool
+    with _lock:
+        if _io_pool is None:
+            _io_pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="persist-io")
+        pool = _io_pool
+    return pool.submit(fn, *args)
 
 
 def run_all(

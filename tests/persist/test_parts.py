@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import math
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -490,11 +492,19 @@ def test_split_for_parts(target: int) -> None:
     assert len(pieces) >= min(1000, math.ceil(t.nbytes / target))
     per_row = t.nbytes / t.num_rows
     assert all(p.num_rows == 1 or p.num_rows * per_row <= target for p in pieces)
-    assert len({p.num_rows for p in pieces[:-1]}) <= 1  # equal slices but the last
+    sizes = [p.num_rows for p in pieces]
+    assert max(sizes) - min(sizes) <= 1  # balanced slices
     assert split_for_parts(t.slice(0, 0), target) == []
     assert len(split_for_parts(t, 10**9, min_parts=4)) == 4
+    # Several parts come in a multiple of the encoding threads; one part stays one.
+    for workers in (2, 3):
+        count = len(split_for_parts(t, target, multiple_of=workers))
+        assert count == 1 or count % workers == 0 or count == t.num_rows
+    assert len(split_for_parts(t, 10**9, multiple_of=2)) == 1
     with pytest.raises(InvalidUsage):
         split_for_parts(t, 0)
+    with pytest.raises(InvalidUsage):
+        split_for_parts(t, target, multiple_of=0)
 
 
 # ------------------------------------------------------- write/read parts
@@ -629,6 +639,60 @@ def test_failed_write_cleans_up_its_parts(workers: int) -> None:
             max_workers=workers,
         )
     assert blob.list_keys() == []
+
+
+class _SlowBlob(MemoryBlob):
+    """A memory blob whose ``set`` takes ``delay`` seconds (an fsync, a network upload),
+    counting the uploads in flight; ``fail_first`` makes the first ``set`` fail."""
+
+    def __init__(self, delay: float, fail_first: bool = False) -> None:
+        super().__init__()
+        self.delay = delay
+        self.fail_first = fail_first
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.peak = 0
+        self.sets = 0
+
+    def set(self, key: str, value: bytes) -> None:
+        with self.lock:
+            self.sets += 1
+            first = self.sets == 1
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        try:
+            time.sleep(self.delay)
+            if first and self.fail_first:
+                raise BlobError("injected failure of the first upload")
+            super().set(key, value)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_uploads_overlap_encoding_and_end_before_return(workers: int) -> None:
+    """Parts upload in the upload pool while later parts encode, at most 2 * workers
+    waiting at once; write_parts returns only after every upload ended."""
+    blob = _SlowBlob(delay=0.02)
+    t = _sample(5000)
+    refs = write_parts(
+        blob, t, "s/b", target_part_bytes=10_000, inline_max_bytes=0, max_workers=workers
+    )
+    assert len(refs) > 8
+    assert blob.in_flight == 0
+    assert 1 < blob.peak <= 2 * workers
+    assert read_parts(blob, refs).equals(t)
+
+
+def test_no_part_is_encoded_after_an_upload_failed() -> None:
+    blob = _SlowBlob(delay=0.01, fail_first=True)
+    with pytest.raises(BlobError, match="first upload"):
+        write_parts(blob, _sample(20_000), "s/b", target_part_bytes=5_000, inline_max_bytes=0)
+    assert blob.in_flight == 0
+    assert blob.list_keys() == []
+    parts_count = len(split_for_parts(_sample(20_000), 5_000))
+    assert parts_count > 50 and blob.sets < parts_count // 2
 
 
 def test_write_parts_rejects_bad_prefix_and_sizes() -> None:

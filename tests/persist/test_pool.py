@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from persist.pool import POOL_THREADS, run_all
+from persist.pool import POOL_THREADS, run_all, submit_io
 
 
 def _tracking(n: int, sleep: float = 0.002) -> tuple[list[Callable[[], int]], Callable[[], int]]:
@@ -141,13 +141,15 @@ def test_concurrent_callers_share_the_pool() -> None:
 def _child(q: multiprocessing.Queue[object]) -> None:
     tasks, peak = _tracking(16, sleep=0.005)
     results, error = run_all(tasks, 2)
-    q.put((results, error, peak()))
+    uploaded = submit_io(lambda: "uploaded").result(timeout=10)
+    q.put((results, error, peak(), uploaded))
 
 
 def test_pool_works_in_a_forked_child() -> None:
     """The parent's pool threads do not exist in a forked child (Spark's Python workers
     are forked): the child makes a pool of its own and still runs tasks side by side."""
-    run_all([lambda: 1, lambda: 2], 2)  # the parent's pool exists
+    run_all([lambda: 1, lambda: 2], 2)  # the parent's pools exist
+    submit_io(lambda: None).result()
     ctx = multiprocessing.get_context("fork")
     q: multiprocessing.Queue[object] = ctx.Queue()
     p = ctx.Process(target=_child, args=(q,))
@@ -157,6 +159,6 @@ def test_pool_works_in_a_forked_child() -> None:
         p.kill()
         pytest.fail("run_all hung in a forked child")
     assert p.exitcode == 0
-    results, error, peak = q.get(timeout=5)  # type: ignore[misc]
+    results, error, peak, uploaded = q.get(timeout=5)  # type: ignore[misc]
     assert error is None and results == list(range(16))
-    assert peak == 2
+    assert peak == 2 and uploaded == "uploaded"

@@ -127,7 +127,8 @@ class PersistContender(Contender):
 
     name = PERSIST
     settings = (
-        "SQLite stash (WAL, synchronous=FULL), file blob (parts fsynced), Parquet parts (LZ4_RAW)"
+        "SQLite stash (WAL, synchronous=FULL), file blob (parts fsynced), Parquet parts "
+        "(dictionary or delta where they pay, else LZ4_RAW), sorted and consolidated"
     )
 
     def __init__(self, root: Path, compaction: str = "background") -> None:

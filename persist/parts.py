@@ -44,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -93,8 +93,6 @@ _DICTIONARY_MAX_DISTINCT = 0.3
 _INLINE_PROBE_BYTES = 256 * 1024
 #: Tables of at most this many rows are encoded as Arrow IPC first, to test for inlining.
 _INLINE_PROBE_ROWS = 256
-
-_T = TypeVar("_T")
 
 
 # ------------------------------------------------------------------------- schemas

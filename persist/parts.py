@@ -22,8 +22,12 @@ Invariants kept here:
   zero), and every ``_time`` at least ``since``; equal means equal values, nulls equal to
   nulls, NaN equal to NaN, ``-0.0`` equal to ``0.0``. It is vectorised (pyarrow compute
   and numpy; no per-row Python);
-* the parts :func:`write_parts` returns, read in order, are exactly the input table; a
-  run's parts are row slices of one sorted table, so they stay sorted;
+* the parts :func:`write_parts` returns, read in order, are exactly the input table,
+  column types included (``date64`` and ``time32[s]``, which Parquet stores otherwise,
+  are restored on decode); a run's parts are row slices of one sorted table, so they
+  stay sorted;
+* :func:`write_parts` returns (or raises) only after every upload it started has ended,
+  so a failed write's clean-up never races one of its own uploads;
 * :func:`decode_part` never returns data whose SHA-256 differs from the
   :class:`~persist.types.PartRef`'s checksum: it raises
   :class:`~persist.errors.CorruptPart` naming the part's key instead; :func:`read_parts`

@@ -12,7 +12,10 @@ fencing and concurrent handles can be exercised).  Invariants kept here:
 
 :class:`Memory` wraps any :class:`~stash.base.Stash` and caches frontiers and rows of the
 collections it reads, writing every change through and dropping the cached state of the
-collections a write touched, as the seed's ``Memory<S>`` does.  It caches only when the
+collections a write touched, as the seed's ``Memory<S>`` does.  It is safe to share
+between threads: cache fills are checked against a generation, so a fill read before a
+write's invalidation is never installed, and a collection with a write in flight is read
+from ``inner`` (see :class:`Memory`).  It caches only when the
 inner handle is a fenced writable leader (the seed's use); over any other handle it
 passes every call through, since other writers could change what it would cache.  Even
 for a leader, optimistic ``fenced=False`` writers of the same collections make the cache
@@ -27,7 +30,7 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from stash.base import Mode, Stash
 from stash.errors import FenceError, StashError
@@ -224,9 +227,21 @@ class MemoryStash(Stash):
 class Memory(Stash):
     """A write-through read cache over any stash (the seed's ``Memory<S>``).
 
-    Reads of frontiers and rows are served from a cache filled on first use; every
-    write goes to ``inner`` first and then drops the cache of the collections it touched.
-    Only correct while this wrapper is the single writer of those collections.
+    Reads of a collection are served from a cache entry (its frontiers and all its rows,
+    read together in one transaction of ``inner``); every write goes to ``inner`` and
+    drops the entries of the collections it touched.  Safe to share between threads:
+
+    * a write marks each collection it touches as *in flight* (dropping its entry) before
+      it commits, and again when it ends (committed or not); while a collection is in
+      flight no transaction reads or fills its entry;
+    * a read notes the cache's generation before its transaction of ``inner`` begins and
+      installs what it read only if the collection was not invalidated since, so a fill
+      computed from a read that started before an invalidation is never installed;
+    * a transaction that reads one collection twice sees one entry (or one ``inner``
+      snapshot) throughout, never frontiers from one state and rows from another.
+
+    Caching is on only over a fenced writable handle (the single leader, the seed's use);
+    other writers of the same collections through other handles are not seen.
 
     Args:
         inner: the stash that holds the durable state.
@@ -237,25 +252,54 @@ class Memory(Stash):
         self.inner = inner
         # Caching is sound only for the single leader: a fenced writable handle.
         self.caching = inner.fenced and inner.mode == "writable"
-        self._lock = threading.RLock()
-        self._front: dict[int, tuple[int | None, int | None]] = {}
-        self._rows: dict[int, list[Row]] = {}
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}
+        self._gen = 0  # bumped by every invalidation
+        self._invalidated: dict[int, int] = {}  # collection id -> generation of its last one
+        self._in_flight: dict[int, int] = {}  # collection id -> writes touching it now
+
+    def _invalidate(self, cid: int, delta: int) -> None:
+        """Drop ``cid``'s entry and bump the generation; ``delta`` (+1 at a write's first
+        touch, -1 when it ends) counts the writes in flight. Caller holds ``_lock``."""
+        self._gen += 1
+        self._invalidated[cid] = self._gen
+        self._entries.pop(cid, None)
+        n = self._in_flight.get(cid, 0) + delta
+        if n:
+            self._in_flight[cid] = n
+        else:
+            self._in_flight.pop(cid, None)
+
+    def _cached(self, cid: int, gen: int) -> _Entry | None | Literal[False]:
+        """The usable entry of ``cid``; ``None`` if a read may fill it; ``False`` if it
+        must go to ``inner`` without filling (a write in flight or an invalidation since
+        generation ``gen``)."""
+        with self._lock:
+            if self._in_flight.get(cid) or self._invalidated.get(cid, 0) > gen:
+                return False
+            return self._entries.get(cid)
+
+    def _install(self, cid: int, gen: int, entry: _Entry) -> None:
+        with self._lock:
+            if not self._in_flight.get(cid) and self._invalidated.get(cid, 0) <= gen:
+                self._entries[cid] = entry
 
     def _run(self, write: bool, fn: Callable[[Txn], R]) -> R:
-        touched: set[int] = set()
+        marked: set[int] = set()
+        with self._lock:
+            gen = self._gen
 
         def attempt(itx: Txn) -> R:
-            tx = _CachedTxn(self, itx, write or not self.caching, touched)
+            tx = _CachedTxn(self, itx, write or not self.caching, gen, marked)
             return fn(tx)
 
         try:
             return self.inner._run(write, attempt)
         finally:
-            if touched:
+            if marked:
                 with self._lock:
-                    for cid in touched:
-                        self._front.pop(cid, None)
-                        self._rows.pop(cid, None)
+                    for cid in marked:
+                        self._invalidate(cid, -1)
 
     @contextmanager
     def _txn(self, write: bool) -> Iterator[Txn]:  # pragma: no cover - _run is used
@@ -269,12 +313,59 @@ class Memory(Stash):
         return f"Memory({self.inner!r})"
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """A collection's cached state: ``(since, upper)`` and every row, read together."""
+
+    front: tuple[int | None, int | None]
+    rows: list[Row]
+
+
 class _CachedTxn:
-    def __init__(self, cache: Memory, inner: Txn, bypass: bool, touched: set[int]) -> None:
+    """One transaction of ``Memory``: reads through its cache, writes through to ``inner``.
+
+    Args:
+        cache: the ``Memory``.
+        inner: the inner transaction.
+        bypass: read everything from ``inner`` (a write transaction, or caching is off).
+        gen: the cache's generation when the call began (before ``inner``'s transaction).
+        marked: the collections this call's writes marked in flight (shared by retries).
+    """
+
+    def __init__(self, cache: Memory, inner: Txn, bypass: bool, gen: int, marked: set[int]) -> None:
         self.cache = cache
         self.inner = inner
-        self.write = bypass
-        self.touched = touched
+        self.bypass = bypass
+        self.gen = gen
+        self.marked = marked
+        # What this transaction reads each collection from: an entry, or None (inner).
+        self.views: dict[int, _Entry | None] = {}
+
+    def _touch(self, cid: int) -> None:
+        if cid not in self.marked:
+            with self.cache._lock:
+                self.cache._invalidate(cid, +1)
+            self.marked.add(cid)
+        self.views[cid] = None
+
+    def _view(self, cid: int) -> _Entry | None:
+        """The entry this transaction reads ``cid`` from, or ``None`` to read ``inner``."""
+        if self.bypass or cid in self.marked:
+            return None
+        if cid in self.views:
+            return self.views[cid]
+        found = self.cache._cached(cid, self.gen)
+        entry: _Entry | None
+        if found is False:
+            entry = None
+        elif found is None:
+            # Fill: frontiers and rows in this one transaction of inner.
+            entry = _Entry(self.inner.frontiers(cid), self.inner.rows(cid))
+            self.cache._install(cid, self.gen, entry)
+        else:
+            entry = found
+        self.views[cid] = entry
+        return entry
 
     def lookup_collection(self, name: str) -> tuple[int, str, str] | None:
         return self.inner.lookup_collection(name)
@@ -289,53 +380,39 @@ class _CachedTxn:
         self.inner.lock(ids)
 
     def frontiers(self, cid: int) -> tuple[int | None, int | None]:
-        if self.write or cid in self.touched:
-            return self.inner.frontiers(cid)
-        with self.cache._lock:
-            f = self.cache._front.get(cid)
-        if f is None:
-            f = self.inner.frontiers(cid)
-            with self.cache._lock:
-                self.cache._front[cid] = f
-        return f
+        entry = self._view(cid)
+        return self.inner.frontiers(cid) if entry is None else entry.front
 
     def set_upper(self, cid: int, upper: int | None) -> None:
-        self.touched.add(cid)
+        self._touch(cid)
         self.inner.set_upper(cid, upper)
 
     def set_since(self, cid: int, since: int | None) -> None:
-        self.touched.add(cid)
+        self._touch(cid)
         self.inner.set_since(cid, since)
 
     def insert(self, cid: int, rows: Sequence[Row]) -> None:
-        self.touched.add(cid)
+        self._touch(cid)
         self.inner.insert(cid, rows)
 
-    def _all(self, cid: int) -> list[Row]:
-        with self.cache._lock:
-            r = self.cache._rows.get(cid)
-        if r is None:
-            r = self.inner.rows(cid)
-            with self.cache._lock:
-                self.cache._rows[cid] = r
-        return r
-
     def rows(self, cid: int, key: str | None = None) -> list[Row]:
-        if self.write or cid in self.touched:
+        entry = self._view(cid)
+        if entry is None:
             return self.inner.rows(cid, key)
-        return [r for r in self._all(cid) if key is None or r[0] == key]
+        return [r for r in entry.rows if key is None or r[0] == key]
 
     def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
-        if self.write or cid in self.touched:
+        entry = self._view(cid)
+        if entry is None:
             return self.inner.peek_rows(cid, ts, key)
         acc: dict[tuple[str, str], int] = {}
-        for k, v, t, d in self._all(cid):
+        for k, v, t, d in entry.rows:
             if t <= ts and (key is None or k == key):
                 acc[(k, v)] = acc.get((k, v), 0) + d
         return [(k, v, d) for (k, v), d in acc.items() if d]
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
-        self.touched.add(cid)
+        self._touch(cid)
         self.inner.consolidate(cid, since, keys)
 
     def check_fence(self) -> None:

@@ -1,0 +1,132 @@
+"""One stash handle shared between threads (DESIGN section 3: "a handle is safe to share
+between threads"), on every backend and on ``Memory(inner)`` over each.
+
+Writer threads each own a collection and a set of keys of a shared collection; reader
+threads read everything while they write.  Checked against a model:
+
+* a writer's appends to its own collection never fail with ``AppendLowerMismatch`` (no
+  other writer touches it, so a mismatch could only come from a stale read);
+* after a writer's call returns, its next reads see it (read your writes: values and
+  upper);
+* a lost race on the shared collection is real (the upper did move past the lower read)
+  and a retry succeeds within a bounded number of attempts;
+* readers never see a key with several values or a multiplicity other than 1, and never
+  see a writer's value go backwards;
+* the final contents equal the model.
+
+Counts are bounded (no time limits), so the test is quick on every backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from stash import AppendLowerMismatch, Stash, StashError, TypedCollection
+
+WRITERS = 3
+READERS = 2
+ROUNDS = 12
+READS = 25
+MAX_ATTEMPTS = 400
+
+SHARED = TypedCollection[str, int]("shared", key="str", value="int")
+
+
+def _own(w: int) -> TypedCollection[str, int]:
+    return TypedCollection(f"own{w}", key="str", value="int")
+
+
+def _writer(s: Stash, w: int, start: threading.Barrier, errors: list[str]) -> None:
+    own = _own(w)
+    c = own.get(s)
+    start.wait()
+    try:
+        for i in range(ROUNDS):
+            # Own collection: only this thread writes it, so no mismatch is legitimate.
+            own.upsert_key(s, "k", i)
+            upper = s.upper(c).as_option()
+            b = c.make_batch(s)
+            c.append_to_batch(b, f"a{i}", i, 1)
+            s.append([b])
+            after = s.upper(c).as_option()
+            assert upper is not None and after is not None
+            if after <= upper:
+                errors.append(f"writer {w}: upper {after} after its append, was {upper}")
+            got = own.peek_key_one(s, "k")
+            if got != i:
+                errors.append(f"writer {w}: read {got!r} right after writing {i}")
+            # Shared collection: lost races are real; retry them.
+            for _attempt in range(MAX_ATTEMPTS):
+                before = SHARED.upper(s)
+                try:
+                    SHARED.upsert_key(s, f"w{w}", i)
+                    break
+                except AppendLowerMismatch as e:
+                    if not before <= e.current or e.current == e.expected:
+                        errors.append(f"writer {w}: spurious mismatch {e} (upper was {before})")
+            else:
+                errors.append(f"writer {w}: {MAX_ATTEMPTS} lost races in a row")
+            got = SHARED.peek_key_one(s, f"w{w}")
+            if got != i:
+                errors.append(f"writer {w}: shared read {got!r} right after writing {i}")
+    except AppendLowerMismatch as e:
+        errors.append(f"writer {w}: mismatch on its own collection: {e}")
+    except Exception as e:  # noqa: BLE001 - reported to the main thread
+        errors.append(f"writer {w}: {type(e).__name__}: {e}")
+
+
+def _reader(s: Stash, r: int, start: threading.Barrier, errors: list[str]) -> None:
+    seen: dict[tuple[str, str], int] = {}
+    start.wait()
+    try:
+        for _ in range(READS):
+            for name in ["shared", *(f"own{w}" for w in range(WRITERS))]:
+                c = s.collection(name, key="str", value="int")
+                try:
+                    one = s.peek_one(c)
+                except StashError as e:
+                    if "not less than upper" in str(e):
+                        continue  # nothing sealed yet
+                    raise
+                for k, v in one.items():
+                    if k.startswith("a"):
+                        continue
+                    if v < seen.get((name, k), -1):
+                        errors.append(
+                            f"reader {r}: {name}[{k}] went back from {seen[(name, k)]} to {v}"
+                        )
+                    seen[(name, k)] = v
+                entries = s.iter(c)
+                keys = [k for (k, _), _, _ in entries]
+                if len(keys) != len(set(keys)) or any(d != 1 for _, _, d in entries):
+                    errors.append(f"reader {r}: {name} iterates as {entries}")
+                if name != "shared":
+                    s.peek_key_one(c, "k")
+    except Exception as e:  # noqa: BLE001 - reported to the main thread
+        errors.append(f"reader {r}: {type(e).__name__}: {e}")
+
+
+def test_one_handle_shared_by_writer_and_reader_threads(open_any: Any) -> None:
+    s = open_any()
+    SHARED.get(s)
+    for w in range(WRITERS):
+        _own(w).get(s)
+    errors: list[str] = []
+    start = threading.Barrier(WRITERS + READERS)
+    threads = [
+        threading.Thread(target=_writer, args=(s, w, start, errors)) for w in range(WRITERS)
+    ] + [threading.Thread(target=_reader, args=(s, r, start, errors)) for r in range(READERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    last = ROUNDS - 1
+    assert SHARED.peek_one(s) == {f"w{w}": last for w in range(WRITERS)}
+    for w in range(WRITERS):
+        want = {"k": last, **{f"a{i}": i for i in range(ROUNDS)}}
+        assert _own(w).peek_one(s) == want
+    # A fresh handle (no cache) agrees.
+    fresh = open_any(mode="readonly")
+    assert fresh.peek_one(fresh.collection("shared", key="str", value="int")) == SHARED.peek_one(s)

@@ -293,26 +293,53 @@ class Stash(abc.ABC):
         out.sort(key=lambda e: kc.sort_key(e[0]))
         return out
 
+    def _peek_unique(self, collection: StashCollection[K, V]) -> list[tuple[str, K, V]]:
+        """The sealed contents as ``[(key_json, key, value)]`` in key order, checked to
+        hold each key (by its canonical encoding) once with multiplicity 1.
+
+        Raises:
+            StashError: ``unexpected peek multiplicity``, or a key with two values.
+        """
+        kc, vc = collection.key_codec, collection.value_codec
+        rows = self._peek_raw(collection)
+        if any(d != 1 for _, _, d in rows):
+            raise StashError("unexpected peek multiplicity")
+        if len({k for k, _, _ in rows}) != len(rows):
+            raise StashError(f"duplicate peek keys for collection {collection.id}")
+        out = [(k, kc.decode(k), vc.decode(v)) for k, v, _ in rows]
+        out.sort(key=lambda e: kc.sort_key(e[1]))
+        return out
+
     def peek_one(self, collection: StashCollection[K, V]) -> dict[K, V]:
         """The sealed contents as a ``{key: value}`` dict (in key order).
 
+        Keys are told apart by their canonical encodings (``true`` is not ``1``).
+
         Raises:
-            StashError: a multiplicity other than 1 (``unexpected peek multiplicity``) or
-                a key with two values; PeekSinceUpperError as for :meth:`peek`.
+            StashError: a multiplicity other than 1 (``unexpected peek multiplicity``); a
+                key with two values; a key that is not hashable (a JSON array or object:
+                use the ``tuple`` codec or a frozen record type for composite keys); two
+                distinct keys that Python's dict cannot tell apart (``True`` and ``1``);
+                PeekSinceUpperError as for :meth:`peek`.
         """
         res: dict[K, V] = {}
-        for k, v, d in self.peek(collection):
-            if d != 1:
-                raise StashError("unexpected peek multiplicity")
+        held: dict[K, K] = {}
+        for _, k, v in self._peek_unique(collection):
             try:
                 hash(k)
             except TypeError:
                 raise StashError(
                     f"peek_one needs hashable keys, but collection {collection.name} has a "
-                    f"{type(k).__name__} key; use peek()"
+                    f"{type(k).__name__} key; use key=tuple (the tuple codec) or a frozen "
+                    "record type for composite keys, or peek()"
                 ) from None
-            if k in res:
-                raise StashError(f"duplicate peek keys for collection {collection.id}")
+            if k in held:
+                raise StashError(
+                    f"peek_one: keys {held[k]!r} and {k!r} of collection {collection.name} "
+                    "are distinct stash keys but equal in Python, so one dict cannot hold "
+                    "both; use peek()"
+                )
+            held[k] = k
             res[k] = v
         return res
 

@@ -9,7 +9,13 @@ A :class:`Codec` maps a Python value to a *canonical* JSON text (``encode``) and
 * ``decode(encode(v)) == v`` for every value the codec accepts;
 * ``sort_key`` gives a total order over accepted values (JSON: null < false < true <
   numbers < strings < arrays < objects), which is the order ``iter`` and ``peek`` return;
-* a codec's ``name`` is recorded with the collection and checked when it is reopened.
+* a codec's ``name`` is recorded with the collection and checked when it is reopened
+  (``json``, ``int``, ``str``, ``bytes``, ``tuple``, ``record:module.Qualname``; names
+  recorded by earlier versions resolve to the same codecs);
+* composite keys come back as the hashable type they went in as: the ``tuple`` codec
+  decodes JSON arrays to tuples (nested ones too), and records (dataclasses, msgspec
+  Structs, NamedTuples) decode fields holding records or annotated as tuples to those
+  types, so a frozen record or NamedTuple key is hashable after a round trip.
 
 The database stores the encodings: JSON text on SQLite, ``jsonb`` on Postgres, so the
 data is readable with plain SQL.  Source of the idea: the seed's ``Codec`` trait
@@ -23,6 +29,8 @@ import dataclasses
 import importlib
 import json
 import math
+import types
+import typing
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -297,11 +305,114 @@ class BytesCodec:
         return bytes(value)
 
 
+def _is_record_type(cls: Any) -> bool:
+    """Dataclasses, msgspec Structs and ``typing.NamedTuple`` classes."""
+    return isinstance(cls, type) and (
+        dataclasses.is_dataclass(cls)
+        or hasattr(cls, "__struct_fields__")
+        or (issubclass(cls, tuple) and hasattr(cls, "_fields"))
+    )
+
+
+def _record_fields(cls: Any) -> tuple[str, ...]:
+    if dataclasses.is_dataclass(cls):
+        return tuple(f.name for f in dataclasses.fields(cls))
+    if hasattr(cls, "__struct_fields__"):
+        return tuple(cls.__struct_fields__)
+    return tuple(cls._fields)
+
+
+def to_json(value: Any) -> Any:
+    """``value`` with records (dataclass, Struct, NamedTuple instances) turned into JSON
+    objects of their fields and tuples into lists, recursively."""
+    t = type(value)
+    if t is str or t is int or t is float or t is bool or value is None:
+        return value
+    if _is_record_type(t):
+        return {f: to_json(getattr(value, f)) for f in _record_fields(t)}
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    return value
+
+
+def _hashable(data: Any) -> Any:
+    """JSON arrays as tuples, recursively (objects are left as dicts)."""
+    if isinstance(data, list):
+        return tuple(_hashable(v) for v in data)
+    return data
+
+
+def _from_json(hint: Any, data: Any, where: str) -> Any:
+    """Rebuild the value a type hint describes from decoded JSON: records from objects,
+    tuples from arrays (also inside lists, dicts and optional types); other hints leave
+    the data as decoded."""
+    if hint is Any or hint is None:
+        return data
+    if isinstance(hint, str | typing.ForwardRef):
+        return data  # unresolved annotation: keep the data as decoded
+    if _is_record_type(hint):
+        if isinstance(data, dict):
+            return _build_record(hint, data, where)
+        return data
+    if hint is tuple:
+        return _hashable(data)
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is tuple and isinstance(data, list):
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_json(args[0], v, where) for v in data)
+        if args and len(args) == len(data):
+            return tuple(_from_json(a, v, where) for a, v in zip(args, data, strict=True))
+        return _hashable(data)
+    if origin is list and isinstance(data, list) and args:
+        return [_from_json(args[0], v, where) for v in data]
+    if origin is dict and isinstance(data, dict) and len(args) == 2:
+        return {k: _from_json(args[1], v, where) for k, v in data.items()}
+    if origin in (typing.Union, types.UnionType):
+        if data is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            if _is_record_type(a) and isinstance(data, dict):
+                return _build_record(a, data, where)
+            if (a is tuple or typing.get_origin(a) is tuple) and isinstance(data, list):
+                return _from_json(a, data, where)
+        return data
+    return data
+
+
+def _type_hints(cls: Any) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: no conversion
+        return {}
+
+
+def _build_record(cls: Any, d: dict[str, Any], where: str) -> Any:
+    fields = _record_fields(cls)
+    if set(d) != set(fields):
+        raise StashError(
+            f"{where} codec: stored object with fields {sorted(d)} does not have "
+            f"the fields {list(fields)} of {cls.__qualname__}"
+        )
+    hints = _type_hints(cls)
+    try:
+        return cls(**{f: _from_json(hints.get(f, Any), d[f], where) for f in fields})
+    except TypeError as e:
+        raise StashError(f"{where} codec: {e}") from None
+
+
 class RecordCodec(Generic[T]):
-    """Typed records (dataclasses, or msgspec Structs) stored as JSON objects.
+    """Typed records stored as JSON objects: dataclasses, msgspec Structs and
+    ``typing.NamedTuple`` classes.
 
     The recorded name is ``record:<module>.<qualname>``; fields are encoded by name, so
-    the database row is a readable JSON object.
+    the database row is a readable JSON object.  A field holding a record, or annotated
+    as a tuple, is decoded back to that type (so a frozen dataclass or a NamedTuple of
+    scalars and tuples is hashable again after a round trip, and can be a key).
 
     Raises:
         StashError: the value is not an instance of the record type, or the stored
@@ -309,40 +420,79 @@ class RecordCodec(Generic[T]):
     """
 
     def __init__(self, cls: type[T]) -> None:
-        if not (dataclasses.is_dataclass(cls) or hasattr(cls, "__struct_fields__")):
-            raise StashError(f"record codec: {cls!r} is not a dataclass or msgspec Struct")
+        if not _is_record_type(cls):
+            raise StashError(
+                f"record codec: {cls!r} is not a dataclass, msgspec Struct or NamedTuple"
+            )
         self.cls = cls
         self.name = f"record:{cls.__module__}.{cls.__qualname__}"
-        self._fields: tuple[str, ...] = (
-            tuple(f.name for f in dataclasses.fields(cls))
-            if dataclasses.is_dataclass(cls)
-            else tuple(cls.__struct_fields__)  # type: ignore[attr-defined]
-        )
+        self._fields: tuple[str, ...] = _record_fields(cls)
 
     def _as_dict(self, value: T) -> dict[str, Any]:
         if not isinstance(value, self.cls):
             raise StashError(
                 f"{self.name} codec: expected {self.cls.__qualname__}, got {type(value).__name__}"
             )
-        return {f: getattr(value, f) for f in self._fields}
+        return {f: to_json(getattr(value, f)) for f in self._fields}
 
     def encode(self, value: T) -> str:
         return canonical_json(self._as_dict(value))
 
     def decode(self, text: str) -> T:
         d = _loads(text, self.name)
-        if not isinstance(d, dict) or set(d) != set(self._fields):
+        if not isinstance(d, dict):
             raise StashError(
                 f"{self.name} codec: stored value {text[:200]!r} does not have "
                 f"the fields {list(self._fields)}"
             )
-        try:
-            return self.cls(**d)
-        except TypeError as e:
-            raise StashError(f"{self.name} codec: {e}") from None
+        return _build_record(self.cls, d, self.name)  # type: ignore[no-any-return]
 
     def sort_key(self, value: T) -> Any:
         return json_sort_key(_normalize(self._as_dict(value)))
+
+
+class TupleCodec:
+    """Tuples (composite keys) stored as JSON arrays and decoded back to tuples.
+
+    Items are JSON values; records inside are stored as objects, and nested arrays come
+    back as tuples, so a tuple of scalars and tuples is hashable after a round trip (JSON
+    objects inside come back as dicts).  Recorded name: ``tuple``.
+
+    Raises:
+        StashError: the value is not a tuple, or an item is not JSON.
+    """
+
+    name = "tuple"
+
+    def encode(self, value: tuple[Any, ...]) -> str:
+        if not isinstance(value, tuple):
+            raise StashError(f"tuple codec: expected a tuple, got {type(value).__name__}")
+        return canonical_json(to_json(value))
+
+    def decode(self, text: str) -> tuple[Any, ...]:
+        v = _loads(text, self.name)
+        if not isinstance(v, list):
+            raise StashError(f"tuple codec: stored value {text[:200]!r} is not an array")
+        return _hashable(v)  # type: ignore[no-any-return]
+
+    def sort_key(self, value: tuple[Any, ...]) -> Any:
+        return json_sort_key(_normalize(to_json(value)))
+
+
+class TypedTupleCodec(TupleCodec):
+    """A tuple type with item types, e.g. ``tuple[str, Point]``: items are decoded to
+    their annotated types (records, nested tuples).  Recorded as ``tuple`` like
+    :class:`TupleCodec` (the stored JSON is the same)."""
+
+    def __init__(self, hint: Any) -> None:
+        self.hint = hint
+
+    def decode(self, text: str) -> tuple[Any, ...]:
+        v = _loads(text, self.name)
+        if not isinstance(v, list):
+            raise StashError(f"tuple codec: stored value {text[:200]!r} is not an array")
+        out = _from_json(self.hint, v, self.name)
+        return out if isinstance(out, tuple) else tuple(_hashable(out))
 
 
 _BUILTIN: dict[str, Callable[[], Any]] = {
@@ -350,6 +500,7 @@ _BUILTIN: dict[str, Callable[[], Any]] = {
     "int": IntCodec,
     "str": StrCodec,
     "bytes": BytesCodec,
+    "tuple": TupleCodec,
 }
 
 CodecLike = Any  # a Codec, a builtin codec name, or a record type
@@ -357,8 +508,9 @@ CodecLike = Any  # a Codec, a builtin codec name, or a record type
 
 def resolve_codec(spec: CodecLike) -> Any:
     """Turn a codec spec into a codec: a codec instance, a builtin name (``"json"``,
-    ``"int"``, ``"str"``, ``"bytes"``), ``int``/``str``/``bytes``, a dataclass or msgspec
-    Struct type, or a recorded name ``record:module.Qualname``.
+    ``"int"``, ``"str"``, ``"bytes"``, ``"tuple"``), ``int``/``str``/``bytes``/``tuple``,
+    a tuple type such as ``tuple[str, int]``, a dataclass, msgspec Struct or NamedTuple
+    type, or a recorded name ``record:module.Qualname``.
 
     Raises:
         StashError: unknown name or type.
@@ -387,6 +539,11 @@ def resolve_codec(spec: CodecLike) -> Any:
         return StrCodec()
     if spec is bytes:
         return BytesCodec()
+    if spec is tuple:
+        return TupleCodec()
+    origin: Any = typing.get_origin(spec)
+    if origin is tuple:
+        return TypedTupleCodec(spec)
     if isinstance(spec, type):
         return RecordCodec(spec)
     if hasattr(spec, "encode") and hasattr(spec, "decode") and hasattr(spec, "name"):

@@ -3,12 +3,18 @@ one append batch.
 
 Invariants kept here:
 
+* keys and values are compared by their canonical encodings, as the stash compares them
+  (the collection's codecs when given, else canonical JSON with records as objects of
+  their fields), never by Python equality: ``True`` and ``1`` are different keys and
+  different values;
 * ``items()`` is always the initial contents with the pending changes applied
   (read-your-writes);
 * no two visible values violate the uniqueness predicate, and no key appears twice:
   an ``insert``/``update``/``set`` that would break this raises and changes nothing;
 * ``pending()`` lists, in key order, for each changed key its retraction (diff -1) before
-  its insertion (diff +1); a key set back to its initial value yields nothing.
+  its insertion (diff +1); a key set back to (a value encoding like) its initial value
+  yields nothing;
+* composite keys (tuples, frozen records, NamedTuples) work like any other key.
 
 Source of the idea: the seed's ``TableTransaction`` (``003``).
 """
@@ -18,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-from stash.codec import json_sort_key
+from stash.codec import CodecLike, canonical_json, json_sort_key, resolve_codec, to_json
 from stash.errors import StashError
 
 K = TypeVar("K")
@@ -27,88 +33,144 @@ V = TypeVar("V")
 _DELETED: Any = object()
 
 
-def _sort_key(k: Any) -> Any:
+def _natural_token(x: Any) -> Any:
+    """Canonical JSON of ``x`` (records as objects, tuples as arrays); a value that is
+    not JSON is compared by Python equality, tagged so it never equals a JSON text."""
     try:
-        return json_sort_key(k)
-    except Exception:  # pragma: no cover - non-JSON keys (records) sort by repr
-        return (9, repr(k))
+        return canonical_json(to_json(x))
+    except StashError:
+        try:
+            hash(x)
+        except TypeError:
+            raise StashError(
+                f"table transaction: a {type(x).__name__} is neither JSON nor hashable"
+            ) from None
+        return ("python", x)
+
+
+def _natural_sort_key(x: Any) -> Any:
+    try:
+        return (0, json_sort_key(to_json(x)))
+    except Exception:  # noqa: BLE001 - not JSON: after every JSON value, by repr
+        return (1, repr(x))
 
 
 class TableTransaction(Generic[K, V]):
     """Pending edits over ``initial`` with uniqueness checks.
 
     Args:
-        initial: the current contents, ``{key: value}`` (e.g. ``stash.peek_one(c)``).
+        initial: the current contents, ``{key: value}`` or ``[(key, value)]`` (e.g.
+            ``stash.peek_one(c)``, or :meth:`stash.TypedCollection.table`).
         uniqueness_violation: ``f(a, b) -> bool``, true when two distinct rows' values may
             not coexist (e.g. the same name); ``None`` for no constraint beyond the key.
+        key_codec, value_codec: codecs whose encodings decide equality and whose
+            ``sort_key`` orders keys (default: canonical JSON, records as objects).
+
+    Raises:
+        StashError: ``initial`` holds one key twice (by encoding).
     """
 
     def __init__(
         self,
-        initial: Mapping[K, V],
+        initial: Mapping[K, V] | Iterable[tuple[K, V]],
         uniqueness_violation: Callable[[V, V], bool] | None = None,
+        *,
+        key_codec: CodecLike = None,
+        value_codec: CodecLike = None,
     ) -> None:
-        self.initial: dict[K, V] = dict(initial)
-        self._pending: dict[K, Any] = {}
+        if key_codec is None:
+            self._ktok: Callable[[Any], Any] = _natural_token
+            self._ksort: Callable[[Any], Any] = _natural_sort_key
+        else:
+            kc = resolve_codec(key_codec)
+            self._ktok, self._ksort = kc.encode, kc.sort_key
+        self._vtok: Callable[[Any], Any] = (
+            _natural_token if value_codec is None else resolve_codec(value_codec).encode
+        )
+        pairs = initial.items() if isinstance(initial, Mapping) else initial
+        self._initial: dict[Any, tuple[K, V]] = {}
+        for k, v in pairs:
+            t = self._ktok(k)
+            if t in self._initial:
+                raise StashError(f"table transaction: initial contents hold key {k!r} twice")
+            self._initial[t] = (k, v)
+        self._pending: dict[Any, tuple[K, Any]] = {}
         self._violates = uniqueness_violation
 
+    @property
+    def initial(self) -> dict[K, V]:
+        """The initial contents as a dict (see :meth:`items` for when that fails)."""
+        return _as_dict(list(self._initial.values()))
+
     # ------------------------------------------------------------ reading
+    def _visible_rows(self) -> list[tuple[Any, K, V]]:
+        out = [(t, k, v) for t, (k, v) in self._pending.items() if v is not _DELETED]
+        out += [(t, k, v) for t, (k, v) in self._initial.items() if t not in self._pending]
+        return out
+
     def for_values(self, f: Callable[[K, V], None]) -> None:
         """Call ``f(key, value)`` for every visible row (pending changes applied)."""
-        for k, v in self._pending.items():
-            if v is not _DELETED:
-                f(k, v)
-        for k, v in self.initial.items():
-            if k not in self._pending:
-                f(k, v)
+        for _, k, v in self._visible_rows():
+            f(k, v)
 
     def items(self) -> dict[K, V]:
-        """The visible rows as a dict in key order."""
-        out: dict[K, V] = {}
-        self.for_values(out.__setitem__)
-        return dict(sorted(out.items(), key=lambda kv: _sort_key(kv[0])))
+        """The visible rows as a dict in key order.
+
+        Raises:
+            StashError: two visible keys are distinct but equal in Python (``True`` and
+                ``1``), so one dict cannot hold both (:meth:`for_values` can).
+        """
+        rows = sorted(self._visible_rows(), key=lambda r: self._ksort(r[1]))
+        return _as_dict([(k, v) for _, k, v in rows])
 
     def get(self, key: K) -> V | None:
         """The visible value of ``key`` or ``None``."""
-        if key in self._pending:
-            v = self._pending[key]
+        t = self._ktok(key)
+        if t in self._pending:
+            v = self._pending[t][1]
             return None if v is _DELETED else v
-        return self.initial.get(key)
+        found = self._initial.get(t)
+        return None if found is None else found[1]
 
-    def _visible(self, key: K) -> bool:
-        if key in self._pending:
-            return self._pending[key] is not _DELETED
-        return key in self.initial
+    def _visible(self, token: Any) -> bool:
+        if token in self._pending:
+            return self._pending[token][1] is not _DELETED
+        return token in self._initial
 
     def pending(self) -> list[tuple[K, V, int]]:
         """The changes as ``[(key, value, diff)]``: per changed key in key order, the
         retraction of its initial value (-1) then its new value (+1)."""
         out: list[tuple[K, V, int]] = []
-        for k in sorted(self._pending, key=_sort_key):
-            new = self._pending[k]
-            if k in self.initial:
-                old = self.initial[k]
-                if new is not _DELETED and new == old:
+        for t in sorted(self._pending, key=lambda t: self._ksort(self._pending[t][0])):
+            k, new = self._pending[t]
+            if t in self._initial:
+                ik, old = self._initial[t]
+                if new is not _DELETED and self._vtok(new) == self._vtok(old):
                     continue
-                out.append((k, old, -1))
+                out.append((ik, old, -1))
             if new is not _DELETED:
                 out.append((k, new, 1))
         return out
 
     # ------------------------------------------------------------ checks
-    def _verify(self, changes: Mapping[K, Any]) -> None:
+    def _verify(self, changes: Mapping[Any, tuple[K, Any]]) -> None:
         violates = self._violates
         if violates is None:
             return
         trial = dict(self._pending)
         trial.update(changes)
-        visible: list[tuple[K, V]] = [(k, v) for k, v in trial.items() if v is not _DELETED]
-        visible += [(k, v) for k, v in self.initial.items() if k not in trial]
-        changed = [(k, v) for k, v in changes.items() if v is not _DELETED]
-        for ck, cv in changed:
-            for k, v in visible:
-                if k != ck and (violates(cv, v) or violates(v, cv)):
+        visible = [(t, v) for t, (_, v) in trial.items() if v is not _DELETED]
+        visible += [(t, v) for t, (_, v) in self._initial.items() if t not in trial]
+        changed = [(t, v) for t, (_, v) in changes.items() if v is not _DELETED]
+        for ct, cv in changed:
+            for t, v in visible:
+                if t != ct and (violates(cv, v) or violates(v, cv)):
                     raise StashError("uniqueness violation")
+
+    def _change(self, key: K, value: Any) -> tuple[Any, tuple[K, Any]]:
+        if value is not _DELETED:
+            self._vtok(value)  # a value that cannot be encoded fails here, changing nothing
+        return self._ktok(key), (key, value)
 
     # ------------------------------------------------------------ writing
     def insert(self, key: K, value: V) -> None:
@@ -118,10 +180,11 @@ class TableTransaction(Generic[K, V]):
             StashError: the key exists (``key already exists``) or the value violates
                 uniqueness (``uniqueness violation``); nothing changes then.
         """
-        if self._visible(key):
+        t, kv = self._change(key, value)
+        if self._visible(t):
             raise StashError("uniqueness violation: key already exists")
-        self._verify({key: value})
-        self._pending[key] = value
+        self._verify({t: kv})
+        self._pending[t] = kv
 
     def update(self, f: Callable[[K, V], V | None]) -> int:
         """Replace the value of every row for which ``f(key, value)`` returns a value;
@@ -130,30 +193,21 @@ class TableTransaction(Generic[K, V]):
         Raises:
             StashError: the new values violate uniqueness; nothing changes then.
         """
-        changes: dict[K, Any] = {}
-
-        def visit(k: K, v: V) -> None:
+        changes: dict[Any, tuple[K, Any]] = {}
+        for t, k, v in self._visible_rows():
             new = f(k, v)
             if new is not None:
-                changes[k] = new
-
-        self.for_values(visit)
+                changes[t] = self._change(k, new)[1]
         self._verify(changes)
         self._pending.update(changes)
         return len(changes)
 
     def delete(self, f: Callable[[K, V], bool]) -> list[tuple[K, V]]:
         """Delete every row for which ``f(key, value)`` is true; return them."""
-        deleted: list[tuple[K, V]] = []
-
-        def visit(k: K, v: V) -> None:
-            if f(k, v):
-                deleted.append((k, v))
-
-        self.for_values(visit)
-        for k, _ in deleted:
-            self._pending[k] = _DELETED
-        return deleted
+        deleted = [(t, k, v) for t, k, v in self._visible_rows() if f(k, v)]
+        for t, k, _ in deleted:
+            self._pending[t] = (k, _DELETED)
+        return [(k, v) for _, k, v in deleted]
 
     def set(self, key: K, value: V | None) -> None:
         """Set ``key`` to ``value`` (insert or replace); ``None`` deletes the key.
@@ -161,14 +215,30 @@ class TableTransaction(Generic[K, V]):
         Raises:
             StashError: the value violates uniqueness; nothing changes then.
         """
-        if value is None:
-            self._pending[key] = _DELETED
-            return
-        self._verify({key: value})
-        self._pending[key] = value
+        t, kv = self._change(key, _DELETED if value is None else value)
+        if value is not None:
+            self._verify({t: kv})
+        self._pending[t] = kv
 
     def set_many(self, entries: Iterable[tuple[K, V | None]]) -> None:
         """:meth:`set` for several keys, checked together (all or nothing)."""
-        changes = {k: (_DELETED if v is None else v) for k, v in entries}
+        changes: dict[Any, tuple[K, Any]] = {}
+        for k, v in entries:
+            t, kv = self._change(k, _DELETED if v is None else v)
+            changes[t] = kv
         self._verify(changes)
         self._pending.update(changes)
+
+
+def _as_dict(pairs: list[tuple[K, V]]) -> dict[K, V]:
+    out: dict[K, V] = {}
+    held: dict[K, K] = {}
+    for k, v in pairs:
+        if k in held:
+            raise StashError(
+                f"table transaction: keys {held[k]!r} and {k!r} are distinct stash keys but "
+                "equal in Python, so one dict cannot hold both; use for_values()"
+            )
+        held[k] = k
+        out[k] = v
+    return out

@@ -19,6 +19,7 @@ from stash.base import Stash
 from stash.codec import CodecLike
 from stash.collection import AppendBatch, StashCollection
 from stash.errors import PeekSinceUpperError
+from stash.table import TableTransaction
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -52,6 +53,18 @@ class TypedCollection(Generic[K, V]):
     def peek_one(self, stash: Stash) -> dict[K, V]:
         """The sealed contents as a dict (see :meth:`Stash.peek_one`)."""
         return stash.peek_one(self.get(stash))
+
+    def table(
+        self, stash: Stash, uniqueness_violation: Callable[[V, V], bool] | None = None
+    ) -> TableTransaction[K, V]:
+        """A :class:`~stash.table.TableTransaction` over the sealed contents, comparing
+        keys and values by this collection's codecs (commit its ``pending()`` with
+        ``append_to_batch``)."""
+        c, _, prev = self._read_then_batch(stash, stash._peek_unique)
+        initial = [(k, v) for _, k, v in prev]
+        return TableTransaction(
+            initial, uniqueness_violation, key_codec=c.key_codec, value_codec=c.value_codec
+        )
 
     def peek_key_one(self, stash: Stash, key: K) -> V | None:
         """The sealed value of ``key`` or ``None`` (see :meth:`Stash.peek_key_one`)."""
@@ -104,8 +117,8 @@ class TypedCollection(Generic[K, V]):
         Raises:
             AppendLowerMismatch: another writer appended between the read and the write.
         """
-        c, batch, prev = self._read_then_batch(stash, stash.peek_one)
-        encoded: dict[str, Any] = {c.key_codec.encode(k): v for k, v in prev.items()}
+        c, batch, prev = self._read_then_batch(stash, stash._peek_unique)
+        encoded: dict[str, Any] = {kj: v for kj, _, v in prev}
         for k, v in entries:
             kj = c.key_codec.encode(k)
             if kj in encoded:

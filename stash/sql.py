@@ -25,7 +25,8 @@ Invariants kept here:
 * a database behind the alembic head fails to open with the revision found and the
   command to run, except that a writable SQLite stash upgrades itself;
 * SQLite runs in WAL mode with ``synchronous=FULL`` by default; the database file is
-  created readable by its owner only;
+  created readable by its owner only; a readonly handle never takes the write lock (not
+  to check the schema, nor to set the journal mode) and never migrates;
 * savepoint mode runs on one private connection inside one transaction that is never
   committed, against session-private (``TEMP``) copies of the stash tables taken at open:
   other handles see nothing and are never blocked by its row locks;
@@ -235,9 +236,14 @@ class SqlStash(Stash):
 
     # ------------------------------------------------------------ open helpers
     def _check_schema(self, auto_migrate: bool) -> None:
+        if self.mode == "readonly" and auto_migrate:
+            raise StashError("a readonly stash cannot migrate its schema (auto_migrate=True)")
+
         def check() -> None:
             with self.engine.connect() as conn:
-                conn.execution_options(stash_write=True)
+                # Only a handle that may migrate takes the write lock to check (a readonly
+                # open never waits behind a writer, nor blocks one).
+                conn.execution_options(stash_write=auto_migrate)
                 with conn.begin():
                     found = current_revision(conn)
                     if found == schema.SCHEMA_HEAD:
@@ -459,7 +465,8 @@ def _sqlite_engine(
         dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
         cur = dbapi_conn.cursor()
         cur.execute(f"PRAGMA busy_timeout={ms:d}")
-        cur.execute("PRAGMA journal_mode=WAL")
+        if mode != "readonly":  # switching the journal mode needs the write lock
+            cur.execute("PRAGMA journal_mode=WAL")
         cur.execute(f"PRAGMA synchronous={sync}")  # validated against SYNCHRONOUS_MODES
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()

@@ -63,3 +63,31 @@ def test_eight_processes_append_to_one_sqlite_file(tmp_path: Path) -> None:
         shared_acked = {line.split()[1] for line in acked if line.startswith("shared")}
         assert shared_acked <= {k for k, _, _ in shared_rows}
     assert len(shared_rows) == PROCS * len(range(0, APPENDS, 4))
+
+
+def test_readonly_open_never_takes_the_write_lock(tmp_path: Path) -> None:
+    """A writer holds SQLite's write lock; a readonly handle opens and reads anyway (with a
+    retry budget far too short to outwait the writer, so waiting for the lock would fail)."""
+    import sqlite3
+
+    from stash import Antichain
+
+    path = tmp_path / "stash.db"
+    url = f"sqlite:///{path}"
+    with Stash.open(url) as w:
+        c = w.collection("c", key="str", value="int")
+        w.update(c, ("k", 1), 0, 1)
+        w.seal(c, Antichain.from_elem(1))
+    writer = sqlite3.connect(path, isolation_level=None, timeout=0)
+    try:
+        writer.execute("BEGIN IMMEDIATE")
+        writer.execute(
+            "INSERT INTO data (collection_id, key, value, time, diff) VALUES (1, '\"x\"', '2', 5, 1)"
+        )
+        with Stash.open(url, mode="readonly", busy_timeout=0.05, retry_budget=0.1) as r:
+            rc = r.collection("c", key="str", value="int")
+            assert r.peek(rc) == [("k", 1, 1)]
+            assert r.upper(rc) == Antichain.from_elem(1)
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()

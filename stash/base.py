@@ -12,6 +12,11 @@ frontiers.  Invariants kept here:
   commits nothing, whatever the order of the batches;
 * ``iter`` and ``peek`` return consolidated data, times advanced to since, sorted by the
   codecs' order;
+* every write keeps the keys it wrote physically consolidated (rows at
+  ``max(time, since)``, one per (key, value, time), no zero diff), so every backend holds
+  the same rows, and refuses, committing nothing, a write after which the diffs of a
+  (key, value) could sum beyond i64 (the rule of :mod:`stash.consolidation`): no read on
+  any backend ever overflows or disagrees;
 * a readonly handle never writes; a fenced handle fails every later call with an
   unrecoverable error.
 
@@ -36,7 +41,7 @@ from stash.collection import (
     check_time,
     validate_collection_name,
 )
-from stash.consolidation import consolidate_updates
+from stash.consolidation import DIFF_SUM_RULE, DiffSumOverflow, consolidate_updates
 from stash.errors import AppendLowerMismatch, PeekSinceUpperError, ReadOnlyError, StashError
 from stash.txn import Row, Txn
 
@@ -372,8 +377,10 @@ class Stash(abc.ABC):
         """Add entries atomically; each time must be at or beyond the upper.
 
         Raises:
-            StashError: ``entry time 2 is less than the current upper frontier {3}``, or
-                an entry that does not encode; nothing is written then.
+            StashError: ``entry time 2 is less than the current upper frontier {3}``; an
+                entry that does not encode; the diffs of a ``(key, value)`` would sum
+                beyond i64 (``diff sums must fit in i64``, see
+                :mod:`stash.consolidation`); nothing is written then.
         """
         cid = self._cid(collection)
         rows: list[Row] = []
@@ -382,10 +389,14 @@ class Stash(abc.ABC):
             rows.append((kj, vj, check_time(t), check_diff(d)))
 
         def write(tx: Txn) -> None:
-            self._check_entry_times(rows, tx.frontiers(cid)[1])
-            tx.insert(cid, rows)
+            since, upper = tx.frontiers(cid)
+            self._check_entry_times(rows, upper)
+            if rows:
+                tx.insert(cid, rows)
+                # Keep the keys written consolidated (and check their diff sums).
+                tx.consolidate(cid, since, {k for k, _, _, _ in rows})
 
-        self._write(write)
+        self._write_checked({cid: collection.name}, write)
 
     @staticmethod
     def _check_entry_times(rows: Sequence[Row], upper: int | None) -> None:
@@ -460,8 +471,9 @@ class Stash(abc.ABC):
         tx.set_since(cid, new.as_option())
 
     def consolidate(self, collection: StashCollection[Any, Any]) -> None:
-        """Physical compaction: rows at or before the since are merged into one row per
-        (key, value) at the since (all rows go if the since is empty)."""
+        """Physical compaction, the same rows on every backend: every row moves to
+        ``max(time, since)``, one row per (key, value, time), zero diffs dropped (all
+        rows go if the since is empty)."""
         self.consolidate_batch([collection])
 
     def consolidate_batch(self, collections: Sequence[StashCollection[Any, Any]]) -> None:
@@ -473,7 +485,7 @@ class Stash(abc.ABC):
             for cid in ids:
                 tx.consolidate(cid, tx.frontiers(cid)[0], None)
 
-        self._write(write)
+        self._write_checked({c.id: c.name for c in collections}, write)
 
     def append(self, batches: Iterable[AppendBatch]) -> None:
         """Atomically add entries to, seal and compact several collections (the seed's
@@ -486,7 +498,9 @@ class Stash(abc.ABC):
         Raises:
             AppendLowerMismatch: ``append lower {1} does not match the current upper
                 frontier {2} of collection orders``;
-            StashError: any seal/compact/entry-time rule of the single methods.
+            StashError: any seal/compact/entry-time rule of the single methods; the
+                diffs of a ``(key, value)`` would sum beyond i64 (``diff sums must fit
+                in i64``).
             In every case nothing is committed.
         """
         batches = list(batches)
@@ -503,7 +517,19 @@ class Stash(abc.ABC):
                 check_diff(d)
         if not batches:
             return
-        self._write(lambda tx: self._append_tx(tx, batches))
+        names = {b.collection.id: b.collection.name for b in batches}
+        self._write_checked(names, lambda tx: self._append_tx(tx, batches))
+
+    def _write_checked(self, names: dict[int, str], fn: Callable[[Txn], R]) -> R:
+        """:meth:`_write`, reporting a broken rule on diff sums with the collection's name
+        (the same error on every backend; the transaction was rolled back)."""
+        try:
+            return self._write(fn)
+        except DiffSumOverflow as e:
+            name = names.get(e.collection_id, f"id {e.collection_id}")
+            raise StashError(
+                f"write to collection {name} refused, nothing committed: {DIFF_SUM_RULE}"
+            ) from None
 
     def _append_tx(self, tx: Txn, batches: list[AppendBatch]) -> None:
         tx.lock(sorted({b.collection.id for b in batches}))

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from stash.base import Mode, Stash
+from stash.consolidation import DiffSumOverflow, diff_sums_fit
 from stash.errors import FenceError, StashError
 from stash.txn import Row, Txn
 
@@ -147,15 +148,22 @@ class _MemTxn:
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
         c = self._get(cid)
+        if since is None:
+            for kvt in list(c.rows):
+                self._set_row(cid, c, kvt, 0)
+            return
         moved = [
             (kvt, d)
             for kvt, d in c.rows.items()
-            if (since is None or kvt[2] < since) and (keys is None or kvt[0] in keys)
+            if kvt[2] < since and (keys is None or kvt[0] in keys)
         ]
         for kvt, _ in moved:
             self._set_row(cid, c, kvt, 0)
-        if since is not None:
-            self.insert(cid, [(k, v, since, d) for (k, v, _t), d in moved])
+        self.insert(cid, [(k, v, since, d) for (k, v, _t), d in moved])
+        # Rows are held one per (key, value, time) already (a dict of exact sums).
+        mine = (((k, v), d) for (k, v, _t), d in c.rows.items() if keys is None or k in keys)
+        if not diff_sums_fit(mine):
+            raise DiffSumOverflow(cid)
 
     def check_fence(self) -> None:
         self.stash._check_fence(self.store)

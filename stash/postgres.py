@@ -56,6 +56,8 @@ import sqlalchemy as sa
 from psycopg import sql
 from sqlalchemy.engine import URL
 
+from stash.antichain import I64_MAX, I64_MIN
+from stash.consolidation import DiffSumOverflow
 from stash.errors import IndeterminateError, StashError
 from stash.sql import (
     TABLE_COLUMNS,
@@ -338,13 +340,17 @@ _FRONTIERS_FENCED_SQL = _FRONTIERS.format(fcols=", f.epoch, f.nonce", fjoin=" CR
 
 
 def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
-    """One statement writing one collection's buffered work: new rows, consolidation of
-    rows at or before ``%(cs)s`` (``consolidate``: ``None``, ``"keys"`` for the keys in
-    ``%(ck)s`` or ``"all"``), and the new upper and since (each only if its flag is set).
+    """One statement writing one collection's buffered work: new rows, their
+    consolidation (``consolidate``: ``None``, ``"keys"`` for the keys in ``%(ck)s`` or
+    ``"all"``) at the since ``%(cs)s``, and the new upper and since (each only if its flag
+    is set).
 
-    All parts see the snapshot of the statement, so the consolidation merges the new rows
-    (from the ``c_new`` CTE) with the stored ones (from the table) itself.  Built from
-    constant fragments with :mod:`psycopg.sql`; every value is a bound parameter.
+    Consolidation leaves the rows as the memory backend holds them: every row of the keys
+    concerned at ``greatest(time, since)``, one row per ``(key, value, time)``, no zero
+    diff; groups that are already so are left alone.  All parts see the snapshot of the
+    statement, so the consolidation merges the new rows (from the ``c_new`` CTE) with the
+    stored ones (from the table) itself.  Built from constant fragments with
+    :mod:`psycopg.sql`; every value is a bound parameter.
     """
     q = sql.SQL
     ctes: list[sql.Composable] = []
@@ -357,42 +363,39 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
             )
         )
     inserts: list[sql.Composable] = []
+    check: sql.Composable = q("")
     if consolidate is not None:
-        by_key = q("")
         if consolidate == "keys":
             # A set joined (hashed or index-probed), never "= ANY(array)": under a generic
             # plan that is a linear scan of the array for every row, O(rows x keys).
             ctes.append(
                 q("c_keys AS (SELECT DISTINCT k::jsonb AS key FROM unnest(%(ck)s::text[]) AS k)")
             )
-            by_key = q(" AND key IN (SELECT key FROM c_keys)")
             # Stored rows are fetched key by key through the (collection_id, key) index
             # (a LATERAL probe per key; OFFSET 0 keeps the planner from flattening it
-            # into a join, and "(time <= ..) IS TRUE" from using the time index, which a
-            # generic plan made while the table was small prefers): otherwise each
-            # append scans every row of the collection up to the since, O(collection).
-            sources: list[sql.Composable] = [
-                q(
-                    "SELECT d.key, d.value, d.diff FROM c_keys k CROSS JOIN LATERAL"
-                    " (SELECT key, value, diff FROM data WHERE collection_id = %(c)s"
-                    " AND key = k.key AND (time <= %(cs)s) IS TRUE OFFSET 0) d"
+            # into a join): otherwise each append may scan the collection, O(collection).
+            sources: list[sql.Composable] = [q(_KEY_ROWS_SQL)]
+            if has_rows:
+                sources.append(
+                    q(
+                        "SELECT key, value, time, diff FROM c_new"
+                        " WHERE key IN (SELECT key FROM c_keys)"
+                    )
                 )
-            ]
         else:
-            sources = [
-                q(
-                    "SELECT key, value, diff FROM data WHERE collection_id = %(c)s AND time <= %(cs)s"
-                )
-            ]
-        if has_rows:
-            sources.append(
-                q("SELECT key, value, diff FROM c_new WHERE time <= %(cs)s{}").format(by_key)
-            )
+            sources = [q("SELECT key, value, time, diff FROM data WHERE collection_id = %(c)s")]
+            if has_rows:
+                sources.append(q("SELECT key, value, time, diff FROM c_new"))
+        # Sums are numeric (exact).  A sum beyond i64 becomes NULL here instead of
+        # failing the statement (its row is not written): the statement's result then
+        # reports the broken rule, and the caller rolls the transaction back.
         ctes.append(
             q(
-                "c_grp AS (SELECT key, value, sum(diff)::int8 AS diff FROM ({}) a"
-                " GROUP BY key, value HAVING count(*) > 1)"
-            ).format(q(" UNION ALL ").join(sources))
+                "c_grp AS (SELECT key, value, greatest(time, %(cs)s::int8) AS time,"
+                " CASE WHEN sum(diff) BETWEEN {lo} AND {hi} THEN sum(diff)::int8 END AS diff"
+                " FROM ({src}) a GROUP BY key, value, greatest(time, %(cs)s::int8)"
+                " HAVING count(*) > 1 OR min(time) < %(cs)s::int8 OR bool_or(diff = 0))"
+            ).format(src=q(" UNION ALL ").join(sources), lo=q(str(I64_MIN)), hi=q(str(I64_MAX)))
         )
         ctes.append(
             q(
@@ -400,17 +403,25 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
                 # the common case, has no group and never runs the scan, whatever plan
                 # was cached for it.
                 "c_del AS (DELETE FROM data d USING c_grp g WHERE EXISTS (SELECT 1 FROM c_grp)"
-                " AND d.collection_id = %(c)s AND (d.time <= %(cs)s) IS TRUE"
-                " AND d.key = g.key AND d.value = g.value)"
+                " AND d.collection_id = %(c)s AND d.key = g.key AND d.value = g.value"
+                " AND greatest(d.time, %(cs)s::int8) = g.time)"
             )
         )
-        inserts.append(q("SELECT %(c)s, key, value, %(cs)s::int8, diff FROM c_grp WHERE diff <> 0"))
+        inserts.append(q("SELECT %(c)s, key, value, time, diff FROM c_grp WHERE diff <> 0"))
+        # The statement's result: whether a (key, value) concerned breaks the rule on
+        # diff sums afterwards (its rows are the nonzero sums grouped above).
+        check = q(
+            "SELECT EXISTS (SELECT 1 FROM (SELECT key, value, sum(diff) AS s FROM ({src}) a"
+            " GROUP BY key, value, greatest(time, %(cs)s::int8)) g GROUP BY key, value"
+            " HAVING coalesce(sum(s) FILTER (WHERE s > 0), 0) > {hi}"
+            " OR coalesce(sum(s) FILTER (WHERE s < 0), 0) < {lo})"
+        ).format(src=q(" UNION ALL ").join(sources), lo=q(str(I64_MIN)), hi=q(str(I64_MAX)))
     if has_rows:
         keep = q("")
         if consolidate is not None:
             keep = q(
-                " WHERE NOT (n.time <= %(cs)s AND EXISTS (SELECT 1 FROM c_grp g"
-                " WHERE g.key = n.key AND g.value = n.value))"
+                " WHERE NOT EXISTS (SELECT 1 FROM c_grp g WHERE g.key = n.key"
+                " AND g.value = n.value AND g.time = greatest(n.time, %(cs)s::int8))"
             )
         inserts.insert(0, q("SELECT %(c)s, key, value, time, diff FROM c_new n{}").format(keep))
     if inserts:
@@ -425,10 +436,23 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
             " WHERE collection_id = %(c)s AND %(su)s::bool)"
         )
     )
-    statement = q(
-        "WITH {} UPDATE sinces SET since = %(s)s::int8 WHERE collection_id = %(c)s AND %(ss)s::bool"
-    ).format(q(", ").join(ctes))
+    set_since = q(
+        "UPDATE sinces SET since = %(s)s::int8 WHERE collection_id = %(c)s AND %(ss)s::bool"
+    )
+    if consolidate is None:
+        statement = q("WITH {} {}").format(q(", ").join(ctes), set_since)
+    else:
+        ctes.append(q("c_since AS ({})").format(set_since))
+        statement = q("WITH {} {}").format(q(", ").join(ctes), check)
     return statement.as_string()
+
+
+#: Every stored row of the keys in ``c_keys``, probed key by key.
+_KEY_ROWS_SQL = (
+    "SELECT d.key, d.value, d.time, d.diff FROM c_keys k CROSS JOIN LATERAL"
+    " (SELECT key, value, time, diff FROM data WHERE collection_id = %(c)s"
+    " AND key = k.key OFFSET 0) d"
+)
 
 
 _FLUSH_SQL = {
@@ -641,17 +665,31 @@ class PgTxn(SqlTxn):
         if len(cids) == 1:
             self._flush_one(cids[0])
             return
+        checks: list[tuple[int, Any]] = []
         with self.dbc.pipeline():
             for cid in cids:
-                self._flush_one(cid)
+                cur = self._flush_one(cid, defer=True)
+                if cur is not None:
+                    checks.append((cid, cur))
+        for cid, cur in checks:
+            self._check_sums(cid, cur)
 
-    def _flush_one(self, cid: int) -> None:
+    @staticmethod
+    def _check_sums(cid: int, cur: Any) -> None:
+        row = cur.fetchone()
+        if row is not None and row[0]:
+            raise DiffSumOverflow(cid)
+
+    def _flush_one(self, cid: int, defer: bool = False) -> Any:
+        """Send one collection's buffered work.  A consolidating flush answers whether
+        the rule on diff sums holds: checked here, or (``defer``, inside a pipeline) by
+        the caller through the returned cursor."""
         p = self._pending.pop(cid, None)
         if p is None:
-            return
+            return None
         cons = None if p.cons is False else ("all" if p.cons is None else "keys")
         if not p.rows and cons is None and not p.set_upper and not p.set_since:
-            return
+            return None
         params: dict[str, Any] = {
             "c": cid,
             "u": p.upper,
@@ -674,7 +712,18 @@ class PgTxn(SqlTxn):
         # collection).  Appends of new keys keep the prepared plan; for them the
         # deletion is gated off (see _flush_sql).
         fresh = cons is not None and any(r[3] < 0 for r in p.rows)
-        self._exec(_FLUSH_SQL[(bool(p.rows), cons)], params, prepare=False if fresh else None)
+        statement, prepare = _FLUSH_SQL[(bool(p.rows), cons)], False if fresh else None
+        if defer:  # inside a pipeline: a cursor of its own, read after the sync
+            cur = self.dbc.cursor()
+            cur.execute(statement, params, prepare=prepare)
+        else:
+            cur = self._exec(statement, params, prepare=prepare)
+        if cons is None:
+            return None
+        if defer:
+            return cur
+        self._check_sums(cid, cur)
+        return None
 
     def rows(self, cid: int, key: str | None = None) -> list[Row]:
         self._ensure_fence()

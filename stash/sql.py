@@ -57,6 +57,7 @@ from sqlalchemy.engine import URL
 
 from stash import schema
 from stash.base import Mode, Stash
+from stash.consolidation import DiffSumOverflow, diff_sums_fit
 from stash.errors import FenceError, IndeterminateError, MigrationRequired, StashError
 from stash.migrate import alembic_config, current_revision
 from stash.txn import Row, Txn
@@ -572,17 +573,14 @@ _SQLITE_PEEK_KEY = (
     "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND +time <= :ts"
     " AND key = :k GROUP BY key, value HAVING sum(diff) <> 0"
 )
-_SQLITE_GROUPS = (
-    "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND time <= :s"
-    " GROUP BY key, value HAVING count(*) > 1"
+# Every row of a collection (of one key, of several keys) with its rowid, to consolidate.
+_SQLITE_ROWS = "SELECT rowid, key, value, time, diff FROM data WHERE collection_id = :c"
+_SQLITE_ROWS_KEY = (
+    "SELECT rowid, key, value, time, diff FROM data WHERE collection_id = :c AND key = :k"
 )
-_SQLITE_GROUPS_KEY = (
-    "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND +time <= :s"
-    " AND key = :k GROUP BY key, value HAVING count(*) > 1"
-)
-_SQLITE_GROUPS_KEYS = (
-    "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND +time <= :s"
-    " AND key IN (SELECT value FROM json_each(:ks)) GROUP BY key, value HAVING count(*) > 1"
+_SQLITE_ROWS_KEYS = (
+    "SELECT rowid, key, value, time, diff FROM data WHERE collection_id = :c"
+    " AND key IN (SELECT value FROM json_each(:ks))"
 )
 
 
@@ -722,20 +720,41 @@ class SqlTxn:
         if since is None:
             self.dbc.execute("DELETE FROM data WHERE collection_id = :c", {"c": cid})
             return
-        params: dict[str, Any] = {"c": cid, "s": since}
         if keys is None:
-            statement = _SQLITE_GROUPS
-        elif len(keys) == 1:
-            statement = _SQLITE_GROUPS_KEY
-            params["k"] = next(iter(keys))
-        else:
-            statement = _SQLITE_GROUPS_KEYS
-            params["ks"] = json.dumps(sorted(keys))
-        groups = self.dbc.execute(statement, params).fetchall()
-        if not groups:
+            rows = self.dbc.execute(_SQLITE_ROWS, {"c": cid}).fetchall()
+        elif not keys:
             return
-        self.dbc.executemany(
-            "DELETE FROM data WHERE collection_id = ? AND key = ? AND value = ? AND +time <= ?",
-            [(cid, k, v, since) for k, v, _ in groups],
-        )
-        self.insert(cid, [(k, v, since, int(d)) for k, v, d in groups if d != 0])
+        elif len(keys) == 1:
+            rows = self.dbc.execute(_SQLITE_ROWS_KEY, {"c": cid, "k": next(iter(keys))}).fetchall()
+        else:
+            rows = self.dbc.execute(
+                _SQLITE_ROWS_KEYS, {"c": cid, "ks": json.dumps(sorted(keys))}
+            ).fetchall()
+        self._consolidate_rows(cid, since, rows)
+
+    def _consolidate_rows(self, cid: int, since: int, rows: Sequence[Any]) -> None:
+        """Consolidate ``rows`` (``(rowid, key, value, time, diff)``, every row of the
+        keys concerned) as the memory backend holds them: every row at
+        ``max(time, since)``, one row per ``(key, value, time)``, no zero diff.  Sums are
+        exact (Python integers, whatever order SQLite would add them in) and checked
+        against the rule on diff sums before anything is written."""
+        groups: dict[tuple[str, str, int], list[Any]] = {}
+        for rowid, k, v, t, d in rows:
+            g = groups.get((k, v, max(t, since)))
+            if g is None:
+                groups[(k, v, max(t, since))] = [int(d), [rowid], t < since]
+            else:
+                g[0] += d
+                g[1].append(rowid)
+        if not diff_sums_fit(((k, v), g[0]) for (k, v, _), g in groups.items()):
+            raise DiffSumOverflow(cid)
+        dead: list[tuple[int]] = []
+        merged: list[Row] = []
+        for (k, v, t), (d, rowids, moved) in groups.items():
+            if len(rowids) > 1 or moved or d == 0:
+                dead.extend((r,) for r in rowids)
+                if d != 0:
+                    merged.append((k, v, t, d))
+        if dead:
+            self.dbc.executemany("DELETE FROM data WHERE rowid = ?", dead)
+            self.insert(cid, merged)

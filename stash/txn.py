@@ -61,9 +61,15 @@ class Txn(Protocol):
         ...
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
-        """Physically consolidate rows with ``time <= since`` (of these keys only if
-        given) into one row per ``(key, value)`` at ``since``; ``since=None`` (the empty
-        frontier) deletes every row."""
+        """Physically consolidate the collection's rows (of these keys only if given):
+        every row moves to ``max(time, since)``, one row per ``(key, value, time)``, no
+        zero diff, so every backend holds the same rows afterwards; ``since=None`` (the
+        empty frontier) deletes every row.  Sums are exact.
+
+        Raises:
+            stash.consolidation.DiffSumOverflow: afterwards the positive or the negative
+                diffs of a ``(key, value)`` (of these keys) sum beyond i64.
+        """
         ...
 
     def check_fence(self) -> None:

@@ -4,7 +4,10 @@ Invariants kept here: every helper reads the sealed state and writes one ``appen
 whose lower is the upper it read, so a concurrent writer makes it fail with
 :class:`~stash.errors.AppendLowerMismatch` rather than lose an update; when since equals
 upper (nothing readable yet) it first appends an empty batch to bump the upper and reads
-again, as the seed does.
+again, as the seed does.  Keys are told apart by their canonical encodings (``upsert``
+never needs them hashable, and ``True`` is not ``1``); composite keys (the ``tuple`` codec,
+frozen records, NamedTuples) come back as the type they went in as, so ``peek_one`` and
+:meth:`TypedCollection.table` work with them.
 
 Source of the idea: the seed's ``TypedCollection`` (``003``).
 """

@@ -37,11 +37,13 @@ def _own(w: int) -> TypedCollection[str, int]:
     return TypedCollection(f"own{w}", key="str", value="int")
 
 
-def _writer(s: Stash, w: int, start: threading.Barrier, errors: list[str]) -> None:
+def _writer(s: Stash, w: int, start: threading.Barrier, errors: list[str], ids: list[int]) -> None:
     own = _own(w)
     c = own.get(s)
     start.wait()
     try:
+        # Every thread creates the same new collection at once: one collection results.
+        ids.append(s.collection("late", key="str", value="int").id)
         for i in range(ROUNDS):
             # Own collection: only this thread writes it, so no mismatch is legitimate.
             own.upsert_key(s, "k", i)
@@ -76,10 +78,11 @@ def _writer(s: Stash, w: int, start: threading.Barrier, errors: list[str]) -> No
         errors.append(f"writer {w}: {type(e).__name__}: {e}")
 
 
-def _reader(s: Stash, r: int, start: threading.Barrier, errors: list[str]) -> None:
+def _reader(s: Stash, r: int, start: threading.Barrier, errors: list[str], ids: list[int]) -> None:
     seen: dict[tuple[str, str], int] = {}
     start.wait()
     try:
+        ids.append(s.collection("late", key="str", value="int").id)
         for _ in range(READS):
             for name in ["shared", *(f"own{w}" for w in range(WRITERS))]:
                 c = s.collection(name, key="str", value="int")
@@ -113,15 +116,17 @@ def test_one_handle_shared_by_writer_and_reader_threads(open_any: Any) -> None:
     for w in range(WRITERS):
         _own(w).get(s)
     errors: list[str] = []
+    ids: list[int] = []
     start = threading.Barrier(WRITERS + READERS)
     threads = [
-        threading.Thread(target=_writer, args=(s, w, start, errors)) for w in range(WRITERS)
-    ] + [threading.Thread(target=_reader, args=(s, r, start, errors)) for r in range(READERS)]
+        threading.Thread(target=_writer, args=(s, w, start, errors, ids)) for w in range(WRITERS)
+    ] + [threading.Thread(target=_reader, args=(s, r, start, errors, ids)) for r in range(READERS)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert errors == []
+    assert len(ids) == WRITERS + READERS and len(set(ids)) == 1
     last = ROUNDS - 1
     assert SHARED.peek_one(s) == {f"w{w}": last for w in range(WRITERS)}
     for w in range(WRITERS):

@@ -135,3 +135,70 @@ def test_one_handle_shared_by_writer_and_reader_threads(open_any: Any) -> None:
     # A fresh handle (no cache) agrees.
     fresh = open_any(mode="readonly")
     assert fresh.peek_one(fresh.collection("shared", key="str", value="int")) == SHARED.peek_one(s)
+
+
+class _PausingStash(Stash):
+    """Delegates to ``inner``; a read transaction of thread ``pause_in`` stops right after
+    reading a collection's rows until ``go`` is set (``reached`` tells it got there)."""
+
+    def __init__(self, inner: Stash) -> None:
+        super().__init__(inner.mode, inner.fenced)
+        self.inner = inner
+        self.pause_in: threading.Thread | None = None
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def _txn(self, write: bool) -> Any:  # pragma: no cover - _run is used
+        raise NotImplementedError
+
+    def _run(self, write: bool, fn: Any) -> Any:
+        return self.inner._run(write, lambda tx: fn(tx if write else _PausingTxn(self, tx)))
+
+    def _close(self) -> None:
+        self.inner.close()
+
+
+class _PausingTxn:
+    def __init__(self, stash: _PausingStash, tx: Any) -> None:
+        self.stash = stash
+        self.tx = tx
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tx, name)
+
+    def rows(self, cid: int, key: str | None = None) -> Any:
+        out = self.tx.rows(cid, key)
+        if threading.current_thread() is self.stash.pause_in:
+            self.stash.reached.set()
+            assert self.stash.go.wait(60)
+        return out
+
+
+def test_a_fill_read_before_a_write_is_never_installed(tmp_path: Any) -> None:
+    """The interleaving behind the stale cache, made deterministic: a reader's cache fill
+    reads the rows, a write commits and invalidates, then the reader would install what
+    it read.  Afterwards every read must see the write."""
+    from stash import Memory
+
+    inner = _PausingStash(Stash.open(f"sqlite:///{tmp_path}/s.db"))
+    m = Memory(inner)
+    assert m.caching
+    tc: TypedCollection[str, int] = TypedCollection("c", key="str", value="int")
+    tc.upsert_key(m, "k", 1)
+    c = tc.get(m)
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(m.peek_key_one(c, "k")))
+    inner.pause_in = reader
+    reader.start()
+    assert inner.reached.wait(60)  # the reader has read the rows, not yet cached them
+    tc.upsert_key(m, "k", 2)
+    upper = m.upper(c)
+    inner.go.set()
+    reader.join()
+    assert got == [1]  # it read before the write: the old value is a correct answer
+    assert m.upper(c) == upper
+    assert m.peek_key_one(c, "k") == 2
+    assert m.peek_one(c) == {"k": 2}
+    tc.upsert_key(m, "k", 3)  # the upper it reads is current: no AppendLowerMismatch
+    assert tc.peek_key_one(m, "k") == 3
+    m.close()

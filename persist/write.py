@@ -50,6 +50,7 @@ from persist.errors import (
 from persist.handle import ShardHandle
 from persist.parts import (
     TIME,
+    _adjacent,
     consolidate_order,
     to_updates_table,
     write_parts,
@@ -386,7 +387,16 @@ class BatchBuilder:
     """Builds a :class:`Batch` piece by piece (the persist-client ``BatchBuilder``).
 
     Updates are buffered; whenever the buffer exceeds the client's target part size
-    (in-memory Arrow bytes) it is consolidated and written as one run of parts.
+    (in-memory Arrow bytes) it is consolidated and written as parts.  A flushed chunk
+    extends the current run when its first (key, value, time) sorts strictly after the
+    run's last one (chunks arriving in order make one run, as the seed's builder does);
+    otherwise it starts a new run.
+
+    Exception safety: a failed :meth:`add` leaves the builder exactly as it was before
+    the call (the updates of earlier calls stay buffered or written; the failed call's
+    updates are not added), so :meth:`finish` never returns a batch missing a row that
+    an ``add`` accepted.  A failed :meth:`finish` leaves it unfinished, to retry or
+    :meth:`abort`.
     """
 
     def __init__(self, handle: WriteHandle, lower: Antichain) -> None:
@@ -396,6 +406,7 @@ class BatchBuilder:
         self._buffered_bytes = 0
         self._parts: list[PartRef] = []
         self._runs: list[int] = []
+        self._run_last: pa.Table | None = None  # last (key, value, time) of the run
         self._max_time: int | None = None
         self._prefix = handle._key_prefix()
         self._finished = False
@@ -406,6 +417,8 @@ class BatchBuilder:
         Raises:
             UpdateNotBeyondLower: a ``_time`` is before ``lower`` (nothing is added).
             InvalidUsage: bad columns, or the builder is finished.
+            BlobError: writing a full buffer failed; the builder is as before the call
+                (these updates were not added; earlier ones are kept).
         """
         if self._finished:
             raise InvalidUsage("cannot add to a finished BatchBuilder")
@@ -415,22 +428,57 @@ class BatchBuilder:
             return
         if not self.lower.less_equal(rng[0]):
             raise UpdateNotBeyondLower(rng[0], self.lower)
+        before = (self._max_time, self._buffered_bytes)
         self._max_time = rng[1] if self._max_time is None else max(self._max_time, rng[1])
         self._buffer.append(table)
         self._buffered_bytes += table.nbytes
         if self._buffered_bytes >= self._h._client.target_part_bytes:
-            self._flush()
+            try:
+                self._flush()
+            except BaseException:
+                # Roll back to the state before this call: nothing of it was written
+                # (write_parts deletes what a failed write uploaded).
+                self._buffer.pop()
+                self._max_time, self._buffered_bytes = before
+                raise
 
     def _flush(self) -> None:
+        """Write the buffer as parts; the buffer is emptied only once they are written."""
         if not self._buffer:
             return
+        h = self._h
         table = pa.concat_tables(self._buffer)
-        self._buffer, self._buffered_bytes = [], 0
-        run = self._h._write_run(table, self._prefix)
-        if run:
-            if self._parts:
+        table, order = consolidate_order(table, h.key_schema.names, h.value_schema.names)
+        n = table.num_rows if order is None else len(order)
+        if n:
+            c = h._client
+            directory, name = self._prefix.rsplit("/", 1)
+            run = write_parts(
+                c.blob,
+                table,
+                directory,
+                target_part_bytes=c.target_part_bytes,
+                inline_max_bytes=h._inline_max(),
+                max_workers=c.write_workers,
+                order=order,
+                name_prefix=name + "-",
+            )
+            cols = [*h.key_schema.names, *h.value_schema.names, TIME]
+            ends = [0, n - 1] if order is None else [int(order[0]), int(order[-1])]
+            bounds = table.select(cols).take(pa.array(ends, pa.int64()))
+            if self._parts and not self._extends_run(bounds.slice(0, 1)):
                 self._runs.append(len(self._parts))
             self._parts.extend(run)
+            self._run_last = bounds.slice(1, 1)
+        self._buffer, self._buffered_bytes = [], 0
+
+    def _extends_run(self, first: pa.Table) -> bool:
+        """Whether a chunk starting at ``first`` sorts strictly after the current run."""
+        if self._run_last is None:
+            return False
+        pair = pa.concat_tables([self._run_last, first])
+        in_order, same = _adjacent(pair, pair.schema.names, check_order=True)
+        return in_order and same is None
 
     def finish(self, upper: Antichain | int) -> Batch:
         """Write what is buffered and return the :class:`Batch` ``[lower, upper)``.
@@ -439,6 +487,8 @@ class BatchBuilder:
             InvalidBounds: ``upper`` is before ``lower``.
             UpdateBeyondUpper: an added ``_time`` is not before ``upper`` (the parts
                 already written are deleted).
+            BlobError: writing the buffer failed; the builder stays unfinished with every
+                accepted update (call ``finish`` again or :meth:`abort`).
         """
         if self._finished:
             raise InvalidUsage("BatchBuilder.finish was already called")

@@ -111,3 +111,82 @@ def test_builder_extends_run_when_chunks_arrive_in_order(stash: Stash) -> None:
     w.compare_and_append_batch([batch2], ac(1), ac(2))
     assert rows(r.snapshot(1)) == [("a", 1, 1, 3), ("b", 1, 1, 2), ("c", 1, 1, 2)]
     c.close()
+
+
+# ------------------------------------------------- the seed's batch rules (item 6)
+def test_batch_must_cover_the_append_and_is_truncated_to_it(stash: Stash) -> None:
+    c = PersistClient(stash, MemoryBlob(), compaction="inline", inline_max_bytes=0)
+    w, r = c.open("t", KS, VS)
+    w.compare_and_append([], 0, 6)
+    b = w.batch([upd("a", 1, 6), upd("b", 1, 7), upd("late", 1, 9)], 6, 10)
+    with pytest.raises(InvalidBatchBounds):
+        w.compare_and_append_batch([b], ac(6), ac(12))  # does not cover [10, 12)
+    assert not b.consumed and w.fetch_recent_upper() == ac(6)
+    w.compare_and_append_batch([b], ac(6), ac(8))  # covers [6, 8): 9 is truncated away
+    assert b.consumed
+    w.compare_and_append([upd("c", 1, 8)], 8, 12)
+    assert rows(r.snapshot(11)) == [("a", 1, 11, 1), ("b", 1, 11, 1), ("c", 1, 11, 1)]
+    c.close()
+
+
+def test_truncation_below_the_expected_upper_drops_updates(stash: Stash) -> None:
+    c = PersistClient(stash, MemoryBlob(), compaction="off")
+    w, r = c.open("t", KS, VS)
+    b = w.batch([upd("early", 1, 0), upd("mid", 1, 3)], 0, 5)
+    w.compare_and_append([upd("x", 1, 0)], 0, 2)
+    w.compare_and_append_batch([b], ac(2), ac(5))  # [0, 5) covers [2, 5): 0 truncated
+    assert rows(r.snapshot(4)) == [("mid", 1, 4, 1), ("x", 1, 4, 1)]
+    # Without time bounds (bytes of an older writer) the truncation is the same.
+    b2 = w.batch([upd("old", 1, 4), upd("new", 1, 6)], 4, 8)
+    b2.time_range = None
+    w.compare_and_append_batch([b2], ac(5), ac(8))
+    assert rows(r.snapshot(7)) == [("mid", 1, 7, 1), ("new", 1, 7, 1), ("x", 1, 7, 1)]
+    c.close()
+
+
+def test_rewrite_ts_keeps_lower_and_records_frontier(stash: Stash) -> None:
+    c = PersistClient(stash, MemoryBlob(), compaction="off")
+    w, r = c.open("t", KS, VS)
+    b = w.batch([upd("foo", 1, 0)], 0, 1)
+    b.rewrite_ts(ac(2), ac(4))
+    assert b.lower == ac(0) and b.upper == ac(4) and b.rewrite_frontier == ac(2)
+    b = w.batch_from_transmittable(b.into_transmittable())
+    assert b.lower == ac(0) and b.rewrite_frontier == ac(2)
+    with pytest.raises(InvalidRewrite):
+        w.compare_and_append_batch([b], ac(0), ac(3))  # a rewritten batch ends at new
+    w.compare_and_append([], 0, 3)
+    with pytest.raises(InvalidRewrite):
+        w.compare_and_append_batch([b], ac(3), ac(4))  # means time 2 < expected 3
+    assert not b.consumed
+    b.rewrite_ts(ac(3), ac(4))
+    w.compare_and_append_batch([b], ac(3), ac(4))
+    assert rows(r.snapshot(3)) == [("foo", 1, 3, 1)]
+    c.close()
+
+
+def test_listen_emits_progress_as_soon_as_upper_passes_as_of(stash: Stash) -> None:
+    c = PersistClient(stash, MemoryBlob(), compaction="off")
+    w, r = c.open("t", KS, VS)
+    w.compare_and_append([upd("a", 1, 0)], 0, 1)
+    with r.listen(0) as listen:
+        assert [(e.kind, e.progress) for e in listen.poll()] == [("progress", ac(1))]
+        assert listen.poll() == []
+    with r.listen(5) as listen:
+        assert listen.poll() == []  # upper 1 has not passed 5
+        w.compare_and_append([upd("b", 1, 5)], 1, 6)
+        assert [(e.kind, e.progress) for e in listen.poll()] == [("progress", ac(6))]
+        w.compare_and_append([upd("c", 1, 6)], 6, 7)
+        ev = listen.poll()
+        assert [e.kind for e in ev] == ["updates", "progress"]
+        assert ev[0].updates is not None and rows(ev[0].updates) == [("c", 1, 6, 1)]
+    c.close()
+
+
+def test_downgrade_since_to_an_earlier_frontier_is_a_noop(stash: Stash) -> None:
+    c = PersistClient(stash, MemoryBlob(), compaction="off")
+    w, r = c.open("t", KS, VS)
+    w.compare_and_append([upd("a", 1, 0)], 0, 5)
+    r.downgrade_since(3)
+    r.downgrade_since(1)
+    assert r.since == ac(3)
+    c.close()

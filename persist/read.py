@@ -18,9 +18,17 @@ Invariants kept here:
   (``SinceViolation`` / ``InvalidUsage``), or waits for the upper with ``wait=True``;
 * a :class:`Listen` emits every update with time ``> as_of`` exactly once, in time
   order of the batches' uppers, each ``updates`` event followed by the ``progress``
-  frontier it completes; its own lease holds the since at most at the last progress
-  minus one, so compaction never moves an update it has yet to emit into the range it
-  already emitted.
+  frontier it completes, the first progress as soon as the upper passes ``as_of``; its
+  own lease holds the since at most at the last progress minus one, so compaction never
+  moves an update it has yet to emit into the range it already emitted; it emits only
+  what it read from a state holding its lease, and once the lease is lost it fails for
+  good (``LeaseExpired`` on every call, nothing more emitted);
+* listens, and read handles during ``snapshot(wait=True)`` / ``snapshot_batches(wait=
+  True)``, renew their lease in the background (:class:`persist.lease.LeaseKeeper`); a
+  read by a handle whose lease is gone raises ``LeaseExpired``, never a bare
+  ``SinceViolation``;
+* every public entry point taking a time or frontier checks it is an i64 time (or an
+  Antichain) before it takes a lease, raising ``InvalidUsage`` naming the argument.
 
 Sources: the persist-client ``ReadHandle``, ``Listen`` and ``LeasedReaderState`` (seed
 ``004``) and the first engine's listeners (``000``/``001``).
@@ -146,9 +154,14 @@ def read_batches(
         max_workers: fetch/decode threads.
 
     Raises:
+        InvalidUsage: ``lower`` or ``upper`` is not an i64 time.
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
     """
+    if lower is not None:
+        _as_time(lower, "lower")
+    if upper is not None:
+        _as_time(upper, "upper")
     refs, floors, rows = _layout(batches)
     table = _read_refs(blob, refs, schema, max_workers)
     return _advance_and_filter(table, floors, rows, lower, upper)
@@ -176,9 +189,11 @@ def snapshot_table(
     consolidated (:func:`persist.parts.consolidate`).
 
     Raises:
+        InvalidUsage: ``as_of`` is not an i64 time.
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
     """
+    _as_time(as_of, "as_of")
     refs, floors, rows = _layout(batches)
     table = _read_refs(blob, refs, schema, max_workers)
     live = [b for b in batches if b.parts]
@@ -191,7 +206,7 @@ def snapshot_table(
                 return table.slice(0, 0)
             times = pa.array(np.full(table.num_rows, as_of, dtype=np.int64))
             return table.set_column(ti, table.schema.field(ti), times)
-    table = _advance_and_filter(table, floors, rows, None, as_of + 1)
+    table = _advance_and_filter(table, floors, rows, None, as_of + 1 if as_of < 2**63 - 1 else None)
     return consolidate(table, list(key_names), list(value_names), since=as_of)
 
 

@@ -14,13 +14,27 @@ Invariants kept here:
 * a lost race on the seqno with the upper still matching (a reader, a compactor or GC
   changed the state) is retried on the metadata only: parts are uploaded once per batch,
   however many compare-and-set attempts the commit needs;
-* an indeterminate commit (the stash lost the connection during COMMIT) is resolved by
-  re-reading the state: each append carries a token recorded with the writer in the same
-  version, so a committed append is recognised and reported as success; if the outcome
-  still cannot be learned, a ``ConsensusError`` with ``is_indeterminate()`` is raised and
-  the parts are left in place (GC collects them if the append did not land);
+* ``compare_and_append_batch`` follows the seed's ``validate_truncate_batch``: each batch
+  covers the append (``batch.lower <= expected_upper``, ``new_upper <= batch.upper``,
+  else ``InvalidBatchBounds``) and only its updates in ``[expected_upper, new_upper)``
+  become visible (the rest is truncated away: metadata only when the batch's time range
+  shows nothing to cut, else by writing the kept updates as a new run); a rewritten
+  batch must end exactly at ``new_upper`` and mean no time before ``expected_upper``
+  (``InvalidRewrite``); its rewrite is applied without a blob call when the append's
+  rewritten batches share one frontier;
+* an indeterminate commit (the stash lost the acknowledgement of COMMIT) is resolved by
+  the append itself: it re-applies the same version, with the same idempotency token,
+  re-reading consensus with backoff, until it learns the outcome (the token is recorded
+  with the writer, which keeps its last few tokens, in the version that commits the
+  append); an append of its own that landed is reported as success, never as
+  ``UpperMismatch``.  If the outcome still cannot be learned, a ``ConsensusError`` with
+  ``is_indeterminate()`` and ``idempotency_token`` is raised and the parts are left in
+  place (GC collects them if the append did not land); a retry passing that token
+  returns success without writing again if the append landed;
 * a :class:`BatchBuilder` checks times at ``add`` (``>= lower``) and ``finish``
-  (``< upper``), and writes each flushed chunk as one sorted run.
+  (``< upper``); a failed ``add`` leaves it exactly as before the call and a failed
+  ``finish`` leaves it unfinished with every accepted update, so a finished batch never
+  misses an accepted row; flushed chunks in (key, value, time) order extend one run.
 
 Sources: the persist-client ``WriteHandle``, ``BatchBuilder`` and
 ``validate_truncate_batch`` (seed ``004``).

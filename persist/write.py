@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -549,27 +550,31 @@ class WriteHandle(ShardHandle):
             UpperMismatch (only when this append is known not to have landed), the
             transition's errors, ConsensusError.
         """
-        unknown = False
+        apply = partial(self._machine.apply, fn, keep=(self.writer_id,))
+        try:
+            first: list[FueledMergeReq] = apply()  # the common case, without a retry loop
+            return first
+        except PersistError as e:
+            if not e.is_indeterminate() or self.resolve_attempts <= 1:
+                raise
 
         def retry(e: BaseException) -> bool:
-            nonlocal unknown
-            if isinstance(e, PersistError) and e.is_indeterminate():
-                unknown = True
-                return True
-            return unknown and isinstance(e, ConsensusError)
+            # The first attempt's commit may have landed: any consensus failure of a
+            # later attempt leaves the outcome unknown too.
+            return isinstance(e, ConsensusError) or (
+                isinstance(e, PersistError) and e.is_indeterminate()
+            )
 
         retrying = Retrying(
-            stop=stop_after_attempt(max(1, self.resolve_attempts)),
+            stop=stop_after_attempt(self.resolve_attempts - 1),
             wait=wait_exponential_jitter(multiplier=0.005, max=self.resolve_max_wait, jitter=0.005),
             retry=retry_if_exception(retry),
             reraise=True,
         )
         try:
-            out: list[FueledMergeReq] = retrying(
-                lambda: self._machine.apply(fn, keep=(self.writer_id,))
-            )
+            out: list[FueledMergeReq] = retrying(apply)
         except ConsensusError as e:
-            if unknown and not e.is_indeterminate():
+            if not e.is_indeterminate():
                 raise ConsensusError(
                     f"the outcome of an append to shard {self.shard_id} is unknown: a commit "
                     f"was indeterminate and resolving it failed: {e}",

@@ -41,6 +41,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -594,8 +595,13 @@ class Listen:
         self._hold = hold
         interval = heartbeat_seconds if heartbeat_seconds is not None else self._lease_ms / 4000
         self._keeper = handle.lease_keeper
+        # A weak reference: a listen dropped without close() stops renewing its lease
+        # (it then expires like any crashed reader) instead of living on in the keeper.
+        beat = weakref.WeakMethod(self._beat)
         self._beat_id: int | None = self._keeper.register(
-            f"listen {self.reader_id}", max(interval, 0.001), self._beat
+            f"listen {self.reader_id}",
+            max(interval, 0.001),
+            lambda: (m := beat()) is not None and m(),
         )
 
     @property

@@ -5,6 +5,7 @@ asserted); times are validated before any lease is taken."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -169,3 +170,16 @@ def test_listen_at_the_largest_time_is_refused_before_any_lease(env: Any) -> Non
     with pytest.raises(InvalidUsage, match="as_of"):
         r.snapshot(2**64, wait=True)
     assert set(c1.inspect("t").readers) == readers  # no lease was taken (or leaked)
+
+
+def test_a_dropped_listen_stops_renewing_its_lease(env: Any) -> None:
+    clock, c1, _c2 = env
+    _w, r = c1.open("t", KS, VS)
+    keeper = LeaseKeeper(clock=clock, thread=False)
+    r.lease_keeper = keeper
+    listen = r.listen(0)
+    del listen  # never closed
+    gc.collect()
+    clock.now += LEASE
+    keeper.run_due()
+    assert keeper.registered() == 0

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 import uuid
@@ -160,9 +161,9 @@ def read_batches(
         BlobError: a fetch failed.
     """
     if lower is not None:
-        _as_time(lower, "lower")
+        lower = _index_time(lower, "lower")
     if upper is not None:
-        _as_time(upper, "upper")
+        upper = _index_time(upper, "upper")
     refs, floors, rows = _layout(batches)
     table = _read_refs(blob, refs, schema, max_workers)
     return _advance_and_filter(table, floors, rows, lower, upper)
@@ -194,7 +195,7 @@ def snapshot_table(
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
     """
-    _as_time(as_of, "as_of")
+    as_of = _index_time(as_of, "as_of")
     refs, floors, rows = _layout(batches)
     table = _read_refs(blob, refs, schema, max_workers)
     live = [b for b in batches if b.parts]
@@ -222,6 +223,21 @@ def read_batch(
 ) -> pa.Table:
     """:func:`read_batches` of one batch."""
     return read_batches(blob, [batch], schema, lower=lower, upper=upper, max_workers=max_workers)
+
+
+def _index_time(x: int, what: str) -> int:
+    """``x`` as an int time (any integer type, e.g. numpy's), checked to be an i64.
+
+    Raises:
+        InvalidUsage: naming ``what``.
+    """
+    try:
+        t = operator.index(x)
+    except TypeError:
+        raise InvalidUsage(f"{what} must be an int time, got {type(x).__name__}") from None
+    if not -(2**63) <= t < 2**63:
+        raise InvalidUsage(f"{what} {t} is outside the i64 range of times")
+    return t
 
 
 def _as_time(x: int | Antichain, what: str) -> int:

@@ -183,3 +183,22 @@ def test_a_dropped_listen_stops_renewing_its_lease(env: Any) -> None:
     clock.now += LEASE
     keeper.run_due()
     assert keeper.registered() == 0
+
+
+def test_read_functions_check_their_times(env: Any) -> None:
+    import numpy as np
+
+    from persist import read_batches
+    from persist.read import snapshot_table
+
+    _clock, c1, _c2 = env
+    w, r = c1.open("t", KS, VS)
+    w.compare_and_append([upd("a", 1, 0)], 0, 1)
+    batches = r.snapshot_batches(0)
+    with pytest.raises(InvalidUsage, match="upper"):
+        read_batches(c1.blob, batches, r.schema, upper=2**63)
+    with pytest.raises(InvalidUsage, match="lower"):
+        read_batches(c1.blob, batches, r.schema, lower=1.5)  # type: ignore[arg-type]
+    assert read_batches(c1.blob, batches, r.schema, upper=np.int64(1)).num_rows == 1
+    with pytest.raises(InvalidUsage, match="as_of"):
+        snapshot_table(c1.blob, batches, r.schema, ["k"], ["v"], 2**63)

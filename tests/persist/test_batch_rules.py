@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from persist import (
     BlobError,
@@ -190,3 +192,29 @@ def test_downgrade_since_to_an_earlier_frontier_is_a_noop(stash: Stash) -> None:
     r.downgrade_since(1)
     assert r.since == ac(3)
     c.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    times=st.lists(st.integers(0, 9), min_size=1, max_size=8),
+    bounds=st.tuples(st.integers(0, 10), st.integers(0, 10)),
+    known=st.booleans(),
+)
+def test_truncation_keeps_exactly_the_updates_in_the_append(
+    times: list[int], bounds: tuple[int, int], known: bool
+) -> None:
+    e, n = min(bounds), max(bounds)
+    s = Stash.open("memory://", fenced=False)
+    c = PersistClient(s, MemoryBlob(), compaction="off", inline_max_bytes=0)
+    w, r = c.open("t", KS, VS)
+    b = w.batch([upd(f"k{i}", t, t) for i, t in enumerate(times)], 0, 10)
+    if not known:
+        b.time_range = None  # as from an older writer's bytes
+    if e > 0:
+        w.compare_and_append([], 0, e)
+    w.compare_and_append_batch([b], ac(e), ac(n))
+    w.compare_and_append([], n, 11)
+    want = sorted((f"k{i}", t, 10, 1) for i, t in enumerate(times) if e <= t < n)
+    assert rows(r.snapshot(10)) == want
+    c.close()
+    s.close()

@@ -196,7 +196,13 @@ class WriterState:
         """This writer after an append with ``token`` (heartbeat renewed)."""
         older = self.tokens if self.last_token is None else (*self.tokens, self.last_token)
         older = older[-(WRITER_TOKENS_KEPT - 1) :] if WRITER_TOKENS_KEPT > 1 else ()
-        return WriterState(now_ms, lease_ms, token, older)
+        return replace(
+            self,
+            last_heartbeat_ms=now_ms,
+            lease_duration_ms=lease_ms,
+            last_token=token,
+            tokens=older,
+        )
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {

@@ -8,14 +8,15 @@ It is made by :meth:`persist.write.BatchBuilder.finish` or decoded from the byte
 
 Invariants kept here:
 
-* every update of a batch has a time ``t`` with ``lower <= t < upper`` *after* the
-  batch's timestamps are advanced to its ``lower``: a fresh batch's parts hold times in
-  ``[lower, upper)``; :meth:`Batch.rewrite_ts` is metadata-only (no blob call): it raises
-  the description's ``lower`` to the rewrite frontier, and every reader of a hollow batch
-  advances times to its ``lower`` (:func:`persist.read.read_batch`), which is exactly the
-  seed's "every timestamp is advanced by the frontier";
-* the rewrite frontier and the upper never regress across ``rewrite_ts`` calls, and the
-  frontier stays strictly before the upper (:class:`~persist.errors.InvalidRewrite`);
+* a fresh batch's parts hold times in ``[lower, upper)``; :attr:`Batch.time_range`, when
+  known (batches built here), is the ``(min, max)`` of those raw times;
+* :meth:`Batch.rewrite_ts` is metadata-only (no blob call) and keeps the batch's
+  ``lower``, as the seed's ``rewrite_ts`` does: it records the rewrite frontier ``f``
+  (every time ``t`` of the batch *means* ``max(t, f)``) and replaces the upper; the
+  frontier and the upper never regress across calls, and the frontier stays strictly
+  before the upper (:class:`~persist.errors.InvalidRewrite`); the rewrite is applied
+  when the batch is appended (:meth:`persist.write.WriteHandle.compare_and_append_batch`,
+  which follows the seed's ``validate_truncate_batch``);
 * a batch is *consumed* once appended (or turned into transmittable bytes): ``delete``
   of a consumed batch deletes nothing (its parts belong to the shard or to the holder of
   the bytes);
@@ -57,8 +58,8 @@ class Batch:
     Attributes:
         shard_id: the shard it was written for.
         hollow: its :class:`HollowBatch` (description, parts, runs, len).
-        rewritten: whether :meth:`rewrite_ts` moved its lower beyond its data's times
-            (then readers must advance times to ``lower``; see the module docstring).
+        time_range: ``(min, max)`` of the raw times in its parts, or ``None`` when not
+            known (e.g. bytes from an older writer).
     """
 
     def __init__(
@@ -67,14 +68,14 @@ class Batch:
         shard_id: str,
         hollow: HollowBatch,
         *,
-        rewritten: bool = False,
         rewrite_frontier: Antichain | None = None,
+        time_range: tuple[int, int] | None = None,
     ) -> None:
         self._blob = blob
         self.shard_id = shard_id
         self.hollow = hollow
-        self.rewritten = rewritten
         self._rewrite_frontier = rewrite_frontier
+        self.time_range = time_range
         self._consumed = False
 
     def __repr__(self) -> str:
@@ -100,6 +101,32 @@ class Batch:
         return self.hollow.len
 
     @property
+    def rewrite_frontier(self) -> Antichain | None:
+        """The frontier of the last :meth:`rewrite_ts` (``None`` if never rewritten)."""
+        return self._rewrite_frontier
+
+    @property
+    def rewritten(self) -> bool:
+        """Whether :meth:`rewrite_ts` was called on this batch."""
+        return self._rewrite_frontier is not None
+
+    def floor(self) -> Antichain:
+        """The least time its updates mean: the rewrite frontier if rewritten (the seed's
+        ``ts_rewrite``), else the lower."""
+        f = self._rewrite_frontier
+        return self.lower if f is None else f
+
+    def effective_time_range(self) -> tuple[int, int] | None:
+        """``time_range`` with the rewrite applied (``t -> max(t, frontier)``)."""
+        if self.time_range is None:
+            return None
+        lo, hi = self.time_range
+        f = None if self._rewrite_frontier is None else self._rewrite_frontier.as_option()
+        if f is not None:
+            lo, hi = max(lo, f), max(hi, f)
+        return lo, hi
+
+    @property
     def consumed(self) -> bool:
         """Whether the batch was appended, deleted or transmitted."""
         return self._consumed
@@ -117,9 +144,13 @@ class Batch:
 
     def rewrite_ts(self, frontier: Antichain, new_upper: Antichain) -> None:
         """Advance every timestamp of this not-yet-appended batch by ``frontier`` (each
-        time ``t`` becomes ``max(t, frontier)``) and replace its upper by ``new_upper``;
-        metadata only (the seed's ``Batch::rewrite_ts``).  May be called again with a
-        frontier and upper that do not regress.
+        time ``t`` comes to mean ``max(t, frontier)``) and replace its upper by
+        ``new_upper``; metadata only (the seed's ``Batch::rewrite_ts``).  The batch's
+        lower is kept; the frontier is recorded (:attr:`rewrite_frontier`).  May be
+        called again with a frontier and upper that do not regress.  A rewritten batch
+        can only be appended with ``new_upper`` equal to its upper and an expected upper
+        ``<=`` its rewrite frontier (see
+        :meth:`persist.write.WriteHandle.compare_and_append_batch`).
 
         Raises:
             InvalidRewrite: ``frontier`` is empty, earlier than a previous rewrite
@@ -143,12 +174,9 @@ class Batch:
             raise InvalidRewrite(
                 f"rewrite frontier {frontier} is not strictly before the new upper {new_upper}"
             )
-        new_lower = d.lower.join(frontier)
-        if new_lower != d.lower and self.hollow.len > 0:
-            self.rewritten = True
         self._rewrite_frontier = frontier
         self.hollow = HollowBatch(
-            desc=Description(new_lower, new_upper, d.since),
+            desc=Description(d.lower, new_upper, d.since),
             parts=self.hollow.parts,
             len=self.hollow.len,
             runs=self.hollow.runs,
@@ -176,10 +204,10 @@ class Batch:
             "format": TRANSMIT_FORMAT,
             "shard_id": self.shard_id,
             "batch": self.hollow.to_json(),
-            "rewritten": self.rewritten,
             "rewrite_frontier": (
                 None if self._rewrite_frontier is None else self._rewrite_frontier.to_json()
             ),
+            "time_range": None if self.time_range is None else list(self.time_range),
         }
 
     def into_transmittable(self) -> bytes:
@@ -214,12 +242,19 @@ class Batch:
                 raise ValueError("its SHA-256 digest does not match (corrupted in transit)")
             hollow = HollowBatch.from_json(d["batch"])
             rf = d.get("rewrite_frontier")
+            tr = d.get("time_range")
+            time_range = None
+            if tr is not None:
+                lo, hi = (int(x) for x in tr)
+                time_range = (lo, hi)
+            # Bytes of older writers may say "rewritten" with the lower already raised to
+            # the frontier: the recorded frontier gives the same meaning.
             return cls(
                 blob,
                 str(d["shard_id"]),
                 hollow,
-                rewritten=bool(d.get("rewritten", False)),
                 rewrite_frontier=None if rf is None else Antichain.from_json(rf),
+                time_range=time_range,
             )
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise InvalidUsage(f"not a transmittable persist batch: {e}") from e

@@ -18,7 +18,15 @@ from stash import Antichain
 
 
 class PersistError(Exception):
-    """Base class of every error persist raises on purpose."""
+    """Base class of every error persist raises on purpose.
+
+    Attributes:
+        idempotency_token: set on an indeterminate error of ``compare_and_append`` /
+            ``compare_and_append_batch``: pass it back as ``idempotency_token=`` to retry
+            the same append idempotently (``None`` otherwise).
+    """
+
+    idempotency_token: str | None = None
 
     def is_indeterminate(self) -> bool:
         """True when the outcome of a commit cannot be known."""

@@ -18,9 +18,17 @@ Invariants kept here:
   (``SinceViolation`` / ``InvalidUsage``), or waits for the upper with ``wait=True``;
 * a :class:`Listen` emits every update with time ``> as_of`` exactly once, in time
   order of the batches' uppers, each ``updates`` event followed by the ``progress``
-  frontier it completes; its own lease holds the since at most at the last progress
-  minus one, so compaction never moves an update it has yet to emit into the range it
-  already emitted.
+  frontier it completes, the first progress as soon as the upper passes ``as_of``; its
+  own lease holds the since at most at the last progress minus one, so compaction never
+  moves an update it has yet to emit into the range it already emitted; it emits only
+  what it read from a state holding its lease, and once the lease is lost it fails for
+  good (``LeaseExpired`` on every call, nothing more emitted);
+* listens, and read handles during ``snapshot(wait=True)`` / ``snapshot_batches(wait=
+  True)``, renew their lease in the background (:class:`persist.lease.LeaseKeeper`); a
+  read by a handle whose lease is gone raises ``LeaseExpired``, never a bare
+  ``SinceViolation``;
+* every public entry point taking a time or frontier checks it is an i64 time (or an
+  Antichain) before it takes a lease, raising ``InvalidUsage`` naming the argument.
 
 Sources: the persist-client ``ReadHandle``, ``Listen`` and ``LeasedReaderState`` (seed
 ``004``) and the first engine's listeners (``000``/``001``).
@@ -28,9 +36,13 @@ Sources: the persist-client ``ReadHandle``, ``Listen`` and ``LeasedReaderState``
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import operator
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -43,8 +55,9 @@ from persist.blob import Blob
 from persist.consensus import ShardMachine, Stale
 from persist.errors import InvalidUsage, PersistError, SinceViolation
 from persist.handle import ShardHandle
+from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.parts import TIME, consolidate, read_parts
-from persist.state import ShardState
+from persist.state import LeaseExpired, ShardState
 from persist.types import HollowBatch, PartRef
 from stash import Antichain
 
@@ -143,9 +156,14 @@ def read_batches(
         max_workers: fetch/decode threads.
 
     Raises:
+        InvalidUsage: ``lower`` or ``upper`` is not an i64 time.
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
     """
+    if lower is not None:
+        lower = _index_time(lower, "lower")
+    if upper is not None:
+        upper = _index_time(upper, "upper")
     refs, floors, rows = _layout(batches)
     table = _read_refs(blob, refs, schema, max_workers)
     return _advance_and_filter(table, floors, rows, lower, upper)
@@ -173,9 +191,11 @@ def snapshot_table(
     consolidated (:func:`persist.parts.consolidate`).
 
     Raises:
+        InvalidUsage: ``as_of`` is not an i64 time.
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
     """
+    as_of = _index_time(as_of, "as_of")
     refs, floors, rows = _layout(batches)
     table = _read_refs(blob, refs, schema, max_workers)
     live = [b for b in batches if b.parts]
@@ -188,7 +208,7 @@ def snapshot_table(
                 return table.slice(0, 0)
             times = pa.array(np.full(table.num_rows, as_of, dtype=np.int64))
             return table.set_column(ti, table.schema.field(ti), times)
-    table = _advance_and_filter(table, floors, rows, None, as_of + 1)
+    table = _advance_and_filter(table, floors, rows, None, as_of + 1 if as_of < 2**63 - 1 else None)
     return consolidate(table, list(key_names), list(value_names), since=as_of)
 
 
@@ -203,6 +223,21 @@ def read_batch(
 ) -> pa.Table:
     """:func:`read_batches` of one batch."""
     return read_batches(blob, [batch], schema, lower=lower, upper=upper, max_workers=max_workers)
+
+
+def _index_time(x: int, what: str) -> int:
+    """``x`` as an int time (any integer type, e.g. numpy's), checked to be an i64.
+
+    Raises:
+        InvalidUsage: naming ``what``.
+    """
+    try:
+        t = operator.index(x)
+    except TypeError:
+        raise InvalidUsage(f"{what} must be an int time, got {type(x).__name__}") from None
+    if not -(2**63) <= t < 2**63:
+        raise InvalidUsage(f"{what} {t} is outside the i64 range of times")
+    return t
 
 
 def _as_time(x: int | Antichain, what: str) -> int:
@@ -270,6 +305,12 @@ class ReadHandle(ShardHandle):
         self.reader_id = reader_id
         self._last_heartbeat_ms = machine.now_ms()
 
+    #: Renews leases in the background (inject a ``LeaseKeeper(thread=False)`` with a
+    #: fake clock in tests).
+    lease_keeper: LeaseKeeper = DEFAULT_KEEPER
+    #: Interval of the background heartbeat in seconds (``None``: a quarter lease).
+    heartbeat_seconds: float | None = None
+
     # ---------------------------------------------------------------- frontiers
     @property
     def since(self) -> Antichain:
@@ -291,9 +332,12 @@ class ReadHandle(ShardHandle):
         it; the shard's since follows the meet of the live readers' holds.  Also renews
         the lease.
 
+        A ``since`` earlier than the current hold is a no-op (the hold stays; the lease
+        is still renewed), as in the seed.
+
         Raises:
-            InvalidUsage: ``since`` is earlier than the current hold; the reader expired
-                (:class:`~persist.state.LeaseExpired`).
+            InvalidUsage: ``since`` is not a time/frontier in the i64 range; the reader
+                expired (:class:`~persist.state.LeaseExpired`).
         """
         self._check()
         frontier = _as_frontier(since, "since")
@@ -302,7 +346,8 @@ class ReadHandle(ShardHandle):
         def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
             if self.reader_id not in st.readers and not fresh:
                 raise Stale()
-            return None, st.downgrade_reader_since(self.reader_id, frontier, now)
+            target = st.reader(self.reader_id).since.join(frontier)
+            return None, st.downgrade_reader_since(self.reader_id, target, now)
 
         self._machine.apply(fn, keep=(self.reader_id,))
         self._last_heartbeat_ms = now
@@ -344,11 +389,45 @@ class ReadHandle(ShardHandle):
         self._client._notify_compactor(self.shard_id)
 
     # --------------------------------------------------------------------- reads
+    @contextlib.contextmanager
+    def _kept_alive(self) -> Iterator[None]:
+        """Renew this reader's lease in the background (every
+        :attr:`heartbeat_seconds`, default a quarter lease) for the duration."""
+
+        def beat() -> bool:
+            try:
+                self.heartbeat()
+            except LeaseExpired:
+                return False  # the wait notices it in the state it reads
+            return True
+
+        interval = self.heartbeat_seconds or self._lease_ms / 4000
+        keeper = self.lease_keeper
+        ident = keeper.register(f"reader {self.reader_id}", max(interval, 0.001), beat)
+        try:
+            yield
+        finally:
+            keeper.unregister(ident)
+
+    def _lease_lost(self, st: ShardState) -> LeaseExpired | None:
+        """A :class:`LeaseExpired` if this reader is no longer in ``st``."""
+        if self.reader_id in st.readers:
+            return None
+        e = LeaseExpired(self.shard_id, self.reader_id)
+        e.args = (
+            f"{e.args[0]}; the since hold it kept is gone, so what it was waiting to read "
+            "may have been compacted",
+        )
+        return e
+
     def _state_for(self, as_of: int, wait: bool, timeout: float | None) -> ShardState:
         st = self._machine.recent()
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.001
         while True:
+            lost = self._lease_lost(st)
+            if lost is not None:
+                raise lost
             if not st.since.less_equal(as_of):
                 raise SinceViolation(as_of, st.since)
             if not st.upper.less_equal(as_of):
@@ -372,14 +451,21 @@ class ReadHandle(ShardHandle):
     ) -> list[HollowBatch]:
         """The hollow batches holding the shard's updates up to ``as_of`` (for callers
         that read parts themselves, e.g. Spark; read them with :func:`read_batches`
-        using ``upper=as_of + 1``, then consolidate with ``since=as_of``).
+        using ``upper=as_of + 1``, then consolidate with ``since=as_of``).  While it
+        waits (``wait=True``) the lease is renewed in the background.
 
         Raises: as :meth:`snapshot`.
         """
         self._check()
         t = _as_time(as_of, "as_of")
         self._maybe_heartbeat()
-        st = self._state_for(t, wait, timeout)
+        if not wait:
+            return self._batches_at(self._state_for(t, False, timeout), t)
+        with self._kept_alive():
+            return self._batches_at(self._state_for(t, True, timeout), t)
+
+    @staticmethod
+    def _batches_at(st: ShardState, t: int) -> list[HollowBatch]:
         return [b for b in st.batches() if b.len > 0 and b.desc.lower.less_equal(t)]
 
     def snapshot(
@@ -390,18 +476,27 @@ class ReadHandle(ShardHandle):
 
         Args:
             as_of: a time (int) or ``{t}``.
-            wait: if ``as_of`` is not yet before the upper, wait until it is.
+            wait: if ``as_of`` is not yet before the upper, wait until it is (renewing
+                the lease in the background meanwhile).
             timeout: with ``wait``, give up after this many seconds (``TimeoutError``).
 
         Raises:
             SinceViolation: ``as_of`` is before the shard's since.
+            LeaseExpired: this reader's lease was lost (it was dropped from the shard
+                state), e.g. while waiting.
             InvalidUsage: ``as_of`` is at or beyond the upper (without ``wait``).
             CorruptPart: a part is missing or corrupt (naming its blob key).
             BlobError, ConsensusError: storage failed.
         """
         self._check()
         t = _as_time(as_of, "as_of")
-        batches = self.snapshot_batches(t, wait=wait, timeout=timeout)
+        self._maybe_heartbeat()
+        if not wait:
+            return self._snapshot(self._batches_at(self._state_for(t, False, timeout), t), t)
+        with self._kept_alive():
+            return self._snapshot(self._batches_at(self._state_for(t, True, timeout), t), t)
+
+    def _snapshot(self, batches: list[HollowBatch], t: int) -> pa.Table:
         return snapshot_table(
             self._client.blob,
             batches,
@@ -419,25 +514,39 @@ class ReadHandle(ShardHandle):
         poll_min_seconds: float = 0.001,
         poll_max_seconds: float = 0.25,
         hold_interval_seconds: float = 1.0,
+        heartbeat_seconds: float | None = None,
     ) -> Listen:
         """An iterator of :class:`ListenEvent`\\ s: the updates with times ``> as_of`` as
-        they commit, each batch of updates followed by the new upper (``progress``).
-        Polls consensus with exponential backoff between ``poll_min_seconds`` and
-        ``poll_max_seconds``.  Stops after the progress ``{}`` (the shard was closed).
-        The listen holds its own lease, whose since hold follows the emitted progress
-        (moved at most every ``hold_interval_seconds``, each move being a state
-        change); close it (or use it as a context manager).
+        they commit, each batch of updates followed by the new upper (``progress``); the
+        first progress comes as soon as the upper passes ``as_of``.  Polls consensus
+        with exponential backoff between ``poll_min_seconds`` and ``poll_max_seconds``.
+        Stops after the progress ``{}`` (the shard was closed).  The listen holds its
+        own lease, renewed in the background every ``heartbeat_seconds`` (default a
+        quarter of the lease) by :attr:`lease_keeper`, whose since hold follows the
+        emitted progress (moved at most every ``hold_interval_seconds``, each move
+        being a state change); close it (or use it as a context manager).
 
         Raises:
+            InvalidUsage: ``as_of`` is not a time, or is the largest i64 time (no time
+                is after it); checked before any lease is taken.
             SinceViolation: ``as_of`` is before the shard's since.
         """
         self._check()
+        t = _as_time(as_of, "as_of")
+        if t >= 2**63 - 1:
+            raise InvalidUsage(
+                f"listen as_of {t} is the largest i64 time: a listen emits updates after "
+                "as_of, and no time is after it"
+            )
+        if heartbeat_seconds is not None and not heartbeat_seconds > 0:
+            raise InvalidUsage(f"heartbeat_seconds must be > 0, got {heartbeat_seconds}")
         listen = Listen(
             self,
-            _as_time(as_of, "as_of"),
+            t,
             poll_min_seconds,
             poll_max_seconds,
             hold_interval_seconds,
+            heartbeat_seconds,
         )
         self._client._handles.add(listen)
         return listen
@@ -453,7 +562,14 @@ class ReadHandle(ShardHandle):
 
 
 class Listen:
-    """A listen over a shard from ``as_of`` (see :meth:`ReadHandle.listen`)."""
+    """A listen over a shard from ``as_of`` (see :meth:`ReadHandle.listen`).
+
+    Its lease is kept alive by the handle's :class:`~persist.lease.LeaseKeeper` while it
+    is open.  Once the lease is lost (the reader was dropped from the shard state, or
+    the since passed what it has yet to emit), the listen fails for good: every later
+    call raises :class:`~persist.state.LeaseExpired` and it emits nothing more.
+    Thread-safe (one lock per listen).
+    """
 
     def __init__(
         self,
@@ -462,17 +578,21 @@ class Listen:
         poll_min: float,
         poll_max: float,
         hold_interval: float = 1.0,
+        heartbeat_seconds: float | None = None,
     ) -> None:
         self._h = handle
         self._machine = handle._machine
         self.as_of = as_of
         self._frontier = as_of + 1  # every time < frontier was emitted (or is <= as_of)
+        self._emitted = False  # whether a progress was emitted
         self._poll_min = poll_min
         self._poll_max = poll_max
         self._hold_interval_ms = int(hold_interval * 1000)
         self._pending: list[ListenEvent] = []
         self._done = False
         self._closed = False
+        self._failed: PersistError | None = None
+        self._lock = threading.RLock()
         self.reader_id = "l" + uuid.uuid4().hex
         self._lease_ms = handle._lease_ms
         now = self._machine.now_ms()
@@ -489,6 +609,16 @@ class Listen:
         self._machine.apply(fn, keep=(self.reader_id,))
         self._last_hold_ms = now
         self._hold = hold
+        interval = heartbeat_seconds if heartbeat_seconds is not None else self._lease_ms / 4000
+        self._keeper = handle.lease_keeper
+        # A weak reference: a listen dropped without close() stops renewing its lease
+        # (it then expires like any crashed reader) instead of living on in the keeper.
+        beat = weakref.WeakMethod(self._beat)
+        self._beat_id: int | None = self._keeper.register(
+            f"listen {self.reader_id}",
+            max(interval, 0.001),
+            lambda: (m := beat()) is not None and m(),
+        )
 
     @property
     def frontier(self) -> Antichain:
@@ -500,31 +630,68 @@ class Listen:
 
     def __next__(self) -> ListenEvent:
         delay = self._poll_min
-        while not self._pending:
-            if self._done or self._closed:
-                raise StopIteration
-            if not self._step():
-                time.sleep(delay)
-                delay = min(delay * 2, self._poll_max)
-        return self._pending.pop(0)
+        while True:
+            with self._lock:
+                if self._failed is not None:
+                    raise self._failed
+                if self._pending:
+                    return self._pending.pop(0)
+                if self._done or self._closed:
+                    raise StopIteration
+                if self._step():
+                    continue
+            time.sleep(delay)
+            delay = min(delay * 2, self._poll_max)
 
     def poll(self) -> list[ListenEvent]:
-        """The events available now, without waiting (possibly none)."""
-        if not self._done and not self._closed:
-            self._step()
-        out, self._pending = self._pending, []
-        return out
+        """The events available now, without waiting (possibly none).
+
+        Raises:
+            LeaseExpired: the listen's lease was lost (now or earlier): it emits nothing
+                more.
+            ConsensusError, BlobError, CorruptPart: storage failed (nothing was
+                consumed; the next poll tries again).
+        """
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            if not self._done and not self._closed:
+                self._step()
+            out, self._pending = self._pending, []
+            return out
+
+    def _fail(self, e: PersistError) -> PersistError:
+        """Fail for good with ``e``: drop queued events, stop the heartbeat, release."""
+        self._failed = e
+        self._pending = []
+        self.close()
+        return e
+
+    def _lost(self, st: ShardState) -> PersistError | None:
+        """Why the listen cannot read ``st``: not registered (lease expired) or the
+        since passed the time it has yet to emit."""
+        if self.reader_id not in st.readers:
+            return LeaseExpired(self._machine.shard_id, self.reader_id, "listen")
+        if not st.since.less_equal(self._frontier - 1):
+            return LeaseExpired(self._machine.shard_id, self.reader_id, "listen")
+        return None
 
     def _step(self) -> bool:
-        """Check consensus once; queue events if the upper moved.  Returns whether it
-        queued any."""
+        """Check consensus once; queue events if the upper moved past what was emitted
+        (the first progress as soon as it passes ``as_of``).  Returns whether it queued
+        any.  Nothing is queued unless the listen still held its lease in the state it
+        read and kept it while renewing."""
         st = self._machine.recent()
+        lost = self._lost(st)
+        if lost is not None:
+            raise self._fail(lost)
         upper = st.upper
         u = upper.as_option()
-        if u is not None and u <= self._frontier:
-            self._maybe_renew(st)
+        if u is not None and (u <= self.as_of or (self._emitted and u <= self._frontier)):
+            self._renew(st)
             return False
         f = self._frontier
+        events: list[ListenEvent] = []
         batches = [
             b
             for b in st.batches()
@@ -532,7 +699,7 @@ class Listen:
             and not b.desc.upper.less_equal(f)
             and (u is None or b.desc.lower.less_than(u))
         ]
-        if batches:
+        if batches and (u is None or f < u):
             table = read_batches(
                 self._h._client.blob,
                 batches,
@@ -543,26 +710,36 @@ class Listen:
             )
             table = consolidate(table, self._h.key_schema.names, self._h.value_schema.names)
             if table.num_rows:
-                self._pending.append(ListenEvent("updates", updates=table))
-        self._pending.append(ListenEvent("progress", progress=upper))
+                events.append(ListenEvent("updates", updates=table))
+        events.append(ListenEvent("progress", progress=upper))
+        if u is not None:
+            old = self._frontier
+            self._frontier = max(u, f)
+            try:
+                self._renew(st, advanced=True)
+            except BaseException:
+                self._frontier = old  # nothing emitted: the next step reads it again
+                raise
+        self._pending.extend(events)
+        self._emitted = True
         if u is None:
             self._done = True
             self.close()
-        else:
-            self._frontier = u
-            self._maybe_renew(st, advanced=True)
         return True
 
-    def _maybe_renew(self, st: ShardState, advanced: bool = False) -> None:
+    def _renew(self, st: ShardState, advanced: bool = False) -> None:
         """Move the listen's hold up to the emitted frontier minus one (at most every
-        hold interval) and keep the lease alive (every quarter lease)."""
+        hold interval) and renew the lease (at least every quarter lease).
+
+        Raises:
+            LeaseExpired: the lease was lost (the listen fails for good).
+        """
         now = self._machine.now_ms()
         if now - self._last_hold_ms < min(self._hold_interval_ms, self._lease_ms // 4):
             return
         if not advanced and now - self._last_hold_ms < self._lease_ms // 4:
             return
         target = Antichain.from_elem(self._frontier - 1)
-        self._last_hold_ms = now
 
         def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
             if self.reader_id not in s.readers and not fresh:
@@ -570,15 +747,42 @@ class Listen:
             r = s.reader(self.reader_id)
             return None, s.downgrade_reader_since(self.reader_id, r.since.join(target), now)
 
-        self._machine.apply(fn, keep=(self.reader_id,))
+        try:
+            self._machine.apply(fn, keep=(self.reader_id,))
+        except LeaseExpired as e:
+            raise self._fail(e) from None
+        self._last_hold_ms = now
         self._hold = target
         self._h._client._notify_compactor(self._machine.shard_id)
 
+    def _beat(self) -> bool:
+        """The background heartbeat: renew the lease.  Returns ``False`` (stop) once the
+        listen is closed or its lease is lost."""
+        if self._closed or self._failed is not None:
+            return False
+        now = self._machine.now_ms()
+
+        def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
+            if self.reader_id not in s.readers and not fresh:
+                raise Stale()
+            s.heartbeat_reader(self.reader_id, now)
+            return None, True
+
+        try:
+            self._machine.apply(fn, keep=(self.reader_id,))
+        except LeaseExpired as e:
+            self._failed = e
+            return False
+        return True
+
     def close(self) -> None:
-        """Release the listen's lease.  Idempotent."""
+        """Release the listen's lease and stop its heartbeat.  Idempotent."""
         if self._closed:
             return
         self._closed = True
+        beat, self._beat_id = self._beat_id, None
+        if beat is not None:
+            self._keeper.unregister(beat)
 
         def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
             return None, s.expire_reader(self.reader_id)

@@ -173,22 +173,46 @@ class WriterState:
         lease_duration_ms: the writer is dropped once its lease runs out.
         last_token: the idempotency token of the writer's last committed append, used to
             learn the outcome of an append whose commit was indeterminate.
+        tokens: the tokens of its earlier recent appends (oldest first, at most
+            :data:`WRITER_TOKENS_KEPT` with ``last_token``), so that a retry with a token
+            stays idempotent even after the same writer appended again.  States written
+            before this field existed load with ``()``.
     """
 
     last_heartbeat_ms: int
     lease_duration_ms: int
     last_token: str | None = None
+    tokens: tuple[str, ...] = ()
 
     def expired(self, now_ms: int) -> bool:
         """True when the lease ran out at ``now_ms``."""
         return now_ms > self.last_heartbeat_ms + self.lease_duration_ms
 
+    def has_token(self, token: str) -> bool:
+        """Whether an append with ``token`` by this writer is recorded."""
+        return token == self.last_token or token in self.tokens
+
+    def with_token(self, now_ms: int, lease_ms: int, token: str) -> WriterState:
+        """This writer after an append with ``token`` (heartbeat renewed)."""
+        older = self.tokens if self.last_token is None else (*self.tokens, self.last_token)
+        older = older[-(WRITER_TOKENS_KEPT - 1) :] if WRITER_TOKENS_KEPT > 1 else ()
+        return replace(
+            self,
+            last_heartbeat_ms=now_ms,
+            lease_duration_ms=lease_ms,
+            last_token=token,
+            tokens=older,
+        )
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "last_heartbeat_ms": self.last_heartbeat_ms,
             "lease_duration_ms": self.lease_duration_ms,
             "last_token": self.last_token,
         }
+        if self.tokens:
+            d["tokens"] = list(self.tokens)
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> WriterState:
@@ -197,7 +221,12 @@ class WriterState:
             int(d["last_heartbeat_ms"]),
             int(d["lease_duration_ms"]),
             None if tok is None else str(tok),
+            tuple(str(t) for t in d.get("tokens", ())),
         )
+
+
+#: How many idempotency tokens of recent appends a writer's state keeps.
+WRITER_TOKENS_KEPT = 8
 
 
 @dataclass
@@ -401,14 +430,19 @@ class ShardState:
             reqs = self.trace.push_batch(batch)
         except ValueError as e:
             raise InvalidUsage(f"cannot append to shard {self.shard_id}: {e}") from e
-        self.writers[writer_id] = WriterState(now_ms, lease_ms, token)
+        w = self.writers.get(writer_id) or WriterState(now_ms, lease_ms)
+        self.writers[writer_id] = w.with_token(now_ms, lease_ms, token)
         return reqs
 
     def heartbeat_writer(self, writer_id: str, now_ms: int, lease_ms: int) -> None:
         """Register or renew a writer, keeping its last token."""
         w = self.writers.get(writer_id)
-        tok = None if w is None else w.last_token
-        self.writers[writer_id] = WriterState(now_ms, lease_ms, tok)
+        if w is None:
+            self.writers[writer_id] = WriterState(now_ms, lease_ms)
+        else:
+            self.writers[writer_id] = replace(
+                w, last_heartbeat_ms=now_ms, lease_duration_ms=lease_ms
+            )
 
     def apply_merge_res(self, res: FueledMergeRes, now_ms: int) -> ApplyMergeResult:
         """Swap a compaction result into the trace; blob keys it stops referencing are

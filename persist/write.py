@@ -14,13 +14,27 @@ Invariants kept here:
 * a lost race on the seqno with the upper still matching (a reader, a compactor or GC
   changed the state) is retried on the metadata only: parts are uploaded once per batch,
   however many compare-and-set attempts the commit needs;
-* an indeterminate commit (the stash lost the connection during COMMIT) is resolved by
-  re-reading the state: each append carries a token recorded with the writer in the same
-  version, so a committed append is recognised and reported as success; if the outcome
-  still cannot be learned, a ``ConsensusError`` with ``is_indeterminate()`` is raised and
-  the parts are left in place (GC collects them if the append did not land);
+* ``compare_and_append_batch`` follows the seed's ``validate_truncate_batch``: each batch
+  covers the append (``batch.lower <= expected_upper``, ``new_upper <= batch.upper``,
+  else ``InvalidBatchBounds``) and only its updates in ``[expected_upper, new_upper)``
+  become visible (the rest is truncated away: metadata only when the batch's time range
+  shows nothing to cut, else by writing the kept updates as a new run); a rewritten
+  batch must end exactly at ``new_upper`` and mean no time before ``expected_upper``
+  (``InvalidRewrite``); its rewrite is applied without a blob call when the append's
+  rewritten batches share one frontier;
+* an indeterminate commit (the stash lost the acknowledgement of COMMIT) is resolved by
+  the append itself: it re-applies the same version, with the same idempotency token,
+  re-reading consensus with backoff, until it learns the outcome (the token is recorded
+  with the writer, which keeps its last few tokens, in the version that commits the
+  append); an append of its own that landed is reported as success, never as
+  ``UpperMismatch``.  If the outcome still cannot be learned, a ``ConsensusError`` with
+  ``is_indeterminate()`` and ``idempotency_token`` is raised and the parts are left in
+  place (GC collects them if the append did not land); a retry passing that token
+  returns success without writing again if the append landed;
 * a :class:`BatchBuilder` checks times at ``add`` (``>= lower``) and ``finish``
-  (``< upper``), and writes each flushed chunk as one sorted run.
+  (``< upper``); a failed ``add`` leaves it exactly as before the call and a failed
+  ``finish`` leaves it unfinished with every accepted update, so a finished batch never
+  misses an accepted row; flushed chunks in (key, value, time) order extend one run.
 
 Sources: the persist-client ``WriteHandle``, ``BatchBuilder`` and
 ``validate_truncate_batch`` (seed ``004``).
@@ -31,16 +45,20 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from persist.batch import Batch
 from persist.consensus import ShardMachine, Stale
 from persist.errors import (
+    ConsensusError,
     InvalidBatchBounds,
     InvalidBounds,
+    InvalidRewrite,
     InvalidUsage,
     PersistError,
     UpdateBeyondUpper,
@@ -50,6 +68,7 @@ from persist.errors import (
 from persist.handle import ShardHandle
 from persist.parts import (
     TIME,
+    _adjacent,
     consolidate_order,
     to_updates_table,
     write_parts,
@@ -79,6 +98,27 @@ def _frontier(x: Antichain | int, what: str) -> Antichain:
     if not -(2**63) <= x < 2**63:
         raise InvalidUsage(f"{what} {x} is outside the i64 range of times")
     return Antichain.from_elem(x)
+
+
+def _token(token: str | None) -> str:
+    """A fresh idempotency token, or ``token`` checked."""
+    if token is None:
+        return uuid.uuid4().hex
+    if not isinstance(token, str) or not 8 <= len(token) <= 128 or not token.isprintable():
+        raise InvalidUsage(
+            "idempotency_token must be a printable str of 8 to 128 characters "
+            "(the one an indeterminate error carried)"
+        )
+    return token
+
+
+def _landed(st: ShardState, writer_id: str, token: str) -> bool:
+    """Whether the state records an append with ``token`` (by this writer, or by any
+    writer for a token handed over from another handle)."""
+    w = st.writers.get(writer_id)
+    if w is not None and w.has_token(token):
+        return True
+    return any(w.has_token(token) for w in st.writers.values())
 
 
 def _time_range(table: pa.Table) -> tuple[int, int] | None:
@@ -188,25 +228,39 @@ class WriteHandle(ShardHandle):
         updates: Updates,
         expected_upper: Antichain | int,
         new_upper: Antichain | int,
+        *,
+        idempotency_token: str | None = None,
     ) -> None:
         """Append ``updates`` if the shard's upper is ``expected_upper``, advancing it to
         ``new_upper``; atomically.
+
+        Args:
+            updates: a ``pyarrow.Table``/``RecordBatch`` or ``((key, value), time, diff)``
+                rows.
+            expected_upper, new_upper: frontiers (or int times).
+            idempotency_token: the token of an earlier attempt of this same append (from
+                the ``idempotency_token`` of the indeterminate :class:`ConsensusError` it
+                raised): if that attempt landed, this call returns at once, writing
+                nothing again.  By default a fresh token.
 
         Raises:
             InvalidBounds: ``expected_upper`` is not ``<= new_upper``.
             UpdateNotBeyondLower / UpdateBeyondUpper: a ``_time`` outside
                 ``[expected_upper, new_upper)``.
             UpperMismatch: the shard's upper is not ``expected_upper`` (``.current``
-                tells what it is); nothing was committed.
-            InvalidUsage: bad schema or columns.
+                tells what it is); nothing was committed.  Never raised for an append
+                of this call that landed (its own indeterminate commit is resolved).
+            InvalidUsage: bad schema or columns, or a malformed token.
             BlobError, ConsensusError: storage failed; nothing was committed unless the
-                error says ``is_indeterminate()``.
+                error says ``is_indeterminate()``; then ``idempotency_token`` is set on it
+                and a retry passing it stays idempotent.
         """
         self._check()
         expected = _frontier(expected_upper, "expected_upper")
         new = _frontier(new_upper, "new_upper")
         if not expected <= new:
             raise InvalidBounds(expected, new)
+        token = _token(idempotency_token)
         table = self._normalize(updates)
         rng = _time_range(table)
         if rng is not None:
@@ -214,9 +268,11 @@ class WriteHandle(ShardHandle):
                 raise UpdateNotBeyondLower(rng[0], expected)
             if new.less_equal(rng[1]):
                 raise UpdateBeyondUpper(rng[1], new)
+        if idempotency_token is not None and self._token_landed(token, fresh=True):
+            return  # an earlier attempt landed: write nothing again
         if expected == new:
             # Nothing can be written into an empty range: just check the upper.
-            self.compare_and_append_batch([], expected, new)
+            self._append_batches([], expected, new, token)
             return
         run = self._write_run(table, self._key_prefix())
         hollow = HollowBatch(
@@ -224,9 +280,9 @@ class WriteHandle(ShardHandle):
             parts=tuple(run),
             len=sum(p.rows for p in run),
         )
-        batch = Batch(self._client.blob, self.shard_id, hollow)
+        batch = Batch(self._client.blob, self.shard_id, hollow, time_range=rng)
         try:
-            self.compare_and_append_batch([batch], expected, new)
+            self._append_batches([batch], expected, new, token)
         except PersistError as e:
             if not e.is_indeterminate():
                 batch.delete()
@@ -237,25 +293,76 @@ class WriteHandle(ShardHandle):
         (the persist-client ``append``; same errors as :meth:`compare_and_append`)."""
         self.compare_and_append(updates, lower, upper)
 
+    # ------------------------------------------------------ batch bounds (seed)
+    @staticmethod
+    def _validate_truncate(batches: Sequence[Batch], expected: Antichain, new: Antichain) -> None:
+        """The seed's ``validate_truncate_batch``: every batch must *cover* the append
+        (``batch.lower <= expected`` and ``new <= batch.upper``; what lies outside
+        ``[expected, new)`` is truncated away); if any batch was rewritten, every batch
+        must end exactly at ``new`` and mean no time before ``expected``.
+
+        Raises:
+            InvalidRewrite, InvalidBatchBounds.
+        """
+        any_rewrite = any(b.rewritten for b in batches)
+        for b in batches:
+            if any_rewrite:
+                if b.upper != new:
+                    raise InvalidRewrite(
+                        f"rewritten batches must end at the append's upper: {b!r} might "
+                        f"have data past {new} up to {b.upper}"
+                    )
+                if not expected <= b.floor():
+                    raise InvalidRewrite(
+                        f"rewritten batches must not mean times before the append's lower: "
+                        f"{b!r} might have data below {expected} at {b.floor()}"
+                    )
+            if not (b.lower <= expected and new <= b.upper):
+                raise InvalidBatchBounds(
+                    f"batch [{b.lower}, {b.upper}) does not cover the append "
+                    f"[{expected}, {new}): a batch's lower must be <= the expected upper "
+                    f"and its upper >= the new upper (updates outside are truncated away)"
+                )
+
     def _assemble(
         self, batches: Sequence[Batch], expected: Antichain, new: Antichain
-    ) -> list[HollowBatch]:
-        """The hollow batches to push for this append: one (``[expected, new)``) holding
-        every part, preceded by an empty one if rewritten batches start later."""
+    ) -> tuple[list[HollowBatch], list[Batch]]:
+        """The hollow batches to push for an append ``[expected, new)`` of ``batches``
+        (already validated), and the temporary batches written to truncate or rewrite
+        some of them physically (their parts are pushed instead of the originals').
+
+        One hollow batch ``[lo, new)`` holds every part, preceded by an empty
+        ``[expected, lo)`` when every rewritten batch means times from ``lo`` on (readers
+        advance a batch's times to its lower, which applies a single rewrite frontier
+        without a blob call).  A batch whose data may lie outside ``[expected, new)``
+        (truncation) or below ``lo`` while meaning a later time (several rewrite
+        frontiers) is rewritten physically into a temporary batch.
+        """
         live = [b for b in batches if b.len > 0]
-        clampers = [b for b in live if b.rewritten]
         lo = expected
-        if clampers:
-            lo = live[0].lower
+        if any(b.rewritten for b in live):
+            lo = live[0].floor()
             for b in live[1:]:
-                lo = lo.meet(b.lower)
-            for b in clampers:
-                if b.lower != lo:
-                    self._materialize_rewrite(b)
+                lo = lo.meet(b.floor())
+        temps: list[Batch] = []
+        use: list[Batch] = []
+        try:
+            for b in live:
+                if self._needs_rewrite(b, lo, expected, new):
+                    t = self._materialize(b, expected, new)
+                    if t.len > 0:
+                        temps.append(t)
+                        use.append(t)
+                else:
+                    use.append(b)
+        except BaseException:
+            for t in temps:
+                t.delete()
+            raise
         parts: list[PartRef] = []
         runs: list[int] = []
         n = 0
-        for b in live:
+        for b in use:
             off = len(parts)
             if off:
                 runs.append(off)
@@ -266,44 +373,101 @@ class WriteHandle(ShardHandle):
         if lo != expected:
             out.append(HollowBatch(Description(expected, lo)))
         out.append(HollowBatch(Description(lo, new), tuple(parts), n, tuple(sorted(set(runs)))))
-        return out
+        return out, temps
 
-    def _materialize_rewrite(self, b: Batch) -> None:
-        """Write a rewritten batch's times physically (needed only when several batches
-        with different rewrite frontiers share one append).  Done once per batch."""
+    @staticmethod
+    def _needs_rewrite(b: Batch, lo: Antichain, expected: Antichain, new: Antichain) -> bool:
+        """Whether ``b``'s parts cannot be pushed as they are in ``[lo, new)`` (whose
+        readers advance every time to ``lo``)."""
+        if b.rewritten:
+            # It covers up to `new` exactly and means times from its floor (>= expected)
+            # on; readers advance only to lo, so a later floor must be applied physically
+            # unless no raw time lies below it.
+            f = b.floor().as_option()
+            raw = b.time_range
+            return b.floor() != lo and (raw is None or f is None or raw[0] < f)
+        raw = b.time_range
+        if raw is None:
+            # Unknown times: only a batch with the append's exact bounds is known to fit.
+            return not (b.lower == expected and b.upper == new)
+        return not expected.less_equal(raw[0]) or new.less_equal(raw[1])
+
+    def _materialize(self, b: Batch, expected: Antichain, new: Antichain) -> Batch:
+        """A temporary batch holding ``b``'s updates with its rewrite applied (times
+        advanced to its rewrite frontier) and only the times in ``[floor, new)``
+        (``floor`` its rewrite frontier, or ``expected``: the truncation), written as
+        one run.  ``b`` is left as it was (the caller may still retry it)."""
         table = read_batch(self._client.blob, b.hollow, self.schema)
-        old = b.blob_keys()
+        f = b.rewrite_frontier
+        lower = (expected if f is None else f).as_option()
+        ti = table.schema.get_field_index(TIME)
+        if f is not None and lower is not None and table.num_rows:
+            times = pc.max_element_wise(table.column(TIME), pa.scalar(lower, pa.int64()))
+            table = table.set_column(ti, table.schema.field(ti), times)
+        up = new.as_option()
+        mask = None
+        if lower is not None:
+            mask = pc.greater_equal(table.column(TIME), pa.scalar(lower, pa.int64()))
+        if up is not None:
+            m2 = pc.less(table.column(TIME), pa.scalar(up, pa.int64()))
+            mask = m2 if mask is None else pc.and_(mask, m2)
+        if mask is not None and table.num_rows:
+            table = table.filter(mask)
         run = self._write_run(table, self._key_prefix())
-        b.hollow = HollowBatch(b.hollow.desc, tuple(run), sum(p.rows for p in run))
-        b.rewritten = False
-        for key in old:
-            try:
-                self._client.blob.delete(key)
-            except PersistError as e:  # pragma: no cover - garbage for GC
-                log.warning("could not delete rewritten part %s: %s", key, e)
+        hollow = HollowBatch(b.hollow.desc, tuple(run), sum(p.rows for p in run))
+        return Batch(self._client.blob, self.shard_id, hollow, time_range=_time_range(table))
 
     def compare_and_append_batch(
         self,
         batches: Sequence[Batch],
         expected_upper: Antichain | int,
         new_upper: Antichain | int,
+        *,
+        idempotency_token: str | None = None,
     ) -> None:
         """Append pre-written batches if the shard's upper is ``expected_upper``,
-        advancing it to ``new_upper``; atomically.  Each batch must lie within the
-        append: ``expected_upper <= batch.lower`` and ``batch.upper <= new_upper``.  On
-        success the batches are consumed; on ``UpperMismatch`` they are untouched (the
-        caller may retry them, e.g. after :meth:`Batch.rewrite_ts`, without any upload).
+        advancing it to ``new_upper``; atomically.
+
+        The seed's batch rules (``validate_truncate_batch``): each batch must *cover*
+        the append, ``batch.lower <= expected_upper`` and ``new_upper <= batch.upper``;
+        its updates outside ``[expected_upper, new_upper)`` are truncated away.  If any
+        batch was rewritten (:meth:`Batch.rewrite_ts`), every batch must have ``upper ==
+        new_upper`` and a rewrite frontier (or lower) ``>= expected_upper``.  On success
+        the batches are consumed; on ``UpperMismatch`` they are untouched (the caller may
+        retry them, e.g. after :meth:`Batch.rewrite_ts`, without any upload).
+
+        An indeterminate commit (the stash lost the acknowledgement) is resolved here:
+        the same version, with the same idempotency token, is re-applied (re-reading
+        consensus with backoff) until its outcome is known, so this call never reports
+        as a lost race an append of its own that landed.
+
+        Args:
+            idempotency_token: see :meth:`compare_and_append`.
 
         Raises:
-            InvalidBounds, InvalidBatchBounds, InvalidUsage (a batch of another shard, or
-            already consumed), UpperMismatch, ConsensusError (see
-            :meth:`compare_and_append`).
+            InvalidBounds, InvalidBatchBounds, InvalidRewrite, InvalidUsage (a batch of
+            another shard, or already consumed), UpperMismatch, ConsensusError (see
+            :meth:`compare_and_append`; an indeterminate one carries
+            ``idempotency_token``, and the batches stay unconsumed for a retry).
         """
         self._check()
         expected = _frontier(expected_upper, "expected_upper")
         new = _frontier(new_upper, "new_upper")
         if not expected <= new:
             raise InvalidBounds(expected, new)
+        token = _token(idempotency_token)
+        self._append_batches(batches, expected, new, token, idempotency_token is not None)
+
+    def _append_batches(
+        self,
+        batches: Sequence[Batch],
+        expected: Antichain,
+        new: Antichain,
+        token: str,
+        retry: bool = False,
+    ) -> None:
+        """:meth:`compare_and_append_batch` after its arguments were converted;
+        ``retry``: the token came from the caller (an earlier attempt may have landed)."""
         if len({id(b) for b in batches}) != len(batches):
             raise InvalidUsage("the same batch is listed twice in one compare_and_append_batch")
         for b in batches:
@@ -313,16 +477,16 @@ class WriteHandle(ShardHandle):
                 raise InvalidUsage(f"{b!r} was already appended, deleted or transmitted")
             if b.shard_id != self.shard_id:
                 raise InvalidUsage(f"{b!r} was written for another shard than {self.shard_id}")
-            if not (expected <= b.lower and b.upper <= new):
-                raise InvalidBatchBounds(
-                    f"batch [{b.lower}, {b.upper}) does not lie within the append "
-                    f"[{expected}, {new}) of shard {self.shard_id}"
-                )
+        self._validate_truncate(batches, expected, new)
+        if retry and self._token_landed(token, fresh=True):
+            for b in batches:  # an earlier attempt landed them
+                b.mark_consumed()
+            return
+        temps: list[Batch] = []
         if expected == new:
             pieces: list[HollowBatch] = []
         else:
-            pieces = self._assemble(batches, expected, new)
-        token = uuid.uuid4().hex
+            pieces, temps = self._assemble(batches, expected, new)
         wid = self.writer_id
         lease = self._lease_ms
         machine = self._machine
@@ -330,8 +494,7 @@ class WriteHandle(ShardHandle):
         merges = machine.take_merge_results() if pieces else []
 
         def fn(st: ShardState, fresh: bool) -> tuple[list[FueledMergeReq], bool]:
-            w = st.writers.get(wid)
-            if w is not None and w.last_token == token:
+            if _landed(st, wid, token):
                 return [], False  # committed by an attempt whose outcome was indeterminate
             if st.upper != expected:
                 if not fresh:
@@ -349,17 +512,81 @@ class WriteHandle(ShardHandle):
             return reqs, True
 
         try:
-            reqs = machine.apply(fn, keep=(wid,))
+            reqs = self._apply_resolving(fn)
         except PersistError as e:
-            if merges and not e.is_indeterminate():
+            indeterminate = e.is_indeterminate()
+            if merges and not indeterminate:
                 machine.offer_merge_results(merges)  # still candidates; else GC's
+            if indeterminate:
+                e.idempotency_token = token
+            else:
+                for t in temps:
+                    t.delete()
             raise
         if merges:
             self._client.compactor.release_outputs(machine, merges)
+        used = {p.key for hb in pieces for p in hb.parts if p.key is not None}
         for b in batches:
+            if any(k not in used for k in b.blob_keys()):
+                b.delete()  # truncated or rewritten physically: its own parts are garbage
             b.mark_consumed()
         if reqs:
             self._client._on_merge_reqs(machine, reqs)
+
+    #: How many times an indeterminate commit is re-applied (re-reading consensus, with
+    #: exponential backoff up to :attr:`resolve_max_wait` seconds) before giving up.
+    resolve_attempts: int = 8
+    resolve_max_wait: float = 1.0
+
+    def _apply_resolving(self, fn: Any) -> list[FueledMergeReq]:
+        """``machine.apply(fn)``, re-applied while its outcome is unknown (the transition
+        recognises its own committed effect by its token), with tenacity backoff, at
+        most :attr:`resolve_attempts` times.  Once an attempt was indeterminate, a later
+        attempt's consensus failure leaves the outcome unknown too (the earlier commit
+        may have landed), so it is retried as well and, at the end, reported as
+        indeterminate.
+
+        Raises:
+            UpperMismatch (only when this append is known not to have landed), the
+            transition's errors, ConsensusError.
+        """
+        apply = partial(self._machine.apply, fn, keep=(self.writer_id,))
+        try:
+            first: list[FueledMergeReq] = apply()  # the common case, without a retry loop
+            return first
+        except PersistError as e:
+            if not e.is_indeterminate() or self.resolve_attempts <= 1:
+                raise
+
+        def retry(e: BaseException) -> bool:
+            # The first attempt's commit may have landed: any consensus failure of a
+            # later attempt leaves the outcome unknown too.
+            return isinstance(e, ConsensusError) or (
+                isinstance(e, PersistError) and e.is_indeterminate()
+            )
+
+        retrying = Retrying(
+            stop=stop_after_attempt(self.resolve_attempts - 1),
+            wait=wait_exponential_jitter(multiplier=0.005, max=self.resolve_max_wait, jitter=0.005),
+            retry=retry_if_exception(retry),
+            reraise=True,
+        )
+        try:
+            out: list[FueledMergeReq] = retrying(apply)
+        except ConsensusError as e:
+            if not e.is_indeterminate():
+                raise ConsensusError(
+                    f"the outcome of an append to shard {self.shard_id} is unknown: a commit "
+                    f"was indeterminate and resolving it failed: {e}",
+                    indeterminate=True,
+                ) from e
+            raise
+        return out
+
+    def _token_landed(self, token: str, *, fresh: bool) -> bool:
+        """Whether an append with ``token`` is recorded in the shard state."""
+        st = self._machine.fetch() if fresh else self._machine.state()
+        return _landed(st, self.writer_id, token)
 
     def expire(self) -> None:
         """Unregister this writer from the shard state.  Idempotent."""
@@ -386,7 +613,16 @@ class BatchBuilder:
     """Builds a :class:`Batch` piece by piece (the persist-client ``BatchBuilder``).
 
     Updates are buffered; whenever the buffer exceeds the client's target part size
-    (in-memory Arrow bytes) it is consolidated and written as one run of parts.
+    (in-memory Arrow bytes) it is consolidated and written as parts.  A flushed chunk
+    extends the current run when its first (key, value, time) sorts strictly after the
+    run's last one (chunks arriving in order make one run, as the seed's builder does);
+    otherwise it starts a new run.
+
+    Exception safety: a failed :meth:`add` leaves the builder exactly as it was before
+    the call (the updates of earlier calls stay buffered or written; the failed call's
+    updates are not added), so :meth:`finish` never returns a batch missing a row that
+    an ``add`` accepted.  A failed :meth:`finish` leaves it unfinished, to retry or
+    :meth:`abort`.
     """
 
     def __init__(self, handle: WriteHandle, lower: Antichain) -> None:
@@ -396,6 +632,8 @@ class BatchBuilder:
         self._buffered_bytes = 0
         self._parts: list[PartRef] = []
         self._runs: list[int] = []
+        self._run_last: pa.Table | None = None  # last (key, value, time) of the run
+        self._min_time: int | None = None
         self._max_time: int | None = None
         self._prefix = handle._key_prefix()
         self._finished = False
@@ -406,6 +644,8 @@ class BatchBuilder:
         Raises:
             UpdateNotBeyondLower: a ``_time`` is before ``lower`` (nothing is added).
             InvalidUsage: bad columns, or the builder is finished.
+            BlobError: writing a full buffer failed; the builder is as before the call
+                (these updates were not added; earlier ones are kept).
         """
         if self._finished:
             raise InvalidUsage("cannot add to a finished BatchBuilder")
@@ -415,22 +655,58 @@ class BatchBuilder:
             return
         if not self.lower.less_equal(rng[0]):
             raise UpdateNotBeyondLower(rng[0], self.lower)
+        before = (self._min_time, self._max_time, self._buffered_bytes)
+        self._min_time = rng[0] if self._min_time is None else min(self._min_time, rng[0])
         self._max_time = rng[1] if self._max_time is None else max(self._max_time, rng[1])
         self._buffer.append(table)
         self._buffered_bytes += table.nbytes
         if self._buffered_bytes >= self._h._client.target_part_bytes:
-            self._flush()
+            try:
+                self._flush()
+            except BaseException:
+                # Roll back to the state before this call: nothing of it was written
+                # (write_parts deletes what a failed write uploaded).
+                self._buffer.pop()
+                self._min_time, self._max_time, self._buffered_bytes = before
+                raise
 
     def _flush(self) -> None:
+        """Write the buffer as parts; the buffer is emptied only once they are written."""
         if not self._buffer:
             return
+        h = self._h
         table = pa.concat_tables(self._buffer)
-        self._buffer, self._buffered_bytes = [], 0
-        run = self._h._write_run(table, self._prefix)
-        if run:
-            if self._parts:
+        table, order = consolidate_order(table, h.key_schema.names, h.value_schema.names)
+        n = table.num_rows if order is None else len(order)
+        if n:
+            c = h._client
+            directory, name = self._prefix.rsplit("/", 1)
+            run = write_parts(
+                c.blob,
+                table,
+                directory,
+                target_part_bytes=c.target_part_bytes,
+                inline_max_bytes=h._inline_max(),
+                max_workers=c.write_workers,
+                order=order,
+                name_prefix=name + "-",
+            )
+            cols = [*h.key_schema.names, *h.value_schema.names, TIME]
+            ends = [0, n - 1] if order is None else [int(order[0]), int(order[-1])]
+            bounds = table.select(cols).take(pa.array(ends, pa.int64()))
+            if self._parts and not self._extends_run(bounds.slice(0, 1)):
                 self._runs.append(len(self._parts))
             self._parts.extend(run)
+            self._run_last = bounds.slice(1, 1)
+        self._buffer, self._buffered_bytes = [], 0
+
+    def _extends_run(self, first: pa.Table) -> bool:
+        """Whether a chunk starting at ``first`` sorts strictly after the current run."""
+        if self._run_last is None:
+            return False
+        pair = pa.concat_tables([self._run_last, first])
+        in_order, same = _adjacent(pair, pair.schema.names, check_order=True)
+        return in_order and same is None
 
     def finish(self, upper: Antichain | int) -> Batch:
         """Write what is buffered and return the :class:`Batch` ``[lower, upper)``.
@@ -439,6 +715,8 @@ class BatchBuilder:
             InvalidBounds: ``upper`` is before ``lower``.
             UpdateBeyondUpper: an added ``_time`` is not before ``upper`` (the parts
                 already written are deleted).
+            BlobError: writing the buffer failed; the builder stays unfinished with every
+                accepted update (call ``finish`` again or :meth:`abort`).
         """
         if self._finished:
             raise InvalidUsage("BatchBuilder.finish was already called")
@@ -456,7 +734,10 @@ class BatchBuilder:
             len=sum(p.rows for p in self._parts),
             runs=tuple(self._runs),
         )
-        return Batch(self._h._client.blob, self._h.shard_id, hollow)
+        time_range = None
+        if self._min_time is not None and self._max_time is not None:
+            time_range = (self._min_time, self._max_time)
+        return Batch(self._h._client.blob, self._h.shard_id, hollow, time_range=time_range)
 
     def abort(self) -> None:
         """Drop the buffer and delete the parts already written."""

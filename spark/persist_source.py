@@ -886,15 +886,16 @@ class PersistWriter(DataSourceArrowWriter):
             ):
                 with attempt:
                     new_upper = self._new_upper(msgs, expected)
-                    if expected != self.lower:
-                        # Lost a race: metadata-only rewrite so each batch lies within
-                        # [expected, new_upper). Times advance to `expected`: the new time
-                        # of an "at the upper" write, a no-op for explicit times (they are
-                        # all >= expected, checked in _after_race).
+                    # A batch must cover [expected, new_upper) (the seed's
+                    # validate_truncate_batch). After a lost race, or when tasks ended
+                    # their batches at different uppers, a metadata-only rewrite makes it
+                    # so. Times advance to `expected`: the new time of an "at the upper"
+                    # write, a no-op for explicit times (they are all >= expected,
+                    # checked in _after_race).
+                    up = Antichain.from_elem(new_upper)
+                    if expected != self.lower or any(b.upper != up for b in batches):
                         for b in batches:
-                            b.rewrite_ts(
-                                Antichain.from_elem(expected), Antichain.from_elem(new_upper)
-                            )
+                            b.rewrite_ts(Antichain.from_elem(expected), up)
                     try:
                         write.compare_and_append_batch(
                             batches, Antichain.from_elem(expected), Antichain.from_elem(new_upper)

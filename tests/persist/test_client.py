@@ -248,14 +248,19 @@ def test_builder_finish_checks_upper_and_delete_removes_parts(stash: Stash) -> N
 
 
 def test_compare_and_append_batch_bounds_and_multiple_batches(client: PersistClient) -> None:
+    # The seed's validate_truncate_batch: every batch must cover [expected, new).
     w, r = client.open("orders", KS, VS)
     b1 = w.batch([upd("a", 1, 0)], 0, 2)
     b2 = w.batch([upd("b", 1, 3)], 2, 4)
     with pytest.raises(InvalidBatchBounds):
-        w.compare_and_append_batch([b1, b2], ac(0), ac(3))
-    assert not b1.consumed
-    w.compare_and_append_batch([b1, b2], ac(0), ac(5))
-    assert rows(r.snapshot(4)) == [("a", 1, 4, 1), ("b", 1, 4, 1)]
+        w.compare_and_append_batch([b1, b2], ac(0), ac(3))  # b2 starts after 0
+    with pytest.raises(InvalidBatchBounds):
+        w.compare_and_append_batch([b1], ac(0), ac(5))  # b1 ends before 5
+    assert not b1.consumed and not b2.consumed
+    b2.delete()
+    b3 = w.batch([upd("b", 1, 1)], 0, 2)
+    w.compare_and_append_batch([b1, b3], ac(0), ac(2))
+    assert rows(r.snapshot(1)) == [("a", 1, 1, 1), ("b", 1, 1, 1)]
 
 
 def test_rewrite_ts_is_metadata_only(client: PersistClient) -> None:

@@ -1,0 +1,147 @@
+"""Issue 12 item 8: an unknown commit outcome never duplicates data nor reports a race
+that was the append's own success.  The fault injected: the COMMIT lands, its
+acknowledgement is lost, and the re-reads that follow fail too."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from persist import ConsensusError, InvalidUsage, MemoryBlob, PersistClient, WriteHandle
+from stash import Antichain, IndeterminateError, Stash, StashError
+
+KS = pa.schema([("k", pa.string())])
+VS = pa.schema([("v", pa.int64())])
+
+
+def ac(t: int) -> Antichain:
+    return Antichain.from_elem(t)
+
+
+def upd(k: str, v: int, t: int, d: int = 1) -> Any:
+    return ((k,), (v,)), t, d
+
+
+def contents(table: pa.Table) -> Counter[tuple[str, int, int]]:
+    out: Counter[tuple[str, int, int]] = Counter()
+    for r in table.to_pylist():
+        out[(r["k"], r["v"], r["_time"])] += r["_diff"]
+    return out
+
+
+class AckLostStash:
+    """Wraps a stash.  After :meth:`arm`, the next ``append`` commits and then raises
+    ``IndeterminateError`` (the acknowledgement was lost), and the ``reads`` reads
+    (``iter``/``upper``) after it fail with a plain ``StashError``."""
+
+    def __init__(self, inner: Stash) -> None:
+        self.inner = inner
+        self.armed = False
+        self.reads_to_fail = 0
+        self.lost_acks = 0
+
+    def arm(self, reads: int) -> None:
+        self.armed = True
+        self.reads_to_fail = reads
+
+    def append(self, batches: Any) -> None:
+        self.inner.append(batches)
+        if self.armed:
+            self.armed = False
+            self.lost_acks += 1
+            raise IndeterminateError("injected: connection lost during COMMIT")
+
+    def _read(self, what: str) -> None:
+        if not self.armed and self.reads_to_fail > 0:
+            self.reads_to_fail -= 1
+            raise StashError(f"injected: {what} failed (server unreachable)")
+
+    def iter(self, c: Any) -> Any:
+        self._read("iter")
+        return self.inner.iter(c)
+
+    def upper(self, c: Any) -> Any:
+        self._read("upper")
+        return self.inner.upper(c)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def setup() -> Any:
+    inner = Stash.open("memory://", fenced=False)
+    flaky = AckLostStash(inner)
+    blob = MemoryBlob()
+    c = PersistClient(
+        flaky,  # type: ignore[arg-type]
+        blob,
+        compaction="off",
+        consensus_retries=1,
+        inline_max_bytes=0,
+    )
+    w, r = c.open("idem", KS, VS)
+    w.resolve_max_wait = 0.001
+    yield flaky, blob, c, w, r
+    c.close()
+    inner.close()
+
+
+def test_lost_ack_with_failing_rereads_is_resolved_by_the_append(setup: Any) -> None:
+    flaky, _blob, _c, w, r = setup
+    w.compare_and_append([upd("a", 1, 0)], 0, 1)
+    flaky.arm(reads=3)  # fewer failing reads than the append's resolve attempts
+    w.compare_and_append([upd("b", 1, 1)], 1, 2)  # landed: reported as success
+    assert flaky.lost_acks == 1
+    assert w.fetch_recent_upper() == ac(2)
+    assert contents(r.snapshot(1)) == Counter({("a", 1, 1): 1, ("b", 1, 1): 1})
+
+
+def test_unresolved_outcome_carries_a_token_that_keeps_the_retry_idempotent(
+    setup: Any,
+) -> None:
+    flaky, blob, _c, w, r = setup
+    w.resolve_attempts = 2
+    flaky.arm(reads=50)  # consensus stays unreadable longer than the append tries
+    with pytest.raises(ConsensusError) as e:
+        w.compare_and_append([upd("a", 1, 0)], 0, 1)
+    assert e.value.is_indeterminate()
+    token = e.value.idempotency_token
+    assert token
+    flaky.reads_to_fail = 0  # consensus is back
+    sets = blob.metrics.snapshot().sets
+    # Retried as the caller would: same rows and bounds, and the token.
+    w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token=token)
+    # ...or with a fresh upper (the caller re-read it): still not written twice.
+    w.compare_and_append([upd("a", 1, 1)], 1, 2, idempotency_token=token)
+    assert blob.metrics.snapshot().sets == sets  # nothing uploaded again
+    assert w.fetch_recent_upper() == ac(1)
+    assert contents(r.snapshot(0)) == Counter({("a", 1, 0): 1})
+
+
+def test_token_of_a_landed_batch_append_still_known_after_later_appends(setup: Any) -> None:
+    flaky, _blob, c, w, r = setup
+    w.resolve_attempts = 1
+    batch = w.batch([upd("x", 1, 0)], 0, 1)
+    flaky.arm(reads=50)
+    with pytest.raises(ConsensusError) as e:
+        w.compare_and_append_batch([batch], ac(0), ac(1))
+    token = e.value.idempotency_token
+    assert e.value.is_indeterminate() and token and not batch.consumed
+    flaky.reads_to_fail = 0
+    w.compare_and_append([upd("y", 1, 1)], 1, 2)  # the same writer appends again
+    other = c.open_writer("idem", KS, VS)  # a retry may come from another handle
+    assert isinstance(other, WriteHandle)
+    other.compare_and_append_batch([batch], ac(0), ac(1), idempotency_token=token)
+    assert batch.consumed
+    assert contents(r.snapshot(1)) == Counter({("x", 1, 1): 1, ("y", 1, 1): 1})
+
+
+def test_bad_token_is_refused(setup: Any) -> None:
+    _flaky, _blob, _c, w, _r = setup
+    with pytest.raises(InvalidUsage, match="idempotency_token"):
+        w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token="x")
+    assert w.fetch_recent_upper() == ac(0)

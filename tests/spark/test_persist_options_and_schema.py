@@ -182,6 +182,27 @@ def test_columns_are_matched_by_name_and_widened(spark: Any, spark_store: Any) -
     assert _state(spark_store, "byname").upper == st.upper
 
 
+def test_nullable_columns_write_into_non_nullable_ones_without_nulls(
+    spark: Any, spark_store: Any
+) -> None:
+    import pyarrow as pa
+
+    keys = pa.schema([pa.field("id", pa.int64(), nullable=False)])
+    values = pa.schema([pa.field("name", pa.large_string(), nullable=False)])
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        client = PersistClient(s, spark_store.blob_uri, compaction="off")
+        try:
+            client.open_writer("strict", keys, values).expire()
+        finally:
+            client.close()
+    # Spark's columns are nullable and its strings are not large: both are accepted.
+    _write(spark.createDataFrame([("a", 1)], "name string, id long"), spark_store, "strict")
+    assert [tuple(r) for r in _read(spark, spark_store, "strict").collect()] == [(1, "a", 1)]
+    with pytest.raises(Exception, match=r"column 'name' has 1 nulls but is not nullable"):
+        _write(spark.createDataFrame([(None, 2)], "name string, id long"), spark_store, "strict")
+    assert _state(spark_store, "strict").upper.as_option() == 1
+
+
 def test_a_read_writes_back_without_options(spark: Any, spark_store: Any) -> None:
     from pyspark.sql import functions as F
 

@@ -5,18 +5,32 @@ Batch read::
     spark.read.format("persist").option("stash", STASH_URL).option("blob", BLOB_URI)
          .option("as_of", 42).load("flights")
 
-gives the shard's contents at ``as_of`` (default: the latest complete time, ``upper - 1``)
-as *updates*: the key and value columns plus a diff column (``_diff``, renamed with
-``diff_column``). Planning (on the driver) lists the parts of every batch that can hold
-times ``<= as_of`` and makes one input partition per part, or per group of small parts
-(``partition_bytes``, default 128 MiB of Parquet); each task fetches its parts from the
-blob store, advances times to ``as_of``, drops later updates, consolidates and yields
-Arrow ``RecordBatch``es (no row-at-a-time conversion on either side). Rows are
-consolidated within a partition; summing the diff per distinct row over the whole
-DataFrame gives the snapshot (:func:`consolidated` does that with a ``groupBy``).
-``consolidate=full`` reads all parts in one partition instead, so each distinct row appears
-once; ``expand=true`` (which implies ``full``) drops the diff column and repeats each row by
-its multiplicity (a negative multiplicity raises). ``time_column`` adds the read time.
+gives the shard's contents at ``as_of`` (default: the latest complete time, ``upper - 1``).
+What the rows are depends on ``consolidate``:
+
+* ``full`` (the default): the snapshot, equal to ``ReadHandle.snapshot(as_of)``: each
+  distinct (key, value) row once, its multiplicity in the diff column (``_diff``, renamed
+  with ``diff_column``), rows whose updates cancel absent. Every part is read by one task
+  (one input partition), so all updates that could cancel meet in the same
+  consolidation; issue 16's key-range planning will split this read without a shuffle;
+* ``partition``: updates consolidated within each input partition only (one per part, or
+  per group of small parts up to ``partition_bytes``, default 128 MiB of Parquet); a row
+  may appear in several partitions with partial diffs: summing the diff per distinct row
+  (:func:`consolidated`) gives the snapshot;
+* ``none``: the raw updates with times ``<= as_of``, as stored (times only advanced to
+  their batch's since), one partition per part (group); ``time_column`` shows their
+  times.
+
+``expand=true`` (only with ``full``) drops the diff column and repeats each row by its
+multiplicity (a negative multiplicity raises). ``time_column`` adds the read time
+(``as_of``, or the update's time with ``consolidate=none``). Each task fetches its parts
+from the blob store, advances times, drops later updates, consolidates and yields Arrow
+``RecordBatch``es (no row-at-a-time conversion on either side). Planning keeps each
+sliced batch's runs, so a task never takes parts of several runs for one consolidated run.
+A shard with no complete time yet (created by an empty write) reads as an empty
+DataFrame with its schema. Timestamps with a time zone read as Spark ``timestamp``
+(same instant), those without as ``timestamp_ntz`` (same wall-clock value), whatever
+the session time zone.
 
 Batch write::
 
@@ -30,6 +44,17 @@ metadata step is retried (no part is uploaded twice): the batches' timestamps ar
 rewritten in metadata (``Batch.rewrite_ts``) when the write's times allow it. If any task
 fails, or the commit fails for good, ``abort`` deletes the uploaded batches that the shard
 does not reference; parts of tasks that died without reporting are left for persist's GC.
+
+Only ``mode("append")`` works (see :data:`SAVE_MODES`). Columns are matched to an
+existing shard's by name, in any order, and cast to the shard's types when that is a
+safe widening; a ``_diff`` column is the diff column unless ``diff_column`` says
+otherwise, so a DataFrame read from the source writes back without options. Every
+option name is checked (:data:`READ_OPTIONS`, :data:`WRITE_OPTIONS`): an unknown one or
+a malformed boolean raises, suggesting the closest valid name. ``key_columns`` identify and
+order rows but are not unique: a shard may hold several rows with one key;
+``unique_keys=true`` refuses a write that inserts a key more than once (the positive
+diffs of its updates sum to more than 1), checked over the whole write before it
+commits, not against the rows already in the shard.
 
 Times: ``time_column`` (an integer column), or ``time`` (one fixed time for every row), or
 neither: "at the shard's upper", i.e. the whole write lands at one new time equal to the
@@ -80,6 +105,8 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import LongType, StructField, StructType
 
+from spark.options import check_names, parse_bool
+
 log = logging.getLogger(__name__)
 
 TIME = "_time"
@@ -129,8 +156,41 @@ def _opt_list(options: Any, name: str) -> list[str] | None:
 
 
 def _truthy(options: Any, name: str) -> bool:
-    raw = _opt(options, name)
-    return raw is not None and raw.lower() in ("1", "true", "yes", "on")
+    return parse_bool(name, _opt(options, name), False, PersistSourceError)
+
+
+READ_OPTIONS = (
+    "stash",
+    "blob",
+    "path",
+    "shard",
+    "as_of",
+    "time_column",
+    "diff_column",
+    "partition_bytes",
+    "consolidate",
+    "expand",
+)
+"""Every option a read (batch or streaming) of the persist source understands."""
+
+WRITE_OPTIONS = (
+    "stash",
+    "blob",
+    "path",
+    "shard",
+    "key_columns",
+    "value_columns",
+    "time_column",
+    "time",
+    "diff_column",
+    "upper",
+    "compaction",
+    "unique_keys",
+)
+"""Every option a write to the persist source understands."""
+
+CONSOLIDATE_MODES = ("full", "partition", "none")
+"""Values of the read option ``consolidate`` (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -209,44 +269,55 @@ def registered_schemas(target: ShardTarget) -> tuple[pa.Schema, pa.Schema] | Non
 
 def plan_parts(batches: Sequence[Any], limit: int, full: bool) -> list[list[Any]]:
     """Split hollow batches into input partitions: lists of hollow batches, each holding
-    a slice of one original batch's parts (its description kept, so that readers advance
-    times exactly as :func:`persist.read.read_batches` does).
+    a slice of one original batch's parts with its description (so that readers advance
+    times exactly as :func:`persist.read.read_batches` does) and its runs (so that a slice
+    holding parts of several runs is never taken for one consolidated run).
 
     One partition per part, except that consecutive small parts share a partition up to
-    ``limit`` encoded bytes; ``full`` puts everything in one partition.
+    ``limit`` encoded bytes; ``full`` puts everything in one partition (then every update
+    that could cancel another is read by the same task).
     """
-    from persist.types import HollowBatch
-
-    pieces: list[tuple[Any, Any]] = [(b, p) for b in batches for p in b.parts]
+    pieces: list[tuple[int, int]] = [
+        (bi, pi) for bi, b in enumerate(batches) for pi in range(len(b.parts))
+    ]
     if not pieces:
         return []
     if full:
-        return [list(batches)]
-    groups: list[list[tuple[Any, Any]]] = []
-    current: list[tuple[Any, Any]] = []
+        return [[b for b in batches if b.parts]]
+    groups: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
     size = 0
-    for batch, part in pieces:
-        if current and size + part.encoded_size_bytes > limit:
+    for bi, pi in pieces:
+        nbytes = batches[bi].parts[pi].encoded_size_bytes
+        if current and size + nbytes > limit:
             groups.append(current)
             current, size = [], 0
-        current.append((batch, part))
-        size += part.encoded_size_bytes
+        current.append((bi, pi))
+        size += nbytes
     groups.append(current)
     out: list[list[Any]] = []
     for group in groups:
-        slices: list[Any] = []
-        for batch, part in group:
-            if slices and slices[-1].desc == batch.desc and _same_batch(slices[-1], batch):
-                last = slices[-1]
-                slices[-1] = HollowBatch(last.desc, (*last.parts, part), last.len + part.rows)
-            else:
-                slices.append(HollowBatch(batch.desc, (part,), part.rows))
-        out.append(slices)
+        by_batch: dict[int, list[int]] = {}
+        for bi, pi in group:
+            by_batch.setdefault(bi, []).append(pi)
+        out.append([slice_batch(batches[bi], idx) for bi, idx in by_batch.items()])
     return out
 
 
-def _same_batch(piece: Any, batch: Any) -> bool:
-    return bool(piece.parts) and piece.parts[0] in batch.parts
+def slice_batch(batch: Any, indexes: Sequence[int]) -> Any:
+    """The hollow batch holding the parts of ``batch`` at ``indexes`` (ascending): same
+    description, ``len`` the sliced parts' rows, and ``runs`` marking where the slice
+    moves to another of ``batch``'s runs."""
+    from persist.types import HollowBatch
+
+    starts = [0, *batch.runs]
+    run_of = [0] * len(batch.parts)
+    for r, (a, b) in enumerate(zip(starts, [*batch.runs, len(batch.parts)], strict=True)):
+        for i in range(a, b):
+            run_of[i] = r
+    parts = tuple(batch.parts[i] for i in indexes)
+    runs = tuple(j for j in range(1, len(indexes)) if run_of[indexes[j]] != run_of[indexes[j - 1]])
+    return HollowBatch(batch.desc, parts, sum(p.rows for p in parts), runs)
 
 
 def read_snapshot(
@@ -270,6 +341,19 @@ def read_snapshot(
     return snapshot_table(blob, list(batches), schema, key_names, value_names, as_of)
 
 
+def read_updates(blob: Any, batches: Sequence[Any], schema: pa.Schema, as_of: int) -> pa.Table:
+    """The raw updates of ``batches`` up to ``as_of``: times ``> as_of`` dropped, the rest
+    kept as stored (only advanced to their batch's lower and since, as
+    :func:`persist.read.read_batches` does), not consolidated.
+
+    Raises:
+        persist.errors.CorruptPart: a part is missing or corrupt.
+    """
+    from persist.read import read_batches
+
+    return read_batches(blob, list(batches), schema, upper=as_of + 1)
+
+
 # ---------------------------------------------------------- arrow helpers
 def _nullable(schema: pa.Schema) -> pa.Schema:
     return pa.schema([f.with_nullable(True) for f in schema])
@@ -283,10 +367,12 @@ def spark_to_arrow(schema: StructType) -> pa.Schema:
 
 
 def arrow_to_spark(schema: pa.Schema) -> StructType:
-    """The Spark schema of an Arrow schema (fields nullable, tz timestamps -> timestamp)."""
+    """The Spark schema of an Arrow schema (fields nullable). A timestamp with a time zone
+    is Spark's ``timestamp`` (an instant), one without is ``timestamp_ntz`` (a wall-clock
+    value), so that neither moves with the session time zone."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    st = from_arrow_schema(schema, prefer_timestamp_ntz=False)
+    st = from_arrow_schema(schema, prefer_timestamp_ntz=True)
     return StructType([StructField(f.name, f.dataType, True) for f in st.fields])
 
 
@@ -339,8 +425,13 @@ class ReadSettings:
     time_column: str | None
     diff_column: str | None
     partition_bytes: int
-    full: bool
+    consolidate: str
     expand: bool
+
+    @property
+    def full(self) -> bool:
+        """Whether one task reads every part (the consolidated read)."""
+        return self.consolidate == "full"
 
     @property
     def data_columns(self) -> list[str]:
@@ -356,38 +447,54 @@ class PersistDataSource(DataSource):
 
     # ------------------------------------------------------------- reading
     def _read_settings(self, streaming: bool) -> ReadSettings:
+        what = "a streaming read of the persist source" if streaming else "reading a persist shard"
+        check_names(self.options, READ_OPTIONS, what, PersistSourceError)
         target = ShardTarget.from_options(self.options)
+        expand = _truthy(self.options, "expand")
+        if expand and streaming:
+            raise PersistSourceError("expand=true is not available for streaming reads")
+        consolidate = (_opt(self.options, "consolidate") or "full").lower()
+        if consolidate not in CONSOLIDATE_MODES:
+            raise PersistSourceError(
+                f"option consolidate must be one of {', '.join(CONSOLIDATE_MODES)}, "
+                f"got {consolidate!r}"
+            )
+        if expand and consolidate != "full":
+            raise PersistSourceError(
+                f"expand=true repeats each row of the consolidated snapshot; it cannot be "
+                f"combined with consolidate={consolidate}"
+            )
+        partition_bytes = _opt_int(self.options, "partition_bytes")
+        if partition_bytes is not None and partition_bytes <= 0:
+            raise PersistSourceError(
+                f"option partition_bytes must be a positive number of bytes, got {partition_bytes}"
+            )
+        as_of = _opt_int(self.options, "as_of")
         schemas = registered_schemas(target)
         if schemas is None:
             raise PersistSourceError(
                 f"persist shard {target.shard} does not exist in {target.stash_url}; "
                 "write to it first"
             )
-        expand = _truthy(self.options, "expand")
-        if expand and streaming:
-            raise PersistSourceError("expand=true is not available for streaming reads")
         time_column = _opt(self.options, "time_column")
         diff_column = None if expand else (_opt(self.options, "diff_column") or DIFF)
-        consolidate = (_opt(self.options, "consolidate") or "partition").lower()
-        if consolidate not in ("partition", "full"):
-            raise PersistSourceError(
-                f"option consolidate must be 'partition' or 'full', got {consolidate!r}"
-            )
         names = list(schemas[0].names) + list(schemas[1].names)
         for extra in (time_column, diff_column):
             if extra is not None and extra in names:
                 raise PersistSourceError(
                     f"column name {extra!r} for time/diff is already a key or value column"
                 )
+        if time_column is not None and time_column == diff_column:
+            raise PersistSourceError(f"time_column and diff_column are both {time_column!r}")
         return ReadSettings(
             target=target,
             key_schema=schemas[0],
             value_schema=schemas[1],
-            as_of=_opt_int(self.options, "as_of"),
+            as_of=as_of,
             time_column=time_column,
             diff_column=diff_column,
-            partition_bytes=_opt_int(self.options, "partition_bytes") or DEFAULT_PARTITION_BYTES,
-            full=expand or consolidate == "full",
+            partition_bytes=partition_bytes or DEFAULT_PARTITION_BYTES,
+            consolidate=consolidate,
             expand=expand,
         )
 
@@ -412,12 +519,23 @@ class PersistDataSource(DataSource):
 
     # ------------------------------------------------------------- writing
     def writer(self, schema: StructType, overwrite: bool) -> PersistWriter:
+        check_names(self.options, WRITE_OPTIONS, "writing a persist shard", PersistSourceError)
         if overwrite:
-            raise PersistSourceError(
-                "persist shards are append-only: use mode('append'); to replace rows, "
-                "write retractions (a diff column with -1) and the new rows"
-            )
-        return PersistWriter(WriteSettings.from_options(self.options, schema))
+            raise PersistSourceError(SAVE_MODES)
+        target = ShardTarget.from_options(self.options)
+        return PersistWriter(
+            WriteSettings.from_options(self.options, schema, registered_schemas(target))
+        )
+
+
+SAVE_MODES = (
+    "the persist source only writes with mode('append'): a shard is an append-only log of "
+    "updates at increasing times, so there is nothing to overwrite, and 'error'/'ignore' "
+    "(which Spark itself refuses for Python data sources) would need the shard's existence "
+    "checked as part of the commit. To replace rows, append their retractions (a diff "
+    "column of -1) and the new rows"
+)
+"""Why only ``mode("append")`` works (the error for any other save mode)."""
 
 
 @dataclass
@@ -476,23 +594,33 @@ class PersistBatchReader(DataSourceReader):
             PartsPartition(group, as_of) for group in plan_parts(batches, s.partition_bytes, s.full)
         ]
 
-    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, PartsPartition)
+    def read(self, partition: InputPartition | None) -> Iterator[pa.RecordBatch]:
+        """The rows of one input partition as Arrow batches. When planning gave no
+        partition (a shard with no complete time or no parts) PySpark still calls this
+        once, with ``None`` or ``InputPartition(None)``: that is an empty read."""
+        if partition is None or getattr(partition, "value", partition) is None:
+            return
+        if not isinstance(partition, PartsPartition):
+            raise PersistSourceError(f"unexpected input partition {partition!r}")
         s = self.settings
         from persist.blob import open_blob
         from persist.client import RetryingBlob
         from persist.parts import updates_schema
 
+        schema = updates_schema(s.key_schema, s.value_schema)
         blob = RetryingBlob(open_blob(s.target.blob_uri))
         try:
-            table = read_snapshot(
-                blob,
-                partition.parts,
-                updates_schema(s.key_schema, s.value_schema),
-                s.key_schema.names,
-                s.value_schema.names,
-                partition.as_of,
-            )
+            if s.consolidate == "none":
+                table = read_updates(blob, partition.parts, schema, partition.as_of)
+            else:
+                table = read_snapshot(
+                    blob,
+                    partition.parts,
+                    schema,
+                    s.key_schema.names,
+                    s.value_schema.names,
+                    partition.as_of,
+                )
         finally:
             blob.close()
         if s.expand:
@@ -633,22 +761,44 @@ class WriteSettings:
     diff_column: str | None = None
     upper: int | None = None
     compaction: str = "off"
+    unique_keys: bool = False
 
     @classmethod
-    def from_options(cls, options: Any, schema: StructType) -> WriteSettings:
-        """Parse options against the DataFrame's schema.
+    def from_options(
+        cls,
+        options: Any,
+        schema: StructType,
+        registered: tuple[pa.Schema, pa.Schema] | None = None,
+    ) -> WriteSettings:
+        """Parse options against the DataFrame's schema and, for a shard that exists, its
+        ``registered`` ``(key_schema, value_schema)``.
+
+        A column named ``_diff`` is the diff column unless ``diff_column`` names another
+        (so a DataFrame read from the source writes back as is). For an existing shard
+        the DataFrame's columns are matched to the shard's by name (any order) and each
+        is cast to the shard's type when that is a safe widening (int8 -> int16 -> int32
+        -> int64, float32 -> float64, string <-> large_string, binary <-> large_binary;
+        a nullable column into a non-nullable one is checked for nulls as it is
+        written).
 
         Raises:
-            PersistSourceError: conflicting or unknown columns, both ``time`` and
-                ``time_column``, a non-integer time or diff column.
+            PersistSourceError: conflicting, unknown or missing columns, both ``time``
+                and ``time_column``, a non-integer time or diff column, a column type
+                that is not the shard's or a safe widening of it, ``key_columns`` /
+                ``value_columns`` that differ from an existing shard's.
         """
         target = ShardTarget.from_options(options)
         names = schema.fieldNames()
         time_column = _opt(options, "time_column")
         fixed = _opt_int(options, "time")
         diff_column = _opt(options, "diff_column")
+        shard_names = set(registered[0].names) | set(registered[1].names) if registered else set()
+        if diff_column is None and DIFF in names and DIFF not in shard_names:
+            diff_column = DIFF
         if time_column is not None and fixed is not None:
             raise PersistSourceError("give either option 'time' or 'time_column', not both")
+        if time_column is not None and time_column == diff_column:
+            raise PersistSourceError(f"time_column and diff_column are both {time_column!r}")
         for opt_name, col in (("time_column", time_column), ("diff_column", diff_column)):
             if col is not None:
                 if col not in names:
@@ -660,6 +810,9 @@ class WriteSettings:
                     raise PersistSourceError(f"{opt_name} {col!r} must be an integer, not {dtype}")
         special = {c for c in (time_column, diff_column) if c is not None}
         data = [n for n in names if n not in special]
+        dupes = sorted({n for n in data if data.count(n) > 1})
+        if dupes:
+            raise PersistSourceError(f"the DataFrame has duplicate column names {dupes}")
         keys = _opt_list(options, "key_columns")
         values = _opt_list(options, "value_columns")
         for opt_name, cols in (("key_columns", keys), ("value_columns", values)):
@@ -668,35 +821,42 @@ class WriteSettings:
                     raise PersistSourceError(
                         f"{opt_name} names {c!r}, which is not a data column of {data}"
                     )
-        if keys is None and values is None:
-            keys, values = data, []
-        elif keys is None:
-            assert values is not None
-            keys = [c for c in data if c not in values]
-        elif values is None:
-            values = [c for c in data if c not in keys]
-        both = set(keys) & set(values)
-        if both:
-            raise PersistSourceError(f"columns {sorted(both)} are both key and value columns")
+        arrow = spark_to_arrow(schema)
+        if registered is not None:
+            key_schema, value_schema = registered
+            keys, values = _match_shard(target.shard, arrow, data, keys, values, registered)
+        else:
+            if keys is None and values is None:
+                keys, values = data, []
+            elif keys is None:
+                assert values is not None
+                keys = [c for c in data if c not in values]
+            elif values is None:
+                values = [c for c in data if c not in keys]
+            both = set(keys) & set(values)
+            if both:
+                raise PersistSourceError(f"columns {sorted(both)} are both key and value columns")
+            key_schema = pa.schema([arrow.field(c) for c in keys])
+            value_schema = pa.schema([arrow.field(c) for c in values])
         compaction = (_opt(options, "compaction") or "off").lower()
         if compaction not in ("off", "inline", "background"):
             raise PersistSourceError(
                 f"option compaction must be off, inline or background, got {compaction!r}"
             )
-        arrow = spark_to_arrow(schema)
         mode = "column" if time_column else ("fixed" if fixed is not None else "auto")
         return cls(
             target=target,
             key_columns=keys,
             value_columns=values,
-            key_schema=pa.schema([arrow.field(c) for c in keys]),
-            value_schema=pa.schema([arrow.field(c) for c in values]),
+            key_schema=key_schema,
+            value_schema=value_schema,
             time_mode=mode,
             time=fixed,
             time_column=time_column,
             diff_column=diff_column,
             upper=_opt_int(options, "upper"),
             compaction=compaction,
+            unique_keys=_truthy(options, "unique_keys"),
         )
 
     @property
@@ -709,6 +869,68 @@ class WriteSettings:
                 pa.field(DIFF, pa.int64(), False),
             ]
         )
+
+
+def _widens(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether a DataFrame column of Arrow type ``src`` may be written into a shard column
+    of type ``dst``: equal, a safe widening (persist's schema-evolution rules), or a
+    string/binary of the other offset width."""
+    from persist.parts import _is_safe_widening
+
+    if _is_safe_widening(src, dst):
+        return True
+    pairs = (
+        (pa.types.is_string, pa.types.is_large_string),
+        (pa.types.is_binary, pa.types.is_large_binary),
+    )
+    return any((a(src) and b(dst)) or (b(src) and a(dst)) for a, b in pairs)
+
+
+def _match_shard(
+    shard: str,
+    arrow: pa.Schema,
+    data: list[str],
+    keys: list[str] | None,
+    values: list[str] | None,
+    registered: tuple[pa.Schema, pa.Schema],
+) -> tuple[list[str], list[str]]:
+    """Match the DataFrame's data columns to an existing shard's by name and check that
+    each type is the shard's or widens to it. Returns the shard's key and value names.
+
+    Raises:
+        PersistSourceError: options or columns that differ from the shard's.
+    """
+    shard_keys, shard_values = list(registered[0].names), list(registered[1].names)
+    layout = f"keys {shard_keys}, values {shard_values}"
+    for opt_name, given, want in (
+        ("key_columns", keys, shard_keys),
+        ("value_columns", values, shard_values),
+    ):
+        if given is not None and set(given) != set(want):
+            raise PersistSourceError(
+                f"{opt_name} {given} differs from shard {shard}'s {want} ({layout})"
+            )
+    extra = [c for c in data if c not in shard_keys and c not in shard_values]
+    missing = [c for c in shard_keys + shard_values if c not in data]
+    if extra or missing:
+        what = []
+        if extra:
+            what.append(f"has columns {extra} that shard {shard} does not")
+        if missing:
+            what.append(f"lacks shard {shard}'s columns {missing}")
+        raise PersistSourceError(
+            f"the DataFrame {' and '.join(what)} ({layout}; columns are matched by name, "
+            "and a time or diff column must be named with time_column / diff_column)"
+        )
+    for f in [*registered[0], *registered[1]]:
+        src = arrow.field(f.name).type
+        if not _widens(src, f.type):
+            raise PersistSourceError(
+                f"column {f.name!r} has type {src}, shard {shard} stores {f.type}: only the "
+                "same type or a safe widening (int8->int16->int32->int64, float32->float64, "
+                "string<->large_string) is written"
+            )
+    return shard_keys, shard_values
 
 
 @dataclass
@@ -874,6 +1096,13 @@ class PersistWriter(DataSourceArrowWriter):
             client.open_writer(s.target.shard, s.key_schema, s.value_schema) as write,
         ):
             batches = [write.batch_from_transmittable(m.batch) for m in msgs]
+            if s.unique_keys:
+                try:
+                    self._check_unique(client.blob, batches)
+                except PersistSourceError:
+                    for b in batches:
+                        b.delete()
+                    raise
             if first_time is None and s.upper is None:
                 for b in batches:  # nothing written and no upper to advance: a no-op
                     b.delete()
@@ -903,6 +1132,34 @@ class PersistWriter(DataSourceArrowWriter):
                     except UpperMismatch as e:
                         expected = self._after_race(e, first_time)
                         raise
+
+    def _check_unique(self, blob: Any, batches: Sequence[Any]) -> None:
+        """With ``unique_keys``: every key is inserted at most once by this write (the
+        positive diffs of its updates, over all tasks, sum to at most 1); retractions are
+        not limited. Only the write itself is checked, not the rows already in the shard.
+
+        Raises:
+            PersistSourceError: a key is inserted more than once (names it).
+        """
+        from persist.parts import updates_schema
+        from persist.read import read_batches
+
+        s = self.settings
+        hollow = [b.hollow for b in batches if b.len > 0]
+        if not hollow:
+            return
+        table = read_batches(blob, hollow, updates_schema(s.key_schema, s.value_schema))
+        keys = list(s.key_schema.names)
+        inserts = table.select([*keys, DIFF]).filter(pc.greater(table.column(DIFF), 0))
+        counts = inserts.group_by(keys, use_threads=False).aggregate([(DIFF, "sum")])
+        dupes = counts.filter(pc.greater(counts.column(f"{DIFF}_sum"), 1))
+        if dupes.num_rows:
+            example = {k: dupes.column(k)[0].as_py() for k in keys}
+            raise PersistSourceError(
+                f"unique_keys=true: the write inserts {dupes.num_rows} key(s) of shard "
+                f"{s.target.shard} more than once, e.g. {example} "
+                f"({dupes.column(f'{DIFF}_sum')[0].as_py()} times); nothing was committed"
+            )
 
     def _after_race(self, e: Any, first_time: int | None) -> int:
         """The expected upper of the next attempt after losing a race to ``e.current``.

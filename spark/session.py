@@ -8,7 +8,12 @@ Invariants kept here:
 * Arrow is on for pandas conversions and Python data sources, the UI and console
   progress bars are off, and Spark logs only warnings and errors;
 * the session returned has the ``stash`` and ``persist`` data sources registered
-  (:func:`spark.register`).
+  (:func:`spark.register`);
+* the session time zone (``spark.sql.session.timeZone``) is ``UTC`` unless ``conf``
+  sets another: Spark's default is the JVM's local zone, which would make the same job
+  show ``timestamp`` values (instants) differently on different machines. It changes
+  only how instants are displayed and parsed; the ``persist`` source keeps instants
+  and ``timestamp_ntz`` wall-clock values whatever the zone.
 
 Defaults are sized for a small machine (2 cores, 24 GiB): ``local[*]``, 4 shuffle
 partitions, a 4 GiB driver heap. A cluster is used by passing its master URL
@@ -48,7 +53,9 @@ def build_session(
         shuffle_partitions: ``spark.sql.shuffle.partitions`` (small: the data is small).
         driver_memory: JVM heap of the driver, e.g. ``"4g"`` (only effective when this
             call starts the JVM).
-        conf: extra Spark settings, applied last.
+        conf: extra Spark settings, applied last (e.g.
+            ``{"spark.sql.session.timeZone": "America/New_York"}`` replaces the ``UTC``
+            session time zone this function sets by default).
         log_level: Spark's log level (``"ERROR"``, ``"WARN"``, ``"INFO"``).
 
     Raises:

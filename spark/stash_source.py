@@ -4,27 +4,45 @@
 collection's consolidated contents at its peek time (``upper - 1``, the seed's
 ``peek_timestamp``), one row per unit of multiplicity.
 
-Columns (the "layout"):
+Columns (the "layout", :func:`layout`), keys first:
 
 * a JSON key or value that is an object contributes one column per field (``{"carrier":
   "9E"}`` gives a ``carrier`` column); any other key or value is one column named ``key``
-  / ``value``; a value field whose name is also a key field is named ``value_<field>``;
+  / ``value`` (``key_column`` / ``value_column``);
+* key and value columns never collide, and each column reads only its own side: key
+  columns keep their names (a key field named like the whole-key column becomes
+  ``key_<field>``); a value column whose name a key column already has is prefixed
+  with ``value_`` (``value_<field>``, repeated until the name is free). So a value
+  ``{"key": "abc"}`` under the key ``"retention"`` reads as ``key='retention'``,
+  ``value_key='abc'``;
 * ``option("time_column", NAME)`` adds the peek time as a ``bigint`` column and
   ``option("diff_column", NAME)`` the multiplicity (then rows are not repeated);
-* the schema is the user's (``.schema(ddl)`` or ``option("schema", ddl)``) or is inferred
-  from the entries: ``bool`` -> boolean, ``int`` -> bigint, ``float`` (or a mix with
-  ``int``) -> double, ``str`` -> string, objects/arrays/mixed types -> JSON string; the
-  ``int``, ``str`` and ``bytes`` codecs give bigint, string and binary.
+* the schema is the user's (``.schema(ddl)`` or ``option("schema", ddl)``; columns are
+  found by name in the layout, a name it lacks reads as nulls) or is inferred from the
+  entries, exactly: ``bool`` -> boolean, ``str`` -> string, ``int`` -> bigint (or
+  ``decimal(38,0)`` when some value is outside the 64-bit range), ``float`` -> double,
+  a mix of ``int`` and ``float`` -> double when every integer is exactly a double;
+  anything else (objects, arrays, mixed kinds, integers of more than 38 digits or too
+  large for a double next to floats) -> a string column of JSON text, where every value,
+  strings included, is JSON (``1`` reads as ``1``, ``"1"`` as ``"1"``); such columns
+  carry the field metadata ``{"stash.json": true}``. The ``int``, ``str`` and ``bytes``
+  codecs give bigint, string and binary. With a user schema, a string column holds
+  strings as they are and other values as JSON text; a value that does not fit its
+  column (e.g. ``2**70`` in a ``bigint``) raises :class:`StashSourceError` naming the
+  column.
 
 Invariants: a read sees one consistent peek of the collection (one stash read
 transaction); a negative multiplicity is never silently dropped: without a diff column it
-raises :class:`StashSourceError`; the stash is only ever opened ``readonly``.
+raises :class:`StashSourceError`; no value is read into a column of another side or
+field, nor rounded; the stash is only ever opened ``readonly``.
 
-Options: ``url`` (required; an absolute ``sqlite:///`` or ``postgresql+psycopg://`` URL:
-the source runs in Spark's Python workers, so ``memory://`` stashes are not visible),
-``path`` (what ``load()`` is given) or ``collection``, ``schema``, ``time_column``,
-``diff_column``, ``flatten`` (``false`` keeps whole keys and values as JSON text in
-``key``/``value``), ``key_column`` / ``value_column`` (names of the columns holding a
+Options (:data:`OPTIONS`; any other name raises, suggesting the closest valid one):
+``url`` or its other name ``stash`` (required; an absolute ``sqlite:///`` or
+``postgresql+psycopg://`` URL: the source runs in Spark's Python workers, so
+``memory://`` stashes are not visible), ``path`` (what ``load()`` is given) or
+``collection``, ``schema``, ``time_column``, ``diff_column``, ``flatten`` (``false``
+keeps whole keys and values as JSON text in ``key``/``value``; a boolean: anything but
+true/false raises), ``key_column`` / ``value_column`` (names of the columns holding a
 whole key / value; default ``key`` / ``value``).
 """
 
@@ -58,6 +76,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from spark.options import check_names, parse_bool
+
 
 class StashSourceError(ValueError):
     """A stash collection cannot be read as asked (missing option or collection, bad
@@ -71,10 +91,19 @@ def _opt(options: Mapping[str, str], name: str, default: str | None = None) -> s
     return str(value)
 
 
-def _truthy(value: str | None, default: bool) -> bool:
-    if value is None:
-        return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
+OPTIONS = (
+    "url",
+    "stash",
+    "path",
+    "collection",
+    "schema",
+    "time_column",
+    "diff_column",
+    "flatten",
+    "key_column",
+    "value_column",
+)
+"""Every option the ``stash`` source understands (``stash`` is another name for ``url``)."""
 
 
 class _Snapshot:
@@ -123,66 +152,73 @@ def read_collection(url: str, name: str) -> _Snapshot:
 
 
 # ------------------------------------------------------------------ layout
-def _fields_of(part: Any, flatten: bool) -> list[str] | None:
-    if flatten and isinstance(part, dict):
-        return list(part)
-    return None
+JSON_METADATA = "stash.json"
+"""Field metadata marking an inferred string column whose every value is JSON text."""
+
+KEY_PREFIX = "key_"
+VALUE_PREFIX = "value_"
 
 
-def _column_names(
+@dataclass(frozen=True)
+class Column:
+    """Where a column's values come from: ``side`` ``"key"`` or ``"value"``; ``field``
+    the object field, or ``None`` for the whole (non-object) key or value."""
+
+    name: str
+    side: str
+    field: str | None
+
+    def get(self, key: Any, value: Any, flatten: bool) -> Any:
+        """This column's value in the entry ``(key, value)`` (``None`` if absent)."""
+        part = key if self.side == "key" else value
+        spread = flatten and isinstance(part, dict)
+        if self.field is None:
+            return None if spread else part
+        return part.get(self.field) if spread else None
+
+
+def _unique(name: str, prefix: str, taken: set[str]) -> str:
+    while name in taken:
+        name = prefix + name
+    taken.add(name)
+    return name
+
+
+def layout(
     snap: _Snapshot, flatten: bool, names: tuple[str, str] = ("key", "value")
-) -> list[tuple[str, str, str | None]]:
-    """``[(column, side, field)]``: side ``key``/``value``; field ``None`` = the whole part."""
+) -> list[Column]:
+    """The columns of a snapshot, keys first: the whole key (``names[0]``) if some key is
+    not an object, then the key objects' fields; the whole value (``names[1]``) if some
+    value is not an object, then the value objects' fields, in order of first
+    appearance. Names never collide: a key field named like the whole-key column gets
+    ``key_`` in front, a value column named like any key column gets ``value_`` in
+    front (repeated until the name is free), so key and value fields that share a name
+    stay apart."""
     key_fields: dict[str, None] = {}
     value_fields: dict[str, None] = {}
-    key_scalar = value_scalar = False
+    key_scalar = value_scalar = not snap.entries
     for k, v, _ in snap.entries:
-        kf = _fields_of(k, flatten)
-        vf = _fields_of(v, flatten)
-        if kf is None:
+        if flatten and isinstance(k, dict):
+            key_fields.update(dict.fromkeys(k))
+        else:
             key_scalar = True
+        if flatten and isinstance(v, dict):
+            value_fields.update(dict.fromkeys(v))
         else:
-            key_fields.update(dict.fromkeys(kf))
-        if vf is None:
             value_scalar = True
-        else:
-            value_fields.update(dict.fromkeys(vf))
-    if not snap.entries:
-        key_scalar = value_scalar = True
-    cols: list[tuple[str, str, str | None]] = []
-    key_name, value_name = names
+    taken: set[str] = set()
+    cols: list[Column] = []
     if key_scalar:
-        cols.append((key_name, "key", None))
-    cols.extend((f, "key", f) for f in key_fields)
-    taken = {c for c, _, _ in cols}
+        cols.append(Column(_unique(names[0], KEY_PREFIX, taken), "key", None))
+    cols.extend(Column(_unique(f, KEY_PREFIX, taken), "key", f) for f in key_fields)
     if value_scalar:
-        cols.append(
-            (value_name if value_name not in taken else f"value_{value_name}", "value", None)
-        )
-    for f in value_fields:
-        cols.append((f if f not in taken else f"value_{f}", "value", f))
+        cols.append(Column(_unique(names[1], VALUE_PREFIX, taken), "value", None))
+    cols.extend(Column(_unique(f, VALUE_PREFIX, taken), "value", f) for f in value_fields)
     return cols
 
 
-def _resolve(
-    column: str, key: Any, value: Any, flatten: bool, names: tuple[str, str] = ("key", "value")
-) -> Any:
-    """The value of ``column`` in the entry ``(key, value)`` (``None`` if absent);
-    ``names`` are the columns of a whole (non-object) key and value."""
-    if flatten and isinstance(key, dict) and column in key:
-        return key[column]
-    if flatten and isinstance(value, dict) and column in value:
-        return value[column]
-    if column == names[0]:
-        return None if flatten and isinstance(key, dict) else key
-    if column == names[1] or column == f"value_{names[1]}":
-        return None if flatten and isinstance(value, dict) else value
-    if column.startswith("value_") and flatten and isinstance(value, dict):
-        return value.get(column[len("value_") :])
-    return None
-
-
-_RANK = {"null": 0, "bool": 1, "int": 2, "float": 3}
+_INT64 = (-(2**63), 2**63 - 1)
+_EXACT_FLOAT_INT = 2**53
 
 
 def _kind(x: Any) -> str:
@@ -201,25 +237,41 @@ def _kind(x: Any) -> str:
     return "json"
 
 
-def _infer_type(values: Sequence[Any], codec: str, whole: bool) -> DataType:
+def _json_text() -> tuple[DataType, bool]:
+    return StringType(), True
+
+
+def _infer_type(values: Sequence[Any], codec: str, whole: bool) -> tuple[DataType, bool]:
+    """The Spark type of a column holding ``values`` and whether it is JSON text."""
     if whole and codec == "int":
-        return LongType()
+        return LongType(), False
     if whole and codec == "str":
-        return StringType()
+        return StringType(), False
     if whole and codec == "bytes":
-        return BinaryType()
-    kinds = {_kind(x) for x in values} - {"null"}
+        return BinaryType(), False
+    present = [x for x in values if x is not None]
+    kinds = {_kind(x) for x in present}
     if not kinds:
-        return StringType()
+        return StringType(), False
     if kinds == {"bool"}:
-        return BooleanType()
-    if kinds == {"int"}:
-        return LongType()
-    if kinds <= {"int", "float"}:
-        return DoubleType()
+        return BooleanType(), False
+    if kinds == {"str"}:
+        return StringType(), False
     if kinds == {"bytes"}:
-        return BinaryType()
-    return StringType()
+        return BinaryType(), False
+    if kinds == {"float"}:
+        return DoubleType(), False
+    if kinds == {"int"}:
+        if all(_INT64[0] <= x <= _INT64[1] for x in present):
+            return LongType(), False
+        if all(len(str(abs(x))) <= 38 for x in present):
+            return DecimalType(38, 0), False
+        return _json_text()  # exact digits, as JSON text
+    if kinds == {"int", "float"}:
+        if all(abs(x) <= _EXACT_FLOAT_INT for x in present if _kind(x) == "int"):
+            return DoubleType(), False
+        return _json_text()  # a double would round some integer
+    return _json_text()
 
 
 @dataclass(frozen=True)
@@ -241,15 +293,19 @@ class ReadOptions:
 
 def infer_schema(snap: _Snapshot, o: ReadOptions) -> StructType:
     """The inferred Spark schema of a collection snapshot (see the module docstring).
+    A string column inferred from mixed or nested values carries the field metadata
+    ``{"stash.json": true}``: its every value is JSON text.
 
     Raises:
         StashSourceError: the time or diff column name is already a key/value column.
     """
     fields = []
-    for col, side, field in _column_names(snap, o.flatten, o.names):
-        codec = snap.key_codec if side == "key" else snap.value_codec
-        values = [_resolve(col, k, v, o.flatten, o.names) for k, v, _ in snap.entries]
-        fields.append(StructField(col, _infer_type(values, codec, field is None), True))
+    for col in layout(snap, o.flatten, o.names):
+        codec = snap.key_codec if col.side == "key" else snap.value_codec
+        values = [col.get(k, v, o.flatten) for k, v, _ in snap.entries]
+        dtype, is_json = _infer_type(values, codec, col.field is None)
+        meta = {JSON_METADATA: True} if is_json else {}
+        fields.append(StructField(col.name, dtype, True, meta))
     for extra in (o.time_column, o.diff_column):
         if extra is not None:
             if extra in {f.name for f in fields}:
@@ -261,11 +317,25 @@ def infer_schema(snap: _Snapshot, o: ReadOptions) -> StructType:
 
 
 # ------------------------------------------------------------- conversion
-_INTS = (LongType, IntegerType, ShortType, ByteType)
+_INT_RANGES: tuple[tuple[type[DataType], int], ...] = (
+    (ByteType, 8),
+    (ShortType, 16),
+    (IntegerType, 32),
+    (LongType, 64),
+)
 
 
-def convert(value: Any, dtype: DataType, column: str) -> Any:
-    """Turn a decoded JSON value into what Spark expects for ``dtype``.
+def _int_bits(dtype: DataType) -> int | None:
+    for cls, bits in _INT_RANGES:
+        if isinstance(dtype, cls):
+            return bits
+    return None
+
+
+def convert(value: Any, dtype: DataType, column: str, as_json: bool = False) -> Any:
+    """Turn a decoded JSON value into what Spark expects for ``dtype``; with ``as_json``
+    (a string column of mixed or nested values) every value, strings included, becomes
+    its JSON text, so ``1`` and ``"1"`` stay apart.
 
     Raises:
         StashSourceError: the value does not fit (names the column and the value).
@@ -274,23 +344,41 @@ def convert(value: Any, dtype: DataType, column: str) -> Any:
         return None
     try:
         if isinstance(dtype, StringType):
-            if isinstance(value, str):
-                return value
             if isinstance(value, bytes | bytearray):
                 return base64.b64encode(bytes(value)).decode("ascii")
+            if isinstance(value, str) and not as_json:
+                return value
             return json.dumps(value, sort_keys=True, separators=(",", ":"))
-        if isinstance(dtype, _INTS):
+        bits = _int_bits(dtype)
+        if bits is not None:
+            if isinstance(value, bool):
+                raise ValueError("not an integer")
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError("not an integer")
-            return int(value)
+            n = int(value)
+            if not -(2 ** (bits - 1)) <= n < 2 ** (bits - 1):
+                raise ValueError(f"out of the {bits}-bit range")
+            return n
         if isinstance(dtype, DoubleType | FloatType):
-            return float(value)
+            f = float(value)
+            if isinstance(value, int) and int(f) != value:
+                raise ValueError("not exactly representable as a floating-point number")
+            return f
         if isinstance(dtype, BooleanType):
             if not isinstance(value, bool):
                 raise ValueError("not a boolean")
             return value
         if isinstance(dtype, DecimalType):
-            return decimal.Decimal(str(value))
+            if isinstance(value, bool):
+                raise ValueError("not a number")
+            d = decimal.Decimal(str(value))
+            exp = d.as_tuple().exponent
+            if not isinstance(exp, int):
+                raise ValueError("not a finite number")
+            digits = len(d.as_tuple().digits)
+            if -exp > dtype.scale or digits - max(-exp, 0) > dtype.precision - dtype.scale:
+                raise ValueError(f"needs more than decimal({dtype.precision},{dtype.scale}) holds")
+            return d
         if isinstance(dtype, TimestampType | TimestampNTZType):
             if isinstance(value, int | float):
                 ts = dt.datetime.fromtimestamp(value, dt.UTC)
@@ -309,29 +397,42 @@ def convert(value: Any, dtype: DataType, column: str) -> Any:
             return bytes(value)
     except (TypeError, ValueError, decimal.InvalidOperation, OverflowError) as e:
         raise StashSourceError(
-            f"column {column!r}: value {value!r} does not fit {dtype.simpleString()}: {e}"
+            f"column {column!r}: value {value!r:.200} does not fit {dtype.simpleString()}: {e}"
         ) from None
     return value  # arrays, maps, structs: Spark converts lists and dicts itself
 
 
 def rows_of(snap: _Snapshot, schema: StructType, o: ReadOptions) -> Iterator[tuple[Any, ...]]:
-    """Yield the rows of ``snap`` in ``schema``'s column order.
+    """Yield the rows of ``snap`` in ``schema``'s column order. Columns are found by name
+    in the snapshot's :func:`layout` (a name it lacks is all nulls), so each column only
+    ever reads its own side (key or value) and field.
 
     Raises:
         StashSourceError: a negative multiplicity without a diff column; a value that does
             not fit its column.
     """
-    fields = list(schema.fields)
+    cols = {c.name: c for c in layout(snap, o.flatten, o.names)}
+    plan: list[tuple[str, Column | None, StructField]] = []
+    for f in schema.fields:
+        if f.name == o.time_column:
+            plan.append(("time", None, f))
+        elif f.name == o.diff_column:
+            plan.append(("diff", None, f))
+        else:
+            plan.append(("column", cols.get(f.name), f))
+    json_columns = {f.name for f in schema.fields if (f.metadata or {}).get(JSON_METADATA)}
     for key, value, diff in snap.entries:
-        row = []
-        for f in fields:
-            if f.name == o.time_column:
+        row: list[Any] = []
+        for what, col, f in plan:
+            if what == "time":
                 row.append(snap.time)
-            elif f.name == o.diff_column:
+            elif what == "diff":
                 row.append(diff)
+            elif col is None:
+                row.append(None)
             else:
-                v = _resolve(f.name, key, value, o.flatten, o.names)
-                row.append(convert(v, f.dataType, f.name))
+                v = col.get(key, value, o.flatten)
+                row.append(convert(v, f.dataType, f.name, f.name in json_columns))
         if o.diff_column is not None:
             yield tuple(row)
             continue
@@ -354,23 +455,39 @@ class StashDataSource(DataSource):
         return "stash"
 
     def _settings(self) -> ReadOptions:
+        check_names(self.options, OPTIONS, "reading a stash collection", StashSourceError)
         url = _opt(self.options, "url")
+        alias = _opt(self.options, "stash")
+        if url is not None and alias is not None and url != alias:
+            raise StashSourceError(
+                f"options 'url' ({url!r}) and 'stash' ({alias!r}) name different stashes; "
+                "give one of them"
+            )
+        url = url or alias
         if url is None:
-            raise StashSourceError("the stash source needs option('url', STASH_URL)")
+            raise StashSourceError(
+                "the stash source needs option('url', STASH_URL) (or option('stash', ...), "
+                "as the persist source calls it)"
+            )
         name = _opt(self.options, "collection") or _opt(self.options, "path")
         if name is None:
             raise StashSourceError(
                 "the stash source needs a collection: load('name') or option('collection', ...)"
             )
-        return ReadOptions(
+        o = ReadOptions(
             url=url,
             collection=name,
-            flatten=_truthy(_opt(self.options, "flatten"), True),
+            flatten=parse_bool("flatten", _opt(self.options, "flatten"), True, StashSourceError),
             time_column=_opt(self.options, "time_column"),
             diff_column=_opt(self.options, "diff_column"),
             key_column=_opt(self.options, "key_column", "key") or "key",
             value_column=_opt(self.options, "value_column", "value") or "value",
         )
+        if o.time_column is not None and o.time_column == o.diff_column:
+            raise StashSourceError(f"time_column and diff_column are both {o.time_column!r}")
+        if o.key_column == o.value_column:
+            raise StashSourceError(f"key_column and value_column are both {o.key_column!r}")
+        return o
 
     def schema(self) -> StructType | str:
         """The ``schema`` option (DDL) if given, else the schema inferred from a peek."""

@@ -116,3 +116,84 @@ def test_empty_and_missing_collections(spark: Any, catalog: str) -> None:
         reader.load("nope").collect()
     with pytest.raises(Exception, match="option\\('url'"):
         spark.read.format("stash").load("airlines").collect()
+
+
+# ------------------------------------------------ issue 13: layout, types, options
+@pytest.fixture
+def tricky(spark_store: Any) -> str:
+    """Collections whose key and value fields share names, and mixed JSON types."""
+    url = spark_store.stash_url
+    with Stash.open(url, fenced=False) as s:
+        settings = s.collection("settings")
+        s.update_many(settings, [(("retention", {"key": "abc", "n": 1}), 0, 1)])
+        s.seal(settings, Antichain.from_elem(1))
+
+        crossed = s.collection("crossed")
+        s.update_many(
+            crossed,
+            [(({"a": 1}, {"b": 99}), 0, 1), (({"c": 2}, {"a": 5}), 0, 1)],
+        )
+        s.seal(crossed, Antichain.from_elem(1))
+
+        mixed = s.collection("mixed")
+        s.update_many(
+            mixed,
+            [
+                (("i", {"x": 1, "big": 2**60, "huge": 2**70}), 0, 1),
+                (("s", {"x": "1", "big": 1.5, "huge": 0.5}), 0, 1),
+            ],
+        )
+        s.seal(mixed, Antichain.from_elem(1))
+
+        huge = s.collection("huge")
+        s.update_many(huge, [(("h", {"n": 2**70}), 0, 1), (("l", {"n": 5}), 0, 1)])
+        s.seal(huge, Antichain.from_elem(1))
+    return url
+
+
+def test_a_value_field_never_takes_the_place_of_the_key(spark: Any, tricky: str) -> None:
+    df = spark.read.format("stash").option("url", tricky).load("settings")
+    assert df.columns == ["key", "value_key", "n"]
+    assert _rows(df) == [("retention", "abc", 1)]
+
+
+def test_key_columns_read_only_keys(spark: Any, tricky: str) -> None:
+    df = spark.read.format("stash").option("url", tricky).load("crossed")
+    assert df.columns == ["a", "c", "b", "value_a"]
+    got = sorted((tuple(r) for r in df.collect()), key=str)
+    assert got == sorted([(1, None, 99, None), (None, 2, None, 5)], key=str)
+
+
+def test_mixed_json_types_read_exactly(spark: Any, tricky: str) -> None:
+    df = spark.read.format("stash").option("url", tricky).load("mixed")
+    assert dict(df.dtypes) == {"key": "string", "x": "string", "big": "string", "huge": "string"}
+    rows = {r["key"]: r for r in df.collect()}
+    # An int and a string stay apart (JSON text), and no integer is rounded.
+    assert (rows["i"]["x"], rows["s"]["x"]) == ("1", '"1"')
+    assert (rows["i"]["big"], rows["s"]["big"]) == (str(2**60), "1.5")
+    assert (rows["i"]["huge"], rows["s"]["huge"]) == (str(2**70), "0.5")
+    assert df.schema["x"].metadata == {"stash.json": True}
+
+
+def test_integers_beyond_64_bits_are_exact_or_a_named_error(spark: Any, tricky: str) -> None:
+    from decimal import Decimal
+
+    df = spark.read.format("stash").option("url", tricky).load("huge")
+    assert dict(df.dtypes)["n"] == "decimal(38,0)"
+    assert sorted(r["n"] for r in df.collect()) == [Decimal(5), Decimal(2**70)]
+    forced = spark.read.format("stash").schema("key string, n bigint").option("url", tricky)
+    with pytest.raises(Exception, match=r"column 'n'.*1180591620717411303424.*bigint"):
+        forced.load("huge").collect()
+
+
+def test_stash_source_options_are_checked(spark: Any, catalog: str) -> None:
+    # ``stash`` is another name for ``url`` (the persist source's name for it).
+    df = spark.read.format("stash").option("stash", catalog).load("counters")
+    assert _rows(df) == [("a", 1), ("a", 1), ("b", 7), ("c", 3)]
+    reader = spark.read.format("stash").option("url", catalog)
+    with pytest.raises(Exception, match=r"'diff_colum'.*did you mean 'diff_column'"):
+        reader.option("diff_colum", "d").load("counters").collect()
+    with pytest.raises(Exception, match=r"flatten.*must be true or false"):
+        spark.read.format("stash").option("url", catalog).option("flatten", "ture").load(
+            "airlines"
+        ).collect()

@@ -12,11 +12,13 @@ frontiers.  Invariants kept here:
   commits nothing, whatever the order of the batches;
 * ``iter`` and ``peek`` return consolidated data, times advanced to since, sorted by the
   codecs' order;
-* every write keeps the keys it wrote physically consolidated (rows at
-  ``max(time, since)``, one per (key, value, time), no zero diff), so every backend holds
-  the same rows, and refuses, committing nothing, a write after which the diffs of a
-  (key, value) could sum beyond i64 (the rule of :mod:`stash.consolidation`): no read on
-  any backend ever overflows or disagrees;
+* every write merges the rows of the keys it wrote that share a
+  ``(key, value, max(time, since))``, and refuses, committing nothing, a write after which
+  the diffs of a (key, value) could sum beyond i64 (the rule of
+  :mod:`stash.consolidation`, checked alike on every backend): no read on any backend
+  ever overflows or disagrees;
+* ``consolidate`` leaves the same physical rows on every backend: every row at
+  ``max(time, since)``, one per (key, value, time), no zero diff;
 * a readonly handle never writes; a fenced handle fails every later call with an
   unrecoverable error.
 

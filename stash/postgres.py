@@ -345,9 +345,13 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
     ``"all"``) at the since ``%(cs)s``, and the new upper and since (each only if its flag
     is set).
 
-    Consolidation leaves the rows as the memory backend holds them: every row of the keys
-    concerned at ``greatest(time, since)``, one row per ``(key, value, time)``, no zero
-    diff; groups that are already so are left alone.  All parts see the snapshot of the
+    Consolidation sums the rows of each ``(key, value, greatest(time, since))`` group
+    (exactly: numeric) of the keys concerned into one row: for ``"keys"`` (an append or
+    update) only groups of several rows are rewritten and new zero diffs are not written,
+    so a lone stored row stays where it is (no rewrite, and no cached generic plan ever
+    gets to delete on a key that has no group); ``"all"`` leaves the rows as the memory
+    backend holds them (every row at ``greatest(time, since)``, no zero diff).  The
+    statement returns whether the rule on diff sums is broken afterwards.  All parts see the snapshot of the
     statement, so the consolidation merges the new rows (from the ``c_new`` CTE) with the
     stored ones (from the table) itself.  Built from constant fragments with
     :mod:`psycopg.sql`; every value is a bound parameter.
@@ -394,14 +398,21 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
                 "c_grp AS (SELECT key, value, greatest(time, %(cs)s::int8) AS time,"
                 " CASE WHEN sum(diff) BETWEEN {lo} AND {hi} THEN sum(diff)::int8 END AS diff"
                 " FROM ({src}) a GROUP BY key, value, greatest(time, %(cs)s::int8)"
-                " HAVING count(*) > 1 OR min(time) < %(cs)s::int8 OR bool_or(diff = 0))"
-            ).format(src=q(" UNION ALL ").join(sources), lo=q(str(I64_MIN)), hi=q(str(I64_MAX)))
+                " HAVING count(*) > 1{whole})"
+            ).format(
+                src=q(" UNION ALL ").join(sources),
+                lo=q(str(I64_MIN)),
+                hi=q(str(I64_MAX)),
+                whole=q(" OR min(time) < %(cs)s::int8 OR bool_or(diff = 0)")
+                if consolidate == "all"
+                else q(""),
+            )
         )
         ctes.append(
             q(
                 # Gated by "EXISTS (c_grp)" (a one-time filter): an append of new keys,
-                # the common case, has no group and never runs the scan, whatever plan
-                # was cached for it.
+                # or of new values of stored keys, has no group and never runs the scan,
+                # whatever plan was cached for it.
                 "c_del AS (DELETE FROM data d USING c_grp g WHERE EXISTS (SELECT 1 FROM c_grp)"
                 " AND d.collection_id = %(c)s AND d.key = g.key AND d.value = g.value"
                 " AND greatest(d.time, %(cs)s::int8) = g.time)"
@@ -420,7 +431,7 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
         keep = q("")
         if consolidate is not None:
             keep = q(
-                " WHERE NOT EXISTS (SELECT 1 FROM c_grp g WHERE g.key = n.key"
+                " WHERE n.diff <> 0 AND NOT EXISTS (SELECT 1 FROM c_grp g WHERE g.key = n.key"
                 " AND g.value = n.value AND g.time = greatest(n.time, %(cs)s::int8))"
             )
         inserts.insert(0, q("SELECT %(c)s, key, value, time, diff FROM c_new n{}").format(keep))

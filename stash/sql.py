@@ -16,6 +16,10 @@ Invariants kept here:
   connection lost before COMMIT, a collection created concurrently) are retried, the
   whole transaction again, with jittered exponential backoff (tenacity) until the retry
   budget is spent, so they never reach the caller while it lasts;
+* consolidation (of the keys an append or update wrote, or of a whole collection) sums
+  exactly (Python integers on SQLite, numeric on Postgres) and is checked against the
+  rule on diff sums before anything commits; a whole collection's leaves the rows the
+  memory backend holds;
 * a COMMIT whose outcome cannot be known raises an
   :class:`~stash.errors.IndeterminateError`, never success or plain failure (Postgres
   first asks the server what became of the transaction, see :mod:`stash.postgres`);

@@ -61,10 +61,12 @@ class Txn(Protocol):
         ...
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
-        """Physically consolidate the collection's rows (of these keys only if given):
-        every row moves to ``max(time, since)``, one row per ``(key, value, time)``, no
-        zero diff, so every backend holds the same rows afterwards; ``since=None`` (the
-        empty frontier) deletes every row.  Sums are exact.
+        """Physically consolidate the collection's rows.  Without ``keys``: every row
+        moves to ``max(time, since)``, one row per ``(key, value, time)``, no zero diff,
+        so every backend holds the same rows afterwards.  With ``keys`` (after a write of
+        those keys): at least the rows of those keys sharing a
+        ``(key, value, max(time, since))`` become one row (a lone row may stay at its
+        time).  ``since=None`` (the empty frontier) deletes every row.  Sums are exact.
 
         Raises:
             stash.consolidation.DiffSumOverflow: afterwards the positive or the negative

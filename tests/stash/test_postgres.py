@@ -281,7 +281,13 @@ def test_cached_plans_made_on_a_tiny_collection_stay_key_driven(
 
     with postgres_server.connect(dbname(pg)) as conn:
         conn.execute("SET plan_cache_mode = force_generic_plan")
-        statements = {"append": append_sql, "peek_key": _PEEK_KEY_SQL.replace("%(ts)s", "%(cs)s")}
+        statements = {
+            "append": append_sql,
+            # A new value of a stored key: its row, before the since, moves to the since
+            # (deleted and rewritten), key by key too.
+            "append_stored": append_sql,
+            "peek_key": _PEEK_KEY_SQL.replace("%(ts)s", "%(cs)s"),
+        }
         used: dict[str, list[str]] = {}
         for name, statement in statements.items():
             q, used[name] = positional(statement)
@@ -305,6 +311,8 @@ def test_cached_plans_made_on_a_tiny_collection_stay_key_driven(
                 "ck": [str(10**6)],
                 "k": key,
             }
+            if name == "append_stored":
+                values.update(ks=[key], vs=["-1"], ck=[key])
             args = sql.SQL(", ").join(sql.Literal(values[n]) for n in used[name])
             prefix = "EXPLAIN (ANALYZE, FORMAT JSON) " if explain else ""
             with conn.transaction(force_rollback=True):

@@ -22,6 +22,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
+
 from stash import AppendLowerMismatch, Stash, StashError, TypedCollection
 
 WRITERS = 3
@@ -110,8 +112,11 @@ def _reader(s: Stash, r: int, start: threading.Barrier, errors: list[str], ids: 
         errors.append(f"reader {r}: {type(e).__name__}: {e}")
 
 
-def test_one_handle_shared_by_writer_and_reader_threads(open_any: Any) -> None:
-    s = open_any()
+@pytest.mark.parametrize("mode", ["writable", "savepoint"])
+def test_one_handle_shared_by_writer_and_reader_threads(open_any: Any, mode: str) -> None:
+    if mode == "savepoint":
+        open_any().close()  # the store exists (an SQLite file is created by a writable open)
+    s = open_any(mode=mode)
     SHARED.get(s)
     for w in range(WRITERS):
         _own(w).get(s)
@@ -132,6 +137,8 @@ def test_one_handle_shared_by_writer_and_reader_threads(open_any: Any) -> None:
     for w in range(WRITERS):
         want = {"k": last, **{f"a{i}": i for i in range(ROUNDS)}}
         assert _own(w).peek_one(s) == want
+    if mode == "savepoint":
+        return  # nothing was committed
     # A fresh handle (no cache) agrees.
     fresh = open_any(mode="readonly")
     assert fresh.peek_one(fresh.collection("shared", key="str", value="int")) == SHARED.peek_one(s)

@@ -62,7 +62,7 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/s.db"
     _seed(url)
     res = r.invoke(main, ["peek", url, "nope"])
-    assert res.exit_code == 1 and "collection nope does not exist" in res.output
+    assert res.exit_code == 1 and "collection 'nope' does not exist" in res.output
 
 
 def test_cli_hides_password(postgres_url: str) -> None:

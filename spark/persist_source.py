@@ -359,8 +359,10 @@ class PersistDataSource(DataSource):
         target = ShardTarget.from_options(self.options)
         schemas = registered_schemas(target)
         if schemas is None:
+            from stash import redact
+
             raise PersistSourceError(
-                f"persist shard {target.shard} does not exist in {target.stash_url}; "
+                f"persist shard {target.shard} does not exist in {redact(target.stash_url)}; "
                 "write to it first"
             )
         expand = _truthy(self.options, "expand")

@@ -4,6 +4,7 @@ embedded database readable by its owner only."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -262,4 +263,68 @@ def test_sqlite_files_owner_only_whoever_creates_them(tmp_path: Path) -> None:
         duplicated=0,
         partial=0,
         unclear=len(bad),
+    )
+
+
+EVIL_KEY = "k\x1b[2J\x1b]0;pwned\x07\r\u202eend"
+EVIL_NAME = "[link=https://evil.example]click[/link]"
+EVIL_VALUE = "[bold red]loud[/bold red] \x1b[31mred\\x1b"
+
+
+def test_cli_tables_are_inert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19: stored text reaches the terminal inert through ``stash`` and
+    ``persist`` tables: control characters are shown escaped as ``repr`` shows them
+    (no ESC, BEL or CR is printed), rich markup in names, keys and values is shown
+    literally (never a link or a style), and ``--json`` keeps the exact values."""
+    import pyarrow as pa
+
+    import stash.cli
+    from persist import PersistClient
+    from persist.cli import main as persist_main
+
+    monkeypatch.setattr(stash.cli.console, "width", 400)  # no wrapping inside a cell
+    url = f"sqlite:///{tmp_path}/s.db"
+    with Stash.open(url) as s:
+        c = s.collection(EVIL_NAME)
+        s.update_many(c, [((EVIL_KEY, EVIL_VALUE), 0, 1), ((EVIL_NAME, {EVIL_NAME: 1}), 0, 1)])
+        s.seal(c, Antichain.from_elem(1))
+        client = PersistClient(s, f"file://{tmp_path}/blob", compaction="off")
+        client.open("inert", pa.schema([(EVIL_NAME, pa.int64())]), pa.schema([("v", pa.string())]))
+        client.close()
+    runner = CliRunner()
+    outputs = {
+        "collections": runner.invoke(main, ["collections", url]),
+        "peek": runner.invoke(main, ["peek", url, EVIL_NAME]),
+        "iter": runner.invoke(main, ["iter", url, EVIL_NAME]),
+        "missing": runner.invoke(main, ["peek", url, EVIL_KEY]),
+        "persist inspect": runner.invoke(
+            persist_main, ["--stash", url, "--blob", f"file://{tmp_path}/blob", "inspect", "inert"]
+        ),
+    }
+    problems: list[str] = []
+    for what, res in outputs.items():
+        out = res.output
+        for ch in ("\x1b", "\x07", "\r", "\u202e"):
+            if ch in out:
+                problems.append(f"{what}: prints {ch!r}")
+        if what != "missing" and EVIL_NAME not in out:
+            problems.append(f"{what}: markup interpreted, {EVIL_NAME!r} not shown literally")
+    assert "\\x1b[2J\\x1b]0;pwned\\x07\\r\\u202eend" in outputs["peek"].output
+    assert "[bold red]loud[/bold red] \\x1b[31mred\\\\x1b" in outputs["peek"].output
+    assert outputs["missing"].exit_code == 1
+    assert not problems, problems
+    res = runner.invoke(main, ["peek", url, EVIL_NAME, "--json"])
+    assert json.loads(res.output) == [
+        {"key": EVIL_NAME, "value": {EVIL_NAME: 1}, "diff": 1},
+        {"key": EVIL_KEY, "value": EVIL_VALUE, "diff": 1},
+    ]
+    record(
+        "security: terminal control sequences and rich markup in CLI tables",
+        runs=len(outputs) + 1,
+        faults=0,
+        acknowledged=0,
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=len(problems),
     )

@@ -114,7 +114,7 @@ def migrate(url: str, revision: str) -> None:
             ) from None
         finally:
             engine.dispose()
-        click.echo(f"{redact(u)} is at {revision}")
+        click.echo(printable(f"{redact(u)} is at {revision}", backslashes=False))
 
     _guard(run)
 

@@ -9,10 +9,13 @@ import logging
 import os
 import stat
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from campaign import record
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy.engine import make_url
 
 from stash import Antichain, Stash, StashError
@@ -328,3 +331,47 @@ def test_cli_tables_are_inert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         partial=0,
         unclear=len(problems),
     )
+
+
+def test_malformed_url_errors_hide_the_password() -> None:
+    """Issue 19: a stash URL missing ``//`` was echoed whole in "malformed stash URL"."""
+    for bad in (
+        f"postgresql+psycopg:/user:{PLANTED}@host/db",
+        f"postgresql+psycopg:user:{PLANTED}@host/db",
+        f"postgresql+psycopg//user:{PLANTED}@host/db",
+    ):
+        with pytest.raises(StashError, match="malformed stash URL") as e:
+            Stash.open(bad)
+        assert PLANTED not in str(e.value) and PLANTED not in repr(e.value)
+        res = CliRunner().invoke(main, ["peek", bad, "c"])
+        assert res.exit_code == 1 and "malformed stash URL" in res.output
+        assert PLANTED not in res.output
+
+
+_SECRET_CHARS = st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="'\"")
+
+
+@settings(max_examples=150, deadline=None)
+@given(secret=st.text(_SECRET_CHARS, min_size=4, max_size=24).map(lambda s: "Zq" + s))
+def test_redact_never_lets_a_planted_secret_through(secret: str) -> None:
+    """Property: a secret planted in any of the URL forms that carry one (user info,
+    ``password``/``sslpassword``/``passfile`` parameters, a URL missing ``//``, S3
+    keys and query values, a libpq conninfo string, text quoting a URL) never survives
+    :func:`stash.redact`, written as is or percent-encoded."""
+    from stash import redact
+
+    q = quote(secret, safe="")
+    forms = [
+        f"postgresql+psycopg://user:{q}@host:5432/db",
+        f"postgresql+psycopg://user@host/db?password={q}",
+        f"postgresql+psycopg://user@host/db?sslmode=require&sslpassword={q}&passfile={q}",
+        f"postgresql+psycopg:/user:{secret}@host/db",
+        f"s3://{q}:{q}@bucket/prefix?session_token={q}&region=x",
+        f"could not connect: host=h password={secret} user=u",
+        f"migrate postgresql+psycopg://user:{secret}@host/db failed",
+    ]
+    for form in forms:
+        shown = redact(form)
+        assert secret not in shown and q not in shown, (form, shown)
+    shown = redact(f"an error quoting only the value {secret} and {q}", url=forms[1])
+    assert secret not in shown and q not in shown

@@ -3,6 +3,8 @@
 Targets :data:`stash.schema.metadata`.  The database URL comes from, in order: a
 connection handed over by :mod:`stash.migrate` (``config.attributes["connection"]``),
 ``-x url=...``, the ``STASH_URL`` environment variable, or ``sqlalchemy.url`` in the ini.
+A SQLite database this creates is owner-only (``0600`` in ``0700`` directories), as
+when :meth:`stash.Stash.open` or ``stash migrate`` create it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import sqlalchemy as sa
 from alembic import context
 
+from stash.migrate import create_sqlite_file
 from stash.schema import metadata
 
 config = context.config
@@ -57,7 +60,10 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = sa.create_engine(_url(), poolclass=sa.pool.NullPool)
+    url = sa.engine.make_url(_url())
+    if url.get_backend_name() == "sqlite":
+        create_sqlite_file(url.database)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     with engine.connect() as conn:
         _run(conn)
     engine.dispose()

@@ -3,8 +3,10 @@
 ``persist --stash URL --blob URI shards | inspect SHARD | compact SHARD | gc SHARD``
 (``--stash``/``--blob`` also from ``PERSIST_STASH``/``PERSIST_BLOB``).  Output is a
 readable table (rich) or JSON with ``--json``.  Invariants kept here: reads open the stash
-readonly; URLs are never printed with credentials; errors are printed as one line and
-exit with code 1.
+readonly; URLs are never printed with credentials (:func:`stash.redact`); errors are
+printed as one line and exit with code 1; tables are rendered by
+:func:`stash.cli.print_table`, so no stored text reaches the terminal as a control
+sequence or as rich markup (issue 19).
 """
 
 from __future__ import annotations
@@ -17,16 +19,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from persist.client import PersistClient
 from persist.errors import PersistError
 from persist.gc import collect_garbage
 from persist.state import ShardState
-from stash import Stash, StashError
-
-console = Console()
+from stash import Stash, StashError, redact
+from stash.cli import print_table, printable
 
 
 @contextmanager
@@ -45,7 +44,7 @@ def _guard(fn: Callable[[], None]) -> None:
     try:
         fn()
     except (PersistError, StashError) as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(printable(redact(f"error: {e}"), backslashes=False), err=True)
         sys.exit(1)
 
 
@@ -76,12 +75,7 @@ def summary(st: ShardState, retired: int = 0) -> dict[str, Any]:
 
 
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
-    t = Table(title=title)
-    for c in columns:
-        t.add_column(c)
-    for r in rows:
-        t.add_row(*[v if isinstance(v, str) else json.dumps(v) for v in r])
-    console.print(t)
+    print_table(title, columns, rows)
 
 
 def _fmt(frontier: Any) -> str:

@@ -472,8 +472,10 @@ class PersistDataSource(DataSource):
         as_of = _opt_int(self.options, "as_of")
         schemas = registered_schemas(target)
         if schemas is None:
+            from stash import redact
+
             raise PersistSourceError(
-                f"persist shard {target.shard} does not exist in {target.stash_url}; "
+                f"persist shard {target.shard} does not exist in {redact(target.stash_url)}; "
                 "write to it first"
             )
         time_column = _opt(self.options, "time_column")

@@ -133,12 +133,12 @@ def read_collection(url: str, name: str) -> _Snapshot:
         StashSourceError: the collection does not exist.
         stash.StashError: the stash cannot be opened or read.
     """
-    from stash import PeekSinceUpperError, Stash
+    from stash import PeekSinceUpperError, Stash, redact
 
     with Stash.open(url, mode="readonly") as s:
         found = s.collections().get(name)
         if found is None:
-            raise StashSourceError(f"stash collection {name!r} does not exist in {url}")
+            raise StashSourceError(f"stash collection {name!r} does not exist in {redact(url)}")
         kname = str(getattr(found.key_codec, "name", "json"))
         vname = str(getattr(found.value_codec, "name", "json"))
         try:

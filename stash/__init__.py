@@ -28,6 +28,7 @@ from stash.collection import AppendBatch, StashCollection  # noqa: E402
 from stash.memory import Memory, MemoryStash  # noqa: E402
 from stash.table import TableTransaction  # noqa: E402
 from stash.typed import TypedCollection  # noqa: E402
+from stash.url import redact  # noqa: E402
 
 __all__ += [
     "AppendBatch",
@@ -37,4 +38,5 @@ __all__ += [
     "StashCollection",
     "TableTransaction",
     "TypedCollection",
+    "redact",
 ]

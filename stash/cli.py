@@ -1,7 +1,11 @@
 """The ``stash`` command line: migrate, list collections, peek, iter, consolidate.
 
 Output is a readable table (rich) or JSON with ``--json``.  Invariants kept here: URLs
-are shown with the password hidden; errors are printed as one line and exit with code 1.
+are shown with every credential hidden (:func:`stash.url.redact`); errors are printed as
+one line and exit with code 1; stored text (keys, values, collection names) reaches the
+terminal inert: control characters are shown escaped as ``repr`` shows them and rich
+markup in it is never interpreted (:func:`printable`, :func:`print_table`; issue 19),
+while ``--json`` prints the exact values.
 """
 
 from __future__ import annotations
@@ -15,16 +19,46 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from stash.base import Stash
 from stash.errors import StashError
-from stash.url import parse_url, safe_url
+from stash.sql import first_line
+from stash.url import parse_url, redact
 
 console = Console()
 
 
+def printable(text: str, *, backslashes: bool = True) -> str:
+    """``text`` with every character that is not printable (control characters such as
+    ESC, CR, BEL; line and paragraph separators) written as ``repr`` writes it
+    (``"\\x1b"``, ``"\\n"``), and, unless ``backslashes`` is false, every backslash
+    doubled as ``repr`` doubles it (so two different strings never look the same).
+    Showing the result on a terminal can neither move the cursor, clear the screen nor
+    set the window title."""
+    if text.isprintable() and not (backslashes and "\\" in text):
+        return text
+    return "".join(
+        "\\\\" if c == "\\" and backslashes else (c if c.isprintable() else repr(c)[1:-1])
+        for c in text
+    )
+
+
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    """Print a rich table on stdout with inert text: the title and every cell are
+    :class:`rich.text.Text` (so never parsed as rich markup); ``str`` cells and the
+    title are made :func:`printable`, other cells are shown as JSON (``json.dumps``
+    escapes control characters and non-ASCII itself)."""
+    table = Table(title=Text(printable(title)))
+    for c in columns:
+        table.add_column(Text(printable(c)))
+    for r in rows:
+        table.add_row(*[Text(printable(v) if isinstance(v, str) else _cell(v)) for v in r])
+    console.print(table)
+
+
 def _fail(e: Exception) -> None:
-    click.echo(str(e), err=True)
+    click.echo(printable(redact(str(e)), backslashes=False), err=True)
     sys.exit(1)
 
 
@@ -36,16 +70,11 @@ def _show(rows: list[dict[str, Any]], columns: list[str], as_json: bool, title: 
     if as_json:
         click.echo(json.dumps(rows, sort_keys=True, default=str))
         return
-    table = Table(title=title)
-    for c in columns:
-        table.add_column(c)
-    for r in rows:
-        table.add_row(*[_cell(r[c]) for c in columns])
-    console.print(table)
+    print_table(title, columns, [[r[c] for c in columns] for r in rows])
 
 
 def _cell(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+    return v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
 
 
 def _guard(fn: Callable[[], None]) -> None:
@@ -80,10 +109,12 @@ def migrate(url: str, revision: str) -> None:
         try:
             upgrade(engine, revision)
         except Exception as e:  # noqa: BLE001 - report any driver error as one line
-            raise StashError(f"migrate {safe_url(u)}: {type(e).__name__}: {e}") from None
+            raise StashError(
+                redact(f"migrate {redact(u)}: {type(e).__name__}: {first_line(e)}", url=u)
+            ) from None
         finally:
             engine.dispose()
-        click.echo(f"{safe_url(u)} is at {revision}")
+        click.echo(printable(f"{redact(u)} is at {revision}", backslashes=False))
 
     _guard(run)
 
@@ -111,7 +142,7 @@ def collections_cmd(url: str, as_json: bool) -> None:
             rows,
             ["name", "id", "since", "upper", "key_codec", "value_codec"],
             as_json,
-            f"collections of {safe_url(url)}",
+            f"collections of {redact(url)}",
         )
 
     _guard(run)
@@ -120,7 +151,7 @@ def collections_cmd(url: str, as_json: bool) -> None:
 def _coll(s: Stash, name: str) -> Any:
     found = s.collections().get(name)
     if found is None:
-        raise StashError(f"collection {name} does not exist")
+        raise StashError(f"collection {name!r} does not exist")
     return found
 
 

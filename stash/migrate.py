@@ -2,11 +2,16 @@
 
 Invariants kept here: the only way the schema is created or changed is an alembic
 revision from ``migrations/versions``; :func:`current_revision` reads the version a
-database is at without changing it.
+database is at without changing it; a SQLite database file is created readable and
+writable by its owner only (``0600``, so are the ``-wal`` and ``-shm`` files SQLite
+derives from it) in directories created ``0700``, whoever creates it: :meth:`Stash.open
+<stash.base.Stash.open>`, :func:`upgrade` (``stash migrate``) or a plain ``alembic
+upgrade`` (``migrations/env.py``), all through :func:`create_sqlite_file` (issue 19).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -18,6 +23,46 @@ from alembic.script import ScriptDirectory
 import migrations
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
+
+
+def create_sqlite_file(database: str | None) -> Path | None:
+    """Create the SQLite database file ``database`` empty and owner-only if it is missing.
+
+    Missing parent directories are created with mode ``0o700`` and the file with
+    ``0o600`` (SQLite gives its ``-wal`` and ``-shm`` files the database file's mode), so
+    that SQLite never creates it with its default ``0o644``.  An existing file is left as
+    it is.
+
+    Args:
+        database: the ``database`` part of a ``sqlite:///`` URL (a path; ``~`` expanded).
+            ``None``, ``""``, ``":memory:"`` and ``file:`` URIs are not files this creates.
+
+    Returns:
+        The path of the file, or ``None`` when ``database`` names no plain file.
+
+    Raises:
+        OSError: a directory or the file cannot be created (the caller names the URL).
+    """
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    path = Path(database).expanduser()
+    if os.path.lexists(path):
+        return path
+    missing: list[Path] = []
+    d = path.parent.absolute()
+    while not d.is_dir():
+        missing.append(d)
+        if d.parent == d:
+            break
+        d = d.parent
+    for m in reversed(missing):
+        try:
+            os.mkdir(m, 0o700)
+        except FileExistsError:
+            pass
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.close(fd)
+    return path
 
 
 def alembic_config(connection: sa.Connection | None = None) -> Config:
@@ -42,7 +87,16 @@ def current_revision(connection: sa.Connection) -> str | None:
 
 
 def upgrade(engine: sa.Engine, revision: str = "head") -> None:
-    """Bring the database behind ``engine`` to ``revision`` (default the head)."""
+    """Bring the database behind ``engine`` to ``revision`` (default the head).
+
+    A SQLite database file that does not exist yet is created owner-only first
+    (:func:`create_sqlite_file`).
+
+    Raises:
+        OSError: the SQLite file or its directory cannot be created.
+    """
+    if engine.dialect.name == "sqlite":
+        create_sqlite_file(engine.url.database)
     with engine.begin() as conn:
         command.upgrade(alembic_config(conn), revision)
 

@@ -37,7 +37,7 @@ Invariants kept here:
   equality is value equality on both sides.
 * Every value is a bound parameter; identifiers are constants or ``psycopg.sql``
   identifiers.  Passwords never appear in messages (libpq does not echo them; URLs go
-  through :func:`stash.url.safe_url`).
+  through :func:`stash.url.redact`).
 
 Source of the idea: the seed's ``Postgres`` stash (``003``): a fence row with epoch and
 nonce checked in every transaction, savepoint and readonly modes.
@@ -69,7 +69,7 @@ from stash.sql import (
     first_line,
 )
 from stash.txn import Row
-from stash.url import safe_url
+from stash.url import redact
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class PgOps(_Ops):
                 log.warning(
                     "stash %s: connection lost during COMMIT; the server reports "
                     "transaction %d committed",
-                    safe_url(stash._url),
+                    redact(stash._url),
                     tx.xid,
                 )
                 return
@@ -230,7 +230,7 @@ class PgOps(_Ops):
                 log.warning(
                     "stash %s: connection lost during COMMIT; the server reports "
                     "transaction %d aborted, running it again",
-                    safe_url(stash._url),
+                    redact(stash._url),
                     tx.xid,
                 )
                 raise _Transient(e) from None

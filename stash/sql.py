@@ -35,7 +35,7 @@ Invariants kept here:
   committed, against session-private (``TEMP``) copies of the stash tables taken at open:
   other handles see nothing and are never blocked by its row locks;
 * no message, log line or repr carries a password (URLs go through
-  :func:`stash.url.safe_url`).
+  :func:`stash.url.redact`).
 
 Source of the idea: the seed's ``Sqlite`` and ``Postgres`` stash backends (``003``).
 """
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import sqlite3
 import threading
@@ -63,9 +62,9 @@ from stash import schema
 from stash.base import Mode, Stash
 from stash.consolidation import DiffSumOverflow, diff_sums_fit
 from stash.errors import FenceError, IndeterminateError, MigrationRequired, StashError
-from stash.migrate import alembic_config, current_revision
+from stash.migrate import alembic_config, create_sqlite_file, current_revision
 from stash.txn import Row, Txn
-from stash.url import safe_url
+from stash.url import redact
 
 if TYPE_CHECKING:
     from sqlalchemy.pool import PoolProxiedConnection
@@ -94,9 +93,11 @@ class _Transient(Exception):
 
 
 def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (its type name if it has none)."""
+    """The first line of an exception's message (its type name if it has none), with
+    anything that looks like a credential hidden (:func:`stash.url.redact`): a driver's
+    message may quote a connection string."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    return redact(text.splitlines()[0]) if text else type(e).__name__
 
 
 def fence_error(mine: int, found: int | None) -> FenceError:
@@ -237,7 +238,7 @@ class SqlStash(Stash):
             raise
 
     def __repr__(self) -> str:
-        return f"SqlStash({safe_url(self._url)!r}, mode={self.mode!r}, fenced={self.fenced})"
+        return f"SqlStash({redact(self._url)!r}, mode={self.mode!r}, fenced={self.fenced})"
 
     # ------------------------------------------------------------ open helpers
     def _check_schema(self, auto_migrate: bool) -> None:
@@ -255,13 +256,13 @@ class SqlStash(Stash):
                         return
                     if not auto_migrate or found not in (None, *_older_revisions()):
                         raise MigrationRequired(
-                            f"database {safe_url(self._url)} is at schema revision "
+                            f"database {redact(self._url)} is at schema revision "
                             f"{found or 'none (empty database)'} but this code needs "
-                            f"{schema.SCHEMA_HEAD}; run: stash migrate '{safe_url(self._url)}'"
+                            f"{schema.SCHEMA_HEAD}; run: stash migrate '{redact(self._url)}'"
                         )
                     log.info(
                         "upgrading stash schema of %s from %s to %s",
-                        safe_url(self._url),
+                        redact(self._url),
                         found,
                         schema.SCHEMA_HEAD,
                     )
@@ -273,7 +274,7 @@ class SqlStash(Stash):
         nonce = secrets.token_bytes(16)
         self._epoch = self._run(True, lambda tx: _sql_txn(tx).bump_epoch(nonce))
         self._nonce = nonce
-        log.info("stash %s: took leader epoch %d", safe_url(self._url), self._epoch)
+        log.info("stash %s: took leader epoch %d", redact(self._url), self._epoch)
 
     def _open_savepoint(self) -> None:
         def open_sp() -> PoolProxiedConnection:
@@ -298,7 +299,7 @@ class SqlStash(Stash):
         except _Transient as t:
             log.info(
                 "stash %s: transient failure, running the transaction again: %s",
-                safe_url(self._url),
+                redact(self._url),
                 first_line(_driver_error(t.cause)),
             )
         retryer = tenacity.Retrying(
@@ -452,12 +453,10 @@ def _sqlite_engine(
     if not path.exists():
         if mode != "writable":
             raise StashError(f"sqlite stash file {path} does not exist")
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+            create_sqlite_file(str(path))
         except OSError as e:
             raise StashError(f"sqlite: cannot create {path}: {e.strerror}") from None
-        os.close(fd)
     engine = sa.create_engine(
         url.set(database=str(path)),
         pool_size=pool_size,

@@ -8,6 +8,7 @@ import os
 import random
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -337,17 +338,118 @@ def test_file_blob_readers_never_see_partial_values(tmp_path: Path) -> None:
     assert [k for k, _ in b.list_keys()] == ["hot"]
 
 
-def test_file_blob_ignores_foreign_files_and_symlinks(tmp_path: Path) -> None:
+def test_file_blob_ignores_foreign_files(tmp_path: Path) -> None:
     root = tmp_path / "r"
     b = FileBlob(root)
     b.set("a/real", b"1")
     (root / "a" / ".tmp-leftover").write_bytes(b"partial")
     (root / "a" / "bad name").write_bytes(b"?")
-    (tmp_path / "outside").write_bytes(b"secret")
-    os.symlink(tmp_path / "outside", root / "a" / "link")
+    (root / "a" / ".hidden-dir").mkdir()
+    (root / "a" / ".hidden-dir" / "x").write_bytes(b"?")
     assert b.list_keys() == [("a/real", 1)]
-    with pytest.raises(BlobError):
-        b.get("a/link")  # the final component is never followed
+
+
+def _outside_tree(tmp_path: Path) -> Path:
+    """A user's directory next to the blob root, with files whose names persist's GC
+    would take for old parts (``2023-...``) and for temporaries (``.tmp-...``), all
+    modified two hours ago."""
+    docs = tmp_path / "docs"
+    (docs / "b").mkdir(parents=True)
+    old = time.time() - 7200
+    for rel in ("2023-report.pdf", "b/2023-report.pdf", ".tmp-notes", "b/.tmp-draft"):
+        (docs / rel).write_bytes(b"user data " + rel.encode())
+        os.utime(docs / rel, (old, old))
+    return docs
+
+
+def _snapshot(d: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(d)): p.read_bytes() if p.is_file() else b"<dir>" for p in d.rglob("*")
+    }
+
+
+@pytest.mark.parametrize("link", ["shard", "shard/b"])
+def test_file_blob_never_follows_a_symlinked_directory(tmp_path: Path, link: str) -> None:
+    """Issue 19: a shard directory or a kind directory that is a symbolic link to a
+    directory outside the root: set, get, delete, list_keys and the temporaries' sweep
+    neither write, read, list nor delete anything through it, and name it."""
+    docs = _outside_tree(tmp_path)
+    before = _snapshot(docs)
+    b = FileBlob(tmp_path / "root")
+    b.set("other/b/1-x", b"kept")
+    if link == "shard/b":
+        (tmp_path / "root" / "shard").mkdir()
+    os.symlink(docs, tmp_path / "root" / link)
+    key_in_docs = "shard/b/2023-report.pdf"  # docs/b/... or docs/..., by where the link is
+    calls: list[Callable[[], object]] = [
+        lambda: b.set("shard/b/1700000000000-new.parquet", b"data"),
+        lambda: b.set(key_in_docs, b"overwritten"),
+        lambda: b.get(key_in_docs),
+        lambda: b.delete(key_in_docs),
+        lambda: b.list_keys("shard/"),
+        lambda: b.list_keys("shard/b/2"),
+        lambda: b.list_keys(""),
+    ]
+    if link == "shard":
+        calls.append(lambda: b.delete("shard/2023-report.pdf"))
+    for call in calls:
+        with pytest.raises(BlobError, match=f"'{link}' .* is a symbolic link"):
+            call()
+    assert b.sweep_temporaries("shard/", 0) == 0
+    assert b.sweep_temporaries("", 0) == 0
+    assert _snapshot(docs) == before
+    assert b.find_symlinks() == [link]
+    assert b.find_symlinks("shard/") == [link]
+    assert b.find_symlinks("other/") == []
+    assert b.list_keys("other/") == [("other/b/1-x", 4)]
+    assert (tmp_path / "root" / link).is_symlink()
+
+
+def test_file_blob_refuses_a_symlinked_key(tmp_path: Path) -> None:
+    docs = _outside_tree(tmp_path)
+    before = _snapshot(docs)
+    b = FileBlob(tmp_path / "root")
+    b.set("s/b/real", b"1")
+    os.symlink(docs / "2023-report.pdf", tmp_path / "root" / "s" / "b" / "2023-report.pdf")
+    os.symlink(docs / "b", tmp_path / "root" / "s" / "b" / ".hidden-link")
+    for call in (
+        lambda: b.get("s/b/2023-report.pdf"),
+        lambda: b.set("s/b/2023-report.pdf", b"x"),
+        lambda: b.delete("s/b/2023-report.pdf"),
+        lambda: b.list_keys("s/"),
+    ):
+        with pytest.raises(BlobError, match="'s/b/2023-report.pdf' .* is a symbolic link"):
+            call()
+    assert b.list_keys("s/b/r") == [("s/b/real", 1)]  # a link out of the prefix's range
+    assert b.find_symlinks() == ["s/b/.hidden-link", "s/b/2023-report.pdf"]
+    assert b.find_symlinks("s/b/2") == ["s/b/2023-report.pdf"]
+    assert (tmp_path / "root" / "s" / "b" / "2023-report.pdf").is_symlink()
+    assert _snapshot(docs) == before
+
+
+def test_file_blob_symlinked_root_is_resolved_once(tmp_path: Path) -> None:
+    """The root given may be a symbolic link: it is resolved at construction."""
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "alias")
+    b = FileBlob(tmp_path / "alias")
+    assert b.root == tmp_path / "real" and repr(b) == f"FileBlob({str(tmp_path / 'real')!r})"
+    b.set("a/b", b"v")
+    assert (tmp_path / "real" / "a" / "b").read_bytes() == b"v"
+    assert b.list_keys() == [("a/b", 1)] and b.find_symlinks() == []
+
+
+def test_file_blob_skips_and_refuses_special_files(tmp_path: Path) -> None:
+    """A FIFO where a value would be: listing skips it, get and delete refuse it
+    without blocking."""
+    b = FileBlob(tmp_path / "root")
+    b.set("s/real", b"1")
+    os.mkfifo(tmp_path / "root" / "s" / "fifo")
+    assert b.list_keys() == [("s/real", 1)]
+    with pytest.raises(BlobError, match="not a regular file"):
+        b.get("s/fifo")
+    with pytest.raises(BlobError, match="not a regular file"):
+        b.delete("s/fifo")
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "root" / "s" / "fifo").st_mode)
 
 
 def test_file_blob_key_over_a_file_fails_cleanly(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -260,3 +261,78 @@ def test_stash_password_never_in_persist_cli(postgres_url: str, tmp_path: Path) 
     res = CliRunner().invoke(main, ["--stash", down, "--blob", f"file://{tmp_path}/b", "shards"])
     assert res.exit_code == 1 and secret not in res.output
     assert "error:" in res.output
+
+
+def _user_docs(tmp_path: Path) -> Path:
+    """A user's directory outside the blob root holding files persist's GC would take
+    for abandoned parts (``2023-report.pdf``: "created" in 1970) and for temporaries of
+    interrupted uploads (``.tmp-*``), all last changed two hours ago."""
+    docs = tmp_path / "docs"
+    (docs / "b").mkdir(parents=True)
+    old = time.time() - 7200
+    for rel in ("2023-report.pdf", "b/2023-report.pdf", ".tmp-notes", "b/.tmp-draft"):
+        (docs / rel).write_bytes(b"the user's " + rel.encode())
+        os.utime(docs / rel, (old, old))
+    return docs
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["shard", "kind"])
+def test_symlinked_directories_under_the_blob_root_are_never_followed(
+    tmp_path: Path, where: str
+) -> None:
+    """Issue 19: ``<root>/<shard_id>`` or ``<root>/<shard_id>/b`` is a symbolic link to a
+    user's directory.  Appends, reads, GC (default one-hour grace) and the temporaries'
+    sweep through it fail with an error naming the link; the user's files outside the
+    root are all still there, unchanged, and nothing new appears next to them."""
+    docs = _user_docs(tmp_path)
+    before = _files(docs)
+    root = tmp_path / "blob"
+    attempts = refused = 0
+    errors: list[str] = []
+    with Stash.open(f"sqlite:///{tmp_path}/s.db", fenced=False) as stash:
+        client = PersistClient(stash, FileBlob(root), compaction="off", inline_max_bytes=0)
+        w, r = client.open("victim", KS, VS)
+        w.compare_and_append([(((1,), ("x" * 100,)), 0, 1)], 0, 1)
+        sid = client.shard_id("victim")
+        link = sid if where == "shard" else f"{sid}/b"
+        # Move the shard's real files aside and put the link in their place.
+        os.rename(root / link, tmp_path / "moved-aside")
+        os.symlink(docs, root / link)
+        fsck_view = client.raw_blob.find_symlinks(f"{sid}/")  # type: ignore[attr-defined]
+        assert fsck_view == [link]
+        for fn in (
+            lambda: w.compare_and_append([(((2,), ("y" * 100,)), 1, 1)], 1, 2),
+            lambda: r.snapshot(0),
+            lambda: collect_garbage(client, "victim"),
+            lambda: collect_garbage(client, "victim", grace_seconds=0),
+            lambda: client.compactor.compact_once("victim"),
+        ):
+            attempts += 1
+            try:
+                fn()
+            except PersistError as e:
+                refused += 1
+                errors.append(str(e))
+        swept = client.raw_blob.sweep_temporaries(f"{sid}/", 0)  # type: ignore[attr-defined]
+        client.close()
+    # First: nothing outside the root was written, changed or deleted.
+    assert _files(docs) == before, "a file outside the blob root was changed or deleted"
+    assert swept == 0
+    # Then: every refusal names the link.
+    unclear = [m for m in errors if "symbolic link" not in m or link not in m]
+    assert not unclear, unclear
+    assert refused >= 3  # the append (it uploads) and both GC passes (they list)
+    record(
+        f"security: symlinked {where} directory under the blob root (append, read, GC, sweep)",
+        runs=attempts,
+        faults=refused,
+        acknowledged=0,
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=0,
+    )

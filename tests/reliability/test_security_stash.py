@@ -4,13 +4,18 @@ embedded database readable by its owner only."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
+from campaign import record
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy.engine import make_url
 
 from stash import Antichain, Stash, StashError
@@ -82,3 +87,291 @@ def test_password_never_shown(postgres_url: str, caplog: pytest.LogCaptureFixtur
     assert res.exit_code == 1 and secret not in res.output
     assert secret not in safe_url(postgres_url)
     assert "***" in safe_url(postgres_url)
+
+
+PLANTED = "Planted-Secret-9f3Kq"  # a password planted where a URL may carry one
+
+
+def _leaked(texts: list[str], *secrets: str) -> list[tuple[str, str]]:
+    return [(s, t[:300]) for t in texts for s in secrets if s and s in t]
+
+
+@pytest.mark.postgres
+def test_password_as_query_parameter_never_shown(
+    postgres_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 19: the password given as ``?password=`` (libpq accepts it) and planted
+    ``sslpassword``/``passfile`` values appear in no repr, log line (DEBUG), CLI output
+    (tables, titles, JSON, errors) or error message; neither does the password of a URL
+    missing ``//``."""
+    from dbutil import migrate_to_head
+
+    from persist import PersistClient
+    from persist.cli import main as persist_main
+
+    migrate_to_head(postgres_url)
+    u = make_url(postgres_url)
+    secret = u.password
+    assert secret
+    query = {"password": secret, "sslpassword": PLANTED + "-ssl"}
+    qurl = u.set(password=None).update_query_dict(query).render_as_string(hide_password=False)
+    down = (
+        u.set(password=None, port=1).update_query_dict(query).render_as_string(hide_password=False)
+    )
+    assert secret in qurl and secret in down
+    caplog.set_level(logging.DEBUG)
+    shown: list[str] = []
+    with Stash.open(qurl) as s:  # fenced writable: logs "took leader epoch"
+        s.collection("c")
+        shown.append(repr(s))
+        client = PersistClient(s, "memory://", compaction="off")
+        shown.append(repr(client))
+        client.close()
+    assert "took leader epoch" in caplog.text
+    runner = CliRunner()
+    for args in (
+        ["-v", "migrate", qurl],
+        ["-v", "collections", qurl],
+        ["collections", qurl, "--json"],
+        ["peek", qurl, "c"],
+        ["peek", qurl, "missing"],
+        ["-v", "migrate", down],
+        ["collections", down],
+    ):
+        res = runner.invoke(main, args)
+        shown.append(res.output)
+        if res.exception is not None and not isinstance(res.exception, SystemExit):
+            shown.append(repr(res.exception))
+    for args in (["--stash", qurl, "--blob", "memory://", "-v", "shards"],):
+        shown.append(runner.invoke(persist_main, args).output)
+    shown.append(
+        runner.invoke(persist_main, ["--stash", down, "--blob", "memory://", "shards"]).output
+    )
+    for bad in (
+        down,
+        f"postgresql+psycopg:/{u.username}:{PLANTED}@{u.host}:{u.port}/db",
+        f"postgresql+psycopg:{u.username}:{PLANTED}@{u.host}/db",
+        f"postgresql+psycopg//{u.username}:{PLANTED}@{u.host}/db",
+    ):
+        with pytest.raises(StashError) as e:
+            Stash.open(bad)
+        shown += [str(e.value), repr(e.value)]
+        res = runner.invoke(main, ["collections", bad])
+        assert res.exit_code == 1
+        shown.append(res.output)
+    shown.append(caplog.text)
+    leaked = _leaked(shown, secret, PLANTED)
+    assert not leaked, leaked
+    assert any("password=***" in t for t in shown)
+    record(
+        "security: stash passwords in URL query parameters and malformed URLs (reprs, "
+        "DEBUG logs, CLI output, errors)",
+        runs=len(shown),
+        faults=0,
+        acknowledged=0,
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=len(leaked),
+    )
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("postgresql+psycopg://u@h/db?password=SEKRIT", "postgresql+psycopg://u@h/db?password=***"),
+        ("postgresql+psycopg://u:SEKRIT@h/db", "postgresql+psycopg://u:***@h/db"),
+        (
+            "postgresql+psycopg://u@h/db?sslpassword=SEKRIT&passfile=/x/SEKRIT&sslmode=require",
+            "postgresql+psycopg://u@h/db?sslpassword=***&passfile=***&sslmode=require",
+        ),
+        ("postgresql+psycopg:/u:SEKRIT@h/db", "postgresql+psycopg:/u:***@h/db"),
+        (
+            "s3://AKIASEKRIT:SEKRIT@bucket/p?session_token=SEKRIT",
+            "s3://***@bucket/p?session_token=***",
+        ),
+        ("sqlite:///var/x.db", "sqlite:///var/x.db"),
+        (
+            "error: could not connect host=h password=SEKRIT user=u",
+            "error: could not connect host=h password=*** user=u",
+        ),
+    ],
+)
+def test_redact_is_the_one_redaction(url: str, shown: str) -> None:
+    from persist.blob import redact_uri
+    from stash import redact
+
+    assert redact(url) == shown and "SEKRIT" not in redact(url)
+    assert safe_url is redact and redact_uri is redact
+    if url.startswith("postgresql+psycopg://"):  # a parsed URL object too
+        assert "SEKRIT" not in redact(make_url(url)) and "***" in redact(make_url(url))
+
+
+def test_sqlite_files_owner_only_whoever_creates_them(tmp_path: Path) -> None:
+    """Issue 19: ``stash migrate`` (into a directory that does not exist yet) and a plain
+    ``alembic upgrade`` create the SQLite file ``0600`` (and so its ``-wal`` and ``-shm``)
+    in ``0700`` directories, even under umask 022."""
+    from alembic.config import main as alembic_main
+
+    from stash.migrate import MIGRATIONS_DIR
+
+    old = os.umask(0o022)
+    checked = 0
+    bad: list[tuple[str, str]] = []
+    try:
+        in_existing_dir = tmp_path / "existing.db"
+        res = CliRunner().invoke(main, ["migrate", f"sqlite:///{in_existing_dir}"])
+        assert res.exit_code == 0, res.output
+        mode = stat.S_IMODE(os.stat(in_existing_dir).st_mode)
+        assert mode == 0o600, f"stash migrate created {in_existing_dir.name} {oct(mode)}"
+        via_cli = tmp_path / "new" / "dir" / "cli.db"
+        res = CliRunner().invoke(main, ["migrate", f"sqlite:///{via_cli}"])
+        assert res.exit_code == 0, res.output
+        via_alembic = tmp_path / "other" / "alembic.db"
+        alembic_main(
+            argv=[
+                "-c",
+                str(MIGRATIONS_DIR / "alembic.ini"),
+                "-x",
+                f"url=sqlite:///{via_alembic}",
+                "upgrade",
+                "head",
+            ]
+        )
+        for db in (via_cli, via_alembic):
+            with Stash.open(f"sqlite:///{db}") as s:  # WAL mode: -wal and -shm appear
+                c = s.collection("c")
+                s.update(c, ("k", "v"), 0, 1)
+                names = sorted(p.name for p in db.parent.iterdir())
+                assert f"{db.name}-wal" in names and f"{db.name}-shm" in names, names
+                for p in db.parent.iterdir():
+                    checked += 1
+                    mode = stat.S_IMODE(os.stat(p).st_mode)
+                    if mode != 0o600:
+                        bad.append((p.name, oct(mode)))
+        for d in (tmp_path / "new", tmp_path / "new" / "dir", tmp_path / "other"):
+            checked += 1
+            mode = stat.S_IMODE(os.stat(d).st_mode)
+            if mode != 0o700:
+                bad.append((d.name, oct(mode)))
+    finally:
+        os.umask(old)
+    assert not bad, bad
+    record(
+        "security: SQLite files owner-only whoever creates them (stash migrate, alembic)",
+        runs=2,
+        faults=0,
+        acknowledged=checked,
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=len(bad),
+    )
+
+
+EVIL_KEY = "k\x1b[2J\x1b]0;pwned\x07\r\u202eend"
+EVIL_NAME = "[link=https://evil.example]click[/link]"
+EVIL_VALUE = "[bold red]loud[/bold red] \x1b[31mred\\x1b"
+
+
+def test_cli_tables_are_inert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19: stored text reaches the terminal inert through ``stash`` and
+    ``persist`` tables: control characters are shown escaped as ``repr`` shows them
+    (no ESC, BEL or CR is printed), rich markup in names, keys and values is shown
+    literally (never a link or a style), and ``--json`` keeps the exact values."""
+    import pyarrow as pa
+
+    import stash.cli
+    from persist import PersistClient
+    from persist.cli import main as persist_main
+
+    monkeypatch.setattr(stash.cli.console, "width", 400)  # no wrapping inside a cell
+    url = f"sqlite:///{tmp_path}/s.db"
+    with Stash.open(url) as s:
+        c = s.collection(EVIL_NAME)
+        s.update_many(c, [((EVIL_KEY, EVIL_VALUE), 0, 1), ((EVIL_NAME, {EVIL_NAME: 1}), 0, 1)])
+        s.seal(c, Antichain.from_elem(1))
+        client = PersistClient(s, f"file://{tmp_path}/blob", compaction="off")
+        client.open("inert", pa.schema([(EVIL_NAME, pa.int64())]), pa.schema([("v", pa.string())]))
+        client.close()
+    runner = CliRunner()
+    outputs = {
+        "collections": runner.invoke(main, ["collections", url]),
+        "peek": runner.invoke(main, ["peek", url, EVIL_NAME]),
+        "iter": runner.invoke(main, ["iter", url, EVIL_NAME]),
+        "missing": runner.invoke(main, ["peek", url, EVIL_KEY]),
+        "persist inspect": runner.invoke(
+            persist_main, ["--stash", url, "--blob", f"file://{tmp_path}/blob", "inspect", "inert"]
+        ),
+    }
+    problems: list[str] = []
+    for what, res in outputs.items():
+        out = res.output
+        for ch in ("\x1b", "\x07", "\r", "\u202e"):
+            if ch in out:
+                problems.append(f"{what}: prints {ch!r}")
+        if what != "missing" and EVIL_NAME not in out:
+            problems.append(f"{what}: markup interpreted, {EVIL_NAME!r} not shown literally")
+    assert "\\x1b[2J\\x1b]0;pwned\\x07\\r\\u202eend" in outputs["peek"].output
+    assert "[bold red]loud[/bold red] \\x1b[31mred\\\\x1b" in outputs["peek"].output
+    assert outputs["missing"].exit_code == 1
+    assert not problems, problems
+    res = runner.invoke(main, ["peek", url, EVIL_NAME, "--json"])
+    assert json.loads(res.output) == [
+        {"key": EVIL_NAME, "value": {EVIL_NAME: 1}, "diff": 1},
+        {"key": EVIL_KEY, "value": EVIL_VALUE, "diff": 1},
+    ]
+    record(
+        "security: terminal control sequences and rich markup in CLI tables",
+        runs=len(outputs) + 1,
+        faults=0,
+        acknowledged=0,
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=len(problems),
+    )
+
+
+def test_malformed_url_errors_hide_the_password() -> None:
+    """Issue 19: a stash URL missing ``//`` was echoed whole in "malformed stash URL"."""
+    for bad in (
+        f"postgresql+psycopg:/user:{PLANTED}@host/db",
+        f"postgresql+psycopg:user:{PLANTED}@host/db",
+        f"postgresql+psycopg//user:{PLANTED}@host/db",
+    ):
+        with pytest.raises(StashError, match="malformed stash URL") as e:
+            Stash.open(bad)
+        assert PLANTED not in str(e.value) and PLANTED not in repr(e.value)
+        res = CliRunner().invoke(main, ["peek", bad, "c"])
+        assert res.exit_code == 1 and "malformed stash URL" in res.output
+        assert PLANTED not in res.output
+
+
+_SECRET_CHARS = st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="'\"")
+
+
+@settings(max_examples=150, deadline=None)
+@given(secret=st.text(_SECRET_CHARS, min_size=4, max_size=24).map(lambda s: "Zq" + s))
+def test_redact_never_lets_a_planted_secret_through(secret: str) -> None:
+    """Property: a secret planted in any of the URL forms that carry one (user info,
+    ``password``/``sslpassword``/``passfile`` parameters, a URL missing ``//``, S3
+    keys and query values, a libpq conninfo string, text quoting a URL) never survives
+    :func:`stash.redact`, written as is or percent-encoded."""
+    from stash import redact
+
+    q = quote(secret, safe="")
+    forms = [
+        f"postgresql+psycopg://user:{q}@host:5432/db",
+        f"postgresql+psycopg://user@host/db?password={q}",
+        f"postgresql+psycopg://user@host/db?sslmode=require&sslpassword={q}&passfile={q}",
+        f"postgresql+psycopg:/user:{secret}@host/db",
+        f"s3://{q}:{q}@bucket/prefix?session_token={q}&region=x",
+        f"could not connect: host=h password={secret} user=u",
+        f"migrate postgresql+psycopg://user:{secret}@host/db failed",
+    ]
+    for form in forms:
+        shown = redact(form)
+        assert secret not in shown and q not in shown, (form, shown)
+    shown = redact(f"an error quoting only the value {secret} and {q}", url=forms[1])
+    assert secret not in shown and q not in shown

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from stash import Antichain, Stash
@@ -62,7 +63,7 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/s.db"
     _seed(url)
     res = r.invoke(main, ["peek", url, "nope"])
-    assert res.exit_code == 1 and "collection nope does not exist" in res.output
+    assert res.exit_code == 1 and "collection 'nope' does not exist" in res.output
 
 
 def test_cli_hides_password(postgres_url: str) -> None:
@@ -73,3 +74,38 @@ def test_cli_hides_password(postgres_url: str) -> None:
     res = CliRunner().invoke(main, ["collections", bad])
     assert res.exit_code == 1
     assert "s3cret-pw" not in res.output
+
+
+def test_printable_escapes_as_repr_does() -> None:
+    from stash.cli import printable
+
+    assert printable("plain text, é, 数") == "plain text, é, 数"
+    assert printable("a\x1b[2Jb\x07\r\n\t\u2028\u202e") == "a\\x1b[2Jb\\x07\\r\\n\\t\\u2028\\u202e"
+    assert printable("C:\\dir") == "C:\\\\dir"  # unambiguous: a literal backslash doubles
+    assert printable("C:\\dir\x1b", backslashes=False) == "C:\\dir\\x1b"
+    for s in ("x\x1by", "\x00\x7f\x9b", "tab\there"):
+        assert printable(s) == repr(s)[1:-1]
+
+
+def test_cli_shows_markup_literally(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import stash.cli
+
+    monkeypatch.setattr(stash.cli.console, "width", 300)
+    url = f"sqlite:///{tmp_path}/s.db"
+    name = "[link=https://evil.example]orders[/link] [bold]x[/bold]"
+    with Stash.open(url) as s:
+        c = s.collection(name)
+        s.update(c, ("[red]k[/red]", "\x1b]0;title\x07"), 0, 1)
+        s.seal(c, Antichain.from_elem(1))
+    r = CliRunner()
+    res = r.invoke(main, ["collections", url])
+    assert res.exit_code == 0 and name in res.output
+    res = r.invoke(main, ["iter", url, name])
+    assert res.exit_code == 0
+    assert "iter [link=https://evil.example]orders[/link]" in res.output  # the title
+    assert "[red]k[/red]" in res.output
+    assert "\\x1b]0;title\\x07" in res.output and "\x1b" not in res.output
+    res = r.invoke(main, ["iter", url, name, "--json"])
+    assert json.loads(res.output) == [
+        {"key": "[red]k[/red]", "value": "\x1b]0;title\x07", "time": 0, "diff": 1}
+    ]

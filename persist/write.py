@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -42,12 +42,14 @@ from persist.errors import (
     InvalidBatchBounds,
     InvalidBounds,
     InvalidUsage,
+    PartsMissing,
     PersistError,
     UpdateBeyondUpper,
     UpdateNotBeyondLower,
     UpperMismatch,
 )
 from persist.handle import ShardHandle
+from persist.keys import key_writer_id, part_name_prefix
 from persist.parts import (
     TIME,
     consolidate_order,
@@ -56,7 +58,7 @@ from persist.parts import (
 )
 from persist.read import read_batch
 from persist.spine import FueledMergeReq
-from persist.state import ShardState
+from persist.state import LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain
 
@@ -111,6 +113,12 @@ class WriteHandle(ShardHandle):
     ) -> None:
         super().__init__(client, machine, name, writer_id, key_schema, value_schema, lease_seconds)
         self.writer_id = writer_id
+        # Writer lease (persist.gc): registered before the first upload; once
+        # registered, a writer found missing or expired is never registered again.
+        self._registered = False
+        self._last_heartbeat_ms = 0
+        self._fresh_batch: Batch | None = None  # parts compare_and_append just wrote
+        self._lent = 0  # builders handed out whose batch this handle has not appended
 
     # ---------------------------------------------------------------- frontiers
     @property
@@ -120,10 +128,98 @@ class WriteHandle(ShardHandle):
 
     # ------------------------------------------------------------------- writing
     def _key_prefix(self, kind: str = "b") -> str:
-        """The stem of a batch's blob keys, ``<shard_id>/<kind>/<unix ms>-<random>``;
-        its parts are ``<stem>-<uuid>.parquet`` (see :mod:`persist.gc`): one flat
-        directory per shard and kind, so an upload creates no directory."""
-        return f"{self.shard_id}/{kind}/{self._machine.now_ms()}-{uuid.uuid4().hex[:16]}"
+        """The stem of a run's blob keys, ``<shard_id>/<kind>/<writer id>-<unix ms>``,
+        stamped now (call it per run); its parts are ``<stem>-<uuid>.parquet`` (see
+        :mod:`persist.keys`): one flat directory per shard and kind."""
+        name = part_name_prefix(self.writer_id, self._machine.now_ms())
+        return f"{self.shard_id}/{kind}/{name[:-1]}"
+
+    # -------------------------------------------------------------------- lease
+    def _writer_fn(self, now: int) -> Callable[[ShardState, bool], tuple[None, bool]]:
+        wid, lease, registered = self.writer_id, self._lease_ms, self._registered
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if registered:
+                try:
+                    st.check_writer_live(wid, now)
+                except LeaseExpired:
+                    if not fresh:
+                        raise Stale() from None
+                    raise
+            st.heartbeat_writer(wid, now, lease)
+            return None, True
+
+        return fn
+
+    def heartbeat(self) -> None:
+        """Register this writer in the shard state, or renew its lease.  A writer that
+        keeps a builder or a written batch open must heartbeat within its lease
+        duration: the parts of a live writer are never deleted by GC, whatever their
+        age; those of a writer whose lease ran out may be.
+
+        Raises:
+            LeaseExpired: the lease already ran out (or the writer was expired): this
+                handle can append nothing any more; open a new writer.
+            ConsensusError: the stash failed.
+        """
+        self._check()
+        now = self._machine.now_ms()
+        self._machine.apply(self._writer_fn(now), keep=(self.writer_id,))
+        self._registered = True
+        self._last_heartbeat_ms = now
+
+    def _ensure_registered(self) -> None:
+        """Called before an upload: register the writer, or renew a lease past a
+        quarter of its duration."""
+        if not self._registered or (
+            self._machine.now_ms() - self._last_heartbeat_ms > self._lease_ms // 4
+        ):
+            self.heartbeat()
+
+    def _check_appendable(self, batches: Sequence[Batch]) -> set[str]:
+        """Before an append of pre-written ``batches``: every blob part they reference
+        must exist (one listing per writer whose parts they hold).  Returns the writers
+        the parts name, which must be live when the append commits.
+
+        Raises:
+            PartsMissing: a part is not in the blob store (nothing is committed).
+        """
+        owners: set[str] = set()
+        keys = [k for b in batches if b is not self._fresh_batch for k in b.blob_keys()]
+        for b in batches:
+            owners.update(w for k in b.blob_keys() if (w := key_writer_id(k)) is not None)
+        if not keys:
+            return owners
+        prefixes: dict[str, list[str]] = {}
+        for k in keys:
+            w = key_writer_id(k)
+            prefix = k if w is None else k[: k.index(w) + len(w) + 1]
+            prefixes.setdefault(prefix, []).append(k)
+        missing: list[str] = []
+        blob = self._client.blob
+        for prefix, ks in prefixes.items():
+            present = {k for k, _ in blob.list_keys(prefix)}
+            missing.extend(k for k in ks if k not in present)
+        if missing:
+            raise PartsMissing(self.shard_id, sorted(missing))
+        return owners
+
+    def _check_owners(self, st: ShardState, owners: set[str], fresh: bool, now: int) -> None:
+        """In the append's transition: this writer (once registered) and every writer
+        whose parts the append references must be live (else GC may have deleted
+        parts)."""
+        need = set(owners)
+        if self._registered:
+            need.add(self.writer_id)
+        for wid in sorted(need):
+            try:
+                st.check_writer_live(wid, now)
+            except LeaseExpired as e:
+                if not fresh:
+                    raise Stale() from None
+                if wid == self.writer_id:
+                    raise
+                raise LeaseExpired(self.shard_id, wid, "writer of an appended batch") from e
 
     def _inline_max(self) -> int:
         """Inline writes are allowed while the state holds less than the total budget."""
@@ -152,12 +248,15 @@ class WriteHandle(ShardHandle):
             max_workers=c.write_workers,
             order=order,
             name_prefix=name + "-",
+            before_upload=self._ensure_registered,
         )
 
     def builder(self, lower: Antichain | int) -> BatchBuilder:
         """A :class:`BatchBuilder` for a batch starting at ``lower``."""
         self._check()
-        return BatchBuilder(self, _frontier(lower, "lower"))
+        b = BatchBuilder(self, _frontier(lower, "lower"))
+        self._lent += 1
+        return b
 
     def batch(self, updates: Updates, lower: Antichain | int, upper: Antichain | int) -> Batch:
         """Write ``updates`` as a batch ``[lower, upper)`` without appending it.
@@ -225,12 +324,15 @@ class WriteHandle(ShardHandle):
             len=sum(p.rows for p in run),
         )
         batch = Batch(self._client.blob, self.shard_id, hollow)
+        self._fresh_batch = batch  # its parts were just written: no existence check
         try:
             self.compare_and_append_batch([batch], expected, new)
         except PersistError as e:
             if not e.is_indeterminate():
                 batch.delete()
             raise
+        finally:
+            self._fresh_batch = None
 
     def append(self, updates: Updates, lower: Antichain | int, upper: Antichain | int) -> None:
         """Append ``updates`` at ``[lower, upper)``: the shard's upper must be ``lower``
@@ -318,6 +420,7 @@ class WriteHandle(ShardHandle):
                     f"batch [{b.lower}, {b.upper}) does not lie within the append "
                     f"[{expected}, {new}) of shard {self.shard_id}"
                 )
+        owners = self._check_appendable(batches)  # persist.gc: parts exist, owners live
         if expected == new:
             pieces: list[HollowBatch] = []
         else:
@@ -340,6 +443,7 @@ class WriteHandle(ShardHandle):
             if not pieces:
                 return [], False
             now = machine.now_ms()
+            self._check_owners(st, owners, fresh, now)
             for res in merges:
                 if not st.contains_batch(res.output):
                     st.apply_merge_res(res, now)
@@ -354,6 +458,16 @@ class WriteHandle(ShardHandle):
             if merges and not e.is_indeterminate():
                 machine.offer_merge_results(merges)  # still candidates; else GC's
             raise
+        if pieces:
+            self._registered = True  # append_batch registered or renewed this writer
+            self._last_heartbeat_ms = machine.now_ms()
+        own = sum(
+            1
+            for b in batches
+            if b is not self._fresh_batch
+            and all(key_writer_id(k) == self.writer_id for k in b.blob_keys())
+        )
+        self._lent = max(0, self._lent - own)
         if merges:
             self._client.compactor.release_outputs(machine, merges)
         for b in batches:
@@ -362,10 +476,25 @@ class WriteHandle(ShardHandle):
             self._client._on_merge_reqs(machine, reqs)
 
     def expire(self) -> None:
-        """Unregister this writer from the shard state.  Idempotent."""
+        """Unregister this writer from the shard state (GC may then delete the parts it
+        left behind, once older than the grace period).  Idempotent.
+
+        A writer whose builders produced batches it did not append itself (e.g. batches
+        transmitted to another process, which appends them) is not unregistered: its
+        lease runs out by itself, so the receiver can append them within the lease.
+        """
         if self._expired:
             return
         self._expired = True
+        if self._lent > 0:
+            log.info(
+                "writer %s of shard %s handed out %d batch(es) it did not append: its "
+                "lease is left to run out",
+                self.writer_id,
+                self.shard_id,
+                self._lent,
+            )
+            return
 
         def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
             return None, st.expire_writer(self.writer_id)
@@ -397,7 +526,6 @@ class BatchBuilder:
         self._parts: list[PartRef] = []
         self._runs: list[int] = []
         self._max_time: int | None = None
-        self._prefix = handle._key_prefix()
         self._finished = False
 
     def add(self, updates: Updates) -> None:
@@ -426,7 +554,7 @@ class BatchBuilder:
             return
         table = pa.concat_tables(self._buffer)
         self._buffer, self._buffered_bytes = [], 0
-        run = self._h._write_run(table, self._prefix)
+        run = self._h._write_run(table, self._h._key_prefix())  # stamped per run
         if run:
             if self._parts:
                 self._runs.append(len(self._parts))

@@ -6,7 +6,6 @@ and one-row appends kept inline with the client's defaults."""
 from __future__ import annotations
 
 import time
-
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any

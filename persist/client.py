@@ -11,6 +11,11 @@ Invariants kept here:
 * a shard name maps to exactly one ShardId, for every process (the registry in
   consensus); the shard's key and value schemas are fixed when it is created: opening it
   with other schemas fails with an error naming both, and changes nothing;
+* names and ids are separate namespaces: every API taking a shard reference
+  (:meth:`PersistClient.shard_id`) reads a plain string as a name, even one shaped like
+  a ShardId; an id is written ``id:<shard id>``;
+* a finalized shard (:meth:`PersistClient.finalize_shard`) is a tombstone: it is never
+  opened again, and its parts are deleted;
 * all handles of one shard in one client share one state machine (one cached version);
 * compaction never fails an append: merge errors are logged, the merge request stays in
   the trace and is answered later (``compact_once`` re-issues every outstanding one).

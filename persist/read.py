@@ -16,6 +16,10 @@ Invariants kept here:
   ``<= as_of``, consolidated, one row per distinct (key, value) with ``_time = as_of`` and
   its summed ``_diff``, rows summing to zero absent; it needs ``since <= as_of < upper``
   (``SinceViolation`` / ``InvalidUsage``), or waits for the upper with ``wait=True``;
+* a reader holds a *seqno* in the state (its lease's seqno hold): never later than the
+  oldest version a read of this handle is using (a ``snapshot`` in progress, the last
+  ``snapshot_batches``), so GC keeps every part those versions reference; a snapshot
+  that meets a missing part re-reads the state and retries before it reports it;
 * a :class:`Listen` emits every update with time ``> as_of`` exactly once, in time
   order of the batches' uppers, each ``updates`` event followed by the ``progress``
   frontier it completes; its own lease holds the since at most at the last progress

@@ -19,6 +19,12 @@ Invariants kept here:
   version, so a committed append is recognised and reported as success; if the outcome
   still cannot be learned, a ``ConsensusError`` with ``is_indeterminate()`` is raised and
   the parts are left in place (GC collects them if the append did not land);
+* a writer is registered in the shard state (its lease) before its first upload, and
+  its parts' keys name it (:mod:`persist.keys`), stamped when each run is written; GC
+  never deletes a live writer's parts; a writer whose lease ran out is never
+  registered again, and ``compare_and_append_batch`` refuses, committing nothing, a
+  batch whose parts are gone or whose writer is not live (``PartsMissing``,
+  ``LeaseExpired``);
 * a :class:`BatchBuilder` checks times at ``add`` (``>= lower``) and ``finish``
   (``< upper``), and writes each flushed chunk as one sorted run.
 

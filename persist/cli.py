@@ -158,7 +158,8 @@ def shards(ctx: click.Context, as_json: bool) -> None:
 @click.option("--state", "full_state", is_flag=True, help="With --json: the whole state.")
 @click.pass_context
 def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> None:
-    """Show a shard (name or id): since, upper, seqno, batches, parts, rows, bytes."""
+    """Show a shard (a name, or id:<shard id>): since, upper, seqno, batches, parts, rows,
+    bytes."""
 
     def run() -> None:
         with _client(ctx, readonly=True) as c:

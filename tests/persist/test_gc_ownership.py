@@ -426,3 +426,18 @@ def test_drop_tombstones_the_shard_and_deletes_its_parts(tmp_path: Path) -> None
         _w, rk = c.open("kept", KS, VS)  # other shards are untouched
         assert rows(rk.snapshot(0)) == [(1, "a", 1)]
         c.close()
+
+
+def test_fsck_reports_symlinks_when_the_blob_store_can_find_them(stash: Stash) -> None:
+    clock = Clock()
+
+    class LinkingBlob(MemoryBlob):
+        def find_symlinks(self, prefix: str = "") -> list[str]:
+            return [k for k in ("x/evil", f"{prefix}b/link") if k.startswith(prefix)]
+
+    c = client(stash, LinkingBlob(), clock)
+    w, _r = c.open("links", KS, VS)
+    w.compare_and_append([upd(1, "a", 0)], 0, 1)
+    report = fsck(c, "links")
+    assert not report.ok and report.symlinks == [f"{w.shard_id}/b/link"]
+    assert any("symbolic link" in line for line in report.damage())

@@ -367,6 +367,31 @@ class ReadHandle(ShardHandle):
         if self._machine.now_ms() - self._last_heartbeat_ms > self._lease_ms // 4:
             self.heartbeat()
 
+    def detach(self) -> None:
+        """Hand the parts of the last :meth:`snapshot_batches` to readers elsewhere
+        (e.g. Spark executors reading what a driver planned): this reader stops holding
+        the since back, keeps its seqno hold until its lease runs out (the client's
+        ``reader_lease_seconds`` from now), so GC deletes none of those parts meanwhile,
+        and becomes unusable here (closing the client does not expire it).
+
+        Raises:
+            LeaseExpired: the reader's lease already ran out.
+        """
+        self._check()
+        now = self._machine.now_ms()
+        hold = self._seqno_hold()
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if self.reader_id not in st.readers and not fresh:
+                raise Stale()
+            st.detach_reader(self.reader_id, now, hold)
+            return None, True
+
+        self._machine.apply(fn, keep=(self.reader_id,))
+        self._expired = True
+        self._client._handles.discard(self)
+        self._client._notify_compactor(self.shard_id)
+
     def expire(self) -> None:
         """Release the lease (the since hold goes away).  The handle is unusable after.
         Idempotent."""

@@ -19,7 +19,8 @@ Invariants kept here (every transition keeps them or raises before changing anyt
   dropped by :meth:`ShardState.expire_leases` (its hold stops holding the since back);
 * a reader also holds a *seqno*: the oldest version it may still be reading; it only
   advances, never past the version it is written in, so GC never deletes a blob key a
-  version at or after a live reader's seqno hold references;
+  version at or after a live reader's seqno hold references; a *seqno-only* lease
+  (:meth:`ShardState.detach_reader`) keeps its seqno hold but holds no since;
 * a writer id is registered over one contiguous interval: a handle whose lease ran out
   is never registered again (GC may have deleted its parts), and an output of a
   compactor that is no longer live is never applied;
@@ -57,6 +58,7 @@ from persist.types import HollowBatch
 from stash import Antichain
 
 __all__ = [
+    "SEQNO_ONLY",
     "LeaseExpired",
     "ReaderState",
     "ShardState",
@@ -71,6 +73,11 @@ _META = "meta"
 _TRACE_MAPS = ("hollow_batches", "spine_batches")
 _READER = "reader/"
 _WRITER = "writer/"
+
+
+#: The purpose of a reader lease that holds a seqno but no since (see
+#: :meth:`ShardState.detach_reader`).
+SEQNO_ONLY = "seqno hold"
 
 
 class LeaseExpired(InvalidUsage):
@@ -427,12 +434,33 @@ class ShardState:
             self._recompute_since()
         return bool(dead_r or dead_w)
 
+    def detach_reader(self, reader_id: str, now_ms: int, seqno: int | None) -> None:
+        """Turn the reader into a *seqno-only* lease (purpose :data:`SEQNO_ONLY`): it
+        keeps its seqno hold (advanced to ``seqno``, see :meth:`heartbeat_reader`) until
+        its lease runs out, but no longer holds the since back (for a planner whose
+        listed parts others read after it is gone: the parts stay, whatever compaction
+        does meanwhile).
+
+        Raises:
+            LeaseExpired: the reader is not registered.
+        """
+        r = self.reader(reader_id)
+        self.readers[reader_id] = replace(
+            r,
+            last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms),
+            seqno=self._seqno_hold(r, seqno),
+            purpose=SEQNO_ONLY,
+        )
+        self._recompute_since()
+
     def _recompute_since(self) -> bool:
         """Advance the trace's since to the meet of the readers' holds (never backwards;
-        with no reader the since stays where it is).  Returns whether it moved."""
-        if not self.readers:
+        with no reader the since stays where it is; seqno-only leases hold no since).
+        Returns whether it moved."""
+        holders = [r for r in self.readers.values() if r.purpose != SEQNO_ONLY]
+        if not holders:
             return False
-        holds = iter(self.readers.values())
+        holds = iter(holders)
         meet = next(holds).since
         for r in holds:
             meet = meet.meet(r.since)

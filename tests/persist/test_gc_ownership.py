@@ -441,3 +441,26 @@ def test_fsck_reports_symlinks_when_the_blob_store_can_find_them(stash: Stash) -
     report = fsck(c, "links")
     assert not report.ok and report.symlinks == [f"{w.shard_id}/b/link"]
     assert any("symbolic link" in line for line in report.damage())
+
+
+def test_a_detached_planner_keeps_its_parts_but_not_the_since(stash: Stash) -> None:
+    clock, blob = Clock(), MemoryBlob()
+    c = client(stash, blob, clock)
+    w, r = _compacted_shard(c, "planned")
+    with c.open_reader("planned", KS, VS) as planner:  # a Spark driver planning a read
+        batches = planner.snapshot_batches(5)
+        planner.detach()
+    c.close()  # the driver is gone; its executors still read the planned parts
+    other = client(stash, blob, clock)
+    _w2, r2 = other.open("planned", KS, VS)
+    r2.downgrade_since(5)
+    assert other.inspect("planned").since == Antichain.from_elem(5)  # no since held back
+    assert other.compactor.compact_once("planned").applied >= 1
+    r2.heartbeat()
+    assert collect_garbage(other, "planned", grace_seconds=0).kept_held >= 1
+    got = read_batches(other.blob, batches, r2.schema, upper=6)
+    assert sorted(got["k"].to_pylist()) == list(range(6))
+    clock.now += 4 * HOUR  # the planner's lease runs out: the parts may go
+    r2.heartbeat()
+    assert collect_garbage(other, "planned", grace_seconds=0).deleted_retired
+    assert fsck(other, "planned").ok

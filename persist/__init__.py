@@ -27,12 +27,14 @@ from persist.errors import (
     InvalidKey,
     InvalidRewrite,
     InvalidUsage,
+    PartsMissing,
     PersistError,
     SinceViolation,
     UpdateBeyondUpper,
     UpdateNotBeyondLower,
     UpperMismatch,
 )
+from persist.fsck import FsckReport, fsck
 from persist.gc import GcReport, collect_garbage
 from persist.read import Listen, ListenEvent, ReadHandle, read_batch, read_batches
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
@@ -54,6 +56,7 @@ __all__ = [
     "CorruptPart",
     "Description",
     "FileBlob",
+    "FsckReport",
     "FueledMergeReq",
     "FueledMergeRes",
     "GcReport",
@@ -67,6 +70,7 @@ __all__ = [
     "Listen",
     "ListenEvent",
     "MemoryBlob",
+    "PartsMissing",
     "PartRef",
     "PersistClient",
     "PersistError",
@@ -83,6 +87,7 @@ __all__ = [
     "VersionedData",
     "WriteHandle",
     "collect_garbage",
+    "fsck",
     "open_blob",
     "read_batch",
     "read_batches",

@@ -1,12 +1,15 @@
-"""The ``persist`` command line: list shards, inspect one, compact it, collect its garbage.
+"""The ``persist`` command line: list shards, inspect one, compact it, collect its
+garbage, check it, drop it.
 
-``persist --stash URL --blob URI shards | inspect SHARD | compact SHARD | gc SHARD``
-(``--stash``/``--blob`` also from ``PERSIST_STASH``/``PERSIST_BLOB``).  Output is a
-readable table (rich) or JSON with ``--json``.  Invariants kept here: reads open the stash
-readonly; URLs are never printed with credentials (:func:`stash.redact`); errors are
-printed as one line and exit with code 1; tables are rendered by
-:func:`stash.cli.print_table`, so no stored text reaches the terminal as a control
-sequence or as rich markup (issue 19).
+``persist --stash URL --blob URI shards | inspect SHARD | compact SHARD | gc SHARD |
+fsck SHARD | drop SHARD`` (``--stash``/``--blob`` also from
+``PERSIST_STASH``/``PERSIST_BLOB``).  ``SHARD`` is a shard *name*; a shard id is given as
+``id:<shard id>`` (names and ids never mix: a name shaped like an id is a name).  Output
+is a readable table (rich) or JSON with ``--json``.  Invariants kept here: reads open the
+stash readonly; URLs are never printed with credentials (:func:`stash.redact`); errors are
+printed as one line and exit with code 1; ``fsck`` exits with code 2 when it finds
+damage; tables are rendered by :func:`stash.cli.print_table`, so no stored text reaches
+the terminal as a control sequence or as rich markup.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import click
 
 from persist.client import PersistClient
 from persist.errors import PersistError
+from persist.fsck import fsck as fsck_shard
 from persist.gc import collect_garbage
 from persist.state import ShardState
 from stash import Stash, StashError, redact
@@ -148,7 +152,8 @@ def shards(ctx: click.Context, as_json: bool) -> None:
 @click.option("--state", "full_state", is_flag=True, help="With --json: the whole state.")
 @click.pass_context
 def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> None:
-    """Show a shard (name or id): since, upper, seqno, batches, parts, rows, bytes."""
+    """Show a shard (a name, or id:<shard id>): since, upper, seqno, batches, parts, rows,
+    bytes."""
 
     def run() -> None:
         with _client(ctx, readonly=True) as c:
@@ -262,6 +267,9 @@ def gc(ctx: click.Context, shard: str, grace: float, as_json: bool) -> None:
             "deleted_retired": len(r.deleted_retired),
             "deleted_abandoned": len(r.deleted_abandoned),
             "kept_recent": r.kept_recent,
+            "kept_live_writer": r.kept_live_writer,
+            "kept_held": r.kept_held,
+            "unrecognized": len(r.unrecognized),
             "referenced": r.referenced,
             "failed": len(r.failed),
         }
@@ -269,6 +277,71 @@ def gc(ctx: click.Context, shard: str, grace: float, as_json: bool) -> None:
             click.echo(json.dumps(out, sort_keys=True))
         else:
             _table(f"gc of {shard}", ["field", "value"], [[k, v] for k, v in out.items()])
+
+    _guard(run)
+
+
+@main.command()
+@click.argument("shard")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def fsck(ctx: click.Context, shard: str, as_json: bool) -> None:
+    """Check that every part a shard's state references exists with its recorded size
+    and SHA-256; list orphans.  Exits with code 2 on damage."""
+    code = [0]
+
+    def run() -> None:
+        with _client(ctx, readonly=True) as c:
+            r = fsck_shard(c, shard)
+        if as_json:
+            click.echo(json.dumps(r.to_json(), sort_keys=True))
+        else:
+            _table(
+                f"fsck of {r.name} ({r.shard_id}) at seqno {r.seqno}",
+                ["field", "value"],
+                [
+                    ["ok", json.dumps(r.ok)],
+                    ["checked_parts", r.checked_parts],
+                    ["missing", len(r.missing)],
+                    ["wrong_size", len(r.wrong_size)],
+                    ["wrong_checksum", len(r.wrong_checksum)],
+                    ["symlinks", len(r.symlinks)],
+                    ["orphans", len(r.orphans)],
+                    ["retired", r.retired],
+                    ["unrecognized", len(r.unrecognized)],
+                ],
+            )
+            for line in r.damage():
+                click.echo(printable(f"damage: {line}", backslashes=False), err=True)
+        if not r.ok:
+            code[0] = 2
+
+    _guard(run)
+    if code[0]:
+        sys.exit(code[0])
+
+
+@main.command()
+@click.argument("shard")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def drop(ctx: click.Context, shard: str, yes: bool, as_json: bool) -> None:
+    """Finalize a shard: tombstone its state and delete its parts (irreversible)."""
+    if not yes:
+        click.confirm(
+            printable(f"drop shard {shard} and delete all its data?", backslashes=False), abort=True
+        )
+
+    def run() -> None:
+        with _client(ctx, readonly=False) as c:
+            sid = c.shard_id(shard)
+            n = c.finalize_shard(shard)
+        out = {"shard_id": sid, "deleted_blobs": n, "tombstone": True}
+        if as_json:
+            click.echo(json.dumps(out, sort_keys=True))
+        else:
+            _table(f"drop of {shard}", ["field", "value"], [[k, v] for k, v in out.items()])
 
     _guard(run)
 

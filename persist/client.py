@@ -11,6 +11,11 @@ Invariants kept here:
 * a shard name maps to exactly one ShardId, for every process (the registry in
   consensus); the shard's key and value schemas are fixed when it is created: opening it
   with other schemas fails with an error naming both, and changes nothing;
+* names and ids are separate namespaces: every API taking a shard reference
+  (:meth:`PersistClient.shard_id`) reads a plain string as a name, even one shaped like
+  a ShardId; an id is written ``id:<shard id>``;
+* a finalized shard (:meth:`PersistClient.finalize_shard`) is a tombstone: it is never
+  opened again, and its parts are deleted;
 * all handles of one shard in one client share one state machine (one cached version);
 * compaction never fails an append: merge errors are logged, the merge request stays in
   the trace and is answered later (``compact_once`` re-issues every outstanding one).
@@ -33,16 +38,27 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 
 from persist.blob import Blob, BlobMetrics, open_blob
 from persist.compactor import Compactor
-from persist.consensus import Consensus, ShardMachine, validate_shard_id, validate_shard_name
+from persist.consensus import (
+    Consensus,
+    ShardMachine,
+    Stale,
+    validate_shard_id,
+    validate_shard_name,
+)
 from persist.errors import BlobError, InvalidKey, InvalidUsage, PersistError
 from persist.parts import DEFAULT_TARGET_PART_BYTES, updates_schema
 from persist.read import Listen, ReadHandle
-from persist.spine import FueledMergeReq
+from persist.spine import FueledMergeReq, Trace
 from persist.state import ShardState
+from persist.types import Description, HollowBatch
 from persist.write import WriteHandle
-from stash import Stash, StashError
+from stash import Antichain, Stash, StashError
 
-__all__ = ["CompactionMode", "PersistClient", "RetryingBlob"]
+__all__ = ["SHARD_ID_REF", "CompactionMode", "PersistClient", "RetryingBlob"]
+
+#: The prefix that marks a shard reference as a shard id rather than a name
+#: (:meth:`PersistClient.shard_id`).
+SHARD_ID_REF = "id:"
 
 log = logging.getLogger(__name__)
 
@@ -211,16 +227,17 @@ class PersistClient:
         return self.consensus.shards()
 
     def shard_id(self, shard: str) -> str:
-        """Resolve a shard name (or a shard id) to a shard id.
+        """Resolve a shard reference to a shard id.  Names and ids are kept apart: a
+        plain string is always a *name* (even one shaped like a shard id); a shard id is
+        given as ``"id:<shard id>"`` (``:`` is never part of a name).
 
         Raises:
-            InvalidUsage: no shard has that name.
+            InvalidUsage: no shard has that name; a malformed name or ``id:`` reference.
         """
-        if shard.startswith("s") and len(shard) == 37:
-            try:
-                return validate_shard_id(shard)
-            except InvalidUsage:
-                pass
+        if not isinstance(shard, str):
+            raise InvalidUsage(f"a shard reference must be a str, got {type(shard).__name__}")
+        if shard.startswith(SHARD_ID_REF):
+            return validate_shard_id(shard[len(SHARD_ID_REF) :])
         validate_shard_name(shard)
         sid = self.consensus.lookup(shard)
         if sid is None:
@@ -237,6 +254,10 @@ class PersistClient:
         shard_id = self.consensus.register(name, now_ms)
         m = self.machine(shard_id)
         st = m.initialize(ShardState(shard_id, name, key_schema, value_schema))
+        if st.tombstone:
+            raise InvalidUsage(
+                f"shard {name!r} ({shard_id}) was finalized (dropped): it cannot be opened"
+            )
         if not (st.key_schema.equals(key_schema) and st.value_schema.equals(value_schema)):
             raise InvalidUsage(
                 f"shard {name!r} ({shard_id}) was created with key schema "
@@ -304,8 +325,67 @@ class PersistClient:
         return r
 
     def inspect(self, shard: str) -> ShardState:
-        """The latest state of a shard (by name or id), freshly read."""
+        """The latest state of a shard (a name, or ``id:<shard id>``), freshly read."""
         return self.machine(self.shard_id(shard)).fetch()
+
+    def finalize_shard(self, shard: str) -> int:
+        """Drop a shard (the seed's ``Destroy``; persist-client's finalization): its
+        state becomes a tombstone (upper and since advanced to the empty antichain, no
+        batch, no reader, no writer), then every blob under its prefix that persist
+        wrote is deleted.  Later :meth:`open` calls of the name raise
+        :class:`InvalidUsage`; handles still open fail on their next state change
+        (their lease is gone).  Idempotent: finalizing a tombstone deletes what is
+        left.  Returns the number of blobs deleted.
+
+        Args:
+            shard: a name, or ``id:<shard id>``.
+
+        Raises:
+            InvalidUsage: unknown shard.  ConsensusError, BlobError: storage failed
+                (call again: the tombstone, once written, stays).
+        """
+        self._check_open()
+        from persist.keys import parse_part_key
+
+        shard_id = self.shard_id(shard)
+        m = self.machine(shard_id)
+        now = m.now_ms()
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if st.tombstone:
+                return None, False
+            before = st.referenced_blob_keys()
+            trace = Trace()
+            trace.push_batch(HollowBatch(Description(trace.upper, Antichain())))
+            trace.downgrade_since(Antichain())
+            st.trace = trace
+            st.readers.clear()
+            st.writers.clear()
+            st.tombstone = True
+            for k in before:
+                st.retire_adds[k] = now
+            return None, True
+
+        m.apply(fn)
+        n = 0
+        for key, _size in self.blob.list_keys(f"{shard_id}/"):
+            if parse_part_key(shard_id, key) is None:
+                log.warning("finalize of shard %s: key %s is not persist's: kept", shard_id, key)
+                continue
+            self.blob.delete(key)
+            n += 1
+        _u, retired = self.consensus.retired_entries(shard_id)
+        if retired:
+
+            def forget(st: ShardState, fresh: bool) -> tuple[None, bool]:
+                _u2, rows = self.consensus.retired_entries(shard_id)
+                if _u2 != st.retired_upper and not fresh:
+                    raise Stale()
+                return None, st.forget_retired({r.entry: r.ms for r in rows.values()})
+
+            m.apply(forget)
+        self.consensus.truncate(shard_id)
+        return n
 
     # -------------------------------------------------------------- compaction
     def _on_merge_reqs(self, machine: ShardMachine, reqs: list[FueledMergeReq]) -> None:
@@ -336,6 +416,7 @@ class PersistClient:
             return
         self._closed = True
         self.compactor.stop()
+        self.compactor.expire_writers()
         for h in list(self._handles):
             try:
                 h.expire()

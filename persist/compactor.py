@@ -18,7 +18,12 @@ Invariants kept here:
   that was not applied is deleted at once unless the latest state references or
   retired it (which only an indeterminate commit can cause);
 * a failed merge changes nothing but leaves garbage for GC; the request stays in the
-  trace and :meth:`Compactor.compact_once` issues it again.
+  trace and :meth:`Compactor.compact_once` issues it again;
+* the compactor is a writer: it registers in a shard's state (with the client's writer
+  lease, renewed as it works) before it writes outputs there, and names its outputs'
+  keys after itself (:mod:`persist.keys`), so GC never deletes an output, applied or
+  offered to a writer's append, while the compactor lives; an output of a compactor
+  that is no longer live is never applied.
 
 Sources: the first engine's maintenance requests (``000``/``001``) and the Spine's
 ``FueledMergeReq``/``apply_merge_res`` (``002``).
@@ -29,12 +34,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from persist.consensus import ShardMachine, Stale
 from persist.errors import PersistError
+from persist.keys import new_writer_id, part_name_prefix
 from persist.parts import consolidate_order, updates_schema, write_parts
 from persist.read import read_batches
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
@@ -43,6 +48,8 @@ from persist.types import HollowBatch
 
 if TYPE_CHECKING:
     from persist.client import PersistClient
+
+SHARD_ID_REF = "id:"  # persist.client.SHARD_ID_REF (not imported: client imports us)
 
 __all__ = ["CompactionReport", "Compactor"]
 
@@ -100,7 +107,58 @@ class Compactor:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._last_gc: dict[str, float] = {}
+        self._writers: dict[str, tuple[str, int]] = {}  # shard id -> (writer id, last hb ms)
+        self._writers_lock = threading.Lock()
         self.totals = CompactionReport()
+
+    # ------------------------------------------------------------------ lease
+    def writer_id(self, machine: ShardMachine) -> str:
+        """The id under which this compactor is registered as a writer of the shard
+        (registering it, or renewing its lease past a quarter of its duration).  If its
+        earlier registration ran out, a new id is registered: outputs written under the
+        old one are never applied (GC may have deleted them).
+
+        Raises:
+            ConsensusError: the stash failed.
+        """
+        sid = machine.shard_id
+        lease_ms = int(self.client.writer_lease_seconds * 1000)
+        now = machine.now_ms()
+        with self._writers_lock:
+            cur = self._writers.get(sid)
+        if cur is not None and now - cur[1] <= lease_ms // 4:
+            return cur[0]
+        wid = cur[0] if cur is not None else new_writer_id()
+        renew = cur is not None
+
+        def fn(st: ShardState, fresh: bool) -> tuple[str, bool]:
+            w = wid
+            if renew and w not in st.live_writers(now):
+                if not fresh:
+                    raise Stale()
+                w = new_writer_id()  # the old id's lease ran out: never reuse it
+            st.heartbeat_writer(w, now, lease_ms)
+            return w, True
+
+        got = machine.apply(fn, keep=(wid,))
+        with self._writers_lock:
+            self._writers[sid] = (got, now)
+        return got
+
+    def expire_writers(self) -> None:
+        """Unregister this compactor from every shard it wrote to (best effort; called
+        by :meth:`PersistClient.close`).  Outputs it had not applied become garbage."""
+        with self._writers_lock:
+            items, self._writers = list(self._writers.items()), {}
+        for sid, (wid, _ms) in items:
+
+            def fn(st: ShardState, fresh: bool, wid: str = wid) -> tuple[None, bool]:
+                return None, st.expire_writer(wid)
+
+            try:
+                self.client.machine(sid).apply(fn)
+            except PersistError as e:
+                log.info("could not expire compactor writer %s of shard %s: %s", wid, sid, e)
 
     # ---------------------------------------------------------------- merging
     def compute(self, machine: ShardMachine, req: FueledMergeReq) -> tuple[FueledMergeRes, int]:
@@ -122,7 +180,8 @@ class Compactor:
         )
         rows_out = table.num_rows if order is None else len(order)
         inline_max = c.inline_max_bytes if st.inline_bytes() < c.inline_total_max_bytes else 0
-        stem = f"{machine.now_ms()}-{uuid.uuid4().hex[:16]}-"  # flat keys, see persist.gc
+        wid = self.writer_id(machine)  # registered before any output is uploaded
+        stem = part_name_prefix(wid, machine.now_ms())  # flat keys, see persist.keys
         parts = write_parts(
             c.blob,
             table,
@@ -260,7 +319,8 @@ class Compactor:
         return report
 
     def compact_once(self, shard: str, *, fresh: bool = True) -> CompactionReport:
-        """Answer every outstanding merge request of a shard (name or id), from a fresh
+        """Answer every outstanding merge request of a shard (a name, or ``id:<shard
+        id>``: see :meth:`PersistClient.shard_id`), from a fresh
         read of its state (or this process's latest known version if not ``fresh``)."""
         m = self.client.machine(self.client.shard_id(shard))
         st = m.fetch() if fresh else m.state()
@@ -321,7 +381,7 @@ class Compactor:
                 self._busy = True
             for sid in shards:
                 try:
-                    self.compact_once(sid, fresh=False)
+                    self.compact_once(SHARD_ID_REF + sid, fresh=False)
                     self._maybe_gc(sid)
                 except Exception as e:  # never let the thread die
                     log.warning("background compaction of shard %s failed: %s", sid, e)
@@ -340,4 +400,6 @@ class Compactor:
         self._last_gc[shard_id] = now
         from persist.gc import collect_garbage
 
-        collect_garbage(self.client, shard_id, grace_seconds=self.client.gc_grace_seconds)
+        collect_garbage(
+            self.client, SHARD_ID_REF + shard_id, grace_seconds=self.client.gc_grace_seconds
+        )

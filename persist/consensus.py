@@ -75,6 +75,7 @@ __all__ = [
     "RETIRED_COLLECTION_PREFIX",
     "SHARD_COLLECTION_PREFIX",
     "RetiredChange",
+    "RetiredKey",
     "Consensus",
     "ShardMachine",
     "Stale",
@@ -140,9 +141,45 @@ class VersionedData(NamedTuple):
 
 
 @dataclass(frozen=True)
+class RetiredKey:
+    """One row of a shard's retired collection.
+
+    Attributes:
+        entry: the row's key as stored: ``<blob key>@<seqno>`` (``<blob key>`` alone for
+            rows written before retirement seqnos were recorded).
+        ms: wall-clock ms of the retirement.
+        seqno: the state version that stopped referencing the blob key (versions before
+            it reference it), or ``None`` for the older rows.
+    """
+
+    entry: str
+    ms: int
+    seqno: int | None
+
+    @property
+    def blob_key(self) -> str:
+        """The retired blob key."""
+        return self.entry.rpartition("@")[0] if self.seqno is not None else self.entry
+
+
+def retired_entry(blob_key: str, seqno: int) -> str:
+    """The retired collection's row key for ``blob_key`` retired at ``seqno`` (``@`` is
+    never part of a blob key, so the split is unambiguous)."""
+    return f"{blob_key}@{seqno}"
+
+
+def _parse_retired(entry: str, ms: int) -> RetiredKey:
+    head, sep, tail = entry.rpartition("@")
+    if sep and tail.isdigit():
+        return RetiredKey(entry, ms, int(tail))
+    return RetiredKey(entry, ms, None)
+
+
+@dataclass(frozen=True)
 class RetiredChange:
     """Changes to a shard's retired collection made with one version: the collection's
-    current upper ``lower`` and the keys (blob key -> retirement ms) to add and remove."""
+    current upper ``lower`` and the rows (row key, see :class:`RetiredKey`, ->
+    retirement ms) to add and remove."""
 
     lower: int
     adds: Mapping[str, int]
@@ -240,17 +277,31 @@ class Consensus:
 
     def retired(self, shard_id: str) -> dict[str, int]:
         """The shard's retired blob keys: key -> wall-clock ms of retirement."""
+        _upper, rows = self.retired_entries(shard_id)
+        return {k: r.ms for k, r in rows.items()}
+
+    def retired_entries(self, shard_id: str) -> tuple[int, dict[str, RetiredKey]]:
+        """The retired collection's upper and its rows by blob key.  The upper is read
+        first: if a state version whose ``retired_upper`` equals it is still the head
+        when a transition commits, the rows were exactly these (what makes GC's
+        "forget" idempotent)."""
         if shard_id not in self._retired_colls and self.stash.mode == "readonly":
             name = RETIRED_COLLECTION_PREFIX + shard_id
             if name not in self._call("listing collections", self.stash.collections):
-                return {}  # never written: nothing retired
+                return 0, {}  # never written: nothing retired
         c = self.retired_collection(shard_id)
+        up = self._call(f"upper of retired keys of shard {shard_id}", lambda: self.stash.upper(c))
         rows = self._call(f"reading retired keys of shard {shard_id}", lambda: self.stash.iter(c))
-        out: dict[str, int] = {}
+        acc: dict[tuple[str, int], int] = {}
         for (k, v), _t, d in rows:
-            if d > 0:
-                out[str(k)] = int(v)
-        return out
+            acc[(str(k), int(v))] = acc.get((str(k), int(v)), 0) + d
+        out: dict[str, RetiredKey] = {}
+        for (k, v), n in acc.items():
+            if n > 0:
+                r = _parse_retired(k, v)
+                out[r.blob_key] = r
+        t = up.as_option()
+        return (0 if t is None else t), out
 
     def _registry_coll(self) -> StashCollection[Any, Any] | None:
         """The registry collection; ``None`` when it does not exist yet and the stash
@@ -666,8 +717,13 @@ class ShardMachine:
                     changed = True
                 retired: RetiredChange | None = None
                 if st.retire_adds or st.retire_removes:
+                    # A key is retired at the seqno of the version that stops
+                    # referencing it (GC compares it with the readers' seqno holds).
+                    at = cache.state.seqno + 1
                     retired = RetiredChange(
-                        st.retired_upper, dict(st.retire_adds), dict(st.retire_removes)
+                        st.retired_upper,
+                        {retired_entry(k, at): ms for k, ms in st.retire_adds.items()},
+                        dict(st.retire_removes),
                     )
                     st.retire_adds, st.retire_removes = {}, {}
                     st.retired_upper += 1

@@ -105,12 +105,30 @@ class SinceViolation(PersistError):
 class CorruptPart(PersistError):
     """A part's bytes do not match its checksum or are not valid Parquet.
 
-    Attributes: ``key`` (the blob key, or ``"<inline>"``).
+    Attributes: ``key`` (the blob key, or ``"<inline>"``); ``missing`` (True when the
+    blob store has no object at the key, as opposed to bad bytes).
     """
 
-    def __init__(self, key: str, reason: str) -> None:
+    def __init__(self, key: str, reason: str, missing: bool = False) -> None:
         self.key = key
+        self.missing = missing
         super().__init__(f"corrupt part {key}: {reason}")
+
+
+class PartsMissing(PersistError):
+    """A batch cannot be appended: some of its parts are not in the blob store (deleted
+    by hand, or by GC after its writer's lease ran out).  Nothing was committed.
+
+    Attributes: ``keys`` (the missing blob keys).
+    """
+
+    def __init__(self, shard_id: str, keys: list[str]) -> None:
+        self.keys = keys
+        shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        super().__init__(
+            f"cannot append to shard {shard_id}: the batch's part(s) {shown} are missing "
+            "from the blob store; nothing was committed (write the batch again)"
+        )
 
 
 class BlobError(PersistError):

@@ -1,30 +1,36 @@
 """Garbage collection of a shard's blobs and consensus versions.
 
-Blob keys of a shard all start with ``<shard_id>/`` and name their creation time:
-``<shard_id>/<kind>/<unix ms>-<random>-<uuid>.parquet`` (one flat directory per kind, so
-that an upload creates no directory; keys of the earlier layout
-``<shard_id>/<kind>/<unix ms>-<random>/<uuid>.parquet``, still written by Spark jobs,
-are understood too; ``kind`` is ``b`` for batches written by writers, ``c`` for
-compaction outputs).  :func:`collect_garbage` deletes
+Blob keys of a shard all start with ``<shard_id>/`` and name the writer that wrote them
+and when (:mod:`persist.keys`; keys of the older layouts, and of Spark compaction jobs,
+name no writer).  :func:`collect_garbage` deletes
 
-* *retired* keys: parts a compaction replaced; the shard's retired collection records when
-  each stopped being referenced, and it is deleted once that is older than the grace period (a reader that
-  fetched an older state version may still be reading it until then);
-* *abandoned* keys: keys no state references and that are not retired, created longer
-  ago than the grace period: batches of writers that failed (crashed between upload and
-  commit, lost an upper race and could not delete, or never appended a built batch) and
-  compaction outputs that were never applied;
+* *retired* keys: parts a compaction replaced.  The shard's retired collection records
+  the seqno of the version that stopped referencing each and its wall-clock time; the
+  key is deleted once every live reader's seqno hold is at or past that seqno (no reader
+  may still be reading a version that references it), the retirement is older than the
+  grace period, and GC's own state read is at or past that seqno;
+* *abandoned* keys: keys no state references and that are not retired, whose writer is
+  not live (never registered, lease expired, or expired by ``expire()``) and which were
+  written longer ago than the grace period: batches of writers that failed (crashed
+  between upload and commit, lost an upper race and could not delete) and outputs of
+  compactors that died before applying them.  A live writer's keys are never deleted,
+  whatever their age (a builder or batch may stay open as long as its writer
+  heartbeats); a key without writer (older layouts) is abandoned after the grace period;
 
-and then truncates consensus (physically consolidates the shard's stash collection;
-logically, every compare-and-set already truncated the older versions).
+keys under the shard's prefix that persist's layouts could not have produced are never
+deleted, only reported (``GcReport.unrecognized``).  It then truncates consensus.
 
-Invariants kept here: a key referenced by the latest state is never deleted; a key is
-deleted only if it has been unreferenced (or, when unknown, existed) for at least the
-grace period; GC's own state change (forgetting deleted retired keys) goes through
-compare-and-set like every other transition.  A batch must therefore be appended within
-the grace period of its writing, or it counts as abandoned.
+Invariants kept here: a key referenced by the latest state is never deleted; a key of a
+live writer is never deleted; a retired key is never deleted while a live reader's
+seqno hold is before its retirement; GC's own state change (forgetting deleted retired
+keys) goes through compare-and-set and retracts only rows present as of the version it
+commits on, so overlapping or repeated GC passes are idempotent.  Writers keep the other
+half of the contract: a writer is registered before its first upload, a writer whose
+lease ran out is never registered again, and ``compare_and_append_batch`` refuses parts
+of a writer that is not live (see :mod:`persist.write`).
 
-Sources: the first engine's blob bookkeeping (``000``/``001``); persist-client's GC.
+Sources: the first engine's blob bookkeeping (``000``/``001``); persist-client's GC,
+writer-named blob keys and seqno holds.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from persist.consensus import ShardMachine
+from persist.consensus import RetiredKey, ShardMachine
 from persist.errors import BlobError
+from persist.keys import key_created_ms, parse_part_key
 from persist.state import ShardState
 
 if TYPE_CHECKING:
@@ -43,16 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["GcReport", "collect_garbage", "key_created_ms"]
 
 log = logging.getLogger(__name__)
-
-
-def key_created_ms(key: str) -> int | None:
-    """The creation time (unix ms) encoded in a part's blob key, or ``None`` if the key
-    does not follow persist's layout."""
-    segs = key.split("/")
-    if len(segs) < 3:
-        return None
-    head = segs[2].split("-", 1)[0]
-    return int(head) if head.isdigit() else None
 
 
 @dataclass
@@ -64,7 +61,12 @@ class GcReport:
         deleted_retired: retired keys deleted.
         deleted_abandoned: abandoned keys deleted.
         kept_recent: unreferenced keys kept because they are younger than the grace.
+        kept_live_writer: unreferenced keys kept because their writer is live.
+        kept_held: retired keys kept because a live reader's seqno hold needs them (or
+            they are younger than the grace period).
         referenced: keys the latest state references.
+        unrecognized: keys under the shard's prefix that persist could not have written
+            (never deleted).
         failed: keys whose deletion failed (tried again next time).
         deleted_temporaries: temporary files of interrupted uploads deleted (FileBlob).
     """
@@ -73,7 +75,10 @@ class GcReport:
     deleted_retired: list[str] = field(default_factory=list)
     deleted_abandoned: list[str] = field(default_factory=list)
     kept_recent: int = 0
+    kept_live_writer: int = 0
+    kept_held: int = 0
     referenced: int = 0
+    unrecognized: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     deleted_temporaries: int = 0
 
@@ -86,7 +91,8 @@ def collect_garbage(
 
     Args:
         client: the client (its stash and blob store).
-        shard: the shard's name or id.
+        shard: the shard's name, or ``id:<shard id>`` (see
+            :meth:`PersistClient.shard_id`).
         grace_seconds: the grace period (default: the client's ``gc_grace_seconds``).
 
     Raises:
@@ -97,29 +103,60 @@ def collect_garbage(
     grace = client.gc_grace_seconds if grace_seconds is None else grace_seconds
     m: ShardMachine = client.machine(shard_id)
     listed = client.blob.list_keys(f"{shard_id}/")
-    # Read after listing: a key listed, then retired, is seen as retired.
+    # Read after listing: a key listed was written by a writer registered before it (so
+    # present in this state unless expired), or was retired by then (so in the retired
+    # collection read below).
     st = m.fetch()
-    retired = client.consensus.retired(shard_id)
+    _upper, retired = client.consensus.retired_entries(shard_id)
     now = m.now_ms()
     grace_ms = int(grace * 1000)
     referenced = st.referenced_blob_keys()
+    live_writers = st.live_writers(now)
+    hold = st.min_seqno_hold(now)
     report = GcReport(shard_id, referenced=len(referenced))
 
-    due_retired = [k for k, ms in retired.items() if ms + grace_ms <= now]
+    def deletable(r: RetiredKey) -> bool:
+        if r.ms + grace_ms > now:
+            return False
+        # Rows of the older format have no seqno: count them as retired at this version.
+        at = st.seqno if r.seqno is None else r.seqno
+        if at > st.seqno:  # retired after our read: readers we do not know of may hold it
+            return False
+        return hold is None or hold >= at
+
+    due_retired = []
+    for k, r in retired.items():
+        if parse_part_key(shard_id, k) is None:
+            report.unrecognized.append(k)
+        elif deletable(r):
+            due_retired.append(k)
+        else:
+            report.kept_held += 1
     abandoned: list[str] = []
     for key, _size in listed:
         if key in referenced or key in retired:
             continue
-        created = key_created_ms(key)
-        if created is not None and created + grace_ms <= now:
+        pk = parse_part_key(shard_id, key)
+        if pk is None:
+            report.unrecognized.append(key)
+        elif pk.writer_id is not None and pk.writer_id in live_writers:
+            report.kept_live_writer += 1
+        elif pk.created_ms + grace_ms <= now:
             abandoned.append(key)
         else:
             report.kept_recent += 1
+    if report.unrecognized:
+        log.warning(
+            "GC of shard %s: %d keys under its prefix are not persist's (kept): %s",
+            shard_id,
+            len(report.unrecognized),
+            report.unrecognized[:5],
+        )
 
-    for key, out in ((k, report.deleted_retired) for k in due_retired):
+    for key in due_retired:
         try:
             client.blob.delete(key)
-            out.append(key)
+            report.deleted_retired.append(key)
         except BlobError as e:
             log.warning("GC could not delete retired part %s: %s", key, e)
             report.failed.append(key)
@@ -132,14 +169,34 @@ def collect_garbage(
             report.failed.append(key)
 
     if report.deleted_retired:
-        done = {k: retired[k] for k in report.deleted_retired}
-
-        def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
-            return None, s.forget_retired(done)
-
-        m.apply(fn)
+        done = {retired[k].entry: retired[k].ms for k in report.deleted_retired}
+        _forget(client, m, shard_id, done)
     sweep = getattr(client.raw_blob, "sweep_temporaries", None)
     if sweep is not None:  # a FileBlob: uploads killed mid-write leave temporary files
         report.deleted_temporaries = sweep(f"{shard_id}/", grace)
     client.consensus.truncate(shard_id)
     return report
+
+
+def _forget(client: PersistClient, m: ShardMachine, shard_id: str, done: dict[str, int]) -> None:
+    """Retract the rows ``done`` (row key -> ms) from the retired collection, only those
+    still present as of the version the retraction commits on.
+
+    The rows are re-read unless the collection's upper they were read at equals that
+    version's ``retired_upper``.  A row is retracted if it was present both when GC read
+    it (before) and in the re-read (after the version was read): rows are added once and
+    retracted once, so it is present in that version too; the compare-and-set commits
+    only on that version.  So two overlapping GC passes, or a pass re-run after an
+    indeterminate outcome, never retract a row twice (which would leave a ``-1`` row).
+    """
+    seen: list[tuple[int, dict[str, int]]] = []
+
+    def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
+        if not seen or seen[0][0] != s.retired_upper:
+            upper, rows = client.consensus.retired_entries(shard_id)
+            seen[:] = [(upper, {r.entry: r.ms for r in rows.values()})]
+        present = seen[0][1]
+        todo = {k: ms for k, ms in done.items() if present.get(k) == ms}
+        return None, s.forget_retired(todo)
+
+    m.apply(fn)

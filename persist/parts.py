@@ -1177,8 +1177,14 @@ def write_parts(
     max_workers: int = 2,
     order: np.ndarray | None = None,
     name_prefix: str = "",
+    before_upload: Callable[[], None] | None = None,
 ) -> list[PartRef]:
     """Encode ``table`` as Parquet parts and upload them; return their refs in order.
+
+    ``before_upload``, if given, is called once before the first blob upload (never for
+    a table kept inline); a writer registers itself there, so that GC knows the owner
+    of every key it lists (:mod:`persist.keys`).  An error it raises is raised as is,
+    with nothing uploaded.
 
     The table is written as given (consolidate it first for a sorted run), or, with
     ``order`` (an int64 numpy array of row positions, e.g. from
@@ -1238,6 +1244,8 @@ def write_parts(
         if len(pieces) > 1 and len(whole) <= target_part_bytes:
             pieces = [table]  # the whole encoding fits one part: reuse it
     keys = [f"{key_prefix}/{name_prefix}{uuid.uuid4().hex}.parquet" for _ in pieces]
+    if before_upload is not None:
+        before_upload()
     # Row offsets of the pieces (slices of the table, or of ``order``).
     starts = [0]
     for p in pieces[:-1]:
@@ -1340,7 +1348,7 @@ def read_parts(
             assert ref.key is not None
             got = blob.get(ref.key)
             if got is None:
-                raise CorruptPart(ref.key, "the part is missing from the blob store")
+                raise CorruptPart(ref.key, "the part is missing from the blob store", missing=True)
             data = got
         table = decode_part(data, ref, columns)
         if columns is None:

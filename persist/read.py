@@ -16,6 +16,10 @@ Invariants kept here:
   ``<= as_of``, consolidated, one row per distinct (key, value) with ``_time = as_of`` and
   its summed ``_diff``, rows summing to zero absent; it needs ``since <= as_of < upper``
   (``SinceViolation`` / ``InvalidUsage``), or waits for the upper with ``wait=True``;
+* a reader holds a *seqno* in the state (its lease's seqno hold): never later than the
+  oldest version a read of this handle is using (a ``snapshot`` in progress, the last
+  ``snapshot_batches``), so GC keeps every part those versions reference; a snapshot
+  that meets a missing part re-reads the state and retries before it reports it;
 * a :class:`Listen` emits every update with time ``> as_of`` exactly once, in time
   order of the batches' uppers, each ``updates`` event followed by the ``progress``
   frontier it completes, the first progress as soon as the upper passes ``as_of``; its
@@ -53,7 +57,7 @@ import pyarrow.compute as pc
 
 from persist.blob import Blob
 from persist.consensus import ShardMachine, Stale
-from persist.errors import InvalidUsage, PersistError, SinceViolation
+from persist.errors import CorruptPart, InvalidUsage, PersistError, SinceViolation
 from persist.handle import ShardHandle
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.parts import TIME, consolidate, read_parts
@@ -67,6 +71,9 @@ if TYPE_CHECKING:
 __all__ = ["Listen", "ListenEvent", "ReadHandle", "read_batch", "read_batches", "snapshot_table"]
 
 log = logging.getLogger(__name__)
+
+#: How many times a snapshot re-reads the state after meeting a missing part.
+_MISSING_RETRIES = 2
 
 
 def _elem(a: Antichain) -> int | None:
@@ -304,6 +311,33 @@ class ReadHandle(ShardHandle):
         super().__init__(client, machine, name, reader_id, key_schema, value_schema, lease_seconds)
         self.reader_id = reader_id
         self._last_heartbeat_ms = machine.now_ms()
+        # Seqno holds (persist.gc): the seqnos of the versions this handle may still be
+        # reading; its hold in the state never passes the oldest.
+        self._seqno_leases: dict[int, int] = {}  # lease token -> seqno
+        self._seqno_lock = threading.Lock()
+        self._next_lease = 0
+        self._batches_lease: int | None = None  # held for the last snapshot_batches
+
+    # ------------------------------------------------------------ seqno holds
+    def _lease_seqno(self) -> int:
+        """Lease the seqno of the latest version this process knows (before reading a
+        newer-or-equal one): until released, the reader's seqno hold stays at or before
+        it.  Returns the lease token."""
+        seqno = self._machine.state().seqno  # taken under the machine lock: see heartbeat
+        with self._seqno_lock:
+            self._next_lease += 1
+            self._seqno_leases[self._next_lease] = seqno
+            return self._next_lease
+
+    def _release_seqno(self, token: int | None) -> None:
+        if token is not None:
+            with self._seqno_lock:
+                self._seqno_leases.pop(token, None)
+
+    def _seqno_hold(self) -> int | None:
+        """The oldest leased seqno (``None``: no read in progress)."""
+        with self._seqno_lock:
+            return min(self._seqno_leases.values(), default=None)
 
     #: Renews leases in the background (inject a ``LeaseKeeper(thread=False)`` with a
     #: fake clock in tests).
@@ -347,7 +381,8 @@ class ReadHandle(ShardHandle):
             if self.reader_id not in st.readers and not fresh:
                 raise Stale()
             target = st.reader(self.reader_id).since.join(frontier)
-            return None, st.downgrade_reader_since(self.reader_id, target, now)
+            hold = self._seqno_hold()
+            return None, st.downgrade_reader_since(self.reader_id, target, now, hold)
 
         self._machine.apply(fn, keep=(self.reader_id,))
         self._last_heartbeat_ms = now
@@ -365,7 +400,8 @@ class ReadHandle(ShardHandle):
         def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
             if self.reader_id not in st.readers and not fresh:
                 raise Stale()
-            st.heartbeat_reader(self.reader_id, now)
+            # A read leasing its seqno after this runs reads this version or a newer one.
+            st.heartbeat_reader(self.reader_id, now, self._seqno_hold())
             return None, True
 
         self._machine.apply(fn, keep=(self.reader_id,))
@@ -375,12 +411,39 @@ class ReadHandle(ShardHandle):
         if self._machine.now_ms() - self._last_heartbeat_ms > self._lease_ms // 4:
             self.heartbeat()
 
+    def detach(self) -> None:
+        """Hand the parts of the last :meth:`snapshot_batches` to readers elsewhere
+        (e.g. Spark executors reading what a driver planned): this reader stops holding
+        the since back, keeps its seqno hold until its lease runs out (the client's
+        ``reader_lease_seconds`` from now), so GC deletes none of those parts meanwhile,
+        and becomes unusable here (closing the client does not expire it).
+
+        Raises:
+            LeaseExpired: the reader's lease already ran out.
+        """
+        self._check()
+        now = self._machine.now_ms()
+        hold = self._seqno_hold()
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if self.reader_id not in st.readers and not fresh:
+                raise Stale()
+            st.detach_reader(self.reader_id, now, hold)
+            return None, True
+
+        self._machine.apply(fn, keep=(self.reader_id,))
+        self._expired = True
+        self._client._handles.discard(self)
+        self._client._notify_compactor(self.shard_id)
+
     def expire(self) -> None:
         """Release the lease (the since hold goes away).  The handle is unusable after.
         Idempotent."""
         if self._expired:
             return
         self._expired = True
+        self._release_seqno(self._batches_lease)
+        self._batches_lease = None
 
         def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
             return None, st.expire_reader(self.reader_id)
@@ -454,10 +517,26 @@ class ReadHandle(ShardHandle):
         using ``upper=as_of + 1``, then consolidate with ``since=as_of``).  While it
         waits (``wait=True``) the lease is renewed in the background.
 
+        The reader holds the version they come from (its seqno hold, recorded in the
+        state at its next heartbeat, stays at or before it) until its next
+        ``snapshot_batches`` call or :meth:`expire`, so GC deletes none of their parts
+        while its lease lives, however long the caller takes to read them.
+
         Raises: as :meth:`snapshot`.
         """
         self._check()
         t = _as_time(as_of, "as_of")
+        token = self._lease_seqno()
+        try:
+            batches = self._batches_for(t, wait, timeout)
+        except BaseException:
+            self._release_seqno(token)
+            raise
+        old, self._batches_lease = self._batches_lease, token
+        self._release_seqno(old)
+        return batches
+
+    def _batches_for(self, t: int, wait: bool, timeout: float | None) -> list[HollowBatch]:
         self._maybe_heartbeat()
         if not wait:
             return self._batches_at(self._state_for(t, False, timeout), t)
@@ -490,22 +569,30 @@ class ReadHandle(ShardHandle):
         """
         self._check()
         t = _as_time(as_of, "as_of")
-        self._maybe_heartbeat()
-        if not wait:
-            return self._snapshot(self._batches_at(self._state_for(t, False, timeout), t), t)
-        with self._kept_alive():
-            return self._snapshot(self._batches_at(self._state_for(t, True, timeout), t), t)
-
-    def _snapshot(self, batches: list[HollowBatch], t: int) -> pa.Table:
-        return snapshot_table(
-            self._client.blob,
-            batches,
-            self.schema,
-            self.key_schema.names,
-            self.value_schema.names,
-            t,
-            max_workers=self._client.read_workers,
-        )
+        for attempt in range(_MISSING_RETRIES + 1):
+            token = self._lease_seqno()  # GC keeps what this version references
+            try:
+                batches = self._batches_for(t, wait, timeout)
+                return snapshot_table(
+                    self._client.blob,
+                    batches,
+                    self.schema,
+                    self.key_schema.names,
+                    self.value_schema.names,
+                    t,
+                    max_workers=self._client.read_workers,
+                )
+            except CorruptPart as e:
+                # A part of an old version may be gone (e.g. the lease had lapsed): a
+                # newer version may not reference it; report corruption only if the
+                # latest version still does.
+                if not e.missing or attempt == _MISSING_RETRIES:
+                    raise
+                log.info("snapshot of shard %s met a missing part, re-reading: %s", self.name, e)
+                self._machine.fetch()
+            finally:
+                self._release_seqno(token)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def listen(
         self,

@@ -17,8 +17,17 @@ Invariants kept here (every transition keeps them or raises before changing anyt
   reader's hold only advances; a new reader's hold starts at the shard's since;
 * a reader or writer whose last heartbeat is older than its lease duration is expired and
   dropped by :meth:`ShardState.expire_leases` (its hold stops holding the since back);
-* a transition that stops referencing blob keys lists them in ``retire_adds`` (key ->
-  wall-clock ms), one that lets GC forget deleted ones in ``retire_removes``; consensus
+* a reader also holds a *seqno*: the oldest version it may still be reading; it only
+  advances, never past the version it is written in, so GC never deletes a blob key a
+  version at or after a live reader's seqno hold references; a *seqno-only* lease
+  (:meth:`ShardState.detach_reader`) keeps its seqno hold but holds no since;
+* a writer id is registered over one contiguous interval: a handle whose lease ran out
+  is never registered again (GC may have deleted its parts), and an output of a
+  compactor that is no longer live is never applied;
+* a ``tombstone`` state (a finalized shard) is final: no handle may use the shard;
+* a transition that stops referencing blob keys lists them in ``retire_adds`` (blob key
+  -> wall-clock ms; consensus records them with the seqno of the new version), one that
+  lets GC forget deleted ones in ``retire_removes`` (row key -> ms); consensus
   writes them to the retired collection in the same atomic append as the new version and
   bumps ``retired_upper`` (that collection's upper) in it; these two maps are transient
   (never serialised, empty in every published version);
@@ -43,11 +52,13 @@ from typing import Any
 import pyarrow as pa
 
 from persist.errors import InvalidUsage, PersistError
+from persist.keys import key_writer_id
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.types import HollowBatch
 from stash import Antichain
 
 __all__ = [
+    "SEQNO_ONLY",
     "LeaseExpired",
     "ReaderState",
     "ShardState",
@@ -62,6 +73,11 @@ _META = "meta"
 _TRACE_MAPS = ("hollow_batches", "spine_batches")
 _READER = "reader/"
 _WRITER = "writer/"
+
+
+#: The purpose of a reader lease that holds a seqno but no since (see
+#: :meth:`ShardState.detach_reader`).
+SEQNO_ONLY = "seqno hold"
 
 
 class LeaseExpired(InvalidUsage):
@@ -135,12 +151,17 @@ class ReaderState:
         lease_duration_ms: the reader is expired once ``now > last_heartbeat_ms +
             lease_duration_ms``.
         purpose: a free-form description (``"read handle"``, ``"listen"``, ...).
+        seqno: the reader's seqno hold: it may still read any version from this seqno
+            on, so GC keeps every blob key that such a version references (a key retired
+            at seqno ``R`` is deleted only once every live reader holds ``>= R``).  It
+            only advances.  Versions written before seqno holds existed read as ``0``.
     """
 
     since: Antichain
     last_heartbeat_ms: int
     lease_duration_ms: int
     purpose: str = ""
+    seqno: int = 0
 
     def expired(self, now_ms: int) -> bool:
         """True when the lease ran out at ``now_ms``."""
@@ -152,6 +173,7 @@ class ReaderState:
             "last_heartbeat_ms": self.last_heartbeat_ms,
             "lease_duration_ms": self.lease_duration_ms,
             "purpose": self.purpose,
+            "seqno": self.seqno,
         }
 
     @classmethod
@@ -161,6 +183,7 @@ class ReaderState:
             int(d["last_heartbeat_ms"]),
             int(d["lease_duration_ms"]),
             str(d.get("purpose", "")),
+            int(d.get("seqno", 0)),
         )
 
 
@@ -244,6 +267,7 @@ class ShardState:
         writers: writer id -> :class:`WriterState`.
         retired_upper: the upper of the shard's retired collection (see the module
             docstring).
+        tombstone: the shard was finalized (dropped): no handle may use it again.
         retire_adds, retire_removes: transient (not serialised) changes to the retired
             collection made by this transition: blob key -> retirement ms.
     """
@@ -257,6 +281,7 @@ class ShardState:
     readers: dict[str, ReaderState] = field(default_factory=dict)
     writers: dict[str, WriterState] = field(default_factory=dict)
     retired_upper: int = 0
+    tombstone: bool = False
     retire_adds: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     retire_removes: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
@@ -330,7 +355,7 @@ class ShardState:
                 f"reader {reader_id} of shard {self.shard_id} cannot hold since {hold}: "
                 f"the shard's since is already {self.since}"
             )
-        self.readers[reader_id] = ReaderState(hold, now_ms, lease_ms, purpose)
+        self.readers[reader_id] = ReaderState(hold, now_ms, lease_ms, purpose, max(self.seqno, 0))
         return hold
 
     def reader(self, reader_id: str) -> ReaderState:
@@ -344,18 +369,33 @@ class ShardState:
             raise LeaseExpired(self.shard_id, reader_id)
         return r
 
-    def heartbeat_reader(self, reader_id: str, now_ms: int) -> None:
-        """Renew the reader's lease.
+    def _seqno_hold(self, r: ReaderState, seqno: int | None) -> int:
+        """The reader's new seqno hold: ``seqno`` (default: this version's seqno, for a
+        reader with no read in progress), capped at this version's, never backwards."""
+        cur = max(self.seqno, 0)
+        want = cur if seqno is None else min(seqno, cur)
+        return max(r.seqno, want)
+
+    def heartbeat_reader(self, reader_id: str, now_ms: int, seqno: int | None = None) -> None:
+        """Renew the reader's lease and advance its seqno hold to ``seqno`` (the oldest
+        version it may still be reading; ``None``: it reads none older than this one).
 
         Raises:
             LeaseExpired: the reader is not registered.
         """
         r = self.reader(reader_id)
-        self.readers[reader_id] = replace(r, last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms))
+        self.readers[reader_id] = replace(
+            r,
+            last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms),
+            seqno=self._seqno_hold(r, seqno),
+        )
 
-    def downgrade_reader_since(self, reader_id: str, since: Antichain, now_ms: int) -> bool:
-        """Advance the reader's since hold to ``since`` (and heartbeat); the shard's since
-        follows the meet of the holds.  Returns whether anything changed.
+    def downgrade_reader_since(
+        self, reader_id: str, since: Antichain, now_ms: int, seqno: int | None = None
+    ) -> bool:
+        """Advance the reader's since hold to ``since`` (and heartbeat, advancing its
+        seqno hold as :meth:`heartbeat_reader`); the shard's since follows the meet of
+        the holds.  Returns whether anything changed.
 
         Raises:
             LeaseExpired: the reader is not registered.
@@ -367,11 +407,32 @@ class ShardState:
                 f"reader {reader_id} of shard {self.shard_id} cannot move its since "
                 f"backwards from {r.since} to {since}"
             )
-        changed = since != r.since or now_ms > r.last_heartbeat_ms
+        hold = self._seqno_hold(r, seqno)
+        changed = since != r.since or now_ms > r.last_heartbeat_ms or hold != r.seqno
         self.readers[reader_id] = replace(
-            r, since=since, last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms)
+            r, since=since, last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms), seqno=hold
         )
         return self._recompute_since() or changed
+
+    def min_seqno_hold(self, now_ms: int) -> int | None:
+        """The earliest seqno hold of the readers live at ``now_ms`` (``None``: none)."""
+        holds = [r.seqno for r in self.readers.values() if not r.expired(now_ms)]
+        return min(holds) if holds else None
+
+    def live_writers(self, now_ms: int) -> set[str]:
+        """Ids of the writers registered and not expired at ``now_ms``."""
+        return {wid for wid, w in self.writers.items() if not w.expired(now_ms)}
+
+    def check_writer_live(self, writer_id: str, now_ms: int) -> None:
+        """Raise unless ``writer_id`` is registered and its lease has not run out at
+        ``now_ms`` (GC may have deleted the keys of a writer that is not live).
+
+        Raises:
+            LeaseExpired: naming the writer and the shard.
+        """
+        w = self.writers.get(writer_id)
+        if w is None or w.expired(now_ms):
+            raise LeaseExpired(self.shard_id, writer_id, "writer")
 
     def expire_reader(self, reader_id: str) -> bool:
         """Drop the reader (its hold is released).  Returns whether it was registered."""
@@ -402,12 +463,33 @@ class ShardState:
             self._recompute_since()
         return bool(dead_r or dead_w)
 
+    def detach_reader(self, reader_id: str, now_ms: int, seqno: int | None) -> None:
+        """Turn the reader into a *seqno-only* lease (purpose :data:`SEQNO_ONLY`): it
+        keeps its seqno hold (advanced to ``seqno``, see :meth:`heartbeat_reader`) until
+        its lease runs out, but no longer holds the since back (for a planner whose
+        listed parts others read after it is gone: the parts stay, whatever compaction
+        does meanwhile).
+
+        Raises:
+            LeaseExpired: the reader is not registered.
+        """
+        r = self.reader(reader_id)
+        self.readers[reader_id] = replace(
+            r,
+            last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms),
+            seqno=self._seqno_hold(r, seqno),
+            purpose=SEQNO_ONLY,
+        )
+        self._recompute_since()
+
     def _recompute_since(self) -> bool:
         """Advance the trace's since to the meet of the readers' holds (never backwards;
-        with no reader the since stays where it is).  Returns whether it moved."""
-        if not self.readers:
+        with no reader the since stays where it is; seqno-only leases hold no since).
+        Returns whether it moved."""
+        holders = [r for r in self.readers.values() if r.purpose != SEQNO_ONLY]
+        if not holders:
             return False
-        holds = iter(self.readers.values())
+        holds = iter(holders)
         meet = next(holds).since
         for r in holds:
             meet = meet.meet(r.since)
@@ -435,7 +517,9 @@ class ShardState:
         return reqs
 
     def heartbeat_writer(self, writer_id: str, now_ms: int, lease_ms: int) -> None:
-        """Register or renew a writer, keeping its last token."""
+        """Register or renew a writer, keeping its last token.  (A handle that was
+        registered before must check :meth:`check_writer_live` first: a writer id is
+        registered over one contiguous interval, never again after its lease ran out.)"""
         w = self.writers.get(writer_id)
         if w is None:
             self.writers[writer_id] = WriterState(now_ms, lease_ms)
@@ -446,7 +530,15 @@ class ShardState:
 
     def apply_merge_res(self, res: FueledMergeRes, now_ms: int) -> ApplyMergeResult:
         """Swap a compaction result into the trace; blob keys it stops referencing are
-        retired at ``now_ms`` (listed in ``retire_adds``, for GC after its grace period)."""
+        retired at ``now_ms`` (listed in ``retire_adds``, for GC after its grace period).
+
+        An output whose parts name a writer (the compactor that wrote them) that is not
+        live at ``now_ms`` is not applied (``NOT_APPLIED_NO_MATCH``): GC may already have
+        deleted its parts."""
+        for p in res.output.parts:
+            wid = None if p.key is None else key_writer_id(p.key)
+            if wid is not None and wid not in self.live_writers(now_ms):
+                return ApplyMergeResult.NOT_APPLIED_NO_MATCH
         before = self.referenced_blob_keys()
         result = self.trace.apply_merge_res(res)
         if result.applied():
@@ -461,8 +553,11 @@ class ShardState:
         return any(b == batch for b in self.trace.batches())
 
     def forget_retired(self, retired: Mapping[str, int]) -> bool:
-        """Remove retired keys (key -> retirement ms, exactly as stored) from the retired
-        collection, after GC deleted them.  Returns whether anything changed."""
+        """Remove rows (row key -> retirement ms, exactly as stored: see
+        :class:`persist.consensus.RetiredKey`) from the retired collection, after GC
+        deleted their blobs.  The caller must pass only rows present in the collection
+        as of this version (GC checks ``retired_upper``); returns whether anything
+        changed."""
         self.retire_removes.update(retired)
         return bool(retired)
 
@@ -482,6 +577,8 @@ class ShardState:
         meta = {k: v for k, v in t.items() if k not in _TRACE_MAPS}
         meta["seqno"] = self.seqno
         meta["retired_upper"] = self.retired_upper
+        if self.tombstone:
+            meta["tombstone"] = True
         out: dict[str, Any] = {
             _META: meta,
             _SHARD: _shard_entry(self.shard_id, self.name, self.key_schema, self.value_schema),
@@ -508,6 +605,7 @@ class ShardState:
             trace_json: dict[str, Any] = dict(entries[_META])
             seqno = trace_json.pop("seqno")
             retired_upper = int(trace_json.pop("retired_upper", 0))
+            tombstone = bool(trace_json.pop("tombstone", False))
             maps: dict[str, dict[str, Any]] = {m: {} for m in _TRACE_MAPS}
             readers: dict[str, ReaderState] = {}
             writers: dict[str, WriterState] = {}
@@ -534,6 +632,7 @@ class ShardState:
                 readers=readers,
                 writers=writers,
                 retired_upper=retired_upper,
+                tombstone=tombstone,
             )
         except PersistError:
             raise
@@ -554,6 +653,7 @@ class ShardState:
             "readers": {k: v.to_json() for k, v in sorted(self.readers.items())},
             "writers": {k: v.to_json() for k, v in sorted(self.writers.items())},
             "retired_upper": self.retired_upper,
+            "tombstone": self.tombstone,
         }
 
     @classmethod
@@ -574,6 +674,7 @@ class ShardState:
                 readers={k: ReaderState.from_json(v) for k, v in d["readers"].items()},
                 writers={k: WriterState.from_json(v) for k, v in d["writers"].items()},
                 retired_upper=int(d.get("retired_upper", 0)),
+                tombstone=bool(d.get("tombstone", False)),
             )
         except PersistError:
             raise

@@ -31,6 +31,12 @@ Invariants kept here:
   ``is_indeterminate()`` and ``idempotency_token`` is raised and the parts are left in
   place (GC collects them if the append did not land); a retry passing that token
   returns success without writing again if the append landed;
+* a writer is registered in the shard state (its lease) before its first upload, and
+  its parts' keys name it (:mod:`persist.keys`), stamped when each run is written; GC
+  never deletes a live writer's parts; a writer whose lease ran out is never
+  registered again, and ``compare_and_append_batch`` refuses, committing nothing, a
+  batch whose parts are gone or whose writer is not live (``PartsMissing``,
+  ``LeaseExpired``);
 * a :class:`BatchBuilder` checks times at ``add`` (``>= lower``) and ``finish``
   (``< upper``); a failed ``add`` leaves it exactly as before the call and a failed
   ``finish`` leaves it unfinished with every accepted update, so a finished batch never
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -60,12 +66,14 @@ from persist.errors import (
     InvalidBounds,
     InvalidRewrite,
     InvalidUsage,
+    PartsMissing,
     PersistError,
     UpdateBeyondUpper,
     UpdateNotBeyondLower,
     UpperMismatch,
 )
 from persist.handle import ShardHandle
+from persist.keys import key_writer_id, part_name_prefix
 from persist.parts import (
     TIME,
     _adjacent,
@@ -75,7 +83,7 @@ from persist.parts import (
 )
 from persist.read import read_batch
 from persist.spine import FueledMergeReq
-from persist.state import ShardState
+from persist.state import LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain
 
@@ -151,6 +159,11 @@ class WriteHandle(ShardHandle):
     ) -> None:
         super().__init__(client, machine, name, writer_id, key_schema, value_schema, lease_seconds)
         self.writer_id = writer_id
+        # Writer lease (persist.gc): registered before the first upload; once
+        # registered, a writer found missing or expired is never registered again.
+        self._registered = False
+        self._last_heartbeat_ms = 0
+        self._lent = 0  # builders handed out whose batch this handle has not appended
 
     # ---------------------------------------------------------------- frontiers
     @property
@@ -160,10 +173,98 @@ class WriteHandle(ShardHandle):
 
     # ------------------------------------------------------------------- writing
     def _key_prefix(self, kind: str = "b") -> str:
-        """The stem of a batch's blob keys, ``<shard_id>/<kind>/<unix ms>-<random>``;
-        its parts are ``<stem>-<uuid>.parquet`` (see :mod:`persist.gc`): one flat
-        directory per shard and kind, so an upload creates no directory."""
-        return f"{self.shard_id}/{kind}/{self._machine.now_ms()}-{uuid.uuid4().hex[:16]}"
+        """The stem of a run's blob keys, ``<shard_id>/<kind>/<writer id>-<unix ms>``,
+        stamped now (call it per run); its parts are ``<stem>-<uuid>.parquet`` (see
+        :mod:`persist.keys`): one flat directory per shard and kind."""
+        name = part_name_prefix(self.writer_id, self._machine.now_ms())
+        return f"{self.shard_id}/{kind}/{name[:-1]}"
+
+    # -------------------------------------------------------------------- lease
+    def _writer_fn(self, now: int) -> Callable[[ShardState, bool], tuple[None, bool]]:
+        wid, lease, registered = self.writer_id, self._lease_ms, self._registered
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if registered:
+                try:
+                    st.check_writer_live(wid, now)
+                except LeaseExpired:
+                    if not fresh:
+                        raise Stale() from None
+                    raise
+            st.heartbeat_writer(wid, now, lease)
+            return None, True
+
+        return fn
+
+    def heartbeat(self) -> None:
+        """Register this writer in the shard state, or renew its lease.  A writer that
+        keeps a builder or a written batch open must heartbeat within its lease
+        duration: the parts of a live writer are never deleted by GC, whatever their
+        age; those of a writer whose lease ran out may be.
+
+        Raises:
+            LeaseExpired: the lease already ran out (or the writer was expired): this
+                handle can append nothing any more; open a new writer.
+            ConsensusError: the stash failed.
+        """
+        self._check()
+        now = self._machine.now_ms()
+        self._machine.apply(self._writer_fn(now), keep=(self.writer_id,))
+        self._registered = True
+        self._last_heartbeat_ms = now
+
+    def _ensure_registered(self) -> None:
+        """Called before an upload: register the writer, or renew a lease past a
+        quarter of its duration."""
+        if not self._registered or (
+            self._machine.now_ms() - self._last_heartbeat_ms > self._lease_ms // 4
+        ):
+            self.heartbeat()
+
+    def _check_appendable(self, batches: Sequence[Batch], fresh: Batch | None) -> set[str]:
+        """Before an append of pre-written ``batches``: every blob part they reference
+        must exist (one listing per writer whose parts they hold).  Returns the writers
+        the parts name, which must be live when the append commits.
+
+        Raises:
+            PartsMissing: a part is not in the blob store (nothing is committed).
+        """
+        owners: set[str] = set()
+        keys = [k for b in batches if b is not fresh for k in b.blob_keys()]
+        for b in batches:
+            owners.update(w for k in b.blob_keys() if (w := key_writer_id(k)) is not None)
+        if not keys:
+            return owners
+        prefixes: dict[str, list[str]] = {}
+        for k in keys:
+            w = key_writer_id(k)
+            prefix = k if w is None else k[: k.index(w) + len(w) + 1]
+            prefixes.setdefault(prefix, []).append(k)
+        missing: list[str] = []
+        blob = self._client.blob
+        for prefix, ks in prefixes.items():
+            present = {k for k, _ in blob.list_keys(prefix)}
+            missing.extend(k for k in ks if k not in present)
+        if missing:
+            raise PartsMissing(self.shard_id, sorted(missing))
+        return owners
+
+    def _check_owners(self, st: ShardState, owners: set[str], fresh: bool, now: int) -> None:
+        """In the append's transition: this writer (once registered) and every writer
+        whose parts the append references must be live (else GC may have deleted
+        parts)."""
+        need = set(owners)
+        if self._registered:
+            need.add(self.writer_id)
+        for wid in sorted(need):
+            try:
+                st.check_writer_live(wid, now)
+            except LeaseExpired as e:
+                if not fresh:
+                    raise Stale() from None
+                if wid == self.writer_id:
+                    raise
+                raise LeaseExpired(self.shard_id, wid, "writer of an appended batch") from e
 
     def _inline_max(self) -> int:
         """Inline writes are allowed while the state holds less than the total budget."""
@@ -175,14 +276,19 @@ class WriteHandle(ShardHandle):
     def _normalize(self, updates: Updates) -> pa.Table:
         return to_updates_table(updates, self.key_schema, self.value_schema)
 
-    def _write_run(self, table: pa.Table, stem: str) -> list[PartRef]:
-        """Consolidate (sort) ``table`` and write it as one run, its parts at keys
-        ``<stem>-<uuid>.parquet`` (``stem`` from :meth:`_key_prefix`)."""
+    def _write_run(self, table: pa.Table) -> list[PartRef]:
+        """Consolidate (sort) ``table`` and write it as one run (:meth:`_write_sorted`)."""
         table, order = consolidate_order(table, self.key_schema.names, self.value_schema.names)
         if (table.num_rows if order is None else len(order)) == 0:
             return []
+        return self._write_sorted(table, order)
+
+    def _write_sorted(self, table: pa.Table, order: Any) -> list[PartRef]:
+        """Write ``table`` (in ``order``, from :func:`consolidate_order`) as one run, its
+        parts' keys stamped now (:meth:`_key_prefix`), the writer registered before the
+        first upload."""
         c = self._client
-        directory, name = stem.rsplit("/", 1)
+        directory, name = self._key_prefix().rsplit("/", 1)
         return write_parts(
             c.blob,
             table,
@@ -192,12 +298,15 @@ class WriteHandle(ShardHandle):
             max_workers=c.write_workers,
             order=order,
             name_prefix=name + "-",
+            before_upload=self._ensure_registered,
         )
 
     def builder(self, lower: Antichain | int) -> BatchBuilder:
         """A :class:`BatchBuilder` for a batch starting at ``lower``."""
         self._check()
-        return BatchBuilder(self, _frontier(lower, "lower"))
+        b = BatchBuilder(self, _frontier(lower, "lower"))
+        self._lent += 1
+        return b
 
     def batch(self, updates: Updates, lower: Antichain | int, upper: Antichain | int) -> Batch:
         """Write ``updates`` as a batch ``[lower, upper)`` without appending it.
@@ -274,7 +383,7 @@ class WriteHandle(ShardHandle):
             # Nothing can be written into an empty range: just check the upper.
             self._append_batches([], expected, new, token)
             return
-        run = self._write_run(table, self._key_prefix())
+        run = self._write_run(table)
         hollow = HollowBatch(
             desc=Description(expected, new),
             parts=tuple(run),
@@ -282,7 +391,7 @@ class WriteHandle(ShardHandle):
         )
         batch = Batch(self._client.blob, self.shard_id, hollow, time_range=rng)
         try:
-            self._append_batches([batch], expected, new, token)
+            self._append_batches([batch], expected, new, token, fresh=batch)
         except PersistError as e:
             if not e.is_indeterminate():
                 batch.delete()
@@ -413,7 +522,7 @@ class WriteHandle(ShardHandle):
             mask = m2 if mask is None else pc.and_(mask, m2)
         if mask is not None and table.num_rows:
             table = table.filter(mask)
-        run = self._write_run(table, self._key_prefix())
+        run = self._write_run(table)
         hollow = HollowBatch(b.hollow.desc, tuple(run), sum(p.rows for p in run))
         return Batch(self._client.blob, self.shard_id, hollow, time_range=_time_range(table))
 
@@ -465,9 +574,12 @@ class WriteHandle(ShardHandle):
         new: Antichain,
         token: str,
         retry: bool = False,
+        fresh: Batch | None = None,
     ) -> None:
         """:meth:`compare_and_append_batch` after its arguments were converted;
-        ``retry``: the token came from the caller (an earlier attempt may have landed)."""
+        ``retry``: the token came from the caller (an earlier attempt may have landed);
+        ``fresh``: a batch whose parts this call just wrote (not checked for existence,
+        not one this writer lent out)."""
         if len({id(b) for b in batches}) != len(batches):
             raise InvalidUsage("the same batch is listed twice in one compare_and_append_batch")
         for b in batches:
@@ -482,6 +594,7 @@ class WriteHandle(ShardHandle):
             for b in batches:  # an earlier attempt landed them
                 b.mark_consumed()
             return
+        owners = self._check_appendable(batches, fresh)  # parts exist; owners checked below
         temps: list[Batch] = []
         if expected == new:
             pieces: list[HollowBatch] = []
@@ -503,6 +616,7 @@ class WriteHandle(ShardHandle):
             if not pieces:
                 return [], False
             now = machine.now_ms()
+            self._check_owners(st, owners, fresh, now)
             for res in merges:
                 if not st.contains_batch(res.output):
                     st.apply_merge_res(res, now)
@@ -523,6 +637,15 @@ class WriteHandle(ShardHandle):
                 for t in temps:
                     t.delete()
             raise
+        if pieces:
+            self._registered = True  # append_batch registered or renewed this writer
+            self._last_heartbeat_ms = machine.now_ms()
+        own = sum(
+            1
+            for b in batches
+            if b is not fresh and all(key_writer_id(k) == self.writer_id for k in b.blob_keys())
+        )
+        self._lent = max(0, self._lent - own)
         if merges:
             self._client.compactor.release_outputs(machine, merges)
         used = {p.key for hb in pieces for p in hb.parts if p.key is not None}
@@ -589,10 +712,25 @@ class WriteHandle(ShardHandle):
         return _landed(st, self.writer_id, token)
 
     def expire(self) -> None:
-        """Unregister this writer from the shard state.  Idempotent."""
+        """Unregister this writer from the shard state (GC may then delete the parts it
+        left behind, once older than the grace period).  Idempotent.
+
+        A writer whose builders produced batches it did not append itself (e.g. batches
+        transmitted to another process, which appends them) is not unregistered: its
+        lease runs out by itself, so the receiver can append them within the lease.
+        """
         if self._expired:
             return
         self._expired = True
+        if self._lent > 0:
+            log.info(
+                "writer %s of shard %s handed out %d batch(es) it did not append: its "
+                "lease is left to run out",
+                self.writer_id,
+                self.shard_id,
+                self._lent,
+            )
+            return
 
         def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
             return None, st.expire_writer(self.writer_id)
@@ -635,7 +773,6 @@ class BatchBuilder:
         self._run_last: pa.Table | None = None  # last (key, value, time) of the run
         self._min_time: int | None = None
         self._max_time: int | None = None
-        self._prefix = handle._key_prefix()
         self._finished = False
 
     def add(self, updates: Updates) -> None:
@@ -679,18 +816,7 @@ class BatchBuilder:
         table, order = consolidate_order(table, h.key_schema.names, h.value_schema.names)
         n = table.num_rows if order is None else len(order)
         if n:
-            c = h._client
-            directory, name = self._prefix.rsplit("/", 1)
-            run = write_parts(
-                c.blob,
-                table,
-                directory,
-                target_part_bytes=c.target_part_bytes,
-                inline_max_bytes=h._inline_max(),
-                max_workers=c.write_workers,
-                order=order,
-                name_prefix=name + "-",
-            )
+            run = h._write_sorted(table, order)  # keys stamped now, per run
             cols = [*h.key_schema.names, *h.value_schema.names, TIME]
             ends = [0, n - 1] if order is None else [int(order[0]), int(order[-1])]
             bounds = table.select(cols).take(pa.array(ends, pa.int64()))

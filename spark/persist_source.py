@@ -592,6 +592,7 @@ class PersistBatchReader(DataSourceReader):
             if as_of is None:
                 return []
             batches = read.snapshot_batches(as_of)
+            read.detach()  # executors read these parts later: GC keeps them meanwhile
         return [
             PartsPartition(group, as_of) for group in plan_parts(batches, s.partition_bytes, s.full)
         ]

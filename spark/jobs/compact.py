@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -175,9 +174,15 @@ def _spark_merge(
     rows_in = sum(i.batch.len for i in req.inputs)
     n_out = min(MAX_TASKS, max(1, math.ceil(nbytes / max(1, bytes_per_task))))
     spark_schema = arrow_to_spark(schema)
-    prefix = f"{machine.shard_id}/c/{machine.now_ms()}-{uuid.uuid4().hex[:16]}"
+    # The outputs are owned by the driver's compactor, registered as a writer of the
+    # shard (persist.keys): GC keeps them while it lives, even before they are applied.
+    from persist.keys import part_name_prefix
+
+    owner = client.compactor.writer_id(machine)
+    prefix = f"{machine.shard_id}/c"
+    name_prefix = part_name_prefix(owner, machine.now_ms())
     read_fn = _make_reader(blob_uri, schema)
-    write_fn = _make_writer(blob_uri, schema, ks.names, vs.names, since, prefix)
+    write_fn = _make_writer(blob_uri, schema, ks.names, vs.names, since, prefix, name_prefix)
     keys = list(ks.names) or list(vs.names)
     pieces_df = spark.createDataFrame([(p,) for p in pieces], "piece string").repartition(
         len(pieces)
@@ -275,6 +280,7 @@ def _make_writer(
     value_names: list[str],
     since: int | None,
     prefix: str,
+    name_prefix: str,
 ) -> Any:
     def write_run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -294,7 +300,9 @@ def _make_writer(
             table = consolidate(table, key_names, value_names, since=since)
             blob = RetryingBlob(open_blob(blob_uri))
             try:
-                parts = write_parts(blob, table, f"{prefix}t{task:05d}", inline_max_bytes=0)
+                parts = write_parts(
+                    blob, table, prefix, inline_max_bytes=0, name_prefix=name_prefix
+                )
             finally:
                 blob.close()
             refs = [p.to_json() for p in parts]

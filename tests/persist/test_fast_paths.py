@@ -5,6 +5,7 @@ and one-row appends kept inline with the client's defaults."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -242,13 +243,28 @@ def test_one_row_appends_of_a_wide_schema_stay_inline_and_compaction_moves_them_
 
 def test_writer_blob_keys_are_flat_and_collected(stash: Stash, tmp_path: Path) -> None:
     blob = FileBlob(tmp_path / "blob")
-    c = PersistClient(stash, blob, compaction="off", inline_max_bytes=0)
+    now = [time.time()]
+    c = PersistClient(
+        stash,
+        blob,
+        compaction="off",
+        inline_max_bytes=0,
+        writer_lease_seconds=60,
+        reader_lease_seconds=600,
+        clock=lambda: now[0],
+    )
     try:
         w, r = c.open("flat", WIDE, pa.schema([]))
         abandoned = w.batch(_wide_row(0, 0), 0, 1)
         (key,) = abandoned.blob_keys()
         assert len(key.split("/")) == 3 and key.startswith(f"{w.shard_id}/b/")
-        w.compare_and_append(_wide_row(1, 0), 0, 1)
+        w2 = c.open_writer("flat", WIDE, pa.schema([]))
+        w2.compare_and_append(_wide_row(1, 0), 0, 1)
+        # Its writer is live: kept, whatever the grace period.
+        report = collect_garbage(c, "flat", grace_seconds=0)
+        assert report.deleted_abandoned == [] and report.kept_live_writer == 1
+        now[0] += 61  # the writers' leases run out; the reader heartbeats
+        r.heartbeat()
         report = collect_garbage(c, "flat", grace_seconds=0)
         assert report.deleted_abandoned == [key]
         assert r.snapshot(0).num_rows == 1

@@ -73,6 +73,12 @@ def test_one_row_appends_with_moving_since_stay_logarithmic(stash: Stash, n: int
     assert set(snap.column("k").to_pylist()) == live and set(snap.column("_diff").to_pylist()) == {
         1
     }
+    # Live writers' parts (the writer's, the compactor's unapplied outputs) and parts of
+    # versions a reader still holds are kept: release them first.
+    c.compactor.stop()
+    w.expire()
+    c.compactor.expire_writers()
+    r.heartbeat()  # no read in progress: its seqno hold moves to the latest version
     report = collect_garbage(c, "ten", grace_seconds=0)
     assert report.deleted_retired  # compaction retired parts, GC deleted them
     assert blob_keys(c, "ten") == c.inspect("ten").referenced_blob_keys()
@@ -83,7 +89,12 @@ def test_one_row_appends_with_moving_since_stay_logarithmic(stash: Stash, n: int
 def test_gc_waits_for_the_grace_period(stash: Stash) -> None:
     now = [1_000.0]
     c = PersistClient(
-        stash, MemoryBlob(), compaction="off", inline_max_bytes=0, clock=lambda: now[0]
+        stash,
+        MemoryBlob(),
+        compaction="off",
+        inline_max_bytes=0,
+        writer_lease_seconds=30,
+        clock=lambda: now[0],
     )
     w, r = c.open("g", KS, VS)
     for t in range(8):
@@ -100,9 +111,10 @@ def test_gc_waits_for_the_grace_period(stash: Stash) -> None:
     assert key_created_ms(abandoned_key) == 1_000_000
 
     g1 = collect_garbage(c, "g", grace_seconds=60)
-    assert not g1.deleted_retired and not g1.deleted_abandoned and g1.kept_recent == 1
-    now[0] += 61
-    r.downgrade_since(7)  # keep the reader's lease alive
+    # The batch's writer is live: kept whatever its age (not merely for the grace).
+    assert not g1.deleted_retired and not g1.deleted_abandoned and g1.kept_live_writer == 1
+    now[0] += 61  # the writer's 30 s lease ran out
+    r.downgrade_since(7)  # keep the reader's lease alive (and move its seqno hold)
     g2 = collect_garbage(c, "g", grace_seconds=60)
     assert set(g2.deleted_retired) == set(retired)
     assert g2.deleted_abandoned == [abandoned_key]
@@ -192,8 +204,10 @@ def test_cli(tmp_path: Path) -> None:
     assert (s["since"], s["upper"], s["rows"], s["batches"]) == ([4], [6], 6, 6)
     assert s["parts"] == 6 and s["bytes"] > 0 and s["merges_outstanding"] >= 1
     assert doc["state"]["seqno"] == s["seqno"] and len(doc["batches"]) == 6
-    res = runner.invoke(main, [*base, "inspect", shard_id])  # by id, as a table
+    res = runner.invoke(main, [*base, "inspect", f"id:{shard_id}"])  # by id, as a table
     assert res.exit_code == 0 and "since" in res.output and "upper" in res.output
+    res = runner.invoke(main, [*base, "inspect", shard_id])  # a plain string is a name
+    assert res.exit_code == 1 and f"no shard named {shard_id!r}" in res.output
     res = runner.invoke(main, [*base, "compact", "orders", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)

@@ -23,6 +23,7 @@ from persist import (
     UpperMismatch,
     collect_garbage,
 )
+from persist.keys import key_writer_id
 from stash import Antichain, IndeterminateError, Stash, StashError
 
 KS = pa.schema([("k", pa.string())])
@@ -68,7 +69,9 @@ def test_upper_race_commits_nothing_and_cleans_up(stash: Stash) -> None:
     assert blob.metrics.snapshot().sets == sets + 1  # it did upload its part first...
     assert shard_keys(c1, "orders") == before  # ...and deleted it after losing
     st = c1.inspect("orders")
-    assert st.seqno == seqno and st.upper == ac(1)
+    # Only w2's registration (before its upload, so GC knows the owner) was committed.
+    assert st.seqno == seqno + 1 and st.upper == ac(1)
+    assert set(st.writers) == {w1.writer_id, w2.writer_id}
     assert contents(r1.snapshot(0)) == Counter({("a", 1): 1})
     c1.close()
     c2.close()
@@ -147,7 +150,10 @@ def test_four_writer_processes_race_on_one_shard(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/stash.db"
     blob_root = str(tmp_path / "blob")
     with Stash.open(url, fenced=False) as s:  # migrate/create once, up front
-        PersistClient(s, FileBlob(blob_root), compaction="off").open("race", KS, VS)
+        c0 = PersistClient(s, FileBlob(blob_root), compaction="off")
+        w0, r0 = c0.open("race", KS, VS)
+        r0.expire()  # its reader's seqno hold would keep retired parts
+        c0.close()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     n = 25
@@ -171,6 +177,7 @@ def test_four_writer_processes_race_on_one_shard(tmp_path: Path) -> None:
         assert got == want  # nothing lost, nothing doubled
         c.compactor.compact_once("race")
         assert contents(r.snapshot(upper - 1)) == want
+        r.heartbeat()  # no read in progress: its seqno hold moves to the latest version
         collect_garbage(c, "race", grace_seconds=0)
         assert shard_keys(c, "race") == c.inspect("race").referenced_blob_keys()
         c.close()
@@ -294,6 +301,15 @@ def test_fault_injection_all_or_nothing(seed: int) -> None:
     c.compactor.compact_once("faulty")
     want = {kv: d for kv, d in model.items() if d}
     assert dict(contents(r.snapshot(upper - 1))) == want
+    r.heartbeat()  # no read in progress: its seqno hold moves to the latest version
+    collect_garbage(c, "faulty", grace_seconds=0)
+    # What is left besides the referenced parts belongs to live writers (the writer's
+    # failed appends, the compactor's unapplied outputs).
+    st = c.inspect("faulty")
+    left = shard_keys(c, "faulty") - st.referenced_blob_keys()
+    assert all(key_writer_id(k) in st.live_writers(c.machine(st.shard_id).now_ms()) for k in left)
+    w.expire()
+    c.compactor.expire_writers()
     collect_garbage(c, "faulty", grace_seconds=0)
     assert shard_keys(c, "faulty") == c.inspect("faulty").referenced_blob_keys()
     assert dict(contents(r.snapshot(upper - 1))) == want

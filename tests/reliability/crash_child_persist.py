@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Callable
 
 import pyarrow as pa
 
@@ -39,9 +41,10 @@ def payload(run: int, i: int, j: int) -> str:
     return f"{run}-{i}-{j}-" + "x" * 40
 
 
-def make_client(stash: Stash, blob: str) -> PersistClient:
+def make_client(stash: Stash, blob: str, clock: Callable[[], float] = time.time) -> PersistClient:
     """The client both sides use: small inline threshold, inline compaction, short
-    writer leases (killed writers' leases expire quickly)."""
+    writer leases (killed writers' leases expire quickly; the checker passes a clock
+    ahead of them rather than sleeping)."""
     return PersistClient(
         stash,
         blob,
@@ -50,6 +53,7 @@ def make_client(stash: Stash, blob: str) -> PersistClient:
         writer_lease_seconds=2.0,
         reader_lease_seconds=2.0,
         gc_interval_seconds=None,
+        clock=clock,
     )
 
 

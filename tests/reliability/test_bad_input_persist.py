@@ -27,7 +27,7 @@ from campaign import record, runs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from persist import CorruptPart, FileBlob, PersistClient, PersistError
+from persist import CorruptPart, FileBlob, PersistClient, PersistError, fsck
 from stash import Antichain, AppendBatch, Stash, StashError
 
 KS = pa.schema([("k", pa.int64())])
@@ -239,6 +239,7 @@ def test_garbage_never_crashes_or_half_writes(tmp_path: Path) -> None:
     if w.fetch_recent_upper() == Antichain.from_elem(1):
         w.compare_and_append_batch([w.batch_from_transmittable(wire)], 1, 2)
     client.inspect("target").trace.validate()
+    assert fsck(client, "target").ok
     holder.expire()
     client.close()
     stash.close()
@@ -331,6 +332,7 @@ def test_corrupt_parts_are_named_and_recoverable(tmp_path: Path) -> None:
     rep = client.compactor.compact_once("parts")
     assert rep.applied >= 1 and rep.failed == 0
     assert r.snapshot(3).to_pylist() == expected
+    assert fsck(client, "parts").ok
     client.close()
     stash.close()
     assert counts["named"] == counts["corruptions"]
@@ -425,6 +427,7 @@ def test_corrupt_state_json(tmp_path: Path) -> None:
 
     run()
     assert r.snapshot(5).num_rows == 6
+    assert fsck(client, "state").ok
     client.close()
     stash.close()
     record(

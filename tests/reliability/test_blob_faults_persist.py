@@ -39,8 +39,11 @@ from persist import (
     MemoryBlob,
     PersistClient,
     PersistError,
+    ReadHandle,
     UnreliableBlob,
+    WriteHandle,
     collect_garbage,
+    fsck,
 )
 from stash import Stash
 
@@ -80,10 +83,17 @@ def _check_contents(client: PersistClient, shard: str, acked: set[int]) -> None:
     r.expire()
 
 
-def _final_cleanup_check(client: PersistClient, inner: Blob, shard: str) -> None:
-    """Faults off: compaction answers every request, GC (grace 0) leaves exactly the
-    referenced parts, the Spine validates."""
+def _final_cleanup_check(
+    client: PersistClient, inner: Blob, shard: str, w: WriteHandle, r: ReadHandle
+) -> None:
+    """Faults off: compaction answers every request; once the writers (the writer, the
+    compactor) are expired and the reader holds no old version, GC (grace 0) leaves
+    exactly the referenced parts, the Spine validates and fsck finds no damage."""
     client.compactor.compact_once(shard)
+    # A live writer's parts are never collected (issue 12): expire the writers first.
+    w.expire()
+    client.compactor.expire_writers()
+    r.heartbeat()  # no read in progress: its seqno hold moves to the latest version
     collect_garbage(client, shard, grace_seconds=0)
     st = client.inspect(shard)
     st.trace.validate()
@@ -92,6 +102,8 @@ def _final_cleanup_check(client: PersistClient, inner: Blob, shard: str) -> None
         f"unreferenced left: {sorted(listed - st.referenced_blob_keys())[:3]}, "
         f"referenced missing: {sorted(st.referenced_blob_keys() - listed)[:3]}"
     )
+    report = fsck(client, shard)
+    assert report.ok, report.damage()
 
 
 def test_blob_faults_sequential() -> None:
@@ -171,7 +183,7 @@ def test_blob_faults_sequential() -> None:
     assert w.fetch_recent_upper().as_option() == upper
     parts_before = len(client.inspect("faulty").referenced_blob_keys())
     _check_contents(client, "faulty", acked)
-    _final_cleanup_check(client, inner, "faulty")
+    _final_cleanup_check(client, inner, "faulty", w, r)
     _check_contents(client, "faulty", acked)
     injected = blob.faults_injected
     client.close()
@@ -267,7 +279,7 @@ def test_blob_faults_concurrent(tmp_path: Path) -> None:
     assert client.compactor.wait_idle(timeout=60)
     assert not _referenced_present(client, inner, "faulty")
     _check_contents(client, "faulty", acked)
-    _final_cleanup_check(client, inner, "faulty")
+    _final_cleanup_check(client, inner, "faulty", w, r)
     _check_contents(client, "faulty", acked)
     injected = blob.faults_injected
     client.close()

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pytest
 from campaign import LONG, record
 
-from persist import PersistClient, PersistError, UpperMismatch, read_batches
+from persist import PersistClient, PersistError, UpperMismatch, fsck, read_batches
 from stash import Antichain, AppendBatch, AppendLowerMismatch, Stash, StashError
 
 PROCS = 8
@@ -217,6 +217,8 @@ def _campaign(url: str, tmp_path: Path, seconds: float, label: str) -> None:
             )
             for k in totals:
                 totals[k] += fig[k]
+            damage = fsck(client, n)  # every referenced part present and intact
+            assert damage.ok, f"shard {n}: fsck: {damage.damage()}"
         client.close()
     assert not errors, f"unexpected errors: {errors[:3]}"
     record(

@@ -6,7 +6,8 @@ After each kill:
   and whole (all of its rows, none missing: no batch is half there);
 * at most one unacknowledged batch (the one in flight at the kill) is durable;
 * the shard reopens, its Spine trace validates (``Trace.validate``);
-* GC (grace 0) afterwards leaves no unreferenced part in the blob store.
+* GC (grace 0), once the killed child's leases ran out, leaves no unreferenced part in
+  the blob store, and ``persist.fsck`` finds no damage.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from campaign import record, runs
 from crash_child_persist import KEY_SCHEMA, SHARD, VALUE_SCHEMA, batch_rows, make_client, payload
 from dbutil import migrate_to_head
 
-from persist import collect_garbage
+from persist import collect_garbage, fsck
 from stash import Stash
 
 CHILD = Path(__file__).with_name("crash_child_persist.py")
@@ -35,7 +36,9 @@ def _check_after_kill(
 ) -> dict[str, int]:
     """Reopen the shard and check the campaign's invariants; returns figures."""
     with Stash.open(url, fenced=False) as s:
-        client = make_client(s, blob)
+        # The killed child's writer and compactor leases (2 s) have run out for this
+        # clock: GC may take their leftovers (a live writer's parts are never taken).
+        client = make_client(s, blob, clock=lambda: time.time() + 10.0)
         try:
             r = client.open_reader(SHARD, KEY_SCHEMA, VALUE_SCHEMA)
             st = client.inspect(SHARD)
@@ -75,6 +78,8 @@ def _check_after_kill(
                 f"run {run}: GC left unreferenced parts {sorted(listed - referenced)[:5]}, "
                 f"missing referenced {sorted(referenced - listed)[:5]}"
             )
+            damage = fsck(client, SHARD)
+            assert damage.ok, f"run {run}: fsck: {damage.damage()}"
             return {
                 "unacked": len(extra),
                 "gc_deleted": len(report.deleted_abandoned) + len(report.deleted_retired),

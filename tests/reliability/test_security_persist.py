@@ -30,6 +30,7 @@ from persist import (
     PersistClient,
     PersistError,
     collect_garbage,
+    fsck,
     open_blob,
 )
 from persist.cli import main
@@ -104,6 +105,7 @@ def test_escaping_shard_names_are_refused(tmp_path: Path) -> None:
                 lambda n=name: client.inspect(n),
                 lambda n=name: collect_garbage(client, n, grace_seconds=0),
                 lambda n=name: client.compactor.compact_once(n),
+                lambda n=name: fsck(client, n),
                 lambda n=name: client.machine(n),
             ):
                 with pytest.raises(InvalidUsage) as e:
@@ -125,6 +127,7 @@ def test_escaping_shard_names_are_refused(tmp_path: Path) -> None:
         assert client.shards() == shards_before
         assert _tree(tmp_path) == tree_before, "a refused name created files"
         assert not list(outside.iterdir())
+        assert fsck(client, "legit").ok
         client.close()
     record(
         "security: persist shard names and blob keys escaping the blob root",

@@ -48,11 +48,12 @@ Sources: the persist-client ``WriteHandle``, ``BatchBuilder`` and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -93,6 +94,22 @@ if TYPE_CHECKING:
 __all__ = ["BatchBuilder", "WriteHandle"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@contextlib.contextmanager
+def _carrying_token(token: str) -> Iterator[None]:
+    """Set ``idempotency_token`` on an indeterminate :class:`PersistError` leaving the
+    block (e.g. the writer's registration before an upload), so that the caller's retry
+    with it stays idempotent whichever commit's outcome was lost."""
+    try:
+        yield
+    except PersistError as e:
+        if e.is_indeterminate() and e.idempotency_token is None:
+            e.idempotency_token = token
+        raise
+
 
 Updates = Any
 """A ``pyarrow.Table``/``RecordBatch`` or a list of ``((key, value), time, diff)``."""
@@ -209,7 +226,7 @@ class WriteHandle(ShardHandle):
         """
         self._check()
         now = self._machine.now_ms()
-        self._machine.apply(self._writer_fn(now), keep=(self.writer_id,))
+        self._apply_resolving(self._writer_fn(now))  # resolves a lost acknowledgement
         self._registered = True
         self._last_heartbeat_ms = now
 
@@ -383,7 +400,8 @@ class WriteHandle(ShardHandle):
             # Nothing can be written into an empty range: just check the upper.
             self._append_batches([], expected, new, token)
             return
-        run = self._write_run(table)
+        with _carrying_token(token):
+            run = self._write_run(table)
         hollow = HollowBatch(
             desc=Description(expected, new),
             parts=tuple(run),
@@ -565,7 +583,8 @@ class WriteHandle(ShardHandle):
         if not expected <= new:
             raise InvalidBounds(expected, new)
         token = _token(idempotency_token)
-        self._append_batches(batches, expected, new, token, idempotency_token is not None)
+        with _carrying_token(token):
+            self._append_batches(batches, expected, new, token, idempotency_token is not None)
 
     def _append_batches(
         self,
@@ -661,7 +680,7 @@ class WriteHandle(ShardHandle):
     resolve_attempts: int = 8
     resolve_max_wait: float = 1.0
 
-    def _apply_resolving(self, fn: Any) -> list[FueledMergeReq]:
+    def _apply_resolving(self, fn: Callable[[ShardState, bool], tuple[_T, bool]]) -> _T:
         """``machine.apply(fn)``, re-applied while its outcome is unknown (the transition
         recognises its own committed effect by its token), with tenacity backoff, at
         most :attr:`resolve_attempts` times.  Once an attempt was indeterminate, a later
@@ -669,13 +688,16 @@ class WriteHandle(ShardHandle):
         may have landed), so it is retried as well and, at the end, reported as
         indeterminate.
 
+        Also used by the writer's registration (:meth:`heartbeat`), whose transition is
+        idempotent.
+
         Raises:
             UpperMismatch (only when this append is known not to have landed), the
             transition's errors, ConsensusError.
         """
         apply = partial(self._machine.apply, fn, keep=(self.writer_id,))
         try:
-            first: list[FueledMergeReq] = apply()  # the common case, without a retry loop
+            first: _T = apply()  # the common case, without a retry loop
             return first
         except PersistError as e:
             if not e.is_indeterminate() or self.resolve_attempts <= 1:
@@ -695,11 +717,11 @@ class WriteHandle(ShardHandle):
             reraise=True,
         )
         try:
-            out: list[FueledMergeReq] = retrying(apply)
+            out: _T = retrying(apply)
         except ConsensusError as e:
             if not e.is_indeterminate():
                 raise ConsensusError(
-                    f"the outcome of an append to shard {self.shard_id} is unknown: a commit "
+                    f"the outcome of a change to shard {self.shard_id} is unknown: a commit "
                     f"was indeterminate and resolving it failed: {e}",
                     indeterminate=True,
                 ) from e

@@ -105,6 +105,7 @@ def test_unresolved_outcome_carries_a_token_that_keeps_the_retry_idempotent(
 ) -> None:
     flaky, blob, _c, w, r = setup
     w.resolve_attempts = 2
+    w.heartbeat()  # registered: the lost acknowledgement is the append's own commit
     flaky.arm(reads=50)  # consensus stays unreadable longer than the append tries
     with pytest.raises(ConsensusError) as e:
         w.compare_and_append([upd("a", 1, 0)], 0, 1)
@@ -145,3 +146,29 @@ def test_bad_token_is_refused(setup: Any) -> None:
     with pytest.raises(InvalidUsage, match="idempotency_token"):
         w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token="x")
     assert w.fetch_recent_upper() == ac(0)
+
+
+def test_lost_ack_of_the_writers_registration_is_resolved_or_carries_the_token(
+    setup: Any,
+) -> None:
+    """A writer registers before its first upload; that commit's acknowledgement can be
+    lost too.  It is re-applied until known (registration is idempotent), and when it
+    cannot be known the append's error still carries a token that keeps a retry
+    idempotent."""
+    flaky, _blob, _c, w, r = setup
+    flaky.arm(reads=2)  # fewer failing reads than the resolve attempts: resolved
+    w.compare_and_append([upd("a", 1, 0)], 0, 1)
+    assert flaky.lost_acks == 1
+    w2, _ = _c.open("idem2", KS, VS)
+    w2.resolve_attempts = 2
+    w2.resolve_max_wait = 0.001
+    flaky.arm(reads=50)  # the new writer's registration stays unknown
+    with pytest.raises(ConsensusError) as e:
+        w2.compare_and_append([upd("b", 1, 0)], 0, 1)
+    assert e.value.is_indeterminate() and e.value.idempotency_token
+    flaky.reads_to_fail = 0
+    w2.compare_and_append([upd("b", 1, 0)], 0, 1, idempotency_token=e.value.idempotency_token)
+    w2.compare_and_append([upd("b", 1, 1)], 1, 2, idempotency_token=e.value.idempotency_token)
+    assert contents(r.snapshot(0)) == Counter({("a", 1, 0): 1})
+    _, r2 = _c.open("idem2", KS, VS)
+    assert contents(r2.snapshot(0)) == Counter({("b", 1, 0): 1})

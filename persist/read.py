@@ -317,6 +317,7 @@ class ReadHandle(ShardHandle):
         self._seqno_lock = threading.Lock()
         self._next_lease = 0
         self._batches_lease: int | None = None  # held for the last snapshot_batches
+        self._held_beat: int | None = None  # keeper registration while that hold lives
 
     # ------------------------------------------------------------ seqno holds
     def _lease_seqno(self) -> int:
@@ -433,6 +434,7 @@ class ReadHandle(ShardHandle):
 
         self._machine.apply(fn, keep=(self.reader_id,))
         self._expired = True
+        self._stop_keeping_alive()  # the hold now lasts one lease, as documented
         self._client._handles.discard(self)
         self._client._notify_compactor(self.shard_id)
 
@@ -442,6 +444,7 @@ class ReadHandle(ShardHandle):
         if self._expired:
             return
         self._expired = True
+        self._stop_keeping_alive()
         self._release_seqno(self._batches_lease)
         self._batches_lease = None
 
@@ -519,8 +522,9 @@ class ReadHandle(ShardHandle):
 
         The reader holds the version they come from (its seqno hold, recorded in the
         state at its next heartbeat, stays at or before it) until its next
-        ``snapshot_batches`` call or :meth:`expire`, so GC deletes none of their parts
-        while its lease lives, however long the caller takes to read them.
+        ``snapshot_batches`` call or :meth:`expire`, and its lease is renewed in the
+        background meanwhile, so GC deletes none of their parts however long the caller
+        takes to read them.
 
         Raises: as :meth:`snapshot`.
         """
@@ -534,7 +538,38 @@ class ReadHandle(ShardHandle):
             raise
         old, self._batches_lease = self._batches_lease, token
         self._release_seqno(old)
+        self._keep_alive_while_held()
         return batches
+
+    def _keep_alive_while_held(self) -> None:
+        """While the result of :meth:`snapshot_batches` is held (until :meth:`expire` or
+        :meth:`detach`), renew the lease in the background, as persist-client's reader
+        heartbeat task does, so the seqno hold outlives any read however long.  The keeper
+        holds the handle weakly: a handle dropped without ``expire`` stops renewing, and
+        its lease runs out like a crashed reader's."""
+        if self._held_beat is not None:
+            return
+        ref = weakref.ref(self)
+
+        def beat() -> bool:
+            h = ref()
+            if h is None or h._expired:
+                return False
+            try:
+                h.heartbeat()
+            except LeaseExpired:
+                return False
+            return True
+
+        interval = self.heartbeat_seconds or self._lease_ms / 4000
+        self._held_beat = self.lease_keeper.register(
+            f"reader {self.reader_id} (held batches)", max(interval, 0.001), beat
+        )
+
+    def _stop_keeping_alive(self) -> None:
+        ident, self._held_beat = self._held_beat, None
+        if ident is not None:
+            self.lease_keeper.unregister(ident)
 
     def _batches_for(self, t: int, wait: bool, timeout: float | None) -> list[HollowBatch]:
         self._maybe_heartbeat()

@@ -29,6 +29,7 @@ from persist import (
 from persist.cli import main
 from persist.consensus import RETIRED_COLLECTION_PREFIX
 from persist.keys import key_created_ms, key_writer_id, parse_part_key
+from persist.lease import LeaseKeeper
 from stash import Antichain, Stash
 
 KS = pa.schema([("k", pa.int64())])
@@ -251,6 +252,33 @@ def test_a_reader_holding_snapshot_batches_survives_compaction_and_gc(stash: Sta
     r.heartbeat()
     assert collect_garbage(other, "held-read", grace_seconds=0).deleted_retired
     assert fsck(c, "held-read").ok
+
+
+def test_held_snapshot_batches_keep_their_lease_alive_past_every_grace(stash: Stash) -> None:
+    """Issue 12 item 7b with default-like settings: a reader that holds
+    ``snapshot_batches`` far past its lease and GC's grace, without calling anything
+    itself, still reads every part: its lease is renewed in the background."""
+    clock, blob = Clock(), MemoryBlob()
+    c = client(stash, blob, clock, reader_lease_seconds=900)
+    other = client(stash, blob, clock)
+    w, r = _compacted_shard(c, "long-read")
+    r.lease_keeper = LeaseKeeper(clock=clock, thread=False)  # beats only when told
+    batches = r.snapshot_batches(5)
+    _w2, r2 = other.open("long-read", KS, VS)
+    r2.downgrade_since(5)
+    r.downgrade_since(5)
+    assert other.compactor.compact_once("long-read").applied >= 1
+    for _ in range(40):  # 2 hours in steps of a fifth of the reader's lease
+        clock.now += 180
+        r.lease_keeper.run_due()
+        w.heartbeat()
+        r2.heartbeat()
+    collect_garbage(other, "long-read", grace_seconds=HOUR)
+    got = read_batches(c.blob, batches, r.schema, upper=6)
+    assert sorted(got["k"].to_pylist()) == list(range(6))
+    r.expire()  # the hold and its renewal end together
+    assert not r.lease_keeper.run_due()
+    assert collect_garbage(other, "long-read", grace_seconds=0).deleted_retired
 
 
 def test_a_snapshot_refetches_state_when_a_part_is_missing(stash: Stash) -> None:

@@ -1192,7 +1192,9 @@ class PersistWriter(DataSourceArrowWriter):
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         """Delete the batches of the tasks that reported one, unless the shard references
-        any of their parts (an indeterminate commit may have landed)."""
+        any of their parts or retired them (an indeterminate commit may have landed and
+        been compacted since: its parts are then GC's to delete, once no reader holds
+        them)."""
         s = self.settings
         msgs = [m for m in messages if isinstance(m, PersistCommitMessage)]
         if not msgs:
@@ -1201,7 +1203,9 @@ class PersistWriter(DataSourceArrowWriter):
 
         with persist_client(s.target) as client:
             try:
-                live: set[str] | None = client.inspect(s.target.shard).referenced_blob_keys()
+                referenced = client.inspect(s.target.shard).referenced_blob_keys()
+                retired = client.consensus.retired(client.shard_id(s.target.shard))
+                live: set[str] | None = referenced | set(retired)
             except Exception as e:  # cannot read the state: deleting could lose data
                 log.warning(
                     "abort of a write to shard %s: state unreadable (%s)", s.target.shard, e

@@ -1,14 +1,16 @@
 """Lifecycle model (issue 12): writers, builders and batches held open, readers, GC,
-compaction, heartbeats, clock jumps past every grace period and lease, and blob outages
-at any call, against a reference multiset.
+compaction, heartbeats, clock jumps past every grace period and lease, blob outages at
+any call (builders flush on every ``add``, so an outage can hit an ``add`` after earlier
+ones were accepted), and stash commits whose acknowledgement is lost, against a
+reference multiset.
 
 A hypothesis stateful test.  Handles whose lease ran out are replaced by new ones; a
 batch of a writer that is no longer live must be refused (``LeaseExpired`` /
 ``PartsMissing``) with nothing committed; an operation run during a blob outage may fail
 but never half-commits.  After every step (blob available): every acknowledged write
 reads back exactly (the snapshot equals the reference), and ``persist.fsck`` finds no
-damage.  Figures are recorded for ``docs/reliability.md`` (two rows: the whole model,
-and the batches held across GC passes).
+damage.  Figures are recorded for ``docs/reliability.md`` (three rows: the whole model,
+the batches held across GC passes, and the builders under blob outages).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from persist import (
     collect_garbage,
     fsck,
 )
-from stash import Antichain, Stash
+from stash import Antichain, IndeterminateError, Stash
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
@@ -41,6 +43,25 @@ LEASE = 600.0
 GRACE = 300.0
 
 FIG: Counter[str] = Counter()
+
+
+class LostAckStash:
+    """Wraps a stash: once armed, the next ``append`` commits and then raises
+    ``IndeterminateError`` (the acknowledgement of COMMIT was lost)."""
+
+    def __init__(self, inner: Stash) -> None:
+        self.inner = inner
+        self.armed = False
+
+    def append(self, batches: Any) -> None:
+        self.inner.append(batches)
+        if self.armed:
+            self.armed = False
+            FIG["lost_acks"] += 1
+            raise IndeterminateError("injected: acknowledgement of COMMIT lost")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def ac(t: int) -> Antichain:
@@ -62,7 +83,8 @@ class Lifecycle(RuleBasedStateMachine):
         self.inner = MemoryBlob()
         self.blob = UnreliableBlob(self.inner, fail_probability=0.0, seed=1)
         self.blob.faults(False)
-        self.stash = Stash.open("memory://", fenced=False)
+        self.raw_stash = Stash.open("memory://", fenced=False)
+        self.stash = LostAckStash(self.raw_stash)
         kw: dict[str, Any] = {
             "compaction": "off",
             "inline_max_bytes": 0,
@@ -70,6 +92,7 @@ class Lifecycle(RuleBasedStateMachine):
             "reader_lease_seconds": LEASE,
             "gc_grace_seconds": GRACE,
             "blob_retries": 1,
+            "target_part_bytes": 1,  # a builder flushes (uploads) on every add
             "clock": self.clock,
         }
         self.c = PersistClient(self.stash, self.blob, **kw)
@@ -87,7 +110,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.blob.make_available()
         self.c.close()
         self.other.close()
-        self.stash.close()
+        self.raw_stash.close()
 
     # ----------------------------------------------------------------- helpers
     def _live_writer(self) -> Any:
@@ -149,6 +172,32 @@ class Lifecycle(RuleBasedStateMachine):
         rows = [(k, v)]
         if self._guard(lambda: b.add([(((k,), (v,)), 0, 1)])):
             self.open.append((w, b, rows))
+
+    @rule(data=st.data(), k=st.integers(0, 5), v=st.sampled_from("ab"), outage=st.booleans())
+    def add_to_builder(self, data: st.DataObject, k: int, v: str, outage: bool) -> None:
+        """Another ``add`` to an open builder (it flushes), half the time under a blob
+        outage: then it fails and the builder keeps exactly the rows earlier ``add``
+        calls accepted."""
+        if not self.open:
+            self.start_builder(k, v)
+            if not self.open:
+                return
+        self.outage = self.outage or outage
+        w, b, rows = self.open[data.draw(st.integers(0, len(self.open) - 1))]
+        try:
+            if self._guard(lambda: b.add([(((k,), (v,)), 0, 1)])):
+                rows.append((k, v))
+                FIG["builder_adds"] += 1
+            else:
+                FIG["builder_add_outages"] += 1
+        except LeaseExpired:
+            FIG["refused"] += 1  # its writer's lease ran out: finish will be refused
+
+    @rule()
+    def lose_next_ack(self) -> None:
+        """The next stash commit (an append, a heartbeat, GC, compaction) lands but its
+        acknowledgement is lost."""
+        self.stash.armed = True
 
     @rule(data=st.data())
     def finish_builder(self, data: st.DataObject) -> None:
@@ -297,6 +346,19 @@ def test_lifecycle_model() -> None:
         refused_expired=FIG["refused"],
         gc_passes=FIG["gc_passes"],
         outage_errors=FIG["outage_errors"],
+        lost_acks=FIG["lost_acks"],
+    )
+    record(
+        "builders under blob outages: persist (a flush on every add)",
+        runs=FIG["runs"],
+        faults=FIG["builder_add_outages"],
+        acknowledged=FIG["builder_adds"],
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=0,
+        unreadable=0,
+        held_appended=FIG["held_appended"],
     )
     record(
         "batches held across GC: persist",

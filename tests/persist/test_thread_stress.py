@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from campaign import record
 
 from persist import FileBlob, MemoryBlob, PersistClient, SinceViolation, UpperMismatch
 from stash import Antichain, Stash
@@ -179,5 +180,18 @@ def test_shared_handles_under_threads(backend: str, compaction: str, tmp_path: P
     for heard in heard_by:  # each listen heard every append once, at its time
         assert +heard == seed_free
     assert stats["snapshots"] > 0 and stats["downgrades"] > 0 and stats["waits"] > 0
+    record(
+        f"threads sharing one handle: persist on {backend} ({compaction} compaction)",
+        runs=1,
+        faults=0,
+        acknowledged=sum(d for k, d in model.items() if k[0] != "seed"),
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=0,
+        unreadable=0,
+        listens=len(heard_by),
+        snapshots=stats["snapshots"],
+    )
     c.close()
     s.close()

@@ -23,6 +23,7 @@ import threading
 from typing import Any
 
 import pytest
+from campaign import record
 
 from stash import AppendLowerMismatch, Stash, StashError, TypedCollection
 
@@ -113,7 +114,9 @@ def _reader(s: Stash, r: int, start: threading.Barrier, errors: list[str], ids: 
 
 
 @pytest.mark.parametrize("mode", ["writable", "savepoint"])
-def test_one_handle_shared_by_writer_and_reader_threads(open_any: Any, mode: str) -> None:
+def test_one_handle_shared_by_writer_and_reader_threads(
+    open_any: Any, any_backend: str, mode: str
+) -> None:
     if mode == "savepoint":
         open_any().close()  # the store exists (an SQLite file is created by a writable open)
     s = open_any(mode=mode)
@@ -142,6 +145,17 @@ def test_one_handle_shared_by_writer_and_reader_threads(open_any: Any, mode: str
     # A fresh handle (no cache) agrees.
     fresh = open_any(mode="readonly")
     assert fresh.peek_one(fresh.collection("shared", key="str", value="int")) == SHARED.peek_one(s)
+    record(
+        f"threads sharing one handle: stash on {any_backend}",
+        runs=1,
+        faults=0,
+        acknowledged=WRITERS * ROUNDS * 3,  # per round: own upsert, own append, shared upsert
+        lost=0,
+        duplicated=0,
+        partial=0,
+        unclear=0,
+        threads=WRITERS + READERS,
+    )
 
 
 class _PausingStash(Stash):

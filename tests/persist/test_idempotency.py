@@ -9,9 +9,10 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from stash_faults import AckLostStash
 
 from persist import ConsensusError, InvalidUsage, MemoryBlob, PersistClient, WriteHandle
-from stash import Antichain, IndeterminateError, Stash, StashError
+from stash import Antichain, Stash
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -30,45 +31,6 @@ def contents(table: pa.Table) -> Counter[tuple[str, int, int]]:
     for r in table.to_pylist():
         out[(r["k"], r["v"], r["_time"])] += r["_diff"]
     return out
-
-
-class AckLostStash:
-    """Wraps a stash.  After :meth:`arm`, the next ``append`` commits and then raises
-    ``IndeterminateError`` (the acknowledgement was lost), and the ``reads`` reads
-    (``iter``/``upper``) after it fail with a plain ``StashError``."""
-
-    def __init__(self, inner: Stash) -> None:
-        self.inner = inner
-        self.armed = False
-        self.reads_to_fail = 0
-        self.lost_acks = 0
-
-    def arm(self, reads: int) -> None:
-        self.armed = True
-        self.reads_to_fail = reads
-
-    def append(self, batches: Any) -> None:
-        self.inner.append(batches)
-        if self.armed:
-            self.armed = False
-            self.lost_acks += 1
-            raise IndeterminateError("injected: connection lost during COMMIT")
-
-    def _read(self, what: str) -> None:
-        if not self.armed and self.reads_to_fail > 0:
-            self.reads_to_fail -= 1
-            raise StashError(f"injected: {what} failed (server unreachable)")
-
-    def iter(self, c: Any) -> Any:
-        self._read("iter")
-        return self.inner.iter(c)
-
-    def upper(self, c: Any) -> Any:
-        self._read("upper")
-        return self.inner.upper(c)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 @pytest.fixture

@@ -19,48 +19,13 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from campaign import record, runs
+from stash_faults import AckLostStash
 
 from persist import ConsensusError, MemoryBlob, PersistClient, UpperMismatch
-from stash import IndeterminateError, Stash, StashError
+from stash import Stash
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
-
-
-class AckLostStash:
-    """Wraps a stash: while armed, an ``append`` commits and then raises
-    ``IndeterminateError``; the next ``reads`` reads then fail with ``StashError``."""
-
-    def __init__(self, inner: Stash, seed: int) -> None:
-        self.inner = inner
-        self.rng = random.Random(seed)
-        self.p = 0.0
-        self.max_reads = 0
-        self.reads_to_fail = 0
-        self.lost_acks = 0
-
-    def append(self, batches: Any) -> None:
-        self.inner.append(batches)
-        if self.rng.random() < self.p:
-            self.lost_acks += 1
-            self.reads_to_fail = self.rng.randrange(self.max_reads + 1)
-            raise IndeterminateError("injected: connection lost during COMMIT")
-
-    def _read(self, what: str) -> None:
-        if self.reads_to_fail > 0:
-            self.reads_to_fail -= 1
-            raise StashError(f"injected: {what} failed (server unreachable)")
-
-    def iter(self, c: Any) -> Any:
-        self._read("iter")
-        return self.inner.iter(c)
-
-    def upper(self, c: Any) -> Any:
-        self._read("upper")
-        return self.inner.upper(c)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def _append_until_acknowledged(w: Any, i: int, stats: Counter[str]) -> None:

@@ -23,6 +23,7 @@ from campaign import record, runs
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from stash_faults import AckLostStash
 
 from persist import (
     BlobError,
@@ -34,7 +35,7 @@ from persist import (
     collect_garbage,
     fsck,
 )
-from stash import Antichain, IndeterminateError, Stash
+from stash import Antichain, Stash
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
@@ -43,25 +44,6 @@ LEASE = 600.0
 GRACE = 300.0
 
 FIG: Counter[str] = Counter()
-
-
-class LostAckStash:
-    """Wraps a stash: once armed, the next ``append`` commits and then raises
-    ``IndeterminateError`` (the acknowledgement of COMMIT was lost)."""
-
-    def __init__(self, inner: Stash) -> None:
-        self.inner = inner
-        self.armed = False
-
-    def append(self, batches: Any) -> None:
-        self.inner.append(batches)
-        if self.armed:
-            self.armed = False
-            FIG["lost_acks"] += 1
-            raise IndeterminateError("injected: acknowledgement of COMMIT lost")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def ac(t: int) -> Antichain:
@@ -84,7 +66,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.blob = UnreliableBlob(self.inner, fail_probability=0.0, seed=1)
         self.blob.faults(False)
         self.raw_stash = Stash.open("memory://", fenced=False)
-        self.stash = LostAckStash(self.raw_stash)
+        self.stash = AckLostStash(self.raw_stash)
         kw: dict[str, Any] = {
             "compaction": "off",
             "inline_max_bytes": 0,
@@ -107,6 +89,7 @@ class Lifecycle(RuleBasedStateMachine):
         FIG["runs"] += 1
 
     def teardown(self) -> None:
+        FIG["lost_acks"] += self.stash.lost_acks
         self.blob.make_available()
         self.c.close()
         self.other.close()
@@ -197,7 +180,7 @@ class Lifecycle(RuleBasedStateMachine):
     def lose_next_ack(self) -> None:
         """The next stash commit (an append, a heartbeat, GC, compaction) lands but its
         acknowledgement is lost."""
-        self.stash.armed = True
+        self.stash.arm()
 
     @rule(data=st.data())
     def finish_builder(self, data: st.DataObject) -> None:

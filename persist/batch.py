@@ -77,6 +77,9 @@ class Batch:
         self._rewrite_frontier = rewrite_frontier
         self.time_range = time_range
         self._consumed = False
+        #: The idempotency token of an append of this batch whose outcome is unknown
+        #: (set by ``compare_and_append_batch``; a retry with this batch reuses it).
+        self.pending_token: str | None = None
 
     def __repr__(self) -> str:
         d = self.hollow.desc
@@ -188,7 +191,10 @@ class Batch:
 
     def delete(self) -> None:
         """Delete the batch's blob parts (best effort: a failed delete leaves garbage for
-        GC) and mark it consumed.  A consumed batch deletes nothing."""
+        GC) and mark it consumed.  A consumed batch deletes nothing.  Only for a batch
+        that was never appended: a copy of an appended batch (its transmittable bytes
+        decoded again) names the same parts, which the shard then references; when in
+        doubt, leave the parts to GC, which deletes only unreferenced ones."""
         if self._consumed:
             return
         self._consumed = True

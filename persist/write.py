@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -582,6 +583,12 @@ class WriteHandle(ShardHandle):
         new = _frontier(new_upper, "new_upper")
         if not expected <= new:
             raise InvalidBounds(expected, new)
+        if idempotency_token is None:
+            # The same batches retried after an unknown outcome: the same token, so an
+            # attempt that landed is recognised (never appended twice, never a race).
+            pending = {getattr(b, "pending_token", None) for b in batches}
+            if len(pending) == 1:
+                idempotency_token = pending.pop()
         token = _token(idempotency_token)
         with _carrying_token(token):
             self._append_batches(batches, expected, new, token, idempotency_token is not None)
@@ -601,6 +608,12 @@ class WriteHandle(ShardHandle):
         not one this writer lent out)."""
         if len({id(b) for b in batches}) != len(batches):
             raise InvalidUsage("the same batch is listed twice in one compare_and_append_batch")
+        keys = [k for b in batches if isinstance(b, Batch) for k in b.blob_keys()]
+        if len(set(keys)) != len(keys):
+            raise InvalidUsage(
+                "two batches of one compare_and_append_batch share parts (one batch's "
+                "transmittable bytes decoded twice?): its updates would be appended twice"
+            )
         for b in batches:
             if not isinstance(b, Batch):
                 raise InvalidUsage(f"expected a Batch, got {type(b).__name__}")
@@ -652,6 +665,8 @@ class WriteHandle(ShardHandle):
                 machine.offer_merge_results(merges)  # still candidates; else GC's
             if indeterminate:
                 e.idempotency_token = token
+                for b in batches:  # a retry with these batches reuses the token
+                    b.pending_token = token
             else:
                 for t in temps:
                     t.delete()
@@ -667,10 +682,11 @@ class WriteHandle(ShardHandle):
         self._lent = max(0, self._lent - own)
         if merges:
             self._client.compactor.release_outputs(machine, merges)
-        used = {p.key for hb in pieces for p in hb.parts if p.key is not None}
+        # Parts of a batch that this append truncated or rewrote physically are not
+        # deleted here but left to GC (collected once this writer is gone and the grace
+        # period passed): another copy of the same batch (its transmittable bytes decoded
+        # twice, a retry after an unknown outcome) may have committed them already.
         for b in batches:
-            if any(k not in used for k in b.blob_keys()):
-                b.delete()  # truncated or rewritten physically: its own parts are garbage
             b.mark_consumed()
         if reqs:
             self._client._on_merge_reqs(machine, reqs)
@@ -782,7 +798,8 @@ class BatchBuilder:
     the call (the updates of earlier calls stay buffered or written; the failed call's
     updates are not added), so :meth:`finish` never returns a batch missing a row that
     an ``add`` accepted.  A failed :meth:`finish` leaves it unfinished, to retry or
-    :meth:`abort`.
+    :meth:`abort`.  Safe to share between threads: ``add``, ``finish`` and ``abort`` are
+    serialized.
     """
 
     def __init__(self, handle: WriteHandle, lower: Antichain) -> None:
@@ -796,6 +813,7 @@ class BatchBuilder:
         self._min_time: int | None = None
         self._max_time: int | None = None
         self._finished = False
+        self._lock = threading.RLock()  # add, finish and abort are serialized
 
     def add(self, updates: Updates) -> None:
         """Add updates (a Table/RecordBatch or a list of ``((k, v), t, d)``).
@@ -806,6 +824,10 @@ class BatchBuilder:
             BlobError: writing a full buffer failed; the builder is as before the call
                 (these updates were not added; earlier ones are kept).
         """
+        with self._lock:
+            self._add(updates)
+
+    def _add(self, updates: Updates) -> None:
         if self._finished:
             raise InvalidUsage("cannot add to a finished BatchBuilder")
         table = self._h._normalize(updates)
@@ -866,6 +888,10 @@ class BatchBuilder:
             BlobError: writing the buffer failed; the builder stays unfinished with every
                 accepted update (call ``finish`` again or :meth:`abort`).
         """
+        with self._lock:
+            return self._finish(upper)
+
+    def _finish(self, upper: Antichain | int) -> Batch:
         if self._finished:
             raise InvalidUsage("BatchBuilder.finish was already called")
         up = _frontier(upper, "upper")
@@ -889,10 +915,11 @@ class BatchBuilder:
 
     def abort(self) -> None:
         """Drop the buffer and delete the parts already written."""
-        self._finished = True
-        self._buffer = []
-        Batch(
-            self._h._client.blob,
-            self._h.shard_id,
-            HollowBatch(Description(self.lower, self.lower), tuple(self._parts)),
-        ).delete()
+        with self._lock:
+            self._finished = True
+            self._buffer = []
+            Batch(
+                self._h._client.blob,
+                self._h.shard_id,
+                HollowBatch(Description(self.lower, self.lower), tuple(self._parts)),
+            ).delete()

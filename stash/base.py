@@ -61,6 +61,14 @@ def _ac(t: int | None) -> Antichain:
     return Antichain.from_option(t)
 
 
+def _frozen_key(k: Any) -> Any:
+    """A key as ``peek_one`` returns it: a JSON array (a tuple written with the default
+    JSON codec) becomes a tuple, recursively, so it can be a dict key."""
+    if isinstance(k, list):
+        return tuple(_frozen_key(x) for x in k)
+    return k
+
+
 def _check_antichain(value: object, what: str) -> Antichain:
     if not isinstance(value, Antichain):
         raise StashError(f"{what} must be an Antichain, got {type(value).__name__}")
@@ -320,18 +328,21 @@ class Stash(abc.ABC):
     def peek_one(self, collection: StashCollection[K, V]) -> dict[K, V]:
         """The sealed contents as a ``{key: value}`` dict (in key order).
 
-        Keys are told apart by their canonical encodings (``true`` is not ``1``).
+        Keys are told apart by their canonical encodings (``true`` is not ``1``).  A key
+        that decodes to a list (a tuple written with the default JSON codec) is returned
+        as a tuple, recursively.
 
         Raises:
             StashError: a multiplicity other than 1 (``unexpected peek multiplicity``); a
-                key with two values; a key that is not hashable (a JSON array or object:
-                use the ``tuple`` codec or a frozen record type for composite keys); two
+                key with two values; a key that is not hashable (a JSON object: use a
+                frozen record type for record keys); two
                 distinct keys that Python's dict cannot tell apart (``True`` and ``1``);
                 PeekSinceUpperError as for :meth:`peek`.
         """
         res: dict[K, V] = {}
         held: dict[K, K] = {}
-        for _, k, v in self._peek_unique(collection):
+        for _, k0, v in self._peek_unique(collection):
+            k = _frozen_key(k0)
             try:
                 hash(k)
             except TypeError:

@@ -11,6 +11,7 @@ upgrade`` (``migrations/env.py``), all through :func:`create_sqlite_file` (issue
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -24,6 +25,8 @@ import migrations
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
 
+log = logging.getLogger(__name__)
+
 
 def create_sqlite_file(database: str | None) -> Path | None:
     """Create the SQLite database file ``database`` empty and owner-only if it is missing.
@@ -31,7 +34,7 @@ def create_sqlite_file(database: str | None) -> Path | None:
     Missing parent directories are created with mode ``0o700`` and the file with
     ``0o600`` (SQLite gives its ``-wal`` and ``-shm`` files the database file's mode), so
     that SQLite never creates it with its default ``0o644``.  An existing file is left as
-    it is.
+    it is (its owner chose its mode), with a warning logged when others can read it.
 
     Args:
         database: the ``database`` part of a ``sqlite:///`` URL (a path; ``~`` expanded).
@@ -47,6 +50,14 @@ def create_sqlite_file(database: str | None) -> Path | None:
         return None
     path = Path(database).expanduser()
     if os.path.lexists(path):
+        mode = os.stat(path).st_mode & 0o777
+        if mode & 0o077:
+            log.warning(
+                "stash database %s is readable by others (mode %s); SQLite gives its -wal "
+                "and -shm files (which hold committed rows) the same mode: chmod 600 it",
+                path,
+                oct(mode),
+            )
         return path
     missing: list[Path] = []
     d = path.parent.absolute()

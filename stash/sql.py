@@ -450,13 +450,13 @@ def _sqlite_engine(
 ) -> sa.Engine:
     assert url.database is not None
     path = Path(url.database).expanduser()
-    if not path.exists():
-        if mode != "writable":
-            raise StashError(f"sqlite stash file {path} does not exist")
-        try:
+    if mode == "writable":
+        try:  # created owner-only if missing; a warning if others can read it
             create_sqlite_file(str(path))
         except OSError as e:
             raise StashError(f"sqlite: cannot create {path}: {e.strerror}") from None
+    elif not path.exists():
+        raise StashError(f"sqlite stash file {path} does not exist")
     engine = sa.create_engine(
         url.set(database=str(path)),
         pool_size=pool_size,

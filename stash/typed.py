@@ -2,7 +2,8 @@
 
 Invariants kept here: every helper reads the sealed state and writes one ``append`` batch
 whose lower is the upper it read, so a concurrent writer makes it fail with
-:class:`~stash.errors.AppendLowerMismatch` rather than lose an update; when since equals
+:class:`~stash.errors.AppendLowerMismatch` rather than lose an update; the helpers of one
+stash handle run one at a time, so threads sharing a handle never fail each other; when since equals
 upper (nothing readable yet) it first appends an empty batch to bump the upper and reads
 again, as the seed does.  Keys are told apart by their canonical encodings (``upsert``
 never needs them hashable, and ``True`` is not ``1``); composite keys (the ``tuple`` codec,
@@ -14,6 +15,8 @@ Source of the idea: the seed's ``TypedCollection`` (``003``).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -27,6 +30,20 @@ from stash.table import TableTransaction
 K = TypeVar("K")
 V = TypeVar("V")
 R = TypeVar("R")
+
+_HANDLE_LOCKS: weakref.WeakKeyDictionary[Stash, threading.RLock] = weakref.WeakKeyDictionary()
+_HANDLE_LOCKS_GUARD = threading.Lock()
+
+
+def _handle_lock(stash: Stash) -> threading.RLock:
+    """The lock that serializes the read-then-append helpers of one stash handle, so
+    threads sharing a handle never make each other's append fail its lower check (a
+    writer through another handle still does: ``AppendLowerMismatch``)."""
+    with _HANDLE_LOCKS_GUARD:
+        lock = _HANDLE_LOCKS.get(stash)
+        if lock is None:
+            lock = _HANDLE_LOCKS[stash] = threading.RLock()
+        return lock
 
 
 class TypedCollection(Generic[K, V]):
@@ -93,39 +110,45 @@ class TypedCollection(Generic[K, V]):
         key has afterwards.
 
         Raises:
-            AppendLowerMismatch: another writer appended between the read and the write.
+            AppendLowerMismatch: a writer through another handle appended between the
+                read and the write (threads sharing this handle run one at a time).
         """
-        c, batch, prev = self._read_then_batch(stash, lambda c: stash.peek_key_one(c, key))
-        if prev is not None:
-            return prev
-        c.append_to_batch(batch, key, value, 1)
-        stash.append([batch])
-        return value
+        with _handle_lock(stash):
+            c, batch, prev = self._read_then_batch(stash, lambda c: stash.peek_key_one(c, key))
+            if prev is not None:
+                return prev
+            c.append_to_batch(batch, key, value, 1)
+            stash.append([batch])
+            return value
 
     def upsert_key(self, stash: Stash, key: K, value: V) -> None:
         """Set ``key`` to ``value``, retracting its previous value.
 
         Raises:
-            AppendLowerMismatch: another writer appended between the read and the write.
+            AppendLowerMismatch: a writer through another handle appended between the
+                read and the write (threads sharing this handle run one at a time).
         """
-        c, batch, prev = self._read_then_batch(stash, lambda c: stash.peek_key_one(c, key))
-        if prev is not None:
-            c.append_to_batch(batch, key, prev, -1)
-        c.append_to_batch(batch, key, value, 1)
-        stash.append([batch])
+        with _handle_lock(stash):
+            c, batch, prev = self._read_then_batch(stash, lambda c: stash.peek_key_one(c, key))
+            if prev is not None:
+                c.append_to_batch(batch, key, prev, -1)
+            c.append_to_batch(batch, key, value, 1)
+            stash.append([batch])
 
     def upsert(self, stash: Stash, entries: Iterable[tuple[K, V]]) -> None:
         """Set each ``(key, value)``, retracting previous values, in one append.
 
         Raises:
-            AppendLowerMismatch: another writer appended between the read and the write.
+            AppendLowerMismatch: a writer through another handle appended between the
+                read and the write (threads sharing this handle run one at a time).
         """
-        c, batch, prev = self._read_then_batch(stash, stash._peek_unique)
-        encoded: dict[str, Any] = {kj: v for kj, _, v in prev}
-        for k, v in entries:
-            kj = c.key_codec.encode(k)
-            if kj in encoded:
-                c.append_to_batch(batch, k, encoded[kj], -1)
-            c.append_to_batch(batch, k, v, 1)
-            encoded[kj] = v
-        stash.append([batch])
+        with _handle_lock(stash):
+            c, batch, prev = self._read_then_batch(stash, stash._peek_unique)
+            encoded: dict[str, Any] = {kj: v for kj, _, v in prev}
+            for k, v in entries:
+                kj = c.key_codec.encode(k)
+                if kj in encoded:
+                    c.append_to_batch(batch, k, encoded[kj], -1)
+                c.append_to_batch(batch, k, v, 1)
+                encoded[kj] = v
+            stash.append([batch])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
@@ -151,8 +151,29 @@ def _secrets_of(url: object) -> list[str]:
     return sorted({s for s in out if s}, key=len, reverse=True)
 
 
+def _escape_ats(url: str) -> str:
+    """``url`` with every ``@`` that is not the user info's end percent-encoded.
+
+    RFC 3986 ends the user info at the authority's *last* ``@`` and allows ``@`` in a
+    query; SQLAlchemy's URL grammar takes the first ``@`` after a ``:``, so an unescaped
+    ``@`` in a password (``user:pa@ss@host``, ``?password=pa@ss``) would turn the
+    password's tail into the host name, which a connection error then shows."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if "@" not in userinfo and "@" not in parts.query:
+        return url
+    netloc = f"{userinfo.replace('@', '%40')}{at}{host}"
+    return urlunsplit(
+        (parts.scheme, netloc, parts.path, parts.query.replace("@", "%40"), parts.fragment)
+    )
+
+
 def parse_url(url: str) -> URL:
-    """Parse a stash URL with SQLAlchemy's URL grammar.
+    """Parse a stash URL with SQLAlchemy's URL grammar (after percent-encoding any
+    ``@`` that RFC 3986 does not read as the end of the user info).
 
     Raises:
         StashError: not a str, or not a URL of the form ``scheme://...``.
@@ -163,7 +184,7 @@ def parse_url(url: str) -> URL:
             "sqlite:///path or postgresql+psycopg://user@host/db"
         )
     try:
-        return sa.engine.make_url(url)
+        return sa.engine.make_url(_escape_ats(url))
     except Exception:
         raise StashError(f"malformed stash URL {redact(url)!r}") from None
 

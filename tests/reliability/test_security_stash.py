@@ -375,3 +375,51 @@ def test_redact_never_lets_a_planted_secret_through(secret: str) -> None:
         assert secret not in shown and q not in shown, (form, shown)
     shown = redact(f"an error quoting only the value {secret} and {q}", url=forms[1])
     assert secret not in shown and q not in shown
+
+
+@pytest.mark.parametrize(
+    ("url", "password"),
+    [
+        # RFC 3986 ends the user info at the authority's last '@' and allows '@' in a
+        # query; SQLAlchemy's grammar took the password's tail for the host name, which
+        # a connection error then showed ("failed to resolve host 'tpw'").
+        ("postgresql+psycopg://u@127.0.0.1:1/db?password=s3cr@tpw", "s3cr@tpw"),
+        ("postgresql+psycopg://u:s3cr@tpw@127.0.0.1:1/db", "s3cr@tpw"),
+    ],
+)
+def test_an_unescaped_at_in_a_password_stays_in_the_password(url: str, password: str) -> None:
+    from stash.url import parse_url
+
+    u = parse_url(url)
+    assert u.host == "127.0.0.1" and u.port == 1 and u.database == "db"
+    assert password in (u.password, u.query.get("password"))
+    with pytest.raises(StashError) as e:
+        Stash.open(url, connect_timeout=1)
+    text = str(e.value) + repr(e.value)
+    cause = e.value.__cause__
+    while cause is not None:
+        text += str(cause)
+        cause = cause.__cause__
+    assert "tpw" not in text and "s3cr" not in text, text
+
+
+def test_opening_a_database_others_can_read_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A database file made elsewhere with a group/world-readable mode is opened as its
+    owner left it, with a warning: SQLite gives its -wal (committed rows) the same mode."""
+    import sqlite3
+
+    p = tmp_path / "pre.db"
+    sqlite3.connect(p).close()
+    os.chmod(p, 0o644)
+    with caplog.at_level(logging.WARNING, logger="stash.migrate"):
+        Stash.open(f"sqlite:///{p}").close()
+    assert any(
+        "readable by others" in r.getMessage() and str(p) in r.getMessage() for r in caplog.records
+    )
+    caplog.clear()
+    os.chmod(p, 0o600)
+    with caplog.at_level(logging.WARNING, logger="stash.migrate"):
+        Stash.open(f"sqlite:///{p}").close()
+    assert not any("readable by others" in r.getMessage() for r in caplog.records)

@@ -117,15 +117,14 @@ def test_tuple_codec_is_recorded_and_reopens(open_stash: Any) -> None:
 
 
 def test_tuple_keys_with_the_default_json_codec(stash: Stash) -> None:
-    """The default codec stores a tuple as a JSON array (it comes back as a list): upsert
-    still works, and peek_one says how to get hashable keys."""
+    """The default codec stores a tuple as a JSON array (``peek`` gives a list): upsert
+    still works, and ``peek_one`` returns the keys as tuples (it refused them before)."""
     tc: TypedCollection[Any, Any] = TypedCollection("j")
     tc.upsert(stash, [(("a", 1), 1), (("b", 2), 2)])
     tc.upsert(stash, [(("a", 1), 3)])
     c = tc.get(stash)
     assert stash.peek(c) == [(["a", 1], 3, 1), (["b", 2], 2, 1)]
-    with pytest.raises(StashError, match="use key=tuple"):
-        tc.peek_one(stash)
+    assert tc.peek_one(stash) == {("a", 1): 3, ("b", 2): 2}
 
 
 def test_tuple_codec_refuses_non_tuples(stash: Stash) -> None:
@@ -253,3 +252,16 @@ def test_table_transaction_commits_composite_keys_to_every_backend(
     _commit(stash, tc, tt)
     c = tc.get(stash)
     assert {_canon(k): _canon(v) for k, v, _ in stash.peek(c)} == model
+
+
+def test_tuple_key_with_the_default_json_codec_reads_back_as_a_tuple(stash: Stash) -> None:
+    """A tuple key written through the default JSON codec is stored as a JSON array;
+    ``peek_one`` returns it as a tuple (recursively), so what went in comes back (it
+    refused the collection before: "peek_one needs hashable keys")."""
+    tc: TypedCollection[Any, str] = TypedCollection("default-codec-tuples")
+    tc.upsert_key(stash, (1, "x"), "v")
+    tc.upsert_key(stash, (2, ("y", 3)), "w")
+    assert tc.peek_one(stash) == {(1, "x"): "v", (2, ("y", 3)): "w"}
+    assert tc.peek_key_one(stash, (1, "x")) == "v"
+    tc.upsert_key(stash, (1, "x"), "v2")  # found by encoding, retracted, replaced
+    assert tc.peek_one(stash) == {(1, "x"): "v2", (2, ("y", 3)): "w"}

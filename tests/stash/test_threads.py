@@ -223,3 +223,27 @@ def test_a_fill_read_before_a_write_is_never_installed(tmp_path: Any) -> None:
     tc.upsert_key(m, "k", 3)  # the upper it reads is current: no AppendLowerMismatch
     assert tc.peek_key_one(m, "k") == 3
     m.close()
+
+
+def test_upsert_key_from_threads_sharing_one_handle_never_races_itself(open_any: Any) -> None:
+    """Threads calling ``TypedCollection.upsert_key`` on distinct keys through one handle
+    (no other writer) never fail: the read-then-append helpers of one handle run one at
+    a time.  On SQLite and ``Memory(sqlite)`` some failed with ``AppendLowerMismatch``."""
+    s = open_any()
+    tc: TypedCollection[str, int] = TypedCollection("thr", key="str", value="int")
+    errs: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for j in range(20):
+                tc.upsert_key(s, f"{i}-{j}", j)
+        except Exception as e:  # noqa: BLE001 - reported to the main thread
+            errs.append(e)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errs, errs[:2]
+    assert tc.peek_one(s) == {f"{i}-{j}": j for i in range(6) for j in range(20)}

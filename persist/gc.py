@@ -29,6 +29,13 @@ half of the contract: a writer is registered before its first upload, a writer w
 lease ran out is never registered again, and ``compare_and_append_batch`` refuses parts
 of a writer that is not live (see :mod:`persist.write`).
 
+Time: leases are wall-clock leases, as in persist-client.  Whether a writer or reader is
+live is judged by the clock of the process that looks (GC here, and every state
+transition, which drops expired leases), against the heartbeat times the leaseholders
+recorded with theirs; the processes sharing a shard must therefore keep their clocks in
+agreement to well within a lease (NTP does; a clock hours ahead can expire a live
+writer, whose next append is then refused with nothing committed, never lost).
+
 Sources: the first engine's blob bookkeeping (``000``/``001``); persist-client's GC,
 writer-named blob keys and seqno holds.
 """

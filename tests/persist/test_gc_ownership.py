@@ -250,7 +250,8 @@ def test_a_reader_holding_snapshot_batches_survives_compaction_and_gc(stash: Sta
     # Once the reader reads again, its hold moves on and GC may delete the old parts.
     r.snapshot_batches(5)
     r.heartbeat()
-    assert collect_garbage(other, "held-read", grace_seconds=0).deleted_retired
+    gc_report = collect_garbage(other, "held-read", grace_seconds=0)
+    assert gc_report.deleted_retired
     assert fsck(c, "held-read").ok
 
 
@@ -278,7 +279,8 @@ def test_held_snapshot_batches_keep_their_lease_alive_past_every_grace(stash: St
     assert sorted(got["k"].to_pylist()) == list(range(6))
     r.expire()  # the hold and its renewal end together
     assert not r.lease_keeper.run_due()
-    assert collect_garbage(other, "long-read", grace_seconds=0).deleted_retired
+    gc_report = collect_garbage(other, "long-read", grace_seconds=0)
+    assert gc_report.deleted_retired
 
 
 def test_a_snapshot_refetches_state_when_a_part_is_missing(stash: Stash) -> None:
@@ -333,7 +335,8 @@ def test_gc_keeps_retired_parts_until_every_reader_moved_past(stash: Stash) -> N
     assert not report.deleted_retired and report.kept_held >= 1
     assert len(read_batches(c.blob, slow_batches, slow.schema, upper=6)) == 6
     slow.expire()
-    assert collect_garbage(c, "holds", grace_seconds=0).deleted_retired
+    gc_report = collect_garbage(c, "holds", grace_seconds=0)
+    assert gc_report.deleted_retired
 
 
 # ------------------------------------------------------------- item 9a: idempotent
@@ -485,10 +488,12 @@ def test_a_detached_planner_keeps_its_parts_but_not_the_since(stash: Stash) -> N
     assert other.inspect("planned").since == Antichain.from_elem(5)  # no since held back
     assert other.compactor.compact_once("planned").applied >= 1
     r2.heartbeat()
-    assert collect_garbage(other, "planned", grace_seconds=0).kept_held >= 1
+    gc_report = collect_garbage(other, "planned", grace_seconds=0)
+    assert gc_report.kept_held >= 1
     got = read_batches(other.blob, batches, r2.schema, upper=6)
     assert sorted(got["k"].to_pylist()) == list(range(6))
     clock.now += 4 * HOUR  # the planner's lease runs out: the parts may go
     r2.heartbeat()
-    assert collect_garbage(other, "planned", grace_seconds=0).deleted_retired
+    gc_report = collect_garbage(other, "planned", grace_seconds=0)
+    assert gc_report.deleted_retired
     assert fsck(other, "planned").ok

@@ -480,13 +480,18 @@ class PersistDataSource(DataSource):
             )
         time_column = _opt(self.options, "time_column")
         diff_column = None if expand else (_opt(self.options, "diff_column") or DIFF)
-        names = list(schemas[0].names) + list(schemas[1].names)
+        names = {n.lower() for n in [*schemas[0].names, *schemas[1].names]}
         for extra in (time_column, diff_column):
-            if extra is not None and extra in names:
+            if extra is not None and extra.lower() in names:
                 raise PersistSourceError(
-                    f"column name {extra!r} for time/diff is already a key or value column"
+                    f"column name {extra!r} for time/diff is already a key or value column "
+                    "(column names are compared ignoring case, as Spark does)"
                 )
-        if time_column is not None and time_column == diff_column:
+        if (
+            time_column is not None
+            and diff_column is not None
+            and (time_column.lower() == diff_column.lower())
+        ):
             raise PersistSourceError(f"time_column and diff_column are both {time_column!r}")
         return ReadSettings(
             target=target,

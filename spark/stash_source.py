@@ -178,9 +178,11 @@ class Column:
 
 
 def _unique(name: str, prefix: str, taken: set[str]) -> str:
-    while name in taken:
+    """``name``, prefixed until no taken name equals it ignoring case (Spark resolves
+    column names case-insensitively by default); ``taken`` holds lower-cased names."""
+    while name.lower() in taken:
         name = prefix + name
-    taken.add(name)
+    taken.add(name.lower())
     return name
 
 
@@ -308,9 +310,10 @@ def infer_schema(snap: _Snapshot, o: ReadOptions) -> StructType:
         fields.append(StructField(col.name, dtype, True, meta))
     for extra in (o.time_column, o.diff_column):
         if extra is not None:
-            if extra in {f.name for f in fields}:
+            if extra.lower() in {f.name.lower() for f in fields}:
                 raise StashSourceError(
-                    f"column {extra!r} asked for time/diff already names a key or value field"
+                    f"column {extra!r} asked for time/diff already names a key or value "
+                    "field (column names are compared ignoring case, as Spark does)"
                 )
             fields.append(StructField(extra, LongType(), False))
     return StructType(fields)

@@ -240,3 +240,21 @@ def test_readme_documents_every_option_of_both_sources() -> None:
     assert "`_diff`" in section and "multiplicity" in section
     assert "unique_keys" in section and "not unique" in section
     assert 'mode("append")' in section and SAVE_MODES
+
+
+def test_a_time_column_named_like_a_column_in_another_case_is_refused(
+    spark: Any, spark_store: Any
+) -> None:
+    """``time_column=ID`` on a shard with a column ``id`` made ``id`` ambiguous in Spark
+    (names are resolved ignoring case); it is refused like ``time_column=id``."""
+    _write(
+        spark.createDataFrame([(1, "a")], "id long, v string"),
+        spark_store,
+        "tcase",
+        key_columns="id",
+    )
+    with pytest.raises(Exception, match="already a key or value column"):
+        _read(spark, spark_store, "tcase", time_column="ID").collect()
+    assert [tuple(r) for r in _read(spark, spark_store, "tcase").select("id", "v").collect()] == [
+        (1, "a")
+    ]

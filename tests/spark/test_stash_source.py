@@ -197,3 +197,22 @@ def test_stash_source_options_are_checked(spark: Any, catalog: str) -> None:
         spark.read.format("stash").option("url", catalog).option("flatten", "ture").load(
             "airlines"
         ).collect()
+
+
+def test_names_differing_only_in_case_never_collide(spark: Any, spark_store: Any) -> None:
+    """Spark resolves column names ignoring case (``spark.sql.caseSensitive`` is false
+    by default): a key field ``id`` and a value field ``ID`` made two columns no query
+    could select (``AMBIGUOUS_REFERENCE``); the value column is now prefixed.  A time or
+    diff column named like a field in another case is refused like an exact clash."""
+    url = spark_store.stash_url
+    with Stash.open(url, fenced=False) as s:
+        c = s.collection("case")
+        s.update_many(c, [(({"id": 1, "k": 5}, {"ID": 2}), 0, 1)])
+        s.seal(c, Antichain.from_elem(5))
+    df = spark.read.format("stash").option("url", url).load("case")
+    assert sorted(df.columns) == ["id", "k", "value_ID"]
+    assert [tuple(r) for r in df.select("id", "value_ID").collect()] == [(1, 2)]
+    with pytest.raises(Exception, match="already names a key or value field"):
+        spark.read.format("stash").option("url", url).option("diff_column", "K").load(
+            "case"
+        ).collect()

@@ -328,6 +328,23 @@ class PersistClient:
         """The latest state of a shard (a name, or ``id:<shard id>``), freshly read."""
         return self.machine(self.shard_id(shard)).fetch()
 
+    def check_may_delete(self, what: str) -> None:
+        """Refuse an operation that deletes blobs (GC, :meth:`finalize_shard`) unless
+        the stash is writable.  A ``savepoint`` stash commits none of its state changes,
+        so what it judges unreferenced may still be referenced by the live state that
+        shares the blob store; a ``readonly`` one cannot record what it deleted.
+
+        Raises:
+            InvalidUsage: the stash's mode is not ``writable`` (names ``what``).
+        """
+        mode = getattr(self.stash, "mode", "writable")
+        if mode != "writable":
+            raise InvalidUsage(
+                f"{what} deletes blobs and needs a writable stash, not a {mode} one: its "
+                "state changes are never committed, so it could delete parts the live "
+                "state still references"
+            )
+
     def finalize_shard(self, shard: str) -> int:
         """Drop a shard (the seed's ``Destroy``; persist-client's finalization): its
         state becomes a tombstone (upper and since advanced to the empty antichain, no
@@ -341,10 +358,12 @@ class PersistClient:
             shard: a name, or ``id:<shard id>``.
 
         Raises:
-            InvalidUsage: unknown shard.  ConsensusError, BlobError: storage failed
+            InvalidUsage: unknown shard, or a stash that is not writable (see
+                :meth:`check_may_delete`).  ConsensusError, BlobError: storage failed
                 (call again: the tombstone, once written, stays).
         """
         self._check_open()
+        self.check_may_delete("finalize_shard")
         from persist.keys import parse_part_key
 
         shard_id = self.shard_id(shard)

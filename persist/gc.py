@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from persist.consensus import RetiredKey, ShardMachine
-from persist.errors import BlobError
+from persist.errors import BlobError, InvalidUsage
 from persist.keys import key_created_ms, parse_part_key
 from persist.state import ShardState
 
@@ -100,14 +100,22 @@ def collect_garbage(
         client: the client (its stash and blob store).
         shard: the shard's name, or ``id:<shard id>`` (see
             :meth:`PersistClient.shard_id`).
-        grace_seconds: the grace period (default: the client's ``gc_grace_seconds``).
+        grace_seconds: the grace period (default: the client's ``gc_grace_seconds``), a
+            finite number of seconds ``>= 0``.
 
     Raises:
-        InvalidUsage: unknown shard.  BlobError, ConsensusError: listing or the final
-        state update failed (deletions already done are harmless).
+        InvalidUsage: unknown shard, a grace period that is not a finite number ``>= 0``,
+        or a stash that is not writable (``PersistClient.check_may_delete``).
+        BlobError, ConsensusError: listing or the final state update failed (deletions
+        already done are harmless).
     """
-    shard_id = client.shard_id(shard)
     grace = client.gc_grace_seconds if grace_seconds is None else grace_seconds
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 1e15:
+        raise InvalidUsage(
+            f"grace_seconds must be a finite number of seconds >= 0, got {grace_seconds!r}"
+        )
+    client.check_may_delete("collect_garbage")
+    shard_id = client.shard_id(shard)
     m: ShardMachine = client.machine(shard_id)
     listed = client.blob.list_keys(f"{shard_id}/")
     # Read after listing: a key listed was written by a writer registered before it (so

@@ -487,6 +487,14 @@ class ReadHandle(ShardHandle):
         return e
 
     def _state_for(self, as_of: int, wait: bool, timeout: float | None) -> ShardState:
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 <= timeout < 1e9
+        ):
+            raise InvalidUsage(
+                f"timeout must be None or a finite number of seconds >= 0, got {timeout!r}"
+            )
         st = self._machine.recent()
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.001

@@ -34,8 +34,16 @@ _DATABASE_SCHEMES = frozenset({"postgresql", "postgres", "sqlite", "mysql"})
 # Query parameters (and libpq ``key=value`` options) whose value is a secret.
 _SECRET_NAME = r"[\w.-]*(?:pass(?:word|wd|file)?|secret|token|credential|signature)[\w.-]*"
 _SECRET_NAME_RE = re.compile(rf"(?i){_SECRET_NAME}")
-# ``name=value`` of such a parameter anywhere in text (query strings, conninfo strings).
-_SECRET_PARAM_RE = re.compile(rf"(?i)\b({_SECRET_NAME})=([^&\s'\"]+)")
+# ``name=value`` of such a parameter anywhere in text (query strings, conninfo strings,
+# Python reprs of keyword arguments, where the value may be quoted).
+_SECRET_PARAM_RE = re.compile(rf"(?i)\b({_SECRET_NAME})=(['\"]?)([^&\s'\",)]+)\2")
+# ``NAME: value`` as environment dumps and configuration errors print it (names that
+# plainly hold a secret only, so that "tests passed: 5" stays readable).
+_SECRET_COLON_RE = re.compile(
+    r"(?i)\b([\w.-]*(?:password|passwd|secret|token|credential)[\w.-]*): ?(['\"]?)([^\s'\",)]+)\2"
+)
+# A URL inside text (a driver's or a library's message quoting it).
+_URL_IN_TEXT_RE = re.compile(r"[A-Za-z][\w+.-]*://[^\s'\"<>]+")
 # ``user:secret@`` anywhere in text, even where nothing parses as a URL: the secret runs
 # to the last ``@`` of the word (an unescaped ``@`` in a password must not leave a tail).
 _USERINFO_RE = re.compile(r"(?<![\w.+-])([^\s:/@'\"?#]*):(?!/)([^\s'\"]*)@")
@@ -63,7 +71,11 @@ def _redact_one_url(text: str) -> str | None:
     items = []
     for item in parts.query.split("&") if parts.query else []:
         name, eq, val = item.partition("=")
-        secret = not database or _SECRET_NAME_RE.fullmatch(unquote(name)) is not None
+        secret = (
+            not database
+            or _SECRET_NAME_RE.fullmatch(unquote(name)) is not None
+            or _SECRET_PARAM_RE.search(unquote(val)) is not None  # options=-c password=...
+        )
         items.append(f"{name}={HIDDEN}" if secret and (eq or not database) else item)
     query = "&".join(items)
     out = f"{parts.scheme}://{netloc}{parts.path}"
@@ -115,8 +127,11 @@ def redact(value: object, *, url: object = None) -> str:
     rebuilt = _redact_one_url(text)
     if rebuilt is not None:
         text = rebuilt
+    else:  # every URL the text quotes
+        text = _URL_IN_TEXT_RE.sub(lambda m: _redact_one_url(m.group(0)) or m.group(0), text)
     text = _USERINFO_RE.sub(lambda m: f"{m.group(1)}:{HIDDEN}@", text)
-    return _SECRET_PARAM_RE.sub(lambda m: f"{m.group(1)}={HIDDEN}", text)
+    text = _SECRET_PARAM_RE.sub(lambda m: f"{m.group(1)}={m.group(2)}{HIDDEN}{m.group(2)}", text)
+    return _SECRET_COLON_RE.sub(lambda m: f"{m.group(1)}: {m.group(2)}{HIDDEN}{m.group(2)}", text)
 
 
 def _secrets_of(url: object) -> list[str]:
@@ -147,7 +162,7 @@ def _secrets_of(url: object) -> list[str]:
         if m.group(2):
             out += [m.group(2), unquote(m.group(2))]
     for m in _SECRET_PARAM_RE.finditer(url):
-        out += [m.group(2), unquote(m.group(2))]
+        out += [m.group(3), unquote(m.group(3))]
     return sorted({s for s in out if s}, key=len, reverse=True)
 
 

@@ -423,3 +423,29 @@ def test_opening_a_database_others_can_read_warns(
     with caplog.at_level(logging.WARNING, logger="stash.migrate"):
         Stash.open(f"sqlite:///{p}").close()
     assert not any("readable by others" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        # a Python repr of keyword arguments (e.g. S3FileSystem(secret_key='...'))
+        ("S3FileSystem(access_key='AKIA', secret_key='SECRETX')", ["SECRETX"]),
+        # "NAME: value" as environment dumps and configuration errors print it
+        ("AWS_SECRET_ACCESS_KEY: SECRETX", ["SECRETX"]),
+        # a password inside libpq's options= query parameter (percent-encoded)
+        ("postgresql+psycopg://u:pw@h/db?options=-c%20password%3DSECRETX", ["SECRETX", "pw@"]),
+        # blob URIs quoted inside messages: access key ids and secrets alike
+        (
+            "failed to open s3://bucket/p?access_key=AKIAKEYID&secret_key=S3CR: bad",
+            ["AKIAKEYID", "S3CR"],
+        ),
+        ("error: s3://AKIAKEYID:S3CR@bucket/p oops", ["AKIAKEYID", "S3CR"]),
+    ],
+)
+def test_redact_hides_quoted_nested_and_embedded_secrets(text: str, secrets: list[str]) -> None:
+    """Found by an adversarial review: these forms kept their secret (or access key id)."""
+    from stash import redact
+
+    shown = redact(text)
+    assert not any(s in shown for s in secrets), shown
+    assert redact("tests passed: 5") == "tests passed: 5"  # ordinary text stays readable

@@ -476,7 +476,12 @@ class ReadHandle(ShardHandle):
             keeper.unregister(ident)
 
     def _lease_lost(self, st: ShardState) -> LeaseExpired | None:
-        """A :class:`LeaseExpired` if this reader is no longer in ``st``."""
+        """A :class:`LeaseExpired` if this reader is no longer in ``st``.
+
+        Raises:
+            InvalidUsage: the shard was finalized (dropped).
+        """
+        st.check_not_finalized()
         if self.reader_id in st.readers:
             return None
         e = LeaseExpired(self.shard_id, self.reader_id)
@@ -800,6 +805,10 @@ class Listen:
     def _lost(self, st: ShardState) -> PersistError | None:
         """Why the listen cannot read ``st``: not registered (lease expired) or the
         since passed the time it has yet to emit."""
+        try:
+            st.check_not_finalized()
+        except InvalidUsage as e:
+            return e
         if self.reader_id not in st.readers:
             return LeaseExpired(self._machine.shard_id, self.reader_id, "listen")
         if not st.since.less_equal(self._frontier - 1):

@@ -358,6 +358,19 @@ class ShardState:
         self.readers[reader_id] = ReaderState(hold, now_ms, lease_ms, purpose, max(self.seqno, 0))
         return hold
 
+    def check_not_finalized(self) -> None:
+        """Raise if the shard was finalized (dropped), so handles opened before the drop
+        say so instead of reporting a lost lease or an upper race.
+
+        Raises:
+            InvalidUsage: the state is a tombstone.
+        """
+        if self.tombstone:
+            raise InvalidUsage(
+                f"shard {self.shard_id} was finalized (dropped by finalize_shard or "
+                "`persist drop`): it can be neither read nor written"
+            )
+
     def reader(self, reader_id: str) -> ReaderState:
         """The reader's state.
 

@@ -641,6 +641,7 @@ class WriteHandle(ShardHandle):
         def fn(st: ShardState, fresh: bool) -> tuple[list[FueledMergeReq], bool]:
             if _landed(st, wid, token):
                 return [], False  # committed by an attempt whose outcome was indeterminate
+            st.check_not_finalized()
             if st.upper != expected:
                 if not fresh:
                     raise Stale()

@@ -113,3 +113,24 @@ def test_persist_gc_refuses_a_grace_that_is_not_a_finite_number(tmp_path: Path, 
     )
     assert res.exit_code == 1, res.output
     assert "grace_seconds must be a finite number" in res.output
+
+
+def test_handles_opened_before_a_drop_say_the_shard_was_dropped() -> None:
+    """After ``finalize_shard``, old handles said their lease expired (readers, listens)
+    or lost an upper race to ``{}`` (writers); they now say the shard was dropped."""
+    s = Stash.open("memory://", fenced=False)
+    c = PersistClient(s, MemoryBlob(), compaction="off")
+    w, r = c.open("sh", KS, VS)
+    w.compare_and_append([_row("a", 1, 0)], 0, 1)
+    listen = r.listen(0)
+    other = PersistClient(s, MemoryBlob(), compaction="off")
+    other.finalize_shard("sh")
+    with pytest.raises(InvalidUsage, match="was finalized"):
+        r.snapshot(0)
+    with pytest.raises(InvalidUsage, match="was finalized"):
+        w.compare_and_append([_row("b", 1, 1)], 1, 2)
+    with pytest.raises(InvalidUsage, match="was finalized"):
+        listen.poll()
+    other.close()
+    c.close()
+    s.close()

@@ -80,6 +80,11 @@ _WRITER = "writer/"
 SEQNO_ONLY = "seqno hold"
 
 
+#: Separates an idempotency token from the fingerprint of its append in a writer's
+#: recorded tokens (a control character: never part of a valid token).
+TOKEN_SEP = "\x1f"
+
+
 class LeaseExpired(InvalidUsage):
     """A reader or writer handle was used after its lease expired (it was dropped from the
     shard state because it did not heartbeat within its lease duration).
@@ -211,9 +216,17 @@ class WriterState:
         """True when the lease ran out at ``now_ms``."""
         return now_ms > self.last_heartbeat_ms + self.lease_duration_ms
 
+    def token_entry(self, token: str) -> str | None:
+        """The recorded entry of an append with ``token`` by this writer
+        (``token``, or ``token + TOKEN_SEP + fingerprint``), or ``None``."""
+        for entry in (self.last_token, *self.tokens):
+            if entry is not None and entry.split(TOKEN_SEP, 1)[0] == token:
+                return entry
+        return None
+
     def has_token(self, token: str) -> bool:
         """Whether an append with ``token`` by this writer is recorded."""
-        return token == self.last_token or token in self.tokens
+        return self.token_entry(token) is not None
 
     def with_token(self, now_ms: int, lease_ms: int, token: str) -> WriterState:
         """This writer after an append with ``token`` (heartbeat renewed)."""

@@ -49,6 +49,7 @@ Sources: the persist-client ``WriteHandle``, ``BatchBuilder`` and
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import uuid
@@ -77,6 +78,7 @@ from persist.errors import (
 from persist.handle import ShardHandle
 from persist.keys import key_writer_id, part_name_prefix
 from persist.parts import (
+    DIFF,
     TIME,
     _adjacent,
     consolidate_order,
@@ -85,7 +87,7 @@ from persist.parts import (
 )
 from persist.read import read_batch
 from persist.spine import FueledMergeReq
-from persist.state import LeaseExpired, ShardState
+from persist.state import TOKEN_SEP, LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain
 
@@ -141,10 +143,38 @@ def _token(token: str | None) -> str:
 def _landed(st: ShardState, writer_id: str, token: str) -> bool:
     """Whether the state records an append with ``token`` (by this writer, or by any
     writer for a token handed over from another handle)."""
+    return _token_entry(st, writer_id, token) is not None
+
+
+def _token_entry(st: ShardState, writer_id: str, token: str) -> str | None:
+    """The recorded entry of the append with ``token`` (see :data:`TOKEN_SEP`)."""
     w = st.writers.get(writer_id)
-    if w is not None and w.has_token(token):
-        return True
-    return any(w.has_token(token) for w in st.writers.values())
+    entry = None if w is None else w.token_entry(token)
+    if entry is not None:
+        return entry
+    for w in st.writers.values():
+        entry = w.token_entry(token)
+        if entry is not None:
+            return entry
+    return None
+
+
+def _check_same_append(entry: str, token: str, fingerprint: str) -> None:
+    """A caller's token that landed must name *this* append: the recorded fingerprint
+    (row count and diff sum of ``compare_and_append``'s updates, or the parts of
+    ``compare_and_append_batch``'s batches) must match, else acknowledging it would
+    claim rows that were never written.
+
+    Raises:
+        InvalidUsage: the token was used by a different append (nothing is written).
+    """
+    _, sep, recorded = entry.partition(TOKEN_SEP)
+    if sep and recorded != fingerprint:
+        raise InvalidUsage(
+            f"idempotency_token {token!r} names a different append that already landed "
+            "(other updates or batches); a token may only retry the append it was given "
+            "for: nothing was written"
+        )
 
 
 def _time_range(table: pa.Table) -> tuple[int, int] | None:
@@ -395,11 +425,13 @@ class WriteHandle(ShardHandle):
                 raise UpdateNotBeyondLower(rng[0], expected)
             if new.less_equal(rng[1]):
                 raise UpdateBeyondUpper(rng[1], new)
-        if idempotency_token is not None and self._token_landed(token, fresh=True):
+        diffs = pc.sum(table.column(DIFF)).as_py() if table.num_rows else 0
+        fingerprint = f"r{table.num_rows}d{diffs}"
+        if idempotency_token is not None and self._token_landed(token, fingerprint):
             return  # an earlier attempt landed: write nothing again
         if expected == new:
             # Nothing can be written into an empty range: just check the upper.
-            self._append_batches([], expected, new, token)
+            self._append_batches([], expected, new, token, fingerprint=fingerprint)
             return
         with _carrying_token(token):
             run = self._write_run(table)
@@ -410,7 +442,9 @@ class WriteHandle(ShardHandle):
         )
         batch = Batch(self._client.blob, self.shard_id, hollow, time_range=rng)
         try:
-            self._append_batches([batch], expected, new, token, fresh=batch)
+            self._append_batches(
+                [batch], expected, new, token, fresh=batch, fingerprint=fingerprint
+            )
         except PersistError as e:
             if not e.is_indeterminate():
                 batch.delete()
@@ -601,6 +635,7 @@ class WriteHandle(ShardHandle):
         token: str,
         retry: bool = False,
         fresh: Batch | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         """:meth:`compare_and_append_batch` after its arguments were converted;
         ``retry``: the token came from the caller (an earlier attempt may have landed);
@@ -622,7 +657,13 @@ class WriteHandle(ShardHandle):
             if b.shard_id != self.shard_id:
                 raise InvalidUsage(f"{b!r} was written for another shard than {self.shard_id}")
         self._validate_truncate(batches, expected, new)
-        if retry and self._token_landed(token, fresh=True):
+        if fingerprint is None:  # the batches' parts (the same in copies and retries)
+            h = hashlib.sha256()
+            for b in batches:
+                for p in b.hollow.parts:
+                    h.update(p.checksum.encode())
+            fingerprint = f"b{h.hexdigest()[:24]}"
+        if retry and self._token_landed(token, fingerprint):
             for b in batches:  # an earlier attempt landed them
                 b.mark_consumed()
             return
@@ -637,6 +678,8 @@ class WriteHandle(ShardHandle):
         machine = self._machine
         # Compaction results offered by the compactor ride along in this version.
         merges = machine.take_merge_results() if pieces else []
+
+        recorded = f"{token}{TOKEN_SEP}{fingerprint}"
 
         def fn(st: ShardState, fresh: bool) -> tuple[list[FueledMergeReq], bool]:
             if _landed(st, wid, token):
@@ -655,7 +698,7 @@ class WriteHandle(ShardHandle):
                     st.apply_merge_res(res, now)
             reqs: list[FueledMergeReq] = []
             for hb in pieces:
-                reqs.extend(st.append_batch(hb, wid, token, now, lease))
+                reqs.extend(st.append_batch(hb, wid, recorded, now, lease))
             return reqs, True
 
         try:
@@ -745,10 +788,14 @@ class WriteHandle(ShardHandle):
             raise
         return out
 
-    def _token_landed(self, token: str, *, fresh: bool) -> bool:
-        """Whether an append with ``token`` is recorded in the shard state."""
-        st = self._machine.fetch() if fresh else self._machine.state()
-        return _landed(st, self.writer_id, token)
+    def _token_landed(self, token: str, fingerprint: str) -> bool:
+        """Whether an append with the caller's ``token`` is recorded in the latest shard
+        state; it must be this append (``fingerprint``, see :func:`_check_same_append`)."""
+        entry = _token_entry(self._machine.fetch(), self.writer_id, token)
+        if entry is None:
+            return False
+        _check_same_append(entry, token, fingerprint)
+        return True
 
     def expire(self) -> None:
         """Unregister this writer from the shard state (GC may then delete the parts it

@@ -134,3 +134,26 @@ def test_lost_ack_of_the_writers_registration_is_resolved_or_carries_the_token(
     assert contents(r.snapshot(0)) == Counter({("a", 1, 0): 1})
     _, r2 = _c.open("idem2", KS, VS)
     assert contents(r2.snapshot(0)) == Counter({("b", 1, 0): 1})
+
+
+def test_a_token_names_one_append_and_refuses_another(setup: Any) -> None:
+    """Found by an adversarial review: passing the token of a landed append to a
+    *different* append returned success and wrote nothing (an acknowledged write that
+    never happened).  It is refused, naming the rule; the real retry still succeeds."""
+    _flaky, _blob, c, w, r = setup
+    token = "tok-0123456789"
+    w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token=token)
+    with pytest.raises(InvalidUsage, match="names a different append"):
+        w.compare_and_append([upd("b", 2, 1), upd("c", 3, 1)], 1, 2, idempotency_token=token)
+    w2, _ = c.open("idem", KS, VS)  # another handle, someone else's token
+    with pytest.raises(InvalidUsage, match="names a different append"):
+        w2.compare_and_append([upd("d", 4, 1), upd("e", 5, 1)], 1, 2, idempotency_token=token)
+    w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token=token)  # the retry
+    assert w.fetch_recent_upper() == ac(1)
+    assert contents(r.snapshot(0)) == Counter({("a", 1, 0): 1})
+    b = w.batch([upd("f", 6, 1)], 1, 2)
+    w.compare_and_append_batch([b], 1, 2, idempotency_token="tok-batch-0001")
+    other = w.batch([upd("g", 7, 2)], 2, 3)
+    with pytest.raises(InvalidUsage, match="names a different append"):
+        w.compare_and_append_batch([other], 2, 3, idempotency_token="tok-batch-0001")
+    assert contents(r.snapshot(1)) == Counter({("a", 1, 1): 1, ("f", 6, 1): 1})

@@ -864,7 +864,13 @@ class Trace:
         trace._since = Antichain.from_json(d["since"])
         trace._upper = Antichain.from_json(d["upper"])
         trace._next_id = next_id
-        n_levels = spine[0][1]["level"] + 1 if spine else 0
+        top = spine[0][1]["level"] if spine else -1
+        # A batch's level is log2 of its update count (an i64), so no spine is deeper
+        # than 64 levels: checked before allocating, so a corrupt level cannot exhaust
+        # memory.
+        if isinstance(top, bool) or not isinstance(top, int) or not -1 <= top <= 64:
+            raise ValueError(f"spine batch level {top!r} is outside 0..64")
+        n_levels = top + 1
         levels = [_MergeState() for _ in range(n_levels)]
         for id, v in spine:
             level = v["level"]

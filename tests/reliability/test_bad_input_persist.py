@@ -536,3 +536,16 @@ def test_regression_damaged_transmitted_batch_is_refused() -> None:
         w.compare_and_append_batch([w.batch_from_transmittable(wire)], 0, 1)
         assert r.snapshot(0).column("k").to_pylist() == [1]
         client.close()
+
+
+def test_regression_a_huge_spine_level_is_refused_without_allocating_it() -> None:
+    """Found by the long bad-input campaign: a spine batch's ``level`` corrupted to
+    6.7e16 (written back as an integer) made decoding the trace allocate that many merge
+    levels, exhausting memory; it is now refused as corrupt before any allocation."""
+    from persist.spine import Trace
+
+    t = Trace()
+    d = t.to_json()
+    d["spine_batches"] = {"0-4": {"level": 66954526683632730, "desc": {}, "parts": []}}
+    with pytest.raises(ValueError, match="level"):
+        Trace.from_json(d)

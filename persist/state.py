@@ -499,13 +499,8 @@ class ShardState:
         Raises:
             LeaseExpired: the reader is not registered.
         """
-        r = self.reader(reader_id)
-        self.readers[reader_id] = replace(
-            r,
-            last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms),
-            seqno=self._seqno_hold(r, seqno),
-            purpose=SEQNO_ONLY,
-        )
+        self.heartbeat_reader(reader_id, now_ms, seqno)
+        self.readers[reader_id] = replace(self.readers[reader_id], purpose=SEQNO_ONLY)
         self._recompute_since()
 
     def _recompute_since(self) -> bool:

@@ -883,9 +883,9 @@ def _widens(src: pa.DataType, dst: pa.DataType) -> bool:
     """Whether a DataFrame column of Arrow type ``src`` may be written into a shard column
     of type ``dst``: equal, a safe widening (persist's schema-evolution rules), or a
     string/binary of the other offset width."""
-    from persist.parts import _is_safe_widening
+    from persist.updates import is_safe_widening
 
-    if _is_safe_widening(src, dst):
+    if is_safe_widening(src, dst):
         return True
     pairs = (
         (pa.types.is_string, pa.types.is_large_string),

@@ -159,7 +159,7 @@ def _spark_merge(
 
     from persist import HollowBatch
     from persist.parts import updates_schema
-    from spark.persist_source import arrow_to_spark
+    from spark.persist_common import arrow_to_spark
 
     st = machine.state()
     ks, vs = st.key_schema, st.value_schema

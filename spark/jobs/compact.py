@@ -22,7 +22,9 @@ inputs' updates with times advanced to the request's since, consolidated); parts
 failed merge are garbage for GC, never referenced; the trace is only changed by
 compare-and-set.
 
-Run: ``python -m spark.jobs.compact --stash URL --blob URI SHARD [--gc]``.
+Run: ``python -m spark.jobs.compact --stash URL --blob URI SHARD [--gc]``. The command
+stops the SparkSession it built before it exits (a cluster would otherwise relaunch
+executors while the JVM shuts down).
 """
 
 from __future__ import annotations
@@ -344,17 +346,26 @@ def main(
     from spark.session import build_session
 
     stash_url, blob_uri = absolute_stash_url(stash_url), absolute_blob_uri(blob_uri)
+    from pyspark.sql import SparkSession
+
+    already = SparkSession.getActiveSession()  # a caller's session is not ours to stop
     spark = build_session(master, "compact")
-    report = compact_shard(
-        spark,
-        stash_url,
-        blob_uri,
-        shard,
-        min_spark_bytes=min_spark_bytes,
-        bytes_per_task=bytes_per_task,
-        gc=gc,
-        gc_grace_seconds=gc_grace_seconds,
-    )
+    try:
+        report = compact_shard(
+            spark,
+            stash_url,
+            blob_uri,
+            shard,
+            min_spark_bytes=min_spark_bytes,
+            bytes_per_task=bytes_per_task,
+            gc=gc,
+            gc_grace_seconds=gc_grace_seconds,
+        )
+    finally:
+        # This job built the session: stop it before the interpreter exits, or a
+        # cluster (local-cluster, standalone) relaunches executors during shutdown.
+        if already is None:
+            spark.stop()
     click.echo(json.dumps(asdict(report), indent=2))
 
 

@@ -639,11 +639,20 @@ def main(
         shard=shard,
         as_of_day=as_of_day,
     )
+    from pyspark.sql import SparkSession
+
+    from spark.session import build_session
+
+    already = SparkSession.getActiveSession()  # a caller's session is not ours to stop
+    spark = build_session(cfg.master, "flights")
     try:
-        summary = run(cfg, quiet=as_json)
+        summary = run(cfg, spark, quiet=as_json)
     except PipelineCheckFailed as e:
         click.echo(f"flights: {e}", err=True)
         sys.exit(1)
+    finally:
+        if already is None:  # built here: stopped here (a cluster relaunches executors)
+            spark.stop()
     if as_json:
         click.echo(json.dumps(asdict(summary), default=str, indent=2))
 

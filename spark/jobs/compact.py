@@ -331,6 +331,12 @@ def _make_writer(
 @click.option("--bytes-per-task", type=int, default=DEFAULT_BYTES_PER_TASK, show_default=True)
 @click.option("--gc", is_flag=True, help="Collect garbage afterwards.")
 @click.option("--gc-grace-seconds", type=float, default=None)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus /metrics on this port while the command runs.",
+)
 def main(
     shard: str,
     stash_url: str,
@@ -340,8 +346,12 @@ def main(
     bytes_per_task: int,
     gc: bool,
     gc_grace_seconds: float | None,
+    metrics_port: int | None,
 ) -> None:
     """Answer the outstanding merge requests of SHARD, large ones with Spark."""
+    from persist.metrics import serve
+
+    serve(metrics_port)
     from spark.jobs import absolute_blob_uri, absolute_stash_url
     from spark.session import build_session
 

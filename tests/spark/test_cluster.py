@@ -3,7 +3,8 @@
 with a PostgreSQL stash and an S3 blob (moto, credentials from the environment only).
 
 * ``spark.jobs.flights --small`` matches pandas (the job checks, and this test checks the
-  figures itself) and leaves the shard whole (fsck);
+  figures itself) and leaves the shard whole (fsck); ``persist sql`` answers the job's
+  on-time query from the shard with the same figures;
 * ``spark.jobs.compact`` answers merge requests of another shard as Spark tasks on the
   executors, and no readable ``as_of`` changes;
 * both jobs stop the session they built: the log has no executor relaunched at exit.
@@ -22,10 +23,12 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from click.testing import CliRunner
 from dbutil import migrate_to_head
 from s3_fixtures import S3Server
 
 from persist import PersistClient, fsck
+from persist.cli import main as persist_main
 from stash import Stash
 
 pytestmark = [pytest.mark.spark, pytest.mark.postgres, pytest.mark.cluster]
@@ -34,6 +37,16 @@ REPO = Path(__file__).resolve().parents[2]
 MASTER = "local-cluster[2,1,1024]"
 KEYS = pa.schema([("k", pa.int64())])
 VALUES = pa.schema([("v", pa.string())])
+
+
+ON_TIME_SQL = """
+SELECT carrier,
+       count(*) AS flights,
+       count(arr_delay) AS arrived,
+       sum(CASE WHEN arr_delay <= 15 THEN 1 ELSE 0 END) AS on_time,
+       coalesce(sum(arr_delay), 0) AS delay_minutes
+FROM flights GROUP BY carrier ORDER BY carrier
+"""
 
 
 def _expected(as_of: int, correction_time: int) -> dict[str, tuple[int, int, int, int]]:
@@ -90,6 +103,29 @@ def test_jobs_on_a_local_cluster_with_postgres_and_s3(
         }
         assert got == _expected(as_of, 7)
     assert "Failed to launch executor" not in err and "Shutdown hooks cannot" not in err
+
+    # `persist sql` answers the job's on-time query from the same shard, as pandas does.
+    for as_of in (3, 7):
+        res = CliRunner().invoke(
+            persist_main,
+            [
+                "--stash",
+                postgres_url,
+                "--blob",
+                s3_blob_uri,
+                "sql",
+                ON_TIME_SQL,
+                "--as-of",
+                str(as_of),
+                "--json",
+            ],
+        )
+        assert res.exit_code == 0, res.output
+        got = {}
+        for line in res.output.splitlines():
+            r = json.loads(line)
+            got[r["carrier"]] = (r["flights"], r["arrived"], r["on_time"], r["delay_minutes"])
+        assert got == _expected(as_of, 7)
 
     # A shard with outstanding merge requests for the compaction job.
     with Stash.open(postgres_url, fenced=False) as s:

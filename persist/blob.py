@@ -968,6 +968,9 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
       in-process store shared by every ``memory://name`` of this process;
     * anything else (``s3://bucket/prefix``, ``gs://...``, ``hdfs://...``, ``mock:///``):
       ``pyarrow.fs.FileSystem.from_uri`` and an :class:`ArrowFsBlob` at the URI's path.
+      An ``s3://`` store opens its output streams lazily (``allow_delayed_open=true``
+      unless the URI says otherwise), so a part smaller than the multipart threshold is
+      one PutObject request, not three.
 
     Credentials come from the environment only (``AWS_ACCESS_KEY_ID``,
     ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN`` or the provider's usual chain): a URI
@@ -1044,8 +1047,14 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
             "AWS_SESSION_TOKEN or the provider's own chain), never from a URI, which ends "
             "up in logs, process lists and Spark plans"
         )
+    target = uri
+    if scheme == "s3" and "allow_delayed_open" not in parts.query:
+        # A part is written in one request (PutObject) instead of three (a multipart
+        # upload's create, part and complete), and a writer killed mid-upload leaves no
+        # unfinished multipart upload behind.
+        target = uri + ("&" if parts.query else "?") + "allow_delayed_open=true"
     try:
-        fs, path = pafs.FileSystem.from_uri(uri)
+        fs, path = pafs.FileSystem.from_uri(target)
     except (pa.ArrowException, OSError, ValueError, TypeError) as e:
         problem = (
             f"cannot open blob store {redact(uri)!r}: {type(e).__name__}: "

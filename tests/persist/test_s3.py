@@ -143,3 +143,27 @@ def test_credentials_never_in_reprs_or_logs(
     assert s3_server.secret_access_key not in shown
     assert s3_server.access_key_id not in shown
     c.close()
+
+
+def test_a_small_part_is_one_put_request(s3_blob_uri: str) -> None:
+    """A part is uploaded with one PutObject, not a multipart upload's three requests
+    (create, part, complete): a third of the S3 requests per append, and no unfinished
+    multipart upload left by a writer killed mid-upload."""
+    requests: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            requests.append(record.getMessage())
+
+    handler = Collect()
+    werkzeug = logging.getLogger("werkzeug")  # the moto server's request log
+    old_level = werkzeug.level
+    werkzeug.addHandler(handler)
+    werkzeug.setLevel(logging.INFO)
+    try:
+        open_blob(s3_blob_uri).set("shard/b/part.parquet", b"x" * 10_000)
+    finally:
+        werkzeug.removeHandler(handler)
+        werkzeug.setLevel(old_level)
+    writes = [r for r in requests if '"PUT ' in r or '"POST ' in r]
+    assert len(writes) == 1 and "?uploads" not in writes[0], writes

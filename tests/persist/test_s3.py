@@ -167,3 +167,21 @@ def test_a_small_part_is_one_put_request(s3_blob_uri: str) -> None:
         werkzeug.setLevel(old_level)
     writes = [r for r in requests if '"PUT ' in r or '"POST ' in r]
     assert len(writes) == 1 and "?uploads" not in writes[0], writes
+
+
+def test_a_missing_s3_server_fails_under_ci_and_skips_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without moto the fixture fails the test under CI (never a silent skip) and skips
+    it elsewhere, naming the reason."""
+    import sys
+
+    import s3_fixtures
+
+    monkeypatch.setitem(sys.modules, "moto.server", None)  # import fails
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="required under CI"):
+        s3_fixtures.require_s3_server()
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="not CI, so skipped"):
+        s3_fixtures.require_s3_server()

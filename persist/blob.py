@@ -26,7 +26,12 @@ Invariants kept here:
   :meth:`FileBlob.find_symlinks` lists them (issue 19);
 * every failure of the underlying storage surfaces as :class:`~persist.errors.BlobError`
   (or its subclass :class:`~persist.errors.InvalidKey`), and no URI credential ever
-  appears in a ``repr`` or an error message (they go through :func:`stash.redact`).
+  appears in a ``repr`` or an error message (they go through :func:`stash.redact`);
+  object-store URIs carrying credentials are refused (:func:`open_blob`): they come from
+  the environment only;
+* object stores' empty "directory marker" objects (keys ending in ``/``, left by some
+  clients and by ``pyarrow.fs`` itself after a delete) are never keys: ``list_keys``
+  of :class:`ArrowFsBlob` skips them, so GC and fsck never see them.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ MAX_KEY_LENGTH = 1024
 MAX_SEGMENT_LENGTH = 255
 
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]*")
+# Query parameter names that carry a credential (refused in object-store URIs).
+_SECRET_PARAM_RE = re.compile(r"key|secret|token|pass|credential|signature", re.IGNORECASE)
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
@@ -961,12 +968,20 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
       in-process store shared by every ``memory://name`` of this process;
     * anything else (``s3://bucket/prefix``, ``gs://...``, ``hdfs://...``, ``mock:///``):
       ``pyarrow.fs.FileSystem.from_uri`` and an :class:`ArrowFsBlob` at the URI's path.
+      An ``s3://`` store opens its output streams lazily (``allow_delayed_open=true``
+      unless the URI says otherwise), so a part smaller than the multipart threshold is
+      one PutObject request, not three.
 
-    Credentials in the URI are never put in reprs or error messages.
+    Credentials come from the environment only (``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN`` or the provider's usual chain): a URI
+    carrying user info (``s3://KEY:SECRET@bucket``) or a credential-like query parameter
+    (a name containing ``key``, ``secret``, ``token``, ``pass``, ``credential`` or
+    ``signature``) is refused, and no error message shows what it carried.
 
     Raises:
-        InvalidUsage: the URI is empty, malformed, names an unknown scheme, or the
-            filesystem cannot be opened (message carries the redacted URI).
+        InvalidUsage: the URI is empty, malformed, names an unknown scheme, carries
+            credentials, or the filesystem cannot be opened (message carries the
+            redacted URI).
     """
     if isinstance(uri, os.PathLike):
         return FileBlob(os.fspath(uri))
@@ -1013,8 +1028,33 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
         if not path.startswith("/"):
             raise InvalidUsage(f"malformed blob URI {redact(uri)!r}: the path is empty")
         return FileBlob(path)
+    secret_params = sorted(
+        {
+            name.lower()
+            for name in (kv.split("=", 1)[0] for kv in parts.query.split("&") if kv)
+            if _SECRET_PARAM_RE.search(name)
+        }
+    )
+    if "@" in parts.netloc or secret_params:
+        where = (
+            "user info (KEY:SECRET@)"
+            if "@" in parts.netloc
+            else ("query parameters " + ", ".join(secret_params))
+        )
+        raise InvalidUsage(
+            f"blob URI {redact(uri)!r} carries credentials in its {where}: credentials "
+            "come from the environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+            "AWS_SESSION_TOKEN or the provider's own chain), never from a URI, which ends "
+            "up in logs, process lists and Spark plans"
+        )
+    target = uri
+    if scheme == "s3" and "allow_delayed_open" not in parts.query:
+        # A part is written in one request (PutObject) instead of three (a multipart
+        # upload's create, part and complete), and a writer killed mid-upload leaves no
+        # unfinished multipart upload behind.
+        target = uri + ("&" if parts.query else "?") + "allow_delayed_open=true"
     try:
-        fs, path = pafs.FileSystem.from_uri(uri)
+        fs, path = pafs.FileSystem.from_uri(target)
     except (pa.ArrowException, OSError, ValueError, TypeError) as e:
         problem = (
             f"cannot open blob store {redact(uri)!r}: {type(e).__name__}: "

@@ -1,12 +1,15 @@
 """The ``persist`` command line: list shards, inspect one, compact it, collect its
-garbage, check it, drop it.
+garbage, check it, drop it, print its rows, query shards with SQL.
 
-``persist --stash URL --blob URI shards | inspect SHARD | compact SHARD | gc SHARD |
-fsck SHARD | drop SHARD`` (``--stash``/``--blob`` also from
-``PERSIST_STASH``/``PERSIST_BLOB``).  ``SHARD`` is a shard *name*; a shard id is given as
+``persist --stash URL --blob URI [--metrics-port P] shards | inspect SHARD | compact SHARD
+| gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of T] [--limit N] | sql QUERY
+[--as-of T]`` (``--stash``/``--blob`` also from ``PERSIST_STASH``/``PERSIST_BLOB``).
+``cat`` and ``sql`` read consolidated snapshots through a reader lease (a seqno hold, so
+GC cannot delete a part they are reading), which needs a writable stash; ``sql`` runs
+DuckDB with each shard named in the query registered as an Arrow table of its rows.  ``SHARD`` is a shard *name*; a shard id is given as
 ``id:<shard id>`` (names and ids never mix: a name shaped like an id is a name).  Output
-is a readable table (rich) or JSON with ``--json``.  Invariants kept here: reads open the
-stash readonly; URLs are never printed with credentials (:func:`stash.redact`); errors are
+is a readable table (rich) or JSON with ``--json``.  Invariants kept here: reads other
+than ``cat``/``sql`` open the stash readonly; URLs are never printed with credentials (:func:`stash.redact`); errors are
 printed as one line and exit with code 1; ``fsck`` exits with code 2 when it finds
 damage; tables are rendered by :func:`stash.cli.print_table`, so no stored text reaches
 the terminal as a control sequence or as rich markup.
@@ -14,6 +17,7 @@ the terminal as a control sequence or as rich markup.
 
 from __future__ import annotations
 
+import decimal
 import json
 import logging
 import sys
@@ -22,9 +26,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import click
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
+from persist import metrics as persist_metrics
 from persist.client import PersistClient
-from persist.errors import PersistError
+from persist.errors import InvalidUsage, PersistError
 from persist.fsck import fsck as fsck_shard
 from persist.gc import collect_garbage
 from persist.state import ShardState
@@ -102,10 +110,19 @@ def _fmt(frontier: Any) -> str:
     help="Blob store URI (file:///path, s3://bucket/prefix, ...).",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus /metrics on this port while the command runs.",
+)
 @click.pass_context
-def main(ctx: click.Context, stash_url: str, blob_uri: str, verbose: bool) -> None:
+def main(
+    ctx: click.Context, stash_url: str, blob_uri: str, verbose: bool, metrics_port: int | None
+) -> None:
     """Inspect and maintain persist shards."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+    persist_metrics.serve(metrics_port)
     ctx.obj = {"stash": stash_url, "blob": blob_uri}
 
 
@@ -342,6 +359,154 @@ def drop(ctx: click.Context, shard: str, yes: bool, as_json: bool) -> None:
             click.echo(json.dumps(out, sort_keys=True))
         else:
             _table(f"drop of {shard}", ["field", "value"], [[k, v] for k, v in out.items()])
+
+    _guard(run)
+
+
+# ------------------------------------------------------------ cat and sql
+
+
+def _readable_as_of(c: PersistClient, shard: str, as_of: int | None) -> int:
+    """``as_of``, or the latest readable time (``upper - 1``, at least the since).
+
+    Raises:
+        InvalidUsage: the shard has no readable time yet (its upper is its since).
+    """
+    st = c.inspect(shard)
+    if as_of is not None:
+        return as_of
+    upper, since = st.upper.as_option(), st.since.as_option()
+    if upper is None:  # closed: every time up to the since is readable
+        if since is None:
+            raise InvalidUsage(f"shard {shard!r} is closed and compacted away: nothing to read")
+        return since
+    if since is not None and upper <= since:
+        raise InvalidUsage(
+            f"shard {shard!r} has no readable time yet (since {since}, upper {upper})"
+        )
+    return upper - 1
+
+
+def _consolidated(c: PersistClient, shard: str, as_of: int | None) -> tuple[int, pa.Table]:
+    """The shard's consolidated snapshot at ``as_of`` (default: the latest readable
+    time), read through a reader lease (its seqno hold keeps GC off the parts)."""
+    t = _readable_as_of(c, shard, as_of)
+    st = c.inspect(shard)
+    with c.open_reader(shard, st.key_schema, st.value_schema) as r:
+        return t, r.snapshot(t)
+
+
+def _as_rows(table: pa.Table, shard: str) -> pa.Table:
+    """A consolidated snapshot as a relation: one row per unit of multiplicity (a row
+    with ``_diff`` 3 appears three times), without ``_time``/``_diff``.
+
+    Raises:
+        InvalidUsage: a negative multiplicity (the shard is not a collection at this
+            time: more retractions than insertions), naming the shard and the count.
+    """
+    diffs = table.column("_diff")
+    negative = pc.sum(pc.less(diffs, 0)).as_py() or 0
+    if negative:
+        raise InvalidUsage(
+            f"shard {shard!r} has {negative} row(s) with a negative multiplicity at this "
+            "time (more retractions than insertions): it is not a relation SQL can query"
+        )
+    data = table.drop_columns(["_time", "_diff"])
+    if pc.all(pc.equal(diffs, 1)).as_py() in (True, None):
+        return data
+    counts = diffs.to_numpy()
+    return data.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
+
+
+def _json_default(v: Any) -> Any:
+    """JSON of values ``json`` lacks: integral decimals (DuckDB's ``sum`` of integers is
+    a 128-bit integer, which Arrow carries as a decimal) as ints, the rest as text."""
+    if isinstance(v, decimal.Decimal) and v == v.to_integral_value():
+        return int(v)
+    return str(v)
+
+
+@main.command()
+@click.argument("shard")
+@click.option("--as-of", "as_of", type=int, default=None, help="Time to read (default upper-1).")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="At most N rows.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_context
+def cat(
+    ctx: click.Context, shard: str, as_of: int | None, limit: int | None, as_json: bool
+) -> None:
+    """Print a shard's consolidated rows as of a time (keys, values, _diff), sorted.
+
+    Takes a reader lease for the read (so the stash must be writable)."""
+
+    def run() -> None:
+        with _client(ctx, readonly=False) as c:
+            t, snap = _consolidated(c, shard, as_of)
+        if limit is not None:
+            snap = snap.slice(0, limit)
+        snap = snap.drop_columns(["_time"])
+        if as_json:
+            for row in snap.to_pylist():
+                click.echo(json.dumps(row, sort_keys=True, default=_json_default))
+            return
+        _table(
+            f"{shard} as of {t}",
+            snap.column_names,
+            [list(r.values()) for r in snap.to_pylist()],
+        )
+
+    _guard(run)
+
+
+@main.command()
+@click.argument("query")
+@click.option("--as-of", "as_of", type=int, default=None, help="Time to read every shard at.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_context
+def sql(ctx: click.Context, query: str, as_of: int | None, as_json: bool) -> None:
+    """Run a DuckDB SQL QUERY over shards: every shard named in it is a table of its
+    consolidated rows as of --as-of (default: each shard's latest readable time), one row
+    per unit of multiplicity, key and value columns only. The query reaches nothing
+    else: DuckDB's external access (files, network) is off.
+
+    Takes reader leases for the reads (so the stash must be writable)."""
+    import duckdb
+
+    def run() -> None:
+        try:
+            names = duckdb.get_table_names(query)
+        except duckdb.Error as e:
+            raise InvalidUsage(f"persist sql: cannot parse the query: {e}") from None
+        with _client(ctx, readonly=False) as c:
+            known = set(c.shards())
+            wanted = sorted(n for n in names if n in known)
+            if not wanted:
+                raise InvalidUsage(
+                    f"persist sql: the query names no shard (tables {sorted(names)}; "
+                    f"shards {sorted(known)[:20]})"
+                )
+            tables = {n: _as_rows(_consolidated(c, n, as_of)[1], n) for n in wanted}
+        con = duckdb.connect()
+        try:
+            for n, t in tables.items():
+                con.register(n, t)
+            # The query sees the shards and nothing else: no files, no network.
+            con.execute("SET enable_external_access = false")
+            con.execute("SET lock_configuration = true")
+            try:
+                rel = con.sql(query)
+                if rel is None:
+                    raise InvalidUsage("persist sql: the statement is not a query (no rows)")
+                result: pa.Table = rel.to_arrow_table()
+            except duckdb.Error as e:
+                raise InvalidUsage(f"persist sql: {e}") from None
+        finally:
+            con.close()
+        if as_json:
+            for row in result.to_pylist():
+                click.echo(json.dumps(row, sort_keys=True, default=_json_default))
+            return
+        _table("persist sql", result.column_names, [list(r.values()) for r in result.to_pylist()])
 
     _guard(run)
 

@@ -36,6 +36,7 @@ from typing import Literal, TypeVar
 import pyarrow as pa
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from persist import metrics as persist_metrics
 from persist.blob import Blob, BlobMetrics, open_blob
 from persist.compactor import Compactor
 from persist.consensus import (
@@ -105,10 +106,11 @@ class RetryingBlob:
         return r(fn)
 
     def get(self, key: str) -> bytes | None:
-        return self._retry(lambda: self.inner.get(key))
+        return persist_metrics.fetched(self._retry(lambda: self.inner.get(key)))
 
     def set(self, key: str, value: bytes) -> None:
         self._retry(lambda: self.inner.set(key, value))
+        persist_metrics.written(value)
 
     def delete(self, key: str) -> None:
         self._retry(lambda: self.inner.delete(key))

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from persist import metrics as persist_metrics
 from persist.consensus import ShardMachine, Stale
 from persist.errors import PersistError
 from persist.keys import new_writer_id, part_name_prefix
@@ -289,7 +290,13 @@ class Compactor:
                 if raise_errors:
                     raise
                 report.failed += 1
-                log.warning("merge of %s in shard %s failed: %s", req.desc, machine.shard_id, e)
+                log.warning(
+                    "merge of %s in shard %s failed: %s",
+                    req.desc,
+                    machine.shard_id,
+                    e,
+                    extra={"shard": machine.shard_id},
+                )
                 continue
             results.append(res)
             report.rows_in += rows_in
@@ -309,13 +316,19 @@ class Compactor:
             if raise_errors:
                 raise
             report.failed += len(results)
-            log.warning("applying merges in shard %s failed: %s", machine.shard_id, e)
+            log.warning(
+                "applying merges in shard %s failed: %s",
+                machine.shard_id,
+                e,
+                extra={"shard": machine.shard_id},
+            )
             rs = []
         report.results.extend(rs)
         report.applied += sum(1 for r in rs if r.applied())
         report.not_applied += sum(1 for r in rs if not r.applied())
         with self._cv:
             self.totals.add(report)
+        persist_metrics.observe_compaction(report)
         return report
 
     def compact_once(self, shard: str, *, fresh: bool = True) -> CompactionReport:

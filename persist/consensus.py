@@ -63,6 +63,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from persist import metrics as persist_metrics
 from persist.errors import ConsensusError, InvalidUsage, PersistError
 from persist.spine import FueledMergeRes
 from persist.state import ShardState
@@ -750,7 +751,12 @@ class ShardMachine:
                         raise
                     self.metrics["indeterminate"] += 1
                     indeterminate += 1
-                    log.warning("indeterminate commit on shard %s: %s", self.shard_id, e)
+                    log.warning(
+                        "indeterminate commit on shard %s: %s",
+                        self.shard_id,
+                        e,
+                        extra={"shard": self.shard_id, "seqno": cache.state.seqno + 1},
+                    )
                     if indeterminate > 5:
                         raise
                     # Learn the outcome: re-read; fn recognises its own committed effect.
@@ -765,6 +771,7 @@ class ShardMachine:
                     continue
                 if ok:
                     self._cache = _Cache(st, data, texts)
+                    persist_metrics.observe_commit(cache.state, st, self.now_ms())
                     return result
                 self.metrics["cas_lost"] += 1
                 races += 1

@@ -46,6 +46,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from persist import metrics as persist_metrics
 from persist.consensus import RetiredKey, ShardMachine
 from persist.errors import BlobError, InvalidUsage
 from persist.keys import key_created_ms, parse_part_key
@@ -173,14 +174,18 @@ def collect_garbage(
             client.blob.delete(key)
             report.deleted_retired.append(key)
         except BlobError as e:
-            log.warning("GC could not delete retired part %s: %s", key, e)
+            log.warning(
+                "GC could not delete retired part %s: %s", key, e, extra={"shard": shard_id}
+            )
             report.failed.append(key)
     for key in abandoned:
         try:
             client.blob.delete(key)
             report.deleted_abandoned.append(key)
         except BlobError as e:
-            log.warning("GC could not delete abandoned part %s: %s", key, e)
+            log.warning(
+                "GC could not delete abandoned part %s: %s", key, e, extra={"shard": shard_id}
+            )
             report.failed.append(key)
 
     if report.deleted_retired:
@@ -190,6 +195,7 @@ def collect_garbage(
     if sweep is not None:  # a FileBlob: uploads killed mid-write leave temporary files
         report.deleted_temporaries = sweep(f"{shard_id}/", grace)
     client.consensus.truncate(shard_id)
+    persist_metrics.observe_gc(report)
     return report
 
 

@@ -61,6 +61,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from persist import metrics as persist_metrics
 from persist.batch import Batch
 from persist.consensus import ShardMachine, Stale
 from persist.consolidation import _adjacent
@@ -380,6 +381,7 @@ class WriteHandle(ShardHandle):
             )
         return b
 
+    @persist_metrics.timed_append
     def compare_and_append(
         self,
         updates: Updates,
@@ -579,6 +581,7 @@ class WriteHandle(ShardHandle):
         hollow = HollowBatch(b.hollow.desc, tuple(run), sum(p.rows for p in run))
         return Batch(self._client.blob, self.shard_id, hollow, time_range=_time_range(table))
 
+    @persist_metrics.timed_append
     def compare_and_append_batch(
         self,
         batches: Sequence[Batch],
@@ -815,6 +818,7 @@ class WriteHandle(ShardHandle):
                 self.writer_id,
                 self.shard_id,
                 self._lent,
+                extra={"shard": self.shard_id, "writer_id": self.writer_id},
             )
             return
 
@@ -830,7 +834,12 @@ class WriteHandle(ShardHandle):
         try:
             self.expire()
         except PersistError as e:  # pragma: no cover - best effort on exit
-            log.warning("could not expire writer %s: %s", self.writer_id, e)
+            log.warning(
+                "could not expire writer %s: %s",
+                self.writer_id,
+                e,
+                extra={"shard": self.shard_id, "writer_id": self.writer_id},
+            )
 
 
 class BatchBuilder:

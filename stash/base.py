@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, TypeVar
 
+from stash import metrics as stash_metrics
 from stash.antichain import I64_MAX, Antichain
 from stash.codec import CodecLike, resolve_codec
 from stash.collection import (
@@ -140,11 +141,11 @@ class Stash(abc.ABC):
         self._check_open()
         if self.mode == "readonly":
             raise ReadOnlyError("cannot write through a stash opened in readonly mode")
-        return self._run(True, fn)
+        return stash_metrics.observe_txn(self, True, lambda: self._run(True, fn))
 
     def _read(self, fn: Callable[[Txn], R]) -> R:
         self._check_open()
-        return self._run(False, fn)
+        return stash_metrics.observe_txn(self, False, lambda: self._run(False, fn))
 
     def _check_open(self) -> None:
         if self._closed:

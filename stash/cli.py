@@ -86,9 +86,19 @@ def _guard(fn: Callable[[], None]) -> None:
 
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
-def main(verbose: bool) -> None:
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus /metrics on this port while the command runs.",
+)
+def main(verbose: bool, metrics_port: int | None) -> None:
     """Inspect and maintain a stash (memory://, sqlite:///path, postgresql+psycopg://...)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port)  # stash_* families (stash.metrics)
 
 
 @main.command()

@@ -58,6 +58,7 @@ from alembic import command
 from sqlalchemy import event
 from sqlalchemy.engine import URL
 
+from stash import metrics as stash_metrics
 from stash import schema
 from stash.base import Mode, Stash
 from stash.consolidation import DiffSumOverflow, diff_sums_fit
@@ -297,6 +298,7 @@ class SqlStash(Stash):
         try:
             return self._classified(attempt)
         except _Transient as t:
+            stash_metrics.record_retry(self.backend)
             log.info(
                 "stash %s: transient failure, running the transaction again: %s",
                 redact(self._url),
@@ -307,6 +309,7 @@ class SqlStash(Stash):
             wait=tenacity.wait_random_exponential(multiplier=0.002, max=0.5),
             stop=tenacity.stop_after_delay(self.retry_budget),
             reraise=True,
+            before_sleep=lambda _: stash_metrics.record_retry(self.backend),
         )
         try:
             for at in retryer:

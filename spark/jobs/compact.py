@@ -22,7 +22,9 @@ inputs' updates with times advanced to the request's since, consolidated); parts
 failed merge are garbage for GC, never referenced; the trace is only changed by
 compare-and-set.
 
-Run: ``python -m spark.jobs.compact --stash URL --blob URI SHARD [--gc]``.
+Run: ``python -m spark.jobs.compact --stash URL --blob URI SHARD [--gc]``. The command
+stops the SparkSession it built before it exits (a cluster would otherwise relaunch
+executors while the JVM shuts down).
 """
 
 from __future__ import annotations
@@ -329,6 +331,12 @@ def _make_writer(
 @click.option("--bytes-per-task", type=int, default=DEFAULT_BYTES_PER_TASK, show_default=True)
 @click.option("--gc", is_flag=True, help="Collect garbage afterwards.")
 @click.option("--gc-grace-seconds", type=float, default=None)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus /metrics on this port while the command runs.",
+)
 def main(
     shard: str,
     stash_url: str,
@@ -338,23 +346,36 @@ def main(
     bytes_per_task: int,
     gc: bool,
     gc_grace_seconds: float | None,
+    metrics_port: int | None,
 ) -> None:
     """Answer the outstanding merge requests of SHARD, large ones with Spark."""
+    from persist.metrics import serve
+
+    serve(metrics_port)
     from spark.jobs import absolute_blob_uri, absolute_stash_url
     from spark.session import build_session
 
     stash_url, blob_uri = absolute_stash_url(stash_url), absolute_blob_uri(blob_uri)
+    from pyspark.sql import SparkSession
+
+    already = SparkSession.getActiveSession()  # a caller's session is not ours to stop
     spark = build_session(master, "compact")
-    report = compact_shard(
-        spark,
-        stash_url,
-        blob_uri,
-        shard,
-        min_spark_bytes=min_spark_bytes,
-        bytes_per_task=bytes_per_task,
-        gc=gc,
-        gc_grace_seconds=gc_grace_seconds,
-    )
+    try:
+        report = compact_shard(
+            spark,
+            stash_url,
+            blob_uri,
+            shard,
+            min_spark_bytes=min_spark_bytes,
+            bytes_per_task=bytes_per_task,
+            gc=gc,
+            gc_grace_seconds=gc_grace_seconds,
+        )
+    finally:
+        # This job built the session: stop it before the interpreter exits, or a
+        # cluster (local-cluster, standalone) relaunches executors during shutdown.
+        if already is None:
+            spark.stop()
     click.echo(json.dumps(asdict(report), indent=2))
 
 

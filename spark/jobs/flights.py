@@ -619,6 +619,7 @@ def print_summary(summary: Summary, console: Any) -> None:
 @click.option("--shard", default=SHARD, show_default=True, help="Persist shard name.")
 @click.option("--as-of-day", type=int, default=None, help="Day (0-based) to query and compact to.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve /metrics.")
 def main(
     stash_url: str,
     blob_uri: str,
@@ -627,8 +628,12 @@ def main(
     shard: str,
     as_of_day: int | None,
     as_json: bool,
+    metrics_port: int | None = None,
 ) -> None:
     """Run the nycflights13 pipeline (stash catalog, persist shard, Spark)."""
+    from persist.metrics import serve
+
+    serve(metrics_port)
     from spark.jobs import absolute_blob_uri, absolute_stash_url
 
     cfg = Config(
@@ -639,11 +644,20 @@ def main(
         shard=shard,
         as_of_day=as_of_day,
     )
+    from pyspark.sql import SparkSession
+
+    from spark.session import build_session
+
+    already = SparkSession.getActiveSession()  # a caller's session is not ours to stop
+    spark = build_session(cfg.master, "flights")
     try:
-        summary = run(cfg, quiet=as_json)
+        summary = run(cfg, spark, quiet=as_json)
     except PipelineCheckFailed as e:
         click.echo(f"flights: {e}", err=True)
         sys.exit(1)
+    finally:
+        if already is None:  # built here: stopped here (a cluster relaunches executors)
+            spark.stop()
     if as_json:
         click.echo(json.dumps(asdict(summary), default=str, indent=2))
 

@@ -62,9 +62,13 @@ MAKERS: dict[str, Callable[[Path], Blob]] = {
 }
 
 
-@pytest.fixture(params=sorted(MAKERS))
+@pytest.fixture(params=[*sorted(MAKERS), "s3"])
 def blob(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Blob]:
-    b = MAKERS[request.param](tmp_path)
+    """Every implementation, and an ArrowFsBlob on the moto S3 server (``s3``)."""
+    if request.param == "s3":
+        b = open_blob(request.getfixturevalue("s3_blob_uri"))
+    else:
+        b = MAKERS[request.param](tmp_path)
     yield b
     b.close()
 
@@ -558,12 +562,28 @@ def test_credentials_never_leak_from_open_blob_errors(uri: str) -> None:
     assert e.__cause__ is None and e.__context__ is None
 
 
-def test_credentials_never_leak_from_arrow_blob_repr() -> None:
-    b = open_blob(
-        "s3://AKIAEXAMPLE:s3cr3tPassw0rd@bucket/prefix"
-        "?region=us-east-1&endpoint_override=127.0.0.1:1&scheme=http"
-    )
-    assert "s3cr3t" not in repr(b) and "AKIA" not in repr(b)
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://AKIAEXAMPLE:s3cr3tPassw0rd@bucket/prefix?endpoint_override=127.0.0.1:1&scheme=http",
+        "s3://AKIAEXAMPLE@bucket/prefix",
+        "s3://bucket/prefix?secret_key=s3cr3tPassw0rd&access_key=AKIAEXAMPLE",
+        "s3://bucket/prefix?session_token=s3cr3tPassw0rd",
+        "gs://AKIAEXAMPLE:s3cr3tPassw0rd@bucket/prefix",
+    ],
+)
+def test_open_blob_refuses_credentials_in_the_uri(uri: str) -> None:
+    """Credentials come from the environment only: a URI carrying them is refused with
+    a message naming the rule, and showing none of them."""
+    with pytest.raises(InvalidUsage, match="credentials come from the environment only") as e:
+        open_blob(uri)
+    text = f"{e.value} {e.value!r}"
+    assert "s3cr3t" not in text and "AKIA" not in text
+    assert e.value.__cause__ is None and e.value.__context__ is None
+
+
+def test_arrow_blob_repr_without_credentials() -> None:
+    b = open_blob("s3://bucket/prefix?region=us-east-1&endpoint_override=127.0.0.1:1&scheme=http")
     assert repr(b) == "ArrowFsBlob('s3', 'bucket/prefix')"
 
 

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from persist import (
+    Blob,
     CorruptPart,
     FileBlob,
     InvalidUsage,
@@ -24,6 +25,7 @@ from persist import (
     PersistError,
     collect_garbage,
     fsck,
+    open_blob,
     read_batches,
 )
 from persist.cli import main
@@ -52,6 +54,19 @@ def stash() -> Iterator[Stash]:
     s.close()
 
 
+@pytest.fixture(params=["memory", "file", "s3"])
+def any_blob(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Blob]:
+    """The GC suite runs on every kind of store: memory, local files and S3 (moto)."""
+    if request.param == "s3":
+        b: Blob = open_blob(request.getfixturevalue("s3_blob_uri"))
+    elif request.param == "file":
+        b = FileBlob(tmp_path / "any-blob")
+    else:
+        b = MemoryBlob()
+    yield b
+    b.close()
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1_700_000_000.0
@@ -75,8 +90,10 @@ def shard_keys(c: PersistClient, shard: str) -> set[str]:
 # ------------------------------------------------------------------ item 1: writers
 
 
-def test_a_live_writers_batch_survives_gc_past_the_grace_period(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_a_live_writers_batch_survives_gc_past_the_grace_period(
+    stash: Stash, any_blob: Blob
+) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock)
     gc_client = client(stash, blob, clock)
     w, r = c.open("held", KS, VS)
@@ -96,9 +113,9 @@ def test_a_live_writers_batch_survives_gc_past_the_grace_period(stash: Stash) ->
     assert fsck(c, "held").ok
 
 
-def test_a_builder_stamps_each_run_when_it_is_written(stash: Stash) -> None:
+def test_a_builder_stamps_each_run_when_it_is_written(stash: Stash, any_blob: Blob) -> None:
     clock = Clock()
-    c = client(stash, MemoryBlob(), clock, target_part_bytes=1)
+    c = client(stash, any_blob, clock, target_part_bytes=1)
     w, _r = c.open("stamps", KS, VS)
     b = w.builder(0)
     clock.now += 5 * HOUR  # the builder stays open long before its first part
@@ -108,8 +125,8 @@ def test_a_builder_stamps_each_run_when_it_is_written(stash: Stash) -> None:
     assert key_created_ms(key) == int(clock.now * 1000)
 
 
-def test_append_refuses_a_batch_whose_writer_expired(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_append_refuses_a_batch_whose_writer_expired(stash: Stash, any_blob: Blob) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock, writer_lease_seconds=60)
     other = client(stash, blob, clock)
     w, r = c.open("lapsed", KS, VS)
@@ -133,8 +150,10 @@ def test_append_refuses_a_batch_whose_writer_expired(stash: Stash) -> None:
         w.heartbeat()
 
 
-def test_append_refuses_a_batch_of_another_writer_that_expired(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_append_refuses_a_batch_of_another_writer_that_expired(
+    stash: Stash, any_blob: Blob
+) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock, writer_lease_seconds=60)
     w1, _r = c.open("handoff", KS, VS)
     data = w1.batch([upd(1, "a", 0)], 0, 1).into_transmittable()
@@ -146,8 +165,10 @@ def test_append_refuses_a_batch_of_another_writer_that_expired(stash: Stash) -> 
     assert c.inspect("handoff").upper == Antichain.from_elem(0)
 
 
-def test_a_transmitted_batch_is_appended_after_its_writer_closed(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_a_transmitted_batch_is_appended_after_its_writer_closed(
+    stash: Stash, any_blob: Blob
+) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock)
     with c.open_writer("spark", KS, VS) as task:
         data = task.batch([upd(1, "a", 0)], 0, 1).into_transmittable()
@@ -156,8 +177,8 @@ def test_a_transmitted_batch_is_appended_after_its_writer_closed(stash: Stash) -
     assert rows(r.snapshot(0)) == [(1, "a", 1)]
 
 
-def test_append_refuses_a_batch_whose_part_is_gone(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_append_refuses_a_batch_whose_part_is_gone(stash: Stash, any_blob: Blob) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock)
     w, r = c.open("gone", KS, VS)
     batch = w.batch([upd(1, "a", 0)], 0, 1)
@@ -171,8 +192,8 @@ def test_append_refuses_a_batch_whose_part_is_gone(stash: Stash) -> None:
     assert rows(r.snapshot(0)) == [(2, "b", 1)]
 
 
-def test_gc_deletes_only_keys_persist_could_have_written(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_gc_deletes_only_keys_persist_could_have_written(stash: Stash, any_blob: Blob) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock)
     w, _r = c.open("foreign", KS, VS)
     w.compare_and_append([upd(1, "a", 0)], 0, 1)
@@ -193,8 +214,8 @@ def test_gc_deletes_only_keys_persist_could_have_written(stash: Stash) -> None:
 # ---------------------------------------------------------- item 7c: compactor outputs
 
 
-def test_a_compaction_output_offered_to_an_append_survives_gc(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_a_compaction_output_offered_to_an_append_survives_gc(stash: Stash, any_blob: Blob) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock)
     gc_client = client(stash, blob, clock)
     w, r = c.open("piggy", KS, VS)
@@ -229,8 +250,10 @@ def _compacted_shard(c: PersistClient, name: str) -> tuple[Any, Any]:
     return w, r
 
 
-def test_a_reader_holding_snapshot_batches_survives_compaction_and_gc(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_a_reader_holding_snapshot_batches_survives_compaction_and_gc(
+    stash: Stash, any_blob: Blob
+) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock)
     other = client(stash, blob, clock)
     w, r = _compacted_shard(c, "held-read")
@@ -255,11 +278,13 @@ def test_a_reader_holding_snapshot_batches_survives_compaction_and_gc(stash: Sta
     assert fsck(c, "held-read").ok
 
 
-def test_held_snapshot_batches_keep_their_lease_alive_past_every_grace(stash: Stash) -> None:
+def test_held_snapshot_batches_keep_their_lease_alive_past_every_grace(
+    stash: Stash, any_blob: Blob
+) -> None:
     """Issue 12 item 7b with default-like settings: a reader that holds
     ``snapshot_batches`` far past its lease and GC's grace, without calling anything
     itself, still reads every part: its lease is renewed in the background."""
-    clock, blob = Clock(), MemoryBlob()
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock, reader_lease_seconds=900)
     other = client(stash, blob, clock)
     w, r = _compacted_shard(c, "long-read")
@@ -308,8 +333,10 @@ def test_a_snapshot_refetches_state_when_a_part_is_missing(stash: Stash) -> None
     assert blob.misses  # it did meet a missing part, and re-read
 
 
-def test_a_snapshot_still_reports_a_part_missing_from_the_latest_state(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_a_snapshot_still_reports_a_part_missing_from_the_latest_state(
+    stash: Stash, any_blob: Blob
+) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock)
     w, r = c.open("lost", KS, VS)
     w.compare_and_append([upd(1, "a", 0)], 0, 1)
@@ -321,8 +348,8 @@ def test_a_snapshot_still_reports_a_part_missing_from_the_latest_state(stash: St
     assert not report.ok and report.missing == [key]
 
 
-def test_gc_keeps_retired_parts_until_every_reader_moved_past(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_gc_keeps_retired_parts_until_every_reader_moved_past(stash: Stash, any_blob: Blob) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock)
     w, r = _compacted_shard(c, "holds")
     slow = c.open_reader("holds", KS, VS)  # registered before the compaction
@@ -342,8 +369,8 @@ def test_gc_keeps_retired_parts_until_every_reader_moved_past(stash: Stash) -> N
 # ------------------------------------------------------------- item 9a: idempotent
 
 
-def test_overlapping_gc_passes_leave_no_negative_retired_rows(stash: Stash) -> None:
-    clock, inner = Clock(), MemoryBlob()
+def test_overlapping_gc_passes_leave_no_negative_retired_rows(stash: Stash, any_blob: Blob) -> None:
+    clock, inner = Clock(), any_blob
     c = client(stash, inner, clock)
     w, r = _compacted_shard(c, "twice")
     r.downgrade_since(5)
@@ -374,8 +401,8 @@ def test_overlapping_gc_passes_leave_no_negative_retired_rows(stash: Stash) -> N
 # -------------------------------------------------------------- item 9b: namespaces
 
 
-def test_a_name_shaped_like_an_id_is_a_name(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_a_name_shaped_like_an_id_is_a_name(stash: Stash, any_blob: Blob) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock)
     wa, _ = c.open("a", KS, VS)
     wa.compare_and_append([upd(1, "a", 0)], 0, 1)
@@ -474,8 +501,8 @@ def test_fsck_reports_symlinks_when_the_blob_store_can_find_them(stash: Stash) -
     assert any("symbolic link" in line for line in report.damage())
 
 
-def test_a_detached_planner_keeps_its_parts_but_not_the_since(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
+def test_a_detached_planner_keeps_its_parts_but_not_the_since(stash: Stash, any_blob: Blob) -> None:
+    clock, blob = Clock(), any_blob
     c = client(stash, blob, clock)
     w, r = _compacted_shard(c, "planned")
     with c.open_reader("planned", KS, VS) as planner:  # a Spark driver planning a read

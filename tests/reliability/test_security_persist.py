@@ -6,8 +6,9 @@
   the rule, register nothing, and create no file anywhere;
 * the FileBlob's directories are ``0700`` and its files ``0600``, even under a permissive
   umask, after writes, compaction and GC;
-* blob URIs carrying credentials (user info, query secrets) never appear in reprs, error
-  messages, logs or the ``persist`` command's output; neither does the stash password.
+* blob URIs carrying credentials (user info, query secrets) are refused (credentials come
+  from the environment only), and the credentials never appear in reprs, error messages,
+  logs or the ``persist`` command's output; neither does the stash password.
 """
 
 from __future__ import annotations
@@ -184,10 +185,20 @@ def _leaks(text: str) -> list[str]:
 
 
 def test_blob_credentials_never_shown(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    s3 = f"s3://{SECRET_USER}:{SECRET_PASS}@bucket/prefix?endpoint_override=127.0.0.1:1&scheme=http"
+    # Credentials come from the environment; URIs carrying them are refused (below).
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", SECRET_USER)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_PASS)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", SECRET_TOKEN)
+    s3 = "s3://bucket/prefix?endpoint_override=127.0.0.1:1&scheme=http"
+    s3_with_secrets = (
+        f"s3://{SECRET_USER}:{SECRET_PASS}@bucket/prefix?endpoint_override=127.0.0.1:1&scheme=http"
+    )
     shown: list[str] = []
     # Opening works (no network yet): reprs are clean.
     blob = open_blob(s3)
@@ -199,6 +210,8 @@ def test_blob_credentials_never_shown(
         client.close()
     # Malformed variants fail with clean messages.
     for bad in (
+        s3_with_secrets,
+        s3 + "&secret_key=" + SECRET_PASS,
         s3 + "&session_token=" + SECRET_TOKEN,
         s3 + "&not_an_option=" + SECRET_PASS,
         f"s3://{SECRET_USER}:{SECRET_PASS}@",
@@ -232,12 +245,11 @@ def test_blob_credentials_never_shown(
             assert res.exit_code == 0 and "cli" in res.output, res.output
         if res.exception is not None and not isinstance(res.exception, SystemExit):
             shown.append(repr(res.exception))
-    for args in (["shards"], ["inspect", "cli"]):
-        res = runner.invoke(
-            main, ["--stash", f"sqlite:///{db}", "--blob", s3 + "&bad=" + SECRET_PASS, *args]
-        )
-        assert res.exit_code == 1, res.output
-        shown.append(res.output)
+    for bad_uri in (s3 + "&bad=" + SECRET_PASS, s3_with_secrets):
+        for args in (["shards"], ["inspect", "cli"]):
+            res = runner.invoke(main, ["--stash", f"sqlite:///{db}", "--blob", bad_uri, *args])
+            assert res.exit_code == 1, res.output
+            shown.append(res.output)
     shown += [caplog.text, capsys.readouterr().out, capsys.readouterr().err]
     leaked = [(i, _leaks(t)) for i, t in enumerate(shown) if _leaks(t)]
     assert not leaked, [(shown[i][:300], w) for i, w in leaked]

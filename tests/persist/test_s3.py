@@ -1,0 +1,187 @@
+"""Persist on an S3-compatible server (moto with authentication, see ``tests/s3_fixtures.py``):
+a shard's whole life (appends, compaction, GC, fsck, reopen) on ``s3://``; credentials from
+the environment only and refused when wrong; the empty "directory marker" objects S3
+clients leave behind are ignored by ``list_keys``, GC and fsck."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pytest
+from s3_fixtures import BUCKET, S3Server
+
+from persist import BlobError, PersistClient, collect_garbage, fsck, open_blob
+from stash import Stash
+
+KS = pa.schema([("k", pa.int64())])
+VS = pa.schema([("v", pa.string())])
+
+
+def upd(k: int, v: str, t: int, d: int = 1) -> tuple[tuple[tuple[int], tuple[str]], int, int]:
+    return ((k,), (v,)), t, d
+
+
+@pytest.fixture
+def stash() -> Iterator[Stash]:
+    s = Stash.open("memory://", fenced=False)
+    yield s
+    s.close()
+
+
+def test_shard_lifecycle_on_s3(stash: Stash, s3_blob_uri: str) -> None:
+    """Appends (inline and blob parts), compaction, GC and fsck on S3; a second client
+    on the same URI reads the same rows."""
+    c = PersistClient(stash, s3_blob_uri, compaction="inline", inline_max_bytes=64)
+    w, r = c.open("s3shard", KS, VS)
+    for t in range(12):
+        w.compare_and_append([upd(t, "x" * 50, t), upd(100 + t, "y", t)], t, t + 1)
+    w.compare_and_append([upd(3, "x" * 50, 12, -1)], 12, 13)
+    r.downgrade_since(12)
+    c.compactor.compact_once("s3shard")
+    st = c.inspect("s3shard")
+    st.trace.validate()
+    w.expire()
+    r.heartbeat()
+    report = collect_garbage(c, "s3shard", grace_seconds=0)
+    listed = {k for k, _ in c.raw_blob.list_keys(st.shard_id + "/")}
+    assert listed == c.inspect("s3shard").referenced_blob_keys() and listed
+    assert report.deleted_retired or report.deleted_abandoned
+    assert fsck(c, "s3shard").ok
+    snap = r.snapshot(12)
+    assert sorted(snap.column("k").to_pylist()) == sorted(
+        [t for t in range(12) if t != 3] + [100 + t for t in range(12)]
+    )
+    c2 = PersistClient(stash, s3_blob_uri, compaction="off")
+    assert c2.open_reader("s3shard", KS, VS).snapshot(12).num_rows == snap.num_rows
+    c2.close()
+    c.close()
+
+
+def test_directory_markers_are_ignored_by_gc_and_fsck(
+    stash: Stash, s3_server: S3Server, s3_blob_uri: str
+) -> None:
+    """Empty objects whose key ends in '/' (what S3 consoles, some clients and pyarrow
+    itself leave after deletes) are not keys: GC neither counts nor deletes them, fsck
+    reports no damage and no unrecognized key."""
+    c = PersistClient(stash, s3_blob_uri, compaction="inline", inline_max_bytes=0)
+    w, r = c.open("markers", KS, VS)
+    for t in range(4):
+        w.compare_and_append([upd(t, "v", t)], t, t + 1)
+    sid = c.shard_id("markers")
+    prefix = s3_blob_uri.split("?")[0].removeprefix(f"s3://{BUCKET}/")
+    part_dirs = {k.rsplit("/", 1)[0] for k in c.inspect("markers").referenced_blob_keys()}
+    markers = [f"{prefix}/{sid}/", f"{prefix}/{sid}/empty-dir/"] + [
+        f"{prefix}/{d}/" for d in part_dirs
+    ]
+    s3 = s3_server.boto3_client()
+    for m in markers:
+        s3.put_object(Bucket=BUCKET, Key=m, Body=b"")
+    listed = c.raw_blob.list_keys(sid + "/")
+    assert listed and all(not k.endswith("/") and size > 0 for k, size in listed)
+    damage = fsck(c, "markers")
+    assert damage.ok and not damage.unrecognized and not damage.orphans, damage.to_json()
+    w.expire()
+    r.downgrade_since(3)
+    c.compactor.compact_once("markers")
+    r.heartbeat()
+    report = collect_garbage(c, "markers", grace_seconds=0)
+    assert not report.unrecognized and not report.failed
+    assert fsck(c, "markers").ok
+    remaining = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]}
+    assert set(markers) <= remaining  # GC never touched them
+    assert r.snapshot(3).num_rows == 4
+    c.close()
+
+
+def test_wrong_credentials_are_refused(
+    s3_server: S3Server, s3_blob_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server authenticates every request: a wrong secret, or an unknown key id, is
+    refused on every operation, and the error shows neither secret."""
+    good = open_blob(s3_blob_uri)
+    good.set("shard/part", b"data")
+    bad_secret = "wrong" + s3_server.secret_access_key[5:]
+    for key_id, secret in (
+        (s3_server.access_key_id, bad_secret),
+        ("AKIANOSUCHUSER000000", s3_server.secret_access_key),
+    ):
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+        bad = open_blob(s3_blob_uri)
+        for op, args in (
+            (bad.get, ("shard/part",)),
+            (bad.set, ("shard/other", b"x")),
+            (bad.list_keys, ("shard/",)),
+            (bad.delete, ("shard/part",)),
+        ):
+            with pytest.raises(BlobError) as e:
+                op(*args)  # type: ignore[operator]
+            text = f"{e.value} {e.value!r} {bad!r}"
+            assert secret not in text and s3_server.secret_access_key not in text
+            low = str(e.value).lower()
+            assert any(w in low for w in ("access_denied", "signature", "access key")), low
+    monkeypatch.undo()
+    assert good.get("shard/part") == b"data"  # nothing was written or deleted
+    assert good.list_keys() == [("shard/part", 4)]
+
+
+def test_credentials_never_in_reprs_or_logs(
+    stash: Stash, s3_server: S3Server, s3_blob_uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    c = PersistClient(stash, s3_blob_uri, compaction="inline", inline_max_bytes=0)
+    w, r = c.open("quiet", KS, VS)
+    w.compare_and_append([upd(1, "a", 0)], 0, 1)
+    ours = [  # the moto server runs in this process and logs its requests: not ours
+        rec.getMessage()
+        for rec in caplog.records
+        if rec.name.split(".")[0] in ("persist", "stash", "spark")
+    ]
+    shown = " ".join([repr(c), repr(c.blob), repr(w), repr(r), *ours, s3_blob_uri])
+    assert s3_server.secret_access_key not in shown
+    assert s3_server.access_key_id not in shown
+    c.close()
+
+
+def test_a_small_part_is_one_put_request(s3_blob_uri: str) -> None:
+    """A part is uploaded with one PutObject, not a multipart upload's three requests
+    (create, part, complete): a third of the S3 requests per append, and no unfinished
+    multipart upload left by a writer killed mid-upload."""
+    requests: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            requests.append(record.getMessage())
+
+    handler = Collect()
+    werkzeug = logging.getLogger("werkzeug")  # the moto server's request log
+    old_level = werkzeug.level
+    werkzeug.addHandler(handler)
+    werkzeug.setLevel(logging.INFO)
+    try:
+        open_blob(s3_blob_uri).set("shard/b/part.parquet", b"x" * 10_000)
+    finally:
+        werkzeug.removeHandler(handler)
+        werkzeug.setLevel(old_level)
+    writes = [r for r in requests if '"PUT ' in r or '"POST ' in r]
+    assert len(writes) == 1 and "?uploads" not in writes[0], writes
+
+
+def test_a_missing_s3_server_fails_under_ci_and_skips_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without moto the fixture fails the test under CI (never a silent skip) and skips
+    it elsewhere, naming the reason."""
+    import sys
+
+    import s3_fixtures
+
+    monkeypatch.setitem(sys.modules, "moto.server", None)  # import fails
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="required under CI"):
+        s3_fixtures.require_s3_server()
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="not CI, so skipped"):
+        s3_fixtures.require_s3_server()

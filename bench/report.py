@@ -424,8 +424,11 @@ def write_report(
         "Every figure is a ratio measured in the same run against a limit (what the same "
         "work costs with `pyarrow.parquet`, raw `sqlite3`/psycopg, or Spark's own Parquet) "
         "or a peer (delta-rs, pyiceberg, DuckDB) on the same Arrow data. Contenders run in "
-        "interleaved rounds (order rotated each round); a ratio is the median of the "
-        "per-round ratios, absolute medians are beside it. Only the operation is timed: "
+        "interleaved rounds (order rotated each round, after the same discarded warm-up "
+        "round); a ratio is the median of the per-round ratios, shown with its spread (min "
+        "to max over the rounds), absolute medians are beside it. A median that misses its "
+        "goal by less than 15% of the goal (this VM's run-to-run noise) is reported "
+        '"within noise". Only the operation is timed: '
         "opening shards and creating tables is not, for any contender. Peers run with their "
         "libraries' default settings. The machine is shared with other work (see the load "
         "average), so absolute numbers move between runs; ratios move less.",

@@ -385,7 +385,7 @@ def _one_row(res: BenchResults, base: pa.Table, params: Params, root: Path) -> N
             return fn
 
         samples = interleave(
-            {n: rate(n) for n in appenders}, params.one_row_rounds, warmup=0, log=res.log
+            {n: rate(n) for n in appenders}, params.one_row_rounds, warmup=1, log=res.log
         )
         rec = res.absolute(
             section,

@@ -6,8 +6,10 @@ Invariants kept here:
 * the report only shows numbers read from results files of a real run (the files
   :mod:`bench.run_all` just wrote, or those in the results directory given); it never
   invents, carries over or edits a figure, and says when the run was a ``--quick`` one;
-* every record with a goal appears in the goals table with "met" or "MISSED" computed
-  from its median (a missed goal stays visible, with its profile when the bench made one);
+* every record with a goal appears in the goals table with "met", "within noise" (missed
+  by less than the VM's noise, :data:`bench.common.NOISE`) or "MISSED" computed from its
+  median (a missed goal stays visible, with its profile when the bench made one); every
+  value is shown with its spread (min and max over the rounds);
 * a bench that failed or wrote no results is listed with its error; a results file in
   an unknown format is shown raw rather than dropped;
 * plots are regenerated on every run: ``docs/img/bench-*.png`` from earlier runs are
@@ -159,8 +161,11 @@ def _md_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str
 
 
 def _verdict(rec: dict[str, Any]) -> str:
-    met = rec.get("goal_met")
-    return "met" if met is True else "**MISSED**" if met is False else ""
+    v = rec.get("verdict")
+    if v is None:  # results written before verdicts had a noise band
+        met = rec.get("goal_met")
+        v = "met" if met is True else "missed" if met is False else None
+    return {"met": "met", "within noise": "within noise", "missed": "**MISSED**"}.get(v or "", "")
 
 
 def _goal(rec: dict[str, Any]) -> str:
@@ -178,10 +183,21 @@ def _abs(value: Any, unit: str) -> str:
 
 
 def _value(rec: dict[str, Any]) -> str:
+    """The median with its spread over the rounds: ``0.74x (0.61-0.80)``."""
     unit = rec.get("unit", "")
-    if unit == "s":
-        return _abs(rec["value"], "s")
-    return f"{fmt_num(rec['value'])}x" if unit == "x" else f"{fmt_num(rec['value'])} {unit}"
+
+    def one(x: float) -> str:
+        if unit == "s":
+            return _abs(x, "s")
+        return f"{fmt_num(x)}x" if unit == "x" else f"{fmt_num(x)} {unit}"
+
+    text = one(rec["value"])
+    sp = rec.get("spread")
+    if sp is None and rec.get("samples"):
+        sp = [min(rec["samples"]), max(rec["samples"])]
+    if sp is not None and len(rec.get("samples") or []) > 1:
+        text += f" ({one(sp[0])} to {one(sp[1])})"
+    return text
 
 
 def _machine_lines(m: dict[str, Any]) -> list[str]:
@@ -359,7 +375,7 @@ def summary_lines(benches: Sequence[dict[str, Any]]) -> list[str]:
     for b in benches:
         for r in b.get("records") or []:
             if r.get("goal"):
-                verdict = "met" if r.get("goal_met") else "MISSED"
+                verdict = _verdict(r).strip("*")
                 lines.append(f"{verdict:>6}  {r['name']}: {_value(r)} (goal {_goal(r)})")
     for b in benches:
         for e in b.get("errors") or []:
@@ -408,8 +424,11 @@ def write_report(
         "Every figure is a ratio measured in the same run against a limit (what the same "
         "work costs with `pyarrow.parquet`, raw `sqlite3`/psycopg, or Spark's own Parquet) "
         "or a peer (delta-rs, pyiceberg, DuckDB) on the same Arrow data. Contenders run in "
-        "interleaved rounds (order rotated each round); a ratio is the median of the "
-        "per-round ratios, absolute medians are beside it. Only the operation is timed: "
+        "interleaved rounds (order rotated each round, after the same discarded warm-up "
+        "round); a ratio is the median of the per-round ratios, shown with its spread (min "
+        "to max over the rounds), absolute medians are beside it. A median that misses its "
+        "goal by less than 15% of the goal (this VM's run-to-run noise) is reported "
+        '"within noise". Only the operation is timed: '
         "opening shards and creating tables is not, for any contender. Peers run with their "
         "libraries' default settings. The machine is shared with other work (see the load "
         "average), so absolute numbers move between runs; ratios move less.",
@@ -426,7 +445,12 @@ def write_report(
                 goal_rows.append(_record_rows([r])[0][:6])
     if goal_rows:
         met = sum(1 for row in goal_rows if row[3] == "met")
-        lines.append(f"{met} of {len(goal_rows)} goals met in this run.")
+        near = sum(1 for row in goal_rows if row[3] == "within noise")
+        lines.append(
+            f"{met} of {len(goal_rows)} goals met in this run"
+            + (f", {near} more within the VM's noise (15%) of the goal." if near else ".")
+            + " Values are medians with their spread (min to max over the rounds)."
+        )
         lines.append("")
         lines += _md_table(
             ["figure", "value", "goal", "verdict", "subject (median)", "reference (median)"],
@@ -467,7 +491,7 @@ def write_report(
 def main(results: Path | None, out: Path) -> None:
     """Write docs/benchmarks.md and docs/img/bench-*.png from the results files."""
     d = results or results_dir()
-    known = ["stash", "persist", "spark"]
+    known = ["stash", "commit", "persist", "spark"]
     paths = sorted(
         d.glob("*.json"), key=lambda p: (known.index(p.stem) if p.stem in known else 99, p.stem)
     )

@@ -6,9 +6,12 @@ of one cannot disturb the next):
 
 1. ``bench.bench_stash_append --backend all --json PATH``: 1-entry stash appends against
    raw ``sqlite3`` and raw psycopg (issues 2 and 3);
-2. ``bench.bench_persist``: persist against ``pyarrow.parquet``, delta-rs, pyiceberg and
+2. ``bench.bench_commit --backend all --json PATH``: persist's one-row
+   ``compare_and_append`` against a raw ``sqlite3``/psycopg commit of one row, at several
+   shard lengths, and 8 processes against 1 on Postgres (issue 18);
+3. ``bench.bench_persist``: persist against ``pyarrow.parquet``, delta-rs, pyiceberg and
    DuckDB (issue 4);
-3. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet (issue 5).
+4. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet (issue 5).
 
 Invariants kept here:
 
@@ -62,6 +65,14 @@ BENCHES: tuple[BenchSpec, ...] = (
         900,
         240,
         "Stash: 1-entry appends against raw sqlite3 and psycopg",
+    ),
+    BenchSpec(
+        "commit",
+        "bench.bench_commit",
+        ("--backend", "all"),
+        1500,
+        600,
+        "Persist one-row compare_and_append against the commit it must do",
     ),
     BenchSpec(
         "persist",

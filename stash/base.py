@@ -322,8 +322,10 @@ class Stash(abc.ABC):
             raise StashError("unexpected peek multiplicity")
         if len({k for k, _, _ in rows}) != len(rows):
             raise StashError(f"duplicate peek keys for collection {collection.id}")
-        out = [(k, kc.decode(k), vc.decode(v)) for k, v, _ in rows]
-        out.sort(key=lambda e: kc.sort_key(e[1]))
+        kd, vd = kc.decode, vc.decode
+        out = [(k, kd(k), vd(v)) for k, v, _ in rows]
+        sk = kc.sort_key
+        out.sort(key=lambda e: sk(e[1]))
         return out
 
     def peek_one(self, collection: StashCollection[K, V]) -> dict[K, V]:
@@ -340,26 +342,31 @@ class Stash(abc.ABC):
                 distinct keys that Python's dict cannot tell apart (``True`` and ``1``);
                 PeekSinceUpperError as for :meth:`peek`.
         """
+        rows = self._peek_unique(collection)
         res: dict[K, V] = {}
-        held: dict[K, K] = {}
-        for _, k0, v in self._peek_unique(collection):
-            k = _frozen_key(k0)
+        for _, k0, v in rows:
+            k = _frozen_key(k0) if type(k0) is list else k0
             try:
-                hash(k)
+                res[k] = v
             except TypeError:
                 raise StashError(
                     f"peek_one needs hashable keys, but collection {collection.name} has a "
                     f"{type(k).__name__} key; use key=tuple (the tuple codec) or a frozen "
                     "record type for composite keys, or peek()"
                 ) from None
-            if k in held:
-                raise StashError(
-                    f"peek_one: keys {held[k]!r} and {k!r} of collection {collection.name} "
-                    "are distinct stash keys but equal in Python, so one dict cannot hold "
-                    "both; use peek()"
-                )
-            held[k] = k
-            res[k] = v
+        if len(res) != len(rows):
+            # Keys are distinct by their encodings, so two of them are equal in Python
+            # (True and 1): name the first such pair.
+            held: dict[K, K] = {}
+            for _, k0, _v in rows:
+                k = _frozen_key(k0)
+                if k in held:
+                    raise StashError(
+                        f"peek_one: keys {held[k]!r} and {k!r} of collection "
+                        f"{collection.name} are distinct stash keys but equal in Python, so "
+                        "one dict cannot hold both; use peek()"
+                    )
+                held[k] = k
         return res
 
     def peek_key_one(self, collection: StashCollection[K, V], key: K) -> V | None:

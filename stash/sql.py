@@ -19,7 +19,10 @@ Invariants kept here:
 * consolidation (of the keys an append or update wrote, or of a whole collection) sums
   exactly (Python integers on SQLite, numeric on Postgres) and is checked against the
   rule on diff sums before anything commits; a whole collection's leaves the rows the
-  memory backend holds;
+  memory backend holds; on SQLite an append's rows are buffered and merged with the
+  stored rows of their keys before anything is written (a row that consolidation would
+  delete in the same transaction is never written), and every buffered row is written
+  before any read of its collection and before COMMIT;
 * a COMMIT whose outcome cannot be known raises an
   :class:`~stash.errors.IndeterminateError`, never success or plain failure (Postgres
   first asks the server what became of the transaction, see :mod:`stash.postgres`);
@@ -608,9 +611,22 @@ class SqlTxn:
         self.dbc = dbc
         self.write = write
         self._front: dict[int, list[int | None]] = {}
+        # Rows inserted but not yet written, by collection: an append's rows are merged
+        # with the stored rows of their keys in Python before anything is written, so a
+        # retraction and the row it cancels are never written only to be deleted.
+        self._buffered: dict[int, list[Row]] = {}
 
     def finish(self) -> None:
         """Called once ``fn`` is done and before COMMIT (buffered work goes out here)."""
+        self._write_buffered()
+
+    def _write_buffered(self, cid: int | None = None) -> None:
+        """Write the buffered rows (of ``cid``, or of every collection)."""
+        cids = list(self._buffered) if cid is None else [cid]
+        for c in cids:
+            rows = self._buffered.pop(c, None)
+            if rows:
+                self._write_rows(c, rows)
 
     def _one(self, sql: str, params: dict[str, Any]) -> Any:
         return self.dbc.execute(sql, params).fetchone()
@@ -698,13 +714,19 @@ class SqlTxn:
 
     # ------------------------------------------------------------------ rows
     def insert(self, cid: int, rows: Sequence[Row]) -> None:
+        """Buffer ``rows`` of ``cid``: written by the next read or consolidation of the
+        collection, or by :meth:`finish` (before COMMIT)."""
         if rows:
-            self.dbc.executemany(
-                "INSERT INTO data (collection_id, key, value, time, diff) VALUES (?, ?, ?, ?, ?)",
-                [(cid, k, v, t, d) for k, v, t, d in rows],
-            )
+            self._buffered.setdefault(cid, []).extend(rows)
+
+    def _write_rows(self, cid: int, rows: Sequence[Row]) -> None:
+        self.dbc.executemany(
+            "INSERT INTO data (collection_id, key, value, time, diff) VALUES (?, ?, ?, ?, ?)",
+            [(cid, k, v, t, d) for k, v, t, d in rows],
+        )
 
     def rows(self, cid: int, key: str | None = None) -> list[Row]:
+        self._write_buffered(cid)
         if key is None:
             cur = self.dbc.execute(
                 "SELECT key, value, time, diff FROM data WHERE collection_id = :c", {"c": cid}
@@ -717,6 +739,7 @@ class SqlTxn:
         return [(k, v, int(t), int(d)) for k, v, t, d in cur.fetchall()]
 
     def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
+        self._write_buffered(cid)
         cur = self.dbc.execute(
             _SQLITE_PEEK if key is None else _SQLITE_PEEK_KEY, {"c": cid, "ts": ts, "k": key}
         )
@@ -724,43 +747,57 @@ class SqlTxn:
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
         if since is None:
+            self._buffered.pop(cid, None)
             self.dbc.execute("DELETE FROM data WHERE collection_id = :c", {"c": cid})
             return
+        pending = self._buffered.pop(cid, [])
         if keys is None:
             rows = self.dbc.execute(_SQLITE_ROWS, {"c": cid}).fetchall()
-        elif not keys:
-            return
-        elif len(keys) == 1:
-            rows = self.dbc.execute(_SQLITE_ROWS_KEY, {"c": cid, "k": next(iter(keys))}).fetchall()
+            todo = pending
         else:
-            rows = self.dbc.execute(
-                _SQLITE_ROWS_KEYS, {"c": cid, "ks": json.dumps(sorted(keys))}
-            ).fetchall()
-        self._consolidate_rows(cid, since, rows)
+            todo = [r for r in pending if r[0] in keys]
+            if len(todo) != len(pending):
+                self._buffered[cid] = [r for r in pending if r[0] not in keys]
+            if not keys:
+                rows = []
+            elif len(keys) == 1:
+                rows = self.dbc.execute(
+                    _SQLITE_ROWS_KEY, {"c": cid, "k": next(iter(keys))}
+                ).fetchall()
+            else:
+                rows = self.dbc.execute(
+                    _SQLITE_ROWS_KEYS, {"c": cid, "ks": json.dumps(sorted(keys))}
+                ).fetchall()
+        if not rows and not todo:
+            return
+        self._consolidate_rows(cid, since, [*rows, *((None, k, v, t, d) for k, v, t, d in todo)])
 
     def _consolidate_rows(self, cid: int, since: int, rows: Sequence[Any]) -> None:
         """Consolidate ``rows`` (``(rowid, key, value, time, diff)``, every row of the
-        keys concerned) as the memory backend holds them: every row at
-        ``max(time, since)``, one row per ``(key, value, time)``, no zero diff.  Sums are
-        exact (Python integers, whatever order SQLite would add them in) and checked
-        against the rule on diff sums before anything is written."""
+        keys concerned; rowid ``None`` for a buffered row not yet written) as the memory
+        backend holds them: every row at ``max(time, since)``, one row per ``(key, value,
+        time)``, no zero diff.  Sums are exact (Python integers, whatever order SQLite
+        would add them in) and checked against the rule on diff sums before anything is
+        written; buffered rows are written only as their consolidated sums."""
         groups: dict[tuple[str, str, int], list[Any]] = {}
         for rowid, k, v, t, d in rows:
             g = groups.get((k, v, max(t, since)))
             if g is None:
-                groups[(k, v, max(t, since))] = [int(d), [rowid], t < since]
+                groups[(k, v, max(t, since))] = [int(d), [rowid], t < since or rowid is None]
             else:
                 g[0] += d
                 g[1].append(rowid)
+                g[2] = g[2] or rowid is None
         if not diff_sums_fit(((k, v), g[0]) for (k, v, _), g in groups.items()):
             raise DiffSumOverflow(cid)
         dead: list[tuple[int]] = []
         merged: list[Row] = []
-        for (k, v, t), (d, rowids, moved) in groups.items():
-            if len(rowids) > 1 or moved or d == 0:
-                dead.extend((r,) for r in rowids)
+        for (k, v, t), (d, rowids, rewrite) in groups.items():
+            if len(rowids) > 1 or rewrite or d == 0:
+                dead.extend((r,) for r in rowids if r is not None)
                 if d != 0:
                     merged.append((k, v, t, d))
         if dead:
             self.dbc.executemany("DELETE FROM data WHERE rowid = ?", dead)
-            self.insert(cid, merged)
+        if merged:
+            self._write_rows(cid, merged)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -152,6 +153,36 @@ def test_canonical_json_agrees_with_the_plain_rules(value: Any, scalar: int, lev
     except StashError:
         got = None
     assert got == want
+
+
+json_texts = st.text(
+    alphabet=st.sampled_from(list('{}[]",:0123456789.eE+-tfnrualse \n\\u\t')), max_size=16
+)
+
+
+@settings(max_examples=400)
+@given(any_values, json_texts, st.sampled_from(["", " ", "\n", "  "]), st.booleans())
+def test_stored_texts_decode_exactly_as_json_loads(
+    value: Any, garbage: str, pad: str, pad_left: bool
+) -> None:
+    """The codecs' fast decoding path gives what ``json.loads`` gives, or a StashError
+    where it raises: on canonical texts (the stored form), padded texts and garbage."""
+    texts = [garbage, garbage.strip()]
+    try:
+        texts.append(canonical_json(value))
+    except StashError:
+        pass
+    for text in [*texts, *((pad + t) if pad_left else (t + pad) for t in texts)]:
+        try:
+            want: Any = ("ok", json.loads(text))
+        except ValueError:
+            want = ("error",)
+        try:
+            got: Any = ("ok", JsonCodec().decode(text))
+        except StashError:
+            got = ("error",)
+        # NaN (from garbage such as "NaN") is not equal to itself: compare the texts.
+        assert json.dumps(got) == json.dumps(want), text
 
 
 users = st.dictionaries(st.integers(0, 6), st.sampled_from(["ann", "bob", "cy", "dee"]), max_size=4)

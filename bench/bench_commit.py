@@ -1,0 +1,533 @@
+"""Persist's one-row ``compare_and_append`` against the commit it must do (issue 18).
+
+Each figure is a ratio measured in the same run, in interleaved rounds (order rotated
+every round, every contender after the same warm-up round; the median of the per-round
+ratios reported with its spread):
+
+* **SQLite**: persist's ``WriteHandle.compare_and_append`` of one flights row on a SQLite
+  stash (WAL, ``synchronous=FULL``, file blob, compactor in the background) against a raw
+  ``sqlite3`` transaction with the same settings doing the least a commit of one row
+  needs: ``BEGIN IMMEDIATE``, read the upper, insert the row (as JSON text), advance the
+  upper, ``COMMIT``.  Goal: >= 0.3x, measured at several shard lengths (1 to 100,000
+  appends; 20,000 with ``--quick``) so that flatness shows: a cost growing with the shard
+  would show as a falling ratio;
+* **Postgres**: the same on a Postgres stash (a throwaway server, production durability:
+  ``fsync`` and ``synchronous_commit`` on) against a raw psycopg transaction (``SELECT ...
+  FOR UPDATE``, ``INSERT``, ``UPDATE``, ``COMMIT``).  Goal: >= 0.3x;
+* **8 processes**: 8 processes, each appending one-row batches to its own shard of one
+  Postgres stash, against 1 process doing the same: the aggregate rate, as a ratio (goal
+  >= 3x: independent shards must not serialise on each other; Postgres groups their WAL
+  flushes).  The same ratio for raw psycopg is reported beside it: the machine's limit.
+
+When a ratio misses its goal (or with ``--profile``) a pyinstrument profile of persist's
+appends is stored with the results.
+
+Run: ``python -m bench.bench_commit [--backend sqlite|postgres|all] [--quick]
+[--profile] [--json PATH]`` (default results ``var/bench-results/commit.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import shutil
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import pyarrow as pa
+
+from bench.common import (
+    ROOT,
+    BenchResults,
+    Curve,
+    Goal,
+    Table,
+    burst,
+    fmt_num,
+    interleave,
+    median,
+    profile_text,
+    ratio_record,
+)
+
+__all__ = ["PersistOneRow", "RawPgOneRow", "RawSqliteOneRow", "main", "run"]
+
+GOAL_ONE_ROW = Goal(">=", 0.3)
+GOAL_PROCESSES = Goal(">=", 3.0)
+PROCESSES = 8
+
+
+def _rows(n: int = 1000) -> pa.Table:
+    from bench.data import flights
+
+    return flights().slice(0, n)
+
+
+def _one(rows: pa.Table, i: int, t: int) -> pa.Table:
+    """Row ``i`` (mod the table) with ``_time`` = ``t`` and ``_diff`` = 1."""
+    row = rows.slice(i % rows.num_rows, 1)
+    return row.append_column("_time", pa.array([t], pa.int64())).append_column(
+        "_diff", pa.array([1], pa.int64())
+    )
+
+
+class PersistOneRow:
+    """Persist's one-row appends to one shard (``compare_and_append(row, u, u + 1)``)."""
+
+    def __init__(self, stash_url: str, blob_url: str, rows: pa.Table, tag: str = "onerow") -> None:
+        from persist import PersistClient
+        from stash import Stash
+
+        self.stash = Stash.open(stash_url, mode="writable", fenced=False)
+        self.client = PersistClient(self.stash, blob_url, compaction="background")
+        self.write, self.read = self.client.open(tag, rows.schema, pa.schema([]))
+        self.rows = rows
+        self.upper = self.write.upper.as_option() or 0
+        self.count = 0
+
+    def append(self, _i: int) -> None:
+        u = self.upper
+        self.write.compare_and_append(_one(self.rows, self.count, u), u, u + 1)
+        self.upper = u + 1
+        self.count += 1
+
+    def close(self) -> None:
+        self.write.expire()
+        self.read.expire()
+        self.client.close()
+        self.stash.close()
+
+
+class RawSqliteOneRow:
+    """The least one-row commit with ``sqlite3`` (WAL, ``synchronous=FULL``)."""
+
+    def __init__(self, path: Path, rows: pa.Table) -> None:
+        self.texts = [json.dumps(r, default=str) for r in rows.to_pylist()]
+        self.conn = sqlite3.connect(path, isolation_level=None)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute("CREATE TABLE uppers (shard INTEGER PRIMARY KEY, upper INTEGER)")
+        self.conn.execute("CREATE TABLE data (shard INTEGER, row TEXT, time INTEGER, diff INTEGER)")
+        self.conn.execute("INSERT INTO uppers VALUES (1, 0)")
+        self.count = 0
+
+    def append(self, _i: int) -> None:
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        (upper,) = conn.execute("SELECT upper FROM uppers WHERE shard = 1").fetchone()
+        conn.execute(
+            "INSERT INTO data VALUES (1, ?, ?, 1)",
+            (self.texts[self.count % len(self.texts)], upper),
+        )
+        conn.execute("UPDATE uppers SET upper = ? WHERE shard = 1", (upper + 1,))
+        conn.execute("COMMIT")
+        self.count += 1
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class RawPgOneRow:
+    """The least one-row commit with psycopg 3 on its own table."""
+
+    def __init__(self, conninfo: str, rows: pa.Table, shard: int = 1) -> None:
+        import psycopg
+
+        self.texts = [json.dumps(r, default=str) for r in rows.to_pylist()]
+        self.conn = psycopg.connect(conninfo)
+        self.shard = shard
+        with self.conn.cursor() as cur:
+            cur.execute(
+                "CREATE TABLE IF NOT EXISTS raw_uppers (shard int PRIMARY KEY, upper bigint)"
+            )
+            cur.execute(
+                "CREATE TABLE IF NOT EXISTS raw_data (shard int, row jsonb, time bigint, diff int)"
+            )
+            cur.execute("INSERT INTO raw_uppers VALUES (%s, 0) ON CONFLICT DO NOTHING", (shard,))
+        self.conn.commit()
+        self.count = 0
+
+    def append(self, _i: int) -> None:
+        cur = self.conn.cursor()
+        row = cur.execute(
+            "SELECT upper FROM raw_uppers WHERE shard = %s FOR UPDATE", (self.shard,)
+        ).fetchone()
+        assert row is not None
+        upper = int(row[0])
+        cur.execute(
+            "INSERT INTO raw_data VALUES (%s, %s::jsonb, %s, 1)",
+            (self.shard, self.texts[self.count % len(self.texts)], upper),
+        )
+        cur.execute("UPDATE raw_uppers SET upper = %s WHERE shard = %s", (upper + 1, self.shard))
+        self.conn.commit()
+        self.count += 1
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _rate(appender: Any, seconds: float) -> Callable[[int], float]:
+    def fn(_r: int) -> float:
+        n, secs = burst(appender.append, seconds=seconds, min_ops=10)
+        return n / secs
+
+    return fn
+
+
+def _compare(
+    res: BenchResults,
+    section: str,
+    name: str,
+    persist: Any,
+    raw: Any,
+    raw_name: str,
+    seconds: float,
+    rounds: int,
+    goal: Goal | None,
+) -> tuple[float, float, float, bool]:
+    """Interleaved rounds of persist against raw; adds the ratio record; returns
+    (ratio, persist rate, raw rate, missed)."""
+    samples = interleave(
+        {"persist": _rate(persist, seconds), raw_name: _rate(raw, seconds)},
+        rounds,
+        warmup=1,
+        log=res.log,
+    )
+    rec = res.add(
+        ratio_record(
+            section,
+            name,
+            subject="persist compare_and_append (1 row)",
+            subject_samples=samples["persist"],
+            reference=raw_name,
+            reference_samples=samples[raw_name],
+            measure="rate",
+            unit="appends/s",
+            goal=goal,
+        )
+    )
+    return (
+        rec.value,
+        rec.subject_value or 0.0,
+        rec.reference_value or 0.0,
+        rec.goal_met is False,
+    )
+
+
+def _fill(appender: Any, upto: int, log: Callable[[str], None]) -> None:
+    """Append until ``appender.count`` reaches ``upto`` (untimed)."""
+    t0 = time.perf_counter()
+    start = appender.count
+    while appender.count < upto:
+        appender.append(0)
+    if upto > start:
+        log(f"  filled to {upto:,} appends in {time.perf_counter() - t0:.1f} s")
+
+
+def _sqlite(
+    res: BenchResults, counts: list[int], seconds: float, rounds: int, profile: bool
+) -> None:
+    section = "one-row commits on SQLite"
+    root = Path(tempfile.mkdtemp(prefix="commit-bench-", dir=ROOT / "var"))
+    rows = _rows()
+    persist = PersistOneRow(f"sqlite:///{root}/stash.db", f"file://{root}/blob", rows)
+    raw = RawSqliteOneRow(root / "raw.db", rows)
+    table_rows: list[list[Any]] = []
+    series: dict[str, list[tuple[float, float]]] = {
+        "persist appends/s": [],
+        "raw sqlite3 appends/s": [],
+    }
+    missed_any = False
+    try:
+        for n in counts:
+            _fill(persist, n, res.log)
+            _fill(raw, n, res.log)
+            at = max(persist.count, 1)
+            ratio, p, r, missed = _compare(
+                res,
+                section,
+                f"sqlite: one-row compare_and_append vs raw sqlite3 at {at:,} appends",
+                persist,
+                raw,
+                "raw sqlite3 transaction",
+                seconds,
+                rounds,
+                GOAL_ONE_ROW,
+            )
+            missed_any = missed_any or missed
+            series["persist appends/s"].append((float(at), p))
+            series["raw sqlite3 appends/s"].append((float(at), r))
+            table_rows.append([f"{at:,}", fmt_num(p), fmt_num(r), f"{fmt_num(ratio)}x"])
+        res.tables.append(
+            Table(
+                section=section,
+                name="sqlite-one-row-flatness",
+                title="One-row appends per second by shard length (medians), SQLite",
+                columns=["appends so far", "persist /s", "raw sqlite3 /s", "ratio"],
+                rows=table_rows,
+            )
+        )
+        res.curves.append(
+            Curve(
+                section=section,
+                name="sqlite-one-row",
+                title="One-row commits per second against shard length, SQLite",
+                x_label="appends so far",
+                y_label="appends/s",
+                series=series,
+                log_x=True,
+            )
+        )
+        if profile or missed_any:
+            res.profiles["sqlite: persist one-row compare_and_append"] = profile_text(
+                lambda: burst(persist.append, seconds=2.0), max_lines=90
+            )
+    finally:
+        persist.close()
+        raw.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _pg_worker(
+    args: tuple[str, str, str, int, str, float, Any, Any],
+) -> tuple[int, float, float]:
+    """One process of the multi-process section: open, wait at the barrier, append for
+    ``seconds``; return (appends, seconds, CPU seconds of this process meanwhile)."""
+    stash_url, conninfo, blob_url, shard, kind, seconds, barrier, _ = args
+    sys.path.insert(0, str(ROOT))
+    rows = _rows(200)
+    a: Any
+    if kind == "persist":
+        a = PersistOneRow(stash_url, blob_url, rows, tag=f"proc{shard}")
+    else:
+        a = RawPgOneRow(conninfo, rows, shard=shard)
+    try:
+        for i in range(5):
+            a.append(i)
+        barrier.wait()
+        cpu = time.process_time()
+        n, secs = burst(a.append, seconds=seconds, min_ops=5)
+        return n, secs, time.process_time() - cpu
+    finally:
+        a.close()
+
+
+def _processes(
+    res: BenchResults,
+    stash_url: str,
+    conninfo: str,
+    blob_url: str,
+    kind: str,
+    n: int,
+    seconds: float,
+) -> tuple[float, float]:
+    """Aggregate appends per second of ``n`` processes on their own shards, and the
+    client CPU milliseconds per append (all processes, background threads included)."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as mgr:
+        barrier = mgr.Barrier(n)
+        with ctx.Pool(n) as pool:
+            out = pool.map(
+                _pg_worker,
+                [
+                    (stash_url, conninfo, blob_url, 100 + i, kind, seconds, barrier, None)
+                    for i in range(n)
+                ],
+            )
+    appends = sum(c for c, _, _ in out)
+    return appends / max(s for _, s, _ in out), 1000 * sum(c for _, _, c in out) / appends
+
+
+def _postgres(res: BenchResults, seconds: float, rounds: int, quick: bool, profile: bool) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import sqlalchemy as sa
+    from pgserver import PostgresServer  # the tests' throwaway server
+
+    from stash.migrate import upgrade
+
+    server = PostgresServer()
+    root = Path(tempfile.mkdtemp(prefix="commit-bench-pg-", dir=ROOT / "var"))
+    try:
+        url = server.create_database("commit")
+        engine = sa.create_engine(url)
+        try:
+            upgrade(engine)
+        finally:
+            engine.dispose()
+        conninfo = server.conninfo("commit")
+        res.notes.append(f"postgres: throwaway server {server.safe_url('commit')}")
+        rows = _rows()
+        section = "one-row commits on Postgres"
+        persist = PersistOneRow(url, f"file://{root}/blob", rows)
+        raw = RawPgOneRow(conninfo, rows)
+        try:
+            _, _, _, missed = _compare(
+                res,
+                section,
+                "postgres: one-row compare_and_append vs raw psycopg",
+                persist,
+                raw,
+                "raw psycopg transaction",
+                seconds,
+                rounds,
+                GOAL_ONE_ROW,
+            )
+            if profile or missed:
+                res.profiles["postgres: persist one-row compare_and_append"] = profile_text(
+                    lambda: burst(persist.append, seconds=2.0), max_lines=90
+                )
+        finally:
+            persist.close()
+            raw.close()
+        section = f"{PROCESSES} processes on {PROCESSES} shards, Postgres"
+        psecs = 2.0 if quick else 4.0
+        prounds = 1 if quick else 3
+        samples: dict[str, list[float]] = {k: [] for k in ("p1", "pn", "r1", "rn")}
+        cpu: dict[str, list[float]] = {k: [] for k in samples}
+        for r in range(prounds):
+            for key, kind, n in (
+                ("p1", "persist", 1),
+                ("pn", "persist", PROCESSES),
+                ("r1", "raw", 1),
+                ("rn", "raw", PROCESSES),
+            ):
+                rate, ms = _processes(res, url, conninfo, f"file://{root}/blob", kind, n, psecs)
+                samples[key].append(rate)
+                cpu[key].append(ms)
+                res.log(
+                    f"  round {r + 1}/{prounds} {kind} x{n}: {rate:.0f} appends/s, "
+                    f"{ms:.2f} client CPU ms per append"
+                )
+        res.add(
+            ratio_record(
+                section,
+                f"postgres: {PROCESSES} processes vs 1, persist one-row appends (aggregate)",
+                subject=f"persist, {PROCESSES} processes",
+                subject_samples=samples["pn"],
+                reference="persist, 1 process",
+                reference_samples=samples["p1"],
+                measure="rate",
+                unit="appends/s",
+                goal=GOAL_PROCESSES,
+            )
+        )
+        res.tables.append(
+            Table(
+                section=section,
+                name="processes",
+                title=f"{PROCESSES} processes against 1 on Postgres: aggregate appends/s and "
+                "client CPU per append (medians over rounds; the machine has 2 cores, so "
+                "the clients' CPU alone caps the aggregate at 2000 / (CPU ms per append))",
+                columns=["contender", "appends/s", "client CPU ms/append", "CPU cap appends/s"],
+                rows=[
+                    [
+                        label,
+                        fmt_num(median(samples[k])),
+                        fmt_num(median(cpu[k])),
+                        fmt_num(2000 / max(median(cpu[k]), 1e-9)),
+                    ]
+                    for k, label in (
+                        ("p1", "persist, 1 process"),
+                        ("pn", f"persist, {PROCESSES} processes"),
+                        ("r1", "raw psycopg, 1 process"),
+                        ("rn", f"raw psycopg, {PROCESSES} processes"),
+                    )
+                ],
+            )
+        )
+        res.add(
+            ratio_record(
+                section,
+                f"postgres: {PROCESSES} processes vs 1, raw psycopg one-row commits (the limit)",
+                subject=f"raw psycopg, {PROCESSES} processes",
+                subject_samples=samples["rn"],
+                reference="raw psycopg, 1 process",
+                reference_samples=samples["r1"],
+                measure="rate",
+                unit="appends/s",
+            )
+        )
+    finally:
+        server.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(
+    backend: str,
+    quick: bool,
+    profile: bool,
+    json_path: str | None,
+    counts: list[int] | None = None,
+) -> Path:
+    """Run the bench; return the path of the results JSON.  ``counts``: the shard
+    lengths (appends so far) at which the SQLite ratio is measured."""
+    if not counts:
+        counts = [1, 1_000, 5_000, 20_000] if quick else [1, 1_000, 10_000, 100_000]
+    seconds, rounds = (0.3, 3) if quick else (0.5, 5)
+    res = BenchResults(
+        "commit",
+        "Persist one-row compare_and_append against the commit it must do",
+        quick=quick,
+        params={
+            "backend": backend,
+            "counts": counts,
+            "seconds_per_burst": seconds,
+            "rounds": rounds,
+            "processes": PROCESSES,
+        },
+    )
+    (ROOT / "var").mkdir(exist_ok=True)
+    if backend in ("sqlite", "all"):
+        with res.section("one-row commits on SQLite"):
+            _sqlite(res, counts, seconds, rounds, profile)
+    if backend in ("postgres", "all"):
+        with res.section("one-row commits on Postgres"):
+            _postgres(res, seconds, rounds, quick, profile)
+    for r in res.records:
+        verdict = "" if r.goal is None else f"  goal {r.goal}: {r.verdict}"
+        sp = r.spread
+        spread = "" if sp is None else f" ({fmt_num(sp[0])} to {fmt_num(sp[1])})"
+        click.echo(f"{r.name}: {fmt_num(r.value)}{r.unit}{spread}{verdict}")
+    return res.save(json_path)
+
+
+@click.command()
+@click.option(
+    "--backend", type=click.Choice(["sqlite", "postgres", "all"]), default="all", show_default=True
+)
+@click.option("--quick", is_flag=True, help="Fewer appends and rounds.")
+@click.option("--profile", is_flag=True, help="Store profiles of persist's appends.")
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    help="Results file (default var/bench-results/commit.json).",
+)
+@click.option(
+    "--counts",
+    default="",
+    help="Comma-separated shard lengths for the SQLite ratio (default 1,1000,10000,100000; "
+    "filling a shard to 100,000 one-row appends takes minutes on a loaded machine).",
+)
+def main(backend: str, quick: bool, profile: bool, json_path: str | None, counts: str) -> None:
+    """Persist's one-row commits against raw drivers, and 8 processes against 1."""
+    try:
+        parsed = [int(x) for x in counts.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"--counts must be integers separated by commas, got {counts!r}"
+        ) from None
+    if any(n < 1 for n in parsed) or parsed != sorted(parsed):
+        raise click.BadParameter(f"--counts must be increasing and at least 1, got {counts!r}")
+    path = run(backend, quick, profile, json_path, parsed)
+    click.echo(f"commit bench results: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -338,7 +338,9 @@ class ShardState:
     def __post_init__(self) -> None:
         if not self.schema_history:
             self.schema_history = (self.value_schema,)
-        elif not self.schema_history[-1].equals(self.value_schema):
+        elif self.schema_history[-1] is not self.value_schema and not self.schema_history[
+            -1
+        ].equals(self.value_schema):
             raise PersistError(
                 f"shard {self.shard_id}: the newest schema version is not the value schema"
             )

@@ -410,13 +410,14 @@ class SchemaHistory:
         versions: the value schemas, ``versions[i]`` being schema id ``i``.
     """
 
-    __slots__ = ("key_schema", "versions")
+    __slots__ = ("_hash", "key_schema", "versions")
 
     def __init__(self, key_schema: pa.Schema, versions: Sequence[pa.Schema]) -> None:
         if not versions:
             raise InvalidUsage("a schema history has at least one version")
         self.key_schema = key_schema
         self.versions = tuple(versions)
+        self._hash = hash((key_schema, self.versions))  # plans are looked up per part
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -427,7 +428,13 @@ class SchemaHistory:
         )
 
     def __hash__(self) -> int:
-        return hash((self.key_schema, self.versions))
+        return self._hash
+
+    def __getstate__(self) -> tuple[pa.Schema, tuple[pa.Schema, ...]]:
+        return self.key_schema, self.versions
+
+    def __setstate__(self, state: tuple[pa.Schema, tuple[pa.Schema, ...]]) -> None:
+        self.__init__(*state)  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"SchemaHistory({len(self.versions)} versions)"

@@ -87,10 +87,16 @@ class WriteSettings:
         a nullable column into a non-nullable one is checked for nulls as it is
         written).
 
+        With ``mergeSchema=true``, an existing shard's value schema is first evolved to
+        take the DataFrame (:func:`_merged_value_schema`); the writer's open registers
+        the new version when the write is planned (persist's compatible schema
+        evolution: added columns read as null in older rows).
+
         Raises:
-            PersistSourceError: conflicting, unknown or missing columns, both ``time``
-                and ``time_column``, a non-integer time or diff column, a column type
-                that is not the shard's or a safe widening of it, ``key_columns`` /
+            PersistSourceError: conflicting, unknown or missing columns (extra columns
+                without ``mergeSchema`` name the option), both ``time`` and
+                ``time_column``, a non-integer time or diff column, a column type that is
+                not the shard's or a safe widening of it, ``key_columns`` /
                 ``value_columns`` that differ from an existing shard's.
         """
         target = ShardTarget.from_options(options)

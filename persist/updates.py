@@ -586,7 +586,7 @@ class ConformPlan:
                         col = col.cast(f.type, safe=True)
                     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
                         raise SchemaMismatch(
-                            "<read>",
+                            f"(read as schema version {self.dst})",
                             name,
                             f"a value written under schema version {self.src} ({col.type}) "
                             f"does not fit this reader's older type {f.type} (open the "

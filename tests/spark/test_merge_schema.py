@@ -102,3 +102,63 @@ def test_merge_schema_refuses_an_incompatible_type(spark: Any, spark_store: Any)
         _write(bad, spark_store, "typed", mergeSchema="true")
     after = _state(spark_store, "typed")
     assert after.seqno == before.seqno and len(after.schema_history) == 1
+
+
+def test_spark_compaction_job_rewrites_under_the_newest_schema(
+    spark: Any, spark_store: Any
+) -> None:
+    """The Spark compaction job conforms every input part to the newest schema version
+    before consolidating (rows differing only in a dropped column become one) and its
+    outputs record that version; no readable time changes."""
+    from spark.jobs.compact import compact_shard
+
+    keys = pa.schema([("k", pa.int64())])
+    v0 = pa.schema([("v", pa.int32()), ("gone", pa.string())])
+    v1 = pa.schema([("v", pa.int64()), ("extra", pa.string())])
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        client = PersistClient(s, spark_store.blob_uri, compaction="off", inline_max_bytes=0)
+        try:
+            w0, _ = client.open("evolved", keys, v0)
+            for t in range(6):  # each key twice, differing only in the column v1 drops
+                rows = [
+                    (((k,), (k, f"{g}{t}")), t, 1) for k in range(t * 5, t * 5 + 5) for g in "gh"
+                ]
+                w0.compare_and_append(rows, t, t + 1)
+            w1, read = client.open("evolved", keys, v1)
+            for t in range(6, 12):
+                rows = [(((k,), (k, "e")), t, 1) for k in range(t * 5 - 30, t * 5 - 25)]
+                w1.compare_and_append(rows, t, t + 1)
+            read.downgrade_since(11)
+            want = read.snapshot(11).to_pylist()
+            w0.expire()
+            w1.expire()
+            read.expire()
+            before = client.inspect("evolved")
+        finally:
+            client.close()
+    assert before.trace.all_fueled_merge_reqs()
+    report = compact_shard(
+        spark,
+        spark_store.stash_url,
+        spark_store.blob_uri,
+        "evolved",
+        min_spark_bytes=0,
+        bytes_per_task=4096,
+    )
+    assert report.failed == 0, report.errors
+    assert report.applied >= 1
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        client = PersistClient(s, spark_store.blob_uri, compaction="off")
+        try:
+            after = client.inspect("evolved")
+            _, read = client.open("evolved", keys, v1)
+            got = read.snapshot(11).to_pylist()
+        finally:
+            client.close()
+    assert got == want
+    rows = [(r["k"], r["v"], r["extra"], r["_diff"]) for r in got]
+    assert len(rows) == 60 and set(rows) == {(k, k, None, 2) for k in range(30)} | {
+        (k, k, "e", 1) for k in range(30)
+    }
+    merged = [p for b in after.batches() for p in b.parts if p.key and "/c/" in p.key]
+    assert merged and all(p.schema_id == 1 for p in merged)

@@ -86,6 +86,23 @@ def summary(st: ShardState, retired: int = 0) -> dict[str, Any]:
     }
 
 
+def schema_history(st: ShardState) -> list[dict[str, Any]]:
+    """The shard's value schema versions for ``inspect`` (DESIGN section 5.3): id,
+    columns (``"name: type"``, `` not null`` where so) and how many parts record it."""
+    counts: dict[int, int] = {}
+    for b in st.batches():
+        for p in b.parts:
+            counts[p.schema_id] = counts.get(p.schema_id, 0) + 1
+    return [
+        {
+            "id": i,
+            "value_schema": [f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in v],
+            "parts": counts.get(i, 0),
+        }
+        for i, v in enumerate(st.schema_history)
+    ]
+
+
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     print_table(title, columns, rows)
 
@@ -170,7 +187,7 @@ def shards(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> None:
     """Show a shard (a name, or id:<shard id>): since, upper, seqno, batches, parts, rows,
-    bytes."""
+    bytes, and its schema history (each value schema version and its parts)."""
 
     def run() -> None:
         with _client(ctx, readonly=True) as c:
@@ -189,8 +206,9 @@ def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> 
             }
             for b in st.batches()
         ]
+        schemas = schema_history(st)
         if as_json:
-            doc: dict[str, Any] = {"summary": s, "batches": batches}
+            doc: dict[str, Any] = {"summary": s, "batches": batches, "schemas": schemas}
             if full_state:
                 doc["state"] = st.to_json()
             click.echo(json.dumps(doc, sort_keys=True))
@@ -225,6 +243,11 @@ def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> 
                 ]
                 for b in batches
             ],
+        )
+        _table(
+            "schema history",
+            ["id", "value columns", "parts"],
+            [[v["id"], ", ".join(v["value_schema"]), v["parts"]] for v in schemas],
         )
 
     _guard(run)

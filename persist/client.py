@@ -9,8 +9,14 @@ background, inline after each append, or not at all.
 Invariants kept here:
 
 * a shard name maps to exactly one ShardId, for every process (the registry in
-  consensus); the shard's key and value schemas are fixed when it is created: opening it
-  with other schemas fails with an error naming both, and changes nothing;
+  consensus); its key schema is fixed when it is created; its value schema is versioned
+  (DESIGN section 5.3): opening it with a compatible evolution of the newest version
+  registers a new version by compare-and-set (decided on the latest state, re-checked
+  on every race), with a registered version uses that version (an older one keeps its
+  view), and with anything else raises :class:`~persist.errors.SchemaMismatch` naming
+  the column and the rule, changing nothing;
+* a handle writes and reads with the schema id it was opened with: its parts record it,
+  its reads are conformed to its view (:class:`~persist.updates.SchemaHistory`);
 * names and ids are separate namespaces: every API taking a shard reference
   (:meth:`PersistClient.shard_id`) reads a plain string as a name, even one shaped like
   a ShardId; an id is written ``id:<shard id>``;
@@ -204,6 +210,9 @@ class PersistClient:
         self.piggyback_seconds = piggyback_seconds
         self.clock = clock
         self._machines: dict[str, ShardMachine] = {}
+        # (shard id, key schema, value schema) -> the schema id handles opened with them
+        # write and read with (registered in the shard state; ids never change).
+        self._schema_ids: dict[tuple[str, pa.Schema, pa.Schema], int] = {}
         self._handles: weakref.WeakSet[WriteHandle | ReadHandle | Listen] = weakref.WeakSet()
         self._closed = False
         self.compactor = Compactor(self)
@@ -260,14 +269,43 @@ class PersistClient:
             raise InvalidUsage(
                 f"shard {name!r} ({shard_id}) was finalized (dropped): it cannot be opened"
             )
-        if not (st.key_schema.equals(key_schema) and st.value_schema.equals(value_schema)):
-            raise InvalidUsage(
-                f"shard {name!r} ({shard_id}) was created with key schema "
-                f"{_schema_str(st.key_schema)} and value schema {_schema_str(st.value_schema)}, "
-                f"but was opened with key schema {_schema_str(key_schema)} and value schema "
-                f"{_schema_str(value_schema)}"
-            )
+        self._register_schema(m, st, key_schema, value_schema)
         return m
+
+    def _register_schema(
+        self, m: ShardMachine, st: ShardState, key_schema: pa.Schema, value_schema: pa.Schema
+    ) -> int:
+        """The schema id of handles opened with these schemas, registering a compatible
+        newer value schema by compare-and-set (DESIGN section 5.3).  The check runs on a
+        freshly read state and again on every compare-and-set race, so two processes
+        evolving the schema at once both end with a version of theirs (or a
+        :class:`SchemaMismatch` against the other's, checked on the state that holds it).
+
+        Raises:
+            SchemaMismatch: not a compatible evolution of the newest schema (nothing is
+                committed).
+        """
+        # ``st`` was just read: a schema equal to a version is that version (the newest
+        # such; ids never change), anything else is decided by compare-and-set.
+        known = st.schemas().id_of(value_schema) if st.key_schema.equals(key_schema) else None
+        if known is not None:
+            self._schema_ids[(m.shard_id, key_schema, value_schema)] = known
+            return known
+
+        def fn(st: ShardState, fresh: bool) -> tuple[int, bool]:
+            if not fresh:
+                raise Stale()  # decide on the latest versions only
+            return st.register_schema(key_schema, value_schema)
+
+        sid = m.apply(fn)
+        self._schema_ids[(m.shard_id, key_schema, value_schema)] = sid
+        return sid
+
+    def _schema_id(self, m: ShardMachine, key_schema: pa.Schema, value_schema: pa.Schema) -> int:
+        sid = self._schema_ids.get((m.shard_id, key_schema, value_schema))
+        if sid is None:
+            sid = self._register_schema(m, m.fetch(), key_schema, value_schema)
+        return sid
 
     def open(
         self, shard_name: str, key_schema: pa.Schema, value_schema: pa.Schema
@@ -300,6 +338,7 @@ class PersistClient:
     ) -> WriteHandle:
         wid = "w" + uuid.uuid4().hex
         w = WriteHandle(self, m, name, wid, key_schema, value_schema, self.writer_lease_seconds)
+        w.schema_id = self._schema_id(m, key_schema, value_schema)
         self._handles.add(w)
         return w
 
@@ -323,6 +362,7 @@ class PersistClient:
 
         m.apply(fn, keep=(rid,))
         r = ReadHandle(self, m, name, rid, key_schema, value_schema, rl)
+        r.schema_id = self._schema_id(m, key_schema, value_schema)
         self._handles.add(r)
         return r
 

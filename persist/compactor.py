@@ -13,6 +13,9 @@ Invariants kept here:
 * a merge never changes what any readable ``as_of`` (``>= since``) sees: the output
   holds exactly the inputs' updates with times advanced to the request's since, which
   is ``<=`` the shard's since;
+* a merge rewrites its inputs under the newest value schema version (DESIGN 5.3): each
+  input part is conformed to it before consolidation, so a row is the same whichever
+  version wrote it, and the output's parts record that version's id;
 * blob keys the applied output replaces are *retired* in the same version (GC deletes
   them after the grace period, so readers of an older version keep working); an output
   that was not applied is deleted at once unless the latest state references or
@@ -34,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from persist import metrics as persist_metrics
@@ -172,9 +175,22 @@ class Compactor:
         """
         c = self.client
         st = machine.state()
-        ks, vs = st.key_schema, st.value_schema
         inputs: list[HollowBatch] = [i.batch for i in req.inputs]
-        table = read_batches(c.blob, inputs, updates_schema(ks, vs), max_workers=c.read_workers)
+        history = st.schemas()
+        newest = history.newest
+        if any(p.schema_id > newest for b in inputs for p in b.parts):
+            st = machine.fetch()  # a version registered since this process last looked
+            history, newest = st.schemas(), st.schemas().newest
+        ks, vs = st.key_schema, st.value_schema
+        # Conformed to the newest schema version *before* consolidating: rows that
+        # differ only in a dropped column become one (DESIGN 5.3).
+        table = read_batches(
+            c.blob,
+            inputs,
+            updates_schema(ks, vs),
+            max_workers=c.read_workers,
+            schemas=(history, newest),
+        )
         rows_in = table.num_rows
         table, order = consolidate_order(
             table, ks.names, vs.names, since=req.desc.since.as_option()
@@ -193,6 +209,8 @@ class Compactor:
             order=order,
             name_prefix=stem,
         )
+        if newest:
+            parts = [replace(p, schema_id=newest) for p in parts]
         return FueledMergeRes(HollowBatch(req.desc, tuple(parts), rows_out)), rows_in
 
     def apply(self, machine: ShardMachine, results: list[FueledMergeRes]) -> list[ApplyMergeResult]:

@@ -37,6 +37,30 @@ class InvalidUsage(PersistError):
     """The caller broke a rule of the API (bad bounds, bad schema, bad time)."""
 
 
+class SchemaMismatch(InvalidUsage):
+    """A shard was opened with a schema that is not a compatible evolution of its
+    newest registered one (DESIGN section 5.3), or a value read under an older
+    reader's schema does not fit it.  Nothing was committed.
+
+    Compatible: adding a nullable value column, dropping a value column, widening a
+    value column's type (int8 -> int16 -> int32 -> int64, float32 -> float64,
+    ``string`` <-> ``large_string``), making a value column nullable; the key schema
+    never changes and kept value columns keep their relative order.
+
+    Attributes: ``shard`` (the shard's name or id), ``column`` (the column that broke
+    the rule), ``rule`` (the rule broken, in words).
+    """
+
+    def __init__(self, shard: str, column: str, rule: str, detail: str = "") -> None:
+        self.shard = shard
+        self.column = column
+        self.rule = rule
+        super().__init__(
+            f"schema of shard {shard}: column {column!r}: {rule}"
+            + (f"; {detail}" if detail else "")
+        )
+
+
 class UpdateNotBeyondLower(InvalidUsage):
     """An update's time is less than the batch's lower.
 

@@ -26,11 +26,16 @@ class ShardHandle:
 
     Attributes:
         shard_id: the shard's id.  name: its registered name.
-        key_schema, value_schema: the shard's schemas (``pyarrow.Schema``); ``schema`` the
-            updates schema (key columns, value columns, ``_time``, ``_diff``).
+        key_schema, value_schema: the schemas this handle was opened with
+            (``pyarrow.Schema``; a registered version of the shard's, ``schema_id``);
+            ``schema`` the updates schema (key columns, value columns, ``_time``,
+            ``_diff``).
     """
 
     role: ClassVar[str] = "handle"
+    #: The id of the value schema version this handle writes and reads with (set by
+    #: the client when it opens the handle; DESIGN section 5.3).
+    schema_id: int = 0
 
     def __init__(
         self,

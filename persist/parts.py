@@ -36,7 +36,7 @@ from persist.encoding import encode_inline_part, encode_part, make_part_ref
 from persist.errors import BlobError, CorruptPart, InvalidUsage
 from persist.pool import run_all, submit_io
 from persist.types import PartRef
-from persist.updates import DIFF, TIME, to_updates_table, updates_schema
+from persist.updates import DIFF, TIME, SchemaHistory, to_updates_table, updates_schema
 
 __all__ = [
     "DIFF",
@@ -250,6 +250,7 @@ def read_parts(
     columns: Sequence[str] | None = None,
     max_workers: int = 2,
     schema: pa.Schema | None = None,
+    conform: tuple[SchemaHistory, int] | None = None,
 ) -> pa.Table:
     """Fetch, verify and decode ``parts`` (``max_workers`` threads); concatenate in order.
 
@@ -260,13 +261,19 @@ def read_parts(
         max_workers: fetch/decode threads.
         schema: the expected schema (restricted to ``columns``); required to return an
             empty table when ``parts`` is empty; when given, every part's schema must
-            equal it (else ``CorruptPart``).
+            equal it (else ``CorruptPart``).  With ``conform``, the view's schema.
+        conform: ``(history, read schema id)``: each part is checked against the
+            schema version it records (``PartRef.schema_id``) and conformed to the view
+            of the read version (:meth:`persist.updates.SchemaHistory.conform`, DESIGN
+            section 5.3) before the parts are concatenated.
 
     Raises:
         CorruptPart: a part is missing from the blob store, fails its checksum, is not
             Parquet, or does not match ``schema``; the message names its key.
         BlobError: a fetch failed.
         InvalidUsage: no parts and no ``schema``.
+        PersistError: a part names a schema id the history does not have.
+        SchemaMismatch: a value does not fit an older reader's type.
     """
     refs = list(parts)
     if schema is not None and columns is not None:
@@ -277,6 +284,20 @@ def read_parts(
         return schema.empty_table()
 
     def fetch(ref: PartRef) -> pa.Table:
+        if conform is None:
+            return fetch_raw(ref, columns, schema)
+        history, dst = conform
+        history.check_id(ref.schema_id, f"part {_part_name(ref)}")
+        plan = history.plan(ref.schema_id, dst)
+        src_cols = plan.source_columns(columns)
+        src_schema = plan.source
+        if src_cols is not None:
+            src_schema = pa.schema([src_schema.field(c) for c in src_cols])
+        return plan.apply(fetch_raw(ref, src_cols, src_schema), columns)
+
+    def fetch_raw(
+        ref: PartRef, columns: Sequence[str] | None, schema: pa.Schema | None
+    ) -> pa.Table:
         cached = INLINE_CACHE.get(ref)
         if cached is not None:
             try:

@@ -16,6 +16,11 @@ Invariants kept here:
   ``<= as_of``, consolidated, one row per distinct (key, value) with ``_time = as_of`` and
   its summed ``_diff``, rows summing to zero absent; it needs ``since <= as_of < upper``
   (``SinceViolation`` / ``InvalidUsage``), or waits for the upper with ``wait=True``;
+* reads conform every part to the reader's view *before* consolidating (DESIGN section
+  5.3; one step, :func:`persist.parts.read_parts` with ``conform``): a part written
+  under another schema version comes back with the reader's columns (added ones null,
+  widened ones cast, dropped ones gone), so rows differing only in a dropped column are
+  one row;
 * a reader holds a *seqno* in the state (its lease's seqno hold): never later than the
   oldest version a read of this handle is using (a ``snapshot`` in progress, the last
   ``snapshot_batches``), so GC keeps every part those versions reference; a snapshot
@@ -63,6 +68,7 @@ from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.parts import TIME, consolidate, read_parts
 from persist.state import LeaseExpired, ShardState
 from persist.types import HollowBatch, PartRef
+from persist.updates import SchemaHistory
 from stash import Antichain
 
 if TYPE_CHECKING:
@@ -99,12 +105,20 @@ def _layout(batches: Sequence[HollowBatch]) -> tuple[list[PartRef], list[int], l
 
 
 def _read_refs(
-    blob: Blob, refs: Sequence[PartRef], schema: pa.Schema, max_workers: int
+    blob: Blob,
+    refs: Sequence[PartRef],
+    schema: pa.Schema,
+    max_workers: int,
+    schemas: tuple[SchemaHistory, int] | None = None,
 ) -> pa.Table:
     # Threads only pay off for blob fetches; inline parts decode faster in this thread.
     remote = sum(1 for r in refs if r.inline is None)
     workers = max(1, min(max_workers, remote))
-    return read_parts(blob, refs, schema=schema, max_workers=workers)
+    if schemas is not None:
+        # The conform step (DESIGN 5.3): each part as the view of the read version.
+        history, dst = schemas
+        schema = history.view_schema(dst)
+    return read_parts(blob, refs, schema=schema, max_workers=workers, conform=schemas)
 
 
 def _advance_and_filter(
@@ -148,6 +162,7 @@ def read_batches(
     lower: int | None = None,
     upper: int | None = None,
     max_workers: int = 4,
+    schemas: tuple[SchemaHistory, int] | None = None,
 ) -> pa.Table:
     """Read hollow batches into one updates table (not consolidated).
 
@@ -161,18 +176,24 @@ def read_batches(
         schema: the shard's updates schema (:func:`persist.updates.updates_schema`).
         lower, upper: optional time bounds (``upper`` exclusive).
         max_workers: fetch/decode threads.
+        schemas: ``(the shard's SchemaHistory, the read schema id)``: every part is
+            conformed from the schema version it was written with to the view of the
+            read version (:meth:`persist.updates.SchemaHistory.conform`), and
+            ``schema`` is ignored for that view; ``None``: every part must have
+            ``schema`` (a shard of one version).
 
     Raises:
         InvalidUsage: ``lower`` or ``upper`` is not an i64 time.
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
+        SchemaMismatch: a value does not fit an older reader's type.
     """
     if lower is not None:
         lower = _index_time(lower, "lower")
     if upper is not None:
         upper = _index_time(upper, "upper")
     refs, floors, rows = _layout(batches)
-    table = _read_refs(blob, refs, schema, max_workers)
+    table = _read_refs(blob, refs, schema, max_workers, schemas)
     return _advance_and_filter(table, floors, rows, lower, upper)
 
 
@@ -185,6 +206,7 @@ def snapshot_table(
     as_of: int,
     *,
     max_workers: int = 4,
+    schemas: tuple[SchemaHistory, int] | None = None,
 ) -> pa.Table:
     """The updates of ``batches`` as of ``as_of``, consolidated: times ``> as_of`` dropped,
     the rest advanced to ``as_of``, one row per distinct (key, value) with its summed
@@ -195,7 +217,12 @@ def snapshot_table(
     append, or compacted up to its since) it is already consolidated (every writer of a
     run consolidates it), so it is returned as read, its ``_time`` set to ``as_of``,
     without sorting it again; otherwise it is read with :func:`read_batches` and
-    consolidated (:func:`persist.consolidation.consolidate`).
+    consolidated (:func:`persist.consolidation.consolidate`).  With ``schemas`` (see
+    :func:`read_batches`) each part is conformed to the read version's view *before*
+    consolidation, so rows that differ only in a column the view does not have are one
+    row; the single-run shortcut is taken only when conforming keeps the run sorted and
+    consolidated (:attr:`persist.updates.ConformPlan.keeps_runs`).  ``value_names``
+    must then be the view's value columns.
 
     Raises:
         InvalidUsage: ``as_of`` is not an i64 time.
@@ -204,9 +231,14 @@ def snapshot_table(
     """
     as_of = _index_time(as_of, "as_of")
     refs, floors, rows = _layout(batches)
-    table = _read_refs(blob, refs, schema, max_workers)
+    table = _read_refs(blob, refs, schema, max_workers, schemas)
     live = [b for b in batches if b.parts]
-    if len(live) == 1 and not live[0].runs and table.num_rows:
+    if (
+        len(live) == 1
+        and not live[0].runs
+        and table.num_rows
+        and (schemas is None or all(_keeps_runs(schemas, r) for r in refs))
+    ):
         ti = table.schema.get_field_index(TIME)
         mm = pc.min_max(table.column(ti))
         lo, hi = int(mm["min"].as_py()), int(mm["max"].as_py())
@@ -219,6 +251,11 @@ def snapshot_table(
     return consolidate(table, list(key_names), list(value_names), since=as_of)
 
 
+def _keeps_runs(schemas: tuple[SchemaHistory, int], ref: PartRef) -> bool:
+    history, dst = schemas
+    return history.plan(ref.schema_id, dst).keeps_runs
+
+
 def read_batch(
     blob: Blob,
     batch: HollowBatch,
@@ -227,9 +264,12 @@ def read_batch(
     lower: int | None = None,
     upper: int | None = None,
     max_workers: int = 4,
+    schemas: tuple[SchemaHistory, int] | None = None,
 ) -> pa.Table:
     """:func:`read_batches` of one batch."""
-    return read_batches(blob, [batch], schema, lower=lower, upper=upper, max_workers=max_workers)
+    return read_batches(
+        blob, [batch], schema, lower=lower, upper=upper, max_workers=max_workers, schemas=schemas
+    )
 
 
 def _index_time(x: int, what: str) -> int:
@@ -318,6 +358,13 @@ class ReadHandle(ShardHandle):
         self._next_lease = 0
         self._batches_lease: int | None = None  # held for the last snapshot_batches
         self._held_beat: int | None = None  # keeper registration while that hold lives
+
+    def read_schemas(self) -> tuple[SchemaHistory, int]:
+        """``(the shard's schema history, this reader's schema id)``, for
+        :func:`read_batches` / :func:`snapshot_table` of batches this handle listed:
+        their parts are conformed to this reader's view (DESIGN 5.3).  The history is
+        the latest this process knows, which holds every version a listed part names."""
+        return self._machine.state().schemas(), self.schema_id
 
     # ------------------------------------------------------------ seqno holds
     def _lease_seqno(self) -> int:
@@ -629,6 +676,7 @@ class ReadHandle(ShardHandle):
                     self.value_schema.names,
                     t,
                     max_workers=self._client.read_workers,
+                    schemas=self.read_schemas(),
                 )
             except CorruptPart as e:
                 # A part of an old version may be gone (e.g. the lease had lapsed): a
@@ -846,6 +894,7 @@ class Listen:
                 lower=f,
                 upper=u,
                 max_workers=self._h._client.read_workers,
+                schemas=(st.schemas(), self._h.schema_id),
             )
             table = consolidate(table, self._h.key_schema.names, self._h.value_schema.names)
             if table.num_rows:

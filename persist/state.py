@@ -31,6 +31,11 @@ Invariants kept here (every transition keeps them or raises before changing anyt
   writes them to the retired collection in the same atomic append as the new version and
   bumps ``retired_upper`` (that collection's upper) in it; these two maps are transient
   (never serialised, empty in every published version);
+* the value schema is versioned (DESIGN section 5.3): ``schema_history`` only grows, a
+  version's id (its index) never changes, the newest is ``value_schema``, each version
+  is a compatible evolution of the one before (:meth:`ShardState.register_schema`
+  checks it and changes nothing when it raises), the key schema never changes; a part
+  records the id it was written with (states without versions read as schema 0);
 * the readable JSON forms round-trip exactly: :meth:`ShardState.to_entries` /
   :meth:`ShardState.from_entries` (one JSON value per component, so that consensus can
   store a new version as the few entries that changed) and :meth:`ShardState.to_json` /
@@ -55,6 +60,7 @@ from persist.errors import InvalidUsage, PersistError
 from persist.keys import key_writer_id
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.types import HollowBatch
+from persist.updates import SchemaHistory, check_schema_evolution
 from stash import Antichain
 
 __all__ = [
@@ -72,6 +78,7 @@ _SHARD = "shard"
 _META = "meta"
 _TRACE_MAPS = ("hollow_batches", "spine_batches")
 _READER = "reader/"
+_SCHEMAS = "schemas"
 _WRITER = "writer/"
 
 
@@ -144,6 +151,30 @@ def schema_from_json(d: Mapping[str, Any]) -> pa.Schema:
         return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["ipc"])))
     except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
         raise PersistError(f"stored schema is not a valid Arrow IPC schema: {e}") from e
+
+
+@functools.lru_cache(maxsize=256)
+def _history(key_schema: pa.Schema, versions: tuple[pa.Schema, ...]) -> SchemaHistory:
+    return SchemaHistory(key_schema, versions)
+
+
+@functools.lru_cache(maxsize=64)
+def _schemas_entry(versions: tuple[pa.Schema, ...]) -> list[dict[str, Any]]:
+    """The ``schemas`` entry: every value schema version, by id (the same list for the
+    same versions, so that versions compare it cheaply; do not mutate it)."""
+    return [{"id": i, **schema_to_json(v)} for i, v in enumerate(versions)]
+
+
+def _schemas_from(entry: Any) -> tuple[pa.Schema, ...]:
+    """Inverse of :func:`_schemas_entry` (``None``: a state of one version)."""
+    if entry is None:
+        return ()
+    versions = []
+    for i, d in enumerate(entry):
+        if int(d["id"]) != i:
+            raise ValueError(f"schema versions out of order: id {d['id']} at position {i}")
+        versions.append(schema_from_json(d))
+    return tuple(versions)
 
 
 @dataclass(frozen=True)
@@ -273,7 +304,12 @@ class ShardState:
     Attributes:
         shard_id: ``"s"`` + a UUID.
         name: the shard's registered name.
-        key_schema, value_schema: the Arrow schemas of the key and value columns.
+        key_schema, value_schema: the Arrow schemas of the key and the value columns
+            (``value_schema`` is the newest registered version).
+        schema_history: the value schema versions, ``schema_history[i]`` being schema
+            id ``i`` (DESIGN section 5.3); its last one is ``value_schema``; empty on
+            construction means ``(value_schema,)`` (states written before schemas were
+            versioned load so: every part of theirs has schema id 0).
         seqno: the version number in consensus (``-1`` before the first version).
         trace: the Spine holding the batches, ``since`` and ``upper``.
         readers: reader id -> :class:`ReaderState`.
@@ -297,6 +333,58 @@ class ShardState:
     tombstone: bool = False
     retire_adds: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     retire_removes: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    schema_history: tuple[pa.Schema, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.schema_history:
+            self.schema_history = (self.value_schema,)
+        elif self.schema_history[-1] is not self.value_schema and not self.schema_history[
+            -1
+        ].equals(self.value_schema):
+            raise PersistError(
+                f"shard {self.shard_id}: the newest schema version is not the value schema"
+            )
+
+    # ----------------------------------------------------------------- schemas
+    def schemas(self) -> SchemaHistory:
+        """The shard's :class:`~persist.updates.SchemaHistory` (key schema and value
+        schema versions)."""
+        return _history(self.key_schema, self.schema_history)
+
+    def register_schema(self, key_schema: pa.Schema, value_schema: pa.Schema) -> tuple[int, bool]:
+        """The schema id of a handle opened with these schemas, registering
+        ``value_schema`` as a new newest version if it is a compatible evolution of
+        the newest one (DESIGN section 5.3).  Returns ``(schema id, registered)``.
+
+        A value schema equal to a registered version gets that version's id (the
+        newest such): a handle opened with an older schema keeps its view.
+
+        Raises:
+            SchemaMismatch: the key schema differs, or ``value_schema`` is not a
+                compatible evolution of the newest version (naming column and rule);
+                nothing changes.
+        """
+        if not key_schema.equals(self.key_schema):
+            check_schema_evolution(
+                f"{self.name!r} ({self.shard_id})",
+                self.key_schema,
+                self.value_schema,
+                key_schema,
+                value_schema,
+            )
+        known = self.schemas().id_of(value_schema)
+        if known is not None:
+            return known, False
+        check_schema_evolution(
+            f"{self.name!r} ({self.shard_id})",
+            self.key_schema,
+            self.value_schema,
+            key_schema,
+            value_schema,
+        )
+        self.schema_history = (*self.schema_history, value_schema)
+        self.value_schema = value_schema
+        return len(self.schema_history) - 1, True
 
     # ----------------------------------------------------------------- reading
     @property
@@ -588,7 +676,9 @@ class ShardState:
 
         ``meta`` (``seqno``, ``since``, ``upper``, the trace's ``next_id`` and
         ``fueling_merges``: what changes with every version, kept in one entry),
-        ``shard`` (id, name, schemas), ``trace/hollow_batches/<id>``,
+        ``shard`` (id, name, schemas; ``value_schema`` the newest version),
+        ``schemas`` (only once there is more than one version: every value schema
+        version, by id), ``trace/hollow_batches/<id>``,
         ``trace/spine_batches/<id>``, ``reader/<id>``, ``writer/<id>``,
         (retired keys live in their own collection).  A new version differs from the
         previous one in
@@ -604,6 +694,8 @@ class ShardState:
             _META: meta,
             _SHARD: _shard_entry(self.shard_id, self.name, self.key_schema, self.value_schema),
         }
+        if len(self.schema_history) > 1:
+            out[_SCHEMAS] = _schemas_entry(self.schema_history)
         for m in _TRACE_MAPS:
             for k, v in t[m].items():
                 out[f"trace/{m}/{k}"] = v
@@ -638,7 +730,7 @@ class ShardState:
                     readers[k[len(_READER) :]] = ReaderState.from_json(v)
                 elif k.startswith(_WRITER):
                     writers[k[len(_WRITER) :]] = WriterState.from_json(v)
-                elif k not in (_SHARD, _META):
+                elif k not in (_SHARD, _META, _SCHEMAS):
                     raise ValueError(f"unknown state entry {k!r}")
             trace_json.update(maps)
             if isinstance(seqno, bool) or not isinstance(seqno, int):
@@ -654,6 +746,7 @@ class ShardState:
                 writers=writers,
                 retired_upper=retired_upper,
                 tombstone=tombstone,
+                schema_history=_schemas_from(entries.get(_SCHEMAS)),
             )
         except PersistError:
             raise
@@ -670,6 +763,7 @@ class ShardState:
             "upper": self.upper.to_json(),
             "key_schema": schema_to_json(self.key_schema),
             "value_schema": schema_to_json(self.value_schema),
+            "schemas": list(_schemas_entry(self.schema_history)),
             "trace": self.trace.to_json(),
             "readers": {k: v.to_json() for k, v in sorted(self.readers.items())},
             "writers": {k: v.to_json() for k, v in sorted(self.writers.items())},
@@ -696,6 +790,7 @@ class ShardState:
                 writers={k: WriterState.from_json(v) for k, v in d["writers"].items()},
                 retired_upper=int(d.get("retired_upper", 0)),
                 tombstone=bool(d.get("tombstone", False)),
+                schema_history=_schemas_from(d.get("schemas")),
             )
         except PersistError:
             raise

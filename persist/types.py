@@ -8,7 +8,9 @@ Invariants kept here:
 * a :class:`PartRef` names exactly one immutable encoded part: either a blob key
   (``key``, a Parquet object) or inline bytes held in the shard state (``inline``, an
   Arrow IPC stream; see ``persist.encoding.encode_inline_part``), never both; ``checksum``
-  is the SHA-256 hex digest of the encoded bytes;
+  is the SHA-256 hex digest of the encoded bytes; its ``schema_id`` names the value
+  schema version it was written with (``0``, omitted from the JSON, for parts of states
+  older than schema versions: they were all written with the shard's first schema);
 * a :class:`HollowBatch` lists its parts grouped into runs: ``runs`` holds the indexes in
   ``parts`` where each run after the first starts, and each run is sorted by
   (key, value, time) and consolidated (one row per distinct (key, value, time), its diff
@@ -77,6 +79,9 @@ class PartRef:
         rows: number of updates (rows) in the part.
         encoded_size_bytes: size of the encoded bytes.
         checksum: SHA-256 hex digest of the encoded bytes.
+        schema_id: the id of the shard's value schema version the part was written
+            with (DESIGN section 5.3; an index into ``ShardState.schema_history``);
+            parts of states written before schemas were versioned read as ``0``.
     """
 
     key: str | None
@@ -84,6 +89,7 @@ class PartRef:
     encoded_size_bytes: int
     checksum: str
     inline: bytes | None = None
+    schema_id: int = 0
 
     def __post_init__(self) -> None:
         if (self.key is None) == (self.inline is None):
@@ -100,6 +106,8 @@ class PartRef:
         else:
             assert self.inline is not None
             d["inline"] = base64.b64encode(self.inline).decode("ascii")
+        if self.schema_id:
+            d["schema"] = self.schema_id
         return d
 
     @classmethod
@@ -111,6 +119,7 @@ class PartRef:
             encoded_size_bytes=int(d["bytes"]),
             checksum=str(d["sha256"]),
             inline=None if inline is None else base64.b64decode(inline),
+            schema_id=int(d.get("schema", 0)),
         )
 
 

@@ -11,8 +11,20 @@ Invariants kept here:
   types; ``_time`` and ``_diff`` are non-null int64; column names never start with ``_``
   (reserved for persist) and keys and values share no name;
 * a column is conformed only by a safe widening (:func:`is_safe_widening`); anything else
-  raises :class:`~persist.errors.InvalidUsage` naming the column.
+  raises :class:`~persist.errors.InvalidUsage` naming the column;
+* schema evolution (DESIGN section 5.3): :func:`check_schema_evolution` accepts exactly
+  the compatible changes of a value schema (add a nullable column, drop a column, widen
+  int8->int16->int32->int64 / float32->float64 / string<->large_string, make nullable;
+  the key schema and the relative order of kept columns never change) and raises
+  :class:`~persist.errors.SchemaMismatch` naming the column and the rule otherwise;
+* :class:`SchemaHistory` conforms updates written under any version to the view of any
+  version by name: a column is read only if every version from the older of the two up
+  to the newest has it (else null: added later, dropped and re-added, or dropped), so a
+  view never depends on whether compaction rewrote a part under the newest version, and
+  rows equal under the newest version are equal under every view.
 """
+
+from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
@@ -20,7 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist.errors import InvalidUsage
+from persist.errors import InvalidUsage, PersistError, SchemaMismatch
 
 TIME = "_time"
 DIFF = "_diff"
@@ -245,3 +257,346 @@ def to_updates_table(
             f"((key, value), time, diff), not {type(updates).__name__}"
         )
     return _from_rows(updates, schema, len(key_schema))
+
+
+# ------------------------------------------------------------ schema evolution
+#
+# DESIGN section 5.3, after persist-client's schema registry (``schema.rs``: a shard's
+# schemas are registered in its state under increasing ids; each part names the id it
+# was written with and reads migrate it to the reader's).  Only the value schema evolves.
+
+_INT_CHAINS = (
+    (pa.int8(), pa.int16(), pa.int32(), pa.int64()),
+    (pa.uint8(), pa.uint16(), pa.uint32(), pa.uint64()),
+)
+
+#: The rule a refused evolution broke, in the words of :class:`SchemaMismatch`.
+EVOLUTION_RULES = (
+    "compatible changes are: add a nullable value column, drop a value column, widen "
+    "a value column (int8->int16->int32->int64, float32->float64, string<->large_string), "
+    "make a value column nullable"
+)
+
+
+def is_type_evolution(old: pa.DataType, new: pa.DataType) -> bool:
+    """Whether a value column of type ``old`` may become ``new`` in a compatible schema
+    evolution: equal, an integer widening of the same signedness (int8 -> int16 -> int32
+    -> int64, likewise unsigned), float32 -> float64, ``string`` <-> ``large_string`` or
+    ``binary`` <-> ``large_binary``."""
+    if old == new:
+        return True
+    for chain in _INT_CHAINS:
+        if old in chain and new in chain:
+            return chain.index(new) > chain.index(old)
+    if pa.types.is_float32(old) and pa.types.is_float64(new):
+        return True
+    strings = (pa.string(), pa.large_string())
+    binaries = (pa.binary(), pa.large_binary())
+    return (old in strings and new in strings) or (old in binaries and new in binaries)
+
+
+def check_schema_evolution(
+    shard: str,
+    key_schema: pa.Schema,
+    value_schema: pa.Schema,
+    new_key_schema: pa.Schema,
+    new_value_schema: pa.Schema,
+) -> None:
+    """Check that ``(new_key_schema, new_value_schema)`` is a compatible evolution of a
+    shard's newest ``(key_schema, value_schema)`` (DESIGN section 5.3).
+
+    Compatible: the key schema is equal (names, types, nullability, order); every new
+    value column is nullable; a kept value column keeps its type or widens it
+    (:func:`is_type_evolution`), stays or becomes nullable, and keeps its order relative
+    to the other kept columns; any value column may be dropped.
+
+    Raises:
+        SchemaMismatch: naming the first column that breaks a rule, and the rule.
+        InvalidUsage: the new schemas are not valid shard schemas at all.
+    """
+    updates_schema(new_key_schema, new_value_schema)
+    both = (
+        f"the shard's newest schemas are key ({_fmt(key_schema)}) and value "
+        f"({_fmt(value_schema)}), it was opened with key ({_fmt(new_key_schema)}) and "
+        f"value ({_fmt(new_value_schema)}); nothing was changed"
+    )
+
+    def mismatch(column: str, rule: str) -> SchemaMismatch:
+        return SchemaMismatch(shard, column, rule, both)
+
+    if not new_key_schema.equals(key_schema):
+        old_k = {f.name: f for f in key_schema}
+        new_k = {f.name: f for f in new_key_schema}
+        for f in key_schema:
+            g = new_k.get(f.name)
+            if g is None:
+                raise mismatch(f.name, "key column dropped (the key schema never changes)")
+            if not g.equals(f):
+                raise mismatch(
+                    f.name,
+                    f"key column changed from {f.type}{'' if f.nullable else ' not null'} to "
+                    f"{g.type}{'' if g.nullable else ' not null'} (the key schema never changes)",
+                )
+        for g in new_key_schema:
+            if g.name not in old_k:
+                raise mismatch(g.name, "key column added (the key schema never changes)")
+        raise mismatch(
+            ",".join(new_key_schema.names),
+            f"key columns reordered from {key_schema.names} (the key schema never changes)",
+        )
+    old = {f.name: f for f in value_schema}
+    kept: list[str] = []
+    for g in new_value_schema:
+        f = old.get(g.name)
+        if f is None:
+            if not g.nullable:
+                raise mismatch(
+                    g.name,
+                    f"value column added as not null ({g.type}): an added value column "
+                    "must be nullable (its rows written before it existed read as null)",
+                )
+            continue
+        kept.append(g.name)
+        if not is_type_evolution(f.type, g.type):
+            raise mismatch(
+                g.name,
+                f"value column type {f.type} -> {g.type} is not a widening ({EVOLUTION_RULES})",
+            )
+        if f.nullable and not g.nullable:
+            raise mismatch(
+                g.name,
+                "value column was nullable and may not become not null (a column may only "
+                "become nullable)",
+            )
+    order = [n for n in value_schema.names if n in set(kept)]
+    if order != kept:
+        first = next(a for a, b in zip(kept, order, strict=True) if a != b)
+        raise mismatch(
+            first,
+            f"kept value columns reordered from {order} to {kept} (kept columns keep "
+            "their relative order; add new ones anywhere)",
+        )
+
+
+def _fmt(schema: pa.Schema) -> str:
+    return ", ".join(f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in schema)
+
+
+def _relaxed(field: pa.Field, nullable: bool) -> pa.Field:
+    return field if field.nullable or not nullable else field.with_nullable(True)
+
+
+class SchemaHistory:
+    """The versions of a shard's value schema, by id (the index), and the conforming of
+    updates written under one version to the view of another (DESIGN section 5.3).
+
+    A reader with version ``dst`` sees, for a part written under ``src``: its own value
+    columns, in its order; a column present (by name) in every version from the older
+    of ``src`` and ``dst`` up to the newest is read from the part and cast to the
+    reader's type (a widening when ``dst`` is newer; for an *older* reader the cast back
+    must fit, else :class:`~persist.errors.SchemaMismatch`), any other is null (added
+    after the part was written; dropped and added again in between, which makes it
+    another column; or dropped by a later version: dropped columns are gone for every
+    reader); columns the reader does not have are gone.  So a reader's view is the same
+    before and after compaction rewrites a part under the newest version, and rows equal
+    in the newest version's view are equal in every view (consolidating under the
+    newest version is right for every reader).  The view's columns are those of version
+    ``dst``, made nullable where a later version holds nulls (dropped or made nullable
+    there), so that one view fits every part.  Instances are immutable and hashable
+    (plans are cached per history).
+
+    Attributes:
+        key_schema: the shard's key schema.
+        versions: the value schemas, ``versions[i]`` being schema id ``i``.
+    """
+
+    __slots__ = ("_hash", "key_schema", "versions")
+
+    def __init__(self, key_schema: pa.Schema, versions: Sequence[pa.Schema]) -> None:
+        if not versions:
+            raise InvalidUsage("a schema history has at least one version")
+        self.key_schema = key_schema
+        self.versions = tuple(versions)
+        self._hash = hash((key_schema, self.versions))  # plans are looked up per part
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, SchemaHistory)
+            and self.key_schema.equals(other.key_schema)
+            and len(self.versions) == len(other.versions)
+            and all(a.equals(b) for a, b in zip(self.versions, other.versions, strict=True))
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> tuple[pa.Schema, tuple[pa.Schema, ...]]:
+        return self.key_schema, self.versions
+
+    def __setstate__(self, state: tuple[pa.Schema, tuple[pa.Schema, ...]]) -> None:
+        self.__init__(*state)  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"SchemaHistory({len(self.versions)} versions)"
+
+    @property
+    def newest(self) -> int:
+        """The id of the newest version."""
+        return len(self.versions) - 1
+
+    def id_of(self, value_schema: pa.Schema) -> int | None:
+        """The newest id whose value schema equals ``value_schema`` (``None``: none)."""
+        for i in range(len(self.versions) - 1, -1, -1):
+            if self.versions[i].equals(value_schema):
+                return i
+        return None
+
+    def check_id(self, schema_id: int, what: str = "part") -> None:
+        """Raise unless ``schema_id`` names a version.
+
+        Raises:
+            PersistError: naming ``what`` and the id.
+        """
+        if not 0 <= schema_id < len(self.versions):
+            raise PersistError(
+                f"{what} was written with schema id {schema_id}, but the shard state has "
+                f"{len(self.versions)} schema version(s)"
+            )
+
+    def updates_schema(self, schema_id: int) -> pa.Schema:
+        """The updates schema (key, value, ``_time``, ``_diff``) parts of version
+        ``schema_id`` are written with."""
+        return updates_schema(self.key_schema, self.versions[schema_id])
+
+    def view_schema(self, read_id: int) -> pa.Schema:
+        """The updates schema a reader of version ``read_id`` gets (see the class)."""
+        return _view_schema(self, read_id)
+
+    def plan(self, src: int, dst: int) -> ConformPlan:
+        """How a part of version ``src`` is conformed to the view of ``dst`` (cached)."""
+        return _plan(self, src, dst)
+
+    def conform(
+        self, table: pa.Table, src: int, dst: int, columns: Sequence[str] | None = None
+    ) -> pa.Table:
+        """``table`` (updates of version ``src``, or its :meth:`ConformPlan.source_columns`
+        for ``columns``) as the view of version ``dst`` (only ``columns``, if given).
+
+        Raises:
+            SchemaMismatch: an older reader's column cannot hold a value written later.
+        """
+        return self.plan(src, dst).apply(table, columns)
+
+
+@functools.lru_cache(maxsize=256)
+def _view_schema(history: SchemaHistory, read_id: int) -> pa.Schema:
+    mine = history.versions[read_id]
+    later = history.versions[read_id + 1 :]
+    fields = []
+    for f in mine:
+        nullable = False
+        for v in later:
+            i = v.get_field_index(f.name)
+            if i < 0 or v.field(i).nullable:
+                nullable = True
+                break
+        fields.append(_relaxed(f, nullable))
+    return updates_schema(history.key_schema, pa.schema(fields))
+
+
+class ConformPlan:
+    """The conforming of one version's updates to another's view (see
+    :class:`SchemaHistory`).
+
+    Attributes:
+        identity: the part is read as it is (same columns, types and nullability).
+        keeps_runs: conforming keeps a sorted, consolidated run sorted and consolidated
+            (no source value column is dropped and the kept ones keep their order; casts
+            and null columns are injective and order-preserving), so snapshot fast paths
+            over a single run stay valid; when false, conformed rows may collide and
+            must be consolidated.
+        target: the view's updates schema.
+        sources: per target column, the source column name or ``None`` (null).
+    """
+
+    __slots__ = ("dst", "identity", "keeps_runs", "source", "sources", "src", "target")
+
+    def __init__(self, history: SchemaHistory, src: int, dst: int) -> None:
+        self.src, self.dst = src, dst
+        self.source = history.updates_schema(src)
+        self.target = history.view_schema(dst)
+        # A column is read from the part only if it is present (by name) in every
+        # version from the older of the two to the *newest*: a column a later version
+        # dropped is gone for every reader (an older reader's view of it is null), so
+        # that what a reader sees never depends on whether compaction (which rewrites
+        # under the newest version) has run.
+        span = history.versions[min(src, dst) :]
+        key_names = set(history.key_schema.names)
+        sources: list[str | None] = []
+        for f in self.target:
+            if f.name in key_names or f.name in (TIME, DIFF):
+                sources.append(f.name)
+            elif all(v.get_field_index(f.name) >= 0 for v in span):
+                sources.append(f.name)
+            else:
+                sources.append(None)
+        self.sources = tuple(sources)
+        self.identity = self.source.equals(self.target) and None not in sources
+        src_values = history.versions[src].names
+        mapped = [s for s in sources if s is not None and s in set(src_values)]
+        self.keeps_runs = self.identity or (
+            set(mapped) == set(src_values) and mapped == [n for n in src_values if n in mapped]
+        )
+
+    def source_columns(self, columns: Sequence[str] | None) -> list[str] | None:
+        """The part's columns to decode for the view's ``columns`` (``None``: all)."""
+        if columns is None:
+            return None
+        by_name = dict(zip(self.target.names, self.sources, strict=True))
+        out = []
+        for c in columns:
+            if c not in by_name:
+                raise InvalidUsage(f"column {c!r} is not in the reader's schema")
+            s = by_name[c]
+            if s is not None:
+                out.append(s)
+        return out
+
+    def apply(self, table: pa.Table, columns: Sequence[str] | None = None) -> pa.Table:
+        """Conform ``table`` (see :meth:`SchemaHistory.conform`).
+
+        Raises:
+            SchemaMismatch: a value does not fit an older reader's narrower type.
+        """
+        if self.identity and columns is None:
+            return table
+        wanted = self.target.names if columns is None else list(columns)
+        by_name = dict(zip(self.target.names, self.sources, strict=True))
+        arrays = []
+        fields = []
+        for name in wanted:
+            f = self.target.field(name)
+            s = by_name[name]
+            if s is None:
+                col: pa.ChunkedArray | pa.Array = pa.nulls(table.num_rows, f.type)
+            else:
+                col = table.column(s)
+                if col.type != f.type:
+                    try:
+                        col = col.cast(f.type, safe=True)
+                    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                        raise SchemaMismatch(
+                            f"(read as schema version {self.dst})",
+                            name,
+                            f"a value written under schema version {self.src} ({col.type}) "
+                            f"does not fit this reader's older type {f.type} (open the "
+                            f"shard with its newest schema): {str(e)[:200]}",
+                        ) from None
+            arrays.append(col)
+            fields.append(f)
+        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(history: SchemaHistory, src: int, dst: int) -> ConformPlan:
+    return ConformPlan(history, src, dst)

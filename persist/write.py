@@ -54,6 +54,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -325,20 +326,27 @@ class WriteHandle(ShardHandle):
     def _normalize(self, updates: Updates) -> pa.Table:
         return to_updates_table(updates, self.key_schema, self.value_schema)
 
-    def _write_run(self, table: pa.Table) -> list[PartRef]:
-        """Consolidate (sort) ``table`` and write it as one run (:meth:`_write_sorted`)."""
-        table, order = consolidate_order(table, self.key_schema.names, self.value_schema.names)
+    def _write_run(
+        self, table: pa.Table, value_schema: pa.Schema | None = None, schema_id: int | None = None
+    ) -> list[PartRef]:
+        """Consolidate (sort) ``table`` and write it as one run (:meth:`_write_sorted`);
+        ``table`` has this handle's value schema, or ``value_schema`` (version
+        ``schema_id``)."""
+        vs = self.value_schema if value_schema is None else value_schema
+        table, order = consolidate_order(table, self.key_schema.names, vs.names)
         if (table.num_rows if order is None else len(order)) == 0:
             return []
-        return self._write_sorted(table, order)
+        return self._write_sorted(table, order, schema_id)
 
-    def _write_sorted(self, table: pa.Table, order: Any) -> list[PartRef]:
+    def _write_sorted(
+        self, table: pa.Table, order: Any, schema_id: int | None = None
+    ) -> list[PartRef]:
         """Write ``table`` (in ``order``, from :func:`consolidate_order`) as one run, its
         parts' keys stamped now (:meth:`_key_prefix`), the writer registered before the
         first upload."""
         c = self._client
         directory, name = self._key_prefix().rsplit("/", 1)
-        return write_parts(
+        refs = write_parts(
             c.blob,
             table,
             directory,
@@ -349,6 +357,9 @@ class WriteHandle(ShardHandle):
             name_prefix=name + "-",
             before_upload=self._ensure_registered,
         )
+        # Each part records the schema version it was written with (DESIGN 5.3).
+        sid = self.schema_id if schema_id is None else schema_id
+        return refs if not sid else [replace(r, schema_id=sid) for r in refs]
 
     def builder(self, lower: Antichain | int) -> BatchBuilder:
         """A :class:`BatchBuilder` for a batch starting at ``lower``."""
@@ -561,7 +572,17 @@ class WriteHandle(ShardHandle):
         advanced to its rewrite frontier) and only the times in ``[floor, new)``
         (``floor`` its rewrite frontier, or ``expected``: the truncation), written as
         one run.  ``b`` is left as it was (the caller may still retry it)."""
-        table = read_batch(self._client.blob, b.hollow, self.schema)
+        # Conformed to the newest schema version: the batch may mix parts of writers
+        # opened with other versions (DESIGN 5.3).
+        history = self._machine.state().schemas()
+        if any(p.schema_id > history.newest for p in b.hollow.parts):
+            history = self._machine.fetch().schemas()  # a version this process has not seen
+        table = read_batch(
+            self._client.blob,
+            b.hollow,
+            history.view_schema(history.newest),
+            schemas=(history, history.newest),
+        )
         f = b.rewrite_frontier
         lower = (expected if f is None else f).as_option()
         ti = table.schema.get_field_index(TIME)
@@ -577,7 +598,7 @@ class WriteHandle(ShardHandle):
             mask = m2 if mask is None else pc.and_(mask, m2)
         if mask is not None and table.num_rows:
             table = table.filter(mask)
-        run = self._write_run(table)
+        run = self._write_run(table, history.versions[history.newest], history.newest)
         hollow = HollowBatch(b.hollow.desc, tuple(run), sum(p.rows for p in run))
         return Batch(self._client.blob, self.shard_id, hollow, time_range=_time_range(table))
 

@@ -100,6 +100,7 @@ WRITE_OPTIONS = (
     "upper",
     "compaction",
     "unique_keys",
+    "mergeSchema",
 )
 """Every option a write to the persist source understands."""
 

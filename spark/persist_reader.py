@@ -1,6 +1,8 @@
 """The batch reader of the ``persist`` Spark source: fetch, consolidate and convert parts.
 
-Invariants kept here: a task yields Arrow record batches in the DataFrame's schema; with
+Invariants kept here: a task yields Arrow record batches in the DataFrame's schema (the
+shard's newest value schema when the read was planned; each part is conformed from the
+schema version it was written with, before consolidation); with
 ``consolidate=full`` the rows equal ``ReadHandle.snapshot(as_of)``; times are advanced to
 the read time and updates beyond it dropped before consolidation.
 """
@@ -32,6 +34,7 @@ def read_snapshot(
     key_names: Sequence[str],
     value_names: Sequence[str],
     as_of: int,
+    schemas: Any = None,
 ) -> pa.Table:
     """The updates of ``batches`` at ``as_of``: times ``> as_of`` dropped, the rest
     advanced to ``as_of``, consolidated (persist's ``snapshot_table``, as
@@ -43,10 +46,14 @@ def read_snapshot(
     """
     from persist.read import snapshot_table
 
-    return snapshot_table(blob, list(batches), schema, key_names, value_names, as_of)
+    return snapshot_table(
+        blob, list(batches), schema, key_names, value_names, as_of, schemas=schemas
+    )
 
 
-def read_updates(blob: Any, batches: Sequence[Any], schema: pa.Schema, as_of: int) -> pa.Table:
+def read_updates(
+    blob: Any, batches: Sequence[Any], schema: pa.Schema, as_of: int, schemas: Any = None
+) -> pa.Table:
     """The raw updates of ``batches`` up to ``as_of``: times ``> as_of`` dropped, the rest
     kept as stored (only advanced to their batch's lower and since, as
     :func:`persist.read.read_batches` does), not consolidated.
@@ -56,7 +63,7 @@ def read_updates(blob: Any, batches: Sequence[Any], schema: pa.Schema, as_of: in
     """
     from persist.read import read_batches
 
-    return read_batches(blob, list(batches), schema, upper=as_of + 1)
+    return read_batches(blob, list(batches), schema, upper=as_of + 1, schemas=schemas)
 
 
 # ---------------------------------------------------------- arrow helpers
@@ -116,10 +123,16 @@ class PersistBatchReader(DataSourceReader):
             if as_of is None:
                 return []
             batches = read.snapshot_batches(as_of)
+            # (schema history, this read's schema id): tasks conform each part from the
+            # schema version it was written with to this read's (DESIGN 5.3).
+            schemas = read.read_schemas()
             read.detach()  # executors read these parts later: GC keeps them meanwhile
-        return [
-            PartsPartition(group, as_of) for group in plan_parts(batches, s.partition_bytes, s.full)
-        ]
+        out = []
+        for group in plan_parts(batches, s.partition_bytes, s.full):
+            p = PartsPartition(group, as_of)
+            p.schemas = schemas  # type: ignore[attr-defined]
+            out.append(p)
+        return out
 
     def read(self, partition: InputPartition | None) -> Iterator[pa.RecordBatch]:
         """The rows of one input partition as Arrow batches. When planning gave no
@@ -135,10 +148,11 @@ class PersistBatchReader(DataSourceReader):
         from persist.parts import updates_schema
 
         schema = updates_schema(s.key_schema, s.value_schema)
+        schemas = getattr(partition, "schemas", None)
         blob = RetryingBlob(open_blob(s.target.blob_uri))
         try:
             if s.consolidate == "none":
-                table = read_updates(blob, partition.parts, schema, partition.as_of)
+                table = read_updates(blob, partition.parts, schema, partition.as_of, schemas)
             else:
                 table = read_snapshot(
                     blob,
@@ -147,6 +161,7 @@ class PersistBatchReader(DataSourceReader):
                     s.key_schema.names,
                     s.value_schema.names,
                     partition.as_of,
+                    schemas,
                 )
         finally:
             blob.close()

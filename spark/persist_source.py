@@ -54,7 +54,11 @@ a malformed boolean raises, suggesting the closest valid name. ``key_columns`` i
 order rows but are not unique: a shard may hold several rows with one key;
 ``unique_keys=true`` refuses a write that inserts a key more than once (the positive
 diffs of its updates sum to more than 1), checked over the whole write before it
-commits, not against the rows already in the shard.
+commits, not against the rows already in the shard. ``mergeSchema=true`` evolves an
+existing shard's schema to take the DataFrame (Delta Lake's option; persist's compatible
+schema evolution, DESIGN 5.3): extra columns become nullable value columns, wider types
+widen the shard's; without it, extra columns raise naming them. A read returns the
+shard's newest schema, older parts conformed to it.
 
 Times: ``time_column`` (an integer column), or ``time`` (one fixed time for every row), or
 neither: "at the shard's upper", i.e. the whole write lands at one new time equal to the

@@ -87,10 +87,16 @@ class WriteSettings:
         a nullable column into a non-nullable one is checked for nulls as it is
         written).
 
+        With ``mergeSchema=true``, an existing shard's value schema is first evolved to
+        take the DataFrame (:func:`_merged_value_schema`); the writer's open registers
+        the new version when the write is planned (persist's compatible schema
+        evolution: added columns read as null in older rows).
+
         Raises:
-            PersistSourceError: conflicting, unknown or missing columns, both ``time``
-                and ``time_column``, a non-integer time or diff column, a column type
-                that is not the shard's or a safe widening of it, ``key_columns`` /
+            PersistSourceError: conflicting, unknown or missing columns (extra columns
+                without ``mergeSchema`` name the option), both ``time`` and
+                ``time_column``, a non-integer time or diff column, a column type that is
+                not the shard's or a safe widening of it, ``key_columns`` /
                 ``value_columns`` that differ from an existing shard's.
         """
         target = ShardTarget.from_options(options)
@@ -130,6 +136,9 @@ class WriteSettings:
         arrow = spark_to_arrow(schema)
         if registered is not None:
             key_schema, value_schema = registered
+            if _truthy(options, "mergeSchema"):
+                value_schema = _merged_value_schema(arrow, data, keys, registered)
+                registered = (key_schema, value_schema)
             keys, values = _match_shard(target.shard, arrow, data, keys, values, registered)
         else:
             if keys is None and values is None:
@@ -224,9 +233,15 @@ def _match_shard(
             what.append(f"has columns {extra} that shard {shard} does not")
         if missing:
             what.append(f"lacks shard {shard}'s columns {missing}")
+        hint = (
+            "; to add them to the shard as nullable value columns, write with "
+            'option("mergeSchema", "true")'
+            if extra
+            else ""
+        )
         raise PersistSourceError(
             f"the DataFrame {' and '.join(what)} ({layout}; columns are matched by name, "
-            "and a time or diff column must be named with time_column / diff_column)"
+            f"and a time or diff column must be named with time_column / diff_column{hint})"
         )
     for f in [*registered[0], *registered[1]]:
         src = arrow.field(f.name).type
@@ -237,6 +252,35 @@ def _match_shard(
                 "string<->large_string) is written"
             )
     return shard_keys, shard_values
+
+
+def _merged_value_schema(
+    arrow: pa.Schema,
+    data: list[str],
+    keys: list[str] | None,
+    registered: tuple[pa.Schema, pa.Schema],
+) -> pa.Schema:
+    """With ``mergeSchema``: the shard's newest value schema evolved to take the
+    DataFrame (Delta Lake's ``mergeSchema``): its data columns the shard does not have
+    (and ``key_columns`` does not name) are added as nullable value columns, in the
+    DataFrame's order after the shard's; a value column the DataFrame holds in a wider
+    type (int8->int16->int32->int64, float32->float64, string<->large_string) is
+    widened.  The writer's ``open`` registers it (persist's compatible schema
+    evolution, DESIGN 5.3); columns the shard has and the DataFrame lacks still
+    raise (nothing is dropped by a write)."""
+    from persist.updates import is_type_evolution
+
+    key_names = set(registered[0].names)
+    fields = []
+    for f in registered[1]:
+        if f.name in data and is_type_evolution(f.type, arrow.field(f.name).type):
+            f = f.with_type(arrow.field(f.name).type)
+        fields.append(f)
+    have = key_names | set(registered[1].names)
+    for c in data:
+        if c not in have and (keys is None or c not in keys):
+            fields.append(arrow.field(c).with_nullable(True))
+    return pa.schema(fields)
 
 
 @dataclass

@@ -554,6 +554,8 @@ class Stash(abc.ABC):
 
     def _append_tx(self, tx: Txn, batches: list[AppendBatch]) -> None:
         tx.lock(sorted({b.collection.id for b in batches}))
+        for c in {b.collection.id: b.collection for b in batches}.values():
+            self._check_codecs_tx(tx, c)
         for b in batches:
             cid = b.collection.id
             _, upper = tx.frontiers(cid)
@@ -574,6 +576,27 @@ class Stash(abc.ABC):
             if rows:
                 # Keep the collection physically consolidated where this batch touched it.
                 tx.consolidate(cid, b.compact.as_option(), {k for k, _, _, _ in rows})
+
+    def _check_codecs_tx(self, tx: Txn, c: StashCollection[Any, Any]) -> None:
+        """Refuse a write through a handle whose codecs are no longer the collection's
+        (``TypedCollection.migrate`` recorded others since the handle opened it): its
+        entries would be encoded for the old codecs.  Forgets the cached codecs, so that
+        opening the collection again reports both.
+
+        Raises:
+            StashError: naming the collection and both codec pairs.
+        """
+        found = tx.lookup_collection(c.name)
+        if found is None:
+            return
+        if (found[1], found[2]) != (c.key_codec.name, c.value_codec.name):
+            self._collections.pop(c.name, None)
+            raise StashError(
+                f"collection {c.name} now has codecs (key={found[1]}, value={found[2]}) "
+                f"(migrated), but this write uses (key={c.key_codec.name}, "
+                f"value={c.value_codec.name}): open it again with its codecs; nothing was "
+                "committed"
+            )
 
     # ------------------------------------------------------------- leadership
     def confirm_leadership(self) -> None:

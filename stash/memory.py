@@ -80,6 +80,7 @@ class _MemTxn:
         self.created: list[int] = []
         self.undo_front: dict[int, tuple[int | None, int | None]] = {}
         self.undo_rows: dict[tuple[int, tuple[str, str, int]], int | None] = {}
+        self.undo_codecs: dict[int, tuple[str, str]] = {}
 
     def _get(self, cid: int) -> _Coll:
         c = self.store.colls.get(cid)
@@ -103,6 +104,11 @@ class _MemTxn:
 
     def list_collections(self) -> list[tuple[str, int, str, str]]:
         return [(c.name, i, c.key_codec, c.value_codec) for i, c in self.store.colls.items()]
+
+    def set_collection_codecs(self, cid: int, key_codec: str, value_codec: str) -> None:
+        c = self._get(cid)
+        self.undo_codecs.setdefault(cid, (c.key_codec, c.value_codec))
+        c.key_codec, c.value_codec = key_codec, value_codec
 
     def lock(self, ids: Sequence[int]) -> None:
         for cid in ids:
@@ -178,6 +184,9 @@ class _MemTxn:
         for cid, (since, upper) in self.undo_front.items():
             c = self.store.colls[cid]
             c.since, c.upper = since, upper
+        for cid, (kname, vname) in self.undo_codecs.items():
+            c = self.store.colls[cid]
+            c.key_codec, c.value_codec = kname, vname
         for cid in self.created:
             c = self.store.colls.pop(cid)
             self.store.by_name.pop(c.name, None)
@@ -383,6 +392,10 @@ class _CachedTxn:
 
     def list_collections(self) -> list[tuple[str, int, str, str]]:
         return self.inner.list_collections()
+
+    def set_collection_codecs(self, cid: int, key_codec: str, value_codec: str) -> None:
+        self._touch(cid)
+        self.inner.set_collection_codecs(cid, key_codec, value_codec)
 
     def lock(self, ids: Sequence[int]) -> None:
         self.inner.lock(ids)

@@ -593,6 +593,14 @@ class PgTxn(SqlTxn):
         self._locked.add(cid)
         return cid
 
+    def set_collection_codecs(self, cid: int, key_codec: str, value_codec: str) -> None:
+        self._ensure_fence()
+        self._exec(
+            "UPDATE collections SET key_codec = %(k)s, value_codec = %(v)s"
+            " WHERE collection_id = %(c)s",
+            {"k": key_codec, "v": value_codec, "c": cid},
+        )
+
     def list_collections(self) -> list[tuple[str, int, str, str]]:
         self._ensure_fence()
         rows = self._exec(

@@ -675,6 +675,12 @@ class SqlTxn:
         self._front[cid] = [0, 0]
         return cid
 
+    def set_collection_codecs(self, cid: int, key_codec: str, value_codec: str) -> None:
+        self.dbc.execute(
+            "UPDATE collections SET key_codec = :k, value_codec = :v WHERE collection_id = :c",
+            {"k": key_codec, "v": value_codec, "c": cid},
+        )
+
     def list_collections(self) -> list[tuple[str, int, str, str]]:
         rows = self.dbc.execute(
             "SELECT name, collection_id, key_codec, value_codec FROM collections"

@@ -35,6 +35,10 @@ class Txn(Protocol):
         """``[(name, id, key_codec, value_codec)]`` of every collection."""
         ...
 
+    def set_collection_codecs(self, cid: int, key_codec: str, value_codec: str) -> None:
+        """Record other codec names for a collection (``TypedCollection.migrate``)."""
+        ...
+
     def lock(self, ids: Sequence[int]) -> None:
         """Take write locks on these collections' frontiers, in the given (sorted) order."""
         ...

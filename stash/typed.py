@@ -10,6 +10,13 @@ never needs them hashable, and ``True`` is not ``1``); composite keys (the ``tup
 frozen records, NamedTuples) come back as the type they went in as, so ``peek_one`` and
 :meth:`TypedCollection.table` work with them.
 
+:meth:`TypedCollection.migrate` rewrites a collection's entries and its recorded codec
+names in one transaction: it commits entirely (every entry mapped, the codecs changed,
+the old encodings consolidated away, ``since`` at the migration's time) or not at all;
+after it, a write through a handle that still has the old codecs is refused
+(:meth:`stash.base.Stash.append` checks the recorded codec names).  Alembic owns the SQL
+tables themselves (``migrations/``); ``migrate`` owns one collection's data and codecs.
+
 Source of the idea: the seed's ``TypedCollection`` (``003``).
 """
 
@@ -20,12 +27,13 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
-from stash.antichain import Antichain
+from stash.antichain import I64_MAX, Antichain
 from stash.base import Stash
-from stash.codec import CodecLike
+from stash.codec import CodecLike, resolve_codec
 from stash.collection import AppendBatch, StashCollection
-from stash.errors import PeekSinceUpperError
+from stash.errors import PeekSinceUpperError, StashError
 from stash.table import TableTransaction
+from stash.txn import Row, Txn
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -61,6 +69,94 @@ class TypedCollection(Generic[K, V]):
 
     def __repr__(self) -> str:
         return f"TypedCollection({self.name!r})"
+
+    def migrate(
+        self,
+        stash: Stash,
+        key_codec: CodecLike,
+        value_codec: CodecLike,
+        fn: Callable[[K, V], tuple[Any, Any]],
+    ) -> TypedCollection[Any, Any]:
+        """Rewrite the collection for new codecs, in one transaction: every entry
+        ``(key, value)`` of its contents (decoded with this collection's codecs, the ones
+        recorded for it) becomes ``fn(key, value)`` encoded with ``key_codec`` /
+        ``value_codec``, keeping its diff, and the recorded codec names become theirs.
+
+        The new entries are written at the collection's upper ``t`` (the old ones are
+        retracted there and consolidated away); the upper becomes ``t + 1`` and the
+        since ``t``: history before the migration is not readable in either encoding.
+        Handles that opened the collection with the old codecs can no longer write it
+        (their ``append`` raises ``StashError`` naming both codec pairs); reopen it with
+        the returned collection.  Alembic migrations (``migrations/``) own the SQL tables
+        every collection lives in; this owns one collection's entries and codecs.
+
+        Args:
+            stash: a writable stash handle.
+            key_codec, value_codec: the new codecs (see :func:`stash.codec.resolve_codec`).
+            fn: maps an old ``(key, value)`` to the new ``(key, value)``.
+
+        Returns:
+            A :class:`TypedCollection` of the same name with the new codecs.
+
+        Raises:
+            StashError: the collection's recorded codecs are not this object's; its upper
+                is the empty frontier (closed) or the largest time; ``fn`` maps two keys
+                of a collection with one value per key to one key; a new key or value
+                does not encode with its codec; a diff sum would overflow.  Whatever
+                ``fn`` raises is raised as is.  In every case nothing is committed.
+        """
+        new_kc, new_vc = resolve_codec(key_codec), resolve_codec(value_codec)
+        old = self.get(stash)  # raises if the recorded codecs are not ours
+        name = self.name
+
+        def write(tx: Txn) -> None:
+            cid = old.id
+            tx.lock([cid])
+            stash._check_codecs_tx(tx, old)
+            _, upper = tx.frontiers(cid)
+            if upper is None or upper >= I64_MAX:
+                raise StashError(
+                    f"collection {name} cannot be migrated: its upper "
+                    f"{Antichain() if upper is None else Antichain.from_elem(upper)} leaves "
+                    "no time to write the migrated entries at"
+                )
+            acc: dict[tuple[str, str], int] = {}
+            for kj, vj, _t, d in tx.rows(cid):
+                acc[(kj, vj)] = acc.get((kj, vj), 0) + d
+            live = {kv: d for kv, d in acc.items() if d != 0}
+            unique = len({kj for kj, _ in live}) == len(live)
+            out: dict[tuple[str, str], int] = {}
+            first: dict[str, Any] = {}
+            for (kj, vj), d in live.items():
+                k, v = old.key_codec.decode(kj), old.value_codec.decode(vj)
+                k2, v2 = fn(k, v)
+                try:
+                    nk, nv = new_kc.encode(k2), new_vc.encode(v2)
+                except (StashError, TypeError, ValueError) as e:
+                    raise StashError(
+                        f"migrating collection {name}: entry {k!r} maps to a key or value "
+                        f"that does not encode with ({new_kc.name}, {new_vc.name}): {e}"
+                    ) from None
+                if unique and nk in first:
+                    raise StashError(
+                        f"migrating collection {name}: keys {first[nk]!r} and {k!r} both "
+                        f"map to key {k2!r}; nothing was committed"
+                    )
+                first[nk] = k
+                out[(nk, nv)] = out.get((nk, nv), 0) + d
+            rows: list[Row] = [(kj, vj, upper, -d) for (kj, vj), d in live.items()]
+            rows += [(kj, vj, upper, d) for (kj, vj), d in out.items() if d != 0]
+            if rows:
+                tx.insert(cid, rows)
+            tx.set_upper(cid, upper + 1)
+            tx.set_since(cid, upper)
+            tx.consolidate(cid, upper, None)
+            tx.set_collection_codecs(cid, new_kc.name, new_vc.name)
+
+        with _handle_lock(stash):
+            stash._write_checked({old.id: name}, write)
+            stash._collections[name] = (old.id, new_kc.name, new_vc.name)
+        return TypedCollection(name, new_kc, new_vc)
 
     def get(self, stash: Stash) -> StashCollection[K, V]:
         """The collection handle in ``stash`` (created if missing)."""

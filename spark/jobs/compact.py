@@ -29,6 +29,7 @@ executors while the JVM shuts down).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -164,8 +165,13 @@ def _spark_merge(
     from spark.persist_common import arrow_to_spark
 
     st = machine.state()
+    if any(p.schema_id > st.schemas().newest for i in req.inputs for p in i.batch.parts):
+        st = machine.fetch()  # a schema version registered since this process looked
     ks, vs = st.key_schema, st.value_schema
     schema = updates_schema(ks, vs)
+    # Parts are conformed to the newest schema version before consolidating, and the
+    # output records it (persist's compaction, DESIGN 5.3).
+    schemas = (st.schemas(), st.schemas().newest)
     since = req.desc.since.as_option()
     # One input row per part: the part's hollow batch slice, as JSON.
     pieces = [
@@ -183,7 +189,7 @@ def _spark_merge(
     owner = client.compactor.writer_id(machine)
     prefix = f"{machine.shard_id}/c"
     name_prefix = part_name_prefix(owner, machine.now_ms())
-    read_fn = _make_reader(blob_uri, schema)
+    read_fn = _make_reader(blob_uri, schema, schemas)
     write_fn = _make_writer(blob_uri, schema, ks.names, vs.names, since, prefix, name_prefix)
     keys = list(ks.names) or list(vs.names)
     pieces_df = spark.createDataFrame([(p,) for p in pieces], "piece string").repartition(
@@ -201,7 +207,10 @@ def _spark_merge(
     parts: list[Any] = []
     runs: list[int] = []
     for r in ordered:
-        refs = [PartRef.from_json(d) for d in json.loads(r["refs"])]
+        refs = [
+            dataclasses.replace(PartRef.from_json(d), schema_id=schemas[1])
+            for d in json.loads(r["refs"])
+        ]
         if not refs:
             continue
         if parts:
@@ -249,7 +258,7 @@ def _delete(client: Any, machine: Any, keys: list[str], check: bool) -> None:
             client.blob.delete(k)
 
 
-def _make_reader(blob_uri: str, schema: pa.Schema) -> Any:
+def _make_reader(blob_uri: str, schema: pa.Schema, schemas: Any = None) -> Any:
     def read_pieces(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
@@ -263,7 +272,7 @@ def _make_reader(blob_uri: str, schema: pa.Schema) -> Any:
             for rb in batches:
                 for piece in rb.column(0).to_pylist():
                     hb = HollowBatch.from_json(json.loads(piece))
-                    table = read_batches(blob, [hb], schema, max_workers=1)
+                    table = read_batches(blob, [hb], schema, max_workers=1, schemas=schemas)
                     table = pa.Table.from_arrays(
                         [c.cast(f.type) for c, f in zip(table.columns, target, strict=True)],
                         schema=target,

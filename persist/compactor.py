@@ -191,6 +191,7 @@ class Compactor:
             max_workers=c.write_workers,
             order=order,
             name_prefix=stem,
+            key_names=ks.names,
         )
         return FueledMergeRes(HollowBatch(req.desc, tuple(parts), rows_out)), rows_in
 

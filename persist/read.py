@@ -41,6 +41,7 @@ Sources: the persist-client ``ReadHandle``, ``Listen`` and ``LeasedReaderState``
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 import threading
@@ -61,6 +62,7 @@ from persist.errors import CorruptPart, InvalidUsage, PersistError, SinceViolati
 from persist.handle import ShardHandle
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.parts import TIME, consolidate, read_parts
+from persist.pool import run_all
 from persist.state import LeaseExpired, ShardState
 from persist.types import HollowBatch, PartRef
 from stash import Antichain
@@ -68,7 +70,15 @@ from stash import Antichain
 if TYPE_CHECKING:
     from persist.client import PersistClient
 
-__all__ = ["Listen", "ListenEvent", "ReadHandle", "read_batch", "read_batches", "snapshot_table"]
+__all__ = [
+    "Listen",
+    "ListenEvent",
+    "ReadHandle",
+    "read_batch",
+    "read_batches",
+    "snapshot_table",
+    "stream_snapshot",
+]
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +227,124 @@ def snapshot_table(
             return table.set_column(ti, table.schema.field(ti), times)
     table = _advance_and_filter(table, floors, rows, None, as_of + 1 if as_of < 2**63 - 1 else None)
     return consolidate(table, list(key_names), list(value_names), since=as_of)
+
+
+def _runs_of(batches: Sequence[HollowBatch]) -> list[tuple[int, list[PartRef]]]:
+    """The sorted runs of ``batches``: each run's time floor (see :func:`_layout`) and
+    its parts in order."""
+    out: list[tuple[int, list[PartRef]]] = []
+    for b in batches:
+        floor = max(
+            (e for e in (_elem(b.desc.lower), _elem(b.desc.since)) if e is not None),
+            default=-(2**63),
+        )
+        for run in b.run_parts():
+            out.append((floor, list(run)))
+    return out
+
+
+#: A snapshot stream cuts each part into about this many key ranges (the part samples'
+#: resolution, :data:`persist.merge.SAMPLE_INTERVALS`).
+_RANGES_PER_PART = 8
+
+
+def stream_snapshot(
+    blob: Blob,
+    batches: Sequence[HollowBatch],
+    schema: pa.Schema,
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    as_of: int,
+    *,
+    key_schema: pa.Schema,
+    lower: pa.Table | None = None,
+    upper: pa.Table | None = None,
+    max_workers: int = 4,
+) -> Iterator[pa.Table]:
+    """The snapshot of ``batches`` at ``as_of`` (what :func:`snapshot_table` returns),
+    as consolidated tables in key order, one per key range, holding about one part per
+    run in memory at a time.
+
+    The key space is cut into ranges from the parts' key samples
+    (:func:`persist.merge.plan_ranges`, about :data:`_RANGES_PER_PART` ranges per part
+    of the run with the most parts); each range is the k-way merge
+    (:func:`persist.merge.merge_slices`) of the slices of the parts overlapping it; a part
+    is fetched when its first range comes and dropped after its last. With ``lower`` /
+    ``upper`` (one-row tables of the key columns) only keys in ``[lower, upper)`` are
+    returned (a Spark task's key range). When some part has no key samples (written
+    before they were recorded), the whole snapshot is read at once instead.
+
+    Every row of the snapshot comes out exactly once: all updates of one key fall in one
+    range. Empty ranges yield nothing.
+
+    Raises:
+        InvalidUsage: ``as_of`` is not an i64 time.
+        CorruptPart: a part is missing or corrupt (naming its blob key).
+        BlobError: a fetch failed.
+    """
+    from persist.merge import cut_positions, merge_slices, plan_ranges, slice_range
+
+    as_of = _index_time(as_of, "as_of")
+    runs = [(floor, parts) for floor, parts in _runs_of(batches) if parts]
+    flat: list[tuple[int, PartRef]] = [(floor, p) for floor, parts in runs for p in parts]
+    if not flat:
+        return
+    keys = list(key_names)
+    if any(p.key_samples is None for _, p in flat):
+        table = snapshot_table(
+            blob, batches, schema, key_names, value_names, as_of, max_workers=max_workers
+        )
+        table = slice_range(table, keys, lower, upper)
+        if table.num_rows:
+            yield table
+        return
+    ranges = _RANGES_PER_PART * max(len(parts) for _, parts in runs)
+    plan = plan_ranges(
+        [p.key_samples for _, p in flat],
+        [p.encoded_size_bytes for _, p in flat],
+        key_schema,
+        ranges,
+    )
+    last_use: dict[int, int] = {}
+    for i, ps in enumerate(plan.parts):
+        for p in ps:
+            last_use[p] = i
+    upper_t = as_of + 1 if as_of < 2**63 - 1 else None
+    loaded: dict[int, tuple[pa.Table, np.ndarray]] = {}
+    ncuts = plan.cuts.num_rows
+
+    def load(p: int) -> tuple[pa.Table, np.ndarray]:
+        floor, ref = flat[p]
+        table = read_parts(blob, [ref], schema=schema, max_workers=1)
+        table = _advance_and_filter(table, [floor], [ref.rows], None, upper_t)
+        table = slice_range(table, keys, lower, upper)
+        return table, cut_positions(table, keys, plan.cuts)
+
+    for i, ps in enumerate(plan.parts):
+        missing = [p for p in ps if p not in loaded]
+        if missing:
+            tasks = [functools.partial(load, p) for p in missing]
+            remote = sum(1 for p in missing if flat[p][1].inline is None)
+            got, error = run_all(tasks, max(1, min(max_workers, remote)))
+            if error is not None:
+                raise error
+            for p, res in zip(missing, got, strict=True):
+                assert res is not None
+                loaded[p] = res
+        slices = []
+        for p in ps:
+            table, pos = loaded[p]
+            start = int(pos[i - 1]) if i > 0 else 0
+            stop = int(pos[i]) if i < ncuts else table.num_rows
+            if stop > start:
+                slices.append(table.slice(start, stop - start))
+        for p in ps:
+            if last_use[p] == i:
+                del loaded[p]
+        out = merge_slices(slices, keys, value_names, as_of, schema)
+        del slices
+        if out.num_rows:
+            yield out
 
 
 def read_batch(
@@ -553,6 +681,56 @@ class ReadHandle(ShardHandle):
         self._release_seqno(old)
         self._keep_alive_while_held()
         return batches
+
+    def snapshot_stream(
+        self,
+        as_of: int | Antichain,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+        max_chunk_rows: int = 64 * 1024,
+    ) -> Iterator[pa.RecordBatch]:
+        """The shard's contents as of ``as_of`` (what :meth:`snapshot` returns: one row
+        per distinct (key, value) with ``_time = as_of`` and its summed ``_diff``, in key
+        and value order), streamed as record batches of at most ``max_chunk_rows`` rows
+        with bounded memory: a k-way merge of the sorted runs by key range
+        (:func:`stream_snapshot`) holding about one part per run at a time.
+
+        The version read is held (its seqno hold) until the iterator ends or is closed,
+        and the lease is renewed in the background meanwhile.
+
+        Raises: as :meth:`snapshot` (when the iteration starts); ``InvalidUsage`` if
+            ``max_chunk_rows < 1``.
+        """
+        self._check()
+        t = _as_time(as_of, "as_of")
+        if (
+            isinstance(max_chunk_rows, bool)
+            or not isinstance(max_chunk_rows, int)
+            or max_chunk_rows < 1
+        ):
+            raise InvalidUsage(f"max_chunk_rows must be an int >= 1, got {max_chunk_rows!r}")
+
+        def gen() -> Iterator[pa.RecordBatch]:
+            token = self._lease_seqno()
+            try:
+                with self._kept_alive():
+                    batches = self._batches_for(t, wait, timeout)
+                    for table in stream_snapshot(
+                        self._client.blob,
+                        batches,
+                        self.schema,
+                        self.key_schema.names,
+                        self.value_schema.names,
+                        t,
+                        key_schema=self.key_schema,
+                        max_workers=self._client.read_workers,
+                    ):
+                        yield from table.to_batches(max_chunksize=max_chunk_rows)
+            finally:
+                self._release_seqno(token)
+
+        return gen()
 
     def _keep_alive_while_held(self) -> None:
         """While the result of :meth:`snapshot_batches` is held (until :meth:`expire` or

@@ -8,7 +8,9 @@ Invariants kept here:
 * a :class:`PartRef` names exactly one immutable encoded part: either a blob key
   (``key``, a Parquet object) or inline bytes held in the shard state (``inline``, an
   Arrow IPC stream; see ``persist.encoding.encode_inline_part``), never both; ``checksum``
-  is the SHA-256 hex digest of the encoded bytes;
+  is the SHA-256 hex digest of the encoded bytes; its ``key_samples``, when present, are
+  the keys of evenly spaced rows of the part, its first and last row included, encoded
+  by :func:`persist.merge.encode_keys` (``None`` for parts written before they existed);
 * a :class:`HollowBatch` lists its parts grouped into runs: ``runs`` holds the indexes in
   ``parts`` where each run after the first starts, and each run is sorted by
   (key, value, time) and consolidated (one row per distinct (key, value, time), its diff
@@ -77,6 +79,10 @@ class PartRef:
         rows: number of updates (rows) in the part.
         encoded_size_bytes: size of the encoded bytes.
         checksum: SHA-256 hex digest of the encoded bytes.
+        key_samples: the encoded keys (:func:`persist.merge.encode_keys`) of up to nine
+            evenly spaced rows of the (sorted) part, first and last row included, which
+            key-range planning (:func:`persist.merge.plan_ranges`) cuts by; ``None``
+            when unknown (parts written before they were recorded).
     """
 
     key: str | None
@@ -84,6 +90,7 @@ class PartRef:
     encoded_size_bytes: int
     checksum: str
     inline: bytes | None = None
+    key_samples: tuple[tuple[Any, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.key is None) == (self.inline is None):
@@ -100,17 +107,21 @@ class PartRef:
         else:
             assert self.inline is not None
             d["inline"] = base64.b64encode(self.inline).decode("ascii")
+        if self.key_samples is not None:
+            d["keys"] = [list(k) for k in self.key_samples]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PartRef:
         inline = d.get("inline")
+        keys = d.get("keys")
         return cls(
             key=d.get("key"),
             rows=int(d["rows"]),
             encoded_size_bytes=int(d["bytes"]),
             checksum=str(d["sha256"]),
             inline=None if inline is None else base64.b64decode(inline),
+            key_samples=None if keys is None else tuple(tuple(k) for k in keys),
         )
 
 

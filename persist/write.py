@@ -347,6 +347,7 @@ class WriteHandle(ShardHandle):
             order=order,
             name_prefix=name + "-",
             before_upload=self._ensure_registered,
+            key_names=self.key_schema.names,
         )
 
     def builder(self, lower: Antichain | int) -> BatchBuilder:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,6 +40,8 @@ from persist.updates import updates_schema
 from stash import Stash
 
 KEYS = pa.schema([("s", pa.string()), ("f", pa.float64())])
+#: Proxy pools made by tests: kept alive, since freeing a buffer after its pool crashes.
+_PROXY_POOLS: list[pa.MemoryPool] = []
 VALUES = pa.schema([("v", pa.int64())])
 
 
@@ -164,6 +167,34 @@ def test_cut_positions_on_a_sorted_table() -> None:
     assert cut_positions(table, KEYS.names, cuts, side="right").tolist() == [2, 4, 4, 5]
     with pytest.raises(InvalidUsage, match="side"):
         cut_positions(table, KEYS.names, cuts, side="middle")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(KEY_VALUES, min_size=0, max_size=60),
+    cuts=st.lists(KEY_VALUES, min_size=1, max_size=5),
+    side=st.sampled_from(["left", "right"]),
+)
+def test_cut_positions_through_a_sample_equal_ranking_every_row(
+    rows: list[tuple[Any, Any]], cuts: list[tuple[Any, Any]], side: str
+) -> None:
+    """Big tables place cuts among a strided sample first: the positions are those of
+    ranking every row (tiny thresholds here, so small tables take that path)."""
+    import persist.merge as merge
+
+    table = pa.table({"s": [r[0] for r in rows], "f": [r[1] for r in rows]}, schema=KEYS)
+    table = table.take(pc.sort_indices(table, sort_keys=[("s", "ascending"), ("f", "ascending")]))
+    cut_table = pa.table({"s": [c[0] for c in cuts], "f": [c[1] for c in cuts]}, schema=KEYS)
+    want = (
+        merge._positions(table, KEYS.names, cut_table, side).tolist() if rows else [0] * len(cuts)
+    )
+    old = merge._DIRECT_ROWS, merge._SAMPLE_ROWS
+    try:
+        merge._DIRECT_ROWS, merge._SAMPLE_ROWS = 4, 3
+        got = cut_positions(table, KEYS.names, cut_table, side)
+    finally:
+        merge._DIRECT_ROWS, merge._SAMPLE_ROWS = old
+    assert got.tolist() == want
 
 
 def test_key_samples_hold_the_first_and_last_key() -> None:
@@ -345,6 +376,7 @@ def test_snapshot_stream_memory_is_bounded_by_parts_not_the_shard(
             write.compare_and_append(table, t, t + 1)
         shard_bytes = read.snapshot(2).nbytes
         proxy = pa.proxy_memory_pool(pa.default_memory_pool())
+        _PROXY_POOLS.append(proxy)  # buffers it allocated may outlive the test (caches)
         monkeypatch.setattr(consolidation, "_scratch_pool", lambda: proxy)
         previous = pa.default_memory_pool()
         pa.set_memory_pool(proxy)

@@ -13,7 +13,8 @@ Sections:
   partitions (a curve).
 * ``key-range``: the consolidated read cut into 4 key ranges (``partitions=4``, the
   default ``consolidate=full``) against the raw-updates read (``consolidate=none``) of the
-  same shard, written by 4 tasks (4 parts), on the session's ``local[*]`` (2 cores here),
+  same shard, written by 4 tasks (4 parts; ``partition_bytes=1`` makes the raw read one
+  partition per part), on the session's ``local[*]`` (2 cores here),
   both forced through the ``noop`` sink (issue 16; goal: at most 1.3 times as long).
 
 The read of flights (persist source against ``spark.read.parquet``) has the goal of at
@@ -193,7 +194,7 @@ def _key_range_read(res: BenchResults, s: _Setup, rounds: int) -> None:
         return r.load("flights_kr")
 
     full = read(partitions="4")
-    raw = read(consolidate="none")
+    raw = read(consolidate="none", partition_bytes="1")  # one partition per part: 4
     if full.count() != s.rows:
         raise RuntimeError("the key-range read did not return every row once")
     parts = (full.rdd.getNumPartitions(), raw.rdd.getNumPartitions())

@@ -317,8 +317,14 @@ def stream_snapshot(
         floor, ref = flat[p]
         table = read_parts(blob, [ref], schema=schema, max_workers=1)
         table = _advance_and_filter(table, [floor], [ref.rows], None, upper_t)
-        table = slice_range(table, keys, lower, upper)
-        return table, cut_positions(table, keys, plan.cuts)
+        # One pass places the task's bounds and the plan's cuts in the sorted part.
+        bounds = [b for b in (lower, upper) if b is not None]
+        pos = cut_positions(table, keys, pa.concat_tables([*bounds, plan.cuts]))
+        start = int(pos[0]) if lower is not None else 0
+        stop = int(pos[len(bounds) - 1]) if upper is not None else table.num_rows
+        stop = max(start, stop)
+        pos = np.clip(pos[len(bounds) :] - start, 0, stop - start)
+        return table.slice(start, stop - start), pos
 
     for i, ps in enumerate(plan.parts):
         missing = [p for p in ps if p not in loaded]

@@ -290,7 +290,7 @@ def stream_snapshot(
     if not flat:
         return
     keys = list(key_names)
-    if any(p.key_samples is None for _, p in flat):
+    if any(not p.key_samples for _, p in flat):  # unknown (or, never written, empty)
         table = snapshot_table(
             blob, batches, schema, key_names, value_names, as_of, max_workers=max_workers
         )

@@ -96,7 +96,7 @@ def plan_key_ranges(
     if not flat:
         return []
     refs = [batches[bi].parts[pi] for bi, pi in flat]
-    if any(r.key_samples is None for r in refs):
+    if any(not r.key_samples for r in refs):
         return None
     plan = plan_ranges(
         [r.key_samples for r in refs],

@@ -60,6 +60,7 @@ __all__ = [
     "key_samples",
     "merge_slices",
     "plan_ranges",
+    "sample_positions",
 ]
 
 #: Number of intervals a part's key samples cut it into (so at most this + 1 samples).
@@ -142,12 +143,20 @@ def key_samples(
 ) -> tuple[KeySample, ...]:
     """The encoded keys of up to ``intervals + 1`` evenly spaced rows of ``table`` (sorted
     by key), its first and last row included; ``()`` for an empty table."""
-    n = table.num_rows
-    if n == 0:
+    if table.num_rows == 0:
         return ()
-    k = min(intervals, n - 1)
-    pos = np.unique(np.round(np.linspace(0, n - 1, k + 1)).astype(np.int64))
+    pos = sample_positions(table.num_rows, intervals)
     return encode_keys(table.select(list(key_names)).take(pa.array(pos, pa.int64())))
+
+
+def sample_positions(rows: int, intervals: int = SAMPLE_INTERVALS) -> np.ndarray:
+    """The row positions (int64, ascending, distinct) :func:`key_samples` samples in a
+    part of ``rows`` rows: ``intervals + 1`` evenly spaced ones (fewer in a smaller
+    part), the first and the last row included."""
+    if rows <= 0:
+        return np.zeros(0, dtype=np.int64)
+    k = min(intervals, rows - 1)
+    return np.unique(np.round(np.linspace(0, rows - 1, k + 1)).astype(np.int64))
 
 
 # ------------------------------------------------------------------ key order

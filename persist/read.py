@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from persist.blob import Blob
 from persist.consensus import ShardMachine, Stale
@@ -243,6 +244,76 @@ def _runs_of(batches: Sequence[HollowBatch]) -> list[tuple[int, list[PartRef]]]:
     return out
 
 
+def _part_in_range(
+    blob: Blob,
+    ref: PartRef,
+    schema: pa.Schema,
+    key_schema: pa.Schema,
+    lower: pa.Table | None,
+    upper: pa.Table | None,
+) -> pa.Table:
+    """The rows of one part, verified, except for whole Parquet row groups that its key
+    samples show to lie entirely below ``lower`` or at or above ``upper`` (the rows
+    returned are a contiguous slice of the part, holding every row with a key in
+    ``[lower, upper)``).
+
+    A row group ``[s, e)`` lies below ``lower`` when a sample at a position ``>= e - 1``
+    has a key below ``lower`` (the part is sorted), and at or above ``upper`` when a sample
+    at a position ``<= s`` has a key at or above it. Anything unexpected (an inline part,
+    no samples, one row group, a bad checksum or footer) reads the part whole through
+    :func:`persist.parts.read_parts`, which reports corruption.
+
+    Raises:
+        CorruptPart: the part is missing or corrupt (naming its key).
+        BlobError: the fetch failed.
+    """
+    from persist.decoding import _restore_coerced_types
+    from persist.encoding import _sha256
+    from persist.merge import decode_keys, key_ranks, sample_positions
+
+    whole = (lower is None and upper is None) or ref.inline is not None or not ref.key_samples
+    if whole:
+        return read_parts(blob, [ref], schema=schema, max_workers=1)
+    assert ref.key is not None and ref.key_samples is not None
+    data = blob.get(ref.key)
+    if data is None:
+        raise CorruptPart(ref.key, "the part is missing from the blob store", missing=True)
+    positions = sample_positions(ref.rows)
+    try:
+        if len(data) != ref.encoded_size_bytes or _sha256(data) != ref.checksum:
+            raise ValueError("not verified")
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        meta = pf.metadata
+        groups = meta.num_row_groups
+        if meta.num_rows != ref.rows or groups <= 1 or len(positions) != len(ref.key_samples):
+            raise ValueError("not prunable")
+        ends = np.cumsum([meta.row_group(i).num_rows for i in range(groups)])
+        starts = ends - np.asarray([meta.row_group(i).num_rows for i in range(groups)])
+        samples = decode_keys(ref.key_samples, key_schema)
+        bounds = [b for b in (lower, upper) if b is not None]
+        ranks = key_ranks(pa.concat_tables([samples, *bounds]), key_schema.names)
+        m = samples.num_rows
+        below = ranks[:m] < ranks[m] if lower is not None else np.zeros(m, dtype=bool)
+        above = ranks[:m] >= ranks[-1] if upper is not None else np.zeros(m, dtype=bool)
+        keep = [
+            g
+            for g in range(groups)
+            if not (below & (positions >= ends[g] - 1)).any()
+            and not (above & (positions <= starts[g])).any()
+        ]
+        if len(keep) == groups:
+            raise ValueError("nothing to skip")
+        if not keep:
+            return schema.empty_table()
+        table = pf.read_row_groups(keep, use_threads=False)
+        table = _restore_coerced_types(table, pf).replace_schema_metadata(None)
+        if not table.schema.equals(schema):
+            raise ValueError("schema differs")
+        return table
+    except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, InvalidUsage):
+        return read_parts(blob, [ref], schema=schema, max_workers=1)
+
+
 #: A snapshot stream cuts each part into about this many key ranges (the part samples'
 #: resolution, :data:`persist.merge.SAMPLE_INTERVALS`).
 _RANGES_PER_PART = 8
@@ -315,8 +386,8 @@ def stream_snapshot(
 
     def load(p: int) -> tuple[pa.Table, np.ndarray]:
         floor, ref = flat[p]
-        table = read_parts(blob, [ref], schema=schema, max_workers=1)
-        table = _advance_and_filter(table, [floor], [ref.rows], None, upper_t)
+        table = _part_in_range(blob, ref, schema, key_schema, lower, upper)
+        table = _advance_and_filter(table, [floor], [table.num_rows], None, upper_t)
         # One pass places the task's bounds and the plan's cuts in the sorted part.
         bounds = [b for b in (lower, upper) if b is not None]
         pos = cut_positions(table, keys, pa.concat_tables([*bounds, plan.cuts]))

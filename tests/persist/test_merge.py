@@ -229,12 +229,27 @@ def shards(draw: Any) -> dict[str, Any]:
         "compact_after": draw(st.integers(0, 4)),
         # 1 byte: a part per row; else parts of a few rows, cut inside by the ranges.
         "part_bytes": draw(st.sampled_from([1, 150, 400])),
+        # Rows per Parquet row group (None: the default, one group in these tiny parts),
+        # so that key-range reads skip row groups.
+        "group_rows": draw(st.sampled_from([None, 1, 2])),
         "as_of_frac": draw(st.floats(0, 1)),
         "dup_key": draw(st.booleans()),
     }
 
 
 def _build(stash: Stash, spec: dict[str, Any]) -> tuple[PersistClient, Any, int]:
+    import persist.encoding as encoding
+
+    old = encoding.ROW_GROUP_MIN_ROWS, encoding.ROW_GROUPS_PER_PART
+    if spec.get("group_rows") is not None:
+        encoding.ROW_GROUP_MIN_ROWS, encoding.ROW_GROUPS_PER_PART = spec["group_rows"], 10**9
+    try:
+        return _write(stash, spec)
+    finally:
+        encoding.ROW_GROUP_MIN_ROWS, encoding.ROW_GROUPS_PER_PART = old
+
+
+def _write(stash: Stash, spec: dict[str, Any]) -> tuple[PersistClient, Any, int]:
     client = PersistClient(
         stash,
         MemoryBlob(),

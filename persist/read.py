@@ -16,6 +16,10 @@ Invariants kept here:
   ``<= as_of``, consolidated, one row per distinct (key, value) with ``_time = as_of`` and
   its summed ``_diff``, rows summing to zero absent; it needs ``since <= as_of < upper``
   (``SinceViolation`` / ``InvalidUsage``), or waits for the upper with ``wait=True``;
+* ``snapshot_stream(as_of)`` / :func:`stream_snapshot` yield exactly the rows of
+  ``snapshot(as_of)``, in the same order, range of keys after range of keys, holding
+  only the parts (and, for a bounded range, the Parquet row groups) overlapping the
+  current range; parts without key samples are read whole;
 * a reader holds a *seqno* in the state (its lease's seqno hold): never later than the
   oldest version a read of this handle is using (a ``snapshot`` in progress, the last
   ``snapshot_batches``), so GC keeps every part those versions reference; a snapshot

@@ -21,6 +21,12 @@ Sections (``--only`` picks some):
   rows written by compaction per byte and row appended (write amplification).
 * ``batch-size``: write throughput (rows/s) against batch size, persist against
   ``write_table`` (one file per batch), delta-rs and pyiceberg appends.
+* ``memory``: peak memory of reading TPC-H ``lineitem`` (SF1, 0.1 with ``--quick``):
+  persist's streamed snapshot (``ReadHandle.snapshot_stream``, each record batch dropped
+  once counted) and whole snapshot against ``pq.read_table`` of the same rows (issue 16;
+  goal: the stream at most 1.5 times ``read_table``'s peak). The peak is the Arrow
+  allocations (a ``pyarrow.proxy_memory_pool`` set as the default pool, persist's scratch
+  pool routed through it) plus the Python and numpy ones (``tracemalloc``).
 
 Invariants: every contender gets the same Arrow table; only the operation itself is timed
 (opening shards and creating tables is not, for any contender); a result that reads back
@@ -74,7 +80,7 @@ from bench.peers import (
 
 __all__ = ["PersistContender", "Params", "main", "run", "with_time_diff"]
 
-SECTIONS = ("write-read", "one-row", "scaling", "amplification", "batch-size")
+SECTIONS = ("write-read", "one-row", "scaling", "amplification", "batch-size", "memory")
 PERSIST = "persist"
 LIMIT = ParquetLimit.name
 
@@ -824,6 +830,122 @@ def _batch_size(res: BenchResults, base: pa.Table, params: Params, root: Path) -
             c.close()
 
 
+# ------------------------------------------------------------------------- memory
+
+
+#: Every proxy pool :func:`_peak_bytes` made: buffers allocated through one may outlive the
+#: measurement (caches), and freeing them after their pool would crash Arrow.
+_PROXY_POOLS: list[pa.MemoryPool] = []
+
+
+def _peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated while ``fn`` runs: Arrow's (through a proxy of the default
+    pool, installed as the default and as persist's scratch pool) plus Python's and
+    numpy's (``tracemalloc``)."""
+    import tracemalloc
+
+    import persist.consolidation as consolidation
+
+    previous = pa.default_memory_pool()
+    proxy = pa.proxy_memory_pool(previous)
+    _PROXY_POOLS.append(proxy)
+    scratch = consolidation._scratch_pool
+    pa.set_memory_pool(proxy)
+    consolidation._scratch_pool = lambda: proxy  # type: ignore[assignment]
+    tracemalloc.start()
+    try:
+        fn()
+        _, py_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        consolidation._scratch_pool = scratch  # type: ignore[assignment]
+        pa.set_memory_pool(previous)
+    return int(proxy.max_memory()) + int(py_peak)
+
+
+def _memory(res: BenchResults, base: pa.Table, params: Params, root: Path) -> None:
+    """Peak memory of a lineitem snapshot, streamed and whole, against ``read_table``."""
+    from bench.data import lineitem_path
+
+    section = "Snapshot memory"
+    path = lineitem_path(params.lineitem_scale)
+    table = lineitem(params.lineitem_scale)
+    rows = table.num_rows
+    contender = PersistContender(root / "persist", compaction="off")
+    try:
+        contender.prepare("lineitem", table.schema)
+        contender.write("lineitem", table)
+        del table
+        _, read = contender.handles["lineitem"]
+
+        def stream() -> None:
+            n = 0
+            for rb in read.snapshot_stream(0):
+                n += rb.num_rows
+            if n != rows:
+                raise RuntimeError(f"snapshot_stream returned {n} rows, expected {rows}")
+
+        def whole() -> None:
+            if read.snapshot(0).num_rows != rows:
+                raise RuntimeError("snapshot returned the wrong number of rows")
+
+        def reference() -> None:
+            if pq.read_table(path).num_rows != rows:
+                raise RuntimeError("read_table returned the wrong number of rows")
+
+        samples: dict[str, list[float]] = {"stream": [], "whole": [], "read_table": []}
+        for _ in range(2):  # the first round warms caches; peaks barely move
+            for name, fn in (("stream", stream), ("whole", whole), ("read_table", reference)):
+                samples[name].append(float(_peak_bytes(fn)))
+        for name in samples:
+            samples[name] = samples[name][1:]
+        res.add(
+            ratio_record(
+                section,
+                f"lineitem-sf{params.lineitem_scale:g} peak memory: snapshot_stream vs read_table",
+                subject="ReadHandle.snapshot_stream",
+                subject_samples=samples["stream"],
+                reference="pq.read_table",
+                reference_samples=samples["read_table"],
+                measure="slowdown",
+                goal=Goal("<=", 1.5),
+                unit="bytes",
+                note="ratio of peak bytes (Arrow pool + tracemalloc), not of times",
+            )
+        )
+        res.add(
+            ratio_record(
+                section,
+                f"lineitem-sf{params.lineitem_scale:g} peak memory: snapshot vs read_table",
+                subject="ReadHandle.snapshot",
+                subject_samples=samples["whole"],
+                reference="pq.read_table",
+                reference_samples=samples["read_table"],
+                measure="slowdown",
+                unit="bytes",
+                note="ratio of peak bytes (Arrow pool + tracemalloc), not of times",
+            )
+        )
+        res.tables.append(
+            Table(
+                section=section,
+                name="snapshot-memory",
+                title=f"Peak memory reading lineitem SF{params.lineitem_scale:g} ({rows:,} rows)",
+                columns=["read", "peak"],
+                rows=[
+                    [
+                        "ReadHandle.snapshot_stream (batches dropped)",
+                        fmt_bytes(samples["stream"][0]),
+                    ],
+                    ["ReadHandle.snapshot", fmt_bytes(samples["whole"][0])],
+                    ["pq.read_table", fmt_bytes(samples["read_table"][0])],
+                ],
+            )
+        )
+    finally:
+        contender.close()
+
+
 # ------------------------------------------------------------------------- main
 
 
@@ -886,6 +1008,7 @@ def run(quick: bool, only: tuple[str, ...] = (), json_path: str | None = None) -
             ("scaling", "scaling", _scaling),
             ("amplification", "write amplification", _amplification),
             ("batch-size", "write throughput vs batch size", _batch_size),
+            ("memory", "snapshot memory", _memory),
         ]
         for key, title, fn in sections:
             if key in selected:

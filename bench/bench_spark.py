@@ -11,6 +11,14 @@ Sections:
   (``df.write.format("noop")``), so neither side can skip columns.
 * ``partitions``: the same write pair with the DataFrame repartitioned to 1, 2, 4, 8
   partitions (a curve).
+* ``key-range``: the consolidated read cut into 4 key ranges (``partitions=4``, the
+  default ``consolidate=full``) against the raw-updates read (``consolidate=none``) of the
+  same shard, written by 4 tasks (4 parts; ``partition_bytes=1`` makes the raw read one
+  partition per part), on the session's ``local[*]`` (2 cores here),
+  both forced through the ``noop`` sink (issue 16; goal: at most 1.3 times as long).
+
+The read of flights (persist source against ``spark.read.parquet``) has the goal of at
+most 1.3 times as long (issue 16), as the write does.
 
 Invariants: both sides of a pair write the same cached DataFrame (its computation is not
 timed); contenders run interleaved, medians are reported; after each persist write the
@@ -163,6 +171,63 @@ def _pair_write(
     return interleave({PERSIST: persist, PARQUET: parquet}, rounds, warmup=1, log=res.log)
 
 
+def _key_range_read(res: BenchResults, s: _Setup, rounds: int) -> None:
+    """The consolidated read in 4 key ranges against the raw-updates read of a shard
+    written by 4 tasks (so the raw read has 4 partitions too), noop sink; checks (untimed)
+    that the consolidated read returns every row once."""
+    d = s.frame(4)
+    try:
+        s.write_persist(d, "flights_kr")
+    finally:
+        d.unpersist()
+    s.check_shard("flights_kr")
+
+    def read(**options: str) -> Any:
+        r = (
+            s.spark.read.format("persist")
+            .option("stash", s.stash_url)
+            .option("blob", s.blob_uri)
+            .option("as_of", 0)
+        )
+        for k, v in options.items():
+            r = r.option(k, v)
+        return r.load("flights_kr")
+
+    full = read(partitions="4")
+    raw = read(consolidate="none", partition_bytes="1")  # one partition per part: 4
+    if full.count() != s.rows:
+        raise RuntimeError("the key-range read did not return every row once")
+    parts = (full.rdd.getNumPartitions(), raw.rdd.getNumPartitions())
+
+    def timed(df: Any) -> Any:
+        def fn(r: int) -> float:
+            t0 = time.perf_counter()
+            df.write.format("noop").mode("overwrite").save()
+            return time.perf_counter() - t0
+
+        return fn
+
+    sm = interleave(
+        {"consolidated (key ranges)": timed(full), "raw updates": timed(raw)},
+        rounds,
+        warmup=1,
+        log=res.log,
+    )
+    res.add(
+        ratio_record(
+            "Consolidated read by key range",
+            f"consolidated read in {parts[0]} key ranges vs raw-updates read "
+            f"({parts[1]} partitions), noop sink",
+            subject="consolidate=full, partitions=4",
+            subject_samples=sm["consolidated (key ranges)"],
+            reference="consolidate=none",
+            reference_samples=sm["raw updates"],
+            measure="slowdown",
+            goal=Goal("<=", 1.3),
+        )
+    )
+
+
 def run(quick: bool, json_path: str | None = None) -> Path:
     """Run the Spark benches and save the results JSON; return its path.  A failing
     section is recorded in the results, not raised."""
@@ -254,6 +319,7 @@ def run(quick: bool, json_path: str | None = None) -> Path:
                     reference="spark.read.parquet",
                     reference_samples=rd[PARQUET],
                     measure="slowdown",
+                    goal=Goal("<=", 1.3),
                 )
             )
             res.tables.append(
@@ -283,6 +349,8 @@ def run(quick: bool, json_path: str | None = None) -> Path:
                 res.profiles["Spark persist write (driver side)"] = profile_text(
                     lambda: s.write_persist(s.df, "flights_profile")
                 )
+        with res.section("consolidated read by key range"):
+            _key_range_read(res, s, rounds)
         with res.section("write vs partitions"):
             pers: list[tuple[float, float]] = []
             parq: list[tuple[float, float]] = []

@@ -11,7 +11,9 @@ of one cannot disturb the next):
    shard lengths, and 8 processes against 1 on Postgres (issue 18);
 3. ``bench.bench_persist``: persist against ``pyarrow.parquet``, delta-rs, pyiceberg and
    DuckDB (issue 4);
-4. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet (issue 5).
+4. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet (issue 5);
+5. ``bench.bench_pipeline_parquet``: the flights pipeline on persist against the same
+   pipeline on plain Parquet (issue 16).
 
 Invariants kept here:
 
@@ -89,6 +91,14 @@ BENCHES: tuple[BenchSpec, ...] = (
         900,
         300,
         "Spark: the persist data source against Spark's Parquet",
+    ),
+    BenchSpec(
+        "pipeline",
+        "bench.bench_pipeline_parquet",
+        (),
+        1800,
+        600,
+        "Pipeline: make demo's steps against the same pipeline on plain Parquet",
     ),
 )
 

@@ -208,6 +208,7 @@ class Compactor:
             max_workers=c.write_workers,
             order=order,
             name_prefix=stem,
+            key_names=ks.names,
         )
         if newest:
             parts = [replace(p, schema_id=newest) for p in parts]

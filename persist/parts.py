@@ -19,6 +19,7 @@ Invariants kept here:
   it, which is what decoding those bytes gives.
 """
 
+import dataclasses
 import math
 import threading
 import uuid
@@ -34,6 +35,7 @@ from persist.consolidation import _take, consolidate, consolidate_order
 from persist.decoding import INLINE_CACHE, _part_name, decode_part
 from persist.encoding import encode_inline_part, encode_part, make_part_ref
 from persist.errors import BlobError, CorruptPart, InvalidUsage
+from persist.merge import key_samples
 from persist.pool import run_all, submit_io
 from persist.types import PartRef
 from persist.updates import DIFF, TIME, SchemaHistory, to_updates_table, updates_schema
@@ -125,6 +127,7 @@ def write_parts(
     order: np.ndarray | None = None,
     name_prefix: str = "",
     before_upload: Callable[[], None] | None = None,
+    key_names: Sequence[str] | None = None,
 ) -> list[PartRef]:
     """Encode ``table`` as Parquet parts and upload them; return their refs in order.
 
@@ -147,6 +150,10 @@ def write_parts(
     pool (:func:`persist.pool.submit_io`) while the next parts encode; at most
     ``2 * max_workers`` encoded parts wait for their upload at once. It returns after
     every upload ended. An empty table gives ``[]``.
+
+    With ``key_names`` (only for a table sorted by those columns, e.g. a consolidated
+    run), each ref records the part's key samples (:func:`persist.merge.key_samples`),
+    which key-range reads plan by.
 
     If an encoding or an upload fails, no further part is encoded, the keys already
     attempted are deleted best-effort once every upload has ended (an orphan left by a
@@ -175,7 +182,7 @@ def write_parts(
         # tens of microseconds, less than measuring the table's ``nbytes``).
         small = encode_inline_part(table)
         if len(small) <= inline_max_bytes:
-            ref = make_part_ref(None, small, n, inline=True)
+            ref = _with_samples(make_part_ref(None, small, n, inline=True), table, key_names)
             INLINE_CACHE.put(ref, table)
             return [ref]
     nbytes = table.nbytes
@@ -215,7 +222,7 @@ def write_parts(
         if order is not None:
             piece = _take(table, order[starts[i] : starts[i] + piece.num_rows])
         data = whole if whole is not None and len(pieces) == 1 else encode_part(piece)
-        ref = make_part_ref(keys[i], data, piece.num_rows)
+        ref = _with_samples(make_part_ref(keys[i], data, piece.num_rows), piece, key_names)
         in_flight.acquire()
         try:
             upload = submit_io(blob.set, keys[i], data)
@@ -242,6 +249,13 @@ def write_parts(
                 pass
         raise error
     return [r for r in results if r is not None]
+
+
+def _with_samples(ref: PartRef, table: pa.Table, key_names: Sequence[str] | None) -> PartRef:
+    """``ref`` with the key samples of ``table`` (its sorted rows) when ``key_names``."""
+    if key_names is None:
+        return ref
+    return dataclasses.replace(ref, key_samples=key_samples(table, key_names))
 
 
 def read_parts(

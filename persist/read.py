@@ -21,6 +21,10 @@ Invariants kept here:
   under another schema version comes back with the reader's columns (added ones null,
   widened ones cast, dropped ones gone), so rows differing only in a dropped column are
   one row;
+* ``snapshot_stream(as_of)`` / :func:`stream_snapshot` yield exactly the rows of
+  ``snapshot(as_of)``, in the same order, range of keys after range of keys, holding
+  only the parts (and, for a bounded range, the Parquet row groups) overlapping the
+  current range; parts without key samples are read whole;
 * a reader holds a *seqno* in the state (its lease's seqno hold): never later than the
   oldest version a read of this handle is using (a ``snapshot`` in progress, the last
   ``snapshot_batches``), so GC keeps every part those versions reference; a snapshot
@@ -46,6 +50,7 @@ Sources: the persist-client ``ReadHandle``, ``Listen`` and ``LeasedReaderState``
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 import threading
@@ -59,6 +64,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from persist.blob import Blob
 from persist.consensus import ShardMachine, Stale
@@ -66,6 +72,7 @@ from persist.errors import CorruptPart, InvalidUsage, PersistError, SinceViolati
 from persist.handle import ShardHandle
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.parts import TIME, consolidate, read_parts
+from persist.pool import run_all
 from persist.state import LeaseExpired, ShardState
 from persist.types import HollowBatch, PartRef
 from persist.updates import SchemaHistory
@@ -74,7 +81,15 @@ from stash import Antichain
 if TYPE_CHECKING:
     from persist.client import PersistClient
 
-__all__ = ["Listen", "ListenEvent", "ReadHandle", "read_batch", "read_batches", "snapshot_table"]
+__all__ = [
+    "Listen",
+    "ListenEvent",
+    "ReadHandle",
+    "read_batch",
+    "read_batches",
+    "snapshot_table",
+    "stream_snapshot",
+]
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +269,221 @@ def snapshot_table(
 def _keeps_runs(schemas: tuple[SchemaHistory, int], ref: PartRef) -> bool:
     history, dst = schemas
     return history.plan(ref.schema_id, dst).keeps_runs
+
+
+def _runs_of(batches: Sequence[HollowBatch]) -> list[tuple[int, list[PartRef]]]:
+    """The sorted runs of ``batches``: each run's time floor (see :func:`_layout`) and
+    its parts in order."""
+    out: list[tuple[int, list[PartRef]]] = []
+    for b in batches:
+        floor = max(
+            (e for e in (_elem(b.desc.lower), _elem(b.desc.since)) if e is not None),
+            default=-(2**63),
+        )
+        for run in b.run_parts():
+            out.append((floor, list(run)))
+    return out
+
+
+def _part_in_range(
+    blob: Blob,
+    ref: PartRef,
+    schema: pa.Schema,
+    key_schema: pa.Schema,
+    lower: pa.Table | None,
+    upper: pa.Table | None,
+) -> pa.Table:
+    """The rows of one part, verified, except for whole Parquet row groups that its key
+    samples show to lie entirely below ``lower`` or at or above ``upper`` (the rows
+    returned are a contiguous slice of the part, holding every row with a key in
+    ``[lower, upper)``).
+
+    A row group ``[s, e)`` lies below ``lower`` when a sample at a position ``>= e - 1``
+    has a key below ``lower`` (the part is sorted), and at or above ``upper`` when a sample
+    at a position ``<= s`` has a key at or above it. Anything unexpected (an inline part,
+    no samples, one row group, a bad checksum or footer) reads the part whole through
+    :func:`persist.parts.read_parts`, which reports corruption.
+
+    Raises:
+        CorruptPart: the part is missing or corrupt (naming its key).
+        BlobError: the fetch failed.
+    """
+    from persist.decoding import _restore_coerced_types
+    from persist.encoding import _sha256
+    from persist.merge import decode_keys, key_ranks, sample_positions
+
+    whole = (lower is None and upper is None) or ref.inline is not None or not ref.key_samples
+    if whole:
+        return read_parts(blob, [ref], schema=schema, max_workers=1)
+    assert ref.key is not None and ref.key_samples is not None
+    data = blob.get(ref.key)
+    if data is None:
+        raise CorruptPart(ref.key, "the part is missing from the blob store", missing=True)
+    positions = sample_positions(ref.rows)
+    try:
+        if len(data) != ref.encoded_size_bytes or _sha256(data) != ref.checksum:
+            raise ValueError("not verified")
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        meta = pf.metadata
+        groups = meta.num_row_groups
+        if meta.num_rows != ref.rows or groups <= 1 or len(positions) != len(ref.key_samples):
+            raise ValueError("not prunable")
+        ends = np.cumsum([meta.row_group(i).num_rows for i in range(groups)])
+        starts = ends - np.asarray([meta.row_group(i).num_rows for i in range(groups)])
+        samples = decode_keys(ref.key_samples, key_schema)
+        bounds = [b for b in (lower, upper) if b is not None]
+        ranks = key_ranks(pa.concat_tables([samples, *bounds]), key_schema.names)
+        m = samples.num_rows
+        below = ranks[:m] < ranks[m] if lower is not None else np.zeros(m, dtype=bool)
+        above = ranks[:m] >= ranks[-1] if upper is not None else np.zeros(m, dtype=bool)
+        keep = [
+            g
+            for g in range(groups)
+            if not (below & (positions >= ends[g] - 1)).any()
+            and not (above & (positions <= starts[g])).any()
+        ]
+        if len(keep) == groups:
+            raise ValueError("nothing to skip")
+        if not keep:
+            return schema.empty_table()
+        table = pf.read_row_groups(keep, use_threads=False)
+        table = _restore_coerced_types(table, pf).replace_schema_metadata(None)
+        if not table.schema.equals(schema):
+            raise ValueError("schema differs")
+        return table
+    except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, InvalidUsage):
+        return read_parts(blob, [ref], schema=schema, max_workers=1)
+
+
+#: A snapshot stream cuts each part into about this many key ranges (the part samples'
+#: resolution, :data:`persist.merge.SAMPLE_INTERVALS`).
+_RANGES_PER_PART = 8
+
+
+def stream_snapshot(
+    blob: Blob,
+    batches: Sequence[HollowBatch],
+    schema: pa.Schema,
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    as_of: int,
+    *,
+    key_schema: pa.Schema,
+    lower: pa.Table | None = None,
+    upper: pa.Table | None = None,
+    max_workers: int = 4,
+    schemas: tuple[SchemaHistory, int] | None = None,
+) -> Iterator[pa.Table]:
+    """The snapshot of ``batches`` at ``as_of`` (what :func:`snapshot_table` returns),
+    as consolidated tables in key order, one per key range, holding about one part per
+    run in memory at a time.
+
+    The key space is cut into ranges from the parts' key samples
+    (:func:`persist.merge.plan_ranges`, about :data:`_RANGES_PER_PART` ranges per part
+    of the run with the most parts); each range is the k-way merge
+    (:func:`persist.merge.merge_slices`) of the slices of the parts overlapping it; a part
+    is fetched when its first range comes and dropped after its last. With ``lower`` /
+    ``upper`` (one-row tables of the key columns) only keys in ``[lower, upper)`` are
+    returned (a Spark task's key range). When some part has no key samples (written
+    before they were recorded), the whole snapshot is read at once instead. With
+    ``schemas`` (as :func:`snapshot_table`), each part is conformed from the schema version
+    it was written with to the reader's view before it is cut and merged (key columns never
+    change between versions, so the key samples stay valid), and re-consolidated when
+    conforming can make its rows collide (a dropped column).
+
+    Every row of the snapshot comes out exactly once: all updates of one key fall in one
+    range. Empty ranges yield nothing.
+
+    Raises:
+        InvalidUsage: ``as_of`` is not an i64 time.
+        CorruptPart: a part is missing or corrupt (naming its blob key).
+        BlobError: a fetch failed.
+    """
+    from persist.merge import cut_positions, merge_slices, plan_ranges, slice_range
+
+    as_of = _index_time(as_of, "as_of")
+    runs = [(floor, parts) for floor, parts in _runs_of(batches) if parts]
+    flat: list[tuple[int, PartRef]] = [(floor, p) for floor, parts in runs for p in parts]
+    if not flat:
+        return
+    keys = list(key_names)
+    if any(not p.key_samples for _, p in flat):  # unknown (or, never written, empty)
+        table = snapshot_table(
+            blob,
+            batches,
+            schema,
+            key_names,
+            value_names,
+            as_of,
+            max_workers=max_workers,
+            schemas=schemas,
+        )
+        table = slice_range(table, keys, lower, upper)
+        if table.num_rows:
+            yield table
+        return
+    ranges = _RANGES_PER_PART * max(len(parts) for _, parts in runs)
+    plan = plan_ranges(
+        [p.key_samples for _, p in flat],
+        [p.encoded_size_bytes for _, p in flat],
+        key_schema,
+        ranges,
+    )
+    last_use: dict[int, int] = {}
+    for i, ps in enumerate(plan.parts):
+        for p in ps:
+            last_use[p] = i
+    upper_t = as_of + 1 if as_of < 2**63 - 1 else None
+    loaded: dict[int, tuple[pa.Table, np.ndarray]] = {}
+    ncuts = plan.cuts.num_rows
+
+    def load(p: int) -> tuple[pa.Table, np.ndarray]:
+        floor, ref = flat[p]
+        if schemas is None:
+            table = _part_in_range(blob, ref, schema, key_schema, lower, upper)
+        else:
+            history, dst = schemas
+            history.check_id(ref.schema_id, f"part {ref.key or '<inline>'}")
+            conform = history.plan(ref.schema_id, dst)
+            raw = _part_in_range(blob, ref, conform.source, key_schema, lower, upper)
+            table = conform.apply(raw)
+            if not conform.keeps_runs:  # rows differing only in a dropped column now collide
+                table = consolidate(table, keys, list(value_names))
+        table = _advance_and_filter(table, [floor], [table.num_rows], None, upper_t)
+        # One pass places the task's bounds and the plan's cuts in the sorted part.
+        bounds = [b for b in (lower, upper) if b is not None]
+        pos = cut_positions(table, keys, pa.concat_tables([*bounds, plan.cuts]))
+        start = int(pos[0]) if lower is not None else 0
+        stop = int(pos[len(bounds) - 1]) if upper is not None else table.num_rows
+        stop = max(start, stop)
+        pos = np.clip(pos[len(bounds) :] - start, 0, stop - start)
+        return table.slice(start, stop - start), pos
+
+    for i, ps in enumerate(plan.parts):
+        missing = [p for p in ps if p not in loaded]
+        if missing:
+            tasks = [functools.partial(load, p) for p in missing]
+            remote = sum(1 for p in missing if flat[p][1].inline is None)
+            got, error = run_all(tasks, max(1, min(max_workers, remote)))
+            if error is not None:
+                raise error
+            for p, res in zip(missing, got, strict=True):
+                assert res is not None
+                loaded[p] = res
+        slices = []
+        for p in ps:
+            table, pos = loaded[p]
+            start = int(pos[i - 1]) if i > 0 else 0
+            stop = int(pos[i]) if i < ncuts else table.num_rows
+            if stop > start:
+                slices.append(table.slice(start, stop - start))
+        for p in ps:
+            if last_use[p] == i:
+                del loaded[p]
+        out = merge_slices(slices, keys, value_names, as_of, schema)
+        del slices
+        if out.num_rows:
+            yield out
 
 
 def read_batch(
@@ -600,6 +830,57 @@ class ReadHandle(ShardHandle):
         self._release_seqno(old)
         self._keep_alive_while_held()
         return batches
+
+    def snapshot_stream(
+        self,
+        as_of: int | Antichain,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+        max_chunk_rows: int = 64 * 1024,
+    ) -> Iterator[pa.RecordBatch]:
+        """The shard's contents as of ``as_of`` (what :meth:`snapshot` returns: one row
+        per distinct (key, value) with ``_time = as_of`` and its summed ``_diff``, in key
+        and value order), streamed as record batches of at most ``max_chunk_rows`` rows
+        with bounded memory: a k-way merge of the sorted runs by key range
+        (:func:`stream_snapshot`) holding about one part per run at a time.
+
+        The version read is held (its seqno hold) until the iterator ends or is closed,
+        and the lease is renewed in the background meanwhile.
+
+        Raises: as :meth:`snapshot` (when the iteration starts); ``InvalidUsage`` if
+            ``max_chunk_rows < 1``.
+        """
+        self._check()
+        t = _as_time(as_of, "as_of")
+        if (
+            isinstance(max_chunk_rows, bool)
+            or not isinstance(max_chunk_rows, int)
+            or max_chunk_rows < 1
+        ):
+            raise InvalidUsage(f"max_chunk_rows must be an int >= 1, got {max_chunk_rows!r}")
+
+        def gen() -> Iterator[pa.RecordBatch]:
+            token = self._lease_seqno()
+            try:
+                with self._kept_alive():
+                    batches = self._batches_for(t, wait, timeout)
+                    for table in stream_snapshot(
+                        self._client.blob,
+                        batches,
+                        self.schema,
+                        self.key_schema.names,
+                        self.value_schema.names,
+                        t,
+                        key_schema=self.key_schema,
+                        max_workers=self._client.read_workers,
+                        schemas=self.read_schemas(),
+                    ):
+                        yield from table.to_batches(max_chunksize=max_chunk_rows)
+            finally:
+                self._release_seqno(token)
+
+        return gen()
 
     def _keep_alive_while_held(self) -> None:
         """While the result of :meth:`snapshot_batches` is held (until :meth:`expire` or

@@ -10,7 +10,10 @@ Invariants kept here:
   Arrow IPC stream; see ``persist.encoding.encode_inline_part``), never both; ``checksum``
   is the SHA-256 hex digest of the encoded bytes; its ``schema_id`` names the value
   schema version it was written with (``0``, omitted from the JSON, for parts of states
-  older than schema versions: they were all written with the shard's first schema);
+  older than schema versions: they were all written with the shard's first schema); its
+  ``key_samples``, when present, are
+  the keys of evenly spaced rows of the part, its first and last row included, encoded
+  by :func:`persist.merge.encode_keys` (``None`` for parts written before they existed);
 * a :class:`HollowBatch` lists its parts grouped into runs: ``runs`` holds the indexes in
   ``parts`` where each run after the first starts, and each run is sorted by
   (key, value, time) and consolidated (one row per distinct (key, value, time), its diff
@@ -82,6 +85,10 @@ class PartRef:
         schema_id: the id of the shard's value schema version the part was written
             with (DESIGN section 5.3; an index into ``ShardState.schema_history``);
             parts of states written before schemas were versioned read as ``0``.
+        key_samples: the encoded keys (:func:`persist.merge.encode_keys`) of up to nine
+            evenly spaced rows of the (sorted) part, first and last row included, which
+            key-range planning (:func:`persist.merge.plan_ranges`) cuts by; ``None``
+            when unknown (parts written before they were recorded).
     """
 
     key: str | None
@@ -90,6 +97,7 @@ class PartRef:
     checksum: str
     inline: bytes | None = None
     schema_id: int = 0
+    key_samples: tuple[tuple[Any, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.key is None) == (self.inline is None):
@@ -108,11 +116,14 @@ class PartRef:
             d["inline"] = base64.b64encode(self.inline).decode("ascii")
         if self.schema_id:
             d["schema"] = self.schema_id
+        if self.key_samples is not None:
+            d["keys"] = [list(k) for k in self.key_samples]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PartRef:
         inline = d.get("inline")
+        keys = d.get("keys")
         return cls(
             key=d.get("key"),
             rows=int(d["rows"]),
@@ -120,6 +131,7 @@ class PartRef:
             checksum=str(d["sha256"]),
             inline=None if inline is None else base64.b64decode(inline),
             schema_id=int(d.get("schema", 0)),
+            key_samples=None if keys is None else tuple(tuple(k) for k in keys),
         )
 
 

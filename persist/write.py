@@ -356,6 +356,7 @@ class WriteHandle(ShardHandle):
             order=order,
             name_prefix=name + "-",
             before_upload=self._ensure_registered,
+            key_names=self.key_schema.names,
         )
         # Each part records the schema version it was written with (DESIGN 5.3).
         sid = self.schema_id if schema_id is None else schema_id

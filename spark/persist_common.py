@@ -84,6 +84,7 @@ READ_OPTIONS = (
     "partition_bytes",
     "consolidate",
     "expand",
+    "partitions",
 )
 """Every option a read (batch or streaming) of the persist source understands."""
 
@@ -196,6 +197,8 @@ class ReadSettings:
     partition_bytes: int
     consolidate: str
     expand: bool
+    #: Key ranges of a consolidated read (``None``: as many as a raw read's partitions).
+    partitions: int | None = None
 
     @property
     def full(self) -> bool:

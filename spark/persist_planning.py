@@ -1,9 +1,12 @@
 """Read planning for the ``persist`` Spark source: which parts each input partition reads.
 
-Invariants kept here: partitions carry only picklable metadata (part references, never
-data); a sliced batch keeps its runs, so a task never mixes the parts of several runs into
-one consolidated run; a consolidated (``full``) read puts every part that could cancel
-another in the same partition.
+Invariants kept here: partitions carry only picklable metadata (part references and
+encoded key bounds, never data); a sliced batch keeps its runs, so a task never mixes the
+parts of several runs into one consolidated run; a consolidated (``full``) read puts every
+part that could cancel another in the same partition: either one key range per partition
+(:func:`plan_key_ranges`; the ranges partition the key space and each partition holds every
+part overlapping its range, so every update of a key is read by the task owning that key),
+or, when some part has no key samples, every part in one partition.
 """
 
 from __future__ import annotations
@@ -75,6 +78,48 @@ def slice_batch(batch: Any, indexes: Sequence[int]) -> Any:
     return HollowBatch(batch.desc, parts, sum(p.rows for p in parts), runs)
 
 
+def plan_key_ranges(
+    batches: Sequence[Any], key_schema: Any, partitions: int
+) -> list[tuple[list[Any], Any, Any]] | None:
+    """Split a consolidated read into at most ``partitions`` key ranges of about equal
+    bytes (:func:`persist.merge.plan_ranges` over the parts' key samples).
+
+    Returns one ``(batches, lower, upper)`` per range: the sliced hollow batches holding
+    every part that overlaps the range (runs kept, see :func:`slice_batch`) and the
+    range's bounds as encoded keys (:func:`persist.merge.encode_keys`; ``None``:
+    unbounded), ranges with no part left out; ``None`` when some part has no key samples
+    (then the read cannot be cut by key: read it in one partition).
+    """
+    from persist.merge import encode_keys, plan_ranges
+
+    flat = [(bi, pi) for bi, b in enumerate(batches) for pi in range(len(b.parts))]
+    if not flat:
+        return []
+    refs = [batches[bi].parts[pi] for bi, pi in flat]
+    if any(not r.key_samples for r in refs):
+        return None
+    plan = plan_ranges(
+        [r.key_samples for r in refs],
+        [r.encoded_size_bytes for r in refs],
+        key_schema,
+        max(1, partitions),
+    )
+    cuts = encode_keys(plan.cuts)
+    out: list[tuple[list[Any], Any, Any]] = []
+    for i, ps in enumerate(plan.parts):
+        if not ps:
+            continue
+        by_batch: dict[int, list[int]] = {}
+        for p in ps:
+            bi, pi = flat[p]
+            by_batch.setdefault(bi, []).append(pi)
+        group = [slice_batch(batches[bi], idx) for bi, idx in by_batch.items()]
+        lower = cuts[i - 1] if i > 0 else None
+        upper = cuts[i] if i < len(cuts) else None
+        out.append((group, lower, upper))
+    return out
+
+
 @dataclass
 class PartsPartition(InputPartition):
     """An input partition: the parts one task reads, and the read time."""
@@ -85,6 +130,20 @@ class PartsPartition(InputPartition):
     def __init__(self, parts: list[Any], as_of: int) -> None:
         self.parts = parts
         self.as_of = as_of
+
+
+class KeyRangePartition(PartsPartition):
+    """An input partition of a consolidated read cut by key range: the parts overlapping
+    the range and its bounds (encoded keys, :func:`persist.merge.encode_keys`; ``None``:
+    unbounded); its task returns the snapshot's rows with ``lower <= key < upper``."""
+
+    lower: Any
+    upper: Any
+
+    def __init__(self, parts: list[Any], as_of: int, lower: Any, upper: Any) -> None:
+        super().__init__(parts, as_of)
+        self.lower = lower
+        self.upper = upper
 
 
 def resolve_as_of(read: Any, as_of: int | None, shard: str) -> int | None:

@@ -3,8 +3,12 @@
 Invariants kept here: a task yields Arrow record batches in the DataFrame's schema (the
 shard's newest value schema when the read was planned; each part is conformed from the
 schema version it was written with, before consolidation); with
-``consolidate=full`` the rows equal ``ReadHandle.snapshot(as_of)``; times are advanced to
-the read time and updates beyond it dropped before consolidation.
+``consolidate=full`` the rows equal ``ReadHandle.snapshot(as_of)``: each task of a read cut
+by key range (:class:`~spark.persist_planning.KeyRangePartition`) streams the snapshot's
+rows of its range (:func:`persist.read.stream_snapshot`: a k-way merge of its parts' sorted
+runs holding about one part per run in memory), and the ranges partition the key space, so
+each distinct row comes from exactly one task, with no shuffle; times are advanced to the
+read time and updates beyond it dropped before consolidation.
 """
 
 from __future__ import annotations
@@ -22,7 +26,13 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from spark.persist_common import DIFF, TIME, PersistSourceError, ReadSettings, persist_client
-from spark.persist_planning import PartsPartition, plan_parts, resolve_as_of
+from spark.persist_planning import (
+    KeyRangePartition,
+    PartsPartition,
+    plan_key_ranges,
+    plan_parts,
+    resolve_as_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +116,64 @@ def _to_output(
     return pa.Table.from_arrays(cols, schema=target)
 
 
+def key_range_partitions(
+    batches: Sequence[Any], s: ReadSettings, as_of: int
+) -> list[InputPartition] | None:
+    """The input partitions of a consolidated read cut by key range
+    (:func:`~spark.persist_planning.plan_key_ranges`): ``s.partitions`` ranges, by default
+    as many as a raw read has partitions (:func:`~spark.persist_planning.plan_parts`);
+    ``None`` when some part has no key samples (then one partition reads everything)."""
+    wanted = s.partitions
+    if wanted is None:
+        wanted = max(1, len(plan_parts(batches, s.partition_bytes, False)))
+    planned = plan_key_ranges(batches, s.key_schema, wanted)
+    if planned is None:
+        log.info("shard %s has parts without key samples: one partition", s.target.shard)
+        return None
+    return [KeyRangePartition(group, as_of, lo, hi) for group, lo, hi in planned]
+
+
+def read_key_range(
+    partition: KeyRangePartition, s: ReadSettings, schema: StructType
+) -> Iterator[pa.RecordBatch]:
+    """The snapshot's rows in one key range as Arrow batches of the DataFrame's schema,
+    streamed range piece by range piece (:func:`persist.read.stream_snapshot`).
+
+    Raises:
+        PersistSourceError: with ``expand=true``, a row has a negative multiplicity.
+        persist.errors.CorruptPart: a part is missing or corrupt.
+    """
+    from persist.blob import open_blob
+    from persist.client import RetryingBlob
+    from persist.merge import decode_keys
+    from persist.parts import updates_schema
+    from persist.read import stream_snapshot
+
+    updates = updates_schema(s.key_schema, s.value_schema)
+    lower = None if partition.lower is None else decode_keys([partition.lower], s.key_schema)
+    upper = None if partition.upper is None else decode_keys([partition.upper], s.key_schema)
+    blob = RetryingBlob(open_blob(s.target.blob_uri))
+    try:
+        for table in stream_snapshot(
+            blob,
+            partition.parts,
+            updates,
+            s.key_schema.names,
+            s.value_schema.names,
+            partition.as_of,
+            key_schema=s.key_schema,
+            lower=lower,
+            upper=upper,
+            schemas=getattr(partition, "schemas", None),
+        ):
+            if s.expand:
+                table = expand_table(table, s.target.shard)
+            out = _to_output(table, schema, s.time_column, s.diff_column)
+            yield from out.to_batches(max_chunksize=64 * 1024)
+    finally:
+        blob.close()
+
+
 class PersistBatchReader(DataSourceReader):
     """Plans one partition per part (group) at ``as_of``; reads Arrow end to end."""
 
@@ -127,6 +195,12 @@ class PersistBatchReader(DataSourceReader):
             # schema version it was written with to this read's (DESIGN 5.3).
             schemas = read.read_schemas()
             read.detach()  # executors read these parts later: GC keeps them meanwhile
+        if s.full:
+            ranged = key_range_partitions(batches, s, as_of)
+            if ranged is not None:
+                for r in ranged:
+                    r.schemas = schemas  # type: ignore[attr-defined]
+                return ranged
         out = []
         for group in plan_parts(batches, s.partition_bytes, s.full):
             p = PartsPartition(group, as_of)
@@ -139,6 +213,9 @@ class PersistBatchReader(DataSourceReader):
         partition (a shard with no complete time or no parts) PySpark still calls this
         once, with ``None`` or ``InputPartition(None)``: that is an empty read."""
         if partition is None or getattr(partition, "value", partition) is None:
+            return
+        if isinstance(partition, KeyRangePartition):
+            yield from read_key_range(partition, self.settings, self.schema)
             return
         if not isinstance(partition, PartsPartition):
             raise PersistSourceError(f"unexpected input partition {partition!r}")

@@ -10,9 +10,13 @@ What the rows are depends on ``consolidate``:
 
 * ``full`` (the default): the snapshot, equal to ``ReadHandle.snapshot(as_of)``: each
   distinct (key, value) row once, its multiplicity in the diff column (``_diff``, renamed
-  with ``diff_column``), rows whose updates cancel absent. Every part is read by one task
-  (one input partition), so all updates that could cancel meet in the same
-  consolidation; issue 16's key-range planning will split this read without a shuffle;
+  with ``diff_column``), rows whose updates cancel absent. The read is cut by key range
+  with no shuffle: planning cuts the key space into ``partitions`` ranges (default: as
+  many as a raw read has partitions) from the parts' key samples, each input partition
+  holds every part overlapping its range, and its task streams the k-way merge of those
+  parts' sorted runs restricted to its range, so all updates of a key meet in one task
+  and each distinct row appears once in the DataFrame. A shard holding parts written
+  before key samples were recorded is read by one task (one input partition);
 * ``partition``: updates consolidated within each input partition only (one per part, or
   per group of small parts up to ``partition_bytes``, default 128 MiB of Parquet); a row
   may appear in several partitions with partial diffs: summing the diff per distinct row
@@ -161,6 +165,11 @@ class PersistDataSource(DataSource):
             raise PersistSourceError(
                 f"option partition_bytes must be a positive number of bytes, got {partition_bytes}"
             )
+        partitions = _opt_int(self.options, "partitions")
+        if partitions is not None and partitions <= 0:
+            raise PersistSourceError(
+                f"option partitions must be a positive number of key ranges, got {partitions}"
+            )
         as_of = _opt_int(self.options, "as_of")
         schemas = registered_schemas(target)
         if schemas is None:
@@ -195,6 +204,7 @@ class PersistDataSource(DataSource):
             partition_bytes=partition_bytes or DEFAULT_PARTITION_BYTES,
             consolidate=consolidate,
             expand=expand,
+            partitions=partitions,
         )
 
     @staticmethod

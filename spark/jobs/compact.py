@@ -312,7 +312,12 @@ def _make_writer(
             blob = RetryingBlob(open_blob(blob_uri))
             try:
                 parts = write_parts(
-                    blob, table, prefix, inline_max_bytes=0, name_prefix=name_prefix
+                    blob,
+                    table,
+                    prefix,
+                    inline_max_bytes=0,
+                    name_prefix=name_prefix,
+                    key_names=key_names,
                 )
             finally:
                 blob.close()

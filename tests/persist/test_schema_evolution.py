@@ -340,3 +340,22 @@ def test_persist_inspect_shows_the_schema_history(tmp_path: Any) -> None:
     res = runner.invoke(main, [*base, "inspect", "evolving"])
     assert res.exit_code == 0, res.output
     assert "schema history" in res.output and "a: int64 not null" in res.output
+
+
+def test_snapshot_stream_conforms_like_snapshot(client: PersistClient) -> None:
+    """The bounded-memory stream (key-range k-way merge) conforms each part to the
+    reader's view before merging, as ``snapshot`` does: a dropped column merges rows, an
+    added one reads null, a widened one is cast, in the same rows and order."""
+    w0, _ = client.open("s", KS, V0)
+    # Several runs, each holding rows that differ only in b (dropped below).
+    for t in range(3):
+        ups = [(((k,), (k % 7, s)), t, 1) for k in range(200) for s in ("x", "y")]
+        w0.append(ups, t, t + 1)
+    v1 = pa.schema([pa.field("a", pa.int64(), nullable=False), pa.field("c", pa.string())])
+    w1, r1 = client.open("s", KS, v1)
+    w1.append([(((k,), (k % 7, "z")), 3, 1) for k in range(0, 200, 3)], 3, 4)
+    snap = r1.snapshot(3)
+    streamed = pa.Table.from_batches(list(r1.snapshot_stream(3, max_chunk_rows=50)))
+    assert streamed.schema.equals(snap.schema)
+    assert streamed.to_pylist() == snap.to_pylist()
+    assert snap.num_rows == len(rows(snap)) == 200 + len(range(0, 200, 3))

@@ -40,6 +40,7 @@ def test_small_pipeline_matches_pandas_and_runs_twice(spark: Any, spark_store: A
     assert first.flights == 6099 and first.cancelled == 35
     assert first.loaded_rows == 6099 and first.retracted_rows == 35
     assert first.correction_time == 7 and first.as_of_day == 3
+    assert abs(sum(t.share for t in first.timings) - 1) < 0.01  # each step's share of time
     for as_of in (3, 7):
         got = {
             r["carrier"]: (r["flights"], r["arrived"], r["on_time"], r["delay_minutes"])

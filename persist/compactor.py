@@ -3,7 +3,7 @@
 For a :class:`~persist.spine.FueledMergeReq` the compactor reads the inputs' parts
 (times advanced to each batch's lower and since, see :func:`persist.read.read_batches`),
 advances every time to the request's since, consolidates (vectorised, with
-:func:`persist.parts.consolidate`), writes the result as one sorted run (inline if small)
+:func:`persist.consolidation.consolidate`), writes the result as one sorted run (inline if small)
 and swaps it into the trace by compare-and-set (:meth:`ShardState.apply_merge_res`),
 re-applied on seqno races.  It runs inline after an append, as a background thread of
 the client, from ``persist compact``, or from any process (Spark) holding a client.

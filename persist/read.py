@@ -158,7 +158,7 @@ def read_batches(
     Args:
         blob: the store of the non-inline parts.
         batches: the hollow batches (any order).
-        schema: the shard's updates schema (:func:`persist.parts.updates_schema`).
+        schema: the shard's updates schema (:func:`persist.updates.updates_schema`).
         lower, upper: optional time bounds (``upper`` exclusive).
         max_workers: fetch/decode threads.
 
@@ -195,7 +195,7 @@ def snapshot_table(
     append, or compacted up to its since) it is already consolidated (every writer of a
     run consolidates it), so it is returned as read, its ``_time`` set to ``as_of``,
     without sorting it again; otherwise it is read with :func:`read_batches` and
-    consolidated (:func:`persist.parts.consolidate`).
+    consolidated (:func:`persist.consolidation.consolidate`).
 
     Raises:
         InvalidUsage: ``as_of`` is not an i64 time.

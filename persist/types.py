@@ -7,7 +7,7 @@ Invariants kept here:
   updates with ``lower <= time < upper``, whose times may have been advanced to ``since``;
 * a :class:`PartRef` names exactly one immutable encoded part: either a blob key
   (``key``, a Parquet object) or inline bytes held in the shard state (``inline``, an
-  Arrow IPC stream; see ``persist.parts.encode_inline_part``), never both; ``checksum``
+  Arrow IPC stream; see ``persist.encoding.encode_inline_part``), never both; ``checksum``
   is the SHA-256 hex digest of the encoded bytes;
 * a :class:`HollowBatch` lists its parts grouped into runs: ``runs`` holds the indexes in
   ``parts`` where each run after the first starts, and each run is sorted by

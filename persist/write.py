@@ -63,6 +63,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 
 from persist.batch import Batch
 from persist.consensus import ShardMachine, Stale
+from persist.consolidation import _adjacent
 from persist.errors import (
     ConsensusError,
     InvalidBatchBounds,
@@ -80,7 +81,6 @@ from persist.keys import key_writer_id, part_name_prefix
 from persist.parts import (
     DIFF,
     TIME,
-    _adjacent,
     consolidate_order,
     to_updates_table,
     write_parts,

@@ -10,7 +10,7 @@ answered on the driver by persist's own :class:`persist.Compactor`. A large one
 2. the rows are hash-partitioned by the key columns (``repartition``), so that every
    update of one key lands in one task;
 3. each task advances times to the request's since, consolidates
-   (:func:`persist.parts.consolidate`), writes its rows as one sorted run of parts to the
+   (:func:`persist.consolidation.consolidate`), writes its rows as one sorted run of parts to the
    blob store and returns the part references;
 4. the driver assembles one hollow batch with the request's description, one run per task
    (the runs hold disjoint keys, so the batch is consolidated), and swaps it into the trace
@@ -159,7 +159,7 @@ def _spark_merge(
 
     from persist import HollowBatch
     from persist.parts import updates_schema
-    from spark.persist_source import arrow_to_spark
+    from spark.persist_common import arrow_to_spark
 
     st = machine.state()
     ks, vs = st.key_schema, st.value_schema

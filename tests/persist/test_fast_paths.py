@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import persist.consolidation as consolidation
 import persist.parts as parts
 from persist import FileBlob, MemoryBlob, PersistClient
 from persist.gc import collect_garbage, key_created_ms
@@ -78,13 +79,13 @@ def test_consolidate_order_gives_what_consolidate_gives(
     rows: list[tuple[Any, ...]], since: int | None, codes: bool
 ) -> None:
     table = _table(rows)
-    old = parts._CODES_MIN_ROWS
-    parts._CODES_MIN_ROWS = 0 if codes else 10**12
+    old = consolidation._CODES_MIN_ROWS
+    consolidation._CODES_MIN_ROWS = 0 if codes else 10**12
     try:
         base, order = consolidate_order(table, KS.names, VS.names, since)
         want = consolidate(table, KS.names, VS.names, since)
     finally:
-        parts._CODES_MIN_ROWS = old
+        consolidation._CODES_MIN_ROWS = old
     got = base if order is None else base.take(pa.array(order, pa.int64()))
     assert got.equals(want)
 

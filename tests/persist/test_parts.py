@@ -22,6 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import persist.consolidation as consolidation
+import persist.encoding as encoding
 import persist.parts as parts
 from persist.blob import Blob, BlobMetrics, FileBlob, MemoryBlob, UnreliableBlob
 from persist.errors import BlobError, CorruptPart, InvalidKey, InvalidUsage
@@ -59,13 +61,13 @@ def sort_path(path: str) -> Iterator[None]:
     """Force consolidate's sort path: "arrow" (multi-column sort_indices), "codes"
     (packed integer codes), or "codes-narrow" (codes with an 8-bit first word, so that
     most rows tie on it and the remaining columns resolve the order)."""
-    old = parts._CODES_MIN_ROWS, parts._WORD_BITS
-    parts._CODES_MIN_ROWS = 10**12 if path == "arrow" else 0
-    parts._WORD_BITS = 8 if path == "codes-narrow" else 64
+    old = consolidation._CODES_MIN_ROWS, consolidation._WORD_BITS
+    consolidation._CODES_MIN_ROWS = 10**12 if path == "arrow" else 0
+    consolidation._WORD_BITS = 8 if path == "codes-narrow" else 64
     try:
         yield
     finally:
-        parts._CODES_MIN_ROWS, parts._WORD_BITS = old
+        consolidation._CODES_MIN_ROWS, consolidation._WORD_BITS = old
 
 
 # ------------------------------------------------------------------ schemas
@@ -342,7 +344,7 @@ def test_consolidate_few_ties_compare_sparsely(descending_pair: bool) -> None:
         with sort_path(path):
             out = consolidate(t, ["k", "name"], ["v"])
         assert _rows_of(out) == expected, path
-    in_order, same = parts._adjacent(t, ["k", "name", "v", "_time"], check_order=True)
+    in_order, same = consolidation._adjacent(t, ["k", "name", "v", "_time"], check_order=True)
     assert in_order is not descending_pair
     if not descending_pair:
         assert same is not None and list(np.flatnonzero(same)) == [10]
@@ -748,8 +750,8 @@ def test_part_encoding_settings() -> None:
             "_diff": pa.array([1] * n, pa.int64()),
         }
     )
-    assert parts._dictionary_columns(t) == ["few", "dec", "_time", "_diff"]
-    assert parts._dictionary_columns(t.slice(0, 10)) == []
+    assert encoding._dictionary_columns(t) == ["few", "dec", "_time", "_diff"]
+    assert encoding._dictionary_columns(t.slice(0, 10)) == []
     data = encode_part(t)
     meta = pq.ParquetFile(pa.BufferReader(data)).metadata
     assert meta.schema.column(2).physical_type == "INT64"
@@ -806,7 +808,7 @@ def _column_values(draw: st.DrawFn, strat: st.SearchStrategy[Any]) -> list[Any]:
     """Enough rows for dictionaries to be considered: mostly distinct values, or a few
     repeated ones."""
     value = st.one_of(st.none(), strat)
-    n = draw(st.integers(parts._DICTIONARY_MIN_ROWS + 1, 300))
+    n = draw(st.integers(encoding._DICTIONARY_MIN_ROWS + 1, 300))
     if draw(st.booleans()):
         pool = draw(st.lists(value, min_size=1, max_size=4))
         return [draw(st.sampled_from(pool)) for _ in range(n)]

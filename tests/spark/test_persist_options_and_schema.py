@@ -47,7 +47,7 @@ def _state(store: Any, shard: str) -> Any:
 
 
 def _exists(store: Any, shard: str) -> bool:
-    from spark.persist_source import ShardTarget, registered_schemas
+    from spark.persist_common import ShardTarget, registered_schemas
 
     return registered_schemas(ShardTarget(store.stash_url, store.blob_uri, shard)) is not None
 
@@ -231,7 +231,8 @@ def _readme_section() -> str:
 
 
 def test_readme_documents_every_option_of_both_sources() -> None:
-    from spark.persist_source import READ_OPTIONS, SAVE_MODES, WRITE_OPTIONS
+    from spark.persist_common import READ_OPTIONS, WRITE_OPTIONS
+    from spark.persist_writer import SAVE_MODES
     from spark.stash_source import OPTIONS
 
     section = _readme_section()

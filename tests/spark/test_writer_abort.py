@@ -11,12 +11,8 @@ from typing import Any
 import pyarrow as pa
 
 from persist import PersistClient
-from spark.persist_source import (
-    PersistCommitMessage,
-    PersistWriter,
-    ShardTarget,
-    WriteSettings,
-)
+from spark.persist_common import ShardTarget
+from spark.persist_writer import PersistCommitMessage, PersistWriter, WriteSettings
 from stash import Stash
 
 KS = pa.schema([("k", pa.int64())])

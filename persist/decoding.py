@@ -1,0 +1,169 @@
+"""Decoding of one part, verified against its checksum, and the inline-part cache.
+
+Invariants kept here:
+
+* :func:`decode_part` never returns data whose SHA-256 differs from the
+  :class:`~persist.types.PartRef`'s checksum: it raises
+  :class:`~persist.errors.CorruptPart` naming the part's key instead;
+* column types come back exactly: ``date64`` and ``time32[s]``, which Parquet stores
+  otherwise, are restored on decode;
+* :data:`INLINE_CACHE` answers only a ref carrying the very ``bytes`` object this process
+  encoded or already verified, with the table those bytes decode to.
+"""
+
+import base64
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from persist.encoding import _IPC_STREAM_MAGIC, _sha256
+from persist.errors import CorruptPart
+from persist.types import PartRef
+
+_MIB = 1024 * 1024
+#: Parts at least this large (encoded bytes) are decoded by Arrow's thread pool.
+_THREADED_DECODE_MIN_BYTES = 1 * _MIB
+
+
+def _part_name(ref: PartRef) -> str:
+    return ref.key if ref.key is not None else "<inline>"
+
+
+class _InlineCache:
+    """Decoded inline parts, by the identity of their bytes (an LRU bounded in Arrow
+    bytes), so that a part this process encoded or verified is not parsed again, e.g. by
+    the compactor merging the one-row batches its writer just appended.
+
+    An entry holds the very ``bytes`` object of a :class:`PartRef`'s ``inline`` and the
+    table those bytes decode to; it answers only a ref carrying that same object. The
+    table was either encoded into those bytes (whose SHA-256 the ref was made with) or
+    decoded from them after their checksum was verified, so a hit returns exactly what
+    decoding the verified bytes would; a ref read anew from consensus (other bytes
+    objects) is verified and decoded. Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, tuple[bytes, pa.Table, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, ref: PartRef) -> pa.Table | None:
+        data = ref.inline
+        if data is None:
+            return None
+        with self._lock:
+            entry = self._entries.get(id(data))
+            if entry is None or entry[0] is not data:
+                return None
+            self._entries.move_to_end(id(data))
+            return entry[1]
+
+    def put(self, ref: PartRef, table: pa.Table) -> None:
+        data = ref.inline
+        if data is None or self.max_bytes <= 0:
+            return
+        size = table.get_total_buffer_size() + len(data)
+        if size > 4 * len(data) + 4096 or size > self.max_bytes // 4:
+            # Buffers much bigger than the encoding (an Arrow IPC encoding holds the
+            # table's bytes; a Parquet one holds them compressed): most likely a slice
+            # of a larger table, and caching it would pin the parent's buffers (copying
+            # it costs about what decoding does); or too big.
+            return
+        table = table.replace_schema_metadata(None)
+        with self._lock:
+            old = self._entries.pop(id(data), None)
+            if old is not None:
+                self._bytes -= old[2]
+            self._entries[id(data)] = (data, table, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes and self._entries:
+                _, (_, _, dropped) = self._entries.popitem(last=False)
+                self._bytes -= dropped
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+
+#: The process-wide cache of decoded inline parts (64 MiB of Arrow data at most).
+INLINE_CACHE = _InlineCache(64 * _MIB)
+
+
+def _restore_coerced_types(table: pa.Table, pf: pq.ParquetFile) -> pa.Table:
+    """Give back the Arrow types that Parquet cannot hold and Arrow's reader does not
+    restore from the stored Arrow schema: ``date64`` (written as a 32-bit date) and
+    ``time32[s]`` (written in milliseconds). Both casts are exact."""
+    if not any(pa.types.is_date32(t) or pa.types.is_time32(t) for t in table.schema.types):
+        return table
+    raw = (pf.metadata.metadata or {}).get(b"ARROW:schema")
+    if raw is None:
+        return table
+    stored = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(raw)))
+    for i, f in enumerate(table.schema):
+        j = stored.get_field_index(f.name)
+        if j < 0:
+            continue
+        want = stored.field(j).type
+        if want != f.type and (pa.types.is_date64(want) or pa.types.is_time32(want)):
+            table = table.set_column(i, f.with_type(want), table.column(i).cast(want))
+    return table
+
+
+def decode_part(data: bytes, ref: PartRef, columns: Sequence[str] | None = None) -> pa.Table:
+    """Verify ``data`` against ``ref`` (size, SHA-256, row count) and parse it.
+
+    Args:
+        data: the part's bytes (from the blob store or ``ref.inline``).
+        ref: the part's reference.
+        columns: read only these columns (``None``: all).
+
+    Raises:
+        CorruptPart: naming ``ref.key`` (or ``"<inline>"``) when the size or checksum
+            differs, the bytes are not valid Parquet (or, inline, Arrow IPC), the row
+            count differs, or a requested column is missing.
+    """
+    name = _part_name(ref)
+    if len(data) != ref.encoded_size_bytes:
+        raise CorruptPart(
+            name, f"size is {len(data)} bytes, the reference says {ref.encoded_size_bytes}"
+        )
+    digest = _sha256(data)
+    if digest != ref.checksum:
+        raise CorruptPart(name, f"SHA-256 {digest} does not match the reference {ref.checksum}")
+    if ref.inline is not None and data[:4] == _IPC_STREAM_MAGIC:
+        try:
+            table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
+            if columns is not None:
+                table = table.select(list(columns))
+        except KeyError:
+            missing = [c for c in columns or () if c not in table.column_names]
+            raise CorruptPart(name, f"has no column(s) {missing}") from None
+        except (pa.ArrowException, OSError, ValueError, IndexError) as e:
+            raise CorruptPart(name, f"not readable as Arrow IPC: {str(e)[:300]}") from None
+    else:
+        try:
+            pf = pq.ParquetFile(pa.BufferReader(data))
+            table = pf.read(
+                columns=list(columns) if columns is not None else None,
+                # Arrow's column-parallel decoding only pays off on big parts; on small
+                # ones its task dispatch costs more than the decoding. (Decoding each of
+                # several parts in one of our threads instead was faster on repeated
+                # reads, but with mimalloc, Arrow's default allocator, reads right after
+                # a write then took up to 5x as long, in pool threads whose memory had
+                # been freed by other threads.)
+                use_threads=len(data) >= _THREADED_DECODE_MIN_BYTES,
+            )
+            table = _restore_coerced_types(table, pf)
+        except (pa.ArrowException, OSError, ValueError, KeyError, IndexError) as e:
+            raise CorruptPart(name, f"not readable as Parquet: {str(e)[:300]}") from None
+    if table.num_rows != ref.rows:
+        raise CorruptPart(name, f"has {table.num_rows} rows, the reference says {ref.rows}")
+    if columns is not None and table.num_columns != len(columns):
+        missing = [c for c in columns if c not in table.column_names]
+        raise CorruptPart(name, f"has no column(s) {missing}")
+    return table.replace_schema_metadata(None)

@@ -1,0 +1,227 @@
+"""Options, settings and schema conversions shared by the ``persist`` Spark source's reader,
+writer and stream reader.
+
+Invariants kept here: every option name is checked against :data:`READ_OPTIONS` or
+:data:`WRITE_OPTIONS` before it is used; settings objects are frozen and picklable (they
+travel to Spark's Python workers); Arrow and Spark schemas convert both ways with the
+same names and nullable fields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.types import StructField, StructType
+
+from spark.options import parse_bool
+
+log = logging.getLogger(__name__)
+
+
+TIME = "_time"
+"""Name of the time column in persist parts and updates tables."""
+DIFF = "_diff"
+"""Name of the diff column in persist parts and updates tables."""
+
+DEFAULT_PARTITION_BYTES = 128 * 1024 * 1024
+"""Parts are grouped into one input partition up to this many Parquet bytes."""
+
+HEARTBEAT_SECONDS = 10.0
+"""How often a streaming read renews its lease while idle."""
+
+COMMIT_ATTEMPTS = 50
+"""How many times ``commit`` retries ``compare_and_append_batch`` after upper races."""
+
+
+class PersistSourceError(ValueError):
+    """The persist source was asked for something it cannot do (bad or missing option,
+    unknown shard, a time before the shard's upper, a negative multiplicity to expand)."""
+
+
+# ---------------------------------------------------------------- options
+def _opt(options: Any, name: str) -> str | None:
+    value = options.get(name)
+    if value is None:
+        return None
+    value = str(value).strip()
+    return value or None
+
+
+def _opt_int(options: Any, name: str) -> int | None:
+    raw = _opt(options, name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise PersistSourceError(f"option {name!r} must be an integer, got {raw!r}") from None
+
+
+def _opt_list(options: Any, name: str) -> list[str] | None:
+    raw = _opt(options, name)
+    if raw is None:
+        return None
+    return [c.strip() for c in raw.split(",") if c.strip()]
+
+
+def _truthy(options: Any, name: str) -> bool:
+    return parse_bool(name, _opt(options, name), False, PersistSourceError)
+
+
+READ_OPTIONS = (
+    "stash",
+    "blob",
+    "path",
+    "shard",
+    "as_of",
+    "time_column",
+    "diff_column",
+    "partition_bytes",
+    "consolidate",
+    "expand",
+)
+"""Every option a read (batch or streaming) of the persist source understands."""
+
+WRITE_OPTIONS = (
+    "stash",
+    "blob",
+    "path",
+    "shard",
+    "key_columns",
+    "value_columns",
+    "time_column",
+    "time",
+    "diff_column",
+    "upper",
+    "compaction",
+    "unique_keys",
+)
+"""Every option a write to the persist source understands."""
+
+CONSOLIDATE_MODES = ("full", "partition", "none")
+"""Values of the read option ``consolidate`` (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class ShardTarget:
+    """Where a shard lives: stash URL (consensus), blob URI (parts) and shard name."""
+
+    stash_url: str
+    blob_uri: str
+    shard: str
+
+    @classmethod
+    def from_options(cls, options: Any) -> ShardTarget:
+        """Read ``stash``, ``blob`` and ``path``/``shard`` from data source options.
+
+        Raises:
+            PersistSourceError: an option is missing.
+        """
+        stash_url = _opt(options, "stash")
+        blob_uri = _opt(options, "blob")
+        shard = _opt(options, "shard") or _opt(options, "path")
+        missing = [
+            n
+            for n, v in (
+                ("stash", stash_url),
+                ("blob", blob_uri),
+                ("shard (load/save path)", shard),
+            )
+            if v is None
+        ]
+        if missing:
+            raise PersistSourceError(f"the persist source needs option(s): {', '.join(missing)}")
+        assert stash_url is not None and blob_uri is not None and shard is not None
+        return cls(stash_url, blob_uri, shard)
+
+
+# ------------------------------------------------------------ persist glue
+# Everything this module needs from persist beyond its documented handle API is here.
+
+
+@contextlib.contextmanager
+def persist_client(
+    target: ShardTarget, *, readonly: bool = False, compaction: str = "off"
+) -> Iterator[Any]:
+    """A :class:`persist.PersistClient` on the target's stores, closed (with its stash)
+    afterwards. ``compaction`` is the client's mode (``"off"``: merge requests stay in the
+    trace for ``persist compact`` / :mod:`spark.jobs.compact`)."""
+    from persist.client import PersistClient
+    from stash import Stash
+
+    stash = Stash.open(target.stash_url, mode="readonly" if readonly else "writable", fenced=False)
+    try:
+        client = PersistClient(stash, target.blob_uri, compaction=compaction)  # type: ignore[arg-type]
+        try:
+            yield client
+        finally:
+            client.close()
+    finally:
+        stash.close()
+
+
+def registered_schemas(target: ShardTarget) -> tuple[pa.Schema, pa.Schema] | None:
+    """The shard's registered ``(key_schema, value_schema)``, or ``None`` if no shard has
+    that name yet."""
+    from persist.errors import InvalidUsage
+    from stash import StashError
+
+    try:
+        with persist_client(target, readonly=True) as client:
+            state = client.inspect(target.shard)
+    except (InvalidUsage, StashError) as e:
+        if "no shard named" in str(e) or "does not exist" in str(e):
+            return None
+        raise
+    return state.key_schema, state.value_schema
+
+
+# -------------------------------------------------------------- the source
+@dataclass(frozen=True)
+class ReadSettings:
+    """Parsed read options (picklable)."""
+
+    target: ShardTarget
+    key_schema: pa.Schema
+    value_schema: pa.Schema
+    as_of: int | None
+    time_column: str | None
+    diff_column: str | None
+    partition_bytes: int
+    consolidate: str
+    expand: bool
+
+    @property
+    def full(self) -> bool:
+        """Whether one task reads every part (the consolidated read)."""
+        return self.consolidate == "full"
+
+    @property
+    def data_columns(self) -> list[str]:
+        return list(self.key_schema.names) + list(self.value_schema.names)
+
+
+def _nullable(schema: pa.Schema) -> pa.Schema:
+    return pa.schema([f.with_nullable(True) for f in schema])
+
+
+def spark_to_arrow(schema: StructType) -> pa.Schema:
+    """The Arrow schema (all fields nullable) Spark uses for ``schema``."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return _nullable(to_arrow_schema(schema, timezone="UTC"))
+
+
+def arrow_to_spark(schema: pa.Schema) -> StructType:
+    """The Spark schema of an Arrow schema (fields nullable). A timestamp with a time zone
+    is Spark's ``timestamp`` (an instant), one without is ``timestamp_ntz`` (a wall-clock
+    value), so that neither moves with the session time zone."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    st = from_arrow_schema(schema, prefer_timestamp_ntz=True)
+    return StructType([StructField(f.name, f.dataType, True) for f in st.fields])

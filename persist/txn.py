@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from persist.batch import Batch
 from persist.consensus import (
@@ -95,7 +96,7 @@ from persist.keys import key_writer_id
 from persist.parts import DIFF, TIME
 from persist.spine import FueledMergeReq
 from persist.state import TOKEN_SEP, LeaseExpired, ShardState
-from persist.types import HollowBatch
+from persist.types import Description, HollowBatch, PartRef
 from persist.write import WriteHandle
 from stash import Antichain, AppendBatch, StashError
 from stash.antichain import I64_MAX, I64_MIN
@@ -122,6 +123,8 @@ class TxnUpperMismatch(UpperMismatch):
             beyond ``ts`` (retry with ``commit_at(t)`` for ``t >=`` the largest of them).
         collections: stash collection name -> its current upper, for every stash batch
             whose lower no longer matches (such a batch must be rebuilt).
+        unfixable: names of shards whose upper passed a time a ``time_column`` write
+            must be written at (no later ``ts`` can fix it).
         expected, current: as :class:`UpperMismatch` (``{ts}`` and the largest upper
             of the shards, or the collection's).
     """
@@ -131,8 +134,11 @@ class TxnUpperMismatch(UpperMismatch):
         ts: int,
         shards: Mapping[str, Antichain],
         collections: Mapping[str, Antichain] | None = None,
+        *,
+        unfixable: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         self.ts = ts
+        self.unfixable = frozenset(unfixable)
         self.shards = dict(shards)
         self.collections = dict(collections or {})
         uppers = [*self.shards.values(), *self.collections.values()]
@@ -146,9 +152,11 @@ class TxnUpperMismatch(UpperMismatch):
             f"transaction cannot commit at {ts}, nothing was committed: "
             + "; ".join(parts)
             + (
-                " (retry at a later time)"
-                if not self.collections
-                else " (a stash batch's lower check failed: rebuild it)"
+                " (a stash batch's lower check failed: rebuild it)"
+                if self.collections
+                else " (writes with their own times are now below the upper)"
+                if self.unfixable
+                else " (retry at a later time)"
             ),
         )
 
@@ -158,7 +166,7 @@ class TxnUpperMismatch(UpperMismatch):
     def retry_ts(self) -> int | None:
         """The smallest time a retry may commit at, or ``None`` if only a new stash batch
         (or nothing: a shard sealed for ever) can fix the race."""
-        if self.collections:
+        if self.collections or self.unfixable:
             return None
         ts = self.ts
         for u in self.shards.values():
@@ -176,6 +184,42 @@ class _ShardWrites:
     name: str
     writer: WriteHandle
     batches: list[Batch] = field(default_factory=list)
+
+
+def _is_timed(b: Batch) -> bool:
+    """Whether a transaction's batch keeps its own times (``time_column``)."""
+    return bool(getattr(b, "txn_timed", False))
+
+
+def _timed_max(batches: Sequence[Batch]) -> int | None:
+    """The latest time of a shard's timed (``time_column``) writes, or ``None``."""
+    his = [b.time_range[1] for b in batches if _is_timed(b) and b.time_range is not None]
+    return max(his) if his else None
+
+
+def _time_range(table: pa.Table) -> tuple[int, int] | None:
+    if table.num_rows == 0:
+        return None
+    mm = pc.min_max(table.column(TIME))
+    return int(mm["min"].as_py()), int(mm["max"].as_py())
+
+
+def _concat(lower: Antichain, upper: Antichain, batches: Sequence[Batch]) -> HollowBatch:
+    """One hollow batch ``[lower, upper)`` holding every part of ``batches`` (each
+    batch's runs kept as runs)."""
+    parts: list[PartRef] = []
+    runs: list[int] = []
+    n = 0
+    for b in batches:
+        if b.len == 0:
+            continue
+        off = len(parts)
+        if off:
+            runs.append(off)
+        runs.extend(off + r for r in b.hollow.runs)
+        parts.extend(b.hollow.parts)
+        n += b.len
+    return HollowBatch(Description(lower, upper), tuple(parts), n, tuple(sorted(set(runs))))
 
 
 def _check_time(ts: object) -> int:
@@ -239,6 +283,7 @@ class Txn:
         *,
         key_schema: pa.Schema | None = None,
         value_schema: pa.Schema | None = None,
+        time_column: str | None = None,
     ) -> None:
         """Write ``updates`` to ``shard`` as part of this transaction; the parts are
         uploaded now (small batches stay inline), committed by :meth:`commit_at`.
@@ -250,12 +295,20 @@ class Txn:
                 :class:`~persist.write.WriteHandle` of this client.
             updates: a ``pyarrow.Table``/``RecordBatch`` with the shard's key and value
                 columns and an optional int64 ``_diff`` (default 1); no ``_time`` (the
-                commit sets it).
+                commit time is every update's time).
             key_schema, value_schema: optional; checked against the shard's.
+            time_column: an extension for loads that keep their own times (e.g. one
+                time per day in a month committed at once): this integer column gives
+                each update's time instead.  Every such time must be ``<= ts`` and
+                ``>=`` the shard's upper when the transaction commits at ``ts`` (a race
+                that moves the upper past one is a :class:`TxnUpperMismatch` that no
+                later ``ts`` can fix); a shard takes either timed or untimed writes in
+                one transaction, not both.
 
         Raises:
             InvalidUsage: unknown shard; a shard opened with other schemas; columns not
-                fitting the shard's schema (naming the shard); a ``_time`` column; an
+                fitting the shard's schema (naming the shard); a ``_time`` column; a
+                bad or null ``time_column``; timed and untimed writes to one shard; an
                 expired writer; a closed client; a finished transaction.  Nothing is
                 written.
             BlobError, ConsensusError: the upload (or the writer's registration) failed;
@@ -270,28 +323,105 @@ class Txn:
                 f"Txn.write to shard {w.name!r} takes a pyarrow Table or RecordBatch, "
                 f"not {type(updates).__name__}"
             )
-        if TIME in updates.column_names:
-            raise InvalidUsage(
-                f"Txn.write to shard {w.name!r}: updates must not have a {TIME!r} column "
-                "(the commit time is every update's time)"
-            )
         table = updates
+        if time_column is None:
+            if TIME in table.column_names:
+                raise InvalidUsage(
+                    f"Txn.write to shard {w.name!r}: updates must not have a {TIME!r} "
+                    "column (the commit time is every update's time; pass "
+                    f"time_column={TIME!r} to give each update its own time)"
+                )
+        elif time_column not in table.column_names:
+            raise InvalidUsage(
+                f"Txn.write to shard {w.name!r}: time_column {time_column!r} is not a "
+                f"column of the updates {table.column_names}"
+            )
         if DIFF not in table.column_names:
             table = table.append_column(DIFF, pa.array([1] * table.num_rows, pa.int64()))
-        table = table.append_column(TIME, pa.array([RAW_TIME] * table.num_rows, pa.int64()))
+        if time_column is None:
+            table = table.append_column(TIME, pa.array([RAW_TIME] * table.num_rows, pa.int64()))
+        elif time_column != TIME:
+            if TIME in table.column_names:
+                raise InvalidUsage(
+                    f"Txn.write to shard {w.name!r}: updates have both {TIME!r} and "
+                    f"time_column {time_column!r}"
+                )
+            names = [TIME if n == time_column else n for n in table.column_names]
+            table = table.rename_columns(names)
         try:
             table = w._normalize(table)
         except InvalidUsage as e:
             raise InvalidUsage(f"Txn.write to shard {w.name!r}: {e}") from e
-        builder = w.builder(Antichain.from_elem(RAW_TIME))
+        if time_column is None:
+            lower, upper = RAW_TIME, RAW_TIME + 1
+        else:
+            rng = _time_range(table)
+            if rng is not None and rng[1] >= I64_MAX:
+                raise InvalidUsage(f"Txn.write to shard {w.name!r}: time {rng[1]} is too large")
+            lower, upper = (0, 1) if rng is None else (rng[0], rng[1] + 1)
+        self._check_mode(w, [time_column is not None])
+        builder = w.builder(Antichain.from_elem(lower))
         try:
             builder.add(table)
-            batch = builder.finish(Antichain.from_elem(RAW_TIME + 1))
+            batch = builder.finish(Antichain.from_elem(upper))
         except BaseException:
             builder.abort()
             w._lent = max(0, w._lent - 1)
             raise
+        if time_column is not None:
+            batch.txn_timed = True  # type: ignore[attr-defined]
         self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w)).batches.append(batch)
+
+    def write_batches(self, shard: str | WriteHandle, batches: Sequence[Batch]) -> None:
+        """Add batches written elsewhere (e.g. by Spark executors, turned back from
+        :meth:`~persist.batch.Batch.into_transmittable` bytes with
+        :meth:`~persist.write.WriteHandle.batch_from_transmittable`) to this
+        transaction, as if :meth:`write` had written them: a batch ``[RAW_TIME,
+        RAW_TIME + 1)`` (:data:`RAW_TIME`) takes the commit time; any other batch keeps
+        its updates' own times (its ``time_range`` must be known), as with
+        ``time_column``.  Their writers' leases must still be live at commit.
+
+        Raises:
+            InvalidUsage: a batch of another shard, consumed, rewritten, without a
+                known time range (timed), listed twice, or mixing timed and untimed
+                batches for one shard; the checks of :meth:`write`.
+        """
+        self._check_pending()
+        w = self._writer_for(shard, None, None)
+        batches = list(batches)
+        seen = {id(b) for sw in self._shards.values() for b in sw.batches}
+        flags: list[bool] = []
+        raw = (Antichain.from_elem(RAW_TIME), Antichain.from_elem(RAW_TIME + 1))
+        for b in batches:
+            if not isinstance(b, Batch):
+                raise InvalidUsage(f"write_batches takes Batch objects, got {type(b).__name__}")
+            if b.shard_id != w.shard_id:
+                raise InvalidUsage(f"{b!r} was written for another shard than {w.name!r}")
+            if b.consumed or b.rewritten or id(b) in seen:
+                raise InvalidUsage(
+                    f"{b!r} was already appended, deleted, transmitted, rewritten or added"
+                )
+            seen.add(id(b))
+            timed = (b.lower, b.upper) != raw
+            if timed and b.len > 0 and b.time_range is None:
+                raise InvalidUsage(f"{b!r} does not record its time range: it cannot be added")
+            flags.append(timed)
+        self._check_mode(w, flags)
+        for b, timed in zip(batches, flags, strict=True):
+            if timed:
+                b.txn_timed = True  # type: ignore[attr-defined]
+        sw = self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w))
+        sw.batches.extend(batches)
+
+    def _check_mode(self, w: WriteHandle, flags: Sequence[bool]) -> None:
+        """A shard takes timed or untimed writes in one transaction, not both."""
+        sw = self._shards.get(w.shard_id)
+        all_flags = {*(_is_timed(b) for b in (sw.batches if sw else [])), *flags}
+        if len(all_flags) > 1:
+            raise InvalidUsage(
+                f"Txn.write to shard {w.name!r}: one transaction writes a shard either with "
+                "the commit time or with time_column (its own times), not both"
+            )
 
     def _writer_for(
         self,
@@ -393,12 +523,20 @@ class Txn:
                 committed, the parts are kept: retry with a later ``ts`` (no upload).
             LeaseExpired: a written shard's writer lease ran out (its parts may be gone);
                 nothing committed.
-            InvalidUsage: bad ``ts``; a finalized shard; a finished transaction.
+            InvalidUsage: bad ``ts``; a ``time_column`` write with a time after ``ts``;
+                a finalized shard; a finished transaction.
             ConsensusError: the stash failed; nothing was committed unless
                 ``is_indeterminate()`` (then ``idempotency_token`` is this ``token``).
         """
         self._check_pending()
         ts = _check_time(ts)
+        for sw in self._shards.values():
+            hi = _timed_max(sw.batches)
+            if hi is not None and hi > ts:
+                raise InvalidUsage(
+                    f"cannot commit at {ts}: the write to shard {sw.name!r} with its own "
+                    f"times has time {hi}, after the commit time (nothing was committed)"
+                )
         if not self._shards:
             return self._commit_stash_only(ts)
         landed = self._resolve_landed() if self._maybe_landed else None
@@ -453,7 +591,7 @@ class Txn:
 
     def commit(self) -> int:
         """Commit at the smallest valid time: the largest upper of the written shards
-        (freshly read), retrying by itself with a later time when a race moves an upper
+        (freshly read) and time of their ``time_column`` writes, retrying by itself with a later time when a race moves an upper
         past it.
 
         Returns: the commit time.
@@ -470,6 +608,9 @@ class Txn:
             if up is None:
                 raise TxnUpperMismatch(0, {self._shards[sid].name: Antichain()})  # sealed for ever
             ts = max(ts, up)
+            hi = _timed_max(self._shards[sid].batches)
+            if hi is not None:
+                ts = max(ts, hi)
         for attempt in range(self.max_commit_attempts):
             try:
                 return self.commit_at(ts)
@@ -507,6 +648,7 @@ class Txn:
             while True:
                 staged: list[tuple[ShardMachine, Staged, list[FueledMergeReq]]] = []
                 mismatched: dict[str, Antichain] = {}
+                unfixable: set[str] = set()
                 landed_at: int | None = None
                 restage = False
                 for sid, m in zip(order, machines, strict=True):
@@ -523,7 +665,9 @@ class Txn:
                         landed_at = value
                         break
                     if kind == "mismatch":
-                        mismatched[sw.name] = value
+                        mismatched[sw.name] = value[0]
+                        if not value[1]:
+                            unfixable.add(sw.name)
                         continue
                     assert st is not None
                     staged.append((m, st, value))
@@ -541,7 +685,7 @@ class Txn:
                         for sid, m in zip(order, machines, strict=True)
                         if self._shards[sid].name in mismatched
                     }
-                    raise TxnUpperMismatch(ts, now)
+                    raise TxnUpperMismatch(ts, now, unfixable=unfixable)
                 batches: list[AppendBatch] = []
                 for m, st, _reqs in staged:
                     batches.extend(
@@ -599,6 +743,9 @@ class Txn:
         for b in sw.batches:
             owners.update(x for k in b.blob_keys() if (x := key_writer_id(k)) is not None)
         registered = w._registered
+        timed = any(_is_timed(b) for b in sw.batches)
+        ranges = [b.time_range for b in sw.batches if b.len > 0 and b.time_range is not None]
+        timed_lo = min(r[0] for r in ranges) if timed and ranges else None
 
         def fn(st: ShardState, fresh: bool) -> tuple[tuple[str, Any], bool]:
             for ws in st.writers.values():
@@ -608,7 +755,9 @@ class Txn:
                     return ("landed", int(fp[1:]) if fp.startswith("t") else ts), False
             st.check_not_finalized()
             if not st.upper.less_equal(ts):
-                return ("mismatch", st.upper), False
+                return ("mismatch", (st.upper, True)), False
+            if timed_lo is not None and not st.upper.less_equal(timed_lo):
+                return ("mismatch", (st.upper, False)), False  # no later ts fixes it
             now = m.now_ms()
             for o in sorted(owners):
                 if o == wid and not registered:
@@ -619,17 +768,21 @@ class Txn:
                     if not fresh:
                         raise Stale() from None
                     raise
-            copies = []
-            for b in sw.batches:
-                cp = Batch(w._client.blob, b.shard_id, b.hollow, time_range=b.time_range)
-                cp.rewrite_ts(Antichain.from_elem(ts), new)
-                copies.append(cp)
             pieces: list[HollowBatch]
-            pieces, temps = w._assemble(copies, st.upper, new)
-            if temps:  # pragma: no cover - one rewrite frontier never needs a rewrite
-                for t in temps:
-                    t.delete()
-                raise InvalidUsage("a transaction's batches needed a physical rewrite")
+            if timed:
+                # The updates keep their times, all in [upper, ts]: one batch.
+                pieces = [_concat(st.upper, new, sw.batches)]
+            else:
+                copies = []
+                for b in sw.batches:
+                    cp = Batch(w._client.blob, b.shard_id, b.hollow, time_range=b.time_range)
+                    cp.rewrite_ts(Antichain.from_elem(ts), new)  # metadata only
+                    copies.append(cp)
+                pieces, temps = w._assemble(copies, st.upper, new)
+                if temps:  # pragma: no cover - one rewrite frontier never needs a rewrite
+                    for t in temps:
+                        t.delete()
+                    raise InvalidUsage("a transaction's batches needed a physical rewrite")
             reqs: list[FueledMergeReq] = []
             recorded = f"{token}{TOKEN_SEP}t{ts}"
             for hb in pieces:

@@ -395,3 +395,69 @@ def test_a_shard_written_twice_in_one_txn_and_a_finished_txn(client: PersistClie
         txn.write("a", rows(["x"], [1]))
     with pytest.raises(InvalidUsage, match="commit time"):
         client.begin().commit_at(2**63 - 1)
+
+
+def test_time_column_writes_keep_their_times(client: PersistClient, stash: Stash) -> None:
+    cat = stash.collection("catalog", key="str", value="json")
+    txn = client.begin()
+    t = pa.table({"k": ["d0", "d1", "d2"], "v": [1, 1, 1], "day": pa.array([0, 1, 2], pa.int64())})
+    txn.write("a", t, time_column="day")
+    txn.write("b", rows(["plane"], [7]))  # untimed: at the commit time
+    b = cat.make_batch(stash)
+    cat.append_to_batch(b, "plane", 1, 1)
+    txn.stash_append([b])
+    with pytest.raises(InvalidUsage, match="time 2, after the commit time"):
+        txn.commit_at(1)
+    assert txn.commit() == 2  # the largest time written
+    assert client.inspect("a").upper == ac(3) and client.inspect("b").upper == ac(3)
+    assert contents(client.snapshot_many({"a": 0})["a"]) == Counter({("d0", 1): 1})
+    assert contents(client.snapshot_many({"a": 1})["a"]) == Counter({("d0", 1): 1, ("d1", 1): 1})
+    assert contents(client.snapshot_many({"b": 1})["b"]) == Counter()
+    assert contents(client.snapshot_many({"b": 2})["b"]) == Counter({("plane", 7): 1})
+
+    t2 = client.begin()
+    t2.write("a", rows(["x"], [1]))
+    with pytest.raises(InvalidUsage, match="not both"):
+        t2.write("a", t, time_column="day")
+    with pytest.raises(InvalidUsage, match="time_column 'nope'"):
+        t2.write("b", t, time_column="nope")
+    t2.abort()
+
+    # A race that moves the upper past a timed write's time: no later ts fixes it.
+    w, _ = client.open("c", KS, VS)
+    t3 = client.begin()
+    t3.write("c", t, time_column="day")
+    w.compare_and_append([], 0, 2)
+    with pytest.raises(TxnUpperMismatch) as e:
+        t3.commit()
+    assert e.value.unfixable == {"c"} and e.value.retry_ts() is None
+    assert "own times" in str(e.value)
+    t3.abort()
+
+
+def test_write_batches_takes_transmitted_batches(client: PersistClient, blob: MemoryBlob) -> None:
+    from persist.txn import RAW_TIME
+
+    w, _ = client.open("a", KS, VS)
+    wb, _ = client.open("b", KS, VS)
+    # As a Spark executor would: untimed batch at RAW_TIME, timed batch with its times.
+    raw = w.batch(
+        pa.table({"k": ["x"], "v": [1], "_time": [RAW_TIME], "_diff": [1]}),
+        RAW_TIME,
+        RAW_TIME + 1,
+    )
+    timed = wb.batch(pa.table({"k": ["y"], "v": [1], "_time": [4], "_diff": [1]}), 4, 5)
+    got_raw = w.batch_from_transmittable(raw.into_transmittable())
+    got_timed = wb.batch_from_transmittable(timed.into_transmittable())
+    txn = client.begin()
+    with pytest.raises(InvalidUsage, match="another shard"):
+        txn.write_batches("a", [got_timed])
+    txn.write_batches("a", [got_raw])
+    txn.write_batches("b", [got_timed])
+    with pytest.raises(InvalidUsage, match="already"):
+        txn.write_batches("b", [got_timed])
+    assert txn.commit() == 4
+    snap = client.snapshot_many({"a": 4, "b": 4})
+    assert contents(snap["a"]) == Counter({("x", 1): 1})
+    assert contents(snap["b"]) == Counter({("y", 1): 1})
+    assert client.inspect("a").upper == ac(5)

@@ -20,7 +20,7 @@ from dbutil import migrate_to_head
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from persist import MemoryBlob, PersistClient, TxnUpperMismatch
+from persist import InvalidUsage, MemoryBlob, PersistClient, TxnUpperMismatch
 from stash import Antichain, Stash
 
 KS = pa.schema([("k", pa.string())])
@@ -37,6 +37,7 @@ txn_op = st.tuples(
     st.dictionaries(st.sampled_from(SHARDS), rows, min_size=0, max_size=3),
     st.dictionaries(st.sampled_from(COLLS), st.tuples(keys, st.integers(0, 9)), max_size=2),
     st.one_of(st.none(), st.integers(-2, 3)),  # None: commit(); k: commit_at(max upper + k)
+    st.sets(st.sampled_from(SHARDS)),  # shards written with their own times (time_column)
 )
 append_op = st.tuples(st.just("append"), st.sampled_from(SHARDS), rows, st.integers(1, 3))
 stash_op = st.tuples(st.just("stash"), st.sampled_from(COLLS), keys, st.integers(0, 9))
@@ -87,10 +88,17 @@ def run_ops(open_stash: Callable[[], Stash], sequence: list[Any]) -> None:
         model = Model()
         for op in sequence:
             if op[0] == "txn":
-                _, writes, cat, mode = op
+                _, writes, cat, mode, timed = op
                 txn = client.begin()
+                times: dict[str, list[int]] = {}
                 for s, rs in writes.items():
-                    txn.write(names[s], table_of(rs))
+                    if s in timed:
+                        # Row i at the shard's upper + i % 3: times the txn keeps.
+                        times[s] = [model.uppers[s] + i % 3 for i in range(len(rs))]
+                        t = table_of(rs).append_column("t", pa.array(times[s], pa.int64()))
+                        txn.write(names[s], t, time_column="t")
+                    else:
+                        txn.write(names[s], table_of(rs))
                 batches = []
                 for c, (k, v) in cat.items():
                     b = colls[c].make_batch(stash)
@@ -99,13 +107,21 @@ def run_ops(open_stash: Callable[[], Stash], sequence: list[Any]) -> None:
                         colls[c].append_to_batch(b, k, model.colls[c][k], -1)
                     batches.append(b)
                 txn.stash_append(batches)
-                top = max([model.uppers[s] for s in writes] or [0])
+                top = max(
+                    [model.uppers[s] for s in writes] + [max(v) for v in times.values() if v] or [0]
+                )
                 if mode is None or not writes:
                     ts = txn.commit()
                     if writes:
                         assert ts == top
                 else:
                     ts = top + mode
+                    if any(v and max(v) > ts for v in times.values()):
+                        with pytest.raises(InvalidUsage, match="after the commit time"):
+                            txn.commit_at(ts)
+                        check(client, stash, names, colls, model)
+                        txn.abort()
+                        continue
                     beyond = {names[s]: model.uppers[s] for s in writes if model.uppers[s] > ts}
                     if beyond:
                         with pytest.raises(TxnUpperMismatch) as e:
@@ -116,7 +132,10 @@ def run_ops(open_stash: Callable[[], Stash], sequence: list[Any]) -> None:
                         continue
                     assert txn.commit_at(ts) == ts
                 for s, rs in writes.items():
-                    model.updates[s].extend((k, v, ts, d) for k, v, d in rs)
+                    at = times.get(s, [ts] * len(rs))
+                    model.updates[s].extend(
+                        (k, v, t, d) for (k, v, d), t in zip(rs, at, strict=True)
+                    )
                     model.uppers[s] = ts + 1
                 for c, (k, v) in cat.items():
                     model.colls[c][k] = v

@@ -8,7 +8,9 @@ of one cannot disturb the next):
    raw ``sqlite3`` and raw psycopg (issues 2 and 3);
 2. ``bench.bench_persist``: persist against ``pyarrow.parquet``, delta-rs, pyiceberg and
    DuckDB (issue 4);
-3. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet (issue 5).
+3. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet (issue 5);
+4. ``bench.bench_txn``: 2-shard transactions against separate ``compare_and_append``
+   calls (issue 14).
 
 Invariants kept here:
 
@@ -78,6 +80,14 @@ BENCHES: tuple[BenchSpec, ...] = (
         900,
         300,
         "Spark: the persist data source against Spark's Parquet",
+    ),
+    BenchSpec(
+        "txn",
+        "bench.bench_txn",
+        (),
+        600,
+        180,
+        "Transactions across shards against separate appends",
     ),
 )
 

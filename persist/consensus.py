@@ -34,6 +34,13 @@ indeterminate commit is resolved by re-reading the head and re-running the trans
 which must recognise its own already-committed effect (appends carry an idempotency
 token, the other transitions are idempotent).
 
+A transaction over several shards (:mod:`persist.txn`) stages each shard's next version
+with :meth:`ShardMachine.stage` (under the machines' locks, taken in shard-id order),
+builds its stash batches with :meth:`Consensus.version_batches` and sends them, with any
+other stash batches, as one :meth:`Consensus.append_atomic`: every shard's seqno check
+and every other batch's lower check pass together or nothing is committed; the staged
+versions are cached (:meth:`ShardMachine.install`) only once committed.
+
 Invariants kept here: a version is only ever published on top of the version it was
 computed from; a caller is told "committed" only if the version is durable, "not
 committed" only if it is not, and otherwise gets a :class:`ConsensusError` whose

@@ -184,6 +184,7 @@ class _ShardWrites:
     name: str
     writer: WriteHandle
     batches: list[Batch] = field(default_factory=list)
+    lent: dict[int, WriteHandle] = field(default_factory=dict)  # batch id -> its builder's handle
 
 
 def _is_timed(b: Batch) -> bool:
@@ -245,6 +246,8 @@ class Txn:
     resolve_max_wait: float = 1.0
     #: How many races ``commit`` retries before giving up with the last mismatch.
     max_commit_attempts: int = 1000
+    #: How many lost seqno races (upper still <= ts) one ``commit_at`` re-stages.
+    max_races: int = 10_000
 
     def __init__(self, client: PersistClient) -> None:
         client._check_open()
@@ -370,7 +373,9 @@ class Txn:
             raise
         if time_column is not None:
             batch.txn_timed = True  # type: ignore[attr-defined]
-        self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w)).batches.append(batch)
+        sw = self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w))
+        sw.batches.append(batch)
+        sw.lent[id(batch)] = w
 
     def write_batches(self, shard: str | WriteHandle, batches: Sequence[Batch]) -> None:
         """Add batches written elsewhere (e.g. by Spark executors, turned back from
@@ -726,6 +731,10 @@ class Txn:
                 # A lost seqno race: re-read every shard (cheap when unchanged) and
                 # stage again; no part is written again.
                 races += 1
+                if races > self.max_races:
+                    raise ConsensusError(
+                        f"transaction at {ts}: gave up after {races} lost compare-and-set races"
+                    )
                 for m in machines:
                     m.fetch()
                 fresh = set(order)
@@ -831,7 +840,7 @@ class Txn:
             w = sw.writer
             for b in sw.batches:
                 b.mark_consumed()
-                w._lent = max(0, w._lent - 1)
+            self._return_lent(sw)
             w._registered = True
             w._last_heartbeat_ms = w._machine.now_ms()
         return ts
@@ -849,7 +858,15 @@ class Txn:
                     b.mark_consumed()  # maybe referenced: GC decides
                 else:
                     b.delete()
-                sw.writer._lent = max(0, sw.writer._lent - 1)
+            self._return_lent(sw)
+
+    @staticmethod
+    def _return_lent(sw: _ShardWrites) -> None:
+        """The builders :meth:`write` borrowed are settled (a handle whose lent
+        batches were all appended or deleted may unregister on ``expire``)."""
+        for h in sw.lent.values():
+            h._lent = max(0, h._lent - 1)
+        sw.lent.clear()
 
     def __enter__(self) -> Txn:
         return self

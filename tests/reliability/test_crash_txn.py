@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from campaign import record, runs
+from campaign import LONG, record, runs
 from crash_child_txn import (
     CATALOG,
     KEY_SCHEMA,
@@ -195,12 +195,19 @@ def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
     assert acked_total > 0
 
 
+# Each kill costs a child start and a check of three shards (a bisection, GC, fsck):
+# the long campaign gets more than the suite's default time limit.
+LIMIT = 3600 if LONG else 600
+
+
+@pytest.mark.timeout(LIMIT)
 def test_crash_txn_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/crash.db"
-    _campaign(url, tmp_path, runs(8, 150), "sqlite + file blob")
+    _campaign(url, tmp_path, runs(8, 100), "sqlite + file blob")
 
 
+@pytest.mark.timeout(LIMIT)
 @pytest.mark.postgres
 def test_crash_txn_postgres(tmp_path: Path, postgres_url: str) -> None:
     migrate_to_head(postgres_url)
-    _campaign(postgres_url, tmp_path, runs(4, 150), "postgres + file blob")
+    _campaign(postgres_url, tmp_path, runs(4, 100), "postgres + file blob")

@@ -339,10 +339,11 @@ class Txn:
                 f"Txn.write to shard {w.name!r}: time_column {time_column!r} is not a "
                 f"column of the updates {table.column_names}"
             )
+        n = table.num_rows
         if DIFF not in table.column_names:
-            table = table.append_column(DIFF, pa.array([1] * table.num_rows, pa.int64()))
+            table = table.append_column(DIFF, pa.repeat(pa.scalar(1, pa.int64()), n))
         if time_column is None:
-            table = table.append_column(TIME, pa.array([RAW_TIME] * table.num_rows, pa.int64()))
+            table = table.append_column(TIME, pa.repeat(pa.scalar(RAW_TIME, pa.int64()), n))
         elif time_column != TIME:
             if TIME in table.column_names:
                 raise InvalidUsage(

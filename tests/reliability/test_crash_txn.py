@@ -164,7 +164,7 @@ def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
         assert child.stdout is not None
         line = child.stdout.readline()
         assert line.strip() == "ready", child.stderr.read() if child.stderr else ""
-        time.sleep(rng.uniform(0.05, 1.0))
+        time.sleep(rng.uniform(0.1, 2.0))
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
         assert child.returncode == -signal.SIGKILL, f"{label} run {run}: child died by itself: " + (

@@ -491,7 +491,7 @@ def write_report(
 def main(results: Path | None, out: Path) -> None:
     """Write docs/benchmarks.md and docs/img/bench-*.png from the results files."""
     d = results or results_dir()
-    known = ["stash", "commit", "persist", "spark"]
+    known = ["stash", "commit", "persist", "spark", "pipeline", "txn"]
     paths = sorted(
         d.glob("*.json"), key=lambda p: (known.index(p.stem) if p.stem in known else 99, p.stem)
     )

@@ -13,7 +13,9 @@ of one cannot disturb the next):
    DuckDB (issue 4);
 4. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet (issue 5);
 5. ``bench.bench_pipeline_parquet``: the flights pipeline on persist against the same
-   pipeline on plain Parquet (issue 16).
+   pipeline on plain Parquet (issue 16);
+6. ``bench.bench_txn``: 2-shard transactions against separate ``compare_and_append``
+   calls (issue 14).
 
 Invariants kept here:
 
@@ -99,6 +101,14 @@ BENCHES: tuple[BenchSpec, ...] = (
         1800,
         600,
         "Pipeline: make demo's steps against the same pipeline on plain Parquet",
+    ),
+    BenchSpec(
+        "txn",
+        "bench.bench_txn",
+        (),
+        600,
+        180,
+        "Transactions across shards against separate appends",
     ),
 )
 

@@ -10,7 +10,8 @@ Public names import from here, as ``from stash import Stash, Antichain`` does::
 Invariants are stated by each module: :mod:`persist.state` (shard state and leases),
 :mod:`persist.consensus` (versions by compare-and-set), :mod:`persist.write` /
 :mod:`persist.read` (handles), :mod:`persist.compactor`, :mod:`persist.gc`,
-:mod:`persist.spine` (the Spine), :mod:`persist.parts` and :mod:`persist.blob`.
+:mod:`persist.spine` (the Spine), :mod:`persist.parts`, :mod:`persist.blob` and
+:mod:`persist.txn` (transactions across shards and stash collections).
 """
 
 from persist.batch import Batch
@@ -40,6 +41,7 @@ from persist.gc import GcReport, collect_garbage
 from persist.read import Listen, ListenEvent, ReadHandle, read_batch, read_batches
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.state import LeaseExpired, ShardState
+from persist.txn import Txn, TxnUpperMismatch, snapshot_many
 from persist.types import Description, HollowBatch, PartRef
 from persist.write import BatchBuilder, WriteHandle
 
@@ -82,6 +84,8 @@ __all__ = [
     "ShardState",
     "SinceViolation",
     "Trace",
+    "Txn",
+    "TxnUpperMismatch",
     "UnreliableBlob",
     "UpdateBeyondUpper",
     "UpdateNotBeyondLower",
@@ -93,4 +97,5 @@ __all__ = [
     "open_blob",
     "read_batch",
     "read_batches",
+    "snapshot_many",
 ]

@@ -33,11 +33,12 @@ maintenance (``000``/``001``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
-from typing import Literal, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import pyarrow as pa
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
@@ -60,6 +61,9 @@ from persist.state import ShardState
 from persist.types import Description, HollowBatch
 from persist.write import WriteHandle
 from stash import Antichain, Stash, StashError
+
+if TYPE_CHECKING:
+    from persist.txn import Txn
 
 __all__ = ["SHARD_ID_REF", "CompactionMode", "PersistClient", "RetryingBlob"]
 
@@ -215,6 +219,8 @@ class PersistClient:
         self._schema_ids: dict[tuple[str, pa.Schema, pa.Schema], int] = {}
         self._handles: weakref.WeakSet[WriteHandle | ReadHandle | Listen] = weakref.WeakSet()
         self._closed = False
+        self._txn_writers: dict[str, WriteHandle] = {}
+        self._txn_lock = threading.Lock()
         self.compactor = Compactor(self)
         if compaction == "background":
             self.compactor.start()
@@ -341,6 +347,47 @@ class PersistClient:
         w.schema_id = self._schema_id(m, key_schema, value_schema)
         self._handles.add(w)
         return w
+
+    # ------------------------------------------------------------ transactions
+    def begin(self) -> Txn:
+        """A new :class:`~persist.txn.Txn`: writes to several shards and stash batches
+        committed together in one stash transaction (DESIGN section 5.2).
+
+        Raises:
+            InvalidUsage: the client is closed.
+        """
+        from persist.txn import Txn
+
+        return Txn(self)
+
+    def snapshot_many(
+        self, as_ofs: Mapping[str, int | None] | Sequence[str]
+    ) -> dict[str, pa.Table]:
+        """Cross-shard-consistent snapshots: see :func:`persist.txn.snapshot_many`."""
+        from persist.txn import snapshot_many
+
+        self._check_open()
+        return snapshot_many(self, as_ofs)
+
+    def _txn_writer(self, m: ShardMachine, name: str) -> WriteHandle:
+        """The writer this client's transactions use for a shard (one per shard, so a
+        stream of transactions does not register a writer each; replaced once expired)."""
+        with self._txn_lock:
+            w = self._txn_writers.get(m.shard_id)
+            lapsed = w is not None and (
+                w._registered and m.now_ms() - w._last_heartbeat_ms > w._lease_ms
+            )
+            if w is None or w._expired or lapsed:
+                st = m.state()
+                w = self._writer(m, name, st.key_schema, st.value_schema)
+                self._txn_writers[m.shard_id] = w
+            return w
+
+    def _forget_txn_writer(self, w: WriteHandle) -> None:
+        """Stop using ``w`` for transactions (its lease ran out)."""
+        with self._txn_lock:
+            if self._txn_writers.get(w.shard_id) is w:
+                del self._txn_writers[w.shard_id]
 
     def open_reader(
         self, shard_name: str, key_schema: pa.Schema, value_schema: pa.Schema

@@ -34,6 +34,13 @@ indeterminate commit is resolved by re-reading the head and re-running the trans
 which must recognise its own already-committed effect (appends carry an idempotency
 token, the other transitions are idempotent).
 
+A transaction over several shards (:mod:`persist.txn`) stages each shard's next version
+with :meth:`ShardMachine.stage` (under the machines' locks, taken in shard-id order),
+builds its stash batches with :meth:`Consensus.version_batches` and sends them, with any
+other stash batches, as one :meth:`Consensus.append_atomic`: every shard's seqno check
+and every other batch's lower check pass together or nothing is committed; the staged
+versions are cached (:meth:`ShardMachine.install`) only once committed.
+
 Invariants kept here: a version is only ever published on top of the version it was
 computed from; a caller is told "committed" only if the version is durable, "not
 committed" only if it is not, and otherwise gets a :class:`ConsensusError` whose
@@ -80,6 +87,7 @@ __all__ = [
     "Consensus",
     "ShardMachine",
     "Stale",
+    "Staged",
     "VersionedData",
     "new_shard_id",
     "validate_shard_id",
@@ -456,6 +464,81 @@ class Consensus:
             return False
         return True
 
+    def version_batches(
+        self,
+        shard_id: str,
+        expected: int,
+        new: Mapping[str, str],
+        prev: Mapping[str, str],
+        retired: RetiredChange | None = None,
+    ) -> list[AppendBatch]:
+        """The stash batches that publish version ``expected + 1`` of ``shard_id`` on top
+        of ``expected`` (the same batches :meth:`compare_and_set` sends), without sending
+        them: a multi-shard transaction (:mod:`persist.txn`) sends several shards'
+        batches, and batches of other collections, in one atomic stash ``append``.
+
+        Args: as :meth:`compare_and_set` (``expected`` is never ``None`` here).
+        """
+        if META_KEY not in new:
+            raise InvalidUsage(f"a consensus version needs a {META_KEY!r} entry with its seqno")
+        seqno = expected + 1
+        c = self.collection(shard_id)
+        key = c.key_codec.encode
+        entries: list[tuple[tuple[str, str], int, int]] = []
+        for k, text in new.items():
+            old = prev.get(k)
+            if old == text:
+                continue
+            kt = key(k)
+            if old is not None:
+                entries.append(((kt, old), seqno, -1))
+            entries.append(((kt, text), seqno, 1))
+        for k, old in prev.items():
+            if k not in new:
+                entries.append(((key(k), old), seqno, -1))
+        out = [
+            AppendBatch(
+                collection=c,
+                lower=Antichain.from_elem(seqno),
+                upper=Antichain.from_elem(seqno + 1),
+                compact=Antichain.from_elem(seqno),
+                timestamp=seqno,
+                entries=entries,
+            )
+        ]
+        if retired is not None:
+            rc = self.retired_collection(shard_id)
+            rb = AppendBatch(
+                collection=rc,
+                lower=Antichain.from_elem(retired.lower),
+                upper=Antichain.from_elem(retired.lower + 1),
+                compact=Antichain.from_elem(retired.lower),
+                timestamp=retired.lower,
+            )
+            for k, ms in retired.adds.items():
+                rc.append_to_batch(rb, k, ms, 1)
+            for k, ms in retired.removes.items():
+                rc.append_to_batch(rb, k, ms, -1)
+            out.append(rb)
+        return out
+
+    def append_atomic(self, batches: list[AppendBatch], what: str) -> str | None:
+        """Send ``batches`` (several shards' versions from :meth:`version_batches`, and
+        any other stash batches) as ONE stash ``append``: all commit or none does.
+
+        Returns: ``None`` if committed, else the name of the collection whose lower
+            check failed (nothing was committed).
+
+        Raises:
+            ConsensusError: the stash failed (after retries of transient, determinate
+                errors); ``is_indeterminate()`` tells whether it may have committed.
+        """
+        try:
+            self._call(what, lambda: self.stash.append(batches))
+        except AppendLowerMismatch as e:
+            return str(e.collection)
+        return None
+
     def scan(self, shard_id: str, from_seqno: int = 0) -> list[VersionedData]:
         """Versions with seqno ``>= from_seqno`` still held.  Consensus truncates every
         older version in the append that writes the next one, so this is the head alone
@@ -540,6 +623,21 @@ class _Cache:
     state: ShardState
     data: dict[str, Any]
     texts: dict[str, str]
+
+
+@dataclass
+class Staged:
+    """A shard version computed by :meth:`ShardMachine.stage`, not yet published:
+    ``expected`` (the seqno it builds on), the new ``state`` with its ``data`` and
+    ``texts`` by entry key, the expected version's ``prev`` texts and the ``retired``
+    change to write with it."""
+
+    expected: int
+    state: ShardState
+    data: dict[str, Any]
+    texts: dict[str, str]
+    prev: dict[str, str]
+    retired: RetiredChange | None
 
 
 class ShardMachine:
@@ -672,6 +770,62 @@ class ShardMachine:
                     self._cache = _Cache(initial, data, texts)
                     return initial
             raise ConsensusError(f"could not initialise shard {self.shard_id}")
+
+    # -------------------------------------------- multi-shard transactions
+    @property
+    def lock(self) -> threading.RLock:
+        """The machine's lock: a multi-shard transaction (:mod:`persist.txn`) holds the
+        locks of all its shards (taken in shard-id order) around :meth:`stage` and
+        :meth:`install`."""
+        return self._lock
+
+    def stage(
+        self,
+        fn: Callable[[ShardState, bool], tuple[T, bool]],
+        fresh: bool,
+        keep: tuple[str, ...] = (),
+    ) -> tuple[T, Staged | None]:
+        """Run a transition on a copy of the cached state, as :meth:`apply` does, but
+        do not publish it: return ``fn``'s result and the :class:`Staged` version
+        (``None`` when nothing changed) for the caller to send with
+        :meth:`Consensus.version_batches` and, once committed, :meth:`install`.  The
+        caller holds :attr:`lock`.  ``fn`` may raise :class:`Stale` (the caller then
+        re-reads with :meth:`fetch` and stages again).
+        """
+        if self._cache is None:
+            self.fetch()
+        cache = self._cache
+        assert cache is not None
+        st = cache.state.clone()
+        result, changed = fn(st, fresh)
+        if st.expire_leases(self.now_ms(), keep):
+            changed = True
+        retired: RetiredChange | None = None
+        if st.retire_adds or st.retire_removes:
+            at = cache.state.seqno + 1
+            retired = RetiredChange(
+                st.retired_upper,
+                {retired_entry(k, at): ms for k, ms in st.retire_adds.items()},
+                dict(st.retire_removes),
+            )
+            st.retire_adds, st.retire_removes = {}, {}
+            st.retired_upper += 1
+            changed = True
+        if not changed:
+            return result, None
+        st.seqno = cache.state.seqno + 1
+        data = st.to_entries()
+        texts = {
+            k: (cache.texts[k] if k in cache.data and cache.data[k] == v else Consensus.encode(v))
+            for k, v in data.items()
+        }
+        staged = Staged(cache.state.seqno, st, data, texts, cache.texts, retired)
+        return result, staged
+
+    def install(self, staged: Staged) -> None:
+        """Cache a staged version once the caller's atomic append committed it."""
+        self.metrics["cas"] += 1
+        self._cache = _Cache(staged.state, staged.data, staged.texts)
 
     # ----------------------------------------------------------------- writes
     def apply(

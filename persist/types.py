@@ -8,7 +8,9 @@ Invariants kept here:
 * a :class:`PartRef` names exactly one immutable encoded part: either a blob key
   (``key``, a Parquet object) or inline bytes held in the shard state (``inline``, an
   Arrow IPC stream; see ``persist.encoding.encode_inline_part``), never both; ``checksum``
-  is the SHA-256 hex digest of the encoded bytes;
+  is the SHA-256 hex digest of the encoded bytes; its ``stats`` (per-column min, max
+  and null count, :mod:`persist.stats`) describe exactly the rows of that part, or are
+  ``None`` (unknown: states written before statistics existed, inline parts);
 * a :class:`HollowBatch` lists its parts grouped into runs: ``runs`` holds the indexes in
   ``parts`` where each run after the first starts, and each run is sorted by
   (key, value, time) and consolidated (one row per distinct (key, value, time), its diff
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from persist.stats import ColumnStats, stats_from_json, stats_to_json
 from stash import Antichain
 
 
@@ -77,6 +80,8 @@ class PartRef:
         rows: number of updates (rows) in the part.
         encoded_size_bytes: size of the encoded bytes.
         checksum: SHA-256 hex digest of the encoded bytes.
+        stats: per-column ``(column, min, max, nulls)`` of the part's rows
+            (:mod:`persist.stats`), or ``None`` when unknown (never pruned).
     """
 
     key: str | None
@@ -84,6 +89,7 @@ class PartRef:
     encoded_size_bytes: int
     checksum: str
     inline: bytes | None = None
+    stats: tuple[ColumnStats, ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.key is None) == (self.inline is None):
@@ -100,17 +106,26 @@ class PartRef:
         else:
             assert self.inline is not None
             d["inline"] = base64.b64encode(self.inline).decode("ascii")
+        if self.stats is not None:
+            d["stats"] = stats_to_json(self.stats)
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PartRef:
         inline = d.get("inline")
+        stats = None
+        if "stats" in d:
+            try:
+                stats = stats_from_json(d["stats"])
+            except (ValueError, TypeError):
+                stats = None  # unreadable statistics are unknown ones: never prune
         return cls(
             key=d.get("key"),
             rows=int(d["rows"]),
             encoded_size_bytes=int(d["bytes"]),
             checksum=str(d["sha256"]),
             inline=None if inline is None else base64.b64decode(inline),
+            stats=stats,
         )
 
 

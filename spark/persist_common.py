@@ -84,6 +84,7 @@ READ_OPTIONS = (
     "partition_bytes",
     "consolidate",
     "expand",
+    "pushdown",
 )
 """Every option a read (batch or streaming) of the persist source understands."""
 
@@ -195,6 +196,7 @@ class ReadSettings:
     partition_bytes: int
     consolidate: str
     expand: bool
+    pushdown: bool = False
 
     @property
     def full(self) -> bool:

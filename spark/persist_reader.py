@@ -2,7 +2,10 @@
 
 Invariants kept here: a task yields Arrow record batches in the DataFrame's schema; with
 ``consolidate=full`` the rows equal ``ReadHandle.snapshot(as_of)``; times are advanced to
-the read time and updates beyond it dropped before consolidation.
+the read time and updates beyond it dropped before consolidation; the filters the reader
+accepted in :meth:`PersistPushdownReader.pushFilters` (Spark no longer applies them) are
+applied exactly to every row it yields, and the parts planning skipped hold no row that
+passes them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from spark.persist_common import DIFF, TIME, PersistSourceError, ReadSettings, persist_client
-from spark.persist_planning import PartsPartition, plan_parts, resolve_as_of
+from spark.persist_planning import (
+    PartsPartition,
+    PushedFilter,
+    filter_expression,
+    plan_parts,
+    prune_for_filters,
+    pushed_filter,
+    resolve_as_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +43,12 @@ def read_snapshot(
     key_names: Sequence[str],
     value_names: Sequence[str],
     as_of: int,
+    filter: Any = None,
 ) -> pa.Table:
     """The updates of ``batches`` at ``as_of``: times ``> as_of`` dropped, the rest
     advanced to ``as_of``, consolidated (persist's ``snapshot_table``, as
-    ``ReadHandle.snapshot`` does for a whole shard).
+    ``ReadHandle.snapshot`` does for a whole shard); with ``filter`` (an Arrow
+    expression over key and value columns) only the rows it keeps.
 
     Raises:
         persist.errors.CorruptPart: a part is missing (compacted and garbage-collected
@@ -43,20 +56,23 @@ def read_snapshot(
     """
     from persist.read import snapshot_table
 
-    return snapshot_table(blob, list(batches), schema, key_names, value_names, as_of)
+    return snapshot_table(blob, list(batches), schema, key_names, value_names, as_of, filter=filter)
 
 
-def read_updates(blob: Any, batches: Sequence[Any], schema: pa.Schema, as_of: int) -> pa.Table:
+def read_updates(
+    blob: Any, batches: Sequence[Any], schema: pa.Schema, as_of: int, filter: Any = None
+) -> pa.Table:
     """The raw updates of ``batches`` up to ``as_of``: times ``> as_of`` dropped, the rest
     kept as stored (only advanced to their batch's lower and since, as
-    :func:`persist.read.read_batches` does), not consolidated.
+    :func:`persist.read.read_batches` does), not consolidated; with ``filter`` only the
+    rows it keeps.
 
     Raises:
         persist.errors.CorruptPart: a part is missing or corrupt.
     """
     from persist.read import read_batches
 
-    return read_batches(blob, list(batches), schema, upper=as_of + 1)
+    return read_batches(blob, list(batches), schema, upper=as_of + 1, filter=filter)
 
 
 # ---------------------------------------------------------- arrow helpers
@@ -100,11 +116,21 @@ def _to_output(
 
 
 class PersistBatchReader(DataSourceReader):
-    """Plans one partition per part (group) at ``as_of``; reads Arrow end to end."""
+    """Plans one partition per part (group) at ``as_of``; reads Arrow end to end.
+
+    Takes no filters (:class:`PersistPushdownReader` does, with ``pushdown=true``).
+    Spark's Python data sources get no column pruning (PySpark 4.3 passes the full
+    schema to ``DataSource.reader``), so every column is read.
+    """
 
     def __init__(self, settings: ReadSettings, schema: StructType) -> None:
         self.settings = settings
         self.schema = schema
+        self.pushed: list[PushedFilter] = []  # only PersistPushdownReader fills it
+
+    def _columns(self) -> pa.Schema:
+        s = self.settings
+        return pa.schema(list(s.key_schema) + list(s.value_schema))
 
     def partitions(self) -> Sequence[InputPartition]:
         s = self.settings
@@ -117,6 +143,7 @@ class PersistBatchReader(DataSourceReader):
                 return []
             batches = read.snapshot_batches(as_of)
             read.detach()  # executors read these parts later: GC keeps them meanwhile
+        batches = prune_for_filters(batches, read.schema, self._columns(), as_of, self.pushed)
         return [
             PartsPartition(group, as_of) for group in plan_parts(batches, s.partition_bytes, s.full)
         ]
@@ -135,10 +162,11 @@ class PersistBatchReader(DataSourceReader):
         from persist.parts import updates_schema
 
         schema = updates_schema(s.key_schema, s.value_schema)
+        filt = filter_expression(self.pushed, self._columns())
         blob = RetryingBlob(open_blob(s.target.blob_uri))
         try:
             if s.consolidate == "none":
-                table = read_updates(blob, partition.parts, schema, partition.as_of)
+                table = read_updates(blob, partition.parts, schema, partition.as_of, filt)
             else:
                 table = read_snapshot(
                     blob,
@@ -147,6 +175,7 @@ class PersistBatchReader(DataSourceReader):
                     s.key_schema.names,
                     s.value_schema.names,
                     partition.as_of,
+                    filt,
                 )
         finally:
             blob.close()
@@ -154,6 +183,36 @@ class PersistBatchReader(DataSourceReader):
             table = expand_table(table, s.target.shard)
         out = _to_output(table, self.schema, s.time_column, s.diff_column)
         yield from out.to_batches(max_chunksize=64 * 1024)
+
+
+class PersistPushdownReader(PersistBatchReader):
+    """:class:`PersistBatchReader` that takes Spark's pushed filters (read option
+    ``pushdown=true``; needs ``spark.sql.python.filterPushdown.enabled``, which
+    :func:`spark.register` turns on).
+
+    Filters on key and value columns that the source applies exactly
+    (:func:`spark.persist_planning.pushed_filter`) are kept: planning skips the parts
+    whose statistics show no row passes them, and each task applies them exactly; the
+    others go back to Spark.
+
+    Not the default because of PySpark 4.3's planning cache: Spark keeps the reader a
+    filtered query planned on the DataFrame (or temporary view) and reuses it, pushed
+    filters included, for a later query of the same DataFrame that has no filter to
+    push, which then sees only the earlier query's rows. With ``pushdown=true``, load a
+    fresh DataFrame for each query.
+    """
+
+    def pushFilters(self, filters: list[Any]) -> list[Any]:
+        """Keep the filters the source applies exactly; return the others to Spark."""
+        columns = self._columns()
+        rest = []
+        for f in filters:
+            p = pushed_filter(f, columns)
+            if p is None:
+                rest.append(f)
+            else:
+                self.pushed.append(p)
+        return rest
 
 
 # ------------------------------------------------------------- streaming

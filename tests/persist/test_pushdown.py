@@ -21,8 +21,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from persist import InvalidUsage, MemoryBlob, PersistClient
+from persist.parts import read_parts
 from persist.read import prune_batches
-from persist.stats import column_stats, decode_value, encode_value, guarantees, prune_mask
+from persist.stats import (
+    column_stats,
+    decode_value,
+    encode_value,
+    guarantees,
+    prune_mask,
+    table_stats,
+)
 from persist.types import HollowBatch, PartRef
 from stash import Antichain, Stash
 
@@ -308,5 +316,35 @@ def test_bad_filter_or_columns_raise_naming_them(stash: Stash) -> None:
             r.snapshot(0, columns=["k", "k"])
         assert r.snapshot(0, columns=["v", "k"]).column_names == ["v", "k"]
         assert r.snapshot(0, filter=pc.field("w") == decimal.Decimal(1)).num_rows == 1
+    finally:
+        client.close()
+
+
+def test_compaction_outputs_carry_stats_and_prune(stash: Stash) -> None:
+    """Inline one-row batches (no stats) merged by compaction into blob parts: each
+    compacted part carries the statistics of exactly its rows, and a key filter then
+    prunes parts."""
+    blob = MemoryBlob()
+    client = PersistClient(
+        stash, blob, compaction="off", inline_max_bytes=4096, target_part_bytes=300
+    )
+    try:
+        w, r = client.open("c", KS, VS)
+        for i in range(40):
+            w.compare_and_append([(((i,), (f"v{i}", i)), i, 1)], ac(i), ac(i + 1))
+        r.downgrade_since(39)
+        before = [p for b in r.snapshot_batches(39) for p in b.parts]
+        assert before and all(p.stats is None for p in before)  # inline parts: none
+        client.compactor.compact_once("c")
+        batches = r.snapshot_batches(39)
+        parts = [p for b in batches for p in b.parts]
+        blob_parts = [p for p in parts if p.key is not None]
+        assert len(blob_parts) > 1
+        for p in blob_parts:
+            assert PartRef.from_json(p.to_json()).stats == p.stats
+            assert p.stats == table_stats(read_parts(blob, [p], schema=r.schema))
+        f = pc.field("k") == 7
+        assert sum(len(b.parts) for b in prune_batches(batches, r.schema, 39, f)) < len(parts)
+        assert r.snapshot(39, filter=f).equals(r.snapshot(39).filter(f))
     finally:
         client.close()

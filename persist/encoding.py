@@ -10,7 +10,8 @@ Invariants kept here:
 * decoding what :func:`encode_part` or :func:`encode_inline_part` produced gives back the
   table, column types included;
 * a :class:`~persist.types.PartRef` from :func:`make_part_ref` carries the SHA-256 of
-  exactly the bytes given, and a blob part's key is a valid blob key.
+  exactly the bytes given, and a blob part's key is a valid blob key; the statistics it
+  carries are the caller's, computed from the very table encoded.
 """
 
 import hashlib
@@ -23,6 +24,7 @@ import pyarrow.parquet as pq
 from persist.blob import validate_key
 from persist.consolidation import _scratch_pool
 from persist.errors import InvalidUsage
+from persist.stats import ColumnStats
 from persist.types import PartRef
 from persist.updates import TIME
 
@@ -170,7 +172,13 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def make_part_ref(key: str | None, data: bytes, rows: int, inline: bool = False) -> PartRef:
+def make_part_ref(
+    key: str | None,
+    data: bytes,
+    rows: int,
+    inline: bool = False,
+    stats: tuple[ColumnStats, ...] | None = None,
+) -> PartRef:
     """A :class:`PartRef` for the Parquet ``data`` of ``rows`` updates.
 
     Args:
@@ -178,6 +186,8 @@ def make_part_ref(key: str | None, data: bytes, rows: int, inline: bool = False)
         data: the encoded part.
         rows: number of updates in it.
         inline: keep the bytes in the reference itself (shard state) instead of a blob.
+        stats: the part's column statistics (:func:`persist.stats.table_stats` of the
+            table encoded), or ``None`` (unknown).
 
     Raises:
         InvalidUsage: neither a key nor ``inline``; an invalid key.
@@ -189,8 +199,11 @@ def make_part_ref(key: str | None, data: bytes, rows: int, inline: bool = False)
             encoded_size_bytes=len(data),
             checksum=_sha256(data),
             inline=bytes(data),
+            stats=stats,
         )
     if key is None:
         raise InvalidUsage("a part that is not inline needs a blob key")
     validate_key(key)
-    return PartRef(key=key, rows=rows, encoded_size_bytes=len(data), checksum=_sha256(data))
+    return PartRef(
+        key=key, rows=rows, encoded_size_bytes=len(data), checksum=_sha256(data), stats=stats
+    )

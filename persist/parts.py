@@ -11,7 +11,9 @@ decodes them (:mod:`persist.decoding`), after the persist-client batch builder (
 Invariants kept here:
 
 * the parts :func:`write_parts` returns, read in order, are exactly the input table; a
-  run's parts are row slices of one sorted table, so they stay sorted;
+  run's parts are row slices of one sorted table, so they stay sorted; each blob part's
+  ref carries the statistics of exactly its rows (:mod:`persist.stats`; inline parts
+  have none: they cost no fetch to read);
 * :func:`write_parts` returns (or raises) only after every upload it started has ended,
   so a failed write's clean-up never races one of its own uploads;
 * :func:`read_parts` either decodes verified bytes or, for an inline part whose very
@@ -37,6 +39,7 @@ from persist.encoding import encode_inline_part, encode_part, make_part_ref
 from persist.errors import BlobError, CorruptPart, InvalidUsage
 from persist.merge import key_samples
 from persist.pool import run_all, submit_io
+from persist.stats import table_stats
 from persist.types import PartRef
 from persist.updates import DIFF, TIME, SchemaHistory, to_updates_table, updates_schema
 
@@ -222,7 +225,11 @@ def write_parts(
         if order is not None:
             piece = _take(table, order[starts[i] : starts[i] + piece.num_rows])
         data = whole if whole is not None and len(pieces) == 1 else encode_part(piece)
-        ref = _with_samples(make_part_ref(keys[i], data, piece.num_rows), piece, key_names)
+        ref = _with_samples(
+            make_part_ref(keys[i], data, piece.num_rows, stats=table_stats(piece)),
+            piece,
+            key_names,
+        )
         in_flight.acquire()
         try:
             upload = submit_io(blob.set, keys[i], data)

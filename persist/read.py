@@ -25,6 +25,9 @@ Invariants kept here:
   ``snapshot(as_of)``, in the same order, range of keys after range of keys, holding
   only the parts (and, for a bounded range, the Parquet row groups) overlapping the
   current range; parts without key samples are read whole;
+  ``snapshot(as_of, filter=f, columns=c)`` is exactly ``snapshot(as_of).filter(f)
+  .select(c)``: a part is skipped only when its statistics prove it holds no update at
+  or before ``as_of`` or no row a key/value filter keeps (:func:`prune_batches`);
 * a reader holds a *seqno* in the state (its lease's seqno hold): never later than the
   oldest version a read of this handle is using (a ``snapshot`` in progress, the last
   ``snapshot_batches``), so GC keeps every part those versions reference; a snapshot
@@ -74,6 +77,7 @@ from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.parts import TIME, consolidate, read_parts
 from persist.pool import run_all
 from persist.state import LeaseExpired, ShardState
+from persist.stats import ColumnStats, min_time, prune_mask
 from persist.types import HollowBatch, PartRef
 from persist.updates import SchemaHistory
 from stash import Antichain
@@ -85,8 +89,12 @@ __all__ = [
     "Listen",
     "ListenEvent",
     "ReadHandle",
+    "check_columns",
+    "check_filter",
+    "prune_batches",
     "read_batch",
     "read_batches",
+    "slice_batch",
     "snapshot_table",
     "stream_snapshot",
 ]
@@ -125,6 +133,7 @@ def _read_refs(
     schema: pa.Schema,
     max_workers: int,
     schemas: tuple[SchemaHistory, int] | None = None,
+    columns: Sequence[str] | None = None,
 ) -> pa.Table:
     # Threads only pay off for blob fetches; inline parts decode faster in this thread.
     remote = sum(1 for r in refs if r.inline is None)
@@ -133,7 +142,169 @@ def _read_refs(
         # The conform step (DESIGN 5.3): each part as the view of the read version.
         history, dst = schemas
         schema = history.view_schema(dst)
-    return read_parts(blob, refs, schema=schema, max_workers=workers, conform=schemas)
+    return read_parts(
+        blob, refs, columns=columns, schema=schema, max_workers=workers, conform=schemas
+    )
+
+
+# ------------------------------------------------------- filters and projection
+
+
+def check_filter(
+    filter: pc.Expression | None,
+    schema: pa.Schema,
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+) -> tuple[pc.Expression | None, bool]:
+    """``filter`` checked against the updates ``schema``, and whether it is a *row*
+    filter: one over key and value columns only.
+
+    A row filter may be applied to updates before they are consolidated, and used to
+    prune parts by their statistics: a (key, value) row's diff is the sum of its
+    updates' diffs, and every update of that row has the same key and value columns, so
+    the filter keeps all of them or none; consolidating the kept updates gives exactly
+    the kept rows of the consolidated snapshot. A filter that reads ``_time`` or
+    ``_diff`` is only applied to the consolidated snapshot (where ``_time`` is the read
+    time and ``_diff`` the summed diff).
+
+    Raises:
+        InvalidUsage: ``filter`` is not a ``pyarrow.compute.Expression``, references a
+            column the shard does not have, or is not boolean.
+    """
+    if filter is None:
+        return None, False
+    if not isinstance(filter, pc.Expression):
+        raise InvalidUsage(
+            f"filter must be a pyarrow.compute.Expression, got {type(filter).__name__}"
+        )
+    try:
+        schema.empty_table().filter(filter)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        raise InvalidUsage(f"filter {filter} does not apply to the shard's rows: {e}") from None
+    rows = pa.schema([schema.field(n) for n in [*key_names, *value_names]])
+    try:
+        rows.empty_table().filter(filter)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return filter, False
+    return filter, True
+
+
+def filter_columns(filter: pc.Expression, schema: pa.Schema) -> list[str]:
+    """The columns of ``schema`` that ``filter`` (which applies to ``schema``) reads:
+    those without which it no longer binds."""
+    out = []
+    for name in schema.names:
+        rest = pa.schema([f for f in schema if f.name != name])
+        try:
+            rest.empty_table().filter(filter)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            out.append(name)
+    return out
+
+
+def check_columns(columns: Sequence[str] | None, schema: pa.Schema) -> list[str] | None:
+    """``columns`` as a list, checked: names of ``schema``'s columns, none twice.
+
+    Raises:
+        InvalidUsage: not a sequence of names, an unknown name, or a repeated one.
+    """
+    if columns is None:
+        return None
+    if isinstance(columns, (str, bytes)) or not isinstance(columns, Sequence):
+        raise InvalidUsage(f"columns must be a list of column names, got {type(columns).__name__}")
+    out = list(columns)
+    unknown = [c for c in out if not isinstance(c, str) or schema.get_field_index(c) < 0]
+    if unknown:
+        raise InvalidUsage(f"columns {unknown} are not columns of the shard ({schema.names})")
+    if len(set(out)) != len(out):
+        raise InvalidUsage(f"columns {out} name a column twice")
+    return out
+
+
+def slice_batch(batch: HollowBatch, indexes: Sequence[int]) -> HollowBatch:
+    """The hollow batch holding the parts of ``batch`` at ``indexes`` (ascending): same
+    description, ``len`` the kept parts' rows, and ``runs`` marking where the kept parts
+    move to another of ``batch``'s runs (so kept parts of two runs are never taken for
+    one run)."""
+    if len(indexes) == len(batch.parts):
+        return batch
+    run_of: list[int] = []
+    for r, run in enumerate(batch.run_parts()):
+        run_of.extend([r] * len(run))
+    parts = tuple(batch.parts[i] for i in indexes)
+    runs = tuple(j for j in range(1, len(indexes)) if run_of[indexes[j]] != run_of[indexes[j - 1]])
+    return HollowBatch(batch.desc, parts, sum(p.rows for p in parts), runs)
+
+
+def prune_batches(
+    batches: Sequence[HollowBatch],
+    schema: pa.Schema,
+    as_of: int | None,
+    filter: pc.Expression | None = None,
+    schemas: tuple[SchemaHistory, int] | None = None,
+) -> list[HollowBatch]:
+    """``batches`` without the parts that cannot contribute to a read at ``as_of``
+    (times advanced to their batch's floor all later than ``as_of``) or hold no row
+    that the *row* filter ``filter`` (see :func:`check_filter`) keeps, as their
+    statistics (:mod:`persist.stats`) show. A part without statistics is kept. With
+    ``schemas`` (the shard's history and the read version), a part's statistics count
+    only for the columns it really holds under the read version's view (a column the
+    view reads as null for that part, e.g. one dropped and added again, has none).
+    Batches left without parts are dropped.
+
+    Raises:
+        pyarrow.ArrowInvalid: ``filter`` references a column not in ``schema``.
+    """
+    refs, floors, _rows = _layout(batches)
+    keep = [True] * len(refs)
+    if as_of is not None:
+        for i, (ref, floor) in enumerate(zip(refs, floors, strict=True)):
+            t = min_time(ref.stats, floor)
+            if t is not None and t > as_of:
+                keep[i] = False
+    if filter is not None:
+        candidates = [i for i, k in enumerate(keep) if k and refs[i].stats is not None]
+        mask = prune_mask(
+            [(_view_stats(refs[i], schemas), refs[i].rows) for i in candidates], schema, filter
+        )
+        for i, ok in zip(candidates, mask, strict=True):
+            keep[i] = ok
+    out: list[HollowBatch] = []
+    i = 0
+    for b in batches:
+        kept = [j for j in range(len(b.parts)) if keep[i + j]]
+        i += len(b.parts)
+        if kept:
+            out.append(slice_batch(b, kept))
+    return out
+
+
+def _view_stats(
+    ref: PartRef, schemas: tuple[SchemaHistory, int] | None
+) -> Sequence[ColumnStats] | None:
+    """``ref``'s statistics restricted to the columns the read version's view takes from
+    the part itself (by :class:`persist.updates.ConformPlan`); others are unknown."""
+    if schemas is None or ref.stats is None:
+        return ref.stats
+    history, dst = schemas
+    plan = history.plan(ref.schema_id, dst)
+    kept = {t for t, src in zip(plan.target.names, plan.sources, strict=True) if src == t}
+    return tuple(c for c in ref.stats if c[0] in kept)
+
+
+def _single_time_run(batches: Sequence[HollowBatch]) -> bool:
+    """Whether ``batches`` hold one run whose parts' statistics show a single ``_time``
+    (as stored, all equal): such data is already consolidated."""
+    live = [b for b in batches if b.parts]
+    if len(live) != 1 or live[0].runs:
+        return False
+    times = set()
+    for p in live[0].parts:
+        t = [(lo, hi) for name, lo, hi, _n in p.stats or () if name == TIME]
+        if not t or t[0][0] != t[0][1]:
+            return False
+        times.add(t[0][0])
+    return len(times) == 1
 
 
 def _advance_and_filter(
@@ -178,12 +349,14 @@ def read_batches(
     upper: int | None = None,
     max_workers: int = 4,
     schemas: tuple[SchemaHistory, int] | None = None,
+    filter: pc.Expression | None = None,
 ) -> pa.Table:
     """Read hollow batches into one updates table (not consolidated).
 
     Every time is advanced to its batch's ``lower`` and ``since`` (``t -> max(t, lower,
     since)``; see the module docstring); then, if given, only rows with ``lower <= t``
-    and ``t < upper`` are kept.
+    and ``t < upper`` are kept, and only those on which ``filter`` (an Arrow boolean
+    expression over the updates' columns) is true.
 
     Args:
         blob: the store of the non-inline parts.
@@ -196,6 +369,7 @@ def read_batches(
             read version (:meth:`persist.updates.SchemaHistory.conform`), and
             ``schema`` is ignored for that view; ``None``: every part must have
             ``schema`` (a shard of one version).
+        filter: keep only the rows it is true on (``None``: all).
 
     Raises:
         InvalidUsage: ``lower`` or ``upper`` is not an i64 time.
@@ -209,7 +383,10 @@ def read_batches(
         upper = _index_time(upper, "upper")
     refs, floors, rows = _layout(batches)
     table = _read_refs(blob, refs, schema, max_workers, schemas)
-    return _advance_and_filter(table, floors, rows, lower, upper)
+    table = _advance_and_filter(table, floors, rows, lower, upper)
+    if filter is not None:
+        table = table.filter(filter)
+    return table
 
 
 def snapshot_table(
@@ -222,38 +399,81 @@ def snapshot_table(
     *,
     max_workers: int = 4,
     schemas: tuple[SchemaHistory, int] | None = None,
+    filter: pc.Expression | None = None,
+    columns: Sequence[str] | None = None,
 ) -> pa.Table:
     """The updates of ``batches`` as of ``as_of``, consolidated: times ``> as_of`` dropped,
     the rest advanced to ``as_of``, one row per distinct (key, value) with its summed
     ``_diff`` (never zero), sorted by key and value (what :meth:`ReadHandle.snapshot`
-    returns).
+    returns); with ``filter``, only its rows on which the filter is true; with
+    ``columns``, only those columns (in that order): always exactly
+    ``snapshot_table(...).filter(filter).select(columns)``.
+
+    Parts that cannot contribute are not fetched (:func:`prune_batches`): those whose
+    times all lie after ``as_of``, and, for a row filter (:func:`check_filter`), those
+    whose statistics show no row can pass it. A row filter is applied to the updates
+    before they are consolidated, any other filter to the consolidated rows.
 
     When the data is one run whose parts hold a single time (e.g. a shard written by one
     append, or compacted up to its since) it is already consolidated (every writer of a
     run consolidates it), so it is returned as read, its ``_time`` set to ``as_of``,
-    without sorting it again; otherwise it is read with :func:`read_batches` and
-    consolidated (:func:`persist.consolidation.consolidate`).  With ``schemas`` (see
+    without sorting it again; then, when the parts' statistics show it before reading,
+    only ``columns`` and the filter's columns are decoded. Otherwise it is read with
+    :func:`read_batches` and consolidated (:func:`persist.consolidation.consolidate`),
+    which needs every key and value column: (key, value) is a row's identity. With ``schemas`` (see
     :func:`read_batches`) each part is conformed to the read version's view *before*
     consolidation, so rows that differ only in a column the view does not have are one
     row; the single-run shortcut is taken only when conforming keeps the run sorted and
-    consolidated (:attr:`persist.updates.ConformPlan.keeps_runs`).  ``value_names``
-    must then be the view's value columns.
+    consolidated (:attr:`persist.updates.ConformPlan.keeps_runs`), and statistics prune
+    only by the columns a part really holds under the view.  ``value_names`` must then be
+    the view's value columns.
 
     Raises:
-        InvalidUsage: ``as_of`` is not an i64 time.
+        InvalidUsage: ``as_of`` is not an i64 time; a bad ``filter`` or ``columns``.
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
     """
     as_of = _index_time(as_of, "as_of")
+    if schemas is not None:
+        schema = schemas[0].view_schema(schemas[1])
+    filt, row_filter = check_filter(filter, schema, key_names, value_names)
+    cols = check_columns(columns, schema)
+    batches = prune_batches(batches, schema, as_of, filt if row_filter else None, schemas)
+    keeps_runs = schemas is None or all(_keeps_runs(schemas, p) for b in batches for p in b.parts)
+    read_cols: list[str] | None = None
+    if cols is not None and keeps_runs and _single_time_run(batches):
+        wanted = {*cols, TIME, *(filter_columns(filt, schema) if filt is not None else ())}
+        read_cols = [n for n in schema.names if n in wanted]
     refs, floors, rows = _layout(batches)
-    table = _read_refs(blob, refs, schema, max_workers, schemas)
+    table = _read_refs(blob, refs, schema, max_workers, schemas, read_cols)
+    pre = filt if row_filter else None
+    table = _snapshot_of(
+        table, batches, floors, rows, key_names, value_names, as_of, read_cols, pre, keeps_runs
+    )
+    if filt is not None:
+        table = table.filter(filt)  # exact (again, for a row filter: a no-op)
+    return table if cols is None else table.select(cols)
+
+
+def _snapshot_of(
+    table: pa.Table,
+    batches: Sequence[HollowBatch],
+    floors: list[int],
+    rows: list[int],
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    as_of: int,
+    projected: list[str] | None,
+    row_filter: pc.Expression | None = None,
+    keeps_runs: bool = True,
+) -> pa.Table:
+    """The consolidated snapshot at ``as_of`` of ``table``, the parts of ``batches`` read
+    in order (only the ``projected`` columns, when the data is one single-time run);
+    ``row_filter`` (see :func:`check_filter`) is applied before consolidating. Without
+    ``keeps_runs`` (conforming may have made rows of one run collide) it always
+    consolidates."""
     live = [b for b in batches if b.parts]
-    if (
-        len(live) == 1
-        and not live[0].runs
-        and table.num_rows
-        and (schemas is None or all(_keeps_runs(schemas, r) for r in refs))
-    ):
+    if len(live) == 1 and not live[0].runs and table.num_rows and keeps_runs:
         ti = table.schema.get_field_index(TIME)
         mm = pc.min_max(table.column(ti))
         lo, hi = int(mm["min"].as_py()), int(mm["max"].as_py())
@@ -262,7 +482,11 @@ def snapshot_table(
                 return table.slice(0, 0)
             times = pa.array(np.full(table.num_rows, as_of, dtype=np.int64))
             return table.set_column(ti, table.schema.field(ti), times)
+    if projected is not None and table.num_rows:
+        raise AssertionError("a projected read of data that is not one single-time run")
     table = _advance_and_filter(table, floors, rows, None, as_of + 1 if as_of < 2**63 - 1 else None)
+    if row_filter is not None:
+        table = table.filter(row_filter)
     return consolidate(table, list(key_names), list(value_names), since=as_of)
 
 
@@ -924,27 +1148,45 @@ class ReadHandle(ShardHandle):
         return [b for b in st.batches() if b.len > 0 and b.desc.lower.less_equal(t)]
 
     def snapshot(
-        self, as_of: int | Antichain, *, wait: bool = False, timeout: float | None = None
+        self,
+        as_of: int | Antichain,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+        filter: pc.Expression | None = None,
+        columns: Sequence[str] | None = None,
     ) -> pa.Table:
         """The shard's contents as of ``as_of``: one row per distinct (key, value) with
         ``_time = as_of`` and its summed ``_diff`` (never zero), sorted by key and value.
+
+        With ``filter`` and ``columns`` the result is exactly
+        ``snapshot(as_of).filter(filter).select(columns)``, read without fetching the
+        parts whose statistics show they hold no row the filter keeps (when it reads
+        only key and value columns) and, for data already consolidated, without decoding
+        the other columns (see :func:`snapshot_table`).
 
         Args:
             as_of: a time (int) or ``{t}``.
             wait: if ``as_of`` is not yet before the upper, wait until it is (renewing
                 the lease in the background meanwhile).
             timeout: with ``wait``, give up after this many seconds (``TimeoutError``).
+            filter: a boolean ``pyarrow.compute`` expression over the key, value,
+                ``_time`` and ``_diff`` columns, e.g. ``pc.field("id") < 10``.
+            columns: the columns to return, in order (``None``: all).
 
         Raises:
             SinceViolation: ``as_of`` is before the shard's since.
             LeaseExpired: this reader's lease was lost (it was dropped from the shard
                 state), e.g. while waiting.
-            InvalidUsage: ``as_of`` is at or beyond the upper (without ``wait``).
+            InvalidUsage: ``as_of`` is at or beyond the upper (without ``wait``); a
+                bad ``filter`` or ``columns`` (checked before anything is read).
             CorruptPart: a part is missing or corrupt (naming its blob key).
             BlobError, ConsensusError: storage failed.
         """
         self._check()
         t = _as_time(as_of, "as_of")
+        check_filter(filter, self.schema, self.key_schema.names, self.value_schema.names)
+        check_columns(columns, self.schema)
         for attempt in range(_MISSING_RETRIES + 1):
             token = self._lease_seqno()  # GC keeps what this version references
             try:
@@ -958,6 +1200,8 @@ class ReadHandle(ShardHandle):
                     t,
                     max_workers=self._client.read_workers,
                     schemas=self.read_schemas(),
+                    filter=filter,
+                    columns=columns,
                 )
             except CorruptPart as e:
                 # A part of an old version may be gone (e.g. the lease had lapsed): a

@@ -14,6 +14,9 @@ Invariants kept here:
   ``key_samples``, when present, are
   the keys of evenly spaced rows of the part, its first and last row included, encoded
   by :func:`persist.merge.encode_keys` (``None`` for parts written before they existed);
+  its ``stats`` (per-column min, max
+  and null count, :mod:`persist.stats`) describe exactly the rows of that part, or are
+  ``None`` (unknown: states written before statistics existed, inline parts);
 * a :class:`HollowBatch` lists its parts grouped into runs: ``runs`` holds the indexes in
   ``parts`` where each run after the first starts, and each run is sorted by
   (key, value, time) and consolidated (one row per distinct (key, value, time), its diff
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from persist.stats import ColumnStats, stats_from_json, stats_to_json
 from stash import Antichain
 
 
@@ -89,6 +93,8 @@ class PartRef:
             evenly spaced rows of the (sorted) part, first and last row included, which
             key-range planning (:func:`persist.merge.plan_ranges`) cuts by; ``None``
             when unknown (parts written before they were recorded).
+        stats: per-column ``(column, min, max, nulls)`` of the part's rows
+            (:mod:`persist.stats`), or ``None`` when unknown (never pruned).
     """
 
     key: str | None
@@ -98,6 +104,7 @@ class PartRef:
     inline: bytes | None = None
     schema_id: int = 0
     key_samples: tuple[tuple[Any, ...], ...] | None = None
+    stats: tuple[ColumnStats, ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.key is None) == (self.inline is None):
@@ -118,12 +125,20 @@ class PartRef:
             d["schema"] = self.schema_id
         if self.key_samples is not None:
             d["keys"] = [list(k) for k in self.key_samples]
+        if self.stats is not None:
+            d["stats"] = stats_to_json(self.stats)
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PartRef:
         inline = d.get("inline")
         keys = d.get("keys")
+        stats = None
+        if "stats" in d:
+            try:
+                stats = stats_from_json(d["stats"])
+            except (ValueError, TypeError):
+                stats = None  # unreadable statistics are unknown ones: never prune
         return cls(
             key=d.get("key"),
             rows=int(d["rows"]),
@@ -132,6 +147,7 @@ class PartRef:
             inline=None if inline is None else base64.b64decode(inline),
             schema_id=int(d.get("schema", 0)),
             key_samples=None if keys is None else tuple(tuple(k) for k in keys),
+            stats=stats,
         )
 
 

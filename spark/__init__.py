@@ -28,10 +28,16 @@ __all__ = ["activate", "build_session", "persist_txn", "register"]
 def register(session: SparkSession) -> SparkSession:
     """Register the ``stash`` and ``persist`` formats on ``session``; return the session.
 
+    Also turns on ``spark.sql.python.filterPushdown.enabled`` in the session: the
+    ``persist`` reader takes pushed filters with ``pushdown=true``, and PySpark refuses
+    to read a source whose reader implements ``pushFilters`` while that setting is off.
+
     Registering twice is harmless (the later registration replaces the earlier one).
     """
     from spark.persist_source import PersistDataSource
     from spark.stash_source import StashDataSource
+
+    session.conf.set("spark.sql.python.filterPushdown.enabled", "true")
 
     session.dataSource.register(StashDataSource)
     session.dataSource.register(PersistDataSource)

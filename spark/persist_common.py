@@ -85,6 +85,7 @@ READ_OPTIONS = (
     "consolidate",
     "expand",
     "partitions",
+    "pushdown",
 )
 """Every option a read (batch or streaming) of the persist source understands."""
 
@@ -199,6 +200,7 @@ class ReadSettings:
     expand: bool
     #: Key ranges of a consolidated read (``None``: as many as a raw read's partitions).
     partitions: int | None = None
+    pushdown: bool = False
 
     @property
     def full(self) -> bool:

@@ -6,7 +6,11 @@ parts of several runs into one consolidated run; a consolidated (``full``) read 
 part that could cancel another in the same partition: either one key range per partition
 (:func:`plan_key_ranges`; the ranges partition the key space and each partition holds every
 part overlapping its range, so every update of a key is read by the task owning that key),
-or, when some part has no key samples, every part in one partition.
+or, when some part has no key samples, every part in one partition; a pushed filter
+(:func:`pushed_filter`) drops a part only when the part's statistics prove no row of it
+passes (:func:`prune_for_filters`), and the same filter is then applied exactly by every
+task, so Spark never sees a row it would have filtered out nor misses one it would have
+kept.
 """
 
 from __future__ import annotations
@@ -16,8 +20,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 from pyspark.sql.datasource import (
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
     InputPartition,
+    IsNotNull,
+    IsNull,
+    LessThan,
+    LessThanOrEqual,
 )
 
 from spark.persist_common import PersistSourceError
@@ -167,3 +181,152 @@ def resolve_as_of(read: Any, as_of: int | None, shard: str) -> int | None:
             f"as_of {as_of} is not before shard {shard}'s upper {{{upper}}}: not yet complete"
         )
     return as_of
+
+
+# ------------------------------------------------------------ filter pushdown
+
+#: A pushed filter as picklable data: ``(op, column, values)``, ``op`` one of ``eq``,
+#: ``gt``, ``ge``, ``lt``, ``le``, ``in``, ``null``, ``notnull``.
+PushedFilter = tuple[str, str, tuple[Any, ...]]
+
+_COMPARISONS: dict[type, str] = {
+    EqualTo: "eq",
+    GreaterThan: "gt",
+    GreaterThanOrEqual: "ge",
+    LessThan: "lt",
+    LessThanOrEqual: "le",
+}
+
+
+def pushable_type(t: pa.DataType) -> bool:
+    """Column types whose Spark comparisons equal Arrow's: integers, booleans, strings
+    (Spark's default binary collation), binary, dates and decimals. Not floats (Spark
+    orders NaN above every number and equates NaNs, Arrow does neither) and not
+    timestamps (their Python literals' time zone depends on the session)."""
+    return bool(
+        pa.types.is_integer(t)
+        or pa.types.is_boolean(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_date(t)
+        or pa.types.is_decimal(t)
+    )
+
+
+def _column(attribute: tuple[str, ...], columns: pa.Schema) -> pa.Field | None:
+    """The key or value column a filter's attribute names (exactly, else the one
+    matching ignoring case, as Spark resolves names), or ``None``."""
+    if len(attribute) != 1:
+        return None
+    name = attribute[0]
+    if columns.get_field_index(name) >= 0:
+        return columns.field(name)
+    matches = [f for f in columns if f.name.lower() == name.lower()]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _literal(value: Any, t: pa.DataType) -> Any:
+    """``value`` as a value of type ``t`` (its Python form), or raise ``ValueError``
+    unless it is exactly that value: a Python literal of the column's kind (no float for
+    an integer, no datetime for a date) that converts without loss."""
+    import datetime as dt
+    import decimal
+
+    if value is None:
+        raise ValueError("a null literal")
+    if pa.types.is_boolean(t):
+        ok = isinstance(value, bool)
+    elif pa.types.is_integer(t):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif pa.types.is_decimal(t):
+        ok = isinstance(value, (decimal.Decimal, int)) and not isinstance(value, bool)
+    elif pa.types.is_date(t):
+        ok = isinstance(value, dt.date) and not isinstance(value, dt.datetime)
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        ok = isinstance(value, str)
+    else:
+        ok = isinstance(value, (bytes, bytearray))
+    if not ok:
+        raise ValueError(f"literal {value!r:.80} is not a {t} value")
+    converted = pa.scalar(value, t).as_py()
+    if converted != value:
+        raise ValueError(f"literal {value!r:.80} is not exactly a {t} value")
+    return converted
+
+
+def pushed_filter(f: Filter, columns: pa.Schema) -> PushedFilter | None:
+    """The filter as :data:`PushedFilter` when the source can apply it exactly: one of
+    ``EqualTo``, ``In``, ``GreaterThan(OrEqual)``, ``LessThan(OrEqual)``, ``IsNull``,
+    ``IsNotNull`` on a key or value column (``columns``) of a :func:`pushable_type`,
+    whose literals convert exactly to the column's type; else ``None`` (Spark applies
+    it)."""
+    attribute = getattr(f, "attribute", None)
+    if not isinstance(attribute, tuple):
+        return None
+    field = _column(attribute, columns)
+    if field is None or not pushable_type(field.type):
+        return None
+    try:
+        if isinstance(f, IsNull):
+            return ("null", field.name, ())
+        if isinstance(f, IsNotNull):
+            return ("notnull", field.name, ())
+        if isinstance(f, In):
+            # A null in the list never makes the predicate true: Spark drops such rows.
+            values = tuple(_literal(v, field.type) for v in f.value if v is not None)
+            return ("in", field.name, values)
+        op = _COMPARISONS.get(type(f))
+        if op is not None:
+            return (op, field.name, (_literal(f.value, field.type),))
+    except (ValueError, TypeError, OverflowError, pa.ArrowException):
+        return None
+    return None
+
+
+def filter_expression(pushed: Sequence[PushedFilter], columns: pa.Schema) -> Any:
+    """The conjunction of pushed filters as a ``pyarrow.compute.Expression`` over the
+    key and value ``columns``, or ``None`` when there are none. Rows where a comparison
+    is null are dropped (as Spark's ``WHERE`` does)."""
+    import pyarrow.compute as pc
+
+    out = None
+    for op, name, values in pushed:
+        t = columns.field(name).type
+        col = pc.field(name)
+        if op == "null":
+            e = col.is_null()
+        elif op == "notnull":
+            e = col.is_valid()
+        elif op == "in":
+            e = pc.is_in(col, value_set=pa.array(list(values), t), skip_nulls=True)
+        else:
+            lit = pa.scalar(values[0], t)
+            e = {
+                "eq": col == lit,
+                "gt": col > lit,
+                "ge": col >= lit,
+                "lt": col < lit,
+                "le": col <= lit,
+            }[op]
+        out = e if out is None else out & e
+    return out
+
+
+def prune_for_filters(
+    batches: Sequence[Any],
+    schema: pa.Schema,
+    columns: pa.Schema,
+    as_of: int,
+    pushed: Sequence[PushedFilter],
+    schemas: Any = None,
+) -> list[Any]:
+    """``batches`` without the parts that cannot contribute at ``as_of`` (all their
+    times later) or hold no row the ``pushed`` filters keep, by the parts' statistics
+    (:func:`persist.read.prune_batches`; parts without statistics are kept). Each kept
+    batch keeps its runs. ``schemas`` (the shard's schema history and the read version)
+    makes a part's statistics count only for the columns it holds under the read view."""
+    from persist.read import prune_batches
+
+    return prune_batches(batches, schema, as_of, filter_expression(pushed, columns), schemas)

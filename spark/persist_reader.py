@@ -8,7 +8,10 @@ by key range (:class:`~spark.persist_planning.KeyRangePartition`) streams the sn
 rows of its range (:func:`persist.read.stream_snapshot`: a k-way merge of its parts' sorted
 runs holding about one part per run in memory), and the ranges partition the key space, so
 each distinct row comes from exactly one task, with no shuffle; times are advanced to the
-read time and updates beyond it dropped before consolidation.
+read time and updates beyond it dropped before consolidation; the filters the reader accepted in
+:meth:`PersistPushdownReader.pushFilters` (Spark no longer applies them) are applied
+exactly to every row it yields, and the parts planning skipped hold no row that passes
+them.
 """
 
 from __future__ import annotations
@@ -29,8 +32,12 @@ from spark.persist_common import DIFF, TIME, PersistSourceError, ReadSettings, p
 from spark.persist_planning import (
     KeyRangePartition,
     PartsPartition,
+    PushedFilter,
+    filter_expression,
     plan_key_ranges,
     plan_parts,
+    prune_for_filters,
+    pushed_filter,
     resolve_as_of,
 )
 
@@ -45,10 +52,12 @@ def read_snapshot(
     value_names: Sequence[str],
     as_of: int,
     schemas: Any = None,
+    filter: Any = None,
 ) -> pa.Table:
     """The updates of ``batches`` at ``as_of``: times ``> as_of`` dropped, the rest
     advanced to ``as_of``, consolidated (persist's ``snapshot_table``, as
-    ``ReadHandle.snapshot`` does for a whole shard).
+    ``ReadHandle.snapshot`` does for a whole shard); with ``filter`` (an Arrow
+    expression over key and value columns) only the rows it keeps.
 
     Raises:
         persist.errors.CorruptPart: a part is missing (compacted and garbage-collected
@@ -57,23 +66,38 @@ def read_snapshot(
     from persist.read import snapshot_table
 
     return snapshot_table(
-        blob, list(batches), schema, key_names, value_names, as_of, schemas=schemas
+        blob,
+        list(batches),
+        schema,
+        key_names,
+        value_names,
+        as_of,
+        schemas=schemas,
+        filter=filter,
     )
 
 
 def read_updates(
-    blob: Any, batches: Sequence[Any], schema: pa.Schema, as_of: int, schemas: Any = None
+    blob: Any,
+    batches: Sequence[Any],
+    schema: pa.Schema,
+    as_of: int,
+    schemas: Any = None,
+    filter: Any = None,
 ) -> pa.Table:
     """The raw updates of ``batches`` up to ``as_of``: times ``> as_of`` dropped, the rest
     kept as stored (only advanced to their batch's lower and since, as
-    :func:`persist.read.read_batches` does), not consolidated.
+    :func:`persist.read.read_batches` does), not consolidated; with ``filter`` only the
+    rows it keeps.
 
     Raises:
         persist.errors.CorruptPart: a part is missing or corrupt.
     """
     from persist.read import read_batches
 
-    return read_batches(blob, list(batches), schema, upper=as_of + 1, schemas=schemas)
+    return read_batches(
+        blob, list(batches), schema, upper=as_of + 1, schemas=schemas, filter=filter
+    )
 
 
 # ---------------------------------------------------------- arrow helpers
@@ -134,10 +158,14 @@ def key_range_partitions(
 
 
 def read_key_range(
-    partition: KeyRangePartition, s: ReadSettings, schema: StructType
+    partition: KeyRangePartition,
+    s: ReadSettings,
+    schema: StructType,
+    filter: pc.Expression | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """The snapshot's rows in one key range as Arrow batches of the DataFrame's schema,
-    streamed range piece by range piece (:func:`persist.read.stream_snapshot`).
+    streamed range piece by range piece (:func:`persist.read.stream_snapshot`); with
+    ``filter`` (pushed filters over key and value columns), only the rows it keeps.
 
     Raises:
         PersistSourceError: with ``expand=true``, a row has a negative multiplicity.
@@ -166,6 +194,8 @@ def read_key_range(
             upper=upper,
             schemas=getattr(partition, "schemas", None),
         ):
+            if filter is not None:
+                table = table.filter(filter)
             if s.expand:
                 table = expand_table(table, s.target.shard)
             out = _to_output(table, schema, s.time_column, s.diff_column)
@@ -175,11 +205,21 @@ def read_key_range(
 
 
 class PersistBatchReader(DataSourceReader):
-    """Plans one partition per part (group) at ``as_of``; reads Arrow end to end."""
+    """Plans one partition per part (group) at ``as_of``; reads Arrow end to end.
+
+    Takes no filters (:class:`PersistPushdownReader` does, with ``pushdown=true``).
+    Spark's Python data sources get no column pruning (PySpark 4.3 passes the full
+    schema to ``DataSource.reader``), so every column is read.
+    """
 
     def __init__(self, settings: ReadSettings, schema: StructType) -> None:
         self.settings = settings
         self.schema = schema
+        self.pushed: list[PushedFilter] = []  # only PersistPushdownReader fills it
+
+    def _columns(self) -> pa.Schema:
+        s = self.settings
+        return pa.schema(list(s.key_schema) + list(s.value_schema))
 
     def partitions(self) -> Sequence[InputPartition]:
         s = self.settings
@@ -195,6 +235,9 @@ class PersistBatchReader(DataSourceReader):
             # schema version it was written with to this read's (DESIGN 5.3).
             schemas = read.read_schemas()
             read.detach()  # executors read these parts later: GC keeps them meanwhile
+        batches = prune_for_filters(
+            batches, read.schema, self._columns(), as_of, self.pushed, schemas
+        )
         if s.full:
             ranged = key_range_partitions(batches, s, as_of)
             if ranged is not None:
@@ -215,7 +258,8 @@ class PersistBatchReader(DataSourceReader):
         if partition is None or getattr(partition, "value", partition) is None:
             return
         if isinstance(partition, KeyRangePartition):
-            yield from read_key_range(partition, self.settings, self.schema)
+            filt = filter_expression(self.pushed, self._columns())
+            yield from read_key_range(partition, self.settings, self.schema, filt)
             return
         if not isinstance(partition, PartsPartition):
             raise PersistSourceError(f"unexpected input partition {partition!r}")
@@ -226,10 +270,11 @@ class PersistBatchReader(DataSourceReader):
 
         schema = updates_schema(s.key_schema, s.value_schema)
         schemas = getattr(partition, "schemas", None)
+        filt = filter_expression(self.pushed, self._columns())
         blob = RetryingBlob(open_blob(s.target.blob_uri))
         try:
             if s.consolidate == "none":
-                table = read_updates(blob, partition.parts, schema, partition.as_of, schemas)
+                table = read_updates(blob, partition.parts, schema, partition.as_of, schemas, filt)
             else:
                 table = read_snapshot(
                     blob,
@@ -239,6 +284,7 @@ class PersistBatchReader(DataSourceReader):
                     s.value_schema.names,
                     partition.as_of,
                     schemas,
+                    filt,
                 )
         finally:
             blob.close()
@@ -246,6 +292,36 @@ class PersistBatchReader(DataSourceReader):
             table = expand_table(table, s.target.shard)
         out = _to_output(table, self.schema, s.time_column, s.diff_column)
         yield from out.to_batches(max_chunksize=64 * 1024)
+
+
+class PersistPushdownReader(PersistBatchReader):
+    """:class:`PersistBatchReader` that takes Spark's pushed filters (read option
+    ``pushdown=true``; needs ``spark.sql.python.filterPushdown.enabled``, which
+    :func:`spark.register` turns on).
+
+    Filters on key and value columns that the source applies exactly
+    (:func:`spark.persist_planning.pushed_filter`) are kept: planning skips the parts
+    whose statistics show no row passes them, and each task applies them exactly; the
+    others go back to Spark.
+
+    Not the default because of PySpark 4.3's planning cache: Spark keeps the reader a
+    filtered query planned on the DataFrame (or temporary view) and reuses it, pushed
+    filters included, for a later query of the same DataFrame that has no filter to
+    push, which then sees only the earlier query's rows. With ``pushdown=true``, load a
+    fresh DataFrame for each query.
+    """
+
+    def pushFilters(self, filters: list[Any]) -> list[Any]:
+        """Keep the filters the source applies exactly; return the others to Spark."""
+        columns = self._columns()
+        rest = []
+        for f in filters:
+            p = pushed_filter(f, columns)
+            if p is None:
+                rest.append(f)
+            else:
+                self.pushed.append(p)
+        return rest
 
 
 # ------------------------------------------------------------- streaming

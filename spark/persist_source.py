@@ -25,7 +25,10 @@ What the rows are depends on ``consolidate``:
   their batch's since), one partition per part (group); ``time_column`` shows their
   times.
 
-``expand=true`` (only with ``full``) drops the diff column and repeats each row by its
+``pushdown=true`` pushes Spark's simple filters on key and value columns to the source:
+planning skips parts whose statistics exclude them and tasks apply them exactly
+(:class:`spark.persist_reader.PersistPushdownReader`, whose docstring says why it is not
+the default). ``expand=true`` (only with ``full``) drops the diff column and repeats each row by its
 multiplicity (a negative multiplicity raises). ``time_column`` adds the read time
 (``as_of``, or the update's time with ``consolidate=none``). Each task fetches its parts
 from the blob store, advances times, drops later updates, consolidates and yields Arrow
@@ -127,15 +130,77 @@ from spark.persist_common import (
     arrow_to_spark,
     registered_schemas,
 )
-from spark.persist_reader import PersistBatchReader
+from spark.persist_reader import PersistBatchReader, PersistPushdownReader
 from spark.persist_stream import PersistStreamReader
 from spark.persist_writer import SAVE_MODES, PersistWriter, WriteSettings
 
 log = logging.getLogger(__name__)
 
 
+#: Table properties Spark's session catalog adds to the options of a table made by
+#: ``CREATE TABLE ... USING persist OPTIONS (...)`` (besides the options themselves).
+CATALOG_PROPERTIES = frozenset({"owner", "provider", "comment", "location", "external"})
+
+
+def catalog_options(options: Any) -> Any:
+    """The options of a ``CREATE TABLE ... USING persist`` table as the source takes them.
+
+    Spark's session catalog hands a Python data source the table's options prefixed
+    ``option.`` along with table properties (``owner``, ``provider``); this strips the
+    prefix and drops those properties, so that a catalog table reads and writes as
+    ``format("persist").options(...)`` does. Options without any ``option.`` key are
+    returned unchanged.
+
+    Raises:
+        PersistSourceError: an option is given both with and without the prefix, with
+            different values.
+    """
+    prefixed = [k for k in options if k.lower().startswith("option.")]
+    if not prefixed:
+        return options
+    for k in prefixed:
+        name, value = k[len("option.") :], options[k]
+        if name in options and options[name] != value:
+            raise PersistSourceError(
+                f"option {name!r} is given twice, as {options[name]!r} and {value!r}"
+            )
+        del options[k]
+        options[name] = value
+    for k in [k for k in options if k.lower() in CATALOG_PROPERTIES]:
+        del options[k]
+    return options
+
+
+def _target(options: Any) -> ShardTarget:
+    """:meth:`ShardTarget.from_options`, explaining the SQL case where Spark drops the
+    options: a table made by ``CREATE TABLE ... USING persist OPTIONS (...)`` is read and
+    written with none of its options (PySpark 4.3 passes a Python data source only the
+    ``WITH (...)`` options of the query).
+
+    Raises:
+        PersistSourceError: an option is missing.
+    """
+    if not any(_opt(options, n) for n in ("stash", "blob", "shard", "path")):
+        raise PersistSourceError(
+            "the persist source needs options stash, blob and shard, and got none of them. "
+            "In SQL, Spark hands a Python data source no options of a table made by "
+            "CREATE TABLE ... USING persist OPTIONS (...); use CREATE TEMPORARY VIEW name "
+            "USING persist OPTIONS (stash '...', blob '...', shard '...') instead"
+        )
+    return ShardTarget.from_options(options)
+
+
 class PersistDataSource(DataSource):
-    """``format("persist")``: batch read/write and streaming read of a persist shard."""
+    """``format("persist")``: batch read/write and streaming read of a persist shard.
+
+    Also usable from SQL: ``CREATE TEMPORARY VIEW v USING persist OPTIONS (...)``, then
+    ``SELECT`` and ``INSERT INTO v``. ``CREATE TABLE t USING persist OPTIONS (...)``
+    succeeds (:func:`catalog_options`), but Spark then reads and writes ``t`` without
+    its options, which :func:`_target` reports.
+    """
+
+    def __init__(self, options: Any) -> None:
+        super().__init__(catalog_options(options))
 
     @classmethod
     def name(cls) -> str:
@@ -145,7 +210,7 @@ class PersistDataSource(DataSource):
     def _read_settings(self, streaming: bool) -> ReadSettings:
         what = "a streaming read of the persist source" if streaming else "reading a persist shard"
         check_names(self.options, READ_OPTIONS, what, PersistSourceError)
-        target = ShardTarget.from_options(self.options)
+        target = _target(self.options)
         expand = _truthy(self.options, "expand")
         if expand and streaming:
             raise PersistSourceError("expand=true is not available for streaming reads")
@@ -205,6 +270,7 @@ class PersistDataSource(DataSource):
             consolidate=consolidate,
             expand=expand,
             partitions=partitions,
+            pushdown=_truthy(self.options, "pushdown"),
         )
 
     @staticmethod
@@ -221,7 +287,8 @@ class PersistDataSource(DataSource):
         return self._output_schema(self._read_settings(False))
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return PersistBatchReader(self._read_settings(False), schema)
+        s = self._read_settings(False)
+        return (PersistPushdownReader if s.pushdown else PersistBatchReader)(s, schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return PersistStreamReader(self._read_settings(True), schema)
@@ -231,7 +298,7 @@ class PersistDataSource(DataSource):
         check_names(self.options, WRITE_OPTIONS, "writing a persist shard", PersistSourceError)
         if overwrite:
             raise PersistSourceError(SAVE_MODES)
-        target = ShardTarget.from_options(self.options)
+        target = _target(self.options)
         return PersistWriter(
             WriteSettings.from_options(self.options, schema, registered_schemas(target))
         )

@@ -5,8 +5,10 @@ Invariants kept here:
 * the Python that runs the driver also runs the Python workers (``spark.pyspark.python``
   is ``sys.executable``), so every worker imports the same ``stash``, ``persist`` and
   ``spark`` packages as the driver;
-* Arrow is on for pandas conversions and Python data sources, the UI and console
-  progress bars are off, and Spark logs only warnings and errors;
+* Arrow is on for pandas conversions and Python data sources, filter pushdown to Python
+  data sources is on (``spark.sql.python.filterPushdown.enabled``: the ``persist``
+  reader prunes parts with pushed filters when read with ``pushdown=true``), the UI and
+  console progress bars are off, and Spark logs only warnings and errors;
 * the session returned has the ``stash`` and ``persist`` data sources registered
   (:func:`spark.register`);
 * the session time zone (``spark.sql.session.timeZone``) is ``UTC`` unless ``conf``
@@ -79,6 +81,9 @@ def build_session(
         "spark.default.parallelism": str(shuffle_partitions),
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.execution.arrow.pyspark.fallback.enabled": "false",
+        # The persist source's reader takes filters with pushdown=true (pushFilters);
+        # Spark refuses to plan a read of such a reader while this is off.
+        "spark.sql.python.filterPushdown.enabled": "true",
         "spark.sql.session.timeZone": "UTC",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",

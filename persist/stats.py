@@ -1,0 +1,290 @@
+"""Part statistics: per-column min, max and null count of a part, kept in its
+:class:`~persist.types.PartRef`, and pruning parts against a filter with them.
+
+A part's statistics are a tuple of ``(column, min, max, nulls)``, one per column that has
+them, in a JSON-safe encoding that decodes to exactly the Arrow value it was made from
+(:func:`encode_value` / :func:`decode_value`):
+
+* integers, booleans: as JSON numbers / booleans;
+* dates, times, timestamps, durations: their integer storage value (days, or units of
+  the type; the type, with its unit and time zone, comes from the shard's schema);
+* decimals: their exact decimal string;
+* strings: as is; binary: base64; both only when at most :data:`MAX_STAT_BYTES` long
+  (a longer min or max is not recorded: a truncated bound would need rounding);
+* floats: never recorded (NaN and signed zeros order differently in Arrow, Spark and
+  Parquet; a part with a float filter is simply read).
+
+Invariants kept here:
+
+* a part is pruned (:func:`prune_mask`) only when Arrow proves, from the part's
+  statistics alone, that the filter is false or null on every row the part can hold
+  (every row satisfies one of the part's :func:`guarantees`);
+  a part without statistics (written before they existed, inline, or with columns
+  whose statistics were not recorded) is never pruned for that column;
+* ``nulls`` counts the nulls of the column; a column whose values are all null has
+  ``min`` and ``max`` ``None``;
+* ``_time`` statistics are the times as stored: a reader advances them to the batch's
+  floor (``max(t, lower, since)``) before comparing (:func:`min_time`).
+
+Sources: Parquet column-chunk statistics, as pyarrow's datasets prune row groups with
+them (``SimplifyWithGuarantee``), and Materialize persist's part statistics used to push
+filters down (``persist-client``'s ``stats`` module), whose idea (not code) this follows.
+"""
+
+from __future__ import annotations
+
+import base64
+import decimal
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+
+#: Strings and binary values longer than this (bytes) are not recorded as min or max.
+MAX_STAT_BYTES = 64
+
+#: One column's statistics: ``(column, min, max, nulls)`` (JSON-safe encodings).
+ColumnStats = tuple[str, Any, Any, int]
+
+_DIFF = "_diff"
+
+
+def _int_storage(t: pa.DataType) -> pa.DataType | None:
+    """The integer type a temporal type is stored as (same bit width), or ``None``."""
+    if pa.types.is_date(t) or pa.types.is_time(t) or pa.types.is_timestamp(t):
+        return pa.int32() if t.bit_width == 32 else pa.int64()
+    if pa.types.is_duration(t):
+        return pa.int64()
+    return None
+
+
+def has_stats_type(t: pa.DataType) -> bool:
+    """Whether columns of type ``t`` get statistics (all supported types but floats)."""
+    return bool(
+        pa.types.is_integer(t)
+        or pa.types.is_boolean(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_fixed_size_binary(t)
+        or pa.types.is_decimal(t)
+        or _int_storage(t) is not None
+    )
+
+
+def encode_value(value: pa.Scalar) -> Any:
+    """The JSON-safe encoding of a non-null scalar (see the module docstring), or
+    ``None`` when it is not recorded (a float, or a string/binary too long).
+
+    Raises:
+        ValueError: ``value`` is null.
+    """
+    if not value.is_valid:
+        raise ValueError("a null scalar has no statistics encoding")
+    t = value.type
+    storage = _int_storage(t)
+    if storage is not None:
+        return int(pa.array([value], t).view(storage)[0].as_py())
+    if pa.types.is_integer(t) or pa.types.is_boolean(t):
+        return value.as_py()
+    if pa.types.is_decimal(t):
+        return str(value.as_py())
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        s = value.as_py()
+        return s if len(s.encode("utf-8")) <= MAX_STAT_BYTES else None
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        b = value.as_py()
+        return base64.b64encode(b).decode("ascii") if len(b) <= MAX_STAT_BYTES else None
+    return None
+
+
+def decode_value(encoded: Any, t: pa.DataType) -> pa.Scalar:
+    """The scalar of type ``t`` that :func:`encode_value` encoded as ``encoded``.
+
+    Raises:
+        ValueError: ``encoded`` is not a valid encoding for ``t``.
+    """
+    try:
+        storage = _int_storage(t)
+        if storage is not None:
+            if isinstance(encoded, bool) or not isinstance(encoded, int):
+                raise TypeError(f"expected an int, got {type(encoded).__name__}")
+            return pa.array([encoded], storage).view(t)[0]
+        if pa.types.is_decimal(t):
+            return pa.scalar(decimal.Decimal(str(encoded)), t)
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+            return pa.scalar(base64.b64decode(str(encoded), validate=True), t)
+        if pa.types.is_integer(t) and (isinstance(encoded, bool) or not isinstance(encoded, int)):
+            raise TypeError(f"expected an int, got {type(encoded).__name__}")
+        if pa.types.is_boolean(t) and not isinstance(encoded, bool):
+            raise TypeError(f"expected a bool, got {type(encoded).__name__}")
+        if (pa.types.is_string(t) or pa.types.is_large_string(t)) and not isinstance(encoded, str):
+            raise TypeError(f"expected a str, got {type(encoded).__name__}")
+        return pa.scalar(encoded, t)
+    except (TypeError, ValueError, ArithmeticError, pa.ArrowException) as e:
+        raise ValueError(f"statistic {encoded!r:.80} is not a valid {t} value: {e}") from None
+
+
+def column_stats(name: str, column: pa.ChunkedArray | pa.Array) -> ColumnStats | None:
+    """The statistics of one column, or ``None`` when its type has none or its min or
+    max is not recorded (too long)."""
+    if not has_stats_type(column.type):
+        return None
+    nulls = int(column.null_count)
+    if nulls == len(column):
+        return (name, None, None, nulls)
+    storage = _int_storage(column.type)
+    try:
+        if storage is not None:
+            # Temporal values order as their integer storage (Arrow has no min_max
+            # kernel for durations).
+            if isinstance(column, pa.ChunkedArray):
+                view: pa.ChunkedArray | pa.Array = pa.chunked_array(
+                    [c.view(storage) for c in column.chunks], storage
+                )
+            else:
+                view = column.view(storage)
+            mm = pc.min_max(view)
+            return (name, int(mm["min"].as_py()), int(mm["max"].as_py()), nulls)
+        mm = pc.min_max(column)
+    except pa.ArrowNotImplementedError:
+        return None
+    lo, hi = encode_value(mm["min"]), encode_value(mm["max"])
+    if lo is None or hi is None:
+        return None
+    return (name, lo, hi, nulls)
+
+
+def table_stats(table: pa.Table) -> tuple[ColumnStats, ...]:
+    """The statistics of every column of a part's table but ``_diff`` (and the columns
+    :func:`column_stats` skips), in column order."""
+    out = []
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        if name == _DIFF:
+            continue
+        s = column_stats(name, col)
+        if s is not None:
+            out.append(s)
+    return tuple(out)
+
+
+def stats_to_json(stats: Sequence[ColumnStats]) -> dict[str, list[Any]]:
+    """The compact JSON form: ``{column: [min, max, nulls]}``."""
+    return {name: [lo, hi, nulls] for name, lo, hi, nulls in stats}
+
+
+def stats_from_json(d: Any) -> tuple[ColumnStats, ...]:
+    """Parse :func:`stats_to_json`'s form.
+
+    Raises:
+        ValueError: malformed statistics.
+    """
+    if not isinstance(d, dict):
+        raise ValueError(f"part statistics must be an object, got {type(d).__name__}")
+    out = []
+    for name, v in d.items():
+        if not isinstance(v, list) or len(v) != 3 or isinstance(v[2], bool):
+            raise ValueError(
+                f"statistics of column {name!r} must be [min, max, nulls], got {v!r:.80}"
+            )
+        out.append((str(name), v[0], v[1], int(v[2])))
+    return tuple(out)
+
+
+def min_time(stats: Sequence[ColumnStats] | None, floor: int) -> int | None:
+    """The smallest time a part holds once advanced to ``floor`` (its batch's lower and
+    since), or ``None`` when unknown (no ``_time`` statistics)."""
+    for name, lo, _hi, _nulls in stats or ():
+        if name == "_time" and isinstance(lo, int) and not isinstance(lo, bool):
+            return max(lo, floor)
+    return None
+
+
+#: A part's columns holding both nulls and values split it into alternatives (each row
+#: is null, or within [min, max]); the guarantees of at most this many such columns are
+#: combined, the others are left out (unknown).
+MAX_NULLABLE_ALTERNATIVES = 3
+
+
+def guarantees(
+    stats: Sequence[ColumnStats] | None, rows: int, schema: pa.Schema
+) -> list[pc.Expression]:
+    """What a part's statistics guarantee of each of its rows, as Arrow expressions:
+    every row satisfies at least one of them (``[true]`` when nothing is known).
+
+    A column without nulls gives ``min <= c <= max``, one of only nulls ``c is null``,
+    and one holding both splits the part into two alternatives (Arrow cannot simplify
+    under ``(min <= c <= max) or c is null``); only the first
+    :data:`MAX_NULLABLE_ALTERNATIVES` such columns are split. Columns absent from
+    ``schema``, or whose recorded values do not decode to its type, are left out.
+    """
+    alternatives: list[pc.Expression | None] = [None]
+    split = 0
+    for name, lo, hi, nulls in stats or ():
+        if name == "_time" or schema.get_field_index(name) < 0:
+            continue  # _time as stored is not _time as read (see min_time)
+        t = schema.field(name).type
+        f = pc.field(name)
+        if lo is None or hi is None:
+            if nulls != rows:
+                continue
+            options = [f.is_null()]
+        else:
+            try:
+                in_range = (f >= decode_value(lo, t)) & (f <= decode_value(hi, t))
+            except ValueError:
+                continue
+            options = [in_range]
+            if nulls:
+                if split >= MAX_NULLABLE_ALTERNATIVES:
+                    continue
+                split += 1
+                options.append(f.is_null())
+        alternatives = [o if a is None else a & o for a in alternatives for o in options]
+    return [pc.scalar(True) if a is None else a for a in alternatives]
+
+
+def prune_mask(
+    parts: Sequence[tuple[Sequence[ColumnStats] | None, int]],
+    schema: pa.Schema,
+    filter: pc.Expression,
+) -> list[bool]:
+    """For each part (its statistics and row count), whether it may hold a row on which
+    ``filter`` is true: ``False`` only when, for each of the part's :func:`guarantees`,
+    Arrow's simplification of ``filter`` under it is ``false`` or ``null`` (the way
+    pyarrow datasets skip Parquet row groups).
+
+    Args:
+        parts: ``(stats, rows)`` of each part (``stats`` ``None``: unknown).
+        schema: the columns ``filter`` may reference, with their types.
+        filter: a boolean Arrow expression over ``schema``'s columns.
+
+    Raises:
+        pyarrow.ArrowInvalid: ``filter`` references a column not in ``schema``.
+    """
+    if not parts:
+        return []
+    owners: list[int] = []
+    exprs: list[pc.Expression] = []
+    for i, (stats, rows) in enumerate(parts):
+        for g in guarantees(stats, rows, schema):
+            owners.append(i)
+            exprs.append(g)
+    paths = [f"/persist-part/{j}" for j in range(len(exprs))]
+    dataset = ds.FileSystemDataset.from_paths(
+        paths,
+        schema=schema,
+        format=ds.ParquetFileFormat(),
+        filesystem=pafs.LocalFileSystem(),  # never opened: only the guarantees are used
+        partitions=exprs,
+    )
+    kept = {frag.path for frag in dataset.get_fragments(filter=filter)}
+    out = [False] * len(parts)
+    for owner, path in zip(owners, paths, strict=True):
+        if path in kept:
+            out[owner] = True
+    return out

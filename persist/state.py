@@ -56,7 +56,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist.errors import InvalidUsage, PersistError
+from persist.errors import InvalidUsage, PersistError, SchemaMismatch
 from persist.keys import key_writer_id
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.types import HollowBatch
@@ -616,7 +616,23 @@ class ShardState:
         Raises:
             InvalidUsage: the batch does not start at the upper, or is empty in time
                 (nothing changes).
+            SchemaMismatch: a part was written under a schema version a later version
+                dropped a column of (its values there would read as null for every
+                reader); nothing changes.
         """
+        if len(self.schema_history) > 1:
+            history = self.schemas()
+            for sid in sorted({p.schema_id for p in batch.parts}):
+                if 0 <= sid < len(history.versions) and (lost := history.dropped_after(sid)):
+                    raise SchemaMismatch(
+                        f"{self.name!r} ({self.shard_id})",
+                        lost[0],
+                        f"this writer's schema version {sid} has the column, but version "
+                        f"{history.newest} (or one between) dropped it, so its values "
+                        "would read as null for every reader: open the shard again with "
+                        "the newest schema (adding the column back makes a new column); "
+                        "nothing was committed",
+                    )
         try:
             reqs = self.trace.push_batch(batch)
         except ValueError as e:

@@ -445,11 +445,26 @@ class SchemaHistory:
         return len(self.versions) - 1
 
     def id_of(self, value_schema: pa.Schema) -> int | None:
-        """The newest id whose value schema equals ``value_schema`` (``None``: none)."""
+        """The newest id whose value schema equals ``value_schema`` and none of whose
+        columns a later version dropped (:meth:`dropped_after`); ``None``: none.  A
+        version that lost a column is not reused: values written under it in that column
+        would read as null for every reader, so such a schema is an evolution of the
+        newest one instead (the column added again)."""
         for i in range(len(self.versions) - 1, -1, -1):
-            if self.versions[i].equals(value_schema):
+            if self.versions[i].equals(value_schema) and not self.dropped_after(i):
                 return i
         return None
+
+    def dropped_after(self, schema_id: int) -> list[str]:
+        """The value columns of version ``schema_id`` that some later version does not
+        have (by name): every reader sees null in them for updates written under
+        ``schema_id``, so a writer of that version may no longer append."""
+        later = self.versions[schema_id + 1 :]
+        return [
+            n
+            for n in self.versions[schema_id].names
+            if any(v.get_field_index(n) < 0 for v in later)
+        ]
 
     def check_id(self, schema_id: int, what: str = "part") -> None:
         """Raise unless ``schema_id`` names a version.

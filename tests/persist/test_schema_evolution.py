@@ -217,11 +217,13 @@ def test_dropped_and_re_added_column_is_another_column(client: PersistClient) ->
 
 def test_older_writer_keeps_writing_its_version(client: PersistClient) -> None:
     """A writer opened with an older registered version writes parts recording that
-    version (persist-client's behaviour); readers of any version conform them."""
+    version (persist-client's behaviour); readers of any version conform them.  (Once a
+    later version dropped one of its columns, such a writer is refused: see
+    ``test_writer_of_a_version_that_lost_a_column_is_refused``.)"""
     w0, r0 = client.open("s", KS, V0)
+    w0.append([(((1,), (5, "x")), 0, 1)], 0, 1)
     v1 = pa.schema([pa.field("a", pa.int64(), nullable=False), pa.field("c", pa.float64())])
     w1, r1 = client.open("s", KS, v1)
-    w0.append([(((1,), (5, "x")), 0, 1)], 0, 1)
     w1.append([(((2,), (6, 0.5)), 1, 1)], 1, 2)
     st = client.inspect("s")
     assert [p.schema_id for b in st.batches() for p in b.parts] == [0, 1]
@@ -359,3 +361,47 @@ def test_snapshot_stream_conforms_like_snapshot(client: PersistClient) -> None:
     assert streamed.schema.equals(snap.schema)
     assert streamed.to_pylist() == snap.to_pylist()
     assert snap.num_rows == len(rows(snap)) == 200 + len(range(0, 200, 3))
+
+
+def test_filtered_snapshot_prunes_only_by_columns_a_part_holds() -> None:
+    """A part written before a column was dropped and added again still has statistics
+    for the old column; under the newest view that column reads null, so ``b IS NULL``
+    must keep the part (and a filter on its old values must not find them)."""
+    import pyarrow.compute as pc
+
+    s = Stash.open("memory://", fenced=False)
+    c = PersistClient(s, MemoryBlob(), compaction="off", inline_max_bytes=0)
+    try:
+        w0, _ = c.open("s", KS, V0)
+        w0.append([(((k,), (k, f"old{k}")), 0, 1) for k in range(50)], 0, 1)
+        parts = [p for b in c.inspect("s").batches() for p in b.parts]
+        assert parts and all(p.stats is not None and p.inline is None for p in parts)
+        c.open("s", KS, pa.schema([V0.field("a")]))
+        v2 = pa.schema([V0.field("a"), pa.field("b", pa.string())])
+        w2, r2 = c.open("s", KS, v2)
+        w2.append([(((100,), (1, "new")), 1, 1)], 1, 2)
+        full = r2.snapshot(1)
+        for f in (pc.field("b").is_null(), pc.field("b") == "old3", pc.field("b") == "new"):
+            got = r2.snapshot(1, filter=f, columns=["k", "b"])
+            assert got.to_pylist() == full.filter(f).select(["k", "b"]).to_pylist(), f
+        assert r2.snapshot(1, filter=pc.field("b").is_null()).num_rows == 50
+    finally:
+        c.close()
+        s.close()
+
+
+def test_writer_of_a_version_that_lost_a_column_is_refused(client: PersistClient) -> None:
+    """Values a writer of version 0 puts in ``b`` after a later version dropped ``b``
+    would read as null for every reader: such an append is refused and commits nothing,
+    and opening with version 0's schema again registers ``b`` as a new column instead of
+    reusing version 0."""
+    w0, _ = client.open("s", KS, V0)
+    w0.append([(((1,), (5, "x")), 0, 1)], 0, 1)
+    client.open("s", KS, pa.schema([V0.field("a")]))  # drops b
+    with pytest.raises(SchemaMismatch, match="'b'"):
+        w0.append([(((2,), (6, "lost")), 1, 1)], 1, 2)
+    assert client.inspect("s").upper.as_option() == 1
+    w2, r2 = client.open("s", KS, V0)
+    assert w2.schema_id == 2
+    w2.append([(((2,), (6, "kept")), 1, 1)], 1, 2)
+    assert rows(r2.snapshot(1)) == Counter({(1, 5, None): 1, (2, 6, "kept"): 1})

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from functools import partial
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -156,7 +157,9 @@ def write_parts(
 
     With ``key_names`` (only for a table sorted by those columns, e.g. a consolidated
     run), each ref records the part's key samples (:func:`persist.merge.key_samples`),
-    which key-range reads plan by.
+    which key-range reads plan by, unless a sampled value cannot go into the shard state
+    (a NUL character, or a string longer than :data:`MAX_SAMPLE_STRING_BYTES`): then it
+    has none, and reads treat the part as one range.
 
     If an encoding or an upload fails, no further part is encoded, the keys already
     attempted are deleted best-effort once every upload has ended (an orphan left by a
@@ -262,7 +265,24 @@ def _with_samples(ref: PartRef, table: pa.Table, key_names: Sequence[str] | None
     """``ref`` with the key samples of ``table`` (its sorted rows) when ``key_names``."""
     if key_names is None:
         return ref
-    return dataclasses.replace(ref, key_samples=key_samples(table, key_names))
+    samples = key_samples(table, key_names)
+    if not all(_fits_state(v) for row in samples for v in row):
+        return ref  # no samples: key-range reads treat the part as unknown (one range)
+    return dataclasses.replace(ref, key_samples=samples)
+
+
+#: Longest string (UTF-8 bytes) a key sample keeps in the shard state.
+MAX_SAMPLE_STRING_BYTES = 1024
+
+
+def _fits_state(value: Any) -> bool:
+    """Whether a key sample value may go into the shard state: no NUL character (the
+    stash's JSON, as Postgres JSONB, cannot hold one) and strings of at most
+    :data:`MAX_SAMPLE_STRING_BYTES` bytes (samples are copied into every state
+    version)."""
+    if isinstance(value, str):
+        return "\x00" not in value and len(value.encode("utf-8")) <= MAX_SAMPLE_STRING_BYTES
+    return True
 
 
 def read_parts(

@@ -95,7 +95,9 @@ def encode_value(value: pa.Scalar) -> Any:
         return str(value.as_py())
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         s = value.as_py()
-        return s if len(s.encode("utf-8")) <= MAX_STAT_BYTES else None
+        # No statistics for a NUL character: the stash's JSON (as Postgres JSONB)
+        # cannot hold one, and unknown statistics only mean no pruning.
+        return s if len(s.encode("utf-8")) <= MAX_STAT_BYTES and "\x00" not in s else None
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         b = value.as_py()
         return base64.b64encode(b).decode("ascii") if len(b) <= MAX_STAT_BYTES else None

@@ -436,6 +436,10 @@ def snapshot_table(
     as_of = _index_time(as_of, "as_of")
     if schemas is not None:
         schema = schemas[0].view_schema(schemas[1])
+    if schemas is not None and schemas[1] != schemas[0].newest:
+        return _older_snapshot(
+            blob, batches, schemas, key_names, value_names, as_of, max_workers, filter, columns
+        )
     filt, row_filter = check_filter(filter, schema, key_names, value_names)
     cols = check_columns(columns, schema)
     batches = prune_batches(batches, schema, as_of, filt if row_filter else None, schemas)
@@ -452,6 +456,45 @@ def snapshot_table(
     )
     if filt is not None:
         table = table.filter(filt)  # exact (again, for a row filter: a no-op)
+    return table if cols is None else table.select(cols)
+
+
+def _older_snapshot(
+    blob: Blob,
+    batches: Sequence[HollowBatch],
+    schemas: tuple[SchemaHistory, int],
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    as_of: int,
+    max_workers: int,
+    filter: pc.Expression | None,
+    columns: Sequence[str] | None,
+) -> pa.Table:
+    """The snapshot of a reader of an older schema version: the snapshot under the
+    newest version's view, then conformed to the reader's (columns it lacks dropped,
+    narrowed types cast back) and consolidated again (rows that differ only in a column
+    the reader does not have are one row for it).  Conforming after consolidation means
+    a value the reader's narrower type cannot hold raises only when it is in the
+    snapshot, whether or not compaction has merged it with later updates."""
+    history, dst = schemas
+    newest = history.newest
+    view = history.view_schema(dst)
+    filt, _row = check_filter(filter, view, key_names, value_names)
+    cols = check_columns(columns, view)
+    table = snapshot_table(
+        blob,
+        batches,
+        history.view_schema(newest),
+        key_names,
+        history.versions[newest].names,
+        as_of,
+        max_workers=max_workers,
+        schemas=(history, newest),
+    )
+    table = history.plan(newest, dst).apply(table)
+    table = consolidate(table, list(key_names), list(value_names), since=as_of)
+    if filt is not None:
+        table = table.filter(filt)
     return table if cols is None else table.select(cols)
 
 
@@ -626,6 +669,23 @@ def stream_snapshot(
     from persist.merge import cut_positions, merge_slices, plan_ranges, slice_range
 
     as_of = _index_time(as_of, "as_of")
+    if schemas is not None and schemas[1] != schemas[0].newest:
+        # An older reader's view is conformed after consolidation (see snapshot_table):
+        # read whole, then keep the range.
+        whole = snapshot_table(
+            blob,
+            batches,
+            schema,
+            key_names,
+            value_names,
+            as_of,
+            max_workers=max_workers,
+            schemas=schemas,
+        )
+        whole = slice_range(whole, list(key_names), lower, upper)
+        if whole.num_rows:
+            yield whole
+        return
     runs = [(floor, parts) for floor, parts in _runs_of(batches) if parts]
     flat: list[tuple[int, PartRef]] = [(floor, p) for floor, parts in runs for p in parts]
     if not flat:

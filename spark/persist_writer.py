@@ -304,11 +304,22 @@ class PersistWriter(DataSourceArrowWriter):
         self.settings = settings
         # Runs on the driver at planning time: create/check the shard, read its upper.
         t = settings.target
-        with (
-            persist_client(t) as client,
-            client.open_writer(t.shard, settings.key_schema, settings.value_schema) as write,
-        ):
-            upper = write.fetch_recent_upper().as_option()
+        with persist_client(t) as client:
+            # Check what can be checked before opening the writer: opening registers a
+            # ``mergeSchema`` evolution, which a refused write must not leave behind.
+            if client.consensus.lookup(t.shard) is not None:
+                self._check_upper(client.inspect(t.shard).upper.as_option())
+            with client.open_writer(t.shard, settings.key_schema, settings.value_schema) as write:
+                upper = write.fetch_recent_upper().as_option()
+        self.lower: int = self._check_upper(upper)
+
+    def _check_upper(self, upper: int | None) -> int:
+        """``upper`` if the write may go at or after it.
+
+        Raises:
+            PersistSourceError: the shard is closed, or a fixed ``time`` lies before it.
+        """
+        settings = self.settings
         if upper is None:
             raise PersistSourceError(
                 f"shard {settings.target.shard} is closed (its upper is the empty frontier)"
@@ -318,7 +329,7 @@ class PersistWriter(DataSourceArrowWriter):
                 f"time {settings.time} is before shard {settings.target.shard}'s upper "
                 f"{{{upper}}}; persist only appends at or after its upper"
             )
-        self.lower: int = int(upper)
+        return int(upper)
 
     # ------------------------------------------------------------ executor
     def _updates(self, rb: pa.RecordBatch) -> pa.Table:

@@ -162,3 +162,32 @@ def test_spark_compaction_job_rewrites_under_the_newest_schema(
     }
     merged = [p for b in after.batches() for p in b.parts if p.key and "/c/" in p.key]
     assert merged and all(p.schema_id == 1 for p in merged)
+
+
+def _history(store: Any, shard: str) -> list[list[str]]:
+    with Stash.open(store.stash_url, fenced=False) as s:
+        client = PersistClient(s, store.blob_uri, compaction="off")
+        try:
+            return [v.names for v in client.inspect(shard).schema_history]
+        finally:
+            client.close()
+
+
+def test_refused_merge_schema_write_does_not_evolve_the_shard(spark: Any, spark_store: Any) -> None:
+    """A ``mergeSchema`` write refused at planning (here ``time`` before the shard's
+    upper: "persist only appends at or after its upper") has already registered the
+    evolved value schema: ``PersistWriter.__init__`` opens the writer (which evolves the
+    schema by compare-and-set) before its checks.  The write fails, yet the shard now has
+    a ``color`` column."""
+    opts = {"stash": spark_store.stash_url, "blob": spark_store.blob_uri}
+    v1 = spark.createDataFrame([(1, 10)], "id long, qty int")
+    v1.write.format("persist").options(**opts).option("key_columns", "id").option("time", "5").mode(
+        "append"
+    ).save("ms_refused")
+    assert _history(spark_store, "ms_refused") == [["qty"]]
+    v2 = spark.createDataFrame([(2, 20, "red")], "id long, qty int, color string")
+    with pytest.raises(Exception, match="before shard"):
+        v2.write.format("persist").options(**opts).option("mergeSchema", "true").option(
+            "time", "0"
+        ).mode("append").save("ms_refused")
+    assert _history(spark_store, "ms_refused") == [["qty"]]

@@ -272,3 +272,50 @@ def test_time_column_write_below_the_shard_upper_is_bad_input(inner: Stash) -> N
     assert txn.shards == []
     txn.abort()
     c.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_unknown_outcome_stays_unknown_once_its_record_may_have_expired(
+    inner: Stash, inline: bool
+) -> None:
+    """A landed-but-unacknowledged transaction retried after its writer lease ran out
+    (its record may be gone with the lease): the retry must not apply it again (it did
+    with inline parts, before the fix) nor call it a lease failure ("nothing
+    committed"); it reports the outcome as unknown."""
+    flaky = AckLostStash(inner)
+    clock = _Clock()
+    c = PersistClient(  # type: ignore[arg-type]
+        flaky,
+        MemoryBlob(),
+        compaction="off",
+        consensus_retries=1,
+        inline_max_bytes=1 << 20 if inline else 0,
+        clock=clock,
+    )
+    c.open("a", KS, VS)
+    t1 = c.begin()
+    t1.resolve_attempts = 1
+    t1.resolve_max_wait = 0.001
+    t1.write("a", _row("t1"))
+    flaky.arm(reads=100)
+    with pytest.raises(ConsensusError):
+        t1.commit_at(0)
+    flaky.reads_to_fail = 0
+    clock.t += c.writer_lease_seconds + 10
+    t = c.begin()  # expires the lapsed leases as it commits
+    t.write("a", _row("other"))
+    t.commit()
+    with pytest.raises(ConsensusError) as e:
+        t1.commit()
+    assert e.value.is_indeterminate() and e.value.idempotency_token == t1.token
+    diffs = {r["k"]: r["_diff"] for r in c.snapshot_many(["a"])["a"].to_pylist()}
+    assert diffs["t1"] == 1, f"transaction T1 applied {diffs['t1']} times"
+    c.close()

@@ -221,6 +221,9 @@ class PersistClient:
         self._closed = False
         self._txn_writers: dict[str, WriteHandle] = {}
         self._txn_lock = threading.Lock()
+        # shard id -> record ids of acknowledged transactions, dropped from the shard's
+        # state by this client's next transaction on it (see persist.txn).
+        self._txn_done: dict[str, list[str]] = {}
         self.compactor = Compactor(self)
         if compaction == "background":
             self.compactor.start()
@@ -382,6 +385,28 @@ class PersistClient:
                 w = self._writer(m, name, st.key_schema, st.value_schema)
                 self._txn_writers[m.shard_id] = w
             return w
+
+    def _txn_done_add(self, shard_id: str, record_id: str) -> None:
+        """Note that the transaction recorded under ``record_id`` is acknowledged."""
+        with self._txn_lock:
+            ids = self._txn_done.setdefault(shard_id, [])
+            ids.append(record_id)
+            del ids[:-1024]  # older ones expire with their leases
+
+    def _txn_done_ids(self, shard_id: str) -> tuple[str, ...]:
+        """Record ids of acknowledged transactions still in ``shard_id``'s state."""
+        with self._txn_lock:
+            return tuple(self._txn_done.get(shard_id, ()))
+
+    def _txn_done_forget(self, shard_id: str, record_ids: Sequence[str]) -> None:
+        """``record_ids`` were dropped from ``shard_id``'s state."""
+        if not record_ids:
+            return
+        gone = set(record_ids)
+        with self._txn_lock:
+            ids = self._txn_done.get(shard_id)
+            if ids:
+                ids[:] = [i for i in ids if i not in gone]
 
     def _forget_txn_writer(self, w: WriteHandle) -> None:
         """Stop using ``w`` for transactions (its lease ran out)."""

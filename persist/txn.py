@@ -26,8 +26,11 @@ Invariants kept here:
   (metadata only), so a retry at a later ``ts`` never uploads a part again;
 * **one atomic step**: :meth:`Txn.commit_at` stages, for every written shard, the
   version whose trace holds ``[old upper, ts)`` empty and the updates at ``[ts, ts+1)``
-  (upper ``ts + 1``), records the transaction's idempotency token with the shard's
-  writer in that version, and sends all of them with the stash batches in one stash
+  (upper ``ts + 1``), records the transaction's idempotency token in that version under
+  a writer id of the transaction's own (one per shard, used by no other append, so
+  its token is that writer's last token and no later append pushes it out of the
+  :data:`~persist.state.WRITER_TOKENS_KEPT` kept; the builder's writer is renewed as
+  by a normal append), and sends all of them with the stash batches in one stash
   ``append`` (:meth:`persist.consensus.Consensus.append_atomic`); the shards' seqnos are
   its compare-and-set;
 * **a race is not a failure**: a shard whose upper is already beyond ``ts`` makes
@@ -36,23 +39,35 @@ Invariants kept here:
   shard's seqno with its upper still ``<= ts`` (a reader, compactor or GC changed it)
   is retried on the metadata alone; a stash batch whose lower check fails raises
   :class:`TxnUpperMismatch` naming the collection (nothing committed; the caller's
-  batch must be rebuilt);
+  batch must be rebuilt); stash batches for one collection are merged into one (they
+  must be made from the same upper: refused at :meth:`Txn.stash_append` otherwise);
+* **bounded state**: the record ids of a client's acknowledged transactions are
+  dropped from a shard's state by that client's next transaction on the shard (their
+  outcome is known), so a stream of transactions keeps the writer list small;
 * **nothing half-done**: a shard opened with another schema, updates not fitting the
-  shard's schema, a ``_time`` column, a closed client, an expired writer, and a stash
-  batch for a collection of another stash (or a persist-internal collection) are
-  refused with :class:`~persist.errors.InvalidUsage` before anything is written; a
+  shard's schema (checked before a shard is opened with newer schemas, so a refused
+  write registers no schema), a ``_time`` column, ``time_column`` times already below
+  the shard's upper, a closed client, an expired writer, and a stash batch for a
+  collection of another stash (or a persist-internal collection) are refused with
+  :class:`~persist.errors.InvalidUsage` before anything is written; committing to a
+  finalized shard, or one whose upper is the largest time, is
+  :class:`~persist.errors.InvalidUsage` naming the shard (not a race); a
   writer whose lease ran out by commit time raises
   :class:`~persist.state.LeaseExpired` (nothing is committed);
 * **unknown outcomes are resolved, never double-applied**: when the stash loses the
   acknowledgement of the append, the transaction re-reads the shards' heads and looks
-  for its token (recorded with each written shard's writer); if found it committed, if
-  not the same staging is retried (at the same ``ts``, on the fresh seqnos, so an old
+  for its token (recorded under its own writer id); if found it committed, if not the
+  same staging is retried (at the same ``ts``, on the fresh seqnos, so an old
   in-flight commit and the retry can never both land).  If the outcome stays unknown a
   :class:`~persist.errors.ConsensusError` with ``is_indeterminate()`` and the
   ``idempotency_token`` is raised; the parts are then kept (never deleted by
   :meth:`Txn.abort`), and calling ``commit_at``/``commit`` again on the same ``Txn``
-  first looks for the token.  A transaction with stash batches and no shard write has
-  no token to look for: its indeterminate outcome is reported as such;
+  first looks for the token.  Once the record of a landed attempt could have expired
+  with its writer lease (counted from the first unknown outcome), its absence proves
+  nothing and the outcome stays indeterminate.  A transaction with stash batches and no
+  shard write has no token to look for: its indeterminate outcome is reported as such,
+  and so is a later failed lower check of a retry (never a definite "nothing was
+  committed", which would invite appending the batches twice);
 * **abort**: :meth:`Txn.abort` (or an exception leaving ``with client.begin() as
   txn:``) deletes the parts the transaction uploaded, unless a commit of it may have
   landed;
@@ -71,6 +86,7 @@ Source of the idea: Materialize ``src/txn-wal`` (``TxnsHandle::begin``, ``Txn::w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -90,6 +106,7 @@ from persist.consensus import (
     ShardMachine,
     Staged,
     Stale,
+    validate_shard_name,
 )
 from persist.errors import ConsensusError, InvalidUsage, PersistError, UpperMismatch
 from persist.keys import key_writer_id
@@ -97,6 +114,7 @@ from persist.parts import DIFF, TIME
 from persist.spine import FueledMergeReq
 from persist.state import TOKEN_SEP, LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
+from persist.updates import to_updates_table, updates_schema
 from persist.write import WriteHandle
 from stash import Antichain, AppendBatch, StashError
 from stash.antichain import I64_MAX, I64_MIN
@@ -184,6 +202,10 @@ class _ShardWrites:
     name: str
     writer: WriteHandle
     batches: list[Batch] = field(default_factory=list)
+    # The writer id this transaction alone records its token under in this shard's
+    # state: it appends once, so the token is its ``last_token`` and no later append
+    # (through a shared or the caller's handle) can push it out.
+    record_id: str = field(default_factory=lambda: "w" + uuid.uuid4().hex)
     lent: dict[int, WriteHandle] = field(default_factory=dict)  # batch id -> its builder's handle
 
 
@@ -237,7 +259,8 @@ class Txn:
     thread-safe: one thread builds and commits a transaction.
 
     Attributes:
-        token: the idempotency token recorded with each written shard's writer.
+        token: the idempotency token recorded in each written shard's state (under the
+            transaction's own writer id for that shard).
         committed_ts: the time the transaction committed at (``None`` until then).
     """
 
@@ -258,6 +281,8 @@ class Txn:
         self.committed_ts: int | None = None
         self._aborted = False
         self._maybe_landed = False
+        self._unknown_since_ms: int | None = None  # first indeterminate attempt (ms)
+        self._dropping: dict[str, list[str]] = {}  # shard id -> done record ids dropped
 
     def __repr__(self) -> str:
         names = sorted(w.name for w in self._shards.values())
@@ -318,25 +343,25 @@ class Txn:
                 nothing of this call is kept.
         """
         self._check_pending()
-        w = self._writer_for(shard, key_schema, value_schema)
+        wname = shard if isinstance(shard, str) else shard.name
         if isinstance(updates, pa.RecordBatch):
             updates = pa.Table.from_batches([updates])
         if not isinstance(updates, pa.Table):
             raise InvalidUsage(
-                f"Txn.write to shard {w.name!r} takes a pyarrow Table or RecordBatch, "
+                f"Txn.write to shard {wname!r} takes a pyarrow Table or RecordBatch, "
                 f"not {type(updates).__name__}"
             )
         table = updates
         if time_column is None:
             if TIME in table.column_names:
                 raise InvalidUsage(
-                    f"Txn.write to shard {w.name!r}: updates must not have a {TIME!r} "
+                    f"Txn.write to shard {wname!r}: updates must not have a {TIME!r} "
                     "column (the commit time is every update's time; pass "
                     f"time_column={TIME!r} to give each update its own time)"
                 )
         elif time_column not in table.column_names:
             raise InvalidUsage(
-                f"Txn.write to shard {w.name!r}: time_column {time_column!r} is not a "
+                f"Txn.write to shard {wname!r}: time_column {time_column!r} is not a "
                 f"column of the updates {table.column_names}"
             )
         n = table.num_rows
@@ -347,11 +372,21 @@ class Txn:
         elif time_column != TIME:
             if TIME in table.column_names:
                 raise InvalidUsage(
-                    f"Txn.write to shard {w.name!r}: updates have both {TIME!r} and "
+                    f"Txn.write to shard {wname!r}: updates have both {TIME!r} and "
                     f"time_column {time_column!r}"
                 )
             names = [TIME if n == time_column else n for n in table.column_names]
             table = table.rename_columns(names)
+        if isinstance(shard, str) and key_schema is not None and value_schema is not None:
+            # Check the updates against the schemas given BEFORE opening the shard with
+            # them: opening may register a newer value schema (nothing half-done).
+            updates_schema(key_schema, value_schema)
+            self._check_evolution(shard, key_schema, value_schema)  # SchemaMismatch
+            try:
+                to_updates_table(table, key_schema, value_schema)
+            except InvalidUsage as e:
+                raise InvalidUsage(f"Txn.write to shard {wname!r}: {e} (nothing written)") from e
+        w = self._writer_for(shard, key_schema, value_schema)
         try:
             table = w._normalize(table)
         except InvalidUsage as e:
@@ -364,6 +399,14 @@ class Txn:
                 raise InvalidUsage(f"Txn.write to shard {w.name!r}: time {rng[1]} is too large")
             lower, upper = (0, 1) if rng is None else (rng[0], rng[1] + 1)
         self._check_mode(w, [time_column is not None])
+        if time_column is not None:
+            cur = w._machine.recent().upper  # uppers only advance: a cached one is safe
+            if rng is not None and not cur.less_equal(rng[0]):
+                raise InvalidUsage(
+                    f"Txn.write to shard {w.name!r}: time_column {time_column!r} has times "
+                    f"from {rng[0]} to {rng[1]}, but the shard's upper is already {cur}: "
+                    "times below the upper can never be written (nothing was written)"
+                )
         builder = w.builder(Antichain.from_elem(lower))
         try:
             builder.add(table)
@@ -377,6 +420,19 @@ class Txn:
         sw = self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w))
         sw.batches.append(batch)
         sw.lent[id(batch)] = w
+
+    def _check_evolution(self, name: str, key_schema: pa.Schema, value_schema: pa.Schema) -> None:
+        """Raise :class:`~persist.errors.SchemaMismatch` if an existing shard ``name``
+        cannot be opened with these schemas (checked on a copy of its freshly read
+        state: nothing is registered here)."""
+        c = self._client
+        validate_shard_name(name)
+        sid = c.consensus.lookup(name)
+        if sid is None:
+            return  # created by the open
+        st = c.machine(sid).fetch()
+        if not st.tombstone:
+            st.clone().register_schema(key_schema, value_schema)
 
     def write_batches(self, shard: str | WriteHandle, batches: Sequence[Batch]) -> None:
         """Add batches written elsewhere (e.g. by Spark executors, turned back from
@@ -470,8 +526,10 @@ class Txn:
         Raises:
             InvalidUsage: not an ``AppendBatch``; a collection of another stash (no
                 collection of that name and id in this client's stash, or other
-                codecs); a persist-internal collection (shard versions, the registry).
-                Nothing is added.
+                codecs); a persist-internal collection (shard versions, the registry);
+                a batch added twice; a batch for a collection already given a batch
+                with another lower, upper or compact (batches for one collection are
+                committed as one, their entries merged).  Nothing is added.
             ConsensusError: listing the stash's collections failed.
         """
         self._check_pending()
@@ -511,7 +569,41 @@ class Txn:
                         f"{mine.key_codec.name}/{mine.value_codec.name}"
                     )
                 )
+        # Batches for one collection are committed as one batch (their entries merged):
+        # they must agree on lower, upper and compact.
+        firsts = {b.collection.name: b for b in self._stash_batches}
+        for b in batches:
+            if any(b is o for o in self._stash_batches) or sum(b is o for o in batches) > 1:
+                raise InvalidUsage(
+                    f"stash batch for collection {b.collection.name!r} was added twice to "
+                    "this transaction (its entries would be appended twice)"
+                )
+            first = firsts.setdefault(b.collection.name, b)
+            if (first.lower, first.upper, first.compact) != (b.lower, b.upper, b.compact):
+                raise InvalidUsage(
+                    f"stash batches for collection {b.collection.name!r} disagree: lower "
+                    f"{first.lower}, upper {first.upper}, compact {first.compact} vs lower "
+                    f"{b.lower}, upper {b.upper}, compact {b.compact}; batches for one "
+                    "collection in a transaction are appended as one and must be made "
+                    "from the same upper (nothing was added)"
+                )
         self._stash_batches.extend(batches)
+
+    def _merged_stash_batches(self) -> list[AppendBatch]:
+        """The stash batches with those for one collection merged into one (same lower,
+        upper and compact, checked by :meth:`stash_append`; entries in the order
+        added).  The caller's batches are not changed."""
+        groups: dict[str, list[AppendBatch]] = {}
+        for b in self._stash_batches:
+            groups.setdefault(b.collection.name, []).append(b)
+        merged: dict[str, AppendBatch] = {}
+        for name, bs in groups.items():
+            merged[name] = (
+                bs[0]
+                if len(bs) == 1
+                else dataclasses.replace(bs[0], entries=[e for b in bs for e in b.entries])
+            )
+        return list(merged.values())
 
     # -------------------------------------------------------------- committing
     def commit_at(self, ts: int) -> int:
@@ -532,7 +624,9 @@ class Txn:
             InvalidUsage: bad ``ts``; a ``time_column`` write with a time after ``ts``;
                 a finalized shard; a finished transaction.
             ConsensusError: the stash failed; nothing was committed unless
-                ``is_indeterminate()`` (then ``idempotency_token`` is this ``token``).
+                ``is_indeterminate()`` (then ``idempotency_token`` is this ``token``;
+                a stash-only transaction whose earlier attempt's outcome is unknown
+                stays indeterminate when a retry's lower check fails).
         """
         self._check_pending()
         ts = _check_time(ts)
@@ -558,6 +652,8 @@ class Txn:
                         raise self._unknown(e) from e
                     raise
                 self._maybe_landed = True
+                if self._unknown_since_ms is None:
+                    self._unknown_since_ms = self._client.machine(sorted(self._shards)[0]).now_ms()
                 indeterminate += 1
                 log.warning("indeterminate commit of a transaction at %s: %s", ts, e)
                 landed = self._resolve_landed()
@@ -603,16 +699,34 @@ class Txn:
         Returns: the commit time.
 
         Raises: as :meth:`commit_at`, except that a shard race is retried (a stash
-            batch's failed lower check is not: it raises :class:`TxnUpperMismatch`).
+            batch's failed lower check is not: it raises :class:`TxnUpperMismatch`);
+            also InvalidUsage naming the shard when a written shard was finalized or
+            its upper is the largest time (no time is left to commit at).
         """
         self._check_pending()
         if not self._shards:
             return self.commit_at(0)
         ts = I64_MIN
         for sid in sorted(self._shards):
-            up = self._client.machine(sid).recent().upper.as_option()
+            m = self._client.machine(sid)
+            up = m.recent().upper.as_option()
+            name = self._shards[sid].name
+            if up is None or up >= I64_MAX:
+                st = m.fetch()
+                if st.tombstone:
+                    raise InvalidUsage(
+                        f"cannot commit: shard {name!r} ({sid}) was finalized (dropped by "
+                        "finalize_shard or `persist drop`): it can never be written again "
+                        "(nothing was committed)"
+                    )
+                up = st.upper.as_option()
             if up is None:
-                raise TxnUpperMismatch(0, {self._shards[sid].name: Antichain()})  # sealed for ever
+                raise TxnUpperMismatch(0, {name: Antichain()})  # sealed for ever
+            if up >= I64_MAX:
+                raise InvalidUsage(
+                    f"cannot commit: shard {name!r} ({sid}) has upper {{{up}}}, the "
+                    "largest time: no time is left to write it at (nothing was committed)"
+                )
             ts = max(ts, up)
             hi = _timed_max(self._shards[sid].batches)
             if hi is not None:
@@ -630,13 +744,37 @@ class Txn:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _commit_stash_only(self, ts: int) -> int:
+        """Append the stash batches alone.  They carry no token, so once an attempt's
+        outcome is unknown a later failed lower check cannot tell "another writer
+        appended" from "our own append landed": it stays indeterminate (never a
+        definite "nothing was committed", which would invite a duplicate)."""
         if not self._stash_batches:
             return self._finish(ts)
         c = self._client.consensus
-        lost = c.append_atomic(list(self._stash_batches), "a transaction's stash append")
+        batches = self._merged_stash_batches()
+        try:
+            lost = c.append_atomic(batches, "a transaction's stash append")
+        except ConsensusError as e:
+            if e.is_indeterminate() or self._maybe_landed:
+                self._maybe_landed = True
+                raise self._unknown(e) from e
+            raise
         if lost is not None:
-            b = next(b for b in self._stash_batches if b.collection.name == lost)
-            cur = self._client.stash.upper(b.collection)
+            b = next(b for b in batches if b.collection.name == lost)
+            try:
+                cur = self._client.stash.upper(b.collection)
+            except StashError as e:
+                raise ConsensusError(f"reading the upper of {lost} failed: {e}") from e
+            if self._maybe_landed:
+                err = ConsensusError(
+                    f"the outcome of the transaction (token {self.token}) is unknown: an "
+                    f"earlier attempt's acknowledgement was lost and stash collection "
+                    f"{lost!r} moved on to upper {cur} (by that attempt or by another "
+                    "writer; a stash-only transaction has no token to tell which)",
+                    indeterminate=True,
+                )
+                err.idempotency_token = self.token
+                raise err
             raise TxnUpperMismatch(ts, {}, {lost: cur})
         return self._finish(ts)
 
@@ -699,13 +837,14 @@ class Txn:
                             m.shard_id, st.expected, st.texts, st.prev, st.retired
                         )
                     )
-                batches.extend(self._stash_batches)
+                batches.extend(self._merged_stash_batches())
                 lost = c.consensus.append_atomic(
                     batches, f"transaction commit at {ts} of shards {self.shards}"
                 )
                 if lost is None:
                     for m, st, _reqs in staged:
                         m.install(st)
+                        c._txn_done_forget(m.shard_id, self._dropping.get(m.shard_id, ()))
                     for m, _st, reqs in staged:
                         if reqs:
                             c._on_merge_reqs(m, reqs)
@@ -723,7 +862,7 @@ class Txn:
                     None,
                 )
                 if sid_lost is None:
-                    sb = next(b for b in self._stash_batches if b.collection.name == lost)
+                    sb = next(b for b in batches if b.collection.name == lost)
                     try:
                         cur = c.stash.upper(sb.collection)
                     except StashError as e:
@@ -756,6 +895,9 @@ class Txn:
         timed = any(_is_timed(b) for b in sw.batches)
         ranges = [b.time_range for b in sw.batches if b.len > 0 and b.time_range is not None]
         timed_lo = min(r[0] for r in ranges) if timed and ranges else None
+        rid = sw.record_id
+        done = [d for d in self._client._txn_done_ids(m.shard_id) if d != rid]
+        self._dropping[m.shard_id] = done
 
         def fn(st: ShardState, fresh: bool) -> tuple[tuple[str, Any], bool]:
             for ws in st.writers.values():
@@ -796,7 +938,14 @@ class Txn:
             reqs: list[FueledMergeReq] = []
             recorded = f"{token}{TOKEN_SEP}t{ts}"
             for hb in pieces:
-                reqs.extend(st.append_batch(hb, wid, recorded, now, w._lease_ms))
+                reqs.extend(st.append_batch(hb, rid, recorded, now, w._lease_ms))
+            # The builder's writer is registered (or renewed) as by a normal append;
+            # the token is recorded under the transaction's own record id only.
+            st.heartbeat_writer(wid, now, w._lease_ms)
+            # Record ids of this client's acknowledged transactions are no longer
+            # needed (their outcome is known): drop them, bounding the state.
+            for d in done:
+                st.writers.pop(d, None)
             return ("ok", reqs), True
 
         return fn
@@ -824,6 +973,19 @@ class Txn:
                         with contextlib.suppress(ConsensusError):
                             self._client.machine(other).fetch()
                     return int(fp[1:]) if fp.startswith("t") else -1
+            lease = max(sw.writer._lease_ms for sw in self._shards.values())
+            since = self._unknown_since_ms
+            if since is not None and m.now_ms() > since + lease:
+                # A landed commit's record may have expired with its lease: its absence
+                # proves nothing any more, so the outcome stays unknown.
+                err = ConsensusError(
+                    f"the outcome of the transaction (token {self.token}) is unknown: its "
+                    f"record in shard {sid} would have expired (writer lease {lease} ms) "
+                    "since the commit's acknowledgement was lost",
+                    indeterminate=True,
+                )
+                err.idempotency_token = self.token
+                raise err
             return None
         assert last is not None
         err = ConsensusError(
@@ -837,7 +999,8 @@ class Txn:
     def _finish(self, ts: int) -> int:
         self.committed_ts = ts
         self._maybe_landed = False
-        for sw in self._shards.values():
+        for sid, sw in self._shards.items():
+            self._client._txn_done_add(sid, sw.record_id)
             w = sw.writer
             for b in sw.batches:
                 b.mark_consumed()

@@ -158,6 +158,9 @@ class PersistTxn:
             raise
         self.txn = self.client.begin()
         self.rows: dict[str, int] = {}
+        # collection -> (its TableTransaction, its batch in the transaction, uniqueness):
+        # every upsert to one collection goes through one TableTransaction and batch.
+        self._upserts: dict[str, tuple[Any, Any, Any]] = {}
 
     def write(
         self,
@@ -229,23 +232,46 @@ class PersistTxn:
     def upsert(self, collection: str, items: Mapping[str, Any], uniqueness: Any = None) -> int:
         """Set ``key -> value`` in the JSON stash collection ``collection`` (created if
         needed) with the transaction, through a :class:`stash.TableTransaction` (so
-        ``uniqueness`` constraints apply).  Returns the number of pending updates (0:
-        nothing to change, nothing added)."""
+        ``uniqueness`` constraints apply).  Several calls for one collection accumulate
+        in one table transaction and one stash batch (a later value of a key replaces
+        an earlier one).  Returns the number of pending updates of the collection (0:
+        nothing to change, nothing added).
+
+        Raises:
+            persist.InvalidUsage: a later call for the collection with another
+                ``uniqueness`` than the first.
+        """
+        from persist import InvalidUsage
         from stash import PeekSinceUpperError, TableTransaction
 
         coll = self.stash.collection(collection, key="str", value="json")
-        try:
-            initial = self.stash.peek_one(coll)
-        except PeekSinceUpperError:
-            initial = {}
-        tx: TableTransaction[str, Any] = TableTransaction(initial, uniqueness)
+        known = self._upserts.get(collection)
+        if known is None:
+            try:
+                initial = self.stash.peek_one(coll)
+            except PeekSinceUpperError:
+                initial = {}
+            tx: TableTransaction[str, Any] = TableTransaction(initial, uniqueness)
+            batch = None
+        else:
+            tx, batch, first = known
+            if uniqueness is not None and uniqueness is not first:
+                raise InvalidUsage(
+                    f"upsert to collection {collection!r}: uniqueness differs from the "
+                    "first upsert to it in this transaction"
+                )
+            uniqueness = first
         tx.set_many(items.items())
         pending = tx.pending()
-        if pending:
+        if batch is None:
+            if not pending:
+                return 0
             batch = coll.make_batch(self.stash)
-            for k, v, d in pending:
-                coll.append_to_batch(batch, k, v, d)
             self.txn.stash_append([batch])
+        batch.entries.clear()
+        for k, v, d in pending:
+            coll.append_to_batch(batch, k, v, d)
+        self._upserts[collection] = (tx, batch, uniqueness)
         return len(pending)
 
     def commit(self) -> int:

@@ -78,3 +78,46 @@ def test_persist_txn_exception_commits_nothing_and_deletes_parts(
             "catalog" not in s.collections()
             or s.iter(s.collection("catalog", key="str", value="json")) == []
         )
+
+
+def test_spark_persist_txn_two_upserts_to_one_collection_commit(tmp_path: Path) -> None:
+    """``PersistTxn.upsert`` called twice for one collection (e.g. planes of two
+    DataFrames) commits both (before the fix: two batches with the same lower, and
+    TxnUpperMismatch at every try).  ``upsert`` does not use Spark, so no session is
+    needed to show it."""
+    from spark.persist_txn import PersistTxn
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    t = PersistTxn(None, url, "memory://")
+    try:
+        t.upsert("planes", {"N1": {"seats": 2}})
+        t.upsert("planes", {"N2": {"seats": 4}})
+        t.commit()
+        coll = t.stash.collection("planes", key="str", value="json")
+        assert t.stash.peek_one(coll) == {"N1": {"seats": 2}, "N2": {"seats": 4}}
+    finally:
+        t.close()
+
+
+def test_spark_persist_txn_upserts_of_one_key_twice_keep_the_last_value(tmp_path: Path) -> None:
+    """Two upserts of one existing key in one transaction: the key ends with the second
+    value (each upsert retracting the stored value on its own would retract it twice)."""
+    from spark.persist_txn import PersistTxn
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    t = PersistTxn(None, url, "memory://")
+    try:
+        t.upsert("planes", {"N1": {"seats": 1}})
+        t.commit()
+    finally:
+        t.close()
+    t = PersistTxn(None, url, "memory://")
+    try:
+        t.upsert("planes", {"N1": {"seats": 2}})
+        t.upsert("planes", {"N1": {"seats": 3}, "N2": {"seats": 4}})
+        t.commit()
+        coll = t.stash.collection("planes", key="str", value="json")
+        assert t.stash.peek_one(coll) == {"N1": {"seats": 3}, "N2": {"seats": 4}}
+        assert sorted(d for _, _, d in t.stash.iter(coll)) == [1, 1]
+    finally:
+        t.close()

@@ -323,9 +323,9 @@ def _txid_status(stash: SqlStash, xid: int) -> str | None:
 # recorded codec names (the collections rows FOR SHARE: a migration's update of them waits
 # for this transaction, and a lock that waited for a migration re-reads them), and (for a
 # fenced handle) the fence row FOR SHARE and the transaction id, in one round trip.  The
-# collections rows are locked after the uppers and sinces rows (the order of the locking
-# clauses), so a writer waiting for a migration's uppers row holds no lock the migration's
-# update of the collections row would wait for.
+# collections rows come after the uppers and sinces rows in the locking clauses, so that a
+# writer waiting for a migration's uppers row should hold no lock the migration's update of
+# the collections row waits for; were it otherwise, the deadlock (40P01) is retried.
 _LOCK = (
     "SELECT u.collection_id, u.upper, s.since, c.key_codec, c.value_codec{fcols},"
     " txid_current()"

@@ -20,7 +20,18 @@ frontiers.  Invariants kept here:
 * ``consolidate`` leaves the same physical rows on every backend: every row at
   ``max(time, since)``, one per (key, value, time), no zero diff;
 * a readonly handle never writes; a fenced handle fails every later call with an
-  unrecoverable error.
+  unrecoverable error;
+* every transaction runs through :meth:`Stash._read` or :meth:`Stash._write`, which take
+  the collections whose codecs the transaction decodes or encodes with and check, inside
+  that transaction and before anything else, that each collection still records the
+  codec names of the handle (``TypedCollection.migrate`` through any handle may have
+  changed them): a stale handle's read raises instead of misdecoding and its write
+  commits nothing, so a collection never holds entries of two encodings.  The names come
+  from the statement that reads the collection's frontiers (or takes its lock), so the
+  check costs no query.  ``collection()`` always looks the collection up (no cache of
+  codecs), so it never hands out a handle with codecs the collection no longer records.
+  Calls that neither encode nor decode (``since``, ``upper``, ``peek_timestamp``,
+  ``seal``, ``compact``, ``consolidate``) work through any handle of the collection.
 
 Source: the seed Stash trait (``003``): ``Stash``, ``Append``, ``peek_timestamp``,
 ``peek``, ``peek_one``, ``peek_key_one``.
@@ -95,7 +106,6 @@ class Stash(abc.ABC):
             raise StashError(f"unknown mode {mode!r}; expected one of {list(MODES)}")
         self.mode = mode
         self.fenced = fenced
-        self._collections: dict[str, tuple[int, str, str]] = {}
         self._closed = False
 
     # ----------------------------------------------------------------- opening
@@ -137,15 +147,90 @@ class Stash(abc.ABC):
         with self._txn(write) as tx:
             return fn(tx)
 
-    def _write(self, fn: Callable[[Txn], R]) -> R:
+    def _write(self, fn: Callable[[Txn], R], *, codecs: Sequence[StashCollection[Any, Any]]) -> R:
+        """Run ``fn`` in one write transaction (every write goes through here).
+
+        Args:
+            fn: the transaction's work.
+            codecs: the collections whose handles' codecs ``fn`` encodes with: locked
+                (in id order) and checked against their recorded codec names first.
+
+        Raises:
+            ReadOnlyError: a readonly handle.
+            StashError: a collection records other codecs (see :meth:`_check_codecs_tx`).
+        """
         self._check_open()
         if self.mode == "readonly":
             raise ReadOnlyError("cannot write through a stash opened in readonly mode")
-        return stash_metrics.observe_txn(self, True, lambda: self._run(True, fn))
+        run = self._with_codec_check(fn, codecs, True)
+        return stash_metrics.observe_txn(self, True, lambda: self._run(True, run))
 
-    def _read(self, fn: Callable[[Txn], R]) -> R:
+    def _read(self, fn: Callable[[Txn], R], *, codecs: Sequence[StashCollection[Any, Any]]) -> R:
+        """Run ``fn`` in one read transaction (every read goes through here).
+
+        Args:
+            fn: the transaction's work.
+            codecs: the collections whose handles' codecs the caller decodes ``fn``'s
+                result with: checked against their recorded codec names first, in the
+                same transaction (so in the snapshot the rows are read from).
+
+        Raises:
+            StashError: a collection records other codecs (see :meth:`_check_codecs_tx`).
+        """
         self._check_open()
-        return stash_metrics.observe_txn(self, False, lambda: self._run(False, fn))
+        run = self._with_codec_check(fn, codecs, False)
+        return stash_metrics.observe_txn(self, False, lambda: self._run(False, run))
+
+    def _with_codec_check(
+        self,
+        fn: Callable[[Txn], R],
+        codecs: Sequence[StashCollection[Any, Any]],
+        write: bool,
+    ) -> Callable[[Txn], R]:
+        if not codecs:
+            return fn
+        if len(codecs) == 1:
+            (c,) = codecs
+
+            def one(tx: Txn) -> R:
+                if write:
+                    tx.lock([c.id])
+                self._check_codecs_tx(tx, c, write)
+                return fn(tx)
+
+            return one
+        handles = list({c.id: c for c in codecs}.values())
+        ids = sorted(c.id for c in handles)
+
+        def many(tx: Txn) -> R:
+            if write:
+                tx.lock(ids)
+            for c in handles:
+                self._check_codecs_tx(tx, c, write)
+            return fn(tx)
+
+        return many
+
+    def _check_codecs_tx(self, tx: Txn, c: StashCollection[Any, Any], write: bool) -> None:
+        """Refuse a read or write through a handle whose codecs are no longer the
+        collection's (``TypedCollection.migrate``, through any handle, recorded others
+        since the handle was made): it would decode the new encoding with the old codecs,
+        or write entries of the old encoding.  ``tx.codecs`` answers from the statement
+        that read the frontiers or took the lock: no query of its own.
+
+        Raises:
+            StashError: naming the collection and both codec pairs (for a write: nothing
+                was committed).
+        """
+        found = tx.codecs(c.id)
+        mine = c.codec_names
+        if found != mine:
+            raise StashError(
+                f"collection {c.name} now has codecs (key={found[0]}, value={found[1]}) "
+                f"(migrated since this handle was opened), but this handle has "
+                f"(key={mine[0]}, value={mine[1]}): open it again with its codecs"
+                + ("; nothing was committed" if write else "")
+            )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -177,51 +262,53 @@ class Stash(abc.ABC):
         """
         validate_collection_name(name)
         kc, vc = resolve_codec(key), resolve_codec(value)
-        found = self._collections.get(name)
+        # Looked up every time: a cached answer would be stale after another handle's
+        # migration (TypedCollection.migrate) of the collection.
+        found = self._read(lambda tx: tx.lookup_collection(name), codecs=())
         if found is None:
-            found = self._read(lambda tx: tx.lookup_collection(name))
-            if found is None:
-                if self.mode == "readonly":
-                    raise StashError(f"collection {name} does not exist (readonly stash)")
+            if self.mode == "readonly":
+                raise StashError(f"collection {name} does not exist (readonly stash)")
 
-                def create(tx: Txn) -> tuple[int, str, str]:
-                    got = tx.lookup_collection(name)
-                    if got is None:
-                        got = (tx.create_collection(name, kc.name, vc.name), kc.name, vc.name)
-                    return got
+            def create(tx: Txn) -> tuple[int, str, str]:
+                got = tx.lookup_collection(name)
+                if got is None:
+                    got = (tx.create_collection(name, kc.name, vc.name), kc.name, vc.name)
+                return got
 
-                found = self._write(create)
-            self._collections[name] = found
+            found = self._write(create, codecs=())
         cid, kname, vname = found
         if (kname, vname) != (kc.name, vc.name):
             raise StashError(
                 f"collection {name} was created with codecs (key={kname}, value={vname}) "
-                f"but opened with (key={kc.name}, value={vc.name})"
+                f"(or migrated to them) but opened with (key={kc.name}, value={vc.name})"
             )
         return StashCollection(cid, name, kc, vc)
 
     def collections(self) -> dict[str, StashCollection[Any, Any]]:
         """Every collection by name, with the codecs it was created with."""
-        listed = self._read(lambda tx: tx.list_collections())
+        listed = self._read(lambda tx: tx.list_collections(), codecs=())
         out: dict[str, StashCollection[Any, Any]] = {}
         for name, cid, kname, vname in sorted(listed):
             try:
                 kc, vc = resolve_codec(kname), resolve_codec(vname)
             except StashError:
+                # A codec that cannot be imported here: read its JSON as JSON.  The handle
+                # remembers the recorded names (checked by every read and write).
                 kc, vc = resolve_codec("json"), resolve_codec("json")
-            out[name] = StashCollection(cid, name, kc, vc)
+            recorded = None if (kc.name, vc.name) == (kname, vname) else (kname, vname)
+            out[name] = StashCollection(cid, name, kc, vc, recorded)
         return out
 
     # ------------------------------------------------------------------ reads
     def since(self, collection: StashCollection[Any, Any]) -> Antichain:
         """The collection's since (compaction) frontier."""
         cid = self._cid(collection)
-        return _ac(self._read(lambda tx: tx.frontiers(cid))[0])
+        return _ac(self._read(lambda tx: tx.frontiers(cid), codecs=())[0])
 
     def upper(self, collection: StashCollection[Any, Any]) -> Antichain:
         """The collection's upper frontier: every time before it is sealed."""
         cid = self._cid(collection)
-        return _ac(self._read(lambda tx: tx.frontiers(cid))[1])
+        return _ac(self._read(lambda tx: tx.frontiers(cid), codecs=())[1])
 
     def iter(self, collection: StashCollection[K, V]) -> list[tuple[tuple[K, V], int, int]]:
         """Every entry as ``((key, value), time, diff)``: consolidated, times advanced to
@@ -229,9 +316,12 @@ class Stash(abc.ABC):
 
         Raises:
             StashError: the since is the empty frontier
-                (``cannot iterate collection with empty since frontier``).
+                (``cannot iterate collection with empty since frontier``); the
+                collection records other codecs than the handle's (a migration since
+                the handle was made), naming both pairs.
         """
-        since, rows = self._read(lambda tx: self._iter_rows(tx, self._cid(collection), None))
+        cid = self._cid(collection)
+        since, rows = self._read(lambda tx: self._iter_rows(tx, cid, None), codecs=(collection,))
         cons = consolidate_updates(((k, v), max(t, since), d) for k, v, t, d in rows)
         kc, vc = collection.key_codec, collection.value_codec
         out = [((kc.decode(k), vc.decode(v)), t, d) for (k, v), t, d in cons]
@@ -243,11 +333,12 @@ class Stash(abc.ABC):
         the since, sorted by (value, time).
 
         Raises:
-            StashError: the since is the empty frontier.
+            StashError: the since is the empty frontier; the collection records other
+                codecs than the handle's (naming both pairs).
         """
         cid = self._cid(collection)
         kj = collection.key_codec.encode(key)
-        since, rows = self._read(lambda tx: self._iter_rows(tx, cid, kj))
+        since, rows = self._read(lambda tx: self._iter_rows(tx, cid, kj), codecs=(collection,))
         cons = consolidate_updates((v, max(t, since), d) for _, v, t, d in rows)
         vc = collection.value_codec
         out = [(vc.decode(v), t, d) for v, t, d in cons]
@@ -279,7 +370,7 @@ class Stash(abc.ABC):
                 (``collection 7 since {0} is not less than upper {0}``).
         """
         cid = self._cid(collection)
-        return self._read(lambda tx: self._peek_ts(cid, *tx.frontiers(cid)))
+        return self._read(lambda tx: self._peek_ts(cid, *tx.frontiers(cid)), codecs=())
 
     def _peek_raw(
         self, collection: StashCollection[Any, Any], key: str | None = None
@@ -289,7 +380,7 @@ class Stash(abc.ABC):
         def peek(tx: Txn) -> list[tuple[str, str, int]]:
             return tx.peek_rows(cid, self._peek_ts(cid, *tx.frontiers(cid)), key)
 
-        return self._read(peek)
+        return self._read(peek, codecs=(collection,))
 
     def peek(self, collection: StashCollection[K, V]) -> list[tuple[K, V, int]]:
         """The sealed contents as ``(key, value, diff)``: consolidated, sorted by
@@ -297,6 +388,8 @@ class Stash(abc.ABC):
 
         Raises:
             PeekSinceUpperError: since is not less than upper.
+            StashError: the collection records other codecs than the handle's (a
+                migration since the handle was made), naming both pairs.
         """
         kc, vc = collection.key_codec, collection.value_codec
         rows = self._peek_raw(collection)
@@ -340,6 +433,7 @@ class Stash(abc.ABC):
                 key with two values; a key that is not hashable (a JSON object: use a
                 frozen record type for record keys); two
                 distinct keys that Python's dict cannot tell apart (``True`` and ``1``);
+                the collection records other codecs than the handle's (naming both);
                 PeekSinceUpperError as for :meth:`peek`.
         """
         rows = self._peek_unique(collection)
@@ -374,7 +468,8 @@ class Stash(abc.ABC):
 
         Raises:
             StashError: the key has several values or a multiplicity other than 1
-                (``multiple values unexpected``); PeekSinceUpperError as for :meth:`peek`.
+                (``multiple values unexpected``); the collection records other codecs
+                than the handle's (naming both); PeekSinceUpperError as for :meth:`peek`.
         """
         rows = self._peek_raw(collection, collection.key_codec.encode(key))
         if not rows:
@@ -401,7 +496,9 @@ class Stash(abc.ABC):
             StashError: ``entry time 2 is less than the current upper frontier {3}``; an
                 entry that does not encode; the diffs of a ``(key, value)`` would sum
                 beyond i64 (``diff sums must fit in i64``, see
-                :mod:`stash.consolidation`); nothing is written then.
+                :mod:`stash.consolidation`); the collection records other codecs than
+                the handle's (a migration since the handle was made: its entries would be
+                of the old encoding), naming both pairs; nothing is written then.
         """
         cid = self._cid(collection)
         rows: list[Row] = []
@@ -417,7 +514,7 @@ class Stash(abc.ABC):
                 # Keep the keys written consolidated (and check their diff sums).
                 tx.consolidate(cid, since, {k for k, _, _, _ in rows})
 
-        self._write_checked({cid: collection.name}, write)
+        self._write_checked({cid: collection.name}, write, codecs=(collection,))
 
     @staticmethod
     def _check_entry_times(rows: Sequence[Row], upper: int | None) -> None:
@@ -444,7 +541,7 @@ class Stash(abc.ABC):
             for cid, new in items:
                 self._seal_tx(tx, cid, new)
 
-        self._write(write)
+        self._write(write, codecs=())  # frontiers only: no entry is encoded
 
     @staticmethod
     def _seal_tx(tx: Txn, cid: int, new: Antichain) -> None:
@@ -475,7 +572,7 @@ class Stash(abc.ABC):
             for cid, new in items:
                 self._compact_tx(tx, cid, new)
 
-        self._write(write)
+        self._write(write, codecs=())  # frontiers only: no entry is encoded
 
     @staticmethod
     def _compact_tx(tx: Txn, cid: int, new: Antichain) -> None:
@@ -506,7 +603,9 @@ class Stash(abc.ABC):
             for cid in ids:
                 tx.consolidate(cid, tx.frontiers(cid)[0], None)
 
-        self._write_checked({c.id: c.name for c in collections}, write)
+        # Rows are merged by their stored text, never decoded or encoded: any handle of
+        # the collection may consolidate it.
+        self._write_checked({c.id: c.name for c in collections}, write, codecs=())
 
     def append(self, batches: Iterable[AppendBatch]) -> None:
         """Atomically add entries to, seal and compact several collections (the seed's
@@ -521,7 +620,8 @@ class Stash(abc.ABC):
                 frontier {2} of collection orders``;
             StashError: any seal/compact/entry-time rule of the single methods; the
                 diffs of a ``(key, value)`` would sum beyond i64 (``diff sums must fit
-                in i64``).
+                in i64``); a batch's collection records other codecs than its handle's
+                (a migration since the handle was made), naming both pairs.
             In every case nothing is committed.
         """
         batches = list(batches)
@@ -539,13 +639,23 @@ class Stash(abc.ABC):
         if not batches:
             return
         names = {b.collection.id: b.collection.name for b in batches}
-        self._write_checked(names, lambda tx: self._append_tx(tx, batches))
+        self._write_checked(
+            names,
+            lambda tx: self._append_tx(tx, batches),
+            codecs=[b.collection for b in batches],
+        )
 
-    def _write_checked(self, names: dict[int, str], fn: Callable[[Txn], R]) -> R:
+    def _write_checked(
+        self,
+        names: dict[int, str],
+        fn: Callable[[Txn], R],
+        *,
+        codecs: Sequence[StashCollection[Any, Any]],
+    ) -> R:
         """:meth:`_write`, reporting a broken rule on diff sums with the collection's name
         (the same error on every backend; the transaction was rolled back)."""
         try:
-            return self._write(fn)
+            return self._write(fn, codecs=codecs)
         except DiffSumOverflow as e:
             name = names.get(e.collection_id, f"id {e.collection_id}")
             raise StashError(
@@ -554,8 +664,6 @@ class Stash(abc.ABC):
 
     def _append_tx(self, tx: Txn, batches: list[AppendBatch]) -> None:
         tx.lock(sorted({b.collection.id for b in batches}))
-        for c in {b.collection.id: b.collection for b in batches}.values():
-            self._check_codecs_tx(tx, c)
         for b in batches:
             cid = b.collection.id
             _, upper = tx.frontiers(cid)
@@ -577,27 +685,6 @@ class Stash(abc.ABC):
                 # Keep the collection physically consolidated where this batch touched it.
                 tx.consolidate(cid, b.compact.as_option(), {k for k, _, _, _ in rows})
 
-    def _check_codecs_tx(self, tx: Txn, c: StashCollection[Any, Any]) -> None:
-        """Refuse a write through a handle whose codecs are no longer the collection's
-        (``TypedCollection.migrate`` recorded others since the handle opened it): its
-        entries would be encoded for the old codecs.  Forgets the cached codecs, so that
-        opening the collection again reports both.
-
-        Raises:
-            StashError: naming the collection and both codec pairs.
-        """
-        found = tx.lookup_collection(c.name)
-        if found is None:
-            return
-        if (found[1], found[2]) != (c.key_codec.name, c.value_codec.name):
-            self._collections.pop(c.name, None)
-            raise StashError(
-                f"collection {c.name} now has codecs (key={found[1]}, value={found[2]}) "
-                f"(migrated), but this write uses (key={c.key_codec.name}, "
-                f"value={c.value_codec.name}): open it again with its codecs; nothing was "
-                "committed"
-            )
-
     # ------------------------------------------------------------- leadership
     def confirm_leadership(self) -> None:
         """Check that this handle is still the leader.
@@ -605,7 +692,7 @@ class Stash(abc.ABC):
         Raises:
             FenceError: a newer handle took the epoch (unrecoverable).
         """
-        self._read(lambda tx: tx.check_fence())
+        self._read(lambda tx: tx.check_fence(), codecs=())
 
     def close(self) -> None:
         """Release the handle's resources. Idempotent."""

@@ -4,8 +4,11 @@ A :class:`StashCollection` names one durable collection of ``((key, value), time
 and carries the codecs of its keys and values.  An :class:`AppendBatch` is the unit of the
 atomic multi-collection ``append``.  Invariants kept here:
 
-* a handle's ``id`` and ``name`` never change, and the codecs are the ones recorded with
-  the collection (checked when the handle was made);
+* a handle's ``id`` and ``name`` never change, and its codecs were the ones recorded with
+  the collection when the handle was made (:attr:`StashCollection.codec_names` names
+  them as recorded); every stash read that decodes and every write that encodes through
+  the handle checks, in its own transaction, that the collection still records them (a
+  ``TypedCollection.migrate`` may have changed them since) and refuses otherwise;
 * an ``AppendBatch``'s entries are already encoded (canonical JSON text), so a batch can
   be checked and committed without the codecs;
 * ``make_batch`` builds the seed's "next tick" batch: ``lower`` = current upper ``{t}``,
@@ -61,12 +64,25 @@ class StashCollection(Generic[K, V]):
         id: the collection's id in the stash (``int``).
         name: its name (``str``).
         key_codec, value_codec: the codecs of keys and values (see :mod:`stash.codec`).
+        recorded: the codec names recorded for the collection when the handle was made,
+            if they are not the codecs' own names (``Stash.collections()`` reads a
+            collection whose recorded codec cannot be imported with JSON codecs);
+            ``None``: the codecs' names.
     """
 
     id: int
     name: str
     key_codec: Any = field(compare=False)
     value_codec: Any = field(compare=False)
+    recorded: tuple[str, str] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def codec_names(self) -> tuple[str, str]:
+        """``(key_codec, value_codec)`` names as recorded with the collection when this
+        handle was made: what the stash checks every read and write of it against."""
+        if self.recorded is not None:
+            return self.recorded
+        return self.key_codec.name, self.value_codec.name
 
     def make_batch(self, stash: Stash) -> AppendBatch:
         """A new batch for this collection from its current upper ``{t}``: lower ``{t}``,

@@ -10,8 +10,8 @@ fencing and concurrent handles can be exercised).  Invariants kept here:
 * fencing follows the SQL backends: a writable fenced open bumps the store's epoch and
   every later call of an older fenced handle fails unrecoverably.
 
-:class:`Memory` wraps any :class:`~stash.base.Stash` and caches frontiers and rows of the
-collections it reads, writing every change through and dropping the cached state of the
+:class:`Memory` wraps any :class:`~stash.base.Stash` and caches frontiers, recorded codec
+names and rows of the collections it reads, writing every change through and dropping the cached state of the
 collections a write touched, as the seed's ``Memory<S>`` does.  It is safe to share
 between threads: cache fills are checked against a generation, so a fill read before a
 write's invalidation is never installed, and a collection with a write in flight is read
@@ -117,6 +117,10 @@ class _MemTxn:
     def frontiers(self, cid: int) -> tuple[int | None, int | None]:
         c = self._get(cid)
         return c.since, c.upper
+
+    def codecs(self, cid: int) -> tuple[str, str]:
+        c = self._get(cid)
+        return c.key_codec, c.value_codec
 
     def _save_front(self, cid: int) -> _Coll:
         c = self._get(cid)
@@ -244,8 +248,8 @@ class MemoryStash(Stash):
 class Memory(Stash):
     """A write-through read cache over any stash (the seed's ``Memory<S>``).
 
-    Reads of a collection are served from a cache entry (its frontiers and all its rows,
-    read together in one transaction of ``inner``); every write goes to ``inner`` and
+    Reads of a collection are served from a cache entry (its frontiers, codec names and
+    all its rows, read together in one transaction of ``inner``); every write goes to ``inner`` and
     drops the entries of the collections it touched.  Safe to share between threads:
 
     * a write marks each collection it touches as *in flight* (dropping its entry) before
@@ -332,9 +336,11 @@ class Memory(Stash):
 
 @dataclass(frozen=True)
 class _Entry:
-    """A collection's cached state: ``(since, upper)`` and every row, read together."""
+    """A collection's cached state: ``(since, upper)``, the recorded codec names and
+    every row, read together."""
 
     front: tuple[int | None, int | None]
+    codecs: tuple[str, str]
     rows: list[Row]
 
 
@@ -376,8 +382,9 @@ class _CachedTxn:
         if found is False:
             entry = None
         elif found is None:
-            # Fill: frontiers and rows in this one transaction of inner.
-            entry = _Entry(self.inner.frontiers(cid), self.inner.rows(cid))
+            # Fill: frontiers, codec names and rows in this one transaction of inner.
+            front = self.inner.frontiers(cid)
+            entry = _Entry(front, self.inner.codecs(cid), self.inner.rows(cid))
             self.cache._install(cid, self.gen, entry)
         else:
             entry = found
@@ -403,6 +410,10 @@ class _CachedTxn:
     def frontiers(self, cid: int) -> tuple[int | None, int | None]:
         entry = self._view(cid)
         return self.inner.frontiers(cid) if entry is None else entry.front
+
+    def codecs(self, cid: int) -> tuple[str, str]:
+        entry = self._view(cid)
+        return self.inner.codecs(cid) if entry is None else entry.codecs
 
     def set_upper(self, cid: int, upper: int | None) -> None:
         self._touch(cid)

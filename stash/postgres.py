@@ -319,21 +319,31 @@ def _txid_status(stash: SqlStash, xid: int) -> str | None:
         fairy.close()
 
 
-# The lock statement: uppers and sinces rows of the collections, in id order, and (for a
-# fenced handle) the fence row FOR SHARE and the transaction id, in one round trip.
+# The lock statement: uppers and sinces rows of the collections, in id order, their
+# recorded codec names (the collections rows FOR SHARE: a migration's update of them waits
+# for this transaction, and a lock that waited for a migration re-reads them), and (for a
+# fenced handle) the fence row FOR SHARE and the transaction id, in one round trip.  The
+# collections rows come after the uppers and sinces rows in the locking clauses, so that a
+# writer waiting for a migration's uppers row should hold no lock the migration's update of
+# the collections row waits for; were it otherwise, the deadlock (40P01) is retried.
 _LOCK = (
-    "SELECT u.collection_id, u.upper, s.since{fcols}, txid_current()"
-    " FROM uppers u JOIN sinces s ON s.collection_id = u.collection_id{fjoin}"
+    "SELECT u.collection_id, u.upper, s.since, c.key_codec, c.value_codec{fcols},"
+    " txid_current()"
+    " FROM uppers u JOIN sinces s ON s.collection_id = u.collection_id"
+    " JOIN collections c ON c.collection_id = u.collection_id{fjoin}"
     " WHERE u.collection_id = ANY(%(ids)s::int4[])"
-    " ORDER BY u.collection_id FOR UPDATE OF u, s{flock}"
+    " ORDER BY u.collection_id FOR UPDATE OF u, s FOR SHARE OF c{flock}"
 )
 _LOCK_SQL = _LOCK.format(fcols="", fjoin="", flock="")
 _LOCK_FENCED_SQL = _LOCK.format(
-    fcols=", f.epoch, f.nonce", fjoin=" CROSS JOIN fence f", flock=" FOR SHARE OF f"
+    fcols=", f.epoch, f.nonce", fjoin=" CROSS JOIN fence f", flock=", f"
 )
+# A reader's frontiers and codec names (and fence), in one statement of its snapshot.
 _FRONTIERS = (
-    "SELECT s.since, u.upper{fcols} FROM sinces s JOIN uppers u"
-    " ON u.collection_id = s.collection_id{fjoin} WHERE s.collection_id = %(c)s"
+    "SELECT s.since, u.upper, c.key_codec, c.value_codec{fcols} FROM sinces s JOIN uppers u"
+    " ON u.collection_id = s.collection_id"
+    " JOIN collections c ON c.collection_id = s.collection_id{fjoin}"
+    " WHERE s.collection_id = %(c)s"
 )
 _FRONTIERS_SQL = _FRONTIERS.format(fcols="", fjoin="")
 _FRONTIERS_FENCED_SQL = _FRONTIERS.format(fcols=", f.epoch, f.nonce", fjoin=" CROSS JOIN fence f")
@@ -589,7 +599,7 @@ class PgTxn(SqlTxn):
             raise _Transient(StashError(f"collection {name} was created concurrently"))
         cid = int(row[0])
         self.xid = int(row[1])
-        self._front[cid] = [0, 0]
+        self._front[cid] = [0, 0, key_codec, value_codec]
         self._locked.add(cid)
         return cid
 
@@ -600,6 +610,9 @@ class PgTxn(SqlTxn):
             " WHERE collection_id = %(c)s",
             {"k": key_codec, "v": value_codec, "c": cid},
         )
+        f = self._front.get(cid)
+        if f is not None:
+            f[2], f[3] = key_codec, value_codec
 
     def list_collections(self) -> list[tuple[str, int, str, str]]:
         self._ensure_fence()
@@ -620,10 +633,10 @@ class PgTxn(SqlTxn):
                 self.check_fence()
             else:
                 self._fence_pending = False
-                self._compare_fence((rows[0][3], rows[0][4]))
+                self._compare_fence((rows[0][5], rows[0][6]))
         for row in rows:
             cid = int(row[0])
-            self._front[cid] = [row[2], row[1]]
+            self._front[cid] = [row[2], row[1], str(row[3]), str(row[4])]
             self._locked.add(cid)
             self.xid = int(row[-1])
 
@@ -642,9 +655,9 @@ class PgTxn(SqlTxn):
                 ).fetchone()
                 if fenced and row is not None:
                     self._fence_pending = False
-                    self._compare_fence((row[2], row[3]))
+                    self._compare_fence((row[4], row[5]))
                 if row is not None:
-                    f = self._front[cid] = [row[0], row[1]]
+                    f = self._front[cid] = [row[0], row[1], str(row[2]), str(row[3])]
             if f is None:
                 self._ensure_fence()
                 raise StashError(f"collection id {cid} does not exist")

@@ -571,6 +571,13 @@ _SQLITE_SAVEPOINT_DDL = (
 )
 
 
+# A collection's frontiers and recorded codec names, in one statement (every read or write
+# through a handle checks the codec names; this way the check costs no query).
+_SQLITE_FRONTIERS = (
+    "SELECT s.since, u.upper, c.key_codec, c.value_codec FROM sinces s"
+    " JOIN uppers u ON u.collection_id = s.collection_id"
+    " JOIN collections c ON c.collection_id = s.collection_id WHERE s.collection_id = :c"
+)
 _SQLITE_PEEK = (
     "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND time <= :ts"
     " GROUP BY key, value HAVING sum(diff) <> 0"
@@ -598,7 +605,8 @@ class SqlTxn:
     named parameters).  :class:`stash.postgres.PgTxn` overrides them for Postgres.
 
     Frontiers read in the transaction are cached in it, so an ``append`` reads each
-    collection's since and upper once.
+    collection's since and upper once; the statement that reads them also reads the
+    recorded codec names (:meth:`codecs` costs no query of its own).
 
     Args:
         stash: the handle (for its epoch and nonce).
@@ -610,7 +618,8 @@ class SqlTxn:
         self.stash = stash
         self.dbc = dbc
         self.write = write
-        self._front: dict[int, list[int | None]] = {}
+        # collection id -> [since, upper, key codec name, value codec name]
+        self._front: dict[int, list[Any]] = {}
         # Rows inserted but not yet written, by collection: an append's rows are merged
         # with the stored rows of their keys in Python before anything is written, so a
         # retraction and the row it cancels are never written only to be deleted.
@@ -672,7 +681,7 @@ class SqlTxn:
         cid = int(cur.lastrowid)
         self.dbc.execute("INSERT INTO sinces (collection_id, since) VALUES (:c, 0)", {"c": cid})
         self.dbc.execute("INSERT INTO uppers (collection_id, upper) VALUES (:c, 0)", {"c": cid})
-        self._front[cid] = [0, 0]
+        self._front[cid] = [0, 0, key_codec, value_codec]
         return cid
 
     def set_collection_codecs(self, cid: int, key_codec: str, value_codec: str) -> None:
@@ -680,6 +689,9 @@ class SqlTxn:
             "UPDATE collections SET key_codec = :k, value_codec = :v WHERE collection_id = :c",
             {"k": key_codec, "v": value_codec, "c": cid},
         )
+        f = self._front.get(cid)
+        if f is not None:
+            f[2], f[3] = key_codec, value_codec
 
     def list_collections(self) -> list[tuple[str, int, str, str]]:
         rows = self.dbc.execute(
@@ -694,15 +706,18 @@ class SqlTxn:
     def frontiers(self, cid: int) -> tuple[int | None, int | None]:
         f = self._front.get(cid)
         if f is None:
-            row = self._one(
-                "SELECT s.since, u.upper FROM sinces s JOIN uppers u "
-                "ON u.collection_id = s.collection_id WHERE s.collection_id = :c",
-                {"c": cid},
-            )
+            row = self._one(_SQLITE_FRONTIERS, {"c": cid})
             if row is None:
                 raise StashError(f"collection id {cid} does not exist")
-            f = self._front[cid] = [row[0], row[1]]
+            f = self._front[cid] = [row[0], row[1], str(row[2]), str(row[3])]
         return f[0], f[1]
+
+    def codecs(self, cid: int) -> tuple[str, str]:
+        f = self._front.get(cid)
+        if f is None:
+            self.frontiers(cid)
+            f = self._front[cid]
+        return f[2], f[3]
 
     def set_upper(self, cid: int, upper: int | None) -> None:
         self.dbc.execute(

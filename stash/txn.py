@@ -8,7 +8,11 @@ of these primitives.  Invariants a backend must keep:
 * a new collection starts with no rows, since ``{0}`` and upper ``{0}``;
 * ``None`` stands for the empty frontier in ``frontiers``/``set_upper``/``set_since``;
 * keys and values are canonical JSON text (see :mod:`stash.codec`), so text equality is
-  value equality.
+  value equality;
+* ``codecs`` answers from the statement that read the collection's frontiers (or took
+  its lock), so checking a handle's codecs costs no query of its own; in a write
+  transaction, once ``lock`` (or ``frontiers``) returned, the codec names cannot change
+  until the transaction ends (``set_collection_codecs`` of a concurrent migration waits).
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ class Txn(Protocol):
 
     def frontiers(self, cid: int) -> tuple[int | None, int | None]:
         """``(since, upper)`` of a collection; ``None`` is the empty frontier."""
+        ...
+
+    def codecs(self, cid: int) -> tuple[str, str]:
+        """``(key_codec, value_codec)``: the names recorded for a collection now, read
+        with its frontiers (no query of its own after ``frontiers`` or ``lock``)."""
         ...
 
     def set_upper(self, cid: int, upper: int | None) -> None: ...

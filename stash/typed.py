@@ -13,8 +13,11 @@ frozen records, NamedTuples) come back as the type they went in as, so ``peek_on
 :meth:`TypedCollection.migrate` rewrites a collection's entries and its recorded codec
 names in one transaction: it commits entirely (every entry mapped, the codecs changed,
 the old encodings consolidated away, ``since`` at the migration's time) or not at all;
-after it, a write through a handle that still has the old codecs is refused
-(:meth:`stash.base.Stash.append` checks the recorded codec names).  Alembic owns the SQL
+after it, every read that decodes and every write that encodes through a handle that
+still has the old codecs (of any stash handle, the migrating one included) is refused
+with an error naming both codec pairs, and ``Stash.collection`` (so
+:meth:`TypedCollection.get`) with the old codecs fails: :class:`stash.base.Stash` checks
+the recorded codec names in the transaction of each such call.  Alembic owns the SQL
 tables themselves (``migrations/``); ``migrate`` owns one collection's data and codecs.
 
 Source of the idea: the seed's ``TypedCollection`` (``003``).
@@ -85,9 +88,10 @@ class TypedCollection(Generic[K, V]):
         The new entries are written at the collection's upper ``t`` (the old ones are
         retracted there and consolidated away); the upper becomes ``t + 1`` and the
         since ``t``: history before the migration is not readable in either encoding.
-        Handles that opened the collection with the old codecs can no longer write it
-        (their ``append`` raises ``StashError`` naming both codec pairs); reopen it with
-        the returned collection.  Alembic migrations (``migrations/``) own the SQL tables
+        Collection handles made with the old codecs, through any stash handle, can no
+        longer read or write it (``peek``, ``iter``, ``update``, ``append``... raise
+        ``StashError`` naming both codec pairs; ``since``, ``upper`` and ``seal`` still
+        work); reopen it with the returned collection.  Alembic migrations (``migrations/``) own the SQL tables
         every collection lives in; this owns one collection's entries and codecs.
 
         Args:
@@ -111,8 +115,6 @@ class TypedCollection(Generic[K, V]):
 
         def write(tx: Txn) -> None:
             cid = old.id
-            tx.lock([cid])
-            stash._check_codecs_tx(tx, old)
             _, upper = tx.frontiers(cid)
             if upper is None or upper >= I64_MAX:
                 raise StashError(
@@ -154,8 +156,8 @@ class TypedCollection(Generic[K, V]):
             tx.set_collection_codecs(cid, new_kc.name, new_vc.name)
 
         with _handle_lock(stash):
-            stash._write_checked({old.id: name}, write)
-            stash._collections[name] = (old.id, new_kc.name, new_vc.name)
+            # Locks the collection and checks its recorded codecs are still ``old``'s.
+            stash._write_checked({old.id: name}, write, codecs=(old,))
         return TypedCollection(name, new_kc, new_vc)
 
     def get(self, stash: Stash) -> StashCollection[K, V]:

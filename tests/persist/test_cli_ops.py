@@ -44,6 +44,28 @@ def test_metrics_port_in_use_is_a_clean_cli_error(tmp_path: Path) -> None:
     )
 
 
+def test_stash_cli_metrics_port_in_use_is_a_clean_cli_error(tmp_path: Path) -> None:
+    """The ``stash`` CLI's ``--metrics-port`` had the same uncaught ``OSError``."""
+    from stash.cli import main as stash_main
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    Stash.open(url, fenced=False).close()
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = CliRunner().invoke(stash_main, ["--metrics-port", str(port), "collections", url])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.exception
+    assert res.output == f"error: cannot serve /metrics on 0.0.0.0:{port}: {_in_use()}\n"
+
+
+def _in_use() -> str:
+    import errno
+    import os
+
+    return os.strerror(errno.EADDRINUSE)
+
+
 def test_cat_and_sql_json_is_strict_json_for_nan_and_infinities(tmp_path: Path) -> None:
     """``--json`` promises one JSON object per line; NaN and the infinities were printed
     as the bare tokens ``NaN``/``Infinity``, which strict parsers (jq, JavaScript, Go)

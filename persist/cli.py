@@ -38,7 +38,7 @@ import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 import numpy as np
@@ -53,6 +53,9 @@ from persist.gc import collect_garbage
 from persist.state import ShardState
 from stash import Stash, StashError, redact
 from stash.cli import print_table, printable
+
+if TYPE_CHECKING:
+    import duckdb
 
 
 @contextmanager
@@ -566,7 +569,7 @@ def cat(
     _guard(run)
 
 
-def _locked_duckdb() -> Any:
+def _locked_duckdb() -> duckdb.DuckDBPyConnection:
     """A private DuckDB connection that reaches nothing outside itself: external access
     (files, network, extensions) off and the configuration locked, so no statement can
     turn it back on.  Every use of the user's query (parsing it too) goes through it."""

@@ -1,18 +1,32 @@
 """The ``persist`` command line: list shards, inspect one, compact it, collect its
 garbage, check it, drop it, print its rows, query shards with SQL.
 
-``persist --stash URL --blob URI [--metrics-port P] shards | inspect SHARD | compact SHARD
-| gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of T] [--limit N] | sql QUERY
-[--as-of T]`` (``--stash``/``--blob`` also from ``PERSIST_STASH``/``PERSIST_BLOB``).
-``cat`` and ``sql`` read consolidated snapshots through a reader lease (a seqno hold, so
-GC cannot delete a part they are reading), which needs a writable stash; ``sql`` runs
-DuckDB with each shard named in the query registered as an Arrow table of its rows.  ``SHARD`` is a shard *name*; a shard id is given as
+``persist --stash URL --blob URI [--metrics-port P [--metrics-addr A]] shards | inspect
+SHARD | compact SHARD | gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of T]
+[--limit N] | sql QUERY [--as-of T] [--max-expanded-rows N]`` (``--stash``/``--blob``
+also from ``PERSIST_STASH``/``PERSIST_BLOB``).  ``cat`` and ``sql`` read consolidated
+snapshots through reader leases (seqno holds, so GC cannot delete a part they are
+reading), which needs a writable stash.  ``sql`` runs DuckDB with each shard named in the
+query registered as an Arrow table of its rows (one row per unit of multiplicity), every
+shard read at one time (``--as-of T``, or the latest time all of them have:
+:meth:`persist.PersistClient.snapshot_many`), so a cross-shard transaction is wholly
+visible or wholly absent.  ``SHARD`` is a shard *name*; a shard id is given as
 ``id:<shard id>`` (names and ids never mix: a name shaped like an id is a name).  Output
-is a readable table (rich) or JSON with ``--json``.  Invariants kept here: reads other
-than ``cat``/``sql`` open the stash readonly; URLs are never printed with credentials (:func:`stash.redact`); errors are
-printed as one line and exit with code 1; ``fsck`` exits with code 2 when it finds
-damage; tables are rendered by :func:`stash.cli.print_table`, so no stored text reaches
-the terminal as a control sequence or as rich markup.
+is a readable table (rich) or JSON with ``--json``.
+
+Invariants kept here: reads other than ``cat``/``sql`` open the stash readonly; the SQL
+query, parsing included, runs only on a private DuckDB connection whose external access
+(files, network) is off and locked, so it reaches nothing but the registered shards and
+answers alike for files that exist and files that do not; a shard whose multiplicities
+would add more than ``--max-expanded-rows`` rows is refused by name, never half-built;
+``--json`` is strict JSON, one object per line (non-finite floats as the strings
+``"NaN"``, ``"Infinity"``, ``"-Infinity"``); URLs are never printed with credentials
+(:func:`stash.redact`); errors (a ``/metrics`` port that cannot be bound included) are
+printed as one ``error:`` line and exit with code 1; ``fsck`` exits with code 2 when it
+finds damage; tables are rendered by :func:`stash.cli.print_table`, so no stored text
+reaches the terminal as a control sequence or as rich markup.  ``/metrics`` is served on
+all interfaces by default (``--metrics-addr 0.0.0.0``, the Prometheus convention, so a
+scraper on another host reaches it); ``--metrics-addr 127.0.0.1`` keeps it local.
 """
 
 from __future__ import annotations
@@ -20,10 +34,11 @@ from __future__ import annotations
 import decimal
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 import numpy as np
@@ -39,6 +54,9 @@ from persist.state import ShardState
 from stash import Stash, StashError, redact
 from stash.cli import print_table, printable
 
+if TYPE_CHECKING:
+    import duckdb
+
 
 @contextmanager
 def _client(ctx: click.Context, readonly: bool) -> Iterator[PersistClient]:
@@ -52,12 +70,18 @@ def _client(ctx: click.Context, readonly: bool) -> Iterator[PersistClient]:
         s.close()
 
 
+def _fail(message: str) -> NoReturn:
+    """Print ``error: message`` as one line (credentials redacted, control characters
+    escaped) and exit with code 1."""
+    click.echo(printable(redact(f"error: {message}"), backslashes=False), err=True)
+    sys.exit(1)
+
+
 def _guard(fn: Callable[[], None]) -> None:
     try:
         fn()
     except (PersistError, StashError) as e:
-        click.echo(printable(redact(f"error: {e}"), backslashes=False), err=True)
-        sys.exit(1)
+        _fail(str(e))
 
 
 def summary(st: ShardState, retired: int = 0) -> dict[str, Any]:
@@ -133,13 +157,28 @@ def _fmt(frontier: Any) -> str:
     default=None,
     help="Serve Prometheus /metrics on this port while the command runs.",
 )
+@click.option(
+    "--metrics-addr",
+    default="0.0.0.0",
+    show_default=True,
+    help="Address to serve /metrics on (all interfaces by default, so Prometheus can "
+    "scrape from another host; 127.0.0.1 keeps it local).",
+)
 @click.pass_context
 def main(
-    ctx: click.Context, stash_url: str, blob_uri: str, verbose: bool, metrics_port: int | None
+    ctx: click.Context,
+    stash_url: str,
+    blob_uri: str,
+    verbose: bool,
+    metrics_port: int | None,
+    metrics_addr: str,
 ) -> None:
     """Inspect and maintain persist shards."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
-    persist_metrics.serve(metrics_port)
+    try:
+        persist_metrics.serve(metrics_port, addr=metrics_addr)
+    except OSError as e:  # the port is taken, the address is not ours, ...
+        _fail(str(e))
     ctx.obj = {"stash": stash_url, "blob": blob_uri}
 
 
@@ -419,13 +458,27 @@ def _consolidated(c: PersistClient, shard: str, as_of: int | None) -> tuple[int,
         return t, r.snapshot(t)
 
 
-def _as_rows(table: pa.Table, shard: str) -> pa.Table:
+MAX_EXPANDED_ROWS = 10_000_000
+"""Default of ``persist sql --max-expanded-rows``: how many rows expanding a shard's
+multiplicities above 1 may add to its consolidated snapshot."""
+
+
+def _as_rows(table: pa.Table, shard: str, max_expanded_rows: int = MAX_EXPANDED_ROWS) -> pa.Table:
     """A consolidated snapshot as a relation: one row per unit of multiplicity (a row
     with ``_diff`` 3 appears three times), without ``_time``/``_diff``.
 
+    Args:
+        table: a consolidated snapshot (key and value columns, ``_time``, ``_diff``).
+        shard: its name, for messages.
+        max_expanded_rows: at most this many rows may be added by the expansion
+            (``sum(_diff) - rows``); the relation is built in memory, so a multiplicity
+            like ``2**50`` is refused rather than exhausting memory.
+
     Raises:
         InvalidUsage: a negative multiplicity (the shard is not a collection at this
-            time: more retractions than insertions), naming the shard and the count.
+            time: more retractions than insertions), naming the shard and the count;
+            an expansion adding more than ``max_expanded_rows`` rows, naming the shard,
+            its consolidated and expanded row counts, the limit and ways around it.
     """
     diffs = table.column("_diff")
     negative = pc.sum(pc.less(diffs, 0)).as_py() or 0
@@ -437,8 +490,31 @@ def _as_rows(table: pa.Table, shard: str) -> pa.Table:
     data = table.drop_columns(["_time", "_diff"])
     if pc.all(pc.equal(diffs, 1)).as_py() in (True, None):
         return data
+    # Summed as 38-digit decimals: exact where int64 would wrap (2**62 + 2**62).
+    total = int(pc.sum(diffs.cast(pa.decimal128(38, 0))).as_py())
+    if total - len(table) > max_expanded_rows:
+        raise InvalidUsage(
+            f"persist sql: shard {shard!r} holds {len(table)} consolidated row(s) that "
+            f"stand for {total} rows (multiplicities above 1); expanding them to one row "
+            f"per unit of multiplicity would add {total - len(table)} rows, over the limit "
+            f"of {max_expanded_rows} (--max-expanded-rows); see the rows with their _diff "
+            f"with `persist cat {shard}`, or raise the limit"
+        )
     counts = diffs.to_numpy()
     return data.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
+
+
+def _json_value(v: Any) -> Any:
+    """``v`` with every non-finite float, at any depth, replaced by the string
+    ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (JSON has no such numbers; the strings
+    are the ones Spark's and Jackson's JSON use, and Python's ``float()`` reads them)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    if isinstance(v, dict):
+        return {k: _json_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    return v
 
 
 def _json_default(v: Any) -> Any:
@@ -449,11 +525,23 @@ def _json_default(v: Any) -> Any:
     return str(v)
 
 
+def _json_line(row: dict[str, Any]) -> str:
+    """One row as strict JSON (RFC 8259: no ``NaN``/``Infinity`` tokens, see
+    :func:`_json_value`; other values as :func:`_json_default`), keys sorted."""
+    return json.dumps(_json_value(row), sort_keys=True, default=_json_default, allow_nan=False)
+
+
 @main.command()
 @click.argument("shard")
 @click.option("--as-of", "as_of", type=int, default=None, help="Time to read (default upper-1).")
 @click.option("--limit", type=click.IntRange(min=0), default=None, help="At most N rows.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON object per line (strict JSON: NaN and infinities as the strings "
+    '"NaN", "Infinity", "-Infinity").',
+)
 @click.pass_context
 def cat(
     ctx: click.Context, shard: str, as_of: int | None, limit: int | None, as_json: bool
@@ -470,7 +558,7 @@ def cat(
         snap = snap.drop_columns(["_time"])
         if as_json:
             for row in snap.to_pylist():
-                click.echo(json.dumps(row, sort_keys=True, default=_json_default))
+                click.echo(_json_line(row))
             return
         _table(
             f"{shard} as of {t}",
@@ -481,41 +569,81 @@ def cat(
     _guard(run)
 
 
+def _locked_duckdb() -> duckdb.DuckDBPyConnection:
+    """A private DuckDB connection that reaches nothing outside itself: external access
+    (files, network, extensions) off and the configuration locked, so no statement can
+    turn it back on.  Every use of the user's query (parsing it too) goes through it."""
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
 @main.command()
 @click.argument("query")
 @click.option("--as-of", "as_of", type=int, default=None, help="Time to read every shard at.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option(
+    "--max-expanded-rows",
+    type=click.IntRange(min=0),
+    default=MAX_EXPANDED_ROWS,
+    show_default=True,
+    help="Refuse a shard whose multiplicities above 1 would add more rows than this.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON object per line (strict JSON, as for cat).",
+)
 @click.pass_context
-def sql(ctx: click.Context, query: str, as_of: int | None, as_json: bool) -> None:
+def sql(
+    ctx: click.Context, query: str, as_of: int | None, max_expanded_rows: int, as_json: bool
+) -> None:
     """Run a DuckDB SQL QUERY over shards: every shard named in it is a table of its
-    consolidated rows as of --as-of (default: each shard's latest readable time), one row
-    per unit of multiplicity, key and value columns only. The query reaches nothing
-    else: DuckDB's external access (files, network) is off.
+    consolidated rows, one row per unit of multiplicity, key and value columns only.
+    All shards are read at one time: --as-of, or by default the latest time every one of
+    them has (so a cross-shard transaction is wholly visible or wholly absent).  The
+    query, parsing included, reaches nothing else: DuckDB's external access (files,
+    network) is off and locked.  A shard whose multiplicities would expand to more than
+    --max-expanded-rows extra rows is refused (see its _diff with ``persist cat``).
 
     Takes reader leases for the reads (so the stash must be writable)."""
     import duckdb
 
+    from persist.errors import SinceViolation
+
     def run() -> None:
+        con = _locked_duckdb()
         try:
-            names = duckdb.get_table_names(query)
-        except duckdb.Error as e:
-            raise InvalidUsage(f"persist sql: cannot parse the query: {e}") from None
-        with _client(ctx, readonly=False) as c:
-            known = set(c.shards())
-            wanted = sorted(n for n in names if n in known)
-            if not wanted:
-                raise InvalidUsage(
-                    f"persist sql: the query names no shard (tables {sorted(names)}; "
-                    f"shards {sorted(known)[:20]})"
-                )
-            tables = {n: _as_rows(_consolidated(c, n, as_of)[1], n) for n in wanted}
-        con = duckdb.connect()
-        try:
-            for n, t in tables.items():
-                con.register(n, t)
-            # The query sees the shards and nothing else: no files, no network.
-            con.execute("SET enable_external_access = false")
-            con.execute("SET lock_configuration = true")
+            try:
+                names = con.get_table_names(query)
+            except duckdb.ParserException as e:
+                raise InvalidUsage(f"persist sql: cannot parse the query: {e}") from None
+            except duckdb.Error as e:
+                raise InvalidUsage(f"persist sql: {e}") from None
+            with _client(ctx, readonly=False) as c:
+                known = set(c.shards())
+                wanted = sorted(n for n in names if n in known)
+                if not wanted:
+                    raise InvalidUsage(
+                        f"persist sql: the query names no shard (tables {sorted(names)}; "
+                        f"shards {sorted(known)[:20]})"
+                    )
+                try:
+                    # One time for all: a transaction is all or nothing across shards.
+                    snaps = c.snapshot_many(dict.fromkeys(wanted, as_of))
+                except SinceViolation as e:
+                    if as_of is None:  # name the shard with no readable time yet
+                        for n in wanted:
+                            _readable_as_of(c, n, None)
+                    raise InvalidUsage(
+                        f"persist sql: cannot read shards {wanted} at one time: {e} (a "
+                        "shard has no readable time yet, or --as-of is before its since)"
+                    ) from None
+            for n in wanted:
+                con.register(n, _as_rows(snaps[n], n, max_expanded_rows))
             try:
                 rel = con.sql(query)
                 if rel is None:
@@ -527,7 +655,7 @@ def sql(ctx: click.Context, query: str, as_of: int | None, as_json: bool) -> Non
             con.close()
         if as_json:
             for row in result.to_pylist():
-                click.echo(json.dumps(row, sort_keys=True, default=_json_default))
+                click.echo(_json_line(row))
             return
         _table("persist sql", result.column_names, [list(r.values()) for r in result.to_pylist()])
 

@@ -98,7 +98,13 @@ def main(verbose: bool, metrics_port: int | None) -> None:
     if metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(metrics_port)  # stash_* families (stash.metrics)
+        try:
+            start_http_server(metrics_port)  # stash_* families (stash.metrics)
+        except OSError as e:  # the port is taken: one error line, not a traceback
+            click.echo(
+                f"error: cannot serve /metrics on 0.0.0.0:{metrics_port}: {e.strerror}", err=True
+            )
+            sys.exit(1)
 
 
 @main.command()

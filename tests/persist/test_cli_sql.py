@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
@@ -101,9 +102,135 @@ def test_sql_and_cat_refuse_bad_input(tmp_path: Path) -> None:
         (["sql", "SELECT * FROM flights, read_csv('/etc/passwd')"], "persist sql"),
         (["sql", "COPY flights TO 'out.csv'"], "persist sql"),
         (["sql", "SET enable_external_access = true; SELECT 1 FROM flights"], "persist sql"),
+        (["sql", "SELECT count(*) FROM flights", "--as-of", "-1"], "since"),
         (["cat", "flights", "--as-of", "9"], "upper"),
         (["cat", "nosuch"], "nosuch"),
     ):
         res = runner.invoke(main, [*base, *args])
         assert res.exit_code == 1, (args, res.output)
         assert words in res.output, (args, res.output)
+
+
+# ------------------------------------------- from the adversarial review of persist sql
+
+
+def _one_row_shard(tmp_path: Path, name: str = "flights", diff: int = 1) -> list[str]:
+    url, blob = f"sqlite:///{tmp_path}/s.db", f"file://{tmp_path}/blob"
+    with Stash.open(url, fenced=False) as s:
+        c = PersistClient(s, blob)
+        w = c.open_writer(name, pa.schema([("id", pa.int64())]), pa.schema([("v", pa.int64())]))
+        w.compare_and_append([(((1,), (2,)), 0, diff)], 0, 1)
+        c.close()
+    return ["--stash", url, "--blob", blob]
+
+
+def test_sql_query_parsing_touches_no_filesystem(tmp_path: Path) -> None:
+    """The query is parsed on the locked connection too: ``EXPORT DATABASE`` given to
+    DuckDB's default connection (external access on) created the directory."""
+    base = _one_row_shard(tmp_path)
+    target = tmp_path / "exported"
+    res = CliRunner().invoke(main, [*base, "sql", f"EXPORT DATABASE '{target}'"])
+    assert res.exit_code == 1, res.output
+    assert "persist sql" in res.output
+    assert not target.exists(), "persist sql created a directory on the filesystem"
+
+
+def test_sql_file_existence_is_not_revealed(tmp_path: Path) -> None:
+    """A file that exists and one that does not get the same refusal: ``persist sql`` is
+    no file-existence oracle (parsing on the default connection answered "No files
+    found" for the absent one only)."""
+    base = _one_row_shard(tmp_path)
+    there, absent = tmp_path / "there.csv", tmp_path / "absent.csv"
+    there.write_text("a,b\n1,2\n")
+    r = CliRunner()
+    q = "SELECT * FROM flights, read_csv('{}')"
+    a = r.invoke(main, [*base, "sql", q.format(there)])
+    b = r.invoke(main, [*base, "sql", q.format(absent)])
+    assert a.exit_code == 1 and b.exit_code == 1, (a.output, b.output)
+    assert a.output.replace(str(there), "F") == b.output.replace(str(absent), "F")
+
+
+def test_sql_over_a_large_multiplicity_is_clearly_refused(tmp_path: Path) -> None:
+    """One row with ``_diff`` 2**50 is a valid multiset, but one row per unit of it
+    does not fit in memory: refused with a message naming the shard, the counts and the
+    way around (it died with a bare ``MemoryError``).  Under the limit, the expansion
+    answers exactly."""
+    base = _one_row_shard(tmp_path, "big", 2**50)
+    r = CliRunner()
+    res = r.invoke(main, [*base, "sql", "SELECT count(*) AS n FROM big", "--json"])
+    assert res.exit_code == 1, (res.output, res.exception)
+    for words in ("'big'", str(2**50), "--max-expanded-rows", "persist cat big"):
+        assert words in res.output, (words, res.output)
+    base = _one_row_shard(tmp_path / "small", "small", 1000)
+    q = ["sql", "SELECT count(*) AS n, sum(v) AS s FROM small", "--json"]
+    res = r.invoke(main, [*base, *q])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output) == {"n": 1000, "s": 2000}
+    res = r.invoke(main, [*base, *q, "--max-expanded-rows", "998"])
+    assert res.exit_code == 1 and "over the limit of 998" in res.output, res.output
+
+
+def test_sql_join_never_sees_half_a_transaction(tmp_path: Path, monkeypatch: Any) -> None:
+    """All shards of a query are read at one time, so a transaction committing to
+    ``orders`` and ``lines`` between the reads of the two is wholly absent (reading each
+    shard at its own latest time showed the order without its line).  The commit is
+    injected right after the first shard's snapshot."""
+    from persist.read import ReadHandle
+
+    url, blob = f"sqlite:///{tmp_path}/s.db", f"file://{tmp_path}/blob"
+    ks, vs = pa.schema([("id", pa.int64())]), pa.schema([("v", pa.int64())])
+    with Stash.open(url, fenced=False) as s:
+        c = PersistClient(s, blob)
+        t = c.begin()
+        t.write("orders", pa.table({"id": [1], "v": [10]}), key_schema=ks, value_schema=vs)
+        t.write("lines", pa.table({"id": [1], "v": [100]}), key_schema=ks, value_schema=vs)
+        t.commit()
+        c.close()
+    real = ReadHandle.snapshot
+    calls: list[str] = []
+
+    def racing(self: ReadHandle, *args: Any, **kwargs: Any) -> Any:
+        out = real(self, *args, **kwargs)
+        calls.append(self.shard_id)
+        if len(calls) == 1:  # another process commits a transaction right now
+            with Stash.open(url, fenced=False) as s2:
+                c2 = PersistClient(s2, blob)
+                t2 = c2.begin()
+                t2.write("orders", pa.table({"id": [2], "v": [20]}))
+                t2.write("lines", pa.table({"id": [2], "v": [200]}))
+                t2.commit()
+                c2.close()
+        return out
+
+    monkeypatch.setattr(ReadHandle, "snapshot", racing)
+    base = ["--stash", url, "--blob", blob]
+    q = "SELECT o.id, l.v AS lv FROM orders o LEFT JOIN lines l ON l.id = o.id ORDER BY 1"
+    res = CliRunner().invoke(main, [*base, "sql", q, "--json"])
+    assert res.exit_code == 0, res.output
+    assert len(calls) == 2, calls  # the commit landed between the two reads
+    rows = [json.loads(x) for x in res.output.splitlines()]
+    assert rows == [{"id": 1, "lv": 100}], f"half a transaction visible: {rows}"
+    monkeypatch.setattr(ReadHandle, "snapshot", real)
+    # Both transactions are there at the latest common time, and --as-of reads all at T.
+    res = CliRunner().invoke(main, [*base, "sql", q, "--json"])
+    assert [json.loads(x) for x in res.output.splitlines()] == [
+        {"id": 1, "lv": 100},
+        {"id": 2, "lv": 200},
+    ]
+    res = CliRunner().invoke(main, [*base, "sql", q, "--json", "--as-of", "0"])
+    assert [json.loads(x) for x in res.output.splitlines()] == [{"id": 1, "lv": 100}]
+
+
+def test_sql_names_the_shard_without_a_readable_time(tmp_path: Path) -> None:
+    """The common time of a query's shards is the latest time all of them have; a shard
+    with none yet (upper still its since) is refused by name, the others unaffected."""
+    base = _one_row_shard(tmp_path, "filled")
+    with Stash.open(base[1], fenced=False) as s:
+        c = PersistClient(s, base[3])
+        c.open_writer("empty", pa.schema([("id", pa.int64())]), pa.schema([("v", pa.int64())]))
+        c.close()
+    r = CliRunner()
+    res = r.invoke(main, [*base, "sql", "SELECT * FROM filled, empty"])
+    assert res.exit_code == 1 and "shard 'empty' has no readable time yet" in res.output
+    res = r.invoke(main, [*base, "sql", "SELECT count(*) AS n FROM filled", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output) == {"n": 1}, res.output

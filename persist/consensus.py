@@ -415,19 +415,7 @@ class Consensus:
         seqno = 0 if expected is None else expected + 1
         prev = {} if prev is None else prev
         c = self.collection(shard_id)
-        key = c.key_codec.encode
-        entries: list[tuple[tuple[str, str], int, int]] = []
-        for k, text in new.items():
-            old = prev.get(k)
-            if old == text:
-                continue
-            kt = key(k)
-            if old is not None:
-                entries.append(((kt, old), seqno, -1))
-            entries.append(((kt, text), seqno, 1))
-        for k, old in prev.items():
-            if k not in new:
-                entries.append(((key(k), old), seqno, -1))
+        entries = _version_entries(c, prev, new, seqno)
         batch = AppendBatch(
             collection=c,
             lower=Antichain.from_elem(seqno),
@@ -483,19 +471,7 @@ class Consensus:
             raise InvalidUsage(f"a consensus version needs a {META_KEY!r} entry with its seqno")
         seqno = expected + 1
         c = self.collection(shard_id)
-        key = c.key_codec.encode
-        entries: list[tuple[tuple[str, str], int, int]] = []
-        for k, text in new.items():
-            old = prev.get(k)
-            if old == text:
-                continue
-            kt = key(k)
-            if old is not None:
-                entries.append(((kt, old), seqno, -1))
-            entries.append(((kt, text), seqno, 1))
-        for k, old in prev.items():
-            if k not in new:
-                entries.append(((key(k), old), seqno, -1))
+        entries = _version_entries(c, prev, new, seqno)
         out = [
             AppendBatch(
                 collection=c,
@@ -937,3 +913,25 @@ class ShardMachine:
                     time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
                 self.fetch()
                 fresh = True
+
+
+def _version_entries(
+    c: StashCollection[str, str], prev: Mapping[str, str], new: Mapping[str, str], seqno: int
+) -> list[tuple[tuple[str, str], int, int]]:
+    """The stash updates at ``seqno`` that turn a shard's collection from the entries
+    ``prev`` into ``new`` (path -> JSON text): a retraction of each changed or removed
+    entry and an addition of each changed or added one; unchanged entries are left."""
+    key = c.key_codec.encode
+    entries: list[tuple[tuple[str, str], int, int]] = []
+    for k, text in new.items():
+        old = prev.get(k)
+        if old == text:
+            continue
+        kt = key(k)
+        if old is not None:
+            entries.append(((kt, old), seqno, -1))
+        entries.append(((kt, text), seqno, 1))
+    for k, old in prev.items():
+        if k not in new:
+            entries.append(((key(k), old), seqno, -1))
+    return entries

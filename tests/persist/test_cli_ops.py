@@ -100,3 +100,28 @@ def test_cat_and_sql_json_is_strict_json_for_nan_and_infinities(tmp_path: Path) 
         {"id": 2, "v": "-Infinity", "l": ["-Infinity", "Infinity", 1.5], "st": {"w": "-Infinity"}},
         {"id": 3, "v": 0.25, "l": [0.25, -0.25, 1.5], "st": {"w": 0.25}},
     ]
+
+
+def test_job_metrics_port_in_use_is_a_clean_cli_error(tmp_path: Path) -> None:
+    """The Spark jobs' ``--metrics-port`` on a busy port: one ``Error:`` line (click's
+    form), exit 1, no traceback, before any Spark session is built."""
+    from spark.jobs.compact import main as compact_main
+    from spark.jobs.flights import main as flights_main
+
+    url, blob = f"sqlite:///{tmp_path}/s.db", f"file://{tmp_path}/blob"
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = str(s.getsockname()[1])
+        runs = [
+            CliRunner().invoke(
+                flights_main, ["--metrics-port", port, "--stash", url, "--blob", blob]
+            ),
+            CliRunner().invoke(
+                compact_main, ["--metrics-port", port, "--stash", url, "--blob", blob, "x"]
+            ),
+        ]
+    for res in runs:
+        assert res.exit_code == 1, (res.output, res.exception)
+        assert f"cannot serve /metrics on 0.0.0.0:{port}" in res.output
+        assert "Traceback" not in res.output

@@ -58,6 +58,7 @@ __all__ = [
     "encode_keys",
     "key_ranks",
     "key_samples",
+    "part_key_samples",
     "merge_slices",
     "plan_ranges",
     "sample_positions",
@@ -147,6 +148,32 @@ def key_samples(
         return ()
     pos = sample_positions(table.num_rows, intervals)
     return encode_keys(table.select(list(key_names)).take(pa.array(pos, pa.int64())))
+
+
+def part_key_samples(ref: Any, key_names: Sequence[str]) -> tuple[KeySample, ...] | None:
+    """The key samples of a part (a :class:`~persist.types.PartRef`): those recorded in
+    the state, or, for an inline part (which records none: its bytes are in the state
+    already, and sampling every one-row append cost a sixth of it), those of its decoded
+    rows (an inline part is a slice of a sorted run); ``None`` when unknown (a blob part
+    written before samples existed, or an inline part that does not decode: the read
+    then reports it)."""
+    if ref.key_samples:
+        return tuple(ref.key_samples)
+    if ref.inline is None:
+        return None
+    from persist.decoding import INLINE_CACHE, decode_part
+    from persist.errors import PersistError
+
+    table = INLINE_CACHE.get(ref)
+    if table is None:
+        try:
+            table = decode_part(ref.inline, ref)
+        except PersistError:
+            return None
+    try:
+        return key_samples(table, key_names) or None
+    except KeyError:
+        return None
 
 
 def sample_positions(rows: int, intervals: int = SAMPLE_INTERVALS) -> np.ndarray:

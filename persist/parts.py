@@ -156,8 +156,8 @@ def write_parts(
     every upload ended. An empty table gives ``[]``.
 
     With ``key_names`` (only for a table sorted by those columns, e.g. a consolidated
-    run), each ref records the part's key samples (:func:`persist.merge.key_samples`),
-    which key-range reads plan by, unless a sampled value cannot go into the shard state
+    run), each blob part's ref records its key samples (:func:`persist.merge.key_samples`),
+    which key-range reads plan by (inline parts are sampled when planned), unless a sampled value cannot go into the shard state
     (a NUL character, or a string longer than :data:`MAX_SAMPLE_STRING_BYTES`): then it
     has none, and reads treat the part as one range.
 
@@ -188,7 +188,9 @@ def write_parts(
         # tens of microseconds, less than measuring the table's ``nbytes``).
         small = encode_inline_part(table)
         if len(small) <= inline_max_bytes:
-            ref = _with_samples(make_part_ref(None, small, n, inline=True), table, key_names)
+            # No key samples for an inline part: planning samples its rows when it
+            # needs them (persist.merge.part_key_samples).
+            ref = make_part_ref(None, small, n, inline=True)
             INLINE_CACHE.put(ref, table)
             return [ref]
     nbytes = table.nbytes

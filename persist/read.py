@@ -666,7 +666,13 @@ def stream_snapshot(
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
     """
-    from persist.merge import cut_positions, merge_slices, plan_ranges, slice_range
+    from persist.merge import (
+        cut_positions,
+        merge_slices,
+        part_key_samples,
+        plan_ranges,
+        slice_range,
+    )
 
     as_of = _index_time(as_of, "as_of")
     if schemas is not None and schemas[1] != schemas[0].newest:
@@ -691,7 +697,8 @@ def stream_snapshot(
     if not flat:
         return
     keys = list(key_names)
-    if any(not p.key_samples for _, p in flat):  # unknown (or, never written, empty)
+    samples = [part_key_samples(p, keys) for _, p in flat]
+    if any(not smp for smp in samples):  # unknown (or, never written, empty)
         table = snapshot_table(
             blob,
             batches,
@@ -708,7 +715,7 @@ def stream_snapshot(
         return
     ranges = _RANGES_PER_PART * max(len(parts) for _, parts in runs)
     plan = plan_ranges(
-        [p.key_samples for _, p in flat],
+        [smp for smp in samples if smp],
         [p.encoded_size_bytes for _, p in flat],
         key_schema,
         ranges,

@@ -104,16 +104,17 @@ def plan_key_ranges(
     unbounded), ranges with no part left out; ``None`` when some part has no key samples
     (then the read cannot be cut by key: read it in one partition).
     """
-    from persist.merge import encode_keys, plan_ranges
+    from persist.merge import encode_keys, part_key_samples, plan_ranges
 
     flat = [(bi, pi) for bi, b in enumerate(batches) for pi in range(len(b.parts))]
     if not flat:
         return []
     refs = [batches[bi].parts[pi] for bi, pi in flat]
-    if any(not r.key_samples for r in refs):
+    samples = [part_key_samples(r, key_schema.names) for r in refs]
+    if any(not smp for smp in samples):
         return None
     plan = plan_ranges(
-        [r.key_samples for r in refs],
+        [smp for smp in samples if smp],
         [r.encoded_size_bytes for r in refs],
         key_schema,
         max(1, partitions),

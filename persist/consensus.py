@@ -426,19 +426,7 @@ class Consensus:
         )
         batches = [batch]
         if retired is not None:
-            rc = self.retired_collection(shard_id)
-            rb = AppendBatch(
-                collection=rc,
-                lower=Antichain.from_elem(retired.lower),
-                upper=Antichain.from_elem(retired.lower + 1),
-                compact=Antichain.from_elem(retired.lower),
-                timestamp=retired.lower,
-            )
-            for k, ms in retired.adds.items():
-                rc.append_to_batch(rb, k, ms, 1)
-            for k, ms in retired.removes.items():
-                rc.append_to_batch(rb, k, ms, -1)
-            batches.append(rb)
+            batches.append(self._retired_batch(shard_id, retired))
         try:
             self._call(
                 f"compare_and_set of shard {shard_id} at seqno {seqno}",
@@ -483,20 +471,26 @@ class Consensus:
             )
         ]
         if retired is not None:
-            rc = self.retired_collection(shard_id)
-            rb = AppendBatch(
-                collection=rc,
-                lower=Antichain.from_elem(retired.lower),
-                upper=Antichain.from_elem(retired.lower + 1),
-                compact=Antichain.from_elem(retired.lower),
-                timestamp=retired.lower,
-            )
-            for k, ms in retired.adds.items():
-                rc.append_to_batch(rb, k, ms, 1)
-            for k, ms in retired.removes.items():
-                rc.append_to_batch(rb, k, ms, -1)
-            out.append(rb)
+            out.append(self._retired_batch(shard_id, retired))
         return out
+
+    def _retired_batch(self, shard_id: str, retired: RetiredChange) -> AppendBatch:
+        """The stash batch that records ``retired``'s changes to the shard's retired
+        blob keys (additions and removals at ``retired.lower``), appended in the same
+        stash transaction as the version that retired them."""
+        rc = self.retired_collection(shard_id)
+        rb = AppendBatch(
+            collection=rc,
+            lower=Antichain.from_elem(retired.lower),
+            upper=Antichain.from_elem(retired.lower + 1),
+            compact=Antichain.from_elem(retired.lower),
+            timestamp=retired.lower,
+        )
+        for k, ms in retired.adds.items():
+            rc.append_to_batch(rb, k, ms, 1)
+        for k, ms in retired.removes.items():
+            rc.append_to_batch(rb, k, ms, -1)
+        return rb
 
     def append_atomic(self, batches: list[AppendBatch], what: str) -> str | None:
         """Send ``batches`` (several shards' versions from :meth:`version_batches`, and

@@ -47,7 +47,7 @@ from typing import Any, Literal, TypeVar
 
 from stash import metrics as stash_metrics
 from stash.antichain import I64_MAX, Antichain
-from stash.codec import CodecLike, resolve_codec
+from stash.codec import IDENTITY_SORT_CODECS, CodecLike, decode_all, resolve_codec
 from stash.collection import (
     AppendBatch,
     StashCollection,
@@ -402,15 +402,21 @@ class Stash(abc.ABC):
         out.sort(key=lambda e: kc.sort_key(e[0]))
         return out
 
-    def _peek_unique(self, collection: StashCollection[K, V]) -> list[tuple[str, K, V]]:
-        """The sealed contents as ``[(key_json, key, value)]`` in key order, checked to
-        hold each key (by its canonical encoding) once with multiplicity 1.
+    def _peek_unique(
+        self,
+        collection: StashCollection[K, V],
+        rows: list[tuple[str, str, int]] | None = None,
+    ) -> list[tuple[str, K, V]]:
+        """The sealed contents (``rows`` as :meth:`_peek_raw` returns them, read here if
+        ``None``) as ``[(key_json, key, value)]`` in key order, checked to hold each key
+        (by its canonical encoding) once with multiplicity 1.
 
         Raises:
             StashError: ``unexpected peek multiplicity``, or a key with two values.
         """
         kc, vc = collection.key_codec, collection.value_codec
-        rows = self._peek_raw(collection)
+        if rows is None:
+            rows = self._peek_raw(collection)
         if any(d != 1 for _, _, d in rows):
             raise StashError("unexpected peek multiplicity")
         if len({k for k, _, _ in rows}) != len(rows):
@@ -436,9 +442,61 @@ class Stash(abc.ABC):
                 the collection records other codecs than the handle's (naming both);
                 PeekSinceUpperError as for :meth:`peek`.
         """
-        rows = self._peek_unique(collection)
+        rows = self._peek_raw(collection)
+        fast = self._peek_one_fast(collection, rows)
+        if fast is not None:
+            return fast
+        return self._peek_one_checked(collection, rows)
+
+    @staticmethod
+    def _peek_one_fast(
+        collection: StashCollection[K, V], rows: list[tuple[str, str, int]]
+    ) -> dict[K, V] | None:
+        """:meth:`peek_one` of ``rows`` (consolidated by the backend: one row per
+        ``(key, value)``, no zero diff) in whole-column passes, or ``None`` when the
+        rows need :meth:`_peek_one_checked` (which then raises, or turns list keys into
+        tuples).
+
+        The fast path returns only when every check of the checked path passes
+        provably: every diff is 1, the key texts are distinct, no decoded key is a
+        list, the decoded keys are hashable and pairwise unequal in Python (the dict
+        holds as many entries as there are rows), and decoding and sorting raised
+        nothing.  It then returns the same dict in the same order: entries sorted by the
+        key codec's ``sort_key``, ties in the backend's row order (both sorts are
+        stable).  Any failure falls back to the checked path, which raises the error it
+        always raised, so errors are unchanged.
+        """
+        n = len(rows)
+        if n == 0:
+            return {}
+        ks, vs, ds = zip(*rows, strict=True)
+        if ds.count(1) != n or len(set(ks)) != n:
+            return None
+        kc, vc = collection.key_codec, collection.value_codec
+        try:
+            keys = decode_all(kc, ks)
+            if list in set(map(type, keys)):
+                return None
+            held = dict(zip(keys, decode_all(vc, vs), strict=True))
+            if len(held) != n:
+                return None
+            # Sorting the keys alone and looking each value up is about three times
+            # faster than sorting the (key, value) items.
+            order = (
+                sorted(held) if type(kc) in IDENTITY_SORT_CODECS else sorted(held, key=kc.sort_key)
+            )
+            return {k: held[k] for k in order}
+        except Exception:  # the checked path raises the error it always raised
+            return None
+
+    def _peek_one_checked(
+        self, collection: StashCollection[K, V], rows: list[tuple[str, str, int]]
+    ) -> dict[K, V]:
+        """:meth:`peek_one` of ``rows`` one entry at a time, with every check and its
+        error (the reference the fast path is tested against)."""
+        uniq = self._peek_unique(collection, rows)
         res: dict[K, V] = {}
-        for _, k0, v in rows:
+        for _, k0, v in uniq:
             k = _frozen_key(k0) if type(k0) is list else k0
             try:
                 res[k] = v
@@ -448,11 +506,11 @@ class Stash(abc.ABC):
                     f"{type(k).__name__} key; use key=tuple (the tuple codec) or a frozen "
                     "record type for composite keys, or peek()"
                 ) from None
-        if len(res) != len(rows):
+        if len(res) != len(uniq):
             # Keys are distinct by their encodings, so two of them are equal in Python
             # (True and 1): name the first such pair.
             held: dict[K, K] = {}
-            for _, k0, _v in rows:
+            for _, k0, _v in uniq:
                 k = _frozen_key(k0)
                 if k in held:
                     raise StashError(

@@ -764,7 +764,10 @@ class SqlTxn:
         cur = self.dbc.execute(
             _SQLITE_PEEK if key is None else _SQLITE_PEEK_KEY, {"c": cid, "ts": ts, "k": key}
         )
-        return [(k, v, int(d)) for k, v, d in cur.fetchall()]
+        # SQLite's sum() of integers is an integer (it raises on overflow, which the
+        # rule on diff sums excludes): the rows go out as fetched, no per-row copy.
+        rows: list[tuple[str, str, int]] = cur.fetchall()
+        return rows
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
         if since is None:

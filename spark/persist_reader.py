@@ -195,7 +195,6 @@ def read_key_range(
             lower=lower,
             upper=upper,
             schemas=getattr(partition, "schemas", None),
-            ordered=False,  # a DataFrame's rows have no order: skip the gather
         ):
             if filter is not None:
                 table = table.filter(filter)

@@ -16,7 +16,6 @@ kept.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,65 +49,31 @@ def plan_parts(batches: Sequence[Any], limit: int, full: bool) -> list[list[Any]
     ``limit`` encoded bytes; ``full`` puts everything in one partition (then every update
     that could cancel another is read by the same task).
     """
-    if not any(b.parts for b in batches):
+    pieces: list[tuple[int, int]] = [
+        (bi, pi) for bi, b in enumerate(batches) for pi in range(len(b.parts))
+    ]
+    if not pieces:
         return []
     if full:
         return [[b for b in batches if b.parts]]
+    groups: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    size = 0
+    for bi, pi in pieces:
+        nbytes = batches[bi].parts[pi].encoded_size_bytes
+        if current and size + nbytes > limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append((bi, pi))
+        size += nbytes
+    groups.append(current)
     out: list[list[Any]] = []
-    for group in _part_groups(batches, limit):
+    for group in groups:
         by_batch: dict[int, list[int]] = {}
         for bi, pi in group:
             by_batch.setdefault(bi, []).append(pi)
         out.append([slice_batch(batches[bi], idx) for bi, idx in by_batch.items()])
     return out
-
-
-#: What Spark charges for opening a file when it packs file splits into partitions
-#: (``spark.sql.files.openCostInBytes``' default): no key range is planned smaller.
-OPEN_COST_BYTES = 4 * 1024 * 1024
-
-
-def default_cores() -> int:
-    """The cores a read is planned for: those this process may run on (in ``local[*]``
-    the executors' cores; on a cluster, set the read option ``partitions``)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def default_key_ranges(batches: Sequence[Any], limit: int, cores: int | None = None) -> int:
-    """How many key ranges a consolidated read of ``batches`` is cut into by default: as
-    many as a raw read has partitions (:func:`plan_parts` with ``limit`` bytes), or, when
-    that leaves cores idle, Spark's rule for splitting small inputs
-    (``FilePartition.maxSplitBytes``): ranges of ``max(OPEN_COST_BYTES, total / cores)``
-    encoded bytes. So flights (7 MB in 4 parts, under one 128 MiB ``limit``) is read in
-    2 ranges on 2 cores instead of 1, and a tiny shard in 1."""
-    total = sum(p.encoded_size_bytes for b in batches for p in b.parts)
-    if total <= 0:
-        return 1
-    n = max(1, cores if cores is not None else default_cores())
-    by_cores = -(-total // max(OPEN_COST_BYTES, total // n))
-    return max(1, len(_part_groups(batches, limit)), by_cores)
-
-
-def _part_groups(batches: Sequence[Any], limit: int) -> list[list[tuple[int, int]]]:
-    """:func:`plan_parts`' groups as ``(batch index, part index)`` pairs: one per part,
-    consecutive parts sharing a group up to ``limit`` encoded bytes."""
-    groups: list[list[tuple[int, int]]] = []
-    current: list[tuple[int, int]] = []
-    size = 0
-    for bi, b in enumerate(batches):
-        for pi, part in enumerate(b.parts):
-            nbytes = part.encoded_size_bytes
-            if current and size + nbytes > limit:
-                groups.append(current)
-                current, size = [], 0
-            current.append((bi, pi))
-            size += nbytes
-    if current:
-        groups.append(current)
-    return groups
 
 
 def slice_batch(batch: Any, indexes: Sequence[int]) -> Any:

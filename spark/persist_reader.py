@@ -33,7 +33,6 @@ from spark.persist_planning import (
     KeyRangePartition,
     PartsPartition,
     PushedFilter,
-    default_key_ranges,
     filter_expression,
     plan_key_ranges,
     plan_parts,
@@ -146,12 +145,11 @@ def key_range_partitions(
 ) -> list[InputPartition] | None:
     """The input partitions of a consolidated read cut by key range
     (:func:`~spark.persist_planning.plan_key_ranges`): ``s.partitions`` ranges, by default
-    :func:`~spark.persist_planning.default_key_ranges` (Spark's own rule for splitting
-    files, so a small shard still keeps every core busy); ``None`` when some part has no
-    key samples (then one partition reads everything)."""
+    as many as a raw read has partitions (:func:`~spark.persist_planning.plan_parts`);
+    ``None`` when some part has no key samples (then one partition reads everything)."""
     wanted = s.partitions
     if wanted is None:
-        wanted = default_key_ranges(batches, s.partition_bytes)
+        wanted = max(1, len(plan_parts(batches, s.partition_bytes, False)))
     planned = plan_key_ranges(batches, s.key_schema, wanted)
     if planned is None:
         log.info("shard %s has parts without key samples: one partition", s.target.shard)

@@ -12,11 +12,8 @@ What the rows are depends on ``consolidate``:
   distinct (key, value) row once, its multiplicity in the diff column (``_diff``, renamed
   with ``diff_column``), rows whose updates cancel absent. The read is cut by key range
   with no shuffle: planning cuts the key space into ``partitions`` ranges (default: as
-  many as a raw read has partitions, or more when that leaves cores idle: ranges of
-  ``max(4 MiB, total / cores)``, as Spark splits small files;
-  :func:`spark.persist_planning.default_key_ranges`) from the parts' key samples, each
-  input partition holds every part overlapping its range, and its task streams the k-way
-  merge of those
+  many as a raw read has partitions) from the parts' key samples, each input partition
+  holds every part overlapping its range, and its task streams the k-way merge of those
   parts' sorted runs restricted to its range, so all updates of a key meet in one task
   and each distinct row appears once in the DataFrame. A shard holding parts written
   before key samples were recorded is read by one task (one input partition);

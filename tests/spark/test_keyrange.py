@@ -162,31 +162,3 @@ def test_key_range_read_splits_a_compacted_shard(spark: Any, spark_store: Any) -
             .load("one")
             .collect()
         )
-
-
-def test_default_key_ranges_follow_sparks_file_split_rule() -> None:
-    """Without ``partitions``, a consolidated read has as many ranges as a raw read has
-    partitions, or, if more, as Spark splits small inputs: ranges of
-    ``max(4 MiB, total / cores)`` bytes, so a shard smaller than one ``limit`` still gives
-    every core a range, and a tiny one is one range."""
-    from types import SimpleNamespace
-
-    from spark.persist_planning import OPEN_COST_BYTES, default_key_ranges
-
-    def batches(*sizes: int) -> list[Any]:
-        parts = tuple(SimpleNamespace(encoded_size_bytes=s) for s in sizes)
-        return [SimpleNamespace(parts=parts)]
-
-    mib = 1024 * 1024
-    limit = 128 * mib
-    # flights: 4 parts of about 1.8 MB on 2 cores
-    assert default_key_ranges(batches(*[1_800_000] * 4), limit, cores=2) == 2
-    assert default_key_ranges(batches(*[1_800_000] * 4), limit, cores=1) == 1
-    assert default_key_ranges(batches(*[3 * mib] * 4), limit, cores=8) == 3  # >= 4 MiB each
-    assert default_key_ranges(batches(1000), limit, cores=8) == 1
-    assert default_key_ranges(batches(OPEN_COST_BYTES), limit, cores=8) == 1
-    assert default_key_ranges(batches(), limit, cores=2) == 1
-    assert default_key_ranges(batches(*[100 * mib] * 10), limit, cores=2) == 10  # per part
-    assert default_key_ranges(batches(*[100 * mib] * 10), limit, cores=64) == 64
-    assert default_key_ranges(batches(*[10 * mib] * 4), 1, cores=2) == 4  # one per part
-    assert default_key_ranges(batches(*[10 * mib] * 4), 20 * mib, cores=1) == 2

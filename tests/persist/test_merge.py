@@ -191,10 +191,88 @@ def test_cut_positions_through_a_sample_equal_ranking_every_row(
     old = merge._DIRECT_ROWS, merge._SAMPLE_ROWS
     try:
         merge._DIRECT_ROWS, merge._SAMPLE_ROWS = 4, 3
-        got = cut_positions(table, KEYS.names, cut_table, side)
+        got = merge._ranked_cut_positions(table, KEYS.names, cut_table, side)
     finally:
         merge._DIRECT_ROWS, merge._SAMPLE_ROWS = old
     assert got.tolist() == want
+
+
+#: Key columns of every type the binary search of ``cut_positions`` compares in Python.
+MANY_KEYS = pa.schema(
+    [
+        ("ok", pa.bool_()),
+        ("i", pa.int32()),
+        ("u", pa.uint64()),
+        ("g", pa.float32()),
+        ("b", pa.large_binary()),
+        ("d", pa.decimal128(6, 2)),
+        ("day", pa.date32()),
+        ("ts", pa.timestamp("ns", tz="UTC")),
+        ("s", pa.string()),
+    ]
+)
+MANY_VALUES = st.tuples(
+    st.one_of(st.none(), st.booleans()),
+    st.one_of(st.none(), st.sampled_from([-(2**31), -1, 0, 7, 2**31 - 1])),
+    st.one_of(st.none(), st.sampled_from([0, 1, 2**63, 2**64 - 1])),
+    st.one_of(st.none(), st.sampled_from([math.nan, -math.inf, -0.0, 0.0, 0.5])),
+    st.one_of(st.none(), st.sampled_from([b"", b"\x00", b"\xff", b"a\x00"])),
+    st.one_of(st.none(), st.sampled_from(["-1.50", "0.00", "3.25"])),
+    st.one_of(st.none(), st.sampled_from([dt.date(1, 1, 1), dt.date(1970, 1, 1)])),
+    st.one_of(st.none(), st.sampled_from([-5, 0, 10**18])),
+    st.one_of(st.none(), st.sampled_from(["", "a", "é", "z", "\U0001f600"])),
+)
+
+
+def _many_table(rows: list[tuple[Any, ...]]) -> pa.Table:
+    cols = list(zip(*rows, strict=True)) if rows else [()] * len(MANY_KEYS)
+    arrays = []
+    for f, col in zip(MANY_KEYS, cols, strict=True):
+        vals = list(col)
+        if pa.types.is_decimal(f.type):
+            vals = [None if v is None else decimal.Decimal(v) for v in vals]
+        if pa.types.is_timestamp(f.type):
+            arrays.append(pa.array(vals, pa.int64()).view(f.type))
+            continue
+        arrays.append(pa.array(vals, f.type))
+    return pa.Table.from_arrays(arrays, schema=MANY_KEYS)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.lists(MANY_VALUES, min_size=0, max_size=50),
+    cuts=st.lists(MANY_VALUES, min_size=1, max_size=6),
+    from_rows=st.lists(st.integers(0, 49), max_size=4),
+    side=st.sampled_from(["left", "right"]),
+    prefix=st.integers(1, len(MANY_KEYS)),
+)
+def test_cut_positions_by_binary_search_equal_ranking_every_row(
+    rows: list[tuple[Any, ...]],
+    cuts: list[tuple[Any, ...]],
+    from_rows: list[int],
+    side: str,
+    prefix: int,
+) -> None:
+    """The binary search (Python comparisons of the rows' values) places every cut where
+    ranking every row with the cuts in consolidation's order does, for every key type it
+    takes, nulls, NaN, -0.0, unsigned 64-bit and non-ASCII strings included, for cuts
+    between rows and equal to rows, on both sides."""
+    import persist.merge as merge
+
+    names = MANY_KEYS.names[:prefix]
+    table = _many_table(rows)
+    if rows:
+        table = table.take(pa.array(np.argsort(key_ranks(table, names), kind="stable")))
+        cuts = cuts + [rows[i % len(rows)] for i in from_rows]
+    cut_table = _many_table(cuts).select(names)
+    table = table.select(names)
+    assert all(merge._py_order(f.type) is not None for f in table.schema)
+    want = merge._ranked_cut_positions(table, names, cut_table, side)
+    got = merge._bisect_positions(
+        table, cut_table, [merge._py_order(f.type) for f in table.schema], side
+    )
+    assert got.tolist() == want.tolist()
+    assert cut_positions(table, names, cut_table, side).tolist() == want.tolist()
 
 
 def test_key_samples_hold_the_first_and_last_key() -> None:

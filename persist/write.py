@@ -179,9 +179,20 @@ def _check_same_append(entry: str, token: str, fingerprint: str) -> None:
         )
 
 
+#: Tables of at most this many rows take the pure-Python paths of :func:`_time_range`
+#: (a pyarrow compute call costs tens of microseconds however small its input).
+_SMALL_ROWS = 32
+
+
 def _time_range(table: pa.Table) -> tuple[int, int] | None:
-    if table.num_rows == 0:
+    """The least and greatest ``_time`` of a normalized updates ``table`` (``_time`` is
+    non-null int64), or ``None`` when it is empty."""
+    n = table.num_rows
+    if n == 0:
         return None
+    if n <= _SMALL_ROWS:
+        times = table.column(TIME).to_pylist()
+        return min(times), max(times)
     mm = pc.min_max(table.column(TIME))
     return int(mm["min"].as_py()), int(mm["max"].as_py())
 
@@ -324,6 +335,19 @@ class WriteHandle(ShardHandle):
         return c.inline_max_bytes
 
     def _normalize(self, updates: Updates) -> pa.Table:
+        """``updates`` as a table of exactly :attr:`schema` (:func:`to_updates_table`).
+        A table that has that schema already (names, types, nullability and metadata, in
+        order) and no null in a non-nullable column is returned as it is, which is what
+        :func:`to_updates_table` would rebuild it into."""
+        if isinstance(updates, pa.Table) and updates.schema.equals(
+            self.schema, check_metadata=True
+        ):
+            schema = self.schema
+            if all(
+                schema.field(i).nullable or updates.column(i).null_count == 0
+                for i in range(len(schema))
+            ):
+                return updates
         return to_updates_table(updates, self.key_schema, self.value_schema)
 
     def _write_run(

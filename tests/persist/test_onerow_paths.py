@@ -1,0 +1,133 @@
+"""Tests of the one-row append paths of issue 18 (third round): each fast path gives
+what its reference (slow) path gives, so a wrong fast path fails here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from persist import MemoryBlob, PersistClient
+from persist.errors import InvalidUsage
+from persist.updates import to_updates_table
+from persist.write import _time_range
+from stash import Stash
+
+KS = pa.schema([("k", pa.int64()), ("name", pa.string())])
+VS = pa.schema([pa.field("v", pa.float64(), nullable=False)])
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[PersistClient]:
+    s = Stash.open(f"sqlite:///{tmp_path / 'stash.db'}", fenced=False)
+    c = PersistClient(s, MemoryBlob(), compaction="inline")
+    yield c
+    c.close()
+    s.close()
+
+
+_types = {"k": pa.int64(), "name": pa.string(), "v": pa.float64()}
+_alt_types = {"k": pa.int32(), "name": pa.large_string(), "v": pa.float32()}
+
+
+@st.composite
+def _tables(draw: Any) -> pa.Table:
+    """Update tables near the shard's schema: columns reordered, widened types, nulls
+    where they are not allowed, metadata, a missing column."""
+    n = draw(st.integers(0, 40))
+    names = ["k", "name", "v", "_time", "_diff"]
+    if draw(st.booleans()):
+        names = draw(st.permutations(names))
+    if draw(st.integers(0, 9)) == 0:
+        names = names[:-1]
+    arrays = []
+    fields = []
+    for name in names:
+        if name in ("_time", "_diff"):
+            vals = draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=n, max_size=n))
+            typ: pa.DataType = pa.int64()
+        else:
+            alt = draw(st.integers(0, 5)) == 0
+            typ = _alt_types[name] if alt else _types[name]
+            if name == "k":
+                lim = 2**31 - 1 if alt else 2**63 - 1
+                elem: Any = st.integers(-lim - 1, lim)
+            elif name == "name":
+                elem = st.text(max_size=3)
+            else:
+                elem = st.floats(width=32 if alt else 64, allow_nan=False)
+            vals = draw(
+                st.lists(
+                    st.one_of(st.none(), elem) if draw(st.booleans()) else elem,
+                    min_size=n,
+                    max_size=n,
+                )
+            )
+        nullable = name not in ("_time", "_diff") or draw(st.integers(0, 4)) == 0
+        meta = {b"m": b"1"} if draw(st.integers(0, 9)) == 0 else None
+        fields.append(pa.field(name, typ, nullable=nullable, metadata=meta))
+        arrays.append(pa.array(vals, typ))
+    schema = pa.schema(fields, metadata={b"s": b"1"} if draw(st.integers(0, 9)) == 0 else None)
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _outcome(fn: Any) -> Any:
+    try:
+        t = fn()
+    except InvalidUsage as e:
+        return ("error", str(e))
+    return ("ok", t.schema, t.schema.metadata, [f.metadata for f in t.schema], t.to_pylist())
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(_tables())
+def test_normalize_gives_what_to_updates_table_gives(
+    client: PersistClient, table: pa.Table
+) -> None:
+    w, r = client.open("norm", KS, VS)
+    fast = _outcome(lambda: w._normalize(table))
+    slow = _outcome(lambda: to_updates_table(table, KS, VS))
+    assert fast == slow
+
+
+def test_normalize_returns_a_conforming_table_as_it_is(client: PersistClient) -> None:
+    w, _r = client.open("norm", KS, VS)
+    t = pa.Table.from_pylist(
+        [{"k": 1, "name": "a", "v": 1.0, "_time": 3, "_diff": 1}], schema=w.schema
+    )
+    assert w._normalize(t) is t
+    # A null in the non-nullable value column is refused as the slow path refuses it.
+    bad = pa.Table.from_arrays(
+        [
+            pa.array([1]),
+            pa.array(["a"]),
+            pa.array([None], pa.float64()),
+            pa.array([3]),
+            pa.array([1]),
+        ],
+        schema=w.schema,
+    )
+    with pytest.raises(InvalidUsage, match="'v' has 1 nulls"):
+        w._normalize(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=70), st.integers(0, 3))
+def test_time_range_gives_what_min_max_gives(times: list[int], chunks: int) -> None:
+    arr = pa.array(times, pa.int64())
+    cut = len(times) // 2 if chunks else len(times)
+    col = pa.chunked_array([arr[:cut], arr[cut:]], pa.int64())
+    table = pa.table({"_time": col})
+    if not times:
+        assert _time_range(table) is None
+        return
+    mm = pc.min_max(col)
+    assert _time_range(table) == (mm["min"].as_py(), mm["max"].as_py())

@@ -88,7 +88,7 @@ from persist.parts import (
     write_parts,
 )
 from persist.read import read_batch
-from persist.spine import FueledMergeReq
+from persist.spine import FueledMergeReq, worth_compacting
 from persist.state import TOKEN_SEP, LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain
@@ -781,6 +781,10 @@ class WriteHandle(ShardHandle):
         # twice, a retry after an unknown outcome) may have committed them already.
         for b in batches:
             b.mark_consumed()
+        # Requests too small to pay for a physical merge are skipped (the compaction
+        # heuristic, see persist.spine.COMPACTION_MIN_INPUTS): a later, larger request
+        # covers their hollow batches.
+        reqs = [r for r in reqs if worth_compacting(r)]
         if reqs:
             self._client._on_merge_reqs(machine, reqs)
 

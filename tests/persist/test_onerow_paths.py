@@ -13,11 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from persist import MemoryBlob, PersistClient
+from persist import MemoryBlob, PersistClient, spine
 from persist.errors import InvalidUsage
+from persist.spine import FueledMergeReq, IdHollowBatch, SpineId, worth_compacting
+from persist.types import Description, HollowBatch, PartRef
 from persist.updates import to_updates_table
 from persist.write import _time_range
-from stash import Stash
+from stash import Antichain, Stash
 
 KS = pa.schema([("k", pa.int64()), ("name", pa.string())])
 VS = pa.schema([pa.field("v", pa.float64(), nullable=False)])
@@ -131,3 +133,67 @@ def test_time_range_gives_what_min_max_gives(times: list[int], chunks: int) -> N
         return
     mm = pc.min_max(col)
     assert _time_range(table) == (mm["min"].as_py(), mm["max"].as_py())
+
+
+# ------------------------------------------------------------ compaction heuristic
+
+
+def _req(lens: list[int], parts: int = 1) -> FueledMergeReq:
+    inputs = []
+    lo = 0
+    for n in lens:
+        d = Description(
+            Antichain.from_elem(lo), Antichain.from_elem(lo + 1), Antichain.from_elem(0)
+        )
+        refs = tuple(
+            PartRef(key=f"k{lo}-{j}", rows=1, encoded_size_bytes=1, checksum="0")
+            for j in range(parts)
+        )
+        inputs.append(IdHollowBatch(SpineId(lo, lo + 1), HollowBatch(d, refs, n)))
+        lo += 1
+    d = Description(Antichain.from_elem(0), Antichain.from_elem(lo), Antichain.from_elem(0))
+    return FueledMergeReq(d, tuple(inputs))
+
+
+def test_worth_compacting_thresholds() -> None:
+    assert not worth_compacting(_req([1, 1]))
+    assert not worth_compacting(_req([1] * (spine.COMPACTION_MIN_INPUTS - 1)))
+    assert worth_compacting(_req([1] * spine.COMPACTION_MIN_INPUTS))
+    assert worth_compacting(_req([1, 1], parts=spine.COMPACTION_MIN_PARTS // 2))
+    assert not worth_compacting(_req([1, 1], parts=spine.COMPACTION_MIN_PARTS // 2 - 1))
+    assert worth_compacting(_req([spine.COMPACTION_MIN_UPDATES // 2] * 2))
+    assert not worth_compacting(_req([spine.COMPACTION_MIN_UPDATES // 2 - 1] * 2))
+
+
+ROW = pa.schema([("k", pa.int64())])
+
+
+def _row(i: int) -> pa.Table:
+    return pa.table(
+        {"k": pa.array([i], pa.int64()), "_time": pa.array([i]), "_diff": pa.array([1])}
+    )
+
+
+def test_one_row_appends_skip_small_merges_and_keep_the_state_small(
+    client: PersistClient,
+) -> None:
+    """One-row appends with inline compaction do about one physical merge per
+    ``COMPACTION_MIN_INPUTS`` appends (not one per append), the hollow batches stay
+    logarithmic in number, and every row reads back."""
+    w, r = client.open("heur", ROW, pa.schema([]))
+    n = 512
+    most = 0
+    for i in range(n):
+        w.compare_and_append(_row(i), i, i + 1)
+        most = max(most, client.inspect("heur").trace.num_hollow_batches())
+    done = client.compactor.totals.applied + client.compactor.totals.not_applied
+    assert 0 < done <= n // spine.COMPACTION_MIN_INPUTS + 16
+    # Fewer than COMPACTION_MIN_INPUTS hollow batches per spine batch below the updates
+    # threshold: a small multiple of the log2(n) of a fully compacted trace.
+    assert most <= 4 * n.bit_length()
+    snap = r.snapshot(n - 1)
+    assert sorted(snap.column("k").to_pylist()) == list(range(n))
+    # An explicit compaction still answers every outstanding request.
+    client.compactor.compact_once("heur")
+    st = client.inspect("heur")
+    assert not st.trace.all_fueled_merge_reqs()

@@ -51,8 +51,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
@@ -130,10 +130,35 @@ def _frontier(x: Antichain | int, what: str) -> Antichain:
     return Antichain.from_elem(x)
 
 
+class _TokenSource:
+    """Fresh idempotency tokens without a system call each: 32 hex digits, a random
+    80-bit prefix (``os.urandom``, drawn again in a forked child) followed by a 48-bit
+    counter, so tokens never repeat within a process and collide across processes only
+    if two random prefixes do.  (A ``uuid4`` per append costs a ``getrandom`` call,
+    which releases the GIL and so waits for the compactor thread to hand it back.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._prefix = ""
+        self._count = 0
+
+    def next(self) -> str:
+        with self._lock:
+            pid = os.getpid()
+            if pid != self._pid or self._count >= 1 << 48:
+                self._pid, self._prefix, self._count = pid, os.urandom(10).hex(), 0
+            self._count += 1
+            return f"{self._prefix}{self._count:012x}"
+
+
+_tokens = _TokenSource()
+
+
 def _token(token: str | None) -> str:
     """A fresh idempotency token, or ``token`` checked."""
     if token is None:
-        return uuid.uuid4().hex
+        return _tokens.next()
     if not isinstance(token, str) or not 8 <= len(token) <= 128 or not token.isprintable():
         raise InvalidUsage(
             "idempotency_token must be a printable str of 8 to 128 characters "
@@ -336,18 +361,21 @@ class WriteHandle(ShardHandle):
 
     def _normalize(self, updates: Updates) -> pa.Table:
         """``updates`` as a table of exactly :attr:`schema` (:func:`to_updates_table`).
-        A table that has that schema already (names, types, nullability and metadata, in
-        order) and no null in a non-nullable column is returned as it is, which is what
-        :func:`to_updates_table` would rebuild it into."""
-        if isinstance(updates, pa.Table) and updates.schema.equals(
-            self.schema, check_metadata=True
-        ):
+        A table whose columns already have the schema's names and types, in order, with
+        no null in a non-nullable column, is only relabelled with the schema (returned as
+        it is if its schema is equal, metadata included): what :func:`to_updates_table`
+        would rebuild it into, without looking each column up by name."""
+        if isinstance(updates, pa.Table):
             schema = self.schema
-            if all(
-                schema.field(i).nullable or updates.column(i).null_count == 0
-                for i in range(len(schema))
-            ):
-                return updates
+            us = updates.schema
+            if us.names == schema.names and us.types == schema.types:
+                if all(
+                    schema.field(i).nullable or updates.column(i).null_count == 0
+                    for i in range(len(schema))
+                ):
+                    if us.equals(schema, check_metadata=True):
+                        return updates
+                    return pa.Table.from_arrays(updates.columns, schema=schema)
         return to_updates_table(updates, self.key_schema, self.value_schema)
 
     def _write_run(

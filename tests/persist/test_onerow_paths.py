@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import persist.write as write_mod
 from persist import MemoryBlob, PersistClient, spine
 from persist.errors import InvalidUsage
 from persist.spine import FueledMergeReq, IdHollowBatch, SpineId, worth_compacting
@@ -197,3 +198,16 @@ def test_one_row_appends_skip_small_merges_and_keep_the_state_small(
     client.compactor.compact_once("heur")
     st = client.inspect("heur")
     assert not st.trace.all_fueled_merge_reqs()
+
+
+def test_fresh_tokens_are_distinct_valid_and_redrawn_in_a_child() -> None:
+    src = write_mod._TokenSource()
+    tokens = [src.next() for _ in range(2000)]
+    assert len(set(tokens)) == len(tokens)
+    assert all(len(t) == 32 and int(t, 16) >= 0 for t in tokens)
+    assert all(write_mod._token(t) == t for t in tokens[:5])  # valid caller tokens too
+    prefix = tokens[0][:20]
+    assert {t[:20] for t in tokens} == {prefix}
+    src._pid = -1  # as after a fork: a new random prefix, the counter restarts
+    again = src.next()
+    assert again[:20] != prefix and again not in tokens

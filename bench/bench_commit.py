@@ -9,8 +9,8 @@ ratios reported with its spread):
   ``sqlite3`` transaction with the same settings doing the least a commit of one row
   needs: ``BEGIN IMMEDIATE``, read the upper, insert the row (as JSON text), advance the
   upper, ``COMMIT``.  Both sides' inputs are built before the timed bursts (the raw
-  side's JSON texts, persist's one-row Arrow tables: zero-copy slices of a prepared
-  table, see ``_Prepared``), so neither pays for making up its rows.  Goal: >= 0.3x,
+  side's JSON texts, persist's one-row Arrow tables in the writer's updates schema:
+  zero-copy slices of a prepared table, see ``_Prepared``), so neither pays for making up its rows.  Goal: >= 0.3x,
   measured at several shard lengths (1 to 100,000 appends; 20,000 with ``--quick``) so
   that flatness shows: a cost growing with the shard would show as a falling ratio;
 * **Postgres**: the same on a Postgres stash (a throwaway server, production durability:
@@ -90,16 +90,21 @@ class _Prepared:
     1), sliced zero-copy per append, so that building the input costs persist's side of
     the comparison what the raw side's precomputed JSON texts cost it (nothing)."""
 
-    def __init__(self, rows: pa.Table, start: int, count: int) -> None:
+    def __init__(
+        self, rows: pa.Table, start: int, count: int, schema: pa.Schema | None = None
+    ) -> None:
         import pyarrow.compute as pc
 
         reps = -(-count // rows.num_rows)
         base = pa.concat_tables([rows] * reps).slice(0, count).combine_chunks()
         times = pc.add(pa.array(range(count), pa.int64()), pa.scalar(start, pa.int64()))
         self.start = start
-        self.table = base.append_column("_time", times).append_column(
+        table = base.append_column("_time", times).append_column(
             "_diff", pa.array([1] * count, pa.int64())
         )
+        # In the writer's updates schema (``_time``, ``_diff`` not null), as a caller
+        # that builds its rows for the shard would.
+        self.table = table if schema is None else table.cast(schema)
 
     def get(self, t: int) -> pa.Table | None:
         """The one-row table at time ``t``, or ``None`` if ``t`` is not prepared."""
@@ -120,7 +125,7 @@ class PersistOneRow:
         self.rows = rows
         self.upper = self.write.upper.as_option() or 0
         self.count = 0
-        self.prepared = _Prepared(rows, self.upper, PREPARED_ROWS)
+        self.prepared = _Prepared(rows, self.upper, PREPARED_ROWS, self.write.schema)
 
     def prepare(self) -> None:
         """Prepare the input rows of the next :data:`PREPARED_ROWS` appends if fewer than
@@ -128,13 +133,13 @@ class PersistOneRow:
         runs out, which a burst of more than ~32,000 appends would make it do once)."""
         p = self.prepared
         if self.upper - p.start > PREPARED_ROWS // 2:
-            self.prepared = _Prepared(self.rows, self.upper, PREPARED_ROWS)
+            self.prepared = _Prepared(self.rows, self.upper, PREPARED_ROWS, self.write.schema)
 
     def append(self, _i: int) -> None:
         u = self.upper
         row = self.prepared.get(u)
         if row is None:
-            self.prepared = _Prepared(self.rows, u, PREPARED_ROWS)
+            self.prepared = _Prepared(self.rows, u, PREPARED_ROWS, self.write.schema)
             row = self.prepared.get(u)
         self.write.compare_and_append(row, u, u + 1)
         self.upper = u + 1

@@ -97,8 +97,10 @@ def test_normalize_gives_what_to_updates_table_gives(
 ) -> None:
     w, r = client.open("norm", KS, VS)
     fast = _outcome(lambda: w._normalize(table))
+    again = _outcome(lambda: w._normalize(table))  # with the handle's schema memo set
     slow = _outcome(lambda: to_updates_table(table, KS, VS))
     assert fast == slow
+    assert again == slow
 
 
 def test_normalize_returns_a_conforming_table_as_it_is(client: PersistClient) -> None:

@@ -7,6 +7,10 @@ advances every time to the request's since, consolidates (vectorised, with
 and swaps it into the trace by compare-and-set (:meth:`ShardState.apply_merge_res`),
 re-applied on seqno races.  It runs inline after an append, as a background thread of
 the client, from ``persist compact``, or from any process (Spark) holding a client.
+After an append (inline or in the background) only requests that pass the compaction
+heuristic (:func:`persist.spine.worth_compacting`: enough inputs, parts or updates) are
+answered; the smaller ones are covered by a later request, or by :meth:`compact_once`
+(``persist compact``), which answers every outstanding request.
 
 Invariants kept here:
 
@@ -350,13 +354,20 @@ class Compactor:
         persist_metrics.observe_compaction(report)
         return report
 
-    def compact_once(self, shard: str, *, fresh: bool = True) -> CompactionReport:
+    def compact_once(
+        self, shard: str, *, fresh: bool = True, heuristic: bool = False
+    ) -> CompactionReport:
         """Answer every outstanding merge request of a shard (a name, or ``id:<shard
         id>``: see :meth:`PersistClient.shard_id`), from a fresh
-        read of its state (or this process's latest known version if not ``fresh``)."""
+        read of its state (or this process's latest known version if not ``fresh``);
+        with ``heuristic`` (the background thread) only those worth a physical merge
+        (:func:`persist.spine.worth_compacting`)."""
         m = self.client.machine(self.client.shard_id(shard))
         st = m.fetch() if fresh else m.state()
-        reqs = st.trace.all_fueled_merge_reqs()
+        if heuristic:
+            reqs = st.trace.worth_compacting_reqs()
+        else:
+            reqs = st.trace.all_fueled_merge_reqs()
         piggyback = self.client.piggyback_seconds if not fresh else 0.0
         return self.run_reqs(m, reqs, piggyback_seconds=piggyback)
 
@@ -413,7 +424,7 @@ class Compactor:
                 self._busy = True
             for sid in shards:
                 try:
-                    self.compact_once(SHARD_ID_REF + sid, fresh=False)
+                    self.compact_once(SHARD_ID_REF + sid, fresh=False, heuristic=True)
                     self._maybe_gc(sid)
                 except Exception as e:  # never let the thread die
                     log.warning("background compaction of shard %s failed: %s", sid, e)

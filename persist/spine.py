@@ -66,6 +66,7 @@ __all__ = [
     "SpineId",
     "SpineMetrics",
     "Trace",
+    "worth_compacting",
 ]
 
 #: The least time of a shard (the seed's ``T::minimum()``): a new trace has since and upper
@@ -79,6 +80,18 @@ BATCHES_PER_LEVEL = 2
 #: scaled by the spine's effort (always 1 here, as in the seed).
 _FUEL_PER_UPDATE = 8
 _EFFORT = 1
+
+#: The compaction heuristic (after persist-client's ``compaction_heuristic_min_*``): a
+#: merge request is worth answering after an append only if it has at least this many
+#: inputs (hollow batches), or its inputs this many parts, or this many updates.  Smaller
+#: requests are skipped: their fueled spine batch keeps listing its few hollow batches
+#: (the Spine's bookkeeping is unchanged) until a merge above it includes them, so the
+#: state stays O(log n) hollow batches (fewer than ``COMPACTION_MIN_INPUTS`` per fueled
+#: batch below ``COMPACTION_MIN_UPDATES`` updates) while one-row appends do about one
+#: physical merge per ``COMPACTION_MIN_INPUTS`` appends instead of one per append.
+COMPACTION_MIN_INPUTS = 8
+COMPACTION_MIN_PARTS = 8
+COMPACTION_MIN_UPDATES = 1024
 
 _MINIMUM = Antichain.from_elem(MINIMUM_TIME)
 
@@ -149,6 +162,17 @@ class FueledMergeRes:
     """
 
     output: HollowBatch
+
+
+def worth_compacting(req: FueledMergeReq) -> bool:
+    """Whether ``req`` passes the compaction heuristic (see :data:`COMPACTION_MIN_INPUTS`):
+    enough inputs, parts or updates that a physical merge pays for itself."""
+    inputs = req.inputs
+    if len(inputs) >= COMPACTION_MIN_INPUTS:
+        return True
+    if sum(len(i.batch.parts) for i in inputs) >= COMPACTION_MIN_PARTS:
+        return True
+    return sum(i.batch.len for i in inputs) >= COMPACTION_MIN_UPDATES
 
 
 class ApplyMergeResult(enum.Enum):
@@ -500,6 +524,11 @@ class Trace:
             else:
                 noncompact += 1
         return SpineMetrics(compact, compacting, noncompact)
+
+    def worth_compacting_reqs(self) -> list[FueledMergeReq]:
+        """:meth:`all_fueled_merge_reqs` that pass :func:`worth_compacting` (what a
+        background compactor answers)."""
+        return [r for r in self.all_fueled_merge_reqs() if worth_compacting(r)]
 
     def all_fueled_merge_reqs(self) -> list[FueledMergeReq]:
         """A merge request for every fueled spine batch, oldest first (to re-issue

@@ -113,12 +113,33 @@ def _schema_json_cached(schema: pa.Schema) -> str:
     return json.dumps(_schema_to_json(schema))
 
 
-@functools.lru_cache(maxsize=256)
+# The last ``shard`` entries made, by the identity of their arguments (the schema objects
+# are kept alive by the values, so their ids are not reused while listed): hashing a
+# ``pa.Schema`` for the lru_cache below costs tens of microseconds per version.
+_SHARD_ENTRIES: dict[tuple[int, int, str, str], tuple[pa.Schema, pa.Schema, dict[str, Any]]] = {}
+
+
 def _shard_entry(
     shard_id: str, name: str, key_schema: pa.Schema, value_schema: pa.Schema
 ) -> dict[str, Any]:
     """The ``shard`` entry of :meth:`ShardState.to_entries` (the same dict for the same
     shard, so that versions compare it cheaply; do not mutate it)."""
+    ident = (id(key_schema), id(value_schema), shard_id, name)
+    hit = _SHARD_ENTRIES.get(ident)
+    if hit is not None and hit[0] is key_schema and hit[1] is value_schema:
+        return hit[2]
+    entry = _shard_entry_cached(shard_id, name, key_schema, value_schema)
+    if len(_SHARD_ENTRIES) >= 256:
+        _SHARD_ENTRIES.clear()
+    _SHARD_ENTRIES[ident] = (key_schema, value_schema, entry)
+    return entry
+
+
+@functools.lru_cache(maxsize=256)
+def _shard_entry_cached(
+    shard_id: str, name: str, key_schema: pa.Schema, value_schema: pa.Schema
+) -> dict[str, Any]:
+    """:func:`_shard_entry` by value."""
     return {
         "shard_id": shard_id,
         "name": name,

@@ -51,8 +51,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
@@ -88,7 +88,7 @@ from persist.parts import (
     write_parts,
 )
 from persist.read import read_batch
-from persist.spine import FueledMergeReq
+from persist.spine import FueledMergeReq, worth_compacting
 from persist.state import TOKEN_SEP, LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain
@@ -130,10 +130,35 @@ def _frontier(x: Antichain | int, what: str) -> Antichain:
     return Antichain.from_elem(x)
 
 
+class _TokenSource:
+    """Fresh idempotency tokens without a system call each: 32 hex digits, a random
+    80-bit prefix (``os.urandom``, drawn again in a forked child) followed by a 48-bit
+    counter, so tokens never repeat within a process and collide across processes only
+    if two random prefixes do.  (A ``uuid4`` per append costs a ``getrandom`` call,
+    which releases the GIL and so waits for the compactor thread to hand it back.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._prefix = ""
+        self._count = 0
+
+    def next(self) -> str:
+        with self._lock:
+            pid = os.getpid()
+            if pid != self._pid or self._count >= 1 << 48:
+                self._pid, self._prefix, self._count = pid, os.urandom(10).hex(), 0
+            self._count += 1
+            return f"{self._prefix}{self._count:012x}"
+
+
+_tokens = _TokenSource()
+
+
 def _token(token: str | None) -> str:
     """A fresh idempotency token, or ``token`` checked."""
     if token is None:
-        return uuid.uuid4().hex
+        return _tokens.next()
     if not isinstance(token, str) or not 8 <= len(token) <= 128 or not token.isprintable():
         raise InvalidUsage(
             "idempotency_token must be a printable str of 8 to 128 characters "
@@ -179,9 +204,20 @@ def _check_same_append(entry: str, token: str, fingerprint: str) -> None:
         )
 
 
+#: Tables of at most this many rows take the pure-Python paths of :func:`_time_range`
+#: (a pyarrow compute call costs tens of microseconds however small its input).
+_SMALL_ROWS = 32
+
+
 def _time_range(table: pa.Table) -> tuple[int, int] | None:
-    if table.num_rows == 0:
+    """The least and greatest ``_time`` of a normalized updates ``table`` (``_time`` is
+    non-null int64), or ``None`` when it is empty."""
+    n = table.num_rows
+    if n == 0:
         return None
+    if n <= _SMALL_ROWS:
+        times = table.column(TIME).to_pylist()
+        return min(times), max(times)
     mm = pc.min_max(table.column(TIME))
     return int(mm["min"].as_py()), int(mm["max"].as_py())
 
@@ -213,6 +249,10 @@ class WriteHandle(ShardHandle):
         # registered, a writer found missing or expired is never registered again.
         self._registered = False
         self._last_heartbeat_ms = 0
+        # _normalize: the last input schema found to have this handle's column names and
+        # types in order, and the columns that must hold no null.
+        self._conforming: pa.Schema | None = None
+        self._not_null = [i for i, f in enumerate(self.schema) if not f.nullable]
         self._lent = 0  # builders handed out whose batch this handle has not appended
 
     # ---------------------------------------------------------------- frontiers
@@ -324,6 +364,24 @@ class WriteHandle(ShardHandle):
         return c.inline_max_bytes
 
     def _normalize(self, updates: Updates) -> pa.Table:
+        """``updates`` as a table of exactly :attr:`schema` (:func:`to_updates_table`).
+        A table whose columns already have the schema's names and types, in order, with
+        no null in a non-nullable column, is only relabelled with the schema (returned as
+        it is if its schema is equal, metadata included): what :func:`to_updates_table`
+        would rebuild it into, without looking each column up by name."""
+        if isinstance(updates, pa.Table):
+            schema = self.schema
+            us = updates.schema
+            if us.equals(schema, check_metadata=True):
+                same = True
+            elif self._conforming is not None and us.equals(self._conforming, check_metadata=True):
+                same = False  # names and types checked before (``.types`` costs ~60 µs)
+            elif us.names == schema.names and us.types == schema.types:
+                self._conforming, same = us, False
+            else:
+                return to_updates_table(updates, self.key_schema, self.value_schema)
+            if all(updates.column(i).null_count == 0 for i in self._not_null):
+                return updates if same else pa.Table.from_arrays(updates.columns, schema=schema)
         return to_updates_table(updates, self.key_schema, self.value_schema)
 
     def _write_run(
@@ -757,6 +815,10 @@ class WriteHandle(ShardHandle):
         # twice, a retry after an unknown outcome) may have committed them already.
         for b in batches:
             b.mark_consumed()
+        # Requests too small to pay for a physical merge are skipped (the compaction
+        # heuristic, see persist.spine.COMPACTION_MIN_INPUTS): a later, larger request
+        # covers their hollow batches.
+        reqs = [r for r in reqs if worth_compacting(r)]
         if reqs:
             self._client._on_merge_reqs(machine, reqs)
 

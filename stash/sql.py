@@ -601,6 +601,17 @@ _SQLITE_ROWS_KEYS = (
     " AND key IN (SELECT value FROM json_each(:ks))"
 )
 
+# The same rows taken out of the table as they are read (the rows of an append's keys are
+# all rewritten by its consolidation), where SQLite has RETURNING (3.35 and later).
+_HAS_RETURNING = sqlite3.sqlite_version_info >= (3, 35, 0)
+_SQLITE_TAKE_KEY = (
+    "DELETE FROM data WHERE collection_id = :c AND key = :k RETURNING key, value, time, diff"
+)
+_SQLITE_TAKE_KEYS = (
+    "DELETE FROM data WHERE collection_id = :c"
+    " AND key IN (SELECT value FROM json_each(:ks)) RETURNING key, value, time, diff"
+)
+
 
 def _consolidate_peek(rows: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
     """``rows`` (``(key, value, diff)``) as ``_SQLITE_PEEK`` returns them: one row per
@@ -813,6 +824,18 @@ class SqlTxn:
                 self._buffered[cid] = [r for r in pending if r[0] not in keys]
             if not keys:
                 rows = []
+            elif _HAS_RETURNING:
+                # Every stored row of a touched key is rewritten at max(time, since)
+                # anyway (they are all older than the new since but for rows of this
+                # very time): take them out in the statement that reads them.
+                if len(keys) == 1:
+                    cur = self.dbc.execute(_SQLITE_TAKE_KEY, {"c": cid, "k": next(iter(keys))})
+                else:
+                    cur = self.dbc.execute(
+                        _SQLITE_TAKE_KEYS, {"c": cid, "ks": json.dumps(sorted(keys))}
+                    )
+                self._rewrite_rows(cid, since, [*cur.fetchall(), *todo])
+                return
             elif len(keys) == 1:
                 rows = self.dbc.execute(
                     _SQLITE_ROWS_KEY, {"c": cid, "k": next(iter(keys))}
@@ -824,6 +847,23 @@ class SqlTxn:
         if not rows and not todo:
             return
         self._consolidate_rows(cid, since, [*rows, *((None, k, v, t, d) for k, v, t, d in todo)])
+
+    def _rewrite_rows(self, cid: int, since: int, rows: Sequence[Row]) -> None:
+        """Write ``rows`` (``(key, value, time, diff)``: every row of the keys concerned,
+        already deleted from the table, and the buffered rows) back consolidated, as
+        :meth:`_consolidate_rows` leaves them: at ``max(time, since)``, one row per
+        ``(key, value, time)``, no zero diff; sums exact and checked against the rule on
+        diff sums before anything is written (a refusal rolls the transaction back, the
+        deletion with it)."""
+        acc: dict[tuple[str, str, int], int] = {}
+        for k, v, t, d in rows:
+            g = (k, v, t if t > since else since)
+            acc[g] = acc.get(g, 0) + d
+        if not diff_sums_fit(((k, v), d) for (k, v, _), d in acc.items()):
+            raise DiffSumOverflow(cid)
+        merged = [(k, v, t, d) for (k, v, t), d in acc.items() if d != 0]
+        if merged:
+            self._write_rows(cid, merged)
 
     def _consolidate_rows(self, cid: int, since: int, rows: Sequence[Any]) -> None:
         """Consolidate ``rows`` (``(rowid, key, value, time, diff)``, every row of the

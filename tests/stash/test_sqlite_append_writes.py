@@ -10,8 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from stash import Antichain, AppendBatch, Stash
+import stash.sql as stash_sql
+from stash import Antichain, AppendBatch, Stash, StashError
 
 A = Antichain.from_elem
 
@@ -57,3 +60,48 @@ def test_an_update_writes_the_new_row_and_deletes_the_old_one_only(tmp_path: Pat
         with sqlite3.connect(tmp_path / "s.db") as db:
             rows = db.execute("SELECT key, diff FROM data WHERE collection_id = ?", (c.id,))
             assert rows.fetchall() == [('"k"', 1)]
+
+
+_entry = st.tuples(
+    st.sampled_from(["a", "b", "c"]),
+    st.integers(0, 2),
+    st.integers(0, 3),  # time offset from the batch lower
+    st.sampled_from([-2, -1, 1, 2, 2**62]),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(_entry, max_size=5), st.integers(0, 2)), max_size=8))
+def test_taking_the_rows_out_leaves_what_reading_them_leaves(
+    tmp_path_factory: Any, batches: list[tuple[list[tuple[str, int, int, int]], int]]
+) -> None:
+    """The append consolidation that deletes a touched key's rows with RETURNING leaves
+    the same physical rows (and refuses the same appends) as the one that reads them
+    first and deletes by rowid."""
+    results = []
+    for returning in (True, False):
+        path = tmp_path_factory.mktemp("ret") / "s.db"
+        old = stash_sql._HAS_RETURNING
+        stash_sql._HAS_RETURNING = returning
+        try:
+            with Stash.open(f"sqlite:///{path}", fenced=False) as s:
+                c = s.collection("c", key="str", value="int")
+                outcomes = []
+                t = 0
+                for entries, lag in batches:
+                    b = AppendBatch(c, A(t), A(t + 4), A(max(0, t + 4 - lag)), t)
+                    for k, v, dt, d in entries:
+                        kv = (c.key_codec.encode(k), c.value_codec.encode(v))
+                        b.entries.append((kv, t + dt, d))
+                    try:
+                        s.append([b])
+                        t += 4
+                        outcomes.append("ok")
+                    except StashError as e:
+                        outcomes.append(str(e))
+            with sqlite3.connect(path) as db:
+                rows = sorted(db.execute("SELECT key, value, time, diff FROM data").fetchall())
+        finally:
+            stash_sql._HAS_RETURNING = old
+        results.append((outcomes, rows))
+    assert results[0] == results[1]

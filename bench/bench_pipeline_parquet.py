@@ -142,11 +142,14 @@ def run(quick: bool, json_path: str | None = None) -> Path:
     spark = None
     try:
         with res.section("pipeline against plain Parquet"):
+            from spark.daemon import DAEMON_CONF
             from spark.jobs.flights import Config, load_frames
             from spark.jobs.flights import run as run_flights
             from spark.session import build_session
 
-            spark = build_session(app_name="stashpersist-pipeline-bench")
+            # make demo's session settings (spark.jobs.flights.main): Python workers
+            # fork from a daemon that has imported pyarrow, pandas and persist.
+            spark = build_session(app_name="stashpersist-pipeline-bench", conf=DAEMON_CONF)
             frames = load_frames(quick)
             day = 3 if quick else 181
             steps: dict[str, list[dict[str, float]]] = {PERSIST: [], PARQUET: []}

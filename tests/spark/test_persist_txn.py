@@ -121,3 +121,87 @@ def test_spark_persist_txn_upserts_of_one_key_twice_keep_the_last_value(tmp_path
         assert sorted(d for _, _, d in t.stash.iter(coll)) == [1, 1]
     finally:
         t.close()
+
+
+def _rows(c: PersistClient, shard: str, as_of: int) -> Counter[tuple[Any, ...]]:
+    t = c.snapshot_many({shard: as_of})[shard]
+    cols = [t.column(n).to_pylist() for n in t.column_names]
+    return Counter(zip(*cols, strict=True))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prepare_write_by_chunk_equals_one_write_per_chunk(
+    spark: Any, spark_store: Any, seed: int
+) -> None:
+    """The fast path (one Spark job for every chunk, then one transaction per chunk)
+    gives the shard, time by time, what one ``txn.write`` per chunk gives."""
+    import random
+
+    from spark.persist_txn import prepare_write
+
+    url, blob = spark_store.stash_url, spark_store.blob_uri
+    rng = random.Random(seed)
+    rows = []
+    for i in range(rng.randint(200, 600)):
+        month = rng.randint(1, 4)
+        day = (month - 1) * 10 + rng.randint(0, 9)
+        rows.append((i, month, day, rng.choice([None, "a", "bb", "ccc"]), rng.random()))
+    schema = "id long, month int, t long, s string, x double"
+    df = spark.createDataFrame(rows, schema).repartition(3)
+    months = sorted({r[1] for r in rows})
+    ts_fast, ts_ref = [], []
+    with prepare_write(
+        spark, url, blob, df, "fast", chunk_column="month", key_columns=["id"], time_column="t"
+    ) as prepared:
+        assert sorted(prepared.chunks) == months
+        for m in months:
+            with persist_txn(spark, url, blob) as txn:
+                n = txn.write_prepared(prepared, m)
+                assert n == sum(1 for r in rows if r[1] == m)
+                txn.upsert("catalog", {f"m{m}": n})
+                ts_fast.append(txn.commit())
+    for m in months:
+        part = spark.createDataFrame([r for r in rows if r[1] == m], schema).repartition(3)
+        with persist_txn(spark, url, blob) as txn:
+            txn.write(part, "ref", key_columns=["id"], time_column="t")
+            ts_ref.append(txn.commit())
+    assert ts_fast == ts_ref
+    with Stash.open(url, fenced=False) as s:
+        c = PersistClient(s, blob, compaction="off")
+        try:
+            assert c.inspect("fast").upper == c.inspect("ref").upper
+            for t in sorted({r[2] for r in rows}):
+                assert _rows(c, "fast", t) == _rows(c, "ref", t)
+            cat = s.collection("catalog", key="str", value="json")
+            assert set(s.peek_one(cat)) == {f"m{m}" for m in months}
+        finally:
+            c.close()
+
+
+def test_prepare_write_deletes_the_chunks_no_transaction_took(spark: Any, spark_store: Any) -> None:
+    from spark.persist_common import PersistSourceError
+    from spark.persist_txn import prepare_write
+
+    url, blob = spark_store.stash_url, spark_store.blob_uri
+    root = spark_store.root / "blob"
+    df = spark.createDataFrame(
+        [(i, i % 3, "x" * 300) for i in range(3000)], "id long, c long, payload string"
+    ).repartition(2)
+    with pytest.raises(PersistSourceError, match="chunk column 'nope'"):
+        prepare_write(spark, url, blob, df, "s", chunk_column="nope", key_columns=["id"])
+    before = _parts(root)
+    with prepare_write(spark, url, blob, df, "s", chunk_column="c", key_columns=["id"]) as p:
+        assert _parts(root) - before  # parts were uploaded for the three chunks
+        with persist_txn(spark, url, blob) as txn:
+            assert txn.write_prepared(p, 0) == 1000
+            ts = txn.commit()
+    with Stash.open(url, fenced=False) as s:
+        c = PersistClient(s, blob, compaction="off")
+        try:
+            referenced = c.inspect("s").referenced_blob_keys()
+            snap = c.snapshot_many({"s": ts})["s"]
+            assert sorted(snap.column("id").to_pylist()) == list(range(0, 3000, 3))
+        finally:
+            c.close()
+    left = _parts(root) - before
+    assert len(left) == len(referenced)  # only the taken chunk's parts remain

@@ -134,7 +134,8 @@ class _TokenSource:
     """Fresh idempotency tokens without a system call each: 32 hex digits, a random
     80-bit prefix (``os.urandom``, drawn again in a forked child) followed by a 48-bit
     counter, so tokens never repeat within a process and collide across processes only
-    if two random prefixes do.  (A ``uuid4`` per append costs a ``getrandom`` call,
+    if two random prefixes do.  A forked child gets a fresh lock (:meth:`after_fork_in_child`),
+    so a fork while another thread draws a token cannot deadlock the child.  (A ``uuid4`` per append costs a ``getrandom`` call,
     which releases the GIL and so waits for the compactor thread to hand it back.)"""
 
     def __init__(self) -> None:
@@ -142,6 +143,12 @@ class _TokenSource:
         self._pid = -1
         self._prefix = ""
         self._count = 0
+
+    def after_fork_in_child(self) -> None:
+        """Make the source usable in a forked child: a fresh lock (the parent's may have
+        been held by a thread that does not exist in the child) and a new prefix."""
+        self._lock = threading.Lock()
+        self._pid = -1
 
     def next(self) -> str:
         with self._lock:
@@ -153,6 +160,8 @@ class _TokenSource:
 
 
 _tokens = _TokenSource()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_tokens.after_fork_in_child)
 
 
 def _token(token: str | None) -> str:

@@ -3,6 +3,10 @@ what its reference (slow) path gives, so a wrong fast path fails here."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -213,3 +217,43 @@ def test_fresh_tokens_are_distinct_valid_and_redrawn_in_a_child() -> None:
     src._pid = -1  # as after a fork: a new random prefix, the counter restarts
     again = src.next()
     assert again[:20] != prefix and again not in tokens
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_fork_while_another_thread_draws_a_token_does_not_deadlock_the_child() -> None:
+    """adversary: the token source's lock is held by another thread at the fork; the
+    child (where that thread does not exist) must still draw a fresh token, with a new
+    prefix.  Before the fix the child blocked forever on the inherited lock."""
+    src = write_mod._tokens
+    parent_token = src.next()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with src._lock:
+            held.set()
+            release.wait()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+        pid = os.fork()
+    if pid == 0:  # the child: give up after 5 s instead of hanging the suite
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(5)
+            os.write(w, src.next().encode())
+            code = 0
+        finally:
+            os._exit(code)
+    release.set()
+    t.join()
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    child_token = os.read(r, 64).decode()
+    os.close(r)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    assert len(child_token) == 32 and child_token[:20] != parent_token[:20]

@@ -48,7 +48,6 @@ Spine's flattened trace (``002``), the persist-client batch and lease handling (
 from __future__ import annotations
 
 import base64
-import functools
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -58,6 +57,7 @@ import pyarrow as pa
 
 from persist.errors import InvalidUsage, PersistError, SchemaMismatch
 from persist.keys import key_writer_id
+from persist.schemacache import schema_cache
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.types import HollowBatch
 from persist.updates import SchemaHistory, check_schema_evolution
@@ -108,7 +108,7 @@ class LeaseExpired(InvalidUsage):
         )
 
 
-@functools.lru_cache(maxsize=256)
+@schema_cache(256)
 def _schema_json_cached(schema: pa.Schema) -> str:
     return json.dumps(_schema_to_json(schema))
 
@@ -135,7 +135,7 @@ def _shard_entry(
     return entry
 
 
-@functools.lru_cache(maxsize=256)
+@schema_cache(256)
 def _shard_entry_cached(
     shard_id: str, name: str, key_schema: pa.Schema, value_schema: pa.Schema
 ) -> dict[str, Any]:
@@ -174,12 +174,12 @@ def schema_from_json(d: Mapping[str, Any]) -> pa.Schema:
         raise PersistError(f"stored schema is not a valid Arrow IPC schema: {e}") from e
 
 
-@functools.lru_cache(maxsize=256)
+@schema_cache(256)
 def _history(key_schema: pa.Schema, versions: tuple[pa.Schema, ...]) -> SchemaHistory:
     return SchemaHistory(key_schema, versions)
 
 
-@functools.lru_cache(maxsize=64)
+@schema_cache(64)
 def _schemas_entry(versions: tuple[pa.Schema, ...]) -> list[dict[str, Any]]:
     """The ``schemas`` entry: every value schema version, by id (the same list for the
     same versions, so that versions compare it cheaply; do not mutate it)."""

@@ -33,6 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from persist.errors import InvalidUsage, PersistError, SchemaMismatch
+from persist.schemacache import schema_cache
 
 TIME = "_time"
 DIFF = "_diff"
@@ -81,7 +82,7 @@ def updates_schema(key_schema: pa.Schema, value_schema: pa.Schema) -> pa.Schema:
     return _updates_schema(key_schema, value_schema)
 
 
-@functools.lru_cache(maxsize=256)
+@schema_cache(256)
 def _updates_schema(key_schema: pa.Schema, value_schema: pa.Schema) -> pa.Schema:
     """:func:`updates_schema` after the type check (cached: writers call it per append)."""
     seen: dict[str, str] = {}
@@ -422,9 +423,12 @@ class SchemaHistory:
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, SchemaHistory)
-            and self.key_schema.equals(other.key_schema)
+            and self.key_schema.equals(other.key_schema, check_metadata=True)
             and len(self.versions) == len(other.versions)
-            and all(a.equals(b) for a, b in zip(self.versions, other.versions, strict=True))
+            and all(
+                a.equals(b, check_metadata=True)
+                for a, b in zip(self.versions, other.versions, strict=True)
+            )
         )
 
     def __hash__(self) -> int:

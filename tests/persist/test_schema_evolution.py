@@ -429,13 +429,6 @@ def test_older_reader_view_does_not_depend_on_compaction(client: PersistClient) 
     assert after == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: pa.Schema's == and hash ignore field metadata, so the schema caches "
-    "keyed by schema (persist.state._schema_json_cached, _shard_entry_cached, "
-    "persist.updates._updates_schema, ...) hand a shard the stored form of an earlier, "
-    "equal-but-for-field-metadata schema of another shard",
-)
 def test_field_metadata_survives_an_equal_schema_seen_before(client: PersistClient) -> None:
     """A shard's key field metadata is kept (it is, when the process has not seen the
     same schema without it), whatever other shard the process opened first."""
@@ -451,12 +444,6 @@ def test_field_metadata_survives_an_equal_schema_seen_before(client: PersistClie
         again.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: persist.updates._updates_schema is an lru_cache keyed by pa.Schema "
-    "(== and hash ignore field metadata): a handle gets the updates schema built from an "
-    "earlier, equal-but-for-field-metadata key schema, and its snapshot loses the metadata",
-)
 def test_a_snapshot_keeps_field_metadata_after_an_equal_schema_seen_before(
     client: PersistClient,
 ) -> None:

@@ -332,8 +332,15 @@ def _make_writer(
 # --------------------------------------------------------------------- CLI
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("shard")
-@click.option("--stash", "stash_url", default="sqlite:///var/stash.db", show_default=True)
-@click.option("--blob", "blob_uri", default="var/blob", show_default=True)
+@click.option(
+    "--stash",
+    "stash_url",
+    envvar="PERSIST_STASH",
+    default="sqlite:///var/stash.db",
+    show_default=True,
+    help="Stash URL; or $PERSIST_STASH, which keeps a password out of the process list.",
+)
+@click.option("--blob", "blob_uri", envvar="PERSIST_BLOB", default="var/blob", show_default=True)
 @click.option("--master", default=None, help="Spark master URL (default local[*]).")
 @click.option(
     "--min-spark-bytes",

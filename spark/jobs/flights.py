@@ -702,13 +702,16 @@ def print_summary(summary: Summary, console: Any) -> None:
 @click.option(
     "--stash",
     "stash_url",
+    envvar="PERSIST_STASH",
     default="sqlite:///var/stash.db",
     show_default=True,
-    help="Stash URL (SQLite file or postgresql+psycopg://...).",
+    help="Stash URL (SQLite file or postgresql+psycopg://...); or $PERSIST_STASH, which "
+    "keeps a password out of the process list.",
 )
 @click.option(
     "--blob",
     "blob_uri",
+    envvar="PERSIST_BLOB",
     default="var/blob",
     show_default=True,
     help="Blob store: a directory, file:///path, or an object-store URI (s3://...).",

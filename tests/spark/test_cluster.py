@@ -65,9 +65,13 @@ def _expected(as_of: int, correction_time: int) -> dict[str, tuple[int, int, int
     return out
 
 
-def _job(module: str, *args: str) -> tuple[Any, str]:
-    """Run ``python -m module args`` on the cluster; returns (its JSON output, stderr)."""
+def _job(module: str, *args: str, stash_url: str) -> tuple[Any, str]:
+    """Run ``python -m module args`` on the cluster, the stash URL (it holds the
+    server's password) given through ``PERSIST_STASH`` so that it stays out of the
+    process list; returns (its JSON output, stderr)."""
+    assert all(stash_url not in a for a in args)
     env = dict(os.environ)
+    env["PERSIST_STASH"] = stash_url
     env["SPARK_LOCAL_IP"] = "127.0.0.1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.pop("PYSPARK_GATEWAY_PORT", None)  # a new JVM of its own, not the tests' session
@@ -92,7 +96,7 @@ def test_jobs_on_a_local_cluster_with_postgres_and_s3(
     assert s3_server.secret_access_key not in s3_blob_uri  # the environment carries them
 
     summary, err = _job(
-        "spark.jobs.flights", "--stash", postgres_url, "--blob", s3_blob_uri, "--small", "--json"
+        "spark.jobs.flights", "--blob", s3_blob_uri, "--small", "--json", stash_url=postgres_url
     )
     assert summary["checked"] is True
     assert summary["loaded_rows"] == 6099 and summary["retracted_rows"] == 35
@@ -148,8 +152,6 @@ def test_jobs_on_a_local_cluster_with_postgres_and_s3(
     report, err = _job(
         "spark.jobs.compact",
         "c",
-        "--stash",
-        postgres_url,
         "--blob",
         s3_blob_uri,
         "--min-spark-bytes",
@@ -159,6 +161,7 @@ def test_jobs_on_a_local_cluster_with_postgres_and_s3(
         "--gc",
         "--gc-grace-seconds",
         "0",
+        stash_url=postgres_url,
     )
     assert report["failed"] == 0, report["errors"]
     assert report["spark_merges"] == len(reqs) and report["applied"] >= 1

@@ -675,30 +675,10 @@ def stream_snapshot(
     )
 
     as_of = _index_time(as_of, "as_of")
-    if schemas is not None and schemas[1] != schemas[0].newest:
-        # An older reader's view is conformed after consolidation (see snapshot_table):
-        # read whole, then keep the range.
-        whole = snapshot_table(
-            blob,
-            batches,
-            schema,
-            key_names,
-            value_names,
-            as_of,
-            max_workers=max_workers,
-            schemas=schemas,
-        )
-        whole = slice_range(whole, list(key_names), lower, upper)
-        if whole.num_rows:
-            yield whole
-        return
-    runs = [(floor, parts) for floor, parts in _runs_of(batches) if parts]
-    flat: list[tuple[int, PartRef]] = [(floor, p) for floor, parts in runs for p in parts]
-    if not flat:
-        return
-    keys = list(key_names)
-    samples = [part_key_samples(p, keys) for _, p in flat]
-    if any(not smp for smp in samples):  # unknown (or, never written, empty)
+
+    def whole() -> Iterator[pa.Table]:
+        """The range read from the whole snapshot (built at once), for the cases the
+        k-way merge cannot serve."""
         table = snapshot_table(
             blob,
             batches,
@@ -709,9 +689,23 @@ def stream_snapshot(
             max_workers=max_workers,
             schemas=schemas,
         )
-        table = slice_range(table, keys, lower, upper)
+        table = slice_range(table, list(key_names), lower, upper)
         if table.num_rows:
             yield table
+
+    if schemas is not None and schemas[1] != schemas[0].newest:
+        # An older reader's view is conformed after consolidation (see snapshot_table):
+        # read whole, then keep the range.
+        yield from whole()
+        return
+    runs = [(floor, parts) for floor, parts in _runs_of(batches) if parts]
+    flat: list[tuple[int, PartRef]] = [(floor, p) for floor, parts in runs for p in parts]
+    if not flat:
+        return
+    keys = list(key_names)
+    samples = [part_key_samples(p, keys) for _, p in flat]
+    if any(not smp for smp in samples):  # unknown (or, never written, empty)
+        yield from whole()
         return
     ranges = _RANGES_PER_PART * max(len(parts) for _, parts in runs)
     plan = plan_ranges(

@@ -219,7 +219,6 @@ def test_fresh_tokens_are_distinct_valid_and_redrawn_in_a_child() -> None:
     assert again[:20] != prefix and again not in tokens
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_fork_while_another_thread_draws_a_token_does_not_deadlock_the_child() -> None:
     """adversary: the token source's lock is held by another thread at the fork; the
     child (where that thread does not exist) must still draw a fresh token, with a new

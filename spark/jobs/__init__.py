@@ -12,9 +12,40 @@ sees them (Spark's Python workers are other processes, maybe other machines).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
-__all__ = ["absolute_blob_uri", "absolute_stash_url"]
+import click
+
+__all__ = ["absolute_blob_uri", "absolute_stash_url", "store_options"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def store_options(fn: F) -> F:
+    """The jobs' ``--stash`` and ``--blob`` options (parameters ``stash_url`` and
+    ``blob_uri``), also read from ``$PERSIST_STASH`` and ``$PERSIST_BLOB`` as the
+    ``persist`` CLI does, so that a URL holding a password stays out of the process
+    list."""
+    fn = click.option(
+        "--blob",
+        "blob_uri",
+        envvar="PERSIST_BLOB",
+        default="var/blob",
+        show_default=True,
+        help="Blob store: a directory, file:///path, or an object-store URI (s3://...); "
+        "or $PERSIST_BLOB.",
+    )(fn)
+    return click.option(
+        "--stash",
+        "stash_url",
+        envvar="PERSIST_STASH",
+        default="sqlite:///var/stash.db",
+        show_default=True,
+        help="Stash URL (SQLite file or postgresql+psycopg://...); or $PERSIST_STASH, "
+        "which keeps a password out of the process list.",
+    )(fn)
 
 
 def absolute_stash_url(url: str) -> str:

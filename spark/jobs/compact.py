@@ -40,6 +40,8 @@ from typing import Any
 import click
 import pyarrow as pa
 
+from spark.jobs import store_options
+
 DEFAULT_MIN_SPARK_BYTES = 64 * 1024 * 1024
 """Merge requests with fewer input bytes than this run on the driver."""
 
@@ -332,15 +334,7 @@ def _make_writer(
 # --------------------------------------------------------------------- CLI
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("shard")
-@click.option(
-    "--stash",
-    "stash_url",
-    envvar="PERSIST_STASH",
-    default="sqlite:///var/stash.db",
-    show_default=True,
-    help="Stash URL; or $PERSIST_STASH, which keeps a password out of the process list.",
-)
-@click.option("--blob", "blob_uri", envvar="PERSIST_BLOB", default="var/blob", show_default=True)
+@store_options
 @click.option("--master", default=None, help="Spark master URL (default local[*]).")
 @click.option(
     "--min-spark-bytes",

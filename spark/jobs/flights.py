@@ -47,6 +47,8 @@ from typing import Any
 
 import click
 
+from spark.jobs import store_options
+
 SHARD = "flights"
 DAYS = 365
 """Days of 2013: times 0..364; the corrections land at 365."""
@@ -699,23 +701,7 @@ def print_summary(summary: Summary, console: Any) -> None:
 
 # --------------------------------------------------------------------- CLI
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--stash",
-    "stash_url",
-    envvar="PERSIST_STASH",
-    default="sqlite:///var/stash.db",
-    show_default=True,
-    help="Stash URL (SQLite file or postgresql+psycopg://...); or $PERSIST_STASH, which "
-    "keeps a password out of the process list.",
-)
-@click.option(
-    "--blob",
-    "blob_uri",
-    envvar="PERSIST_BLOB",
-    default="var/blob",
-    show_default=True,
-    help="Blob store: a directory, file:///path, or an object-store URI (s3://...).",
-)
+@store_options
 @click.option("--master", default=None, help="Spark master URL (default local[*]).")
 @click.option("--small", is_flag=True, help="Only the first week of January (for tests).")
 @click.option("--shard", default=SHARD, show_default=True, help="Persist shard name.")

@@ -117,6 +117,35 @@ def split_for_parts(
     return pieces
 
 
+class _Once:
+    """Runs ``fn`` once, for whichever thread calls :meth:`run` first; the others wait
+    for it.  If it raised, every call (that one included) raises: the first with the
+    error itself, later ones with :class:`_UploadFailed`; the error stays in
+    :attr:`error`."""
+
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._done = fn is None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        if self._done:
+            return
+        with self._lock:
+            if self.error is not None:
+                raise _UploadFailed
+            if self._done:
+                return
+            assert self._fn is not None
+            try:
+                self._fn()
+            except BaseException as e:
+                self.error = e
+                raise
+            self._done = True
+
+
 class _UploadFailed(Exception):
     """Raised by an encoding task of :func:`write_parts` once an upload has failed."""
 
@@ -136,9 +165,10 @@ def write_parts(
     """Encode ``table`` as Parquet parts and upload them; return their refs in order.
 
     ``before_upload``, if given, is called once before the first blob upload (never for
-    a table kept inline); a writer registers itself there, so that GC knows the owner
-    of every key it lists (:mod:`persist.keys`).  An error it raises is raised as is,
-    with nothing uploaded.
+    a table kept inline), by the first encoding thread ready to upload while the others
+    go on encoding; a writer registers itself there, so that GC knows the owner of every
+    key it lists (:mod:`persist.keys`).  An error it raises is raised as is, with
+    nothing uploaded.
 
     The table is written as given (consolidate it first for a sorted run), or, with
     ``order`` (an int64 numpy array of row positions, e.g. from
@@ -206,8 +236,10 @@ def write_parts(
         if len(pieces) > 1 and len(whole) <= target_part_bytes:
             pieces = [table]  # the whole encoding fits one part: reuse it
     keys = [f"{key_prefix}/{name_prefix}{uuid.uuid4().hex}.parquet" for _ in pieces]
-    if before_upload is not None:
-        before_upload()
+    # The owner's registration (a consensus commit) runs in the first encoding thread
+    # to reach its upload, while the other threads go on encoding; every upload waits
+    # for it, and none is submitted once it failed.
+    registration = _Once(before_upload)
     # Row offsets of the pieces (slices of the table, or of ``order``).
     starts = [0]
     for p in pieces[:-1]:
@@ -235,6 +267,7 @@ def write_parts(
             piece,
             key_names,
         )
+        registration.run()
         in_flight.acquire()
         try:
             upload = submit_io(blob.set, keys[i], data)
@@ -247,14 +280,16 @@ def write_parts(
 
     tasks: list[Callable[[], PartRef]] = [partial(encode, i) for i in range(len(pieces))]
     results, error = run_all(tasks, max_workers)
-    if isinstance(error, _UploadFailed):
+    if registration.error is not None:
+        error = registration.error  # raised as is; nothing was uploaded
+    elif isinstance(error, _UploadFailed):
         error = None  # the failed upload's own error is found below
     for upload in uploads:  # every upload has ended before anything is cleaned up
         failure = upload.exception()
         if failure is not None and error is None:
             error = failure
     if error is not None:
-        for key in keys:
+        for key in keys if registration.error is None else ():
             try:
                 blob.delete(key)
             except (BlobError, OSError):

@@ -697,6 +697,121 @@ def test_no_part_is_encoded_after_an_upload_failed() -> None:
     assert parts_count > 50 and blob.sets < parts_count // 2
 
 
+class _RecordingBlob(MemoryBlob):
+    """A memory blob recording, in one list shared with ``before_upload``, the order of
+    registrations and uploads."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def set(self, key: str, value: bytes) -> None:
+        self.events.append("set")
+        super().set(key, value)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_before_upload_runs_once_before_every_upload(workers: int) -> None:
+    """The owner's registration runs in an encoding thread, overlapping the encoding of
+    other parts, but exactly once and before the first upload; never for an inline
+    table."""
+    events: list[str] = []
+    lock = threading.Lock()
+
+    def register() -> None:
+        with lock:
+            events.append("register")
+        time.sleep(0.02)  # a consensus commit: the other threads encode meanwhile
+        with lock:
+            events.append("registered")
+
+    blob = _RecordingBlob(events)
+    t = _sample(5000)
+    refs = write_parts(
+        blob,
+        t,
+        "s/b",
+        target_part_bytes=10_000,
+        inline_max_bytes=0,
+        max_workers=workers,
+        before_upload=register,
+    )
+    assert len(refs) > 4
+    assert events[:2] == ["register", "registered"]
+    assert events.count("register") == 1 and events.count("set") == len(refs)
+    assert read_parts(blob, refs).equals(t)
+    inline: list[str] = []
+    small = write_parts(
+        _RecordingBlob(inline), _sample(3), "s/b", before_upload=lambda: inline.append("x")
+    )
+    assert small[0].inline and inline == []
+
+
+def test_before_upload_overlaps_the_encoding_of_other_parts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the registration runs, another thread encodes the next part (the
+    registration is a consensus commit: no reason to keep the other core idle)."""
+    encoded = threading.Event()
+    count = [0]
+    lock = threading.Lock()
+    real = parts.encode_part
+
+    def counting(table: pa.Table) -> bytes:
+        with lock:
+            count[0] += 1
+            if count[0] >= 2:
+                encoded.set()
+        return real(table)
+
+    monkeypatch.setattr(parts, "encode_part", counting)
+    seen: list[bool] = []
+
+    def register() -> None:
+        seen.append(encoded.wait(timeout=10))  # a second part encodes meanwhile
+
+    blob = MemoryBlob()
+    t = _sample(5000)
+    refs = write_parts(
+        blob,
+        t,
+        "s/b",
+        target_part_bytes=10_000,
+        inline_max_bytes=0,
+        max_workers=2,
+        before_upload=register,
+    )
+    assert seen == [True]
+    assert read_parts(blob, refs).equals(t)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_a_failing_before_upload_is_raised_as_is_with_nothing_uploaded(workers: int) -> None:
+    calls: list[int] = []
+
+    class Refused(Exception):
+        pass
+
+    def register() -> None:
+        calls.append(1)
+        raise Refused("the lease ran out")
+
+    events: list[str] = []
+    blob = _RecordingBlob(events)
+    with pytest.raises(Refused, match="lease ran out"):
+        write_parts(
+            blob,
+            _sample(5000),
+            "s/b",
+            target_part_bytes=10_000,
+            inline_max_bytes=0,
+            max_workers=workers,
+            before_upload=register,
+        )
+    assert calls == [1]
+    assert events == [] and blob.list_keys() == []
+
+
 def test_write_parts_rejects_bad_prefix_and_sizes() -> None:
     with pytest.raises(InvalidKey):
         write_parts(MemoryBlob(), _sample(3), "../escape")

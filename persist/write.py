@@ -958,7 +958,8 @@ class WriteHandle(ShardHandle):
 
         A writer whose builders produced batches it did not append itself (e.g. batches
         transmitted to another process, which appends them) is not unregistered: its
-        lease runs out by itself, so the receiver can append them within the lease.
+        lease runs out by itself unless the receiver, holding the batches, renews it
+        (:meth:`hold`).
         """
         if self._expired:
             return

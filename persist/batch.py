@@ -17,6 +17,10 @@ Invariants kept here:
   before the upper (:class:`~persist.errors.InvalidRewrite`); the rewrite is applied
   when the batch is appended (:meth:`persist.write.WriteHandle.compare_and_append_batch`,
   which follows the seed's ``validate_truncate_batch``);
+* while a batch is held unconsumed by a process that made or decoded it, the leases
+  of the writers owning its parts are renewed in the background
+  (:meth:`persist.write.WriteHandle.hold`), so it stays appendable however long it is
+  held; the renewal stops once it is consumed or garbage-collected;
 * a batch is *consumed* once appended (or turned into transmittable bytes): ``delete``
   of a consumed batch deletes nothing (its parts belong to the shard or to the holder of
   the bytes);
@@ -30,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from persist.blob import Blob
@@ -77,6 +82,9 @@ class Batch:
         self._rewrite_frontier = rewrite_frontier
         self.time_range = time_range
         self._consumed = False
+        #: Called once when the batch is consumed: stops the renewal of its owners'
+        #: leases (see :meth:`persist.write.WriteHandle.hold`).
+        self._on_consumed: Callable[[], None] | None = None
         #: The idempotency token of an append of this batch whose outcome is unknown
         #: (set by ``compare_and_append_batch``; a retry with this batch reuses it).
         self.pending_token: str | None = None
@@ -188,6 +196,9 @@ class Batch:
     def mark_consumed(self) -> None:
         """Record that the parts now belong elsewhere (appended or transmitted)."""
         self._consumed = True
+        release, self._on_consumed = self._on_consumed, None
+        if release is not None:
+            release()
 
     def delete(self) -> None:
         """Delete the batch's blob parts (best effort: a failed delete leaves garbage for
@@ -197,7 +208,7 @@ class Batch:
         doubt, leave the parts to GC, which deletes only unreferenced ones."""
         if self._consumed:
             return
-        self._consumed = True
+        self.mark_consumed()
         for key in self.blob_keys():
             try:
                 self._blob.delete(key)
@@ -228,7 +239,7 @@ class Batch:
         body = self.to_json()
         body["digest"] = _digest(body)
         data = json.dumps(body, separators=(",", ":")).encode("utf-8")
-        self._consumed = True
+        self.mark_consumed()
         return data
 
     @classmethod

@@ -674,6 +674,17 @@ class ShardState:
                 w, last_heartbeat_ms=now_ms, lease_duration_ms=lease_ms
             )
 
+    def renew_writer(self, writer_id: str, now_ms: int) -> bool:
+        """Renew the lease of a writer that is live at ``now_ms`` (keeping its lease
+        duration), on behalf of whoever holds a batch of its parts.  A writer that is
+        gone or whose lease ran out is never brought back (GC may have deleted its
+        parts).  Returns whether it was renewed."""
+        w = self.writers.get(writer_id)
+        if w is None or w.expired(now_ms):
+            return False
+        self.writers[writer_id] = replace(w, last_heartbeat_ms=now_ms)
+        return True
+
     def apply_merge_res(self, res: FueledMergeRes, now_ms: int) -> ApplyMergeResult:
         """Swap a compaction result into the trace; blob keys it stops referencing are
         retired at ``now_ms`` (listed in ``retire_adds``, for GC after its grace period).

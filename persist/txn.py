@@ -441,7 +441,10 @@ class Txn:
         transaction, as if :meth:`write` had written them: a batch ``[RAW_TIME,
         RAW_TIME + 1)`` (:data:`RAW_TIME`) takes the commit time; any other batch keeps
         its updates' own times (its ``time_range`` must be known), as with
-        ``time_column``.  Their writers' leases must still be live at commit.
+        ``time_column``.  Their writers' leases are renewed while the batches are held
+        (:meth:`~persist.write.WriteHandle.hold`, from when they were decoded or
+        built); a writer whose lease had already run out before that makes the commit
+        raise ``LeaseExpired``.
 
         Raises:
             InvalidUsage: a batch of another shard, consumed, rewritten, without a

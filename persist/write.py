@@ -36,7 +36,10 @@ Invariants kept here:
   never deletes a live writer's parts; a writer whose lease ran out is never
   registered again, and ``compare_and_append_batch`` refuses, committing nothing, a
   batch whose parts are gone or whose writer is not live (``PartsMissing``,
-  ``LeaseExpired``);
+  ``LeaseExpired``); a batch held unconsumed, or a builder holding uploaded parts,
+  keeps the leases of its parts' writers alive in the background (:meth:`WriteHandle.hold`,
+  every quarter lease, through the handle's :attr:`WriteHandle.lease_keeper`), so it
+  stays appendable however long it is held; a writer already gone is never renewed;
 * a :class:`BatchBuilder` checks times at ``add`` (``>= lower``) and ``finish``
   (``< upper``); a failed ``add`` leaves it exactly as before the call and a failed
   ``finish`` leaves it unfinished with every accepted update, so a finished batch never
@@ -53,6 +56,7 @@ import hashlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
@@ -80,6 +84,7 @@ from persist.errors import (
 )
 from persist.handle import ShardHandle
 from persist.keys import key_writer_id, part_name_prefix
+from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.parts import (
     DIFF,
     TIME,
@@ -295,11 +300,65 @@ class WriteHandle(ShardHandle):
 
         return fn
 
+    #: Runs the background renewals of :meth:`hold` (tests inject one with a clock).
+    lease_keeper: LeaseKeeper = DEFAULT_KEEPER
+
+    def hold(self, holder: object, owners: Sequence[str], alive: Callable[[], bool]) -> int:
+        """Keep the leases of the writers ``owners`` alive while ``holder`` (a batch or
+        a builder holding their parts) lives and ``alive()`` is true: every quarter of
+        the shortest of their leases (and of this handle's), a transition renews each
+        one still live (:meth:`ShardState.renew_writer`); the parts of a live writer
+        are never deleted by GC.  The renewal stops when ``holder`` is garbage-collected,
+        ``alive()`` turns false, an owner is found gone or expired (it is never brought
+        back: its parts may be deleted, and the append then raises ``LeaseExpired``), or
+        the client is closed.  A failed renewal (the stash is down) is tried again at the
+        next interval.  Returns the registration id in :attr:`lease_keeper` (unregister
+        it to stop earlier).  Source of the idea: persist-client, where whoever holds a
+        batch keeps its writer's lease (``004``).
+        """
+        wids = tuple(sorted(set(owners)))
+        keeper = self.lease_keeper
+        machine = self._machine
+        client = self._client
+        ref = weakref.ref(holder)
+        st = machine.state()
+        lease = min(
+            [self._lease_ms] + [st.writers[w].lease_duration_ms for w in wids if w in st.writers]
+        )
+
+        def beat() -> bool:
+            if ref() is None or not alive() or client._closed:
+                return False
+            now = machine.now_ms()
+
+            def fn(st: ShardState, fresh: bool) -> tuple[bool, bool]:
+                renewed = [st.renew_writer(w, now) for w in wids]
+                return all(renewed), any(renewed)
+
+            return machine.apply(fn)
+
+        ident = keeper.register(
+            f"holder of {len(wids)} writer(s)' parts in shard {self.shard_id}",
+            max(lease / 4000, 0.001),
+            beat,
+        )
+        weakref.finalize(holder, keeper.unregister, ident)
+        return ident
+
+    def _hold_batch(self, batch: Batch) -> Batch:
+        """:meth:`hold` the owners of ``batch``'s blob parts until it is consumed."""
+        owners = [w for k in batch.blob_keys() if (w := key_writer_id(k)) is not None]
+        if owners and not batch.consumed:
+            ident = self.hold(batch, owners, lambda: True)
+            keeper = self.lease_keeper
+            batch._on_consumed = partial(keeper.unregister, ident)
+        return batch
+
     def heartbeat(self) -> None:
-        """Register this writer in the shard state, or renew its lease.  A writer that
-        keeps a builder or a written batch open must heartbeat within its lease
-        duration: the parts of a live writer are never deleted by GC, whatever their
-        age; those of a writer whose lease ran out may be.
+        """Register this writer in the shard state, or renew its lease.  The parts of a
+        live writer are never deleted by GC, whatever their age; those of a writer whose
+        lease ran out may be.  A batch or builder holding parts renews their writers'
+        leases by itself (:meth:`hold`).
 
         Raises:
             LeaseExpired: the lease already ran out (or the writer was expired): this
@@ -458,7 +517,7 @@ class WriteHandle(ShardHandle):
             raise InvalidUsage(
                 f"transmitted batch was written for shard {b.shard_id}, not {self.shard_id}"
             )
-        return b
+        return self._hold_batch(b)
 
     @persist_metrics.timed_append
     def compare_and_append(
@@ -899,7 +958,8 @@ class WriteHandle(ShardHandle):
 
         A writer whose builders produced batches it did not append itself (e.g. batches
         transmitted to another process, which appends them) is not unregistered: its
-        lease runs out by itself, so the receiver can append them within the lease.
+        lease runs out by itself unless the receiver, holding the batches, renews it
+        (:meth:`hold`).
         """
         if self._expired:
             return
@@ -963,6 +1023,7 @@ class BatchBuilder:
         self._min_time: int | None = None
         self._max_time: int | None = None
         self._finished = False
+        self._hold_id: int | None = None  # WriteHandle.hold of its writer's lease
         self._lock = threading.RLock()  # add, finish and abort are serialized
 
     def add(self, updates: Updates) -> None:
@@ -1016,6 +1077,12 @@ class BatchBuilder:
             bounds = table.select(cols).take(pa.array(ends, pa.int64()))
             if self._parts and not self._extends_run(bounds.slice(0, 1)):
                 self._runs.append(len(self._parts))
+            if run and self._hold_id is None:
+                # Uploaded parts: keep this writer's lease alive until finished.
+                me = weakref.ref(self)
+                self._hold_id = h.hold(
+                    self, [h.writer_id], lambda: (b := me()) is not None and not b._finished
+                )
             self._parts.extend(run)
             self._run_last = bounds.slice(1, 1)
         self._buffer, self._buffered_bytes = [], 0
@@ -1052,6 +1119,7 @@ class BatchBuilder:
             raise UpdateBeyondUpper(self._max_time, up)
         self._flush()
         self._finished = True
+        self._release_hold()
         hollow = HollowBatch(
             desc=Description(self.lower, up),
             parts=tuple(self._parts),
@@ -1061,12 +1129,21 @@ class BatchBuilder:
         time_range = None
         if self._min_time is not None and self._max_time is not None:
             time_range = (self._min_time, self._max_time)
-        return Batch(self._h._client.blob, self._h.shard_id, hollow, time_range=time_range)
+        batch = Batch(self._h._client.blob, self._h.shard_id, hollow, time_range=time_range)
+        return self._h._hold_batch(batch)
+
+    def _release_hold(self) -> None:
+        """Stop renewing the writer's lease for this builder (it holds no parts now: a
+        finished batch holds them itself)."""
+        ident, self._hold_id = self._hold_id, None
+        if ident is not None:
+            self._h.lease_keeper.unregister(ident)
 
     def abort(self) -> None:
         """Drop the buffer and delete the parts already written."""
         with self._lock:
             self._finished = True
+            self._release_hold()
             self._buffer = []
             Batch(
                 self._h._client.blob,

@@ -33,15 +33,18 @@ interpreter, so it cannot hand its batches to a transaction object the user's co
 Invariants kept here: a write that raised added nothing to the transaction (its tasks'
 uploaded parts are deleted when the driver got them, else left to GC once the executors'
 writer leases run out); an aborted transaction deletes every part it collected; the
-executors' writers stay registered (their leases are not released) until their batches
-are committed or the leases run out, so GC never deletes a part a pending transaction
-holds within the writer lease (one hour by default).
+executors' writers stay registered (their leases are not released), and the driver
+renews their leases while it holds their batches (decoded batches held by a
+transaction, and the untaken chunks of a :class:`PreparedWrite`:
+:meth:`persist.WriteHandle.hold`), so GC never deletes a part a pending transaction or
+an untaken chunk holds, however long it is held.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,6 +194,33 @@ class PreparedWrite:
     key_schema: pa.Schema
     value_schema: pa.Schema
     chunks: dict[int | None, tuple[list[bytes], int]] = field(default_factory=dict)
+    #: The client and stash renewing the executors' writer leases (closed on discard).
+    _keeper: tuple[Any, Any] | None = field(default=None, repr=False)
+
+    def keep_leases(self, client: Any, stash: Any, lease_keeper: Any = None) -> None:
+        """Renew, in the background, the leases of the executors' writers whose parts
+        the untaken chunks hold, for as long as any chunk is untaken
+        (:meth:`persist.WriteHandle.hold`), so a chunk taken hours later still commits.
+        ``client`` (on ``stash``) is this object's from now on: :meth:`discard` closes
+        both.  ``lease_keeper``: the :class:`persist.lease.LeaseKeeper` running the
+        renewal (the default one unless given: tests pass one with an injected clock)."""
+        self._keeper = (client, stash)
+        from persist.batch import Batch
+        from persist.keys import key_writer_id
+
+        owners = {
+            w
+            for payloads, _ in self.chunks.values()
+            for p in payloads
+            for k in Batch.from_transmittable(client.blob, p).blob_keys()
+            if (w := key_writer_id(k)) is not None
+        }
+        if owners:
+            handle = client.open_writer(self.shard, self.key_schema, self.value_schema)
+            if lease_keeper is not None:
+                handle.lease_keeper = lease_keeper
+            me = weakref.ref(self)
+            handle.hold(self, sorted(owners), lambda: (p := me()) is not None and bool(p.chunks))
 
     @property
     def shard(self) -> str:
@@ -204,6 +234,15 @@ class PreparedWrite:
     def discard(self) -> None:
         """Delete the parts of every chunk not taken (best effort: a part that cannot be
         deleted is left to GC once its writer's lease runs out)."""
+        keeper, self._keeper = self._keeper, None
+        try:
+            self._discard_chunks()
+        finally:
+            if keeper is not None:
+                keeper[0].close()
+                keeper[1].close()
+
+    def _discard_chunks(self) -> None:
         if not self.chunks:
             return
         chunks, self.chunks = self.chunks, {}
@@ -315,24 +354,30 @@ def prepare_write(
     from persist import PersistClient
     from stash import Stash
 
-    with Stash.open(stash_url, fenced=False) as s:
+    s = Stash.open(stash_url, fenced=False)
+    client = None
+    try:
         client = PersistClient(s, blob_uri, compaction="off")
-        try:
-            return _run_write(
-                spark,
-                stash_url,
-                blob_uri,
-                df,
-                shard,
-                key_columns=key_columns,
-                value_columns=value_columns,
-                time_column=time_column,
-                diff_column=diff_column,
-                chunk_column=chunk_column,
-                client=client,
-            )
-        finally:
+        prepared = _run_write(
+            spark,
+            stash_url,
+            blob_uri,
+            df,
+            shard,
+            key_columns=key_columns,
+            value_columns=value_columns,
+            time_column=time_column,
+            diff_column=diff_column,
+            chunk_column=chunk_column,
+            client=client,
+        )
+        prepared.keep_leases(client, s)
+        return prepared
+    except BaseException:
+        if client is not None:
             client.close()
+        s.close()
+        raise
 
 
 class PersistTxn:

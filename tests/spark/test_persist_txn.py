@@ -205,3 +205,53 @@ def test_prepare_write_deletes_the_chunks_no_transaction_took(spark: Any, spark_
             c.close()
     left = _parts(root) - before
     assert len(left) == len(referenced)  # only the taken chunk's parts remain
+
+
+def test_a_prepared_write_keeps_the_executors_leases_while_chunks_wait(tmp_path: Path) -> None:
+    """The untaken chunks of a PreparedWrite stay committable however long they wait:
+    the driver renews the executors' writer leases while it holds them (no Spark job is
+    needed: the executors' bytes are made here with a writer of their own)."""
+    import pyarrow as pa
+
+    from persist import collect_garbage
+    from persist.lease import LeaseKeeper
+    from spark.persist_common import ShardTarget
+    from spark.persist_txn import PreparedWrite
+
+    now = [1_700_000_000.0]
+
+    def clock() -> float:
+        return now[0]
+
+    url, blob = f"sqlite:///{tmp_path}/s.db", f"file://{tmp_path}/blob"
+    ks, vs = pa.schema([("k", pa.int64())]), pa.schema([("v", pa.string())])
+    stash = Stash.open(url, fenced=False)
+    executor = PersistClient(
+        stash, blob, compaction="off", inline_max_bytes=0, writer_lease_seconds=600, clock=clock
+    )
+    task = executor.open_writer("load", ks, vs)
+    data = task.batch([(((1,), ("a",)), 0, 1)], 0, 1).into_transmittable()
+    executor.close()
+    prepared = PreparedWrite(ShardTarget(url, blob, "load"), ks, vs, {7: ([data], 1)})
+    keeper = LeaseKeeper(clock=clock, thread=False)
+    driver_stash = Stash.open(url, fenced=False)
+    driver = PersistClient(driver_stash, blob, compaction="off", clock=clock)
+    prepared.keep_leases(driver, driver_stash, keeper)
+    other = PersistClient(stash, blob, compaction="off", clock=clock, reader_lease_seconds=36_000)
+    _w, r = other.open("load", ks, vs)
+    for step in range(72):  # two hours, GC (grace 600 s) every hour
+        now[0] += 100
+        keeper.run_due()
+        if step % 36 == 35:
+            collect_garbage(other, "load", grace_seconds=600)
+    payloads, rows = prepared.take(7)
+    w = other.open_writer("load", ks, vs)
+    w.compare_and_append_batch([w.batch_from_transmittable(p) for p in payloads], 0, 1)
+    assert rows == 1 and r.snapshot(0)["k"].to_pylist() == [1]
+    assert keeper.registered() == 1  # the chunks' hold (the decoded batch was appended)
+    now[0] += 600
+    keeper.run_due()
+    assert keeper.registered() == 0  # no chunk left untaken: the renewal ended
+    prepared.discard()
+    other.close()
+    stash.close()

@@ -1,0 +1,182 @@
+"""A written batch stays appendable however long it is held: whoever holds it (the
+writer that built it, or the process that decoded its transmittable bytes) renews the
+leases of its parts' writers in the background, so GC never deletes them (the
+persist-client idea that the holder of a batch keeps its writer's lease).  Clocks are
+injected: the keeper's beats run only when told, while the shard's clock passes several
+leases and GC grace periods."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from persist import LeaseExpired, MemoryBlob, PersistClient, collect_garbage, fsck
+from persist.lease import LeaseKeeper
+from stash import Antichain, Stash
+
+KS = pa.schema([("k", pa.int64())])
+VS = pa.schema([("v", pa.string())])
+HOUR = 3600.0
+LEASE = 600.0  # the writers' lease (s)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def stash() -> Iterator[Stash]:
+    s = Stash.open("memory://", fenced=False)
+    yield s
+    s.close()
+
+
+def client(stash: Stash, blob: Any, clock: Clock, **kw: Any) -> PersistClient:
+    kw.setdefault("compaction", "off")
+    kw.setdefault("inline_max_bytes", 0)
+    kw.setdefault("writer_lease_seconds", LEASE)
+    kw.setdefault("reader_lease_seconds", 3 * HOUR)
+    return PersistClient(stash, blob, clock=clock, **kw)
+
+
+def upd(k: int, v: str, t: int = 0) -> Any:
+    return ((k,), (v,)), t, 1
+
+
+def pass_time(clock: Clock, keeper: LeaseKeeper, gc_client: PersistClient, shard: str) -> None:
+    """Two hours (12 writer leases) in steps of a sixth of a lease, GC (grace: one
+    lease) every hour."""
+    for step in range(72):
+        clock.now += LEASE / 6
+        keeper.run_due()
+        if step % 36 == 35:
+            collect_garbage(gc_client, shard, grace_seconds=LEASE)
+
+
+def rows(t: pa.Table) -> list[tuple[int, str, int]]:
+    return sorted(zip(t["k"].to_pylist(), t["v"].to_pylist(), t["_diff"].to_pylist(), strict=True))
+
+
+def test_a_batch_held_by_its_writer_outlives_every_lease_and_grace(stash: Stash) -> None:
+    clock, blob = Clock(), MemoryBlob()
+    c = client(stash, blob, clock)
+    gc_client = client(stash, blob, clock, reader_lease_seconds=10 * HOUR)
+    w, r = c.open("held", KS, VS)
+    keeper = w.lease_keeper = LeaseKeeper(clock=clock, thread=False)
+    batch = w.batch([upd(1, "a"), upd(2, "b")], 0, 1)
+    assert keeper.registered() == 1
+    pass_time(clock, keeper, gc_client, "held")  # the writer itself does nothing
+    r.heartbeat()
+    w.compare_and_append_batch([batch], 0, 1)
+    assert rows(r.snapshot(0)) == [(1, "a", 1), (2, "b", 1)]
+    assert fsck(c, "held").ok
+    assert keeper.registered() == 0  # appended: the renewal stopped
+
+
+def test_a_batch_decoded_from_bytes_keeps_the_sending_writer_alive(stash: Stash) -> None:
+    """As the Spark jobs do: an executor's writer writes a batch and hands its bytes to
+    the driver, which holds it (e.g. between the transactions of a load) for hours."""
+    clock, blob = Clock(), MemoryBlob()
+    executor = client(stash, blob, clock)
+    driver = client(stash, blob, clock)
+    gc_client = client(stash, blob, clock, reader_lease_seconds=10 * HOUR)
+    task = executor.open_writer("spark", KS, VS)
+    data = task.batch([upd(1, "a")], 0, 1).into_transmittable()
+    executor.close()  # the task is gone; its writer was lent out, so not unregistered
+    w, r = driver.open("spark", KS, VS)
+    keeper = w.lease_keeper = LeaseKeeper(clock=clock, thread=False)
+    batch = w.batch_from_transmittable(data)
+    assert keeper.registered() == 1
+    pass_time(clock, keeper, gc_client, "spark")
+    r.heartbeat()
+    w.heartbeat()
+    w.compare_and_append_batch([batch], 0, 1)
+    assert rows(r.snapshot(0)) == [(1, "a", 1)]
+    assert fsck(driver, "spark").ok
+
+
+def test_a_builder_holding_parts_keeps_its_writer_alive(stash: Stash) -> None:
+    clock, blob = Clock(), MemoryBlob()
+    c = client(stash, blob, clock, target_part_bytes=1)  # every add is written at once
+    gc_client = client(stash, blob, clock, reader_lease_seconds=10 * HOUR)
+    w, r = c.open("building", KS, VS)
+    keeper = w.lease_keeper = LeaseKeeper(clock=clock, thread=False)
+    b = w.builder(0)
+    b.add([upd(1, "a")])
+    assert keeper.registered() == 1
+    pass_time(clock, keeper, gc_client, "building")
+    b.add([upd(2, "b")])
+    batch = b.finish(1)
+    assert keeper.registered() == 1  # the batch holds the parts now, not the builder
+    r.heartbeat()
+    w.compare_and_append_batch([batch], 0, 1)
+    assert rows(r.snapshot(0)) == [(1, "a", 1), (2, "b", 1)]
+    assert fsck(c, "building").ok
+
+
+def test_a_writer_already_gone_is_never_brought_back(stash: Stash) -> None:
+    """If the holder could not renew in time (its process paused past the lease), the
+    writer's parts may be gone: the renewal stops and the append is refused, committing
+    nothing."""
+    clock, blob = Clock(), MemoryBlob()
+    c = client(stash, blob, clock)
+    w, r = c.open("paused", KS, VS)
+    keeper = w.lease_keeper = LeaseKeeper(clock=clock, thread=False)
+    batch = w.batch([upd(1, "a")], 0, 1)
+    clock.now += 2 * LEASE  # no beat ran meanwhile
+    r.heartbeat()  # a transition drops the expired writer
+    assert w.writer_id not in c.inspect("paused").writers
+    keeper.run_due()
+    assert keeper.registered() == 0
+    assert w.writer_id not in c.inspect("paused").writers
+    with pytest.raises(LeaseExpired):
+        w.compare_and_append_batch([batch], 0, 1)
+    assert c.inspect("paused").upper == Antichain.from_elem(0)
+
+
+@pytest.mark.parametrize("how", ["append", "delete", "transmit", "drop", "abort"])
+def test_the_renewal_stops_when_the_batch_is_let_go(stash: Stash, how: str) -> None:
+    clock, blob = Clock(), MemoryBlob()
+    c = client(stash, blob, clock, target_part_bytes=1)
+    w, _r = c.open("let-go", KS, VS)
+    keeper = w.lease_keeper = LeaseKeeper(clock=clock, thread=False)
+    b = w.builder(0)
+    b.add([upd(1, "a")])
+    if how == "abort":
+        b.abort()
+    else:
+        batch = b.finish(1)
+        assert keeper.registered() == 1
+        if how == "append":
+            w.compare_and_append_batch([batch], 0, 1)
+        elif how == "delete":
+            batch.delete()
+        elif how == "transmit":
+            batch.into_transmittable()
+        else:
+            del batch
+            gc.collect()
+    del b
+    gc.collect()
+    assert keeper.registered() == 0
+
+
+def test_the_renewal_stops_when_the_client_closes(stash: Stash) -> None:
+    clock, blob = Clock(), MemoryBlob()
+    c = client(stash, blob, clock)
+    w, _r = c.open("closing", KS, VS)
+    keeper = w.lease_keeper = LeaseKeeper(clock=clock, thread=False)
+    batch = w.batch([upd(1, "a")], 0, 1)
+    c.close()
+    clock.now += LEASE
+    keeper.run_due()
+    assert keeper.registered() == 0
+    assert not batch.consumed

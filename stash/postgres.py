@@ -364,7 +364,9 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
     statement returns whether the rule on diff sums is broken afterwards.  All parts see the snapshot of the
     statement, so the consolidation merges the new rows (from the ``c_new`` CTE) with the
     stored ones (from the table) itself.  Built from constant fragments with
-    :mod:`psycopg.sql`; every value is a bound parameter.
+    :mod:`psycopg.sql`; every value is a bound parameter.  The arrays are sent in
+    binary (``%(name)b``): as text, psycopg escaped every JSON text for the array
+    literal, about 20% of a one-row persist append's client CPU.
     """
     q = sql.SQL
     ctes: list[sql.Composable] = []
@@ -372,7 +374,7 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
         ctes.append(
             q(
                 "c_new AS (SELECT k::jsonb AS key, v::jsonb AS value, t AS time, d AS diff"
-                " FROM unnest(%(ks)s::text[], %(vs)s::text[], %(ts)s::int8[], %(ds)s::int8[])"
+                " FROM unnest(%(ks)b::text[], %(vs)b::text[], %(ts)b::int8[], %(ds)b::int8[])"
                 " AS x(k, v, t, d))"
             )
         )
@@ -383,7 +385,7 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
             # A set joined (hashed or index-probed), never "= ANY(array)": under a generic
             # plan that is a linear scan of the array for every row, O(rows x keys).
             ctes.append(
-                q("c_keys AS (SELECT DISTINCT k::jsonb AS key FROM unnest(%(ck)s::text[]) AS k)")
+                q("c_keys AS (SELECT DISTINCT k::jsonb AS key FROM unnest(%(ck)b::text[]) AS k)")
             )
             # Stored rows are fetched key by key through the (collection_id, key) index
             # (a LATERAL probe per key; OFFSET 0 keeps the planner from flattening it

@@ -195,6 +195,19 @@ def test_big_whole_float_round_trips(opened) -> None:  # type: ignore[no-untyped
     assert s.peek_key_one(c, "k") == 4.676280215831621e16
 
 
+def _positional(
+    statement: str, names: list[str], keep_numbers: bool = False
+) -> tuple[str, list[str]]:
+    """``statement`` with its named placeholders, text (``%(n)s``) and binary
+    (``%(n)b``), turned into ``$i`` for ``PREPARE``, and the names it uses in order.
+    ``$i`` counts the used names, or (``keep_numbers``) all of ``names``."""
+    used = [n for n in names if f"%({n})s" in statement or f"%({n})b" in statement]
+    for i, n in enumerate(names if keep_numbers else used):
+        statement = statement.replace(f"%({n})s", f"${i + 1}").replace(f"%({n})b", f"${i + 1}")
+    assert "%(" not in statement, statement  # every placeholder was rewritten
+    return statement, used
+
+
 def test_generic_plan_of_the_append_statement_has_no_array_scan(
     opened, postgres_server, pg
 ) -> None:  # type: ignore[no-untyped-def]
@@ -225,11 +238,8 @@ def test_generic_plan_of_the_append_statement_has_no_array_scan(
     with postgres_server.connect(dbname(pg)) as conn:
         conn.execute("SET plan_cache_mode = force_generic_plan")
         for key, statement in _FLUSH_SQL.items():
-            q = statement
-            for i, n in enumerate(names):
-                q = q.replace(f"%({n})s", f"${i + 1}")
-            used = [t for n, t in zip(names, types, strict=True) if f"%({n})s" in statement]
-            assert all(f"%({n})s" not in q for n in names)
+            q, used_names = _positional(statement, names, keep_numbers=True)
+            used = [types[names.index(n)] for n in used_names]
             name = f"flush_{key[0]}_{key[1]}"
             conn.execute(f"PREPARE {name}({', '.join(types)}) AS {q}")
             args = "1, 2, true, 1, true, 1, ARRAY['1'], ARRAY['1'], ARRAY[1]::int8[], ARRAY[1]::int8[], ARRAY['1']"
@@ -274,10 +284,7 @@ def test_cached_plans_made_on_a_tiny_collection_stay_key_driven(
     types += ["text[]", "text"]
 
     def positional(statement: str) -> tuple[str, list[str]]:
-        used = [n for n in names if f"%({n})s" in statement]
-        for i, n in enumerate(used):
-            statement = statement.replace(f"%({n})s", f"${i + 1}")
-        return statement, used
+        return _positional(statement, names)
 
     with postgres_server.connect(dbname(pg)) as conn:
         conn.execute("SET plan_cache_mode = force_generic_plan")

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from persist.encoding import _IPC_STREAM_MAGIC, _sha256
+from persist.encoding import _IPC_STREAM_MAGIC, INLINE_ZSTD_MAGIC, _sha256, inline_stream
 from persist.errors import CorruptPart
 from persist.types import PartRef
 
@@ -135,9 +135,9 @@ def decode_part(data: bytes, ref: PartRef, columns: Sequence[str] | None = None)
     digest = _sha256(data)
     if digest != ref.checksum:
         raise CorruptPart(name, f"SHA-256 {digest} does not match the reference {ref.checksum}")
-    if ref.inline is not None and data[:4] == _IPC_STREAM_MAGIC:
+    if ref.inline is not None and data[:4] in (INLINE_ZSTD_MAGIC, _IPC_STREAM_MAGIC):
         try:
-            table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
+            table = pa.ipc.open_stream(pa.BufferReader(inline_stream(data))).read_all()
             if columns is not None:
                 table = table.select(list(columns))
         except KeyError:

@@ -1,8 +1,9 @@
 """Encoding of one part: Parquet for blob parts, Arrow IPC for small inline parts.
 
 :func:`encode_part` chooses per column between dictionary, delta and plain encodings;
-:func:`encode_inline_part` writes an Arrow IPC stream for parts small enough to live in
-the shard's state; :func:`make_part_ref` describes encoded bytes with their SHA-256
+:func:`encode_inline_part` writes a zstd-compressed Arrow IPC stream for parts small
+enough to live in the shard's state (:data:`INLINE_ZSTD_MAGIC`, the stream's length,
+then the zstd frame; decoders also read the plain streams written before); :func:`make_part_ref` describes encoded bytes with their SHA-256
 checksum (the persist-client batch builder, seed ``004``).
 
 Invariants kept here:
@@ -146,15 +147,28 @@ def encode_part(table: pa.Table) -> bytes:
 
 _PARQUET_MAGIC = b"PAR1"
 _IPC_STREAM_MAGIC = b"\xff\xff\xff\xff"
+#: The first bytes of a compressed inline part: then the Arrow IPC stream's length in
+#: bytes (4 bytes, little-endian) and the stream as one zstd frame.
+INLINE_ZSTD_MAGIC = b"PZI1"
+#: The longest IPC stream a compressed inline part may announce (a guard against a
+#: corrupt length; inline parts are a few KiB).
+INLINE_MAX_STREAM_BYTES = 64 * _MIB
+#: zstd at level 1: a one-row flights part's 2,840-byte stream becomes 1,012 bytes in
+#: about 16 us (level 3: 960 bytes, 19 us).
+_INLINE_CODEC = pa.Codec("zstd", compression_level=1)
 
 
 def encode_inline_part(table: pa.Table) -> bytes:
-    """Encode a small part to be kept inline in the shard state, as an Arrow IPC stream.
+    """Encode a small part to be kept inline in the shard state: an Arrow IPC stream,
+    compressed whole with zstd behind :data:`INLINE_ZSTD_MAGIC` and the stream's length.
 
-    A one-row flights part encodes in about 20 us and decodes in about 30 us this way,
+    A one-row flights part encodes in about 40 us and decodes in about 40 us this way,
     against about 400 us and 320 us as Parquet (whose writer and reader set-up dominates
-    for a few rows); the bytes are also smaller. :func:`decode_part` tells the two
-    formats apart by their magic bytes. Blob parts are always Parquet.
+    for a few rows). Compressing the whole stream, schema message included, makes a
+    one-row flights part 2.8 times smaller than the plain stream (1,020 bytes against
+    2,840), and the shard state's entry with it: a one-row append then writes about a
+    third of the bytes to the stash. :func:`decode_part` tells the formats apart by
+    their magic bytes (and still reads plain IPC streams). Blob parts are always Parquet.
 
     Raises:
         InvalidUsage: pyarrow cannot encode the table.
@@ -165,7 +179,36 @@ def encode_inline_part(table: pa.Table) -> bytes:
             writer.write_table(table)
     except (pa.ArrowException, ValueError, TypeError) as e:
         raise InvalidUsage(f"cannot encode inline part as Arrow IPC: {e}") from None
-    return bytes(sink.getvalue())
+    stream = sink.getvalue()
+    size = int(stream.size)
+    if size > INLINE_MAX_STREAM_BYTES:
+        raise InvalidUsage(
+            f"an inline part's Arrow IPC stream may be at most {INLINE_MAX_STREAM_BYTES} "
+            f"bytes, got {size}"
+        )
+    frame: bytes = _INLINE_CODEC.compress(stream, asbytes=True)
+    return INLINE_ZSTD_MAGIC + size.to_bytes(4, "little") + frame
+
+
+def inline_stream(data: bytes) -> bytes | pa.Buffer:
+    """The Arrow IPC stream of an inline part's bytes (decompressed if they carry
+    :data:`INLINE_ZSTD_MAGIC`, else as given: a plain stream of older versions).
+
+    Raises:
+        ValueError: a compressed form whose announced length is out of bounds or whose
+            frame does not decompress to exactly that many bytes.
+    """
+    if data[:4] != INLINE_ZSTD_MAGIC:
+        return data
+    if len(data) < 8:
+        raise ValueError("truncated compressed inline part header")
+    n = int.from_bytes(data[4:8], "little")
+    if n > INLINE_MAX_STREAM_BYTES:
+        raise ValueError(f"compressed inline part announces {n} bytes, more than allowed")
+    try:
+        return _INLINE_CODEC.decompress(memoryview(data)[8:], decompressed_size=n, asbytes=False)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"zstd frame does not decompress: {e}") from None
 
 
 def _sha256(data: bytes) -> str:

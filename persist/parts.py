@@ -174,7 +174,7 @@ def write_parts(
     ``order`` (an int64 numpy array of row positions, e.g. from
     :func:`consolidate_order`), as ``table.take(order)``: each part is then gathered
     by the thread that encodes it, so the whole reordered table never exists at once
-    and gathering overlaps encoding. If its Arrow IPC encoding
+    and gathering overlaps encoding. If its inline encoding
     (:func:`encode_inline_part`) is at most ``inline_max_bytes`` it becomes one inline
     part (no blob call; seed ``004``'s inline writes). Otherwise it is split by
     :func:`split_for_parts` (at least ``max_workers`` parts when it holds at least

@@ -6,11 +6,12 @@ Invariants kept here:
 * a :class:`Description` satisfies ``lower <= upper`` (as frontiers) and describes the
   updates with ``lower <= time < upper``, whose times may have been advanced to ``since``;
 * a :class:`PartRef` names exactly one immutable encoded part: either a blob key
-  (``key``, a Parquet object) or inline bytes held in the shard state (``inline``, an
-  Arrow IPC stream; see ``persist.encoding.encode_inline_part``), never both; ``checksum``
-  is the SHA-256 hex digest of the encoded bytes; its ``schema_id`` names the value
-  schema version it was written with (``0``, omitted from the JSON, for parts of states
-  older than schema versions: they were all written with the shard's first schema); its
+  (``key``, a Parquet object) or inline bytes held in the shard state (``inline``, a
+  zstd-compressed Arrow IPC stream; see ``persist.encoding.encode_inline_part``), never
+  both; ``checksum`` is the SHA-256 hex digest of the encoded bytes; its ``schema_id``
+  names the value schema version it was written with (``0``, omitted from the JSON, for
+  parts of states older than schema versions: they were all written with the shard's
+  first schema); its
   ``key_samples``, when present, are
   the keys of evenly spaced rows of the part, its first and last row included, encoded
   by :func:`persist.merge.encode_keys` (``None`` for parts written before they existed);
@@ -81,8 +82,8 @@ class PartRef:
 
     Attributes:
         key: blob key of the part, or ``None`` for an inline part.
-        inline: the bytes of an inline part (Arrow IPC; older states hold Parquet), or
-            ``None``.
+        inline: the bytes of an inline part (zstd-compressed Arrow IPC; older states
+            hold a plain IPC stream or Parquet), or ``None``.
         rows: number of updates (rows) in the part.
         encoded_size_bytes: size of the encoded bytes.
         checksum: SHA-256 hex digest of the encoded bytes.

@@ -213,16 +213,16 @@ def test_one_row_appends_of_a_wide_schema_stay_inline_and_compaction_moves_them_
     stash: Stash, tmp_path: Path
 ) -> None:
     blob = FileBlob(tmp_path / "blob")
-    # A one-row part of WIDE is ~3.6 KiB, 40 rows ~6.8 KiB: merges of more than a few
-    # dozen rows go to blob.
-    c = PersistClient(stash, blob, compaction="inline", inline_max_bytes=5000)
+    # A one-row part of WIDE is ~610 bytes compressed, 40 rows ~930: merges of more than
+    # a few rows go to blob.
+    c = PersistClient(stash, blob, compaction="inline", inline_max_bytes=650)
     try:
         w, r = c.open("wide", WIDE, pa.schema([]))
         for i in range(40):
             w.compare_and_append(_wide_row(i, i), i, i + 1)
             r.downgrade_since(i)
         st = c.inspect("wide")
-        # The last append was inline (a 19-column one-row part is ~4 KiB of Parquet).
+        # The last append was inline.
         newest = st.batches()[-1]
         assert all(p.inline is not None for p in newest.parts)
         assert st.inline_bytes() <= c.inline_total_max_bytes

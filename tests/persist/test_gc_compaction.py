@@ -50,8 +50,9 @@ def test_one_row_appends_with_moving_since_stay_logarithmic(stash: Stash, n: int
     background compactor: at most 2*log2(n) batches, and GC leaves no unreferenced part.
     The issue asks for 10,000 (about 30 s here, marked slow); 2,000 runs always."""
     blob = MemoryBlob()
-    # Small batches inline, merged outputs beyond 2 KiB in blob: GC has parts to collect.
-    c = PersistClient(stash, blob, compaction="background", inline_max_bytes=2048)
+    # Small batches inline, merged outputs beyond 512 bytes (compressed: a few dozen rows)
+    # in blob: GC has parts to collect.
+    c = PersistClient(stash, blob, compaction="background", inline_max_bytes=512)
     w, r = c.open("ten", KS, VS)
     live = set()
     for i in range(n):

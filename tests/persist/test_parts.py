@@ -26,6 +26,7 @@ import persist.consolidation as consolidation
 import persist.encoding as encoding
 import persist.parts as parts
 from persist.blob import Blob, BlobMetrics, FileBlob, MemoryBlob, UnreliableBlob
+from persist.encoding import INLINE_ZSTD_MAGIC
 from persist.errors import BlobError, CorruptPart, InvalidKey, InvalidUsage
 from persist.parts import (
     INLINE_CACHE,
@@ -453,28 +454,64 @@ def test_garbage_with_matching_checksum_is_corrupt() -> None:
         decode_part(data, make_part_ref("k/y.parquet", data, 10), columns=["k", "missing"])
 
 
-def test_inline_parts_are_arrow_ipc_and_parquet_inline_parts_still_read() -> None:
-    """Inline parts are Arrow IPC streams (cheap for a few rows); the format is told by
-    the magic bytes, so an inline part written as Parquet still decodes. A blob part is
-    only ever read as Parquet."""
+def test_inline_parts_are_compressed_arrow_ipc_and_older_forms_still_read() -> None:
+    """Inline parts are zstd-compressed Arrow IPC streams (cheap for a few rows, and
+    small in the shard state); the format is told by the magic bytes, so an inline part
+    written as a plain IPC stream or as Parquet still decodes. A blob part is only ever
+    read as Parquet."""
     t = _sample(5)
-    ipc = encode_inline_part(t)
-    assert ipc[:4] == b"\xff\xff\xff\xff"
-    ref = make_part_ref(None, ipc, 5, inline=True)
-    back = decode_part(ipc, ref)
+    inline = encode_inline_part(t)
+    assert inline[:4] == INLINE_ZSTD_MAGIC
+    stream = _plain_stream(t)
+    assert int.from_bytes(inline[4:8], "little") == len(stream)
+    assert len(inline) < len(stream)  # the schema message compresses too
+    ref = make_part_ref(None, inline, 5, inline=True)
+    back = decode_part(inline, ref)
     assert back.equals(t) and back.schema == t.schema  # types (tz, decimal) round-trip
-    assert decode_part(ipc, ref, columns=["_diff", "k"]).column_names == ["_diff", "k"]
+    assert decode_part(inline, ref, columns=["_diff", "k"]).column_names == ["_diff", "k"]
     with pytest.raises(CorruptPart, match=r"<inline>.*has no column\(s\) \['missing'\]"):
-        decode_part(ipc, ref, columns=["k", "missing"])
+        decode_part(inline, ref, columns=["k", "missing"])
     with pytest.raises(CorruptPart, match="has 5 rows, the reference says 6"):
-        decode_part(ipc, make_part_ref(None, ipc, 6, inline=True))
-    torn = ipc[: len(ipc) // 2]
-    with pytest.raises(CorruptPart, match="<inline>.*not readable as Arrow IPC"):
-        decode_part(torn, make_part_ref(None, torn, 5, inline=True))
+        decode_part(inline, make_part_ref(None, inline, 6, inline=True))
     with pytest.raises(CorruptPart, match="not readable as Parquet"):
-        decode_part(ipc, make_part_ref("k/ipc.parquet", ipc, 5))
+        decode_part(inline, make_part_ref("k/ipc.parquet", inline, 5))
+    # Older inline forms: a plain IPC stream and a Parquet file.
+    assert decode_part(stream, make_part_ref(None, stream, 5, inline=True)).equals(t)
     pq_bytes = encode_part(t)
     assert decode_part(pq_bytes, make_part_ref(None, pq_bytes, 5, inline=True)).equals(t)
+
+
+def _plain_stream(t: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, t.schema) as w:
+        w.write_table(t)
+    return bytes(sink.getvalue())
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["torn frame", "torn stream", "length too long", "length too short", "huge length", "header"],
+)
+def test_a_damaged_compressed_inline_part_is_corrupt_not_misread(damage: str) -> None:
+    """Bytes whose checksum matches their ref (so damaged before the ref was made) but
+    whose zstd frame or announced stream length is wrong are reported as a corrupt
+    inline part, never decoded into other rows nor allowed to allocate a huge buffer."""
+    t = _sample(5)
+    good = encode_inline_part(t)
+    n = int.from_bytes(good[4:8], "little")
+    head = good[:4]
+    bad = {
+        "torn frame": good[: len(good) - 5],
+        "torn stream": head
+        + (n // 2).to_bytes(4, "little")
+        + pa.Codec("zstd").compress(_plain_stream(t)[: n // 2], asbytes=True),
+        "length too long": head + (n + 8).to_bytes(4, "little") + good[8:],
+        "length too short": head + (n - 8).to_bytes(4, "little") + good[8:],
+        "huge length": head + (2**32 - 1).to_bytes(4, "little") + good[8:],
+        "header": head + b"\x01",
+    }[damage]
+    with pytest.raises(CorruptPart, match="<inline>.*not readable as Arrow IPC"):
+        decode_part(bad, make_part_ref(None, bad, 5, inline=True))
 
 
 def test_make_part_ref_rules() -> None:
@@ -517,7 +554,7 @@ def test_small_batch_is_inline(tmp_path: Path) -> None:
     t = _sample(3)
     refs = write_parts(blob, t, "s1/batch-1", inline_max_bytes=64 * 1024)
     assert len(refs) == 1 and refs[0].inline is not None and refs[0].key is None
-    assert refs[0].inline[:4] == b"\xff\xff\xff\xff"  # Arrow IPC
+    assert refs[0].inline[:4] == INLINE_ZSTD_MAGIC  # compressed Arrow IPC
     assert blob.metrics.sets == 0 and blob.list_keys() == []
     assert read_parts(blob, refs).equals(t)
     INLINE_CACHE.clear()

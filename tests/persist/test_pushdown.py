@@ -330,7 +330,7 @@ def test_compaction_outputs_carry_stats_and_prune(stash: Stash) -> None:
     prunes parts."""
     blob = MemoryBlob()
     client = PersistClient(
-        stash, blob, compaction="off", inline_max_bytes=4096, target_part_bytes=300
+        stash, blob, compaction="off", inline_max_bytes=300, target_part_bytes=300
     )
     try:
         w, r = client.open("c", KS, VS)

@@ -402,22 +402,33 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
             sources = [q("SELECT key, value, time, diff FROM data WHERE collection_id = %(c)s")]
             if has_rows:
                 sources.append(q("SELECT key, value, time, diff FROM c_new"))
-        # Sums are numeric (exact).  A sum beyond i64 becomes NULL here instead of
-        # failing the statement (its row is not written): the statement's result then
-        # reports the broken rule, and the caller rolls the transaction back.
+        # The rows concerned are read once (a CTE referenced twice is materialized) and
+        # summed once per (key, value, greatest(time, since)): the groups to rewrite
+        # and the check of the rule on diff sums both come from those sums.  Sums are
+        # numeric (exact).  A sum beyond i64 becomes NULL in c_grp instead of failing
+        # the statement (its row is not written): the statement's result then reports
+        # the broken rule, and the caller rolls the transaction back.
+        ctes.append(q("c_src AS ({})").format(q(" UNION ALL ").join(sources)))
         ctes.append(
             q(
-                "c_grp AS (SELECT key, value, greatest(time, %(cs)s::int8) AS time,"
-                " CASE WHEN sum(diff) BETWEEN {lo} AND {hi} THEN sum(diff)::int8 END AS diff"
-                " FROM ({src}) a GROUP BY key, value, greatest(time, %(cs)s::int8)"
-                " HAVING count(*) > 1{whole})"
+                "c_sum AS (SELECT key, value, greatest(time, %(cs)s::int8) AS time,"
+                " sum(diff) AS s, count(*) AS n{whole} FROM c_src"
+                " GROUP BY key, value, greatest(time, %(cs)s::int8))"
             ).format(
-                src=q(" UNION ALL ").join(sources),
+                whole=q(", min(time) AS t0, bool_or(diff = 0) AS z")
+                if consolidate == "all"
+                else q("")
+            )
+        )
+        ctes.append(
+            q(
+                "c_grp AS (SELECT key, value, time,"
+                " CASE WHEN s BETWEEN {lo} AND {hi} THEN s::int8 END AS diff"
+                " FROM c_sum WHERE n > 1{whole})"
+            ).format(
                 lo=q(str(I64_MIN)),
                 hi=q(str(I64_MAX)),
-                whole=q(" OR min(time) < %(cs)s::int8 OR bool_or(diff = 0)")
-                if consolidate == "all"
-                else q(""),
+                whole=q(" OR t0 < %(cs)s::int8 OR z") if consolidate == "all" else q(""),
             )
         )
         ctes.append(
@@ -434,11 +445,10 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
         # The statement's result: whether a (key, value) concerned breaks the rule on
         # diff sums afterwards (its rows are the nonzero sums grouped above).
         check = q(
-            "SELECT EXISTS (SELECT 1 FROM (SELECT key, value, sum(diff) AS s FROM ({src}) a"
-            " GROUP BY key, value, greatest(time, %(cs)s::int8)) g GROUP BY key, value"
+            "SELECT EXISTS (SELECT 1 FROM c_sum GROUP BY key, value"
             " HAVING coalesce(sum(s) FILTER (WHERE s > 0), 0) > {hi}"
             " OR coalesce(sum(s) FILTER (WHERE s < 0), 0) < {lo})"
-        ).format(src=q(" UNION ALL ").join(sources), lo=q(str(I64_MIN)), hi=q(str(I64_MAX)))
+        ).format(lo=q(str(I64_MIN)), hi=q(str(I64_MAX)))
     if has_rows:
         keep = q("")
         if consolidate is not None:

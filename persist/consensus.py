@@ -768,10 +768,21 @@ class ShardMachine:
         assert cache is not None
         st = cache.state.clone()
         result, changed = fn(st, fresh)
+        return result, self._next_version(cache, st, changed, keep)
+
+    def _next_version(
+        self, cache: _Cache, st: ShardState, changed: bool, keep: tuple[str, ...]
+    ) -> Staged | None:
+        """Finish the version a transition made of ``cache``'s state, ``st``: drop expired
+        leases (but ``keep``'s), move the keys it retired to a :class:`RetiredChange`
+        and encode the entries (reusing the cached text of each unchanged one).
+        ``None`` when nothing changed."""
         if st.expire_leases(self.now_ms(), keep):
             changed = True
         retired: RetiredChange | None = None
         if st.retire_adds or st.retire_removes:
+            # A key is retired at the seqno of the version that stops referencing it
+            # (GC compares it with the readers' seqno holds).
             at = cache.state.seqno + 1
             retired = RetiredChange(
                 st.retired_upper,
@@ -782,15 +793,14 @@ class ShardMachine:
             st.retired_upper += 1
             changed = True
         if not changed:
-            return result, None
+            return None
         st.seqno = cache.state.seqno + 1
         data = st.to_entries()
         texts = {
             k: (cache.texts[k] if k in cache.data and cache.data[k] == v else Consensus.encode(v))
             for k, v in data.items()
         }
-        staged = Staged(cache.state.seqno, st, data, texts, cache.texts, retired)
-        return result, staged
+        return Staged(cache.state.seqno, st, data, texts, cache.texts, retired)
 
     def install(self, staged: Staged) -> None:
         """Cache a staged version once the caller's atomic append committed it."""
@@ -838,37 +848,13 @@ class ShardMachine:
                     self.fetch()
                     fresh = True
                     continue
-                if st.expire_leases(self.now_ms(), keep):
-                    changed = True
-                retired: RetiredChange | None = None
-                if st.retire_adds or st.retire_removes:
-                    # A key is retired at the seqno of the version that stops
-                    # referencing it (GC compares it with the readers' seqno holds).
-                    at = cache.state.seqno + 1
-                    retired = RetiredChange(
-                        st.retired_upper,
-                        {retired_entry(k, at): ms for k, ms in st.retire_adds.items()},
-                        dict(st.retire_removes),
-                    )
-                    st.retire_adds, st.retire_removes = {}, {}
-                    st.retired_upper += 1
-                    changed = True
-                if not changed:
+                staged = self._next_version(cache, st, changed, keep)
+                if staged is None:
                     return result
-                st.seqno = cache.state.seqno + 1
-                data = st.to_entries()
-                texts = {
-                    k: (
-                        cache.texts[k]
-                        if k in cache.data and cache.data[k] == v
-                        else Consensus.encode(v)
-                    )
-                    for k, v in data.items()
-                }
                 self.metrics["cas"] += 1
                 try:
                     ok = self.consensus.compare_and_set(
-                        self.shard_id, cache.state.seqno, texts, cache.texts, retired
+                        self.shard_id, cache.state.seqno, staged.texts, cache.texts, staged.retired
                     )
                 except ConsensusError as e:
                     if not e.is_indeterminate():
@@ -894,7 +880,7 @@ class ShardMachine:
                     fresh = True
                     continue
                 if ok:
-                    self._cache = _Cache(st, data, texts)
+                    self._cache = _Cache(st, staged.data, staged.texts)
                     persist_metrics.observe_commit(cache.state, st, self.now_ms())
                     return result
                 self.metrics["cas_lost"] += 1

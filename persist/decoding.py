@@ -67,11 +67,13 @@ class _InlineCache:
         if data is None or self.max_bytes <= 0:
             return
         size = table.get_total_buffer_size() + len(data)
-        if size > 4 * len(data) + 4096 or size > self.max_bytes // 4:
-            # Buffers much bigger than the encoding (an Arrow IPC encoding holds the
-            # table's bytes; a Parquet one holds them compressed): most likely a slice
-            # of a larger table, and caching it would pin the parent's buffers (copying
-            # it costs about what decoding does); or too big.
+        # The Arrow IPC stream's length (before the zstd of a compressed inline part).
+        stream = int.from_bytes(data[4:8], "little") if data[:4] == INLINE_ZSTD_MAGIC else len(data)
+        if size > 4 * stream + 4096 or size > self.max_bytes // 4:
+            # Buffers much bigger than the stream (an Arrow IPC stream holds the table's
+            # bytes; a Parquet one holds them compressed): most likely a slice of a
+            # larger table, and caching it would pin the parent's buffers (copying it
+            # costs about what decoding does); or too big.
             return
         table = table.replace_schema_metadata(None)
         with self._lock:

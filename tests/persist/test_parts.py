@@ -514,6 +514,19 @@ def test_a_damaged_compressed_inline_part_is_corrupt_not_misread(damage: str) ->
         decode_part(bad, make_part_ref(None, bad, 5, inline=True))
 
 
+def test_a_well_compressed_inline_part_is_cached(tmp_path: Path) -> None:
+    """The inline-part cache tells a slice of a bigger table (not cached) from a part
+    whose rows simply compress well by the size of the Arrow IPC stream, not of its
+    zstd frame: a part compressed more than four times over is cached all the same."""
+    t = _sample(256)
+    refs = write_parts(FileBlob(tmp_path / "b"), t, "s1/batch-1", inline_max_bytes=64 * 1024)
+    assert len(refs) == 1 and refs[0].inline is not None
+    size = t.get_total_buffer_size() + len(refs[0].inline)
+    assert size > 4 * len(refs[0].inline) + 4096  # compressed well
+    cached = INLINE_CACHE.get(refs[0])
+    assert cached is not None and cached.equals(t)
+
+
 def test_make_part_ref_rules() -> None:
     with pytest.raises(InvalidUsage, match="needs a blob key"):
         make_part_ref(None, b"x", 1)

@@ -85,6 +85,14 @@ class Batch:
         #: Called once when the batch is consumed: stops the renewal of its owners'
         #: leases (see :meth:`persist.write.WriteHandle.hold`).
         self._on_consumed: Callable[[], None] | None = None
+        #: Called once when the batch is transmitted (:meth:`into_transmittable`): its
+        #: writer's handle counts the batches it handed off (see
+        #: :meth:`persist.write.WriteHandle.expire`).
+        self._on_transmit: Callable[[], None] | None = None
+        #: Called once before :meth:`delete` deletes the parts of a batch decoded from
+        #: transmitted bytes: the receiving handle counts it down from its writers'
+        #: hand-off (see :meth:`persist.write.WriteHandle.batch_from_transmittable`).
+        self._on_delete: Callable[[], None] | None = None
         #: The idempotency token of an append of this batch whose outcome is unknown
         #: (set by ``compare_and_append_batch``; a retry with this batch reuses it).
         self.pending_token: str | None = None
@@ -209,6 +217,9 @@ class Batch:
         if self._consumed:
             return
         self.mark_consumed()
+        settle, self._on_delete = self._on_delete, None
+        if settle is not None:
+            settle()
         for key in self.blob_keys():
             try:
                 self._blob.delete(key)
@@ -240,6 +251,9 @@ class Batch:
         body["digest"] = _digest(body)
         data = json.dumps(body, separators=(",", ":")).encode("utf-8")
         self.mark_consumed()
+        transmitted, self._on_transmit = self._on_transmit, None
+        if transmitted is not None:
+            transmitted()
         return data
 
     @classmethod

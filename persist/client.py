@@ -149,10 +149,16 @@ class PersistClient:
             tests) or ``"off"`` (use :meth:`Compactor.compact_once` / ``persist compact``).
         reader_lease_seconds, writer_lease_seconds: lease durations (seconds); a handle
             that does not heartbeat (any operation does) within it is expired by others.
-        inline_max_bytes: a batch whose Parquet encoding is at most this many bytes is
-            kept inline in the state (no blob call). The default, 16 KiB, keeps one-row
-            appends of wide schemas inline (a one-row part of the 19-column flights
-            table is ~4 KiB of Parquet: schema and per-column metadata); compaction
+        handoff_lease_seconds: the lease (seconds) a writer is kept for when its handle
+            expires with batches it handed to another process and did not append (e.g.
+            a Spark task's batch waiting for the job's commit on the driver): their parts
+            stay safe from GC that long after the handle's end (and longer while the
+            receiver holds the decoded batches, which renew it); the writer is dropped as
+            soon as they are all appended.  24 hours by default.
+        inline_max_bytes: a batch whose inline encoding (a zstd-compressed Arrow IPC
+            stream) is at most this many bytes is kept inline in the state (no blob
+            call). The default, 16 KiB, keeps small appends of wide schemas inline (a
+            one-row part of the 19-column flights table is about 1 KiB); compaction
             outputs above it go to blob, so compaction moves inline data out as it
             merges.
         inline_total_max_bytes: no new inline part while the state already holds this
@@ -179,6 +185,7 @@ class PersistClient:
         compaction: CompactionMode = "background",
         reader_lease_seconds: float = 900.0,
         writer_lease_seconds: float = 3600.0,
+        handoff_lease_seconds: float = 86400.0,
         inline_max_bytes: int = 16 * 1024,
         inline_total_max_bytes: int = 1024 * 1024,
         target_part_bytes: int = DEFAULT_TARGET_PART_BYTES,
@@ -204,6 +211,11 @@ class PersistClient:
         self.compaction = compaction
         self.reader_lease_seconds = reader_lease_seconds
         self.writer_lease_seconds = writer_lease_seconds
+        if not handoff_lease_seconds > 0:
+            raise InvalidUsage(
+                f"handoff_lease_seconds must be > 0 seconds, got {handoff_lease_seconds!r}"
+            )
+        self.handoff_lease_seconds = handoff_lease_seconds
         self.inline_max_bytes = inline_max_bytes
         self.inline_total_max_bytes = inline_total_max_bytes
         self.target_part_bytes = target_part_bytes

@@ -257,12 +257,19 @@ class WriterState:
             :data:`WRITER_TOKENS_KEPT` with ``last_token``), so that a retry with a token
             stays idempotent even after the same writer appended again.  States written
             before this field existed load with ``()``.
+        handed_off: batches whose parts this writer wrote and handed to another process
+            (:meth:`persist.batch.Batch.into_transmittable`) when its handle was
+            expired, not yet appended.  While it is positive the writer is kept (for
+            its hand-off lease, see :meth:`ShardState.hand_off_writer`) so that GC keeps
+            those parts; each append of such a batch counts one down, and the writer is
+            dropped at zero.  ``0`` (omitted from the JSON) for a writer in use.
     """
 
     last_heartbeat_ms: int
     lease_duration_ms: int
     last_token: str | None = None
     tokens: tuple[str, ...] = ()
+    handed_off: int = 0
 
     def expired(self, now_ms: int) -> bool:
         """True when the lease ran out at ``now_ms``."""
@@ -300,6 +307,8 @@ class WriterState:
         }
         if self.tokens:
             d["tokens"] = list(self.tokens)
+        if self.handed_off:
+            d["handed_off"] = self.handed_off
         return d
 
     @classmethod
@@ -310,6 +319,7 @@ class WriterState:
             int(d["lease_duration_ms"]),
             None if tok is None else str(tok),
             tuple(str(t) for t in d.get("tokens", ())),
+            int(d.get("handed_off", 0)),
         )
 
 
@@ -673,6 +683,40 @@ class ShardState:
             self.writers[writer_id] = replace(
                 w, last_heartbeat_ms=now_ms, lease_duration_ms=lease_ms
             )
+
+    def hand_off_writer(self, writer_id: str, now_ms: int, lease_ms: int, batches: int) -> bool:
+        """Record that the live writer ``writer_id``, whose handle is going away, handed
+        ``batches`` batches to other processes: its lease is renewed at ``now_ms`` and
+        lengthened to at least ``lease_ms`` (the client's hand-off lease), so GC keeps
+        their parts while they travel to whoever appends them (see
+        :attr:`WriterState.handed_off`; the receiver's :meth:`persist.write.WriteHandle.hold`
+        renews it further while it holds them).  A writer that is gone or whose lease ran
+        out is never brought back.  Returns whether the writer was recorded."""
+        w = self.writers.get(writer_id)
+        if w is None or w.expired(now_ms) or batches <= 0:
+            return False
+        self.writers[writer_id] = replace(
+            w,
+            last_heartbeat_ms=now_ms,
+            lease_duration_ms=max(w.lease_duration_ms, lease_ms),
+            handed_off=w.handed_off + batches,
+        )
+        return True
+
+    def release_handed_off(self, writer_id: str, batches: int = 1) -> bool:
+        """Count ``batches`` appended batches of the handed-off writer ``writer_id`` (see
+        :attr:`WriterState.handed_off`); the writer is dropped once none is left.  A
+        writer in use (nothing handed off) is left as it is.  Returns whether anything
+        changed."""
+        w = self.writers.get(writer_id)
+        if w is None or w.handed_off <= 0 or batches <= 0:
+            return False
+        left = w.handed_off - batches
+        if left <= 0:
+            del self.writers[writer_id]
+        else:
+            self.writers[writer_id] = replace(w, handed_off=left)
+        return True
 
     def renew_writer(self, writer_id: str, now_ms: int) -> bool:
         """Renew the lease of a writer that is live at ``now_ms`` (keeping its lease

@@ -115,7 +115,7 @@ from persist.spine import FueledMergeReq
 from persist.state import TOKEN_SEP, LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
 from persist.updates import to_updates_table, updates_schema
-from persist.write import WriteHandle
+from persist.write import WriteHandle, handed_off_owners
 from stash import Antichain, AppendBatch, StashError
 from stash.antichain import I64_MAX, I64_MIN
 
@@ -412,8 +412,7 @@ class Txn:
             builder.add(table)
             batch = builder.finish(Antichain.from_elem(upper))
         except BaseException:
-            builder.abort()
-            w._lent = max(0, w._lent - 1)
+            builder.abort()  # settles the builder the handle lent
             raise
         if time_column is not None:
             batch.txn_timed = True  # type: ignore[attr-defined]
@@ -894,6 +893,7 @@ class Txn:
         owners = {w.writer_id for w in [sw.writer]}
         for b in sw.batches:
             owners.update(x for k in b.blob_keys() if (x := key_writer_id(k)) is not None)
+        handed = handed_off_owners(sw.batches, wid)
         registered = w._registered
         timed = any(_is_timed(b) for b in sw.batches)
         ranges = [b.time_range for b in sw.batches if b.len > 0 and b.time_range is not None]
@@ -945,6 +945,8 @@ class Txn:
             # The builder's writer is registered (or renewed) as by a normal append;
             # the token is recorded under the transaction's own record id only.
             st.heartbeat_writer(wid, now, w._lease_ms)
+            for owner, n in handed.items():
+                st.release_handed_off(owner, n)
             # Record ids of this client's acknowledged transactions are no longer
             # needed (their outcome is known): drop them, bounding the state.
             for d in done:

@@ -40,10 +40,14 @@ Invariants kept here:
   keeps the leases of its parts' writers alive in the background (:meth:`WriteHandle.hold`,
   every quarter lease, through the handle's :attr:`WriteHandle.lease_keeper`), so it
   stays appendable however long it is held; a writer already gone is never renewed;
+  a handle that expires with batches it handed out and did not append hands its
+  writer off (kept for the client's ``handoff_lease_seconds``, counted down by each
+  append of those batches, dropped at zero), so bytes in transit stay appendable too;
 * a :class:`BatchBuilder` checks times at ``add`` (``>= lower``) and ``finish``
   (``< upper``); a failed ``add`` leaves it exactly as before the call and a failed
   ``finish`` leaves it unfinished with every accepted update, so a finished batch never
-  misses an accepted row; flushed chunks in (key, value, time) order extend one run.
+  misses an accepted row; flushed chunks in (key, value, time) order extend one run;
+  ``abort`` after a successful ``finish`` does nothing (the batch owns the parts).
 
 Sources: the persist-client ``WriteHandle``, ``BatchBuilder`` and
 ``validate_truncate_batch`` (seed ``004``).
@@ -181,6 +185,18 @@ def _token(token: str | None) -> str:
     return token
 
 
+def handed_off_owners(batches: Sequence[Batch], appender: str) -> dict[str, int]:
+    """How many of ``batches`` each other writer wrote parts of (writer id -> batches):
+    an append of them counts those batches down from the writers' hand-off (see
+    :meth:`ShardState.release_handed_off`)."""
+    out: dict[str, int] = {}
+    for b in batches:
+        for w in {key_writer_id(k) for k in b.blob_keys()}:
+            if w is not None and w != appender:
+                out[w] = out.get(w, 0) + 1
+    return out
+
+
 def _landed(st: ShardState, writer_id: str, token: str) -> bool:
     """Whether the state records an append with ``token`` (by this writer, or by any
     writer for a token handed over from another handle)."""
@@ -268,6 +284,8 @@ class WriteHandle(ShardHandle):
         self._conforming: pa.Schema | None = None
         self._not_null = [i for i, f in enumerate(self.schema) if not f.nullable]
         self._lent = 0  # builders handed out whose batch this handle has not appended
+        # Batches of its builders, with blob parts, transmitted to another process.
+        self._transmitted = 0
 
     # ---------------------------------------------------------------- frontiers
     @property
@@ -517,7 +535,29 @@ class WriteHandle(ShardHandle):
             raise InvalidUsage(
                 f"transmitted batch was written for shard {b.shard_id}, not {self.shard_id}"
             )
+        handed = handed_off_owners([b], self.writer_id)
+        if handed:
+            b._on_delete = partial(self._settle_handed_off, handed)
         return self._hold_batch(b)
+
+    def _settle_handed_off(self, handed: dict[str, int]) -> None:
+        """A decoded batch is deleted instead of appended: count it down from its
+        writers' hand-off (best effort: if the stash fails, the hand-off lease runs out
+        by itself)."""
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            changed = [st.release_handed_off(w, n) for w, n in handed.items()]
+            return None, any(changed)
+
+        try:
+            self._machine.apply(fn)
+        except PersistError as e:
+            log.warning(
+                "could not settle the hand-off of a deleted batch in shard %s: %s",
+                self.shard_id,
+                e,
+                extra={"shard": self.shard_id},
+            )
 
     @persist_metrics.timed_append
     def compare_and_append(
@@ -819,6 +859,7 @@ class WriteHandle(ShardHandle):
                 b.mark_consumed()
             return
         owners = self._check_appendable(batches, fresh)  # parts exist; owners checked below
+        handed = handed_off_owners(batches, self.writer_id)
         temps: list[Batch] = []
         if expected == new:
             pieces: list[HollowBatch] = []
@@ -850,6 +891,8 @@ class WriteHandle(ShardHandle):
             reqs: list[FueledMergeReq] = []
             for hb in pieces:
                 reqs.extend(st.append_batch(hb, wid, recorded, now, lease))
+            for owner, n in handed.items():
+                st.release_handed_off(owner, n)
             return reqs, True
 
         try:
@@ -952,18 +995,49 @@ class WriteHandle(ShardHandle):
         _check_same_append(entry, token, fingerprint)
         return True
 
+    def _count_transmitted(self) -> None:
+        """A batch of this handle's builders, with blob parts, was transmitted."""
+        self._transmitted += 1
+
     def expire(self) -> None:
         """Unregister this writer from the shard state (GC may then delete the parts it
         left behind, once older than the grace period).  Idempotent.
 
-        A writer whose builders produced batches it did not append itself (e.g. batches
-        transmitted to another process, which appends them) is not unregistered: its
-        lease runs out by itself unless the receiver, holding the batches, renews it
-        (:meth:`hold`).
+        A writer whose builders produced batches it did not append itself is not
+        unregistered.  If some of them, with blob parts, were transmitted to another
+        process (:meth:`Batch.into_transmittable`), which appends them, the writer is
+        *handed off* (:meth:`ShardState.hand_off_writer`): its lease is renewed and
+        lengthened to the client's ``handoff_lease_seconds``, so that GC keeps those
+        parts while the bytes travel; each append of one of them, or deletion of a
+        decoded copy, counts one down, and the writer is dropped once none is left (or
+        when its lease runs out, e.g. for bytes never decoded).  The receiver holding
+        them renews the lease further (:meth:`hold`).  Otherwise (batches still held in this process, which renew the
+        lease while held) the lease is left to run out by itself.
         """
         if self._expired:
             return
         self._expired = True
+        if self._transmitted > 0 and self._registered:
+            # Batches still held here count too: they are appended by another handle,
+            # or deleted (then the hand-off lease runs out by itself).
+            wid, sent = self.writer_id, max(self._lent, self._transmitted)
+            lease_ms = int(self._client.handoff_lease_seconds * 1000)
+            machine = self._machine
+
+            def hand_off(st: ShardState, fresh: bool) -> tuple[bool, bool]:
+                done = st.hand_off_writer(wid, machine.now_ms(), lease_ms, sent)
+                return done, done
+
+            kept = self._machine.apply(hand_off, keep=(wid,))
+            log.info(
+                "writer %s of shard %s handed off %d batch(es) to other processes: %s",
+                wid,
+                self.shard_id,
+                sent,
+                "kept for the hand-off lease" if kept else "it was no longer live",
+                extra={"shard": self.shard_id, "writer_id": wid},
+            )
+            return
         if self._lent > 0:
             log.info(
                 "writer %s of shard %s handed out %d batch(es) it did not append: its "
@@ -1130,6 +1204,8 @@ class BatchBuilder:
         if self._min_time is not None and self._max_time is not None:
             time_range = (self._min_time, self._max_time)
         batch = Batch(self._h._client.blob, self._h.shard_id, hollow, time_range=time_range)
+        if batch.blob_keys():
+            batch._on_transmit = self._h._count_transmitted
         return self._h._hold_batch(batch)
 
     def _release_hold(self) -> None:
@@ -1140,9 +1216,13 @@ class BatchBuilder:
             self._h.lease_keeper.unregister(ident)
 
     def abort(self) -> None:
-        """Drop the buffer and delete the parts already written."""
+        """Drop the buffer and delete the parts already written.  Idempotent; after a
+        successful :meth:`finish` it does nothing (the batch owns the parts)."""
         with self._lock:
+            if self._finished:
+                return
             self._finished = True
+            self._h._lent = max(0, self._h._lent - 1)  # no batch of it will travel
             self._release_hold()
             self._buffer = []
             Batch(

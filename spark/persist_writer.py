@@ -557,8 +557,6 @@ class PersistWriter(DataSourceArrowWriter):
         msgs = [m for m in messages if isinstance(m, PersistCommitMessage)]
         if not msgs:
             return
-        from persist.batch import Batch
-
         with persist_client(s.target) as client:
             try:
                 referenced = client.inspect(s.target.shard).referenced_blob_keys()
@@ -569,8 +567,14 @@ class PersistWriter(DataSourceArrowWriter):
                     "abort of a write to shard %s: state unreadable (%s)", s.target.shard, e
                 )
                 live = None
-            for m in msgs:
-                batch = Batch.from_transmittable(client.blob, m.batch)
-                if live is None or set(batch.blob_keys()) & live:
-                    continue  # cannot prove it unreferenced: leave it to GC
-                batch.delete()
+            if live is None:
+                return  # cannot prove any unreferenced: leave them to GC
+            with client.open_writer(s.target.shard, s.key_schema, s.value_schema) as write:
+                for m in msgs:
+                    # Decoded by a handle, so that deleting it also counts it down from
+                    # the task writer's hand-off (the writer is then dropped at once).
+                    batch = write.batch_from_transmittable(m.batch)
+                    if set(batch.blob_keys()) & live:
+                        batch.mark_consumed()  # maybe referenced: leave it to GC
+                        continue
+                    batch.delete()

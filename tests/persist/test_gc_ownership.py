@@ -154,12 +154,12 @@ def test_append_refuses_a_batch_of_another_writer_that_expired(
     stash: Stash, any_blob: Blob
 ) -> None:
     clock, blob = Clock(), any_blob
-    c = client(stash, blob, clock, writer_lease_seconds=60)
+    c = client(stash, blob, clock, writer_lease_seconds=60, handoff_lease_seconds=300)
     w1, _r = c.open("handoff", KS, VS)
     data = w1.batch([upd(1, "a", 0)], 0, 1).into_transmittable()
-    w1.expire()  # handed a batch out: its lease is left to run out, not dropped
+    w1.expire()  # handed a batch out: kept for the hand-off lease, not dropped
     w2 = c.open_writer("handoff", KS, VS)
-    clock.now += 120
+    clock.now += 400  # the bytes are decoded after the hand-off lease ran out
     with pytest.raises(LeaseExpired, match="writer of an appended batch"):
         w2.compare_and_append_batch([w2.batch_from_transmittable(data)], 0, 1)
     assert c.inspect("handoff").upper == Antichain.from_elem(0)

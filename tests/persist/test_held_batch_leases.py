@@ -14,7 +14,14 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from persist import LeaseExpired, MemoryBlob, PersistClient, collect_garbage, fsck
+from persist import (
+    LeaseExpired,
+    MemoryBlob,
+    PartsMissing,
+    PersistClient,
+    collect_garbage,
+    fsck,
+)
 from persist.lease import LeaseKeeper
 from stash import Antichain, Stash
 
@@ -180,3 +187,170 @@ def test_the_renewal_stops_when_the_client_closes(stash: Stash) -> None:
     keeper.run_due()
     assert keeper.registered() == 0
     assert not batch.consumed
+
+
+# ------------------------------------------------------------- hand-off of a writer
+def _transmit(executor: PersistClient, shard: str, *batches: list[Any]) -> list[bytes]:
+    """As a Spark task does: write each batch, hand its bytes out, end the handle."""
+    with executor.open_writer(shard, KS, VS) as task:
+        out = [task.batch(b, 0, 1).into_transmittable() for b in batches]
+        task_id = task.writer_id
+    assert task_id in executor.inspect(shard).writers  # handed off, not unregistered
+    return out
+
+
+def pass_hours(clock: Clock, gc_client: PersistClient, shard: str, hours: int) -> None:
+    """``hours`` hours in steps of a sixth of a writer lease, with no one renewing
+    anything (the batches are bytes in transit), GC (grace: one lease) every hour."""
+    for step in range(hours * 36):
+        clock.now += LEASE / 6
+        if step % 36 == 35:
+            collect_garbage(gc_client, shard, grace_seconds=LEASE)
+
+
+def test_bytes_in_transit_outlive_their_writers_lease_until_the_hand_off_lease(
+    stash: Stash,
+) -> None:
+    """A task's batch bytes wait hours for the job's commit while no process holds a
+    Batch: the task's writer, handed off when its handle ended, keeps the parts from GC
+    for the hand-off lease, and the driver appends them after 12 writer leases."""
+    clock, blob = Clock(), MemoryBlob()
+    executor = client(stash, blob, clock, handoff_lease_seconds=3 * HOUR)
+    driver = client(stash, blob, clock)
+    gc_client = client(stash, blob, clock, reader_lease_seconds=10 * HOUR)
+    w, r = driver.open("transit", KS, VS)
+    (data,) = _transmit(executor, "transit", [upd(1, "a"), upd(2, "b")])
+    pass_hours(clock, gc_client, "transit", 2)
+    r.heartbeat()
+    w.heartbeat()
+    w.compare_and_append_batch([w.batch_from_transmittable(data)], 0, 1)
+    assert rows(r.snapshot(0)) == [(1, "a", 1), (2, "b", 1)]
+    assert fsck(driver, "transit").ok
+    # All its batches appended: the handed-off writer is gone at once.
+    assert set(driver.inspect("transit").writers) == {w.writer_id}
+
+
+def test_bytes_in_transit_past_the_hand_off_lease_are_refused_cleanly(stash: Stash) -> None:
+    clock, blob = Clock(), MemoryBlob()
+    executor = client(stash, blob, clock, handoff_lease_seconds=HOUR)
+    driver = client(stash, blob, clock)
+    gc_client = client(stash, blob, clock, reader_lease_seconds=10 * HOUR)
+    w, r = driver.open("late", KS, VS)
+    (data,) = _transmit(executor, "late", [upd(1, "a")])
+    pass_hours(clock, gc_client, "late", 3)
+    r.heartbeat()
+    w.heartbeat()
+    batch = w.batch_from_transmittable(data)
+    with pytest.raises((LeaseExpired, PartsMissing)):
+        w.compare_and_append_batch([batch], 0, 1)
+    assert driver.inspect("late").upper == Antichain.from_elem(0)  # nothing committed
+
+
+def test_a_handed_off_writer_is_dropped_once_every_batch_is_appended(stash: Stash) -> None:
+    clock, blob = Clock(), MemoryBlob()
+    executor = client(stash, blob, clock)
+    driver = client(stash, blob, clock)
+    w, r = driver.open("two", KS, VS)
+    first, second = _transmit(executor, "two", [upd(1, "a")], [upd(2, "b")])
+    (task,) = set(driver.inspect("two").writers) - {w.writer_id}
+    assert driver.inspect("two").writers[task].handed_off == 2
+    w.compare_and_append_batch([w.batch_from_transmittable(first)], 0, 1)
+    assert driver.inspect("two").writers[task].handed_off == 1
+    b2 = w.batch_from_transmittable(second)
+    b2.rewrite_ts(Antichain.from_elem(1), Antichain.from_elem(2))
+    w.compare_and_append_batch([b2], 1, 2)
+    assert task not in driver.inspect("two").writers
+    assert rows(r.snapshot(1)) == [(1, "a", 1), (2, "b", 1)]
+
+
+def test_a_transaction_counts_down_the_hand_off_too(stash: Stash) -> None:
+    clock, blob = Clock(), MemoryBlob()
+    executor = client(stash, blob, clock)
+    driver = client(stash, blob, clock)
+    w, r = driver.open("txn", KS, VS)
+    (data,) = _transmit(executor, "txn", [upd(1, "a")])
+    (task,) = set(driver.inspect("txn").writers) - {w.writer_id}
+    with driver.begin() as txn:
+        txn.write_batches(w, [w.batch_from_transmittable(data)])
+        ts = txn.commit()
+    assert task not in driver.inspect("txn").writers
+    assert rows(r.snapshot(ts)) == [(1, "a", 1)]
+
+
+def test_a_writer_whose_builders_were_aborted_is_unregistered_not_handed_off(
+    stash: Stash,
+) -> None:
+    clock, blob = Clock(), MemoryBlob()
+    c = client(stash, blob, clock, target_part_bytes=1)  # every add is written at once
+    w, _r = c.open("aborted", KS, VS)
+    b = w.builder(0)
+    b.add([upd(1, "a")])
+    b.abort()
+    b.abort()  # idempotent
+    assert w.writer_id in c.inspect("aborted").writers  # registered by the upload
+    w.expire()
+    assert w.writer_id not in c.inspect("aborted").writers
+
+
+@pytest.mark.parametrize("appended", [False, True])
+def test_abort_after_finish_leaves_the_batch_alone(stash: Stash, appended: bool) -> None:
+    """A finished builder's parts belong to its batch: a late ``abort`` (e.g. in a
+    ``finally``) must not delete them, before or after the batch is appended."""
+    clock, blob = Clock(), MemoryBlob()
+    c = client(stash, blob, clock)
+    w, r = c.open("late-abort", KS, VS)
+    b = w.builder(0)
+    b.add([upd(1, "a")])
+    batch = b.finish(1)
+    if appended:
+        w.compare_and_append_batch([batch], 0, 1)
+        b.abort()
+    else:
+        b.abort()
+        w.compare_and_append_batch([batch], 0, 1)
+    assert rows(r.snapshot(0)) == [(1, "a", 1)]
+    assert fsck(c, "late-abort").ok
+
+
+def test_a_batch_still_held_when_its_writer_is_handed_off_stays_appendable(
+    stash: Stash,
+) -> None:
+    """A handle transmits one batch and still holds another when it ends: the hand-off
+    counts both, so appending the transmitted one does not drop the writer under the
+    one still held (whose hold keeps renewing it)."""
+    clock, blob = Clock(), MemoryBlob()
+    executor = client(stash, blob, clock)
+    driver = client(stash, blob, clock)
+    gc_client = client(stash, blob, clock, reader_lease_seconds=10 * HOUR)
+    w, r = driver.open("mixed", KS, VS)
+    task = executor.open_writer("mixed", KS, VS)
+    keeper = task.lease_keeper = LeaseKeeper(clock=clock, thread=False)
+    sent = task.batch([upd(1, "a")], 0, 1).into_transmittable()
+    held = task.batch([upd(2, "b", 1)], 1, 2)
+    task.expire()
+    assert driver.inspect("mixed").writers[task.writer_id].handed_off == 2
+    w.compare_and_append_batch([w.batch_from_transmittable(sent)], 0, 1)
+    assert driver.inspect("mixed").writers[task.writer_id].handed_off == 1
+    pass_time(clock, keeper, gc_client, "mixed")
+    r.heartbeat()
+    w2 = driver.open_writer("mixed", KS, VS)  # w's own lease ran out meanwhile
+    w2.compare_and_append_batch([held], 1, 2)
+    assert task.writer_id not in driver.inspect("mixed").writers
+    assert rows(r.snapshot(1)) == [(1, "a", 1), (2, "b", 1)]
+    assert fsck(driver, "mixed").ok
+
+
+def test_deleting_a_decoded_batch_settles_the_hand_off(stash: Stash) -> None:
+    """A job that fails deletes its tasks' batches instead of appending them: the
+    handed-off writer is dropped then, so GC may collect anything it left at once."""
+    clock, blob = Clock(), MemoryBlob()
+    executor = client(stash, blob, clock)
+    driver = client(stash, blob, clock)
+    w, _r = driver.open("failed-job", KS, VS)
+    (data,) = _transmit(executor, "failed-job", [upd(1, "a")])
+    (task,) = set(driver.inspect("failed-job").writers) - {w.writer_id}
+    batch = w.batch_from_transmittable(data)
+    keys = batch.blob_keys()
+    batch.delete()
+    assert task not in driver.inspect("failed-job").writers
+    assert not set(keys) & {k for k, _ in blob.list_keys("")}

@@ -18,6 +18,7 @@ at most one unacknowledged one (the one in flight) is.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -46,8 +47,10 @@ def txn_shards(run: int, i: int) -> tuple[str, ...]:
 
 
 def payload(run: int, i: int, j: int) -> str:
-    """The value of row ``(run, i, j)`` (long enough that big batches leave the state)."""
-    return f"{run}-{i}-{j}-" + "x" * 40
+    """The value of row ``(run, i, j)`` (hex digits, which compress little, so that
+    batches of more than a few rows leave the state despite its compressed inline
+    parts)."""
+    return f"{run}-{i}-{j}-" + hashlib.sha256(f"{run}-{i}-{j}".encode()).hexdigest()[:40]
 
 
 def make_client(stash: Stash, blob: str, clock: Callable[[], float] = time.time) -> PersistClient:
@@ -57,7 +60,7 @@ def make_client(stash: Stash, blob: str, clock: Callable[[], float] = time.time)
         stash,
         blob,
         compaction="inline",
-        inline_max_bytes=1024,
+        inline_max_bytes=450,  # a one-row batch stays inline (~370 bytes), 5 rows do not
         writer_lease_seconds=2.0,
         reader_lease_seconds=2.0,
         gc_interval_seconds=None,

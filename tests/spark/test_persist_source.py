@@ -209,10 +209,11 @@ def test_failed_task_leaves_nothing_visible_and_gc_leaves_no_orphan(
     assert after.upper == before.upper
     assert _read(spark, spark_store, "fail", expand="true").count() == 10
     with Stash.open(spark_store.stash_url, fenced=False) as s:
-        # The successful task's writer handed its batch out and left its lease to run
-        # out (a live writer's parts are never collected): GC as of after that lease.
+        # The successful task's writer handed its batch off (to a driver commit that
+        # never came): it is kept for the hand-off lease, 24 hours, and a live writer's
+        # parts are never collected. GC as of after that lease.
         client = PersistClient(
-            s, spark_store.blob_uri, compaction="off", clock=lambda: time.time() + 2 * 3600
+            s, spark_store.blob_uri, compaction="off", clock=lambda: time.time() + 25 * 3600
         )
         try:
             collect_garbage(client, "fail", grace_seconds=0)

@@ -261,8 +261,9 @@ class WriterState:
             (:meth:`persist.batch.Batch.into_transmittable`) when its handle was
             expired, not yet appended.  While it is positive the writer is kept (for
             its hand-off lease, see :meth:`ShardState.hand_off_writer`) so that GC keeps
-            those parts; each append of such a batch counts one down, and the writer is
-            dropped at zero.  ``0`` (omitted from the JSON) for a writer in use.
+            those parts; each append of such a batch (or deletion of a decoded copy)
+            counts one down, and the writer is dropped at zero.  ``0`` (omitted from the
+            JSON) for a writer in use.
     """
 
     last_heartbeat_ms: int
@@ -704,8 +705,9 @@ class ShardState:
         return True
 
     def release_handed_off(self, writer_id: str, batches: int = 1) -> bool:
-        """Count ``batches`` appended batches of the handed-off writer ``writer_id`` (see
-        :attr:`WriterState.handed_off`); the writer is dropped once none is left.  A
+        """Count down ``batches`` appended (or deleted) batches of the handed-off writer
+        ``writer_id`` (see :attr:`WriterState.handed_off`); the writer is dropped once
+        none is left.  A
         writer in use (nothing handed off) is left as it is.  Returns whether anything
         changed."""
         w = self.writers.get(writer_id)

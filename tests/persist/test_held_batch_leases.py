@@ -246,13 +246,24 @@ def test_bytes_in_transit_past_the_hand_off_lease_are_refused_cleanly(stash: Sta
     assert driver.inspect("late").upper == Antichain.from_elem(0)  # nothing committed
 
 
-def test_a_handed_off_writer_is_dropped_once_every_batch_is_appended(stash: Stash) -> None:
+def _handed_off(
+    stash: Stash, shard: str, *batches: list[Any]
+) -> tuple[MemoryBlob, PersistClient, Any, Any, list[bytes], str]:
+    """A driver's handles on ``shard`` and the bytes of ``batches`` an executor's task
+    wrote and handed off: ``(blob, driver, write, read, payloads, task writer id)``."""
     clock, blob = Clock(), MemoryBlob()
     executor = client(stash, blob, clock)
     driver = client(stash, blob, clock)
-    w, r = driver.open("two", KS, VS)
-    first, second = _transmit(executor, "two", [upd(1, "a")], [upd(2, "b")])
-    (task,) = set(driver.inspect("two").writers) - {w.writer_id}
+    w, r = driver.open(shard, KS, VS)
+    payloads = _transmit(executor, shard, *batches)
+    (task,) = set(driver.inspect(shard).writers) - {w.writer_id}
+    return blob, driver, w, r, payloads, task
+
+
+def test_a_handed_off_writer_is_dropped_once_every_batch_is_appended(stash: Stash) -> None:
+    _blob, driver, w, r, (first, second), task = _handed_off(
+        stash, "two", [upd(1, "a")], [upd(2, "b")]
+    )
     assert driver.inspect("two").writers[task].handed_off == 2
     w.compare_and_append_batch([w.batch_from_transmittable(first)], 0, 1)
     assert driver.inspect("two").writers[task].handed_off == 1
@@ -264,12 +275,7 @@ def test_a_handed_off_writer_is_dropped_once_every_batch_is_appended(stash: Stas
 
 
 def test_a_transaction_counts_down_the_hand_off_too(stash: Stash) -> None:
-    clock, blob = Clock(), MemoryBlob()
-    executor = client(stash, blob, clock)
-    driver = client(stash, blob, clock)
-    w, r = driver.open("txn", KS, VS)
-    (data,) = _transmit(executor, "txn", [upd(1, "a")])
-    (task,) = set(driver.inspect("txn").writers) - {w.writer_id}
+    _blob, driver, w, r, (data,), task = _handed_off(stash, "txn", [upd(1, "a")])
     with driver.begin() as txn:
         txn.write_batches(w, [w.batch_from_transmittable(data)])
         ts = txn.commit()
@@ -343,12 +349,7 @@ def test_a_batch_still_held_when_its_writer_is_handed_off_stays_appendable(
 def test_deleting_a_decoded_batch_settles_the_hand_off(stash: Stash) -> None:
     """A job that fails deletes its tasks' batches instead of appending them: the
     handed-off writer is dropped then, so GC may collect anything it left at once."""
-    clock, blob = Clock(), MemoryBlob()
-    executor = client(stash, blob, clock)
-    driver = client(stash, blob, clock)
-    w, _r = driver.open("failed-job", KS, VS)
-    (data,) = _transmit(executor, "failed-job", [upd(1, "a")])
-    (task,) = set(driver.inspect("failed-job").writers) - {w.writer_id}
+    blob, driver, w, _r, (data,), task = _handed_off(stash, "failed-job", [upd(1, "a")])
     batch = w.batch_from_transmittable(data)
     keys = batch.blob_keys()
     batch.delete()

@@ -257,13 +257,17 @@ class WriterState:
             :data:`WRITER_TOKENS_KEPT` with ``last_token``), so that a retry with a token
             stays idempotent even after the same writer appended again.  States written
             before this field existed load with ``()``.
-        handed_off: batches whose parts this writer wrote and handed to another process
-            (:meth:`persist.batch.Batch.into_transmittable`) when its handle was
-            expired, not yet appended.  While it is positive the writer is kept (for
-            its hand-off lease, see :meth:`ShardState.hand_off_writer`) so that GC keeps
-            those parts; each append of such a batch (or deletion of a decoded copy)
-            counts one down, and the writer is dropped at zero.  ``0`` (omitted from the
-            JSON) for a writer in use.
+        handed_off: batches with parts of this writer that its handle had handed out
+            (e.g. transmitted to another process,
+            :meth:`persist.batch.Batch.into_transmittable`) and not appended itself
+            when it expired; ``0`` (omitted from the JSON) while the handle is in use.
+            A handed-off writer is kept (for its hand-off lease, see
+            :meth:`ShardState.hand_off_writer`) while some of them are outstanding, so
+            that GC keeps their parts.
+        settled: batches with parts of this writer that other writers appended (or
+            whose decoded copies they deleted), before or after the hand-off; the
+            writer is dropped once it is handed off and ``settled >= handed_off``.
+            ``0`` (omitted from the JSON) at first.
     """
 
     last_heartbeat_ms: int
@@ -271,6 +275,12 @@ class WriterState:
     last_token: str | None = None
     tokens: tuple[str, ...] = ()
     handed_off: int = 0
+    settled: int = 0
+
+    @property
+    def outstanding(self) -> int:
+        """Handed-off batches neither appended nor deleted yet (``0`` while in use)."""
+        return max(0, self.handed_off - self.settled) if self.handed_off else 0
 
     def expired(self, now_ms: int) -> bool:
         """True when the lease ran out at ``now_ms``."""
@@ -310,6 +320,8 @@ class WriterState:
             d["tokens"] = list(self.tokens)
         if self.handed_off:
             d["handed_off"] = self.handed_off
+        if self.settled:
+            d["settled"] = self.settled
         return d
 
     @classmethod
@@ -321,6 +333,7 @@ class WriterState:
             None if tok is None else str(tok),
             tuple(str(t) for t in d.get("tokens", ())),
             int(d.get("handed_off", 0)),
+            int(d.get("settled", 0)),
         )
 
 
@@ -687,37 +700,39 @@ class ShardState:
 
     def hand_off_writer(self, writer_id: str, now_ms: int, lease_ms: int, batches: int) -> bool:
         """Record that the live writer ``writer_id``, whose handle is going away, handed
-        ``batches`` batches to other processes: its lease is renewed at ``now_ms`` and
-        lengthened to at least ``lease_ms`` (the client's hand-off lease), so GC keeps
-        their parts while they travel to whoever appends them (see
-        :attr:`WriterState.handed_off`; the receiver's :meth:`persist.write.WriteHandle.hold`
-        renews it further while it holds them).  A writer that is gone or whose lease ran
-        out is never brought back.  Returns whether the writer was recorded."""
+        out ``batches`` batches it did not append (see :attr:`WriterState.handed_off`).
+        If some are still outstanding (not yet settled by others' appends or
+        deletions), its lease is renewed at ``now_ms`` and lengthened to at least
+        ``lease_ms`` (the client's hand-off lease), so GC keeps their parts while they
+        travel to whoever appends them (the receiver's
+        :meth:`persist.write.WriteHandle.hold` renews it further while it holds them);
+        if none is, the writer is dropped at once.  A writer that is gone or whose lease
+        ran out is never brought back.  Returns whether the state changed."""
         w = self.writers.get(writer_id)
         if w is None or w.expired(now_ms) or batches <= 0:
             return False
+        handed = replace(w, handed_off=w.handed_off + batches)
+        if handed.settled >= handed.handed_off:
+            del self.writers[writer_id]
+            return True
         self.writers[writer_id] = replace(
-            w,
-            last_heartbeat_ms=now_ms,
-            lease_duration_ms=max(w.lease_duration_ms, lease_ms),
-            handed_off=w.handed_off + batches,
+            handed, last_heartbeat_ms=now_ms, lease_duration_ms=max(w.lease_duration_ms, lease_ms)
         )
         return True
 
     def release_handed_off(self, writer_id: str, batches: int = 1) -> bool:
-        """Count down ``batches`` appended (or deleted) batches of the handed-off writer
-        ``writer_id`` (see :attr:`WriterState.handed_off`); the writer is dropped once
-        none is left.  A
-        writer in use (nothing handed off) is left as it is.  Returns whether anything
-        changed."""
+        """Count ``batches`` batches with parts of ``writer_id`` that another writer
+        appended (or whose decoded copies it deleted) as settled (see
+        :attr:`WriterState.settled`); a handed-off writer is dropped once none is
+        outstanding.  Returns whether anything changed."""
         w = self.writers.get(writer_id)
-        if w is None or w.handed_off <= 0 or batches <= 0:
+        if w is None or batches <= 0:
             return False
-        left = w.handed_off - batches
-        if left <= 0:
+        w = replace(w, settled=w.settled + batches)
+        if w.handed_off and w.settled >= w.handed_off:
             del self.writers[writer_id]
         else:
-            self.writers[writer_id] = replace(w, handed_off=left)
+            self.writers[writer_id] = w
         return True
 
     def renew_writer(self, writer_id: str, now_ms: int) -> bool:

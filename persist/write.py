@@ -1025,8 +1025,8 @@ class WriteHandle(ShardHandle):
             machine = self._machine
 
             def hand_off(st: ShardState, fresh: bool) -> tuple[bool, bool]:
-                done = st.hand_off_writer(wid, machine.now_ms(), lease_ms, sent)
-                return done, done
+                changed = st.hand_off_writer(wid, machine.now_ms(), lease_ms, sent)
+                return wid in st.writers, changed
 
             kept = self._machine.apply(hand_off, keep=(wid,))
             log.info(
@@ -1034,7 +1034,7 @@ class WriteHandle(ShardHandle):
                 wid,
                 self.shard_id,
                 sent,
-                "kept for the hand-off lease" if kept else "it was no longer live",
+                "kept for the hand-off lease" if kept else "none outstanding, or no longer live",
                 extra={"shard": self.shard_id, "writer_id": wid},
             )
             return

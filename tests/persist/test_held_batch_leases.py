@@ -264,9 +264,9 @@ def test_a_handed_off_writer_is_dropped_once_every_batch_is_appended(stash: Stas
     _blob, driver, w, r, (first, second), task = _handed_off(
         stash, "two", [upd(1, "a")], [upd(2, "b")]
     )
-    assert driver.inspect("two").writers[task].handed_off == 2
+    assert driver.inspect("two").writers[task].outstanding == 2
     w.compare_and_append_batch([w.batch_from_transmittable(first)], 0, 1)
-    assert driver.inspect("two").writers[task].handed_off == 1
+    assert driver.inspect("two").writers[task].outstanding == 1
     b2 = w.batch_from_transmittable(second)
     b2.rewrite_ts(Antichain.from_elem(1), Antichain.from_elem(2))
     w.compare_and_append_batch([b2], 1, 2)
@@ -334,9 +334,9 @@ def test_a_batch_still_held_when_its_writer_is_handed_off_stays_appendable(
     sent = task.batch([upd(1, "a")], 0, 1).into_transmittable()
     held = task.batch([upd(2, "b", 1)], 1, 2)
     task.expire()
-    assert driver.inspect("mixed").writers[task.writer_id].handed_off == 2
+    assert driver.inspect("mixed").writers[task.writer_id].outstanding == 2
     w.compare_and_append_batch([w.batch_from_transmittable(sent)], 0, 1)
-    assert driver.inspect("mixed").writers[task.writer_id].handed_off == 1
+    assert driver.inspect("mixed").writers[task.writer_id].outstanding == 1
     pass_time(clock, keeper, gc_client, "mixed")
     r.heartbeat()
     w2 = driver.open_writer("mixed", KS, VS)  # w's own lease ran out meanwhile

@@ -124,6 +124,10 @@ def redact(value: object, *, url: object = None) -> str:
     if url is not None:
         for secret in _secrets_of(url):
             text = text.replace(secret, HIDDEN)
+    # ``user:secret@`` first, before any URL parsing: a password holding a character
+    # that ends a URL's authority (``#``, ``?``) would otherwise split the URL there and
+    # leave the password outside the user info that parsing hides.
+    text = _USERINFO_RE.sub(lambda m: f"{m.group(1)}:{HIDDEN}@", text)
     rebuilt = _redact_one_url(text)
     if rebuilt is not None:
         text = rebuilt

@@ -1,18 +1,28 @@
 """Consensus: a linearizable log of each shard's state versions, kept in a stash.
 
 Each shard has one stash collection, ``persist.shard.<shard_id>`` (keys ``str``, values
-``json``), holding the *latest* state version as a set of entries, one per component of
-the state (see :meth:`persist.state.ShardState.to_entries`); the entry ``meta`` is an
-object holding the version's ``seqno``.  A new version is written by
-:meth:`Consensus.compare_and_set` as one stash ``append`` whose entries are only the
-components that changed: the old value retracted (diff ``-1``) and
-the new one inserted (diff ``+1``), at time ``seqno``.  The collection's upper is always
+``json``), holding the *latest* state version in two parts (after persist-client's
+consensus, whose rows are a rollup and the diffs after it):
+
+* a **rollup**: the state of some version ``r`` as a set of entries, one per component
+  of the state (see :meth:`persist.state.ShardState.to_entries`); the entry ``meta`` is
+  an object holding that version's ``seqno``;
+* one **diff** entry per later version ``n`` (``r < n <= head``), keyed
+  ``diff/<n, 20 digits>``, whose value ``{"del": [...], "seqno": n, "set": {...}}``
+  names the entries version ``n`` removed and the texts of those it added or changed.
+
+A new version is written by :meth:`Consensus.compare_and_set` as one stash ``append``
+at time ``seqno``: usually a single diff entry (one row, whatever the state's size);
+every :attr:`Consensus.max_diffs` versions, or once the diffs outweigh the rollup, a new
+rollup instead, which retracts (diff ``-1``) every diff entry and each rollup entry that
+changed and inserts (diff ``+1``) the new texts.  The collection's upper is always
 ``head seqno + 1``, so the append's ``lower`` is the expected seqno's successor and two
 writers racing on the same seqno cannot both win: the loser gets the stash's
-``AppendLowerMismatch`` and nothing of its batch is committed.  Each append also moves the
-collection's since to the new seqno, so older versions are logically truncated in the
-same transaction (the stash consolidates the touched keys physically; :meth:`truncate`
-consolidates the rest).  The state stays readable JSON in the stash (``stash_entries``).
+``AppendLowerMismatch`` and nothing of its batch is committed.  A rollup also moves the
+collection's since to its seqno, so older versions are logically truncated in the same
+transaction (the stash consolidates the touched keys physically; :meth:`truncate`
+consolidates the rest).  The state stays readable JSON in the stash (``stash_entries``):
+the rollup's entries, then each diff applied in seqno order.
 
 Blob keys retired by compaction (waiting for GC's grace period) live in a second
 collection per shard, ``persist.retired.<shard_id>`` (key: blob key, value: retirement
@@ -42,7 +52,8 @@ and every other batch's lower check pass together or nothing is committed; the s
 versions are cached (:meth:`ShardMachine.install`) only once committed.
 
 Invariants kept here: a version is only ever published on top of the version it was
-computed from; a caller is told "committed" only if the version is durable, "not
+computed from; the diff entries present are exactly those of the versions after the
+rollup's, contiguous (anything else reads as a corrupt collection, never as a state); a caller is told "committed" only if the version is durable, "not
 committed" only if it is not, and otherwise gets a :class:`ConsensusError` whose
 ``is_indeterminate()`` is true.
 
@@ -52,6 +63,7 @@ stash's ``Append`` (``003``).
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import re
@@ -88,7 +100,10 @@ __all__ = [
     "ShardMachine",
     "Stale",
     "Staged",
+    "Stored",
+    "VersionPlan",
     "VersionedData",
+    "diff_key",
     "new_shard_id",
     "validate_shard_id",
     "validate_shard_name",
@@ -100,11 +115,16 @@ REGISTRY_COLLECTION = "persist.shards"
 SHARD_COLLECTION_PREFIX = "persist.shard."
 RETIRED_COLLECTION_PREFIX = "persist.retired."
 META_KEY = "meta"
+DIFF_PREFIX = "diff/"
+#: A version whose diff entry would be longer than this (characters) is written as a
+#: rollup instead (the diff of a big compaction or a large inline part).
+MAX_DIFF_CHARS = 1 << 20
 
 _SHARD_ID_RE = re.compile(r"s[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _SHARD_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]{0,199}")
 
 T = TypeVar("T")
+_MISSING = object()
 
 
 def new_shard_id() -> str:
@@ -140,13 +160,55 @@ def validate_shard_name(name: object) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class Stored:
+    """How a version is stored in its shard's collection (see the module docstring).
+
+    Attributes:
+        base: the rollup's entry texts by key (as stored: what a rollup retracts).
+        diffs: the diff entries after the rollup, oldest first, as ``(key, text)``.
+        diff_chars: the summed length of the diffs' texts.
+        base_chars: the summed length of the rollup's texts (computed when omitted).
+    """
+
+    base: Mapping[str, str]
+    diffs: tuple[tuple[str, str], ...] = ()
+    diff_chars: int = 0
+    base_chars: int = -1
+
+    def __post_init__(self) -> None:
+        if self.base_chars < 0:  # the summed length of the rollup's texts
+            object.__setattr__(self, "base_chars", sum(len(t) for t in self.base.values()))
+
+
 class VersionedData(NamedTuple):
-    """One state version as stored: ``seqno``, the entries' JSON values by key, and the
-    entries' canonical JSON texts by key (what a retraction must repeat exactly)."""
+    """One state version as stored: ``seqno``, the entries' JSON values by key, the
+    entries' canonical JSON texts by key, and how the version is ``stored`` (``None``
+    for a version handed in by a caller as texts alone: then it is taken to be stored
+    as a rollup, as :meth:`Consensus.compare_and_set` writes a version given so)."""
 
     seqno: int
     data: dict[str, Any]
     texts: dict[str, str]
+    stored: Stored | None = None
+
+
+@dataclass(frozen=True)
+class VersionPlan:
+    """The stash updates that publish version ``seqno`` of a shard
+    (:meth:`Consensus.plan`), and how that version is stored once they commit.
+
+    Attributes:
+        seqno: the new version's seqno (the append's lower).
+        entries: the updates of the shard's collection, at ``seqno``.
+        compact: the collection's since after the append (the rollup's seqno).
+        stored: the new version's :class:`Stored` layout.
+    """
+
+    seqno: int
+    entries: list[tuple[tuple[str, str], int, int]]
+    compact: int
+    stored: Stored
 
 
 @dataclass(frozen=True)
@@ -207,13 +269,19 @@ class Consensus:
             processes can share it; readonly works for reads).
         retries: attempts for a consensus call that fails with a transient (determinate)
             stash error, with exponential backoff; ``1`` means no retry.
+        max_diffs: how many diff entries may follow a rollup (see the module
+            docstring); the version after them is written as a rollup.  ``0`` writes
+            every version as a rollup.
 
     Thread-safe.
     """
 
-    def __init__(self, stash: Stash, *, retries: int = 4) -> None:
+    def __init__(self, stash: Stash, *, retries: int = 4, max_diffs: int = 32) -> None:
+        if max_diffs < 0:
+            raise InvalidUsage(f"max_diffs must be >= 0, got {max_diffs}")
         self.stash = stash
         self.retries = max(1, retries)
+        self.max_diffs = max_diffs
         self._colls: dict[str, StashCollection[Any, Any]] = {}
         self._retired_colls: dict[str, StashCollection[Any, Any]] = {}
         self._lock = threading.Lock()
@@ -353,25 +421,73 @@ class Consensus:
             values[(k, text)] = v
         data: dict[str, Any] = {}
         texts: dict[str, str] = {}
+        diffs: dict[str, tuple[str, Any]] = {}
         for (k, text), n in acc.items():
             if n == 0:
                 continue
-            if n != 1 or k in data:
-                raise ConsensusError(
-                    f"consensus collection of shard {shard_id} is corrupt: entry {k!r} "
-                    f"has multiplicity {n} or several values"
-                )
-            data[k] = values[(k, text)]
-            texts[k] = text
+            if n != 1 or k in data or k in diffs:
+                raise _corrupt(shard_id, f"entry {k!r} has multiplicity {n} or several values")
+            if k.startswith(DIFF_PREFIX):
+                diffs[k] = (text, values[(k, text)])
+            else:
+                data[k] = values[(k, text)]
+                texts[k] = text
         if not data:
+            if diffs:
+                raise _corrupt(shard_id, "it holds diff entries but no rollup")
             return None
-        meta = data.get(META_KEY)
-        seqno = meta.get("seqno") if isinstance(meta, dict) else None
-        if isinstance(seqno, bool) or not isinstance(seqno, int):
-            raise ConsensusError(
-                f"consensus collection of shard {shard_id} is corrupt: no meta.seqno entry"
-            )
-        return VersionedData(seqno, data, texts)
+        seqno = _meta_seqno(shard_id, data)
+        stored = Stored(dict(texts))
+        if diffs:
+            stored = self._apply_diffs(shard_id, seqno, diffs, data, texts)
+            seqno = _meta_seqno(shard_id, data)
+        return VersionedData(seqno, data, texts, stored)
+
+    @staticmethod
+    def _apply_diffs(
+        shard_id: str,
+        seqno: int,
+        diffs: dict[str, tuple[str, Any]],
+        data: dict[str, Any],
+        texts: dict[str, str],
+    ) -> Stored:
+        """Apply the diff entries (key -> (text, value)) to the rollup of version
+        ``seqno`` (``data`` and ``texts``, changed in place); return the layout.
+
+        Raises:
+            ConsensusError: the diffs are not exactly versions ``seqno + 1, ...`` in a
+                row, or one is malformed (the collection is corrupt)."""
+        base = dict(texts)
+        order = sorted(diffs)
+        chars = 0
+        for i, key in enumerate(order, start=1):
+            text, value = diffs[key]
+            want = seqno + i
+            if key != diff_key(want):
+                raise _corrupt(shard_id, f"diff entry {key!r} does not follow version {want - 1}")
+            if (
+                not isinstance(value, dict)
+                or set(value) != {"del", "seqno", "set"}
+                or value["seqno"] != want
+                or isinstance(value["seqno"], bool)
+                or not isinstance(value["set"], dict)
+                or not isinstance(value["del"], list)
+                or not all(isinstance(d, str) for d in value["del"])
+                or META_KEY not in value["set"]
+            ):
+                raise _corrupt(shard_id, f"diff entry {key!r} is malformed")
+            for d in value["del"]:
+                data.pop(d, None)
+                texts.pop(d, None)
+            for k, v in value["set"].items():
+                if k.startswith(DIFF_PREFIX):
+                    raise _corrupt(shard_id, f"diff entry {key!r} sets entry {k!r}")
+                data[k] = v
+                texts[k] = canonical_json(v)
+            if _meta_seqno(shard_id, data) != want:
+                raise _corrupt(shard_id, f"diff entry {key!r} sets another meta.seqno")
+            chars += len(text)
+        return Stored(base, tuple((k, diffs[k][0]) for k in order), chars)
 
     def head_seqno(self, shard_id: str) -> int | None:
         """The latest seqno (cheap: read from the collection's upper), or ``None``."""
@@ -382,13 +498,72 @@ class Consensus:
             return None
         return t - 1
 
+    def plan(
+        self,
+        shard_id: str,
+        expected: int | None,
+        new: Mapping[str, str],
+        prev: VersionedData | Mapping[str, str] | None = None,
+    ) -> VersionPlan:
+        """The stash updates that publish version ``expected + 1`` (``0`` when
+        ``expected`` is ``None``) on top of ``prev``, and how it will be stored: one diff
+        entry, or a rollup when ``prev`` has :attr:`max_diffs` diffs already, when its
+        diffs would outweigh its rollup, when the diff would be longer than
+        :data:`MAX_DIFF_CHARS`, or when ``prev`` is given as texts alone (a version stored
+        as a rollup: only then is a rollup built on it exact).
+
+        Args:
+            shard_id: the shard.
+            expected: the seqno ``new`` was computed from, ``None`` for the first.
+            new: the new version's entries as canonical JSON texts by key; ``new["meta"]``
+                must be an object whose ``seqno`` is ``expected + 1``.
+            prev: the ``expected`` version as :meth:`head` returned it (or as a previous
+                plan stored it), or its entry texts (required unless ``expected`` is
+                ``None``).
+
+        Raises:
+            InvalidUsage: ``new`` has no ``meta`` entry, or an entry key in the diffs'
+                namespace (``diff/``).
+        """
+        if META_KEY not in new:
+            raise InvalidUsage(f"a consensus version needs a {META_KEY!r} entry with its seqno")
+        seqno = 0 if expected is None else expected + 1
+        if isinstance(prev, VersionedData):
+            stored = prev.stored if prev.stored is not None else Stored(prev.texts)
+            texts: Mapping[str, str] = prev.texts
+            diffable = prev.stored is not None
+        else:
+            texts = {} if prev is None else prev
+            stored = Stored(texts)
+            diffable = False
+        key = self.collection(shard_id).key_codec.encode
+        if diffable and len(stored.diffs) < self.max_diffs:
+            text = _diff_text(texts, new, seqno)
+            chars = stored.diff_chars + len(text)
+            if len(text) <= MAX_DIFF_CHARS and chars <= max(stored.base_chars, MAX_DIFF_CHARS):
+                dk = diff_key(seqno)
+                return VersionPlan(
+                    seqno,
+                    [((key(dk), text), seqno, 1)],
+                    seqno - len(stored.diffs) - 1,
+                    Stored(stored.base, (*stored.diffs, (dk, text)), chars, stored.base_chars),
+                )
+        for k in new:
+            if k.startswith(DIFF_PREFIX):
+                raise InvalidUsage(f"state entry {k!r} is in the diffs' namespace")
+        entries = [((key(dk), t), seqno, -1) for dk, t in stored.diffs]
+        entries += _version_entries(key, stored.base, new, seqno)
+        return VersionPlan(seqno, entries, seqno, Stored(dict(new)))
+
     def compare_and_set(
         self,
         shard_id: str,
         expected: int | None,
         new: Mapping[str, str],
-        prev: Mapping[str, str] | None = None,
+        prev: VersionedData | Mapping[str, str] | None = None,
         retired: RetiredChange | None = None,
+        *,
+        plan: VersionPlan | None = None,
     ) -> bool:
         """Publish the version ``expected + 1`` (``0`` when ``expected`` is ``None``) if the
         head is still ``expected``.
@@ -398,10 +573,12 @@ class Consensus:
             expected: the seqno the new version was computed from, ``None`` for the first.
             new: the new version's entries as canonical JSON texts by key; ``new["meta"]``
                 must be an object whose ``seqno`` is ``expected + 1`` (``0`` for the first).
-            prev: the ``expected`` version's entry texts (required unless ``expected`` is
-                ``None``), as returned by :meth:`head` or passed to the previous call.
+            prev: the ``expected`` version (required unless ``expected`` is ``None``), as
+                :meth:`head` returned it, or its entry texts (see :meth:`plan`).
             retired: changes to the retired collection committed atomically with the
                 version (``new`` must record the collection's new upper, ``lower + 1``).
+            plan: :meth:`plan`'s result for these arguments, if the caller made it
+                already (it learns how the version is stored from it).
 
         Returns: ``True`` if committed, ``False`` if the head was not ``expected`` (a lost
             race: nothing was committed).
@@ -410,26 +587,15 @@ class Consensus:
             ConsensusError: the stash failed (after retries); ``is_indeterminate()`` tells
                 whether the version may nevertheless have been committed.
         """
-        if META_KEY not in new:
-            raise InvalidUsage(f"a consensus version needs a {META_KEY!r} entry with its seqno")
-        seqno = 0 if expected is None else expected + 1
-        prev = {} if prev is None else prev
+        if plan is None:
+            plan = self.plan(shard_id, expected, new, prev)
         c = self.collection(shard_id)
-        entries = _version_entries(c, prev, new, seqno)
-        batch = AppendBatch(
-            collection=c,
-            lower=Antichain.from_elem(seqno),
-            upper=Antichain.from_elem(seqno + 1),
-            compact=Antichain.from_elem(seqno),
-            timestamp=seqno,
-            entries=entries,
-        )
-        batches = [batch]
+        batches = self._plan_batches(c, plan)
         if retired is not None:
             batches.append(self._retired_batch(shard_id, retired))
         try:
             self._call(
-                f"compare_and_set of shard {shard_id} at seqno {seqno}",
+                f"compare_and_set of shard {shard_id} at seqno {plan.seqno}",
                 lambda: self.stash.append(batches),
             )
         except AppendLowerMismatch as e:
@@ -440,13 +606,29 @@ class Consensus:
             return False
         return True
 
+    @staticmethod
+    def _plan_batches(c: StashCollection[Any, Any], plan: VersionPlan) -> list[AppendBatch]:
+        seqno = plan.seqno
+        return [
+            AppendBatch(
+                collection=c,
+                lower=Antichain.from_elem(seqno),
+                upper=Antichain.from_elem(seqno + 1),
+                compact=Antichain.from_elem(plan.compact),
+                timestamp=seqno,
+                entries=plan.entries,
+            )
+        ]
+
     def version_batches(
         self,
         shard_id: str,
         expected: int,
         new: Mapping[str, str],
-        prev: Mapping[str, str],
+        prev: VersionedData | Mapping[str, str],
         retired: RetiredChange | None = None,
+        *,
+        plan: VersionPlan | None = None,
     ) -> list[AppendBatch]:
         """The stash batches that publish version ``expected + 1`` of ``shard_id`` on top
         of ``expected`` (the same batches :meth:`compare_and_set` sends), without sending
@@ -455,21 +637,9 @@ class Consensus:
 
         Args: as :meth:`compare_and_set` (``expected`` is never ``None`` here).
         """
-        if META_KEY not in new:
-            raise InvalidUsage(f"a consensus version needs a {META_KEY!r} entry with its seqno")
-        seqno = expected + 1
-        c = self.collection(shard_id)
-        entries = _version_entries(c, prev, new, seqno)
-        out = [
-            AppendBatch(
-                collection=c,
-                lower=Antichain.from_elem(seqno),
-                upper=Antichain.from_elem(seqno + 1),
-                compact=Antichain.from_elem(seqno),
-                timestamp=seqno,
-                entries=entries,
-            )
-        ]
+        if plan is None:
+            plan = self.plan(shard_id, expected, new, prev)
+        out = self._plan_batches(self.collection(shard_id), plan)
         if retired is not None:
             out.append(self._retired_batch(shard_id, retired))
         return out
@@ -591,23 +761,24 @@ class Stale(Exception):
 @dataclass
 class _Cache:
     state: ShardState
-    data: dict[str, Any]
-    texts: dict[str, str]
+    version: VersionedData
 
 
 @dataclass
 class Staged:
     """A shard version computed by :meth:`ShardMachine.stage`, not yet published:
     ``expected`` (the seqno it builds on), the new ``state`` with its ``data`` and
-    ``texts`` by entry key, the expected version's ``prev`` texts and the ``retired``
-    change to write with it."""
+    ``texts`` by entry key, the expected version ``prev`` (as stored), the ``retired``
+    change to write with it and the ``plan`` of its stash updates
+    (:meth:`Consensus.plan`)."""
 
     expected: int
     state: ShardState
     data: dict[str, Any]
     texts: dict[str, str]
-    prev: dict[str, str]
+    prev: VersionedData
     retired: RetiredChange | None
+    plan: VersionPlan
 
 
 class ShardMachine:
@@ -682,7 +853,7 @@ class ShardMachine:
             )
         if st.seqno != h.seqno:  # pragma: no cover - both read the same entry
             raise ConsensusError(f"shard {self.shard_id}: seqno mismatch in state")
-        return _Cache(st, h.data, h.texts)
+        return _Cache(st, h)
 
     def fetch(self) -> ShardState:
         """Re-read the head from consensus (and cache it).
@@ -736,8 +907,9 @@ class ShardMachine:
                 initial.seqno = 0
                 data = initial.to_entries()
                 texts = {k: Consensus.encode(v) for k, v in data.items()}
-                if self.consensus.compare_and_set(self.shard_id, None, texts, None):
-                    self._cache = _Cache(initial, data, texts)
+                plan = self.consensus.plan(self.shard_id, None, texts, None)
+                if self.consensus.compare_and_set(self.shard_id, None, texts, plan=plan):
+                    self._cache = _Cache(initial, VersionedData(0, data, texts, plan.stored))
                     return initial
             raise ConsensusError(f"could not initialise shard {self.shard_id}")
 
@@ -796,16 +968,20 @@ class ShardMachine:
             return None
         st.seqno = cache.state.seqno + 1
         data = st.to_entries()
+        old, old_texts = cache.version.data, cache.version.texts
+        # Unchanged components are mostly the very objects of the cached version
+        # (memoized JSON of immutable batches): identity first, equality after.
         texts = {
-            k: (cache.texts[k] if k in cache.data and cache.data[k] == v else Consensus.encode(v))
+            k: (old_texts[k] if (o := old.get(k, _MISSING)) is v or o == v else Consensus.encode(v))
             for k, v in data.items()
         }
-        return Staged(cache.state.seqno, st, data, texts, cache.texts, retired)
+        plan = self.consensus.plan(self.shard_id, cache.state.seqno, texts, cache.version)
+        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan)
 
     def install(self, staged: Staged) -> None:
         """Cache a staged version once the caller's atomic append committed it."""
         self.metrics["cas"] += 1
-        self._cache = _Cache(staged.state, staged.data, staged.texts)
+        self._cache = _Cache(staged.state, _published(staged))
 
     # ----------------------------------------------------------------- writes
     def apply(
@@ -854,7 +1030,12 @@ class ShardMachine:
                 self.metrics["cas"] += 1
                 try:
                     ok = self.consensus.compare_and_set(
-                        self.shard_id, cache.state.seqno, staged.texts, cache.texts, staged.retired
+                        self.shard_id,
+                        cache.state.seqno,
+                        staged.texts,
+                        cache.version,
+                        staged.retired,
+                        plan=staged.plan,
                     )
                 except ConsensusError as e:
                     if not e.is_indeterminate():
@@ -880,7 +1061,7 @@ class ShardMachine:
                     fresh = True
                     continue
                 if ok:
-                    self._cache = _Cache(st, staged.data, staged.texts)
+                    self._cache = _Cache(st, _published(staged))
                     persist_metrics.observe_commit(cache.state, st, self.now_ms())
                     return result
                 self.metrics["cas_lost"] += 1
@@ -895,13 +1076,58 @@ class ShardMachine:
                 fresh = True
 
 
+def _published(staged: Staged) -> VersionedData:
+    """The version ``staged`` made, as stored once its plan committed."""
+    return VersionedData(staged.plan.seqno, staged.data, staged.texts, staged.plan.stored)
+
+
+def diff_key(seqno: int) -> str:
+    """The key of version ``seqno``'s diff entry (zero-padded: keys sort as seqnos)."""
+    return f"{DIFF_PREFIX}{seqno:020d}"
+
+
+def _corrupt(shard_id: str, what: str) -> ConsensusError:
+    return ConsensusError(f"consensus collection of shard {shard_id} is corrupt: {what}")
+
+
+def _meta_seqno(shard_id: str, data: Mapping[str, Any]) -> int:
+    meta = data.get(META_KEY)
+    seqno = meta.get("seqno") if isinstance(meta, dict) else None
+    if isinstance(seqno, bool) or not isinstance(seqno, int):
+        raise _corrupt(shard_id, "no meta.seqno entry")
+    return seqno
+
+
+def _diff_text(prev: Mapping[str, str], new: Mapping[str, str], seqno: int) -> str:
+    """The canonical JSON text of the diff entry turning ``prev`` into ``new`` (entry
+    texts by key, both canonical): ``{"del": [removed keys], "seqno": seqno, "set":
+    {added or changed key: value}}``.  Built from the entries' texts without decoding
+    them: canonical texts nested under sorted keys are the canonical text of the whole.
+
+    Raises:
+        InvalidUsage: an entry key in the diffs' namespace (``diff/``).
+    """
+    changed = [k for k, t in new.items() if prev.get(k) != t]
+    removed = [k for k in prev if k not in new]
+    for k in changed:
+        if k.startswith(DIFF_PREFIX):
+            raise InvalidUsage(f"state entry {k!r} is in the diffs' namespace")
+    changed.sort()
+    removed.sort()
+    # Entry keys are str (as JSON: what canonical_json makes of a str).
+    sets = ",".join(f"{_dumps(k)}:{new[k]}" for k in changed)
+    return f'{{"del":{_dumps(removed)},"seqno":{seqno},"set":{{{sets}}}}}'
+
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def _version_entries(
-    c: StashCollection[str, str], prev: Mapping[str, str], new: Mapping[str, str], seqno: int
+    key: Callable[[str], str], prev: Mapping[str, str], new: Mapping[str, str], seqno: int
 ) -> list[tuple[tuple[str, str], int, int]]:
-    """The stash updates at ``seqno`` that turn a shard's collection from the entries
-    ``prev`` into ``new`` (path -> JSON text): a retraction of each changed or removed
-    entry and an addition of each changed or added one; unchanged entries are left."""
-    key = c.key_codec.encode
+    """The stash updates at ``seqno`` that turn a shard's rollup entries ``prev`` into
+    ``new`` (path -> JSON text): a retraction of each changed or removed entry and an
+    addition of each changed or added one; unchanged entries are left."""
     entries: list[tuple[tuple[str, str], int, int]] = []
     for k, text in new.items():
         old = prev.get(k)

@@ -836,7 +836,7 @@ class Txn:
                 for m, st, _reqs in staged:
                     batches.extend(
                         c.consensus.version_batches(
-                            m.shard_id, st.expected, st.texts, st.prev, st.retired
+                            m.shard_id, st.expected, st.texts, st.prev, st.retired, plan=st.plan
                         )
                     )
                 batches.extend(self._merged_stash_batches())

@@ -644,7 +644,8 @@ class Stash(abc.ABC):
             raise StashError(
                 f"compact request {new} is greater than the current upper frontier {cur_upper}"
             )
-        tx.set_since(cid, new.as_option())
+        if new != cur_since:  # an unchanged since writes nothing
+            tx.set_since(cid, new.as_option())
 
     def consolidate(self, collection: StashCollection[Any, Any]) -> None:
         """Physical compaction, the same rows on every backend: every row moves to

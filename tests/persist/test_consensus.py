@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from persist.consensus import (
     Consensus,
     ShardMachine,
     Stale,
+    diff_key,
     new_shard_id,
     validate_shard_id,
     validate_shard_name,
@@ -20,7 +24,8 @@ from persist.errors import ConsensusError, InvalidUsage
 from persist.spine import FueledMergeRes
 from persist.state import LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
-from stash import Antichain, Stash, StashError
+from stash import Antichain, AppendBatch, Stash, StashError
+from stash.codec import canonical_json
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string()), ("n", pa.float64())])
@@ -91,18 +96,25 @@ def test_racing_compare_and_set_has_one_winner(stash: Stash) -> None:
     assert h is not None and h.seqno == 1 and h.data["who"] == wins[0]
 
 
-def test_old_versions_are_truncated_and_state_is_readable(stash: Stash) -> None:
-    c = Consensus(stash)
-    sid = new_shard_id()
+def _register_readers(c: Consensus, sid: str, n: int) -> ShardMachine:
     m = ShardMachine(c, sid)
     m.initialize(ShardState(sid, "orders", KS, VS))
-    for i in range(5):
+    for i in range(n):
 
         def fn(st: ShardState, fresh: bool, i: int = i) -> tuple[None, bool]:
             st.register_reader(f"r{i}", m.now_ms(), 60_000)
             return None, True
 
         m.apply(fn)
+    return m
+
+
+def test_old_versions_are_truncated_and_state_is_readable(stash: Stash) -> None:
+    """Every version written as a rollup (``max_diffs=0``): once truncated, the
+    collection holds the head's entries alone, one readable JSON row each."""
+    c = Consensus(stash, max_diffs=0)
+    sid = new_shard_id()
+    _register_readers(c, sid, 5)
     coll = c.collection(sid)
     assert stash.since(coll) == ac(5) and stash.upper(coll) == ac(6)
     c.truncate(sid)
@@ -116,6 +128,140 @@ def test_old_versions_are_truncated_and_state_is_readable(stash: Stash) -> None:
     assert by_key["shard"]["name"] == "orders"
     assert by_key["shard"]["key_schema"]["fields"] == ["k: int64"]
     assert sorted(k for k in keys if k.startswith("reader/")) == [f"reader/r{i}" for i in range(5)]
+
+
+def test_versions_are_diffs_after_a_rollup_and_roll_up_every_max_diffs(stash: Stash) -> None:
+    """The default layout: version 0 is a rollup, each later version one diff entry,
+    until ``max_diffs`` diffs follow the rollup; the next version is a rollup that
+    retracts them (and moves the since to itself).  Every head read assembles the same
+    state as the machine that wrote it."""
+    c = Consensus(stash, max_diffs=3)
+    sid = new_shard_id()
+    m = ShardMachine(c, sid)
+    m.initialize(ShardState(sid, "orders", KS, VS))
+    coll = c.collection(sid)
+    layouts = []
+    for i in range(9):
+
+        def fn(st: ShardState, fresh: bool, i: int = i) -> tuple[None, bool]:
+            st.register_reader(f"r{i}", m.now_ms(), 60_000)
+            if i % 3 == 2:
+                st.expire_reader(f"r{i - 1}")  # a removed entry travels in a diff too
+            return None, True
+
+        m.apply(fn)
+        rows = stash.iter(coll)
+        diffs = sorted(k for (k, _), _, _ in rows if k.startswith("diff/"))
+        layouts.append((len(diffs), stash.since(coll).as_option()))
+        fresh_state = ShardMachine(Consensus(stash), sid).fetch()
+        assert fresh_state.to_json() == m.state().to_json()
+        assert c.head_seqno(sid) == i + 1
+    # seqnos 1..3 diffs on rollup 0; 4 a rollup; 5..7 diffs; 8 a rollup; 9 a diff.
+    assert layouts == [(1, 0), (2, 0), (3, 0), (0, 4), (1, 4), (2, 4), (3, 4), (0, 8), (1, 8)]
+    assert sorted(m.state().readers) == ["r0", "r2", "r3", "r5", "r6", "r8"]
+    h = c.head(sid)
+    assert h is not None and h.stored is not None
+    assert [k for k, _ in h.stored.diffs] == [diff_key(9)]
+    # The diff entry is readable JSON naming what changed.
+    diff = {k: v for (k, v), _, _ in stash.iter(coll)}[diff_key(9)]
+    assert diff["seqno"] == 9 and diff["del"] == ["reader/r7"] and "reader/r8" in diff["set"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    versions=st.lists(
+        st.dictionaries(
+            st.sampled_from(["a", "b", "c/1", "c/2", "é", 'q"x']),
+            st.one_of(
+                st.none(),
+                st.integers(),
+                st.text(
+                    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+                    max_size=5,
+                ),
+                st.lists(st.integers()),
+            ),
+            max_size=6,
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    max_diffs=st.integers(0, 4),
+)
+def test_any_sequence_of_versions_reads_back_whatever_the_layout(
+    versions: list[dict[str, object]], max_diffs: int
+) -> None:
+    """A model of consensus: each version's entries (random keys added, changed and
+    removed) read back exactly from a fresh handle, the diff texts are canonical JSON,
+    and a stale compare-and-set commits nothing, whatever ``max_diffs`` is."""
+    with Stash.open("memory://", fenced=False) as s:
+        c = Consensus(s, max_diffs=max_diffs)
+        sid = new_shard_id()
+        prev = None
+        for seqno, extra in enumerate(versions):
+            new = texts(c, seqno, **{k: v for k, v in extra.items() if v is not None})
+            plan = c.plan(sid, None if prev is None else seqno - 1, new, prev)
+            for (_k, text), _t, _d in plan.entries:
+                assert canonical_json(json.loads(text)) == text
+            if prev is not None:  # a stale expected seqno loses
+                assert not c.compare_and_set(sid, seqno - 2 if seqno > 1 else None, new)
+            assert c.compare_and_set(sid, None if prev is None else seqno - 1, new, plan=plan)
+            prev = Consensus(s).head(sid)
+            assert prev is not None and prev.seqno == seqno and prev.texts == new
+            assert prev.stored == plan.stored
+            assert len(prev.stored.diffs) <= max_diffs
+
+
+def _publish_raw(
+    stash: Stash, c: Consensus, sid: str, changes: list[tuple[str, object, int]]
+) -> None:
+    coll = c.collection(sid)
+    up = stash.upper(coll).as_option()
+    assert up is not None
+    b = AppendBatch(coll, ac(up), ac(up + 1), stash.since(coll), up)
+    for k, v, d in changes:
+        coll.append_to_batch(b, k, v, d)
+    stash.append([b])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["gap", "garbage", "wrong seqno", "no meta", "sets a diff key", "retracted", "orphan"],
+)
+def test_a_damaged_diff_entry_reads_as_a_corrupt_collection(stash: Stash, damage: str) -> None:
+    """A diff entry missing, malformed, out of order or without a rollup under it is a
+    ConsensusError naming the shard, never a state."""
+    c = Consensus(stash, max_diffs=8)
+    sid = new_shard_id()
+    _register_readers(c, sid, 3)
+    rows = {k: v for (k, v), _, _ in stash.iter(c.collection(sid))}
+    d1, d2 = rows[diff_key(1)], rows[diff_key(2)]
+    changes: list[tuple[str, object, int]] = {
+        "gap": [(diff_key(2), d2, -1)],
+        "garbage": [(diff_key(2), d2, -1), (diff_key(2), [1, 2], 1)],
+        "wrong seqno": [(diff_key(2), d2, -1), (diff_key(2), {**d2, "seqno": 7}, 1)],
+        "no meta": [(diff_key(2), d2, -1), (diff_key(2), {**d2, "set": {}}, 1)],
+        "sets a diff key": [
+            (diff_key(2), d2, -1),
+            (diff_key(2), {**d2, "set": {**d2["set"], diff_key(9): 1}}, 1),
+        ],
+        "retracted": [(diff_key(1), d1, -1), (diff_key(1), d1, -1)],
+        "orphan": [(k, v, -1) for k, v in rows.items() if not k.startswith("diff/")],
+    }[damage]
+    _publish_raw(stash, c, sid, changes)
+    with pytest.raises(ConsensusError, match=f"shard {sid} is corrupt"):
+        Consensus(stash).head(sid)
+
+
+def test_state_entries_may_not_use_the_diff_namespace(stash: Stash) -> None:
+    c = Consensus(stash, max_diffs=2)
+    sid = new_shard_id()
+    v0 = texts(c, 0)
+    assert c.compare_and_set(sid, None, v0)
+    with pytest.raises(InvalidUsage, match="namespace"):
+        c.plan(sid, 0, {**texts(c, 1), diff_key(5): "1"}, c.head(sid))
+    with pytest.raises(InvalidUsage, match="namespace"):
+        c.plan(sid, 0, {**texts(c, 1), diff_key(5): "1"}, v0)
 
 
 def test_registry(stash: Stash) -> None:

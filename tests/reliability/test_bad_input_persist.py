@@ -366,6 +366,9 @@ def test_corrupt_state_json(tmp_path: Path) -> None:
     no other exception escapes; repairing the entry makes the shard work again."""
     stash = Stash.open(f"sqlite:///{tmp_path}/state.db", fenced=False)
     client = PersistClient(stash, "memory://", compaction="inline", inline_max_bytes=4096)
+    # Every version a rollup, so that the entries corrupted below are the head's
+    # (damaged diff entries: tests/persist/test_consensus.py).
+    client.consensus.max_diffs = 0
     w, r = client.open("state", KS, VS)
     for t in range(6):
         w.compare_and_append([(((t,), ("x",)), t, 1)], t, t + 1)
@@ -496,6 +499,7 @@ def test_regression_corrupt_state_error_names_the_shard(tmp_path: Path) -> None:
     the shard id, and a state naming another shard is refused."""
     stash = Stash.open(f"sqlite:///{tmp_path}/s.db", fenced=False)
     client = PersistClient(stash, "memory://", compaction="off")
+    client.consensus.max_diffs = 0  # every version a rollup: the entries edited below
     client.open("named", KS, VS)
     sid = client.shard_id("named")
     coll = stash.collection(f"persist.shard.{sid}", key="str", value="json")

@@ -458,6 +458,10 @@ class _MergeState:
         return merge.done(batches, log)
 
 
+#: What :meth:`Trace.to_json` remembers of a spine batch (see ``Trace._json_memo``).
+_JsonMemo = tuple[_SpineBatch, int, str, dict[str, Any], list[tuple[str, Any]]]
+
+
 class Trace:
     """The batches of a shard with its since and upper, merged in a fueled Spine.
 
@@ -466,13 +470,17 @@ class Trace:
     version owns its trace; :meth:`copy` gives an independent one).
     """
 
-    __slots__ = ("_levels", "_next_id", "_since", "_upper")
+    __slots__ = ("_json_memo", "_levels", "_next_id", "_since", "_upper")
 
     def __init__(self) -> None:
         self._since: Antichain = _MINIMUM
         self._upper: Antichain = _MINIMUM
         self._next_id = 0
         self._levels: list[_MergeState] = []
+        # Spine id -> (the spine batch, its level, its entry name, its spine_batches
+        # entry, its hollow_batches entries) of the last to_json: the flattened form of
+        # a batch that is still the same object at the same level is reused.
+        self._json_memo: dict[SpineId, _JsonMemo] = {}
 
     # ------------------------------------------------------------------ accessors
 
@@ -542,6 +550,7 @@ class Trace:
         t._upper = self._upper
         t._next_id = self._next_id
         t._levels = [level.copy() for level in self._levels]
+        t._json_memo = self._json_memo  # read-only: each to_json replaces it whole
         return t
 
     def __eq__(self, other: object) -> bool:
@@ -835,23 +844,34 @@ class Trace:
              "fueling_merges": {"lo-hi": {"since": [t] | [], "remaining_work": n}, ...}}
 
         Maps are in id order.  Hollow batches are stored once, by id, so merging two spine
-        batches changes only the small ``spine_batches`` entries.
+        batches changes only the small ``spine_batches`` entries.  The entries of a spine
+        batch that is unchanged since the last call are the same (shared, read-only)
+        objects as then, so a new version re-flattens only the batches that changed.
         """
         hollow: dict[str, Any] = {}
         spine: dict[str, Any] = {}
         merges: dict[str, Any] = {}
+        memo = self._json_memo
+        new_memo: dict[SpineId, _JsonMemo] = {}
         for index in range(len(self._levels) - 1, -1, -1):
             level = self._levels[index]
             for b in level.batches:
-                names = []
-                for p in b.parts:
-                    name = str(p.id)
-                    hollow[name] = p.batch.to_json()
-                    names.append(name)
-                spine[str(b.id)] = {"level": index, "desc": b.desc.to_json(), "parts": names}
+                m = memo.get(b.id)
+                if m is None or m[0] is not b or m[1] != index:
+                    names = [str(p.id) for p in b.parts]
+                    entry = {"level": index, "desc": b.desc.to_json(), "parts": names}
+                    parts = [(n, p.batch.to_json()) for n, p in zip(names, b.parts, strict=True)]
+                    m = (b, index, str(b.id), entry, parts)
+                new_memo[b.id] = m
+                hollow.update(m[4])
+                spine[m[2]] = m[3]
             if level.merge is not None:
-                m = level.merge
-                merges[str(m.id)] = {"since": m.since.to_json(), "remaining_work": m.remaining_work}
+                fm = level.merge
+                merges[str(fm.id)] = {
+                    "since": fm.since.to_json(),
+                    "remaining_work": fm.remaining_work,
+                }
+        self._json_memo = new_memo
         return {
             "since": self._since.to_json(),
             "upper": self._upper.to_json(),

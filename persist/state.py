@@ -463,12 +463,7 @@ class ShardState:
 
     def inline_bytes(self) -> int:
         """Total size (bytes) of the inline parts held in this state."""
-        return sum(
-            p.encoded_size_bytes
-            for b in self.trace.batches()
-            for p in b.parts
-            if p.inline is not None
-        )
+        return sum(b.inline_bytes for b in self.trace.batches())
 
     def blob_bytes(self) -> int:
         """Total size (bytes) of the blob parts the trace references."""

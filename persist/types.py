@@ -177,6 +177,11 @@ class HollowBatch:
         bounds = [0, *self.runs, len(self.parts)]
         return [self.parts[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if a < b]
 
+    @cached_property
+    def inline_bytes(self) -> int:
+        """The summed encoded size (bytes) of the batch's inline parts."""
+        return sum(p.encoded_size_bytes for p in self.parts if p.inline is not None)
+
     def to_json(self) -> dict[str, Any]:
         """The JSON form; computed once per (immutable) batch and shared by every call,
         so that a state version re-serialises only its new batches: do not mutate it."""

@@ -53,8 +53,9 @@ versions are cached (:meth:`ShardMachine.install`) only once committed.
 
 Invariants kept here: a version is only ever published on top of the version it was
 computed from; the diff entries present are exactly those of the versions after the
-rollup's, contiguous (anything else reads as a corrupt collection, never as a state); a caller is told "committed" only if the version is durable, "not
-committed" only if it is not, and otherwise gets a :class:`ConsensusError` whose
+rollup's, contiguous (anything else reads as a corrupt collection, never as a state); a
+caller is told "committed" only if the version is durable, "not committed" only if it
+is not, and otherwise gets a :class:`ConsensusError` whose
 ``is_indeterminate()`` is true.
 
 Sources: the seed persist engine's consensus/meta handling (``000``/``001``) and the

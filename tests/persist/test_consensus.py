@@ -253,6 +253,31 @@ def test_a_damaged_diff_entry_reads_as_a_corrupt_collection(stash: Stash, damage
         Consensus(stash).head(sid)
 
 
+def test_a_shard_written_whole_goes_on_in_diffs_and_back(stash: Stash) -> None:
+    """A shard whose versions were all written as rollups (as before diffs existed, or
+    by a ``max_diffs=0`` handle) is read and continued by a handle writing diffs, and
+    the other way round: layouts mix on one shard, every head reads the same state."""
+    sid = new_shard_id()
+    whole = Consensus(stash, max_diffs=0)
+    m0 = _register_readers(whole, sid, 3)
+    diffs = Consensus(stash, max_diffs=4)
+    m1 = ShardMachine(diffs, sid)
+    for i in range(3, 9):
+
+        def fn(st: ShardState, fresh: bool, i: int = i) -> tuple[None, bool]:
+            st.register_reader(f"r{i}", m1.now_ms(), 60_000)
+            return None, True
+
+        (m1 if i < 6 else m0).apply(fn)  # m0's cache is stale: it re-reads and goes on
+        for c in (whole, diffs):
+            assert ShardMachine(c, sid).fetch().to_json() == (m1 if i < 6 else m0).state().to_json()
+    assert sorted(ShardMachine(Consensus(stash), sid).fetch().readers) == [
+        f"r{i}" for i in range(9)
+    ]
+    rows = stash.iter(whole.collection(sid))
+    assert not [k for (k, _), _, _ in rows if k.startswith("diff/")]  # m0 rolled them up
+
+
 def test_state_entries_may_not_use_the_diff_namespace(stash: Stash) -> None:
     c = Consensus(stash, max_diffs=2)
     sid = new_shard_id()

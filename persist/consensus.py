@@ -13,8 +13,8 @@ consensus, whose rows are a rollup and the diffs after it):
 
 A new version is written by :meth:`Consensus.compare_and_set` as one stash ``append``
 at time ``seqno``: usually a single diff entry (one row, whatever the state's size);
-every :attr:`Consensus.max_diffs` versions, or once the diffs outweigh the rollup, a new
-rollup instead, which retracts (diff ``-1``) every diff entry and each rollup entry that
+every :attr:`Consensus.max_diffs` versions, or once the diffs outweigh both the rollup
+and :data:`MAX_DIFF_CHARS`, a new rollup instead, which retracts (diff ``-1``) every diff entry and each rollup entry that
 changed and inserts (diff ``+1``) the new texts.  The collection's upper is always
 ``head seqno + 1``, so the append's ``lower`` is the expected seqno's successor and two
 writers racing on the same seqno cannot both win: the loser gets the stash's
@@ -185,8 +185,8 @@ class Stored:
 class VersionedData(NamedTuple):
     """One state version as stored: ``seqno``, the entries' JSON values by key, the
     entries' canonical JSON texts by key, and how the version is ``stored`` (``None``
-    for a version handed in by a caller as texts alone: then it is taken to be stored
-    as a rollup, as :meth:`Consensus.compare_and_set` writes a version given so)."""
+    when unknown, e.g. a version a caller made: :meth:`Consensus.plan` then reads the
+    layout from the head)."""
 
     seqno: int
     data: dict[str, Any]
@@ -508,10 +508,15 @@ class Consensus:
     ) -> VersionPlan:
         """The stash updates that publish version ``expected + 1`` (``0`` when
         ``expected`` is ``None``) on top of ``prev``, and how it will be stored: one diff
-        entry, or a rollup when ``prev`` has :attr:`max_diffs` diffs already, when its
-        diffs would outweigh its rollup, when the diff would be longer than
-        :data:`MAX_DIFF_CHARS`, or when ``prev`` is given as texts alone (a version stored
-        as a rollup: only then is a rollup built on it exact).
+        entry, or a rollup: for the first version, when ``prev`` has :attr:`max_diffs`
+        diffs already, or when the diffs would pass both the rollup's length and
+        :data:`MAX_DIFF_CHARS` (so a head read costs at most about the state's size, or
+        that constant for a small state), or when the diff alone would be longer than
+        :data:`MAX_DIFF_CHARS`.  A rollup is only ever built on the stored layout of
+        ``prev``: when ``prev`` is given without it (texts alone, a
+        :class:`VersionedData` without ``stored``), the layout is read from the head
+        (if the head is not ``expected``, the plan is a diff that the append's lower
+        check will refuse).
 
         Args:
             shard_id: the shard.
@@ -529,25 +534,28 @@ class Consensus:
         if META_KEY not in new:
             raise InvalidUsage(f"a consensus version needs a {META_KEY!r} entry with its seqno")
         seqno = 0 if expected is None else expected + 1
-        if isinstance(prev, VersionedData):
-            stored = prev.stored if prev.stored is not None else Stored(prev.texts)
-            texts: Mapping[str, str] = prev.texts
-            diffable = prev.stored is not None
+        if expected is None:
+            texts: Mapping[str, str] = {}
+            stored = Stored({})
+        elif isinstance(prev, VersionedData) and prev.stored is not None:
+            texts, stored = prev.texts, prev.stored
         else:
-            texts = {} if prev is None else prev
-            stored = Stored(texts)
-            diffable = False
+            # The layout of the expected version is not known (texts alone, or a
+            # version made without it): learn it from the head.  If the head is not
+            # ``expected`` any plan is refused by the append's lower check; a diff on
+            # the caller's texts is as good as any then.
+            texts = prev.texts if isinstance(prev, VersionedData) else (prev or {})
+            head = self.head(shard_id)
+            if head is None or head.seqno != expected or head.stored is None:
+                return self._diff_plan(shard_id, texts, new, seqno, Stored(texts), seqno)
+            texts, stored = head.texts, head.stored
         key = self.collection(shard_id).key_codec.encode
-        if diffable and len(stored.diffs) < self.max_diffs:
+        if expected is not None and len(stored.diffs) < self.max_diffs:
             text = _diff_text(texts, new, seqno)
             chars = stored.diff_chars + len(text)
             if len(text) <= MAX_DIFF_CHARS and chars <= max(stored.base_chars, MAX_DIFF_CHARS):
-                dk = diff_key(seqno)
-                return VersionPlan(
-                    seqno,
-                    [((key(dk), text), seqno, 1)],
-                    seqno - len(stored.diffs) - 1,
-                    Stored(stored.base, (*stored.diffs, (dk, text)), chars, stored.base_chars),
+                return self._diff_plan(
+                    shard_id, texts, new, seqno, stored, seqno - len(stored.diffs) - 1, text
                 )
         for k in new:
             if k.startswith(DIFF_PREFIX):
@@ -555,6 +563,33 @@ class Consensus:
         entries = [((key(dk), t), seqno, -1) for dk, t in stored.diffs]
         entries += _version_entries(key, stored.base, new, seqno)
         return VersionPlan(seqno, entries, seqno, Stored(dict(new)))
+
+    def _diff_plan(
+        self,
+        shard_id: str,
+        texts: Mapping[str, str],
+        new: Mapping[str, str],
+        seqno: int,
+        stored: Stored,
+        compact: int,
+        text: str | None = None,
+    ) -> VersionPlan:
+        """The plan writing version ``seqno`` as one diff entry on ``stored``."""
+        if text is None:
+            text = _diff_text(texts, new, seqno)
+        dk = diff_key(seqno)
+        key = self.collection(shard_id).key_codec.encode
+        return VersionPlan(
+            seqno,
+            [((key(dk), text), seqno, 1)],
+            compact,
+            Stored(
+                stored.base,
+                (*stored.diffs, (dk, text)),
+                stored.diff_chars + len(text),
+                stored.base_chars,
+            ),
+        )
 
     def compare_and_set(
         self,

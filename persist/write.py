@@ -260,7 +260,8 @@ def _diff_sum(table: pa.Table) -> int:
     if n == 0:
         return 0
     if n <= _SMALL_ROWS:
-        return ((sum(table.column(DIFF).to_pylist()) + _I64) % (2 * _I64)) - _I64
+        total: int = sum(table.column(DIFF).to_pylist())
+        return ((total + _I64) % (2 * _I64)) - _I64
     return int(pc.sum(table.column(DIFF)).as_py())
 
 

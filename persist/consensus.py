@@ -478,8 +478,9 @@ class Consensus:
             ):
                 raise _corrupt(shard_id, f"diff entry {key!r} is malformed")
             for d in value["del"]:
-                data.pop(d, None)
-                texts.pop(d, None)
+                if data.pop(d, _MISSING) is _MISSING:
+                    raise _corrupt(shard_id, f"diff entry {key!r} removes a missing entry {d!r}")
+                del texts[d]
             for k, v in value["set"].items():
                 if k.startswith(DIFF_PREFIX):
                     raise _corrupt(shard_id, f"diff entry {key!r} sets entry {k!r}")
@@ -515,8 +516,8 @@ class Consensus:
         :data:`MAX_DIFF_CHARS`.  A rollup is only ever built on the stored layout of
         ``prev``: when ``prev`` is given without it (texts alone, a
         :class:`VersionedData` without ``stored``), the layout is read from the head
-        (if the head is not ``expected``, the plan is a diff that the append's lower
-        check will refuse).
+        (if the head is not ``expected``, no plan is made: one made now could commit later,
+        once the head reached ``expected``, on a layout it never saw).
 
         Args:
             shard_id: the shard.
@@ -529,7 +530,9 @@ class Consensus:
 
         Raises:
             InvalidUsage: ``new`` has no ``meta`` entry, or an entry key in the diffs'
-                namespace (``diff/``).
+                namespace (``diff/``), or ``prev`` comes without its layout while the
+                head is not ``expected``.
+            ConsensusError: reading the head failed.
         """
         if META_KEY not in new:
             raise InvalidUsage(f"a consensus version needs a {META_KEY!r} entry with its seqno")
@@ -544,10 +547,13 @@ class Consensus:
             # version made without it): learn it from the head.  If the head is not
             # ``expected`` any plan is refused by the append's lower check; a diff on
             # the caller's texts is as good as any then.
-            texts = prev.texts if isinstance(prev, VersionedData) else (prev or {})
             head = self.head(shard_id)
             if head is None or head.seqno != expected or head.stored is None:
-                return self._diff_plan(shard_id, texts, new, seqno, Stored(texts), seqno)
+                raise _NotAtHead(
+                    f"cannot plan version {seqno} of shard {shard_id} without the stored "
+                    f"layout of version {expected}: the head is "
+                    f"{'empty' if head is None else f'version {head.seqno}'}"
+                )
             texts, stored = head.texts, head.stored
         key = self.collection(shard_id).key_codec.encode
         if expected is not None and len(stored.diffs) < self.max_diffs:
@@ -624,7 +630,10 @@ class Consensus:
                 whether the version may nevertheless have been committed.
         """
         if plan is None:
-            plan = self.plan(shard_id, expected, new, prev)
+            try:
+                plan = self.plan(shard_id, expected, new, prev)
+            except _NotAtHead:
+                return False  # the head is not ``expected``: nothing to commit
         c = self.collection(shard_id)
         batches = self._plan_batches(c, plan)
         if retired is not None:
@@ -716,14 +725,16 @@ class Consensus:
         return None
 
     def scan(self, shard_id: str, from_seqno: int = 0) -> list[VersionedData]:
-        """Versions with seqno ``>= from_seqno`` still held.  Consensus truncates every
-        older version in the append that writes the next one, so this is the head alone
-        (or nothing)."""
+        """Versions with seqno ``>= from_seqno`` that can be read.  Only the head can:
+        the versions between the rollup and the head are kept only as the diffs that
+        lead to it, and a rollup truncates every version before it; so this is the head
+        alone (or nothing)."""
         h = self.head(shard_id)
         return [] if h is None or h.seqno < from_seqno else [h]
 
     def truncate(self, shard_id: str) -> None:
-        """Physically drop every version before the head (consolidate the collection)."""
+        """Physically drop the rows of versions before the head's rollup (consolidate
+        the collection); the rollup and the diffs after it stay."""
         c = self.collection(shard_id)
         self._call(f"truncate of shard {shard_id}", lambda: self.stash.consolidate(c))
 
@@ -1115,6 +1126,11 @@ class ShardMachine:
 def _published(staged: Staged) -> VersionedData:
     """The version ``staged`` made, as stored once its plan committed."""
     return VersionedData(staged.plan.seqno, staged.data, staged.texts, staged.plan.stored)
+
+
+class _NotAtHead(InvalidUsage):
+    """:meth:`Consensus.plan` was given a version without its layout that is not the
+    head (``compare_and_set`` reports that as a lost race)."""
 
 
 def diff_key(seqno: int) -> str:

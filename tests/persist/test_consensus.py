@@ -226,7 +226,16 @@ def _publish_raw(
 
 @pytest.mark.parametrize(
     "damage",
-    ["gap", "garbage", "wrong seqno", "no meta", "sets a diff key", "retracted", "orphan"],
+    [
+        "gap",
+        "garbage",
+        "wrong seqno",
+        "no meta",
+        "sets a diff key",
+        "removes a missing entry",
+        "retracted",
+        "orphan",
+    ],
 )
 def test_a_damaged_diff_entry_reads_as_a_corrupt_collection(stash: Stash, damage: str) -> None:
     """A diff entry missing, malformed, out of order or without a rollup under it is a
@@ -244,6 +253,10 @@ def test_a_damaged_diff_entry_reads_as_a_corrupt_collection(stash: Stash, damage
         "sets a diff key": [
             (diff_key(2), d2, -1),
             (diff_key(2), {**d2, "set": {**d2["set"], diff_key(9): 1}}, 1),
+        ],
+        "removes a missing entry": [
+            (diff_key(2), d2, -1),
+            (diff_key(2), {**d2, "del": ["reader/nobody"]}, 1),
         ],
         "retracted": [(diff_key(1), d1, -1), (diff_key(1), d1, -1)],
         "orphan": [(k, v, -1) for k, v in rows.items() if not k.startswith("diff/")],

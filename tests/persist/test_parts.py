@@ -396,6 +396,49 @@ def test_consolidate_large_random_both_paths_agree() -> None:
     assert _rows_of(outs[0]) == expected
 
 
+def test_sort_kind_is_timsort_unless_the_word_looks_random() -> None:
+    """Timsort (numpy's "stable") for words sorted except within small neighbourhoods,
+    as TPC-H lineitem's packed (order key, part key) word: most neighbour pairs
+    descend there, but none at a stride; quicksort only for words disordered at both
+    grains. (The old rule, by neighbour descents alone, chose quicksort for the first,
+    which took 7x as long.)"""
+    rng = np.random.default_rng(5)
+    n = 200_000
+    local = (np.arange(n, dtype=np.uint64) // 4) * np.uint64(1000) + rng.integers(
+        0, 1000, n
+    ).astype(np.uint64)
+    assert np.count_nonzero(local[1:] < local[:-1]) * 4 >= n  # many neighbour descents
+    assert consolidation._sort_kind(local) == "stable"
+    assert consolidation._sort_kind(np.sort(local)) == "stable"
+    assert consolidation._sort_kind(rng.integers(0, 2**60, n, dtype=np.uint64)) == "quicksort"
+
+
+@pytest.mark.parametrize("kind", ["stable", "quicksort"])
+def test_consolidate_is_the_same_whichever_sort_kind(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sort kind changes the order of rows tied on the packed word only, which the
+    tie resolution sorts by the remaining columns: the result is the reference's."""
+    rng = np.random.default_rng(8)
+    n = 30_000
+    t = pa.table(
+        {
+            "k": pa.array(np.arange(n) // 3 + rng.integers(0, 2, n)),
+            "name": pa.array(rng.choice(["x", "yy", ""], n)).cast(pa.large_string()),
+            "v": pa.array(rng.integers(0, 3, n).astype(float)),
+            "_time": pa.array(rng.integers(0, 3, n)),
+            "_diff": pa.array(rng.integers(-1, 2, n)),
+        }
+    )
+    monkeypatch.setattr(consolidation, "_sort_kind", lambda word: kind)
+    with sort_path("codes-narrow"):
+        narrow = consolidate(t, ["k", "name"], ["v"])
+    with sort_path("codes"):
+        wide = consolidate(t, ["k", "name"], ["v"])
+    assert narrow.equals(wide)
+    assert _rows_of(wide) == _reference(_rows_of(t), None)
+
+
 # ------------------------------------------------------------------ parts
 
 

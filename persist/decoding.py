@@ -126,14 +126,14 @@ def _dictionary_columns(pf: pq.ParquetFile, columns: Sequence[str] | None) -> li
     row group stores dictionary-encoded (a dictionary page in each column chunk), for
     parts of at least :data:`_DICTIONARY_READ_MIN_ROWS` rows.
 
-    Arrow's reader builds a dense string array from a dictionary page by copying each
-    value out row by row; reading the indices as a ``DictionaryArray`` and expanding it
-    with one take (:func:`_expand_dictionaries`) gives the same array in less time (a
-    lineitem part of 333,400 rows, its four low-cardinality string columns so read:
-    35.5 ms against 44.5 ms on one thread; a flights part: 18 against 21 ms). A chunk
-    whose pages fell back to plain encoding still reads correctly as a dictionary (Arrow
-    builds one), only more slowly: that is why only columns with a dictionary page in
-    every row group are chosen.
+    Reading the indices as a ``DictionaryArray`` and expanding it with one take
+    (:func:`_expand_dictionaries`) gives the array Arrow's dense read gives, in less
+    time (a lineitem part of 333,400 rows, its four low-cardinality string columns so
+    read: 35.5 ms against 44.5 ms on one thread; a flights part: 18 against 21 ms). A
+    chunk whose later pages fell back to plain encoding (its dictionary page full) is
+    still read correctly as a dictionary (Arrow builds one), only more slowly; that is
+    rare, since the encoder chooses dictionaries only for columns whose sample has few
+    distinct values (:func:`persist.encoding._dictionary_columns`).
     """
     md = pf.metadata
     if md.num_rows < _DICTIONARY_READ_MIN_ROWS or md.num_row_groups == 0:

@@ -15,7 +15,7 @@ Invariants kept here:
 """
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -133,7 +133,8 @@ def _adjacent(
 # measured slower on a busy two-core machine, since part of the work holds the GIL), a
 # string/binary/decimal column is ranked only if its codes surely fit the bits left (a
 # dictionary encoding is wasted on a column that then does not fit), and the numpy sort
-# is a timsort when the word is nearly sorted already.
+# is a timsort unless the word looks random at both fine and coarse grain
+# (:func:`_sort_kind`).
 
 #: Tables with fewer rows are sorted by Arrow's multi-column sort_indices directly.
 _CODES_MIN_ROWS = 20_000
@@ -316,6 +317,32 @@ def _first_word(columns: Sequence[pa.ChunkedArray | pa.Array]) -> tuple[np.ndarr
     return word, covered
 
 
+#: Stride of the coarse sample :func:`_sort_kind` checks for order.
+_COARSE_STRIDE = 64
+
+
+def _sort_kind(word: np.ndarray) -> Literal["stable", "quicksort"]:
+    """The numpy sort kind for ``word``: ``"stable"`` (timsort) unless the word is
+    disordered both between neighbours and at a stride of :data:`_COARSE_STRIDE` rows
+    (at least a quarter of the pairs descending in each), then ``"quicksort"``.
+
+    Timsort sorts short stretches by insertion and then merges them, galloping over
+    stretches that do not overlap: on words sorted except within small neighbourhoods
+    (TPC-H lineitem by order key then part key: each order's few lines are shuffled,
+    37% of neighbour pairs descend, none at a stride of 64) it took 0.07 s on 6M rows
+    where numpy's quicksort took 0.44 to 0.51 s. On random words the two are within
+    20% of each other (numpy 2.4, 6M rows: 0.77 against 0.82 s; 300k rows: 24
+    against 19 ms), so quicksort is kept only there.
+    """
+    n = len(word)
+    descents = int(np.count_nonzero(word[1:] < word[:-1]))
+    if descents * 4 < n:
+        return "stable"
+    coarse = word[::_COARSE_STRIDE]
+    coarse_descents = int(np.count_nonzero(coarse[1:] < coarse[:-1]))
+    return "stable" if coarse_descents * 4 < len(coarse) else "quicksort"
+
+
 def _codes_order(table: pa.Table, cols: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """Row order sorting ``table`` by ``cols``, and the ``same`` mask of the sorted rows
     (``same[i]``: sorted row ``i + 1`` equals sorted row ``i`` on every column).
@@ -330,10 +357,7 @@ def _codes_order(table: pa.Table, cols: Sequence[str]) -> tuple[np.ndarray, np.n
         order = np.arange(n, dtype=np.int64)
         tie = np.ones(n - 1, dtype=bool)
     else:
-        # Timsort (numpy's stable kind) is several times faster on nearly sorted words
-        # (data appended in time order) and about half as fast on random ones.
-        descents = int(np.count_nonzero(word[1:] < word[:-1]))
-        order = np.argsort(word, kind="stable" if descents * 4 < n else "quicksort")
+        order = np.argsort(word, kind=_sort_kind(word))
         first = word[order]
         tie = first[1:] == first[:-1]
     if not tie.any():

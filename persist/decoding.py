@@ -67,14 +67,23 @@ class _InlineCache:
             self._entries.move_to_end(id(data))
             return entry[1]
 
-    def put(self, ref: PartRef, table: pa.Table) -> None:
+    def put(self, ref: PartRef, table: pa.Table, stream: pa.Buffer | None = None) -> None:
+        """Cache ``table`` as what ``ref``'s inline bytes decode to; ``stream``, if
+        given, is the uncompressed Arrow IPC stream of those bytes (the table is then
+        read back from it, without a copy, when it is a slice of larger buffers)."""
         data = ref.inline
         if data is None or self.max_bytes <= 0:
             return
         size = table.get_total_buffer_size() + len(data)
         # The Arrow IPC stream's length (before the zstd of a compressed inline part).
-        stream = int.from_bytes(data[4:8], "little") if data[:4] == INLINE_ZSTD_MAGIC else len(data)
-        if size > 4 * stream + 4096 or size > self.max_bytes // 4:
+        length = int.from_bytes(data[4:8], "little") if data[:4] == INLINE_ZSTD_MAGIC else len(data)
+        if size > 4 * length + 4096 and stream is not None:
+            # Most likely a slice of a larger table (a one-row slice of a batch):
+            # caching it would pin the parent's buffers; the stream just encoded holds
+            # exactly its rows (about 25 us to read back, half of decoding the part).
+            table = pa.ipc.open_stream(stream).read_all()
+            size = table.get_total_buffer_size() + len(data)
+        if size > 4 * length + 4096 or size > self.max_bytes // 4:
             # Buffers much bigger than the stream (an Arrow IPC stream holds the table's
             # bytes; a Parquet one holds them compressed): most likely a slice of a
             # larger table, and caching it would pin the parent's buffers (copying it

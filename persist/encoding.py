@@ -173,6 +173,16 @@ def encode_inline_part(table: pa.Table) -> bytes:
     Raises:
         InvalidUsage: pyarrow cannot encode the table.
     """
+    return encode_inline_part_stream(table)[0]
+
+
+def encode_inline_part_stream(table: pa.Table) -> tuple[bytes, pa.Buffer]:
+    """:func:`encode_inline_part`, and the Arrow IPC stream it compressed (reading the
+    stream back gives the table without copying, in buffers of the stream's size).
+
+    Raises:
+        InvalidUsage: pyarrow cannot encode the table.
+    """
     sink = pa.BufferOutputStream()
     try:
         with pa.ipc.new_stream(sink, table.schema) as writer:
@@ -187,7 +197,7 @@ def encode_inline_part(table: pa.Table) -> bytes:
             f"bytes, got {size}"
         )
     frame: bytes = _INLINE_CODEC.compress(stream, asbytes=True)
-    return INLINE_ZSTD_MAGIC + size.to_bytes(4, "little") + frame
+    return INLINE_ZSTD_MAGIC + size.to_bytes(4, "little") + frame, stream
 
 
 def inline_stream(data: bytes) -> bytes | pa.Buffer:

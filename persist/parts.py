@@ -36,7 +36,12 @@ import pyarrow as pa
 from persist.blob import Blob, validate_key
 from persist.consolidation import _take, consolidate, consolidate_order
 from persist.decoding import INLINE_CACHE, _part_name, decode_part
-from persist.encoding import encode_inline_part, encode_part, make_part_ref
+from persist.encoding import (
+    encode_inline_part,
+    encode_inline_part_stream,
+    encode_part,
+    make_part_ref,
+)
 from persist.errors import BlobError, CorruptPart, InvalidUsage
 from persist.merge import key_samples
 from persist.pool import run_all, submit_io
@@ -216,12 +221,12 @@ def write_parts(
     if order is None and inline_max_bytes > 0 and n <= _INLINE_PROBE_ROWS:
         # Perhaps small enough to be kept inline: try (an IPC encoding of a few rows costs
         # tens of microseconds, less than measuring the table's ``nbytes``).
-        small = encode_inline_part(table)
+        small, stream = encode_inline_part_stream(table)
         if len(small) <= inline_max_bytes:
             # No key samples for an inline part: planning samples its rows when it
             # needs them (persist.merge.part_key_samples).
             ref = make_part_ref(None, small, n, inline=True)
-            INLINE_CACHE.put(ref, table)
+            INLINE_CACHE.put(ref, table, stream)
             return [ref]
     nbytes = table.nbytes
     min_parts = 1

@@ -571,6 +571,23 @@ def test_a_well_compressed_inline_part_is_cached(tmp_path: Path) -> None:
     assert cached is not None and cached.equals(t)
 
 
+def test_a_slice_of_a_larger_table_is_cached_as_its_own_rows(tmp_path: Path) -> None:
+    """A one-row slice of a big table (a batch cut row by row) kept inline is cached as
+    the rows its inline bytes decode to, read back from the stream just encoded: the
+    cached table holds no more than the stream's bytes (the parent's buffers are not
+    pinned) and equals the decoded part, so a compaction reading it decodes nothing."""
+    big = _sample(5000)
+    row = big.slice(1234, 1)
+    assert row.get_total_buffer_size() > 100 * 1024  # shares the parent's buffers
+    refs = write_parts(FileBlob(tmp_path / "b"), row, "s1/batch-1", inline_max_bytes=64 * 1024)
+    assert len(refs) == 1 and refs[0].inline is not None
+    cached = INLINE_CACHE.get(refs[0])
+    assert cached is not None and cached.equals(row)
+    assert cached.get_total_buffer_size() < 8 * 1024
+    decoded = decoding.decode_part(refs[0].inline, refs[0])
+    assert cached.equals(decoded)
+
+
 def test_make_part_ref_rules() -> None:
     with pytest.raises(InvalidUsage, match="needs a blob key"):
         make_part_ref(None, b"x", 1)

@@ -136,6 +136,10 @@ def _adjacent(
 # is a timsort unless the word looks random at both fine and coarse grain
 # (:func:`_sort_kind`).
 
+#: A table whose chunks hold fewer rows than this on average is combined into one
+#: chunk before it is consolidated (see :func:`consolidate_order`).
+_COMBINE_ROWS_PER_CHUNK = 1024
+
 #: Tables with fewer rows are sorted by Arrow's multi-column sort_indices directly.
 _CODES_MIN_ROWS = 20_000
 _U64_MAX = 2**64 - 1
@@ -514,6 +518,12 @@ def consolidate_order(
             i = table.schema.get_field_index(TIME)
             table = table.set_column(i, table.schema.field(i), pa.array([since], pa.int64()))
         return table, None
+    chunks = table.column(TIME).num_chunks
+    if chunks > 1 and n <= _COMBINE_ROWS_PER_CHUNK * chunks:
+        # Many small chunks (a merge of small parts: one chunk per part): every compute
+        # call below pays per chunk, so one contiguous copy costs less (16 one-row
+        # parts: 0.74 -> 0.45 ms).
+        table = table.combine_chunks()
     if since is not None:
         times = table.column(TIME)
         if pc.min(times).as_py() < since:

@@ -536,6 +536,9 @@ class Consensus:
         """
         if META_KEY not in new:
             raise InvalidUsage(f"a consensus version needs a {META_KEY!r} entry with its seqno")
+        for k in new:
+            if k.startswith(DIFF_PREFIX):
+                raise InvalidUsage(f"state entry {k!r} is in the diffs' namespace")
         seqno = 0 if expected is None else expected + 1
         if expected is None:
             texts: Mapping[str, str] = {}
@@ -544,9 +547,7 @@ class Consensus:
             texts, stored = prev.texts, prev.stored
         else:
             # The layout of the expected version is not known (texts alone, or a
-            # version made without it): learn it from the head.  If the head is not
-            # ``expected`` any plan is refused by the append's lower check; a diff on
-            # the caller's texts is as good as any then.
+            # version made without it): learn it from the head, which must be it.
             head = self.head(shard_id)
             if head is None or head.seqno != expected or head.stored is None:
                 raise _NotAtHead(
@@ -560,42 +561,16 @@ class Consensus:
             text = _diff_text(texts, new, seqno)
             chars = stored.diff_chars + len(text)
             if len(text) <= MAX_DIFF_CHARS and chars <= max(stored.base_chars, MAX_DIFF_CHARS):
-                return self._diff_plan(
-                    shard_id, texts, new, seqno, stored, seqno - len(stored.diffs) - 1, text
+                dk = diff_key(seqno)
+                return VersionPlan(
+                    seqno,
+                    [((key(dk), text), seqno, 1)],
+                    seqno - len(stored.diffs) - 1,  # the rollup's seqno: the since stays
+                    Stored(stored.base, (*stored.diffs, (dk, text)), chars, stored.base_chars),
                 )
-        for k in new:
-            if k.startswith(DIFF_PREFIX):
-                raise InvalidUsage(f"state entry {k!r} is in the diffs' namespace")
         entries = [((key(dk), t), seqno, -1) for dk, t in stored.diffs]
         entries += _version_entries(key, stored.base, new, seqno)
         return VersionPlan(seqno, entries, seqno, Stored(dict(new)))
-
-    def _diff_plan(
-        self,
-        shard_id: str,
-        texts: Mapping[str, str],
-        new: Mapping[str, str],
-        seqno: int,
-        stored: Stored,
-        compact: int,
-        text: str | None = None,
-    ) -> VersionPlan:
-        """The plan writing version ``seqno`` as one diff entry on ``stored``."""
-        if text is None:
-            text = _diff_text(texts, new, seqno)
-        dk = diff_key(seqno)
-        key = self.collection(shard_id).key_codec.encode
-        return VersionPlan(
-            seqno,
-            [((key(dk), text), seqno, 1)],
-            compact,
-            Stored(
-                stored.base,
-                (*stored.diffs, (dk, text)),
-                stored.diff_chars + len(text),
-                stored.base_chars,
-            ),
-        )
 
     def compare_and_set(
         self,
@@ -626,6 +601,8 @@ class Consensus:
             race: nothing was committed).
 
         Raises:
+            InvalidUsage: as :meth:`plan` (a ``prev`` without its layout that is not the
+                head is a lost race instead: ``False``).
             ConsensusError: the stash failed (after retries); ``is_indeterminate()`` tells
                 whether the version may nevertheless have been committed.
         """
@@ -1154,16 +1131,11 @@ def _diff_text(prev: Mapping[str, str], new: Mapping[str, str], seqno: int) -> s
     """The canonical JSON text of the diff entry turning ``prev`` into ``new`` (entry
     texts by key, both canonical): ``{"del": [removed keys], "seqno": seqno, "set":
     {added or changed key: value}}``.  Built from the entries' texts without decoding
-    them: canonical texts nested under sorted keys are the canonical text of the whole.
-
-    Raises:
-        InvalidUsage: an entry key in the diffs' namespace (``diff/``).
+    them: canonical texts nested under sorted keys are the canonical text of the whole
+    (the keys were checked to be outside the diffs' namespace by :meth:`Consensus.plan`).
     """
     changed = [k for k, t in new.items() if prev.get(k) != t]
     removed = [k for k in prev if k not in new]
-    for k in changed:
-        if k.startswith(DIFF_PREFIX):
-            raise InvalidUsage(f"state entry {k!r} is in the diffs' namespace")
     changed.sort()
     removed.sort()
     # Entry keys are str (as JSON: what canonical_json makes of a str).

@@ -292,6 +292,8 @@ def test_a_shard_written_whole_goes_on_in_diffs_and_back(stash: Stash) -> None:
 
 
 def test_state_entries_may_not_use_the_diff_namespace(stash: Stash) -> None:
+    with pytest.raises(InvalidUsage, match="max_diffs must be >= 0"):
+        Consensus(stash, max_diffs=-1)
     c = Consensus(stash, max_diffs=2)
     sid = new_shard_id()
     v0 = texts(c, 0)

@@ -20,6 +20,9 @@ ratios reported with its spread):
   Postgres stash, against 1 process doing the same: the aggregate rate, as a ratio (goal
   >= 3x: independent shards must not serialise on each other; Postgres groups their WAL
   flushes).  The same ratio for raw psycopg is reported beside it: the machine's limit.
+  Beside each run, the machine's busy cores during it (``/proc/stat``): when one process
+  with its server backend already keeps ``b`` of the ``c`` cores busy, no number of
+  processes reaches more than ``c / b`` times its rate (on a quiet machine).
 
 When a ratio misses its goal (or with ``--profile``) a pyinstrument profile of persist's
 appends is stored with the results.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import shutil
 import sqlite3
 import sys
@@ -346,11 +350,27 @@ def _sqlite(
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _machine_jiffies() -> tuple[int, int] | None:
+    """``(busy, total)`` CPU clock ticks of the whole machine since boot, summed over its
+    cores (Linux ``/proc/stat``: busy is all but idle and iowait), or ``None``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    total = sum(fields[:8])
+    return total - fields[3] - fields[4], total
+
+
 def _pg_worker(
     args: tuple[str, str, str, int, str, float, Any, Any],
-) -> tuple[int, float, float]:
+) -> tuple[int, float, float, float | None]:
     """One process of the multi-process section: open, wait at the barrier, append for
-    ``seconds``; return (appends, seconds, CPU seconds of this process meanwhile)."""
+    ``seconds``; return (appends, seconds, CPU seconds of this process meanwhile, and
+    for the first process the machine's busy cores meanwhile: clients, server and
+    anything else, in cores, or ``None`` elsewhere or off Linux)."""
     stash_url, conninfo, blob_url, shard, kind, seconds, barrier, _ = args
     sys.path.insert(0, str(ROOT))
     rows = _rows(200)
@@ -364,8 +384,15 @@ def _pg_worker(
             a.append(i)
         barrier.wait()
         cpu = time.process_time()
+        before = _machine_jiffies() if shard == 100 else None
         n, secs = burst(a.append, seconds=seconds, min_ops=5)
-        return n, secs, time.process_time() - cpu
+        used = time.process_time() - cpu
+        after = _machine_jiffies() if before is not None else None
+        busy = None
+        if before is not None and after is not None and after[1] > before[1]:
+            cores = os.cpu_count() or 1
+            busy = cores * (after[0] - before[0]) / (after[1] - before[1])
+        return n, secs, used, busy
     finally:
         a.close()
 
@@ -378,9 +405,10 @@ def _processes(
     kind: str,
     n: int,
     seconds: float,
-) -> tuple[float, float]:
-    """Aggregate appends per second of ``n`` processes on their own shards, and the
-    client CPU milliseconds per append (all processes, background threads included)."""
+) -> tuple[float, float, float | None]:
+    """Aggregate appends per second of ``n`` processes on their own shards, the client
+    CPU milliseconds per append (all processes, background threads included) and the
+    machine's busy cores during the first process's burst (``None`` off Linux)."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as mgr:
         barrier = mgr.Barrier(n)
@@ -392,8 +420,9 @@ def _processes(
                     for i in range(n)
                 ],
             )
-    appends = sum(c for c, _, _ in out)
-    return appends / max(s for _, s, _ in out), 1000 * sum(c for _, _, c in out) / appends
+    appends = sum(o[0] for o in out)
+    busy = next((o[3] for o in out if o[3] is not None), None)
+    return appends / max(o[1] for o in out), 1000 * sum(o[2] for o in out) / appends, busy
 
 
 def _postgres(res: BenchResults, seconds: float, rounds: int, quick: bool, profile: bool) -> None:
@@ -442,6 +471,7 @@ def _postgres(res: BenchResults, seconds: float, rounds: int, quick: bool, profi
         prounds = 1 if quick else 3
         samples: dict[str, list[float]] = {k: [] for k in ("p1", "pn", "r1", "rn")}
         cpu: dict[str, list[float]] = {k: [] for k in samples}
+        busy: dict[str, list[float]] = {k: [] for k in samples}
         for r in range(prounds):
             for key, kind, n in (
                 ("p1", "persist", 1),
@@ -449,12 +479,17 @@ def _postgres(res: BenchResults, seconds: float, rounds: int, quick: bool, profi
                 ("r1", "raw", 1),
                 ("rn", "raw", PROCESSES),
             ):
-                rate, ms = _processes(res, url, conninfo, f"file://{root}/blob", kind, n, psecs)
+                rate, ms, cores = _processes(
+                    res, url, conninfo, f"file://{root}/blob", kind, n, psecs
+                )
                 samples[key].append(rate)
                 cpu[key].append(ms)
+                if cores is not None:
+                    busy[key].append(cores)
                 res.log(
                     f"  round {r + 1}/{prounds} {kind} x{n}: {rate:.0f} appends/s, "
                     f"{ms:.2f} client CPU ms per append"
+                    + ("" if cores is None else f", machine {cores:.2f} cores busy")
                 )
         res.add(
             ratio_record(
@@ -476,13 +511,20 @@ def _postgres(res: BenchResults, seconds: float, rounds: int, quick: bool, profi
                 title=f"{PROCESSES} processes against 1 on Postgres: aggregate appends/s and "
                 "client CPU per append (medians over rounds; the machine has 2 cores, so "
                 "the clients' CPU alone caps the aggregate at 2000 / (CPU ms per append))",
-                columns=["contender", "appends/s", "client CPU ms/append", "CPU cap appends/s"],
+                columns=[
+                    "contender",
+                    "appends/s",
+                    "client CPU ms/append",
+                    "CPU cap appends/s",
+                    "machine cores busy",
+                ],
                 rows=[
                     [
                         label,
                         fmt_num(median(samples[k])),
                         fmt_num(median(cpu[k])),
                         fmt_num(2000 / max(median(cpu[k]), 1e-9)),
+                        fmt_num(median(busy[k])) if busy[k] else "n/a",
                     ]
                     for k, label in (
                         ("p1", "persist, 1 process"),
@@ -493,6 +535,24 @@ def _postgres(res: BenchResults, seconds: float, rounds: int, quick: bool, profi
                 ],
             )
         )
+        cores = os.cpu_count() or 1
+        for k, who in (("p1", "persist"), ("r1", "raw psycopg")):
+            if busy[k]:
+                b = median(busy[k])
+                # N processes cannot keep more than every core busy: if one process
+                # (with its server backend) already keeps b cores busy, N of them
+                # reach at most cores / b times its rate, whatever N is (when nothing
+                # else runs: other load counts in b but yields its cores to N clients).
+                many = busy["pn" if k == "p1" else "rn"]
+                n_busy = median(many) if many else None
+                res.notes.append(
+                    f"{who}, 1 process: the machine was {b:.2f} of {cores} cores busy "
+                    f"(client, server and anything else running), so on a quiet machine "
+                    f"no number of processes can reach more than {cores / b:.2f}x its "
+                    f"rate; with {PROCESSES} processes it was "
+                    + ("n/a" if n_busy is None else f"{n_busy:.2f}")
+                    + " cores busy"
+                )
         res.add(
             ratio_record(
                 section,

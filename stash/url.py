@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, quote_plus, unquote, urlsplit, urlunsplit
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
@@ -34,19 +34,34 @@ _DATABASE_SCHEMES = frozenset({"postgresql", "postgres", "sqlite", "mysql"})
 # Query parameters (and libpq ``key=value`` options) whose value is a secret.
 _SECRET_NAME = r"[\w.-]*(?:pass(?:word|wd|file)?|secret|token|credential|signature)[\w.-]*"
 _SECRET_NAME_RE = re.compile(rf"(?i){_SECRET_NAME}")
+# A value as text quotes it: single- or double-quoted (whitespace allowed inside, a
+# backslash escaping the next character, as libpq's conninfo does), or bare.
+_QUOTED_OR_BARE = r"""(?:'((?:[^'\\]|\\.)*)'|"((?:[^"\\]|\\.)*)"|([^&\s'",)]+))"""
 # ``name=value`` of such a parameter anywhere in text (query strings, conninfo strings,
-# Python reprs of keyword arguments, where the value may be quoted).
-_SECRET_PARAM_RE = re.compile(rf"(?i)\b({_SECRET_NAME})=(['\"]?)([^&\s'\",)]+)\2")
-# ``NAME: value`` as environment dumps and configuration errors print it (names that
-# plainly hold a secret only, so that "tests passed: 5" stays readable).
+# with or without spaces around ``=``, Python reprs of keyword arguments).
+_SECRET_PARAM_RE = re.compile(rf"(?i)\b({_SECRET_NAME})(\s*=\s*){_QUOTED_OR_BARE}")
+# ``NAME: value`` as environment dumps, configuration errors, dict reprs and JSON print
+# it, the name perhaps quoted (names that plainly hold a secret only, so that "tests
+# passed: 5" stays readable).
 _SECRET_COLON_RE = re.compile(
-    r"(?i)\b([\w.-]*(?:password|passwd|secret|token|credential)[\w.-]*): ?(['\"]?)([^\s'\",)]+)\2"
+    r"(?i)(['\"]?)\b([\w.-]*(?:password|passwd|secret|token|credential)[\w.-]*)\1"
+    rf"(\s*:\s*){_QUOTED_OR_BARE}"
 )
 # A URL inside text (a driver's or a library's message quoting it).
 _URL_IN_TEXT_RE = re.compile(r"[A-Za-z][\w+.-]*://[^\s'\"<>]+")
 # ``user:secret@`` anywhere in text, even where nothing parses as a URL: the secret runs
 # to the last ``@`` of the word (an unescaped ``@`` in a password must not leave a tail).
+# A ``:`` followed by ``/`` is taken for a scheme's (``postgresql://``) ...
 _USERINFO_RE = re.compile(r"(?<![\w.+-])([^\s:/@'\"?#]*):(?!/)([^\s'\"]*)@")
+# ... except right after a URL's ``//``, where a secret may begin with ``/`` (SQLAlchemy
+# reads ``user:/pw@host`` as the password ``/pw``, and ``urlsplit`` ends the authority
+# before it).
+_AUTHORITY_USERINFO_RE = re.compile(r"(?<=//)([^\s:/@'\"?#]*):([^\s'\"]*)@")
+# Text that begins with a URL (``scheme://`` and something).
+_LEADING_URL_RE = re.compile(r"[A-Za-z][\w+.-]*://\S")
+# What a secret is rendered as inside a SQLAlchemy URL before it becomes :data:`HIDDEN`
+# (the URL's renderer would percent-encode ``***`` itself).
+_SENTINEL = "x0hidden0x"
 
 
 def _redact_one_url(text: str) -> str | None:
@@ -59,7 +74,7 @@ def _redact_one_url(text: str) -> str | None:
         return None
     if not parts.scheme:
         return None
-    database = parts.scheme.split("+", 1)[0].lower() in _DATABASE_SCHEMES
+    database = _is_database(parts.scheme)
     netloc = parts.netloc
     if "@" in netloc:
         userinfo, _, host = netloc.rpartition("@")
@@ -71,11 +86,7 @@ def _redact_one_url(text: str) -> str | None:
     items = []
     for item in parts.query.split("&") if parts.query else []:
         name, eq, val = item.partition("=")
-        secret = (
-            not database
-            or _SECRET_NAME_RE.fullmatch(unquote(name)) is not None
-            or _SECRET_PARAM_RE.search(unquote(val)) is not None  # options=-c password=...
-        )
+        secret = _secret_query(database, unquote(name), (unquote(val),))
         items.append(f"{name}={HIDDEN}" if secret and (eq or not database) else item)
     query = "&".join(items)
     out = f"{parts.scheme}://{netloc}{parts.path}"
@@ -98,9 +109,15 @@ def redact(value: object, *, url: object = None) -> str:
       containing ``pass``, ``secret``, ``token``, ``credential`` or ``signature``) of a
       database URL, and every query value of any other scheme (S3 keys and tokens); a
       fragment.
+    * Text that begins with a URL is also parsed as :func:`parse_url` (and so
+      ``Stash.open``) reads it, and the secrets it finds there are hidden whatever
+      characters they hold (whitespace, quotes, brackets, a leading ``/``).
     * Any text, parsed or not (``postgresql+psycopg:/user:secret@host`` lacks ``//``, a
       driver's message quotes a URL): anything looking like ``user:secret@`` loses its
-      secret, and ``password=...``-like ``name=value`` pairs their value.
+      secret, ``password=...``-like ``name=value`` pairs their value (quoted or bare,
+      spaces around ``=`` allowed, as libpq conninfo strings and Python reprs write
+      them), and ``password: value`` their value (the name perhaps quoted: dict reprs,
+      JSON).
     * ``url``: if given, every secret ``url`` carries (password, user info of a non-database
       URL, query values) is also removed from ``value`` wherever it appears, even
       percent-decoded or alone (a library's error that quotes only the value).
@@ -113,9 +130,16 @@ def redact(value: object, *, url: object = None) -> str:
         The redacted text (``value`` unchanged if it carries nothing secret).
     """
     if isinstance(value, URL):
-        text = value.render_as_string(hide_password=False)
+        text = _render_redacted(value)
     elif isinstance(value, str):
         text = value
+        if _LEADING_URL_RE.match(text):
+            # The secrets as Stash.open would read them (SQLAlchemy's grammar accepts
+            # whitespace, quotes and brackets in a password, where the text rules
+            # below stop or urlsplit refuses the URL).
+            parsed = _parse_quietly(text)
+            if parsed is not None:
+                text = _hide_parsed_secrets(text, parsed)
     elif isinstance(value, os.PathLike):
         text = os.fspath(value)
         text = text if isinstance(text, str) else repr(text)
@@ -127,6 +151,7 @@ def redact(value: object, *, url: object = None) -> str:
     # ``user:secret@`` first, before any URL parsing: a password holding a character
     # that ends a URL's authority (``#``, ``?``) would otherwise split the URL there and
     # leave the password outside the user info that parsing hides.
+    text = _AUTHORITY_USERINFO_RE.sub(lambda m: f"{m.group(1)}:{HIDDEN}@", text)
     text = _USERINFO_RE.sub(lambda m: f"{m.group(1)}:{HIDDEN}@", text)
     rebuilt = _redact_one_url(text)
     if rebuilt is not None:
@@ -134,23 +159,136 @@ def redact(value: object, *, url: object = None) -> str:
     else:  # every URL the text quotes
         text = _URL_IN_TEXT_RE.sub(lambda m: _redact_one_url(m.group(0)) or m.group(0), text)
     text = _USERINFO_RE.sub(lambda m: f"{m.group(1)}:{HIDDEN}@", text)
-    text = _SECRET_PARAM_RE.sub(lambda m: f"{m.group(1)}={m.group(2)}{HIDDEN}{m.group(2)}", text)
-    return _SECRET_COLON_RE.sub(lambda m: f"{m.group(1)}: {m.group(2)}{HIDDEN}{m.group(2)}", text)
+    text = _SECRET_PARAM_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{_hidden_like(m)}", text)
+    return _SECRET_COLON_RE.sub(
+        lambda m: f"{m.group(1)}{m.group(2)}{m.group(1)}{m.group(3)}{_hidden_like(m)}", text
+    )
+
+
+def _hidden_like(m: re.Match[str]) -> str:
+    """:data:`HIDDEN`, quoted as the value ``m`` matched (its last three groups are the
+    single-quoted, double-quoted and bare forms of :data:`_QUOTED_OR_BARE`)."""
+    n = m.re.groups
+    if m.group(n - 2) is not None:
+        return f"'{HIDDEN}'"
+    if m.group(n - 1) is not None:
+        return f'"{HIDDEN}"'
+    return HIDDEN
+
+
+def _matched_value(m: re.Match[str]) -> str:
+    """The value ``m`` matched, without its quotes (see :func:`_hidden_like`)."""
+    n = m.re.groups
+    return next((v for v in (m.group(n - 2), m.group(n - 1), m.group(n)) if v is not None), "")
+
+
+def _parse_quietly(text: str) -> URL | None:
+    """``text`` parsed as :func:`parse_url` does, or ``None`` if it does not parse."""
+    try:
+        return sa.engine.make_url(_escape_ats(text))
+    except Exception:
+        return None
+
+
+def _is_database(drivername: str) -> bool:
+    return drivername.split("+", 1)[0].lower() in _DATABASE_SCHEMES
+
+
+def _secret_query(database: bool, name: str, values: tuple[str, ...]) -> bool:
+    """Whether a query parameter's value is a secret (see :func:`redact`)."""
+    return (
+        not database
+        or _SECRET_NAME_RE.fullmatch(name) is not None
+        or any(_SECRET_PARAM_RE.search(v) is not None for v in values)  # options=-c password=
+    )
+
+
+def _spellings(value: str) -> list[str]:
+    """``value`` as a URL may spell it: as is and percent-encoded (longest first)."""
+    forms = {value, quote(value, safe=""), quote(value), quote_plus(value, safe="")}
+    return sorted(forms, key=len, reverse=True)
+
+
+def _hide_parsed_secrets(text: str, u: URL) -> str:
+    """``text`` (which begins with the URL ``u`` was parsed from) with ``u``'s secrets
+    hidden where the URL spells them: the password between ``:`` and ``@`` (of a
+    non-database URL, the whole user info) and the values of secret query parameters
+    after their ``=``."""
+    database = _is_database(u.drivername)
+    start = text.find("://") + 3
+    head, tail = text[:start], text[start:]
+    if u.password:
+        for pw in _spellings(str(u.password)):
+            # The user name as SQLAlchemy's grammar reads it: up to the first ``:``.
+            m = re.match(rf"(?s)([^:/]*):{re.escape(pw)}@", tail)
+            if m is not None:
+                shown = f"{m.group(1)}:{HIDDEN}@" if database else f"{HIDDEN}@"
+                tail = shown + tail[m.end() :]
+                break
+    elif not database and u.username:
+        for name in _spellings(u.username):
+            if tail.startswith(f"{name}@"):
+                tail = f"{HIDDEN}@{tail[len(name) + 1 :]}"
+                break
+    for k, v in u.query.items():
+        values = v if isinstance(v, tuple) else (v,)
+        if _secret_query(database, k, values):
+            for x in values:
+                for spelled in _spellings(x) if x else []:
+                    tail = tail.replace(f"={spelled}", f"={HIDDEN}")
+    return head + tail
+
+
+def _render_redacted(u: URL) -> str:
+    """A SQLAlchemy URL rendered with its secrets hidden, taken from its parsed fields
+    (whatever characters they hold): the password (of a non-database URL, the whole user
+    info) and the values of secret query parameters."""
+    database = _is_database(u.drivername)
+    query: dict[str, str | tuple[str, ...]] = {}
+    for k, v in u.query.items():
+        values = v if isinstance(v, tuple) else (v,)
+        query[k] = _SENTINEL if _secret_query(database, k, values) else v
+    username, password = u.username, u.password
+    if not database and username:
+        username, password = _SENTINEL, None
+    elif password is not None:
+        password = _SENTINEL
+    hidden = URL.create(
+        u.drivername,
+        username=username,
+        password=password,
+        host=u.host,
+        port=u.port,
+        database=u.database,
+        query=query,
+    )
+    return hidden.render_as_string(hide_password=False).replace(_SENTINEL, HIDDEN)
 
 
 def _secrets_of(url: object) -> list[str]:
     """The substrings of ``url`` that are secrets (as written and percent-decoded),
     longest first so that a secret containing another is replaced whole."""
+    out: list[str] = []
+    parsed = url if isinstance(url, URL) else _parse_quietly(url) if isinstance(url, str) else None
+    if parsed is not None:  # the fields as the stash would connect with them
+        database = _is_database(parsed.drivername)
+        if parsed.password:
+            out += [str(parsed.password), quote(str(parsed.password), safe="")]
+        if not database and parsed.username and len(parsed.username) >= 4:
+            out += [parsed.username, quote(parsed.username, safe="")]
+        for k, v in parsed.query.items():
+            values = v if isinstance(v, tuple) else (v,)
+            if _secret_query(database, k, values):
+                out += [x for x in values if len(x) >= 4]
     if isinstance(url, URL):
         url = url.render_as_string(hide_password=False)
     if not isinstance(url, str):
         return []
-    out: list[str] = []
     try:
         parts = urlsplit(url)
     except ValueError:
         parts = None
-    database = parts is not None and parts.scheme.split("+", 1)[0].lower() in _DATABASE_SCHEMES
+    database = parts is not None and _is_database(parts.scheme)
     if parts is not None and "@" in parts.netloc:
         userinfo = parts.netloc.rpartition("@")[0]
         user, _, password = userinfo.partition(":")
@@ -162,11 +300,13 @@ def _secrets_of(url: object) -> list[str]:
         for k, v in parse_qsl(parts.query, keep_blank_values=True):
             if v and len(v) >= 4 and (not database or _SECRET_NAME_RE.fullmatch(k)):
                 out += [v, unquote(v)]
-    for m in _USERINFO_RE.finditer(url):
-        if m.group(2):
-            out += [m.group(2), unquote(m.group(2))]
+    for rx in (_AUTHORITY_USERINFO_RE, _USERINFO_RE):
+        for m in rx.finditer(url):
+            if m.group(2):
+                out += [m.group(2), unquote(m.group(2))]
     for m in _SECRET_PARAM_RE.finditer(url):
-        out += [m.group(3), unquote(m.group(3))]
+        v = _matched_value(m)
+        out += [v, unquote(v)]
     return sorted({s for s in out if s}, key=len, reverse=True)
 
 

@@ -204,8 +204,16 @@ def _secret_query(database: bool, name: str, values: tuple[str, ...]) -> bool:
 
 
 def _spellings(value: str) -> list[str]:
-    """``value`` as a URL may spell it: as is and percent-encoded (longest first)."""
-    forms = {value, quote(value, safe=""), quote(value), quote_plus(value, safe="")}
+    """``value`` as a URL may spell it: as is, percent-encoded, and as SQLAlchemy's
+    ``render_as_string`` writes a user name or password (spaces and ``+`` kept raw,
+    everything else that is not a letter, digit or ``_.-~`` encoded); longest first."""
+    forms = {
+        value,
+        quote(value, safe=""),
+        quote(value),
+        quote_plus(value, safe=""),
+        quote(value, safe=" +"),
+    }
     return sorted(forms, key=len, reverse=True)
 
 
@@ -345,7 +353,10 @@ def parse_url(url: str) -> URL:
     try:
         return sa.engine.make_url(_escape_ats(url))
     except Exception:
-        raise StashError(f"malformed stash URL {redact(url)!r}") from None
+        pass
+    # Raised outside the handler: the parser's own error quotes parts of the URL (a
+    # password's included) and must not ride along as the context.
+    raise StashError(f"malformed stash URL {redact(url)!r}")
 
 
 def open_url(url: str, *, mode: Mode, fenced: bool, **options: Any) -> Stash:

@@ -9,11 +9,13 @@ Invariants: :func:`check_names` accepts exactly the names it is given (compared
 case-insensitively, as Spark passes them) and raises, naming the unknown option and the
 closest valid names (:func:`difflib.get_close_matches`), for anything else;
 :func:`parse_bool` accepts only ``true``/``false`` (and ``1``/``0``, ``yes``/``no``,
-``on``/``off``), any case, and raises for any other text.
+``on``/``off``), any case, and raises for any other text; :func:`redacted_repr` shows
+a settings dataclass with every store location passed through :func:`stash.redact`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Iterable, Mapping
 
@@ -69,3 +71,20 @@ def parse_bool(name: str, raw: str | None, default: bool, error: type[Exception]
     if text in FALSE:
         return False
     raise error(f"option {name!r} must be true or false, got {raw!r}")
+
+
+def redacted_repr(obj: object, *locations: str) -> str:
+    """The dataclass ``obj``'s repr, its fields named in ``locations`` (stash URLs, blob
+    URIs: they may carry credentials) shown through :func:`stash.redact`.  The settings
+    the sources pickle into every task embed these locations, and their reprs end up in
+    Spark's logs and errors."""
+    from stash import redact
+
+    shown = []
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        if not f.repr:
+            continue
+        value = getattr(obj, f.name)
+        text = repr(redact(value)) if f.name in locations and value is not None else repr(value)
+        shown.append(f"{f.name}={text}")
+    return f"{type(obj).__name__}({', '.join(shown)})"

@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql.types import StructField, StructType
 
-from spark.options import parse_bool
+from spark.options import parse_bool, redacted_repr
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,10 @@ class ShardTarget:
     stash_url: str
     blob_uri: str
     shard: str
+
+    def __repr__(self) -> str:
+        # Embedded in the reprs of the read and write plans: the URLs may hold secrets.
+        return redacted_repr(self, "stash_url", "blob_uri")
 
     @classmethod
     def from_options(cls, options: Any) -> ShardTarget:

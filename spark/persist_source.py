@@ -161,8 +161,11 @@ def catalog_options(options: Any) -> Any:
     for k in prefixed:
         name, value = k[len("option.") :], options[k]
         if name in options and options[name] != value:
+            from stash import redact
+
             raise PersistSourceError(
-                f"option {name!r} is given twice, as {options[name]!r} and {value!r}"
+                f"option {name!r} is given twice, as {redact(str(options[name]))!r} and "
+                f"{redact(str(value))!r}"
             )
         del options[k]
         options[name] = value

@@ -76,7 +76,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from spark.options import check_names, parse_bool
+from spark.options import check_names, parse_bool, redacted_repr
 
 
 class StashSourceError(ValueError):
@@ -288,6 +288,9 @@ class ReadOptions:
     key_column: str = "key"
     value_column: str = "value"
 
+    def __repr__(self) -> str:
+        return redacted_repr(self, "url")
+
     @property
     def names(self) -> tuple[str, str]:
         return (self.key_column, self.value_column)
@@ -462,9 +465,11 @@ class StashDataSource(DataSource):
         url = _opt(self.options, "url")
         alias = _opt(self.options, "stash")
         if url is not None and alias is not None and url != alias:
+            from stash import redact
+
             raise StashSourceError(
-                f"options 'url' ({url!r}) and 'stash' ({alias!r}) name different stashes; "
-                "give one of them"
+                f"options 'url' ({redact(url)!r}) and 'stash' ({redact(alias)!r}) name "
+                "different stashes; give one of them"
             )
         url = url or alias
         if url is None:

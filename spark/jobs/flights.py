@@ -48,6 +48,7 @@ from typing import Any
 import click
 
 from spark.jobs import store_options
+from spark.options import redacted_repr
 
 SHARD = "flights"
 DAYS = 365
@@ -81,6 +82,9 @@ class Config:
     small: bool = False
     shard: str = SHARD
     as_of_day: int | None = None
+
+    def __repr__(self) -> str:
+        return redacted_repr(self, "stash_url", "blob_uri")
 
     @property
     def day(self) -> int:

@@ -695,8 +695,8 @@ class Stash(abc.ABC):
                     raise StashError("append batch entries must be encoded (use append_to_batch)")
                 check_time(t)
                 check_diff(d)
-        if not batches:
-            return
+        # No batch still runs the (empty) transaction: a fenced-out leader learns it here
+        # as from any other write.
         names = {b.collection.id: b.collection.name for b in batches}
         self._write_checked(
             names,

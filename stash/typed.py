@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 from stash.antichain import I64_MAX, Antichain
-from stash.base import Stash
+from stash.base import Stash, _frozen_key
 from stash.codec import CodecLike, resolve_codec
 from stash.collection import AppendBatch, StashCollection
 from stash.errors import PeekSinceUpperError, StashError
@@ -179,7 +179,9 @@ class TypedCollection(Generic[K, V]):
         keys and values by this collection's codecs (commit its ``pending()`` with
         ``append_to_batch``)."""
         c, _, prev = self._read_then_batch(stash, stash._peek_unique)
-        initial = [(k, v) for _, k, v in prev]
+        # Keys as peek_one gives them (a JSON array, a tuple written with the JSON codec,
+        # as a tuple): the transaction holds them in dicts.
+        initial = [(_frozen_key(k) if type(k) is list else k, v) for _, k, v in prev]
         return TableTransaction(
             initial, uniqueness_violation, key_codec=c.key_codec, value_codec=c.value_codec
         )

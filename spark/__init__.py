@@ -29,8 +29,10 @@ def register(session: SparkSession) -> SparkSession:
     """Register the ``stash`` and ``persist`` formats on ``session``; return the session.
 
     Also turns on ``spark.sql.python.filterPushdown.enabled`` in the session: the
-    ``persist`` reader takes pushed filters with ``pushdown=true``, and PySpark refuses
-    to read a source whose reader implements ``pushFilters`` while that setting is off.
+    ``persist`` reader implements ``pushFilters`` with ``pushdown=true`` (taking filters
+    where PySpark plans each query afresh, see
+    :func:`spark.persist_reader.spark_reuses_pushed_plans`), and PySpark refuses to read
+    a source whose reader implements ``pushFilters`` while that setting is off.
 
     Registering twice is harmless (the later registration replaces the earlier one).
     """

@@ -11,7 +11,8 @@ each distinct row comes from exactly one task, with no shuffle; times are advanc
 read time and updates beyond it dropped before consolidation; the filters the reader accepted in
 :meth:`PersistPushdownReader.pushFilters` (Spark no longer applies them) are applied
 exactly to every row it yields, and the parts planning skipped hold no row that passes
-them.
+them; it accepts none on a PySpark that would reuse the plan they made for another
+query (:func:`spark_reuses_pushed_plans`).
 """
 
 from __future__ import annotations
@@ -294,6 +295,29 @@ class PersistBatchReader(DataSourceReader):
         yield from out.to_batches(max_chunksize=64 * 1024)
 
 
+def spark_reuses_pushed_plans() -> bool:
+    """Whether the running PySpark may reuse the read plan of a query that pushed
+    filters for a later query of the same DataFrame that pushes none.
+
+    PySpark 4 does: ``PythonScanBuilder.pushFilters`` stores the plan its pushdown
+    worker returns (the reader, pushed filters included, and its partitions) on the
+    relation's ``PythonDataSourceV2`` (``setReadInfo``), and a scan with no filter to push
+    takes its plan from there (``getOrCreateReadInfo``): ``df.filter("v = 1").count()``
+    then ``df.count()`` counts only the rows with ``v = 1``.  Upstream Spark's 5.0 line
+    carries a pushed plan on its scan instead (the rework that came with limit pushdown,
+    SPARK-58551).  Judged by ``pyspark.__version__``, which Spark's planning worker shares
+    with the driver; an unreadable version counts as reusing."""
+    import re
+
+    import pyspark
+
+    m = re.match(r"(\d+)\.", getattr(pyspark, "__version__", ""))
+    return m is None or int(m.group(1)) < 5
+
+
+_REUSE_WARNED = False
+
+
 class PersistPushdownReader(PersistBatchReader):
     """:class:`PersistBatchReader` that takes Spark's pushed filters (read option
     ``pushdown=true``; needs ``spark.sql.python.filterPushdown.enabled``, which
@@ -304,15 +328,30 @@ class PersistPushdownReader(PersistBatchReader):
     whose statistics show no row passes them, and each task applies them exactly; the
     others go back to Spark.
 
-    Not the default because of PySpark 4.3's planning cache: Spark keeps the reader a
-    filtered query planned on the DataFrame (or temporary view) and reuses it, pushed
-    filters included, for a later query of the same DataFrame that has no filter to
-    push, which then sees only the earlier query's rows. With ``pushdown=true``, load a
-    fresh DataFrame for each query.
+    On a PySpark that reuses a pushed plan for later queries of the same DataFrame
+    (:func:`spark_reuses_pushed_plans`: every PySpark 4), a plan made with pushed
+    filters would answer a later unfiltered query with the filtered rows, and nothing
+    the source sees tells the two queries apart.  There the reader takes no filter: each
+    goes back to Spark, which filters the rows itself (correct for every query, without
+    the pruning), and a warning says so once per process.
     """
 
     def pushFilters(self, filters: list[Any]) -> list[Any]:
-        """Keep the filters the source applies exactly; return the others to Spark."""
+        """Keep the filters the source applies exactly; return the others to Spark
+        (all of them where :func:`spark_reuses_pushed_plans`)."""
+        if spark_reuses_pushed_plans():
+            global _REUSE_WARNED
+            if not _REUSE_WARNED and filters:
+                _REUSE_WARNED = True
+                import pyspark
+
+                log.warning(
+                    "persist source: pushdown=true takes no filters on PySpark %s, which "
+                    "would reuse a filtered query's plan for later queries of the same "
+                    "DataFrame; Spark filters the rows itself",
+                    getattr(pyspark, "__version__", "?"),
+                )
+            return list(filters)
         columns = self._columns()
         rest = []
         for f in filters:

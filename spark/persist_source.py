@@ -27,8 +27,10 @@ What the rows are depends on ``consolidate``:
 
 ``pushdown=true`` pushes Spark's simple filters on key and value columns to the source:
 planning skips parts whose statistics exclude them and tasks apply them exactly
-(:class:`spark.persist_reader.PersistPushdownReader`, whose docstring says why it is not
-the default). ``expand=true`` (only with ``full``) drops the diff column and repeats each row by its
+(:class:`spark.persist_reader.PersistPushdownReader`), on a PySpark that plans each
+query's pushed filters afresh; PySpark 4 reuses a filtered query's plan for later
+queries of the same DataFrame, so there the reader takes no filter and Spark filters
+(:func:`spark.persist_reader.spark_reuses_pushed_plans`). ``expand=true`` (only with ``full``) drops the diff column and repeats each row by its
 multiplicity (a negative multiplicity raises). ``time_column`` adds the read time
 (``as_of``, or the update's time with ``consolidate=none``). Each task fetches its parts
 from the blob store, advances times, drops later updates, consolidates and yields Arrow

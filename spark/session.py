@@ -7,7 +7,7 @@ Invariants kept here:
   ``spark`` packages as the driver;
 * Arrow is on for pandas conversions and Python data sources, filter pushdown to Python
   data sources is on (``spark.sql.python.filterPushdown.enabled``: the ``persist``
-  reader prunes parts with pushed filters when read with ``pushdown=true``), the UI and
+  reader implements ``pushFilters`` when read with ``pushdown=true``), the UI and
   console progress bars are off, and Spark logs only warnings and errors;
 * the session returned has the ``stash`` and ``persist`` data sources registered
   (:func:`spark.register`);

@@ -1,7 +1,13 @@
 """Filter pushdown of the ``persist`` Spark source (issue 16): which Spark filters the
 reader takes, that planning skips the parts whose statistics exclude them (bytes
-counted), and that every read mode still returns exactly what Spark's own filtering of
-the unfiltered read gives.
+counted, parts never fetched), and that every read mode still returns exactly what
+Spark's own filtering of the unfiltered read gives, also when one DataFrame serves a
+filtered query and then an unfiltered one (on PySpark 4, which would reuse the filtered
+query's plan, the reader takes no filter: ``spark_reuses_pushed_plans``).
+
+The planning tests run the reader in this process as Spark's planning worker and tasks
+would (plan, pickle, read each partition), with the reuse switch off, so that the
+pruning they check is the one a PySpark that plans each query afresh gets.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from pyspark.sql.datasource import (
     StringStartsWith,
 )
 
+import spark.persist_reader as persist_reader
 from persist import PersistClient
 from persist.blob import open_blob
 from spark.persist_planning import filter_expression, pushed_filter
+from spark.persist_reader import spark_reuses_pushed_plans
 from spark.persist_source import PersistDataSource
 from stash import Antichain, Stash
 
@@ -145,20 +153,34 @@ def test_filter_expression_matches_spark_null_semantics() -> None:
 # ------------------------------------------------------------ planning pruning
 
 
-def _planned_bytes(
+@pytest.fixture
+def plans_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader as it runs on a PySpark that plans each query's pushed filters anew."""
+    monkeypatch.setattr(persist_reader, "spark_reuses_pushed_plans", lambda: False)
+
+
+def _planned(
     stash_url: str, blob_uri: str, shard: str, filters: list[Any]
-) -> tuple[int, list[Any]]:
+) -> tuple[Any, list[Any], list[Any]]:
+    """Plan a pushdown read as Spark's planning worker would: (reader, the filters it
+    returned to Spark, its partitions)."""
     source = PersistDataSource(
         {"stash": stash_url, "blob": blob_uri, "shard": shard, "pushdown": "true"}
     )
     reader = source.reader(source.schema())
     rest = list(reader.pushFilters(filters))
-    planned = sum(
-        p.encoded_size_bytes for part in reader.partitions() for b in part.parts for p in b.parts
-    )
+    return reader, rest, list(reader.partitions())
+
+
+def _planned_bytes(
+    stash_url: str, blob_uri: str, shard: str, filters: list[Any]
+) -> tuple[int, list[Any]]:
+    _, rest, partitions = _planned(stash_url, blob_uri, shard, filters)
+    planned = sum(p.encoded_size_bytes for part in partitions for b in part.parts for p in b.parts)
     return planned, rest
 
 
+@pytest.mark.usefixtures("plans_afresh")
 def test_key_filter_plans_a_small_share_of_the_bytes(spark_store: Any) -> None:
     """A filter on 1% of the keys plans (hence fetches) at most 10% of the shard's
     bytes; filters the reader cannot apply come back to Spark."""
@@ -225,7 +247,21 @@ def test_pushed_filters_give_what_spark_filtering_gives(spark: Any, spark_store:
             assert mode == "none" or len(got) < N
 
 
-def test_pruned_parts_are_never_fetched(spark: Any, spark_store: Any) -> None:
+def _read_in_process(reader: Any, partitions: list[Any]) -> list[tuple[Any, ...]]:
+    """Every row a planned read yields, each partition read by a pickled copy of the
+    reader (as Spark ships them to tasks)."""
+    import pickle
+
+    rows: list[tuple[Any, ...]] = []
+    for part in partitions:
+        task = pickle.loads(pickle.dumps(reader))
+        for batch in task.read(pickle.loads(pickle.dumps(part))):
+            rows += zip(*(c.to_pylist() for c in batch.columns), strict=True)
+    return sorted(rows, key=repr)
+
+
+@pytest.mark.usefixtures("plans_afresh")
+def test_pruned_parts_are_never_fetched(spark_store: Any) -> None:
     """Deleting the blob parts whose statistics exclude a key filter does not disturb a
     pushed read of it (they are never fetched), while the unfiltered read needs them."""
     _write_shard(spark_store.stash_url, spark_store.blob_uri, "p")
@@ -247,18 +283,39 @@ def test_pruned_parts_are_never_fetched(spark: Any, spark_store: Any) -> None:
         client.close()
         stash.close()
     assert deleted > 0
-    got = _collected(_read(spark, spark_store).where("k >= 300 AND k < 310"))
-    assert [row[0] for row in got] == list(range(300, 310))
+    url, uri = spark_store.stash_url, spark_store.blob_uri
+    reader, rest, partitions = _planned(
+        url, uri, "p", [GreaterThanOrEqual(("k",), 300), LessThan(("k",), 310)]
+    )
+    assert rest == []
+    assert [row[0] for row in _read_in_process(reader, partitions)] == list(range(300, 310))
+    reader, _, partitions = _planned(url, uri, "p", [])
     with pytest.raises(Exception, match="missing"):
-        _read(spark, spark_store).count()
+        _read_in_process(reader, partitions)
+
+
+def test_a_dataframe_queried_with_a_filter_then_without_gives_every_row(
+    spark: Any, spark_store: Any
+) -> None:
+    """With pushdown=true, one DataFrame queried with a pushable filter, then with none,
+    then with another filter gives each query its own rows (found by an adversarial
+    review: PySpark 4 answered the unfiltered query with the filtered query's plan)."""
+    _write_shard(spark_store.stash_url, spark_store.blob_uri, "p")
+    df = _read(spark, spark_store)
+    assert df.where("k = 117").count() == 1
+    assert df.count() == N + 200 - 50
+    assert df.where("k >= 390 AND k < 410").count() == 20
+    assert df.count() == N + 200 - 50
+    if spark_reuses_pushed_plans():  # the reader took nothing: Spark filtered
+        plan = df.where("k = 117")._jdf.queryExecution().executedPlan().toString()
+        assert any("Filter (" in line and "= 117)" in line for line in plan.splitlines()), plan
 
 
 def test_default_reader_takes_no_filters_so_a_reused_dataframe_stays_whole(
     spark: Any, spark_store: Any
 ) -> None:
     """Without pushdown=true the reader takes no filters: a DataFrame queried with a
-    filter and then without one gives every row the second time (with pushdown=true,
-    PySpark 4.3 would reuse the filtered query's planned reader)."""
+    filter and then without one gives every row the second time."""
     _write_shard(spark_store.stash_url, spark_store.blob_uri, "p")
     source = PersistDataSource(
         {"stash": spark_store.stash_url, "blob": spark_store.blob_uri, "shard": "p"}

@@ -384,17 +384,30 @@ class PersistClient:
         self._check_open()
         return snapshot_many(self, as_ofs)
 
-    def _txn_writer(self, m: ShardMachine, name: str) -> WriteHandle:
-        """The writer this client's transactions use for a shard (one per shard, so a
-        stream of transactions does not register a writer each; replaced once expired)."""
+    def _txn_writer(
+        self,
+        m: ShardMachine,
+        name: str,
+        key_schema: pa.Schema | None = None,
+        value_schema: pa.Schema | None = None,
+    ) -> WriteHandle:
+        """The writer this client's transactions use for a shard, with the given schemas
+        (default: the shard's newest, as this client knows its state): one per shard, so
+        a stream of transactions does not register a writer each; replaced once expired
+        or when the schemas asked for change (an evolution since it was made)."""
         with self._txn_lock:
+            if key_schema is None or value_schema is None:
+                st = m.state()
+                key_schema, value_schema = st.key_schema, st.value_schema
             w = self._txn_writers.get(m.shard_id)
             lapsed = w is not None and (
                 w._registered and m.now_ms() - w._last_heartbeat_ms > w._lease_ms
             )
-            if w is None or w._expired or lapsed:
-                st = m.state()
-                w = self._writer(m, name, st.key_schema, st.value_schema)
+            stale = w is not None and not (
+                w.key_schema.equals(key_schema) and w.value_schema.equals(value_schema)
+            )
+            if w is None or w._expired or lapsed or stale:
+                w = self._writer(m, name, key_schema, value_schema)
                 self._txn_writers[m.shard_id] = w
             return w
 

@@ -505,7 +505,7 @@ class Txn:
             raise InvalidUsage("Txn.write takes both key_schema and value_schema, or neither")
         elif key_schema is not None and value_schema is not None:
             m = c._open_machine(shard, key_schema, value_schema)
-            w = c._txn_writer(m, shard)
+            w = c._txn_writer(m, shard, key_schema, value_schema)
         else:
             sid = c.shard_id(shard)
             m = c.machine(sid)
@@ -624,7 +624,8 @@ class Txn:
             LeaseExpired: a written shard's writer lease ran out (its parts may be gone);
                 nothing committed.
             InvalidUsage: bad ``ts``; a ``time_column`` write with a time after ``ts``;
-                a finalized shard; a finished transaction.
+                a finalized shard; a finished transaction; a batch appended, deleted or
+                transmitted since it was added (e.g. by another transaction).
             ConsensusError: the stash failed; nothing was committed unless
                 ``is_indeterminate()`` (then ``idempotency_token`` is this ``token``;
                 a stash-only transaction whose earlier attempt's outcome is unknown
@@ -644,12 +645,19 @@ class Txn:
         landed = self._resolve_landed() if self._maybe_landed else None
         if landed is not None:
             return self._finish(landed)
+        self._check_not_consumed()
         indeterminate = 0
         while True:
+            # Until this attempt's outcome is known, it may have landed: an exception that
+            # is none of the answers below (an interrupt, an error the stash did not
+            # wrap) leaves the parts to GC instead of letting abort delete them.
+            prior = self._maybe_landed
+            self._maybe_landed = True
             try:
                 out = self._attempt(ts)
             except ConsensusError as e:
                 if not e.is_indeterminate():
+                    self._maybe_landed = prior
                     if indeterminate:
                         raise self._unknown(e) from e
                     raise
@@ -666,6 +674,7 @@ class Txn:
                 time.sleep(min(self.resolve_max_wait, 0.005 * 2**indeterminate))
                 continue
             except LeaseExpired as e:
+                self._maybe_landed = prior
                 for sw in self._shards.values():
                     if sw.writer.writer_id == e.handle_id:
                         self._client._forget_txn_writer(sw.writer)
@@ -675,6 +684,7 @@ class Txn:
                         return self._finish(landed)
                 raise
             except PersistError as e:
+                self._maybe_landed = prior
                 if indeterminate and not isinstance(e, TxnUpperMismatch | LeaseExpired):
                     raise
                 if indeterminate:
@@ -684,6 +694,23 @@ class Txn:
                         return self._finish(landed)
                 raise
             return self._finish(out)
+
+    def _check_not_consumed(self) -> None:
+        """Refuse a batch that was appended, deleted or transmitted since it was added
+        (e.g. committed by another transaction it was also added to): committing it
+        again would add its updates twice.
+
+        Raises:
+            InvalidUsage: naming the batch and its shard; nothing is committed.
+        """
+        for sw in self._shards.values():
+            for b in sw.batches:
+                if b.consumed:
+                    raise InvalidUsage(
+                        f"{b!r} of the write to shard {sw.name!r} was appended, deleted or "
+                        "transmitted since it was added to this transaction (nothing was "
+                        "committed)"
+                    )
 
     def _unknown(self, e: ConsensusError) -> ConsensusError:
         err = ConsensusError(
@@ -1017,7 +1044,9 @@ class Txn:
     # ------------------------------------------------------------------- abort
     def abort(self) -> None:
         """Give the transaction up: delete the parts it uploaded (kept for GC instead if
-        a commit of it may have landed).  Idempotent; a no-op after a commit."""
+        a commit of it may have landed: an indeterminate outcome, or an attempt cut short
+        by an exception before its outcome was known).  Idempotent; a no-op after a
+        commit."""
         if self.committed_ts is not None or self._aborted:
             return
         self._aborted = True

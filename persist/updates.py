@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from persist.errors import InvalidUsage, PersistError, SchemaMismatch
 from persist.schemacache import schema_cache
@@ -615,7 +616,12 @@ class ConformPlan:
                 col = table.column(s)
                 if col.type != f.type:
                     try:
-                        col = col.cast(f.type, safe=True)
+                        narrowed = col.cast(f.type, safe=True)
+                        if pa.types.is_floating(f.type) and pa.types.is_floating(col.type):
+                            # Arrow's safe cast of a float to a narrower float gives
+                            # infinity for a value beyond the narrower range.
+                            _check_no_new_infinity(col, narrowed)
+                        col = narrowed
                     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
                         raise SchemaMismatch(
                             f"(read as schema version {self.dst})",
@@ -627,6 +633,19 @@ class ConformPlan:
             arrays.append(col)
             fields.append(f)
         return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _check_no_new_infinity(
+    wide: pa.ChunkedArray | pa.Array, narrow: pa.ChunkedArray | pa.Array
+) -> None:
+    """Raise ``ArrowInvalid`` if a finite value of ``wide`` became infinite in
+    ``narrow`` (its cast to a narrower float type)."""
+    overflowed = pc.and_(pc.is_inf(narrow), pc.invert(pc.is_inf(wide)))
+    if pc.any(overflowed).as_py():
+        i = pc.index(overflowed, True).as_py()
+        raise pa.ArrowInvalid(
+            f"float value {wide[i].as_py()!r} is beyond the range of {narrow.type}"
+        )
 
 
 @functools.lru_cache(maxsize=1024)

@@ -432,9 +432,11 @@ def _readable_as_of(c: PersistClient, shard: str, as_of: int | None) -> int:
     """``as_of``, or the latest readable time (``upper - 1``, at least the since).
 
     Raises:
-        InvalidUsage: the shard has no readable time yet (its upper is its since).
+        InvalidUsage: the shard has no readable time yet (its upper is its since), or
+            it was finalized (dropped).
     """
     st = c.inspect(shard)
+    st.check_not_finalized()
     if as_of is not None:
         return as_of
     upper, since = st.upper.as_option(), st.since.as_option()
@@ -581,6 +583,37 @@ def _locked_duckdb() -> duckdb.DuckDBPyConnection:
     return con
 
 
+def _shards_named(names: set[str] | list[str], known: set[str]) -> list[str]:
+    """The shards a query's table ``names`` refer to.  DuckDB resolves table names
+    without regard to case, so a name matches its shard exactly or, failing that, the
+    one shard equal to it but for case (``FROM orders`` reads shard ``Orders``).
+
+    Raises:
+        InvalidUsage: the query refers to two shards whose names differ only in case
+            (DuckDB cannot tell their tables apart).
+    """
+    by_fold: dict[str, list[str]] = {}
+    for k in known:
+        by_fold.setdefault(k.casefold(), []).append(k)
+    wanted: set[str] = set()
+    for n in names:
+        if n in known:
+            wanted.add(n)
+        else:
+            alike = by_fold.get(n.casefold(), [])
+            if len(alike) == 1:
+                wanted.add(alike[0])
+    folded: dict[str, str] = {}
+    for w in sorted(wanted):
+        other = folded.setdefault(w.casefold(), w)
+        if other != w:
+            raise InvalidUsage(
+                f"persist sql: shards {other!r} and {w!r} differ only in case, and DuckDB "
+                "does not tell table names apart by case: query them separately"
+            )
+    return sorted(wanted)
+
+
 @main.command()
 @click.argument("query")
 @click.option("--as-of", "as_of", type=int, default=None, help="Time to read every shard at.")
@@ -625,7 +658,7 @@ def sql(
                 raise InvalidUsage(f"persist sql: {e}") from None
             with _client(ctx, readonly=False) as c:
                 known = set(c.shards())
-                wanted = sorted(n for n in names if n in known)
+                wanted = _shards_named(names, known)
                 if not wanted:
                     raise InvalidUsage(
                         f"persist sql: the query names no shard (tables {sorted(names)}; "

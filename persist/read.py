@@ -1371,6 +1371,7 @@ class Listen:
             if not st.since.less_equal(as_of):
                 if not fresh:
                     raise Stale()
+                st.check_not_finalized()  # a dropped shard's since is empty: say dropped
                 raise SinceViolation(as_of, st.since)
             st.register_reader(self.reader_id, now, self._lease_ms, "listen", since=hold)
             return None, True

@@ -617,7 +617,11 @@ class ConformPlan:
                 if col.type != f.type:
                     try:
                         narrowed = col.cast(f.type, safe=True)
-                        if pa.types.is_floating(f.type) and pa.types.is_floating(col.type):
+                        if (
+                            pa.types.is_floating(f.type)
+                            and pa.types.is_floating(col.type)
+                            and f.type.bit_width < col.type.bit_width
+                        ):
                             # Arrow's safe cast of a float to a narrower float gives
                             # infinity for a value beyond the narrower range.
                             _check_no_new_infinity(col, narrowed)

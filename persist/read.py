@@ -1362,6 +1362,9 @@ class Listen:
         self._closed = False
         self._failed: PersistError | None = None
         self._lock = threading.RLock()
+        # A step is reading the batches of a version: the background heartbeat must not
+        # move the seqno hold past it meanwhile (GC would delete what it reads).
+        self._reading = False
         self.reader_id = "l" + uuid.uuid4().hex
         self._lease_ms = handle._lease_ms
         now = self._machine.now_ms()
@@ -1454,7 +1457,15 @@ class Listen:
         """Check consensus once; queue events if the upper moved past what was emitted
         (the first progress as soon as it passes ``as_of``).  Returns whether it queued
         any.  Nothing is queued unless the listen still held its lease in the state it
-        read and kept it while renewing."""
+        read and kept it while renewing.  While it runs, the background heartbeat keeps
+        the seqno hold where it is (at or before the version read)."""
+        self._reading = True  # before the state is read: see _beat
+        try:
+            return self._step_reading()
+        finally:
+            self._reading = False
+
+    def _step_reading(self) -> bool:
         st = self._machine.recent()
         lost = self._lost(st)
         if lost is not None:
@@ -1540,7 +1551,10 @@ class Listen:
         def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
             if self.reader_id not in s.readers and not fresh:
                 raise Stale()
-            s.heartbeat_reader(self.reader_id, now)
+            # Runs under the machine's lock, as the step's read of the state does: a step
+            # that began before reads a version no older than this hold, and one reading
+            # now keeps the hold unchanged (seqno 0: never moved backwards, not forwards).
+            s.heartbeat_reader(self.reader_id, now, 0 if self._reading else None)
             return None, True
 
         try:

@@ -71,6 +71,7 @@ import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -834,6 +835,12 @@ class ShardMachine:
         self._cache: _Cache | None = None
         self.metrics = {"cas": 0, "cas_lost": 0, "heads": 0, "indeterminate": 0}
         self._offered: list[FueledMergeRes] = []
+        # Idempotency tokens of appends whose outcome was left unknown, by token: the
+        # writer that tried them and the seqno then known; settled (see _settle_tokens)
+        # by the next head this machine sees, before the writer's record of them (its
+        # last WRITER_TOKENS_KEPT tokens, dropped with its lease) can be lost.
+        self._unsettled: dict[str, tuple[str, int]] = {}
+        self._settled: OrderedDict[str, str | None] = OrderedDict()
 
     # ------------------------------------------------- merge results to piggyback
     def offer_merge_results(self, results: list[FueledMergeRes]) -> None:
@@ -890,7 +897,71 @@ class ShardMachine:
             if c is None:
                 raise PersistError(f"shard {self.shard_id} has no state in consensus")
             self._cache = c
+            if self._unsettled:
+                self._settle_tokens(c.state)
             return c.state
+
+    # ------------------------------------------ appends of unknown outcome (tokens)
+    def note_unknown_token(self, token: str, writer_id: str) -> None:
+        """An append of ``writer_id`` with idempotency ``token`` ended with its outcome
+        unknown: learn it from the next head this machine sees (a later transition of
+        any handle of this client on the shard, or a re-read), while the state still
+        records the writer's recent tokens, so that a retry with ``token`` is answered
+        even after the writer appended again or its lease ran out."""
+        with self._lock:
+            seqno = -1 if self._cache is None else self._cache.state.seqno
+            self._unsettled[token] = (writer_id, seqno)
+
+    def token_outcome(self, token: str) -> tuple[bool, str | None]:
+        """``(known, entry)`` for an append with ``token`` whose outcome was left unknown
+        (:meth:`note_unknown_token`): ``(True, entry)`` it landed (the writer's recorded
+        entry), ``(True, None)`` it did not, ``(False, None)`` not settled here.
+
+        Raises:
+            ConsensusError: indeterminate: the writer's record left the state before a
+                head showing the outcome was seen, so it can no longer be learned.
+        """
+        with self._lock:
+            if token not in self._settled:
+                return False, None
+            entry = self._settled[token]
+        if entry == _TOKEN_UNKNOWABLE:
+            raise ConsensusError(
+                f"the outcome of the append with idempotency token {token!r} on shard "
+                f"{self.shard_id} cannot be learned any more: its writer's record left the "
+                "shard state (lease expired) before this process saw the outcome; read "
+                "the shard to see whether its updates are there",
+                indeterminate=True,
+            )
+        return True, entry
+
+    def forget_token(self, token: str) -> None:
+        """An append with ``token`` just committed: the state answers for it now."""
+        with self._lock:
+            self._unsettled.pop(token, None)
+            self._settled.pop(token, None)
+
+    def _settle_tokens(self, head: ShardState) -> None:
+        """Settle the unknown outcomes ``head`` (a state that was the head: read as such,
+        or compared against by a compare-and-set that succeeded) decides: a token it
+        records landed; a token whose writer it still holds, at or after the seqno known
+        when the outcome was left unknown, did not (the writer's later appends go
+        through this machine, so none pushed it out of the writer's recent tokens);
+        with the writer gone, it can no longer be told."""
+        for token, (writer_id, seqno) in list(self._unsettled.items()):
+            if head.seqno < seqno:
+                continue
+            entry: str | None = None
+            for w in head.writers.values():
+                entry = w.token_entry(token)
+                if entry is not None:
+                    break
+            if entry is None and writer_id not in head.writers:
+                entry = _TOKEN_UNKNOWABLE
+            del self._unsettled[token]
+            self._settled[token] = entry
+            while len(self._settled) > _SETTLED_TOKENS_KEPT:
+                self._settled.popitem(last=False)
 
     def recent(self) -> ShardState:
         """The latest state: the cached one if the head seqno did not move (one cheap
@@ -1005,7 +1076,11 @@ class ShardMachine:
     def install(self, staged: Staged) -> None:
         """Cache a staged version once the caller's atomic append committed it."""
         self.metrics["cas"] += 1
-        self._cache = _Cache(staged.state, _published(staged))
+        with self._lock:
+            prev = self._cache
+            if self._unsettled and prev is not None and prev.state.seqno == staged.expected:
+                self._settle_tokens(prev.state)  # the head this version followed
+            self._cache = _Cache(staged.state, _published(staged))
 
     # ----------------------------------------------------------------- writes
     def apply(
@@ -1085,6 +1160,8 @@ class ShardMachine:
                     fresh = True
                     continue
                 if ok:
+                    if self._unsettled:
+                        self._settle_tokens(cache.state)  # the head this version followed
                     self._cache = _Cache(st, _published(staged))
                     persist_metrics.observe_commit(cache.state, st, self.now_ms())
                     return result
@@ -1098,6 +1175,12 @@ class ShardMachine:
                     time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
                 self.fetch()
                 fresh = True
+
+
+#: The settled outcome of a token whose writer left the state before it was seen.
+_TOKEN_UNKNOWABLE = "\x00unknowable"
+#: How many settled token outcomes a machine remembers (oldest forgotten first).
+_SETTLED_TOKENS_KEPT = 4096
 
 
 def _published(staged: Staged) -> VersionedData:

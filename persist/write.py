@@ -920,10 +920,14 @@ class WriteHandle(ShardHandle):
                 e.idempotency_token = token
                 for b in batches:  # a retry with these batches reuses the token
                     b.pending_token = token
+                if pieces:  # learn the outcome from the next head (a retry asks it)
+                    machine.note_unknown_token(token, wid)
             else:
                 for t in temps:
                     t.delete()
             raise
+        if retry:
+            machine.forget_token(token)  # landed now: the state answers for it
         if pieces:
             self._registered = True  # append_batch registered or renewed this writer
             self._last_heartbeat_ms = machine.now_ms()
@@ -1002,11 +1006,21 @@ class WriteHandle(ShardHandle):
         return out
 
     def _token_landed(self, token: str, fingerprint: str) -> bool:
-        """Whether an append with the caller's ``token`` is recorded in the latest shard
-        state; it must be this append (``fingerprint``, see :func:`_check_same_append`)."""
-        entry = _token_entry(self._machine.fetch(), self.writer_id, token)
+        """Whether an append with the caller's ``token`` landed: recorded in the latest
+        shard state, or settled by this client when the outcome was first learned (the
+        writer may have appended many times since, or its lease run out: see
+        :meth:`ShardMachine.note_unknown_token`); it must be this append
+        (``fingerprint``, see :func:`_check_same_append`).
+
+        Raises:
+            ConsensusError: indeterminate: the outcome can no longer be learned.
+        """
+        st = self._machine.fetch()  # a head: also settles what it decides
+        entry = _token_entry(st, self.writer_id, token)
         if entry is None:
-            return False
+            _, entry = self._machine.token_outcome(token)
+            if entry is None:
+                return False
         _check_same_append(entry, token, fingerprint)
         return True
 

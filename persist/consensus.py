@@ -87,7 +87,13 @@ from tenacity import (
 from persist import metrics as persist_metrics
 from persist.errors import ConsensusError, InvalidUsage, PersistError
 from persist.spine import FueledMergeRes
-from persist.state import ShardState
+from persist.state import (
+    TOKEN_FOREIGN,
+    TOKEN_NOT_LANDED,
+    TOKEN_UNKNOWN,
+    ShardState,
+    token_verdict,
+)
 from stash import AppendBatch, AppendLowerMismatch, Stash, StashCollection, StashError
 from stash.antichain import Antichain
 from stash.codec import canonical_json
@@ -928,9 +934,10 @@ class ShardMachine:
         if entry == _TOKEN_UNKNOWABLE:
             raise ConsensusError(
                 f"the outcome of the append with idempotency token {token!r} on shard "
-                f"{self.shard_id} cannot be learned any more: its writer's record left the "
-                "shard state (lease expired) before this process saw the outcome; read "
-                "the shard to see whether its updates are there",
+                f"{self.shard_id} cannot be learned any more: the shard state no longer "
+                "held its writer's record of it (the writer appended again, or its lease "
+                "ran out) when this process first saw the outcome; read the shard to see "
+                "whether its updates are there",
                 indeterminate=True,
             )
         return True, entry
@@ -943,20 +950,16 @@ class ShardMachine:
 
     def _settle_tokens(self, head: ShardState) -> None:
         """Settle the unknown outcomes ``head`` (a state that was the head: read as such,
-        or compared against by a compare-and-set that succeeded) decides: a token it
-        records landed; a token whose writer it still holds, at or after the seqno known
-        when the outcome was left unknown, did not (the writer's later appends go
-        through this machine, so none pushed it out of the writer's recent tokens);
-        with the writer gone, it can no longer be told."""
+        or compared against by a compare-and-set that succeeded) decides
+        (:func:`persist.state.token_verdict`): landed, not landed, or no longer knowable
+        (its writer's record is gone, or later tokens of it pushed it out)."""
         for token, (writer_id, seqno) in list(self._unsettled.items()):
             if head.seqno < seqno:
                 continue
-            entry: str | None = None
-            for w in head.writers.values():
-                entry = w.token_entry(token)
-                if entry is not None:
-                    break
-            if entry is None and writer_id not in head.writers:
+            verdict, entry = token_verdict(head, token)
+            if verdict == TOKEN_FOREIGN and writer_id in head.writers:
+                verdict = TOKEN_NOT_LANDED  # a caller's own token: its writer's word
+            if verdict in (TOKEN_UNKNOWN, TOKEN_FOREIGN):
                 entry = _TOKEN_UNKNOWABLE
             del self._unsettled[token]
             self._settled[token] = entry

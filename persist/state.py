@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -339,6 +340,51 @@ class WriterState:
 
 #: How many idempotency tokens of recent appends a writer's state keeps.
 WRITER_TOKENS_KEPT = 8
+
+#: A token persist made (:func:`token_for`): 16 hex digits of the writer's id, 8 of the
+#: drawing process, an 8-digit counter.
+_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
+#: :func:`token_verdict`'s answers.
+TOKEN_LANDED, TOKEN_NOT_LANDED, TOKEN_UNKNOWN, TOKEN_FOREIGN = (
+    "landed",
+    "not landed",
+    "unknown",
+    "foreign",
+)
+
+
+def token_for(writer_id: str, process: str, count: int) -> str:
+    """The idempotency token ``count`` drawn by a process (8 hex digits ``process``) for
+    ``writer_id`` (``w`` and 32 hex digits)."""
+    return f"{writer_id[1:17]}{process}{count:08x}"
+
+
+def token_verdict(st: ShardState, token: str) -> tuple[str, str | None]:
+    """What ``st`` (a head) says of an append with ``token``: ``(TOKEN_LANDED, entry)``
+    when a writer records it; for a token persist made (:func:`token_for`),
+    ``(TOKEN_NOT_LANDED, None)`` when its writer is registered and every token it still
+    records from the same process was drawn before it (had it landed, nothing drawn
+    before it could have pushed it out of the writer's recent tokens without a token
+    drawn after it being kept too), else ``(TOKEN_UNKNOWN, None)`` (its writer is gone,
+    or later tokens of it are kept); ``(TOKEN_FOREIGN, None)`` for a token of another
+    form (a caller's own), of which nothing more can be told."""
+    for w in st.writers.values():
+        entry = w.token_entry(token)
+        if entry is not None:
+            return TOKEN_LANDED, entry
+    if _TOKEN_RE.fullmatch(token) is None:
+        return TOKEN_FOREIGN, None
+    writer = next((w for wid, w in st.writers.items() if wid[1:17] == token[:16]), None)
+    if writer is None:
+        return TOKEN_UNKNOWN, None
+    drawn = int(token[24:], 16)
+    for entry in (writer.last_token, *writer.tokens):
+        if entry is None:
+            continue
+        t = entry.split(TOKEN_SEP, 1)[0]
+        if _TOKEN_RE.fullmatch(t) and t[:24] == token[:24] and int(t[24:], 16) > drawn:
+            return TOKEN_UNKNOWN, None
+    return TOKEN_NOT_LANDED, None
 
 
 @dataclass

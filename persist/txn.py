@@ -651,19 +651,19 @@ class Txn:
             # Until this attempt's outcome is known, it may have landed: an exception that
             # is none of the answers below (an interrupt, an error the stash did not
             # wrap) leaves the parts to GC instead of letting abort delete them.
-            prior = self._maybe_landed
+            prior, prior_since = self._maybe_landed, self._unknown_since_ms
             self._maybe_landed = True
+            if self._unknown_since_ms is None:  # when its record starts to be needed
+                self._unknown_since_ms = self._client.machine(sorted(self._shards)[0]).now_ms()
             try:
                 out = self._attempt(ts)
             except ConsensusError as e:
                 if not e.is_indeterminate():
-                    self._maybe_landed = prior
+                    self._maybe_landed, self._unknown_since_ms = prior, prior_since
                     if indeterminate:
                         raise self._unknown(e) from e
                     raise
                 self._maybe_landed = True
-                if self._unknown_since_ms is None:
-                    self._unknown_since_ms = self._client.machine(sorted(self._shards)[0]).now_ms()
                 indeterminate += 1
                 log.warning("indeterminate commit of a transaction at %s: %s", ts, e)
                 landed = self._resolve_landed()
@@ -674,7 +674,7 @@ class Txn:
                 time.sleep(min(self.resolve_max_wait, 0.005 * 2**indeterminate))
                 continue
             except LeaseExpired as e:
-                self._maybe_landed = prior
+                self._maybe_landed, self._unknown_since_ms = prior, prior_since
                 for sw in self._shards.values():
                     if sw.writer.writer_id == e.handle_id:
                         self._client._forget_txn_writer(sw.writer)
@@ -684,7 +684,7 @@ class Txn:
                         return self._finish(landed)
                 raise
             except PersistError as e:
-                self._maybe_landed = prior
+                self._maybe_landed, self._unknown_since_ms = prior, prior_since
                 if indeterminate and not isinstance(e, TxnUpperMismatch | LeaseExpired):
                     raise
                 if indeterminate:

@@ -98,7 +98,14 @@ from persist.parts import (
 )
 from persist.read import read_batch
 from persist.spine import FueledMergeReq, worth_compacting
-from persist.state import TOKEN_SEP, LeaseExpired, ShardState
+from persist.state import (
+    TOKEN_SEP,
+    TOKEN_UNKNOWN,
+    LeaseExpired,
+    ShardState,
+    token_for,
+    token_verdict,
+)
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain
 
@@ -140,32 +147,35 @@ def _frontier(x: Antichain | int, what: str) -> Antichain:
 
 
 class _TokenSource:
-    """Fresh idempotency tokens without a system call each: 32 hex digits, a random
-    80-bit prefix (``os.urandom``, drawn again in a forked child) followed by a 48-bit
-    counter, so tokens never repeat within a process and collide across processes only
-    if two random prefixes do.  A forked child gets a fresh lock (:meth:`after_fork_in_child`),
-    so a fork while another thread draws a token cannot deadlock the child.  (A ``uuid4`` per append costs a ``getrandom`` call,
-    which releases the GIL and so waits for the compactor thread to hand it back.)"""
+    """Fresh idempotency tokens without a system call each: 32 hex digits, the first 16
+    hex digits of the writer's id (so the state tells which writer a token belongs to,
+    :func:`persist.state.token_verdict`), 8 random ones per process (``os.urandom``,
+    drawn again in a forked child) and an 8-digit counter, so tokens never repeat and
+    a writer's tokens from one process are ordered by when they were drawn.  A forked
+    child gets a fresh lock (:meth:`after_fork_in_child`), so a fork while another
+    thread draws a token cannot deadlock the child.  (A ``uuid4`` per append costs a
+    ``getrandom`` call, which releases the GIL and so waits for the compactor thread to
+    hand it back.)"""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = -1
-        self._prefix = ""
+        self._process = ""
         self._count = 0
 
     def after_fork_in_child(self) -> None:
         """Make the source usable in a forked child: a fresh lock (the parent's may have
-        been held by a thread that does not exist in the child) and a new prefix."""
+        been held by a thread that does not exist in the child) and new random digits."""
         self._lock = threading.Lock()
         self._pid = -1
 
-    def next(self) -> str:
+    def next(self, writer_id: str) -> str:
         with self._lock:
             pid = os.getpid()
-            if pid != self._pid or self._count >= 1 << 48:
-                self._pid, self._prefix, self._count = pid, os.urandom(10).hex(), 0
+            if pid != self._pid or self._count >= (1 << 32) - 1:
+                self._pid, self._process, self._count = pid, os.urandom(4).hex(), 0
             self._count += 1
-            return f"{self._prefix}{self._count:012x}"
+            return token_for(writer_id, self._process, self._count)
 
 
 _tokens = _TokenSource()
@@ -173,10 +183,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_tokens.after_fork_in_child)
 
 
-def _token(token: str | None) -> str:
-    """A fresh idempotency token, or ``token`` checked."""
+def _token(token: str | None, writer_id: str) -> str:
+    """A fresh idempotency token of ``writer_id``, or ``token`` checked."""
     if token is None:
-        return _tokens.next()
+        return _tokens.next(writer_id)
     if not isinstance(token, str) or not 8 <= len(token) <= 128 or not token.isprintable():
         raise InvalidUsage(
             "idempotency_token must be a printable str of 8 to 128 characters "
@@ -295,6 +305,7 @@ class WriteHandle(ShardHandle):
         # registered, a writer found missing or expired is never registered again.
         self._registered = False
         self._last_heartbeat_ms = 0
+        self._created_ms = machine.now_ms()
         # _normalize: the last input schema found to have this handle's column names and
         # types in order, and the columns that must hold no null.
         self._conforming: pa.Schema | None = None
@@ -594,7 +605,10 @@ class WriteHandle(ShardHandle):
             idempotency_token: the token of an earlier attempt of this same append (from
                 the ``idempotency_token`` of the indeterminate :class:`ConsensusError` it
                 raised): if that attempt landed, this call returns at once, writing
-                nothing again.  By default a fresh token.
+                nothing again, however many appends came since (the client settles the
+                outcome from the next shard state it sees); if whether it landed can no
+                longer be told, it raises an indeterminate :class:`ConsensusError` and
+                writes nothing.  By default a fresh token.
 
         Raises:
             InvalidBounds: ``expected_upper`` is not ``<= new_upper``.
@@ -613,7 +627,7 @@ class WriteHandle(ShardHandle):
         new = _frontier(new_upper, "new_upper")
         if not expected <= new:
             raise InvalidBounds(expected, new)
-        token = _token(idempotency_token)
+        token = _token(idempotency_token, self.writer_id)
         table = self._normalize(updates)
         rng = _time_range(table)
         if rng is not None:
@@ -829,7 +843,7 @@ class WriteHandle(ShardHandle):
             pending = {getattr(b, "pending_token", None) for b in batches}
             if len(pending) == 1:
                 idempotency_token = pending.pop()
-        token = _token(idempotency_token)
+        token = _token(idempotency_token, self.writer_id)
         with _carrying_token(token):
             self._append_batches(batches, expected, new, token, idempotency_token is not None)
 
@@ -1016,13 +1030,33 @@ class WriteHandle(ShardHandle):
             ConsensusError: indeterminate: the outcome can no longer be learned.
         """
         st = self._machine.fetch()  # a head: also settles what it decides
-        entry = _token_entry(st, self.writer_id, token)
+        verdict, entry = token_verdict(st, token)
         if entry is None:
-            _, entry = self._machine.token_outcome(token)
-            if entry is None:
+            known, entry = self._machine.token_outcome(token)
+            if known and entry is None:
                 return False
+        if entry is None:
+            if verdict != TOKEN_UNKNOWN or self._unregistered_within_lease(token):
+                return False
+            raise ConsensusError(
+                f"the outcome of the append with idempotency token {token!r} on shard "
+                f"{self.shard_id} cannot be learned: the state no longer holds its "
+                "writer's record of it (the writer appended again or its lease ran out); "
+                "read the shard to see whether its updates are there",
+                indeterminate=True,
+            )
         _check_same_append(entry, token, fingerprint)
         return True
+
+    def _unregistered_within_lease(self, token: str) -> bool:
+        """Whether ``token`` is this handle's and this handle never registered in the
+        shard state, within a lease of its creation: an append of it that landed would
+        have registered the writer, and its record could not have expired yet."""
+        return (
+            token.startswith(self.writer_id[1:17])
+            and not self._registered
+            and self._machine.now_ms() - self._created_ms < self._lease_ms
+        )
 
     def _count_transmitted(self) -> None:
         """A batch of this handle's builders, with blob parts, was transmitted."""

@@ -241,7 +241,13 @@ def _hide_parsed_secrets(text: str, u: URL) -> str:
     for k, v in u.query.items():
         values = v if isinstance(v, tuple) else (v,)
         if _secret_query(database, k, values):
+            named = _SECRET_NAME_RE.fullmatch(k) is not None
             for x in values:
+                if not named:
+                    # Only a secret's own name makes a value run to the end of the text
+                    # (the grammar reads everything after the last '?' as the query): a
+                    # non-database URL's values are hidden, the message after them kept.
+                    x = x.split(None, 1)[0] if x.strip() else x
                 for spelled in _spellings(x) if x else []:
                     tail = tail.replace(f"={spelled}", f"={HIDDEN}")
     return head + tail

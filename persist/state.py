@@ -342,8 +342,9 @@ class WriterState:
 WRITER_TOKENS_KEPT = 8
 
 #: A token persist made (:func:`token_for`): 16 hex digits of the writer's id, 8 of the
-#: drawing process, an 8-digit counter.
-_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
+#: drawing process, an 8-digit counter, dot-separated (a form no uuid or plain hex token
+#: of a caller's has).
+_TOKEN_RE = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{8}\.[0-9a-f]{8}")
 #: :func:`token_verdict`'s answers.
 TOKEN_LANDED, TOKEN_NOT_LANDED, TOKEN_UNKNOWN, TOKEN_FOREIGN = (
     "landed",
@@ -356,7 +357,7 @@ TOKEN_LANDED, TOKEN_NOT_LANDED, TOKEN_UNKNOWN, TOKEN_FOREIGN = (
 def token_for(writer_id: str, process: str, count: int) -> str:
     """The idempotency token ``count`` drawn by a process (8 hex digits ``process``) for
     ``writer_id`` (``w`` and 32 hex digits)."""
-    return f"{writer_id[1:17]}{process}{count:08x}"
+    return f"{writer_id[1:17]}.{process}.{count:08x}"
 
 
 def token_verdict(st: ShardState, token: str) -> tuple[str, str | None]:
@@ -377,12 +378,12 @@ def token_verdict(st: ShardState, token: str) -> tuple[str, str | None]:
     writer = next((w for wid, w in st.writers.items() if wid[1:17] == token[:16]), None)
     if writer is None:
         return TOKEN_UNKNOWN, None
-    drawn = int(token[24:], 16)
+    drawn = int(token[26:], 16)
     for entry in (writer.last_token, *writer.tokens):
         if entry is None:
             continue
         t = entry.split(TOKEN_SEP, 1)[0]
-        if _TOKEN_RE.fullmatch(t) and t[:24] == token[:24] and int(t[24:], 16) > drawn:
+        if _TOKEN_RE.fullmatch(t) and t[:25] == token[:25] and int(t[26:], 16) > drawn:
             return TOKEN_UNKNOWN, None
     return TOKEN_NOT_LANDED, None
 

@@ -147,10 +147,11 @@ def _frontier(x: Antichain | int, what: str) -> Antichain:
 
 
 class _TokenSource:
-    """Fresh idempotency tokens without a system call each: 32 hex digits, the first 16
-    hex digits of the writer's id (so the state tells which writer a token belongs to,
-    :func:`persist.state.token_verdict`), 8 random ones per process (``os.urandom``,
-    drawn again in a forked child) and an 8-digit counter, so tokens never repeat and
+    """Fresh idempotency tokens without a system call each (:func:`persist.state.token_for`):
+    the first 16 hex digits of the writer's id (so the state tells which writer a token
+    belongs to, :func:`persist.state.token_verdict`), 8 random ones per process
+    (``os.urandom``, drawn again in a forked child) and an 8-digit counter, dot-separated,
+    so tokens never repeat and
     a writer's tokens from one process are ordered by when they were drawn.  A forked
     child gets a fresh lock (:meth:`after_fork_in_child`), so a fork while another
     thread draws a token cannot deadlock the child.  (A ``uuid4`` per append costs a

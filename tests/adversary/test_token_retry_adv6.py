@@ -142,3 +142,18 @@ def test_token_retry_whose_outcome_can_no_longer_be_learned_is_refused_not_rewri
     assert got[("a", 1)] == 1, got
     other.close()
     c.close()
+
+
+def test_a_callers_own_hex_token_is_used_as_given() -> None:
+    """A caller's own token (a uuid's hex, not persist's form): the first attempt writes,
+    a retry of the landed append writes nothing again."""
+    import uuid
+
+    s = Stash.open("memory://", fenced=False)
+    c = PersistClient(s, MemoryBlob(), compaction="off")
+    w, r = c.open("s", KS, VS)
+    tok = uuid.uuid4().hex
+    w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token=tok)
+    w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token=tok)
+    assert contents(r.snapshot(0)) == Counter({("a", 1): 1})
+    c.close()

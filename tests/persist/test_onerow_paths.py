@@ -218,17 +218,25 @@ def test_one_row_appends_skip_small_merges_and_keep_the_state_small(
     assert not st.trace.all_fueled_merge_reqs()
 
 
+WID = "w" + "ab" * 16
+
+
 def test_fresh_tokens_are_distinct_valid_and_redrawn_in_a_child() -> None:
+    """Tokens name their writer (16 hex digits of its id), then the drawing process (8
+    random hex digits), then a counter: distinct, ordered within a process, and the
+    process digits drawn again after a fork."""
     src = write_mod._TokenSource()
-    tokens = [src.next() for _ in range(2000)]
+    tokens = [src.next(WID) for _ in range(2000)]
     assert len(set(tokens)) == len(tokens)
-    assert all(len(t) == 32 and int(t, 16) >= 0 for t in tokens)
-    assert all(write_mod._token(t) == t for t in tokens[:5])  # valid caller tokens too
-    prefix = tokens[0][:20]
-    assert {t[:20] for t in tokens} == {prefix}
-    src._pid = -1  # as after a fork: a new random prefix, the counter restarts
-    again = src.next()
-    assert again[:20] != prefix and again not in tokens
+    assert all(len(t) == 34 and t[:16] == WID[1:17] for t in tokens)
+    assert all(int(x, 16) >= 0 for t in tokens for x in t.split("."))
+    assert [int(t[26:], 16) for t in tokens] == sorted(int(t[26:], 16) for t in tokens)
+    assert all(write_mod._token(t, WID) == t for t in tokens[:5])  # valid caller tokens too
+    process = tokens[0][17:25]
+    assert {t[17:25] for t in tokens} == {process}
+    src._pid = -1  # as after a fork: new process digits, the counter restarts
+    again = src.next(WID)
+    assert again[17:25] != process and again not in tokens
 
 
 def test_a_fork_while_another_thread_draws_a_token_does_not_deadlock_the_child() -> None:
@@ -236,7 +244,7 @@ def test_a_fork_while_another_thread_draws_a_token_does_not_deadlock_the_child()
     child (where that thread does not exist) must still draw a fresh token, with a new
     prefix.  Before the fix the child blocked forever on the inherited lock."""
     src = write_mod._tokens
-    parent_token = src.next()
+    parent_token = src.next(WID)
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -256,7 +264,7 @@ def test_a_fork_while_another_thread_draws_a_token_does_not_deadlock_the_child()
         try:
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             signal.alarm(5)
-            os.write(w, src.next().encode())
+            os.write(w, src.next(WID).encode())
             code = 0
         finally:
             os._exit(code)
@@ -267,4 +275,4 @@ def test_a_fork_while_another_thread_draws_a_token_does_not_deadlock_the_child()
     child_token = os.read(r, 64).decode()
     os.close(r)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
-    assert len(child_token) == 32 and child_token[:20] != parent_token[:20]
+    assert len(child_token) == 34 and child_token[17:25] != parent_token[17:25]

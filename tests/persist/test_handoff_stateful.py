@@ -45,6 +45,7 @@ class Task:
         self.last_beat = started  # its last heartbeat (registration, upload)
         self.ended: float | None = None  # when its handle expired (the hand-off)
         self.outstanding = 0  # payloads neither appended nor deleted
+        self.handed_off = False  # whether its end handed the writer off (lease renewed)
 
 
 class HandOff(RuleBasedStateMachine):
@@ -99,6 +100,7 @@ class HandOff(RuleBasedStateMachine):
         t.ended = self.clock.now
         if t.outstanding and self.clock.now <= t.last_beat + LEASE:
             t.last_beat = self.clock.now  # the hand-off renewed it
+            t.handed_off = True
 
     @rule(seconds=st.sampled_from([60.0, 450.0, 1500.0, 4000.0]))
     def time_passes(self, seconds: float) -> None:
@@ -107,7 +109,10 @@ class HandOff(RuleBasedStateMachine):
         collect_garbage(self.gc, SHARD, grace_seconds=LEASE)
 
     def _live(self, t: Task) -> bool:
-        lease = HANDOFF if t.ended is not None and t.outstanding else LEASE
+        # A task whose lease ran out before it ended was never handed off: its bytes
+        # lived only as long as its own lease (found by a fresh-clone run: the model gave
+        # them the hand-off lease, while GC had rightly deleted them).
+        lease = HANDOFF if t.ended is not None and t.outstanding and t.handed_off else LEASE
         if t.ended is not None and not t.outstanding:
             return False
         return self.clock.now <= t.last_beat + lease

@@ -1,7 +1,20 @@
 """Shared pytest configuration: fixtures for a real PostgreSQL server, one local
 SparkSession per test session and an S3-compatible server (moto) live in their own
-modules, registered here."""
+modules, registered here.
+
+Hypothesis: when ``CI`` is set, the ``ci`` profile draws each property's examples from
+a seed derived from the test itself (``derandomize``), so a CI run is reproducible and
+its verdict does not depend on the luck of the draw; local runs draw fresh examples each
+time and keep exploring (a failure they find is added as an ``@example`` or fixed)."""
 
 from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 pytest_plugins = ["pg_fixtures", "spark_fixtures", "s3_fixtures"]

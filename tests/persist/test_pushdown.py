@@ -85,6 +85,12 @@ def test_stats_round_trip_exactly(data: st.DataObject) -> None:
     xs = data.draw(st.lists(st.one_of(st.none(), values), min_size=1, max_size=8))
     arr = pa.array(xs, t)
     s = column_stats("c", arr)
+    present = [x for x in arr.to_pylist() if x is not None]
+    if present and isinstance(present[0], str) and "\x00" in min(present) + max(present):
+        # A NUL character has no place in the stash's JSON (nor Postgres JSONB): such a
+        # min or max is not recorded (no pruning on the column).  Drawn by a fresh run.
+        assert s is None
+        return
     assert s is not None
     name, lo, hi, nulls = s
     assert nulls == arr.null_count
@@ -92,7 +98,6 @@ def test_stats_round_trip_exactly(data: st.DataObject) -> None:
         assert lo is None and hi is None
         return
     # Python orders these values as Arrow does (UTF-8 strings by code point = by bytes).
-    present = [x for x in arr.to_pylist() if x is not None]
     assert decode_value(lo, t).as_py() == min(present)
     assert decode_value(hi, t).as_py() == max(present)
     for x in (min(present), max(present)):

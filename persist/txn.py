@@ -526,9 +526,10 @@ class Txn:
         do not change them until the commit.
 
         Raises:
-            InvalidUsage: not an ``AppendBatch``; a collection of another stash (no
-                collection of that name and id in this client's stash, or other
-                codecs); a persist-internal collection (shard versions, the registry);
+            InvalidUsage: not an ``AppendBatch``; a collection of another stash (its
+                handle carries another stash's identity, or no collection of that name
+                and id in this client's stash, or other codecs; naming both stashes,
+                URLs redacted); a persist-internal collection (shard versions, the registry);
                 a batch added twice; a batch for a collection already given a batch
                 with another lower, upper or compact (batches for one collection are
                 committed as one, their entries merged).  Nothing is added.
@@ -558,12 +559,16 @@ class Txn:
             if (
                 mine is None
                 or mine.id != c.id
+                or mine.stash_id != c.stash_id
                 or mine.key_codec.name != c.key_codec.name
                 or mine.value_codec.name != c.value_codec.name
             ):
                 raise InvalidUsage(
                     f"stash batch for collection {c.name!r} (id {c.id}) is not for this "
-                    f"client's stash {self._client.stash!r}: it has "
+                    f"client's stash {self._client.stash.redacted_url} (stash id "
+                    f"{next((k.stash_id for k in known.values()), '?')}): its handle was "
+                    "made by stash "
+                    f"{c.stash_url or '?'} (stash id {c.stash_id}); this stash has "
                     + (
                         "no such collection"
                         if mine is None

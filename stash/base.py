@@ -137,6 +137,11 @@ class Stash(abc.ABC):
     def _txn(self, write: bool) -> AbstractContextManager[Txn]:
         """A transaction; ``write=True`` takes the write lock up front."""
 
+    @property
+    def redacted_url(self) -> str:
+        """This stash's URL with every secret redacted (``***``), for messages."""
+        return repr(self)
+
     def _close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources."""
 
@@ -264,29 +269,29 @@ class Stash(abc.ABC):
         kc, vc = resolve_codec(key), resolve_codec(value)
         # Looked up every time: a cached answer would be stale after another handle's
         # migration (TypedCollection.migrate) of the collection.
-        found = self._read(lambda tx: tx.lookup_collection(name), codecs=())
+        sid, found = self._read(lambda tx: (tx.stash_id(), tx.lookup_collection(name)), codecs=())
         if found is None:
             if self.mode == "readonly":
                 raise StashError(f"collection {name} does not exist (readonly stash)")
 
-            def create(tx: Txn) -> tuple[int, str, str]:
+            def create(tx: Txn) -> tuple[str, tuple[int, str, str]]:
                 got = tx.lookup_collection(name)
                 if got is None:
                     got = (tx.create_collection(name, kc.name, vc.name), kc.name, vc.name)
-                return got
+                return tx.stash_id(), got
 
-            found = self._write(create, codecs=())
+            sid, found = self._write(create, codecs=())
         cid, kname, vname = found
         if (kname, vname) != (kc.name, vc.name):
             raise StashError(
                 f"collection {name} was created with codecs (key={kname}, value={vname}) "
                 f"(or migrated to them) but opened with (key={kc.name}, value={vc.name})"
             )
-        return StashCollection(cid, name, kc, vc)
+        return StashCollection(cid, name, kc, vc, stash_id=sid, stash_url=self.redacted_url)
 
     def collections(self) -> dict[str, StashCollection[Any, Any]]:
         """Every collection by name, with the codecs it was created with."""
-        listed = self._read(lambda tx: tx.list_collections(), codecs=())
+        sid, listed = self._read(lambda tx: (tx.stash_id(), tx.list_collections()), codecs=())
         out: dict[str, StashCollection[Any, Any]] = {}
         for name, cid, kname, vname in sorted(listed):
             try:
@@ -296,7 +301,9 @@ class Stash(abc.ABC):
                 # remembers the recorded names (checked by every read and write).
                 kc, vc = resolve_codec("json"), resolve_codec("json")
             recorded = None if (kc.name, vc.name) == (kname, vname) else (kname, vname)
-            out[name] = StashCollection(cid, name, kc, vc, recorded)
+            out[name] = StashCollection(
+                cid, name, kc, vc, recorded, stash_id=sid, stash_url=self.redacted_url
+            )
         return out
 
     # ------------------------------------------------------------------ reads
@@ -680,7 +687,9 @@ class Stash(abc.ABC):
             StashError: any seal/compact/entry-time rule of the single methods; the
                 diffs of a ``(key, value)`` would sum beyond i64 (``diff sums must fit
                 in i64``); a batch's collection records other codecs than its handle's
-                (a migration since the handle was made), naming both pairs.
+                (a migration since the handle was made), naming both pairs; a batch's
+                handle was made by another stash (its ``stash_id`` is not the one this
+                stash records), naming both stashes (URLs redacted) and their ids.
             In every case nothing is committed.
         """
         batches = list(batches)
@@ -723,6 +732,8 @@ class Stash(abc.ABC):
 
     def _append_tx(self, tx: Txn, batches: list[AppendBatch]) -> None:
         tx.lock(sorted({b.collection.id for b in batches}))
+        if batches:
+            self._check_identity(tx.stash_id(), batches)
         for b in batches:
             cid = b.collection.id
             _, upper = tx.frontiers(cid)
@@ -743,6 +754,24 @@ class Stash(abc.ABC):
             if rows:
                 # Keep the collection physically consolidated where this batch touched it.
                 tx.consolidate(cid, b.compact.as_option(), {k for k, _, _, _ in rows})
+
+    def _check_identity(self, sid: str, batches: list[AppendBatch]) -> None:
+        """Refuse a batch whose handle another stash made: its collection id would name
+        some other collection here (or none).  ``sid`` is the identity this stash
+        records, read in the append's transaction."""
+        for b in batches:
+            c = b.collection
+            if c.stash_id != sid:
+                made = (
+                    "carries no stash identity (make handles with Stash.collection)"
+                    if c.stash_id is None
+                    else f"was made by stash {c.stash_url} (stash id {c.stash_id})"
+                )
+                raise StashError(
+                    f"append batch for collection {c.name} (id {c.id}) refused, nothing "
+                    f"committed: its handle {made}, not by this stash {self.redacted_url} "
+                    f"(stash id {sid})"
+                )
 
     # ------------------------------------------------------------- leadership
     def confirm_leadership(self) -> None:

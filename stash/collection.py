@@ -68,6 +68,10 @@ class StashCollection(Generic[K, V]):
             if they are not the codecs' own names (``Stash.collections()`` reads a
             collection whose recorded codec cannot be imported with JSON codecs);
             ``None``: the codecs' names.
+        stash_id: the identity of the stash the handle was made by (a uuid as 32 hex
+            digits, recorded in the stash when it was created); ``append`` refuses a
+            batch whose handle carries another (or none).
+        stash_url: that stash's URL with its secrets redacted (for messages only).
     """
 
     id: int
@@ -75,6 +79,8 @@ class StashCollection(Generic[K, V]):
     key_codec: Any = field(compare=False)
     value_codec: Any = field(compare=False)
     recorded: tuple[str, str] | None = field(default=None, compare=False, repr=False)
+    stash_id: str | None = field(default=None, compare=False, repr=False)
+    stash_url: str = field(default="", compare=False, repr=False)
 
     @property
     def codec_names(self) -> tuple[str, str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import secrets
 import threading
+import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ class _Store:
     by_name: dict[str, int] = field(default_factory=dict)
     epoch: int = 0
     nonce: bytes = b""
+    # The store's identity (as a SQL stash's fence.stash_id): given at creation.
+    stash_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 R = TypeVar("R")
@@ -178,6 +181,9 @@ class _MemTxn:
     def check_fence(self) -> None:
         self.stash._check_fence(self.store)
 
+    def stash_id(self) -> str:
+        return self.store.stash_id
+
     def rollback(self) -> None:
         for (cid, kvt), old in self.undo_rows.items():
             rows = self.store.colls[cid].rows
@@ -212,8 +218,10 @@ class MemoryStash(Stash):
                     by_name=dict(store.by_name),
                     epoch=store.epoch,
                     nonce=store.nonce,
+                    stash_id=store.stash_id,
                 )
         self._store = store
+        self._name = name
         self._epoch: int | None = None
         self._nonce = b""
         if fenced and mode == "writable":
@@ -243,6 +251,10 @@ class MemoryStash(Stash):
 
     def __repr__(self) -> str:
         return f"MemoryStash(mode={self.mode!r}, fenced={self.fenced})"
+
+    @property
+    def redacted_url(self) -> str:
+        return f"memory://{self._name}"
 
 
 class Memory(Stash):
@@ -332,6 +344,10 @@ class Memory(Stash):
 
     def __repr__(self) -> str:
         return f"Memory({self.inner!r})"
+
+    @property
+    def redacted_url(self) -> str:
+        return self.inner.redacted_url
 
 
 @dataclass(frozen=True)
@@ -449,3 +465,6 @@ class _CachedTxn:
 
     def check_fence(self) -> None:
         self.inner.check_fence()
+
+    def stash_id(self) -> str:
+        return self.inner.stash_id()

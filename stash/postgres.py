@@ -252,7 +252,8 @@ class PgOps(_Ops):
         ).fetchone()
         home = sql.Identifier(row[0])
         cur.execute(
-            "CREATE TEMP TABLE fence (epoch bigint NOT NULL, nonce bytea NOT NULL);"
+            "CREATE TEMP TABLE fence (epoch bigint NOT NULL, nonce bytea NOT NULL,"
+            " stash_id text NOT NULL);"
             "CREATE TEMP TABLE collections (collection_id serial PRIMARY KEY,"
             " name text NOT NULL UNIQUE, key_codec text NOT NULL, value_codec text NOT NULL);"
             "CREATE TEMP TABLE data (collection_id integer NOT NULL, key jsonb NOT NULL,"
@@ -321,8 +322,9 @@ def _txid_status(stash: SqlStash, xid: int) -> str | None:
 
 # The lock statement: uppers and sinces rows of the collections, in id order, their
 # recorded codec names (the collections rows FOR SHARE: a migration's update of them waits
-# for this transaction, and a lock that waited for a migration re-reads them), and (for a
-# fenced handle) the fence row FOR SHARE and the transaction id, in one round trip.  The
+# for this transaction, and a lock that waited for a migration re-reads them), the stash's
+# identity, and (for a fenced handle) the fence row FOR SHARE and the transaction id, in
+# one round trip.  The
 # collections rows come after the uppers and sinces rows in the locking clauses, so that a
 # writer waiting for a migration's uppers row should hold no lock the migration's update of
 # the collections row waits for; were it otherwise, the deadlock (40P01) is retried.
@@ -334,9 +336,9 @@ _LOCK = (
     " WHERE u.collection_id = ANY(%(ids)s::int4[])"
     " ORDER BY u.collection_id FOR UPDATE OF u, s FOR SHARE OF c{flock}"
 )
-_LOCK_SQL = _LOCK.format(fcols="", fjoin="", flock="")
+_LOCK_SQL = _LOCK.format(fcols=", f.stash_id", fjoin=" CROSS JOIN fence f", flock="")
 _LOCK_FENCED_SQL = _LOCK.format(
-    fcols=", f.epoch, f.nonce", fjoin=" CROSS JOIN fence f", flock=", f"
+    fcols=", f.stash_id, f.epoch, f.nonce", fjoin=" CROSS JOIN fence f", flock=", f"
 )
 # A reader's frontiers and codec names (and fence), in one statement of its snapshot.
 _FRONTIERS = (
@@ -554,6 +556,12 @@ class PgTxn(SqlTxn):
         if self._fence_pending:
             self.check_fence()
 
+    def stash_id(self) -> str:
+        if self._sid is None:
+            self._ensure_fence()
+            self._sid = str(self._exec("SELECT stash_id FROM fence").fetchone()[0])
+        return self._sid
+
     def check_fence(self) -> None:
         if self.stash._epoch is None:
             return
@@ -640,12 +648,14 @@ class PgTxn(SqlTxn):
             return
         fenced = self._fence_pending
         rows = self._exec(_LOCK_FENCED_SQL if fenced else _LOCK_SQL, {"ids": todo}).fetchall()
+        if rows:
+            self._sid = str(rows[0][5])
         if fenced:
             if not rows:
                 self.check_fence()
             else:
                 self._fence_pending = False
-                self._compare_fence((rows[0][5], rows[0][6]))
+                self._compare_fence((rows[0][6], rows[0][7]))
         for row in rows:
             cid = int(row[0])
             self._front[cid] = [row[2], row[1], str(row[3]), str(row[4])]

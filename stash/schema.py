@@ -1,6 +1,7 @@
 """The stash's SQL schema, defined once as SQLAlchemy metadata (created only by alembic).
 
-Tables: ``fence(epoch, nonce)`` (one row: the leader epoch), ``collections``
+Tables: ``fence(epoch, nonce, stash_id)`` (one row: the leader epoch, and the stash's
+identity: a uuid given at creation, never changed), ``collections``
 (``collection_id``, unique ``name``, ``key_codec``, ``value_codec``), ``data``
 (``collection_id, key, value, time, diff``, indexed on ``(collection_id, key)`` and
 ``(collection_id, time)``), ``sinces`` and ``uppers`` (one row per collection; NULL is the
@@ -19,7 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_HEAD = "0001"
+SCHEMA_HEAD = "0002"
 
 STASH_ENTRIES_VIEW = (
     "CREATE VIEW stash_entries AS "
@@ -51,6 +52,7 @@ fence = sa.Table(
     metadata,
     sa.Column("epoch", sa.BigInteger, nullable=False),
     sa.Column("nonce", sa.LargeBinary, nullable=False),
+    sa.Column("stash_id", sa.Text, nullable=False),
 )
 
 collections = sa.Table(

@@ -80,7 +80,7 @@ SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 #: The stash tables, each with its columns in order (savepoint copies use them).
 TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "fence": ("epoch", "nonce"),
+    "fence": ("epoch", "nonce", "stash_id"),
     "collections": ("collection_id", "name", "key_codec", "value_codec"),
     "data": ("collection_id", "key", "value", "time", "diff"),
     "sinces": ("collection_id", "since"),
@@ -243,6 +243,10 @@ class SqlStash(Stash):
 
     def __repr__(self) -> str:
         return f"SqlStash({redact(self._url)!r}, mode={self.mode!r}, fenced={self.fenced})"
+
+    @property
+    def redacted_url(self) -> str:
+        return redact(self._url)
 
     # ------------------------------------------------------------ open helpers
     def _check_schema(self, auto_migrate: bool) -> None:
@@ -552,22 +556,19 @@ class SqliteOps(_Ops):
 # Session-private copies of the stash tables for a savepoint handle (the temp schema is
 # searched before main, so the unqualified names of SqlTxn's statements resolve to them).
 _SQLITE_SAVEPOINT_DDL = (
-    "CREATE TEMP TABLE fence (epoch INTEGER NOT NULL, nonce BLOB NOT NULL)",
-    "INSERT INTO temp.fence (epoch, nonce) SELECT epoch, nonce FROM main.fence",
+    "CREATE TEMP TABLE fence (epoch INTEGER NOT NULL, nonce BLOB NOT NULL, stash_id TEXT NOT NULL)",
     "CREATE TEMP TABLE collections (collection_id INTEGER PRIMARY KEY,"
     " name TEXT NOT NULL UNIQUE, key_codec TEXT NOT NULL, value_codec TEXT NOT NULL)",
-    "INSERT INTO temp.collections (collection_id, name, key_codec, value_codec)"
-    " SELECT collection_id, name, key_codec, value_codec FROM main.collections",
     "CREATE TEMP TABLE data (collection_id INTEGER NOT NULL, key TEXT NOT NULL,"
     " value TEXT NOT NULL, time INTEGER NOT NULL, diff INTEGER NOT NULL)",
-    "INSERT INTO temp.data (collection_id, key, value, time, diff)"
-    " SELECT collection_id, key, value, time, diff FROM main.data",
+    "CREATE TEMP TABLE sinces (collection_id INTEGER PRIMARY KEY, since INTEGER)",
+    "CREATE TEMP TABLE uppers (collection_id INTEGER PRIMARY KEY, upper INTEGER)",
+    *(
+        f"INSERT INTO temp.{t} ({', '.join(c)}) SELECT {', '.join(c)} FROM main.{t}"  # noqa: S608 - constant names
+        for t, c in TABLE_COLUMNS.items()
+    ),
     "CREATE INDEX temp.data_collection_key ON data (collection_id, key)",
     "CREATE INDEX temp.data_collection_time ON data (collection_id, time)",
-    "CREATE TEMP TABLE sinces (collection_id INTEGER PRIMARY KEY, since INTEGER)",
-    "INSERT INTO temp.sinces (collection_id, since) SELECT collection_id, since FROM main.sinces",
-    "CREATE TEMP TABLE uppers (collection_id INTEGER PRIMARY KEY, upper INTEGER)",
-    "INSERT INTO temp.uppers (collection_id, upper) SELECT collection_id, upper FROM main.uppers",
 )
 
 
@@ -657,6 +658,7 @@ class SqlTxn:
         # with the stored rows of their keys in Python before anything is written, so a
         # retraction and the row it cancels are never written only to be deleted.
         self._buffered: dict[int, list[Row]] = {}
+        self._sid: str | None = None  # fence.stash_id, once read
 
     def finish(self) -> None:
         """Called once ``fn`` is done and before COMMIT (buffered work goes out here)."""
@@ -675,11 +677,8 @@ class SqlTxn:
 
     # ----------------------------------------------------------------- fence
     def check_fence(self) -> None:
-        mine = self.stash._epoch
-        if mine is None:
-            return
-        row = self._one("SELECT epoch, nonce FROM fence", {})
-        self._compare_fence(row)
+        if self.stash._epoch is not None:
+            self._compare_fence(self._one("SELECT epoch, nonce FROM fence", {}))
 
     def _compare_fence(self, row: Any) -> None:
         mine = self.stash._epoch
@@ -697,6 +696,10 @@ class SqlTxn:
                 f"the fence table holds {cur.rowcount} rows instead of 1; the stash schema is damaged"
             )
         return int(self._one("SELECT epoch FROM fence", {})[0])
+
+    def stash_id(self) -> str:
+        self._sid = self._sid or str(self._one("SELECT stash_id FROM fence", {})[0])
+        return self._sid
 
     # ------------------------------------------------------------ collections
     def lookup_collection(self, name: str) -> tuple[int, str, str] | None:

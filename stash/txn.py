@@ -90,3 +90,8 @@ class Txn(Protocol):
     def check_fence(self) -> None:
         """Raise :class:`stash.errors.FenceError` if this handle has been fenced."""
         ...
+
+    def stash_id(self) -> str:
+        """The identity the stash recorded when it was created (a uuid as 32 hex
+        digits), read in this transaction."""
+        ...

@@ -279,6 +279,32 @@ def test_stash_batch_of_another_stash_or_a_persist_collection_is_refused(
         other.close()
 
 
+def test_stash_batch_of_another_stash_with_equal_collection_is_refused(
+    client: PersistClient, stash: Stash
+) -> None:
+    """Another stash whose collection has this one's name, id and codecs: only the
+    stash's identity tells them apart; its batch is refused, naming both stashes."""
+    mine = stash.collection("catalog", key="str", value="json")
+    other = Stash.open("memory://", fenced=False)
+    try:
+        for i in range(mine.id - 1):
+            other.collection(f"pad{i}")
+        theirs = other.collection("catalog", key="str", value="json")
+        assert (theirs.id, theirs.codec_names) == (mine.id, mine.codec_names)
+        fb = theirs.make_batch(other)
+        theirs.append_to_batch(fb, "k", 1, 1)
+        txn = client.begin()
+        with pytest.raises(InvalidUsage, match="not for this client's stash") as e:
+            txn.stash_append([fb])
+        assert f"stash id {theirs.stash_id}" in str(e.value)
+        assert f"stash id {mine.stash_id}" in str(e.value)
+        txn.write("a", rows(["x"], [1]))
+        assert txn.commit_at(0) == 0
+        assert stash.upper(mine) == Antichain.from_elem(0)
+    finally:
+        other.close()
+
+
 def test_abort_and_exception_in_with_delete_uploaded_parts(
     client: PersistClient, blob: MemoryBlob
 ) -> None:

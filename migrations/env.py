@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import context
 
 from stash.migrate import create_sqlite_file
-from stash.schema import metadata
+from stash.schema import exists_on, metadata
 
 config = context.config
 
@@ -38,10 +38,16 @@ def _include_object(
 
 
 def _run(connection: sa.Connection) -> None:
+    dialect = connection.dialect.name
+
+    def include(obj: object, name: str | None, type_: str, reflected: bool, to: object) -> bool:
+        # Indexes of another dialect (ddl_if) are not part of this database's schema.
+        return _include_object(obj, name, type_, reflected, to) and exists_on(obj, dialect)
+
     context.configure(
         connection=connection,
         target_metadata=metadata,
-        include_object=_include_object,
+        include_object=include,
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
     )

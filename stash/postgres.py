@@ -258,7 +258,7 @@ class PgOps(_Ops):
             " name text NOT NULL UNIQUE, key_codec text NOT NULL, value_codec text NOT NULL);"
             "CREATE TEMP TABLE data (collection_id integer NOT NULL, key jsonb NOT NULL,"
             " value jsonb NOT NULL, time bigint NOT NULL, diff bigint NOT NULL);"
-            "CREATE INDEX ON pg_temp.data (collection_id, key);"
+            "CREATE INDEX ON pg_temp.data (collection_id, jsonb_hash_extended(key, 0));"
             "CREATE INDEX ON pg_temp.data (collection_id, time);"
             "CREATE TEMP TABLE sinces (collection_id integer PRIMARY KEY, since bigint);"
             "CREATE TEMP TABLE uppers (collection_id integer PRIMARY KEY, upper bigint)"
@@ -387,9 +387,12 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
             # A set joined (hashed or index-probed), never "= ANY(array)": under a generic
             # plan that is a linear scan of the array for every row, O(rows x keys).
             ctes.append(
-                q("c_keys AS (SELECT DISTINCT k::jsonb AS key FROM unnest(%(ck)b::text[]) AS k)")
+                q(
+                    "c_keys AS (SELECT DISTINCT k::jsonb AS key, jsonb_hash_extended(k::jsonb, 0)"
+                    " AS h FROM unnest(%(ck)b::text[]) AS k)"
+                )
             )
-            # Stored rows are fetched key by key through the (collection_id, key) index
+            # Stored rows are fetched key by key through the (collection_id, key hash) index
             # (a LATERAL probe per key; OFFSET 0 keeps the planner from flattening it
             # into a join): otherwise each append may scan the collection, O(collection).
             sources: list[sql.Composable] = [q(_KEY_ROWS_SQL)]
@@ -439,7 +442,8 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
                 # or of new values of stored keys, has no group and never runs the scan,
                 # whatever plan was cached for it.
                 "c_del AS (DELETE FROM data d USING c_grp g WHERE EXISTS (SELECT 1 FROM c_grp)"
-                " AND d.collection_id = %(c)s AND d.key = g.key AND d.value = g.value"
+                " AND d.collection_id = %(c)s AND jsonb_hash_extended(d.key, 0) ="
+                " jsonb_hash_extended(g.key, 0) AND d.key = g.key AND d.value = g.value"
                 " AND greatest(d.time, %(cs)s::int8) = g.time)"
             )
         )
@@ -482,11 +486,15 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
     return statement.as_string()
 
 
+# A key is found through the index (collection_id, jsonb_hash_extended(key, 0)) (a btree
+# entry holding a long key itself would exceed Postgres' 2704 bytes): by its hash, then by
+# the key itself (the hash is consistent with jsonb equality; equal hashes may differ).
+
 #: Every stored row of the keys in ``c_keys``, probed key by key.
 _KEY_ROWS_SQL = (
     "SELECT d.key, d.value, d.time, d.diff FROM c_keys k CROSS JOIN LATERAL"
     " (SELECT key, value, time, diff FROM data WHERE collection_id = %(c)s"
-    " AND key = k.key OFFSET 0) d"
+    " AND jsonb_hash_extended(key, 0) = k.h AND key = k.key OFFSET 0) d"
 )
 
 
@@ -501,12 +509,13 @@ _PEEK_SQL = (
     " GROUP BY key, value HAVING sum(diff) <> 0"
 )
 # "(time <= ..) IS TRUE": not an index condition, so even a generic plan cached while the
-# table was tiny finds the key through the (collection_id, key) index, never by scanning
+# table was tiny finds the key through the (collection_id, key hash) index, never by scanning
 # the collection's rows in time order.
 _PEEK_KEY_SQL = (
     "SELECT key::text, value::text, sum(diff)::int8 FROM data"
-    " WHERE collection_id = %(c)s AND (time <= %(ts)s) IS TRUE AND key = %(k)s::jsonb"
-    " GROUP BY key, value HAVING sum(diff) <> 0"
+    " WHERE collection_id = %(c)s AND (time <= %(ts)s) IS TRUE"
+    " AND jsonb_hash_extended(key, 0) = jsonb_hash_extended(%(k)s::jsonb, 0)"
+    " AND key = %(k)s::jsonb GROUP BY key, value HAVING sum(diff) <> 0"
 )
 
 
@@ -790,7 +799,9 @@ class PgTxn(SqlTxn):
         else:
             out = self._exec(
                 "SELECT key::text, value::text, time, diff FROM data"
-                " WHERE collection_id = %(c)s AND key = %(k)s::jsonb",
+                " WHERE collection_id = %(c)s"
+                " AND jsonb_hash_extended(key, 0) = jsonb_hash_extended(%(k)s::jsonb, 0)"
+                " AND key = %(k)s::jsonb",
                 {"c": cid, "k": key},
             ).fetchall()
         c = canonical_text

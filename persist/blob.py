@@ -31,7 +31,9 @@ Invariants kept here:
   the environment only;
 * object stores' empty "directory marker" objects (keys ending in ``/``, left by some
   clients and by ``pyarrow.fs`` itself after a delete) are never keys: ``list_keys``
-  of :class:`ArrowFsBlob` skips them, so GC and fsck never see them.
+  of :class:`ArrowFsBlob` skips them, so GC and fsck never see them; a dropped shard's
+  are removed (:func:`persist.blobdirs.remove_empty_dirs`), so a drop leaves nothing
+  under the shard's prefix.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ import pyarrow as pa
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from persist import metrics as persist_metrics
-from persist.blob import Blob, BlobMetrics, open_blob
+from persist.blob import ArrowFsBlob, Blob, BlobMetrics, open_blob
+from persist.blobdirs import remove_empty_dirs
 from persist.compactor import Compactor
 from persist.consensus import (
     Consensus,
@@ -488,7 +489,8 @@ class PersistClient:
         """Drop a shard (the seed's ``Destroy``; persist-client's finalization): its
         state becomes a tombstone (upper and since advanced to the empty antichain, no
         batch, no reader, no writer), then every blob under its prefix that persist
-        wrote is deleted.  Later :meth:`open` calls of the name raise
+        wrote is deleted, and on object stores the empty "directory" objects under it
+        (a key persist did not write is kept, with its directories).  Later :meth:`open` calls of the name raise
         :class:`InvalidUsage`; handles still open fail on their next state change
         (their lease is gone).  Idempotent: finalizing a tombstone deletes what is
         left.  Returns the number of blobs deleted.
@@ -532,6 +534,9 @@ class PersistClient:
                 continue
             self.blob.delete(key)
             n += 1
+        if isinstance(self.raw_blob, ArrowFsBlob):
+            # Object stores: the empty "directory" objects left under the prefix go too.
+            remove_empty_dirs(self.raw_blob, f"{shard_id}/")
         _u, retired = self.consensus.retired_entries(shard_id)
         if retired:
 

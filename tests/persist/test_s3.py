@@ -95,6 +95,39 @@ def test_directory_markers_are_ignored_by_gc_and_fsck(
     c.close()
 
 
+def test_drop_leaves_no_object_under_the_shard_prefix(
+    stash: Stash, s3_server: S3Server, s3_blob_uri: str
+) -> None:
+    """``finalize_shard`` on S3 deletes the shard's parts and the empty "directory
+    marker" objects ``pyarrow.fs`` leaves when a directory's last file goes (and any an
+    S3 client left there), so nothing stays under the shard's prefix; other shards'
+    objects and a key under the prefix that is not persist's are kept."""
+    c = PersistClient(stash, s3_blob_uri, compaction="inline", inline_max_bytes=0)
+    w, _r = c.open("dropped", KS, VS)
+    for t in range(3):
+        w.compare_and_append([upd(t, "v", t)], t, t + 1)
+    kept_w, kept_r = c.open("kept", KS, VS)
+    kept_w.compare_and_append([upd(1, "k", 0)], 0, 1)
+    sid, kept_sid = c.shard_id("dropped"), c.shard_id("kept")
+    prefix = s3_blob_uri.split("?")[0].removeprefix(f"s3://{BUCKET}/")
+    s3 = s3_server.boto3_client()
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{sid}/console-made-dir/", Body=b"")
+
+    def objects(under: str) -> list[str]:
+        listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/{under}")
+        return sorted(o["Key"] for o in listed.get("Contents", []))
+
+    assert objects(f"{sid}/")
+    assert c.finalize_shard("dropped") > 0
+    assert objects(f"{sid}/") == []
+    assert objects(f"{kept_sid}/") and kept_r.snapshot(0).num_rows == 1
+    # A key under the prefix that persist did not write is kept (and its directory).
+    c.raw_blob.set(f"{sid}/notes.txt", b"mine")
+    c.finalize_shard(f"id:{sid}")
+    assert objects(f"{sid}/") == [f"{prefix}/{sid}/notes.txt"]
+    c.close()
+
+
 def test_wrong_credentials_are_refused(
     s3_server: S3Server, s3_blob_uri: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -677,8 +677,9 @@ class SqlTxn:
 
     # ----------------------------------------------------------------- fence
     def check_fence(self) -> None:
-        if self.stash._epoch is not None:
-            self._compare_fence(self._one("SELECT epoch, nonce FROM fence", {}))
+        if self.stash._epoch is not None:  # the stash's identity comes with it: no query
+            self._compare_fence(row := self._one("SELECT epoch, nonce, stash_id FROM fence", {}))
+            self._sid = str(row[2])
 
     def _compare_fence(self, row: Any) -> None:
         mine = self.stash._epoch

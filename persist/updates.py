@@ -27,6 +27,7 @@ Invariants kept here:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -409,8 +410,9 @@ class SchemaHistory:
     columns, in its order; a column present (by name) in every version from the older
     of ``src`` and ``dst`` up to the newest is read from the part and cast to the
     reader's type (a widening when ``dst`` is newer; for an *older* reader the cast back
-    must fit, else :class:`~persist.errors.SchemaMismatch`), any other is null (added
-    after the part was written; dropped and added again in between, which makes it
+    must keep the value exactly, a float round-tripping, else
+    :class:`~persist.errors.SchemaMismatch`), any other is null (added after the part
+    was written; dropped and added again in between, which makes it
     another column; or dropped by a later version: dropped columns are gone for every
     reader); columns the reader does not have are gone.  So a reader's view is the same
     before and after compaction rewrites a part under the newest version, and rows equal
@@ -622,9 +624,9 @@ class ConformPlan:
                             and pa.types.is_floating(col.type)
                             and f.type.bit_width < col.type.bit_width
                         ):
-                            # Arrow's safe cast of a float to a narrower float gives
-                            # infinity for a value beyond the narrower range.
-                            _check_no_new_infinity(col, narrowed)
+                            # Arrow's safe cast of a float to a narrower float rounds,
+                            # flushes to zero and overflows to infinity: refuse any loss.
+                            _check_round_trip(col, narrowed)
                         col = narrowed
                     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
                         raise SchemaMismatch(
@@ -639,16 +641,21 @@ class ConformPlan:
         return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
-def _check_no_new_infinity(
-    wide: pa.ChunkedArray | pa.Array, narrow: pa.ChunkedArray | pa.Array
-) -> None:
-    """Raise ``ArrowInvalid`` if a finite value of ``wide`` became infinite in
-    ``narrow`` (its cast to a narrower float type)."""
-    overflowed = pc.and_(pc.is_inf(narrow), pc.invert(pc.is_inf(wide)))
-    if pc.any(overflowed).as_py():
-        i = pc.index(overflowed, True).as_py()
+def _check_round_trip(wide: pa.ChunkedArray | pa.Array, narrow: pa.ChunkedArray | pa.Array) -> None:
+    """Raise ``ArrowInvalid`` unless every value of ``wide`` survives its cast to the
+    narrower float type ``narrow`` exactly: cast back, it equals the value written
+    (NaN, infinities and nulls round-trip).  Arrow's "safe" float cast rounds (``0.1``),
+    flushes to zero (``1e-50``) and overflows to infinity (``1e300``) without an error;
+    each gives a reader a value nobody wrote, and two distinct rows that round to one
+    value would consolidate into one (their diffs cancelling)."""
+    back = narrow.cast(wide.type)
+    lost = pc.and_kleene(pc.invert(pc.equal(back, wide)), pc.invert(pc.is_nan(wide)))
+    if pc.any(lost).as_py():
+        i = pc.index(lost, True).as_py()
+        value, read = wide[i].as_py(), narrow[i].as_py()
+        why = "beyond the range of" if math.isinf(read) else "not exactly representable as"
         raise pa.ArrowInvalid(
-            f"float value {wide[i].as_py()!r} is beyond the range of {narrow.type}"
+            f"float value {value!r} is {why} {narrow.type} (it would read as {read!r})"
         )
 
 

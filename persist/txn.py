@@ -35,7 +35,8 @@ Invariants kept here:
   its compare-and-set;
 * **a race is not a failure**: a shard whose upper is already beyond ``ts`` makes
   ``commit_at`` raise :class:`TxnUpperMismatch` (an :class:`UpperMismatch`) naming every
-  such shard with its current upper, and nothing is committed; a lost race on a
+  such shard with its current upper (every written shard is re-read first, so none is
+  missed for a stale cache), and nothing is committed; a lost race on a
   shard's seqno with its upper still ``<= ts`` (a reader, compactor or GC changed it)
   is retried on the metadata alone; a stash batch whose lower check fails raises
   :class:`TxnUpperMismatch` naming the collection (nothing committed; the caller's
@@ -821,7 +822,6 @@ class Txn:
             while True:
                 staged: list[tuple[ShardMachine, Staged, list[FueledMergeReq]]] = []
                 mismatched: dict[str, Antichain] = {}
-                unfixable: set[str] = set()
                 landed_at: int | None = None
                 restage = False
                 for sid, m in zip(order, machines, strict=True):
@@ -839,8 +839,6 @@ class Txn:
                         break
                     if kind == "mismatch":
                         mismatched[sw.name] = value[0]
-                        if not value[1]:
-                            unfixable.add(sw.name)
                         continue
                     assert st is not None
                     staged.append((m, st, value))
@@ -851,14 +849,10 @@ class Txn:
                         m.fetch()
                     return landed_at
                 if mismatched:
-                    # Uppers only advance: a cached upper beyond ts is a real race.
-                    # Report the current uppers.
-                    now = {
-                        self._shards[sid].name: m.fetch().upper
-                        for sid, m in zip(order, machines, strict=True)
-                        if self._shards[sid].name in mismatched
-                    }
-                    raise TxnUpperMismatch(ts, now, unfixable=unfixable)
+                    # Uppers only advance: a cached upper beyond ts is a real race.  The
+                    # other shards' cached uppers may be older than theirs: re-read every
+                    # shard, so the report (and retry_ts) names each one beyond ts.
+                    raise self._mismatch(ts, order, machines)
                 batches: list[AppendBatch] = []
                 for m, st, _reqs in staged:
                     batches.extend(
@@ -909,6 +903,29 @@ class Txn:
                 fresh = set(order)
                 if races > 2:
                     time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
+
+    def _mismatch(
+        self, ts: int, order: Sequence[str], machines: Sequence[ShardMachine]
+    ) -> TxnUpperMismatch:
+        """The race at ``ts``, decided on a fresh read of every written shard: each shard
+        whose upper is beyond ``ts`` with that upper (unfixable when its timed writes
+        are now below it)."""
+        shards: dict[str, Antichain] = {}
+        unfixable: set[str] = set()
+        for sid, m in zip(order, machines, strict=True):
+            sw = self._shards[sid]
+            upper = m.fetch().upper
+            if not upper.less_equal(ts):
+                shards[sw.name] = upper
+            los = [
+                b.time_range[0]
+                for b in sw.batches
+                if _is_timed(b) and b.len > 0 and b.time_range is not None
+            ]
+            if los and not upper.less_equal(min(los)):
+                shards[sw.name] = upper
+                unfixable.add(sw.name)
+        return TxnUpperMismatch(ts, shards, unfixable=unfixable)
 
     def _transition(self, sw: _ShardWrites, ts: int, m: ShardMachine) -> Any:
         """The staging transition of one shard (see :meth:`ShardMachine.stage`); its

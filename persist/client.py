@@ -26,6 +26,24 @@ Invariants kept here:
 * compaction never fails an append: merge errors are logged, the merge request stays in
   the trace and is answered later (``compact_once`` re-issues every outstanding one).
 
+Threads: a :class:`PersistClient` is thread-safe: its handles, transactions
+(:meth:`PersistClient.begin`), :meth:`PersistClient.snapshot_many` and its background
+compactor may run in several threads at once.  A :class:`~persist.txn.Txn` and a
+:class:`~persist.write.BatchBuilder` are each used by one thread at a time.  Locks are
+taken in ONE order, so no two threads can wait on each other:
+
+1. a batch builder's lock (held while it uploads and registers its writer);
+2. the shard machines' locks (:attr:`ShardMachine.lock`, reentrant), several of them
+   only in shard-id order (a transaction's commit);
+3. leaf locks, held only around their own bookkeeping, calling out to nothing: the
+   client's transaction lock (``_txn_lock``: the writers and record ids its
+   transactions reuse), the consensus and machine caches' locks, the compactor's
+   condition and writer table.
+
+Nothing is called while a leaf lock is held that could take a lock of levels 1-2 (the
+writer a transaction reuses is looked up under ``_txn_lock``, but made, and its state
+read, outside it).
+
 Sources: the persist-client ``PersistClient`` / ``open`` and the first engine's
 maintenance (``000``/``001``).
 """
@@ -395,21 +413,25 @@ class PersistClient:
         (default: the shard's newest, as this client knows its state): one per shard, so
         a stream of transactions does not register a writer each; replaced once expired
         or when the schemas asked for change (an evolution since it was made)."""
+        # The client's ``_txn_lock`` is a leaf lock (see the module docstring): the
+        # state is read and a new writer made (both take the shard machine's lock)
+        # outside it.
+        if key_schema is None or value_schema is None:
+            st = m.state()
+            key_schema, value_schema = st.key_schema, st.value_schema
         with self._txn_lock:
-            if key_schema is None or value_schema is None:
-                st = m.state()
-                key_schema, value_schema = st.key_schema, st.value_schema
             w = self._txn_writers.get(m.shard_id)
-            lapsed = w is not None and (
-                w._registered and m.now_ms() - w._last_heartbeat_ms > w._lease_ms
-            )
-            stale = w is not None and not (
-                w.key_schema.equals(key_schema) and w.value_schema.equals(value_schema)
-            )
-            if w is None or w._expired or lapsed or stale:
-                w = self._writer(m, name, key_schema, value_schema)
-                self._txn_writers[m.shard_id] = w
+        if w is not None and not (
+            w._expired
+            or (w._registered and m.now_ms() - w._last_heartbeat_ms > w._lease_ms)
+            or not (w.key_schema.equals(key_schema) and w.value_schema.equals(value_schema))
+        ):
             return w
+        fresh = self._writer(m, name, key_schema, value_schema)
+        with self._txn_lock:
+            if self._txn_writers.get(m.shard_id) is w:
+                self._txn_writers[m.shard_id] = fresh
+        return fresh
 
     def _txn_done_add(self, shard_id: str, record_id: str) -> None:
         """Note that the transaction recorded under ``record_id`` is acknowledged."""

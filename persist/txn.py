@@ -39,9 +39,10 @@ Invariants kept here:
   missed for a stale cache), and nothing is committed; a lost race on a
   shard's seqno with its upper still ``<= ts`` (a reader, compactor or GC changed it)
   is retried on the metadata alone; a stash batch whose lower check fails raises
-  :class:`TxnUpperMismatch` naming the collection (nothing committed; the caller's
-  batch must be rebuilt); stash batches for one collection are merged into one (they
-  must be made from the same upper: refused at :meth:`Txn.stash_append` otherwise);
+  :class:`TxnUpperMismatch` naming the collection (nothing committed; the caller
+  rebuilds the batch and swaps it in with :meth:`Txn.stash_replace`, keeping the
+  parts); stash batches for one collection are merged into one (they must be made
+  from the same upper: refused at :meth:`Txn.stash_append` otherwise);
 * **bounded state**: the record ids of a client's acknowledged transactions are
   dropped from a shard's state by that client's next transaction on the shard (their
   outcome is known), so a stream of transactions keeps the writer list small;
@@ -257,7 +258,10 @@ def _check_time(ts: object) -> int:
 class Txn:
     """A transaction over several shards and stash collections of one client (see the
     module docstring).  Made by :meth:`persist.client.PersistClient.begin`.  Not
-    thread-safe: one thread builds and commits a transaction.
+    thread-safe: one thread builds and commits a transaction; several threads may each
+    run their own transactions on one client (its lock order is in
+    :mod:`persist.client`: a commit holds its shards' machine locks, in shard-id order,
+    and takes the client's transaction lock, a leaf, only inside them).
 
     Attributes:
         token: the idempotency token recorded in each written shard's state (under the
@@ -588,9 +592,47 @@ class Txn:
                     f"{first.lower}, upper {first.upper}, compact {first.compact} vs lower "
                     f"{b.lower}, upper {b.upper}, compact {b.compact}; batches for one "
                     "collection in a transaction are appended as one and must be made "
-                    "from the same upper (nothing was added)"
+                    "from the same upper (nothing was added; to rebuild a batch whose "
+                    "lower check failed, use stash_replace)"
                 )
         self._stash_batches.extend(batches)
+
+    def stash_replace(self, batches: Sequence[AppendBatch]) -> None:
+        """Replace every stash batch this transaction holds for the collections of
+        ``batches`` with ``batches`` (checked as by :meth:`stash_append`), keeping the
+        shard writes and their uploaded parts: the way to rebuild a stash batch whose
+        lower check failed (:class:`TxnUpperMismatch` naming it in ``collections``)::
+
+            except TxnUpperMismatch as e:
+                batch = cat.make_batch(stash)          # from the collection's upper now
+                cat.append_to_batch(batch, key, value, 1)
+                txn.stash_replace([batch])
+                txn.commit_at(ts)                      # no part is uploaded again
+
+        The batches of collections not named in ``batches`` are kept.
+
+        Raises:
+            InvalidUsage: as :meth:`stash_append` (then nothing is replaced); a
+                transaction with no shard write whose earlier commit's outcome is unknown
+                (it has no token to tell whether the old batches landed, so new ones could
+                append twice).
+            ConsensusError: listing the stash's collections failed.
+        """
+        self._check_pending()
+        if self._maybe_landed and not self._shards:
+            raise InvalidUsage(
+                "stash_replace refused: an earlier commit of this transaction has an unknown "
+                "outcome and it writes no shard, so nothing tells whether its stash batches "
+                "landed (replacing them could append their entries twice)"
+            )
+        names = {b.collection.name for b in batches if isinstance(b, AppendBatch)}
+        before = self._stash_batches
+        self._stash_batches = [b for b in before if b.collection.name not in names]
+        try:
+            self.stash_append(batches)
+        except BaseException:
+            self._stash_batches = before
+            raise
 
     def _merged_stash_batches(self) -> list[AppendBatch]:
         """The stash batches with those for one collection merged into one (same lower,

@@ -509,19 +509,19 @@ class Txn:
         elif (key_schema is None) != (value_schema is None):
             raise InvalidUsage("Txn.write takes both key_schema and value_schema, or neither")
         elif key_schema is not None and value_schema is not None:
-            m = c._open_machine(shard, key_schema, value_schema)
-            w = c._txn_writer(m, shard, key_schema, value_schema)
+            m, schema_id = c._open_machine(shard, key_schema, value_schema)
+            w = c._txn_writer(m, shard, key_schema, value_schema, schema_id)
         else:
             sid = c.shard_id(shard)
             m = c.machine(sid)
-            st = m.state()
-            if st.tombstone:
-                st = m.fetch()
+            # The shard's newest schema in its latest state (another process may have
+            # evolved it): never this process's cached version.
+            st = m.recent()
             if st.tombstone:
                 raise InvalidUsage(
                     f"shard {shard!r} ({sid}) was finalized (dropped): it cannot be written"
                 )
-            w = c._txn_writer(m, st.name)
+            w = c._txn_writer(m, st.name, st.key_schema, st.value_schema, st.schemas().newest)
         return w
 
     def stash_append(self, batches: Sequence[AppendBatch]) -> None:
@@ -1156,7 +1156,9 @@ def snapshot_many(
             every shard at one time gives a cross-shard-consistent view; shards given
             different explicit times are each consistent at their own time.
 
-    Returns: shard name -> table (see :meth:`persist.read.ReadHandle.snapshot`).
+    Returns: shard name -> table (see :meth:`persist.read.ReadHandle.snapshot`), in
+        each shard's newest value schema as of its latest state (read at the call, so
+        a column another process added or widened is there).
 
     Raises:
         InvalidUsage: unknown shard; an explicit ``as_of`` at or beyond a shard's upper.
@@ -1172,21 +1174,23 @@ def snapshot_many(
     machines: dict[str, ShardMachine] = {}
     for n in names:
         machines[n] = client.machine(client.shard_id(n))
+    # Each shard's latest state, read now: its upper and its newest schema (another
+    # process may have evolved it), never this process's cached version.
+    latest = {n: machines[n].recent() for n in names}
     common: int | None = None
     if any(v is None for v in wanted.values()):
-        uppers = [machines[n].recent().upper for n, v in wanted.items() if v is None]
-        ts = [u.as_option() for u in uppers]
+        ts = [latest[n].upper.as_option() for n, v in wanted.items() if v is None]
         finite = [t for t in ts if t is not None]
         common = (min(finite) if finite else I64_MAX) - 1
     out: dict[str, pa.Table] = {}
     for n in names:
         m = machines[n]
-        st = m.state()
+        st = latest[n]
         t = wanted[n] if wanted[n] is not None else common
         assert t is not None
         if t < I64_MIN:
             raise SinceViolation(t, st.since)
-        r = client._reader(m, n, st.key_schema, st.value_schema)
+        r = client._reader(m, n, st.key_schema, st.value_schema, st.schemas().newest)
         try:
             out[n] = r.snapshot(t)
         finally:

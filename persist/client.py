@@ -26,6 +26,24 @@ Invariants kept here:
 * compaction never fails an append: merge errors are logged, the merge request stays in
   the trace and is answered later (``compact_once`` re-issues every outstanding one).
 
+Threads: a :class:`PersistClient` is thread-safe: its handles, transactions
+(:meth:`PersistClient.begin`), :meth:`PersistClient.snapshot_many` and its background
+compactor may run in several threads at once.  A :class:`~persist.txn.Txn` and a
+:class:`~persist.write.BatchBuilder` are each used by one thread at a time.  Locks are
+taken in ONE order, so no two threads can wait on each other:
+
+1. a batch builder's lock (held while it uploads and registers its writer);
+2. the shard machines' locks (:attr:`ShardMachine.lock`, reentrant), several of them
+   only in shard-id order (a transaction's commit);
+3. leaf locks, held only around their own bookkeeping, calling out to nothing: the
+   client's transaction lock (``_txn_lock``: the writers and record ids its
+   transactions reuse), the consensus and machine caches' locks, the compactor's
+   condition and writer table.
+
+Nothing is called while a leaf lock is held that could take a lock of levels 1-2 (the
+writer a transaction reuses is looked up under ``_txn_lock``, but made, and its state
+read, outside it).
+
 Sources: the persist-client ``PersistClient`` / ``open`` and the first engine's
 maintenance (``000``/``001``).
 """
@@ -37,7 +55,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 import pyarrow as pa
@@ -227,9 +245,6 @@ class PersistClient:
         self.piggyback_seconds = piggyback_seconds
         self.clock = clock
         self._machines: dict[str, ShardMachine] = {}
-        # (shard id, key schema, value schema) -> the schema id handles opened with them
-        # write and read with (registered in the shard state; ids never change).
-        self._schema_ids: dict[tuple[str, pa.Schema, pa.Schema], int] = {}
         self._handles: weakref.WeakSet[WriteHandle | ReadHandle | Listen] = weakref.WeakSet()
         self._closed = False
         self._txn_writers: dict[str, WriteHandle] = {}
@@ -278,8 +293,15 @@ class PersistClient:
         return sid
 
     def _open_machine(
-        self, name: str, key_schema: pa.Schema, value_schema: pa.Schema
-    ) -> ShardMachine:
+        self,
+        name: str,
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        drop: Collection[str] = (),
+    ) -> tuple[ShardMachine, int]:
+        """The shard's machine (creating the shard if needed) and the schema id of
+        handles opened with these schemas (registered if new; see
+        :meth:`_register_schema`)."""
         self._check_open()
         validate_shard_name(name)
         updates_schema(key_schema, value_schema)  # validates the schemas
@@ -291,76 +313,108 @@ class PersistClient:
             raise InvalidUsage(
                 f"shard {name!r} ({shard_id}) was finalized (dropped): it cannot be opened"
             )
-        self._register_schema(m, st, key_schema, value_schema)
-        return m
+        return m, self._register_schema(m, st, key_schema, value_schema, drop)
 
     def _register_schema(
-        self, m: ShardMachine, st: ShardState, key_schema: pa.Schema, value_schema: pa.Schema
+        self,
+        m: ShardMachine,
+        st: ShardState,
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        drop: Collection[str] = (),
     ) -> int:
         """The schema id of handles opened with these schemas, registering a compatible
         newer value schema by compare-and-set (DESIGN section 5.3).  The check runs on a
         freshly read state and again on every compare-and-set race, so two processes
-        evolving the schema at once both end with a version of theirs (or a
-        :class:`SchemaMismatch` against the other's, checked on the state that holds it).
+        evolving the schema at once both end with a version of theirs, or a
+        :class:`SchemaMismatch` against the other's, checked on the state that holds it
+        (a schema lacking a column the other added is refused unless ``drop`` names it:
+        never a silent drop).  Ids are resolved on the state read, never cached: a
+        version a later one dropped a column of is not reused.
 
         Raises:
             SchemaMismatch: not a compatible evolution of the newest schema (nothing is
                 committed).
         """
         # ``st`` was just read: a schema equal to a version is that version (the newest
-        # such; ids never change), anything else is decided by compare-and-set.
+        # such, none of whose columns a later version dropped), anything else is
+        # decided by compare-and-set.
         known = st.schemas().id_of(value_schema) if st.key_schema.equals(key_schema) else None
         if known is not None:
-            self._schema_ids[(m.shard_id, key_schema, value_schema)] = known
             return known
 
         def fn(st: ShardState, fresh: bool) -> tuple[int, bool]:
             if not fresh:
                 raise Stale()  # decide on the latest versions only
-            return st.register_schema(key_schema, value_schema)
+            return st.register_schema(key_schema, value_schema, drop)
 
-        sid = m.apply(fn)
-        self._schema_ids[(m.shard_id, key_schema, value_schema)] = sid
-        return sid
+        return m.apply(fn)
 
     def _schema_id(self, m: ShardMachine, key_schema: pa.Schema, value_schema: pa.Schema) -> int:
-        sid = self._schema_ids.get((m.shard_id, key_schema, value_schema))
-        if sid is None:
-            sid = self._register_schema(m, m.fetch(), key_schema, value_schema)
-        return sid
+        """The schema id of these schemas in the shard's latest state (registering them
+        if they are a compatible evolution dropping nothing)."""
+        return self._register_schema(m, m.recent(), key_schema, value_schema)
 
     def open(
-        self, shard_name: str, key_schema: pa.Schema, value_schema: pa.Schema
+        self,
+        shard_name: str,
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        *,
+        drop: Collection[str] = (),
     ) -> tuple[WriteHandle, ReadHandle]:
         """Open (creating if needed) the shard ``shard_name``: a writer and a leased reader
         (holding the shard's current since).  The writer registers itself in the shard
         state with its first append (building batches touches no state).
 
+        Args:
+            shard_name: the shard's name.
+            key_schema, value_schema: the handles' schemas: the shard's, a registered
+                version of its value schema, or a compatible evolution of the newest one
+                (registered now).
+            drop: value columns of the newest version this evolution drops; a schema
+                lacking a column of the newest version that ``drop`` does not name is
+                refused (so a writer planned against an older version never drops a
+                column another writer added meanwhile).
+
         Raises:
-            InvalidUsage: bad name or schemas; the shard exists with other schemas.
+            InvalidUsage: bad name or schemas; the shard exists with other schemas
+                (:class:`SchemaMismatch`, naming the column and the rule).
             ConsensusError: the stash failed.
         """
-        m = self._open_machine(shard_name, key_schema, value_schema)
+        m, sid = self._open_machine(shard_name, key_schema, value_schema, drop)
         return (
-            self._writer(m, shard_name, key_schema, value_schema),
-            self._reader(m, shard_name, key_schema, value_schema),
+            self._writer(m, shard_name, key_schema, value_schema, sid),
+            self._reader(m, shard_name, key_schema, value_schema, sid),
         )
 
     def open_writer(
-        self, shard_name: str, key_schema: pa.Schema, value_schema: pa.Schema
+        self,
+        shard_name: str,
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        *,
+        drop: Collection[str] = (),
     ) -> WriteHandle:
         """Open (creating if needed) the shard and return a writer only (no state change:
         the writer is registered by its first append, so e.g. Spark executors that only
-        build batches cost nothing in consensus)."""
-        m = self._open_machine(shard_name, key_schema, value_schema)
-        return self._writer(m, shard_name, key_schema, value_schema)
+        build batches cost nothing in consensus).  Arguments as :meth:`open`."""
+        m, sid = self._open_machine(shard_name, key_schema, value_schema, drop)
+        return self._writer(m, shard_name, key_schema, value_schema, sid)
 
     def _writer(
-        self, m: ShardMachine, name: str, key_schema: pa.Schema, value_schema: pa.Schema
+        self,
+        m: ShardMachine,
+        name: str,
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        schema_id: int | None = None,
     ) -> WriteHandle:
         wid = "w" + uuid.uuid4().hex
         w = WriteHandle(self, m, name, wid, key_schema, value_schema, self.writer_lease_seconds)
-        w.schema_id = self._schema_id(m, key_schema, value_schema)
+        w.schema_id = (
+            self._schema_id(m, key_schema, value_schema) if schema_id is None else schema_id
+        )
         self._handles.add(w)
         return w
 
@@ -391,26 +445,36 @@ class PersistClient:
         name: str,
         key_schema: pa.Schema | None = None,
         value_schema: pa.Schema | None = None,
+        schema_id: int | None = None,
     ) -> WriteHandle:
         """The writer this client's transactions use for a shard, with the given schemas
-        (default: the shard's newest, as this client knows its state): one per shard, so
-        a stream of transactions does not register a writer each; replaced once expired
-        or when the schemas asked for change (an evolution since it was made)."""
+        and schema id (default: the shard's newest, in its latest state, read now): one
+        per shard, so a stream of transactions does not register a writer each;
+        replaced once expired or when the schemas or the id asked for change (an
+        evolution since it was made, by any process)."""
+        # The client's ``_txn_lock`` is a leaf lock (see the module docstring): the
+        # state is read and a new writer made (both take the shard machine's lock)
+        # outside it.
+        if key_schema is None or value_schema is None:
+            st = m.recent()
+            key_schema, value_schema = st.key_schema, st.value_schema
+            schema_id = st.schemas().newest
+        elif schema_id is None:
+            schema_id = self._schema_id(m, key_schema, value_schema)
         with self._txn_lock:
-            if key_schema is None or value_schema is None:
-                st = m.state()
-                key_schema, value_schema = st.key_schema, st.value_schema
             w = self._txn_writers.get(m.shard_id)
-            lapsed = w is not None and (
-                w._registered and m.now_ms() - w._last_heartbeat_ms > w._lease_ms
-            )
-            stale = w is not None and not (
-                w.key_schema.equals(key_schema) and w.value_schema.equals(value_schema)
-            )
-            if w is None or w._expired or lapsed or stale:
-                w = self._writer(m, name, key_schema, value_schema)
-                self._txn_writers[m.shard_id] = w
+        if w is not None and not (
+            w._expired
+            or (w._registered and m.now_ms() - w._last_heartbeat_ms > w._lease_ms)
+            or w.schema_id != schema_id
+            or not (w.key_schema.equals(key_schema) and w.value_schema.equals(value_schema))
+        ):
             return w
+        fresh = self._writer(m, name, key_schema, value_schema, schema_id)
+        with self._txn_lock:
+            if self._txn_writers.get(m.shard_id) is w:
+                self._txn_writers[m.shard_id] = fresh
+        return fresh
 
     def _txn_done_add(self, shard_id: str, record_id: str) -> None:
         """Note that the transaction recorded under ``record_id`` is acknowledged."""
@@ -441,26 +505,41 @@ class PersistClient:
                 del self._txn_writers[w.shard_id]
 
     def open_reader(
-        self, shard_name: str, key_schema: pa.Schema, value_schema: pa.Schema
+        self,
+        shard_name: str,
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        *,
+        drop: Collection[str] = (),
     ) -> ReadHandle:
         """Open (creating if needed) the shard and return a leased reader only (registered
-        in the shard state, holding the shard's current since)."""
-        m = self._open_machine(shard_name, key_schema, value_schema)
-        return self._reader(m, shard_name, key_schema, value_schema)
+        in the shard state, holding the shard's current since).  Arguments as
+        :meth:`open`."""
+        m, sid = self._open_machine(shard_name, key_schema, value_schema, drop)
+        return self._reader(m, shard_name, key_schema, value_schema, sid)
 
     def _reader(
-        self, m: ShardMachine, name: str, key_schema: pa.Schema, value_schema: pa.Schema
+        self,
+        m: ShardMachine,
+        name: str,
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        schema_id: int | None = None,
     ) -> ReadHandle:
+        """A leased reader; without ``schema_id``, its id is resolved on the state that
+        registers it (the version equal to ``value_schema`` there)."""
         rid = "r" + uuid.uuid4().hex
         rl = self.reader_lease_seconds
 
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+        def fn(st: ShardState, fresh: bool) -> tuple[int | None, bool]:
             st.register_reader(rid, m.now_ms(), int(rl * 1000), "read handle")
-            return None, True
+            if schema_id is not None or not st.key_schema.equals(key_schema):
+                return schema_id, True
+            return st.schemas().id_of(value_schema), True
 
-        m.apply(fn, keep=(rid,))
+        sid = m.apply(fn, keep=(rid,))
         r = ReadHandle(self, m, name, rid, key_schema, value_schema, rl)
-        r.schema_id = self._schema_id(m, key_schema, value_schema)
+        r.schema_id = self._schema_id(m, key_schema, value_schema) if sid is None else sid
         self._handles.add(r)
         return r
 

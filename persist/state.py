@@ -50,7 +50,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -443,19 +443,32 @@ class ShardState:
         schema versions)."""
         return _history(self.key_schema, self.schema_history)
 
-    def register_schema(self, key_schema: pa.Schema, value_schema: pa.Schema) -> tuple[int, bool]:
+    def register_schema(
+        self, key_schema: pa.Schema, value_schema: pa.Schema, drop: Collection[str] = ()
+    ) -> tuple[int, bool]:
         """The schema id of a handle opened with these schemas, registering
         ``value_schema`` as a new newest version if it is a compatible evolution of
-        the newest one (DESIGN section 5.3).  Returns ``(schema id, registered)``.
+        the newest one (DESIGN section 5.3) dropping no column but those ``drop``
+        names.  Returns ``(schema id, registered)``.
 
         A value schema equal to a registered version gets that version's id (the
         newest such): a handle opened with an older schema keeps its view.
 
         Raises:
             SchemaMismatch: the key schema differs, or ``value_schema`` is not a
-                compatible evolution of the newest version (naming column and rule);
-                nothing changes.
+                compatible evolution of the newest version (naming column and rule; a
+                column it lacks that ``drop`` does not name is one); nothing changes.
+            InvalidUsage: ``drop`` names a column no version has, or one the schemas
+                keep.
         """
+        if isinstance(drop, str):
+            raise InvalidUsage(f"drop must be a collection of column names, not the str {drop!r}")
+        unknown = sorted(set(drop) - {n for v in self.schema_history for n in v.names})
+        if unknown:
+            raise InvalidUsage(
+                f"shard {self.name!r} ({self.shard_id}): drop names {unknown}, which no "
+                "version of its value schema has"
+            )
         if not key_schema.equals(self.key_schema):
             check_schema_evolution(
                 f"{self.name!r} ({self.shard_id})",
@@ -473,6 +486,7 @@ class ShardState:
             self.value_schema,
             key_schema,
             value_schema,
+            drop,
         )
         self.schema_history = (*self.schema_history, value_schema)
         self.value_schema = value_schema

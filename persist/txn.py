@@ -35,12 +35,14 @@ Invariants kept here:
   its compare-and-set;
 * **a race is not a failure**: a shard whose upper is already beyond ``ts`` makes
   ``commit_at`` raise :class:`TxnUpperMismatch` (an :class:`UpperMismatch`) naming every
-  such shard with its current upper, and nothing is committed; a lost race on a
+  such shard with its current upper (every written shard is re-read first, so none is
+  missed for a stale cache), and nothing is committed; a lost race on a
   shard's seqno with its upper still ``<= ts`` (a reader, compactor or GC changed it)
   is retried on the metadata alone; a stash batch whose lower check fails raises
-  :class:`TxnUpperMismatch` naming the collection (nothing committed; the caller's
-  batch must be rebuilt); stash batches for one collection are merged into one (they
-  must be made from the same upper: refused at :meth:`Txn.stash_append` otherwise);
+  :class:`TxnUpperMismatch` naming the collection (nothing committed; the caller
+  rebuilds the batch and swaps it in with :meth:`Txn.stash_replace`, keeping the
+  parts); stash batches for one collection are merged into one (they must be made
+  from the same upper: refused at :meth:`Txn.stash_append` otherwise);
 * **bounded state**: the record ids of a client's acknowledged transactions are
   dropped from a shard's state by that client's next transaction on the shard (their
   outcome is known), so a stream of transactions keeps the writer list small;
@@ -256,7 +258,10 @@ def _check_time(ts: object) -> int:
 class Txn:
     """A transaction over several shards and stash collections of one client (see the
     module docstring).  Made by :meth:`persist.client.PersistClient.begin`.  Not
-    thread-safe: one thread builds and commits a transaction.
+    thread-safe: one thread builds and commits a transaction; several threads may each
+    run their own transactions on one client (its lock order is in
+    :mod:`persist.client`: a commit holds its shards' machine locks, in shard-id order,
+    and takes the client's transaction lock, a leaf, only inside them).
 
     Attributes:
         token: the idempotency token recorded in each written shard's state (under the
@@ -504,19 +509,19 @@ class Txn:
         elif (key_schema is None) != (value_schema is None):
             raise InvalidUsage("Txn.write takes both key_schema and value_schema, or neither")
         elif key_schema is not None and value_schema is not None:
-            m = c._open_machine(shard, key_schema, value_schema)
-            w = c._txn_writer(m, shard, key_schema, value_schema)
+            m, schema_id = c._open_machine(shard, key_schema, value_schema)
+            w = c._txn_writer(m, shard, key_schema, value_schema, schema_id)
         else:
             sid = c.shard_id(shard)
             m = c.machine(sid)
-            st = m.state()
-            if st.tombstone:
-                st = m.fetch()
+            # The shard's newest schema in its latest state (another process may have
+            # evolved it): never this process's cached version.
+            st = m.recent()
             if st.tombstone:
                 raise InvalidUsage(
                     f"shard {shard!r} ({sid}) was finalized (dropped): it cannot be written"
                 )
-            w = c._txn_writer(m, st.name)
+            w = c._txn_writer(m, st.name, st.key_schema, st.value_schema, st.schemas().newest)
         return w
 
     def stash_append(self, batches: Sequence[AppendBatch]) -> None:
@@ -592,9 +597,47 @@ class Txn:
                     f"{first.lower}, upper {first.upper}, compact {first.compact} vs lower "
                     f"{b.lower}, upper {b.upper}, compact {b.compact}; batches for one "
                     "collection in a transaction are appended as one and must be made "
-                    "from the same upper (nothing was added)"
+                    "from the same upper (nothing was added; to rebuild a batch whose "
+                    "lower check failed, use stash_replace)"
                 )
         self._stash_batches.extend(batches)
+
+    def stash_replace(self, batches: Sequence[AppendBatch]) -> None:
+        """Replace every stash batch this transaction holds for the collections of
+        ``batches`` with ``batches`` (checked as by :meth:`stash_append`), keeping the
+        shard writes and their uploaded parts: the way to rebuild a stash batch whose
+        lower check failed (:class:`TxnUpperMismatch` naming it in ``collections``)::
+
+            except TxnUpperMismatch as e:
+                batch = cat.make_batch(stash)          # from the collection's upper now
+                cat.append_to_batch(batch, key, value, 1)
+                txn.stash_replace([batch])
+                txn.commit_at(ts)                      # no part is uploaded again
+
+        The batches of collections not named in ``batches`` are kept.
+
+        Raises:
+            InvalidUsage: as :meth:`stash_append` (then nothing is replaced); a
+                transaction with no shard write whose earlier commit's outcome is unknown
+                (it has no token to tell whether the old batches landed, so new ones could
+                append twice).
+            ConsensusError: listing the stash's collections failed.
+        """
+        self._check_pending()
+        if self._maybe_landed and not self._shards:
+            raise InvalidUsage(
+                "stash_replace refused: an earlier commit of this transaction has an unknown "
+                "outcome and it writes no shard, so nothing tells whether its stash batches "
+                "landed (replacing them could append their entries twice)"
+            )
+        names = {b.collection.name for b in batches if isinstance(b, AppendBatch)}
+        before = self._stash_batches
+        self._stash_batches = [b for b in before if b.collection.name not in names]
+        try:
+            self.stash_append(batches)
+        except BaseException:
+            self._stash_batches = before
+            raise
 
     def _merged_stash_batches(self) -> list[AppendBatch]:
         """The stash batches with those for one collection merged into one (same lower,
@@ -826,7 +869,6 @@ class Txn:
             while True:
                 staged: list[tuple[ShardMachine, Staged, list[FueledMergeReq]]] = []
                 mismatched: dict[str, Antichain] = {}
-                unfixable: set[str] = set()
                 landed_at: int | None = None
                 restage = False
                 for sid, m in zip(order, machines, strict=True):
@@ -844,8 +886,6 @@ class Txn:
                         break
                     if kind == "mismatch":
                         mismatched[sw.name] = value[0]
-                        if not value[1]:
-                            unfixable.add(sw.name)
                         continue
                     assert st is not None
                     staged.append((m, st, value))
@@ -856,14 +896,10 @@ class Txn:
                         m.fetch()
                     return landed_at
                 if mismatched:
-                    # Uppers only advance: a cached upper beyond ts is a real race.
-                    # Report the current uppers.
-                    now = {
-                        self._shards[sid].name: m.fetch().upper
-                        for sid, m in zip(order, machines, strict=True)
-                        if self._shards[sid].name in mismatched
-                    }
-                    raise TxnUpperMismatch(ts, now, unfixable=unfixable)
+                    # Uppers only advance: a cached upper beyond ts is a real race.  The
+                    # other shards' cached uppers may be older than theirs: re-read every
+                    # shard, so the report (and retry_ts) names each one beyond ts.
+                    raise self._mismatch(ts, order, machines)
                 batches: list[AppendBatch] = []
                 for m, st, _reqs in staged:
                     batches.extend(
@@ -914,6 +950,29 @@ class Txn:
                 fresh = set(order)
                 if races > 2:
                     time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
+
+    def _mismatch(
+        self, ts: int, order: Sequence[str], machines: Sequence[ShardMachine]
+    ) -> TxnUpperMismatch:
+        """The race at ``ts``, decided on a fresh read of every written shard: each shard
+        whose upper is beyond ``ts`` with that upper (unfixable when its timed writes
+        are now below it)."""
+        shards: dict[str, Antichain] = {}
+        unfixable: set[str] = set()
+        for sid, m in zip(order, machines, strict=True):
+            sw = self._shards[sid]
+            upper = m.fetch().upper
+            if not upper.less_equal(ts):
+                shards[sw.name] = upper
+            los = [
+                b.time_range[0]
+                for b in sw.batches
+                if _is_timed(b) and b.len > 0 and b.time_range is not None
+            ]
+            if los and not upper.less_equal(min(los)):
+                shards[sw.name] = upper
+                unfixable.add(sw.name)
+        return TxnUpperMismatch(ts, shards, unfixable=unfixable)
 
     def _transition(self, sw: _ShardWrites, ts: int, m: ShardMachine) -> Any:
         """The staging transition of one shard (see :meth:`ShardMachine.stage`); its
@@ -1102,7 +1161,9 @@ def snapshot_many(
             every shard at one time gives a cross-shard-consistent view; shards given
             different explicit times are each consistent at their own time.
 
-    Returns: shard name -> table (see :meth:`persist.read.ReadHandle.snapshot`).
+    Returns: shard name -> table (see :meth:`persist.read.ReadHandle.snapshot`), in
+        each shard's newest value schema as of its latest state (read at the call, so
+        a column another process added or widened is there).
 
     Raises:
         InvalidUsage: unknown shard; an explicit ``as_of`` at or beyond a shard's upper.
@@ -1118,21 +1179,23 @@ def snapshot_many(
     machines: dict[str, ShardMachine] = {}
     for n in names:
         machines[n] = client.machine(client.shard_id(n))
+    # Each shard's latest state, read now: its upper and its newest schema (another
+    # process may have evolved it), never this process's cached version.
+    latest = {n: machines[n].recent() for n in names}
     common: int | None = None
     if any(v is None for v in wanted.values()):
-        uppers = [machines[n].recent().upper for n, v in wanted.items() if v is None]
-        ts = [u.as_option() for u in uppers]
+        ts = [latest[n].upper.as_option() for n, v in wanted.items() if v is None]
         finite = [t for t in ts if t is not None]
         common = (min(finite) if finite else I64_MAX) - 1
     out: dict[str, pa.Table] = {}
     for n in names:
         m = machines[n]
-        st = m.state()
+        st = latest[n]
         t = wanted[n] if wanted[n] is not None else common
         assert t is not None
         if t < I64_MIN:
             raise SinceViolation(t, st.since)
-        r = client._reader(m, n, st.key_schema, st.value_schema)
+        r = client._reader(m, n, st.key_schema, st.value_schema, st.schemas().newest)
         try:
             out[n] = r.snapshot(t)
         finally:

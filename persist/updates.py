@@ -13,9 +13,9 @@ Invariants kept here:
 * a column is conformed only by a safe widening (:func:`is_safe_widening`); anything else
   raises :class:`~persist.errors.InvalidUsage` naming the column;
 * schema evolution (DESIGN section 5.3): :func:`check_schema_evolution` accepts exactly
-  the compatible changes of a value schema (add a nullable column, drop a column, widen
-  int8->int16->int32->int64 / float32->float64 / string<->large_string, make nullable;
-  the key schema and the relative order of kept columns never change) and raises
+  the compatible changes of a value schema (add a nullable column, drop a column it
+  names, widen int8->int16->int32->int64 / float32->float64 / string<->large_string,
+  make nullable; the key schema and the relative order of kept columns never change) and raises
   :class:`~persist.errors.SchemaMismatch` naming the column and the rule otherwise;
 * :class:`SchemaHistory` conforms updates written under any version to the view of any
   version by name: a column is read only if every version from the older of the two up
@@ -27,7 +27,8 @@ Invariants kept here:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -287,8 +288,8 @@ _INT_CHAINS = (
 
 #: The rule a refused evolution broke, in the words of :class:`SchemaMismatch`.
 EVOLUTION_RULES = (
-    "compatible changes are: add a nullable value column, drop a value column, widen "
-    "a value column (int8->int16->int32->int64, float32->float64, string<->large_string), "
+    "compatible changes are: add a nullable value column, drop a value column named in "
+    "drop=[...], widen a value column (int8->int16->int32->int64, float32->float64, string<->large_string), "
     "make a value column nullable"
 )
 
@@ -316,6 +317,7 @@ def check_schema_evolution(
     value_schema: pa.Schema,
     new_key_schema: pa.Schema,
     new_value_schema: pa.Schema,
+    drop: Collection[str] = (),
 ) -> None:
     """Check that ``(new_key_schema, new_value_schema)`` is a compatible evolution of a
     shard's newest ``(key_schema, value_schema)`` (DESIGN section 5.3).
@@ -323,13 +325,29 @@ def check_schema_evolution(
     Compatible: the key schema is equal (names, types, nullability, order); every new
     value column is nullable; a kept value column keeps its type or widens it
     (:func:`is_type_evolution`), stays or becomes nullable, and keeps its order relative
-    to the other kept columns; any value column may be dropped.
+    to the other kept columns; a value column may be dropped only if ``drop`` names it.
+    A drop is explicit so that a writer whose schema merely lacks a column another
+    writer added meanwhile (both planned against an older version) is refused instead
+    of dropping that column and the values written to it (Delta Lake likewise drops a
+    column only on an explicit ``DROP COLUMN``; ``mergeSchema`` never drops).
+
+    Args:
+        drop: value column names this evolution drops (names of columns the newest
+            version no longer has are ignored: dropped already).
 
     Raises:
         SchemaMismatch: naming the first column that breaks a rule, and the rule.
-        InvalidUsage: the new schemas are not valid shard schemas at all.
+        InvalidUsage: the new schemas are not valid shard schemas at all; ``drop``
+            names a column of the new schemas.
     """
     updates_schema(new_key_schema, new_value_schema)
+    if isinstance(drop, str):
+        raise InvalidUsage(f"drop must be a collection of column names, not the str {drop!r}")
+    kept_too = sorted(set(drop) & {*new_key_schema.names, *new_value_schema.names})
+    if kept_too:
+        raise InvalidUsage(
+            f"shard {shard}: drop names {kept_too}, which the schemas opened with keep"
+        )
     both = (
         f"the shard's newest schemas are key ({_fmt(key_schema)}) and value "
         f"({_fmt(value_schema)}), it was opened with key ({_fmt(new_key_schema)}) and "
@@ -391,6 +409,15 @@ def check_schema_evolution(
             f"kept value columns reordered from {order} to {kept} (kept columns keep "
             "their relative order; add new ones anywhere)",
         )
+    for f in value_schema:
+        if f.name not in kept and f.name not in drop:
+            raise mismatch(
+                f.name,
+                "value column missing from the schema opened with: a column is dropped "
+                f"only when the evolution names it (drop=[{f.name!r}]); if another writer "
+                "added it since your schema was planned, plan again on the newest schema "
+                "(open with it plus your own columns)",
+            )
 
 
 def _fmt(schema: pa.Schema) -> str:
@@ -409,8 +436,9 @@ class SchemaHistory:
     columns, in its order; a column present (by name) in every version from the older
     of ``src`` and ``dst`` up to the newest is read from the part and cast to the
     reader's type (a widening when ``dst`` is newer; for an *older* reader the cast back
-    must fit, else :class:`~persist.errors.SchemaMismatch`), any other is null (added
-    after the part was written; dropped and added again in between, which makes it
+    must keep the value exactly, a float round-tripping, else
+    :class:`~persist.errors.SchemaMismatch`), any other is null (added after the part
+    was written; dropped and added again in between, which makes it
     another column; or dropped by a later version: dropped columns are gone for every
     reader); columns the reader does not have are gone.  So a reader's view is the same
     before and after compaction rewrites a part under the newest version, and rows equal
@@ -622,9 +650,9 @@ class ConformPlan:
                             and pa.types.is_floating(col.type)
                             and f.type.bit_width < col.type.bit_width
                         ):
-                            # Arrow's safe cast of a float to a narrower float gives
-                            # infinity for a value beyond the narrower range.
-                            _check_no_new_infinity(col, narrowed)
+                            # Arrow's safe cast of a float to a narrower float rounds,
+                            # flushes to zero and overflows to infinity: refuse any loss.
+                            _check_round_trip(col, narrowed)
                         col = narrowed
                     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
                         raise SchemaMismatch(
@@ -639,16 +667,21 @@ class ConformPlan:
         return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
-def _check_no_new_infinity(
-    wide: pa.ChunkedArray | pa.Array, narrow: pa.ChunkedArray | pa.Array
-) -> None:
-    """Raise ``ArrowInvalid`` if a finite value of ``wide`` became infinite in
-    ``narrow`` (its cast to a narrower float type)."""
-    overflowed = pc.and_(pc.is_inf(narrow), pc.invert(pc.is_inf(wide)))
-    if pc.any(overflowed).as_py():
-        i = pc.index(overflowed, True).as_py()
+def _check_round_trip(wide: pa.ChunkedArray | pa.Array, narrow: pa.ChunkedArray | pa.Array) -> None:
+    """Raise ``ArrowInvalid`` unless every value of ``wide`` survives its cast to the
+    narrower float type ``narrow`` exactly: cast back, it equals the value written
+    (NaN, infinities and nulls round-trip).  Arrow's "safe" float cast rounds (``0.1``),
+    flushes to zero (``1e-50``) and overflows to infinity (``1e300``) without an error;
+    each gives a reader a value nobody wrote, and two distinct rows that round to one
+    value would consolidate into one (their diffs cancelling)."""
+    back = narrow.cast(wide.type)
+    lost = pc.and_kleene(pc.invert(pc.equal(back, wide)), pc.invert(pc.is_nan(wide)))
+    if pc.any(lost).as_py():
+        i = pc.index(lost, True).as_py()
+        value, read = wide[i].as_py(), narrow[i].as_py()
+        why = "beyond the range of" if math.isinf(read) else "not exactly representable as"
         raise pa.ArrowInvalid(
-            f"float value {wide[i].as_py()!r} is beyond the range of {narrow.type}"
+            f"float value {value!r} is {why} {narrow.type} (it would read as {read!r})"
         )
 
 

@@ -267,7 +267,10 @@ def _merged_value_schema(
     type (int8->int16->int32->int64, float32->float64, string<->large_string) is
     widened.  The writer's ``open`` registers it (persist's compatible schema
     evolution, DESIGN 5.3); columns the shard has and the DataFrame lacks still
-    raise (nothing is dropped by a write)."""
+    raise (nothing is dropped by a write).  A column another write added after this
+    plan was made is not in it: the writer's open then refuses the write with
+    ``SchemaMismatch`` naming that column (persist drops only columns an evolution
+    names), rather than drop the column and the values written to it."""
     from persist.updates import is_type_evolution
 
     key_names = set(registered[0].names)

@@ -40,7 +40,7 @@ def test_txn_after_a_dropped_column_is_not_stuck_on_the_old_schema(
     s, blob = env
     c = PersistClient(s, blob, compaction="off")
     _first_txn(c)
-    _w, r = c.open("x", KS, V_DROP)  # a compatible evolution: drop x
+    _w, r = c.open("x", KS, V_DROP, drop=["x"])  # a compatible evolution: drop x
     row = pa.table({"k": ["b"], "v": pa.array([2], pa.int64())})
     txn = c.begin()
     try:

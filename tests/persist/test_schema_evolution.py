@@ -102,7 +102,7 @@ def test_compatible_change_registers_a_version(client: PersistClient, case: str)
     w0.append([(((1,), (5, "x")), 0, 1)], 0, 1)
     before = client.inspect("s")
     new = COMPATIBLE[case]
-    w1, r1 = client.open("s", KS, new)
+    w1, r1 = client.open("s", KS, new, drop=[n for n in V0.names if n not in new.names])
     st = client.inspect("s")
     assert st.seqno > before.seqno
     assert len(st.schema_history) == 2 and st.schema_history[0].equals(V0)
@@ -171,7 +171,7 @@ def test_dropped_column_does_not_keep_rows_apart(client: PersistClient) -> None:
     # One run (one append) holding two rows that differ only in b.
     w0.append([(((1,), (5, "x")), 0, 1), (((1,), (5, "y")), 0, 1)], 0, 1)
     v1 = pa.schema([V0.field("a")])
-    w1, r1 = client.open("s", KS, v1)
+    w1, r1 = client.open("s", KS, v1, drop=["b"])
     assert rows(r1.snapshot(0)) == Counter({(1, 5): 2})
     snap = r1.snapshot(0)
     assert snap.num_rows == 1
@@ -188,7 +188,7 @@ def test_compaction_rewrites_under_the_newest_schema(client: PersistClient) -> N
     for t in range(4):
         w0.append([(((t,), (t, "x")), t, 1)], t, t + 1)
     v1 = pa.schema([pa.field("a", pa.int64()), pa.field("c", pa.string())])
-    w1, r1 = client.open("s", KS, v1)
+    w1, r1 = client.open("s", KS, v1, drop=["b"])
     for t in range(4, 8):
         w1.append([(((t,), (t, "z")), t, 1)], t, t + 1)
     r1.downgrade_since(7)
@@ -207,7 +207,7 @@ def test_compaction_rewrites_under_the_newest_schema(client: PersistClient) -> N
 def test_dropped_and_re_added_column_is_another_column(client: PersistClient) -> None:
     w0, _ = client.open("s", KS, V0)
     w0.append([(((1,), (5, "old")), 0, 1)], 0, 1)
-    client.open("s", KS, pa.schema([V0.field("a")]))
+    client.open("s", KS, pa.schema([V0.field("a")]), drop=["b"])
     v2 = pa.schema([V0.field("a"), pa.field("b", pa.int64())])
     w2, r2 = client.open("s", KS, v2)
     assert w2.schema_id == 2
@@ -223,7 +223,7 @@ def test_older_writer_keeps_writing_its_version(client: PersistClient) -> None:
     w0, r0 = client.open("s", KS, V0)
     w0.append([(((1,), (5, "x")), 0, 1)], 0, 1)
     v1 = pa.schema([pa.field("a", pa.int64(), nullable=False), pa.field("c", pa.float64())])
-    w1, r1 = client.open("s", KS, v1)
+    w1, r1 = client.open("s", KS, v1, drop=["b"])
     w1.append([(((2,), (6, 0.5)), 1, 1)], 1, 2)
     st = client.inspect("s")
     assert [p.schema_id for b in st.batches() for p in b.parts] == [0, 1]
@@ -255,7 +255,7 @@ def test_listen_conforms_to_its_readers_version(client: PersistClient) -> None:
     w0, r0 = client.open("s", KS, V0)
     listen = r0.listen(0)
     w0.append([(((0,), (1, "x")), 0, 1)], 0, 1)  # not emitted: at as_of
-    w1, _ = client.open("s", KS, pa.schema([pa.field("a", pa.int64(), nullable=False)]))
+    w1, _ = client.open("s", KS, pa.schema([pa.field("a", pa.int64(), nullable=False)]), drop=["b"])
     w1.append([(((1,), (7,)), 1, 1)], 1, 2)
     got = [e for e in listen.poll() if e.kind == "updates"]
     listen.close()
@@ -268,7 +268,7 @@ def test_batches_mixing_versions_append_together(client: PersistClient) -> None:
     compare_and_append_batch."""
     w0, _ = client.open("s", KS, V0)
     v1 = pa.schema([pa.field("a", pa.int64(), nullable=False)])
-    w1, r1 = client.open("s", KS, v1)
+    w1, r1 = client.open("s", KS, v1, drop=["b"])
     b0 = w0.batch([(((1,), (5, "x")), 0, 1), (((9,), (9, "late")), 3, 1)], 0, 4)
     b1 = w1.batch([(((2,), (6,)), 0, 1)], 0, 1)
     w1.compare_and_append_batch([b0, b1], 0, 1)
@@ -322,7 +322,9 @@ def test_persist_inspect_shows_the_schema_history(tmp_path: Any) -> None:
     try:
         w0, _ = c.open("evolving", KS, V0)
         w0.append([(((1,), (5, "x")), 0, 1)], 0, 1)
-        w1, _ = c.open("evolving", KS, pa.schema([pa.field("a", pa.int64(), nullable=False)]))
+        w1, _ = c.open(
+            "evolving", KS, pa.schema([pa.field("a", pa.int64(), nullable=False)]), drop=["b"]
+        )
         w1.append([(((2,), (6,)), 1, 1)], 1, 2)
         w1.append([(((3,), (7,)), 2, 1)], 2, 3)
     finally:
@@ -354,7 +356,7 @@ def test_snapshot_stream_conforms_like_snapshot(client: PersistClient) -> None:
         ups = [(((k,), (k % 7, s)), t, 1) for k in range(200) for s in ("x", "y")]
         w0.append(ups, t, t + 1)
     v1 = pa.schema([pa.field("a", pa.int64(), nullable=False), pa.field("c", pa.string())])
-    w1, r1 = client.open("s", KS, v1)
+    w1, r1 = client.open("s", KS, v1, drop=["b"])
     w1.append([(((k,), (k % 7, "z")), 3, 1) for k in range(0, 200, 3)], 3, 4)
     snap = r1.snapshot(3)
     streamed = pa.Table.from_batches(list(r1.snapshot_stream(3, max_chunk_rows=50)))
@@ -376,7 +378,7 @@ def test_filtered_snapshot_prunes_only_by_columns_a_part_holds() -> None:
         w0.append([(((k,), (k, f"old{k}")), 0, 1) for k in range(50)], 0, 1)
         parts = [p for b in c.inspect("s").batches() for p in b.parts]
         assert parts and all(p.stats is not None and p.inline is None for p in parts)
-        c.open("s", KS, pa.schema([V0.field("a")]))
+        c.open("s", KS, pa.schema([V0.field("a")]), drop=["b"])
         v2 = pa.schema([V0.field("a"), pa.field("b", pa.string())])
         w2, r2 = c.open("s", KS, v2)
         w2.append([(((100,), (1, "new")), 1, 1)], 1, 2)
@@ -397,7 +399,7 @@ def test_writer_of_a_version_that_lost_a_column_is_refused(client: PersistClient
     reusing version 0."""
     w0, _ = client.open("s", KS, V0)
     w0.append([(((1,), (5, "x")), 0, 1)], 0, 1)
-    client.open("s", KS, pa.schema([V0.field("a")]))  # drops b
+    client.open("s", KS, pa.schema([V0.field("a")]), drop=["b"])  # drops b
     with pytest.raises(SchemaMismatch, match="'b'"):
         w0.append([(((2,), (6, "lost")), 1, 1)], 1, 2)
     assert client.inspect("s").upper.as_option() == 1

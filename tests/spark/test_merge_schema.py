@@ -124,7 +124,7 @@ def test_spark_compaction_job_rewrites_under_the_newest_schema(
                     (((k,), (k, f"{g}{t}")), t, 1) for k in range(t * 5, t * 5 + 5) for g in "gh"
                 ]
                 w0.compare_and_append(rows, t, t + 1)
-            w1, read = client.open("evolved", keys, v1)
+            w1, read = client.open("evolved", keys, v1, drop=["gone"])
             for t in range(6, 12):
                 rows = [(((k,), (k, "e")), t, 1) for k in range(t * 5 - 30, t * 5 - 25)]
                 w1.compare_and_append(rows, t, t + 1)

@@ -146,7 +146,11 @@ def column_values(t: pa.DataType, nullable: bool = True) -> st.SearchStrategy[An
     ``bytes``, ``Decimal``; ``None`` (null) when ``nullable``. Extremes, NaN, signed
     zeros and infinities, NUL and non-BMP characters come up often."""
     s: st.SearchStrategy[Any]
-    if pa.types.is_integer(t) or pa.types.is_temporal(t):
+    if pa.types.is_date64(t):
+        # date64 is milliseconds holding whole days (Arrow's spec; Parquet stores days).
+        day = _SECONDS_PER_DAY * 1000
+        s = column_values(pa.date32(), nullable=False).map(lambda d: d * day)
+    elif pa.types.is_integer(t) or pa.types.is_temporal(t):
         lo, hi = _int_range(t)
         edges = sorted({lo, hi, 0 if lo <= 0 <= hi else lo, max(lo, -1), min(hi, 1)})
         s = st.one_of(

@@ -179,3 +179,35 @@ def test_float_key_samples_round_trip_through_canonical_json(t: pa.DataType, dat
                 or (a == b and math.copysign(1, a) == math.copysign(1, b))
             )
         ), (a, b)
+
+
+# ------------------------------------------------------------ filters and consolidation
+
+
+def test_a_filter_telling_zeros_apart_gives_no_phantom_row(where: tuple[str, str]) -> None:
+    """A row inserted with ``0.0`` and retracted with ``-0.0`` (equal to consolidation)
+    is absent from a read filtered by ``isin([0.0])`` (which ``is_in`` tells apart)."""
+    ks = pa.schema([("k", pa.int64())])
+    vs = pa.schema([("x", pa.float64())])
+    for inline in (False, True):
+        name = _shard(
+            where,
+            ks,
+            vs,
+            [[(1, 0.0, 1), (2, math.nan, 1)], [(1, -0.0, -1), (2, -math.nan, -1)]],
+            inline,
+        )
+        c = _client(where, inline)
+        try:
+            r = c.open_reader(name, ks, vs)
+            assert r.snapshot(1).num_rows == 0
+            for f in (
+                pc.field("x").isin([0.0]),
+                pc.field("x").isin([-0.0]),
+                pc.field("x") == 0.0,
+                pc.is_nan(pc.field("x")),
+            ):
+                assert r.snapshot(1, filter=f).num_rows == 0, (inline, f)
+                assert r.snapshot(1, filter=f, columns=["k"]).num_rows == 0, (inline, f)
+        finally:
+            _close(c)

@@ -9,6 +9,8 @@ agree with evaluating the filter, and must not crash).
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
 import json
 import math
 import uuid
@@ -27,6 +29,7 @@ from persist import PersistClient
 from persist.decoding import INLINE_CACHE, decode_part
 from persist.encoding import encode_inline_part, encode_part, make_part_ref
 from persist.merge import decode_keys, encode_keys
+from persist.stats import prune_mask, table_stats
 from persist.updates import updates_schema
 from stash import Stash
 from stash.codec import canonical_json
@@ -211,3 +214,67 @@ def test_a_filter_telling_zeros_apart_gives_no_phantom_row(where: tuple[str, str
                 assert r.snapshot(1, filter=f, columns=["k"]).num_rows == 0, (inline, f)
         finally:
             _close(c)
+
+
+_ISIN_CASES: list[tuple[pa.DataType, Any, pc.Expression]] = [
+    (pa.date32(), 18_262, pc.field("c").isin([dt.datetime(2020, 1, 1, 5)])),
+    (pa.date32(), 18_262, pc.field("c").isin([dt.datetime(2020, 1, 1)])),
+    (pa.date64(), 18_262 * 86_400_000, pc.field("c").isin([dt.datetime(2020, 1, 1, 23)])),
+    (pa.int64(), 5, pc.field("c").isin(["5"])),
+    (pa.int32(), 5, pc.field("c").isin([5.0])),
+    (pa.bool_(), True, pc.field("c").isin([1])),
+    (pa.string(), "5", pc.field("c").isin([5])),
+    (
+        pa.timestamp("us", "UTC"),
+        1_577_836_800_000_000,
+        pc.field("c").isin(pa.array([1_577_840_400_000], pa.timestamp("ms", "+01:00"))),
+    ),
+    (
+        pa.timestamp("us", "UTC"),
+        1_577_836_800_000_000,
+        pc.field("c").isin(pa.array([1_577_836_800], pa.timestamp("s", "America/New_York"))),
+    ),
+    (pa.decimal128(5, 2), decimal.Decimal("1.50"), pc.field("c").isin([1.5])),
+]
+
+
+@pytest.mark.parametrize(("t", "value", "filt"), _ISIN_CASES)
+def test_isin_of_another_type_reads_what_the_snapshot_filter_keeps(
+    where: tuple[str, str], t: pa.DataType, value: Any, filt: pc.Expression
+) -> None:
+    """``snapshot(filter=isin(values of another type))`` equals
+    ``snapshot().filter(...)``, or raises ``InvalidUsage`` where that raises: pruning
+    by statistics never skips a part holding a row the filter keeps, and never
+    crashes."""
+    from persist import InvalidUsage
+
+    ks = pa.schema([("k", pa.int64())])
+    vs = pa.schema([("c", t)])
+    name = _shard(where, ks, vs, [[(1, value, 1), (2, None, 1)]])
+    c = _client(where)
+    try:
+        r = c.open_reader(name, ks, vs)
+        snap = r.snapshot(0)
+        try:
+            want = snap.filter(filt)
+        except pa.ArrowException:
+            with pytest.raises(InvalidUsage, match="filter"):
+                r.snapshot(0, filter=filt)
+            return
+        got = r.snapshot(0, filter=filt)
+        assert canonical_rows(got) == canonical_rows(want)
+    finally:
+        _close(c)
+
+
+def test_prune_mask_keeps_parts_whose_rows_isin_of_another_type_keeps() -> None:
+    """``prune_mask`` never drops a part holding a row the filter keeps as Arrow
+    evaluates it, nor raises, for ``isin`` of values of another type."""
+    for t, value, filt in _ISIN_CASES:
+        table = pa.table({"c": arrow_array([value], t)})
+        try:
+            kept = table.filter(filt).num_rows
+        except pa.ArrowException:
+            continue
+        mask = prune_mask([(table_stats(table), 1)], table.schema, filt)
+        assert mask == [True] or kept == 0, (t, filt)

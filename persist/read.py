@@ -90,6 +90,7 @@ __all__ = [
     "ListenEvent",
     "ReadHandle",
     "check_columns",
+    "apply_filter",
     "check_filter",
     "prune_batches",
     "read_batch",
@@ -150,6 +151,26 @@ def _read_refs(
 # ------------------------------------------------------- filters and projection
 
 
+#: What Arrow raises for a filter it cannot bind to a schema or evaluate on some rows.
+_FILTER_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, pa.ArrowKeyError)
+
+
+def apply_filter(table: pa.Table, filter: pc.Expression) -> pa.Table:
+    """``table.filter(filter)``, Arrow's errors (e.g. an ``is_in`` value set that cannot
+    be cast to its column's type, which Arrow reports only once it sees rows) reported
+    as ``InvalidUsage`` naming the filter.
+
+    Raises:
+        InvalidUsage: Arrow cannot evaluate ``filter`` on ``table``.
+    """
+    try:
+        return table.filter(filter)
+    except _FILTER_ERRORS as e:
+        raise InvalidUsage(
+            f"filter {filter} cannot be evaluated on the shard's rows: {e}"
+        ) from None
+
+
 def check_filter(
     filter: pc.Expression | None,
     schema: pa.Schema,
@@ -185,12 +206,12 @@ def check_filter(
         )
     try:
         schema.empty_table().filter(filter)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+    except _FILTER_ERRORS as e:
         raise InvalidUsage(f"filter {filter} does not apply to the shard's rows: {e}") from None
     rows = pa.schema([schema.field(n) for n in [*key_names, *value_names]])
     try:
         rows.empty_table().filter(filter)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+    except _FILTER_ERRORS:
         return filter, False
     return filter, True
 
@@ -206,7 +227,7 @@ def filter_columns(
         rest = pa.schema([f for f in schema if f.name != name])
         try:
             rest.empty_table().filter(filter)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        except _FILTER_ERRORS:
             out.append(name)
     return out
 
@@ -445,7 +466,8 @@ def snapshot_table(
     the view's value columns.
 
     Raises:
-        InvalidUsage: ``as_of`` is not an i64 time; a bad ``filter`` or ``columns``.
+        InvalidUsage: ``as_of`` is not an i64 time; a bad ``filter`` or ``columns``; a
+            filter Arrow cannot evaluate on the snapshot's rows.
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
     """
@@ -471,7 +493,7 @@ def snapshot_table(
         table, batches, floors, rows, key_names, value_names, as_of, read_cols, pre, keeps_runs
     )
     if filt is not None:
-        table = table.filter(filt)  # exact (again, for a row filter: a no-op)
+        table = apply_filter(table, filt)  # exact (again, for a row filter: a no-op)
     return table if cols is None else table.select(cols)
 
 
@@ -510,7 +532,7 @@ def _older_snapshot(
     table = history.plan(newest, dst).apply(table)
     table = consolidate(table, list(key_names), list(value_names), since=as_of)
     if filt is not None:
-        table = table.filter(filt)
+        table = apply_filter(table, filt)
     return table if cols is None else table.select(cols)
 
 
@@ -545,7 +567,12 @@ def _snapshot_of(
         raise AssertionError("a projected read of data that is not one single-time run")
     table = _advance_and_filter(table, floors, rows, None, as_of + 1 if as_of < 2**63 - 1 else None)
     if row_filter is not None:
-        table = table.filter(row_filter)
+        try:
+            table = table.filter(row_filter)
+        except _FILTER_ERRORS:
+            # Arrow fails on these updates: consolidate them all, so that the caller's
+            # filter of the snapshot raises (or not) exactly as on the snapshot itself.
+            pass
     return consolidate(table, list(key_names), list(value_names), since=as_of)
 
 
@@ -1256,7 +1283,9 @@ class ReadHandle(ShardHandle):
             LeaseExpired: this reader's lease was lost (it was dropped from the shard
                 state), e.g. while waiting.
             InvalidUsage: ``as_of`` is at or beyond the upper (without ``wait``); a
-                bad ``filter`` or ``columns`` (checked before anything is read).
+                bad ``filter`` or ``columns`` (checked before anything is read); a
+                filter Arrow cannot evaluate on the snapshot's rows (where
+                ``snapshot(as_of).filter(filter)`` raises).
             CorruptPart: a part is missing or corrupt (naming its blob key).
             BlobError, ConsensusError: storage failed.
         """

@@ -13,7 +13,6 @@ import datetime as dt
 import decimal
 import json
 import math
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from arrow_strategies import COLUMN_TYPES, arrow_array, canonical_rows, column_values
+from arrow_strategies import (
+    COLUMN_TYPES,
+    arrow_array,
+    canonical_rows,
+    close_client,
+    column_values,
+    fresh_client,
+    write_shard,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persist import PersistClient
 from persist.decoding import INLINE_CACHE, decode_part
 from persist.encoding import encode_inline_part, encode_part, make_part_ref
 from persist.merge import decode_keys, encode_keys
@@ -40,22 +46,6 @@ def where(tmp_path: Path) -> Iterator[tuple[str, str]]:
     url = f"sqlite:///{tmp_path / 'stash.db'}"
     Stash.open(url).close()
     yield url, f"file://{tmp_path / 'blob'}"
-
-
-def _client(where: tuple[str, str], inline: bool = False) -> PersistClient:
-    return PersistClient(
-        Stash.open(where[0]),
-        where[1],
-        compaction="off",
-        inline_max_bytes=1 << 20 if inline else 0,
-        gc_interval_seconds=None,
-    )
-
-
-def _close(c: PersistClient) -> None:
-    s = c.stash
-    c.close()
-    s.close()
 
 
 def _updates(ks: pa.Schema, vs: pa.Schema, rows: list[tuple[Any, ...]], time: int) -> pa.Table:
@@ -75,15 +65,8 @@ def _shard(
     inline: bool = False,
 ) -> str:
     """A new shard holding one append per entry of ``appends`` (the i-th at time i)."""
-    name = "s" + uuid.uuid4().hex
-    c = _client(where, inline)
-    try:
-        w = c.open_writer(name, ks, vs)
-        for i, rows in enumerate(appends):
-            w.compare_and_append(_updates(ks, vs, rows, i), i, i + 1)
-    finally:
-        _close(c)
-    return name
+    tables = [_updates(ks, vs, rows, i) for i, rows in enumerate(appends)]
+    return write_shard(*where, inline, ks, vs, tables)
 
 
 # ------------------------------------------------------------ types round-trip
@@ -118,7 +101,7 @@ def test_second_timestamps_read_back_from_blob_parts(
     vs = pa.schema([("v", t)])
     day = 86_400 if pa.types.is_timestamp(t) else 86_400_000
     name = _shard(where, ks, vs, [[(1, 18_000 * day, 1), (2, -day, 1)], [(3, 0, 1)]])
-    c = _client(where)
+    c = fresh_client(*where, False)
     try:
         r = c.open_reader(name, ks, vs)
         snap = r.snapshot(1)
@@ -127,7 +110,7 @@ def test_second_timestamps_read_back_from_blob_parts(
         assert r.snapshot(1, filter=pc.field("k") >= 2, columns=["v"]).num_rows == 2
         assert sum(b.num_rows for b in r.snapshot_stream(1)) == 3
     finally:
-        _close(c)
+        close_client(c)
 
 
 # ------------------------------------------------------------ float key samples
@@ -151,7 +134,7 @@ def test_whole_float_keys_beyond_exact_ints_stream_for_a_fresh_client(
     vs = pa.schema([("v", pa.int64())])
     keys = [big, 2.0, -0.0, 0.5, math.inf]
     name = _shard(where, ks, vs, [[(k, 1, 1) for k in keys], [(big, 1, 1)]])
-    c = _client(where)
+    c = fresh_client(*where, False)
     try:
         r = c.open_reader(name, ks, vs)
         want = canonical_rows(r.snapshot(1))
@@ -159,7 +142,7 @@ def test_whole_float_keys_beyond_exact_ints_stream_for_a_fresh_client(
         got = [row for b in r.snapshot_stream(1) for row in canonical_rows(b)]
         assert got == want
     finally:
-        _close(c)
+        close_client(c)
 
 
 @settings(max_examples=60, deadline=None)
@@ -200,7 +183,7 @@ def test_a_filter_telling_zeros_apart_gives_no_phantom_row(where: tuple[str, str
             [[(1, 0.0, 1), (2, math.nan, 1)], [(1, -0.0, -1), (2, -math.nan, -1)]],
             inline,
         )
-        c = _client(where, inline)
+        c = fresh_client(*where, inline)
         try:
             r = c.open_reader(name, ks, vs)
             assert r.snapshot(1).num_rows == 0
@@ -213,7 +196,7 @@ def test_a_filter_telling_zeros_apart_gives_no_phantom_row(where: tuple[str, str
                 assert r.snapshot(1, filter=f).num_rows == 0, (inline, f)
                 assert r.snapshot(1, filter=f, columns=["k"]).num_rows == 0, (inline, f)
         finally:
-            _close(c)
+            close_client(c)
 
 
 _ISIN_CASES: list[tuple[pa.DataType, Any, pc.Expression]] = [
@@ -251,7 +234,7 @@ def test_isin_of_another_type_reads_what_the_snapshot_filter_keeps(
     ks = pa.schema([("k", pa.int64())])
     vs = pa.schema([("c", t)])
     name = _shard(where, ks, vs, [[(1, value, 1), (2, None, 1)]])
-    c = _client(where)
+    c = fresh_client(*where, False)
     try:
         r = c.open_reader(name, ks, vs)
         snap = r.snapshot(0)
@@ -264,7 +247,7 @@ def test_isin_of_another_type_reads_what_the_snapshot_filter_keeps(
         got = r.snapshot(0, filter=filt)
         assert canonical_rows(got) == canonical_rows(want)
     finally:
-        _close(c)
+        close_client(c)
 
 
 def test_prune_mask_keeps_parts_whose_rows_isin_of_another_type_keeps() -> None:
@@ -278,3 +261,37 @@ def test_prune_mask_keeps_parts_whose_rows_isin_of_another_type_keeps() -> None:
             continue
         mask = prune_mask([(table_stats(table), 1)], table.schema, filt)
         assert mask == [True] or kept == 0, (t, filt)
+
+
+@pytest.mark.parametrize(
+    "filt",
+    [
+        # Arrow casts the value set only once it sees rows: 1.50 is no int64.
+        pc.field("c").isin(pa.array([decimal.Decimal("1.50")], pa.decimal128(5, 2))),
+        # pc.and_ on expressions names a function Arrow does not have.
+        pc.and_(pc.field("c") > 1, pc.field("k") > 1),
+    ],
+)
+def test_a_filter_arrow_cannot_evaluate_raises_invalid_usage(
+    where: tuple[str, str], filt: pc.Expression
+) -> None:
+    """Where ``snapshot().filter(f)`` raises, ``snapshot(filter=f)`` raises
+    ``InvalidUsage`` naming the filter (not a raw Arrow error); nothing else changes."""
+    from persist import InvalidUsage
+
+    ks = pa.schema([("k", pa.int64())])
+    vs = pa.schema([("c", pa.int64())])
+    for inline in (False, True):
+        name = _shard(where, ks, vs, [[(1, 1, 1), (2, 2, 1)], [(3, 3, 1)]], inline)
+        c = fresh_client(*where, inline)
+        try:
+            r = c.open_reader(name, ks, vs)
+            with pytest.raises(pa.ArrowException):
+                r.snapshot(1).filter(filt)
+            with pytest.raises(InvalidUsage, match="filter"):
+                r.snapshot(1, filter=filt)
+            with pytest.raises(InvalidUsage, match="filter"):
+                r.snapshot(1, filter=filt, columns=["k"])
+            assert r.snapshot(1).num_rows == 3
+        finally:
+            close_client(c)

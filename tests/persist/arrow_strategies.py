@@ -19,7 +19,10 @@ Shared by the differential read properties of ``persist`` (``snapshot``,
 * :func:`filters`: boolean expressions of every shape the read API accepts
   (comparisons, ``isin`` of values of the column's and of other types, ``is_null``,
   ``is_valid``, ``~``, ``|``, ``&``, ``and_kleene``/``or_kleene``/``and_``);
-* :func:`canonical_rows`, :func:`model_snapshot`: the model.
+* :func:`canonical_rows`, :func:`model_snapshot`: the model;
+* :func:`fresh_client`, :func:`close_client`, :func:`write_shard`: a ``PersistClient`` over a new connection
+  to a stash URL and a blob URL, writing inline or blob parts (a reader opened with one
+  decodes every part reference, key sample and statistic from the stash).
 
 The idea of drawing whole Arrow tables and comparing against a plain model follows
 Hypothesis's stateful and differential testing guides and the Arrow project's own
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import decimal
 import math
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,18 +43,24 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from hypothesis import strategies as st
 
+from persist import PersistClient
+from stash import Stash
+
 __all__ = [
     "COLUMN_TYPES",
     "NAN",
     "arrow_array",
     "canonical_rows",
     "canonical_value",
+    "close_client",
     "column_values",
     "filters",
+    "fresh_client",
     "literal",
     "model_snapshot",
     "shard_schemas",
     "update_tables",
+    "write_shard",
     "written_values",
 ]
 
@@ -408,6 +418,53 @@ def filters(
         return a | b
     if shape == "and":
         return a & b
-    fn = {"and_kleene": pc.and_kleene, "or_kleene": pc.or_kleene, "and_": pc.and_}[shape]
+    if shape == "and_":
+        # Arrow's non-Kleene "and" (pc.and_ on expressions names a function "and_",
+        # which Arrow does not have).
+        return pc.Expression._call("and", [a, b])
+    fn = {"and_kleene": pc.and_kleene, "or_kleene": pc.or_kleene}[shape]
     out: pc.Expression = fn(a, b)
     return out
+
+
+# ----------------------------------------------------------------------- clients
+
+
+def fresh_client(stash_url: str, blob_url: str, inline: bool) -> PersistClient:
+    """A client over a new connection to ``stash_url`` and ``blob_url``, compaction and
+    GC off, writing every batch inline (``inline``) or to blob parts."""
+    return PersistClient(
+        Stash.open(stash_url),
+        blob_url,
+        compaction="off",
+        inline_max_bytes=1 << 20 if inline else 0,
+        gc_interval_seconds=None,
+    )
+
+
+def close_client(c: PersistClient) -> None:
+    """Close ``c`` and its stash connection."""
+    stash = c.stash
+    c.close()
+    stash.close()
+
+
+def write_shard(
+    stash_url: str,
+    blob_url: str,
+    inline: bool,
+    ks: pa.Schema,
+    vs: pa.Schema,
+    tables: Sequence[pa.Table],
+) -> str:
+    """A new shard (its name returned) holding one append per updates table of
+    ``tables``, the i-th over ``[i, i + 1)``, written by a :func:`fresh_client`."""
+    name = "s" + uuid.uuid4().hex
+    c = fresh_client(stash_url, blob_url, inline)
+    try:
+        w = c.open_writer(name, ks, vs)
+        for i, t in enumerate(tables):
+            w.compare_and_append(t, i, i + 1)
+    finally:
+        close_client(c)
+    return name

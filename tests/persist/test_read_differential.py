@@ -1,0 +1,121 @@
+"""Differential properties of persist's read paths, over every column type a shard
+accepts and every filter shape a read accepts.
+
+Each example writes a shard (one to three appends) through inline parts or through blob
+parts, then reads it back by a *fresh* client (a new ``PersistClient`` over a new
+connection to the same SQLite stash and the same blob directory, so every part
+reference, key sample and statistic is decoded from the stash) and compares:
+
+* ``snapshot(as_of)`` with the model (:func:`arrow_strategies.model_snapshot`: a
+  multiset of canonical rows, Python equality after the shard's canonicalisation, NaN
+  one value and ``-0.0 == 0.0``);
+* ``snapshot_stream(as_of)`` with ``snapshot(as_of)``, row for row;
+* ``snapshot(as_of, filter=f, columns=c)`` with ``snapshot(as_of).filter(f).select(c)``,
+  row for row, or, where that raises, with an ``InvalidUsage`` naming the filter.
+
+Examples are bounded for ``make test``; ``STASH_RELIABILITY=long`` runs many more.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from arrow_strategies import (
+    canonical_rows,
+    close_client,
+    filters,
+    fresh_client,
+    model_snapshot,
+    shard_schemas,
+    update_tables,
+    write_shard,
+    written_values,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from persist import InvalidUsage
+from stash import Stash
+
+_LONG = os.environ.get("STASH_RELIABILITY") == "long"
+_EXAMPLES = 600 if _LONG else 40
+
+
+@pytest.fixture(scope="module")
+def where(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A SQLite stash URL and a blob directory URL shared by the module's examples (each
+    example writes its own shard)."""
+    d: Path = tmp_path_factory.mktemp("differential")
+    url = f"sqlite:///{d / 'stash.db'}"
+    Stash.open(url).close()
+    yield url, f"file://{d / 'blob'}"
+
+
+def _rows(table: pa.Table) -> list[tuple[Any, ...]]:
+    return canonical_rows(table)
+
+
+@st.composite
+def _shards(draw: st.DrawFn) -> tuple[pa.Schema, pa.Schema, list[pa.Table], bool]:
+    ks, vs = draw(shard_schemas())
+    n = draw(st.integers(1, 3))
+    tables = [draw(update_tables(ks, vs, times=(i,))) for i in range(n)]
+    return ks, vs, tables, draw(st.booleans())
+
+
+@settings(
+    max_examples=_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(shard=_shards(), data=st.data())
+def test_reads_of_a_fresh_client_equal_the_model(
+    where: tuple[str, str],
+    shard: tuple[pa.Schema, pa.Schema, list[pa.Table], bool],
+    data: st.DataObject,
+) -> None:
+    ks, vs, tables, inline = shard
+    name = write_shard(*where, inline, ks, vs, tables)
+    as_of = len(tables) - 1
+    data_cols = [*ks.names, *vs.names]
+    c = fresh_client(*where, inline)
+    try:
+        r = c.open_reader(name, ks, vs)
+        snap = r.snapshot(as_of)
+        got = model_snapshot([snap], as_of, data_cols)
+        assert got == model_snapshot(tables, as_of, data_cols)
+        assert all(d != 0 for d in snap.column("_diff").to_pylist())
+
+        streamed = [row for b in r.snapshot_stream(as_of) for row in _rows(b)]
+        assert streamed == _rows(snap)
+
+        schema = snap.schema
+        seen: dict[str, list[Any]] = {}
+        for t in tables:
+            for k, v in written_values(t).items():
+                seen.setdefault(k, []).extend(v)
+        filt = data.draw(filters(schema, seen), label="filter")
+        names = [*schema.names]
+        cols = data.draw(
+            st.none()
+            | st.permutations(names).flatmap(lambda p: st.integers(1, len(p)).map(lambda k: p[:k])),
+            label="columns",
+        )
+        try:
+            want = snap.filter(filt)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            with pytest.raises(InvalidUsage, match="filter"):
+                r.snapshot(as_of, filter=filt, columns=cols)
+            return
+        if cols is not None:
+            want = want.select(cols)
+        got_f = r.snapshot(as_of, filter=filt, columns=cols)
+        assert got_f.column_names == want.column_names
+        assert _rows(got_f) == _rows(want)
+    finally:
+        close_client(c)

@@ -430,15 +430,13 @@ def filters(
 # ----------------------------------------------------------------------- clients
 
 
-def fresh_client(stash_url: str, blob_url: str, inline: bool) -> PersistClient:
+def fresh_client(stash_url: str, blob_url: str, inline: bool, **options: Any) -> PersistClient:
     """A client over a new connection to ``stash_url`` and ``blob_url``, compaction and
-    GC off, writing every batch inline (``inline``) or to blob parts."""
+    GC off (unless ``options``, passed on to ``PersistClient``, say otherwise), writing
+    every batch inline (``inline``) or to blob parts."""
+    kwargs: dict[str, Any] = {"compaction": "off", "gc_interval_seconds": None, **options}
     return PersistClient(
-        Stash.open(stash_url),
-        blob_url,
-        compaction="off",
-        inline_max_bytes=1 << 20 if inline else 0,
-        gc_interval_seconds=None,
+        Stash.open(stash_url), blob_url, inline_max_bytes=1 << 20 if inline else 0, **kwargs
     )
 
 
@@ -456,11 +454,13 @@ def write_shard(
     ks: pa.Schema,
     vs: pa.Schema,
     tables: Sequence[pa.Table],
+    **options: Any,
 ) -> str:
     """A new shard (its name returned) holding one append per updates table of
-    ``tables``, the i-th over ``[i, i + 1)``, written by a :func:`fresh_client`."""
+    ``tables``, the i-th over ``[i, i + 1)``, written by a :func:`fresh_client` (with
+    ``options``)."""
     name = "s" + uuid.uuid4().hex
-    c = fresh_client(stash_url, blob_url, inline)
+    c = fresh_client(stash_url, blob_url, inline, **options)
     try:
         w = c.open_writer(name, ks, vs)
         for i, t in enumerate(tables):

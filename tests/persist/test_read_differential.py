@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from arrow_strategies import (
@@ -61,11 +62,48 @@ def _rows(table: pa.Table) -> list[tuple[Any, ...]]:
 
 
 @st.composite
-def _shards(draw: st.DrawFn) -> tuple[pa.Schema, pa.Schema, list[pa.Table], bool]:
+def _shards(draw: st.DrawFn) -> tuple[pa.Schema, pa.Schema, list[pa.Table], bool, str]:
     ks, vs = draw(shard_schemas())
     n = draw(st.integers(1, 3))
     tables = [draw(update_tables(ks, vs, times=(i,))) for i in range(n)]
-    return ks, vs, tables, draw(st.booleans())
+    return ks, vs, tables, draw(st.booleans()), draw(st.sampled_from(["off", "inline"]))
+
+
+def _check_reads(
+    r: Any, as_of: int, tables: list[pa.Table], data_cols: list[str], data: st.DataObject
+) -> None:
+    """The reads of ``r`` at ``as_of`` against the model of ``tables`` (see the module
+    docstring), with a drawn filter and projection."""
+    snap = r.snapshot(as_of)
+    assert model_snapshot([snap], as_of, data_cols) == model_snapshot(tables, as_of, data_cols)
+    assert all(d != 0 for d in snap.column("_diff").to_pylist())
+
+    streamed = [row for b in r.snapshot_stream(as_of) for row in _rows(b)]
+    assert streamed == _rows(snap)
+
+    schema = snap.schema
+    seen: dict[str, list[Any]] = {}
+    for t in tables:
+        for k, v in written_values(t).items():
+            seen.setdefault(k, []).extend(v[:50])
+    filt = data.draw(filters(schema, seen), label="filter")
+    names = [*schema.names]
+    cols = data.draw(
+        st.none()
+        | st.permutations(names).flatmap(lambda p: st.integers(1, len(p)).map(lambda k: p[:k])),
+        label="columns",
+    )
+    try:
+        want = snap.filter(filt)
+    except pa.ArrowException:
+        with pytest.raises(InvalidUsage, match="filter"):
+            r.snapshot(as_of, filter=filt, columns=cols)
+        return
+    if cols is not None:
+        want = want.select(cols)
+    got = r.snapshot(as_of, filter=filt, columns=cols)
+    assert got.column_names == want.column_names
+    assert _rows(got) == _rows(want)
 
 
 @settings(
@@ -76,46 +114,63 @@ def _shards(draw: st.DrawFn) -> tuple[pa.Schema, pa.Schema, list[pa.Table], bool
 @given(shard=_shards(), data=st.data())
 def test_reads_of_a_fresh_client_equal_the_model(
     where: tuple[str, str],
-    shard: tuple[pa.Schema, pa.Schema, list[pa.Table], bool],
+    shard: tuple[pa.Schema, pa.Schema, list[pa.Table], bool, str],
     data: st.DataObject,
 ) -> None:
-    ks, vs, tables, inline = shard
-    name = write_shard(*where, inline, ks, vs, tables)
-    as_of = len(tables) - 1
-    data_cols = [*ks.names, *vs.names]
+    ks, vs, tables, inline, compaction = shard
+    name = write_shard(*where, inline, ks, vs, tables, compaction=compaction)
     c = fresh_client(*where, inline)
     try:
         r = c.open_reader(name, ks, vs)
-        snap = r.snapshot(as_of)
-        got = model_snapshot([snap], as_of, data_cols)
-        assert got == model_snapshot(tables, as_of, data_cols)
-        assert all(d != 0 for d in snap.column("_diff").to_pylist())
+        _check_reads(r, len(tables) - 1, tables, [*ks.names, *vs.names], data)
+    finally:
+        close_client(c)
 
-        streamed = [row for b in r.snapshot_stream(as_of) for row in _rows(b)]
-        assert streamed == _rows(snap)
 
-        schema = snap.schema
-        seen: dict[str, list[Any]] = {}
-        for t in tables:
-            for k, v in written_values(t).items():
-                seen.setdefault(k, []).extend(v)
-        filt = data.draw(filters(schema, seen), label="filter")
-        names = [*schema.names]
-        cols = data.draw(
-            st.none()
-            | st.permutations(names).flatmap(lambda p: st.integers(1, len(p)).map(lambda k: p[:k])),
-            label="columns",
+@st.composite
+def _large_shards(draw: st.DrawFn) -> tuple[pa.Schema, pa.Schema, list[pa.Table]]:
+    """Two appends of about 20,000 updates each, their values drawn from a few dozen
+    per column (so parts hold dictionary pages, several row groups and key samples)."""
+    ks, vs = draw(shard_schemas(max_keys=1, max_values=2))
+    pools = [draw(update_tables(ks, vs, times=(0,), max_rows=30, dictionary=False)) for _ in "ab"]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    tables = []
+    for i, pool in enumerate(pools):
+        if pool.num_rows == 0:
+            tables.append(pool)
+            continue
+        idx = pa.array(rng.integers(0, pool.num_rows, size=_LARGE_ROWS), pa.int64())
+        t = pool.take(idx)
+        t = t.set_column(
+            t.schema.get_field_index("_time"), "_time", pa.array(np.full(t.num_rows, i))
         )
-        try:
-            want = snap.filter(filt)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            with pytest.raises(InvalidUsage, match="filter"):
-                r.snapshot(as_of, filter=filt, columns=cols)
-            return
-        if cols is not None:
-            want = want.select(cols)
-        got_f = r.snapshot(as_of, filter=filt, columns=cols)
-        assert got_f.column_names == want.column_names
-        assert _rows(got_f) == _rows(want)
+        tables.append(t)
+    return ks, vs, tables
+
+
+#: Updates per append of the large examples (two row groups of ROW_GROUP_MIN_ROWS and
+#: more than the dictionary read's threshold).
+_LARGE_ROWS = 40_000
+
+
+@settings(
+    max_examples=60 if _LONG else 4,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(shard=_large_shards(), data=st.data())
+def test_reads_of_large_blob_parts_equal_the_model(
+    where: tuple[str, str],
+    shard: tuple[pa.Schema, pa.Schema, list[pa.Table]],
+    data: st.DataObject,
+) -> None:
+    """As above, for parts of several row groups read with dictionary pages, cut into
+    key ranges by their samples, several parts per batch."""
+    ks, vs, tables = shard
+    name = write_shard(*where, False, ks, vs, tables, target_part_bytes=256 * 1024)
+    c = fresh_client(*where, False)
+    try:
+        r = c.open_reader(name, ks, vs)
+        _check_reads(r, 1, tables, [*ks.names, *vs.names], data)
     finally:
         close_client(c)

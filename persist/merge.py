@@ -103,7 +103,7 @@ def _decode_float(x: Any, t: pa.DataType) -> float:
     if isinstance(x, bool) or not isinstance(x, int | float | str):
         raise ValueError(f"{x!r:.80} is not a {t} key value")
     f = float(x)  # an int beyond float64's range raises OverflowError (an ArithmeticError)
-    exact = isinstance(x, str) or f == x
+    exact = isinstance(x, str) or f == x or math.isnan(f)
     if exact and t.bit_width == 32 and math.isfinite(f):
         exact = float(np.float32(f)) == f
     if not exact:

@@ -236,6 +236,9 @@ def prunable(filter: pc.Expression, schema: pa.Schema) -> bool:
     set of that column's type (or of integers, strings or binary values the column's
     integer, string or binary type holds exactly). ``False`` too when the expression cannot be read
     (pruning is then skipped, never wrong)."""
+    text = str(filter)
+    if "is_in(" not in text and "index_in(" not in text:
+        return True  # no set lookup (Arrow prints every call as ``name(arguments)``)
     try:
         return _value_sets_typed(expression_tree(filter), schema)
     except ValueError:

@@ -295,3 +295,46 @@ def test_a_filter_arrow_cannot_evaluate_raises_invalid_usage(
             assert r.snapshot(1).num_rows == 3
         finally:
             close_client(c)
+
+
+def _calls(node: Any, name: str) -> int:
+    from persist.exprs import Call
+
+    if not isinstance(node, Call):
+        return 0
+    return (node.name == name) + sum(_calls(a, name) for a in node.args)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_expression_tree_reads_every_filter_shape(data: Any) -> None:
+    """Every filter shape a read accepts parses into its tree (a parse failure would
+    only turn pruning off, silently: this keeps it on)."""
+    from arrow_strategies import filters, shard_schemas
+
+    from persist.exprs import expression_tree
+
+    ks, vs = data.draw(shard_schemas())
+    schema = updates_schema(ks, vs)
+    filt = data.draw(filters(schema))
+    tree = expression_tree(filt)
+    assert _calls(tree, "is_in") == str(filt).count("is_in(")
+
+
+def test_isin_of_the_columns_kind_still_prunes() -> None:
+    """An ``isin`` of Python ints on an int32 column, or of strs on a large_string one,
+    prunes as before; one of datetimes on a date column prunes nothing."""
+    table = pa.table(
+        {
+            "w": pa.array([5, 6], pa.int32()),
+            "s": pa.array(["a", "b"], pa.large_string()),
+            "d": pa.array([dt.date(2020, 1, 1)] * 2, pa.date32()),
+        }
+    )
+    parts = [(table_stats(table), 2)]
+    assert prune_mask(parts, table.schema, pc.field("w").isin([1, 2])) == [False]
+    assert prune_mask(parts, table.schema, pc.field("s").isin(["x"])) == [False]
+    assert prune_mask(parts, table.schema, pc.field("w").isin([1, 2**40])) == [True]
+    assert prune_mask(parts, table.schema, pc.field("d").isin([dt.date(2021, 1, 1)])) == [False]
+    late = pc.field("d").isin([dt.datetime(2020, 1, 1, 5)])
+    assert prune_mask(parts, table.schema, late) == [True]

@@ -180,19 +180,21 @@ def check_filter(
     """``filter`` checked against the updates ``schema``, and whether it is a *row*
     filter: one over key and value columns only.
 
-    A row filter may be used to prune parts by their statistics, and, when it reads no
-    float column, applied to updates before they are consolidated: a (key, value) row's
-    diff is the sum of its updates' diffs, and every update of that row has the same
-    key and value columns, so the filter keeps all of them or none; consolidating the
-    kept updates gives exactly the kept rows of the consolidated snapshot. Updates of
-    one row may differ in a float column, though: consolidation takes ``-0.0`` for
-    ``0.0`` and every NaN for one value, which a filter can tell apart (``is_in`` tells
-    ``-0.0`` from ``0.0``), so a filter reading a float column is applied
-    only after consolidating the updates of the parts pruning kept (pruning stays
-    sound: statistics hold no float column, so a part is pruned only when the filter is
-    false whatever its floats). A filter that reads ``_time`` or ``_diff`` is only
-    applied to the consolidated snapshot (where ``_time`` is the read time and
-    ``_diff`` the summed diff).
+    A row filter may be used to prune parts by their statistics, and applied to updates
+    before they are consolidated: a (key, value) row's diff is the sum of its updates'
+    diffs, and every update of that row has the same key and value columns, so the
+    filter keeps all of them or none; consolidating the kept updates gives exactly the
+    kept rows of the consolidated snapshot. Updates of one row may differ in a float
+    column, though: consolidation takes ``-0.0`` for ``0.0`` and every NaN for one
+    value, which a filter can tell apart (``is_in`` tells ``-0.0`` from ``0.0``). So the
+    filter applied to updates also keeps every update with a zero or NaN in a float
+    column the filter reads (:func:`_update_filter`), and the filter itself is applied
+    to the consolidated rows. Pruning stays sound: statistics hold no float column, so
+    a part is pruned only when the filter is false whatever its floats. Which of the
+    equal values (``0.0`` or ``-0.0``, which NaN) a consolidated row shows is not
+    specified. A filter that reads ``_time`` or ``_diff`` is only applied to the
+    consolidated snapshot (where ``_time`` is the read time and ``_diff`` the summed
+    diff).
 
     Raises:
         InvalidUsage: ``filter`` is not a ``pyarrow.compute.Expression``, references a
@@ -232,11 +234,26 @@ def filter_columns(
     return out
 
 
-def _reads_float(filter: pc.Expression, schema: pa.Schema) -> bool:
-    """Whether ``filter`` (which applies to ``schema``) reads a float column."""
+def _float_columns_read(filter: pc.Expression, schema: pa.Schema) -> list[str]:
+    """The float columns of ``schema`` that ``filter`` (which applies to it) reads."""
     text = str(filter)  # names every column the filter reads (binding is much slower)
     floats = [f.name for f in schema if pa.types.is_floating(f.type) and f.name in text]
-    return bool(floats) and bool(filter_columns(filter, schema, floats))
+    return filter_columns(filter, schema, floats) if floats else []
+
+
+def _update_filter(filter: pc.Expression, schema: pa.Schema) -> pc.Expression:
+    """The filter a row filter applies to *updates* before they are consolidated (see
+    :func:`check_filter`): ``filter`` itself, or, when it reads float columns, ``filter``
+    or any of them is a zero or NaN (the values whose updates consolidation may merge
+    while the filter tells them apart: all updates of such a row are kept, and the
+    exact filter is applied to the consolidated rows)."""
+    ambiguous: pc.Expression | None = None
+    for name in _float_columns_read(filter, schema):
+        f = pc.field(name)
+        zero = pa.scalar(0.0, schema.field(name).type)
+        either = pc.is_nan(f) | (f == zero)
+        ambiguous = either if ambiguous is None else ambiguous | either
+    return filter if ambiguous is None else filter | ambiguous
 
 
 def check_columns(columns: Sequence[str] | None, schema: pa.Schema) -> list[str] | None:
@@ -448,9 +465,10 @@ def snapshot_table(
 
     Parts that cannot contribute are not fetched (:func:`prune_batches`): those whose
     times all lie after ``as_of``, and, for a row filter (:func:`check_filter`), those
-    whose statistics show no row can pass it. A row filter reading no float column is
-    applied to the updates before they are consolidated, any other filter to the
-    consolidated rows (see :func:`check_filter`).
+    whose statistics show no row can pass it. A row filter is applied to the updates
+    before they are consolidated (keeping, too, those with a zero or NaN in a float
+    column it reads), and every filter to the consolidated rows (see
+    :func:`check_filter`).
 
     When the data is one run whose parts hold a single time (e.g. a shard written by one
     append, or compacted up to its since) it is already consolidated (every writer of a
@@ -489,7 +507,7 @@ def snapshot_table(
         read_cols = [n for n in schema.names if n in wanted]
     refs, floors, rows = _layout(batches)
     table = _read_refs(blob, refs, schema, max_workers, schemas, read_cols)
-    pre = filt if row_filter and not _reads_float(filt, schema) else None
+    pre = _update_filter(filt, schema) if filt is not None and row_filter else None
     table = _snapshot_of(
         table, batches, floors, rows, key_names, value_names, as_of, read_cols, pre, keeps_runs
     )

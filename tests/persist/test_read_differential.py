@@ -13,13 +13,14 @@ reference, key sample and statistic is decoded from the stash) and compares:
 * ``snapshot(as_of, filter=f, columns=c)`` with ``snapshot(as_of).filter(f).select(c)``,
   row for row, or, where that raises, with an ``InvalidUsage`` naming the filter.
 
-Examples are bounded for ``make test``; ``STASH_RELIABILITY=long`` runs many more.
+Examples are bounded for ``make test``; ``STASH_RELIABILITY=long`` runs many more. Each
+run records its figures as a reliability campaign row (``tests/reliability/campaign.py``).
 """
 
 from __future__ import annotations
 
 import json
-import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from arrow_strategies import (
+    COLUMN_TYPES,
     canonical_rows,
     close_client,
     filters,
@@ -38,6 +40,7 @@ from arrow_strategies import (
     write_shard,
     written_values,
 )
+from campaign import record, runs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,9 +51,6 @@ from persist.updates import updates_schema
 from stash import Stash
 from stash.codec import canonical_json
 
-_LONG = os.environ.get("STASH_RELIABILITY") == "long"
-_EXAMPLES = 600 if _LONG else 40
-
 
 @pytest.fixture(scope="module")
 def where(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
@@ -60,6 +60,33 @@ def where(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
     url = f"sqlite:///{d / 'stash.db'}"
     Stash.open(url).close()
     yield url, f"file://{d / 'blob'}"
+
+
+@pytest.fixture(scope="module")
+def tally() -> Iterator[dict[str, Counter[str]]]:
+    """Counts of the module's examples, recorded as reliability campaign rows at its end
+    (``docs/reliability.md``): runs, reads compared with the model (``acknowledged``),
+    filters refused with ``InvalidUsage`` where ``snapshot().filter()`` raises
+    (``faults``); a mismatch or a raw Arrow error fails the test instead."""
+    counts: dict[str, Counter[str]] = {"small": Counter(), "large": Counter()}
+    yield counts
+    names = {
+        "small": "reads: every column type and filter shape, inline and blob parts, fresh client",
+        "large": "reads: large blob parts (row groups, dictionaries, key ranges), fresh client",
+    }
+    for kind, c in counts.items():
+        if c["runs"]:
+            record(
+                names[kind],
+                runs=c["runs"],
+                faults=c["refused"],
+                acknowledged=c["reads"],
+                lost=0,
+                duplicated=0,
+                partial=0,
+                unclear=0,
+                types=len(COLUMN_TYPES),
+            )
 
 
 def _rows(table: pa.Table) -> list[tuple[Any, ...]]:
@@ -75,10 +102,16 @@ def _shards(draw: st.DrawFn) -> tuple[pa.Schema, pa.Schema, list[pa.Table], bool
 
 
 def _check_reads(
-    r: Any, as_of: int, tables: list[pa.Table], data_cols: list[str], data: st.DataObject
+    r: Any,
+    as_of: int,
+    tables: list[pa.Table],
+    data_cols: list[str],
+    data: st.DataObject,
+    tally: Counter[str],
 ) -> None:
     """The reads of ``r`` at ``as_of`` against the model of ``tables`` (see the module
-    docstring), with a drawn filter and projection."""
+    docstring), with a drawn filter and projection; ``tally`` counts the reads compared
+    and the filters refused (as ``snapshot().filter()`` refuses them)."""
     snap = r.snapshot(as_of)
     assert model_snapshot([snap], as_of, data_cols) == model_snapshot(tables, as_of, data_cols)
     assert all(d != 0 for d in snap.column("_diff").to_pylist())
@@ -103,22 +136,26 @@ def _check_reads(
     except pa.ArrowException:
         with pytest.raises(InvalidUsage, match="filter"):
             r.snapshot(as_of, filter=filt, columns=cols)
+        tally["refused"] += 1
+        tally["reads"] += 2
         return
     if cols is not None:
         want = want.select(cols)
     got = r.snapshot(as_of, filter=filt, columns=cols)
     assert got.column_names == want.column_names
     assert _rows(got) == _rows(want)
+    tally["reads"] += 3
 
 
 @settings(
-    max_examples=_EXAMPLES,
+    max_examples=runs(40, 600),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(shard=_shards(), data=st.data())
 def test_reads_of_a_fresh_client_equal_the_model(
     where: tuple[str, str],
+    tally: dict[str, Counter[str]],
     shard: tuple[pa.Schema, pa.Schema, list[pa.Table], bool, str],
     data: st.DataObject,
 ) -> None:
@@ -127,7 +164,8 @@ def test_reads_of_a_fresh_client_equal_the_model(
     c = fresh_client(*where, inline)
     try:
         r = c.open_reader(name, ks, vs)
-        _check_reads(r, len(tables) - 1, tables, [*ks.names, *vs.names], data)
+        _check_reads(r, len(tables) - 1, tables, [*ks.names, *vs.names], data, tally["small"])
+        tally["small"]["runs"] += 1
     finally:
         close_client(c)
 
@@ -159,13 +197,14 @@ _LARGE_ROWS = 40_000
 
 
 @settings(
-    max_examples=60 if _LONG else 4,
+    max_examples=runs(4, 60),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(shard=_large_shards(), data=st.data())
 def test_reads_of_large_blob_parts_equal_the_model(
     where: tuple[str, str],
+    tally: dict[str, Counter[str]],
     shard: tuple[pa.Schema, pa.Schema, list[pa.Table]],
     data: st.DataObject,
 ) -> None:
@@ -176,8 +215,10 @@ def test_reads_of_large_blob_parts_equal_the_model(
     c = fresh_client(*where, False)
     try:
         r = c.open_reader(name, ks, vs)
-        _check_reads(r, 1, tables, [*ks.names, *vs.names], data)
+        _check_reads(r, 1, tables, [*ks.names, *vs.names], data, tally["large"])
         _check_key_ranges(c, r, ks, vs, data)
+        tally["large"]["runs"] += 1
+        tally["large"]["reads"] += 1
     finally:
         close_client(c)
 

@@ -279,6 +279,7 @@ def prune_mask(
     if not parts:
         return []
     if not prunable(filter, schema):
+        schema.empty_table().filter(filter)  # raises if the filter does not apply
         return [True] * len(parts)
     owners: list[int] = []
     exprs: list[pc.Expression] = []

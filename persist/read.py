@@ -26,8 +26,10 @@ Invariants kept here:
   only the parts (and, for a bounded range, the Parquet row groups) overlapping the
   current range; parts without key samples are read whole;
   ``snapshot(as_of, filter=f, columns=c)`` is exactly ``snapshot(as_of).filter(f)
-  .select(c)``: a part is skipped only when its statistics prove it holds no update at
-  or before ``as_of`` or no row a key/value filter keeps (:func:`prune_batches`);
+  .select(c)`` (or raises ``InvalidUsage`` naming ``f`` where that raises): a part is
+  skipped only when its statistics prove it holds no update at or before ``as_of`` or
+  no row a key/value filter keeps (:func:`prune_batches`), updates are filtered before
+  consolidation only as :mod:`persist.filters` allows;
 * a reader holds a *seqno* in the state (its lease's seqno hold): never later than the
   oldest version a read of this handle is using (a ``snapshot`` in progress, the last
   ``snapshot_batches``), so GC keeps every part those versions reference; a snapshot

@@ -26,8 +26,10 @@ Invariants kept here:
   only the parts (and, for a bounded range, the Parquet row groups) overlapping the
   current range; parts without key samples are read whole;
   ``snapshot(as_of, filter=f, columns=c)`` is exactly ``snapshot(as_of).filter(f)
-  .select(c)``: a part is skipped only when its statistics prove it holds no update at
-  or before ``as_of`` or no row a key/value filter keeps (:func:`prune_batches`);
+  .select(c)`` (or raises ``InvalidUsage`` naming ``f`` where that raises): a part is
+  skipped only when its statistics prove it holds no update at or before ``as_of`` or
+  no row a key/value filter keeps (:func:`prune_batches`), updates are filtered before
+  consolidation only as :mod:`persist.filters` allows;
 * a reader holds a *seqno* in the state (its lease's seqno hold): never later than the
   oldest version a read of this handle is using (a ``snapshot`` in progress, the last
   ``snapshot_batches``), so GC keeps every part those versions reference; a snapshot
@@ -72,6 +74,14 @@ import pyarrow.parquet as pq
 from persist.blob import Blob
 from persist.consensus import ShardMachine, Stale
 from persist.errors import CorruptPart, InvalidUsage, PersistError, SinceViolation
+from persist.filters import (
+    FILTER_ERRORS,
+    apply_filter,
+    check_columns,
+    check_filter,
+    filter_columns,
+    update_filter,
+)
 from persist.handle import ShardHandle
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.parts import TIME, consolidate, read_parts
@@ -89,6 +99,7 @@ __all__ = [
     "Listen",
     "ListenEvent",
     "ReadHandle",
+    "apply_filter",
     "check_columns",
     "check_filter",
     "prune_batches",
@@ -145,80 +156,6 @@ def _read_refs(
     return read_parts(
         blob, refs, columns=columns, schema=schema, max_workers=workers, conform=schemas
     )
-
-
-# ------------------------------------------------------- filters and projection
-
-
-def check_filter(
-    filter: pc.Expression | None,
-    schema: pa.Schema,
-    key_names: Sequence[str],
-    value_names: Sequence[str],
-) -> tuple[pc.Expression | None, bool]:
-    """``filter`` checked against the updates ``schema``, and whether it is a *row*
-    filter: one over key and value columns only.
-
-    A row filter may be applied to updates before they are consolidated, and used to
-    prune parts by their statistics: a (key, value) row's diff is the sum of its
-    updates' diffs, and every update of that row has the same key and value columns, so
-    the filter keeps all of them or none; consolidating the kept updates gives exactly
-    the kept rows of the consolidated snapshot. A filter that reads ``_time`` or
-    ``_diff`` is only applied to the consolidated snapshot (where ``_time`` is the read
-    time and ``_diff`` the summed diff).
-
-    Raises:
-        InvalidUsage: ``filter`` is not a ``pyarrow.compute.Expression``, references a
-            column the shard does not have, or is not boolean.
-    """
-    if filter is None:
-        return None, False
-    if not isinstance(filter, pc.Expression):
-        raise InvalidUsage(
-            f"filter must be a pyarrow.compute.Expression, got {type(filter).__name__}"
-        )
-    try:
-        schema.empty_table().filter(filter)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-        raise InvalidUsage(f"filter {filter} does not apply to the shard's rows: {e}") from None
-    rows = pa.schema([schema.field(n) for n in [*key_names, *value_names]])
-    try:
-        rows.empty_table().filter(filter)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-        return filter, False
-    return filter, True
-
-
-def filter_columns(filter: pc.Expression, schema: pa.Schema) -> list[str]:
-    """The columns of ``schema`` that ``filter`` (which applies to ``schema``) reads:
-    those without which it no longer binds."""
-    out = []
-    for name in schema.names:
-        rest = pa.schema([f for f in schema if f.name != name])
-        try:
-            rest.empty_table().filter(filter)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            out.append(name)
-    return out
-
-
-def check_columns(columns: Sequence[str] | None, schema: pa.Schema) -> list[str] | None:
-    """``columns`` as a list, checked: names of ``schema``'s columns, none twice.
-
-    Raises:
-        InvalidUsage: not a sequence of names, an unknown name, or a repeated one.
-    """
-    if columns is None:
-        return None
-    if isinstance(columns, (str, bytes)) or not isinstance(columns, Sequence):
-        raise InvalidUsage(f"columns must be a list of column names, got {type(columns).__name__}")
-    out = list(columns)
-    unknown = [c for c in out if not isinstance(c, str) or schema.get_field_index(c) < 0]
-    if unknown:
-        raise InvalidUsage(f"columns {unknown} are not columns of the shard ({schema.names})")
-    if len(set(out)) != len(out):
-        raise InvalidUsage(f"columns {out} name a column twice")
-    return out
 
 
 def slice_batch(batch: HollowBatch, indexes: Sequence[int]) -> HollowBatch:
@@ -412,7 +349,9 @@ def snapshot_table(
     Parts that cannot contribute are not fetched (:func:`prune_batches`): those whose
     times all lie after ``as_of``, and, for a row filter (:func:`check_filter`), those
     whose statistics show no row can pass it. A row filter is applied to the updates
-    before they are consolidated, any other filter to the consolidated rows.
+    before they are consolidated (keeping, too, those with a zero or NaN in a float
+    column it reads), and every filter to the consolidated rows (see
+    :func:`check_filter`).
 
     When the data is one run whose parts hold a single time (e.g. a shard written by one
     append, or compacted up to its since) it is already consolidated (every writer of a
@@ -429,7 +368,8 @@ def snapshot_table(
     the view's value columns.
 
     Raises:
-        InvalidUsage: ``as_of`` is not an i64 time; a bad ``filter`` or ``columns``.
+        InvalidUsage: ``as_of`` is not an i64 time; a bad ``filter`` or ``columns``; a
+            filter Arrow cannot evaluate on the snapshot's rows.
         CorruptPart: a part is missing or corrupt (naming its blob key).
         BlobError: a fetch failed.
     """
@@ -450,12 +390,12 @@ def snapshot_table(
         read_cols = [n for n in schema.names if n in wanted]
     refs, floors, rows = _layout(batches)
     table = _read_refs(blob, refs, schema, max_workers, schemas, read_cols)
-    pre = filt if row_filter else None
+    pre = update_filter(filt, schema) if filt is not None and row_filter else None
     table = _snapshot_of(
         table, batches, floors, rows, key_names, value_names, as_of, read_cols, pre, keeps_runs
     )
     if filt is not None:
-        table = table.filter(filt)  # exact (again, for a row filter: a no-op)
+        table = apply_filter(table, filt)  # exact (again, for a row filter: a no-op)
     return table if cols is None else table.select(cols)
 
 
@@ -494,7 +434,7 @@ def _older_snapshot(
     table = history.plan(newest, dst).apply(table)
     table = consolidate(table, list(key_names), list(value_names), since=as_of)
     if filt is not None:
-        table = table.filter(filt)
+        table = apply_filter(table, filt)
     return table if cols is None else table.select(cols)
 
 
@@ -529,7 +469,12 @@ def _snapshot_of(
         raise AssertionError("a projected read of data that is not one single-time run")
     table = _advance_and_filter(table, floors, rows, None, as_of + 1 if as_of < 2**63 - 1 else None)
     if row_filter is not None:
-        table = table.filter(row_filter)
+        try:
+            table = table.filter(row_filter)
+        except FILTER_ERRORS:
+            # Arrow fails on these updates: consolidate them all, so that the caller's
+            # filter of the snapshot raises (or not) exactly as on the snapshot itself.
+            pass
     return consolidate(table, list(key_names), list(value_names), since=as_of)
 
 
@@ -1240,7 +1185,9 @@ class ReadHandle(ShardHandle):
             LeaseExpired: this reader's lease was lost (it was dropped from the shard
                 state), e.g. while waiting.
             InvalidUsage: ``as_of`` is at or beyond the upper (without ``wait``); a
-                bad ``filter`` or ``columns`` (checked before anything is read).
+                bad ``filter`` or ``columns`` (checked before anything is read); a
+                filter Arrow cannot evaluate on the snapshot's rows (where
+                ``snapshot(as_of).filter(filter)`` raises).
             CorruptPart: a part is missing or corrupt (naming its blob key).
             BlobError, ConsensusError: storage failed.
         """

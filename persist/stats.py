@@ -18,7 +18,8 @@ Invariants kept here:
 
 * a part is pruned (:func:`prune_mask`) only when Arrow proves, from the part's
   statistics alone, that the filter is false or null on every row the part can hold
-  (every row satisfies one of the part's :func:`guarantees`);
+  (every row satisfies one of the part's :func:`guarantees`), and only with a filter
+  whose simplification agrees with its evaluation (:func:`persist.exprs.prunable`);
   a part without statistics (written before they existed, inline, or with columns
   whose statistics were not recorded) is never pruned for that column;
 * ``nulls`` counts the nulls of the column; a column whose values are all null has
@@ -42,6 +43,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
+
+from persist.exprs import prunable
 
 #: Strings and binary values longer than this (bytes) are not recorded as min or max.
 MAX_STAT_BYTES = 64
@@ -265,11 +268,19 @@ def prune_mask(
         schema: the columns ``filter`` may reference, with their types.
         filter: a boolean Arrow expression over ``schema``'s columns.
 
+    Pruning is conservative: a filter whose simplification Arrow may disagree with its
+    evaluation (an ``is_in`` of values of another type than the column's, see
+    :func:`persist.exprs.prunable`), or that Arrow cannot simplify under the bounds,
+    prunes nothing.
+
     Raises:
         pyarrow.ArrowInvalid: ``filter`` references a column not in ``schema``.
     """
     if not parts:
         return []
+    if not prunable(filter, schema):
+        schema.empty_table().filter(filter)  # raises if the filter does not apply
+        return [True] * len(parts)
     owners: list[int] = []
     exprs: list[pc.Expression] = []
     for i, (stats, rows) in enumerate(parts):
@@ -284,7 +295,13 @@ def prune_mask(
         filesystem=pafs.LocalFileSystem(),  # never opened: only the guarantees are used
         partitions=exprs,
     )
-    kept = {frag.path for frag in dataset.get_fragments(filter=filter)}
+    try:
+        kept = {frag.path for frag in dataset.get_fragments(filter=filter)}
+    except pa.ArrowException:
+        schema.empty_table().filter(filter)  # raises if the filter does not apply
+        # It applies, but Arrow cannot simplify it under some guarantee (no common
+        # type of a literal and a bound): prune nothing.
+        return [True] * len(parts)
     out = [False] * len(parts)
     for owner, path in zip(owners, paths, strict=True):
         if path in kept:

@@ -266,13 +266,36 @@ def to_updates_table(
                 f"unexpected {extra}"
             )
         cols = [_conform_column(f.name, updates.column(f.name), f) for f in schema]
-        return pa.Table.from_arrays(cols, schema=schema)
+        return check_whole_days(pa.Table.from_arrays(cols, schema=schema))
     if isinstance(updates, (str, bytes)) or not isinstance(updates, Sequence):
         raise InvalidUsage(
             "updates must be a pyarrow Table/RecordBatch or a list of "
             f"((key, value), time, diff), not {type(updates).__name__}"
         )
-    return _from_rows(updates, schema, len(key_schema))
+    return check_whole_days(_from_rows(updates, schema, len(key_schema)))
+
+
+_MS_PER_DAY = 86_400_000
+
+
+def check_whole_days(table: pa.Table) -> pa.Table:
+    """Refuse ``date64`` values that are not whole days.  Parquet has no ``date64``: it
+    stores a date as days (``DATE``), so a part would read back ``1 ms`` as ``0`` while
+    an inline part kept it; Arrow's own docs say ``date64`` values are to be multiples
+    of 86,400,000 ms.  Returns ``table``; raises :class:`InvalidUsage` naming the column
+    and its first offending value."""
+    for f in table.schema:
+        if not pa.types.is_date64(f.type):
+            continue
+        ms = table.column(f.name).cast(pa.int64())
+        bad = pc.not_equal(pc.multiply(pc.divide(ms, _MS_PER_DAY), _MS_PER_DAY), ms)
+        if pc.any(bad).as_py():
+            first = ms.filter(bad)[0].as_py()
+            raise InvalidUsage(
+                f"column {f.name!r} (date64) holds {first} ms, not a whole day: date64 "
+                "values must be multiples of 86,400,000 ms (Parquet stores dates as days)"
+            )
+    return table
 
 
 # ------------------------------------------------------------ schema evolution

@@ -97,6 +97,7 @@ from persist.parts import (
     write_parts,
 )
 from persist.read import read_batch
+from persist.updates import check_whole_days
 from persist.spine import FueledMergeReq, worth_compacting
 from persist.state import (
     TOKEN_SEP,
@@ -495,7 +496,9 @@ class WriteHandle(ShardHandle):
             else:
                 return to_updates_table(updates, self.key_schema, self.value_schema)
             if all(updates.column(i).null_count == 0 for i in self._not_null):
-                return updates if same else pa.Table.from_arrays(updates.columns, schema=schema)
+                return check_whole_days(
+                    updates if same else pa.Table.from_arrays(updates.columns, schema=schema)
+                )
         return to_updates_table(updates, self.key_schema, self.value_schema)
 
     def _write_run(

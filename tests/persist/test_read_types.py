@@ -33,11 +33,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from persist.decoding import INLINE_CACHE, decode_part
+from persist.errors import InvalidUsage
 from persist.encoding import encode_inline_part, encode_part, make_part_ref
 from persist.merge import decode_keys, encode_keys
 from persist.stats import prune_mask, table_stats
 from persist.updates import updates_schema
-from stash import Stash
+from stash import Antichain, Stash
 from stash.codec import canonical_json
 
 
@@ -109,6 +110,33 @@ def test_second_timestamps_read_back_from_blob_parts(
         assert canonical_rows(snap, ["k", "v"]) == [(1, 18_000 * day), (2, -day), (3, 0)]
         assert r.snapshot(1, filter=pc.field("k") >= 2, columns=["v"]).num_rows == 2
         assert sum(b.num_rows for b in r.snapshot_stream(1)) == 3
+    finally:
+        close_client(c)
+
+
+@pytest.mark.parametrize("inline", [False, True])
+@pytest.mark.parametrize("ms", [1, -1, 86_400_000 + 3_600_000])
+def test_date64_that_is_not_a_whole_day_is_refused_and_nothing_is_written(
+    where: tuple[str, str], inline: bool, ms: int
+) -> None:
+    """A ``date64`` value that is not a whole day is refused on write, naming the column
+    and the value, for every path a write takes (rows, tables, blob and inline parts):
+    Parquet stores dates as days, so a blob part would read it back as another value
+    than an inline part keeps.  Nothing is committed."""
+    ks = pa.schema([("k", pa.int64())])
+    vs = pa.schema([("d", pa.date64())])
+    c = fresh_client(*where, inline)
+    try:
+        w = c.open_writer("d64", ks, vs)
+        with pytest.raises(InvalidUsage, match=r"'d' \(date64\) holds .* not a whole day"):
+            w.compare_and_append([(((1,), (ms,)), 0, 1)], 0, 1)
+        with pytest.raises(InvalidUsage, match="not a whole day"):
+            w.compare_and_append(_updates(ks, vs, [(1, 86_400_000, 1), (2, ms, 1)], 0), 0, 1)
+        assert w.upper == Antichain.from_elem(0)
+        w.compare_and_append([(((1,), (86_400_000,)), 0, 1)], 0, 1)
+        assert canonical_rows(c.open_reader("d64", ks, vs).snapshot(0), ["k", "d"]) == [
+            (1, 86_400_000)
+        ]
     finally:
         close_client(c)
 

@@ -97,7 +97,6 @@ from persist.parts import (
     write_parts,
 )
 from persist.read import read_batch
-from persist.updates import check_whole_days
 from persist.spine import FueledMergeReq, worth_compacting
 from persist.state import (
     TOKEN_SEP,
@@ -108,6 +107,7 @@ from persist.state import (
     token_verdict,
 )
 from persist.types import Description, HollowBatch, PartRef
+from persist.updates import check_whole_days
 from stash import Antichain
 
 if TYPE_CHECKING:

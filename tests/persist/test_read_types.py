@@ -33,8 +33,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from persist.decoding import INLINE_CACHE, decode_part
-from persist.errors import InvalidUsage
 from persist.encoding import encode_inline_part, encode_part, make_part_ref
+from persist.errors import InvalidUsage
 from persist.merge import decode_keys, encode_keys
 from persist.stats import prune_mask, table_stats
 from persist.updates import updates_schema

@@ -29,6 +29,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from spark.arrow_spark import to_spark_column
 from spark.persist_common import DIFF, TIME, PersistSourceError, ReadSettings, persist_client
 from spark.persist_planning import (
     KeyRangePartition,
@@ -125,7 +126,8 @@ def expand_table(table: pa.Table, shard: str) -> pa.Table:
 def _to_output(
     table: pa.Table, schema: StructType, time_column: str | None, diff_column: str | None
 ) -> pa.Table:
-    """Rename ``_time``/``_diff`` and cast to the exact Arrow schema Spark expects."""
+    """Rename ``_time``/``_diff`` and convert to the exact Arrow schema Spark expects
+    (:func:`spark.arrow_spark.to_spark_column`: sub-microsecond parts are floored)."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
     target = to_arrow_schema(schema, timezone="UTC")
@@ -137,7 +139,7 @@ def _to_output(
             src = table.column(DIFF)
         else:
             src = table.column(f.name)
-        cols.append(src.cast(f.type))
+        cols.append(to_spark_column(src, f.type))
     return pa.Table.from_arrays(cols, schema=target)
 
 
@@ -228,7 +230,10 @@ class PersistBatchReader(DataSourceReader):
             persist_client(s.target) as client,
             client.open_reader(s.target.shard, s.key_schema, s.value_schema) as read,
         ):
-            as_of = resolve_as_of(read, s.as_of, s.target.shard)
+            # since, upper and parts from one state version read after the reader's
+            # since hold was taken (so the since cannot pass the time decided on).
+            state = client.inspect(s.target.shard)
+            as_of = resolve_as_of(state, s.as_of, s.target.shard, client.blob)
             if as_of is None:
                 return []
             batches = read.snapshot_batches(as_of)

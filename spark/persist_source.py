@@ -122,7 +122,6 @@ from spark.persist_common import (
     DEFAULT_PARTITION_BYTES,
     DIFF,
     READ_OPTIONS,
-    WRITE_OPTIONS,
     PersistSourceError,
     ReadSettings,
     ShardTarget,
@@ -130,6 +129,7 @@ from spark.persist_common import (
     _opt_int,
     _truthy,
     arrow_to_spark,
+    check_write_options,
     registered_schemas,
 )
 from spark.persist_reader import PersistBatchReader, PersistPushdownReader
@@ -280,7 +280,8 @@ class PersistDataSource(DataSource):
 
     @staticmethod
     def _output_schema(s: ReadSettings) -> StructType:
-        fields = list(arrow_to_spark(pa.schema(list(s.key_schema) + list(s.value_schema))).fields)
+        columns = pa.schema(list(s.key_schema) + list(s.value_schema))
+        fields = list(arrow_to_spark(columns, s.target.shard).fields)
         if s.time_column is not None:
             fields.append(StructField(s.time_column, LongType(), True))
         if s.diff_column is not None:
@@ -300,7 +301,7 @@ class PersistDataSource(DataSource):
 
     # ------------------------------------------------------------- writing
     def writer(self, schema: StructType, overwrite: bool) -> PersistWriter:
-        check_names(self.options, WRITE_OPTIONS, "writing a persist shard", PersistSourceError)
+        check_write_options(self.options)
         if overwrite:
             raise PersistSourceError(SAVE_MODES)
         target = _target(self.options)

@@ -5,8 +5,8 @@ Invariants kept here:
 * :func:`decode_part` never returns data whose SHA-256 differs from the
   :class:`~persist.types.PartRef`'s checksum: it raises
   :class:`~persist.errors.CorruptPart` naming the part's key instead;
-* column types come back exactly: ``date64`` and ``time32[s]``, which Parquet stores
-  otherwise, are restored on decode, and string and binary columns read as dictionaries
+* column types come back exactly: ``date64``, ``time32[s]`` and ``timestamp[s]``,
+  which Parquet stores otherwise, are restored on decode, and string and binary columns read as dictionaries
   (:func:`_dictionary_columns`) are expanded to their stored type;
 * :data:`INLINE_CACHE` answers only a ref carrying the very ``bytes`` object this process
   encoded or already verified, with the table those bytes decode to.
@@ -110,11 +110,28 @@ class _InlineCache:
 INLINE_CACHE = _InlineCache(64 * _MIB)
 
 
+def _maybe_coerced(t: pa.DataType) -> bool:
+    """Whether a column read as ``t`` may have been stored as another Arrow type: the
+    types Parquet coerces ``date64``, ``time32[s]`` and ``timestamp[s]`` to."""
+    return bool(
+        pa.types.is_date32(t)
+        or pa.types.is_time32(t)
+        or (pa.types.is_timestamp(t) and t.unit == "ms")
+    )
+
+
 def _restore_coerced_types(table: pa.Table, pf: pq.ParquetFile) -> pa.Table:
     """Give back the Arrow types that Parquet cannot hold and Arrow's reader does not
-    restore from the stored Arrow schema: ``date64`` (written as a 32-bit date) and
-    ``time32[s]`` (written in milliseconds). Both casts are exact."""
-    if not any(pa.types.is_date32(t) or pa.types.is_time32(t) for t in table.schema.types):
+    restore from the stored Arrow schema: ``date64`` (written as a 32-bit date),
+    ``time32[s]`` and ``timestamp[s]`` with or without a zone (written in
+    milliseconds): a column read as one of the types they are coerced to
+    (:func:`_maybe_coerced`) is cast to its type in the stored schema. Each cast is checked to be exact (Arrow's safe cast: a value that does not fit
+    raises, and is reported as a corrupt part by the caller).
+
+    Source: pyarrow's Parquet writer coerces these units (``parquet/arrow/schema.cc``,
+    Parquet having no second or 64-bit date logical type); its reader restores only
+    what the stored ``ARROW:schema`` lets it."""
+    if not any(_maybe_coerced(t) for t in table.schema.types):
         return table
     raw = (pf.metadata.metadata or {}).get(b"ARROW:schema")
     if raw is None:
@@ -125,8 +142,8 @@ def _restore_coerced_types(table: pa.Table, pf: pq.ParquetFile) -> pa.Table:
         if j < 0:
             continue
         want = stored.field(j).type
-        if want != f.type and (pa.types.is_date64(want) or pa.types.is_time32(want)):
-            table = table.set_column(i, f.with_type(want), table.column(i).cast(want))
+        if want != f.type and not pa.types.is_dictionary(f.type):
+            table = table.set_column(i, f.with_type(want), table.column(i).cast(want, safe=True))
     return table
 
 

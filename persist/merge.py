@@ -24,8 +24,9 @@ Invariants kept here:
 * a part is listed for every range its first..last sampled keys overlap (a part without
   samples makes :func:`plan_ranges` refuse to cut: callers read such shards whole);
 * encoding a key sample and decoding it with the same key schema gives back equal values
-  (exactly, including NaN, infinities, ``-0.0`` as ``0.0``'s equal, decimals, binary and
-  temporal values);
+  (exactly, including NaN, infinities, ``-0.0``, whole floats beyond the integers a
+  float holds exactly (which the stash's canonical JSON writes as integers), decimals,
+  binary and temporal values);
 * everything is vectorised (Arrow compute and numpy); Python loops run over parts, runs
   and cuts, never over every row (placing a cut in a sorted part reads about
   ``log2(rows)`` of its rows, :func:`cut_positions`).
@@ -81,16 +82,42 @@ def _int_view(t: pa.DataType) -> pa.DataType | None:
     return None
 
 
+def _encode_float(x: float) -> float | str:
+    """A float key value as JSON: finite numbers as numbers (the stash's canonical JSON
+    then writes a whole one as an integer, which :func:`_decode_float` reads back
+    exactly), NaN, infinities and ``-0.0`` as their ``repr`` strings."""
+    if not math.isfinite(x) or (x == 0.0 and math.copysign(1.0, x) < 0):
+        return repr(float(x))
+    return x
+
+
+def _decode_float(x: Any, t: pa.DataType) -> float:
+    """The float of type ``t`` that :func:`_encode_float` encoded as ``x``, after a
+    round trip through JSON: a string is parsed, an integer (a whole float written as
+    one) converted exactly.
+
+    Raises:
+        ValueError: ``x`` is not such an encoding, or an integer the type cannot hold
+            exactly (for ``float32`` also: a float it cannot hold).
+    """
+    if isinstance(x, bool) or not isinstance(x, int | float | str):
+        raise ValueError(f"{x!r:.80} is not a {t} key value")
+    f = float(x)  # an int beyond float64's range raises OverflowError (an ArithmeticError)
+    exact = isinstance(x, str) or f == x
+    if exact and t.bit_width == 32 and math.isfinite(f):
+        exact = float(np.float32(f)) == f
+    if not exact:
+        raise ValueError(f"{x!r:.80} is not exactly a {t} value")
+    return f
+
+
 def _encode_column(arr: pa.Array) -> list[Any]:
     t = arr.type
     view = _int_view(t)
     if view is not None:
         return list(arr.view(view).to_pylist())
     if pa.types.is_floating(t):
-        return [
-            None if x is None else (x if math.isfinite(x) else repr(float(x)))
-            for x in arr.to_pylist()
-        ]
+        return [None if x is None else _encode_float(x) for x in arr.to_pylist()]
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return [None if x is None else base64.b64encode(x).decode("ascii") for x in arr.to_pylist()]
     if pa.types.is_decimal(t):
@@ -103,7 +130,7 @@ def _decode_column(values: Sequence[Any], t: pa.DataType) -> pa.Array:
     if view is not None:
         return pa.array(values, view).view(t)
     if pa.types.is_floating(t):
-        return pa.array([float(x) if isinstance(x, str) else x for x in values], t)
+        return pa.array([None if x is None else _decode_float(x, t) for x in values], t)
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return pa.array([None if x is None else base64.b64decode(x) for x in values], t)
     if pa.types.is_decimal(t):
@@ -113,8 +140,9 @@ def _decode_column(values: Sequence[Any], t: pa.DataType) -> pa.Array:
 
 def encode_keys(keys: pa.Table) -> tuple[KeySample, ...]:
     """The rows of a table of key columns as tuples of JSON scalars (ints, floats, bools,
-    strings, ``None``): temporal values as their integer storage, non-finite floats as
-    ``'nan'``/``'inf'``/``'-inf'``, binary as base64, decimals as strings."""
+    strings, ``None``): temporal values as their integer storage, non-finite floats and
+    ``-0.0`` as ``'nan'``/``'inf'``/``'-inf'``/``'-0.0'``, binary as base64, decimals as
+    strings."""
     cols = [_encode_column(c.combine_chunks()) for c in keys.columns]
     return tuple(tuple(row) for row in zip(*cols, strict=True)) if cols else ()
 

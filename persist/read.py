@@ -159,13 +159,19 @@ def check_filter(
     """``filter`` checked against the updates ``schema``, and whether it is a *row*
     filter: one over key and value columns only.
 
-    A row filter may be applied to updates before they are consolidated, and used to
-    prune parts by their statistics: a (key, value) row's diff is the sum of its
-    updates' diffs, and every update of that row has the same key and value columns, so
-    the filter keeps all of them or none; consolidating the kept updates gives exactly
-    the kept rows of the consolidated snapshot. A filter that reads ``_time`` or
-    ``_diff`` is only applied to the consolidated snapshot (where ``_time`` is the read
-    time and ``_diff`` the summed diff).
+    A row filter may be used to prune parts by their statistics, and, when it reads no
+    float column, applied to updates before they are consolidated: a (key, value) row's
+    diff is the sum of its updates' diffs, and every update of that row has the same
+    key and value columns, so the filter keeps all of them or none; consolidating the
+    kept updates gives exactly the kept rows of the consolidated snapshot. Updates of
+    one row may differ in a float column, though: consolidation takes ``-0.0`` for
+    ``0.0`` and every NaN for one value, which a filter can tell apart (``is_in`` tells
+    ``-0.0`` from ``0.0``), so a filter reading a float column is applied
+    only after consolidating the updates of the parts pruning kept (pruning stays
+    sound: statistics hold no float column, so a part is pruned only when the filter is
+    false whatever its floats). A filter that reads ``_time`` or ``_diff`` is only
+    applied to the consolidated snapshot (where ``_time`` is the read time and
+    ``_diff`` the summed diff).
 
     Raises:
         InvalidUsage: ``filter`` is not a ``pyarrow.compute.Expression``, references a
@@ -189,17 +195,26 @@ def check_filter(
     return filter, True
 
 
-def filter_columns(filter: pc.Expression, schema: pa.Schema) -> list[str]:
-    """The columns of ``schema`` that ``filter`` (which applies to ``schema``) reads:
-    those without which it no longer binds."""
+def filter_columns(
+    filter: pc.Expression, schema: pa.Schema, among: Sequence[str] | None = None
+) -> list[str]:
+    """The columns of ``schema`` (only those named in ``among``, if given) that
+    ``filter`` (which applies to ``schema``) reads: those without which it no longer
+    binds."""
     out = []
-    for name in schema.names:
+    for name in schema.names if among is None else among:
         rest = pa.schema([f for f in schema if f.name != name])
         try:
             rest.empty_table().filter(filter)
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
             out.append(name)
     return out
+
+
+def _reads_float(filter: pc.Expression, schema: pa.Schema) -> bool:
+    """Whether ``filter`` (which applies to ``schema``) reads a float column."""
+    floats = [f.name for f in schema if pa.types.is_floating(f.type)]
+    return bool(floats) and bool(filter_columns(filter, schema, floats))
 
 
 def check_columns(columns: Sequence[str] | None, schema: pa.Schema) -> list[str] | None:
@@ -411,8 +426,9 @@ def snapshot_table(
 
     Parts that cannot contribute are not fetched (:func:`prune_batches`): those whose
     times all lie after ``as_of``, and, for a row filter (:func:`check_filter`), those
-    whose statistics show no row can pass it. A row filter is applied to the updates
-    before they are consolidated, any other filter to the consolidated rows.
+    whose statistics show no row can pass it. A row filter reading no float column is
+    applied to the updates before they are consolidated, any other filter to the
+    consolidated rows (see :func:`check_filter`).
 
     When the data is one run whose parts hold a single time (e.g. a shard written by one
     append, or compacted up to its since) it is already consolidated (every writer of a
@@ -450,7 +466,7 @@ def snapshot_table(
         read_cols = [n for n in schema.names if n in wanted]
     refs, floors, rows = _layout(batches)
     table = _read_refs(blob, refs, schema, max_workers, schemas, read_cols)
-    pre = filt if row_filter else None
+    pre = filt if row_filter and not _reads_float(filt, schema) else None
     table = _snapshot_of(
         table, batches, floors, rows, key_names, value_names, as_of, read_cols, pre, keeps_runs
     )

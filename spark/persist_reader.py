@@ -124,10 +124,20 @@ def expand_table(table: pa.Table, shard: str) -> pa.Table:
 
 
 def _to_output(
-    table: pa.Table, schema: StructType, time_column: str | None, diff_column: str | None
+    table: pa.Table,
+    schema: StructType,
+    time_column: str | None,
+    diff_column: str | None,
+    shard: str = "?",
 ) -> pa.Table:
     """Rename ``_time``/``_diff`` and convert to the exact Arrow schema Spark expects
-    (:func:`spark.arrow_spark.to_spark_column`: sub-microsecond parts are floored)."""
+    (:func:`spark.arrow_spark.to_spark_column`: sub-microsecond parts are floored).
+
+    Raises:
+        PersistSourceError: a value does not fit the Spark type of its column (a
+            duration in seconds or milliseconds beyond Spark's microsecond range), naming
+            the column and ``shard``.
+    """
     from pyspark.sql.pandas.types import to_arrow_schema
 
     target = to_arrow_schema(schema, timezone="UTC")
@@ -139,7 +149,13 @@ def _to_output(
             src = table.column(DIFF)
         else:
             src = table.column(f.name)
-        cols.append(to_spark_column(src, f.type))
+        try:
+            cols.append(to_spark_column(src, f.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise PersistSourceError(
+                f"column {f.name!r} of shard {shard}: a {src.type} value does not fit "
+                f"Spark's {f.type}: {e}"
+            ) from None
     return pa.Table.from_arrays(cols, schema=target)
 
 
@@ -201,7 +217,7 @@ def read_key_range(
                 table = table.filter(filter)
             if s.expand:
                 table = expand_table(table, s.target.shard)
-            out = _to_output(table, schema, s.time_column, s.diff_column)
+            out = _to_output(table, schema, s.time_column, s.diff_column, s.target.shard)
             yield from out.to_batches(max_chunksize=64 * 1024)
     finally:
         blob.close()
@@ -296,7 +312,7 @@ class PersistBatchReader(DataSourceReader):
             blob.close()
         if s.expand:
             table = expand_table(table, s.target.shard)
-        out = _to_output(table, self.schema, s.time_column, s.diff_column)
+        out = _to_output(table, self.schema, s.time_column, s.diff_column, s.target.shard)
         yield from out.to_batches(max_chunksize=64 * 1024)
 
 

@@ -116,7 +116,7 @@ class PersistStreamReader(DataSourceStreamReader):
         if not tables:
             return
         table = pa.concat_tables(tables)
-        out = _to_output(table, self.schema, s.time_column, s.diff_column)
+        out = _to_output(table, self.schema, s.time_column, s.diff_column, s.target.shard)
         yield from out.to_batches(max_chunksize=64 * 1024)
 
     def commit(self, end: dict[str, Any]) -> None:

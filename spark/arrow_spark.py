@@ -13,9 +13,14 @@ it in the task (:func:`to_spark_column`):
 * ``time32``/``time64`` -> ``time(6)``; ``timestamp`` of any unit -> ``timestamp``
   (zoned) or ``timestamp_ntz`` (naive); ``duration`` -> ``interval day to second``:
   Spark keeps microseconds, so a nanosecond part is **truncated** to the microsecond at
-  or before it (floor: ``1969-12-31 23:59:59.999999999`` reads as ``...59.999999``),
-  as Spark's own Parquet reader truncates ``TIMESTAMP(NANOS)`` and as Python's
-  ``datetime`` (microseconds) does;
+  or before it (floor, as ``java.time``'s ``truncatedTo`` does:
+  ``1969-12-31 23:59:59.999999999`` reads as ``...59.999999``). Two rows that differ
+  only below the microsecond then read as equal values (each with its own diff).
+  Spark itself has no such conversion to follow: PySpark 4.3's Parquet reader refuses
+  ``TIMESTAMP(NANOS)`` (``PARQUET_TYPE_ILLEGAL``, or a ``bigint`` with
+  ``spark.sql.legacy.parquet.nanosAsLong``) and ``createDataFrame`` of nanosecond pandas
+  data refuses a lossy cast unless ``spark.sql.execution.pandas.convertToArrowArraySafely``
+  is off (then Arrow truncates toward zero);
 * ``large_string``/``large_binary`` -> ``string``/``binary``.
 
 Invariants: every value of a column converts (no value is refused at read time: the

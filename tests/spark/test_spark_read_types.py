@@ -149,12 +149,19 @@ def test_each_arrow_type_reads_back_as_the_readme_says(spark: Any, spark_store: 
         "ls": (pa.large_string(), ["x", ""], "string", ["x", ""]),
         "bin": (pa.binary(), [b"\x00", b""], "binary", [b"\x00", b""]),
         "lbin": (pa.large_binary(), [b"\xff", b"a"], "binary", [b"\xff", b"a"]),
+        "fsb": (pa.binary(2), [b"\x00\x01", None], "binary", None),
         "d32": (pa.date32(), [dt.date(1, 1, 1), dt.date(9999, 12, 31)], "date", None),
         "d64": (pa.date64(), [dt.date(1969, 12, 31), dt.date(2020, 2, 29)], "date", None),
         "t32s": (pa.time32("s"), [dt.time(1, 2, 3), dt.time(0)], "time(6)", None),
         "t32ms": (pa.time32("ms"), [dt.time(1, 2, 3, 4000), dt.time(0)], "time(6)", None),
         "t64us": (pa.time64("us"), [dt.time(1, 2, 3, 4), dt.time(0)], "time(6)", None),
         "tss": (pa.timestamp("s"), [dt.datetime(1960, 1, 1), None], "timestamp_ntz", None),
+        "tsus": (
+            pa.timestamp("us"),
+            [dt.datetime(1, 1, 1, 0, 0, 0, 1), None],
+            "timestamp_ntz",
+            None,
+        ),
         "tsms": (
             pa.timestamp("ms", "UTC"),
             [dt.datetime(2020, 1, 1, tzinfo=dt.UTC), None],
@@ -168,9 +175,7 @@ def test_each_arrow_type_reads_back_as_the_readme_says(spark: Any, spark_store: 
     values = pa.schema([(n, t) for n, (t, _v, _s, _w) in cases.items()])
     cols = {n: pa.array(v, t) for n, (t, v, _s, _w) in cases.items()}
     with Stash.open(spark_store.stash_url, fenced=False) as s:
-        # Inline parts: a blob (Parquet) part of timestamp("s") is the read paths' other
-        # defect (Parquet stores it as milliseconds), tested with persist's decoding.
-        client = _client(spark_store, s)
+        client = _client(spark_store, s, inline_max_bytes=0)  # through a Parquet part
         write, _read_handle = client.open("types", KEYS, values)
         write.compare_and_append(_updates([1, 2], cols, [0, 0]), 0, 1)
         client.close()

@@ -5,7 +5,11 @@ Batch read::
     spark.read.format("persist").option("stash", STASH_URL).option("blob", BLOB_URI)
          .option("as_of", 42).load("flights")
 
-gives the shard's contents at ``as_of`` (default: the latest complete time, ``upper - 1``).
+gives the shard's contents at ``as_of`` (default: the latest complete time, ``upper - 1``;
+for a closed shard, upper ``{}``, the latest time any update has:
+:func:`spark.persist_planning.resolve_as_of`). Each column reads in the Spark type that
+holds its values (:mod:`spark.arrow_spark`: unsigned integers widen, sub-microsecond
+times are floored).
 What the rows are depends on ``consolidate``:
 
 * ``full`` (the default): the snapshot, equal to ``ReadHandle.snapshot(as_of)``: each
@@ -59,7 +63,10 @@ existing shard's by name, in any order, and cast to the shard's types when that 
 safe widening; a ``_diff`` column is the diff column unless ``diff_column`` says
 otherwise, so a DataFrame read from the source writes back without options. Every
 option name is checked (:data:`READ_OPTIONS`, :data:`WRITE_OPTIONS`): an unknown one or
-a malformed boolean raises, suggesting the closest valid name. ``key_columns`` identify and
+a malformed boolean raises, suggesting the closest valid name. A write ignores the
+read-shaping options (:data:`~spark.persist_common.READ_SHAPE_OPTIONS`, which ``INSERT
+INTO`` a SQL view made with them passes on) and refuses ``as_of``: a time-travel view is
+read-only. ``key_columns`` identify and
 order rows but are not unique: a shard may hold several rows with one key;
 ``unique_keys=true`` refuses a write that inserts a key more than once (the positive
 diffs of its updates sum to more than 1), checked over the whole write before it

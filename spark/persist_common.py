@@ -261,12 +261,16 @@ def spark_to_arrow(schema: StructType) -> pa.Schema:
     return _nullable(to_arrow_schema(schema, timezone="UTC"))
 
 
-def arrow_to_spark(schema: pa.Schema, shard: str | None = None) -> StructType:
+def arrow_to_spark(
+    schema: pa.Schema, shard: str | None = None, *, read_types: bool = True
+) -> StructType:
     """The Spark schema of an Arrow schema (fields nullable), each column in the Spark
     type it reads as (:func:`spark.arrow_spark.spark_read_type`: unsigned integers widen,
-    temporal types keep microseconds). A timestamp with a time zone is Spark's
-    ``timestamp`` (an instant), one without is ``timestamp_ntz`` (a wall-clock value), so
-    that neither moves with the session time zone.
+    temporal types keep microseconds); with ``read_types=False``, PySpark's own mapping
+    of the Arrow types (for Arrow data passed through Spark as it is, which refuses the
+    types PySpark does not map). A timestamp with a time zone is Spark's ``timestamp``
+    (an instant), one without is ``timestamp_ntz`` (a wall-clock value), so that neither
+    moves with the session time zone.
 
     Raises:
         PersistSourceError: a column has no Spark type holding its values (a
@@ -276,8 +280,10 @@ def arrow_to_spark(schema: pa.Schema, shard: str | None = None) -> StructType:
 
     from spark.arrow_spark import UnreadableColumn, spark_read_schema
 
+    readable = schema
     try:
-        readable = spark_read_schema(schema, "" if shard is None else f" of shard {shard}")
+        if read_types:
+            readable = spark_read_schema(schema, "" if shard is None else f" of shard {shard}")
     except UnreadableColumn as e:
         raise PersistSourceError(str(e)) from None
     st = from_arrow_schema(readable, prefer_timestamp_ntz=True)

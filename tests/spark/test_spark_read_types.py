@@ -87,6 +87,30 @@ def test_default_read_of_a_closed_shard_has_the_rows(spark: Any, spark_store: An
         assert sorted(tuple(r) for r in expanded) == [(1, "a"), (3, "c")]
 
 
+def test_a_stream_of_a_closed_shard_starts_with_its_rows(spark: Any, spark_store: Any) -> None:
+    """The streaming read's first micro-batch is the snapshot at the same default time."""
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        client = _client(spark_store, s)
+        write, _read_handle = client.open("closed_stream", KEYS, pa.schema([("v", pa.string())]))
+        write.compare_and_append(_updates([1, 2], {"v": pa.array(["a", "b"])}, [0, 3]), 0, 4)
+        write.compare_and_append(_updates([], {"v": pa.array([], pa.string())}, []), 4, Antichain())
+        client.close()
+    stream = (
+        spark.readStream.format("persist")
+        .option("stash", spark_store.stash_url)
+        .option("blob", spark_store.blob_uri)
+        .option("time_column", "t")
+        .load("closed_stream")
+    )
+    q = stream.writeStream.format("memory").queryName("closed_stream_test").start()
+    try:
+        q.processAllAvailable()
+        got = sorted(tuple(r) for r in spark.table("closed_stream_test").collect())
+    finally:
+        q.stop()
+    assert got == [(1, "a", 3, 1), (2, "b", 3, 1)]
+
+
 # ------------------------------------------------------ nanosecond temporal types
 NS_VALUES = [1_000_000_001, -1, -1_999, 999, None]  # nanoseconds (sub-microsecond parts)
 NS_FLOORED_US = [1_000_000, -1, -2, 0, None]  # floored to the microsecond

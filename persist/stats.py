@@ -209,6 +209,15 @@ def min_time(stats: Sequence[ColumnStats] | None, floor: int) -> int | None:
     return None
 
 
+def max_time(stats: Sequence[ColumnStats] | None, floor: int) -> int | None:
+    """The greatest time a part holds once advanced to ``floor`` (its batch's lower and
+    since), or ``None`` when unknown (no ``_time`` statistics)."""
+    for name, _lo, hi, _nulls in stats or ():
+        if name == "_time" and isinstance(hi, int) and not isinstance(hi, bool):
+            return max(hi, floor)
+    return None
+
+
 #: A part's columns holding both nulls and values split it into alternatives (each row
 #: is null, or within [min, max]); the guarantees of at most this many such columns are
 #: combined, the others are left out (unknown).

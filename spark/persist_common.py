@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql.types import StructField, StructType
 
-from spark.options import parse_bool, redacted_repr
+from spark.options import check_names, parse_bool, redacted_repr
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,40 @@ WRITE_OPTIONS = (
     "mergeSchema",
 )
 """Every option a write to the persist source understands."""
+
+READ_SHAPE_OPTIONS = ("consolidate", "expand", "partitions", "partition_bytes", "pushdown")
+"""Read options a write accepts and ignores: they only shape what a read returns, and a
+SQL view made with them (``CREATE TEMPORARY VIEW v USING persist OPTIONS (...)``) hands
+them to ``INSERT INTO v`` too, which appends at the shard's upper as any write does.
+``as_of`` is not among them: a view reading at a fixed time is read-only
+(:func:`check_write_options`)."""
+
+
+def check_write_options(options: Any) -> None:
+    """Check a write's option names: :data:`WRITE_OPTIONS` and the ignored
+    :data:`READ_SHAPE_OPTIONS`.
+
+    Raises:
+        PersistSourceError: ``as_of`` is given (a source read at a fixed time, such as a
+            time-travel view, is read-only: the message names the option); an unknown
+            option (suggesting the closest valid name).
+    """
+    given = {str(k).lower(): k for k in options}
+    if "as_of" in given:
+        shard = _opt(options, "shard") or _opt(options, "path") or "?"
+        raise PersistSourceError(
+            f"cannot write to shard {shard} through a source with option as_of="
+            f"{_opt(options, given['as_of'])!r}: it reads the shard at that fixed time, so "
+            "it is read-only (a time-travel view); write through a view or DataFrame "
+            "writer without as_of (new rows land at the shard's upper)"
+        )
+    check_names(
+        options,
+        WRITE_OPTIONS + READ_SHAPE_OPTIONS,
+        "writing a persist shard",
+        PersistSourceError,
+    )
+
 
 CONSOLIDATE_MODES = ("full", "partition", "none")
 """Values of the read option ``consolidate`` (see the module docstring)."""
@@ -227,11 +261,30 @@ def spark_to_arrow(schema: StructType) -> pa.Schema:
     return _nullable(to_arrow_schema(schema, timezone="UTC"))
 
 
-def arrow_to_spark(schema: pa.Schema) -> StructType:
-    """The Spark schema of an Arrow schema (fields nullable). A timestamp with a time zone
-    is Spark's ``timestamp`` (an instant), one without is ``timestamp_ntz`` (a wall-clock
-    value), so that neither moves with the session time zone."""
+def arrow_to_spark(
+    schema: pa.Schema, shard: str | None = None, *, read_types: bool = True
+) -> StructType:
+    """The Spark schema of an Arrow schema (fields nullable), each column in the Spark
+    type it reads as (:func:`spark.arrow_spark.spark_read_type`: unsigned integers widen,
+    temporal types keep microseconds); with ``read_types=False``, PySpark's own mapping
+    of the Arrow types (for Arrow data passed through Spark as it is, which refuses the
+    types PySpark does not map). A timestamp with a time zone is Spark's ``timestamp``
+    (an instant), one without is ``timestamp_ntz`` (a wall-clock value), so that neither
+    moves with the session time zone.
+
+    Raises:
+        PersistSourceError: a column has no Spark type holding its values (a
+            ``decimal256`` of more than 38 digits), naming it and ``shard``.
+    """
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    st = from_arrow_schema(schema, prefer_timestamp_ntz=True)
+    from spark.arrow_spark import UnreadableColumn, spark_read_schema
+
+    readable = schema
+    try:
+        if read_types:
+            readable = spark_read_schema(schema, "" if shard is None else f" of shard {shard}")
+    except UnreadableColumn as e:
+        raise PersistSourceError(str(e)) from None
+    st = from_arrow_schema(readable, prefer_timestamp_ntz=True)
     return StructType([StructField(f.name, f.dataType, True) for f in st.fields])

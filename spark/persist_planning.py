@@ -161,27 +161,87 @@ class KeyRangePartition(PartsPartition):
         self.upper = upper
 
 
-def resolve_as_of(read: Any, as_of: int | None, shard: str) -> int | None:
-    """``as_of`` checked against the shard's since and upper (default ``upper - 1``);
-    ``None`` when the shard has no complete time yet (upper ``{0}``).
+def resolve_as_of(state: Any, as_of: int | None, shard: str, blob: Any) -> int | None:
+    """``as_of`` checked against the shard's since and upper, both from ``state`` (one
+    version of the shard's state, :class:`persist.state.ShardState`); ``blob`` holds its
+    parts.
+
+    The default is the latest complete time, ``upper - 1``; for a closed shard (upper
+    ``{}``: every time is complete) it is the greatest time any update has once advanced
+    to its batch's lower and since (:func:`latest_data_time`), at least the since, so the
+    default read holds every row, as ``ReadHandle.snapshot`` at that time does.
+    ``None`` when there is no time to read: the shard has no complete time yet (upper
+    ``{0}``), or it is closed with since ``{}`` too (finalized).
 
     Raises:
         PersistSourceError: ``as_of`` is before the since or not before the upper.
+        persist.errors.CorruptPart: for a closed shard's default, a part without
+            statistics could not be read.
     """
-    since = read.shard_since().as_option()
-    upper = read.fetch_recent_upper().as_option()
-    latest = None if upper == 0 else (upper - 1 if upper is not None else None)
+    since = state.since.as_option()
+    upper = state.upper.as_option()
     if as_of is None:
-        return latest
+        if upper is not None:
+            return None if upper == 0 else upper - 1
+        if state.since.is_empty():
+            return None
+        latest = latest_data_time(state.batches(), blob)
+        return since if latest is None or latest < since else latest
     if since is not None and as_of < since:
         raise PersistSourceError(
             f"as_of {as_of} is before shard {shard}'s since {{{since}}}: those times are compacted"
+        )
+    if state.since.is_empty():
+        raise PersistSourceError(
+            f"as_of {as_of}: shard {shard} is finalized (since {{}}): nothing is readable"
         )
     if upper is not None and as_of >= upper:
         raise PersistSourceError(
             f"as_of {as_of} is not before shard {shard}'s upper {{{upper}}}: not yet complete"
         )
     return as_of
+
+
+def latest_data_time(batches: Sequence[Any], blob: Any) -> int | None:
+    """The greatest time of any update in ``batches`` (hollow batches) once advanced to
+    its batch's lower and since: from each batch's bounds (a batch with a finite upper
+    holds times below it) and its parts' ``_time`` statistics; the ``_time`` column of a
+    part without statistics in a batch with upper ``{}`` (an inline part, or one written
+    before statistics existed) is read from ``blob`` (inline parts need no fetch).
+    ``None`` when no batch holds updates.
+
+    Raises:
+        persist.errors.CorruptPart: a part without statistics is missing or corrupt.
+    """
+    import pyarrow.compute as pc
+
+    from persist.parts import read_parts
+    from persist.stats import max_time
+
+    latest: int | None = None
+    for b in batches:
+        if not b.parts:
+            continue
+        floor = max(
+            (e for e in (b.desc.lower.as_option(), b.desc.since.as_option()) if e is not None),
+            default=-(2**63),
+        )
+        bound = b.desc.upper.as_option()
+        unknown = []
+        for p in b.parts:
+            t = max_time(p.stats, floor)
+            if bound is not None:
+                t = bound - 1 if t is None else min(t, bound - 1)
+            if t is None:
+                unknown.append(p)
+            else:
+                latest = t if latest is None else max(latest, t)
+        if unknown:
+            hi = pc.max(read_parts(blob, unknown, columns=["_time"]).column("_time")).as_py()
+            if hi is not None:
+                t = max(hi, floor)
+                latest = t if latest is None else max(latest, t)
+    return latest
 
 
 # ------------------------------------------------------------ filter pushdown

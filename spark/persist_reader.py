@@ -29,6 +29,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from spark.arrow_spark import to_spark_column
 from spark.persist_common import DIFF, TIME, PersistSourceError, ReadSettings, persist_client
 from spark.persist_planning import (
     KeyRangePartition,
@@ -123,9 +124,20 @@ def expand_table(table: pa.Table, shard: str) -> pa.Table:
 
 
 def _to_output(
-    table: pa.Table, schema: StructType, time_column: str | None, diff_column: str | None
+    table: pa.Table,
+    schema: StructType,
+    time_column: str | None,
+    diff_column: str | None,
+    shard: str = "?",
 ) -> pa.Table:
-    """Rename ``_time``/``_diff`` and cast to the exact Arrow schema Spark expects."""
+    """Rename ``_time``/``_diff`` and convert to the exact Arrow schema Spark expects
+    (:func:`spark.arrow_spark.to_spark_column`: sub-microsecond parts are floored).
+
+    Raises:
+        PersistSourceError: a value does not fit the Spark type of its column (a
+            duration in seconds or milliseconds beyond Spark's microsecond range), naming
+            the column and ``shard``.
+    """
     from pyspark.sql.pandas.types import to_arrow_schema
 
     target = to_arrow_schema(schema, timezone="UTC")
@@ -137,7 +149,13 @@ def _to_output(
             src = table.column(DIFF)
         else:
             src = table.column(f.name)
-        cols.append(src.cast(f.type))
+        try:
+            cols.append(to_spark_column(src, f.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise PersistSourceError(
+                f"column {f.name!r} of shard {shard}: a {src.type} value does not fit "
+                f"Spark's {f.type}: {e}"
+            ) from None
     return pa.Table.from_arrays(cols, schema=target)
 
 
@@ -199,7 +217,7 @@ def read_key_range(
                 table = table.filter(filter)
             if s.expand:
                 table = expand_table(table, s.target.shard)
-            out = _to_output(table, schema, s.time_column, s.diff_column)
+            out = _to_output(table, schema, s.time_column, s.diff_column, s.target.shard)
             yield from out.to_batches(max_chunksize=64 * 1024)
     finally:
         blob.close()
@@ -228,7 +246,10 @@ class PersistBatchReader(DataSourceReader):
             persist_client(s.target) as client,
             client.open_reader(s.target.shard, s.key_schema, s.value_schema) as read,
         ):
-            as_of = resolve_as_of(read, s.as_of, s.target.shard)
+            # since, upper and parts from one state version read after the reader's
+            # since hold was taken (so the since cannot pass the time decided on).
+            state = client.inspect(s.target.shard)
+            as_of = resolve_as_of(state, s.as_of, s.target.shard, client.blob)
             if as_of is None:
                 return []
             batches = read.snapshot_batches(as_of)
@@ -291,7 +312,7 @@ class PersistBatchReader(DataSourceReader):
             blob.close()
         if s.expand:
             table = expand_table(table, s.target.shard)
-        out = _to_output(table, self.schema, s.time_column, s.diff_column)
+        out = _to_output(table, self.schema, s.time_column, s.diff_column, s.target.shard)
         yield from out.to_batches(max_chunksize=64 * 1024)
 
 

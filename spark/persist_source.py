@@ -5,7 +5,11 @@ Batch read::
     spark.read.format("persist").option("stash", STASH_URL).option("blob", BLOB_URI)
          .option("as_of", 42).load("flights")
 
-gives the shard's contents at ``as_of`` (default: the latest complete time, ``upper - 1``).
+gives the shard's contents at ``as_of`` (default: the latest complete time, ``upper - 1``;
+for a closed shard, upper ``{}``, the latest time any update has:
+:func:`spark.persist_planning.resolve_as_of`). Each column reads in the Spark type that
+holds its values (:mod:`spark.arrow_spark`: unsigned integers widen, sub-microsecond
+times are floored).
 What the rows are depends on ``consolidate``:
 
 * ``full`` (the default): the snapshot, equal to ``ReadHandle.snapshot(as_of)``: each
@@ -59,7 +63,10 @@ existing shard's by name, in any order, and cast to the shard's types when that 
 safe widening; a ``_diff`` column is the diff column unless ``diff_column`` says
 otherwise, so a DataFrame read from the source writes back without options. Every
 option name is checked (:data:`READ_OPTIONS`, :data:`WRITE_OPTIONS`): an unknown one or
-a malformed boolean raises, suggesting the closest valid name. ``key_columns`` identify and
+a malformed boolean raises, suggesting the closest valid name. A write ignores the
+read-shaping options (:data:`~spark.persist_common.READ_SHAPE_OPTIONS`, which ``INSERT
+INTO`` a SQL view made with them passes on) and refuses ``as_of``: a time-travel view is
+read-only. ``key_columns`` identify and
 order rows but are not unique: a shard may hold several rows with one key;
 ``unique_keys=true`` refuses a write that inserts a key more than once (the positive
 diffs of its updates sum to more than 1), checked over the whole write before it
@@ -122,7 +129,6 @@ from spark.persist_common import (
     DEFAULT_PARTITION_BYTES,
     DIFF,
     READ_OPTIONS,
-    WRITE_OPTIONS,
     PersistSourceError,
     ReadSettings,
     ShardTarget,
@@ -130,6 +136,7 @@ from spark.persist_common import (
     _opt_int,
     _truthy,
     arrow_to_spark,
+    check_write_options,
     registered_schemas,
 )
 from spark.persist_reader import PersistBatchReader, PersistPushdownReader
@@ -280,7 +287,8 @@ class PersistDataSource(DataSource):
 
     @staticmethod
     def _output_schema(s: ReadSettings) -> StructType:
-        fields = list(arrow_to_spark(pa.schema(list(s.key_schema) + list(s.value_schema))).fields)
+        columns = pa.schema(list(s.key_schema) + list(s.value_schema))
+        fields = list(arrow_to_spark(columns, s.target.shard).fields)
         if s.time_column is not None:
             fields.append(StructField(s.time_column, LongType(), True))
         if s.diff_column is not None:
@@ -300,7 +308,7 @@ class PersistDataSource(DataSource):
 
     # ------------------------------------------------------------- writing
     def writer(self, schema: StructType, overwrite: bool) -> PersistWriter:
-        check_names(self.options, WRITE_OPTIONS, "writing a persist shard", PersistSourceError)
+        check_write_options(self.options)
         if overwrite:
             raise PersistSourceError(SAVE_MODES)
         target = _target(self.options)

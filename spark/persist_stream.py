@@ -55,6 +55,7 @@ class PersistStreamReader(DataSourceStreamReader):
         self.schema = schema
         self._handles: contextlib.ExitStack | None = None
         self._read: Any = None
+        self._client: Any = None
         self._last_heartbeat = 0.0
 
     def _reader(self) -> Any:
@@ -62,6 +63,7 @@ class PersistStreamReader(DataSourceStreamReader):
             s = self.settings
             stack = contextlib.ExitStack()
             client = stack.enter_context(persist_client(s.target))
+            self._client = client
             read = stack.enter_context(
                 client.open_reader(s.target.shard, s.key_schema, s.value_schema)
             )
@@ -77,7 +79,11 @@ class PersistStreamReader(DataSourceStreamReader):
         return read.fetch_recent_upper().as_option()  # type: ignore[no-any-return]
 
     def initialOffset(self) -> dict[str, Any]:
-        as_of = resolve_as_of(self._reader(), self.settings.as_of, self.settings.target.shard)
+        self._reader()  # its since hold first: the since cannot pass the time decided on
+        assert self._client is not None
+        shard = self.settings.target.shard
+        state = self._client.inspect(shard)
+        as_of = resolve_as_of(state, self.settings.as_of, shard, self._client.blob)
         return {"as_of": -1 if as_of is None else as_of, "initial": True}
 
     def latestOffset(self, start: dict[str, Any], limit: Any = None) -> dict[str, Any]:
@@ -110,7 +116,7 @@ class PersistStreamReader(DataSourceStreamReader):
         if not tables:
             return
         table = pa.concat_tables(tables)
-        out = _to_output(table, self.schema, s.time_column, s.diff_column)
+        out = _to_output(table, self.schema, s.time_column, s.diff_column, s.target.shard)
         yield from out.to_batches(max_chunksize=64 * 1024)
 
     def commit(self, end: dict[str, Any]) -> None:
@@ -124,7 +130,7 @@ class PersistStreamReader(DataSourceStreamReader):
     def stop(self) -> None:
         if self._handles is not None:
             self._handles.close()
-        self._handles, self._read = None, None
+        self._handles, self._read, self._client = None, None, None
 
 
 def _listen_between(read: Any, start: int, end: int) -> Iterator[pa.Table]:

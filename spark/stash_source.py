@@ -18,7 +18,8 @@ Columns (the "layout", :func:`layout`), keys first:
 * ``option("time_column", NAME)`` adds the peek time as a ``bigint`` column and
   ``option("diff_column", NAME)`` the multiplicity (then rows are not repeated);
 * the schema is the user's (``.schema(ddl)`` or ``option("schema", ddl)``; columns are
-  found by name in the layout, a name it lacks reads as nulls) or is inferred from the
+  found by name in the layout as Spark resolves names, exactly else ignoring case, a
+  name it lacks reads as nulls) or is inferred from the
   entries, exactly: ``bool`` -> boolean, ``str`` -> string, ``int`` -> bigint (or
   ``decimal(38,0)`` when some value is outside the 64-bit range), ``float`` -> double,
   a mix of ``int`` and ``float`` -> double when every integer is exactly a double;
@@ -27,9 +28,11 @@ Columns (the "layout", :func:`layout`), keys first:
   strings included, is JSON (``1`` reads as ``1``, ``"1"`` as ``"1"``); such columns
   carry the field metadata ``{"stash.json": true}``. The ``int``, ``str`` and ``bytes``
   codecs give bigint, string and binary. With a user schema, a string column holds
-  strings as they are and other values as JSON text; a value that does not fit its
-  column (e.g. ``2**70`` in a ``bigint``) raises :class:`StashSourceError` naming the
-  column.
+  strings as they are and other values as JSON text; every other type takes only the
+  JSON values it holds exactly (:mod:`spark.stash_convert` lists them: no string is
+  parsed as a number, no number read as a date, bytes or boolean): a value that does not
+  fit its column (``2**70`` or ``"5"`` in a ``bigint``) raises :class:`StashSourceError`
+  naming the column.
 
 Invariants: a read sees one consistent peek of the collection (one stash read
 transaction); a negative multiplicity is never silently dropped: without a diff column it
@@ -48,10 +51,6 @@ whole key / value; default ``key`` / ``value``).
 
 from __future__ import annotations
 
-import base64
-import datetime as dt
-import decimal
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,28 +59,19 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import (
     BinaryType,
     BooleanType,
-    ByteType,
     DataType,
-    DateType,
     DecimalType,
     DoubleType,
-    FloatType,
-    IntegerType,
     LongType,
-    ShortType,
     StringType,
     StructField,
     StructType,
-    TimestampNTZType,
-    TimestampType,
 )
 
 from spark.options import check_names, parse_bool, redacted_repr
+from spark.stash_convert import StashSourceError, check_readable, convert, find_field
 
-
-class StashSourceError(ValueError):
-    """A stash collection cannot be read as asked (missing option or collection, bad
-    schema, a value that does not fit its column, a negative multiplicity)."""
+__all__ = ["StashDataSource", "StashSourceError", "convert", "infer_schema", "layout"]
 
 
 def _opt(options: Mapping[str, str], name: str, default: str | None = None) -> str | None:
@@ -323,109 +313,31 @@ def infer_schema(snap: _Snapshot, o: ReadOptions) -> StructType:
 
 
 # ------------------------------------------------------------- conversion
-_INT_RANGES: tuple[tuple[type[DataType], int], ...] = (
-    (ByteType, 8),
-    (ShortType, 16),
-    (IntegerType, 32),
-    (LongType, 64),
-)
-
-
-def _int_bits(dtype: DataType) -> int | None:
-    for cls, bits in _INT_RANGES:
-        if isinstance(dtype, cls):
-            return bits
-    return None
-
-
-def convert(value: Any, dtype: DataType, column: str, as_json: bool = False) -> Any:
-    """Turn a decoded JSON value into what Spark expects for ``dtype``; with ``as_json``
-    (a string column of mixed or nested values) every value, strings included, becomes
-    its JSON text, so ``1`` and ``"1"`` stay apart.
-
-    Raises:
-        StashSourceError: the value does not fit (names the column and the value).
-    """
-    if value is None:
-        return None
-    try:
-        if isinstance(dtype, StringType):
-            if isinstance(value, bytes | bytearray):
-                return base64.b64encode(bytes(value)).decode("ascii")
-            if isinstance(value, str) and not as_json:
-                return value
-            return json.dumps(value, sort_keys=True, separators=(",", ":"))
-        bits = _int_bits(dtype)
-        if bits is not None:
-            if isinstance(value, bool):
-                raise ValueError("not an integer")
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError("not an integer")
-            n = int(value)
-            if not -(2 ** (bits - 1)) <= n < 2 ** (bits - 1):
-                raise ValueError(f"out of the {bits}-bit range")
-            return n
-        if isinstance(dtype, DoubleType | FloatType):
-            f = float(value)
-            if isinstance(value, int) and int(f) != value:
-                raise ValueError("not exactly representable as a floating-point number")
-            return f
-        if isinstance(dtype, BooleanType):
-            if not isinstance(value, bool):
-                raise ValueError("not a boolean")
-            return value
-        if isinstance(dtype, DecimalType):
-            if isinstance(value, bool):
-                raise ValueError("not a number")
-            d = decimal.Decimal(str(value))
-            exp = d.as_tuple().exponent
-            if not isinstance(exp, int):
-                raise ValueError("not a finite number")
-            digits = len(d.as_tuple().digits)
-            if -exp > dtype.scale or digits - max(-exp, 0) > dtype.precision - dtype.scale:
-                raise ValueError(f"needs more than decimal({dtype.precision},{dtype.scale}) holds")
-            return d
-        if isinstance(dtype, TimestampType | TimestampNTZType):
-            if isinstance(value, int | float):
-                ts = dt.datetime.fromtimestamp(value, dt.UTC)
-            else:
-                ts = dt.datetime.fromisoformat(str(value))
-            if isinstance(dtype, TimestampType) and ts.tzinfo is None:
-                ts = ts.replace(tzinfo=dt.UTC)
-            if isinstance(dtype, TimestampNTZType) and ts.tzinfo is not None:
-                ts = ts.astimezone(dt.UTC).replace(tzinfo=None)
-            return ts
-        if isinstance(dtype, DateType):
-            return dt.date.fromisoformat(str(value)[:10])
-        if isinstance(dtype, BinaryType):
-            if isinstance(value, str):
-                return value.encode("utf-8")
-            return bytes(value)
-    except (TypeError, ValueError, decimal.InvalidOperation, OverflowError) as e:
-        raise StashSourceError(
-            f"column {column!r}: value {value!r:.200} does not fit {dtype.simpleString()}: {e}"
-        ) from None
-    return value  # arrays, maps, structs: Spark converts lists and dicts itself
 
 
 def rows_of(snap: _Snapshot, schema: StructType, o: ReadOptions) -> Iterator[tuple[Any, ...]]:
     """Yield the rows of ``snap`` in ``schema``'s column order. Columns are found by name
-    in the snapshot's :func:`layout` (a name it lacks is all nulls), so each column only
-    ever reads its own side (key or value) and field.
+    in the snapshot's :func:`layout` (a name it lacks is all nulls) as Spark resolves
+    names: exactly, else ignoring case (PySpark hands a Python source no session
+    settings, so ``spark.sql.caseSensitive`` cannot be seen; the layout's names never
+    differ only in case). Each column only ever reads its own side (key or value) and
+    field; values convert as :mod:`spark.stash_convert` says.
 
     Raises:
         StashSourceError: a negative multiplicity without a diff column; a value that does
             not fit its column.
     """
-    cols = {c.name: c for c in layout(snap, o.flatten, o.names)}
+    cols = layout(snap, o.flatten, o.names)
+    names = [c.name for c in cols]
     plan: list[tuple[str, Column | None, StructField]] = []
     for f in schema.fields:
-        if f.name == o.time_column:
+        if o.time_column is not None and find_field([o.time_column], f.name) is not None:
             plan.append(("time", None, f))
-        elif f.name == o.diff_column:
+        elif o.diff_column is not None and find_field([o.diff_column], f.name) is not None:
             plan.append(("diff", None, f))
         else:
-            plan.append(("column", cols.get(f.name), f))
+            i = find_field(names, f.name)
+            plan.append(("column", None if i is None else cols[i], f))
     json_columns = {f.name for f in schema.fields if (f.metadata or {}).get(JSON_METADATA)}
     for key, value, diff in snap.entries:
         row: list[Any] = []
@@ -506,7 +418,16 @@ class StashDataSource(DataSource):
         return infer_schema(read_collection(o.url, o.collection), o)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return StashReader(self._settings(), schema)
+        """The reader of the collection in ``schema``.
+
+        Raises:
+            StashSourceError: a column's type cannot hold JSON values (names it).
+        """
+        o = self._settings()
+        for f in schema.fields:
+            if f.name not in (o.time_column, o.diff_column):
+                check_readable(f.dataType, f.name)
+        return StashReader(o, schema)
 
 
 class StashReader(DataSourceReader):

@@ -183,7 +183,9 @@ def _spark_merge(
     ]
     rows_in = sum(i.batch.len for i in req.inputs)
     n_out = min(MAX_TASKS, max(1, math.ceil(nbytes / max(1, bytes_per_task))))
-    spark_schema = arrow_to_spark(schema)
+    # The updates pass through Spark as Arrow and are written back: PySpark's own type
+    # mapping, not the persist source's read types (which widen some columns).
+    spark_schema = arrow_to_spark(schema, read_types=False)
     # The outputs are owned by the driver's compactor, registered as a writer of the
     # shard (persist.keys): GC keeps them while it lives, even before they are applied.
     from persist.keys import part_name_prefix

@@ -213,3 +213,21 @@ def test_a_lagging_clock_never_shortens_a_writers_lease(env: Any) -> None:
     renewed = m.apply(lambda st, fresh: (st.renew_writer(w.writer_id, now),) * 2)
     assert renewed
     assert c.inspect("lag").writers[w.writer_id].last_heartbeat_ms == registered
+
+
+def test_a_transaction_whose_writer_gc_expired_commits_nothing(env: Any) -> None:
+    """A transaction's commit is decided the same way: its writer, expired by GC (whose
+    clock is ahead by more than the lease) after the transaction uploaded its part, is
+    no longer registered in the version the commit stages on, so the commit is refused
+    and nothing is committed."""
+    clock = Clock()
+    c = env(clock)
+    c.open("txn", KS, VS)
+    txn = c.begin()
+    txn.write("txn", pa.table({"k": [1], "v": ["a"], "_diff": pa.array([1], pa.int64())}))
+    report = collect_garbage(env(Clock(clock.now + 2 * LEASE)), "txn", grace_seconds=0)
+    assert report.deleted_abandoned  # the transaction's part
+    with pytest.raises(LeaseExpired):
+        txn.commit_at(5)
+    st = c.inspect("txn")
+    assert st.upper == Antichain.from_elem(0) and fsck(c, "txn").ok

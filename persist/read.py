@@ -71,7 +71,13 @@ import pyarrow.parquet as pq
 
 from persist.blob import Blob
 from persist.consensus import ShardMachine, Stale
-from persist.errors import CorruptPart, InvalidUsage, PersistError, SinceViolation
+from persist.errors import (
+    CorruptPart,
+    DiffOverflow,
+    InvalidUsage,
+    PersistError,
+    SinceViolation,
+)
 from persist.handle import ShardHandle
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.parts import TIME, consolidate, read_parts
@@ -1242,6 +1248,8 @@ class ReadHandle(ShardHandle):
             InvalidUsage: ``as_of`` is at or beyond the upper (without ``wait``); a
                 bad ``filter`` or ``columns`` (checked before anything is read).
             CorruptPart: a part is missing or corrupt (naming its blob key).
+            DiffOverflow: the diffs of a row sum beyond int64 (naming the shard and
+                the row).
             BlobError, ConsensusError: storage failed.
         """
         self._check()
@@ -1264,6 +1272,8 @@ class ReadHandle(ShardHandle):
                     filter=filter,
                     columns=columns,
                 )
+            except DiffOverflow as e:
+                raise e.in_shard(f"{self.name!r} ({self.shard_id})") from e
             except CorruptPart as e:
                 # A part of an old version may be gone (e.g. the lease had lapsed): a
                 # newer version may not reference it; report corruption only if the
@@ -1462,6 +1472,8 @@ class Listen:
         self._reading = True  # before the state is read: see _beat
         try:
             return self._step_reading()
+        except DiffOverflow as e:
+            raise e.in_shard(self._machine.shard_id) from e
         finally:
             self._reading = False
 

@@ -20,9 +20,11 @@ Forms recorded by earlier versions (``r<rows>d<diff sum>``, ``b<digest of checks
 named only an append's shape; a retry against one of them cannot be checked and is
 refused, naming that (nothing is written).  Transactions record ``t<ts>``.
 
-Source of the idea: persist-client's ``IdempotencyToken``, whose compare-and-append
-recognises a retry by the token together with the batch it carries
-(``internal/state.rs``, ``compare_and_append``).
+Source of the idea: persist-client's ``WriterState`` (``internal/state.rs``) records a
+writer's most recent idempotency token together with that write's upper
+(``most_recent_write_token``, ``most_recent_write_upper``), and its
+``compare_and_append`` takes a retry by the token only at that upper; here the
+contents are named too, and a writer's last few tokens are kept.
 """
 
 from __future__ import annotations

@@ -611,7 +611,10 @@ class WriteHandle(ShardHandle):
                 nothing again, however many appends came since (the client settles the
                 outcome from the next shard state it sees); if whether it landed can no
                 longer be told, it raises an indeterminate :class:`ConsensusError` and
-                writes nothing.  By default a fresh token.
+                writes nothing.  The token names that append exactly (its bounds and
+                its updates in their order, :mod:`persist.fingerprint`): passed to any
+                other append it raises ``InvalidUsage`` and writes nothing.  By
+                default a fresh token.
 
         Raises:
             InvalidBounds: ``expected_upper`` is not ``<= new_upper``.
@@ -620,7 +623,11 @@ class WriteHandle(ShardHandle):
             UpperMismatch: the shard's upper is not ``expected_upper`` (``.current``
                 tells what it is); nothing was committed.  Never raised for an append
                 of this call that landed (its own indeterminate commit is resolved).
-            InvalidUsage: bad schema or columns, or a malformed token.
+            InvalidUsage: bad schema or columns, a malformed token, or a token of
+                another append.
+            DiffOverflow: the diffs of one row sum beyond int64 (nothing written).
+            LeaseExpired: this writer is not registered in the version it commits on
+                (GC or another process expired it); nothing was committed.
             BlobError, ConsensusError: storage failed; nothing was committed unless the
                 error says ``is_indeterminate()``; then ``idempotency_token`` is set on it
                 and a retry passing it stays idempotent.

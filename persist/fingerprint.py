@@ -11,8 +11,8 @@ The fingerprint names the append's bounds (``expected_upper``, ``new_upper``) an
 contents, as a SHA-256 digest (first 128 bits, hex):
 
 * ``compare_and_append``: the updates as given (normalized to the shard's schema, in
-  the given row order), by their Arrow IPC stream bytes (one record batch: chunking and
-  slicing do not change it; a retry must pass the same updates in the same order);
+  the given row order), by the Arrow IPC message of them as one record batch (chunking
+  and slicing do not change it; a retry must pass the same updates in the same order);
 * ``compare_and_append_batch``: each batch's description and rewrite frontier, and each
   of its parts' blob key (or ``inline``), row count, encoded size and SHA-256 checksum.
 
@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from persist.errors import InvalidUsage
 from persist.state import TOKEN_SEP
@@ -60,11 +59,11 @@ def updates_fingerprint(expected: Antichain, new: Antichain, table: pa.Table) ->
     hex digits (see the module docstring).  ``table`` is the normalized updates table.
     """
     h = hashlib.sha256(_bounds(expected, new))
-    sink = pa.BufferOutputStream()
-    with ipc.new_stream(sink, table.schema) as writer:
-        if table.num_rows:
-            writer.write_table(table.combine_chunks())
-    h.update(sink.getvalue())
+    if table.num_rows:
+        # One record batch's IPC message (the schema is the shard's): written from the
+        # rows' values, whatever the chunks, offsets or slack of the buffers.
+        for batch in table.combine_chunks().to_batches():
+            h.update(batch.serialize())
     return UPDATES + h.hexdigest()[:32]
 
 

@@ -164,7 +164,8 @@ def test_gc_in_another_process_with_a_clock_ahead(env: Any, tmp_path: Path) -> N
     out: list[str] = []
 
     def gc_process() -> None:
-        env_vars = {**os.environ, "PYTHONPATH": os.getcwd()}
+        root = str(Path(__file__).resolve().parents[2])  # this checkout's persist
+        env_vars = {**os.environ, "PYTHONPATH": root}
         done = subprocess.run(
             [sys.executable, "-c", script], capture_output=True, text=True, env=env_vars
         )

@@ -16,9 +16,9 @@ contents, as a SHA-256 digest (first 128 bits, hex):
 * ``compare_and_append_batch``: each batch's description and rewrite frontier, and each
   of its parts' blob key (or ``inline``), row count, encoded size and SHA-256 checksum.
 
-Forms recorded by earlier versions (``r<rows>d<diff sum>``, ``b<digest of checksums>``)
-named only an append's shape; a retry against one of them cannot be checked and is
-refused, naming that (nothing is written).  Transactions record ``t<ts>``.
+Forms recorded by earlier versions (the token alone, ``r<rows>d<diff sum>``,
+``b<digest of checksums>``) named at most an append's shape; a retry against one of
+them cannot be checked and is refused, naming that (nothing is written).  Transactions record ``t<ts>``.
 
 Source of the idea: persist-client's ``WriterState`` (``internal/state.rs``) records a
 writer's most recent idempotency token together with that write's upper
@@ -89,9 +89,9 @@ def check_same_append(entry: str, token: str, fingerprint: str) -> None:
             earlier version that did not record what it names (nothing is written).
     """
     _, sep, recorded = entry.partition(TOKEN_SEP)
-    if not sep or recorded == fingerprint:
+    if sep and recorded == fingerprint:
         return
-    if recorded[:1] in _LEGACY:
+    if not sep or recorded[:1] in _LEGACY:
         raise InvalidUsage(
             f"idempotency_token {token!r} was recorded by an earlier version of persist "
             "that did not record which append it names, so whether it is this append "

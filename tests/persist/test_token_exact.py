@@ -141,9 +141,9 @@ def test_the_fingerprint_is_the_contents_not_the_layout(
 
 
 def test_a_token_recorded_with_only_a_shape_cannot_be_taken_as_this_append() -> None:
-    """A state written by an earlier version records a token with the append's shape
-    only (``r<rows>d<diff sum>``, ``b<digest>``): a retry against it cannot be checked,
-    so it is refused, saying so, rather than acknowledged."""
+    """A state written by an earlier version records a token alone or with the
+    append's shape only (``r<rows>d<diff sum>``, ``b<digest>``): a retry against it
+    cannot be checked, so it is refused, saying so, rather than acknowledged."""
     from persist.fingerprint import check_same_append
     from persist.state import TOKEN_SEP
 
@@ -151,4 +151,5 @@ def test_a_token_recorded_with_only_a_shape_cannot_be_taken_as_this_append() -> 
         with pytest.raises(InvalidUsage, match="earlier version"):
             check_same_append(f"{TOKEN}{TOKEN_SEP}{old}", TOKEN, "U" + "0" * 32)
     check_same_append(f"{TOKEN}{TOKEN_SEP}U{'0' * 32}", TOKEN, "U" + "0" * 32)
-    check_same_append(TOKEN, TOKEN, "U" + "0" * 32)  # no fingerprint recorded at all
+    with pytest.raises(InvalidUsage, match="earlier version"):  # the token alone
+        check_same_append(TOKEN, TOKEN, "U" + "0" * 32)

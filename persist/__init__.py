@@ -20,9 +20,11 @@ from persist.client import CompactionMode, PersistClient, RetryingBlob
 from persist.compactor import CompactionReport, Compactor
 from persist.consensus import Consensus, ShardMachine, VersionedData
 from persist.errors import (
+    BatchAppended,
     BlobError,
     ConsensusError,
     CorruptPart,
+    DiffOverflow,
     InvalidBatchBounds,
     InvalidBounds,
     InvalidKey,
@@ -57,6 +59,7 @@ __all__ = [
     "Consensus",
     "ConsensusError",
     "CorruptPart",
+    "DiffOverflow",
     "Description",
     "FileBlob",
     "FsckReport",
@@ -73,6 +76,7 @@ __all__ = [
     "Listen",
     "ListenEvent",
     "MemoryBlob",
+    "BatchAppended",
     "PartsMissing",
     "PartRef",
     "PersistClient",

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.errors import InvalidUsage
+from persist.errors import DiffOverflow, InvalidUsage
 from persist.updates import DIFF, TIME, is_supported_type
 
 # -------------------------------------------------------------------- consolidation
@@ -422,11 +422,18 @@ def _take(table: pa.Table, order: np.ndarray) -> pa.Table:
     return pc.take(table, pa.array(order, pa.int64()), memory_pool=_scratch_pool())
 
 
+class _GroupOverflow(Exception):
+    """The sum of group ``index`` does not fit in int64."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
 def _sum_groups(diffs: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """Sums of ``diffs`` over groups beginning at ``starts``, as int64.
 
     Raises:
-        InvalidUsage: a sum does not fit in int64.
+        _GroupOverflow: a sum does not fit in int64 (the first such group).
     """
     sums = np.add.reduceat(diffs, starts)
     sizes = np.diff(np.append(starts, len(diffs)))
@@ -437,9 +444,7 @@ def _sum_groups(diffs: np.ndarray, starts: np.ndarray) -> np.ndarray:
         fsums = np.add.reduceat(diffs.astype(np.float64), starts)
         bad = np.abs(fsums - sums.astype(np.float64)) > 2.0**62
         if bad.any():
-            raise InvalidUsage(
-                f"the diffs of {int(bad.sum())} update(s) sum beyond the int64 range"
-            )
+            raise _GroupOverflow(int(np.flatnonzero(bad)[0]))
     return np.asarray(sums, dtype=np.int64)
 
 
@@ -474,8 +479,9 @@ def consolidate(
 
     Raises:
         InvalidUsage: a named column is missing or of a type :func:`updates_schema`
-            rejects, ``_time``/``_diff`` are not non-null int64, or a diff sum
-            overflows int64.
+            rejects, or ``_time``/``_diff`` are not non-null int64.
+        DiffOverflow: the diffs of a row (key, value, time) sum beyond int64 (its
+            ``row`` names it).
     """
     table, order = consolidate_order(table, key_names, value_names, since)
     return table if order is None else _take(table, order)
@@ -555,7 +561,11 @@ def consolidate_order(
     diffs = np.asarray(table.column(DIFF).to_numpy(), dtype=np.int64)
     if order is not None:
         diffs = diffs[order]
-    sums = _sum_groups(diffs, starts)
+    try:
+        sums = _sum_groups(diffs, starts)
+    except _GroupOverflow as e:
+        at = int(starts[e.index]) if order is None else int(order[starts[e.index]])
+        raise DiffOverflow(table.select(cols).slice(at, 1).to_pylist()[0]) from None
     keep = sums != 0
     rows = starts[keep] if order is None else order[starts[keep]]
     out = table.take(pa.array(rows, pa.int64()))

@@ -155,6 +155,50 @@ class PartsMissing(PersistError):
         )
 
 
+class DiffOverflow(InvalidUsage):
+    """The diffs of one row (equal key, value and time) sum beyond the int64 range, so
+    it has no count to report.  Raised by a read (and a compaction) that consolidates
+    them; each update's diff fits, their sum does not.  Nothing is changed.
+
+    Attributes: ``row`` (the row's key and value columns and ``_time``, as Python
+    values), ``shard`` (the shard's name and id, once known; else ``None``).
+    """
+
+    def __init__(self, row: dict[str, object], shard: str | None = None) -> None:
+        self.row = row
+        self.shard = shard
+        where = f"shard {shard}: " if shard else ""
+        super().__init__(
+            f"{where}the diffs of the row {row} sum beyond the int64 range "
+            f"[-2**63, 2**63 - 1]: the updates written for it cannot be counted; "
+            "retract what was written in error"
+        )
+
+    def in_shard(self, shard: str) -> DiffOverflow:
+        """The same error naming ``shard``."""
+        return DiffOverflow(self.row, shard)
+
+
+class BatchAppended(InvalidUsage):
+    """A batch cannot be appended: the shard already references some of its parts (or
+    did, before a compaction), so it is a copy of a batch already appended (e.g. its
+    transmittable bytes decoded twice) and its updates would count twice.  Nothing was
+    committed; the copy is marked consumed (deleting it would delete parts the shard
+    references).
+
+    Attributes: ``keys`` (the parts already appended).
+    """
+
+    def __init__(self, shard_id: str, keys: list[str]) -> None:
+        self.keys = keys
+        super().__init__(
+            f"a batch appended to shard {shard_id} was already appended: its part "
+            f"{keys[0]} is referenced by the shard (or was, before a compaction); a "
+            "batch (or each decoding of its transmittable bytes) may be appended once: "
+            "nothing was committed"
+        )
+
+
 class BlobError(PersistError):
     """A blob store call failed (I/O error, injected fault, invalid key)."""
 

@@ -10,31 +10,46 @@ name no writer).  :func:`collect_garbage` deletes
   may still be reading a version that references it), the retirement is older than the
   grace period, and GC's own state read is at or past that seqno;
 * *abandoned* keys: keys no state references and that are not retired, whose writer is
-  not live (never registered, lease expired, or expired by ``expire()``) and which were
-  written longer ago than the grace period: batches of writers that failed (crashed
-  between upload and commit, lost an upper race and could not delete) and outputs of
-  compactors that died before applying them.  A live writer's keys are never deleted,
-  whatever their age (a builder or batch may stay open as long as its writer
-  heartbeats); a key without writer (older layouts) is abandoned after the grace period;
+  not registered in the state GC decides on (never registered, expired, or expired by
+  ``expire()``) and which were written longer ago than the grace period: batches of
+  writers that failed (crashed between upload and commit, lost an upper race and could
+  not delete) and outputs of compactors that died before applying them.  A key without
+  writer (older layouts) is abandoned after the grace period;
 
 keys under the shard's prefix that persist's layouts could not have produced are never
 deleted, only reported (``GcReport.unrecognized``).  It then truncates consensus.
 
-Invariants kept here: a key referenced by the latest state is never deleted; a key of a
-live writer is never deleted; a retired key is never deleted while a live reader's
-seqno hold is before its retirement; GC's own state change (forgetting deleted retired
-keys) goes through compare-and-set and retracts only rows present as of the version it
-commits on, so overlapping or repeated GC passes are idempotent.  Writers keep the other
-half of the contract: a writer is registered before its first upload, a writer whose
-lease ran out is never registered again, and ``compare_and_append_batch`` refuses parts
-of a writer that is not live (see :mod:`persist.write`).
+GC commits its judgement before acting on it: it first expires, by compare-and-set, the
+writers and readers whose leases ran out by its clock, and decides everything on the
+state that decision is committed in (or on the head, read after its listing, when there
+was nothing to expire).  Writers keep the other half of the contract: a writer is
+registered before its first upload, a writer dropped from the state is never registered
+again, and a commit (``compare_and_append``, ``compare_and_append_batch``, a
+transaction's commit) whose writer, or a writer whose parts it references, is not
+registered and live in the version it commits on is refused and commits nothing
+(``LeaseExpired``; see :mod:`persist.write`).  The two are ordered by the
+compare-and-set: either GC's expiry lands first and the writer's commit is refused, or
+the writer's commit lands first, renewing its lease, and GC's expiry is re-decided on
+it.
 
-Time: leases are wall-clock leases, as in persist-client.  Whether a writer or reader is
-live is judged by the clock of the process that looks (GC here, and every state
+Invariants kept here: a key referenced by the latest state is never deleted; a key of a
+writer registered in the committed state GC decides on is never deleted, whatever its
+age (a builder or batch may stay open as long as its writer heartbeats); a key GC
+deletes is never referenced by a later commit (its writer is gone from that state and
+every later one); a retired key is never deleted while a live reader's seqno hold is
+before its retirement; GC's own state changes go through compare-and-set, and
+forgetting deleted retired keys retracts only rows present as of the version it commits
+on, so overlapping or repeated GC passes are idempotent.
+
+Time: leases are wall-clock leases, as in persist-client.  Whether a lease ran out is
+judged by the clock of the process that commits the judgement (GC here, and every state
 transition, which drops expired leases), against the heartbeat times the leaseholders
-recorded with theirs; the processes sharing a shard must therefore keep their clocks in
-agreement to well within a lease (NTP does; a clock hours ahead can expire a live
-writer, whose next append is then refused with nothing committed, never lost).
+recorded with theirs; a heartbeat never moves a lease back (``max(old, now)``).  Clock
+skew therefore never loses an acknowledged append: a process whose clock is ahead by
+more than a lease expires live writers early, and their next commits are refused with
+``LeaseExpired`` and nothing committed (the caller opens a new writer and writes
+again); it does make those writers fail, so the processes sharing a shard should keep
+their clocks in agreement to well within a lease (NTP does).
 
 Sources: the first engine's blob bookkeeping (``000``/``001``); persist-client's GC,
 writer-named blob keys and seqno holds.
@@ -119,15 +134,15 @@ def collect_garbage(
     shard_id = client.shard_id(shard)
     m: ShardMachine = client.machine(shard_id)
     listed = client.blob.list_keys(f"{shard_id}/")
-    # Read after listing: a key listed was written by a writer registered before it (so
-    # present in this state unless expired), or was retired by then (so in the retired
-    # collection read below).
-    st = m.fetch()
+    # Decided after listing: a key listed was written by a writer registered before it
+    # (so present in this state unless expired), or was retired by then (so in the
+    # retired collection read below).
+    st = _commit_expiry(m)
     _upper, retired = client.consensus.retired_entries(shard_id)
     now = m.now_ms()
     grace_ms = int(grace * 1000)
     referenced = st.referenced_blob_keys()
-    live_writers = st.live_writers(now)
+    live_writers = set(st.writers)
     hold = st.min_seqno_hold(now)
     report = GcReport(shard_id, referenced=len(referenced))
 
@@ -197,6 +212,28 @@ def collect_garbage(
     client.consensus.truncate(shard_id)
     persist_metrics.observe_gc(report)
     return report
+
+
+def _commit_expiry(m: ShardMachine) -> ShardState:
+    """Expire, by compare-and-set, the readers and writers whose leases ran out by this
+    process's clock, and return the state that decision is committed in: a state read
+    after the caller's listing (the head, or the version this transition committed).
+
+    A writer absent from it is gone for good (a writer is never registered again once
+    dropped), and every later commit of it is refused for not being registered in the
+    version it commits on, so its keys may be deleted.  Had GC deleted on a judgement
+    of its own clock without committing it, a writer renewing meanwhile (or judged by a
+    clock ahead of its own) could commit a part GC deleted.  Source: persist-client's
+    ``internal/state.rs`` (``expire_writer``) and ``internal/maintenance.rs``, where
+    writers are expired through the state machine, never behind it.
+    """
+    m.fetch()  # decide on a head read after the listing, never on an older cache
+    now = m.now_ms()
+
+    def fn(st: ShardState, fresh: bool) -> tuple[ShardState, bool]:
+        return st, st.expire_leases(now)
+
+    return m.apply(fn)
 
 
 def _forget(client: PersistClient, m: ShardMachine, shard_id: str, done: dict[str, int]) -> None:

@@ -73,7 +73,13 @@ import pyarrow.parquet as pq
 
 from persist.blob import Blob
 from persist.consensus import ShardMachine, Stale
-from persist.errors import CorruptPart, InvalidUsage, PersistError, SinceViolation
+from persist.errors import (
+    CorruptPart,
+    DiffOverflow,
+    InvalidUsage,
+    PersistError,
+    SinceViolation,
+)
 from persist.filters import (
     FILTER_ERRORS,
     apply_filter,
@@ -1189,6 +1195,8 @@ class ReadHandle(ShardHandle):
                 filter Arrow cannot evaluate on the snapshot's rows (where
                 ``snapshot(as_of).filter(filter)`` raises).
             CorruptPart: a part is missing or corrupt (naming its blob key).
+            DiffOverflow: the diffs of a row sum beyond int64 (naming the shard and
+                the row).
             BlobError, ConsensusError: storage failed.
         """
         self._check()
@@ -1211,6 +1219,8 @@ class ReadHandle(ShardHandle):
                     filter=filter,
                     columns=columns,
                 )
+            except DiffOverflow as e:
+                raise e.in_shard(f"{self.name!r} ({self.shard_id})") from e
             except CorruptPart as e:
                 # A part of an old version may be gone (e.g. the lease had lapsed): a
                 # newer version may not reference it; report corruption only if the
@@ -1409,6 +1419,8 @@ class Listen:
         self._reading = True  # before the state is read: see _beat
         try:
             return self._step_reading()
+        except DiffOverflow as e:
+            raise e.in_shard(self._machine.shard_id) from e
         finally:
             self._reading = False
 

@@ -305,7 +305,7 @@ class WriterState:
         older = older[-(WRITER_TOKENS_KEPT - 1) :] if WRITER_TOKENS_KEPT > 1 else ()
         return replace(
             self,
-            last_heartbeat_ms=now_ms,
+            last_heartbeat_ms=max(self.last_heartbeat_ms, now_ms),
             lease_duration_ms=lease_ms,
             last_token=token,
             tokens=older,
@@ -743,7 +743,9 @@ class ShardState:
         return reqs
 
     def heartbeat_writer(self, writer_id: str, now_ms: int, lease_ms: int) -> None:
-        """Register or renew a writer, keeping its last token.  (A handle that was
+        """Register or renew a writer, keeping its last token.  The heartbeat time never
+        moves back (``max(old, now_ms)``, as the reader's heartbeat): a clock behind the
+        one that last renewed it never shortens the lease.  (A handle that was
         registered before must check :meth:`check_writer_live` first: a writer id is
         registered over one contiguous interval, never again after its lease ran out.)"""
         w = self.writers.get(writer_id)
@@ -751,7 +753,7 @@ class ShardState:
             self.writers[writer_id] = WriterState(now_ms, lease_ms)
         else:
             self.writers[writer_id] = replace(
-                w, last_heartbeat_ms=now_ms, lease_duration_ms=lease_ms
+                w, last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms), lease_duration_ms=lease_ms
             )
 
     def hand_off_writer(self, writer_id: str, now_ms: int, lease_ms: int, batches: int) -> bool:
@@ -772,7 +774,9 @@ class ShardState:
             del self.writers[writer_id]
             return True
         self.writers[writer_id] = replace(
-            handed, last_heartbeat_ms=now_ms, lease_duration_ms=max(w.lease_duration_ms, lease_ms)
+            handed,
+            last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms),
+            lease_duration_ms=max(w.lease_duration_ms, lease_ms),
         )
         return True
 
@@ -795,11 +799,12 @@ class ShardState:
         """Renew the lease of a writer that is live at ``now_ms`` (keeping its lease
         duration), on behalf of whoever holds a batch of its parts.  A writer that is
         gone or whose lease ran out is never brought back (GC may have deleted its
-        parts).  Returns whether it was renewed."""
+        parts).  The heartbeat time never moves back (``max(old, now_ms)``).  Returns
+        whether it was renewed (live at ``now_ms``)."""
         w = self.writers.get(writer_id)
         if w is None or w.expired(now_ms):
             return False
-        self.writers[writer_id] = replace(w, last_heartbeat_ms=now_ms)
+        self.writers[writer_id] = replace(w, last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms))
         return True
 
     def apply_merge_res(self, res: FueledMergeRes, now_ms: int) -> ApplyMergeResult:

@@ -33,10 +33,12 @@ Invariants kept here:
   returns success without writing again if the append landed;
 * a writer is registered in the shard state (its lease) before its first upload, and
   its parts' keys name it (:mod:`persist.keys`), stamped when each run is written; GC
-  never deletes a live writer's parts; a writer whose lease ran out is never
-  registered again, and ``compare_and_append_batch`` refuses, committing nothing, a
-  batch whose parts are gone or whose writer is not live (``PartsMissing``,
-  ``LeaseExpired``); a batch held unconsumed, or a builder holding uploaded parts,
+  never deletes the parts of a writer registered in the state it decides on (it
+  commits the expiry of the others first, :mod:`persist.gc`); a writer dropped from the
+  state is never registered again, and an append refuses, committing nothing, a
+  batch whose parts are gone (``PartsMissing``) or when this writer, or one whose
+  parts it references, is not registered and live in the version it commits on
+  (``LeaseExpired``): decided on that version, never on a cached one; a batch held unconsumed, or a builder holding uploaded parts,
   keeps the leases of its parts' writers alive in the background (:meth:`WriteHandle.hold`,
   every quarter lease, through the handle's :attr:`WriteHandle.lease_keeper`), so it
   stays appendable however long it is held; a writer already gone is never renewed;
@@ -47,7 +49,13 @@ Invariants kept here:
   (``< upper``); a failed ``add`` leaves it exactly as before the call and a failed
   ``finish`` leaves it unfinished with every accepted update, so a finished batch never
   misses an accepted row; flushed chunks in (key, value, time) order extend one run;
-  ``abort`` after a successful ``finish`` does nothing (the batch owns the parts).
+  ``abort`` after a successful ``finish`` does nothing (the batch owns the parts);
+* a part is appended once: an append pushing, as they are, parts the version it
+  commits on references (or retired) is refused (``BatchAppended``), so a batch's
+  transmittable bytes decoded twice never count twice, across calls as within one;
+* an idempotency token names one append exactly, its bounds and contents
+  (:mod:`persist.fingerprint`): a token reused on another append is refused
+  (``InvalidUsage``), never taken for a landed retry.
 
 Sources: the persist-client ``WriteHandle``, ``BatchBuilder`` and
 ``validate_truncate_batch`` (seed ``004``).
@@ -56,7 +64,6 @@ Sources: the persist-client ``WriteHandle``, ``BatchBuilder`` and
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import threading
@@ -75,7 +82,9 @@ from persist.batch import Batch
 from persist.consensus import ShardMachine, Stale
 from persist.consolidation import _adjacent
 from persist.errors import (
+    BatchAppended,
     ConsensusError,
+    DiffOverflow,
     InvalidBatchBounds,
     InvalidBounds,
     InvalidRewrite,
@@ -86,11 +95,11 @@ from persist.errors import (
     UpdateNotBeyondLower,
     UpperMismatch,
 )
+from persist.fingerprint import batches_fingerprint, check_same_append, updates_fingerprint
 from persist.handle import ShardHandle
 from persist.keys import key_writer_id, part_name_prefix
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.parts import (
-    DIFF,
     TIME,
     consolidate_order,
     to_updates_table,
@@ -228,24 +237,6 @@ def _token_entry(st: ShardState, writer_id: str, token: str) -> str | None:
     return None
 
 
-def _check_same_append(entry: str, token: str, fingerprint: str) -> None:
-    """A caller's token that landed must name *this* append: the recorded fingerprint
-    (row count and diff sum of ``compare_and_append``'s updates, or the parts of
-    ``compare_and_append_batch``'s batches) must match, else acknowledging it would
-    claim rows that were never written.
-
-    Raises:
-        InvalidUsage: the token was used by a different append (nothing is written).
-    """
-    _, sep, recorded = entry.partition(TOKEN_SEP)
-    if sep and recorded != fingerprint:
-        raise InvalidUsage(
-            f"idempotency_token {token!r} names a different append that already landed "
-            "(other updates or batches); a token may only retry the append it was given "
-            "for: nothing was written"
-        )
-
-
 #: Tables of at most this many rows take the pure-Python paths of :func:`_time_range`
 #: (a pyarrow compute call costs tens of microseconds however small its input).
 _SMALL_ROWS = 32
@@ -262,22 +253,6 @@ def _time_range(table: pa.Table) -> tuple[int, int] | None:
         return min(times), max(times)
     mm = pc.min_max(table.column(TIME))
     return int(mm["min"].as_py()), int(mm["max"].as_py())
-
-
-def _diff_sum(table: pa.Table) -> int:
-    """The sum of a normalized updates ``table``'s ``_diff`` as ``pc.sum`` computes it
-    (wrapping in int64; ``0`` when empty), in Python for a small table (``pc.sum``'s
-    call overhead was 6% of a one-row append)."""
-    n = table.num_rows
-    if n == 0:
-        return 0
-    if n <= _SMALL_ROWS:
-        total: int = sum(table.column(DIFF).to_pylist())
-        return ((total + _I64) % (2 * _I64)) - _I64
-    return int(pc.sum(table.column(DIFF)).as_py())
-
-
-_I64 = 1 << 63
 
 
 class WriteHandle(ShardHandle):
@@ -471,6 +446,30 @@ class WriteHandle(ShardHandle):
                     raise
                 raise LeaseExpired(self.shard_id, wid, "writer of an appended batch") from e
 
+    def _check_not_appended(
+        self, st: ShardState, keys: list[str], retired: list[tuple[int, set[str]]]
+    ) -> None:
+        """In the append's transition: no part ``keys`` of the appended batches may be
+        referenced by ``st`` (the version committed on) or retired from it (referenced
+        once, then compacted away): such a batch is a copy of one already appended (its
+        transmittable bytes decoded twice), whose updates would count twice.  The
+        retired keys are those read at ``st``'s ``retired_upper`` (``retired`` caches
+        ``[(upper, keys)]``; a newer read means a newer version, on which the
+        compare-and-set fails and this runs again).
+
+        Raises:
+            BatchAppended: naming the shard and a part already appended.
+        """
+        ref = st.referenced_blob_keys()
+        again = [k for k in keys if k in ref]
+        if not again and st.retired_upper > 0:
+            if not retired or retired[0][0] != st.retired_upper:
+                upper, rows = self._client.consensus.retired_entries(self.shard_id)
+                retired[:] = [(upper, set(rows))]
+            again = [k for k in keys if k in retired[0][1]]
+        if again:
+            raise BatchAppended(self.shard_id, again)
+
     def _inline_max(self) -> int:
         """Inline writes are allowed while the state holds less than the total budget."""
         c = self._client
@@ -508,7 +507,10 @@ class WriteHandle(ShardHandle):
         ``table`` has this handle's value schema, or ``value_schema`` (version
         ``schema_id``)."""
         vs = self.value_schema if value_schema is None else value_schema
-        table, order = consolidate_order(table, self.key_schema.names, vs.names)
+        try:
+            table, order = consolidate_order(table, self.key_schema.names, vs.names)
+        except DiffOverflow as e:
+            raise e.in_shard(f"{self.name!r} ({self.shard_id})") from e
         if (table.num_rows if order is None else len(order)) == 0:
             return []
         return self._write_sorted(table, order, schema_id)
@@ -612,7 +614,10 @@ class WriteHandle(ShardHandle):
                 nothing again, however many appends came since (the client settles the
                 outcome from the next shard state it sees); if whether it landed can no
                 longer be told, it raises an indeterminate :class:`ConsensusError` and
-                writes nothing.  By default a fresh token.
+                writes nothing.  The token names that append exactly (its bounds and
+                its updates in their order, :mod:`persist.fingerprint`): passed to any
+                other append it raises ``InvalidUsage`` and writes nothing.  By
+                default a fresh token.
 
         Raises:
             InvalidBounds: ``expected_upper`` is not ``<= new_upper``.
@@ -621,7 +626,11 @@ class WriteHandle(ShardHandle):
             UpperMismatch: the shard's upper is not ``expected_upper`` (``.current``
                 tells what it is); nothing was committed.  Never raised for an append
                 of this call that landed (its own indeterminate commit is resolved).
-            InvalidUsage: bad schema or columns, or a malformed token.
+            InvalidUsage: bad schema or columns, a malformed token, or a token of
+                another append.
+            DiffOverflow: the diffs of one row sum beyond int64 (nothing written).
+            LeaseExpired: this writer is not registered in the version it commits on
+                (GC or another process expired it); nothing was committed.
             BlobError, ConsensusError: storage failed; nothing was committed unless the
                 error says ``is_indeterminate()``; then ``idempotency_token`` is set on it
                 and a retry passing it stays idempotent.
@@ -639,7 +648,7 @@ class WriteHandle(ShardHandle):
                 raise UpdateNotBeyondLower(rng[0], expected)
             if new.less_equal(rng[1]):
                 raise UpdateBeyondUpper(rng[1], new)
-        fingerprint = f"r{table.num_rows}d{_diff_sum(table)}"
+        fingerprint = updates_fingerprint(expected, new, table)
         if idempotency_token is not None and self._token_landed(token, fingerprint):
             return  # an earlier attempt landed: write nothing again
         if expected == new:
@@ -700,11 +709,17 @@ class WriteHandle(ShardHandle):
                 )
 
     def _assemble(
-        self, batches: Sequence[Batch], expected: Antichain, new: Antichain
+        self,
+        batches: Sequence[Batch],
+        expected: Antichain,
+        new: Antichain,
+        sources: list[str] | None = None,
     ) -> tuple[list[HollowBatch], list[Batch]]:
         """The hollow batches to push for an append ``[expected, new)`` of ``batches``
         (already validated), and the temporary batches written to truncate or rewrite
         some of them physically (their parts are pushed instead of the originals').
+        ``sources`` (when given) collects the part keys of the batches rewritten into a
+        non-empty temporary batch.
 
         One hollow batch ``[lo, new)`` holds every part, preceded by an empty
         ``[expected, lo)`` when every rewritten batch means times from ``lo`` on (readers
@@ -728,6 +743,8 @@ class WriteHandle(ShardHandle):
                     if t.len > 0:
                         temps.append(t)
                         use.append(t)
+                        if sources is not None:
+                            sources.extend(b.blob_keys())
                 else:
                     use.append(b)
         except BaseException:
@@ -832,7 +849,12 @@ class WriteHandle(ShardHandle):
 
         Raises:
             InvalidBounds, InvalidBatchBounds, InvalidRewrite, InvalidUsage (a batch of
-            another shard, or already consumed), UpperMismatch, ConsensusError (see
+            another shard, or already consumed), BatchAppended (a copy of a batch the
+            shard already references or did before a compaction: another decoding of
+            its transmittable bytes; nothing committed, the copy is marked consumed),
+            LeaseExpired (this writer, or one whose parts a batch holds, is not
+            registered and live in the version committed on), UpperMismatch,
+            ConsensusError (see
             :meth:`compare_and_append`; an indeterminate one carries
             ``idempotency_token``, and the batches stay unconsumed for a retry).
         """
@@ -882,11 +904,7 @@ class WriteHandle(ShardHandle):
                 raise InvalidUsage(f"{b!r} was written for another shard than {self.shard_id}")
         self._validate_truncate(batches, expected, new)
         if fingerprint is None:  # the batches' parts (the same in copies and retries)
-            h = hashlib.sha256()
-            for b in batches:
-                for p in b.hollow.parts:
-                    h.update(p.checksum.encode())
-            fingerprint = f"b{h.hexdigest()[:24]}"
+            fingerprint = batches_fingerprint(expected, new, batches)
         if retry and self._token_landed(token, fingerprint):
             for b in batches:  # an earlier attempt landed them
                 b.mark_consumed()
@@ -894,10 +912,21 @@ class WriteHandle(ShardHandle):
         owners = self._check_appendable(batches, fresh)  # parts exist; owners checked below
         handed = handed_off_owners(batches, self.writer_id)
         temps: list[Batch] = []
+        # The given parts whose rows this append pushes, as they are or rewritten into
+        # new parts: none may be in the shard already (see _check_not_appended).
+        given: list[str] = []
         if expected == new:
             pieces: list[HollowBatch] = []
         else:
-            pieces, temps = self._assemble(batches, expected, new)
+            pieces, temps = self._assemble(batches, expected, new, given)
+        fresh_keys = {k for b in [fresh, *temps] if b is not None for k in b.blob_keys()}
+        given.extend(
+            p.key
+            for hb in pieces
+            for p in hb.parts
+            if p.key is not None and p.key not in fresh_keys
+        )
+        retired: list[tuple[int, set[str]]] = []  # the retired keys, read at an upper
         wid = self.writer_id
         lease = self._lease_ms
         machine = self._machine
@@ -916,6 +945,8 @@ class WriteHandle(ShardHandle):
                 raise UpperMismatch(expected, st.upper)
             if not pieces:
                 return [], False
+            if given:
+                self._check_not_appended(st, given, retired)
             now = machine.now_ms()
             self._check_owners(st, owners, fresh, now)
             for res in merges:
@@ -943,6 +974,10 @@ class WriteHandle(ShardHandle):
             else:
                 for t in temps:
                     t.delete()
+            if isinstance(e, BatchAppended):  # copies: their parts are the shard's
+                for b in batches:
+                    if not set(e.keys).isdisjoint(b.blob_keys()):
+                        b.mark_consumed()
             raise
         if retry:
             machine.forget_token(token)  # landed now: the state answers for it
@@ -1049,7 +1084,7 @@ class WriteHandle(ShardHandle):
                 "read the shard to see whether its updates are there",
                 indeterminate=True,
             )
-        _check_same_append(entry, token, fingerprint)
+        check_same_append(entry, token, fingerprint)
         return True
 
     def _unregistered_within_lease(self, token: str) -> bool:

@@ -78,8 +78,10 @@ def test_unresolved_outcome_carries_a_token_that_keeps_the_retry_idempotent(
     sets = blob.metrics.snapshot().sets
     # Retried as the caller would: same rows and bounds, and the token.
     w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token=token)
-    # ...or with a fresh upper (the caller re-read it): still not written twice.
-    w.compare_and_append([upd("a", 1, 1)], 1, 2, idempotency_token=token)
+    # ...or with a fresh upper (the caller re-read it): another append (a token names
+    # its bounds too), refused, so still not written twice.
+    with pytest.raises(InvalidUsage, match="names a different append"):
+        w.compare_and_append([upd("a", 1, 1)], 1, 2, idempotency_token=token)
     assert blob.metrics.snapshot().sets == sets  # nothing uploaded again
     assert w.fetch_recent_upper() == ac(1)
     assert contents(r.snapshot(0)) == Counter({("a", 1, 0): 1})
@@ -130,7 +132,8 @@ def test_lost_ack_of_the_writers_registration_is_resolved_or_carries_the_token(
     assert e.value.is_indeterminate() and e.value.idempotency_token
     flaky.reads_to_fail = 0
     w2.compare_and_append([upd("b", 1, 0)], 0, 1, idempotency_token=e.value.idempotency_token)
-    w2.compare_and_append([upd("b", 1, 1)], 1, 2, idempotency_token=e.value.idempotency_token)
+    with pytest.raises(InvalidUsage, match="names a different append"):  # other bounds
+        w2.compare_and_append([upd("b", 1, 1)], 1, 2, idempotency_token=e.value.idempotency_token)
     assert contents(r.snapshot(0)) == Counter({("a", 1, 0): 1})
     _, r2 = _c.open("idem2", KS, VS)
     assert contents(r2.snapshot(0)) == Counter({("b", 1, 0): 1})

@@ -23,7 +23,7 @@ from persist.errors import InvalidUsage
 from persist.spine import FueledMergeReq, IdHollowBatch, SpineId, worth_compacting
 from persist.types import Description, HollowBatch, PartRef
 from persist.updates import to_updates_table
-from persist.write import _diff_sum, _time_range
+from persist.write import _time_range
 from stash import Antichain, Stash
 
 KS = pa.schema([("k", pa.int64()), ("name", pa.string())])
@@ -140,18 +140,6 @@ def test_time_range_gives_what_min_max_gives(times: list[int], chunks: int) -> N
         return
     mm = pc.min_max(col)
     assert _time_range(table) == (mm["min"].as_py(), mm["max"].as_py())
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=70), st.integers(0, 3))
-def test_diff_sum_gives_what_pc_sum_gives(diffs: list[int], chunks: int) -> None:
-    """The idempotency fingerprint's diff sum is ``pc.sum``'s (wrapping in int64), on
-    the pure-Python path of small tables and the compute path of larger ones."""
-    arr = pa.array(diffs, pa.int64())
-    cut = len(diffs) // 2 if chunks else len(diffs)
-    col = pa.chunked_array([arr[:cut], arr[cut:]], pa.int64())
-    expected = pc.sum(col).as_py() if diffs else 0
-    assert _diff_sum(pa.table({"_diff": col})) == expected
 
 
 # ------------------------------------------------------------ compaction heuristic

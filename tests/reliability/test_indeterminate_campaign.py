@@ -1,8 +1,9 @@
 """Indeterminate-commit campaign (issue 12 item 8): COMMITs land but their
 acknowledgement is lost, and the re-reads that follow fail for a while.  Each append is
-retried the way a careless caller would: after an indeterminate error it re-reads the
-upper and appends the same rows again *at the fresh upper*, passing the error's
-``idempotency_token``; after ``UpperMismatch`` it does the same without a token.
+retried the way a caller that retries everything would: after an indeterminate error it
+retries the same append (same rows and bounds: a token names one append exactly),
+passing the error's ``idempotency_token``; after ``UpperMismatch`` it re-reads the
+upper and appends the rows there without a token.
 
 Invariants checked: every acknowledged append is visible exactly once (``duplicated ==
 0``, ``lost == 0``), no append is ever reported as a lost race when it was its own
@@ -29,17 +30,23 @@ VS = pa.schema([("v", pa.int64())])
 
 
 def _append_until_acknowledged(w: Any, i: int, stats: Counter[str]) -> None:
-    """Append row ``i`` once, as a caller that retries everything would."""
+    """Append row ``i`` once, as a caller that retries everything would: an append
+    whose outcome is unknown is retried as it was (same rows, same bounds) with the
+    error's token, which names that append exactly; only after ``UpperMismatch`` (it
+    did not land) are the rows appended at a fresh upper."""
     token: str | None = None
+    attempt: tuple[list[Any], int] | None = None  # (rows, lower) being tried
     for _ in range(200):
+        if attempt is None:
+            try:
+                upper = w.fetch_recent_upper().as_option()
+            except ConsensusError:
+                stats["read_errors"] += 1
+                continue
+            attempt, token = ([(((f"r{i}",), (i,)), upper, 1)], upper), None
+        rows, lower = attempt
         try:
-            upper = w.fetch_recent_upper().as_option()
-        except ConsensusError:
-            stats["read_errors"] += 1
-            continue
-        rows = [(((f"r{i}",), (i,)), upper, 1)]
-        try:
-            w.compare_and_append(rows, upper, upper + 1, idempotency_token=token)
+            w.compare_and_append(rows, lower, lower + 1, idempotency_token=token)
             return
         except ConsensusError as e:
             if e.is_indeterminate():
@@ -49,6 +56,7 @@ def _append_until_acknowledged(w: Any, i: int, stats: Counter[str]) -> None:
         except UpperMismatch:
             stats["races_reported"] += 1  # a single writer: never a real race
             stats["retried"] += 1
+            attempt = None
     raise AssertionError(f"append {i} never acknowledged")
 
 

@@ -9,8 +9,12 @@ batch of a writer that is no longer live must be refused (``LeaseExpired`` /
 ``PartsMissing``) with nothing committed; an operation run during a blob outage may fail
 but never half-commits.  After every step (blob available): every acknowledged write
 reads back exactly (the snapshot equals the reference), and ``persist.fsck`` finds no
-damage.  Figures are recorded for ``docs/reliability.md`` (three rows: the whole model,
-the batches held across GC passes, and the builders under blob outages).
+damage.  Figures are recorded for ``docs/reliability.md`` (four rows: the whole model,
+the batches held across GC passes, the builders under blob outages, and the exactness
+cases: idempotency tokens reused at random on other appends, one transmitted batch
+decoded twice and appended twice, and a GC in another client, its clock ahead by more
+than a lease, run while a writer's commit is in flight, injected at the consensus
+layer between computing the state and the commit landing).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from stash_faults import AckLostStash
 
 from persist import (
+    BatchAppended,
     BlobError,
+    InvalidUsage,
     LeaseExpired,
     MemoryBlob,
     PartsMissing,
@@ -79,6 +85,10 @@ class Lifecycle(RuleBasedStateMachine):
         }
         self.c = PersistClient(self.stash, self.blob, **kw)
         self.other = PersistClient(self.stash, self.blob, **kw)  # GC and compaction
+        # A GC process whose clock is ahead of everyone's by more than a lease.
+        ahead = {**kw, "clock": lambda: self.clock.now + LEASE + 1}
+        self.ahead = PersistClient(self.stash, self.blob, **ahead)
+        self.tokens: list[str] = []  # caller tokens of acknowledged appends
         self.w, self.r = self.c.open(SHARD, KS, VS)
         self.model: Counter[tuple[int, str]] = Counter()
         self.upper = 0
@@ -93,6 +103,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.blob.make_available()
         self.c.close()
         self.other.close()
+        self.ahead.close()
         self.raw_stash.close()
 
     # ----------------------------------------------------------------- helpers
@@ -139,14 +150,100 @@ class Lifecycle(RuleBasedStateMachine):
         FIG["acknowledged"] += 1
 
     # ------------------------------------------------------------------- rules
-    @rule(k=st.integers(0, 5), v=st.sampled_from("ab"))
-    def write(self, k: int, v: str) -> None:
+    @rule(k=st.integers(0, 5), v=st.sampled_from("ab"), token=st.booleans())
+    def write(self, k: int, v: str, token: bool) -> None:
         w = self._live_writer()
         up = self.upper
-        ok = self._guard(lambda: w.compare_and_append([(((k,), (v,)), up, 1)], up, up + 1))
+        tok = f"model-token-{FIG['tokens']:08d}" if token else None
+        FIG["tokens"] += 1
+        ok = self._guard(
+            lambda: w.compare_and_append([(((k,), (v,)), up, 1)], up, up + 1, idempotency_token=tok)
+        )
         if ok:
             self._committed([(k, v)])
+            if tok is not None:
+                self.tokens.append(tok)
         assert self._shard_upper() == self.upper  # all or nothing
+
+    @rule(data=st.data(), k=st.integers(0, 5), v=st.sampled_from("ab"))
+    def reuse_token(self, data: st.DataObject, k: int, v: str) -> None:
+        """The token of an acknowledged append, passed to another append (at the
+        current upper, so other bounds): refused while the state records the token,
+        else (its record left the state) a new append; never "already landed" with
+        nothing written (checked by the upper and the snapshot)."""
+        if not self.tokens:
+            return
+        tok = self.tokens[data.draw(st.integers(0, len(self.tokens) - 1))]
+        w = self._live_writer()
+        up = self.upper
+        try:
+            w.compare_and_append([(((k,), (v,)), up, 1)], up, up + 1, idempotency_token=tok)
+        except InvalidUsage as e:
+            assert "names a different append" in str(e)
+            FIG["tokens_refused"] += 1
+        else:
+            self._committed([(k, v)])
+            FIG["tokens_forgotten"] += 1
+        assert self._shard_upper() == self.upper
+
+    @rule(k=st.integers(0, 5), v=st.sampled_from("ab"))
+    def batch_decoded_twice(self, k: int, v: str) -> None:
+        """One batch's transmittable bytes decoded twice, each decoding appended in its
+        own call (the second after ``rewrite_ts`` to the new upper): the second is
+        refused, nothing committed."""
+        w = self._live_writer()
+        out: list[Any] = []
+        if not self._guard(lambda: out.append(w.batch([(((k,), (v,)), 0, 1)], 0, 1))):
+            return
+        data = out[0].into_transmittable()
+        for n in range(2):
+            copy = w.batch_from_transmittable(data)
+            up = self.upper
+            if up > 0:
+                copy.rewrite_ts(ac(up), ac(up + 1))
+            try:
+                w.compare_and_append_batch([copy], up, up + 1)
+            except BatchAppended:
+                assert n == 1
+                assert copy.consumed
+                FIG["copies_refused"] += 1
+            else:
+                assert n == 0, "a second decoding of one batch was appended"
+                self._committed([(k, v)])
+            assert self._shard_upper() == self.upper
+
+    @rule(k=st.integers(0, 5), v=st.sampled_from("ab"))
+    def gc_ahead_during_a_slow_commit(self, k: int, v: str) -> None:
+        """A writer's commit is in flight (its state computed, the stash commit not yet
+        landed) while GC, its clock ahead by more than a lease, runs in another client:
+        the commit either lands first (GC keeps the renewed writer's parts) or is
+        refused (``LeaseExpired``, nothing committed); never acknowledged pointing at a
+        part GC deleted (``fsck`` after every step)."""
+        w = self._live_writer()
+        w.heartbeat()  # registered: the compare-and-set delayed is the append's commit
+        up = self.upper
+        consensus = self.c.consensus
+        original = consensus.compare_and_set
+        ran: list[int] = []
+
+        def slow(*a: Any, **kw: Any) -> bool:
+            if not ran:
+                ran.append(1)
+                collect_garbage(self.ahead, SHARD)
+                FIG["gc_passes"] += 1
+            return original(*a, **kw)
+
+        consensus.compare_and_set = slow  # type: ignore[method-assign]
+        try:
+            w.compare_and_append([(((k,), (v,)), up, 1)], up, up + 1)
+        except LeaseExpired:
+            FIG["refused_after_gc_ahead"] += 1
+        else:
+            self._committed([(k, v)])
+            FIG["committed_despite_gc_ahead"] += 1
+        finally:
+            del consensus.compare_and_set
+        assert self._shard_upper() == self.upper
 
     @rule(k=st.integers(0, 5), v=st.sampled_from("ab"))
     def start_builder(self, k: int, v: str) -> None:
@@ -336,6 +433,21 @@ def test_lifecycle_model() -> None:
         faults=FIG["builder_add_outages"],
         acknowledged=FIG["builder_adds"],
         held_appended=FIG["held_appended"],
+    )
+    record(
+        "lifecycle model: persist tokens reused on other appends, batches decoded twice, "
+        "GC ahead by a lease during a slow commit",
+        **clean,
+        faults=FIG["tokens_refused"]
+        + FIG["tokens_forgotten"]
+        + FIG["copies_refused"]
+        + FIG["refused_after_gc_ahead"]
+        + FIG["committed_despite_gc_ahead"],
+        tokens_refused=FIG["tokens_refused"],
+        tokens_forgotten=FIG["tokens_forgotten"],
+        copies_refused=FIG["copies_refused"],
+        refused_after_gc_ahead=FIG["refused_after_gc_ahead"],
+        committed_despite_gc_ahead=FIG["committed_despite_gc_ahead"],
     )
     record(
         "batches held across GC: persist",

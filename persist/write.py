@@ -108,6 +108,7 @@ from persist.parts import (
 from persist.read import read_batch
 from persist.spine import FueledMergeReq, worth_compacting
 from persist.state import (
+    TOKEN_FOREIGN,
     TOKEN_SEP,
     TOKEN_UNKNOWN,
     LeaseExpired,
@@ -1075,6 +1076,11 @@ class WriteHandle(ShardHandle):
             if known and entry is None:
                 return False
         if entry is None:
+            if verdict == TOKEN_FOREIGN and self._registered and self.writer_id not in st.writers:
+                # A caller's own token names no writer: this handle's record of its
+                # earlier appends left the state with its registration (GC or another
+                # process expired it), so whether one of them used the token is unknown.
+                verdict = TOKEN_UNKNOWN
             if verdict != TOKEN_UNKNOWN or self._unregistered_within_lease(token):
                 return False
             raise ConsensusError(

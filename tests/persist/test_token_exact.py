@@ -153,3 +153,40 @@ def test_a_token_recorded_with_only_a_shape_cannot_be_taken_as_this_append() -> 
     check_same_append(f"{TOKEN}{TOKEN_SEP}U{'0' * 32}", TOKEN, "U" + "0" * 32)
     with pytest.raises(InvalidUsage, match="earlier version"):  # the token alone
         check_same_append(TOKEN, TOKEN, "U" + "0" * 32)
+
+
+@pytest.mark.parametrize("expirer", ["gc", "append"])
+def test_a_retry_after_the_writer_was_expired_is_indeterminate_not_an_upper_mismatch(
+    tmp_path: Path, expirer: str
+) -> None:
+    """A caller's token names no writer: once another process (clock ahead by more than
+    the writer lease) expired the writer that appended with it, by GC or by its own
+    transition, a retry of that landed append can no longer be told landed or not.  It
+    raises an indeterminate ``ConsensusError`` (read the shard), never ``UpperMismatch``
+    (which says nothing of this call landed) and never writes again."""
+    from persist import ConsensusError, collect_garbage
+
+    now = 1_700_000_000.0
+    stash = Stash.open(f"sqlite:///{tmp_path / 's.db'}", fenced=False)
+    blob = f"file://{tmp_path / 'b'}"
+    kw: dict[str, Any] = {"compaction": "off", "writer_lease_seconds": 600.0}
+    a = PersistClient(stash, blob, clock=lambda: now, **kw)
+    b = PersistClient(stash, blob, clock=lambda: now + 601, **kw)
+    try:
+        w = a.open_writer("x", KS, VS)
+        w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token=TOKEN)
+        if expirer == "gc":
+            collect_garbage(b, "x")
+        else:
+            b.open_writer("x", KS, VS).compare_and_append([upd("b", 2, 1)], 1, 2)
+        with pytest.raises(ConsensusError, match="cannot be learned") as info:
+            w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token=TOKEN)
+        assert info.value.is_indeterminate()
+        r = b.open_reader("x", KS, VS)
+        last = 0 if expirer == "gc" else 1
+        rows = Counter((x["k"], x["v"], x["_diff"]) for x in r.snapshot(last).to_pylist())
+        assert rows == Counter([("a", 1, 1)] + [("b", 2, 1)] * last)
+    finally:
+        a.close()
+        b.close()
+        stash.close()

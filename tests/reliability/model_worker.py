@@ -27,6 +27,7 @@ reported as an error named ``Deadlock``, never a hang.
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,9 @@ from stash import Antichain, IndeterminateError, Stash
 
 KS = pa.schema([("k", pa.int64())])
 STEP_TIMEOUT = 60.0
+#: How long the threads of one ``threads`` command may take together (a few dozen
+#: small commits; far more means they wait on each other).
+THREADS_TIMEOUT = 30.0
 
 
 def value_schema(cols: list[str]) -> pa.Schema:
@@ -329,11 +333,16 @@ class Worker:
         threads.append(threading.Thread(target=guarded(lambda _j: reader(), 0), daemon=True))
         for t in threads:
             t.start()
+        deadline = time.monotonic() + THREADS_TIMEOUT
         for t in threads:
-            t.join(STEP_TIMEOUT)
+            t.join(max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in threads):
-            raise Deadlock(f"threads sharing one client still running after {STEP_TIMEOUT} s")
-        if not client.compactor.wait_idle(STEP_TIMEOUT):
+            stuck = sum(t.is_alive() for t in threads)
+            raise Deadlock(
+                f"{stuck} of {len(threads)} threads sharing one client still running after "
+                f"{THREADS_TIMEOUT} s (acknowledged so far: {len(acked)}; errors: {errors})"
+            )
+        if not client.compactor.wait_idle(THREADS_TIMEOUT):
             raise Deadlock("the background compactor did not become idle")
         client.close()
         return {"acked": acked, "errors": errors}

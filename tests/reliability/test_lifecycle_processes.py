@@ -147,9 +147,8 @@ class Procs:
         """The process's next message: PAUSED or a Result.  A process that does not
         answer within the timeout is a deadlock: it is replaced, and the test fails."""
         if not self.conns[i].poll(STEP_TIMEOUT + 30):
-            self.procs[i].kill()
-            self.procs[i].join(10)
-            self._spawn(i)
+            self.replace(i)
+            FIG["deadlocks"] += 1
             raise AssertionError(f"deadlock: process {i} did not answer in {STEP_TIMEOUT} s")
         msg = self.conns[i].recv()
         if msg[0] == "paused":
@@ -161,8 +160,16 @@ class Procs:
         r = self.wait(i)
         assert r is not PAUSED
         if r.is_("Deadlock"):
+            self.replace(i)  # its stuck threads hold the client's locks
+            FIG["deadlocks"] += 1
             raise AssertionError(f"deadlock in process {i}: {r.msg}")
         return r  # type: ignore[no-any-return]
+
+    def replace(self, i: int) -> None:
+        """Kill process ``i`` and start a new one in its place."""
+        self.procs[i].kill()
+        self.procs[i].join(10)
+        self._spawn(i)
 
     def release(self, i: int) -> None:
         self.conns[i].send(("release",))
@@ -343,6 +350,8 @@ class Model(RuleBasedStateMachine):
         """Process ``i`` computes a state version; before it lands (held at the stash
         append), time moves on and another process runs ``other``; then it lands."""
         j = (i + 1) % PROCS
+        mine = "append" if mine in SKIP else mine
+        other = "heartbeat" if other in SKIP else other
         seed, lower, col = next(self.seeds), self.upper, f"c{next(self.ncol)}"
         if mine == "append":
             self.P.start(i, "append", self.t(i), ks=[k], seeds=[seed], lower=lower, token=None,
@@ -353,18 +362,31 @@ class Model(RuleBasedStateMachine):
         paused = first is PAUSED
         if paused:
             FIG["delayed_commits"] += 1
-        ENV.now += advance
-        self._run_other(j, other)
-        if paused:
-            self.P.release(i)
-            first = self.P.wait(i)
+            ENV.now += advance
+            try:
+                self._run_other(j, other)
+            finally:  # the held commit lands (or fails) whatever the other did
+                self.P.release(i)
+                first = self.P.wait(i)
         assert first is not PAUSED
         if first.is_("Deadlock"):
+            self.P.replace(i)
             raise AssertionError(f"deadlock in process {i}: {first.msg}")
         if mine == "append":
             self._append_outcome(i, first, k, seed, lower, f"delayed append by process {i}")
         else:
             self._evolve_outcome(i, first, col)
+        if not paused:  # it had fewer stash appends than `at`: the other runs after it
+            ENV.now += advance
+            self._run_other(j, other)
+
+    @enabled("delayed_append_gc")
+    @rule(i=st.integers(0, PROCS - 1), at=st.integers(1, 2), k=st.integers(0, 3))
+    def delayed_append_gc(self, i: int, at: int, k: int) -> None:
+        """The case GC must get right: a writer's append is held past its lease while
+        another process collects garbage (its part is then unreferenced and its writer
+        looks dead); the append must then be refused, or its part kept."""
+        self.delayed_commit(i, "gc", "append", at, LEASE + 1, k)
 
     def _run_other(self, j: int, other: str) -> None:
         if other == "gc":

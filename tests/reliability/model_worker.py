@@ -194,10 +194,13 @@ class Worker:
         w.compare_and_append(upd, lower, lower + 1, idempotency_token=token)
         return list(self.cols)
 
-    def op_retry_last(self) -> list[str]:
-        """The last append again, by the same writer, with the same token."""
+    def op_retry_last(self) -> list[str] | None:
+        """The last append again, by the same writer, with the same token (None if it
+        had no token of the caller's: nothing to retry with)."""
         assert self.last is not None
         w, upd, lo, up, token = self.last
+        if not token:
+            return None
         w.compare_and_append(upd, lo, up, idempotency_token=token)
         return list(self.cols)
 

@@ -325,6 +325,8 @@ class Model(RuleBasedStateMachine):
         if not self.acked_last[i]:
             return
         r = self.P.call(i, "retry_last", self.t(i))
+        if r.ok and r.value is None:
+            return  # it carried no token of the caller's
         FIG["retries"] += 1
         if r.ok:
             got = self._shard_upper()

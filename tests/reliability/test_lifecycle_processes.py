@@ -91,6 +91,7 @@ def enabled(name: str) -> Any:
     """A precondition: the rule ``name`` is not left out by ``MODEL_SKIP``."""
     return precondition(lambda _self: name not in SKIP)
 
+
 FIG: Counter[str] = Counter()
 _shards = itertools.count()
 
@@ -208,6 +209,7 @@ class Model(RuleBasedStateMachine):
         self.skews = [0.0] * PROCS
         self.tokens: list[str] = []
         self.acked_last = [False] * PROCS  # the process's last append was acknowledged
+        self.last_token: list[str | None] = [None] * PROCS  # the token it carried
         self.ncol = itertools.count(1)
         self.seeds = itertools.count(1)
         self.reader: Any = None
@@ -316,6 +318,22 @@ class Model(RuleBasedStateMachine):
         )
         FIG["lost_acks"] += lose_ack
         self._append_outcome(i, r, k, seed, lower, f"append by process {i} (token {token})")
+        self.last_token[i] = tok
+
+    @enabled("reuse_own_token")
+    @rule(i=st.integers(0, PROCS - 1), k=st.integers(0, 3))
+    def reuse_own_token(self, i: int, k: int) -> None:
+        """A new append (another row, at the next time) with the token of the process's
+        last acknowledged append: a token names one append, so this one must land or be
+        refused, never be taken for the earlier one."""
+        tok = self.last_token[i]
+        if tok is None:
+            tok = uuid.uuid4().hex
+        FIG["tokens_reused"] += 1
+        seed, lower = next(self.seeds), self.upper
+        r = self.P.call(i, "append", self.t(i), ks=[k], seeds=[seed], lower=lower, token=tok)
+        self._append_outcome(i, r, k, seed, lower, f"append by process {i} reusing its token")
+        self.last_token[i] = tok
 
     @enabled("retry_acknowledged")
     @rule(i=st.integers(0, PROCS - 1))
@@ -456,6 +474,16 @@ class Model(RuleBasedStateMachine):
             f"adding column {col} by process {i} dropped {sorted(dropped)} (the newest "
             f"schema is {newest}): their acknowledged values now read as null"
         )
+
+    @enabled("evolve_fresh")
+    @rule(i=st.integers(0, PROCS - 1))
+    def evolve_fresh(self, i: int) -> None:
+        """Process ``i`` learns the newest schema, adds a column to it and writes a value
+        in it (the other process's cache is left as it was: its reads and transactions
+        must still see the column and the value)."""
+        assert self.P.call(i, "refresh", self.t(i)).ok
+        self.evolve(i)
+        self.append_plain(i, 0)
 
     @enabled("refresh")
     @rule(i=st.integers(0, PROCS - 1))

@@ -572,19 +572,38 @@ class Model(RuleBasedStateMachine):
     @rule(i=st.integers(0, PROCS - 1))
     def big_diff(self, i: int) -> None:
         """A diff of ``2**62`` on one row (twice overflows int64): refused at append
-        time, or read back exactly."""
+        time, or read back exactly; a sum beyond int64 must then fail reads with an
+        error naming the shard (not a wrong count), and a retraction of the excess,
+        as the error advises, makes the shard readable again."""
         seed, lower = 0, self.upper
         r = self.P.call(
             i, "append", self.t(i), ks=[9], seeds=[seed], lower=lower, token=None, diff=2**62
         )
-        if r.ok:
-            assert self._shard_upper() == lower + 1
-            self._add(9, seed, r.value, 2**62)
-            self.upper = lower + 1
-            FIG["acknowledged"] += 1
-            FIG["big_diffs"] += 1
-        else:
+        if not r.ok:
             self._refused(f"append of diff 2**62 by process {i}", r)
+            return
+        assert self._shard_upper() == lower + 1
+        self._add(9, seed, r.value, 2**62)
+        self.upper = lower + 1
+        FIG["acknowledged"] += 1
+        FIG["big_diffs"] += 1
+        if all(-(2**63) <= d < 2**63 for d in self.model.values()):
+            return
+        try:
+            self._snapshot(self._newest_cols(), self.upper - 1)
+        except Exception as e:  # the read must fail, naming the shard
+            assert self.shard in str(e), f"a diff overflow reported without the shard: {e!r}"
+        else:
+            raise AssertionError("diffs summing beyond int64 read without an error")
+        FIG["overflows_reported"] += 1
+        lower = self.upper
+        r = self.P.call(
+            i, "append", self.t(i), ks=[9], seeds=[seed], lower=lower, token=None, diff=-(2**62)
+        )
+        assert r.ok, f"retracting an overflowing diff was refused: {r!r}"
+        self._add(9, seed, r.value, -(2**62))
+        self.upper = lower + 1
+        FIG["acknowledged"] += 1
 
     # -------------------------------------------------------------- invariant
     @invariant()

@@ -3,7 +3,7 @@
 :func:`serve` runs in a ``multiprocessing`` process (spawn) and answers the model's
 commands over a :class:`multiprocessing.connection.Connection`.  It holds one
 :class:`persist.PersistClient` on a shared stash (a SQLite file or Postgres) and a shared
-``file://`` blob store, with a clock of its own: every command carries the time this
+``file://`` blob store (both named by the ``reset`` command), with a clock of its own: every command carries the time this
 process's clock reads while it runs (the model's time plus this process's skew), so the
 processes' clocks disagree by exactly the skews the model drew.
 
@@ -113,13 +113,13 @@ class Worker:
     """The state of one model process: its client, its clock, its writer and the columns
     it knows the shard's value schema to have."""
 
-    def __init__(self, conn: Any, url: str, blob: str, idx: int) -> None:
+    def __init__(self, conn: Any, idx: int) -> None:
         self.conn = conn
         self.idx = idx
-        self.blob = blob
+        self.url = self.blob = ""
         self.send_lock = threading.Lock()
-        self.raw = Stash.open(url, fenced=False)
-        self.stash = PausingStash(self.raw)
+        self.raw: Stash | None = None
+        self.stash: Any = None
         self.now = 0.0
         self.client: PersistClient | None = None
         self.kw: dict[str, Any] = {}
@@ -176,10 +176,19 @@ class Worker:
         return [((k,), row_values(self.cols, s)) for k, s in zip(ks, seeds, strict=True)]
 
     # ------------------------------------------------------------------ commands
-    def op_reset(self, shard: str, kw: dict[str, Any]) -> None:
+    def op_reset(self, url: str, blob: str, shard: str, kw: dict[str, Any]) -> None:
+        """Start an example: a new client on ``url`` (the stash) and ``blob``, for
+        ``shard``, knowing only the column ``a``."""
         if self.client is not None:
             self.client.close()
-        self.kw = kw
+            self.client = None
+        if url != self.url:
+            if self.raw is not None:
+                self.raw.close()
+            self.raw = Stash.open(url, fenced=False)
+            self.stash = PausingStash(self.raw)
+            self.url = url
+        self.blob, self.kw = blob, kw
         self.client = PersistClient(self.stash, self.blob, clock=self.clock, **kw)  # type: ignore[arg-type]
         self.shard, self.cols, self.w, self.last = shard, ["a"], None, None
 
@@ -351,9 +360,9 @@ class Worker:
         return {"acked": acked, "errors": errors}
 
 
-def serve(conn: Any, url: str, blob: str, idx: int) -> None:
+def serve(conn: Any, idx: int) -> None:
     """The process's main loop (see the module docstring)."""
-    w = Worker(conn, url, blob, idx)
+    w = Worker(conn, idx)
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
@@ -365,4 +374,5 @@ def serve(conn: Any, url: str, blob: str, idx: int) -> None:
         threading.Thread(target=w.run, args=(op, now, kwargs), daemon=True).start()
     if w.client is not None:
         w.client.close()
-    w.raw.close()
+    if w.raw is not None:
+        w.raw.close()

@@ -44,6 +44,7 @@ import multiprocessing as mp
 import os
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,9 @@ WORKER_KW: dict[str, Any] = {
     "blob_retries": 1,
 }
 
-NO_SHRINK = os.environ.get("MODEL_NO_SHRINK") == "1"
+#: Shrinking a failure of several processes takes minutes: done in long mode (`make
+#: reliability`) or with MODEL_SHRINK=1; short mode (`make test`) reports it as drawn.
+SHRINK = os.environ.get("MODEL_SHRINK", "1" if LONG else "0") == "1"
 #: MODEL_SKIP=rule,rule: leave those rules out (to survey the defects behind others).
 SKIP = set(filter(None, os.environ.get("MODEL_SKIP", "").split(",")))
 
@@ -121,8 +124,7 @@ PAUSED = object()
 class Procs:
     """The model's processes (spawned once per test, reused by every example)."""
 
-    def __init__(self, url: str, blob: str) -> None:
-        self.url, self.blob = url, blob
+    def __init__(self) -> None:
         self.ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
@@ -131,9 +133,7 @@ class Procs:
 
     def _spawn(self, i: int) -> None:
         ours, theirs = self.ctx.Pipe()
-        p = self.ctx.Process(
-            target=model_worker.serve, args=(theirs, self.url, self.blob, i), daemon=True
-        )
+        p = self.ctx.Process(target=model_worker.serve, args=(theirs, i), daemon=True)
         p.start()
         if i < len(self.procs):
             self.procs[i], self.conns[i] = p, ours
@@ -185,10 +185,13 @@ class Procs:
 
 
 class Env:
-    """What one test shares across examples: the processes and the model's own client
-    (reading and checking, at the model's time, no skew)."""
+    """What one test shares across examples: the processes (shared by the tests of
+    this module), the stash and blob store, and the model's own client (reading and
+    checking, at the model's time, no skew)."""
 
     procs: Procs
+    url: str
+    blob: str
     client: PersistClient
     stash: Stash
     now: float = T0
@@ -288,7 +291,9 @@ class Model(RuleBasedStateMachine):
         self.skews = skews
         self.c.open_writer(self.shard, KS, value_schema(["a"]))  # create the shard
         for i in range(PROCS):
-            r = self.P.call(i, "reset", self.t(i), shard=self.shard, kw=WORKER_KW)
+            r = self.P.call(
+                i, "reset", self.t(i), url=ENV.url, blob=ENV.blob, shard=self.shard, kw=WORKER_KW
+            )
             assert r.ok, r
         FIG["skew_beyond_lease"] += any(abs(s) > LEASE for s in skews)
 
@@ -323,16 +328,16 @@ class Model(RuleBasedStateMachine):
     @enabled("reuse_own_token")
     @rule(i=st.integers(0, PROCS - 1), k=st.integers(0, 3))
     def reuse_own_token(self, i: int, k: int) -> None:
-        """A new append (another row, at the next time) with the token of the process's
-        last acknowledged append: a token names one append, so this one must land or be
-        refused, never be taken for the earlier one."""
-        tok = self.last_token[i]
-        if tok is None:
-            tok = uuid.uuid4().hex
+        """Two appends by one process (other rows, consecutive times) with one token of
+        the caller's: a token names one append, so the second must land or be refused,
+        never be taken for the first."""
+        tok = uuid.uuid4().hex
+        for n in range(2):
+            seed, lower = next(self.seeds), self.upper
+            r = self.P.call(i, "append", self.t(i), ks=[k], seeds=[seed], lower=lower, token=tok)
+            what = f"append by process {i} with a token used before" if n else "append"
+            self._append_outcome(i, r, k, seed, lower, what)
         FIG["tokens_reused"] += 1
-        seed, lower = next(self.seeds), self.upper
-        r = self.P.call(i, "append", self.t(i), ks=[k], seeds=[seed], lower=lower, token=tok)
-        self._append_outcome(i, r, k, seed, lower, f"append by process {i} reusing its token")
         self.last_token[i] = tok
 
     @enabled("retry_acknowledged")
@@ -650,28 +655,35 @@ class Model(RuleBasedStateMachine):
                 pass
 
 
-def _run(url: str, tmp_path: Path, label: str) -> None:
+@pytest.fixture(scope="module")
+def procs() -> Iterator[Procs]:
+    """The model's processes, spawned once for the tests of this module."""
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _run(procs: Procs, url: str, tmp_path: Path, label: str, examples: int) -> None:
     FIG.clear()
     ENV.now = T0
-    blob = f"file://{tmp_path}/blob"
+    ENV.url, ENV.blob = url, f"file://{tmp_path}/blob"
     ENV.stash = Stash.open(url, fenced=False)
-    ENV.client = PersistClient(ENV.stash, blob, clock=lambda: ENV.now, **WORKER_KW)
-    ENV.procs = Procs(url, blob)
+    ENV.client = PersistClient(ENV.stash, ENV.blob, clock=lambda: ENV.now, **WORKER_KW)
+    ENV.procs = procs
     try:
         run_state_machine_as_test(
             Model,
             settings=settings(
-                max_examples=runs(6, 60),
-                stateful_step_count=runs(20, 40),
+                max_examples=runs(examples, 60),
+                stateful_step_count=runs(15, 40),
                 deadline=None,
                 suppress_health_check=list(HealthCheck),
-                # MODEL_NO_SHRINK=1: report failures as drawn (shrinking several processes
-                # is slow), e.g. to survey which defects a run finds.
-                phases=[p for p in Phase if p != Phase.shrink or not NO_SHRINK],
+                phases=[p for p in Phase if p != Phase.shrink or SHRINK],
             ),
         )
     finally:
-        ENV.procs.close()
         ENV.client.close()
         ENV.stash.close()
     clean = {"runs": FIG["runs"], "lost": 0, "duplicated": 0, "partial": 0, "unclear": 0}
@@ -698,13 +710,13 @@ def _run(url: str, tmp_path: Path, label: str) -> None:
     )
 
 
-def test_lifecycle_processes_sqlite(tmp_path: Path) -> None:
-    _run(f"sqlite:///{tmp_path}/stash.db", tmp_path, "one SQLite file")
+def test_lifecycle_processes_sqlite(procs: Procs, tmp_path: Path) -> None:
+    _run(procs, f"sqlite:///{tmp_path}/stash.db", tmp_path, "one SQLite file", 5)
 
 
 @pytest.mark.postgres
-def test_lifecycle_processes_postgres(tmp_path: Path, postgres_url: str) -> None:
+def test_lifecycle_processes_postgres(procs: Procs, tmp_path: Path, postgres_url: str) -> None:
     from dbutil import migrate_to_head
 
     migrate_to_head(postgres_url)
-    _run(postgres_url, tmp_path, "Postgres")
+    _run(procs, postgres_url, tmp_path, "Postgres", 4)

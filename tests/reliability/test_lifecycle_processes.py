@@ -7,7 +7,8 @@ writer lease, ahead or behind) and mixes, on one shard:
 
 * appends by any process, with no token, a fresh token, or a token already used on a
   *different* append (by this process or another); retries of an acknowledged append
-  with its token, and of an append whose acknowledgement the stash lost;
+  with its token (recognized as landed, or refused; never an upper mismatch), and of an
+  append whose acknowledgement the stash lost;
 * **a delay between computing a state and its commit landing**: a process's append (or
   schema evolution) is held at the consensus layer (``model_worker.PausingStash``, the
   n-th stash append of the operation) while another process runs GC, compaction, an
@@ -32,9 +33,11 @@ idempotency tokens, ``gc.py``'s "a live writer's keys are never deleted", ``clie
 schema evolution "decided on the latest state, re-checked on every race",
 ``persist.txn``'s nothing-half-done).  Figures go to ``docs/reliability.md``.
 
-Sources: the approach of Jepsen (several clients, clock skew, a checker over the
-history) and Materialize persist-client's own concurrency tests (``internal/machine.rs``
-``concurrency``), with hypothesis' stateful testing driving the schedule.
+Sources: Jepsen's method (clients in separate processes with skewed clocks, operations
+held in flight, a checker over what was acknowledged), hypothesis' rule-based stateful
+testing for the schedule, and the rule persist-client keeps (``internal/state.rs``):
+a writer is expired through the state machine, so an append of an expired writer is
+refused rather than left pointing at deleted parts.
 """
 
 from __future__ import annotations
@@ -122,7 +125,8 @@ PAUSED = object()
 
 
 class Procs:
-    """The model's processes (spawned once per test, reused by every example)."""
+    """The model's processes (spawned once per module, reused by every example; a
+    stuck one is replaced)."""
 
     def __init__(self) -> None:
         self.ctx = mp.get_context("spawn")

@@ -280,6 +280,36 @@ class Worker:
             txn.write(self.shard, self._table(ks, seeds, cols))
             return txn.commit()
 
+    def op_side_touch(self, side: str) -> None:
+        """Read the side shard's state (this process caches that version)."""
+        self.c.inspect(side)
+
+    def op_side_advance(self, side: str, to: int) -> None:
+        """Move the side shard's upper to at least ``to`` (an empty append)."""
+        w = self.c.open_writer(side, KS, value_schema(["a"]))
+        u = self.c.inspect(side).upper.as_option()
+        assert u is not None
+        if u < to:
+            w.compare_and_append([], u, to)
+
+    def op_txn_two(
+        self, ks: list[int], seeds: list[int], cols: list[str], side: str, at: int
+    ) -> dict[str, Any]:
+        """A transaction writing the model's shard and the side shard, committed at
+        ``at``; on :class:`persist.TxnUpperMismatch`, committed again at its
+        ``retry_ts()`` (which must then succeed, barring another race)."""
+        from persist import TxnUpperMismatch
+
+        with self.c.begin() as txn:
+            txn.write(self.shard, self._table(ks, seeds, cols))
+            txn.write(side, self._table(ks, seeds, ["a"]))
+            try:
+                return {"ts": txn.commit_at(at), "retried": False}
+            except TxnUpperMismatch as e:
+                rt = e.retry_ts()
+                assert rt is not None
+                return {"ts": txn.commit_at(rt), "retried": True}
+
     def op_snapshot_many(self, as_of: int) -> list[dict[str, Any]]:
         t = self.c.snapshot_many({self.shard: as_of})[self.shard]
         return t.drop_columns([c for c in ("_time",) if c in t.column_names]).to_pylist()

@@ -17,7 +17,9 @@ writer lease, ahead or behind) and mixes, on one shard:
 * GC and compaction by any process, time moving on past the grace period and the lease;
 * **concurrent schema evolution**: processes add columns knowing only the schema they
   last saw; transactions written with the newest columns by a process whose cache may be
-  older; ``snapshot_many`` at an explicit time;
+  older; ``snapshot_many`` at an explicit time; a transaction over two shards, one moved
+  past the commit time by another process since this one read it, retried at
+  ``retry_ts()``;
 * **threads sharing one client**: appenders, transactions, a reader and the background
   compactor at once;
 * a transmitted batch decoded twice and appended in two calls; diffs near ``2**62``.
@@ -210,6 +212,7 @@ class Model(RuleBasedStateMachine):
         self.P = ENV.procs
         self.c = ENV.client
         self.shard = f"m{next(_shards)}_{uuid.uuid4().hex[:6]}"
+        self.side = f"{self.shard}_side"  # a second shard, for transactions over two
         self.model: Counter[tuple[Any, ...]] = Counter()
         self.cols: list[str] = ["a"]  # every column an acknowledged evolution added
         self.upper = 0
@@ -294,6 +297,7 @@ class Model(RuleBasedStateMachine):
     def setup(self, skews: list[float]) -> None:
         self.skews = skews
         self.c.open_writer(self.shard, KS, value_schema(["a"]))  # create the shard
+        self.c.open_writer(self.side, KS, value_schema(["a"]))  # and the side shard
         for i in range(PROCS):
             r = self.P.call(
                 i, "reset", self.t(i), url=ENV.url, blob=ENV.blob, shard=self.shard, kw=WORKER_KW
@@ -521,6 +525,32 @@ class Model(RuleBasedStateMachine):
                 )
             self._refused(f"transaction by process {i}", r, "LeaseExpired")
 
+    @enabled("txn_stale_shard")
+    @rule(i=st.integers(0, PROCS - 1), k=st.integers(0, 3), ahead=st.integers(1, 3))
+    def txn_stale_shard(self, i: int, k: int, ahead: int) -> None:
+        """A transaction over the model's shard and a side shard whose upper another
+        process moved past the commit time since this process last read it: the commit
+        is refused naming it, and ``commit_at(retry_ts())`` then commits."""
+        j = (i + 1) % PROCS
+        assert self.P.call(i, "side_touch", self.t(i), side=self.side).ok
+        to = self.upper + ahead
+        assert self.P.call(j, "side_advance", self.t(j), side=self.side, to=to).ok
+        seed, cols = next(self.seeds), self._newest_cols()
+        r = self.P.call(
+            i, "txn_two", self.t(i), ks=[k], seeds=[seed], cols=cols, side=self.side, at=self.upper
+        )
+        if not r.ok and r.is_("LeaseExpired"):
+            self._refused(f"transaction over two shards by process {i}", r, "LeaseExpired")
+            return
+        assert r.ok, f"a transaction retried at retry_ts() failed: {r!r}"
+        ts = r.value["ts"]
+        assert ts >= self.upper, f"a transaction committed at {ts} below the upper"
+        self._add(k, seed, cols)
+        self.upper = ts + 1
+        FIG["acknowledged"] += 1
+        FIG["transactions"] += 1
+        FIG["txn_retried"] += r.value["retried"]
+
     @precondition(lambda self: self.upper > 0 and "snapshot_many" not in SKIP)
     @rule(i=st.integers(0, PROCS - 1))
     def snapshot_many(self, i: int) -> None:
@@ -709,6 +739,7 @@ def _run(procs: Procs, url: str, tmp_path: Path, label: str, examples: int) -> N
         lost_acks=FIG["lost_acks"],
         columns_added=FIG["columns_added"],
         transactions=FIG["transactions"],
+        transactions_retried=FIG["txn_retried"],
         thread_writes=FIG["thread_writes"],
         gc_passes=FIG["gc_passes"],
         deadlocks=0,

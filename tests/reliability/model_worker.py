@@ -192,6 +192,15 @@ class Worker:
         self.client = PersistClient(self.stash, self.blob, clock=self.clock, **kw)  # type: ignore[arg-type]
         self.shard, self.cols, self.w, self.last = shard, ["a"], None, None
 
+    def op_close(self) -> None:
+        """Close the client and the stash (before the test's database goes away)."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.raw is not None:
+            self.raw.close()
+        self.raw, self.stash, self.url = None, None, ""
+
     def op_append(
         self, ks: list[int], seeds: list[int], lower: int, token: str | None, diff: int = 1
     ) -> list[str]:

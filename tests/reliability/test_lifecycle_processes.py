@@ -719,6 +719,8 @@ def _run(procs: Procs, url: str, tmp_path: Path, label: str, examples: int) -> N
             ),
         )
     finally:
+        for i in range(PROCS):  # their connections go before the test's database does
+            procs.call(i, "close", ENV.now)
         ENV.client.close()
         ENV.stash.close()
     clean = {"runs": FIG["runs"], "lost": 0, "duplicated": 0, "partial": 0, "unclear": 0}

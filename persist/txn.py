@@ -304,6 +304,32 @@ class Txn:
         if self._aborted:
             raise InvalidUsage("this transaction was aborted")
 
+    def _check_changeable(self) -> None:
+        """:meth:`_check_pending`, and an earlier commit whose outcome was left unknown
+        is settled first: a change added to a transaction that already landed would be
+        silently left out of it (a retry of the commit only learns that it landed).
+        Settled as landed, the transaction is finished and the change refused; as not
+        landed, the change is taken and the next commit starts afresh.
+
+        Raises:
+            InvalidUsage: the transaction is finished or aborted, or its earlier commit
+                turned out to have landed (naming the time; nothing is changed).
+            ConsensusError: indeterminate: the earlier outcome cannot be learned.
+        """
+        self._check_pending()
+        if not self._maybe_landed or not self._shards:
+            return  # a stash-only transaction's retry settles it (see commit_at)
+        landed = self._resolve_landed()
+        if landed is None:
+            self._maybe_landed, self._unknown_since_ms = False, None
+            return
+        self._finish(landed)
+        raise InvalidUsage(
+            f"this transaction's earlier commit, whose outcome was unknown, landed at "
+            f"{landed}: it is committed as it was then, and nothing more can be added "
+            "to it (begin a new transaction for this change)"
+        )
+
     @property
     def shards(self) -> list[str]:
         """Names of the shards written so far."""
@@ -347,7 +373,7 @@ class Txn:
             BlobError, ConsensusError: the upload (or the writer's registration) failed;
                 nothing of this call is kept.
         """
-        self._check_pending()
+        self._check_changeable()
         wname = shard if isinstance(shard, str) else shard.name
         if isinstance(updates, pa.RecordBatch):
             updates = pa.Table.from_batches([updates])
@@ -455,7 +481,7 @@ class Txn:
                 known time range (timed), listed twice, or mixing timed and untimed
                 batches for one shard; the checks of :meth:`write`.
         """
-        self._check_pending()
+        self._check_changeable()
         w = self._writer_for(shard, None, None)
         batches = list(batches)
         seen = {id(b) for sw in self._shards.values() for b in sw.batches}
@@ -540,7 +566,7 @@ class Txn:
                 committed as one, their entries merged).  Nothing is added.
             ConsensusError: listing the stash's collections failed.
         """
-        self._check_pending()
+        self._check_changeable()
         batches = list(batches)
         for b in batches:
             if not isinstance(b, AppendBatch):
@@ -623,7 +649,7 @@ class Txn:
                 append twice).
             ConsensusError: listing the stash's collections failed.
         """
-        self._check_pending()
+        self._check_changeable()
         if self._maybe_landed and not self._shards:
             raise InvalidUsage(
                 "stash_replace refused: an earlier commit of this transaction has an unknown "
@@ -693,6 +719,7 @@ class Txn:
         landed = self._resolve_landed() if self._maybe_landed else None
         if landed is not None:
             return self._finish(landed)
+        self._maybe_landed, self._unknown_since_ms = False, None  # it did not land
         self._check_not_consumed()
         indeterminate = 0
         while True:

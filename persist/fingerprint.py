@@ -105,19 +105,17 @@ def _hash_column(h: hashlib._Hash, arr: pa.Array) -> None:
     n, off = len(arr), arr.offset
     if pa.types.is_boolean(t):
         h.update(arr.to_numpy(zero_copy_only=False).tobytes())
+    elif pa.types.is_string(t) or pa.types.is_binary(t):
+        _hash_var_width(h, arr, np.int32)
+    elif pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+        _hash_var_width(h, arr, np.int64)
     elif (
-        pa.types.is_string(t)
-        or pa.types.is_binary(t)
-        or pa.types.is_large_string(t)
-        or (pa.types.is_large_binary(t))
+        pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_temporal(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_fixed_size_binary(t)
     ):
-        width = np.int64 if pa.types.is_large_string(t) or pa.types.is_large_binary(t) else np.int32
-        _, offsets, data = arr.buffers()
-        ends = np.frombuffer(offsets, width)[off : off + n + 1].astype(np.int64)
-        h.update((ends - ends[0]).tobytes())
-        if data is not None and ends[-1] > ends[0]:
-            h.update(data.slice(int(ends[0]), int(ends[-1] - ends[0])))
-    elif isinstance(t, pa.FixedSizeBinaryType) or (t.bit_width % 8 == 0 and t.num_fields == 0):
         w = t.byte_width
         data = arr.buffers()[1]
         if data is None or not n:
@@ -144,6 +142,19 @@ def batches_fingerprint(expected: Antichain, new: Antichain, batches: Sequence[B
         for p in b.hollow.parts:
             h.update(repr((p.key or "inline", p.rows, p.encoded_size_bytes, p.checksum)).encode())
     return BATCHES + h.hexdigest()[:32]
+
+
+def _hash_var_width(h: hashlib._Hash, arr: pa.Array, width: type[np.signedinteger]) -> None:
+    """Feed ``h`` the lengths and bytes of the values of a string or binary ``arr``
+    without nulls (``width``: its offsets' integer type), read from its own slots."""
+    n, off = len(arr), arr.offset
+    if not n:
+        return
+    _, offsets, data = arr.buffers()
+    ends = np.frombuffer(offsets, width)[off : off + n + 1].astype(np.int64)
+    h.update((ends - ends[0]).tobytes())
+    if data is not None and ends[-1] > ends[0]:
+        h.update(data.slice(int(ends[0]), int(ends[-1] - ends[0])))
 
 
 def check_same_append(entry: str, token: str, fingerprint: str) -> None:

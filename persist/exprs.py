@@ -17,6 +17,9 @@ the column's type (a datetime to a date drops its time of day), while simplifyin
 filter under a part's ``min <= c <= max`` compares the value set with the bounds in
 their common type, or fails when there is none (a bool column and ints). Statistics
 then only prune with filters whose value sets hold values of their column's type.
+Nor do they prune with a filter calling a function that may fail on some value (a
+checked cast or arithmetic): the part skipped may hold the row it fails on, where
+evaluating the filter on every row raises.
 
 Sources: Arrow C++ ``compute/expression.cc`` (``Serialize``/``Deserialize``, and
 ``SimplifyIsIn`` for the disagreement), the Arrow IPC ``Message.fbs``/``Schema.fbs``
@@ -230,16 +233,58 @@ def _value_sets_typed(node: Node, schema: pa.Schema) -> bool:
     return all(_value_sets_typed(a, schema) for a in node.args)
 
 
+#: The functions a filter that statistics prune with may call: none of them fails on
+#: any value (comparisons, boolean logic, null and NaN tests, set lookups).  A call
+#: that can (a checked cast or arithmetic overflowing, a division by zero, invalid
+#: UTF-8) would raise on a row of a part the statistics skip, where the unpruned read
+#: raises.
+_TOTAL_CALLS = frozenset(
+    {
+        "equal",
+        "not_equal",
+        "less",
+        "less_equal",
+        "greater",
+        "greater_equal",
+        "and",
+        "and_",
+        "and_kleene",
+        "and_not",
+        "and_not_kleene",
+        "or",
+        "or_",
+        "or_kleene",
+        "xor",
+        "invert",
+        "is_null",
+        "is_valid",
+        "is_nan",
+        "is_finite",
+        "is_inf",
+        "true_unless_null",
+        "is_in",
+    }
+)
+
+
+def _total(node: Node) -> bool:
+    """Whether every call in ``node`` is one of :data:`_TOTAL_CALLS`."""
+    if not isinstance(node, Call):
+        return True
+    return node.name in _TOTAL_CALLS and all(_total(a) for a in node.args)
+
+
 def prunable(filter: pc.Expression, schema: pa.Schema) -> bool:
     """Whether statistics may prune parts with ``filter`` (over ``schema``'s columns):
-    every ``is_in``/``index_in`` in it looks up a plain column of ``schema`` in a value
-    set of that column's type (or of integers, strings or binary values the column's
-    integer, string or binary type holds exactly). ``False`` too when the expression cannot be read
-    (pruning is then skipped, never wrong)."""
-    text = str(filter)
-    if "is_in(" not in text and "index_in(" not in text:
-        return True  # no set lookup (Arrow prints every call as ``name(arguments)``)
+    it calls only functions that fail on no value (:data:`_TOTAL_CALLS`: comparisons,
+    boolean logic, null and NaN tests, ``is_in``), so that skipping a part never hides
+    an error evaluating it there would raise; and every ``is_in`` in it looks up a
+    plain column of ``schema`` in a value set of that column's type (or of integers,
+    strings or binary values the column's integer, string or binary type holds
+    exactly). ``False`` too when the expression cannot be read (pruning is then
+    skipped, never wrong)."""
     try:
-        return _value_sets_typed(expression_tree(filter), schema)
+        tree = expression_tree(filter)
     except ValueError:
         return False
+    return _total(tree) and _value_sets_typed(tree, schema)

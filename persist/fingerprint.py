@@ -11,14 +11,20 @@ The fingerprint names the append's bounds (``expected_upper``, ``new_upper``) an
 contents, as a SHA-256 digest (first 128 bits, hex):
 
 * ``compare_and_append``: the updates as given (normalized to the shard's schema, in
-  the given row order), by the Arrow IPC message of them as one record batch (chunking
-  and slicing do not change it; a retry must pass the same updates in the same order);
+  the given row order), by their values (:func:`_hash_column`): each column's name,
+  type, validity and the bytes of its non-null values, never the bytes of the Arrow
+  buffers as they lie, which are not a function of the values (a sliced array keeps
+  its parent's bits and offsets, the bytes under a null slot are undefined).  So
+  chunking, slicing and whatever lies under null slots do not change it; all NaNs are
+  one value (as to consolidation), ``-0.0`` is not ``0.0`` (a filter tells them
+  apart); a retry must pass the same updates in the same order;
 * ``compare_and_append_batch``: each batch's description and rewrite frontier, and each
   of its parts' blob key (or ``inline``), row count, encoded size and SHA-256 checksum.
 
 Forms recorded by earlier versions (the token alone, ``r<rows>d<diff sum>``,
-``b<digest of checksums>``) named at most an append's shape; a retry against one of
-them cannot be checked and is refused, naming that (nothing is written).  Transactions record ``t<ts>``.
+``b<digest of checksums>``) named at most an append's shape, and ``U<digest>`` named
+the Arrow IPC bytes of the updates (not a function of their values); a retry against
+one of them cannot be checked and is refused, naming that (nothing is written).  Transactions record ``t<ts>``.
 
 Source of the idea: persist-client's ``WriterState`` (``internal/state.rs``) records a
 writer's most recent idempotency token together with that write's upper
@@ -33,7 +39,9 @@ import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from persist.errors import InvalidUsage
 from persist.state import TOKEN_SEP
@@ -45,9 +53,10 @@ if TYPE_CHECKING:
 __all__ = ["batches_fingerprint", "check_same_append", "updates_fingerprint"]
 
 #: Prefixes of the fingerprints recorded here (updates, batches).
-UPDATES, BATCHES = "U", "B"
-#: Prefixes of the shape-only fingerprints of earlier versions.
-_LEGACY = ("r", "b")
+UPDATES, BATCHES = "V", "B"
+#: Prefixes of the fingerprints of earlier versions: shape only (``r``, ``b``), or
+#: the IPC bytes of the updates (``U``).
+_LEGACY = ("r", "b", "U")
 
 
 def _bounds(expected: Antichain, new: Antichain) -> bytes:
@@ -55,16 +64,71 @@ def _bounds(expected: Antichain, new: Antichain) -> bytes:
 
 
 def updates_fingerprint(expected: Antichain, new: Antichain, table: pa.Table) -> str:
-    """The fingerprint of ``compare_and_append(table, expected, new)``: ``"U"`` and 32
-    hex digits (see the module docstring).  ``table`` is the normalized updates table.
+    """The fingerprint of ``compare_and_append(table, expected, new)``: ``"V"`` and 32
+    hex digits (see the module docstring).  ``table`` is the normalized updates table
+    (its columns of the types :func:`persist.updates.is_supported_type` accepts, no
+    dictionaries); equal tables (``a.equals(b)``, NaN equal to NaN) have equal
+    fingerprints, whatever their chunks, offsets or bytes under null slots.
+
+    Raises:
+        TypeError: a column of a type a shard does not hold (nested, dictionary).
     """
     h = hashlib.sha256(_bounds(expected, new))
+    h.update(b"%d;" % table.num_rows)
     if table.num_rows:
-        # One record batch's IPC message (the schema is the shard's): written from the
-        # rows' values, whatever the chunks, offsets or slack of the buffers.
+        # The columns' names and types (not the schema's metadata).
+        h.update(
+            table.schema.to_string(show_field_metadata=False, show_schema_metadata=False).encode()
+        )
+        # One chunk a column (no copy when there is one already); the offsets of its
+        # arrays are read, not assumed zero.
         for batch in table.combine_chunks().to_batches():
-            h.update(batch.serialize())
+            for column in batch.columns:
+                _hash_column(h, column)
     return UPDATES + h.hexdigest()[:32]
+
+
+def _hash_column(h: hashlib._Hash, arr: pa.Array) -> None:
+    """Feed ``h`` the values of ``arr``: its validity (one byte a row, when it has
+    nulls), then its non-null values: fixed-width ones as their bytes (floats with
+    every NaN as the one NaN), booleans one byte each, strings and binaries as their
+    lengths and bytes.  Only the slots of the array are read: never its parent's
+    bits, nor the bytes under a null slot (the array is compacted by
+    ``pyarrow.compute.drop_null``)."""
+    t = arr.type
+    if arr.null_count:
+        h.update(b"N")
+        h.update(pc.is_valid(arr).to_numpy(zero_copy_only=False).tobytes())
+        arr = arr.drop_null()
+    else:
+        h.update(b"A")
+    n, off = len(arr), arr.offset
+    if pa.types.is_boolean(t):
+        h.update(arr.to_numpy(zero_copy_only=False).tobytes())
+    elif pa.types.is_string(t) or pa.types.is_binary(t):
+        _hash_var_width(h, arr, np.int32)
+    elif pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+        _hash_var_width(h, arr, np.int64)
+    elif (
+        pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_temporal(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_fixed_size_binary(t)
+    ):
+        w = t.byte_width
+        data = arr.buffers()[1]
+        if data is None or not n:
+            return
+        raw = data.slice(off * w, n * w)
+        if pa.types.is_floating(t):
+            values = np.frombuffer(raw, np.dtype(f"f{w}"))
+            nan = np.isnan(values)
+            if nan.any():
+                raw = np.where(nan, np.nan, values).astype(values.dtype).tobytes()
+        h.update(raw)
+    else:
+        raise TypeError(f"no fingerprint of a column of type {t} (not a type a shard holds)")
 
 
 def batches_fingerprint(expected: Antichain, new: Antichain, batches: Sequence[Batch]) -> str:
@@ -78,6 +142,19 @@ def batches_fingerprint(expected: Antichain, new: Antichain, batches: Sequence[B
         for p in b.hollow.parts:
             h.update(repr((p.key or "inline", p.rows, p.encoded_size_bytes, p.checksum)).encode())
     return BATCHES + h.hexdigest()[:32]
+
+
+def _hash_var_width(h: hashlib._Hash, arr: pa.Array, width: type[np.signedinteger]) -> None:
+    """Feed ``h`` the lengths and bytes of the values of a string or binary ``arr``
+    without nulls (``width``: its offsets' integer type), read from its own slots."""
+    n, off = len(arr), arr.offset
+    if not n:
+        return
+    _, offsets, data = arr.buffers()
+    ends = np.frombuffer(offsets, width)[off : off + n + 1].astype(np.int64)
+    h.update((ends - ends[0]).tobytes())
+    if data is not None and ends[-1] > ends[0]:
+        h.update(data.slice(int(ends[0]), int(ends[-1] - ends[0])))
 
 
 def check_same_append(entry: str, token: str, fingerprint: str) -> None:

@@ -1113,6 +1113,8 @@ class ReadHandle(ShardHandle):
                         schemas=self.read_schemas(),
                     ):
                         yield from table.to_batches(max_chunksize=max_chunk_rows)
+            except DiffOverflow as e:
+                raise e.in_shard(f"{self.name!r} ({self.shard_id})") from e
             finally:
                 self._release_seqno(token)
 

@@ -19,7 +19,8 @@ Invariants kept here:
 * a part is pruned (:func:`prune_mask`) only when Arrow proves, from the part's
   statistics alone, that the filter is false or null on every row the part can hold
   (every row satisfies one of the part's :func:`guarantees`), and only with a filter
-  whose simplification agrees with its evaluation (:func:`persist.exprs.prunable`);
+  whose simplification agrees with its evaluation and that calls no function that
+  may fail on a value, e.g. a checked cast (:func:`persist.exprs.prunable`);
   a part without statistics (written before they existed, inline, or with columns
   whose statistics were not recorded) is never pruned for that column;
 * ``nulls`` counts the nulls of the column; a column whose values are all null has
@@ -279,8 +280,9 @@ def prune_mask(
 
     Pruning is conservative: a filter whose simplification Arrow may disagree with its
     evaluation (an ``is_in`` of values of another type than the column's, see
-    :func:`persist.exprs.prunable`), or that Arrow cannot simplify under the bounds,
-    prunes nothing.
+    :func:`persist.exprs.prunable`), that calls a function that may fail on a value (a
+    checked cast or arithmetic: the skipped part may hold the row it fails on), or
+    that Arrow cannot simplify under the bounds, prunes nothing.
 
     Raises:
         pyarrow.ArrowInvalid: ``filter`` references a column not in ``schema``.

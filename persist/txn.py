@@ -110,7 +110,13 @@ from persist.consensus import (
     Stale,
     validate_shard_name,
 )
-from persist.errors import ConsensusError, InvalidUsage, PersistError, UpperMismatch
+from persist.errors import (
+    ConsensusError,
+    DiffOverflow,
+    InvalidUsage,
+    PersistError,
+    UpperMismatch,
+)
 from persist.keys import key_writer_id
 from persist.parts import DIFF, TIME
 from persist.spine import FueledMergeReq
@@ -370,6 +376,9 @@ class Txn:
                 bad or null ``time_column``; timed and untimed writes to one shard; an
                 expired writer; a closed client; a finished transaction.  Nothing is
                 written.
+            DiffOverflow: the diffs of one row of ``updates`` sum beyond int64 (naming
+                the shard and the row's key and value, and its time with
+                ``time_column``).  Nothing is written.
             BlobError, ConsensusError: the upload (or the writer's registration) failed;
                 nothing of this call is kept.
         """
@@ -442,6 +451,13 @@ class Txn:
         try:
             builder.add(table)
             batch = builder.finish(Antichain.from_elem(upper))
+        except DiffOverflow as e:
+            builder.abort()
+            # Untimed updates hold a placeholder time until the commit: not theirs.
+            row = (
+                e.row if time_column is not None else {k: v for k, v in e.row.items() if k != TIME}
+            )
+            raise DiffOverflow(row, f"{w.name!r} ({w.shard_id})") from e
         except BaseException:
             builder.abort()  # settles the builder the handle lent
             raise
@@ -1183,7 +1199,7 @@ def snapshot_many(
         client: the client.
         as_ofs: shard name -> as_of time, or ``None`` (or a list of names) for "the
             latest time definite in every listed shard": ``min(upper) - 1`` over them,
-            read once.  A transaction committed at ``ts`` is wholly visible in every
+            read once (``2**63 - 1`` when every one is closed, upper ``{}``).  A transaction committed at ``ts`` is wholly visible in every
             shard read at ``as_of >= ts`` and wholly absent at ``as_of < ts``, so reading
             every shard at one time gives a cross-shard-consistent view; shards given
             different explicit times are each consistent at their own time.
@@ -1213,7 +1229,9 @@ def snapshot_many(
     if any(v is None for v in wanted.values()):
         ts = [latest[n].upper.as_option() for n, v in wanted.items() if v is None]
         finite = [t for t in ts if t is not None]
-        common = (min(finite) if finite else I64_MAX) - 1
+        # Every shard closed (upper {}): every time is definite, the greatest included
+        # (a row may be at I64_MAX, as ReadHandle.snapshot(I64_MAX) shows).
+        common = min(finite) - 1 if finite else I64_MAX
     out: dict[str, pa.Table] = {}
     for n in names:
         m = machines[n]

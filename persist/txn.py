@@ -209,6 +209,9 @@ class _ShardWrites:
     # (through a shared or the caller's handle) can push it out.
     record_id: str = field(default_factory=lambda: "w" + uuid.uuid4().hex)
     lent: dict[int, WriteHandle] = field(default_factory=dict)  # batch id -> its builder's handle
+    # The batches added by write_batches (written elsewhere: possibly copies of a batch
+    # the shard already has), checked against the version committed on.
+    given: list[Batch] = field(default_factory=list)
 
 
 def _is_timed(b: Batch) -> bool:
@@ -459,6 +462,7 @@ class Txn:
         w = self._writer_for(shard, None, None)
         batches = list(batches)
         seen = {id(b) for sw in self._shards.values() for b in sw.batches}
+        held = {k for sw in self._shards.values() for b in sw.batches for k in b.blob_keys()}
         flags: list[bool] = []
         raw = (Antichain.from_elem(RAW_TIME), Antichain.from_elem(RAW_TIME + 1))
         for b in batches:
@@ -471,6 +475,14 @@ class Txn:
                     f"{b!r} was already appended, deleted, transmitted, rewritten or added"
                 )
             seen.add(id(b))
+            again = held.intersection(b.blob_keys())
+            if again:
+                raise InvalidUsage(
+                    f"{b!r} shares part {sorted(again)[0]} with a batch already added to "
+                    "this transaction (one batch's transmittable bytes decoded twice?): "
+                    "its updates would be appended twice"
+                )
+            held.update(b.blob_keys())
             timed = (b.lower, b.upper) != raw
             if timed and b.len > 0 and b.time_range is None:
                 raise InvalidUsage(f"{b!r} does not record its time range: it cannot be added")
@@ -481,6 +493,7 @@ class Txn:
                 b.txn_timed = True  # type: ignore[attr-defined]
         sw = self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w))
         sw.batches.extend(batches)
+        sw.given.extend(batches)
 
     def _check_mode(self, w: WriteHandle, flags: Sequence[bool]) -> None:
         """A shard takes timed or untimed writes in one transaction, not both."""
@@ -992,6 +1005,8 @@ class Txn:
         rid = sw.record_id
         done = [d for d in self._client._txn_done_ids(m.shard_id) if d != rid]
         self._dropping[m.shard_id] = done
+        given = [k for b in sw.given for k in b.blob_keys()]
+        refuse_copies = w._copy_check(sw.given, given, None, None)
 
         def fn(st: ShardState, fresh: bool) -> tuple[tuple[str, Any], bool]:
             for ws in st.writers.values():
@@ -1004,6 +1019,7 @@ class Txn:
                 return ("mismatch", (st.upper, True)), False
             if timed_lo is not None and not st.upper.less_equal(timed_lo):
                 return ("mismatch", (st.upper, False)), False  # no later ts fixes it
+            refuse_copies(st)  # BatchAppended, PartsMissing
             now = m.now_ms()
             for o in sorted(owners):
                 if o == wid and not registered:

@@ -471,6 +471,42 @@ class WriteHandle(ShardHandle):
         if again:
             raise BatchAppended(self.shard_id, again)
 
+    def _copy_check(
+        self,
+        batches: Sequence[Batch],
+        keys: list[str],
+        fresh: Batch | None,
+        checked_upper: int | None,
+    ) -> Callable[[ShardState], None]:
+        """The check an append's transition runs on the version ``st`` it commits on,
+        before adding ``batches`` (whose given part ``keys`` are not this call's own):
+
+        * no key may be referenced by ``st`` or retired from it
+          (:meth:`_check_not_appended`, ``BatchAppended``);
+        * once ``st``'s retired collection moved past ``checked_upper`` (its upper when
+          the parts were last listed; ``None``: never listed), the parts are listed
+          again (:meth:`_check_appendable`, ``PartsMissing``): a GC may have deleted
+          retired parts and forgotten them in between, and a copy of their batch would
+          then be neither referenced nor retired.  GC deletes before it forgets, and its
+          forgetting moves the upper, so a version with an unchanged upper has every
+          part listed (or still retired).
+
+        Source: Materialize's persist-client ``internal/state.rs`` decides an append on
+        the state it commits on (``compare_and_append``), never on an earlier read.
+        """
+        retired: list[tuple[int, set[str]]] = []  # the retired keys, read at an upper
+        checked = [checked_upper]
+
+        def check(st: ShardState) -> None:
+            if not keys:
+                return
+            self._check_not_appended(st, keys, retired)
+            if checked[0] != st.retired_upper:
+                self._check_appendable(batches, fresh)
+                checked[0] = st.retired_upper
+
+        return check
+
     def _inline_max(self) -> int:
         """Inline writes are allowed while the state holds less than the total budget."""
         c = self._client
@@ -910,6 +946,9 @@ class WriteHandle(ShardHandle):
             for b in batches:  # an earlier attempt landed them
                 b.mark_consumed()
             return
+        # The retired collection's upper in a version read before the existence check:
+        # the copy check below re-lists the parts once a GC may have forgotten some.
+        checked_upper = self._machine.state().retired_upper
         owners = self._check_appendable(batches, fresh)  # parts exist; owners checked below
         handed = handed_off_owners(batches, self.writer_id)
         temps: list[Batch] = []
@@ -927,7 +966,7 @@ class WriteHandle(ShardHandle):
             for p in hb.parts
             if p.key is not None and p.key not in fresh_keys
         )
-        retired: list[tuple[int, set[str]]] = []  # the retired keys, read at an upper
+        refuse_copies = self._copy_check(batches, given, fresh, checked_upper)
         wid = self.writer_id
         lease = self._lease_ms
         machine = self._machine
@@ -946,8 +985,7 @@ class WriteHandle(ShardHandle):
                 raise UpperMismatch(expected, st.upper)
             if not pieces:
                 return [], False
-            if given:
-                self._check_not_appended(st, given, retired)
+            refuse_copies(st)
             now = machine.now_ms()
             self._check_owners(st, owners, fresh, now)
             for res in merges:

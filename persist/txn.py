@@ -453,16 +453,24 @@ class Txn:
         built); a writer whose lease had already run out before that makes the commit
         raise ``LeaseExpired``.
 
+        A batch is appended once (as by
+        :meth:`~persist.write.WriteHandle.compare_and_append_batch`): a batch sharing a
+        part (blob key or inline nonce, :attr:`persist.types.PartRef.part_id`) with
+        one already added is refused here, and :meth:`commit` refuses one whose parts
+        the version it commits on references or retired (``BatchAppended``) or that
+        are no longer in the blob store (``PartsMissing``), committing nothing.
+
         Raises:
             InvalidUsage: a batch of another shard, consumed, rewritten, without a
-                known time range (timed), listed twice, or mixing timed and untimed
-                batches for one shard; the checks of :meth:`write`.
+                known time range (timed), listed twice, sharing a part with a batch
+                already added (two decodings of one batch's bytes), or mixing timed and
+                untimed batches for one shard; the checks of :meth:`write`.
         """
         self._check_pending()
         w = self._writer_for(shard, None, None)
         batches = list(batches)
         seen = {id(b) for sw in self._shards.values() for b in sw.batches}
-        held = {k for sw in self._shards.values() for b in sw.batches for k in b.blob_keys()}
+        held = {k for sw in self._shards.values() for b in sw.batches for k in b.part_ids()}
         flags: list[bool] = []
         raw = (Antichain.from_elem(RAW_TIME), Antichain.from_elem(RAW_TIME + 1))
         for b in batches:
@@ -475,14 +483,14 @@ class Txn:
                     f"{b!r} was already appended, deleted, transmitted, rewritten or added"
                 )
             seen.add(id(b))
-            again = held.intersection(b.blob_keys())
+            again = held.intersection(b.part_ids())
             if again:
                 raise InvalidUsage(
                     f"{b!r} shares part {sorted(again)[0]} with a batch already added to "
                     "this transaction (one batch's transmittable bytes decoded twice?): "
                     "its updates would be appended twice"
                 )
-            held.update(b.blob_keys())
+            held.update(b.part_ids())
             timed = (b.lower, b.upper) != raw
             if timed and b.len > 0 and b.time_range is None:
                 raise InvalidUsage(f"{b!r} does not record its time range: it cannot be added")
@@ -1005,7 +1013,7 @@ class Txn:
         rid = sw.record_id
         done = [d for d in self._client._txn_done_ids(m.shard_id) if d != rid]
         self._dropping[m.shard_id] = done
-        given = [k for b in sw.given for k in b.blob_keys()]
+        given = [k for b in sw.given for k in b.part_ids()]
         refuse_copies = w._copy_check(sw.given, given, None, None)
 
         def fn(st: ShardState, fresh: bool) -> tuple[tuple[str, Any], bool]:

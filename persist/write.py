@@ -52,7 +52,12 @@ Invariants kept here:
   ``abort`` after a successful ``finish`` does nothing (the batch owns the parts);
 * a part is appended once: an append pushing, as they are, parts the version it
   commits on references (or retired) is refused (``BatchAppended``), so a batch's
-  transmittable bytes decoded twice never count twice, across calls as within one;
+  transmittable bytes decoded twice never count twice, across calls as within one; a
+  part is named by its blob key, an inline part by the nonce it drew when written
+  (:attr:`persist.types.PartRef.part_id`; recognised while the trace holds it, i.e.
+  until a compaction merges it away); once the retired collection moved since the
+  parts were listed, they are listed again in the transition, so a copy racing a GC
+  that deleted and forgot them is refused (``PartsMissing``), never committed;
 * an idempotency token names one append exactly, its bounds and contents
   (:mod:`persist.fingerprint`): a token reused on another append is refused
   (``InvalidUsage``), never taken for a landed retry.
@@ -68,7 +73,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -116,7 +121,7 @@ from persist.state import (
     token_for,
     token_verdict,
 )
-from persist.types import Description, HollowBatch, PartRef
+from persist.types import INLINE_ID_PREFIX, Description, HollowBatch, PartRef
 from persist.updates import check_whole_days
 from stash import Antichain
 
@@ -216,6 +221,16 @@ def handed_off_owners(batches: Sequence[Batch], appender: str) -> dict[str, int]
         for w in {key_writer_id(k) for k in b.blob_keys()}:
             if w is not None and w != appender:
                 out[w] = out.get(w, 0) + 1
+    return out
+
+
+def _inline_ids(batches: Iterable[Batch | HollowBatch]) -> list[str]:
+    """The :attr:`~persist.types.PartRef.part_id` of each inline part of ``batches``
+    that has one."""
+    out: list[str] = []
+    for b in batches:
+        hb = b.hollow if isinstance(b, Batch) else b
+        out.extend(i for p in hb.parts if p.key is None and (i := p.part_id) is not None)
     return out
 
 
@@ -462,6 +477,8 @@ class WriteHandle(ShardHandle):
             BatchAppended: naming the shard and a part already appended.
         """
         ref = st.referenced_blob_keys()
+        if any(k.startswith(INLINE_ID_PREFIX) for k in keys):
+            ref |= set(_inline_ids(st.batches()))
         again = [k for k in keys if k in ref]
         if not again and st.retired_upper > 0:
             if not retired or retired[0][0] != st.retired_upper:
@@ -886,9 +903,15 @@ class WriteHandle(ShardHandle):
 
         Raises:
             InvalidBounds, InvalidBatchBounds, InvalidRewrite, InvalidUsage (a batch of
-            another shard, or already consumed), BatchAppended (a copy of a batch the
+            another shard, or already consumed; two batches sharing a part, e.g. two
+            decodings of one batch's bytes), BatchAppended (a copy of a batch the
             shard already references or did before a compaction: another decoding of
-            its transmittable bytes; nothing committed, the copy is marked consumed),
+            its transmittable bytes, named by its parts' blob keys and inline parts'
+            nonces, checked on the version committed on; an inline part is
+            recognised while the shard's trace holds it, not after a compaction
+            merged it away; nothing committed, the copy is marked consumed),
+            PartsMissing (a part is not in the blob store, checked before the
+            transition and again in it once a GC may have deleted retired parts),
             LeaseExpired (this writer, or one whose parts a batch holds, is not
             registered and live in the version committed on), UpperMismatch,
             ConsensusError (see
@@ -926,7 +949,7 @@ class WriteHandle(ShardHandle):
         not one this writer lent out)."""
         if len({id(b) for b in batches}) != len(batches):
             raise InvalidUsage("the same batch is listed twice in one compare_and_append_batch")
-        keys = [k for b in batches if isinstance(b, Batch) for k in b.blob_keys()]
+        keys = [k for b in batches if isinstance(b, Batch) for k in b.part_ids()]
         if len(set(keys)) != len(keys):
             raise InvalidUsage(
                 "two batches of one compare_and_append_batch share parts (one batch's "
@@ -966,6 +989,8 @@ class WriteHandle(ShardHandle):
             for p in hb.parts
             if p.key is not None and p.key not in fresh_keys
         )
+        if pieces:  # inline parts: their nonces name them (see PartRef.part_id)
+            given.extend(_inline_ids(b for b in batches if b is not fresh))
         refuse_copies = self._copy_check(batches, given, fresh, checked_upper)
         wid = self.writer_id
         lease = self._lease_ms
@@ -1015,7 +1040,7 @@ class WriteHandle(ShardHandle):
                     t.delete()
             if isinstance(e, BatchAppended):  # copies: their parts are the shard's
                 for b in batches:
-                    if not set(e.keys).isdisjoint(b.blob_keys()):
+                    if not set(e.keys).isdisjoint(b.part_ids()):
                         b.mark_consumed()
             raise
         if retry:

@@ -52,12 +52,9 @@ Invariants kept here:
   ``abort`` after a successful ``finish`` does nothing (the batch owns the parts);
 * a part is appended once: an append pushing, as they are, parts the version it
   commits on references (or retired) is refused (``BatchAppended``), so a batch's
-  transmittable bytes decoded twice never count twice, across calls as within one; a
-  part is named by its blob key, an inline part by the nonce it drew when written
-  (:attr:`persist.types.PartRef.part_id`; recognised while the trace holds it, i.e.
-  until a compaction merges it away); once the retired collection moved since the
-  parts were listed, they are listed again in the transition, so a copy racing a GC
-  that deleted and forgot them is refused (``PartsMissing``), never committed;
+  transmittable bytes decoded twice never count twice, across calls as within one
+  (parts named by blob key or inline nonce; a copy racing a GC is refused, never
+  committed pointing at deleted parts: see :mod:`persist.appended`);
 * an idempotency token names one append exactly, its bounds and contents
   (:mod:`persist.fingerprint`): a token reused on another append is refused
   (``InvalidUsage``), never taken for a landed retry.
@@ -73,7 +70,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -83,6 +80,7 @@ import pyarrow.compute as pc
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from persist import metrics as persist_metrics
+from persist.appended import copy_check, inline_ids
 from persist.batch import Batch
 from persist.consensus import ShardMachine, Stale
 from persist.consolidation import _adjacent
@@ -121,7 +119,7 @@ from persist.state import (
     token_for,
     token_verdict,
 )
-from persist.types import INLINE_ID_PREFIX, Description, HollowBatch, PartRef
+from persist.types import Description, HollowBatch, PartRef
 from persist.updates import check_whole_days
 from stash import Antichain
 
@@ -221,16 +219,6 @@ def handed_off_owners(batches: Sequence[Batch], appender: str) -> dict[str, int]
         for w in {key_writer_id(k) for k in b.blob_keys()}:
             if w is not None and w != appender:
                 out[w] = out.get(w, 0) + 1
-    return out
-
-
-def _inline_ids(batches: Iterable[Batch | HollowBatch]) -> list[str]:
-    """The :attr:`~persist.types.PartRef.part_id` of each inline part of ``batches``
-    that has one."""
-    out: list[str] = []
-    for b in batches:
-        hb = b.hollow if isinstance(b, Batch) else b
-        out.extend(i for p in hb.parts if p.key is None and (i := p.part_id) is not None)
     return out
 
 
@@ -462,32 +450,6 @@ class WriteHandle(ShardHandle):
                     raise
                 raise LeaseExpired(self.shard_id, wid, "writer of an appended batch") from e
 
-    def _check_not_appended(
-        self, st: ShardState, keys: list[str], retired: list[tuple[int, set[str]]]
-    ) -> None:
-        """In the append's transition: no part ``keys`` of the appended batches may be
-        referenced by ``st`` (the version committed on) or retired from it (referenced
-        once, then compacted away): such a batch is a copy of one already appended (its
-        transmittable bytes decoded twice), whose updates would count twice.  The
-        retired keys are those read at ``st``'s ``retired_upper`` (``retired`` caches
-        ``[(upper, keys)]``; a newer read means a newer version, on which the
-        compare-and-set fails and this runs again).
-
-        Raises:
-            BatchAppended: naming the shard and a part already appended.
-        """
-        ref = st.referenced_blob_keys()
-        if any(k.startswith(INLINE_ID_PREFIX) for k in keys):
-            ref |= set(_inline_ids(st.batches()))
-        again = [k for k in keys if k in ref]
-        if not again and st.retired_upper > 0:
-            if not retired or retired[0][0] != st.retired_upper:
-                upper, rows = self._client.consensus.retired_entries(self.shard_id)
-                retired[:] = [(upper, set(rows))]
-            again = [k for k in keys if k in retired[0][1]]
-        if again:
-            raise BatchAppended(self.shard_id, again)
-
     def _copy_check(
         self,
         batches: Sequence[Batch],
@@ -495,34 +457,10 @@ class WriteHandle(ShardHandle):
         fresh: Batch | None,
         checked_upper: int | None,
     ) -> Callable[[ShardState], None]:
-        """The check an append's transition runs on the version ``st`` it commits on,
-        before adding ``batches`` (whose given part ``keys`` are not this call's own):
-
-        * no key may be referenced by ``st`` or retired from it
-          (:meth:`_check_not_appended`, ``BatchAppended``);
-        * once ``st``'s retired collection moved past ``checked_upper`` (its upper when
-          the parts were last listed; ``None``: never listed), the parts are listed
-          again (:meth:`_check_appendable`, ``PartsMissing``): a GC may have deleted
-          retired parts and forgotten them in between, and a copy of their batch would
-          then be neither referenced nor retired.  GC deletes before it forgets, and its
-          forgetting moves the upper, so a version with an unchanged upper has every
-          part listed (or still retired).
-
-        Source: Materialize's persist-client ``internal/state.rs`` decides an append on
-        the state it commits on (``compare_and_append``), never on an earlier read.
-        """
-        retired: list[tuple[int, set[str]]] = []  # the retired keys, read at an upper
-        checked = [checked_upper]
-
-        def check(st: ShardState) -> None:
-            if not keys:
-                return
-            self._check_not_appended(st, keys, retired)
-            if checked[0] != st.retired_upper:
-                self._check_appendable(batches, fresh)
-                checked[0] = st.retired_upper
-
-        return check
+        """:func:`persist.appended.copy_check` for ``batches`` (their parts listed
+        again by :meth:`_check_appendable`)."""
+        relist = partial(self._check_appendable, batches, fresh)
+        return copy_check(self._client.consensus, keys, relist, checked_upper)
 
     def _inline_max(self) -> int:
         """Inline writes are allowed while the state holds less than the total budget."""
@@ -976,7 +914,7 @@ class WriteHandle(ShardHandle):
         handed = handed_off_owners(batches, self.writer_id)
         temps: list[Batch] = []
         # The given parts whose rows this append pushes, as they are or rewritten into
-        # new parts: none may be in the shard already (see _check_not_appended).
+        # new parts: none may be in the shard already (see persist.appended).
         given: list[str] = []
         if expected == new:
             pieces: list[HollowBatch] = []
@@ -990,7 +928,7 @@ class WriteHandle(ShardHandle):
             if p.key is not None and p.key not in fresh_keys
         )
         if pieces:  # inline parts: their nonces name them (see PartRef.part_id)
-            given.extend(_inline_ids(b for b in batches if b is not fresh))
+            given.extend(inline_ids(b for b in batches if b is not fresh))
         refuse_copies = self._copy_check(batches, given, fresh, checked_upper)
         wid = self.writer_id
         lease = self._lease_ms

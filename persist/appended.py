@@ -10,12 +10,14 @@ it is is referenced by the version it commits on, or was retired from the shard 
 compaction merged it away; the retired collection keeps blob keys until GC deletes
 them), so a batch's updates never count twice.
 
-The window: an inline part is recognised while the shard's trace holds it; a copy
-decoded after a compaction merged it into another part is not (inline parts are not
-retired).  A blob part's copy is recognised by its retired key until GC deletes the
-part, and then refused for the missing blob: once the retired collection moved since
-the parts were listed (a GC forgets deleted keys only by moving it), they are listed
-again in the transition, so a copy racing a GC never commits a deleted part.
+A compaction that merges an inline part away retires its id as it retires blob keys,
+and GC forgets it after the grace period (with nothing to delete).  The window: a copy
+of an inline batch appended after that (held for longer than the grace period after a
+compaction merged its parts away) is not recognised.  A blob part's copy is recognised
+by its retired key until GC deletes the part, and then refused for the missing blob:
+once the retired collection moved since the parts were listed (a GC forgets deleted
+keys only by moving it), they are listed again in the transition, so a copy racing a
+GC never commits a deleted part.
 
 Source: Materialize's persist-client ``internal/state.rs`` decides a
 ``compare_and_append`` on the state it commits on, never on an earlier read.
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from persist.batch import Batch
 from persist.errors import BatchAppended
-from persist.types import INLINE_ID_PREFIX, HollowBatch
+from persist.types import HollowBatch
 
 if TYPE_CHECKING:
     from persist.consensus import Consensus
@@ -63,9 +65,7 @@ def check_not_appended(
     Raises:
         BatchAppended: naming the shard and a part already appended.
     """
-    ref = st.referenced_blob_keys()
-    if any(k.startswith(INLINE_ID_PREFIX) for k in keys):
-        ref |= set(inline_ids(st.batches()))
+    ref = st.referenced_part_ids()
     again = [k for k in keys if k in ref]
     if not again and st.retired_upper > 0:
         if not retired or retired[0][0] != st.retired_upper:

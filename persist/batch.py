@@ -29,10 +29,11 @@ Invariants kept here:
   and the random nonce each inline part draws when written, both carried in its
   transmittable bytes) name it, and an append (or a transaction) whose batches share one
   with each other, with the version it commits on, or with the parts that version
-  retired, is refused (:class:`~persist.errors.BatchAppended`).  The window: an inline
-  part is recognised while the shard's trace holds it; once a compaction merged it into
-  another part, a copy decoded after that is not (a blob part's copy is refused by its
-  retired key, then by its deleted blob);
+  retired, is refused (:class:`~persist.errors.BatchAppended`).  The window: a copy of
+  an inline batch appended after GC forgot its retired ids (longer than the grace
+  period after a compaction merged its parts away) is not recognised (a blob part's
+  copy is refused by its retired key, then by its deleted blob); see
+  :mod:`persist.appended`;
 * transmittable bytes carry a SHA-256 digest of their content: bytes damaged in transit
   are refused with :class:`~persist.errors.InvalidUsage`, never appended (issue 7).
 """

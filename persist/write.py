@@ -845,9 +845,9 @@ class WriteHandle(ShardHandle):
             decodings of one batch's bytes), BatchAppended (a copy of a batch the
             shard already references or did before a compaction: another decoding of
             its transmittable bytes, named by its parts' blob keys and inline parts'
-            nonces, checked on the version committed on; an inline part is
-            recognised while the shard's trace holds it, not after a compaction
-            merged it away; nothing committed, the copy is marked consumed),
+            nonces, checked on the version committed on and the ids it retired;
+            an inline part is recognised until GC forgets its retired id, see
+            :mod:`persist.appended`; nothing committed, the copy is marked consumed),
             PartsMissing (a part is not in the blob store, checked before the
             transition and again in it once a GC may have deleted retired parts),
             LeaseExpired (this writer, or one whose parts a batch holds, is not

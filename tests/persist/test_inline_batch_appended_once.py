@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 from persist import BatchAppended, FileBlob, InvalidUsage, PersistClient
+from persist.gc import collect_garbage
 from persist.txn import RAW_TIME
 from stash import Antichain, Stash
 
@@ -84,3 +85,33 @@ def test_txn_refuses_an_inline_batch_decoded_twice(client: PersistClient) -> Non
     with pytest.raises(BatchAppended):
         t2.commit()
     assert r.snapshot(ts).column("_diff").to_pylist() == [1]
+
+
+def test_inline_copy_after_compaction_is_refused_until_gc_forgets(tmp_path: Path) -> None:
+    s = Stash.open(f"sqlite:///{tmp_path / 's.db'}", fenced=False)
+    c = PersistClient(s, FileBlob(tmp_path / "blob"), compaction="off")
+    try:
+        w, r = c.open("x", KS, VS)
+        b = w.batch([(((1,), ("a",)), 0, 1)], 0, 1)
+        (pid,) = b.part_ids()
+        assert pid.startswith("inline:")
+        data = b.into_transmittable()
+        w.compare_and_append_batch([w.batch_from_transmittable(data)], 0, 1)
+        for t in range(1, 8):
+            w.compare_and_append([(((2,), ("b",)), t, 1)], t, t + 1)
+        c.compactor.compact_once("x")
+        held = {p.part_id for hb in c.inspect("x").batches() for p in hb.parts}
+        assert pid not in held  # merged away
+        assert pid in c.consensus.retired(w.shard_id)  # retired like a blob key
+        copy = w.batch_from_transmittable(data)
+        copy.rewrite_ts(Antichain.from_elem(8), Antichain.from_elem(9))
+        with pytest.raises(BatchAppended):
+            w.compare_and_append_batch([copy], 8, 9)
+        assert r.snapshot(7).column("_diff").to_pylist() == [1, 7]
+        r.expire()  # its seqno hold no longer keeps the retired entries
+        report = collect_garbage(c, "x", grace_seconds=0)
+        assert pid in report.forgot_inline  # the record stays bounded
+        assert pid not in c.consensus.retired(w.shard_id)
+    finally:
+        c.close()
+        s.close()

@@ -25,6 +25,15 @@ Invariants kept here:
   of a consumed batch deletes nothing (its parts belong to the shard or to the holder of
   the bytes);
 * ``delete`` removes exactly the batch's blob parts (inline parts need nothing);
+* a batch is appended once: its parts' identities (:meth:`Batch.part_ids`: blob keys,
+  and the random nonce each inline part draws when written, both carried in its
+  transmittable bytes) name it, and an append (or a transaction) whose batches share one
+  with each other, with the version it commits on, or with the parts that version
+  retired, is refused (:class:`~persist.errors.BatchAppended`).  The window: a copy of
+  an inline batch appended after GC forgot its retired ids (longer than the grace
+  period after a compaction merged its parts away) is not recognised (a blob part's
+  copy is refused by its retired key, then by its deleted blob); see
+  :mod:`persist.appended`;
 * transmittable bytes carry a SHA-256 digest of their content: bytes damaged in transit
   are refused with :class:`~persist.errors.InvalidUsage`, never appended (issue 7).
 """
@@ -153,6 +162,12 @@ class Batch:
     def blob_keys(self) -> list[str]:
         """The blob keys of its non-inline parts."""
         return [p.key for p in self.hollow.parts if p.key is not None]
+
+    def part_ids(self) -> list[str]:
+        """The identities of its parts (:attr:`persist.types.PartRef.part_id`): blob
+        keys, and ``inline:`` nonces of inline parts (older inline parts have none).
+        Every decoding of one batch's transmittable bytes names the same ids."""
+        return [i for p in self.hollow.parts if (i := p.part_id) is not None]
 
     def _check_live(self, what: str) -> None:
         if self._consumed:

@@ -16,6 +16,7 @@ Invariants kept here:
 """
 
 import hashlib
+import uuid
 
 import numpy as np
 import pyarrow as pa
@@ -253,6 +254,7 @@ def make_part_ref(
             checksum=_sha256(data),
             inline=bytes(data),
             stats=stats,
+            nonce=uuid.uuid4().hex,  # its identity: equal bytes may be two parts
         )
     if key is None:
         raise InvalidUsage("a part that is not inline needs a blob key")

@@ -186,7 +186,8 @@ class BatchAppended(InvalidUsage):
     committed; the copy is marked consumed (deleting it would delete parts the shard
     references).
 
-    Attributes: ``keys`` (the parts already appended).
+    Attributes: ``keys`` (the parts already appended: blob keys, or ``inline:`` and
+    the nonce of an inline part, see :attr:`persist.types.PartRef.part_id`).
     """
 
     def __init__(self, shard_id: str, keys: list[str]) -> None:

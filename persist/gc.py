@@ -66,6 +66,7 @@ from persist.consensus import RetiredKey, ShardMachine
 from persist.errors import BlobError, InvalidUsage
 from persist.keys import key_created_ms, parse_part_key
 from persist.state import ShardState
+from persist.types import INLINE_ID_PREFIX
 
 if TYPE_CHECKING:
     from persist.client import PersistClient
@@ -92,6 +93,9 @@ class GcReport:
             (never deleted).
         failed: keys whose deletion failed (tried again next time).
         deleted_temporaries: temporary files of interrupted uploads deleted (FileBlob).
+        forgot_inline: retired ids of inline parts (``inline:`` and a nonce, retired by
+            a compaction: see :attr:`persist.types.PartRef.part_id`) forgotten after the
+            grace period; they name no blob.
     """
 
     shard_id: str
@@ -104,6 +108,7 @@ class GcReport:
     unrecognized: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     deleted_temporaries: int = 0
+    forgot_inline: list[str] = field(default_factory=list)
 
 
 def collect_garbage(
@@ -157,7 +162,12 @@ def collect_garbage(
 
     due_retired = []
     for k, r in retired.items():
-        if parse_part_key(shard_id, k) is None:
+        if k.startswith(INLINE_ID_PREFIX):  # no blob: forgotten once due
+            if deletable(r):
+                report.forgot_inline.append(k)
+            else:
+                report.kept_held += 1
+        elif parse_part_key(shard_id, k) is None:
             report.unrecognized.append(k)
         elif deletable(r):
             due_retired.append(k)
@@ -203,8 +213,11 @@ def collect_garbage(
             )
             report.failed.append(key)
 
-    if report.deleted_retired:
-        done = {retired[k].entry: retired[k].ms for k in report.deleted_retired}
+    if report.deleted_retired or report.forgot_inline:
+        done = {
+            retired[k].entry: retired[k].ms
+            for k in [*report.deleted_retired, *report.forgot_inline]
+        }
         _forget(client, m, shard_id, done)
     sweep = getattr(client.raw_blob, "sweep_temporaries", None)
     if sweep is not None:  # a FileBlob: uploads killed mid-write leave temporary files

@@ -522,6 +522,11 @@ class ShardState:
         """Blob keys of every part the trace references (inline parts have none)."""
         return {p.key for b in self.trace.batches() for p in b.parts if p.key is not None}
 
+    def referenced_part_ids(self) -> set[str]:
+        """:attr:`~persist.types.PartRef.part_id` of every part the trace references
+        (blob keys, ``inline:`` nonces)."""
+        return {i for b in self.trace.batches() for p in b.parts if (i := p.part_id) is not None}
+
     def inline_bytes(self) -> int:
         """Total size (bytes) of the inline parts held in this state."""
         return sum(b.inline_bytes for b in self.trace.batches())
@@ -809,7 +814,10 @@ class ShardState:
 
     def apply_merge_res(self, res: FueledMergeRes, now_ms: int) -> ApplyMergeResult:
         """Swap a compaction result into the trace; blob keys it stops referencing are
-        retired at ``now_ms`` (listed in ``retire_adds``, for GC after its grace period).
+        retired at ``now_ms`` (listed in ``retire_adds``, for GC after its grace period),
+        and so are the ids of inline parts it merged away (``inline:`` and a nonce, see
+        :attr:`~persist.types.PartRef.part_id`: an append refuses a copy of them until
+        GC forgets them).
 
         An output whose parts name a writer (the compactor that wrote them) that is not
         live at ``now_ms`` is not applied (``NOT_APPLIED_NO_MATCH``): GC may already have
@@ -818,10 +826,10 @@ class ShardState:
             wid = None if p.key is None else key_writer_id(p.key)
             if wid is not None and wid not in self.live_writers(now_ms):
                 return ApplyMergeResult.NOT_APPLIED_NO_MATCH
-        before = self.referenced_blob_keys()
+        before = self.referenced_part_ids()
         result = self.trace.apply_merge_res(res)
         if result.applied():
-            after = self.referenced_blob_keys()
+            after = self.referenced_part_ids()
             for key in before - after:
                 self.retire_adds[key] = now_ms
         return result

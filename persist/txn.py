@@ -215,6 +215,9 @@ class _ShardWrites:
     # (through a shared or the caller's handle) can push it out.
     record_id: str = field(default_factory=lambda: "w" + uuid.uuid4().hex)
     lent: dict[int, WriteHandle] = field(default_factory=dict)  # batch id -> its builder's handle
+    # The batches added by write_batches (written elsewhere: possibly copies of a batch
+    # the shard already has), checked against the version committed on.
+    given: list[Batch] = field(default_factory=list)
 
 
 def _is_timed(b: Batch) -> bool:
@@ -492,15 +495,24 @@ class Txn:
         built); a writer whose lease had already run out before that makes the commit
         raise ``LeaseExpired``.
 
+        A batch is appended once (as by
+        :meth:`~persist.write.WriteHandle.compare_and_append_batch`): a batch sharing a
+        part (blob key or inline nonce, :attr:`persist.types.PartRef.part_id`) with
+        one already added is refused here, and :meth:`commit` refuses one whose parts
+        the version it commits on references or retired (``BatchAppended``) or that
+        are no longer in the blob store (``PartsMissing``), committing nothing.
+
         Raises:
             InvalidUsage: a batch of another shard, consumed, rewritten, without a
-                known time range (timed), listed twice, or mixing timed and untimed
-                batches for one shard; the checks of :meth:`write`.
+                known time range (timed), listed twice, sharing a part with a batch
+                already added (two decodings of one batch's bytes), or mixing timed and
+                untimed batches for one shard; the checks of :meth:`write`.
         """
         self._check_changeable()
         w = self._writer_for(shard, None, None)
         batches = list(batches)
         seen = {id(b) for sw in self._shards.values() for b in sw.batches}
+        held = {k for sw in self._shards.values() for b in sw.batches for k in b.part_ids()}
         flags: list[bool] = []
         raw = (Antichain.from_elem(RAW_TIME), Antichain.from_elem(RAW_TIME + 1))
         for b in batches:
@@ -513,6 +525,14 @@ class Txn:
                     f"{b!r} was already appended, deleted, transmitted, rewritten or added"
                 )
             seen.add(id(b))
+            again = held.intersection(b.part_ids())
+            if again:
+                raise InvalidUsage(
+                    f"{b!r} shares part {sorted(again)[0]} with a batch already added to "
+                    "this transaction (one batch's transmittable bytes decoded twice?): "
+                    "its updates would be appended twice"
+                )
+            held.update(b.part_ids())
             timed = (b.lower, b.upper) != raw
             if timed and b.len > 0 and b.time_range is None:
                 raise InvalidUsage(f"{b!r} does not record its time range: it cannot be added")
@@ -523,6 +543,7 @@ class Txn:
                 b.txn_timed = True  # type: ignore[attr-defined]
         sw = self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w))
         sw.batches.extend(batches)
+        sw.given.extend(batches)
 
     def _check_mode(self, w: WriteHandle, flags: Sequence[bool]) -> None:
         """A shard takes timed or untimed writes in one transaction, not both."""
@@ -1035,6 +1056,8 @@ class Txn:
         rid = sw.record_id
         done = [d for d in self._client._txn_done_ids(m.shard_id) if d != rid]
         self._dropping[m.shard_id] = done
+        given = [k for b in sw.given for k in b.part_ids()]
+        refuse_copies = w._copy_check(sw.given, given, None, None)
 
         def fn(st: ShardState, fresh: bool) -> tuple[tuple[str, Any], bool]:
             for ws in st.writers.values():
@@ -1047,6 +1070,7 @@ class Txn:
                 return ("mismatch", (st.upper, True)), False
             if timed_lo is not None and not st.upper.less_equal(timed_lo):
                 return ("mismatch", (st.upper, False)), False  # no later ts fixes it
+            refuse_copies(st)  # BatchAppended, PartsMissing
             now = m.now_ms()
             for o in sorted(owners):
                 if o == wid and not registered:

@@ -76,6 +76,11 @@ class Description:
         return f"({self.lower}, {self.upper}, {self.since})"
 
 
+#: The prefix of an inline part's :attr:`PartRef.part_id` (never a blob key's: those
+#: start with the shard id, ``s`` and a UUID).
+INLINE_ID_PREFIX = "inline:"
+
+
 @dataclass(frozen=True)
 class PartRef:
     """A reference to one part: Parquet in the blob store (``key``) or inline (``inline``).
@@ -96,6 +101,11 @@ class PartRef:
             when unknown (parts written before they were recorded).
         stats: per-column ``(column, min, max, nulls)`` of the part's rows
             (:mod:`persist.stats`), or ``None`` when unknown (never pruned).
+        nonce: an inline part's identity, 32 random hex digits drawn when it was
+            written (a blob part's is its key); ``None`` for blob parts and inline parts
+            of older writers.  It lets an append refuse a copy of an inline part the
+            shard already holds (see :attr:`part_id`): checksums cannot, since two real
+            appends may write equal bytes.
     """
 
     key: str | None
@@ -106,10 +116,21 @@ class PartRef:
     schema_id: int = 0
     key_samples: tuple[tuple[Any, ...], ...] | None = None
     stats: tuple[ColumnStats, ...] | None = None
+    nonce: str | None = None
 
     def __post_init__(self) -> None:
         if (self.key is None) == (self.inline is None):
             raise ValueError("a part is either in the blob store (key) or inline, exactly one")
+
+    @property
+    def part_id(self) -> str | None:
+        """The part's identity: its blob key, or ``"inline:" + nonce`` for an inline
+        part (``None`` for an inline part of an older writer, which drew no nonce).
+        Copies of a batch (its transmittable bytes decoded again) name the same ids;
+        two parts written separately never do, even with equal bytes."""
+        if self.key is not None:
+            return self.key
+        return None if self.nonce is None else INLINE_ID_PREFIX + self.nonce
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -128,6 +149,8 @@ class PartRef:
             d["keys"] = [list(k) for k in self.key_samples]
         if self.stats is not None:
             d["stats"] = stats_to_json(self.stats)
+        if self.nonce is not None:
+            d["nonce"] = self.nonce
         return d
 
     @classmethod
@@ -149,6 +172,7 @@ class PartRef:
             schema_id=int(d.get("schema", 0)),
             key_samples=None if keys is None else tuple(tuple(k) for k in keys),
             stats=stats,
+            nonce=None if d.get("nonce") is None else str(d["nonce"]),
         )
 
 

@@ -52,7 +52,9 @@ Invariants kept here:
   ``abort`` after a successful ``finish`` does nothing (the batch owns the parts);
 * a part is appended once: an append pushing, as they are, parts the version it
   commits on references (or retired) is refused (``BatchAppended``), so a batch's
-  transmittable bytes decoded twice never count twice, across calls as within one;
+  transmittable bytes decoded twice never count twice, across calls as within one
+  (parts named by blob key or inline nonce; a copy racing a GC is refused, never
+  committed pointing at deleted parts: see :mod:`persist.appended`);
 * an idempotency token names one append exactly, its bounds and contents
   (:mod:`persist.fingerprint`): a token reused on another append is refused
   (``InvalidUsage``), never taken for a landed retry.
@@ -78,6 +80,7 @@ import pyarrow.compute as pc
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from persist import metrics as persist_metrics
+from persist.appended import copy_check, inline_ids
 from persist.batch import Batch
 from persist.consensus import ShardMachine, Stale
 from persist.consolidation import _adjacent
@@ -447,29 +450,17 @@ class WriteHandle(ShardHandle):
                     raise
                 raise LeaseExpired(self.shard_id, wid, "writer of an appended batch") from e
 
-    def _check_not_appended(
-        self, st: ShardState, keys: list[str], retired: list[tuple[int, set[str]]]
-    ) -> None:
-        """In the append's transition: no part ``keys`` of the appended batches may be
-        referenced by ``st`` (the version committed on) or retired from it (referenced
-        once, then compacted away): such a batch is a copy of one already appended (its
-        transmittable bytes decoded twice), whose updates would count twice.  The
-        retired keys are those read at ``st``'s ``retired_upper`` (``retired`` caches
-        ``[(upper, keys)]``; a newer read means a newer version, on which the
-        compare-and-set fails and this runs again).
-
-        Raises:
-            BatchAppended: naming the shard and a part already appended.
-        """
-        ref = st.referenced_blob_keys()
-        again = [k for k in keys if k in ref]
-        if not again and st.retired_upper > 0:
-            if not retired or retired[0][0] != st.retired_upper:
-                upper, rows = self._client.consensus.retired_entries(self.shard_id)
-                retired[:] = [(upper, set(rows))]
-            again = [k for k in keys if k in retired[0][1]]
-        if again:
-            raise BatchAppended(self.shard_id, again)
+    def _copy_check(
+        self,
+        batches: Sequence[Batch],
+        keys: list[str],
+        fresh: Batch | None,
+        checked_upper: int | None,
+    ) -> Callable[[ShardState], None]:
+        """:func:`persist.appended.copy_check` for ``batches`` (their parts listed
+        again by :meth:`_check_appendable`)."""
+        relist = partial(self._check_appendable, batches, fresh)
+        return copy_check(self._client.consensus, keys, relist, checked_upper)
 
     def _inline_max(self) -> int:
         """Inline writes are allowed while the state holds less than the total budget."""
@@ -850,9 +841,15 @@ class WriteHandle(ShardHandle):
 
         Raises:
             InvalidBounds, InvalidBatchBounds, InvalidRewrite, InvalidUsage (a batch of
-            another shard, or already consumed), BatchAppended (a copy of a batch the
+            another shard, or already consumed; two batches sharing a part, e.g. two
+            decodings of one batch's bytes), BatchAppended (a copy of a batch the
             shard already references or did before a compaction: another decoding of
-            its transmittable bytes; nothing committed, the copy is marked consumed),
+            its transmittable bytes, named by its parts' blob keys and inline parts'
+            nonces, checked on the version committed on and the ids it retired;
+            an inline part is recognised until GC forgets its retired id, see
+            :mod:`persist.appended`; nothing committed, the copy is marked consumed),
+            PartsMissing (a part is not in the blob store, checked before the
+            transition and again in it once a GC may have deleted retired parts),
             LeaseExpired (this writer, or one whose parts a batch holds, is not
             registered and live in the version committed on), UpperMismatch,
             ConsensusError (see
@@ -890,7 +887,7 @@ class WriteHandle(ShardHandle):
         not one this writer lent out)."""
         if len({id(b) for b in batches}) != len(batches):
             raise InvalidUsage("the same batch is listed twice in one compare_and_append_batch")
-        keys = [k for b in batches if isinstance(b, Batch) for k in b.blob_keys()]
+        keys = [k for b in batches if isinstance(b, Batch) for k in b.part_ids()]
         if len(set(keys)) != len(keys):
             raise InvalidUsage(
                 "two batches of one compare_and_append_batch share parts (one batch's "
@@ -910,11 +907,14 @@ class WriteHandle(ShardHandle):
             for b in batches:  # an earlier attempt landed them
                 b.mark_consumed()
             return
+        # The retired collection's upper in a version read before the existence check:
+        # the copy check below re-lists the parts once a GC may have forgotten some.
+        checked_upper = self._machine.state().retired_upper
         owners = self._check_appendable(batches, fresh)  # parts exist; owners checked below
         handed = handed_off_owners(batches, self.writer_id)
         temps: list[Batch] = []
         # The given parts whose rows this append pushes, as they are or rewritten into
-        # new parts: none may be in the shard already (see _check_not_appended).
+        # new parts: none may be in the shard already (see persist.appended).
         given: list[str] = []
         if expected == new:
             pieces: list[HollowBatch] = []
@@ -927,7 +927,9 @@ class WriteHandle(ShardHandle):
             for p in hb.parts
             if p.key is not None and p.key not in fresh_keys
         )
-        retired: list[tuple[int, set[str]]] = []  # the retired keys, read at an upper
+        if pieces:  # inline parts: their nonces name them (see PartRef.part_id)
+            given.extend(inline_ids(b for b in batches if b is not fresh))
+        refuse_copies = self._copy_check(batches, given, fresh, checked_upper)
         wid = self.writer_id
         lease = self._lease_ms
         machine = self._machine
@@ -946,8 +948,7 @@ class WriteHandle(ShardHandle):
                 raise UpperMismatch(expected, st.upper)
             if not pieces:
                 return [], False
-            if given:
-                self._check_not_appended(st, given, retired)
+            refuse_copies(st)
             now = machine.now_ms()
             self._check_owners(st, owners, fresh, now)
             for res in merges:
@@ -977,7 +978,7 @@ class WriteHandle(ShardHandle):
                     t.delete()
             if isinstance(e, BatchAppended):  # copies: their parts are the shard's
                 for b in batches:
-                    if not set(e.keys).isdisjoint(b.blob_keys()):
+                    if not set(e.keys).isdisjoint(b.part_ids()):
                         b.mark_consumed()
             raise
         if retry:

@@ -1,0 +1,117 @@
+"""A batch whose parts are inline is appended once, as a batch of blob parts is: each
+inline part draws a nonce when written (its identity, carried in the transmittable
+bytes), so a copy of the batch (its bytes decoded again) is refused with
+``BatchAppended``, in a later append, in the same append, or in a transaction; two
+separately written batches with equal bytes are both appended (a checksum could not tell
+them from copies)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from persist import BatchAppended, FileBlob, InvalidUsage, PersistClient
+from persist.gc import collect_garbage
+from persist.txn import RAW_TIME
+from stash import Antichain, Stash
+
+KS = pa.schema([("k", pa.int64())])
+VS = pa.schema([("v", pa.string())])
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[PersistClient]:
+    s = Stash.open(f"sqlite:///{tmp_path / 's.db'}", fenced=False)
+    c = PersistClient(s, FileBlob(tmp_path / "blob"), compaction="off")  # default inline
+    yield c
+    c.close()
+    s.close()
+
+
+def test_inline_batch_decoded_twice_is_refused(client: PersistClient) -> None:
+    w, r = client.open("x", KS, VS)
+    b = w.batch([(((1,), ("a",)), 0, 1)], 0, 1)
+    assert all(p.key is None for p in b.hollow.parts)  # inline
+    data = b.into_transmittable()
+    w.compare_and_append_batch([w.batch_from_transmittable(data)], 0, 1)
+    copy = w.batch_from_transmittable(data)
+    copy.rewrite_ts(Antichain.from_elem(1), Antichain.from_elem(2))
+    with pytest.raises(BatchAppended):
+        w.compare_and_append_batch([copy], 1, 2)
+    assert copy.consumed  # the shard's: never deleted by its holder
+    assert r.snapshot(0).to_pylist() == [{"k": 1, "v": "a", "_time": 0, "_diff": 1}]
+    assert client.inspect("x").upper == Antichain.from_elem(1)  # nothing committed
+
+
+def test_inline_batch_decoded_twice_in_one_call_is_refused(client: PersistClient) -> None:
+    w, r = client.open("x", KS, VS)
+    data = w.batch([(((1,), ("a",)), 0, 1)], 0, 1).into_transmittable()
+    copies = [w.batch_from_transmittable(data), w.batch_from_transmittable(data)]
+    with pytest.raises(InvalidUsage, match="share parts"):
+        w.compare_and_append_batch(copies, 0, 1)
+    assert client.inspect("x").upper == Antichain.from_elem(0)  # nothing committed
+    w.compare_and_append_batch(copies[:1], 0, 1)
+    assert r.snapshot(0).column("_diff").to_pylist() == [1]
+
+
+def test_equal_inline_batches_written_twice_are_both_appended(client: PersistClient) -> None:
+    w, r = client.open("x", KS, VS)
+    one = w.batch([(((1,), ("a",)), 0, 1)], 0, 1)
+    two = w.batch([(((1,), ("a",)), 0, 1)], 0, 1)
+    assert one.hollow.parts[0].checksum == two.hollow.parts[0].checksum  # equal bytes
+    w.compare_and_append_batch([one, two], 0, 1)
+    assert r.snapshot(0).column("_diff").to_pylist() == [2]
+
+
+def test_txn_refuses_an_inline_batch_decoded_twice(client: PersistClient) -> None:
+    w, r = client.open("x", KS, VS)
+    raw = w.batch(
+        pa.table({"k": [1], "v": ["a"], "_time": [RAW_TIME], "_diff": [1]}),
+        RAW_TIME,
+        RAW_TIME + 1,
+    )
+    assert all(p.key is None for p in raw.hollow.parts)  # inline
+    data = raw.into_transmittable()
+    t = client.begin()
+    t.write_batches("x", [w.batch_from_transmittable(data)])
+    with pytest.raises(InvalidUsage, match="already added"):
+        t.write_batches("x", [w.batch_from_transmittable(data)])
+    ts = t.commit()
+    t2 = client.begin()
+    t2.write_batches("x", [w.batch_from_transmittable(data)])
+    with pytest.raises(BatchAppended):
+        t2.commit()
+    assert r.snapshot(ts).column("_diff").to_pylist() == [1]
+
+
+def test_inline_copy_after_compaction_is_refused_until_gc_forgets(tmp_path: Path) -> None:
+    s = Stash.open(f"sqlite:///{tmp_path / 's.db'}", fenced=False)
+    c = PersistClient(s, FileBlob(tmp_path / "blob"), compaction="off")
+    try:
+        w, r = c.open("x", KS, VS)
+        b = w.batch([(((1,), ("a",)), 0, 1)], 0, 1)
+        (pid,) = b.part_ids()
+        assert pid.startswith("inline:")
+        data = b.into_transmittable()
+        w.compare_and_append_batch([w.batch_from_transmittable(data)], 0, 1)
+        for t in range(1, 8):
+            w.compare_and_append([(((2,), ("b",)), t, 1)], t, t + 1)
+        c.compactor.compact_once("x")
+        held = {p.part_id for hb in c.inspect("x").batches() for p in hb.parts}
+        assert pid not in held  # merged away
+        assert pid in c.consensus.retired(w.shard_id)  # retired like a blob key
+        copy = w.batch_from_transmittable(data)
+        copy.rewrite_ts(Antichain.from_elem(8), Antichain.from_elem(9))
+        with pytest.raises(BatchAppended):
+            w.compare_and_append_batch([copy], 8, 9)
+        assert r.snapshot(7).column("_diff").to_pylist() == [1, 7]
+        r.expire()  # its seqno hold no longer keeps the retired entries
+        report = collect_garbage(c, "x", grace_seconds=0)
+        assert pid in report.forgot_inline  # the record stays bounded
+        assert pid not in c.consensus.retired(w.shard_id)
+    finally:
+        c.close()
+        s.close()

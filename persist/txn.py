@@ -763,7 +763,8 @@ class Txn:
             # Until this attempt's outcome is known, it may have landed: an exception that
             # is none of the answers below (an interrupt, an error the stash did not
             # wrap) leaves the parts to GC instead of letting abort delete them.
-            prior, prior_since = self._maybe_landed, self._unknown_since_ms
+            prior = self._maybe_landed
+            prior_since: int | None = self._unknown_since_ms
             self._maybe_landed = True
             if self._unknown_since_ms is None:  # when its record starts to be needed
                 self._unknown_since_ms = self._client.machine(sorted(self._shards)[0]).now_ms()

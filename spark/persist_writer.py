@@ -31,6 +31,7 @@ from spark.persist_common import (
     _opt_int,
     _opt_list,
     _truthy,
+    arrow_to_spark,
     persist_client,
     spark_to_arrow,
 )
@@ -84,8 +85,9 @@ class WriteSettings:
         the DataFrame's columns are matched to the shard's by name (any order) and each
         is cast to the shard's type when that is a safe widening (int8 -> int16 -> int32
         -> int64, float32 -> float64, string <-> large_string, binary <-> large_binary;
-        a nullable column into a non-nullable one is checked for nulls as it is
-        written).
+        or the type the shard's column reads as through the source, each value
+        converted exactly by pyarrow's safe cast; a nullable column into a non-nullable
+        one is checked for nulls as it is written).
 
         With ``mergeSchema=true``, an existing shard's value schema is first evolved to
         take the DataFrame (:func:`_merged_value_schema`); the writer's open registers
@@ -188,17 +190,33 @@ class WriteSettings:
 
 def _widens(src: pa.DataType, dst: pa.DataType) -> bool:
     """Whether a DataFrame column of Arrow type ``src`` may be written into a shard column
-    of type ``dst``: equal, a safe widening (persist's schema-evolution rules), or a
-    string/binary of the other offset width."""
+    of type ``dst``: equal, a safe widening (persist's schema-evolution rules), a
+    string/binary of the other offset width, or the type a ``dst`` column reads as
+    through the source (:func:`_read_back`)."""
     from persist.updates import is_safe_widening
 
-    if is_safe_widening(src, dst):
+    if is_safe_widening(src, dst) or _read_back(src, dst):
         return True
     pairs = (
         (pa.types.is_string, pa.types.is_large_string),
         (pa.types.is_binary, pa.types.is_large_binary),
     )
     return any((a(src) and b(dst)) or (b(src) and a(dst)) for a, b in pairs)
+
+
+def _read_back(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether ``src`` is the Arrow type of the DataFrame column a shard column of type
+    ``dst`` reads as (:func:`spark.arrow_spark.spark_read_type`, then Spark's own Arrow
+    type: ``uint8`` reads as ``int16``, ``uint64`` as ``decimal128(20, 0)``, ``date64``
+    as ``date32``, a ``timestamp[ms]`` as ``timestamp[us]``, ``decimal256`` as
+    ``decimal128``, ``fixed_size_binary`` as ``binary``...), so that a DataFrame read
+    from the source writes back as is.  Such a column is cast back with pyarrow's safe
+    cast as it is written (:meth:`PersistWriter._updates`): a value that does not
+    convert exactly (out of range, finer than the unit, of another width) raises."""
+    try:
+        return src == spark_to_arrow(arrow_to_spark(pa.schema([("c", dst)]))).field(0).type
+    except PersistSourceError:  # no Spark type reads it (decimal256 over 38 digits)
+        return False
 
 
 def _match_shard(
@@ -248,8 +266,9 @@ def _match_shard(
         if not _widens(src, f.type):
             raise PersistSourceError(
                 f"column {f.name!r} has type {src}, shard {shard} stores {f.type}: only the "
-                "same type or a safe widening (int8->int16->int32->int64, float32->float64, "
-                "string<->large_string) is written"
+                "same type, a safe widening (int8->int16->int32->int64, float32->float64, "
+                "string<->large_string) or the type the shard's column reads as through "
+                "the source (each value converted exactly) is written"
             )
     return shard_keys, shard_values
 
@@ -340,7 +359,14 @@ class PersistWriter(DataSourceArrowWriter):
         n = rb.num_rows
         cols: list[pa.Array | pa.ChunkedArray] = []
         for f in [*s.key_schema, *s.value_schema]:
-            cols.append(rb.column(rb.schema.get_field_index(f.name)).cast(f.type))
+            col = rb.column(rb.schema.get_field_index(f.name))
+            try:
+                cols.append(col.cast(f.type, safe=True))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise PersistSourceError(
+                    f"column {f.name!r} ({col.type}) does not convert exactly to shard "
+                    f"{s.target.shard}'s {f.type}: {e}; nothing of this write is committed"
+                ) from None
         if s.time_mode == "column":
             assert s.time_column is not None
             times = rb.column(rb.schema.get_field_index(s.time_column)).cast(pa.int64())

@@ -31,7 +31,9 @@ frontiers.  Invariants kept here:
   check costs no query.  ``collection()`` always looks the collection up (no cache of
   codecs), so it never hands out a handle with codecs the collection no longer records.
   Calls that neither encode nor decode (``since``, ``upper``, ``peek_timestamp``,
-  ``seal``, ``compact``, ``consolidate``) work through any handle of the collection.
+  ``seal``, ``compact``, ``consolidate``) work through any handle of the collection;
+* every write refuses a handle another stash made (:meth:`Stash._check_handles_tx`:
+  the identity and name come from the same statement as the codec names).
 
 Source: the seed Stash trait (``003``): ``Stash``, ``Append``, ``peek_timestamp``,
 ``peek``, ``peek_one``, ``peek_key_one``.
@@ -56,7 +58,13 @@ from stash.collection import (
     validate_collection_name,
 )
 from stash.consolidation import DIFF_SUM_RULE, DiffSumOverflow, consolidate_updates
-from stash.errors import AppendLowerMismatch, PeekSinceUpperError, ReadOnlyError, StashError
+from stash.errors import (
+    AppendLowerMismatch,
+    FenceError,
+    PeekSinceUpperError,
+    ReadOnlyError,
+    StashError,
+)
 from stash.txn import Row, Txn
 
 log = logging.getLogger(__name__)
@@ -107,6 +115,10 @@ class Stash(abc.ABC):
         self.mode = mode
         self.fenced = fenced
         self._closed = False
+        # A savepoint handle's copy of the stash records an identity of its own (its
+        # handles are refused by the real stash); this is the identity of the stash it
+        # copied, whose handles it accepts for collections of the same id and name.
+        self._savepoint_of: str | None = None
 
     # ----------------------------------------------------------------- opening
     @staticmethod
@@ -152,22 +164,32 @@ class Stash(abc.ABC):
         with self._txn(write) as tx:
             return fn(tx)
 
-    def _write(self, fn: Callable[[Txn], R], *, codecs: Sequence[StashCollection[Any, Any]]) -> R:
+    def _write(
+        self,
+        fn: Callable[[Txn], R],
+        *,
+        codecs: Sequence[StashCollection[Any, Any]],
+        handles: Sequence[StashCollection[Any, Any]] = (),
+    ) -> R:
         """Run ``fn`` in one write transaction (every write goes through here).
 
         Args:
             fn: the transaction's work.
             codecs: the collections whose handles' codecs ``fn`` encodes with: locked
                 (in id order) and checked against their recorded codec names first.
+            handles: further handles ``fn`` writes through (codecs unchecked): locked
+                with ``codecs``; every handle of both is checked to be this stash's
+                (:meth:`_check_handles_tx`) before anything else.
 
         Raises:
             ReadOnlyError: a readonly handle.
-            StashError: a collection records other codecs (see :meth:`_check_codecs_tx`).
+            StashError: a handle of another stash (see :meth:`_check_handles_tx`); a
+                collection records other codecs (see :meth:`_check_codecs_tx`).
         """
         self._check_open()
         if self.mode == "readonly":
             raise ReadOnlyError("cannot write through a stash opened in readonly mode")
-        run = self._with_codec_check(fn, codecs, True)
+        run = self._with_codec_check(fn, codecs, True, handles)
         return stash_metrics.observe_txn(self, True, lambda: self._run(True, run))
 
     def _read(self, fn: Callable[[Txn], R], *, codecs: Sequence[StashCollection[Any, Any]]) -> R:
@@ -191,30 +213,75 @@ class Stash(abc.ABC):
         fn: Callable[[Txn], R],
         codecs: Sequence[StashCollection[Any, Any]],
         write: bool,
+        handles: Sequence[StashCollection[Any, Any]] = (),
     ) -> Callable[[Txn], R]:
-        if not codecs:
+        if not codecs and not (write and handles):
             return fn
-        if len(codecs) == 1:
+        if len(codecs) == 1 and not handles:
             (c,) = codecs
 
             def one(tx: Txn) -> R:
                 if write:
                     tx.lock([c.id])
+                    self._check_handles_tx(tx, codecs)
                 self._check_codecs_tx(tx, c, write)
                 return fn(tx)
 
             return one
-        handles = list({c.id: c for c in codecs}.values())
-        ids = sorted(c.id for c in handles)
+        decoded = list({c.id: c for c in codecs}.values())
+        written = [*codecs, *handles]
+        ids = sorted({c.id for c in written})
 
         def many(tx: Txn) -> R:
             if write:
                 tx.lock(ids)
-            for c in handles:
+                self._check_handles_tx(tx, written)
+            for c in decoded:
                 self._check_codecs_tx(tx, c, write)
             return fn(tx)
 
         return many
+
+    def _check_handles_tx(self, tx: Txn, handles: Sequence[StashCollection[Any, Any]]) -> None:
+        """Refuse a write through a handle another stash made: its collection id would
+        name some other collection here (or none).  A handle is this stash's when it
+        carries this stash's identity (``tx.stash_id()``, read in the write's transaction
+        with its fence check or lock) and its collection here has the handle's name (a
+        savepoint handle also takes the handles of the stash it copied, by id and name).
+        The identity and the name come from the statement that read the collection's
+        frontiers or took its lock: no query of their own.
+
+        Raises:
+            StashError: naming the collection, both stashes (URLs redacted) and their
+                identities, or the name the id has here; nothing was committed.
+        """
+        for c in handles:
+            try:
+                here: str | None = tx.collection_name(c.id)
+            except FenceError:
+                raise
+            except StashError:
+                here = None  # no collection of this id here
+            sid = tx.stash_id()
+            if c.stash_id is None:
+                why = "its handle carries no stash identity (make handles with Stash.collection)"
+            elif c.stash_id not in (sid, self._savepoint_of):
+                why = f"its handle was made by stash {c.stash_url} (stash id {c.stash_id})"
+            elif here != c.name:
+                why = f"its handle's id {c.id} is " + (
+                    "no collection here" if here is None else f"collection {here} here"
+                )
+            else:
+                continue
+            raise StashError(
+                f"write to collection {c.name} (id {c.id}) refused, nothing committed: "
+                f"{why}; this stash is {self._handle_url} (stash id {sid})"
+            )
+
+    @property
+    def _handle_url(self) -> str:
+        """The URL (redacted) this handle's collection handles name as their maker."""
+        return self.redacted_url + (" (a savepoint)" if self.mode == "savepoint" else "")
 
     def _check_codecs_tx(self, tx: Txn, c: StashCollection[Any, Any], write: bool) -> None:
         """Refuse a read or write through a handle whose codecs are no longer the
@@ -287,7 +354,7 @@ class Stash(abc.ABC):
                 f"collection {name} was created with codecs (key={kname}, value={vname}) "
                 f"(or migrated to them) but opened with (key={kc.name}, value={vc.name})"
             )
-        return StashCollection(cid, name, kc, vc, stash_id=sid, stash_url=self.redacted_url)
+        return StashCollection(cid, name, kc, vc, stash_id=sid, stash_url=self._handle_url)
 
     def collections(self) -> dict[str, StashCollection[Any, Any]]:
         """Every collection by name, with the codecs it was created with."""
@@ -302,7 +369,7 @@ class Stash(abc.ABC):
                 kc, vc = resolve_codec("json"), resolve_codec("json")
             recorded = None if (kc.name, vc.name) == (kname, vname) else (kname, vname)
             out[name] = StashCollection(
-                cid, name, kc, vc, recorded, stash_id=sid, stash_url=self.redacted_url
+                cid, name, kc, vc, recorded, stash_id=sid, stash_url=self._handle_url
             )
         return out
 
@@ -563,7 +630,8 @@ class Stash(abc.ABC):
                 beyond i64 (``diff sums must fit in i64``, see
                 :mod:`stash.consolidation`); the collection records other codecs than
                 the handle's (a migration since the handle was made: its entries would be
-                of the old encoding), naming both pairs; nothing is written then.
+                of the old encoding), naming both pairs; the handle was made by another
+                stash (naming both); nothing is written then.
         """
         cid = self._cid(collection)
         rows: list[Row] = []
@@ -606,7 +674,8 @@ class Stash(abc.ABC):
             for cid, new in items:
                 self._seal_tx(tx, cid, new)
 
-        self._write(write, codecs=())  # frontiers only: no entry is encoded
+        # Frontiers only: no entry is encoded (any handle of the collection will do).
+        self._write(write, codecs=(), handles=[c for c, _ in seals])
 
     @staticmethod
     def _seal_tx(tx: Txn, cid: int, new: Antichain) -> None:
@@ -637,7 +706,8 @@ class Stash(abc.ABC):
             for cid, new in items:
                 self._compact_tx(tx, cid, new)
 
-        self._write(write, codecs=())  # frontiers only: no entry is encoded
+        # Frontiers only: no entry is encoded (any handle of the collection will do).
+        self._write(write, codecs=(), handles=[c for c, _ in compactions])
 
     @staticmethod
     def _compact_tx(tx: Txn, cid: int, new: Antichain) -> None:
@@ -671,7 +741,8 @@ class Stash(abc.ABC):
 
         # Rows are merged by their stored text, never decoded or encoded: any handle of
         # the collection may consolidate it.
-        self._write_checked({c.id: c.name for c in collections}, write, codecs=())
+        names = {c.id: c.name for c in collections}
+        self._write_checked(names, write, codecs=(), handles=collections)
 
     def append(self, batches: Iterable[AppendBatch]) -> None:
         """Atomically add entries to, seal and compact several collections (the seed's
@@ -719,11 +790,12 @@ class Stash(abc.ABC):
         fn: Callable[[Txn], R],
         *,
         codecs: Sequence[StashCollection[Any, Any]],
+        handles: Sequence[StashCollection[Any, Any]] = (),
     ) -> R:
         """:meth:`_write`, reporting a broken rule on diff sums with the collection's name
         (the same error on every backend; the transaction was rolled back)."""
         try:
-            return self._write(fn, codecs=codecs)
+            return self._write(fn, codecs=codecs, handles=handles)
         except DiffSumOverflow as e:
             name = names.get(e.collection_id, f"id {e.collection_id}")
             raise StashError(
@@ -732,8 +804,6 @@ class Stash(abc.ABC):
 
     def _append_tx(self, tx: Txn, batches: list[AppendBatch]) -> None:
         tx.lock(sorted({b.collection.id for b in batches}))
-        if batches:
-            self._check_identity(tx.stash_id(), batches)
         for b in batches:
             cid = b.collection.id
             _, upper = tx.frontiers(cid)
@@ -754,24 +824,6 @@ class Stash(abc.ABC):
             if rows:
                 # Keep the collection physically consolidated where this batch touched it.
                 tx.consolidate(cid, b.compact.as_option(), {k for k, _, _, _ in rows})
-
-    def _check_identity(self, sid: str, batches: list[AppendBatch]) -> None:
-        """Refuse a batch whose handle another stash made: its collection id would name
-        some other collection here (or none).  ``sid`` is the identity this stash
-        records, read in the append's transaction."""
-        for b in batches:
-            c = b.collection
-            if c.stash_id != sid:
-                made = (
-                    "carries no stash identity (make handles with Stash.collection)"
-                    if c.stash_id is None
-                    else f"was made by stash {c.stash_url} (stash id {c.stash_id})"
-                )
-                raise StashError(
-                    f"append batch for collection {c.name} (id {c.id}) refused, nothing "
-                    f"committed: its handle {made}, not by this stash {self.redacted_url} "
-                    f"(stash id {sid})"
-                )
 
     # ------------------------------------------------------------- leadership
     def confirm_leadership(self) -> None:

@@ -125,6 +125,9 @@ class _MemTxn:
         c = self._get(cid)
         return c.key_codec, c.value_codec
 
+    def collection_name(self, cid: int) -> str:
+        return self._get(cid).name
+
     def _save_front(self, cid: int) -> _Coll:
         c = self._get(cid)
         self.undo_front.setdefault(cid, (c.since, c.upper))
@@ -213,12 +216,13 @@ class MemoryStash(Stash):
         store = named_store(name)
         if mode == "savepoint":
             with store.lock:
+                self._savepoint_of = store.stash_id
                 store = _Store(
                     colls=copy.deepcopy(store.colls),
                     by_name=dict(store.by_name),
                     epoch=store.epoch,
                     nonce=store.nonce,
-                    stash_id=store.stash_id,
+                    stash_id=uuid.uuid4().hex,  # its own: see Stash._check_handles_tx
                 )
         self._store = store
         self._name = name
@@ -283,6 +287,7 @@ class Memory(Stash):
     def __init__(self, inner: Stash) -> None:
         super().__init__(inner.mode, inner.fenced)
         self.inner = inner
+        self._savepoint_of = inner._savepoint_of
         # Caching is sound only for the single leader: a fenced writable handle.
         self.caching = inner.fenced and inner.mode == "writable"
         self._lock = threading.Lock()
@@ -430,6 +435,9 @@ class _CachedTxn:
     def codecs(self, cid: int) -> tuple[str, str]:
         entry = self._view(cid)
         return self.inner.codecs(cid) if entry is None else entry.codecs
+
+    def collection_name(self, cid: int) -> str:
+        return self.inner.collection_name(cid)
 
     def set_upper(self, cid: int, upper: int | None) -> None:
         self._touch(cid)

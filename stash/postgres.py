@@ -240,7 +240,7 @@ class PgOps(_Ops):
                 f"the outcome is unknown: {first_line(e)}"
             ) from None
 
-    def savepoint_open(self, dbc: Any) -> None:
+    def savepoint_open(self, dbc: Any, stash_id: str) -> str:
         # Statements prepared before the temporary tables existed must not be reused.
         dbc.prepare_threshold = None
         dbc.isolation_level = None
@@ -274,6 +274,9 @@ class PgOps(_Ops):
             "SELECT setval(pg_get_serial_sequence('pg_temp.collections', 'collection_id'),"
             " coalesce(max(collection_id), 0) + 1, false) FROM pg_temp.collections"
         )
+        cur.execute("UPDATE pg_temp.fence SET stash_id = %s", (stash_id,))
+        row = cur.execute(sql.SQL("SELECT stash_id FROM {h}.fence").format(h=home)).fetchone()
+        return str(row[0])
 
 
 def resolve_commit(stash: SqlStash, xid: int) -> bool | None:
@@ -321,7 +324,7 @@ def _txid_status(stash: SqlStash, xid: int) -> str | None:
 
 
 # The lock statement: uppers and sinces rows of the collections, in id order, their
-# recorded codec names (the collections rows FOR SHARE: a migration's update of them waits
+# names and recorded codec names (the collections rows FOR SHARE: a migration's update of them waits
 # for this transaction, and a lock that waited for a migration re-reads them), the stash's
 # identity, and (for a fenced handle) the fence row FOR SHARE and the transaction id, in
 # one round trip.  The
@@ -329,7 +332,7 @@ def _txid_status(stash: SqlStash, xid: int) -> str | None:
 # writer waiting for a migration's uppers row should hold no lock the migration's update of
 # the collections row waits for; were it otherwise, the deadlock (40P01) is retried.
 _LOCK = (
-    "SELECT u.collection_id, u.upper, s.since, c.key_codec, c.value_codec{fcols},"
+    "SELECT u.collection_id, u.upper, s.since, c.key_codec, c.value_codec{fcols}, c.name,"
     " txid_current()"
     " FROM uppers u JOIN sinces s ON s.collection_id = u.collection_id"
     " JOIN collections c ON c.collection_id = u.collection_id{fjoin}"
@@ -340,9 +343,10 @@ _LOCK_SQL = _LOCK.format(fcols=", f.stash_id", fjoin=" CROSS JOIN fence f", floc
 _LOCK_FENCED_SQL = _LOCK.format(
     fcols=", f.stash_id, f.epoch, f.nonce", fjoin=" CROSS JOIN fence f", flock=", f"
 )
-# A reader's frontiers and codec names (and fence), in one statement of its snapshot.
+# A reader's frontiers, codec names and name (and fence), in one statement of its snapshot.
 _FRONTIERS = (
-    "SELECT s.since, u.upper, c.key_codec, c.value_codec{fcols} FROM sinces s JOIN uppers u"
+    "SELECT s.since, u.upper, c.key_codec, c.value_codec{fcols}, c.name FROM sinces s"
+    " JOIN uppers u"
     " ON u.collection_id = s.collection_id"
     " JOIN collections c ON c.collection_id = s.collection_id{fjoin}"
     " WHERE s.collection_id = %(c)s"
@@ -628,7 +632,7 @@ class PgTxn(SqlTxn):
             raise _Transient(StashError(f"collection {name} was created concurrently"))
         cid = int(row[0])
         self.xid = int(row[1])
-        self._front[cid] = [0, 0, key_codec, value_codec]
+        self._front[cid] = [0, 0, key_codec, value_codec, name]
         self._locked.add(cid)
         return cid
 
@@ -667,7 +671,7 @@ class PgTxn(SqlTxn):
                 self._compare_fence((rows[0][6], rows[0][7]))
         for row in rows:
             cid = int(row[0])
-            self._front[cid] = [row[2], row[1], str(row[3]), str(row[4])]
+            self._front[cid] = [row[2], row[1], str(row[3]), str(row[4]), str(row[-2])]
             self._locked.add(cid)
             self.xid = int(row[-1])
 
@@ -688,7 +692,7 @@ class PgTxn(SqlTxn):
                     self._fence_pending = False
                     self._compare_fence((row[4], row[5]))
                 if row is not None:
-                    f = self._front[cid] = [row[0], row[1], str(row[2]), str(row[3])]
+                    f = self._front[cid] = [row[0], row[1], str(row[2]), str(row[3]), row[-1]]
             if f is None:
                 self._ensure_fence()
                 raise StashError(f"collection id {cid} does not exist")

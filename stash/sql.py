@@ -50,6 +50,7 @@ import logging
 import secrets
 import sqlite3
 import threading
+import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -147,9 +148,10 @@ class _Ops:
         itself (a bug or an interrupt: re-raised as is)."""
         raise NotImplementedError
 
-    def savepoint_open(self, dbc: Any) -> None:
+    def savepoint_open(self, dbc: Any, stash_id: str) -> str:
         """Start the never-committed transaction of a savepoint handle and copy the stash
-        tables into session-private temporary tables that shadow them."""
+        tables into session-private temporary tables that shadow them, the copy's identity
+        being ``stash_id``; return the identity of the stash copied."""
         raise NotImplementedError
 
     def execute(self, dbc: Any, sql: str) -> None:
@@ -288,7 +290,9 @@ class SqlStash(Stash):
         def open_sp() -> PoolProxiedConnection:
             fairy = self.engine.raw_connection()
             try:
-                self._ops.savepoint_open(fairy.driver_connection)
+                self._savepoint_of = self._ops.savepoint_open(
+                    fairy.driver_connection, uuid.uuid4().hex
+                )
             except BaseException:
                 fairy.invalidate()
                 fairy.close()
@@ -547,10 +551,12 @@ class SqliteOps(_Ops):
             return _Transient(orig)
         return StashError(f"sqlite: {first_line(orig)}")
 
-    def savepoint_open(self, dbc: Any) -> None:
+    def savepoint_open(self, dbc: Any, stash_id: str) -> str:
         dbc.execute("BEGIN")
         for statement in _SQLITE_SAVEPOINT_DDL:
             dbc.execute(statement)
+        dbc.execute("UPDATE temp.fence SET stash_id = ?", (stash_id,))
+        return str(dbc.execute("SELECT stash_id FROM main.fence").fetchone()[0])
 
 
 # Session-private copies of the stash tables for a savepoint handle (the temp schema is
@@ -572,12 +578,13 @@ _SQLITE_SAVEPOINT_DDL = (
 )
 
 
-# A collection's frontiers and recorded codec names, in one statement (every read or write
-# through a handle checks the codec names; this way the check costs no query).
+# A collection's frontiers, recorded codec names, name and the stash's identity, in one
+# statement (every write through a handle checks them; this way the check costs no query).
 _SQLITE_FRONTIERS = (
-    "SELECT s.since, u.upper, c.key_codec, c.value_codec FROM sinces s"
+    "SELECT s.since, u.upper, c.key_codec, c.value_codec, c.name, f.stash_id FROM sinces s"
     " JOIN uppers u ON u.collection_id = s.collection_id"
-    " JOIN collections c ON c.collection_id = s.collection_id WHERE s.collection_id = :c"
+    " JOIN collections c ON c.collection_id = s.collection_id CROSS JOIN fence f"
+    " WHERE s.collection_id = :c"
 )
 _SQLITE_PEEK = (
     "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND time <= :ts"
@@ -718,7 +725,7 @@ class SqlTxn:
         cid = int(cur.lastrowid)
         self.dbc.execute("INSERT INTO sinces (collection_id, since) VALUES (:c, 0)", {"c": cid})
         self.dbc.execute("INSERT INTO uppers (collection_id, upper) VALUES (:c, 0)", {"c": cid})
-        self._front[cid] = [0, 0, key_codec, value_codec]
+        self._front[cid] = [0, 0, key_codec, value_codec, name]
         return cid
 
     def set_collection_codecs(self, cid: int, key_codec: str, value_codec: str) -> None:
@@ -746,15 +753,17 @@ class SqlTxn:
             row = self._one(_SQLITE_FRONTIERS, {"c": cid})
             if row is None:
                 raise StashError(f"collection id {cid} does not exist")
-            f = self._front[cid] = [row[0], row[1], str(row[2]), str(row[3])]
+            f = self._front[cid] = [row[0], row[1], str(row[2]), str(row[3]), str(row[4])]
+            self._sid = str(row[5])
         return f[0], f[1]
 
     def codecs(self, cid: int) -> tuple[str, str]:
-        f = self._front.get(cid)
-        if f is None:
-            self.frontiers(cid)
-            f = self._front[cid]
-        return f[2], f[3]
+        self.frontiers(cid)  # read once, with the name: [since, upper, kc, vc, name]
+        return self._front[cid][2], self._front[cid][3]
+
+    def collection_name(self, cid: int) -> str:
+        self.frontiers(cid)
+        return str(self._front[cid][4])
 
     def set_upper(self, cid: int, upper: int | None) -> None:
         self.dbc.execute(

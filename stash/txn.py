@@ -9,7 +9,7 @@ of these primitives.  Invariants a backend must keep:
 * ``None`` stands for the empty frontier in ``frontiers``/``set_upper``/``set_since``;
 * keys and values are canonical JSON text (see :mod:`stash.codec`), so text equality is
   value equality;
-* ``codecs`` answers from the statement that read the collection's frontiers (or took
+* ``codecs`` and ``collection_name`` answer from the statement that read the collection's frontiers (or took
   its lock), so checking a handle's codecs costs no query of its own; in a write
   transaction, once ``lock`` (or ``frontiers``) returned, the codec names cannot change
   until the transaction ends (``set_collection_codecs`` of a concurrent migration waits).
@@ -54,6 +54,10 @@ class Txn(Protocol):
     def codecs(self, cid: int) -> tuple[str, str]:
         """``(key_codec, value_codec)``: the names recorded for a collection now, read
         with its frontiers (no query of its own after ``frontiers`` or ``lock``)."""
+        ...
+
+    def collection_name(self, cid: int) -> str:
+        """The collection's name, read with its frontiers (as :meth:`codecs`)."""
         ...
 
     def set_upper(self, cid: int, upper: int | None) -> None: ...

@@ -107,3 +107,83 @@ def test_handle_without_identity_is_refused(two_stores: Callable[..., Stash]) ->
     with pytest.raises(StashError, match="carries no stash identity"):
         s.append([batch])
     assert s.upper(c) == A(0)
+
+
+def test_savepoint_handle_is_refused_by_the_real_stash(
+    two_stores: Callable[..., Stash],
+) -> None:
+    """A savepoint handle's copy of the stash has an identity of its own: a batch made
+    for a collection that exists only in the savepoint is refused by the real stash, even
+    when the real stash later made a collection of the same id and codecs (it was
+    appended into that collection)."""
+    main = two_stores(0, fenced=False)
+    sp = two_stores(0, mode="savepoint")
+    a = sp.collection("a")  # exists only in the savepoint
+    b = main.collection("b")  # made on the real stash afterwards: same id and codecs
+    assert (a.id, a.codec_names) == (b.id, b.codec_names)
+    assert a.stash_id != b.stash_id
+    batch = a.make_batch(sp)
+    a.append_to_batch(batch, "k", "v", 1)
+    with pytest.raises(StashError, match="refused, nothing committed") as e:
+        main.append([batch])
+    assert f"stash id {a.stash_id}" in str(e.value) and "(a savepoint)" in str(e.value)
+    for write in (
+        lambda: main.update(a, ("k", "v"), 0, 1),
+        lambda: main.seal(a, A(5)),
+        lambda: main.consolidate(a),
+    ):
+        with pytest.raises(StashError, match="refused, nothing committed"):
+            write()
+    assert main.upper(b) == A(0) and main.iter(b) == []
+    sp.append([batch])  # the savepoint's own handle writes the savepoint
+    assert sp.peek_one(a) == {"k": "v"}
+
+
+def test_real_handles_write_through_a_savepoint_by_id_and_name(
+    two_stores: Callable[..., Stash],
+) -> None:
+    """A savepoint takes the real stash's handles of the collections it copied; a real
+    handle whose id names another collection in the savepoint is refused."""
+    main = two_stores(0, fenced=False)
+    c = main.collection("c")
+    tick(main, c, [("k", 1, 1)])
+    sp = two_stores(0, mode="savepoint")
+    tick(sp, c, [("j", 2, 1)])
+    sp.update(c, ("u", 3), 2, 1)
+    sp.seal(c, A(3))
+    sp.compact(c, A(2))
+    assert sp.peek_one(sp.collection("c")) == {"k": 1, "j": 2, "u": 3}
+    late = main.collection("late")  # after the savepoint opened
+    mine = sp.collection("savepoint-only")
+    assert late.id == mine.id
+    with pytest.raises(StashError, match="refused, nothing committed.*savepoint-only"):
+        sp.update(late, ("x", 1), 0, 1)
+    with pytest.raises(StashError, match="refused, nothing committed"):
+        tick(sp, late, [("x", 1, 1)])
+    assert sp.upper(mine) == A(0) and sp.iter(mine) == []
+    assert main.peek_one(c) == {"k": 1}
+
+
+def test_every_write_refuses_another_stash_handle(two_stores: Callable[..., Stash]) -> None:
+    """``update``, ``update_many``, ``seal``, ``compact``, ``consolidate`` and their
+    batch forms check a handle's identity as ``append`` does (they wrote into this
+    stash's collection of the same id)."""
+    a, b = two_stores(0), two_stores(1)
+    ca = a.collection("orders", key="str", value="int")
+    cb = b.collection("orders", key="str", value="int")
+    tick(a, ca, [("kept", 1, 1)])
+    writes: list[Callable[[], None]] = [
+        lambda: a.update(cb, ("stray", 7), 1, 1),
+        lambda: a.update_many(cb, [(("stray", 7), 1, 1)]),
+        lambda: a.seal(cb, A(5)),
+        lambda: a.compact(cb, A(1)),
+        lambda: a.consolidate(cb),
+        lambda: a.seal_batch([(ca, A(4)), (cb, A(5))]),
+        lambda: a.compact_batch([(ca, A(1)), (cb, A(1))]),
+    ]
+    for write in writes:
+        with pytest.raises(StashError, match="refused, nothing committed") as e:
+            write()
+        assert f"stash id {cb.stash_id}" in str(e.value) and b.redacted_url in str(e.value)
+    assert (a.since(ca), a.upper(ca)) == (A(0), A(1))
+    assert a.iter(ca) == [(("kept", 1), 0, 1)]

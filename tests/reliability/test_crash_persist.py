@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from campaign import record, runs
+from campaign import LONG, record, runs
 from crash_child_persist import KEY_SCHEMA, SHARD, VALUE_SCHEMA, batch_rows, make_client, payload
 from dbutil import migrate_to_head
 
@@ -151,11 +151,18 @@ def _campaign(
     assert acked_total > 0
 
 
+#: A long campaign's 200 kills (a child's start, a kill, the checks, GC) outlast
+#: pytest's default limit on a busy machine, as ``test_crash_txn.py``'s do.
+LIMIT = 3600 if LONG else 600
+
+
+@pytest.mark.timeout(LIMIT)
 def test_crash_persist_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/crash.db"
     _campaign(url, tmp_path, runs(8, 200), "sqlite + file blob")
 
 
+@pytest.mark.timeout(LIMIT)
 def test_crash_persist_sqlite_s3(tmp_path: Path, s3_blob_uri: str) -> None:
     """The same campaign with the parts on S3 (moto): a kill mid-upload leaves at most
     an unfinished multipart upload, never a visible half part; GC leaves no orphan."""
@@ -164,6 +171,7 @@ def test_crash_persist_sqlite_s3(tmp_path: Path, s3_blob_uri: str) -> None:
 
 
 @pytest.mark.postgres
+@pytest.mark.timeout(LIMIT)
 def test_crash_persist_postgres(tmp_path: Path, postgres_url: str) -> None:
     migrate_to_head(postgres_url)
     _campaign(postgres_url, tmp_path, runs(4, 200), "postgres + file blob")

@@ -11,14 +11,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from pyspark.sql.types import LongType, StructField, StructType
 
-pytest.importorskip("pyspark")
-
-from pyspark.sql.types import LongType, StructField, StructType  # noqa: E402
-
-from persist import PersistClient, SchemaMismatch  # noqa: E402
-from spark.persist_writer import PersistWriter, WriteSettings  # noqa: E402
-from stash import Stash  # noqa: E402
+from persist import PersistClient, SchemaMismatch
+from spark.persist_writer import PersistWriter, WriteSettings
+from stash import Stash
 
 KS = pa.schema([pa.field("id", pa.int64(), nullable=False)])
 VA = pa.schema([pa.field("a", pa.int64())])

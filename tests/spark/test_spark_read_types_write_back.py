@@ -15,12 +15,10 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-pytest.importorskip("pyspark")
-
-from persist import PersistClient  # noqa: E402
-from spark.persist_common import arrow_to_spark, spark_to_arrow  # noqa: E402
-from spark.persist_writer import _widens  # noqa: E402
-from stash import Stash  # noqa: E402
+from persist import PersistClient
+from spark.persist_common import arrow_to_spark, spark_to_arrow
+from spark.persist_writer import _widens
+from stash import Stash
 
 READ_BACK_TYPES = [
     pa.uint8(),

@@ -4,7 +4,7 @@ Output is a readable table (rich) or JSON with ``--json``.  Invariants kept here
 are shown with every credential hidden (:func:`stash.url.redact`); errors are printed as
 one line and exit with code 1; stored text (keys, values, collection names) reaches the
 terminal inert: control characters are shown escaped as ``repr`` shows them and rich
-markup in it is never interpreted (:func:`printable`, :func:`print_table`; issue 19),
+markup in it is never interpreted (:func:`printable`, :func:`print_table`),
 while ``--json`` prints the exact values.
 """
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of stash transactions (DESIGN section 5.5), in ``prometheus_client``'s
+"""Prometheus metrics of stash transactions, in ``prometheus_client``'s
 default registry so that an application's existing exporter picks them up.
 
 Families (every one labelled by ``backend``: ``sqlite``, ``postgresql``, ``memory``):

@@ -6,7 +6,7 @@ database is at without changing it; a SQLite database file is created readable a
 writable by its owner only (``0600``, so are the ``-wal`` and ``-shm`` files SQLite
 derives from it) in directories created ``0700``, whoever creates it: :meth:`Stash.open
 <stash.base.Stash.open>`, :func:`upgrade` (``stash migrate``) or a plain ``alembic
-upgrade`` (``migrations/env.py``), all through :func:`create_sqlite_file` (issue 19).
+upgrade`` (``migrations/env.py``), all through :func:`create_sqlite_file`.
 """
 
 from __future__ import annotations

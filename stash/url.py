@@ -4,7 +4,7 @@ hides credentials wherever a URL (or text that may carry one) is shown.
 Invariants kept here: a malformed or unknown URL fails with a :class:`StashError` naming
 the rule; no message, log line or repr of the stash or of persist shows a credential:
 every one of them passes URLs (and error texts that may quote them) through
-:func:`redact` (issue 19; :func:`safe_url` is the same function under its older name).
+:func:`redact` (:func:`safe_url` is the same function under its older name).
 """
 
 from __future__ import annotations
@@ -397,5 +397,5 @@ def open_url(url: str, *, mode: Mode, fenced: bool, **options: Any) -> Stash:
     )
 
 
-#: The older name of :func:`redact` (kept for callers written before issue 19).
+#: The older name of :func:`redact` (kept for callers written before it was renamed).
 safe_url = redact

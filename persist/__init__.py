@@ -1,5 +1,5 @@
 """Persist: shards of ``((key, value), time, diff)`` updates stored as Parquet parts in a
-blob store, their state versions kept in a stash collection (DESIGN section 5).
+blob store, their state versions kept in a stash collection.
 
 Public names import from here, as ``from stash import Stash, Antichain`` does::
 

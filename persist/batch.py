@@ -1,7 +1,7 @@
 """Batches: updates written (to blob parts or inline) but not yet appended to a shard.
 
 A :class:`Batch` wraps a :class:`~persist.types.HollowBatch` (description, parts, runs)
-together with the shard it was written for (the seed persist-client's ``Batch``, ``004``).
+together with the shard it was written for (Materialize's ``Batch`` in ``src/persist-client/src/batch.rs``).
 It is made by :meth:`persist.write.BatchBuilder.finish` or decoded from the bytes of
 :meth:`Batch.into_transmittable`, and is consumed by
 :meth:`persist.write.WriteHandle.compare_and_append_batch`.
@@ -11,12 +11,12 @@ Invariants kept here:
 * a fresh batch's parts hold times in ``[lower, upper)``; :attr:`Batch.time_range`, when
   known (batches built here), is the ``(min, max)`` of those raw times;
 * :meth:`Batch.rewrite_ts` is metadata-only (no blob call) and keeps the batch's
-  ``lower``, as the seed's ``rewrite_ts`` does: it records the rewrite frontier ``f``
+  ``lower``, as Materialize's ``rewrite_ts`` does: it records the rewrite frontier ``f``
   (every time ``t`` of the batch *means* ``max(t, f)``) and replaces the upper; the
   frontier and the upper never regress across calls, and the frontier stays strictly
   before the upper (:class:`~persist.errors.InvalidRewrite`); the rewrite is applied
   when the batch is appended (:meth:`persist.write.WriteHandle.compare_and_append_batch`,
-  which follows the seed's ``validate_truncate_batch``);
+  which follows Materialize's ``validate_truncate_batch``);
 * while a batch is held unconsumed by a process that made or decoded it, the leases
   of the writers owning its parts are renewed in the background
   (:meth:`persist.write.WriteHandle.hold`), so it stays appendable however long it is
@@ -35,7 +35,7 @@ Invariants kept here:
   copy is refused by its retired key, then by its deleted blob); see
   :mod:`persist.appended`;
 * transmittable bytes carry a SHA-256 digest of their content: bytes damaged in transit
-  are refused with :class:`~persist.errors.InvalidUsage`, never appended (issue 7).
+  are refused with :class:`~persist.errors.InvalidUsage`, never appended.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class Batch:
         return self._rewrite_frontier is not None
 
     def floor(self) -> Antichain:
-        """The least time its updates mean: the rewrite frontier if rewritten (the seed's
+        """The least time its updates mean: the rewrite frontier if rewritten (Materialize's
         ``ts_rewrite``), else the lower."""
         f = self._rewrite_frontier
         return self.lower if f is None else f
@@ -179,7 +179,7 @@ class Batch:
     def rewrite_ts(self, frontier: Antichain, new_upper: Antichain) -> None:
         """Advance every timestamp of this not-yet-appended batch by ``frontier`` (each
         time ``t`` comes to mean ``max(t, frontier)``) and replace its upper by
-        ``new_upper``; metadata only (the seed's ``Batch::rewrite_ts``).  The batch's
+        ``new_upper``; metadata only (Materialize's ``Batch::rewrite_ts``).  The batch's
         lower is kept; the frontier is recorded (:attr:`rewrite_frontier`).  May be
         called again with a frontier and upper that do not regress.  A rewritten batch
         can only be appended with ``new_upper`` equal to its upper and an expected upper

@@ -1,11 +1,11 @@
 """Blob stores: durable maps from validated string keys to immutable byte values.
 
-A shard's parts live here (DESIGN section 5); its metadata lives in consensus. This module
+A shard's parts live here; its metadata lives in consensus. This module
 holds the :class:`Blob` protocol, its implementations (:class:`FileBlob` for local files,
 :class:`MemoryBlob` for tests, :class:`ArrowFsBlob` for any ``pyarrow.fs`` filesystem such
 as S3), :func:`open_blob` to pick one from a URI, the fault injector
-:class:`UnreliableBlob` (after the first persist engine's ``UnreliableBlob`` in seeds
-``000``/``001``), and :func:`validate_key`.
+:class:`UnreliableBlob` (after the first persist engine's ``UnreliableBlob`` in Materialize's
+``src/persist/src/indexed/``), and :func:`validate_key`.
 
 Invariants kept here:
 
@@ -18,12 +18,12 @@ Invariants kept here:
   renames it over the target and fsyncs the directory;
 * ``delete`` is idempotent: deleting a missing key is not an error;
 * :class:`FileBlob` creates directories with mode ``0o700`` and files with ``0o600`` (the
-  user's only; issue 7);
+  user's only);
 * :class:`FileBlob` never reads, writes, lists or deletes anything outside its root: it
   resolves the root once and then never follows a symbolic link below it, at any level
   (every path is walked component by component with ``O_NOFOLLOW`` and ``dir_fd``);
   a link met is named in a :class:`~persist.errors.BlobError`, and
-  :meth:`FileBlob.find_symlinks` lists them (issue 19);
+  :meth:`FileBlob.find_symlinks` lists them;
 * every failure of the underlying storage surfaces as :class:`~persist.errors.BlobError`
   (or its subclass :class:`~persist.errors.InvalidKey`), and no URI credential ever
   appears in a ``repr`` or an error message (they go through :func:`stash.redact`);
@@ -293,7 +293,7 @@ class FileBlob(_ClosableMixin):
     this store creates (the root included, when missing) get mode ``0o700``, files
     ``0o600``; an existing root's mode is left as it is.
 
-    Nothing outside the root is ever read, written, listed or deleted (issue 19): the root
+    Nothing outside the root is ever read, written, listed or deleted: the root
     is resolved once, at construction (so the path given may itself be, or pass through,
     a symbolic link), and every operation then walks from it one directory at a time
     with ``openat``-style calls (``dir_fd``) and ``O_NOFOLLOW``, so a symbolic link
@@ -549,7 +549,8 @@ class FileBlob(_ClosableMixin):
         change is older than ``older_than_seconds``; returns how many were deleted.  A
         ``set`` still running that long loses its temporary file and fails with
         BlobError (nothing half-written is ever visible).  Best effort: files that vanish
-        or cannot be removed are skipped (issue 7's crash campaign found these leaking).
+        or cannot be removed are skipped (the crash campaign in ``tests/reliability``
+        found these leaking).
         Symbolic links are neither followed nor deleted (a link on the way to ``prefix``
         makes the sweep delete nothing; it is logged): only regular ``.tmp-*`` files in
         real directories below the root are removed.
@@ -957,7 +958,7 @@ class ArrowFsBlob(_ClosableMixin):
 
 # ----------------------------------------------------------------------- open_blob
 
-#: The older name of :func:`stash.redact`, the one redaction function (issue 19).
+#: The older name of :func:`stash.redact`, the one redaction function.
 redact_uri = redact
 
 
@@ -1071,7 +1072,7 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
 
 
 class UnreliableBlob(_ClosableMixin):
-    """A :class:`Blob` wrapper that injects faults, after the seed's ``UnreliableBlob``.
+    """A :class:`Blob` wrapper that injects faults, after Materialize's ``UnreliableBlob``.
 
     While faults are on, each call (``get``, ``set``, ``delete``, ``list_keys``) first
     sleeps a random ``0..slow_seconds`` and then fails with :class:`BlobError` with
@@ -1079,7 +1080,7 @@ class UnreliableBlob(_ClosableMixin):
     probability ``after_write_probability``, a call that *did* its work on the inner store
     and then raised (a put whose acknowledgement was lost): callers must treat a failed
     ``set`` as indeterminate. :meth:`make_unavailable` makes every call fail (as the
-    seed's ``UnreliableHandle::make_unavailable``); :meth:`faults` turns injection on/off.
+    Materialize's ``UnreliableHandle::make_unavailable``); :meth:`faults` turns injection on/off.
     Keys are validated before any fault, so :class:`InvalidKey` stays deterministic.
 
     Args:

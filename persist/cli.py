@@ -111,7 +111,7 @@ def summary(st: ShardState, retired: int = 0) -> dict[str, Any]:
 
 
 def schema_history(st: ShardState) -> list[dict[str, Any]]:
-    """The shard's value schema versions for ``inspect`` (DESIGN section 5.3): id,
+    """The shard's value schema versions for ``inspect``: id,
     columns (``"name: type"``, `` not null`` where so) and how many parts record it."""
     counts: dict[int, int] = {}
     for b in st.batches():

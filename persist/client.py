@@ -9,8 +9,8 @@ background, inline after each append, or not at all.
 Invariants kept here:
 
 * a shard name maps to exactly one ShardId, for every process (the registry in
-  consensus); its key schema is fixed when it is created; its value schema is versioned
-  (DESIGN section 5.3): opening it with a compatible evolution of the newest version
+  consensus); its key schema is fixed when it is created; its value schema is versioned:
+  opening it with a compatible evolution of the newest version
   registers a new version by compare-and-set (decided on the latest state, re-checked
   on every race), with a registered version uses that version (an older one keeps its
   view), and with anything else raises :class:`~persist.errors.SchemaMismatch` naming
@@ -45,7 +45,7 @@ writer a transaction reuses is looked up under ``_txn_lock``, but made, and its 
 read, outside it).
 
 Sources: the persist-client ``PersistClient`` / ``open`` and the first engine's
-maintenance (``000``/``001``).
+maintenance (``src/persist/src/indexed/``).
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ class PersistClient:
         drop: Collection[str] = (),
     ) -> int:
         """The schema id of handles opened with these schemas, registering a compatible
-        newer value schema by compare-and-set (DESIGN section 5.3).  The check runs on a
+        newer value schema by compare-and-set.  The check runs on a
         freshly read state and again on every compare-and-set race, so two processes
         evolving the schema at once both end with a version of theirs, or a
         :class:`SchemaMismatch` against the other's, checked on the state that holds it
@@ -421,7 +421,7 @@ class PersistClient:
     # ------------------------------------------------------------ transactions
     def begin(self) -> Txn:
         """A new :class:`~persist.txn.Txn`: writes to several shards and stash batches
-        committed together in one stash transaction (DESIGN section 5.2).
+        committed together in one stash transaction.
 
         Raises:
             InvalidUsage: the client is closed.
@@ -565,7 +565,7 @@ class PersistClient:
             )
 
     def finalize_shard(self, shard: str) -> int:
-        """Drop a shard (the seed's ``Destroy``; persist-client's finalization): its
+        """Drop a shard (Materialize's ``Destroy``; persist-client's finalization): its
         state becomes a tombstone (upper and since advanced to the empty antichain, no
         batch, no reader, no writer), then every blob under its prefix that persist
         wrote is deleted, and on object stores the empty "directory" objects under it

@@ -17,7 +17,7 @@ Invariants kept here:
 * a merge never changes what any readable ``as_of`` (``>= since``) sees: the output
   holds exactly the inputs' updates with times advanced to the request's since, which
   is ``<=`` the shard's since;
-* a merge rewrites its inputs under the newest value schema version (DESIGN 5.3): each
+* a merge rewrites its inputs under the newest value schema version: each
   input part is conformed to it before consolidation, so a row is the same whichever
   version wrote it, and the output's parts record that version's id;
 * blob keys the applied output replaces are *retired* in the same version (GC deletes
@@ -187,7 +187,7 @@ class Compactor:
             history, newest = st.schemas(), st.schemas().newest
         ks, vs = st.key_schema, st.value_schema
         # Conformed to the newest schema version *before* consolidating: rows that
-        # differ only in a dropped column become one (DESIGN 5.3).
+        # differ only in a dropped column become one.
         table = read_batches(
             c.blob,
             inputs,

@@ -58,8 +58,8 @@ caller is told "committed" only if the version is durable, "not committed" only 
 is not, and otherwise gets a :class:`ConsensusError` whose
 ``is_indeterminate()`` is true.
 
-Sources: the seed persist engine's consensus/meta handling (``000``/``001``) and the
-stash's ``Append`` (``003``).
+Sources: Materialize's early persist engine's consensus/meta handling (``src/persist/src/indexed/``) and the
+stash's ``Append`` (``src/stash/src/lib.rs``).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ _MISSING = object()
 
 
 def new_shard_id() -> str:
-    """A fresh ShardId: ``"s"`` followed by a UUID4 (DESIGN section 2)."""
+    """A fresh ShardId: ``"s"`` followed by a UUID4."""
     return "s" + str(uuid.uuid4())
 
 

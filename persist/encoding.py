@@ -4,7 +4,7 @@
 :func:`encode_inline_part` writes a zstd-compressed Arrow IPC stream for parts small
 enough to live in the shard's state (:data:`INLINE_ZSTD_MAGIC`, the stream's length,
 then the zstd frame; decoders also read the plain streams written before); :func:`make_part_ref` describes encoded bytes with their SHA-256
-checksum (the persist-client batch builder, seed ``004``).
+checksum (the persist-client batch builder, Materialize's ``src/persist-client/src/batch.rs``).
 
 Invariants kept here:
 

@@ -6,7 +6,7 @@ Every error persist raises on purpose is a :class:`PersistError`.  Invariants ke
   before the call) unless the error says ``is_indeterminate()``;
 * messages name the shard, blob key or bound that broke the rule.
 
-Names follow the persist-client seed (``004``): ``InvalidUsage`` and its cases
+Names follow Materialize's persist-client (``src/persist-client/src/batch.rs``): ``InvalidUsage`` and its cases
 (``UpdateNotBeyondLower``, ``UpdateBeyondUpper``, ``InvalidBounds``,
 ``InvalidBatchBounds``, ``InvalidRewrite``), plus ``UpperMismatch`` and
 ``SinceViolation``.
@@ -39,7 +39,7 @@ class InvalidUsage(PersistError):
 
 class SchemaMismatch(InvalidUsage):
     """A shard was opened with a schema that is not a compatible evolution of its
-    newest registered one (DESIGN section 5.3), or a value read under an older
+    newest registered one, or a value read under an older
     reader's schema does not fit it.  Nothing was committed.
 
     Compatible: adding a nullable value column, dropping a value column, widening a

@@ -3,7 +3,7 @@ handle's id in the shard state, its lease length and whether it was expired.
 
 Invariant kept here: once a handle is expired, every call that checks it raises
 :class:`~persist.errors.InvalidUsage` naming the handle and the shard.
-Source of the idea: persist-client's ``WriteHandle`` / ``ReadHandle`` (seed ``004``).
+Source of the idea: persist-client's ``WriteHandle`` / ``ReadHandle`` (Materialize's ``src/persist-client/src/batch.rs``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ShardHandle:
 
     role: ClassVar[str] = "handle"
     #: The id of the value schema version this handle writes and reads with (set by
-    #: the client when it opens the handle; DESIGN section 5.3).
+    #: the client when it opens the handle).
     schema_id: int = 0
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Prometheus metrics of persist (DESIGN section 5.5), in ``prometheus_client``'s default
+"""Prometheus metrics of persist, in ``prometheus_client``'s default
 registry (an application's existing exporter picks them up), and :func:`serve`, the
 ``/metrics`` endpoint behind the ``--metrics-port`` option of the CLIs and Spark jobs.
 

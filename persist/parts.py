@@ -3,8 +3,7 @@
 A run is a sorted updates table cut into parts of a target size (:func:`split_for_parts`),
 each encoded (:mod:`persist.encoding`) and uploaded in parallel (:func:`write_parts`), or
 kept inline in the shard's state when small; :func:`read_parts` fetches, verifies and
-decodes them (:mod:`persist.decoding`), after the persist-client batch builder (seed
-``004``: parts of a target size, inline writes). This module also re-exports the names of
+decodes them (:mod:`persist.decoding`), after the persist-client batch builder (Materialize's ``src/persist-client/src/batch.rs``: parts of a target size, inline writes). This module also re-exports the names of
 :mod:`persist.updates`, :mod:`persist.consolidation`, :mod:`persist.encoding` and
 :mod:`persist.decoding`, which it was once made of.
 
@@ -181,7 +180,7 @@ def write_parts(
     by the thread that encodes it, so the whole reordered table never exists at once
     and gathering overlaps encoding. If its inline encoding
     (:func:`encode_inline_part`) is at most ``inline_max_bytes`` it becomes one inline
-    part (no blob call; seed ``004``'s inline writes). Otherwise it is split by
+    part (no blob call; Materialize's ``src/persist-client/src/batch.rs``'s inline writes). Otherwise it is split by
     :func:`split_for_parts` (at least ``max_workers`` parts when it holds at least
     ``2 * MIN_PARALLEL_PART_BYTES``, and a multiple of ``max_workers`` when several)
     and the parts are encoded by ``max_workers`` threads, each at key
@@ -347,8 +346,8 @@ def read_parts(
             equal it (else ``CorruptPart``).  With ``conform``, the view's schema.
         conform: ``(history, read schema id)``: each part is checked against the
             schema version it records (``PartRef.schema_id``) and conformed to the view
-            of the read version (:meth:`persist.updates.SchemaHistory.conform`, DESIGN
-            section 5.3) before the parts are concatenated.
+            of the read version (:meth:`persist.updates.SchemaHistory.conform`) before the
+            parts are concatenated.
 
     Raises:
         CorruptPart: a part is missing from the blob store, fails its checksum, is not

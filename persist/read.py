@@ -16,8 +16,8 @@ Invariants kept here:
   ``<= as_of``, consolidated, one row per distinct (key, value) with ``_time = as_of`` and
   its summed ``_diff``, rows summing to zero absent; it needs ``since <= as_of < upper``
   (``SinceViolation`` / ``InvalidUsage``), or waits for the upper with ``wait=True``;
-* reads conform every part to the reader's view *before* consolidating (DESIGN section
-  5.3; one step, :func:`persist.parts.read_parts` with ``conform``): a part written
+* reads conform every part to the reader's view *before* consolidating
+  (one step, :func:`persist.parts.read_parts` with ``conform``): a part written
   under another schema version comes back with the reader's columns (added ones null,
   widened ones cast, dropped ones gone), so rows differing only in a dropped column are
   one row;
@@ -48,8 +48,8 @@ Invariants kept here:
 * every public entry point taking a time or frontier checks it is an i64 time (or an
   Antichain) before it takes a lease, raising ``InvalidUsage`` naming the argument.
 
-Sources: the persist-client ``ReadHandle``, ``Listen`` and ``LeasedReaderState`` (seed
-``004``) and the first engine's listeners (``000``/``001``).
+Sources: Materialize's persist-client ``ReadHandle``, ``Listen`` and ``LeasedReaderState`` (
+``src/persist-client/src/batch.rs``) and the first engine's listeners (``src/persist/src/indexed/``).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _read_refs(
     remote = sum(1 for r in refs if r.inline is None)
     workers = max(1, min(max_workers, remote))
     if schemas is not None:
-        # The conform step (DESIGN 5.3): each part as the view of the read version.
+        # The conform step: each part as the view of the read version.
         history, dst = schemas
         schema = history.view_schema(dst)
     return read_parts(
@@ -828,7 +828,7 @@ class ReadHandle(ShardHandle):
     def read_schemas(self) -> tuple[SchemaHistory, int]:
         """``(the shard's schema history, this reader's schema id)``, for
         :func:`read_batches` / :func:`snapshot_table` of batches this handle listed:
-        their parts are conformed to this reader's view (DESIGN 5.3).  The history is
+        their parts are conformed to this reader's view.  The history is
         the latest this process knows, which holds every version a listed part names."""
         return self._machine.state().schemas(), self.schema_id
 
@@ -881,7 +881,7 @@ class ReadHandle(ShardHandle):
         the lease.
 
         A ``since`` earlier than the current hold is a no-op (the hold stays; the lease
-        is still renewed), as in the seed.
+        is still renewed), as in Materialize's persist.
 
         Raises:
             InvalidUsage: ``since`` is not a time/frontier in the i64 range; the reader

@@ -1,8 +1,8 @@
 """The Spine trace of a shard: its batches arranged in levels, merged by fueled merges.
 
 A :class:`Trace` holds the :class:`~persist.types.HollowBatch` es of one shard, contiguous in
-time, together with the shard's ``since`` and ``upper``.  It is a port of the seed's Spine
-(``002``), itself a fork of differential dataflow's fueled Spine.  The Spine only does the
+time, together with the shard's ``since`` and ``upper``.  It is a port of Materialize's Spine
+(``src/persist-client/src/internal/trace.rs``), itself a fork of differential dataflow's fueled Spine.  The Spine only does the
 *bookkeeping* of merges: when two batches at a level finish "fueling", they become one
 *fueled* spine batch (a list of hollow batches with one merged description) and a
 :class:`FueledMergeReq` is handed out; a compactor may later answer it with a
@@ -19,7 +19,7 @@ Invariants kept (checked by :meth:`Trace.validate`):
   contiguous half-open ranges covering ``[0, next_id)``; each pushed batch takes one id;
 * every since inside the trace (of a batch, of a fueled description, of an in-progress
   merge) is ``<=`` the trace's ``since``; the trace's ``since`` only advances;
-* a batch at level ``i`` holds at most ``2**i`` updates (its ``len``; the seed's level
+* a batch at level ``i`` holds at most ``2**i`` updates (its ``len``; Materialize's level
   bound: a pushed batch enters at the level of its length rounded up to a power of two,
   fuel finishes every merge below it first, and a merge result never grows a batch);
 * a level holds at most :data:`BATCHES_PER_LEVEL` (2) batches; exactly the full levels carry
@@ -30,18 +30,18 @@ Invariants kept (checked by :meth:`Trace.validate`):
 Not checked but kept by construction: the number of levels, hence of spine batches, stays
 logarithmic in the number of pushed updates, because pushing a batch applies
 ``8 * 2**level`` units of fuel to every in-progress merge before rolling the lower levels
-up (the seed's fuel discipline); with every merge request answered the hollow batches are
+up (Materialize's fuel discipline); with every merge request answered the hollow batches are
 as few (at most ``2 * log2(rows)`` for one-row pushes, tested).
 
 A trace round-trips exactly through :meth:`Trace.to_json` / :meth:`Trace.from_json`
-(the seed's flatten/unflatten), levels and in-progress merges included, so that a trace
+(Materialize's flatten/unflatten), levels and in-progress merges included, so that a trace
 stored in the shard state by one process behaves identically when loaded by another.
 
-Differences from the seed, on purpose: errors are ``ValueError`` s rather than panics
+Differences from Materialize's persist, on purpose: errors are ``ValueError`` s rather than panics
 and are raised before anything changes; ``downgrade_since`` refuses to move the since
 backwards and ``push_batch`` refuses a batch whose since is beyond the trace's since (both
 would break the since invariant); ``apply_merge_res`` reports
-``NOT_APPLIED_INVALID_SINCE`` when the batch it matched has an earlier since (the seed
+``NOT_APPLIED_INVALID_SINCE`` when the batch it matched has an earlier since (Materialize's
 checked the since before matching and so could only ever report no match); the JSON form
 stores every batch with an id (no legacy, id-less batches).
 """
@@ -69,15 +69,15 @@ __all__ = [
     "worth_compacting",
 ]
 
-#: The least time of a shard (the seed's ``T::minimum()``): a new trace has since and upper
+#: The least time of a shard (Materialize's ``T::minimum()``): a new trace has since and upper
 #: ``{MINIMUM_TIME}``, like a new stash collection.
 MINIMUM_TIME = 0
 
-#: The most batches a level holds; a full level is merging (the seed's constant).
+#: The most batches a level holds; a full level is merging (Materialize's constant).
 BATCHES_PER_LEVEL = 2
 
-#: Fuel per unit of ``2**level`` of an introduced batch (the seed's ``8 << batch_index``),
-#: scaled by the spine's effort (always 1 here, as in the seed).
+#: Fuel per unit of ``2**level`` of an introduced batch (Materialize's ``8 << batch_index``),
+#: scaled by the spine's effort (always 1 here, as in Materialize's persist).
 _FUEL_PER_UPDATE = 8
 _EFFORT = 1
 
@@ -97,7 +97,7 @@ _MINIMUM = Antichain.from_elem(MINIMUM_TIME)
 
 
 def _level_for_len(n: int) -> int:
-    """``log2(next_power_of_two(n))``, with ``n == 0`` at level 0 (as in the seed)."""
+    """``log2(next_power_of_two(n))``, with ``n == 0`` at level 0 (as in Materialize's persist)."""
     return (n - 1).bit_length() if n > 1 else 0
 
 
@@ -145,7 +145,7 @@ class FueledMergeReq:
     """A request to merge ``inputs`` (contiguous, oldest first) into one batch with ``desc``.
 
     ``desc.lower`` is the first input's lower, ``desc.upper`` the last input's upper and
-    ``desc.since`` the since the output's times may be advanced to (the seed's
+    ``desc.since`` the since the output's times may be advanced to (Materialize's
     ``FueledMergeReq``).
     """
 
@@ -155,7 +155,7 @@ class FueledMergeReq:
 
 @dataclass(frozen=True, slots=True)
 class FueledMergeRes:
-    """The answer to a :class:`FueledMergeReq`: the merged batch (the seed's ``FueledMergeRes``).
+    """The answer to a :class:`FueledMergeReq`: the merged batch (Materialize's ``FueledMergeRes``).
 
     ``output.desc`` is normally the request's ``desc``; ``output.len`` must not exceed the
     summed ``len`` of the inputs it replaces.
@@ -176,7 +176,7 @@ def worth_compacting(req: FueledMergeReq) -> bool:
 
 
 class ApplyMergeResult(enum.Enum):
-    """What :meth:`Trace.apply_merge_res` did with a merge result (the seed's enum)."""
+    """What :meth:`Trace.apply_merge_res` did with a merge result (Materialize's enum)."""
 
     #: The output replaced a spine batch with exactly its lower and upper.
     APPLIED_EXACT = "applied_exact"
@@ -194,7 +194,7 @@ class ApplyMergeResult(enum.Enum):
         return self in (ApplyMergeResult.APPLIED_EXACT, ApplyMergeResult.APPLIED_SUBSET)
 
     def matched(self) -> bool:
-        """True if the output's bounds matched a batch (the seed's definition: an invalid
+        """True if the output's bounds matched a batch (Materialize's definition: an invalid
         since does not count as a match, too many updates does)."""
         return self in (
             ApplyMergeResult.APPLIED_EXACT,
@@ -205,7 +205,7 @@ class ApplyMergeResult(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class SpineMetrics:
-    """Counts of spine batches by state (the seed's ``SpineMetrics``).
+    """Counts of spine batches by state (Materialize's ``SpineMetrics``).
 
     Attributes:
         compact_batches: merged spine batches of a single run.
@@ -251,7 +251,7 @@ class _SpineBatch:
 
     def maybe_replace(self, res: FueledMergeRes) -> tuple[ApplyMergeResult, _SpineBatch | None]:
         """Try to swap ``res`` in: the result and the replacement batch (``None`` unless
-        applied).  The seed's ``SpineBatch::maybe_replace``, checking the since after the
+        applied).  Materialize's ``SpineBatch::maybe_replace``, checking the since after the
         bounds so that a bounds match with an invalid since is reported as such."""
         out = res.output
         od = out.desc
@@ -357,7 +357,7 @@ def _begin_merge(
     bs: Sequence[_SpineBatch], compaction_frontier: Antichain | None
 ) -> _FuelingMerge | None:
     """Start merging ``bs``: the merge's since is the join of their sinces and the
-    compaction frontier; its work is their summed length (the seed's ``begin_merge``)."""
+    compaction frontier; its work is their summed length (Materialize's ``begin_merge``)."""
     if not bs:
         return None
     since = bs[0].desc.since
@@ -370,7 +370,7 @@ def _begin_merge(
 
 @dataclass(slots=True)
 class _FuelingMerge:
-    """An in-progress merge of a full level: bookkeeping only (the seed's
+    """An in-progress merge of a full level: bookkeeping only (Materialize's
     ``IdFuelingMerge``).  ``remaining_work`` is in updates (rows)."""
 
     id: SpineId
@@ -555,7 +555,7 @@ class Trace:
 
     def __eq__(self, other: object) -> bool:
         """Structural equality: same since, upper, levels, batches and merges in progress
-        (stricter than the seed, which compared only the hollow batches)."""
+        (stricter than Materialize's persist, which compared only the hollow batches)."""
         if not isinstance(other, Trace):
             return NotImplemented
         return (
@@ -597,10 +597,10 @@ class Trace:
 
     def push_batch(self, batch: HollowBatch) -> list[FueledMergeReq]:
         """Append ``batch`` (the next one in time) and return the merge requests this
-        produced, minus those covered by another (the seed's ``push_batch``).
+        produced, minus those covered by another (Materialize's ``push_batch``).
 
         An empty batch following an empty batch alone at the lowest occupied level is
-        fused with it instead (no fuel, no request), as in the seed.
+        fused with it instead (no fuel, no request), as in Materialize's persist.
 
         Raises:
             ValueError: ``batch.desc.lower`` is not the trace's upper, ``lower == upper``,
@@ -616,7 +616,7 @@ class Trace:
 
     def apply_merge_res(self, res: FueledMergeRes) -> ApplyMergeResult:
         """Swap a merge result in for the batch (or the run of hollow batches in a fueled
-        batch) with the same lower and upper (the seed's ``apply_merge_res``).
+        batch) with the same lower and upper (Materialize's ``apply_merge_res``).
 
         Stale results are harmless: a result matching nothing is ``NOT_APPLIED_NO_MATCH``,
         one whose since is beyond the matched batch's is ``NOT_APPLIED_INVALID_SINCE``, one
@@ -835,7 +835,7 @@ class Trace:
     # ------------------------------------------------------------------ JSON
 
     def to_json(self) -> dict[str, Any]:
-        """The flattened trace as JSON-able values (the seed's ``flatten``)::
+        """The flattened trace as JSON-able values (Materialize's ``flatten``)::
 
             {"since": [t] | [], "upper": [t] | [], "next_id": n,
              "hollow_batches": {"lo-hi": HollowBatch.to_json(), ...},
@@ -883,7 +883,7 @@ class Trace:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Trace:
-        """Rebuild a trace from :meth:`to_json` output (the seed's ``unflatten``); the
+        """Rebuild a trace from :meth:`to_json` output (Materialize's ``unflatten``); the
         result is equal to the flattened trace and validated.
 
         Raises:

@@ -1,6 +1,6 @@
 """The state of one shard: what a version in consensus holds, and its transitions.
 
-A :class:`ShardState` is one version of a shard's metadata (the seed persist-client's
+A :class:`ShardState` is one version of a shard's metadata (Materialize's persist-client
 ``State``): its identity and Arrow schemas, the flattened Spine :class:`~persist.spine.Trace`
 (which carries the shard's ``since`` and ``upper``), the leased readers with their since
 holds, the writers, and the counter of the shard's *retired* collection (blob keys a
@@ -31,7 +31,7 @@ Invariants kept here (every transition keeps them or raises before changing anyt
   writes them to the retired collection in the same atomic append as the new version and
   bumps ``retired_upper`` (that collection's upper) in it; these two maps are transient
   (never serialised, empty in every published version);
-* the value schema is versioned (DESIGN section 5.3): ``schema_history`` only grows, a
+* the value schema is versioned: ``schema_history`` only grows, a
   version's id (its index) never changes, the newest is ``value_schema``, each version
   is a compatible evolution of the one before (:meth:`ShardState.register_schema`
   checks it and changes nothing when it raises), the key schema never changes; a part
@@ -41,8 +41,8 @@ Invariants kept here (every transition keeps them or raises before changing anyt
   store a new version as the few entries that changed) and :meth:`ShardState.to_json` /
   :meth:`ShardState.from_json` (one document, for ``persist inspect --json``).
 
-Sources of the ideas: the seed persist engine's ``AppliedState`` (``000``/``001``), the
-Spine's flattened trace (``002``), the persist-client batch and lease handling (``004``).
+Sources of the ideas: Materialize's early persist engine's ``AppliedState`` (``src/persist/src/indexed/``), the
+Spine's flattened trace (``src/persist-client/src/internal/trace.rs``), the persist-client batch and lease handling (``src/persist-client/src/batch.rs``).
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def _schemas_from(entry: Any) -> tuple[pa.Schema, ...]:
 
 @dataclass(frozen=True)
 class ReaderState:
-    """A leased reader (the seed's ``LeasedReaderState``).
+    """A leased reader (Materialize's ``LeasedReaderState``).
 
     Attributes:
         since: the reader's since hold: the shard's since never passes it.
@@ -247,7 +247,7 @@ class ReaderState:
 
 @dataclass(frozen=True)
 class WriterState:
-    """A writer (the seed's ``WriterState``).
+    """A writer (Materialize's ``WriterState``).
 
     Attributes:
         last_heartbeat_ms: wall-clock time (ms) of its last append or heartbeat.
@@ -399,7 +399,7 @@ class ShardState:
         key_schema, value_schema: the Arrow schemas of the key and the value columns
             (``value_schema`` is the newest registered version).
         schema_history: the value schema versions, ``schema_history[i]`` being schema
-            id ``i`` (DESIGN section 5.3); its last one is ``value_schema``; empty on
+            id ``i``; its last one is ``value_schema``; empty on
             construction means ``(value_schema,)`` (states written before schemas were
             versioned load so: every part of theirs has schema id 0).
         seqno: the version number in consensus (``-1`` before the first version).
@@ -448,7 +448,7 @@ class ShardState:
     ) -> tuple[int, bool]:
         """The schema id of a handle opened with these schemas, registering
         ``value_schema`` as a new newest version if it is a compatible evolution of
-        the newest one (DESIGN section 5.3) dropping no column but those ``drop``
+        the newest one dropping no column but those ``drop``
         names.  Returns ``(schema id, registered)``.
 
         A value schema equal to a registered version gets that version's id (the

@@ -1,4 +1,4 @@
-"""Transactions across shards and stash collections (DESIGN section 5.2).
+"""Transactions across shards and stash collections.
 
 Every shard's versions live in a stash collection (:mod:`persist.consensus`), and a stash
 ``append`` is atomic across collections.  A :class:`Txn` therefore commits new versions

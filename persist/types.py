@@ -26,8 +26,8 @@ Invariants kept here:
 * all three are immutable and round-trip through JSON (``to_json`` / ``from_json``); a
   :class:`HollowBatch` computes its JSON once and returns the same (read-only) dict.
 
-Source of the idea: persist's ``Description`` and ``HollowBatch`` in the seeds
-(``002``, ``004``).
+Source of the idea: persist's ``Description`` and ``HollowBatch`` in Materialize's persist-client
+(``src/persist-client/src/internal/trace.rs``, ``src/persist-client/src/batch.rs``).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class PartRef:
         encoded_size_bytes: size of the encoded bytes.
         checksum: SHA-256 hex digest of the encoded bytes.
         schema_id: the id of the shard's value schema version the part was written
-            with (DESIGN section 5.3; an index into ``ShardState.schema_history``);
+            with (an index into ``ShardState.schema_history``);
             parts of states written before schemas were versioned read as ``0``.
         key_samples: the encoded keys (:func:`persist.merge.encode_keys`) of up to nine
             evenly spaced rows of the (sorted) part, first and last row included, which
@@ -178,7 +178,7 @@ class PartRef:
 
 @dataclass(frozen=True)
 class HollowBatch:
-    """A batch's metadata plus references to its parts (the seed's ``HollowBatch``).
+    """A batch's metadata plus references to its parts (Materialize's ``HollowBatch``).
 
     Attributes:
         desc: the batch's :class:`Description`.

@@ -1,7 +1,7 @@
 """Updates tables: the Arrow schema of a shard's updates and conforming input to it.
 
 A shard's updates are Arrow tables with the shard's key columns, value columns, ``_time``
-(int64) and ``_diff`` (int64) (DESIGN section 5). :func:`updates_schema` builds that schema
+(int64) and ``_diff`` (int64). :func:`updates_schema` builds that schema
 from the key and value schemas; :func:`to_updates_table` turns rows or an Arrow table into
 it, widening types where that is lossless.
 
@@ -12,7 +12,7 @@ Invariants kept here:
   (reserved for persist) and keys and values share no name;
 * a column is conformed only by a safe widening (:func:`is_safe_widening`); anything else
   raises :class:`~persist.errors.InvalidUsage` naming the column;
-* schema evolution (DESIGN section 5.3): :func:`check_schema_evolution` accepts exactly
+* schema evolution: :func:`check_schema_evolution` accepts exactly
   the compatible changes of a value schema (add a nullable column, drop a column it
   names, widen int8->int16->int32->int64 / float32->float64 / string<->large_string,
   make nullable; the key schema and the relative order of kept columns never change) and raises
@@ -300,7 +300,7 @@ def check_whole_days(table: pa.Table) -> pa.Table:
 
 # ------------------------------------------------------------ schema evolution
 #
-# DESIGN section 5.3, after persist-client's schema registry (``schema.rs``: a shard's
+# After persist-client's schema registry (``schema.rs``: a shard's
 # schemas are registered in its state under increasing ids; each part names the id it
 # was written with and reads migrate it to the reader's).  Only the value schema evolves.
 
@@ -343,7 +343,7 @@ def check_schema_evolution(
     drop: Collection[str] = (),
 ) -> None:
     """Check that ``(new_key_schema, new_value_schema)`` is a compatible evolution of a
-    shard's newest ``(key_schema, value_schema)`` (DESIGN section 5.3).
+    shard's newest ``(key_schema, value_schema)``.
 
     Compatible: the key schema is equal (names, types, nullability, order); every new
     value column is nullable; a kept value column keeps its type or widens it
@@ -453,7 +453,7 @@ def _relaxed(field: pa.Field, nullable: bool) -> pa.Field:
 
 class SchemaHistory:
     """The versions of a shard's value schema, by id (the index), and the conforming of
-    updates written under one version to the view of another (DESIGN section 5.3).
+    updates written under one version to the view of another.
 
     A reader with version ``dst`` sees, for a part written under ``src``: its own value
     columns, in its order; a column present (by name) in every version from the older

@@ -2,7 +2,7 @@
 
 A :class:`WriteHandle` appends to one shard (the persist-client ``WriteHandle``).  An
 append writes the batch's parts to blob *first* (or keeps a small batch inline, in the
-state itself: the seed's inline writes, ``004``), then commits the new state version by
+state itself: Materialize's inline writes, ``src/persist-client/src/batch.rs``), then commits the new state version by
 compare-and-set in consensus.
 
 Invariants kept here:
@@ -14,7 +14,7 @@ Invariants kept here:
 * a lost race on the seqno with the upper still matching (a reader, a compactor or GC
   changed the state) is retried on the metadata only: parts are uploaded once per batch,
   however many compare-and-set attempts the commit needs;
-* ``compare_and_append_batch`` follows the seed's ``validate_truncate_batch``: each batch
+* ``compare_and_append_batch`` follows Materialize's ``validate_truncate_batch``: each batch
   covers the append (``batch.lower <= expected_upper``, ``new_upper <= batch.upper``,
   else ``InvalidBatchBounds``) and only its updates in ``[expected_upper, new_upper)``
   become visible (the rest is truncated away: metadata only when the batch's time range
@@ -60,7 +60,7 @@ Invariants kept here:
   (``InvalidUsage``), never taken for a landed retry.
 
 Sources: the persist-client ``WriteHandle``, ``BatchBuilder`` and
-``validate_truncate_batch`` (seed ``004``).
+``validate_truncate_batch`` (Materialize's ``src/persist-client/src/batch.rs``).
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ class WriteHandle(ShardHandle):
         the client is closed.  A failed renewal (the stash is down) is tried again at the
         next interval.  Returns the registration id in :attr:`lease_keeper` (unregister
         it to stop earlier).  Source of the idea: persist-client, where whoever holds a
-        batch keeps its writer's lease (``004``).
+        batch keeps its writer's lease (``src/persist-client/src/batch.rs``).
         """
         wids = tuple(sorted(set(owners)))
         keeper = self.lease_keeper
@@ -527,7 +527,7 @@ class WriteHandle(ShardHandle):
             before_upload=self._ensure_registered,
             key_names=self.key_schema.names,
         )
-        # Each part records the schema version it was written with (DESIGN 5.3).
+        # Each part records the schema version it was written with.
         sid = self.schema_id if schema_id is None else schema_id
         return refs if not sid else [replace(r, schema_id=sid) for r in refs]
 
@@ -672,7 +672,7 @@ class WriteHandle(ShardHandle):
     # ------------------------------------------------------ batch bounds (seed)
     @staticmethod
     def _validate_truncate(batches: Sequence[Batch], expected: Antichain, new: Antichain) -> None:
-        """The seed's ``validate_truncate_batch``: every batch must *cover* the append
+        """Materialize's ``validate_truncate_batch``: every batch must *cover* the append
         (``batch.lower <= expected`` and ``new <= batch.upper``; what lies outside
         ``[expected, new)`` is truncated away); if any batch was rewritten, every batch
         must end exactly at ``new`` and mean no time before ``expected``.
@@ -782,7 +782,7 @@ class WriteHandle(ShardHandle):
         (``floor`` its rewrite frontier, or ``expected``: the truncation), written as
         one run.  ``b`` is left as it was (the caller may still retry it)."""
         # Conformed to the newest schema version: the batch may mix parts of writers
-        # opened with other versions (DESIGN 5.3).
+        # opened with other versions.
         history = self._machine.state().schemas()
         if any(p.schema_id > history.newest for p in b.hollow.parts):
             history = self._machine.fetch().schemas()  # a version this process has not seen
@@ -823,7 +823,7 @@ class WriteHandle(ShardHandle):
         """Append pre-written batches if the shard's upper is ``expected_upper``,
         advancing it to ``new_upper``; atomically.
 
-        The seed's batch rules (``validate_truncate_batch``): each batch must *cover*
+        Materialize's batch rules (``validate_truncate_batch``): each batch must *cover*
         the append, ``batch.lower <= expected_upper`` and ``new_upper <= batch.upper``;
         its updates outside ``[expected_upper, new_upper)`` are truncated away.  If any
         batch was rewritten (:meth:`Batch.rewrite_ts`), every batch must have ``upper ==
@@ -1184,7 +1184,7 @@ class BatchBuilder:
     Updates are buffered; whenever the buffer exceeds the client's target part size
     (in-memory Arrow bytes) it is consolidated and written as parts.  A flushed chunk
     extends the current run when its first (key, value, time) sorts strictly after the
-    run's last one (chunks arriving in order make one run, as the seed's builder does);
+    run's last one (chunks arriving in order make one run, as Materialize's builder does);
     otherwise it starts a new run.
 
     Exception safety: a failed :meth:`add` leaves the builder exactly as it was before

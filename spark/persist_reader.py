@@ -254,7 +254,7 @@ class PersistBatchReader(DataSourceReader):
                 return []
             batches = read.snapshot_batches(as_of)
             # (schema history, this read's schema id): tasks conform each part from the
-            # schema version it was written with to this read's (DESIGN 5.3).
+            # schema version it was written with to this read's.
             schemas = read.read_schemas()
             read.detach()  # executors read these parts later: GC keeps them meanwhile
         batches = prune_for_filters(

@@ -72,7 +72,7 @@ order rows but are not unique: a shard may hold several rows with one key;
 diffs of its updates sum to more than 1), checked over the whole write before it
 commits, not against the rows already in the shard. ``mergeSchema=true`` evolves an
 existing shard's schema to take the DataFrame (Delta Lake's option; persist's compatible
-schema evolution, DESIGN 5.3): extra columns become nullable value columns, wider types
+schema evolution): extra columns become nullable value columns, wider types
 widen the shard's; without it, extra columns raise naming them. A read returns the
 shard's newest schema, older parts conformed to it.
 

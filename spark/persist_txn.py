@@ -1,6 +1,6 @@
 """Spark writes to several persist shards, plus stash catalog updates, as ONE transaction.
 
-Usage (DESIGN section 5.2; the shape is a driver-side context, like a database
+Usage (the shape is a driver-side context, like a database
 transaction in plain Python)::
 
     from spark.persist_txn import persist_txn

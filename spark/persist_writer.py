@@ -285,7 +285,7 @@ def _merged_value_schema(
     DataFrame's order after the shard's; a value column the DataFrame holds in a wider
     type (int8->int16->int32->int64, float32->float64, string<->large_string) is
     widened.  The writer's ``open`` registers it (persist's compatible schema
-    evolution, DESIGN 5.3); columns the shard has and the DataFrame lacks still
+    evolution); columns the shard has and the DataFrame lacks still
     raise (nothing is dropped by a write).  A column another write added after this
     plan was made is not in it: the writer's open then refuses the write with
     ``SchemaMismatch`` naming that column (persist drops only columns an evolution
@@ -505,7 +505,7 @@ class PersistWriter(DataSourceArrowWriter):
             ):
                 with attempt:
                     new_upper = self._new_upper(msgs, expected)
-                    # A batch must cover [expected, new_upper) (the seed's
+                    # A batch must cover [expected, new_upper) (Materialize's
                     # validate_truncate_batch). After a lost race, or when tasks ended
                     # their batches at different uppers, a metadata-only rewrite makes it
                     # so. Times advance to `expected`: the new time of an "at the upper"

@@ -1,7 +1,7 @@
 """The ``stash`` Spark data source: a stash collection read as a DataFrame.
 
 ``spark.read.format("stash").option("url", URL).load("collection")`` returns the
-collection's consolidated contents at its peek time (``upper - 1``, the seed's
+collection's consolidated contents at its peek time (``upper - 1``, Materialize's
 ``peek_timestamp``), one row per unit of multiplicity.
 
 Columns (the "layout", :func:`layout`), keys first:

@@ -1,5 +1,5 @@
 """Stash: durable collections of ``((key, value), time, diff)`` with since and upper
-frontiers (the seed Stash trait, ``003``)."""
+frontiers (Materialize's ``Stash`` trait, ``src/stash/src/lib.rs``)."""
 
 from stash.antichain import Antichain
 from stash.errors import (

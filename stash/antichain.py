@@ -10,8 +10,8 @@ time" (nothing more can happen).  Invariants kept here:
   every element of ``b`` is greater than or equal to some element of ``a``; the empty
   antichain is the greatest frontier.
 
-The idea and the names come from timely dataflow's ``Antichain`` as used by the seed
-Stash trait (``003``) and persist (``000``-``004``).
+The idea and the names come from timely dataflow's ``Antichain`` as used by Materialize's
+Stash trait (``src/stash/src/lib.rs``) and persist (``000``-``src/persist-client/src/batch.rs``).
 """
 
 from __future__ import annotations

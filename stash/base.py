@@ -1,4 +1,4 @@
-"""The Stash: the whole contract of the seed's ``Stash`` and ``Append`` traits, once.
+"""The Stash: the whole contract of Materialize's ``Stash`` and ``Append`` traits, once.
 
 :class:`Stash` implements every method of the contract (checks, exact error messages,
 consolidation, the peek rules) on top of the primitive transactions of a backend
@@ -35,7 +35,7 @@ frontiers.  Invariants kept here:
 * every write refuses a handle another stash made (:meth:`Stash._check_handles_tx`:
   the identity and name come from the same statement as the codec names).
 
-Source: the seed Stash trait (``003``): ``Stash``, ``Append``, ``peek_timestamp``,
+Source: Materialize's ``Stash`` trait (``src/stash/src/lib.rs``): ``Stash``, ``Append``, ``peek_timestamp``,
 ``peek``, ``peek_one``, ``peek_key_one``.
 """
 
@@ -745,7 +745,7 @@ class Stash(abc.ABC):
         self._write_checked(names, write, codecs=(), handles=collections)
 
     def append(self, batches: Iterable[AppendBatch]) -> None:
-        """Atomically add entries to, seal and compact several collections (the seed's
+        """Atomically add entries to, seal and compact several collections (Materialize's
         ``Append``).
 
         For each batch: ``lower`` must equal the collection's upper (then ``upper`` is the

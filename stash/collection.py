@@ -11,11 +11,11 @@ atomic multi-collection ``append``.  Invariants kept here:
   ``TypedCollection.migrate`` may have changed them since) and refuses otherwise;
 * an ``AppendBatch``'s entries are already encoded (canonical JSON text), so a batch can
   be checked and committed without the codecs;
-* ``make_batch`` builds the seed's "next tick" batch: ``lower`` = current upper ``{t}``,
+* ``make_batch`` builds Materialize's "next tick" batch: ``lower`` = current upper ``{t}``,
   ``upper`` = ``{t + 1}``, ``compact`` = ``{t}``, entries at time ``t``.
 
-Source of the idea: the seed's ``StashCollection``, ``AppendBatch``, ``make_batch`` and
-``append_to_batch`` (``003``).
+Source of the idea: Materialize's ``StashCollection``, ``AppendBatch``, ``make_batch`` and
+``append_to_batch`` (``src/stash/src/lib.rs``).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def check_diff(diff: object) -> int:
 
 @dataclass
 class AppendBatch:
-    """One collection's part of an atomic ``append`` (the seed's ``AppendBatch``).
+    """One collection's part of an atomic ``append`` (Materialize's ``AppendBatch``).
 
     Attributes:
         collection: the target collection.

@@ -8,7 +8,7 @@ least ``-2**63``, so every sum a read or a consolidation takes of them, in any o
 fits in i64 (SQLite's ``sum`` fails on an overflow along the way; Postgres casts to
 ``bigint``); writes that would break it are refused.  Data are compared by value (stash data are canonical encodings, so value
 equality is encoding equality).  Source of the idea: differential dataflow's
-``consolidate_updates``, used by the seed Stash trait (``003``).
+``consolidate_updates``, used by Materialize's ``Stash`` trait (``src/stash/src/lib.rs``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ starts with ``stash error: ``.  Invariants kept here:
   failure;
 * no message ever carries a password (URLs are rendered with the password hidden).
 
-Source of the idea: the seed Stash trait's ``StashError`` (``003``).
+Source of the idea: Materialize's stash's ``StashError`` (``src/stash/src/lib.rs``).
 """
 
 from __future__ import annotations

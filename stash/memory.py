@@ -12,11 +12,11 @@ fencing and concurrent handles can be exercised).  Invariants kept here:
 
 :class:`Memory` wraps any :class:`~stash.base.Stash` and caches frontiers, recorded codec
 names and rows of the collections it reads, writing every change through and dropping the cached state of the
-collections a write touched, as the seed's ``Memory<S>`` does.  It is safe to share
+collections a write touched, as Materialize's ``Memory<S>`` does.  It is safe to share
 between threads: cache fills are checked against a generation, so a fill read before a
 write's invalidation is never installed, and a collection with a write in flight is read
 from ``inner`` (see :class:`Memory`).  It caches only when the
-inner handle is a fenced writable leader (the seed's use); over any other handle it
+inner handle is a fenced writable leader (Materialize's use); over any other handle it
 passes every call through, since other writers could change what it would cache.  Even
 for a leader, optimistic ``fenced=False`` writers of the same collections make the cache
 stale: do not mix them with a cached leader.
@@ -262,7 +262,7 @@ class MemoryStash(Stash):
 
 
 class Memory(Stash):
-    """A write-through read cache over any stash (the seed's ``Memory<S>``).
+    """A write-through read cache over any stash (Materialize's ``Memory<S>``).
 
     Reads of a collection are served from a cache entry (its frontiers, codec names and
     all its rows, read together in one transaction of ``inner``); every write goes to ``inner`` and
@@ -277,7 +277,7 @@ class Memory(Stash):
     * a transaction that reads one collection twice sees one entry (or one ``inner``
       snapshot) throughout, never frontiers from one state and rows from another.
 
-    Caching is on only over a fenced writable handle (the single leader, the seed's use);
+    Caching is on only over a fenced writable handle (the single leader, Materialize's use);
     other writers of the same collections through other handles are not seen.
 
     Args:

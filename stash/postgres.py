@@ -39,7 +39,7 @@ Invariants kept here:
   identifiers.  Passwords never appear in messages (libpq does not echo them; URLs go
   through :func:`stash.url.redact`).
 
-Source of the idea: the seed's ``Postgres`` stash (``003``): a fence row with epoch and
+Source of the idea: Materialize's ``Postgres`` stash (``src/stash/src/lib.rs``): a fence row with epoch and
 nonce checked in every transaction, savepoint and readonly modes.
 """
 

@@ -16,7 +16,7 @@ Invariants kept here:
   yields nothing;
 * composite keys (tuples, frozen records, NamedTuples) work like any other key.
 
-Source of the idea: the seed's ``TableTransaction`` (``003``).
+Source of the idea: Materialize's ``TableTransaction`` (``src/stash/src/lib.rs``).
 """
 
 from __future__ import annotations

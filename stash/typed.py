@@ -5,7 +5,7 @@ whose lower is the upper it read, so a concurrent writer makes it fail with
 :class:`~stash.errors.AppendLowerMismatch` rather than lose an update; the helpers of one
 stash handle run one at a time, so threads sharing a handle never fail each other; when since equals
 upper (nothing readable yet) it first appends an empty batch to bump the upper and reads
-again, as the seed does.  Keys are told apart by their canonical encodings (``upsert``
+again, as Materialize's stash does.  Keys are told apart by their canonical encodings (``upsert``
 never needs them hashable, and ``True`` is not ``1``); composite keys (the ``tuple`` codec,
 frozen records, NamedTuples) come back as the type they went in as, so ``peek_one`` and
 :meth:`TypedCollection.table` work with them.
@@ -20,7 +20,7 @@ with an error naming both codec pairs, and ``Stash.collection`` (so
 the recorded codec names in the transaction of each such call.  Alembic owns the SQL
 tables themselves (``migrations/``); ``migrate`` owns one collection's data and codecs.
 
-Source of the idea: the seed's ``TypedCollection`` (``003``).
+Source of the idea: Materialize's ``TypedCollection`` (``src/stash/src/lib.rs``).
 """
 
 from __future__ import annotations

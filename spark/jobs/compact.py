@@ -172,7 +172,7 @@ def _spark_merge(
     ks, vs = st.key_schema, st.value_schema
     schema = updates_schema(ks, vs)
     # Parts are conformed to the newest schema version before consolidating, and the
-    # output records it (persist's compaction, DESIGN 5.3).
+    # output records it (persist's compaction).
     schemas = (st.schemas(), st.schemas().newest)
     since = req.desc.since.as_option()
     # One input row per part: the part's hollow batch slice, as JSON.

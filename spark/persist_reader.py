@@ -190,8 +190,7 @@ def read_key_range(
         PersistSourceError: with ``expand=true``, a row has a negative multiplicity.
         persist.errors.CorruptPart: a part is missing or corrupt.
     """
-    from persist.blob import open_blob
-    from persist.client import RetryingBlob
+    from persist.blob import RetryingBlob, open_blob
     from persist.merge import decode_keys
     from persist.parts import updates_schema
     from persist.read import stream_snapshot
@@ -286,8 +285,7 @@ class PersistBatchReader(DataSourceReader):
         if not isinstance(partition, PartsPartition):
             raise PersistSourceError(f"unexpected input partition {partition!r}")
         s = self.settings
-        from persist.blob import open_blob
-        from persist.client import RetryingBlob
+        from persist.blob import RetryingBlob, open_blob
         from persist.parts import updates_schema
 
         schema = updates_schema(s.key_schema, s.value_schema)

@@ -3,16 +3,22 @@
 ``pyarrow.fs`` keeps a directory alive on object stores (S3, GCS) with an empty
 "directory marker" object (key ending in ``/``): after deleting a directory's last file
 it writes one for that directory (apache/arrow issue 36275), and S3 consoles and other
-clients write them too.  They are never keys (:meth:`persist.blob.ArrowFsBlob.list_keys`
+clients write them too.  They are never keys (:meth:`persist.blob.arrowfs.ArrowFsBlob.list_keys`
 skips them), but a dropped shard should leave nothing under its prefix: this removes
 them.
+
+Invariant kept here: a directory holding a file is never removed (only empty ones are,
+deepest first), and nothing outside the given prefix is touched.
 """
 
 from __future__ import annotations
 
 import pyarrow.fs as pafs
 
-from persist.blob import ArrowFsBlob, _validate_prefix
+from persist.blob.arrowfs import ArrowFsBlob
+from persist.blob.base import validate_prefix
+
+__all__ = ["remove_empty_dirs"]
 
 
 def remove_empty_dirs(blob: ArrowFsBlob, prefix: str) -> int:
@@ -29,7 +35,7 @@ def remove_empty_dirs(blob: ArrowFsBlob, prefix: str) -> int:
         InvalidKey: ``prefix`` is not a valid key prefix.
         BlobError: the store failed.
     """
-    top = blob._path(_validate_prefix(prefix).rstrip("/"))
+    top = blob._path(validate_prefix(prefix).rstrip("/"))
     blob._check_open()
     fs = blob.fs
 

@@ -698,3 +698,33 @@ def test_unreliable_file_blob_never_shows_partial_objects(tmp_path: Path) -> Non
     assert after_write_failures > 10
     for d in (tmp_path / "r").rglob("*"):
         assert not d.name.startswith(".tmp-")
+
+
+# ----------------------------------------------------------- the store table
+
+
+def test_every_exported_name_resolves() -> None:
+    """``from persist.blob import X`` works for every X in ``__all__`` (stores are
+    re-exported on first access), and an unknown name is an AttributeError."""
+    import persist.blob as blob_pkg
+
+    for name in blob_pkg.__all__:
+        assert getattr(blob_pkg, name) is not None, name
+    assert blob_pkg.FileBlob is FileBlob
+    with pytest.raises(AttributeError, match="NoSuchBlob"):
+        blob_pkg.NoSuchBlob  # noqa: B018
+
+
+def test_open_blob_picks_the_store_of_the_scheme(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``open_blob`` builds the class :data:`persist.blob.BACKENDS` names for a scheme,
+    imported by name, through its ``from_uri``; other schemes go to ``pyarrow.fs``."""
+    import persist.blob as blob_pkg
+
+    monkeypatch.setitem(blob_pkg.BACKENDS, "tmpmem", "persist.blob.memory:MemoryBlob")
+    b = open_blob("tmpmem://shared-by-table")
+    assert isinstance(b, MemoryBlob) and b.name == "shared-by-table"
+    assert isinstance(open_blob(str(tmp_path / "p")), FileBlob)
+    assert isinstance(open_blob(f"file://{tmp_path}/q"), FileBlob)
+    assert isinstance(open_blob("mock:///bucket/x"), ArrowFsBlob)

@@ -2,8 +2,8 @@
 
 A :class:`Trace` holds the :class:`~persist.types.HollowBatch` es of one shard, contiguous in
 time, together with the shard's ``since`` and ``upper``.  It is a port of Materialize's Spine
-(``src/persist-client/src/internal/trace.rs``), itself a fork of differential dataflow's fueled Spine.  The Spine only does the
-*bookkeeping* of merges: when two batches at a level finish "fueling", they become one
+(``src/persist-client/src/internal/trace.rs``), itself a fork of differential dataflow's
+fueled Spine.  The Spine only does the *bookkeeping* of merges: when two batches at a level finish "fueling", they become one
 *fueled* spine batch (a list of hollow batches with one merged description) and a
 :class:`FueledMergeReq` is handed out; a compactor may later answer it with a
 :class:`FueledMergeRes`, which :meth:`Trace.apply_merge_res` swaps in.  A merge that is never
@@ -44,20 +44,48 @@ would break the since invariant); ``apply_merge_res`` reports
 ``NOT_APPLIED_INVALID_SINCE`` when the batch it matched has an earlier since (Materialize's
 checked the since before matching and so could only ever report no match); the JSON form
 stores every batch with an id (no legacy, id-less batches).
+
+The Spine is three modules: this one holds the :class:`Trace`; :mod:`persist.spine_merge`
+the merge requests and results it hands out and takes back (re-exported here, so
+``from persist.spine import FueledMergeReq`` keeps working), and
+:mod:`persist.spine_levels` the levels and the bookkeeping of their fueled merges.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from persist.spine_levels import (
+    BATCHES_PER_LEVEL,
+    EFFORT,
+    FUEL_PER_UPDATE,
+    FuelingMerge,
+    MergeState,
+    SpineBatch,
+    begin_merge,
+    level_for_len,
+)
+from persist.spine_merge import (
+    COMPACTION_MIN_INPUTS,
+    COMPACTION_MIN_PARTS,
+    COMPACTION_MIN_UPDATES,
+    ApplyMergeResult,
+    FueledMergeReq,
+    FueledMergeRes,
+    IdHollowBatch,
+    SpineId,
+    worth_compacting,
+)
 from persist.types import Description, HollowBatch
 from stash import Antichain
 
 __all__ = [
     "BATCHES_PER_LEVEL",
+    "COMPACTION_MIN_INPUTS",
+    "COMPACTION_MIN_PARTS",
+    "COMPACTION_MIN_UPDATES",
     "MINIMUM_TIME",
     "ApplyMergeResult",
     "FueledMergeReq",
@@ -73,134 +101,7 @@ __all__ = [
 #: ``{MINIMUM_TIME}``, like a new stash collection.
 MINIMUM_TIME = 0
 
-#: The most batches a level holds; a full level is merging (Materialize's constant).
-BATCHES_PER_LEVEL = 2
-
-#: Fuel per unit of ``2**level`` of an introduced batch (Materialize's ``8 << batch_index``),
-#: scaled by the spine's effort (always 1 here, as in Materialize's persist).
-_FUEL_PER_UPDATE = 8
-_EFFORT = 1
-
-#: The compaction heuristic (after persist-client's ``compaction_heuristic_min_*``): a
-#: merge request is worth answering after an append only if it has at least this many
-#: inputs (hollow batches), or its inputs this many parts, or this many updates.  Smaller
-#: requests are skipped: their fueled spine batch keeps listing its few hollow batches
-#: (the Spine's bookkeeping is unchanged) until a merge above it includes them, so the
-#: state stays O(log n) hollow batches (fewer than ``COMPACTION_MIN_INPUTS`` per fueled
-#: batch below ``COMPACTION_MIN_UPDATES`` updates) while one-row appends do about one
-#: physical merge per ``COMPACTION_MIN_INPUTS`` appends instead of one per append.
-COMPACTION_MIN_INPUTS = 8
-COMPACTION_MIN_PARTS = 8
-COMPACTION_MIN_UPDATES = 1024
-
 _MINIMUM = Antichain.from_elem(MINIMUM_TIME)
-
-
-def _level_for_len(n: int) -> int:
-    """``log2(next_power_of_two(n))``, with ``n == 0`` at level 0 (as in Materialize's persist)."""
-    return (n - 1).bit_length() if n > 1 else 0
-
-
-@dataclass(frozen=True, order=True, slots=True)
-class SpineId:
-    """The half-open range ``[lo, hi)`` of push numbers a batch covers.
-
-    The ``n``-th batch pushed into a trace (counting from 0) gets ``SpineId(n, n + 1)``; a
-    merge of adjacent batches gets the union of their ranges.  Its JSON form is the string
-    ``"lo-hi"``.
-    """
-
-    lo: int
-    hi: int
-
-    def __str__(self) -> str:
-        return f"{self.lo}-{self.hi}"
-
-    @classmethod
-    def parse(cls, s: str) -> SpineId:
-        """Inverse of ``str()``.
-
-        Raises:
-            ValueError: ``s`` is not ``"lo-hi"`` with ``0 <= lo < hi`` integers.
-        """
-        lo_s, sep, hi_s = s.partition("-")
-        if not sep or not lo_s.isdigit() or not hi_s.isdigit():
-            raise ValueError(f"spine id must look like 'lo-hi', got {s!r}")
-        lo, hi = int(lo_s), int(hi_s)
-        if not lo < hi:
-            raise ValueError(f"spine id {s!r} must have lo < hi")
-        return cls(lo, hi)
-
-
-@dataclass(frozen=True, slots=True)
-class IdHollowBatch:
-    """A hollow batch together with the :class:`SpineId` it holds in the trace."""
-
-    id: SpineId
-    batch: HollowBatch
-
-
-@dataclass(frozen=True, slots=True)
-class FueledMergeReq:
-    """A request to merge ``inputs`` (contiguous, oldest first) into one batch with ``desc``.
-
-    ``desc.lower`` is the first input's lower, ``desc.upper`` the last input's upper and
-    ``desc.since`` the since the output's times may be advanced to (Materialize's
-    ``FueledMergeReq``).
-    """
-
-    desc: Description
-    inputs: tuple[IdHollowBatch, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class FueledMergeRes:
-    """The answer to a :class:`FueledMergeReq`: the merged batch (Materialize's ``FueledMergeRes``).
-
-    ``output.desc`` is normally the request's ``desc``; ``output.len`` must not exceed the
-    summed ``len`` of the inputs it replaces.
-    """
-
-    output: HollowBatch
-
-
-def worth_compacting(req: FueledMergeReq) -> bool:
-    """Whether ``req`` passes the compaction heuristic (see :data:`COMPACTION_MIN_INPUTS`):
-    enough inputs, parts or updates that a physical merge pays for itself."""
-    inputs = req.inputs
-    if len(inputs) >= COMPACTION_MIN_INPUTS:
-        return True
-    if sum(len(i.batch.parts) for i in inputs) >= COMPACTION_MIN_PARTS:
-        return True
-    return sum(i.batch.len for i in inputs) >= COMPACTION_MIN_UPDATES
-
-
-class ApplyMergeResult(enum.Enum):
-    """What :meth:`Trace.apply_merge_res` did with a merge result (Materialize's enum)."""
-
-    #: The output replaced a spine batch with exactly its lower and upper.
-    APPLIED_EXACT = "applied_exact"
-    #: The output replaced a contiguous run of hollow batches inside a fueled spine batch.
-    APPLIED_SUBSET = "applied_subset"
-    #: No spine batch (or run of hollow batches) has the output's lower and upper.
-    NOT_APPLIED_NO_MATCH = "not_applied_no_match"
-    #: A batch matched, but its since is earlier than the output's since.
-    NOT_APPLIED_INVALID_SINCE = "not_applied_invalid_since"
-    #: A batch matched, but the output holds more updates than what it would replace.
-    NOT_APPLIED_TOO_MANY_UPDATES = "not_applied_too_many_updates"
-
-    def applied(self) -> bool:
-        """True if the trace changed."""
-        return self in (ApplyMergeResult.APPLIED_EXACT, ApplyMergeResult.APPLIED_SUBSET)
-
-    def matched(self) -> bool:
-        """True if the output's bounds matched a batch (Materialize's definition: an invalid
-        since does not count as a match, too many updates does)."""
-        return self in (
-            ApplyMergeResult.APPLIED_EXACT,
-            ApplyMergeResult.APPLIED_SUBSET,
-            ApplyMergeResult.NOT_APPLIED_TOO_MANY_UPDATES,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,248 +119,8 @@ class SpineMetrics:
     noncompact_batches: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _SpineBatch:
-    """One batch of the spine: merged (one hollow batch, ``fueled`` false) or fueled
-    (two or more hollow batches awaiting a merge result, described by ``desc``).
-
-    ``len`` caches the summed ``len`` of ``parts``; for a fueled batch it is an upper bound
-    on the merged batch's length.
-    """
-
-    id: SpineId
-    desc: Description
-    parts: tuple[IdHollowBatch, ...]
-    len: int
-    fueled: bool
-
-    @staticmethod
-    def merged(b: IdHollowBatch) -> _SpineBatch:
-        return _SpineBatch(b.id, b.batch.desc, (b,), b.batch.len, False)
-
-    @staticmethod
-    def make_fueled(
-        id: SpineId, desc: Description, parts: tuple[IdHollowBatch, ...]
-    ) -> _SpineBatch:
-        return _SpineBatch(id, desc, parts, sum(p.batch.len for p in parts), True)
-
-    def is_empty(self) -> bool:
-        return self.len == 0
-
-    def is_compact(self) -> bool:
-        return not self.fueled and not self.parts[0].batch.runs
-
-    def maybe_replace(self, res: FueledMergeRes) -> tuple[ApplyMergeResult, _SpineBatch | None]:
-        """Try to swap ``res`` in: the result and the replacement batch (``None`` unless
-        applied).  Materialize's ``SpineBatch::maybe_replace``, checking the since after the
-        bounds so that a bounds match with an invalid since is reported as such."""
-        out = res.output
-        od = out.desc
-        d = self.desc
-        if od.lower == d.lower and od.upper == d.upper:
-            # The spine's since may be ahead of the result's (the trace was reloaded, or
-            # the since moved on), never behind it.
-            if not od.since <= d.since:
-                return ApplyMergeResult.NOT_APPLIED_INVALID_SINCE, None
-            # A longer output means this range was already compacted harder: keep that.
-            if out.len > self.len:
-                return ApplyMergeResult.NOT_APPLIED_TOO_MANY_UPDATES, None
-            return ApplyMergeResult.APPLIED_EXACT, _SpineBatch.merged(IdHollowBatch(self.id, out))
-        if not self.fueled:
-            return ApplyMergeResult.NOT_APPLIED_NO_MATCH, None
-        # The spine's structure may have changed since the request was made: the result
-        # may still replace a contiguous run of this fueled batch's parts.
-        lo_i: int | None = None
-        hi_i: int | None = None
-        for i, p in enumerate(self.parts):
-            pd = p.batch.desc
-            if lo_i is None and pd.lower == od.lower:
-                lo_i = i
-            if hi_i is None and pd.upper == od.upper:
-                hi_i = i
-            if lo_i is not None and hi_i is not None:
-                break
-        if lo_i is None or hi_i is None or lo_i > hi_i:
-            return ApplyMergeResult.NOT_APPLIED_NO_MATCH, None
-        if not od.since <= d.since:
-            return ApplyMergeResult.NOT_APPLIED_INVALID_SINCE, None
-        # Not every part: covering them all would have been an exact match above.
-        new_part = IdHollowBatch(SpineId(self.parts[lo_i].id.lo, self.parts[hi_i].id.hi), out)
-        new_parts = (*self.parts[:lo_i], new_part, *self.parts[hi_i + 1 :])
-        replacement = _SpineBatch.make_fueled(self.id, d, new_parts)
-        if replacement.len > self.len:
-            return ApplyMergeResult.NOT_APPLIED_TOO_MANY_UPDATES, None
-        return ApplyMergeResult.APPLIED_SUBSET, replacement
-
-    def check(self, trace_since: Antichain) -> None:
-        """Raise ``ValueError`` if this batch's own invariants do not hold."""
-        if not self.parts:
-            raise ValueError(f"spine batch {self.id} lists no hollow batch")
-        for p in self.parts:
-            if p.batch.len < 0:
-                raise ValueError(f"hollow batch {p.id} has a negative len {p.batch.len}")
-        if self.len != sum(p.batch.len for p in self.parts):
-            raise ValueError(
-                f"spine batch {self.id} caches len {self.len}, its parts hold "
-                f"{sum(p.batch.len for p in self.parts)}"
-            )
-        if not self.desc.since <= trace_since:
-            raise ValueError(
-                f"since {self.desc.since} of spine batch {self.id} is beyond "
-                f"the trace since {trace_since}"
-            )
-        if not self.fueled:
-            (p,) = self.parts
-            if p.id != self.id or p.batch.desc != self.desc:
-                raise ValueError(
-                    f"merged spine batch {self.id} does not match its hollow "
-                    f"batch {p.id} {p.batch.desc}"
-                )
-            return
-        if len(self.parts) < 2:
-            raise ValueError(f"fueled spine batch {self.id} lists fewer than two hollow batches")
-        if self.parts[0].id.lo != self.id.lo or self.parts[-1].id.hi != self.id.hi:
-            raise ValueError(
-                f"hollow batch ids {self.parts[0].id}..{self.parts[-1].id} do "
-                f"not span fueled spine batch {self.id}"
-            )
-        if self.parts[0].batch.desc.lower != self.desc.lower:
-            raise ValueError(
-                f"fueled spine batch {self.id} lower {self.desc.lower} is not "
-                f"its first hollow batch's {self.parts[0].batch.desc.lower}"
-            )
-        if self.parts[-1].batch.desc.upper != self.desc.upper:
-            raise ValueError(
-                f"fueled spine batch {self.id} upper {self.desc.upper} is not "
-                f"its last hollow batch's {self.parts[-1].batch.desc.upper}"
-            )
-        prev: IdHollowBatch | None = None
-        for p in self.parts:
-            if not p.batch.desc.since <= self.desc.since:
-                raise ValueError(
-                    f"hollow batch {p.id} since {p.batch.desc.since} is beyond "
-                    f"its fueled spine batch's since {self.desc.since}"
-                )
-            if prev is not None:
-                if p.id.lo != prev.id.hi:
-                    raise ValueError(
-                        f"hollow batch id {p.id} does not follow {prev.id} in spine batch {self.id}"
-                    )
-                if p.batch.desc.lower != prev.batch.desc.upper:
-                    raise ValueError(
-                        f"hollow batch {p.id} lower {p.batch.desc.lower} is not "
-                        f"the previous upper {prev.batch.desc.upper}"
-                    )
-            prev = p
-
-
-def _begin_merge(
-    bs: Sequence[_SpineBatch], compaction_frontier: Antichain | None
-) -> _FuelingMerge | None:
-    """Start merging ``bs``: the merge's since is the join of their sinces and the
-    compaction frontier; its work is their summed length (Materialize's ``begin_merge``)."""
-    if not bs:
-        return None
-    since = bs[0].desc.since
-    for b in bs[1:]:
-        since = since.join(b.desc.since)
-    if compaction_frontier is not None:
-        since = since.join(compaction_frontier)
-    return _FuelingMerge(SpineId(bs[0].id.lo, bs[-1].id.hi), since, sum(b.len for b in bs))
-
-
-@dataclass(slots=True)
-class _FuelingMerge:
-    """An in-progress merge of a full level: bookkeeping only (Materialize's
-    ``IdFuelingMerge``).  ``remaining_work`` is in updates (rows)."""
-
-    id: SpineId
-    since: Antichain
-    remaining_work: int
-
-    def done(self, bs: list[_SpineBatch], log: list[FueledMergeReq] | None) -> _SpineBatch:
-        """The merged spine batch of ``bs``; logs a merge request unless all are empty."""
-        first, last = bs[0], bs[-1]
-        id = SpineId(first.id.lo, last.id.hi)
-        desc = Description(first.desc.lower, last.desc.upper, self.since)
-        if all(b.len == 0 for b in bs):
-            return _SpineBatch.merged(IdHollowBatch(id, HollowBatch(desc)))
-        parts: list[IdHollowBatch] = []
-        for b in bs:
-            parts.extend(b.parts)
-        merged = _SpineBatch.make_fueled(id, desc, tuple(parts))
-        if log is not None:
-            log.append(FueledMergeReq(desc, merged.parts))
-        return merged
-
-
-class _MergeState:
-    """One level: zero, one or two batches (oldest first) and, when two, their merge."""
-
-    __slots__ = ("batches", "merge")
-
-    def __init__(self) -> None:
-        self.batches: list[_SpineBatch] = []
-        self.merge: _FuelingMerge | None = None
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _MergeState):
-            return NotImplemented
-        return self.batches == other.batches and self.merge == other.merge
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def copy(self) -> _MergeState:
-        c = _MergeState()
-        c.batches = list(self.batches)
-        if self.merge is not None:
-            m = self.merge
-            c.merge = _FuelingMerge(m.id, m.since, m.remaining_work)
-        return c
-
-    def id(self) -> SpineId | None:
-        if not self.batches:
-            return None
-        return SpineId(self.batches[0].id.lo, self.batches[-1].id.hi)
-
-    def push_batch(self, batch: _SpineBatch) -> None:
-        if self.batches:
-            last = self.batches[-1]
-            if last.id.hi != batch.id.lo or last.desc.upper != batch.desc.lower:
-                raise ValueError(
-                    f"spine batch {batch.id} {batch.desc} does not follow "
-                    f"{last.id} {last.desc} at its level"
-                )
-        if self.merge is not None:
-            raise ValueError(f"spine batch {batch.id} pushed into a level that is merging")
-        if len(self.batches) >= BATCHES_PER_LEVEL:
-            raise ValueError(f"spine batch {batch.id} pushed into a full level")
-        self.batches.append(batch)
-
-    def len(self) -> int:
-        return sum(b.len for b in self.batches)
-
-    def is_empty(self) -> bool:
-        return all(b.len == 0 for b in self.batches)
-
-    def is_full(self) -> bool:
-        return len(self.batches) >= BATCHES_PER_LEVEL
-
-    def complete(self, log: list[FueledMergeReq] | None) -> _SpineBatch | None:
-        """Take this level's contents, finishing its merge whatever its fuel; leaves the
-        level vacant."""
-        batches, merge = self.batches, self.merge
-        self.batches, self.merge = [], None
-        if len(batches) <= 1:
-            return batches[0] if batches else None
-        if merge is None:  # pragma: no cover - full levels always carry a merge
-            merge = _begin_merge(batches, None)
-            assert merge is not None
-        return merge.done(batches, log)
-
-
 #: What :meth:`Trace.to_json` remembers of a spine batch (see ``Trace._json_memo``).
-_JsonMemo = tuple[_SpineBatch, int, str, dict[str, Any], list[tuple[str, Any]]]
+_JsonMemo = tuple[SpineBatch, int, str, dict[str, Any], list[tuple[str, Any]]]
 
 
 class Trace:
@@ -476,7 +137,7 @@ class Trace:
         self._since: Antichain = _MINIMUM
         self._upper: Antichain = _MINIMUM
         self._next_id = 0
-        self._levels: list[_MergeState] = []
+        self._levels: list[MergeState] = []
         # Spine id -> (the spine batch, its level, its entry name, its spine_batches
         # entry, its hollow_batches entries) of the last to_json: the flattened form of
         # a batch that is still the same object at the same level is reused.
@@ -494,7 +155,7 @@ class Trace:
         """The trace's upper: the upper of its newest batch (``{0}`` when it has none)."""
         return self._upper
 
-    def _spine_batches(self) -> Iterator[_SpineBatch]:
+    def _spine_batches(self) -> Iterator[SpineBatch]:
         for level in reversed(self._levels):
             yield from level.batches
 
@@ -674,7 +335,7 @@ class Trace:
             raise ValueError(f"batch {d} has a negative len {batch.len}")
         id = SpineId(self._next_id, self._next_id + 1)
         self._next_id += 1
-        sb = _SpineBatch.merged(IdHollowBatch(id, batch))
+        sb = SpineBatch.merged(IdHollowBatch(id, batch))
         self._upper = d.upper
 
         # Two empty batches in a row are fused rather than fueled through the levels.
@@ -689,14 +350,14 @@ class Trace:
                         return
                     break
 
-        self._introduce_batch(sb, _level_for_len(batch.len), log)
+        self._introduce_batch(sb, level_for_len(batch.len), log)
 
     def _introduce_batch(
-        self, batch: _SpineBatch, index: int, log: list[FueledMergeReq] | None
+        self, batch: SpineBatch, index: int, log: list[FueledMergeReq] | None
     ) -> None:
         # 1. Fuel proportional to the batch's level goes to every merge in progress, so
         #    that merges finish before lower levels can produce their next input.
-        self._apply_fuel((_FUEL_PER_UPDATE << index) * _EFFORT, log)
+        self._apply_fuel((FUEL_PER_UPDATE << index) * EFFORT, log)
         # 2. Levels below `index` are rolled up so the batch lands on a vacant level.
         self._roll_up(index, log)
         # 3. Insert.
@@ -707,9 +368,9 @@ class Trace:
     def _roll_up(self, index: int, log: list[FueledMergeReq] | None) -> None:
         levels = self._levels
         while len(levels) <= index:
-            levels.append(_MergeState())
+            levels.append(MergeState())
         if any(level.batches for level in levels[:index]):
-            merged: _SpineBatch | None = None
+            merged: SpineBatch | None = None
             for i in range(index):
                 if merged is not None:
                     self._insert_at(merged, i)
@@ -733,14 +394,14 @@ class Trace:
                 assert complete is not None
                 self._insert_at(complete, index + 1)
 
-    def _insert_at(self, batch: _SpineBatch, index: int) -> None:
+    def _insert_at(self, batch: SpineBatch, index: int) -> None:
         levels = self._levels
         while len(levels) <= index:
-            levels.append(_MergeState())
+            levels.append(MergeState())
         level = levels[index]
         level.push_batch(batch)
         if level.is_full():
-            level.merge = _begin_merge(level.batches, self._since)
+            level.merge = begin_merge(level.batches, self._since)
 
     def _tidy_layers(self) -> None:
         levels = self._levels
@@ -749,7 +410,7 @@ class Trace:
         length = len(levels)
         if len(levels[-1].batches) != 1:
             return
-        appropriate_level = _level_for_len(levels[-1].len())
+        appropriate_level = level_for_len(levels[-1].len())
         while appropriate_level < length - 1:
             current = levels[length - 2]
             if not current.batches:
@@ -920,7 +581,7 @@ class Trace:
         if isinstance(top, bool) or not isinstance(top, int) or not -1 <= top <= 64:
             raise ValueError(f"spine batch level {top!r} is outside 0..64")
         n_levels = top + 1
-        levels = [_MergeState() for _ in range(n_levels)]
+        levels = [MergeState() for _ in range(n_levels)]
         for id, v in spine:
             level = v["level"]
             if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < n_levels:
@@ -933,13 +594,13 @@ class Trace:
                     raise ValueError(f"spine batch {id} references missing hollow batch {pid}")
                 parts.append(IdHollowBatch(pid, hollow.pop(pid)))
             if len(parts) == 1:
-                sb = _SpineBatch.merged(parts[0])
+                sb = SpineBatch.merged(parts[0])
                 if sb.id != id or sb.desc != desc:
                     raise ValueError(
                         f"spine batch {id} {desc} does not match its hollow batch {sb.id} {sb.desc}"
                     )
             else:
-                sb = _SpineBatch.make_fueled(id, desc, tuple(parts))
+                sb = SpineBatch.make_fueled(id, desc, tuple(parts))
             state = levels[level]
             state.push_batch(sb)
             if state.is_full():
@@ -950,7 +611,7 @@ class Trace:
                 since, work = merges.pop(mid)
                 if isinstance(work, bool) or not isinstance(work, int):
                     raise ValueError(f"merge {mid} remaining_work must be an int, got {work!r}")
-                state.merge = _FuelingMerge(mid, since, work)
+                state.merge = FuelingMerge(mid, since, work)
         if hollow:
             raise ValueError(
                 f"{len(hollow)} hollow batches left after reconstructing the "

@@ -1,0 +1,148 @@
+"""What the Spine hands out and takes back: merge requests, merge results and their verdicts.
+
+A :class:`~persist.spine.Trace` hands out a :class:`FueledMergeReq` when a level's merge
+finishes its fuel; a compactor answers it with a :class:`FueledMergeRes`, which
+:meth:`~persist.spine.Trace.apply_merge_res` swaps in and judges with an
+:class:`ApplyMergeResult`.  :class:`SpineId` names the range of pushed batches a batch
+covers; :func:`worth_compacting` is the heuristic deciding which requests a compactor
+answers.  After Materialize's ``src/persist-client/src/internal/trace.rs`` (``SpineId``,
+``FueledMergeReq``, ``FueledMergeRes``, ``ApplyMergeResult``) and persist-client's
+``compaction_heuristic_min_*`` settings.
+
+Invariants kept here: every type is immutable (frozen dataclasses, an enum); a
+:class:`SpineId` is a non-empty half-open range ``lo < hi`` and round-trips through its
+string form ``"lo-hi"``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from persist.types import Description, HollowBatch
+
+__all__ = [
+    "COMPACTION_MIN_INPUTS",
+    "COMPACTION_MIN_PARTS",
+    "COMPACTION_MIN_UPDATES",
+    "ApplyMergeResult",
+    "FueledMergeReq",
+    "FueledMergeRes",
+    "IdHollowBatch",
+    "SpineId",
+    "worth_compacting",
+]
+
+#: The compaction heuristic (after persist-client's ``compaction_heuristic_min_*``): a
+#: merge request is worth answering after an append only if it has at least this many
+#: inputs (hollow batches), or its inputs this many parts, or this many updates.  Smaller
+#: requests are skipped: their fueled spine batch keeps listing its few hollow batches
+#: (the Spine's bookkeeping is unchanged) until a merge above it includes them, so the
+#: state stays O(log n) hollow batches (fewer than ``COMPACTION_MIN_INPUTS`` per fueled
+#: batch below ``COMPACTION_MIN_UPDATES`` updates) while one-row appends do about one
+#: physical merge per ``COMPACTION_MIN_INPUTS`` appends instead of one per append.
+COMPACTION_MIN_INPUTS = 8
+COMPACTION_MIN_PARTS = 8
+COMPACTION_MIN_UPDATES = 1024
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class SpineId:
+    """The half-open range ``[lo, hi)`` of push numbers a batch covers.
+
+    The ``n``-th batch pushed into a trace (counting from 0) gets ``SpineId(n, n + 1)``; a
+    merge of adjacent batches gets the union of their ranges.  Its JSON form is the string
+    ``"lo-hi"``.
+    """
+
+    lo: int
+    hi: int
+
+    def __str__(self) -> str:
+        return f"{self.lo}-{self.hi}"
+
+    @classmethod
+    def parse(cls, s: str) -> SpineId:
+        """Inverse of ``str()``.
+
+        Raises:
+            ValueError: ``s`` is not ``"lo-hi"`` with ``0 <= lo < hi`` integers.
+        """
+        lo_s, sep, hi_s = s.partition("-")
+        if not sep or not lo_s.isdigit() or not hi_s.isdigit():
+            raise ValueError(f"spine id must look like 'lo-hi', got {s!r}")
+        lo, hi = int(lo_s), int(hi_s)
+        if not lo < hi:
+            raise ValueError(f"spine id {s!r} must have lo < hi")
+        return cls(lo, hi)
+
+
+@dataclass(frozen=True, slots=True)
+class IdHollowBatch:
+    """A hollow batch together with the :class:`SpineId` it holds in the trace."""
+
+    id: SpineId
+    batch: HollowBatch
+
+
+@dataclass(frozen=True, slots=True)
+class FueledMergeReq:
+    """A request to merge ``inputs`` (contiguous, oldest first) into one batch with ``desc``.
+
+    ``desc.lower`` is the first input's lower, ``desc.upper`` the last input's upper and
+    ``desc.since`` the since the output's times may be advanced to (Materialize's
+    ``FueledMergeReq``).
+    """
+
+    desc: Description
+    inputs: tuple[IdHollowBatch, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FueledMergeRes:
+    """The answer to a :class:`FueledMergeReq`: the merged batch (Materialize's ``FueledMergeRes``).
+
+    ``output.desc`` is normally the request's ``desc``; ``output.len`` must not exceed the
+    summed ``len`` of the inputs it replaces.
+    """
+
+    output: HollowBatch
+
+
+def worth_compacting(req: FueledMergeReq) -> bool:
+    """Whether ``req`` passes the compaction heuristic (see :data:`COMPACTION_MIN_INPUTS`):
+    enough inputs, parts or updates that a physical merge pays for itself."""
+    inputs = req.inputs
+    if len(inputs) >= COMPACTION_MIN_INPUTS:
+        return True
+    if sum(len(i.batch.parts) for i in inputs) >= COMPACTION_MIN_PARTS:
+        return True
+    return sum(i.batch.len for i in inputs) >= COMPACTION_MIN_UPDATES
+
+
+class ApplyMergeResult(enum.Enum):
+    """What :meth:`Trace.apply_merge_res` did with a merge result (Materialize's enum)."""
+
+    #: The output replaced a spine batch with exactly its lower and upper.
+    APPLIED_EXACT = "applied_exact"
+    #: The output replaced a contiguous run of hollow batches inside a fueled spine batch.
+    APPLIED_SUBSET = "applied_subset"
+    #: No spine batch (or run of hollow batches) has the output's lower and upper.
+    NOT_APPLIED_NO_MATCH = "not_applied_no_match"
+    #: A batch matched, but its since is earlier than the output's since.
+    NOT_APPLIED_INVALID_SINCE = "not_applied_invalid_since"
+    #: A batch matched, but the output holds more updates than what it would replace.
+    NOT_APPLIED_TOO_MANY_UPDATES = "not_applied_too_many_updates"
+
+    def applied(self) -> bool:
+        """True if the trace changed."""
+        return self in (ApplyMergeResult.APPLIED_EXACT, ApplyMergeResult.APPLIED_SUBSET)
+
+    def matched(self) -> bool:
+        """True if the output's bounds matched a batch (Materialize's definition: an invalid
+        since does not count as a match, too many updates does)."""
+        return self in (
+            ApplyMergeResult.APPLIED_EXACT,
+            ApplyMergeResult.APPLIED_SUBSET,
+            ApplyMergeResult.NOT_APPLIED_TOO_MANY_UPDATES,
+        )

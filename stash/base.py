@@ -3,7 +3,8 @@
 :class:`Stash` implements every method of the contract (checks, exact error messages,
 consolidation, the peek rules) on top of the primitive transactions of a backend
 (:mod:`stash.txn`).  Backends (:mod:`stash.memory`, :mod:`stash.sql`) only store rows and
-frontiers.  Invariants kept here:
+frontiers; :meth:`Stash.open` finds the backend of a URL by name (:data:`BACKENDS`), so
+this module never imports a backend (they import it).  Invariants kept here:
 
 * every public method is one transaction: it commits entirely or not at all;
 * ``since <= upper`` for every collection (``compact`` refuses a since beyond the upper,

@@ -37,6 +37,7 @@ class UpperSource(Protocol):
 
     def upper(self, collection: StashCollection[Any, Any]) -> Antichain: ...
 
+
 MAX_NAME_LENGTH = 255
 
 

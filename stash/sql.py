@@ -1,5 +1,9 @@
-"""The SQL backends of the stash: SQLite (the embedded default) here, Postgres in
-:mod:`stash.postgres`, both on a SQLAlchemy engine (pool, URL, dialect, alembic).
+"""The SQL backend of the stash (:class:`SqlStash`): what SQLite (the embedded default)
+and Postgres share, on a SQLAlchemy engine (pool, URL, dialect, alembic): opening,
+retries, transactions, fencing, the schema check, and :class:`SqlTxn`, the primitive
+transaction in SQLite's SQL (Postgres overrides it).  What differs per database is a
+dialect's :class:`_Ops`, found by name (:data:`SQL_DIALECTS`): :mod:`stash.sqlite` and
+:mod:`stash.postgres` import this module, never the reverse.
 
 Transactions run on the pool's DBAPI connections (``sqlite3`` / ``psycopg``) with
 hand-written SQL whose values are always bound parameters: the hot path of a stash is a

@@ -32,6 +32,9 @@ The persist tiers follow the layering of Materialize's persist-client
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -406,6 +409,44 @@ def test_every_package_found(graph: dict[str, set[str]]) -> None:
     """The scan sees the modules it should (a wrong root would pass every check)."""
     for module in ("stash.base", "persist.state", "spark.session", "bench.common"):
         assert module in graph
+
+
+# ------------------------------------------------- the lookups by name it cannot see
+def test_backends_by_name_resolve() -> None:
+    """Every backend and SQL dialect named as a string (the imports this test's parser
+    does not see) resolves to a class of the right kind that opens URLs its own way."""
+    from stash.base import BACKENDS, Stash, load_by_name
+    from stash.sql import SQL_DIALECTS, _Ops
+
+    for qualname in BACKENDS.values():
+        cls = load_by_name(qualname)
+        assert issubclass(cls, Stash), qualname
+        assert cls._from_url.__func__ is not Stash._from_url.__func__, qualname
+    for qualname in SQL_DIALECTS.values():
+        assert issubclass(load_by_name(qualname), _Ops), qualname
+
+
+def test_backends_imported_only_when_asked(tmp_path: Path) -> None:
+    """``import stash`` imports no SQL dialect; opening a SQLite stash imports SQLite's
+    dialect and not Postgres's (nor psycopg)."""
+    url = f"sqlite:///{tmp_path / 'stash.db'}"
+    code = (
+        "import sys\n"
+        "import stash, stash.sql\n"
+        "names = ('stash.sqlite', 'stash.postgres', 'psycopg')\n"
+        "print([n for n in names if n in sys.modules])\n"
+        f"stash.Stash.open({url!r}).close()\n"
+        "print([n for n in names if n in sys.modules])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert out[:2] == ["[]", "['stash.sqlite']"]
 
 
 # ------------------------------------------------------------ the checker itself

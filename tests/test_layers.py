@@ -115,7 +115,8 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
         ("2b not in the plan: data", ["persist.idempotency"]),
         ("3 state", ["persist.state", "persist.state_codec"]),
         ("4 blob and consensus", ["persist.blob.*", "persist.consensus"]),
-        # NOT NAMED BY THE PLAN: blob directory helpers, placed with the blob store.
+        # NOT NAMED BY THE PLAN: the blob directory helpers, placed with the blob store
+        # (until they move into the persist.blob package as persist.blob.dirs).
         ("4b not in the plan: beside blob", ["persist.blobdirs"]),
         ("5 machine", ["persist.machine"]),
         ("6 appended, fetch", ["persist.appended", "persist.fetch"]),

@@ -10,12 +10,16 @@
 transaction (:mod:`spark.persist_txn`).
 
 Invariants: importing this package does not import pyspark (the data source modules are
-imported lazily by :func:`register`), and ``register`` is idempotent.
+imported lazily by :func:`register`), and ``register`` is idempotent.  The package is the
+public face only: :func:`register` lives in :mod:`spark.formats`, which the package and
+:mod:`spark.session` both import, so no module of ``spark`` imports the package back.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from spark.formats import register
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -23,27 +27,6 @@ if TYPE_CHECKING:
     from spark.persist_txn import PersistTxn
 
 __all__ = ["activate", "build_session", "persist_txn", "register"]
-
-
-def register(session: SparkSession) -> SparkSession:
-    """Register the ``stash`` and ``persist`` formats on ``session``; return the session.
-
-    Also turns on ``spark.sql.python.filterPushdown.enabled`` in the session: the
-    ``persist`` reader implements ``pushFilters`` with ``pushdown=true`` (taking filters
-    where PySpark plans each query afresh, see
-    :func:`spark.persist_reader.spark_reuses_pushed_plans`), and PySpark refuses to read
-    a source whose reader implements ``pushFilters`` while that setting is off.
-
-    Registering twice is harmless (the later registration replaces the earlier one).
-    """
-    from spark.persist_source import PersistDataSource
-    from spark.stash_source import StashDataSource
-
-    session.conf.set("spark.sql.python.filterPushdown.enabled", "true")
-
-    session.dataSource.register(StashDataSource)
-    session.dataSource.register(PersistDataSource)
-    return session
 
 
 def build_session(*args: object, **kwargs: object) -> SparkSession:

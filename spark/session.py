@@ -10,7 +10,7 @@ Invariants kept here:
   reader implements ``pushFilters`` when read with ``pushdown=true``), the UI and
   console progress bars are off, and Spark logs only warnings and errors;
 * the session returned has the ``stash`` and ``persist`` data sources registered
-  (:func:`spark.register`);
+  (:func:`spark.formats.register`, re-exported as ``spark.register``);
 * the session time zone (``spark.sql.session.timeZone``) is ``UTC`` unless ``conf``
   sets another: Spark's default is the JVM's local zone, which would make the same job
   show ``timestamp`` values (instants) differently on different machines. It changes
@@ -29,6 +29,8 @@ import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+
+from spark.formats import register
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -96,8 +98,6 @@ def build_session(
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel(log_level)
-
-    from spark import register
 
     register(session)
     return session

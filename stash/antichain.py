@@ -11,7 +11,8 @@ time" (nothing more can happen).  Invariants kept here:
   antichain is the greatest frontier.
 
 The idea and the names come from timely dataflow's ``Antichain`` as used by Materialize's
-Stash trait (``src/stash/src/lib.rs``) and persist (``000``-``src/persist-client/src/batch.rs``).
+Stash trait (``src/stash/src/lib.rs``) and persist
+(``src/persist-client/src/batch.rs``).
 """
 
 from __future__ import annotations

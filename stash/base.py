@@ -3,7 +3,8 @@
 :class:`Stash` implements every method of the contract (checks, exact error messages,
 consolidation, the peek rules) on top of the primitive transactions of a backend
 (:mod:`stash.txn`).  Backends (:mod:`stash.memory`, :mod:`stash.sql`) only store rows and
-frontiers.  Invariants kept here:
+frontiers; :meth:`Stash.open` finds the backend of a URL by name (:data:`BACKENDS`), so
+this module never imports a backend (they import it).  Invariants kept here:
 
 * every public method is one transaction: it commits entirely or not at all;
 * ``since <= upper`` for every collection (``compact`` refuses a since beyond the upper,
@@ -42,10 +43,13 @@ Source: Materialize's ``Stash`` trait (``src/stash/src/lib.rs``): ``Stash``, ``A
 from __future__ import annotations
 
 import abc
+import importlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, TypeVar
+
+from sqlalchemy.engine import URL
 
 from stash import metrics as stash_metrics
 from stash.antichain import I64_MAX, Antichain
@@ -66,6 +70,7 @@ from stash.errors import (
     StashError,
 )
 from stash.txn import Row, Txn
+from stash.url import parse_url, redact
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,29 @@ R = TypeVar("R")
 
 Mode = Literal["writable", "readonly", "savepoint"]
 MODES = ("writable", "readonly", "savepoint")
+
+#: The backends :meth:`Stash.open` knows, by the backend name of the URL's scheme
+#: (SQLAlchemy's ``URL.get_backend_name``): the ``"module.Class"`` of the :class:`Stash`
+#: subclass that opens it, imported only when a URL asks for it.  Looking backends up by
+#: name keeps this module from importing what it builds (the backends import it), as
+#: pyiceberg's ``pyiceberg/io/__init__.py`` maps schemes to ``FileIO`` class names and
+#: SQLAlchemy's ``dialects/__init__.py`` loads a dialect by name.
+BACKENDS: dict[str, str] = {
+    "memory": "stash.memory.MemoryStash",
+    "sqlite": "stash.sql.SqlStash",
+    "postgresql": "stash.sql.SqlStash",
+}
+
+
+def load_by_name(qualname: str) -> Any:
+    """The object a ``"package.module.Name"`` string names, its module imported now.
+
+    Raises:
+        ImportError: the module does not import.
+        AttributeError: the module has no such name.
+    """
+    module, _, name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def _ac(t: int | None) -> Antichain:
@@ -140,9 +168,25 @@ class Stash(abc.ABC):
             StashError: malformed URL, unknown scheme, unreachable server, schema behind
                 the alembic head (with the command to run).
         """
-        from stash.url import open_url
+        u = parse_url(url)
+        backend = BACKENDS.get(u.get_backend_name())
+        if backend is None:
+            raise StashError(
+                f"unknown stash URL scheme {u.drivername!r} in {redact(u)!r}: expected memory, "
+                "sqlite or postgresql+psycopg"
+            )
+        cls: type[Stash] = load_by_name(backend)
+        return cls._from_url(u, mode=mode, fenced=fenced, **options)
 
-        return open_url(url, mode=mode, fenced=fenced, **options)
+    @classmethod
+    def _from_url(cls, url: URL, *, mode: Mode, fenced: bool, **options: Any) -> Stash:
+        """Open the stash of the parsed ``url`` whose backend name :data:`BACKENDS` maps
+        to this class (each backend checks the rest of the URL its own way).
+
+        Raises:
+            StashError: the URL does not suit the backend, or the open fails.
+        """
+        raise NotImplementedError(f"{cls.__name__} cannot be opened from a URL")
 
     # ----------------------------------------------------- backend obligations
     @abc.abstractmethod

@@ -21,16 +21,22 @@ Source of the idea: Materialize's ``StashCollection``, ``AppendBatch``, ``make_b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from stash.antichain import I64_MAX, Antichain, check_i64
 from stash.errors import StashError
 
-if TYPE_CHECKING:
-    from stash.base import Stash
-
 K = TypeVar("K")
 V = TypeVar("V")
+
+
+class UpperSource(Protocol):
+    """What :meth:`StashCollection.make_batch` needs of a stash: its ``upper`` (every
+    :class:`stash.base.Stash` is one; this module does not import :mod:`stash.base`,
+    which imports it)."""
+
+    def upper(self, collection: StashCollection[Any, Any]) -> Antichain: ...
+
 
 MAX_NAME_LENGTH = 255
 
@@ -90,7 +96,7 @@ class StashCollection(Generic[K, V]):
             return self.recorded
         return self.key_codec.name, self.value_codec.name
 
-    def make_batch(self, stash: Stash) -> AppendBatch:
+    def make_batch(self, stash: UpperSource) -> AppendBatch:
         """A new batch for this collection from its current upper ``{t}``: lower ``{t}``,
         upper ``{t + 1}``, compact ``{t}``, entries at time ``t``.
 

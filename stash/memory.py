@@ -31,7 +31,9 @@ import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
+
+from sqlalchemy.engine import URL
 
 from stash.base import Mode, Stash
 from stash.consolidation import DiffSumOverflow, diff_sums_fit
@@ -233,6 +235,13 @@ class MemoryStash(Stash):
                 store.epoch += 1
                 store.nonce = secrets.token_bytes(16)
                 self._epoch, self._nonce = store.epoch, store.nonce
+
+    @classmethod
+    def _from_url(cls, url: URL, *, mode: Mode, fenced: bool, **options: Any) -> MemoryStash:
+        """See :meth:`stash.base.Stash._from_url`: ``memory://`` is a fresh store,
+        ``memory://NAME`` (host and path) a named one; ``options`` are ignored."""
+        name = (url.host or "") + (("/" + url.database) if url.database else "")
+        return cls(name, mode=mode, fenced=fenced)
 
     def _check_fence(self, store: _Store) -> None:
         if self._epoch is not None and (store.epoch, store.nonce) != (self._epoch, self._nonce):

@@ -39,8 +39,11 @@ Invariants kept here:
   identifiers.  Passwords never appear in messages (libpq does not echo them; URLs go
   through :func:`stash.url.redact`).
 
-Source of the idea: Materialize's ``Postgres`` stash (``src/stash/src/lib.rs``): a fence row with epoch and
-nonce checked in every transaction, savepoint and readonly modes.
+This module imports :mod:`stash.sql`, never the reverse: :mod:`stash.sql` finds
+:class:`PgOps` by name (``stash.sql.SQL_DIALECTS``).
+
+Source of the idea: Materialize's ``Postgres`` stash (``src/stash/src/lib.rs``): a fence row
+with epoch and nonce checked in every transaction, savepoint and readonly modes.
 """
 
 from __future__ import annotations
@@ -57,10 +60,12 @@ from psycopg import sql
 from sqlalchemy.engine import URL
 
 from stash.antichain import I64_MAX, I64_MIN
+from stash.base import Mode
 from stash.consolidation import DiffSumOverflow
 from stash.errors import IndeterminateError, StashError
 from stash.sql import (
     TABLE_COLUMNS,
+    EngineOptions,
     SqlStash,
     SqlTxn,
     _driver_error,
@@ -154,6 +159,26 @@ class PgOps(_Ops):
     """Postgres: isolation per transaction kind, commit resolution, error mapping."""
 
     name = "postgres"
+
+    def stash_url(self, url: URL) -> URL:
+        """``url`` on the psycopg 3 driver (``postgresql``, ``+psycopg`` and ``+psycopg2``
+        URLs are accepted; any other driver is refused)."""
+        if (
+            url.get_driver_name() not in ("psycopg", "psycopg2", "")
+            and url.drivername != "postgresql"
+        ):
+            raise StashError(
+                f"unsupported postgres driver in {redact(url)!r}; use postgresql+psycopg"
+            )
+        return url.set(drivername="postgresql+psycopg")
+
+    def engine(self, url: URL, mode: Mode, options: EngineOptions) -> sa.Engine:
+        return pg_engine(
+            url,
+            pool_size=options.pool_size,
+            connect_timeout=options.connect_timeout,
+            pre_ping=options.pre_ping,
+        )
 
     def txn(self, stash: SqlStash, dbc: Any, write: bool, savepoint: bool) -> SqlTxn:
         return PgTxn(stash, dbc, write, savepoint)

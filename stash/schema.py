@@ -8,9 +8,10 @@ Postgres ``(collection_id, jsonb_hash_extended(key, 0))``: any key length) and
 ``(collection_id, time)``), ``sinces`` and ``uppers`` (one row per collection; NULL is the
 empty frontier), and the view ``stash_entries(collection, key, value, time, diff)``.
 
-Keys and values are canonical JSON: ``jsonb`` on Postgres, JSON text on SQLite, so
-``SELECT * FROM stash_entries`` is readable.  ``SCHEMA_HEAD`` must equal the alembic head
-revision in ``migrations/versions`` (a test checks it).
+Invariants kept here: keys and values are canonical JSON: ``jsonb`` on Postgres, JSON
+text on SQLite, so ``SELECT * FROM stash_entries`` is readable; ``SCHEMA_HEAD`` equals the
+alembic head revision in ``migrations/versions`` (a test checks it); the tables are
+created and changed only by those revisions, never by ``metadata.create_all``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
-"""The SQL backends of the stash: SQLite (the embedded default) here, Postgres in
-:mod:`stash.postgres`, both on a SQLAlchemy engine (pool, URL, dialect, alembic).
+"""The SQL backend of the stash (:class:`SqlStash`): what SQLite (the embedded default)
+and Postgres share, on a SQLAlchemy engine (pool, URL, dialect, alembic): opening,
+retries, transactions, fencing, the schema check, and :class:`SqlTxn`, the primitive
+transaction in SQLite's SQL (Postgres overrides it).  What differs per database is a
+dialect's :class:`_Ops`, found by name (:data:`SQL_DIALECTS`): :mod:`stash.sqlite` and
+:mod:`stash.postgres` import this module, never the reverse.
 
 Transactions run on the pool's DBAPI connections (``sqlite3`` / ``psycopg``) with
 hand-written SQL whose values are always bound parameters: the hot path of a stash is a
@@ -53,21 +57,19 @@ import threading
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import sqlalchemy as sa
 import tenacity
 from alembic import command
-from sqlalchemy import event
 from sqlalchemy.engine import URL
 
 from stash import metrics as stash_metrics
 from stash import schema
-from stash.base import Mode, Stash
+from stash.base import Mode, Stash, load_by_name
 from stash.consolidation import DiffSumOverflow, diff_sums_fit
 from stash.errors import FenceError, IndeterminateError, MigrationRequired, StashError
-from stash.migrate import alembic_config, create_sqlite_file, current_revision
+from stash.migrate import alembic_config, current_revision
 from stash.txn import Row, Txn
 from stash.url import redact
 
@@ -77,8 +79,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
-SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
-
 #: The stash tables, each with its columns in order (savepoint copies use them).
 TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "fence": ("epoch", "nonce", "stash_id"),
@@ -87,6 +87,17 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "sinces": ("collection_id", "since"),
     "uppers": ("collection_id", "upper"),
 }
+
+
+class EngineOptions(NamedTuple):
+    """The options of :class:`SqlStash` that shape its engine (each dialect takes its own;
+    see :class:`SqlStash` for what they mean)."""
+
+    synchronous: str
+    busy_timeout: float
+    pool_size: int
+    connect_timeout: float
+    pre_ping: bool
 
 
 class _Transient(Exception):
@@ -113,14 +124,55 @@ def fence_error(mine: int, found: int | None) -> FenceError:
     )
 
 
-class _Ops:
-    """What differs between SQL backends: how a transaction begins, commits and fails.
+#: The SQL dialects, by the backend name of the URL (``URL.get_backend_name``): the
+#: ``"module.Class"`` of each dialect's :class:`_Ops`, imported only when a stash of it
+#: opens.  The dialect modules import this one; this one never imports them (SQLAlchemy's
+#: ``dialects/__init__.py`` loads its dialects by name the same way).
+SQL_DIALECTS: dict[str, str] = {
+    "sqlite": "stash.sqlite.SqliteOps",
+    "postgresql": "stash.postgres.PgOps",
+}
 
-    One instance per :class:`SqlStash`; :class:`SqliteOps` here, ``PgOps`` in
-    :mod:`stash.postgres`.
+
+def sql_dialect(backend: str) -> _Ops:
+    """A new :class:`_Ops` of the SQL dialect named ``backend`` (see :data:`SQL_DIALECTS`).
+
+    Raises:
+        StashError: no SQL dialect of that name.
+    """
+    qualname = SQL_DIALECTS.get(backend)
+    if qualname is None:
+        raise StashError(f"no SQL stash backend {backend!r}; expected one of {list(SQL_DIALECTS)}")
+    ops: _Ops = load_by_name(qualname)()
+    return ops
+
+
+class _Ops:
+    """What differs between SQL backends: the URL they accept, their engine, and how a
+    transaction begins, commits and fails.
+
+    One instance per :class:`SqlStash`, chosen by name (:data:`SQL_DIALECTS`):
+    ``SqliteOps`` in :mod:`stash.sqlite`, ``PgOps`` in :mod:`stash.postgres`.
     """
 
     name = "sql"
+
+    def stash_url(self, url: URL) -> URL:
+        """``url`` checked as a stash URL of this dialect and as the engine gets it.
+
+        Raises:
+            StashError: the URL breaks a rule of the dialect (the message says which).
+        """
+        return url
+
+    def engine(self, url: URL, mode: Mode, options: EngineOptions) -> sa.Engine:
+        """The SQLAlchemy engine (pool) of a stash at ``url`` opened in ``mode``.
+
+        Raises:
+            StashError: a bad option, or (SQLite) a file that cannot be created or is
+                missing.
+        """
+        raise NotImplementedError
 
     def txn(self, stash: SqlStash, dbc: Any, write: bool, savepoint: bool) -> SqlTxn:
         """A primitive transaction on the DBAPI connection ``dbc``."""
@@ -214,22 +266,12 @@ class SqlStash(Stash):
         self._sp_fairy: PoolProxiedConnection | None = None
         self._sp_lock = threading.RLock()
         self._opening = True  # a server that is down at open fails fast, without retries
-        self._ops: _Ops
-        if self.backend == "sqlite":
-            sync = str(synchronous).upper()
-            if sync not in SYNCHRONOUS_MODES:
-                raise StashError(
-                    f"sqlite synchronous must be one of {list(SYNCHRONOUS_MODES)}, got {synchronous!r}"
-                )
-            self.engine = _sqlite_engine(url, sync, float(busy_timeout), pool_size, mode)
-            self._ops = SqliteOps()
-        else:
-            from stash.postgres import PgOps, pg_engine
-
-            self.engine = pg_engine(
-                url, pool_size=pool_size, connect_timeout=connect_timeout, pre_ping=pre_ping
-            )
-            self._ops = PgOps()
+        self._ops = sql_dialect(self.backend)
+        self.engine = self._ops.engine(
+            url,
+            mode,
+            EngineOptions(synchronous, busy_timeout, pool_size, connect_timeout, pre_ping),
+        )
         try:
             if auto_migrate is None:
                 auto_migrate = self.backend == "sqlite" and mode == "writable"
@@ -242,6 +284,13 @@ class SqlStash(Stash):
         except BaseException:
             self._close()
             raise
+
+    @classmethod
+    def _from_url(cls, url: URL, *, mode: Mode, fenced: bool, **options: Any) -> SqlStash:
+        """See :meth:`stash.base.Stash._from_url`: the dialect checks the URL first."""
+        return cls(
+            sql_dialect(url.get_backend_name()).stash_url(url), mode=mode, fenced=fenced, **options
+        )
 
     def __repr__(self) -> str:
         return f"SqlStash({redact(self._url)!r}, mode={self.mode!r}, fenced={self.fenced})"
@@ -454,128 +503,6 @@ def _sql_txn(tx: Txn) -> SqlTxn:
 
 def _older_revisions() -> tuple[str, ...]:
     return ()
-
-
-# ------------------------------------------------------------------- SQLite
-
-
-def _sqlite_engine(
-    url: URL, sync: str, busy_timeout: float, pool_size: int, mode: Mode
-) -> sa.Engine:
-    assert url.database is not None
-    path = Path(url.database).expanduser()
-    if mode == "writable":
-        try:  # created owner-only if missing; a warning if others can read it
-            create_sqlite_file(str(path))
-        except OSError as e:
-            raise StashError(f"sqlite: cannot create {path}: {e.strerror}") from None
-    elif not path.exists():
-        raise StashError(f"sqlite stash file {path} does not exist")
-    engine = sa.create_engine(
-        url.set(database=str(path)),
-        pool_size=pool_size,
-        connect_args={"check_same_thread": False, "timeout": busy_timeout},
-    )
-    ms = int(busy_timeout * 1000)
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
-        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
-        cur = dbapi_conn.cursor()
-        cur.execute(f"PRAGMA busy_timeout={ms:d}")
-        if mode != "readonly":  # switching the journal mode needs the write lock
-            cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute(f"PRAGMA synchronous={sync}")  # validated against SYNCHRONOUS_MODES
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: sa.Connection) -> None:
-        write = conn.get_execution_options().get("stash_write", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-
-    return engine
-
-
-_SQLITE_IOERR = 10  # SQLITE_IOERR: the primary result code of every I/O failure
-
-
-class SqliteOps(_Ops):
-    """SQLite: ``BEGIN IMMEDIATE`` writers, busy means "run again"."""
-
-    name = "sqlite"
-
-    def txn(self, stash: SqlStash, dbc: Any, write: bool, savepoint: bool) -> SqlTxn:
-        tx = SqlTxn(stash, dbc, write)
-        if stash._epoch is not None and not savepoint:
-            tx.check_fence()
-        return tx
-
-    def begin(self, dbc: Any, write: bool) -> None:
-        dbc.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-
-    def commit(self, stash: SqlStash, tx: SqlTxn, dbc: Any) -> None:
-        try:
-            dbc.execute("COMMIT")
-        except sqlite3.Error as e:
-            self.rollback(dbc)
-            low = str(e).lower()
-            if "locked" in low or "busy" in low:
-                raise _Transient(e) from None
-            if getattr(e, "sqlite_errorcode", 0) & 0xFF == _SQLITE_IOERR:
-                # An I/O error while writing or syncing the WAL: the commit frame may or
-                # may not have reached the disk.
-                raise IndeterminateError(
-                    f"sqlite: COMMIT failed with an I/O error; the outcome is unknown: "
-                    f"{first_line(e)}"
-                ) from None
-            raise StashError(f"sqlite: COMMIT failed: {first_line(e)}") from None
-
-    def rollback(self, dbc: Any) -> None:
-        try:
-            if dbc.in_transaction:
-                dbc.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
-
-    def classify(self, e: BaseException, opening: bool) -> BaseException:
-        if isinstance(e, StashError):
-            return e
-        orig = _driver_error(e)
-        if isinstance(orig, UnicodeError):
-            return StashError(f"sqlite: a value is not valid Unicode text: {first_line(orig)}")
-        if not isinstance(orig, sqlite3.Error):
-            return e
-        low = first_line(orig).lower()
-        if "locked" in low or "busy" in low:
-            return _Transient(orig)
-        return StashError(f"sqlite: {first_line(orig)}")
-
-    def savepoint_open(self, dbc: Any, stash_id: str) -> str:
-        dbc.execute("BEGIN")
-        for statement in _SQLITE_SAVEPOINT_DDL:
-            dbc.execute(statement)
-        dbc.execute("UPDATE temp.fence SET stash_id = ?", (stash_id,))
-        return str(dbc.execute("SELECT stash_id FROM main.fence").fetchone()[0])
-
-
-# Session-private copies of the stash tables for a savepoint handle (the temp schema is
-# searched before main, so the unqualified names of SqlTxn's statements resolve to them).
-_SQLITE_SAVEPOINT_DDL = (
-    "CREATE TEMP TABLE fence (epoch INTEGER NOT NULL, nonce BLOB NOT NULL, stash_id TEXT NOT NULL)",
-    "CREATE TEMP TABLE collections (collection_id INTEGER PRIMARY KEY,"
-    " name TEXT NOT NULL UNIQUE, key_codec TEXT NOT NULL, value_codec TEXT NOT NULL)",
-    "CREATE TEMP TABLE data (collection_id INTEGER NOT NULL, key TEXT NOT NULL,"
-    " value TEXT NOT NULL, time INTEGER NOT NULL, diff INTEGER NOT NULL)",
-    "CREATE TEMP TABLE sinces (collection_id INTEGER PRIMARY KEY, since INTEGER)",
-    "CREATE TEMP TABLE uppers (collection_id INTEGER PRIMARY KEY, upper INTEGER)",
-    *(
-        f"INSERT INTO temp.{t} ({', '.join(c)}) SELECT {', '.join(c)} FROM main.{t}"  # noqa: S608 - constant names
-        for t, c in TABLE_COLUMNS.items()
-    ),
-    "CREATE INDEX temp.data_collection_key ON data (collection_id, key)",
-    "CREATE INDEX temp.data_collection_time ON data (collection_id, time)",
-)
 
 
 # A collection's frontiers, recorded codec names, name and the stash's identity, in one

@@ -1,8 +1,10 @@
-"""Opening a stash from a URL: scheme dispatch, URL validation, and the one function that
-hides credentials wherever a URL (or text that may carry one) is shown.
+"""Stash URLs: parsing (:func:`parse_url`), and the one function that hides credentials
+wherever a URL (or text that may carry one) is shown (:func:`redact`).  Which backend
+opens a URL is looked up by name in :data:`stash.base.BACKENDS`; this module imports
+no other module of the stash but :mod:`stash.errors`.
 
-Invariants kept here: a malformed or unknown URL fails with a :class:`StashError` naming
-the rule; no message, log line or repr of the stash or of persist shows a credential:
+Invariants kept here: a malformed URL fails with a :class:`StashError` naming the rule;
+no message, log line or repr of the stash or of persist shows a credential:
 every one of them passes URLs (and error texts that may quote them) through
 :func:`redact` (:func:`safe_url` is the same function under its older name).
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, quote_plus, unquote, urlsplit, urlunsplit
 
 import sqlalchemy as sa
@@ -19,10 +20,7 @@ from sqlalchemy.engine import URL
 
 from stash.errors import StashError
 
-if TYPE_CHECKING:
-    from stash.base import Mode, Stash
-
-__all__ = ["open_url", "parse_url", "redact", "safe_url"]
+__all__ = ["parse_url", "redact", "safe_url"]
 
 #: What :func:`redact` puts in place of a hidden credential.
 HIDDEN = "***"
@@ -363,38 +361,6 @@ def parse_url(url: str) -> URL:
     # Raised outside the handler: the parser's own error quotes parts of the URL (a
     # password's included) and must not ride along as the context.
     raise StashError(f"malformed stash URL {redact(url)!r}")
-
-
-def open_url(url: str, *, mode: Mode, fenced: bool, **options: Any) -> Stash:
-    """Open the stash behind ``url`` (see :meth:`stash.base.Stash.open`)."""
-    u = parse_url(url)
-    backend = u.get_backend_name()
-    if backend == "memory":
-        from stash.memory import MemoryStash
-
-        name = (u.host or "") + (("/" + u.database) if u.database else "")
-        return MemoryStash(name, mode=mode, fenced=fenced)
-    if backend == "sqlite":
-        from stash.sql import SqlStash
-
-        if not u.database or u.database == ":memory:":
-            raise StashError(
-                "sqlite stash URL needs a file path (sqlite:///path/to/stash.db); "
-                "use memory:// for an in-memory stash"
-            )
-        return SqlStash(u, mode=mode, fenced=fenced, **options)
-    if backend == "postgresql":
-        from stash.sql import SqlStash
-
-        if u.get_driver_name() not in ("psycopg", "psycopg2", "") and u.drivername != "postgresql":
-            raise StashError(
-                f"unsupported postgres driver in {redact(u)!r}; use postgresql+psycopg"
-            )
-        return SqlStash(u.set(drivername="postgresql+psycopg"), mode=mode, fenced=fenced, **options)
-    raise StashError(
-        f"unknown stash URL scheme {u.drivername!r} in {redact(u)!r}: expected memory, "
-        "sqlite or postgresql+psycopg"
-    )
 
 
 #: The older name of :func:`redact` (kept for callers written before it was renamed).

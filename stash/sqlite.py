@@ -1,0 +1,185 @@
+"""The SQLite dialect of the SQL stash (:class:`stash.sql.SqlStash` on ``sqlite:///path``):
+its URL rule, its engine and how its transactions begin, commit and fail.
+
+Invariants kept here:
+
+* a SQLite stash URL names a file (``sqlite:///path/to/stash.db``); ``:memory:`` is
+  refused (``memory://`` is the in-memory stash);
+* the database file is created readable by its owner only, by a writable open only;
+  a readonly open of a missing file fails instead of creating it;
+* every connection runs in WAL mode (switched only by a handle that may write: the
+  switch needs the write lock) with the ``synchronous`` level asked for (``FULL`` by
+  default), ``busy_timeout`` and foreign keys on; writers take the write lock up front
+  (``BEGIN IMMEDIATE``), so a transaction never fails half-way on a lock upgrade;
+* "database is locked" / busy means "run the whole transaction again"; an I/O error at
+  COMMIT (the WAL frame may or may not be on disk) is an
+  :class:`~stash.errors.IndeterminateError`, never success or plain failure;
+* a savepoint handle works on session-private (``TEMP``) copies of the stash tables,
+  inside one transaction that is never committed.
+
+This module imports :mod:`stash.sql`, never the reverse: :mod:`stash.sql` finds
+:class:`SqliteOps` by name (``stash.sql.SQL_DIALECTS``).  Source of the idea:
+Materialize's ``Sqlite`` stash backend (``src/stash/src/lib.rs``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import URL
+
+from stash.base import Mode
+from stash.errors import IndeterminateError, StashError
+from stash.migrate import create_sqlite_file
+from stash.sql import (
+    TABLE_COLUMNS,
+    EngineOptions,
+    SqlStash,
+    SqlTxn,
+    _driver_error,
+    _Ops,
+    _Transient,
+    first_line,
+)
+
+SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+def _sqlite_engine(
+    url: URL, sync: str, busy_timeout: float, pool_size: int, mode: Mode
+) -> sa.Engine:
+    assert url.database is not None
+    path = Path(url.database).expanduser()
+    if mode == "writable":
+        try:  # created owner-only if missing; a warning if others can read it
+            create_sqlite_file(str(path))
+        except OSError as e:
+            raise StashError(f"sqlite: cannot create {path}: {e.strerror}") from None
+    elif not path.exists():
+        raise StashError(f"sqlite stash file {path} does not exist")
+    engine = sa.create_engine(
+        url.set(database=str(path)),
+        pool_size=pool_size,
+        connect_args={"check_same_thread": False, "timeout": busy_timeout},
+    )
+    ms = int(busy_timeout * 1000)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout={ms:d}")
+        if mode != "readonly":  # switching the journal mode needs the write lock
+            cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA synchronous={sync}")  # validated against SYNCHRONOUS_MODES
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        write = conn.get_execution_options().get("stash_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    return engine
+
+
+_SQLITE_IOERR = 10  # SQLITE_IOERR: the primary result code of every I/O failure
+
+
+class SqliteOps(_Ops):
+    """SQLite: ``BEGIN IMMEDIATE`` writers, busy means "run again"."""
+
+    name = "sqlite"
+
+    def stash_url(self, url: URL) -> URL:
+        if not url.database or url.database == ":memory:":
+            raise StashError(
+                "sqlite stash URL needs a file path (sqlite:///path/to/stash.db); "
+                "use memory:// for an in-memory stash"
+            )
+        return url
+
+    def engine(self, url: URL, mode: Mode, options: EngineOptions) -> sa.Engine:
+        sync = str(options.synchronous).upper()
+        if sync not in SYNCHRONOUS_MODES:
+            raise StashError(
+                f"sqlite synchronous must be one of {list(SYNCHRONOUS_MODES)}, "
+                f"got {options.synchronous!r}"
+            )
+        return _sqlite_engine(url, sync, float(options.busy_timeout), options.pool_size, mode)
+
+    def txn(self, stash: SqlStash, dbc: Any, write: bool, savepoint: bool) -> SqlTxn:
+        tx = SqlTxn(stash, dbc, write)
+        if stash._epoch is not None and not savepoint:
+            tx.check_fence()
+        return tx
+
+    def begin(self, dbc: Any, write: bool) -> None:
+        dbc.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    def commit(self, stash: SqlStash, tx: SqlTxn, dbc: Any) -> None:
+        try:
+            dbc.execute("COMMIT")
+        except sqlite3.Error as e:
+            self.rollback(dbc)
+            low = str(e).lower()
+            if "locked" in low or "busy" in low:
+                raise _Transient(e) from None
+            if getattr(e, "sqlite_errorcode", 0) & 0xFF == _SQLITE_IOERR:
+                # An I/O error while writing or syncing the WAL: the commit frame may or
+                # may not have reached the disk.
+                raise IndeterminateError(
+                    f"sqlite: COMMIT failed with an I/O error; the outcome is unknown: "
+                    f"{first_line(e)}"
+                ) from None
+            raise StashError(f"sqlite: COMMIT failed: {first_line(e)}") from None
+
+    def rollback(self, dbc: Any) -> None:
+        try:
+            if dbc.in_transaction:
+                dbc.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+    def classify(self, e: BaseException, opening: bool) -> BaseException:
+        if isinstance(e, StashError):
+            return e
+        orig = _driver_error(e)
+        if isinstance(orig, UnicodeError):
+            return StashError(f"sqlite: a value is not valid Unicode text: {first_line(orig)}")
+        if not isinstance(orig, sqlite3.Error):
+            return e
+        low = first_line(orig).lower()
+        if "locked" in low or "busy" in low:
+            return _Transient(orig)
+        return StashError(f"sqlite: {first_line(orig)}")
+
+    def savepoint_open(self, dbc: Any, stash_id: str) -> str:
+        dbc.execute("BEGIN")
+        for statement in _SQLITE_SAVEPOINT_DDL:
+            dbc.execute(statement)
+        dbc.execute("UPDATE temp.fence SET stash_id = ?", (stash_id,))
+        return str(dbc.execute("SELECT stash_id FROM main.fence").fetchone()[0])
+
+
+# Session-private copies of the stash tables for a savepoint handle (the temp schema is
+# searched before main, so the unqualified names of SqlTxn's statements resolve to them).
+_SQLITE_SAVEPOINT_DDL = (
+    "CREATE TEMP TABLE fence (epoch INTEGER NOT NULL, nonce BLOB NOT NULL, stash_id TEXT NOT NULL)",
+    "CREATE TEMP TABLE collections (collection_id INTEGER PRIMARY KEY,"
+    " name TEXT NOT NULL UNIQUE, key_codec TEXT NOT NULL, value_codec TEXT NOT NULL)",
+    "CREATE TEMP TABLE data (collection_id INTEGER NOT NULL, key TEXT NOT NULL,"
+    " value TEXT NOT NULL, time INTEGER NOT NULL, diff INTEGER NOT NULL)",
+    "CREATE TEMP TABLE sinces (collection_id INTEGER PRIMARY KEY, since INTEGER)",
+    "CREATE TEMP TABLE uppers (collection_id INTEGER PRIMARY KEY, upper INTEGER)",
+    *(
+        f"INSERT INTO temp.{t} ({', '.join(c)}) SELECT {', '.join(c)} FROM main.{t}"  # noqa: S608 - constant names
+        for t, c in TABLE_COLUMNS.items()
+    ),
+    "CREATE INDEX temp.data_collection_key ON data (collection_id, key)",
+    "CREATE INDEX temp.data_collection_time ON data (collection_id, time)",
+)

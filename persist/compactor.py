@@ -1,7 +1,7 @@
 """The compactor: answers the Spine's merge requests (physical compaction).
 
 For a :class:`~persist.spine.FueledMergeReq` the compactor reads the inputs' parts
-(times advanced to each batch's lower and since, see :func:`persist.read.read_batches`),
+(times advanced to each batch's lower and since, see :func:`persist.fetch.read_batches`),
 advances every time to the request's since, consolidates (vectorised, with
 :func:`persist.consolidation.consolidate`), writes the result as one sorted run (inline if small)
 and swaps it into the trace by compare-and-set (:meth:`ShardState.apply_merge_res`),
@@ -49,7 +49,7 @@ from persist.consensus import ShardMachine, Stale
 from persist.errors import PersistError
 from persist.keys import new_writer_id, part_name_prefix
 from persist.parts import consolidate_order, updates_schema, write_parts
-from persist.read import read_batches
+from persist.fetch import read_batches
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
 from persist.state import ShardState
 from persist.types import HollowBatch

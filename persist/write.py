@@ -108,7 +108,7 @@ from persist.parts import (
     to_updates_table,
     write_parts,
 )
-from persist.read import read_batch
+from persist.fetch import read_batch
 from persist.spine import FueledMergeReq, worth_compacting
 from persist.state import (
     TOKEN_FOREIGN,

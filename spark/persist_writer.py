@@ -532,7 +532,7 @@ class PersistWriter(DataSourceArrowWriter):
             PersistSourceError: a key is inserted more than once (names it).
         """
         from persist.parts import updates_schema
-        from persist.read import read_batches
+        from persist.fetch import read_batches
 
         s = self.settings
         hollow = [b.hollow for b in batches if b.len > 0]

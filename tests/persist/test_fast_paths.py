@@ -27,7 +27,7 @@ from persist.parts import (
     updates_schema,
     write_parts,
 )
-from persist.read import read_batches, snapshot_table
+from persist.fetch import read_batches, snapshot_table
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain, Stash
 

@@ -35,7 +35,7 @@ from persist.merge import (
     key_samples,
     plan_ranges,
 )
-from persist.read import stream_snapshot
+from persist.fetch import stream_snapshot
 from persist.updates import updates_schema
 from stash import Stash
 

@@ -90,7 +90,7 @@ from persist.updates import SchemaHistory
 from stash import Antichain
 
 if TYPE_CHECKING:
-    from persist.client import PersistClient
+    from persist.context import PersistContext
 
 __all__ = ["Listen", "ListenEvent", "ReadHandle"]
 
@@ -153,7 +153,7 @@ class ReadHandle(ShardHandle):
 
     def __init__(
         self,
-        client: PersistClient,
+        ctx: PersistContext,
         machine: ShardMachine,
         name: str,
         reader_id: str,
@@ -161,7 +161,7 @@ class ReadHandle(ShardHandle):
         value_schema: pa.Schema,
         lease_seconds: float,
     ) -> None:
-        super().__init__(client, machine, name, reader_id, key_schema, value_schema, lease_seconds)
+        super().__init__(ctx, machine, name, reader_id, key_schema, value_schema, lease_seconds)
         self.reader_id = reader_id
         self._last_heartbeat_ms = machine.now_ms()
         # Seqno holds (persist.gc): the seqnos of the versions this handle may still be
@@ -247,7 +247,7 @@ class ReadHandle(ShardHandle):
 
         self._machine.apply(fn, keep=(self.reader_id,))
         self._last_heartbeat_ms = now
-        self._client._notify_compactor(self.shard_id)
+        self._ctx.maintenance.since_moved(self.shard_id)
 
     def heartbeat(self) -> None:
         """Renew the lease now.
@@ -295,8 +295,8 @@ class ReadHandle(ShardHandle):
         self._machine.apply(fn, keep=(self.reader_id,))
         self._expired = True
         self._stop_keeping_alive()  # the hold now lasts one lease, as documented
-        self._client._handles.discard(self)
-        self._client._notify_compactor(self.shard_id)
+        self._ctx.handles.discard(self)
+        self._ctx.maintenance.since_moved(self.shard_id)
 
     def expire(self) -> None:
         """Release the lease (the since hold goes away).  The handle is unusable after.
@@ -312,7 +312,7 @@ class ReadHandle(ShardHandle):
             return None, st.expire_reader(self.reader_id)
 
         self._machine.apply(fn)
-        self._client._notify_compactor(self.shard_id)
+        self._ctx.maintenance.since_moved(self.shard_id)
 
     # --------------------------------------------------------------------- reads
     @contextlib.contextmanager
@@ -449,14 +449,14 @@ class ReadHandle(ShardHandle):
                 with self._kept_alive():
                     batches = self._batches_for(t, wait, timeout)
                     for table in stream_snapshot(
-                        self._client.blob,
+                        self._ctx.blob,
                         batches,
                         self.schema,
                         self.key_schema.names,
                         self.value_schema.names,
                         t,
                         key_schema=self.key_schema,
-                        max_workers=self._client.read_workers,
+                        max_workers=self._ctx.config.read_workers,
                         schemas=self.read_schemas(),
                     ):
                         yield from table.to_batches(max_chunksize=max_chunk_rows)
@@ -557,13 +557,13 @@ class ReadHandle(ShardHandle):
             try:
                 batches = self._batches_for(t, wait, timeout)
                 return snapshot_table(
-                    self._client.blob,
+                    self._ctx.blob,
                     batches,
                     self.schema,
                     self.key_schema.names,
                     self.value_schema.names,
                     t,
-                    max_workers=self._client.read_workers,
+                    max_workers=self._ctx.config.read_workers,
                     schemas=self.read_schemas(),
                     filter=filter,
                     columns=columns,
@@ -623,7 +623,7 @@ class ReadHandle(ShardHandle):
             hold_interval_seconds,
             heartbeat_seconds,
         )
-        self._client._handles.add(listen)
+        self._ctx.handles.add(listen)
         return listen
 
     def __enter__(self) -> ReadHandle:
@@ -794,12 +794,12 @@ class Listen:
         ]
         if batches and (u is None or f < u):
             table = read_batches(
-                self._h._client.blob,
+                self._h._ctx.blob,
                 batches,
                 self._h.schema,
                 lower=f,
                 upper=u,
-                max_workers=self._h._client.read_workers,
+                max_workers=self._h._ctx.config.read_workers,
                 schemas=(st.schemas(), self._h.schema_id),
             )
             table = consolidate(table, self._h.key_schema.names, self._h.value_schema.names)
@@ -847,7 +847,7 @@ class Listen:
             raise self._fail(e) from None
         self._last_hold_ms = now
         self._hold = target
-        self._h._client._notify_compactor(self._machine.shard_id)
+        self._h._ctx.maintenance.since_moved(self._machine.shard_id)
 
     def _beat(self) -> bool:
         """The background heartbeat: renew the lease.  Returns ``False`` (stop) once the

@@ -192,9 +192,9 @@ def read_key_range(
     """
     from persist.blob import open_blob
     from persist.client import RetryingBlob
+    from persist.fetch import stream_snapshot
     from persist.merge import decode_keys
     from persist.parts import updates_schema
-    from persist.fetch import stream_snapshot
 
     updates = updates_schema(s.key_schema, s.value_schema)
     lower = None if partition.lower is None else decode_keys([partition.lower], s.key_schema)

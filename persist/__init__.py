@@ -38,9 +38,10 @@ from persist.errors import (
     UpdateNotBeyondLower,
     UpperMismatch,
 )
+from persist.fetch import read_batch, read_batches
 from persist.fsck import FsckReport, fsck
 from persist.gc import GcReport, collect_garbage
-from persist.read import Listen, ListenEvent, ReadHandle, read_batch, read_batches
+from persist.read import Listen, ListenEvent, ReadHandle
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.state import LeaseExpired, ShardState
 from persist.txn import Txn, TxnUpperMismatch, snapshot_many

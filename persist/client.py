@@ -1,10 +1,13 @@
 """The persist client: opens shards (by name) on a stash (consensus) and a blob store.
 
-:class:`PersistClient` (the persist-client ``PersistClient``) ties together consensus
-(:mod:`persist.consensus`, on a :class:`stash.Stash`), a blob store
-(:mod:`persist.blob`), one :class:`~persist.consensus.ShardMachine` per open shard, and a
-:class:`~persist.compactor.Compactor` that answers the Spine's merge requests in the
-background, inline after each append, or not at all.
+:class:`PersistClient` (the persist-client ``PersistClient``) is a facade: it builds
+the client's knobs (:class:`~persist.config.PersistConfig`), what its handles share
+(:class:`~persist.context.PersistContext`: consensus on a :class:`stash.Stash`, a blob
+store, one :class:`~persist.consensus.ShardMachine` per open shard), the shard opener
+(:class:`~persist.shards.Shards`), a :class:`~persist.compactor.Compactor` and the
+background worker (:class:`~persist.maintenance.Maintenance`) that answers the Spine's
+merge requests in the background, inline after each append, or not at all; and it hands
+out handles.  The handles hold the context, never the client.
 
 Invariants kept here:
 
@@ -36,9 +39,9 @@ taken in ONE order, so no two threads can wait on each other:
 2. the shard machines' locks (:attr:`ShardMachine.lock`, reentrant), several of them
    only in shard-id order (a transaction's commit);
 3. leaf locks, held only around their own bookkeeping, calling out to nothing: the
-   client's transaction lock (``_txn_lock``: the writers and record ids its
-   transactions reuse), the consensus and machine caches' locks, the compactor's
-   condition and writer table.
+   client's transaction lock (``Shards._txn_lock``: the writers and record ids its
+   transactions reuse), the consensus and machine caches' locks, the background
+   worker's condition and the compactor's writer table.
 
 Nothing is called while a leaf lock is held that could take a lock of levels 1-2 (the
 writer a transaction reuses is looked up under ``_txn_lock``, but made, and its state
@@ -51,51 +54,29 @@ maintenance (``src/persist/src/indexed/``).
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import uuid
-import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal, TypeVar
 
 import pyarrow as pa
 
-from persist.blob import ArrowFsBlob, Blob, RetryingBlob, open_blob
-from persist.blob.dirs import remove_empty_dirs
+from persist.blob import Blob, RetryingBlob, open_blob
 from persist.compactor import Compactor
-from persist.consensus import (
-    Consensus,
-    ShardMachine,
-    Stale,
-    validate_shard_id,
-    validate_shard_name,
-)
-from persist.errors import BlobError, InvalidUsage, PersistError
-from persist.parts import DEFAULT_TARGET_PART_BYTES, updates_schema
-from persist.read import Listen, ReadHandle
-from persist.spine import FueledMergeReq, Trace
+from persist.config import DEFAULT_TARGET_PART_BYTES, CompactionMode, PersistConfig
+from persist.consensus import Consensus, ShardMachine
+from persist.context import SHARD_ID_REF, PersistContext
+from persist.errors import BlobError, PersistError
+from persist.maintenance import Maintenance
+from persist.read import ReadHandle
+from persist.shards import Shards
 from persist.state import ShardState
-from persist.types import Description, HollowBatch
+from persist.txn import Txn, snapshot_many
 from persist.write import WriteHandle
-from stash import Antichain, Stash, StashError
-
-if TYPE_CHECKING:
-    from persist.txn import Txn
+from stash import Stash, StashError
 
 __all__ = ["SHARD_ID_REF", "CompactionMode", "PersistClient", "RetryingBlob"]
 
-#: The prefix that marks a shard reference as a shard id rather than a name
-#: (:meth:`PersistClient.shard_id`).
-SHARD_ID_REF = "id:"
-
 log = logging.getLogger(__name__)
 
-CompactionMode = Literal["background", "inline", "off"]
-_T = TypeVar("_T")
-
-
-def _schema_str(s: pa.Schema) -> str:
-    return "[" + ", ".join(f"{f.name}: {f.type}" for f in s) + "]"
 
 
 class PersistClient:
@@ -160,143 +141,170 @@ class PersistClient:
         piggyback_seconds: float = 0.05,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if compaction not in ("background", "inline", "off"):
-            raise InvalidUsage(
-                f"compaction must be 'background', 'inline' or 'off', got {compaction!r}"
-            )
-        self.stash = stash
+        config = PersistConfig(
+            compaction=compaction,
+            reader_lease_seconds=reader_lease_seconds,
+            writer_lease_seconds=writer_lease_seconds,
+            handoff_lease_seconds=handoff_lease_seconds,
+            inline_max_bytes=inline_max_bytes,
+            inline_total_max_bytes=inline_total_max_bytes,
+            target_part_bytes=target_part_bytes,
+            write_workers=write_workers,
+            read_workers=read_workers,
+            blob_retries=blob_retries,
+            consensus_retries=consensus_retries,
+            gc_grace_seconds=gc_grace_seconds,
+            gc_interval_seconds=gc_interval_seconds,
+            piggyback_seconds=piggyback_seconds,
+            clock=clock,
+        )
         self._owns_blob = isinstance(blob, str)
         raw = open_blob(blob) if isinstance(blob, str) else blob
-        self.raw_blob = raw
-        self.blob: Blob = RetryingBlob(raw, blob_retries)
-        self.consensus = Consensus(stash, retries=consensus_retries)
-        self.compaction = compaction
-        self.reader_lease_seconds = reader_lease_seconds
-        self.writer_lease_seconds = writer_lease_seconds
-        if not handoff_lease_seconds > 0:
-            raise InvalidUsage(
-                f"handoff_lease_seconds must be > 0 seconds, got {handoff_lease_seconds!r}"
-            )
-        self.handoff_lease_seconds = handoff_lease_seconds
-        self.inline_max_bytes = inline_max_bytes
-        self.inline_total_max_bytes = inline_total_max_bytes
-        self.target_part_bytes = target_part_bytes
-        self.write_workers = write_workers
-        self.read_workers = read_workers
-        self.gc_grace_seconds = gc_grace_seconds
-        self.gc_interval_seconds = gc_interval_seconds
-        self.piggyback_seconds = piggyback_seconds
-        self.clock = clock
-        self._machines: dict[str, ShardMachine] = {}
-        self._handles: weakref.WeakSet[WriteHandle | ReadHandle | Listen] = weakref.WeakSet()
-        self._closed = False
-        self._txn_writers: dict[str, WriteHandle] = {}
-        self._txn_lock = threading.Lock()
-        # shard id -> record ids of acknowledged transactions, dropped from the shard's
-        # state by this client's next transaction on it (see persist.txn).
-        self._txn_done: dict[str, list[str]] = {}
-        self.compactor = Compactor(self)
-        if compaction == "background":
-            self.compactor.start()
+        self._ctx = PersistContext(
+            config,
+            stash,
+            RetryingBlob(raw, config.blob_retries),
+            raw,
+            Consensus(stash, retries=config.consensus_retries),
+        )
+        self._shard_ops = Shards(self._ctx)
+        self.compactor = Compactor(self._ctx)
+        self.maintenance = Maintenance(self._ctx, self.compactor)
+        if config.compaction == "background":
+            self.maintenance.start()
 
     def __repr__(self) -> str:
         return f"PersistClient({self.stash!r}, {self.raw_blob!r}, compaction={self.compaction!r})"
 
+    # ------------------------------------------------------------------ parts
+    @property
+    def context(self) -> PersistContext:
+        """What this client's handles share (:class:`~persist.context.PersistContext`)."""
+        return self._ctx
+
+    @property
+    def shard_ops(self) -> Shards:
+        """This client's shard opener (:class:`~persist.shards.Shards`)."""
+        return self._shard_ops
+
+    @property
+    def config(self) -> PersistConfig:
+        """This client's knobs (:class:`~persist.config.PersistConfig`)."""
+        return self._ctx.config
+
+    @property
+    def stash(self) -> Stash:
+        """The stash holding consensus (the caller's to close)."""
+        return self._ctx.stash
+
+    @property
+    def blob(self) -> Blob:
+        """The blob store handles use (retrying transient errors)."""
+        return self._ctx.blob
+
+    @property
+    def raw_blob(self) -> Blob:
+        """The blob store under :attr:`blob`."""
+        return self._ctx.raw_blob
+
+    @property
+    def consensus(self) -> Consensus:
+        """The shards' versioned log in the stash."""
+        return self._ctx.consensus
+
+    @property
+    def compaction(self) -> CompactionMode:
+        """How merge requests are answered (see the class docstring); settable (a new
+        :class:`~persist.config.PersistConfig`; the background thread is not started or
+        stopped by it)."""
+        return self._ctx.config.compaction
+
+    @compaction.setter
+    def compaction(self, mode: CompactionMode) -> None:
+        self._ctx.config = self._ctx.config.replace(compaction=mode)
+
+    @property
+    def reader_lease_seconds(self) -> float:
+        """A reader's lease (seconds)."""
+        return self._ctx.config.reader_lease_seconds
+
+    @property
+    def writer_lease_seconds(self) -> float:
+        """A writer's lease (seconds)."""
+        return self._ctx.config.writer_lease_seconds
+
+    @property
+    def handoff_lease_seconds(self) -> float:
+        """A writer's lease while others hold its batches (seconds)."""
+        return self._ctx.config.handoff_lease_seconds
+
+    @property
+    def inline_max_bytes(self) -> int:
+        """The largest batch kept inline in the state (bytes)."""
+        return self._ctx.config.inline_max_bytes
+
+    @property
+    def inline_total_max_bytes(self) -> int:
+        """The most inline bytes the state holds (bytes)."""
+        return self._ctx.config.inline_total_max_bytes
+
+    @property
+    def target_part_bytes(self) -> int:
+        """Target in-memory size of a part (bytes)."""
+        return self._ctx.config.target_part_bytes
+
+    @property
+    def write_workers(self) -> int:
+        """Threads uploading parts."""
+        return self._ctx.config.write_workers
+
+    @property
+    def read_workers(self) -> int:
+        """Threads fetching parts."""
+        return self._ctx.config.read_workers
+
+    @property
+    def gc_grace_seconds(self) -> float:
+        """GC's grace period (seconds)."""
+        return self._ctx.config.gc_grace_seconds
+
+    @property
+    def gc_interval_seconds(self) -> float | None:
+        """The background GC interval (seconds; None: none)."""
+        return self._ctx.config.gc_interval_seconds
+
+    @property
+    def piggyback_seconds(self) -> float:
+        """How long results are offered to this process's appends (s)."""
+        return self._ctx.config.piggyback_seconds
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The wall clock (seconds)."""
+        return self._ctx.config.clock
+
+    @property
+    def _machines(self) -> dict[str, ShardMachine]:
+        """Shard id -> the state machine this client's handles share."""
+        return self._ctx.machines
+
     # ------------------------------------------------------------------ shards
     def machine(self, shard_id: str) -> ShardMachine:
         """The state machine of ``shard_id`` (shared by this client's handles)."""
-        validate_shard_id(shard_id)
-        m = self._machines.get(shard_id)
-        if m is None:
-            m = self._machines.setdefault(
-                shard_id, ShardMachine(self.consensus, shard_id, clock=self.clock)
-            )
-        return m
+        return self._ctx.machine(shard_id)
 
     def shards(self) -> dict[str, str]:
         """Every registered shard: name -> shard id."""
-        return self.consensus.shards()
+        return self._ctx.consensus.shards()
 
     def shard_id(self, shard: str) -> str:
-        """Resolve a shard reference to a shard id.  Names and ids are kept apart: a
-        plain string is always a *name* (even one shaped like a shard id); a shard id is
-        given as ``"id:<shard id>"`` (``:`` is never part of a name).
+        """Resolve a shard reference to a shard id (:meth:`PersistContext.shard_id`):
+        a plain string is always a *name*; a shard id is given as ``"id:<shard id>"``.
 
         Raises:
             InvalidUsage: no shard has that name; a malformed name or ``id:`` reference.
         """
-        if not isinstance(shard, str):
-            raise InvalidUsage(f"a shard reference must be a str, got {type(shard).__name__}")
-        if shard.startswith(SHARD_ID_REF):
-            return validate_shard_id(shard[len(SHARD_ID_REF) :])
-        validate_shard_name(shard)
-        sid = self.consensus.lookup(shard)
-        if sid is None:
-            raise InvalidUsage(f"no shard named {shard!r}")
-        return sid
-
-    def _open_machine(
-        self,
-        name: str,
-        key_schema: pa.Schema,
-        value_schema: pa.Schema,
-        drop: Collection[str] = (),
-    ) -> tuple[ShardMachine, int]:
-        """The shard's machine (creating the shard if needed) and the schema id of
-        handles opened with these schemas (registered if new; see
-        :meth:`_register_schema`)."""
-        self._check_open()
-        validate_shard_name(name)
-        updates_schema(key_schema, value_schema)  # validates the schemas
-        now_ms = int(self.clock() * 1000)
-        shard_id = self.consensus.register(name, now_ms)
-        m = self.machine(shard_id)
-        st = m.initialize(ShardState(shard_id, name, key_schema, value_schema))
-        if st.tombstone:
-            raise InvalidUsage(
-                f"shard {name!r} ({shard_id}) was finalized (dropped): it cannot be opened"
-            )
-        return m, self._register_schema(m, st, key_schema, value_schema, drop)
-
-    def _register_schema(
-        self,
-        m: ShardMachine,
-        st: ShardState,
-        key_schema: pa.Schema,
-        value_schema: pa.Schema,
-        drop: Collection[str] = (),
-    ) -> int:
-        """The schema id of handles opened with these schemas, registering a compatible
-        newer value schema by compare-and-set.  The check runs on a
-        freshly read state and again on every compare-and-set race, so two processes
-        evolving the schema at once both end with a version of theirs, or a
-        :class:`SchemaMismatch` against the other's, checked on the state that holds it
-        (a schema lacking a column the other added is refused unless ``drop`` names it:
-        never a silent drop).  Ids are resolved on the state read, never cached: a
-        version a later one dropped a column of is not reused.
-
-        Raises:
-            SchemaMismatch: not a compatible evolution of the newest schema (nothing is
-                committed).
-        """
-        # ``st`` was just read: a schema equal to a version is that version (the newest
-        # such, none of whose columns a later version dropped), anything else is
-        # decided by compare-and-set.
-        known = st.schemas().id_of(value_schema) if st.key_schema.equals(key_schema) else None
-        if known is not None:
-            return known
-
-        def fn(st: ShardState, fresh: bool) -> tuple[int, bool]:
-            if not fresh:
-                raise Stale()  # decide on the latest versions only
-            return st.register_schema(key_schema, value_schema, drop)
-
-        return m.apply(fn)
-
-    def _schema_id(self, m: ShardMachine, key_schema: pa.Schema, value_schema: pa.Schema) -> int:
-        """The schema id of these schemas in the shard's latest state (registering them
-        if they are a compatible evolution dropping nothing)."""
-        return self._register_schema(m, m.recent(), key_schema, value_schema)
+        return self._ctx.shard_id(shard)
 
     def open(
         self,
@@ -325,10 +333,11 @@ class PersistClient:
                 (:class:`SchemaMismatch`, naming the column and the rule).
             ConsensusError: the stash failed.
         """
-        m, sid = self._open_machine(shard_name, key_schema, value_schema, drop)
+        ops = self._shard_ops
+        m, sid = ops.open_machine(shard_name, key_schema, value_schema, drop)
         return (
-            self._writer(m, shard_name, key_schema, value_schema, sid),
-            self._reader(m, shard_name, key_schema, value_schema, sid),
+            ops.writer(m, shard_name, key_schema, value_schema, sid),
+            ops.reader(m, shard_name, key_schema, value_schema, sid),
         )
 
     def open_writer(
@@ -342,110 +351,9 @@ class PersistClient:
         """Open (creating if needed) the shard and return a writer only (no state change:
         the writer is registered by its first append, so e.g. Spark executors that only
         build batches cost nothing in consensus).  Arguments as :meth:`open`."""
-        m, sid = self._open_machine(shard_name, key_schema, value_schema, drop)
-        return self._writer(m, shard_name, key_schema, value_schema, sid)
-
-    def _writer(
-        self,
-        m: ShardMachine,
-        name: str,
-        key_schema: pa.Schema,
-        value_schema: pa.Schema,
-        schema_id: int | None = None,
-    ) -> WriteHandle:
-        wid = "w" + uuid.uuid4().hex
-        w = WriteHandle(self, m, name, wid, key_schema, value_schema, self.writer_lease_seconds)
-        w.schema_id = (
-            self._schema_id(m, key_schema, value_schema) if schema_id is None else schema_id
-        )
-        self._handles.add(w)
-        return w
-
-    # ------------------------------------------------------------ transactions
-    def begin(self) -> Txn:
-        """A new :class:`~persist.txn.Txn`: writes to several shards and stash batches
-        committed together in one stash transaction.
-
-        Raises:
-            InvalidUsage: the client is closed.
-        """
-        from persist.txn import Txn
-
-        return Txn(self)
-
-    def snapshot_many(
-        self, as_ofs: Mapping[str, int | None] | Sequence[str]
-    ) -> dict[str, pa.Table]:
-        """Cross-shard-consistent snapshots: see :func:`persist.txn.snapshot_many`."""
-        from persist.txn import snapshot_many
-
-        self._check_open()
-        return snapshot_many(self, as_ofs)
-
-    def _txn_writer(
-        self,
-        m: ShardMachine,
-        name: str,
-        key_schema: pa.Schema | None = None,
-        value_schema: pa.Schema | None = None,
-        schema_id: int | None = None,
-    ) -> WriteHandle:
-        """The writer this client's transactions use for a shard, with the given schemas
-        and schema id (default: the shard's newest, in its latest state, read now): one
-        per shard, so a stream of transactions does not register a writer each;
-        replaced once expired or when the schemas or the id asked for change (an
-        evolution since it was made, by any process)."""
-        # The client's ``_txn_lock`` is a leaf lock (see the module docstring): the
-        # state is read and a new writer made (both take the shard machine's lock)
-        # outside it.
-        if key_schema is None or value_schema is None:
-            st = m.recent()
-            key_schema, value_schema = st.key_schema, st.value_schema
-            schema_id = st.schemas().newest
-        elif schema_id is None:
-            schema_id = self._schema_id(m, key_schema, value_schema)
-        with self._txn_lock:
-            w = self._txn_writers.get(m.shard_id)
-        if w is not None and not (
-            w._expired
-            or (w._registered and m.now_ms() - w._last_heartbeat_ms > w._lease_ms)
-            or w.schema_id != schema_id
-            or not (w.key_schema.equals(key_schema) and w.value_schema.equals(value_schema))
-        ):
-            return w
-        fresh = self._writer(m, name, key_schema, value_schema, schema_id)
-        with self._txn_lock:
-            if self._txn_writers.get(m.shard_id) is w:
-                self._txn_writers[m.shard_id] = fresh
-        return fresh
-
-    def _txn_done_add(self, shard_id: str, record_id: str) -> None:
-        """Note that the transaction recorded under ``record_id`` is acknowledged."""
-        with self._txn_lock:
-            ids = self._txn_done.setdefault(shard_id, [])
-            ids.append(record_id)
-            del ids[:-1024]  # older ones expire with their leases
-
-    def _txn_done_ids(self, shard_id: str) -> tuple[str, ...]:
-        """Record ids of acknowledged transactions still in ``shard_id``'s state."""
-        with self._txn_lock:
-            return tuple(self._txn_done.get(shard_id, ()))
-
-    def _txn_done_forget(self, shard_id: str, record_ids: Sequence[str]) -> None:
-        """``record_ids`` were dropped from ``shard_id``'s state."""
-        if not record_ids:
-            return
-        gone = set(record_ids)
-        with self._txn_lock:
-            ids = self._txn_done.get(shard_id)
-            if ids:
-                ids[:] = [i for i in ids if i not in gone]
-
-    def _forget_txn_writer(self, w: WriteHandle) -> None:
-        """Stop using ``w`` for transactions (its lease ran out)."""
-        with self._txn_lock:
-            if self._txn_writers.get(w.shard_id) is w:
-                del self._txn_writers[w.shard_id]
+        ops = self._shard_ops
+        m, sid = ops.open_machine(shard_name, key_schema, value_schema, drop)
+        return ops.writer(m, shard_name, key_schema, value_schema, sid)
 
     def open_reader(
         self,
@@ -458,158 +366,70 @@ class PersistClient:
         """Open (creating if needed) the shard and return a leased reader only (registered
         in the shard state, holding the shard's current since).  Arguments as
         :meth:`open`."""
-        m, sid = self._open_machine(shard_name, key_schema, value_schema, drop)
-        return self._reader(m, shard_name, key_schema, value_schema, sid)
-
-    def _reader(
-        self,
-        m: ShardMachine,
-        name: str,
-        key_schema: pa.Schema,
-        value_schema: pa.Schema,
-        schema_id: int | None = None,
-    ) -> ReadHandle:
-        """A leased reader; without ``schema_id``, its id is resolved on the state that
-        registers it (the version equal to ``value_schema`` there)."""
-        rid = "r" + uuid.uuid4().hex
-        rl = self.reader_lease_seconds
-
-        def fn(st: ShardState, fresh: bool) -> tuple[int | None, bool]:
-            st.register_reader(rid, m.now_ms(), int(rl * 1000), "read handle")
-            if schema_id is not None or not st.key_schema.equals(key_schema):
-                return schema_id, True
-            return st.schemas().id_of(value_schema), True
-
-        sid = m.apply(fn, keep=(rid,))
-        r = ReadHandle(self, m, name, rid, key_schema, value_schema, rl)
-        r.schema_id = self._schema_id(m, key_schema, value_schema) if sid is None else sid
-        self._handles.add(r)
-        return r
+        ops = self._shard_ops
+        m, sid = ops.open_machine(shard_name, key_schema, value_schema, drop)
+        return ops.reader(m, shard_name, key_schema, value_schema, sid)
 
     def inspect(self, shard: str) -> ShardState:
         """The latest state of a shard (a name, or ``id:<shard id>``), freshly read."""
-        return self.machine(self.shard_id(shard)).fetch()
+        return self._shard_ops.inspect(shard)
 
     def check_may_delete(self, what: str) -> None:
-        """Refuse an operation that deletes blobs (GC, :meth:`finalize_shard`) unless
-        the stash is writable.  A ``savepoint`` stash commits none of its state changes,
-        so what it judges unreferenced may still be referenced by the live state that
-        shares the blob store; a ``readonly`` one cannot record what it deleted.
+        """:meth:`PersistContext.check_may_delete`: refuse an operation that deletes
+        blobs unless the stash is writable.
 
         Raises:
             InvalidUsage: the stash's mode is not ``writable`` (names ``what``).
         """
-        mode = getattr(self.stash, "mode", "writable")
-        if mode != "writable":
-            raise InvalidUsage(
-                f"{what} deletes blobs and needs a writable stash, not a {mode} one: its "
-                "state changes are never committed, so it could delete parts the live "
-                "state still references"
-            )
+        self._ctx.check_may_delete(what)
 
     def finalize_shard(self, shard: str) -> int:
-        """Drop a shard (Materialize's ``Destroy``; persist-client's finalization): its
-        state becomes a tombstone (upper and since advanced to the empty antichain, no
-        batch, no reader, no writer), then every blob under its prefix that persist
-        wrote is deleted, and on object stores the empty "directory" objects under it
-        (a key persist did not write is kept, with its directories).  Later :meth:`open` calls of the name raise
-        :class:`InvalidUsage`; handles still open fail on their next state change
-        (their lease is gone).  Idempotent: finalizing a tombstone deletes what is
-        left.  Returns the number of blobs deleted.
-
-        Args:
-            shard: a name, or ``id:<shard id>``.
+        """Drop a shard (:meth:`persist.shards.Shards.finalize_shard`): its state
+        becomes a tombstone and every blob persist wrote under its prefix is deleted.
+        Returns the number of blobs deleted.
 
         Raises:
-            InvalidUsage: unknown shard, or a stash that is not writable (see
-                :meth:`check_may_delete`).  ConsensusError, BlobError: storage failed
-                (call again: the tombstone, once written, stays).
+            InvalidUsage: unknown shard, a closed client, or a stash that is not
+                writable.  ConsensusError, BlobError: storage failed (call again).
         """
-        self._check_open()
-        self.check_may_delete("finalize_shard")
-        from persist.keys import parse_part_key
+        return self._shard_ops.finalize_shard(shard)
 
-        shard_id = self.shard_id(shard)
-        m = self.machine(shard_id)
-        now = m.now_ms()
+    # ------------------------------------------------------------ transactions
+    def begin(self) -> Txn:
+        """A new :class:`~persist.txn.Txn`: writes to several shards and stash batches
+        committed together in one stash transaction.
 
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            if st.tombstone:
-                return None, False
-            before = st.referenced_blob_keys()
-            trace = Trace()
-            trace.push_batch(HollowBatch(Description(trace.upper, Antichain())))
-            trace.downgrade_since(Antichain())
-            st.trace = trace
-            st.readers.clear()
-            st.writers.clear()
-            st.tombstone = True
-            for k in before:
-                st.retire_adds[k] = now
-            return None, True
+        Raises:
+            InvalidUsage: the client is closed.
+        """
+        return Txn(self._shard_ops)
 
-        m.apply(fn)
-        n = 0
-        for key, _size in self.blob.list_keys(f"{shard_id}/"):
-            if parse_part_key(shard_id, key) is None:
-                log.warning("finalize of shard %s: key %s is not persist's: kept", shard_id, key)
-                continue
-            self.blob.delete(key)
-            n += 1
-        if isinstance(self.raw_blob, ArrowFsBlob):
-            # Object stores: the empty "directory" objects left under the prefix go too.
-            remove_empty_dirs(self.raw_blob, f"{shard_id}/")
-        _u, retired = self.consensus.retired_entries(shard_id)
-        if retired:
-
-            def forget(st: ShardState, fresh: bool) -> tuple[None, bool]:
-                _u2, rows = self.consensus.retired_entries(shard_id)
-                if _u2 != st.retired_upper and not fresh:
-                    raise Stale()
-                return None, st.forget_retired({r.entry: r.ms for r in rows.values()})
-
-            m.apply(forget)
-        self.consensus.truncate(shard_id)
-        return n
-
-    # -------------------------------------------------------------- compaction
-    def _on_merge_reqs(self, machine: ShardMachine, reqs: list[FueledMergeReq]) -> None:
-        """Called by a writer after a successful append that produced merge requests."""
-        if self.compaction == "inline":
-            try:
-                self.compactor.run_reqs(machine, reqs)
-            except PersistError as e:
-                log.warning("inline compaction of shard %s failed: %s", machine.shard_id, e)
-        elif self.compaction == "background":
-            self.compactor.notify(machine.shard_id)
-
-    def _notify_compactor(self, shard_id: str) -> None:
-        """Called when a shard's since may have moved."""
-        if self.compaction == "background":
-            self.compactor.notify(shard_id)
+    def snapshot_many(
+        self, as_ofs: Mapping[str, int | None] | Sequence[str]
+    ) -> dict[str, pa.Table]:
+        """Cross-shard-consistent snapshots: see :func:`persist.txn.snapshot_many`."""
+        self._ctx.check_open()
+        return snapshot_many(self._shard_ops, as_ofs)
 
     # ----------------------------------------------------------------- closing
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidUsage("this PersistClient is closed")
-
     def close(self) -> None:
-        """Stop the background compactor, expire the handles this client opened (their
+        """Stop the background worker, expire the handles this client opened (their
         leases and since holds go away; best effort), and close the blob store if the
         client opened it from a URI.  The stash is the caller's.  Idempotent."""
-        if self._closed:
+        ctx = self._ctx
+        if ctx.closed:
             return
-        self._closed = True
-        self.compactor.stop()
+        ctx.closed = True
+        self.maintenance.stop()
         self.compactor.expire_writers()
-        for h in list(self._handles):
+        for h in list(ctx.handles):
             try:
                 h.expire()
             except (PersistError, StashError) as e:
                 log.info("could not expire %r on close: %s", h, e)
         if self._owns_blob:
             try:
-                self.raw_blob.close()
+                ctx.raw_blob.close()
             except BlobError:  # pragma: no cover
                 pass
 

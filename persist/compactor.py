@@ -1,12 +1,14 @@
 """The compactor: answers the Spine's merge requests (physical compaction).
 
 For a :class:`~persist.spine.FueledMergeReq` the compactor reads the inputs' parts
-(times advanced to each batch's lower and since, see :func:`persist.read.read_batches`),
+(times advanced to each batch's lower and since, see :func:`persist.fetch.read_batches`),
 advances every time to the request's since, consolidates (vectorised, with
 :func:`persist.consolidation.consolidate`), writes the result as one sorted run (inline if small)
 and swaps it into the trace by compare-and-set (:meth:`ShardState.apply_merge_res`),
 re-applied on seqno races.  It runs inline after an append, as a background thread of
-the client, from ``persist compact``, or from any process (Spark) holding a client.
+the client (:mod:`persist.maintenance`), from ``persist compact``, or from any process
+(Spark) holding a client.  The compactor itself runs no thread: it holds the client's
+:class:`~persist.context.PersistContext`, never the client.
 After an append (inline or in the background) only requests that pass the compaction
 heuristic (:func:`persist.spine.worth_compacting`: enough inputs, parts or updates) are
 answered; the smaller ones are covered by a later request, or by :meth:`compact_once`
@@ -42,22 +44,30 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from persist import metrics as persist_metrics
 from persist.consensus import ShardMachine, Stale
+from persist.context import PersistContext
 from persist.errors import PersistError
+from persist.fetch import read_batches
 from persist.keys import new_writer_id, part_name_prefix
 from persist.parts import consolidate_order, updates_schema, write_parts
-from persist.read import read_batches
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
 from persist.state import ShardState
 from persist.types import HollowBatch
 
-if TYPE_CHECKING:
-    from persist.client import PersistClient
 
-SHARD_ID_REF = "id:"  # persist.client.SHARD_ID_REF (not imported: client imports us)
+class BackgroundWorker(Protocol):
+    """The thread that answers merge requests in the background
+    (:class:`persist.maintenance.Maintenance`), as the compactor's thread-facing
+    methods see it."""
+
+    def start(self) -> None: ...
+    def notify(self, shard_id: str) -> None: ...
+    def wait_idle(self, timeout: float | None = None) -> bool: ...
+    def stop(self) -> None: ...
+
 
 __all__ = ["CompactionReport", "Compactor"]
 
@@ -101,20 +111,18 @@ class CompactionReport:
 
 
 class Compactor:
-    """Answers merge requests for the shards of one :class:`PersistClient`.
+    """Answers merge requests for the shards of one client (its
+    :class:`~persist.context.PersistContext` ``ctx``).
 
-    Thread-safe.  :meth:`start` runs a daemon thread that compacts every shard it is
-    :meth:`notify`-ed about (and runs GC on it at most every ``gc_interval_seconds``).
+    Thread-safe.  It runs no thread of its own: :meth:`start`, :meth:`notify`,
+    :meth:`wait_idle` and :meth:`stop` pass on to the background worker attached to it
+    (:class:`persist.maintenance.Maintenance`), if any.
     """
 
-    def __init__(self, client: PersistClient) -> None:
-        self.client = client
-        self._cv = threading.Condition()
-        self._pending: set[str] = set()
-        self._busy = False
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self._last_gc: dict[str, float] = {}
+    def __init__(self, ctx: PersistContext) -> None:
+        self.ctx = ctx
+        self._worker: BackgroundWorker | None = None
+        self._totals_lock = threading.Lock()  # a leaf lock
         self._writers: dict[str, tuple[str, int]] = {}  # shard id -> (writer id, last hb ms)
         self._writers_lock = threading.Lock()
         self.totals = CompactionReport()
@@ -130,7 +138,7 @@ class Compactor:
             ConsensusError: the stash failed.
         """
         sid = machine.shard_id
-        lease_ms = int(self.client.writer_lease_seconds * 1000)
+        lease_ms = int(self.ctx.config.writer_lease_seconds * 1000)
         now = machine.now_ms()
         with self._writers_lock:
             cur = self._writers.get(sid)
@@ -155,7 +163,7 @@ class Compactor:
 
     def expire_writers(self) -> None:
         """Unregister this compactor from every shard it wrote to (best effort; called
-        by :meth:`PersistClient.close`).  Outputs it had not applied become garbage."""
+        by ``PersistClient.close``).  Outputs it had not applied become garbage."""
         with self._writers_lock:
             items, self._writers = list(self._writers.items()), {}
         for sid, (wid, _ms) in items:
@@ -164,7 +172,7 @@ class Compactor:
                 return None, st.expire_writer(wid)
 
             try:
-                self.client.machine(sid).apply(fn)
+                self.ctx.machine(sid).apply(fn)
             except PersistError as e:
                 log.info("could not expire compactor writer %s of shard %s: %s", wid, sid, e)
 
@@ -177,7 +185,7 @@ class Compactor:
             CorruptPart, BlobError: reading or writing failed (outputs already written
                 are left to GC).
         """
-        c = self.client
+        ctx, cfg = self.ctx, self.ctx.config
         st = machine.state()
         inputs: list[HollowBatch] = [i.batch for i in req.inputs]
         history = st.schemas()
@@ -189,10 +197,10 @@ class Compactor:
         # Conformed to the newest schema version *before* consolidating: rows that
         # differ only in a dropped column become one.
         table = read_batches(
-            c.blob,
+            ctx.blob,
             inputs,
             updates_schema(ks, vs),
-            max_workers=c.read_workers,
+            max_workers=cfg.read_workers,
             schemas=(history, newest),
         )
         rows_in = table.num_rows
@@ -200,16 +208,16 @@ class Compactor:
             table, ks.names, vs.names, since=req.desc.since.as_option()
         )
         rows_out = table.num_rows if order is None else len(order)
-        inline_max = c.inline_max_bytes if st.inline_bytes() < c.inline_total_max_bytes else 0
+        inline_max = cfg.inline_max_bytes if st.inline_bytes() < cfg.inline_total_max_bytes else 0
         wid = self.writer_id(machine)  # registered before any output is uploaded
         stem = part_name_prefix(wid, machine.now_ms())  # flat keys, see persist.keys
         parts = write_parts(
-            c.blob,
+            ctx.blob,
             table,
             f"{machine.shard_id}/c",
-            target_part_bytes=c.target_part_bytes,
+            target_part_bytes=cfg.target_part_bytes,
             inline_max_bytes=inline_max,
-            max_workers=c.write_workers,
+            max_workers=cfg.write_workers,
             order=order,
             name_prefix=stem,
             key_names=ks.names,
@@ -279,7 +287,7 @@ class Compactor:
             if k in protected:
                 continue
             try:
-                self.client.blob.delete(k)
+                self.ctx.blob.delete(k)
             except PersistError as e:  # garbage for GC
                 log.warning("could not delete unused compaction output %s: %s", k, e)
 
@@ -349,7 +357,7 @@ class Compactor:
         report.results.extend(rs)
         report.applied += sum(1 for r in rs if r.applied())
         report.not_applied += sum(1 for r in rs if not r.applied())
-        with self._cv:
+        with self._totals_lock:
             self.totals.add(report)
         persist_metrics.observe_compaction(report)
         return report
@@ -358,91 +366,42 @@ class Compactor:
         self, shard: str, *, fresh: bool = True, heuristic: bool = False
     ) -> CompactionReport:
         """Answer every outstanding merge request of a shard (a name, or ``id:<shard
-        id>``: see :meth:`PersistClient.shard_id`), from a fresh
+        id>``: see :meth:`PersistContext.shard_id`), from a fresh
         read of its state (or this process's latest known version if not ``fresh``);
         with ``heuristic`` (the background thread) only those worth a physical merge
         (:func:`persist.spine.worth_compacting`)."""
-        m = self.client.machine(self.client.shard_id(shard))
+        m = self.ctx.machine(self.ctx.shard_id(shard))
         st = m.fetch() if fresh else m.state()
         if heuristic:
             reqs = st.trace.worth_compacting_reqs()
         else:
             reqs = st.trace.all_fueled_merge_reqs()
-        piggyback = self.client.piggyback_seconds if not fresh else 0.0
+        piggyback = self.ctx.config.piggyback_seconds if not fresh else 0.0
         return self.run_reqs(m, reqs, piggyback_seconds=piggyback)
 
     # ------------------------------------------------------------- background
+    def attach(self, worker: BackgroundWorker | None) -> None:
+        """Set the background worker (:class:`persist.maintenance.Maintenance`) that the
+        thread-facing methods below pass on to; ``None`` for none."""
+        self._worker = worker
+
     def start(self) -> None:
-        """Start the background thread (idempotent)."""
-        with self._cv:
-            if self._thread is not None:
-                return
-            self._stop = False
-            self._thread = threading.Thread(target=self._run, name="persist-compactor", daemon=True)
-            self._thread.start()
+        """Start the background worker's thread (idempotent; nothing without one)."""
+        if self._worker is not None:
+            self._worker.start()
 
     def notify(self, shard_id: str) -> None:
-        """Ask the background thread to compact ``shard_id`` soon."""
-        with self._cv:
-            self._pending.add(shard_id)
-            self._cv.notify_all()
+        """Ask the background worker to compact ``shard_id`` soon."""
+        if self._worker is not None:
+            self._worker.notify(shard_id)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until the background thread has nothing pending.  Returns False on
-        timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._pending or self._busy:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cv.wait(remaining)
-        return True
+        """Wait until the background worker has nothing pending (``timeout`` seconds,
+        ``None`` for no limit).  Returns False on timeout; True without a worker."""
+        return True if self._worker is None else self._worker.wait_idle(timeout)
 
     def stop(self) -> None:
-        """Stop the background thread (pending work is dropped) and wait for it."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-            t = self._thread
-            self._thread = None
-        if t is not None and t is not threading.current_thread():
-            t.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._pending and not self._stop:
-                    self._cv.wait()
-                if self._stop:
-                    self._pending.clear()
-                    self._busy = False
-                    self._cv.notify_all()
-                    return
-                shards = sorted(self._pending)
-                self._pending.clear()
-                self._busy = True
-            for sid in shards:
-                try:
-                    self.compact_once(SHARD_ID_REF + sid, fresh=False, heuristic=True)
-                    self._maybe_gc(sid)
-                except Exception as e:  # never let the thread die
-                    log.warning("background compaction of shard %s failed: %s", sid, e)
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
-
-    def _maybe_gc(self, shard_id: str) -> None:
-        interval = self.client.gc_interval_seconds
-        if interval is None:
-            return
-        now = time.monotonic()
-        last = self._last_gc.get(shard_id)
-        if last is not None and now - last < interval:
-            return
-        self._last_gc[shard_id] = now
-        from persist.gc import collect_garbage
-
-        collect_garbage(
-            self.client, SHARD_ID_REF + shard_id, grace_seconds=self.client.gc_grace_seconds
-        )
+        """Stop the background worker's thread (pending work is dropped) and wait for
+        it."""
+        if self._worker is not None:
+            self._worker.stop()

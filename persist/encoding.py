@@ -137,7 +137,7 @@ def encode_part(table: pa.Table) -> bytes:
             # them): they decode ~1.7x faster than fixed-length byte arrays.
             store_decimal_as_integer=True,
             # Several row groups per big part, so that a key-range read decodes only
-            # the ones its range overlaps (persist.read.stream_snapshot).
+            # the ones its range overlaps (persist.fetch.stream_snapshot).
             row_group_size=max(ROW_GROUP_MIN_ROWS, -(-table.num_rows // ROW_GROUPS_PER_PART)),
             memory_pool=_scratch_pool(),
         )

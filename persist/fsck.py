@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from persist.context import HasContext, PersistContext, as_context
 from persist.keys import parse_part_key
-
-if TYPE_CHECKING:
-    from persist.client import PersistClient
 
 __all__ = ["FsckReport", "fsck"]
 
@@ -93,12 +91,13 @@ def _find_symlinks(blob: Any, prefix: str) -> list[str]:
     return []
 
 
-def fsck(client: PersistClient, shard: str) -> FsckReport:
+def fsck(source: PersistContext | HasContext, shard: str) -> FsckReport:
     """Check a shard (see the module docstring).
 
     Args:
-        client: the client (its stash may be readonly).
-        shard: a name, or ``id:<shard id>`` (:meth:`PersistClient.shard_id`).
+        source: the client, or its :class:`~persist.context.PersistContext` (its stash
+            may be readonly).
+        shard: a name, or ``id:<shard id>`` (:meth:`PersistContext.shard_id`).
 
     Returns: the report; ``report.ok`` is False on damage.
 
@@ -106,8 +105,9 @@ def fsck(client: PersistClient, shard: str) -> FsckReport:
         InvalidUsage: unknown shard.  BlobError, ConsensusError: a store failed (nothing
         can be concluded).
     """
-    shard_id = client.shard_id(shard)
-    st = client.machine(shard_id).fetch()
+    ctx = as_context(source)
+    shard_id = ctx.shard_id(shard)
+    st = ctx.machine(shard_id).fetch()
     report = FsckReport(shard_id, st.name, st.seqno, tombstone=st.tombstone)
     referenced: set[str] = set()
     for b in st.batches():
@@ -117,7 +117,7 @@ def fsck(client: PersistClient, shard: str) -> FsckReport:
                 data: bytes | None = p.inline
             else:
                 referenced.add(p.key)
-                data = client.blob.get(p.key)
+                data = ctx.blob.get(p.key)
                 if data is None:
                     report.missing.append(p.key)
                     continue
@@ -127,8 +127,8 @@ def fsck(client: PersistClient, shard: str) -> FsckReport:
                 report.wrong_size.append([name, p.encoded_size_bytes, len(data)])
             elif hashlib.sha256(data).hexdigest() != p.checksum:
                 report.wrong_checksum.append(name)
-    retired = client.consensus.retired(shard_id)
-    for key, _size in client.blob.list_keys(f"{shard_id}/"):
+    retired = ctx.consensus.retired(shard_id)
+    for key, _size in ctx.blob.list_keys(f"{shard_id}/"):
         if key in referenced:
             continue
         if parse_part_key(shard_id, key) is None:
@@ -137,5 +137,5 @@ def fsck(client: PersistClient, shard: str) -> FsckReport:
             report.retired += 1
         else:
             report.orphans.append(key)
-    report.symlinks = sorted(_find_symlinks(client.raw_blob, f"{shard_id}/"))
+    report.symlinks = sorted(_find_symlinks(ctx.raw_blob, f"{shard_id}/"))
     return report

@@ -59,17 +59,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from persist import metrics as persist_metrics
 from persist.consensus import RetiredKey, ShardMachine
+from persist.context import HasContext, PersistContext, as_context
 from persist.errors import BlobError, InvalidUsage
 from persist.keys import key_created_ms, parse_part_key
 from persist.state import ShardState
 from persist.types import INLINE_ID_PREFIX
-
-if TYPE_CHECKING:
-    from persist.client import PersistClient
 
 __all__ = ["GcReport", "collect_garbage", "key_created_ms"]
 
@@ -112,38 +109,40 @@ class GcReport:
 
 
 def collect_garbage(
-    client: PersistClient, shard: str, *, grace_seconds: float | None = None
+    source: PersistContext | HasContext, shard: str, *, grace_seconds: float | None = None
 ) -> GcReport:
     """Delete a shard's unreferenced blobs older than the grace period and truncate its
     consensus versions (see the module docstring).
 
     Args:
-        client: the client (its stash and blob store).
+        source: the client, or its :class:`~persist.context.PersistContext` (its stash
+            and blob store).
         shard: the shard's name, or ``id:<shard id>`` (see
-            :meth:`PersistClient.shard_id`).
+            :meth:`PersistContext.shard_id`).
         grace_seconds: the grace period (default: the client's ``gc_grace_seconds``), a
             finite number of seconds ``>= 0``.
 
     Raises:
         InvalidUsage: unknown shard, a grace period that is not a finite number ``>= 0``,
-        or a stash that is not writable (``PersistClient.check_may_delete``).
+        or a stash that is not writable (``PersistContext.check_may_delete``).
         BlobError, ConsensusError: listing or the final state update failed (deletions
         already done are harmless).
     """
-    grace = client.gc_grace_seconds if grace_seconds is None else grace_seconds
+    ctx = as_context(source)
+    grace = ctx.config.gc_grace_seconds if grace_seconds is None else grace_seconds
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 1e15:
         raise InvalidUsage(
             f"grace_seconds must be a finite number of seconds >= 0, got {grace_seconds!r}"
         )
-    client.check_may_delete("collect_garbage")
-    shard_id = client.shard_id(shard)
-    m: ShardMachine = client.machine(shard_id)
-    listed = client.blob.list_keys(f"{shard_id}/")
+    ctx.check_may_delete("collect_garbage")
+    shard_id = ctx.shard_id(shard)
+    m: ShardMachine = ctx.machine(shard_id)
+    listed = ctx.blob.list_keys(f"{shard_id}/")
     # Decided after listing: a key listed was written by a writer registered before it
     # (so present in this state unless expired), or was retired by then (so in the
     # retired collection read below).
     st = _commit_expiry(m)
-    _upper, retired = client.consensus.retired_entries(shard_id)
+    _upper, retired = ctx.consensus.retired_entries(shard_id)
     now = m.now_ms()
     grace_ms = int(grace * 1000)
     referenced = st.referenced_blob_keys()
@@ -196,7 +195,7 @@ def collect_garbage(
 
     for key in due_retired:
         try:
-            client.blob.delete(key)
+            ctx.blob.delete(key)
             report.deleted_retired.append(key)
         except BlobError as e:
             log.warning(
@@ -205,7 +204,7 @@ def collect_garbage(
             report.failed.append(key)
     for key in abandoned:
         try:
-            client.blob.delete(key)
+            ctx.blob.delete(key)
             report.deleted_abandoned.append(key)
         except BlobError as e:
             log.warning(
@@ -218,11 +217,11 @@ def collect_garbage(
             retired[k].entry: retired[k].ms
             for k in [*report.deleted_retired, *report.forgot_inline]
         }
-        _forget(client, m, shard_id, done)
-    sweep = getattr(client.raw_blob, "sweep_temporaries", None)
+        _forget(ctx, m, shard_id, done)
+    sweep = getattr(ctx.raw_blob, "sweep_temporaries", None)
     if sweep is not None:  # a FileBlob: uploads killed mid-write leave temporary files
         report.deleted_temporaries = sweep(f"{shard_id}/", grace)
-    client.consensus.truncate(shard_id)
+    ctx.consensus.truncate(shard_id)
     persist_metrics.observe_gc(report)
     return report
 
@@ -249,7 +248,7 @@ def _commit_expiry(m: ShardMachine) -> ShardState:
     return m.apply(fn)
 
 
-def _forget(client: PersistClient, m: ShardMachine, shard_id: str, done: dict[str, int]) -> None:
+def _forget(ctx: PersistContext, m: ShardMachine, shard_id: str, done: dict[str, int]) -> None:
     """Retract the rows ``done`` (row key -> ms) from the retired collection, only those
     still present as of the version the retraction commits on.
 
@@ -264,7 +263,7 @@ def _forget(client: PersistClient, m: ShardMachine, shard_id: str, done: dict[st
 
     def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
         if not seen or seen[0][0] != s.retired_upper:
-            upper, rows = client.consensus.retired_entries(shard_id)
+            upper, rows = ctx.consensus.retired_entries(shard_id)
             seen[:] = [(upper, {r.entry: r.ms for r in rows.values()})]
         present = seen[0][1]
         todo = {k: ms for k, ms in done.items() if present.get(k) == ms}

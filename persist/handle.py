@@ -8,17 +8,15 @@ Source of the idea: persist-client's ``WriteHandle`` / ``ReadHandle`` (Materiali
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import pyarrow as pa
 
 from persist.consensus import ShardMachine
+from persist.context import PersistContext
 from persist.errors import InvalidUsage
 from persist.parts import updates_schema
 from stash import Antichain
-
-if TYPE_CHECKING:
-    from persist.client import PersistClient
 
 
 class ShardHandle:
@@ -39,7 +37,7 @@ class ShardHandle:
 
     def __init__(
         self,
-        client: PersistClient,
+        ctx: PersistContext,
         machine: ShardMachine,
         name: str,
         handle_id: str,
@@ -47,7 +45,7 @@ class ShardHandle:
         value_schema: pa.Schema,
         lease_seconds: float,
     ) -> None:
-        self._client = client
+        self._ctx = ctx
         self._machine = machine
         self.shard_id = machine.shard_id
         self.name = name

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from persist.blob import Blob, validate_key
+from persist.config import DEFAULT_TARGET_PART_BYTES
 from persist.consolidation import _take, consolidate, consolidate_order
 from persist.decoding import INLINE_CACHE, _part_name, decode_part
 from persist.encoding import (
@@ -65,8 +66,6 @@ __all__ = [
 ]
 
 _MIB = 1024 * 1024
-#: Default target size of one part, in bytes of in-memory Arrow data.
-DEFAULT_TARGET_PART_BYTES = 64 * _MIB
 #: A table at least twice this size (in-memory bytes) is split into ``max_workers`` parts
 #: so that they encode in parallel (pyarrow releases the GIL while encoding).
 MIN_PARALLEL_PART_BYTES = 8 * _MIB

@@ -95,7 +95,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -119,6 +119,7 @@ from persist.errors import (
 )
 from persist.keys import key_writer_id
 from persist.parts import DIFF, TIME
+from persist.shards import Shards
 from persist.spine import FueledMergeReq
 from persist.state import TOKEN_SEP, LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
@@ -127,8 +128,14 @@ from persist.write import WriteHandle, handed_off_owners
 from stash import Antichain, AppendBatch, StashError
 from stash.antichain import I64_MAX, I64_MIN
 
-if TYPE_CHECKING:
-    from persist.client import PersistClient
+
+class HasShards(Protocol):
+    """Anything holding a :class:`~persist.shards.Shards` (a
+    :class:`~persist.client.PersistClient`)."""
+
+    @property
+    def shard_ops(self) -> Shards: ...
+
 
 __all__ = ["Txn", "TxnUpperMismatch", "snapshot_many"]
 
@@ -286,9 +293,10 @@ class Txn:
     #: How many lost seqno races (upper still <= ts) one ``commit_at`` re-stages.
     max_races: int = 10_000
 
-    def __init__(self, client: PersistClient) -> None:
-        client._check_open()
-        self._client = client
+    def __init__(self, shard_ops: Shards) -> None:
+        shard_ops.ctx.check_open()
+        self._shard_ops = shard_ops
+        self._ctx = shard_ops.ctx
         self._shards: dict[str, _ShardWrites] = {}  # by shard id
         self._stash_batches: list[AppendBatch] = []
         self.token = uuid.uuid4().hex
@@ -307,7 +315,7 @@ class Txn:
 
     # ----------------------------------------------------------------- building
     def _check_pending(self) -> None:
-        self._client._check_open()
+        self._ctx.check_open()
         if self.committed_ts is not None:
             raise InvalidUsage(f"this transaction already committed at {self.committed_ts}")
         if self._aborted:
@@ -474,7 +482,7 @@ class Txn:
         """Raise :class:`~persist.errors.SchemaMismatch` if an existing shard ``name``
         cannot be opened with these schemas (checked on a copy of its freshly read
         state: nothing is registered here)."""
-        c = self._client
+        c = self._ctx
         validate_shard_name(name)
         sid = c.consensus.lookup(name)
         if sid is None:
@@ -561,10 +569,10 @@ class Txn:
         key_schema: pa.Schema | None,
         value_schema: pa.Schema | None,
     ) -> WriteHandle:
-        c = self._client
+        c, ops = self._ctx, self._shard_ops
         if isinstance(shard, WriteHandle):
             w = shard
-            if w._client is not c:
+            if w._ctx is not c:
                 raise InvalidUsage(f"{w!r} belongs to another PersistClient than this transaction")
             w._check()  # an expired writer is refused, naming it and the shard
             if key_schema is not None or value_schema is not None:
@@ -572,8 +580,8 @@ class Txn:
         elif (key_schema is None) != (value_schema is None):
             raise InvalidUsage("Txn.write takes both key_schema and value_schema, or neither")
         elif key_schema is not None and value_schema is not None:
-            m, schema_id = c._open_machine(shard, key_schema, value_schema)
-            w = c._txn_writer(m, shard, key_schema, value_schema, schema_id)
+            m, schema_id = ops.open_machine(shard, key_schema, value_schema)
+            w = ops.txn_writer(m, shard, key_schema, value_schema, schema_id)
         else:
             sid = c.shard_id(shard)
             m = c.machine(sid)
@@ -584,7 +592,7 @@ class Txn:
                 raise InvalidUsage(
                     f"shard {shard!r} ({sid}) was finalized (dropped): it cannot be written"
                 )
-            w = c._txn_writer(m, st.name, st.key_schema, st.value_schema, st.schemas().newest)
+            w = ops.txn_writer(m, st.name, st.key_schema, st.value_schema, st.schemas().newest)
         return w
 
     def stash_append(self, batches: Sequence[AppendBatch]) -> None:
@@ -613,7 +621,7 @@ class Txn:
         if not batches:
             return
         try:
-            known = self._client.stash.collections()
+            known = self._ctx.stash.collections()
         except StashError as e:
             raise ConsensusError(f"listing the stash's collections failed: {e}") from e
         for b in batches:
@@ -633,7 +641,7 @@ class Txn:
             ):
                 raise InvalidUsage(
                     f"stash batch for collection {c.name!r} (id {c.id}) is not for this "
-                    f"client's stash {self._client.stash.redacted_url} (stash id "
+                    f"client's stash {self._ctx.stash.redacted_url} (stash id "
                     f"{next((k.stash_id for k in known.values()), '?')}): its handle was "
                     "made by stash "
                     f"{c.stash_url or '?'} (stash id {c.stash_id}); this stash has "
@@ -767,7 +775,7 @@ class Txn:
             prior_since: int | None = self._unknown_since_ms
             self._maybe_landed = True
             if self._unknown_since_ms is None:  # when its record starts to be needed
-                self._unknown_since_ms = self._client.machine(sorted(self._shards)[0]).now_ms()
+                self._unknown_since_ms = self._ctx.machine(sorted(self._shards)[0]).now_ms()
             try:
                 out = self._attempt(ts)
             except ConsensusError as e:
@@ -790,7 +798,7 @@ class Txn:
                 self._maybe_landed, self._unknown_since_ms = prior, prior_since
                 for sw in self._shards.values():
                     if sw.writer.writer_id == e.handle_id:
-                        self._client._forget_txn_writer(sw.writer)
+                        self._shard_ops.forget_txn_writer(sw.writer)
                 if indeterminate:
                     landed = self._resolve_landed()
                     if landed is not None:
@@ -850,7 +858,7 @@ class Txn:
             return self.commit_at(0)
         ts = I64_MIN
         for sid in sorted(self._shards):
-            m = self._client.machine(sid)
+            m = self._ctx.machine(sid)
             up = m.recent().upper.as_option()
             name = self._shards[sid].name
             if up is None or up >= I64_MAX:
@@ -892,7 +900,7 @@ class Txn:
         definite "nothing was committed", which would invite a duplicate)."""
         if not self._stash_batches:
             return self._finish(ts)
-        c = self._client.consensus
+        c = self._ctx.consensus
         batches = self._merged_stash_batches()
         try:
             lost = c.append_atomic(batches, "a transaction's stash append")
@@ -904,7 +912,7 @@ class Txn:
         if lost is not None:
             b = next(b for b in batches if b.collection.name == lost)
             try:
-                cur = self._client.stash.upper(b.collection)
+                cur = self._ctx.stash.upper(b.collection)
             except StashError as e:
                 raise ConsensusError(f"reading the upper of {lost} failed: {e}") from e
             if self._maybe_landed:
@@ -923,7 +931,7 @@ class Txn:
     def _attempt(self, ts: int) -> int:
         """Stage every shard's version at ``ts`` and send them with the stash batches as
         one append; re-stage on lost seqno races.  Returns the committed time."""
-        c = self._client
+        c = self._ctx
         order = sorted(self._shards)
         machines = [c.machine(sid) for sid in order]
         with contextlib.ExitStack() as stack:
@@ -979,10 +987,12 @@ class Txn:
                 if lost is None:
                     for m, st, _reqs in staged:
                         m.install(st)
-                        c._txn_done_forget(m.shard_id, self._dropping.get(m.shard_id, ()))
+                        self._shard_ops.txn_done_forget(
+                            m.shard_id, self._dropping.get(m.shard_id, ())
+                        )
                     for m, _st, reqs in staged:
                         if reqs:
-                            c._on_merge_reqs(m, reqs)
+                            c.maintenance.after_append(m, reqs)
                     return ts
                 sid_lost = next(
                     (
@@ -1055,7 +1065,7 @@ class Txn:
         ranges = [b.time_range for b in sw.batches if b.len > 0 and b.time_range is not None]
         timed_lo = min(r[0] for r in ranges) if timed and ranges else None
         rid = sw.record_id
-        done = [d for d in self._client._txn_done_ids(m.shard_id) if d != rid]
+        done = [d for d in self._shard_ops.txn_done_ids(m.shard_id) if d != rid]
         self._dropping[m.shard_id] = done
         given = [k for b in sw.given for k in b.part_ids()]
         refuse_copies = w._copy_check(sw.given, given, None, None)
@@ -1089,7 +1099,7 @@ class Txn:
             else:
                 copies = []
                 for b in sw.batches:
-                    cp = Batch(w._client.blob, b.shard_id, b.hollow, time_range=b.time_range)
+                    cp = Batch(w._ctx.blob, b.shard_id, b.hollow, time_range=b.time_range)
                     cp.rewrite_ts(Antichain.from_elem(ts), new)  # metadata only
                     copies.append(cp)
                 pieces, temps = w._assemble(copies, st.upper, new)
@@ -1120,7 +1130,7 @@ class Txn:
         with backoff; if they keep failing, ``None`` is not claimed and the error is
         raised as indeterminate."""
         sid = sorted(self._shards)[0]
-        m = self._client.machine(sid)
+        m = self._ctx.machine(sid)
         last: Exception | None = None
         for attempt in range(self.resolve_attempts):
             try:
@@ -1135,7 +1145,7 @@ class Txn:
                     _, _, fp = entry.partition(TOKEN_SEP)
                     for other in sorted(self._shards)[1:]:
                         with contextlib.suppress(ConsensusError):
-                            self._client.machine(other).fetch()
+                            self._ctx.machine(other).fetch()
                     return int(fp[1:]) if fp.startswith("t") else -1
             lease = max(sw.writer._lease_ms for sw in self._shards.values())
             since = self._unknown_since_ms
@@ -1164,7 +1174,7 @@ class Txn:
         self.committed_ts = ts
         self._maybe_landed = False
         for sid, sw in self._shards.items():
-            self._client._txn_done_add(sid, sw.record_id)
+            self._shard_ops.txn_done_add(sid, sw.record_id)
             w = sw.writer
             for b in sw.batches:
                 b.mark_consumed()
@@ -1216,12 +1226,12 @@ class Txn:
 
 
 def snapshot_many(
-    client: PersistClient, as_ofs: Mapping[str, int | None] | Sequence[str]
+    source: Shards | HasShards, as_ofs: Mapping[str, int | None] | Sequence[str]
 ) -> dict[str, pa.Table]:
     """Consolidated snapshots of several shards, consistent across them.
 
     Args:
-        client: the client.
+        source: the client, or its :class:`~persist.shards.Shards`.
         as_ofs: shard name -> as_of time, or ``None`` (or a list of names) for "the
             latest time definite in every listed shard": ``min(upper) - 1`` over them,
             read once (``2**63 - 1`` when every one is closed, upper ``{}``).  A transaction committed at ``ts`` is wholly visible in every
@@ -1244,9 +1254,10 @@ def snapshot_many(
     wanted: dict[str, int | None] = (
         dict(as_ofs) if isinstance(as_ofs, Mapping) else dict.fromkeys(names)
     )
+    ops = source if isinstance(source, Shards) else source.shard_ops
     machines: dict[str, ShardMachine] = {}
     for n in names:
-        machines[n] = client.machine(client.shard_id(n))
+        machines[n] = ops.ctx.machine(ops.ctx.shard_id(n))
     # Each shard's latest state, read now: its upper and its newest schema (another
     # process may have evolved it), never this process's cached version.
     latest = {n: machines[n].recent() for n in names}
@@ -1265,7 +1276,7 @@ def snapshot_many(
         assert t is not None
         if t < I64_MIN:
             raise SinceViolation(t, st.since)
-        r = client._reader(m, n, st.key_schema, st.value_schema, st.schemas().newest)
+        r = ops.reader(m, n, st.key_schema, st.value_schema, st.schemas().newest)
         try:
             out[n] = r.snapshot(t)
         finally:

@@ -98,6 +98,7 @@ from persist.errors import (
     UpdateNotBeyondLower,
     UpperMismatch,
 )
+from persist.fetch import read_batch
 from persist.fingerprint import batches_fingerprint, check_same_append, updates_fingerprint
 from persist.handle import ShardHandle
 from persist.keys import key_writer_id, part_name_prefix
@@ -108,7 +109,6 @@ from persist.parts import (
     to_updates_table,
     write_parts,
 )
-from persist.read import read_batch
 from persist.spine import FueledMergeReq, worth_compacting
 from persist.state import (
     TOKEN_FOREIGN,
@@ -124,7 +124,7 @@ from persist.updates import check_whole_days
 from stash import Antichain
 
 if TYPE_CHECKING:
-    from persist.client import PersistClient
+    from persist.context import PersistContext
 
 __all__ = ["BatchBuilder", "WriteHandle"]
 
@@ -272,7 +272,7 @@ class WriteHandle(ShardHandle):
 
     def __init__(
         self,
-        client: PersistClient,
+        ctx: PersistContext,
         machine: ShardMachine,
         name: str,
         writer_id: str,
@@ -280,7 +280,7 @@ class WriteHandle(ShardHandle):
         value_schema: pa.Schema,
         lease_seconds: float,
     ) -> None:
-        super().__init__(client, machine, name, writer_id, key_schema, value_schema, lease_seconds)
+        super().__init__(ctx, machine, name, writer_id, key_schema, value_schema, lease_seconds)
         self.writer_id = writer_id
         # Writer lease (persist.gc): registered before the first upload; once
         # registered, a writer found missing or expired is never registered again.
@@ -345,7 +345,7 @@ class WriteHandle(ShardHandle):
         wids = tuple(sorted(set(owners)))
         keeper = self.lease_keeper
         machine = self._machine
-        client = self._client
+        ctx = self._ctx
         ref = weakref.ref(holder)
         st = machine.state()
         lease = min(
@@ -353,7 +353,7 @@ class WriteHandle(ShardHandle):
         )
 
         def beat() -> bool:
-            if ref() is None or not alive() or client._closed:
+            if ref() is None or not alive() or ctx.closed:
                 return False
             now = machine.now_ms()
 
@@ -425,7 +425,7 @@ class WriteHandle(ShardHandle):
             prefix = k if w is None else k[: k.index(w) + len(w) + 1]
             prefixes.setdefault(prefix, []).append(k)
         missing: list[str] = []
-        blob = self._client.blob
+        blob = self._ctx.blob
         for prefix, ks in prefixes.items():
             present = {k for k, _ in blob.list_keys(prefix)}
             missing.extend(k for k in ks if k not in present)
@@ -460,14 +460,14 @@ class WriteHandle(ShardHandle):
         """:func:`persist.appended.copy_check` for ``batches`` (their parts listed
         again by :meth:`_check_appendable`)."""
         relist = partial(self._check_appendable, batches, fresh)
-        return copy_check(self._client.consensus, keys, relist, checked_upper)
+        return copy_check(self._ctx.consensus, keys, relist, checked_upper)
 
     def _inline_max(self) -> int:
         """Inline writes are allowed while the state holds less than the total budget."""
-        c = self._client
-        if self._machine.state().inline_bytes() >= c.inline_total_max_bytes:
+        cfg = self._ctx.config
+        if self._machine.state().inline_bytes() >= cfg.inline_total_max_bytes:
             return 0
-        return c.inline_max_bytes
+        return cfg.inline_max_bytes
 
     def _normalize(self, updates: Updates) -> pa.Table:
         """``updates`` as a table of exactly :attr:`schema` (:func:`to_updates_table`).
@@ -513,15 +513,15 @@ class WriteHandle(ShardHandle):
         """Write ``table`` (in ``order``, from :func:`consolidate_order`) as one run, its
         parts' keys stamped now (:meth:`_key_prefix`), the writer registered before the
         first upload."""
-        c = self._client
+        ctx = self._ctx
         directory, name = self._key_prefix().rsplit("/", 1)
         refs = write_parts(
-            c.blob,
+            ctx.blob,
             table,
             directory,
-            target_part_bytes=c.target_part_bytes,
+            target_part_bytes=ctx.config.target_part_bytes,
             inline_max_bytes=self._inline_max(),
-            max_workers=c.write_workers,
+            max_workers=ctx.config.write_workers,
             order=order,
             name_prefix=name + "-",
             before_upload=self._ensure_registered,
@@ -555,7 +555,7 @@ class WriteHandle(ShardHandle):
         Raises:
             InvalidUsage: malformed bytes, or a batch written for another shard.
         """
-        b = Batch.from_transmittable(self._client.blob, data)
+        b = Batch.from_transmittable(self._ctx.blob, data)
         if b.shard_id != self.shard_id:
             raise InvalidUsage(
                 f"transmitted batch was written for shard {b.shard_id}, not {self.shard_id}"
@@ -654,7 +654,7 @@ class WriteHandle(ShardHandle):
             parts=tuple(run),
             len=sum(p.rows for p in run),
         )
-        batch = Batch(self._client.blob, self.shard_id, hollow, time_range=rng)
+        batch = Batch(self._ctx.blob, self.shard_id, hollow, time_range=rng)
         try:
             self._append_batches(
                 [batch], expected, new, token, fresh=batch, fingerprint=fingerprint
@@ -787,7 +787,7 @@ class WriteHandle(ShardHandle):
         if any(p.schema_id > history.newest for p in b.hollow.parts):
             history = self._machine.fetch().schemas()  # a version this process has not seen
         table = read_batch(
-            self._client.blob,
+            self._ctx.blob,
             b.hollow,
             history.view_schema(history.newest),
             schemas=(history, history.newest),
@@ -809,7 +809,7 @@ class WriteHandle(ShardHandle):
             table = table.filter(mask)
         run = self._write_run(table, history.versions[history.newest], history.newest)
         hollow = HollowBatch(b.hollow.desc, tuple(run), sum(p.rows for p in run))
-        return Batch(self._client.blob, self.shard_id, hollow, time_range=_time_range(table))
+        return Batch(self._ctx.blob, self.shard_id, hollow, time_range=_time_range(table))
 
     @persist_metrics.timed_append
     def compare_and_append_batch(
@@ -993,7 +993,7 @@ class WriteHandle(ShardHandle):
         )
         self._lent = max(0, self._lent - own)
         if merges:
-            self._client.compactor.release_outputs(machine, merges)
+            self._ctx.maintenance.release_outputs(machine, merges)
         # Parts of a batch that this append truncated or rewrote physically are not
         # deleted here but left to GC (collected once this writer is gone and the grace
         # period passed): another copy of the same batch (its transmittable bytes decoded
@@ -1005,7 +1005,7 @@ class WriteHandle(ShardHandle):
         # covers their hollow batches.
         reqs = [r for r in reqs if worth_compacting(r)]
         if reqs:
-            self._client._on_merge_reqs(machine, reqs)
+            self._ctx.maintenance.after_append(machine, reqs)
 
     #: How many times an indeterminate commit is re-applied (re-reading consensus, with
     #: exponential backoff up to :attr:`resolve_max_wait` seconds) before giving up.
@@ -1130,7 +1130,7 @@ class WriteHandle(ShardHandle):
             # Batches still held here count too: they are appended by another handle,
             # or deleted (then the hand-off lease runs out by itself).
             wid, sent = self.writer_id, max(self._lent, self._transmitted)
-            lease_ms = int(self._client.handoff_lease_seconds * 1000)
+            lease_ms = int(self._ctx.config.handoff_lease_seconds * 1000)
             machine = self._machine
 
             def hand_off(st: ShardState, fresh: bool) -> tuple[bool, bool]:
@@ -1235,7 +1235,7 @@ class BatchBuilder:
         self._max_time = rng[1] if self._max_time is None else max(self._max_time, rng[1])
         self._buffer.append(table)
         self._buffered_bytes += table.nbytes
-        if self._buffered_bytes >= self._h._client.target_part_bytes:
+        if self._buffered_bytes >= self._h._ctx.config.target_part_bytes:
             try:
                 self._flush()
             except BaseException:
@@ -1312,7 +1312,7 @@ class BatchBuilder:
         time_range = None
         if self._min_time is not None and self._max_time is not None:
             time_range = (self._min_time, self._max_time)
-        batch = Batch(self._h._client.blob, self._h.shard_id, hollow, time_range=time_range)
+        batch = Batch(self._h._ctx.blob, self._h.shard_id, hollow, time_range=time_range)
         if batch.blob_keys():
             batch._on_transmit = self._h._count_transmitted
         return self._h._hold_batch(batch)
@@ -1335,7 +1335,7 @@ class BatchBuilder:
             self._release_hold()
             self._buffer = []
             Batch(
-                self._h._client.blob,
+                self._h._ctx.blob,
                 self._h.shard_id,
                 HollowBatch(Description(self.lower, self.lower), tuple(self._parts)),
             ).delete()

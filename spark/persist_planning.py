@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 def plan_parts(batches: Sequence[Any], limit: int, full: bool) -> list[list[Any]]:
     """Split hollow batches into input partitions: lists of hollow batches, each holding
     a slice of one original batch's parts with its description (so that readers advance
-    times exactly as :func:`persist.read.read_batches` does) and its runs (so that a slice
+    times exactly as :func:`persist.fetch.read_batches` does) and its runs (so that a slice
     holding parts of several runs is never taken for one consolidated run).
 
     One partition per part, except that consecutive small parts share a partition up to
@@ -385,9 +385,9 @@ def prune_for_filters(
 ) -> list[Any]:
     """``batches`` without the parts that cannot contribute at ``as_of`` (all their
     times later) or hold no row the ``pushed`` filters keep, by the parts' statistics
-    (:func:`persist.read.prune_batches`; parts without statistics are kept). Each kept
+    (:func:`persist.fetch.prune_batches`; parts without statistics are kept). Each kept
     batch keeps its runs. ``schemas`` (the shard's schema history and the read version)
     makes a part's statistics count only for the columns it holds under the read view."""
-    from persist.read import prune_batches
+    from persist.fetch import prune_batches
 
     return prune_batches(batches, schema, as_of, filter_expression(pushed, columns), schemas)

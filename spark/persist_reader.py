@@ -5,7 +5,7 @@ shard's newest value schema when the read was planned; each part is conformed fr
 schema version it was written with, before consolidation); with
 ``consolidate=full`` the rows equal ``ReadHandle.snapshot(as_of)``: each task of a read cut
 by key range (:class:`~spark.persist_planning.KeyRangePartition`) streams the snapshot's
-rows of its range (:func:`persist.read.stream_snapshot`: a k-way merge of its parts' sorted
+rows of its range (:func:`persist.fetch.stream_snapshot`: a k-way merge of its parts' sorted
 runs holding about one part per run in memory), and the ranges partition the key space, so
 each distinct row comes from exactly one task, with no shuffle; times are advanced to the
 read time and updates beyond it dropped before consolidation; the filters the reader accepted in
@@ -65,7 +65,7 @@ def read_snapshot(
         persist.errors.CorruptPart: a part is missing (compacted and garbage-collected
             during the read: retry it) or corrupt.
     """
-    from persist.read import snapshot_table
+    from persist.fetch import snapshot_table
 
     return snapshot_table(
         blob,
@@ -89,13 +89,13 @@ def read_updates(
 ) -> pa.Table:
     """The raw updates of ``batches`` up to ``as_of``: times ``> as_of`` dropped, the rest
     kept as stored (only advanced to their batch's lower and since, as
-    :func:`persist.read.read_batches` does), not consolidated; with ``filter`` only the
+    :func:`persist.fetch.read_batches` does), not consolidated; with ``filter`` only the
     rows it keeps.
 
     Raises:
         persist.errors.CorruptPart: a part is missing or corrupt.
     """
-    from persist.read import read_batches
+    from persist.fetch import read_batches
 
     return read_batches(
         blob, list(batches), schema, upper=as_of + 1, schemas=schemas, filter=filter
@@ -183,7 +183,7 @@ def read_key_range(
     filter: pc.Expression | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """The snapshot's rows in one key range as Arrow batches of the DataFrame's schema,
-    streamed range piece by range piece (:func:`persist.read.stream_snapshot`); with
+    streamed range piece by range piece (:func:`persist.fetch.stream_snapshot`); with
     ``filter`` (pushed filters over key and value columns), only the rows it keeps.
 
     Raises:
@@ -191,9 +191,9 @@ def read_key_range(
         persist.errors.CorruptPart: a part is missing or corrupt.
     """
     from persist.blob import RetryingBlob, open_blob
+    from persist.fetch import stream_snapshot
     from persist.merge import decode_keys
     from persist.parts import updates_schema
-    from persist.read import stream_snapshot
 
     updates = updates_schema(s.key_schema, s.value_schema)
     lower = None if partition.lower is None else decode_keys([partition.lower], s.key_schema)

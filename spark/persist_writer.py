@@ -531,8 +531,8 @@ class PersistWriter(DataSourceArrowWriter):
         Raises:
             PersistSourceError: a key is inserted more than once (names it).
         """
+        from persist.fetch import read_batches
         from persist.parts import updates_schema
-        from persist.read import read_batches
 
         s = self.settings
         hollow = [b.hollow for b in batches if b.len > 0]

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import persist.consolidation as consolidation
 import persist.parts as parts
 from persist import FileBlob, MemoryBlob, PersistClient
+from persist.fetch import read_batches, snapshot_table
 from persist.gc import collect_garbage, key_created_ms
 from persist.parts import (
     consolidate,
@@ -27,7 +28,6 @@ from persist.parts import (
     updates_schema,
     write_parts,
 )
-from persist.read import read_batches, snapshot_table
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain, Stash
 

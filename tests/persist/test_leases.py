@@ -189,7 +189,7 @@ def test_read_functions_check_their_times(env: Any) -> None:
     import numpy as np
 
     from persist import read_batches
-    from persist.read import snapshot_table
+    from persist.fetch import snapshot_table
 
     _clock, c1, _c2 = env
     w, r = c1.open("t", KS, VS)

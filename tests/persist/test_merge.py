@@ -27,6 +27,7 @@ import persist.consolidation as consolidation
 from persist import PersistClient
 from persist.blob import MemoryBlob
 from persist.errors import InvalidUsage
+from persist.fetch import stream_snapshot
 from persist.merge import (
     cut_positions,
     decode_keys,
@@ -35,7 +36,6 @@ from persist.merge import (
     key_samples,
     plan_ranges,
 )
-from persist.read import stream_snapshot
 from persist.updates import updates_schema
 from stash import Stash
 

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from persist import InvalidUsage, MemoryBlob, PersistClient
+from persist.fetch import prune_batches
 from persist.parts import read_parts
-from persist.read import prune_batches
 from persist.stats import (
     column_stats,
     decode_value,

@@ -45,8 +45,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from persist import InvalidUsage, PersistClient
+from persist.fetch import stream_snapshot
 from persist.merge import decode_keys, encode_keys
-from persist.read import stream_snapshot
 from persist.updates import updates_schema
 from stash import Stash
 from stash.codec import canonical_json

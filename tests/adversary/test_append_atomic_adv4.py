@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from dbutil import backend_url
 
 from stash import Antichain, Memory, Stash, StashError, TypedCollection
+from tests.support.dbutil import backend_url
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgres"])

@@ -9,10 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from dbutil import backend_url
 
 from stash import Antichain, Memory, Stash, StashError, TypedCollection
 from stash.errors import FenceError
+from tests.support.dbutil import backend_url
 
 _n = itertools.count()
 

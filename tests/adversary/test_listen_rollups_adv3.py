@@ -44,7 +44,7 @@ class _Flaky:
 def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/stash.db"
-    from dbutil import migrate_to_head
+    from tests.support.dbutil import migrate_to_head
 
     url = str(request.getfixturevalue("postgres_url"))
     migrate_to_head(url)

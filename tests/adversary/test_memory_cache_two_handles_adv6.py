@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dbutil import backend_url
 
 from stash import Memory, Stash, StashError, TypedCollection
+from tests.support.dbutil import backend_url
 
 BACKENDS = pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 

@@ -22,8 +22,9 @@ PASSWORDS = ["Zq9 sp ace", "Zq9'quo\"te", "/Zq9slash", "Zq9#hash", "Zq9@at", "Zq
 @pytest.mark.postgres
 def test_odd_passwords_never_shown(postgres_url: str, caplog: pytest.LogCaptureFixture) -> None:
     import psycopg
-    from dbutil import migrate_to_head
     from psycopg import sql
+
+    from tests.support.dbutil import migrate_to_head
 
     migrate_to_head(postgres_url)
     u = make_url(postgres_url)

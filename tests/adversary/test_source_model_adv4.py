@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyspark.sql.datasource import EqualTo, GreaterThan, IsNotNull, IsNull, LessThan
 
-from tests.adversary.harness import build, model, norm, read_source
+from tests.support.source_harness import build, model, norm, read_source
 
 KEYS = pa.schema([("k", pa.string())])
 VALUES = pa.schema([("v", pa.int64())])

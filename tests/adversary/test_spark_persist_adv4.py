@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from tests.adversary.harness import build, model
+from tests.support.source_harness import build, model
 
 pytestmark = pytest.mark.spark
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from stash_faults import AckLostStash
 
 from persist import ConsensusError, MemoryBlob, PersistClient, UpperMismatch
 from persist.state import WRITER_TOKENS_KEPT
 from stash import Stash
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

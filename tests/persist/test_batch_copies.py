@@ -11,7 +11,6 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from stash_faults import AckLostStash
 
 from persist import (
     InvalidUsage,
@@ -22,6 +21,7 @@ from persist import (
     fsck,
 )
 from stash import Antichain, Stash
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])

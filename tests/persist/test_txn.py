@@ -13,7 +13,6 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from stash_faults import AckLostStash
 
 from persist import (
     ConsensusError,
@@ -26,6 +25,7 @@ from persist import (
     UpperMismatch,
 )
 from stash import Antichain, Stash
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

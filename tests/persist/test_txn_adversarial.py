@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pytest
-from stash_faults import AckLostStash
 
 from persist import ConsensusError, InvalidUsage, MemoryBlob, PersistClient, TxnUpperMismatch
 from stash import Stash
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

@@ -23,11 +23,9 @@ from collections import Counter
 from typing import Any
 
 import pyarrow as pa
-from campaign import record, runs
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from stash_faults import AckLostStash
 
 from persist import (
     BatchAppended,
@@ -42,6 +40,8 @@ from persist import (
     fsck,
 )
 from stash import Antichain, Stash
+from tests.reliability.campaign import record, runs
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])

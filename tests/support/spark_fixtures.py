@@ -1,6 +1,6 @@
 """Pytest fixtures for Spark tests: one local SparkSession for the whole test session.
 
-Loaded from ``tests/conftest.py`` with ``pytest_plugins = ["spark_fixtures"]``.
+Loaded from ``tests/conftest.py`` with ``pytest_plugins = ["tests.support.spark_fixtures"]``.
 
 Invariants:
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _java_ok() -> bool:

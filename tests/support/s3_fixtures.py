@@ -30,7 +30,8 @@ from itertools import count
 from typing import Any, NoReturn
 
 import pytest
-from pg_fixtures import in_ci
+
+from tests.support.pg_fixtures import in_ci
 
 __all__ = ["BUCKET", "S3Server", "require_s3_server", "s3_blob_uri", "s3_server"]
 

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from pgserver import PostgresServer, PostgresUnavailable, find_postgres_bin_dir
+
+from tests.support.pgserver import PostgresServer, PostgresUnavailable, find_postgres_bin_dir
 
 __all__ = ["in_ci", "postgres_server", "postgres_url", "require_postgres_server"]
 
-ENSURE_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ensure_postgres.sh"
+ENSURE_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ensure_postgres.sh"
 
 _db_counter = count(1)
 

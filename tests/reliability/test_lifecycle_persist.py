@@ -41,6 +41,7 @@ from persist import (
 )
 from stash import Antichain, Stash
 from tests.reliability.campaign import record, runs
+from tests.support.clock import Clock
 from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.int64())])
@@ -54,14 +55,6 @@ FIG: Counter[str] = Counter()
 
 def ac(t: int) -> Antichain:
     return Antichain.from_elem(t)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Lifecycle(RuleBasedStateMachine):

@@ -1,4 +1,6 @@
-"""Adversary 3: names through every public entry point never touch a file outside a
+"""Protects: no shard or blob name reaches a file outside the ``file://`` blob root.
+
+Names through every public entry point never touch a file outside a
 ``file://`` blob root (held: these pass)."""
 
 from __future__ import annotations
@@ -7,11 +9,14 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 from click.testing import CliRunner
 
 from persist import PersistClient, collect_garbage
 from persist.cli import main as persist_main
 from stash import Stash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

@@ -1,6 +1,9 @@
-"""persist sql registers every shard named in the query as a DuckDB view under its
+"""Protects: ``persist sql`` reads each named shard's own rows, whatever the case of
+the names.
+
+The attack: persist sql registers every shard named in the query as a DuckDB view under its
 name; DuckDB names are case-insensitive, so two shards whose names differ only in case
-collide and one shard's rows are returned for the other (DESIGN 5.5: ``persist sql``
+collide and one shard's rows are returned for the other (``persist sql`` runs
 over consolidated snapshots of the shards the query names)."""
 
 from __future__ import annotations
@@ -9,11 +12,14 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 from click.testing import CliRunner
 
 from persist import PersistClient
 from persist.cli import main
 from stash import Stash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("id", pa.int64())])
 VS = pa.schema([("v", pa.int64())])

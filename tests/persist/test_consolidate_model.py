@@ -1,4 +1,6 @@
-"""Adversarial property: consolidate equals a Counter model for chunked inputs of many
+"""Protects: consolidation sums each (key, value, time) exactly, on every sort path.
+
+A property: consolidate equals a Counter model for chunked inputs of many
 types, on every sort path (arrow / packed codes / narrow codes), and both sort kinds."""
 
 import math
@@ -8,11 +10,14 @@ from decimal import Decimal
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import persist.consolidation as consolidation
 from persist.consolidation import consolidate
+
+pytestmark = pytest.mark.adversarial
 
 NAN = float("nan")
 

@@ -1,4 +1,8 @@
-"""Adversarial checks of the dictionary read of string/binary columns (persist.decoding)."""
+"""Protects: decoding a part returns what was written, for dictionary-read string and
+binary columns.
+
+Checks of the dictionary read of string/binary columns (persist.decoding) against
+pyarrow's own Parquet reader."""
 
 import numpy as np
 import pyarrow as pa
@@ -7,6 +11,8 @@ import pytest
 
 from persist.decoding import decode_part
 from persist.encoding import encode_part, make_part_ref
+
+pytestmark = pytest.mark.adversarial
 
 
 def _ref_decode(data: bytes, columns=None) -> pa.Table:

@@ -1,4 +1,6 @@
-"""DESIGN 5.1: ``finalize_shard`` / ``persist drop`` tombstones a shard and later uses
+"""Protects: every use of a finalized (dropped) shard fails saying it was dropped.
+
+The attack: ``finalize_shard`` / ``persist drop`` tombstones a shard and later uses
 fail with a clear error.  ``snapshot``, ``open``, writes and ``persist sql`` all say the
 shard "was finalized (dropped ...)"; two paths do not (low severity, misleading):
 ``ReadHandle.listen`` raises SinceViolation "as_of 0 is not beyond the shard's since
@@ -15,6 +17,8 @@ from click.testing import CliRunner
 from persist import InvalidUsage, MemoryBlob, PersistClient, PersistError
 from persist.cli import main
 from stash import Stash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

@@ -1,4 +1,6 @@
-"""The inline cache must answer exactly what decoding the stored bytes gives."""
+"""Protects: a part read through the inline cache equals its decoded bytes.
+
+The inline cache must answer exactly what decoding the stored bytes gives."""
 
 from decimal import Decimal
 
@@ -9,6 +11,8 @@ import pytest
 from persist.blob import MemoryBlob
 from persist.decoding import INLINE_CACHE, decode_part
 from persist.parts import read_parts, write_parts
+
+pytestmark = pytest.mark.adversarial
 
 
 def _big_table(n: int) -> pa.Table:

@@ -1,4 +1,6 @@
-"""Adversary 3: a listen (and a fresh client) across rollups, compaction, since
+"""Protects: a listen sees every update exactly once across rollups, compaction and GC.
+
+A listen (and a fresh client) across rollups, compaction, since
 downgrades, GC with no grace and an injected clock, on SQLite and Postgres, with
 indeterminate appends (landed or not) at and around the rollup versions."""
 
@@ -13,6 +15,8 @@ import pytest
 
 from persist import ConsensusError, PersistClient, UpperMismatch, collect_garbage, fsck
 from stash import IndeterminateError, Stash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

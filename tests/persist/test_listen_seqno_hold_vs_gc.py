@@ -1,4 +1,6 @@
-"""Adversary 6: a Listen reading the parts of a version while its own background
+"""Protects: GC never deletes a part a live Listen is reading.
+
+The attack: a Listen reading the parts of a version while its own background
 heartbeat (the lease keeper) advances its seqno hold past that version; compaction
 retires the parts and GC (grace 0) deletes them under the listen's read.
 
@@ -12,21 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
+import pytest
 
 from persist import MemoryBlob, PersistClient, collect_garbage
 from persist.lease import LeaseKeeper
 from stash import Stash
+from tests.support.clock import Clock
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class HookBlob:

@@ -1,4 +1,6 @@
-"""DESIGN 5.3: a reader opened with an older compatible schema keeps its view; for an
+"""Protects: a reader on an older schema never gets a value nobody wrote.
+
+The attack: a reader opened with an older compatible schema keeps its view; for an
 older reader a value written later under a wider type must fit the reader's type, else
 SchemaMismatch (persist.updates.SchemaHistory docstring; the int case raises).  A
 float64 value outside float32's range read by a float32 reader comes back as ``inf``:
@@ -13,6 +15,8 @@ import pytest
 
 from persist import MemoryBlob, PersistClient, SchemaMismatch
 from stash import Stash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 V1 = pa.schema([("v", pa.float32())])

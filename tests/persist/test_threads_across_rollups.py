@@ -1,4 +1,7 @@
-"""Threads of several clients appending to one shard across rollup boundaries: every
+"""Protects: racing appends across rollups are each read back once; caches stay at
+the head.
+
+Threads of several clients appending to one shard across rollup boundaries: every
 acknowledged append is read back exactly once, and every client's cached version equals
 the head (SQLite stash, several max_diffs)."""
 
@@ -10,6 +13,8 @@ import pytest
 
 from persist import MemoryBlob, PersistClient
 from stash import Antichain, Stash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

@@ -1,7 +1,10 @@
-"""Adversary 6: ``compare_and_append`` retried with the idempotency token of an
+"""Protects: a retry with the idempotency token of an append that landed never
+writes it again, after other appends or past the writer's lease.
+
+The attack: ``compare_and_append`` retried with the idempotency token of an
 indeterminate append that in fact landed.
 
-Contract (persist/write.py module docstring, DESIGN 3/5): "If the outcome still cannot
+Contract (persist/write.py module docstring): "If the outcome still cannot
 be learned, a ConsensusError with is_indeterminate() and idempotency_token is raised ...
 a retry passing that token returns success without writing again if the append
 landed"; and tests/persist/test_idempotency.py shows the caller's retry pattern: same
@@ -20,18 +23,13 @@ import pytest
 
 from persist import ConsensusError, MemoryBlob, PersistClient, UpperMismatch
 from stash import Stash
+from tests.support.clock import Clock
 from tests.support.stash_faults import AckLostStash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def upd(k: str, v: int, t: int) -> Any:

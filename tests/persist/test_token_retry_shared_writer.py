@@ -1,4 +1,7 @@
-"""Adversary 7: the token settling of 597712a ("a retry with the idempotency token of
+"""Protects: a token retry from a WriteHandle shared by threads, or from a new client
+after the lease ran out, never writes the rows twice.
+
+The attack: the token settling of commit 597712a ("a retry with the idempotency token of
 an append whose outcome was unknown is answered even after its writer appended
 again").  The settle assumes no append of the writer happens between the landing of
 the indeterminate attempt and ``note_unknown_token``; a WriteHandle shared by threads
@@ -22,7 +25,10 @@ import pytest
 from persist import ConsensusError, MemoryBlob, PersistClient, UpperMismatch
 from persist.state import WRITER_TOKENS_KEPT
 from stash import Stash
+from tests.support.clock import Clock
 from tests.support.stash_faults import AckLostStash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -91,14 +97,6 @@ def test_token_pushed_out_by_another_thread_before_the_note_is_settled_as_not_la
     got = contents(r.snapshot(up - 1))
     assert got[("a", 1)] == 1, f"the landed append was written again: {got[('a', 1)]} copies"
     c.close()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_token_retry_from_a_new_client_after_the_lease_ran_out_writes_twice() -> None:

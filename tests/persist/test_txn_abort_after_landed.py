@@ -1,4 +1,6 @@
-"""DESIGN 5.2: ``txn.abort()`` (or an exception leaving ``with client.begin() as txn:``)
+"""Protects: aborting a transaction never deletes parts a landed commit references.
+
+The attack: ``txn.abort()`` (or an exception leaving ``with client.begin() as txn:``)
 deletes the uploaded parts *unless a commit of it may have landed* (persist/txn.py
 module docstring).  Only a ConsensusError marked indeterminate sets ``_maybe_landed``;
 any other exception escaping the stash append (KeyboardInterrupt on Ctrl-C, a driver
@@ -17,6 +19,8 @@ import pytest
 
 from persist import MemoryBlob, PersistClient, fsck
 from stash import Stash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

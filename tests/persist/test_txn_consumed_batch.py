@@ -1,4 +1,6 @@
-"""DESIGN 5.2/5.1: a batch's parts are appended once.  ``compare_and_append_batch``
+"""Protects: a batch's parts are appended once, through transactions too.
+
+The attack: ``compare_and_append_batch``
 refuses a consumed batch (InvalidUsage "already appended"), and ``Txn.write_batches``
 refuses one that is consumed when it is added, but a commit never re-checks: a Batch
 added to two transactions (or appended elsewhere after being added) is committed again
@@ -14,6 +16,8 @@ import pytest
 from persist import InvalidUsage, MemoryBlob, PersistClient, PersistError
 from persist.txn import RAW_TIME
 from stash import Antichain, Stash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

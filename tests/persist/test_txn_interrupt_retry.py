@@ -1,4 +1,7 @@
-"""Adversary 7: 2757e3a makes a transaction attempt cut short by an exception that is
+"""Protects: a transaction retried after an interrupt past the lease never commits
+twice.
+
+The attack: commit 2757e3a makes a transaction attempt cut short by an exception that is
 none of the stash's answers (KeyboardInterrupt, an unwrapped driver error) count as
 maybe landed.  A retry of ``commit_at`` then resolves it from the shard state, but
 ``_unknown_since_ms`` is only set for an indeterminate ConsensusError: once the
@@ -15,17 +18,12 @@ import pytest
 
 from persist import ConsensusError, MemoryBlob, PersistClient
 from stash import Stash
+from tests.support.clock import Clock
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class InterruptAfterCommit:

@@ -1,4 +1,6 @@
-"""DESIGN 5.2/5.3: ``txn.write(shard_name, updates)`` writes a shard's key and value
+"""Protects: a transaction writes with the shard's current schema after it evolved.
+
+The attack: ``txn.write(shard_name, updates)`` writes a shard's key and value
 columns.  A client's transactions reuse one cached writer per shard
 (``PersistClient._txn_writer``), made with the schema the shard had at the client's
 first transaction on it; after the value schema evolves, every later transaction of
@@ -14,6 +16,8 @@ import pytest
 
 from persist import MemoryBlob, PersistClient, PersistError
 from stash import Stash
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 V1 = pa.schema([("v", pa.int64()), ("x", pa.string())])

@@ -1,4 +1,6 @@
-"""Adversarial workload: several clients (each its own Consensus and ShardMachine) on one
+"""Protects: every cached shard version equals the head's, and snapshots a model.
+
+A workload: several clients (each its own Consensus and ShardMachine) on one
 shard, small max_diffs, injected clock past leases, inline compaction. After every step,
 every machine whose cached seqno is the head's must cache exactly the head's texts and
 state, and snapshots must equal a model."""
@@ -6,23 +8,19 @@ state, and snapshots must equal a model."""
 from collections import Counter
 
 import pyarrow as pa
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from persist import MemoryBlob, PersistClient
 from persist.state import ShardState
 from stash import Antichain, Stash
+from tests.support.clock import Clock
+
+pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _check_caches(clients) -> None:
@@ -59,7 +57,7 @@ ops = st.lists(
 def test_multi_client_cached_versions_match_head(ops, max_diffs) -> None:
     s = Stash.open("memory://", fenced=False)
     blob = MemoryBlob()
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     clients = [
         PersistClient(
             s,

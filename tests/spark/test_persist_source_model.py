@@ -1,4 +1,6 @@
-"""The persist source's reader, driven in-process (planning and every partition's read,
+"""Protects: the persist Spark source returns exactly the updates a model holds.
+
+The persist source's reader, driven in-process (planning and every partition's read,
 each pickled as Spark ships them), against a Counter model of the updates: every
 consolidate mode, several key ranges, pushed filters on key and value columns, as_of at
 and between times, retractions in other runs/appends/parts, diffs summing to 0 and 2,
@@ -12,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyspark.sql.datasource import EqualTo, GreaterThan, IsNotNull, IsNull, LessThan
 
 from tests.support.source_harness import build, model, norm, read_source
+
+pytestmark = pytest.mark.adversarial
 
 KEYS = pa.schema([("k", pa.string())])
 VALUES = pa.schema([("v", pa.int64())])

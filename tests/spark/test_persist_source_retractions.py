@@ -1,4 +1,6 @@
-"""Real Spark reads of persist shards with retractions: consolidated reads with pushed
+"""Protects: Spark reads of shards with retractions equal a model, query after query.
+
+Real Spark reads of persist shards with retractions: consolidated reads with pushed
 value filters and several key ranges equal a Counter model; and a DataFrame loaded with
 pushdown=true queried twice."""
 
@@ -12,7 +14,7 @@ import pytest
 
 from tests.support.source_harness import build, model
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.adversarial]
 
 KEYS = pa.schema([("k", pa.string())])
 VALUES = pa.schema([("v", pa.int64())])
@@ -61,7 +63,7 @@ def test_filtered_key_range_read_equals_the_model(spark: Any, spark_store: Any) 
 
 
 def test_pushdown_dataframe_queried_twice(spark: Any, spark_store: Any) -> None:
-    """DESIGN 5.4/6: the source implements pushFilters; each query of a DataFrame must
+    """The source implements pushFilters; each query of a DataFrame must
     see the shard's rows that pass *its* filters. PersistPushdownReader's docstring
     admits that Spark reuses the reader a filtered query planned (pushed filters
     included) for a later query of the same DataFrame: the second query then returns

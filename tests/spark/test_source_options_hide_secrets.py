@@ -1,6 +1,6 @@
-"""Adversary 3: Spark source option errors and reprs must not show a stash password.
+"""Protects: Spark source option errors and reprs never show a stash password.
 
-DESIGN/issue 19: no repr or error message shows a credential; every text quoting a URL
+The rule: no repr or error message shows a credential; every text quoting a URL
 passes through ``stash.redact``.  These build the Spark sources' option handling
 directly (no SparkSession needed).
 """
@@ -13,6 +13,8 @@ from spark.jobs.flights import Config
 from spark.persist_common import ShardTarget
 from spark.persist_source import catalog_options
 from spark.stash_source import ReadOptions, StashDataSource
+
+pytestmark = pytest.mark.adversarial
 
 SECRET = "Sup3r-Secret-pw"
 URL1 = f"postgresql+psycopg://app:{SECRET}@db1/stash"

@@ -1,4 +1,6 @@
-"""append is atomic across collections: a bad batch anywhere (lower mismatch, an entry
+"""Protects: a stash append commits all of its batches or none.
+
+append is atomic across collections: a bad batch anywhere (lower mismatch, an entry
 before the upper, a compact beyond the upper, a diff-sum overflow) commits nothing in any
 collection, also through a warm Memory cache; and a TableTransaction's pending() over
 two collections commits together."""
@@ -12,6 +14,8 @@ import pytest
 
 from stash import Antichain, Memory, Stash, StashError, TypedCollection
 from tests.support.dbutil import backend_url
+
+pytestmark = pytest.mark.adversarial
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgres"])

@@ -1,4 +1,6 @@
-"""Fencing: once a second handle opens the stash with fenced=True, every call of the
+"""Protects: a fenced-out stash handle can neither write nor read.
+
+Once a second handle opens the stash with fenced=True, every call of the
 first (writes of every kind, and reads) fails with an unrecoverable FenceError and
 commits nothing -- on SQLite, Postgres and memory://, and through Memory(inner)."""
 
@@ -13,6 +15,8 @@ import pytest
 from stash import Antichain, Memory, Stash, StashError, TypedCollection
 from stash.errors import FenceError
 from tests.support.dbutil import backend_url
+
+pytestmark = pytest.mark.adversarial
 
 _n = itertools.count()
 
@@ -101,8 +105,8 @@ READS: dict[str, Callable[[Stash], Any]] = {
 @pytest.mark.parametrize("op", sorted(READS))
 @pytest.mark.parametrize("wrap", [False, True], ids=["plain", "Memory"])
 def test_fenced_leader_every_later_call_fails(url: str, op: str, wrap: bool) -> None:
-    """DESIGN 3: 'every later transaction of an older handle fails with an unrecoverable
-    StashError'."""
+    """The stash's fencing rule: 'every later transaction of an older handle fails with
+    an unrecoverable StashError'."""
     old = Stash.open(url, fenced=True)
     if wrap:
         old = Memory(old)
@@ -150,8 +154,8 @@ def test_fenced_leader_append_of_no_batches_is_refused(
     backend: str, request: pytest.FixtureRequest, tmp_path: Any
 ) -> None:
     """``append([])`` through a fenced-out leader returns as if it succeeded: it never
-    opens a transaction, so the fence is not checked (DESIGN 3: every later transaction
-    of an older handle fails with an unrecoverable StashError; ``confirm_leadership``
+    opens a transaction, so the fence is not checked (the fencing rule: every later
+    transaction of an older handle fails with an unrecoverable StashError; ``confirm_leadership``
     does fail on the same handle)."""
     url = backend_url(request, backend, tmp_path)
     old = Stash.open(url, fenced=True)

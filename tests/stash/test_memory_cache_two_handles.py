@@ -1,8 +1,11 @@
-"""Adversary 6: ``Memory(inner)`` over a fenced leader, and a second handle on the same
-SQLite stash that writes (an optimistic ``fenced=False`` multi-writer, the only kind of
-writer that can coexist with a live fenced leader, DESIGN 3).
+"""Protects (known limitation, marked xfail): reads through ``Memory(inner)`` see
+writes of other handles.
 
-DESIGN 3 makes ``Memory(inner)`` a write-through read cache with no carve-out, and says
+The attack: ``Memory(inner)`` over a fenced leader, and a second handle on the same
+SQLite stash that writes (an optimistic ``fenced=False`` multi-writer, the only kind of
+writer that can coexist with a live fenced leader).
+
+The stash's design makes ``Memory(inner)`` a write-through read cache with no carve-out, and says
 ``fenced=False`` handles "never fence and never get fenced"; ``stash/typed.py`` promises
 that after ``migrate`` every decoding read through a handle with the old codecs, "of any
 stash handle", is refused.  The memory.py docstring itself admits "optimistic
@@ -18,6 +21,8 @@ import pytest
 
 from stash import Memory, Stash, StashError, TypedCollection
 from tests.support.dbutil import backend_url
+
+pytestmark = pytest.mark.adversarial
 
 BACKENDS = pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 

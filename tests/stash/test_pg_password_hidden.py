@@ -1,4 +1,6 @@
-"""Adversary 3: a real Postgres role whose password holds odd characters, used through
+"""Protects: a Postgres password is never shown, whatever characters it holds.
+
+A real Postgres role whose password holds odd characters, used through
 every entry point (Stash.open, reprs, PersistClient, both CLIs, DEBUG logs), right and
 wrong: the password must never be shown."""
 
@@ -15,6 +17,8 @@ from persist import PersistClient
 from persist.cli import main as persist_main
 from stash import Stash
 from stash.cli import main as stash_main
+
+pytestmark = pytest.mark.adversarial
 
 PASSWORDS = ["Zq9 sp ace", "Zq9'quo\"te", "/Zq9slash", "Zq9#hash", "Zq9@at", "Zq9ä ö", "Zq9?q"]
 
@@ -33,7 +37,7 @@ def test_odd_passwords_never_shown(postgres_url: str, caplog: pytest.LogCaptureF
     shown: list[str] = []
     leaks: list[tuple[str, str]] = []
     for i, pw in enumerate(PASSWORDS):
-        role = f"adv3r{i}"
+        role = f"pwsweep{i}"
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(
                 sql.SQL("CREATE ROLE {} LOGIN SUPERUSER PASSWORD {}").format(

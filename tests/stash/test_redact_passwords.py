@@ -1,9 +1,13 @@
-"""Adversarial checks of stash.url.redact: no password may stay visible."""
+"""Protects: ``stash.url.redact`` leaves no password visible.
+
+Checks of odd spellings of URLs and libpq strings."""
 
 import pytest
 from sqlalchemy.engine import URL
 
 from stash.url import parse_url, redact
+
+pytestmark = pytest.mark.adversarial
 
 SECRET = "hunter 2xyz"
 

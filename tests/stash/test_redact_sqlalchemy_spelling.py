@@ -1,11 +1,14 @@
-"""Adversary 3: redact must hide a password in the very spelling SQLAlchemy renders.
+"""Protects: ``redact`` hides a password in the spelling SQLAlchemy renders.
+
+redact must hide a password in the very spelling SQLAlchemy renders.
 
 ``URL.render_as_string(hide_password=False)`` (how a program, or our own tests, turns a
 URL object into the text given to ``Stash.open`` / the CLIs) keeps a space in a
 password raw but percent-encodes ``@ / : # ? %`` and non-ASCII characters.
 ``Stash.open`` accepts that text (it is SQLAlchemy's own grammar) and connects with the
 password; ``redact`` must then hide it.  (Through a real server, ``stash collections
-URL`` prints that URL in its table title: see test_pg_password_sweep_adv3.)
+URL`` prints that URL in its table title: see
+tests/stash/test_pg_password_hidden.py.)
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import pytest
 from sqlalchemy.engine import URL
 
 from stash.url import parse_url, redact
+
+pytestmark = pytest.mark.adversarial
 
 PASSWORDS = ["Zq9 x@y", "Zq9 x/y", "Zq9 x:y", "Zq9 \u00e4", "Zq9 x%y", "Zq9 x#y", "Zq9 x?y"]
 

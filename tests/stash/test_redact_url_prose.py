@@ -1,4 +1,7 @@
-"""Adversary 7: stash.url.redact on text that begins with a URL (d1aaaeb parses such
+"""Protects: ``redact`` hides secrets in a line that starts with a URL and keeps no
+secret in the prose after it.
+
+The attack: stash.url.redact on text that begins with a URL (d1aaaeb parses such
 text with SQLAlchemy's make_url).  make_url reads everything after ``?`` as the query,
 so the last query value swallows the prose that follows the URL; every query value of a
 non-database URL (and a secret one of a database URL) is hidden by replacing
@@ -11,6 +14,8 @@ from __future__ import annotations
 import pytest
 
 from stash.url import redact
+
+pytestmark = pytest.mark.adversarial
 
 
 @pytest.mark.parametrize(

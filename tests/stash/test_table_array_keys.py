@@ -1,11 +1,17 @@
-"""TypedCollection.table over a collection whose keys are JSON arrays (a tuple key
+"""Protects: a TableTransaction reads keys written as JSON arrays as peek_one does.
+
+The attack: TypedCollection.table over a collection whose keys are JSON arrays (a tuple key
 written with the default JSON codec): peek_one turns them into tuples (base._frozen_key),
 but the TableTransaction built from the same contents keeps them as lists, so items()
 and initial -- the read-your-writes view -- crash with a raw TypeError."""
 
 from __future__ import annotations
 
+import pytest
+
 from stash import Stash, TypedCollection
+
+pytestmark = pytest.mark.adversarial
 
 
 def test_table_items_with_array_keys() -> None:

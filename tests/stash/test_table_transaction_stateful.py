@@ -1,4 +1,7 @@
-"""TableTransaction against a dict model (hypothesis stateful), with commits through a
+"""Protects: a TableTransaction's view and commits equal a dict model, unique names
+included.
+
+TableTransaction against a dict model (hypothesis stateful), with commits through a
 real stash (TypedCollection.table + append) and a unique ``name`` in the values:
 deletes then inserts of the same name, swaps of names between rows in one update,
 set_many that frees a name another row takes, on memory:// and SQLite."""
@@ -10,11 +13,14 @@ import json
 import tempfile
 from typing import Any
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from stash import Stash, StashError, TypedCollection
+
+pytestmark = pytest.mark.adversarial
 
 KEYS = st.sampled_from([1, 2, 3, "1", "a", "b"])
 NAMES = st.sampled_from(["x", "y", "z", "w"])

@@ -12,36 +12,17 @@ its parts (checked below for contrast)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pyarrow as pa
 import pytest
 
 from persist import MemoryBlob, PersistClient, fsck
 from stash import Stash
+from tests.support.stash_faults import InterruptAfterCommit
 
 pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
-
-
-class InterruptAfterCommit:
-    """A stash whose next armed ``append`` commits and then raises ``exc``."""
-
-    def __init__(self, inner: Stash, exc: type[BaseException]) -> None:
-        self.inner = inner
-        self.exc = exc
-        self.armed = False
-
-    def append(self, batches: Any) -> None:
-        self.inner.append(batches)
-        if self.armed:
-            self.armed = False
-            raise self.exc("interrupted after the stash committed")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])

@@ -11,35 +11,18 @@ commits a second time."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pyarrow as pa
 import pytest
 
 from persist import ConsensusError, MemoryBlob, PersistClient
 from stash import Stash
 from tests.support.clock import Clock
+from tests.support.stash_faults import InterruptAfterCommit
 
 pytestmark = pytest.mark.adversarial
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
-
-
-class InterruptAfterCommit:
-    def __init__(self, inner: Stash, exc: type[BaseException]) -> None:
-        self.inner = inner
-        self.exc = exc
-        self.armed = False
-
-    def append(self, batches: Any) -> None:
-        self.inner.append(batches)
-        if self.armed:
-            self.armed = False
-            raise self.exc("interrupted after the stash committed")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def _sum_diffs(c: PersistClient, name: str, as_of: int) -> int:

@@ -1,12 +1,16 @@
-"""A stash wrapper that loses COMMIT acknowledgements, shared by the persist tests of
-unknown commit outcomes (the idempotency tests, the indeterminate-commit campaign and the
-lifecycle model).
+"""Stash wrappers that inject faults at commit, shared by the persist tests of unknown
+commit outcomes (the idempotency tests, the indeterminate-commit campaign, the lifecycle
+model and the transaction interrupt tests).
 
 ``AckLostStash(inner)``: an ``append`` that is *hit* commits on ``inner`` and then raises
 :class:`stash.IndeterminateError` (the acknowledgement was lost); after it, the next
 ``reads_to_fail`` reads (``iter``/``upper``) fail with a plain :class:`stash.StashError`
 (the server stays unreachable).  An append is hit when :meth:`arm` was called before it
 (once), or at random with probability ``p`` (seeded).  Everything else is delegated.
+
+``InterruptAfterCommit(inner, exc)``: the next ``append`` after ``armed = True`` commits on
+``inner`` and then raises ``exc`` (KeyboardInterrupt, or an error the stash did not wrap):
+an exception that is none of the stash's answers, after the commit landed.
 """
 
 from __future__ import annotations
@@ -60,6 +64,24 @@ class AckLostStash:
     def upper(self, c: Any) -> Any:
         self._read("upper")
         return self.inner.upper(c)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class InterruptAfterCommit:
+    """A stash whose next armed ``append`` commits and then raises ``exc``."""
+
+    def __init__(self, inner: Stash, exc: type[BaseException]) -> None:
+        self.inner = inner
+        self.exc = exc
+        self.armed = False
+
+    def append(self, batches: Any) -> None:
+        self.inner.append(batches)
+        if self.armed:
+            self.armed = False
+            raise self.exc("interrupted after the stash committed")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

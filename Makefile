@@ -1,7 +1,7 @@
 # Two commands matter: `make demo` (the main job) and `make test` (the test suite).
 # Both bootstrap a virtualenv in .venv on a fresh clone. `make test` runs persist against
-# memory://, file:// and s3:// (an in-process moto server, tests/s3_fixtures.py) and one
-# Spark job on local-cluster[2,1,1024]; under CI=true a missing service fails, never skips.
+# memory://, file:// and s3:// (an in-process moto server, tests/support/s3_fixtures.py) and
+# one Spark job on local-cluster[2,1,1024]; under CI=true a missing service fails, never skips.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv

@@ -426,11 +426,11 @@ def _processes(
 
 
 def _postgres(res: BenchResults, seconds: float, rounds: int, quick: bool, profile: bool) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT))
     import sqlalchemy as sa
-    from pgserver import PostgresServer  # the tests' throwaway server
 
     from stash.migrate import upgrade
+    from tests.support.pgserver import PostgresServer  # the tests' throwaway server
 
     server = PostgresServer()
     root = Path(tempfile.mkdtemp(prefix="commit-bench-pg-", dir=ROOT / "var"))

@@ -20,7 +20,7 @@ Bursts are short (0.3 s) and rounds many (15) so that each round's ratio compare
 contestants under nearly the same load: on a shared machine the fsync latency and the
 CPU left to the server change from one second to the next.
 SQLite runs in WAL mode with ``synchronous=FULL`` on both sides; Postgres is a throwaway
-server started from the machine's binaries (``tests/pgserver.py``) with production
+server started from the machine's binaries (``tests/support/pgserver.py``) with production
 durability settings (``fsync``, ``synchronous_commit`` on).  Also measured: ``peek`` of a
 collection of 100,000 entries (``{"name": ..., "n": ...}`` values), median of rounds.
 
@@ -338,10 +338,9 @@ def _sqlite(res: BenchResults, seconds: float, rounds: int, profile: bool) -> No
 
 
 def _postgres(res: BenchResults, seconds: float, rounds: int, profile: bool) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from pgserver import PostgresServer  # the tests' throwaway server
-
+    sys.path.insert(0, str(ROOT))
     from stash.migrate import upgrade
+    from tests.support.pgserver import PostgresServer  # the tests' throwaway server
 
     server = PostgresServer()
     try:

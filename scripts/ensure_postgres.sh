@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ensure_postgres.sh: make sure the PostgreSQL server binaries (initdb, pg_ctl, postgres)
-# are on this machine, so tests can start throwaway servers (tests/pgserver.py).
+# are on this machine, so tests can start throwaway servers (tests/support/pgserver.py).
 #
 # Invariants:
 # - Idempotent: when the binaries are present it installs nothing and prints one line
@@ -10,7 +10,7 @@
 # - Exits 0 only when all three binaries are executable in one directory; otherwise exits 1
 #   with a message naming what is missing and why it could not be installed.
 #
-# Search order (the same as tests/pgserver.py): $PG_BINDIR, the directory of `initdb` on PATH
+# Search order (the same as tests/support/pgserver.py): $PG_BINDIR, the directory of `initdb` on PATH
 # (symlinks resolved), /usr/lib/postgresql/<newest>/bin, /usr/local/pgsql/bin, /usr/local/bin.
 set -euo pipefail
 

@@ -17,4 +17,8 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-pytest_plugins = ["pg_fixtures", "spark_fixtures", "s3_fixtures"]
+pytest_plugins = [
+    "tests.support.pg_fixtures",
+    "tests.support.spark_fixtures",
+    "tests.support.s3_fixtures",
+]

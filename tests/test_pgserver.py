@@ -1,4 +1,4 @@
-"""Tests of the real-PostgreSQL test infrastructure: tests/pgserver.py and tests/pg_fixtures.py.
+"""Tests of the real-PostgreSQL test infrastructure: tests/support/pgserver.py and pg_fixtures.py.
 
 They start real servers from the machine's binaries and check what later Postgres tests rely
 on: password login, fresh databases, durability across fast and crash (immediate) restarts on
@@ -19,9 +19,10 @@ from pathlib import Path
 import psycopg
 import pytest
 import sqlalchemy as sa
-from pgserver import PostgresServer, find_postgres_bin_dir
 
-pytest_plugins = ["pg_fixtures"]
+from tests.support.pgserver import PostgresServer, find_postgres_bin_dir
+
+pytest_plugins = ["tests.support.pg_fixtures"]
 
 pytestmark = pytest.mark.postgres
 
@@ -194,12 +195,12 @@ def test_private_server_cleanup_removes_everything() -> None:
 
 def test_watchdog_stops_the_server_of_a_killed_owner() -> None:
     """SIGKILL the process that owns a server: the watchdog stops it and removes its files."""
-    tests_dir = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent
     child_code = textwrap.dedent(
         f"""
         import sys, time
-        sys.path.insert(0, {str(tests_dir)!r})
-        from pgserver import PostgresServer
+        sys.path.insert(0, {str(root)!r})
+        from tests.support.pgserver import PostgresServer
         server = PostgresServer()
         print(server.base_dir, server.port, flush=True)
         time.sleep(600)
@@ -233,7 +234,8 @@ def test_find_postgres_bin_dir_finds_all_binaries() -> None:
 def test_unavailable_fails_under_ci_and_skips_otherwise(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import pg_fixtures  # already loaded as a plugin; imported here so pytest can rewrite it
+    # already loaded as a plugin; imported here so pytest can rewrite it
+    from tests.support import pg_fixtures
 
     failing = tmp_path / "ensure_postgres.sh"
     failing.write_text("echo 'cannot install here' >&2; exit 1\n")

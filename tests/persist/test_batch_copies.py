@@ -11,7 +11,6 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from stash_faults import AckLostStash
 
 from persist import (
     InvalidUsage,
@@ -22,6 +21,8 @@ from persist import (
     fsck,
 )
 from stash import Antichain, Stash
+from tests.support.clock import Clock
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
@@ -41,14 +42,6 @@ def rows(t: pa.Table) -> Counter[tuple[int, str, int]]:
     for r in t.to_pylist():
         out[(r["k"], r["v"], r["_time"])] += r["_diff"]
     return +out
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -52,7 +52,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def _pg(postgres_url: str) -> str:
-    from dbutil import migrate_to_head
+    from tests.support.dbutil import migrate_to_head
 
     migrate_to_head(postgres_url)
     return postgres_url

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from persist import InvalidUsage, MemoryBlob, PersistClient, collect_garbage
 from persist.cli import main as persist_main
 from stash import Antichain, Stash
+from tests.support.clock import Clock
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -53,15 +54,9 @@ def test_finalize_through_a_savepoint_stash_is_refused(tmp_path: Path) -> None:
 
 
 def test_gc_through_a_savepoint_stash_is_refused(tmp_path: Path) -> None:
-    class Clock:
-        now = 2e9
-
-        def __call__(self) -> float:
-            return self.now
-
     url, blob, s, c, _w, r = _live(tmp_path, 8)
     r.downgrade_since(Antichain([7]))
-    clock = Clock()
+    clock = Clock(2e9)
     with Stash.open(url, mode="savepoint", fenced=False) as sp:
         cp = PersistClient(sp, blob, compaction="inline", inline_max_bytes=0, clock=clock)
         wp, rp = cp.open("sh", KS, VS)

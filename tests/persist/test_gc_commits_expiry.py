@@ -24,6 +24,7 @@ import pytest
 
 from persist import FileBlob, LeaseExpired, PersistClient, collect_garbage, fsck
 from stash import Antichain, Stash
+from tests.support.clock import Clock
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
@@ -32,14 +33,6 @@ LEASE = 60.0
 
 def upd(k: int, v: str, t: int, d: int = 1) -> Any:
     return ((k,), (v,)), t, d
-
-
-class Clock:
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from persist.consensus import RETIRED_COLLECTION_PREFIX
 from persist.keys import key_created_ms, key_writer_id, parse_part_key
 from persist.lease import LeaseKeeper
 from stash import Antichain, Stash
+from tests.support.clock import Clock
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
@@ -65,14 +66,6 @@ def any_blob(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Blob]:
         b = MemoryBlob()
     yield b
     b.close()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def client(stash: Stash, blob: Any, clock: Clock, **kw: Any) -> PersistClient:

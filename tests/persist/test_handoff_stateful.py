@@ -20,20 +20,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from persist import LeaseExpired, MemoryBlob, PartsMissing, PersistClient, collect_garbage
 from stash import Antichain, Stash
+from tests.support.clock import Clock
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
 LEASE = 600.0  # writer lease (s)
 HANDOFF = 3 * 3600.0  # hand-off lease (s)
 SHARD = "handoff"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Task:

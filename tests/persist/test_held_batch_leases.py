@@ -24,19 +24,12 @@ from persist import (
 )
 from persist.lease import LeaseKeeper
 from stash import Antichain, Stash
+from tests.support.clock import Clock
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
 HOUR = 3600.0
 LEASE = 600.0  # the writers' lease (s)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

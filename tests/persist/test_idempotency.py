@@ -9,10 +9,10 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from stash_faults import AckLostStash
 
 from persist import ConsensusError, InvalidUsage, MemoryBlob, PersistClient, WriteHandle
 from stash import Antichain, Stash
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

@@ -17,6 +17,7 @@ import pytest
 from persist import InvalidUsage, LeaseExpired, MemoryBlob, PersistClient, SinceViolation
 from persist.lease import LeaseKeeper
 from stash import Antichain, Stash
+from tests.support.clock import Clock
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -31,20 +32,12 @@ def upd(k: str, v: int, t: int, d: int = 1) -> Any:
     return ((k,), (v,)), t, d
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def env() -> Iterator[tuple[FakeClock, PersistClient, PersistClient]]:
+def env() -> Iterator[tuple[Clock, PersistClient, PersistClient]]:
     """A fake clock and two clients (processes) sharing one stash and blob."""
     s = Stash.open("memory://", fenced=False)
     blob = MemoryBlob()
-    clock = FakeClock()
+    clock = Clock(1_000_000.0)
     kw: dict[str, Any] = {"compaction": "inline", "reader_lease_seconds": LEASE, "clock": clock}
     c1 = PersistClient(s, blob, **kw)
     c2 = PersistClient(s, blob, **kw)

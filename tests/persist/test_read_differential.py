@@ -28,7 +28,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-from arrow_strategies import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from persist import InvalidUsage, PersistClient
+from persist.fetch import stream_snapshot
+from persist.merge import decode_keys, encode_keys
+from persist.updates import updates_schema
+from stash import Stash
+from stash.codec import canonical_json
+from tests.persist.arrow_strategies import (
     COLUMN_TYPES,
     canonical_rows,
     close_client,
@@ -40,16 +49,7 @@ from arrow_strategies import (
     write_shard,
     written_values,
 )
-from campaign import record, runs
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from persist import InvalidUsage, PersistClient
-from persist.fetch import stream_snapshot
-from persist.merge import decode_keys, encode_keys
-from persist.updates import updates_schema
-from stash import Stash
-from stash.codec import canonical_json
+from tests.reliability.campaign import record, runs
 
 
 @pytest.fixture(scope="module")

@@ -20,15 +20,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from arrow_strategies import (
-    COLUMN_TYPES,
-    arrow_array,
-    canonical_rows,
-    close_client,
-    column_values,
-    fresh_client,
-    write_shard,
-)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,6 +31,15 @@ from persist.stats import prune_mask, table_stats
 from persist.updates import updates_schema
 from stash import Antichain, Stash
 from stash.codec import canonical_json
+from tests.persist.arrow_strategies import (
+    COLUMN_TYPES,
+    arrow_array,
+    canonical_rows,
+    close_client,
+    column_values,
+    fresh_client,
+    write_shard,
+)
 
 
 @pytest.fixture
@@ -338,9 +338,8 @@ def _calls(node: Any, name: str) -> int:
 def test_expression_tree_reads_every_filter_shape(data: Any) -> None:
     """Every filter shape a read accepts parses into its tree (a parse failure would
     only turn pruning off, silently: this keeps it on)."""
-    from arrow_strategies import filters, shard_schemas
-
     from persist.exprs import expression_tree
+    from tests.persist.arrow_strategies import filters, shard_schemas
 
     ks, vs = data.draw(shard_schemas())
     schema = updates_schema(ks, vs)

@@ -1,4 +1,5 @@
-"""Persist on an S3-compatible server (moto with authentication, see ``tests/s3_fixtures.py``):
+"""Persist on an S3-compatible server (moto with authentication, see
+``tests/support/s3_fixtures.py``):
 a shard's whole life (appends, compaction, GC, fsck, reopen) on ``s3://``; credentials from
 the environment only and refused when wrong; the empty "directory marker" objects S3
 clients leave behind are ignored by ``list_keys``, GC and fsck."""
@@ -10,10 +11,10 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pytest
-from s3_fixtures import BUCKET, S3Server
 
 from persist import BlobError, PersistClient, collect_garbage, fsck, open_blob
 from stash import Stash
+from tests.support.s3_fixtures import BUCKET, S3Server
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
@@ -209,7 +210,7 @@ def test_a_missing_s3_server_fails_under_ci_and_skips_otherwise(
     it elsewhere, naming the reason."""
     import sys
 
-    import s3_fixtures
+    from tests.support import s3_fixtures
 
     monkeypatch.setitem(sys.modules, "moto.server", None)  # import fails
     monkeypatch.setenv("CI", "true")

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from campaign import record
 
 from persist import FileBlob, MemoryBlob, PersistClient, SinceViolation, UpperMismatch
 from stash import Antichain, Stash
+from tests.reliability.campaign import record
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

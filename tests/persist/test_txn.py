@@ -13,7 +13,6 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from stash_faults import AckLostStash
 
 from persist import (
     ConsensusError,
@@ -26,6 +25,8 @@ from persist import (
     UpperMismatch,
 )
 from stash import Antichain, Stash
+from tests.support.clock import Clock
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -49,14 +50,6 @@ def contents(table: pa.Table) -> Counter[tuple[str, int]]:
     return out
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 @pytest.fixture
 def stash() -> Iterator[Stash]:
     s = Stash.open("memory://", fenced=False)
@@ -71,7 +64,7 @@ def blob() -> MemoryBlob:
 
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(1_000_000.0)
 
 
 @pytest.fixture

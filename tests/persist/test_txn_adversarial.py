@@ -12,10 +12,11 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pytest
-from stash_faults import AckLostStash
 
 from persist import ConsensusError, InvalidUsage, MemoryBlob, PersistClient, TxnUpperMismatch
 from stash import Stash
+from tests.support.clock import Clock
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -274,14 +275,6 @@ def test_time_column_write_below_the_shard_upper_is_bad_input(inner: Stash) -> N
     c.close()
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 @pytest.mark.parametrize("inline", [True, False])
 def test_unknown_outcome_stays_unknown_once_its_record_may_have_expired(
     inner: Stash, inline: bool
@@ -291,7 +284,7 @@ def test_unknown_outcome_stays_unknown_once_its_record_may_have_expired(
     with inline parts, before the fix) nor call it a lease failure ("nothing
     committed"); it reports the outcome as unknown."""
     flaky = AckLostStash(inner)
-    clock = _Clock()
+    clock = Clock(1000.0)
     c = PersistClient(  # type: ignore[arg-type]
         flaky,
         MemoryBlob(),

@@ -16,12 +16,12 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from dbutil import migrate_to_head
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from persist import InvalidUsage, MemoryBlob, PersistClient, TxnUpperMismatch
 from stash import Antichain, Stash
+from tests.support.dbutil import migrate_to_head
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

@@ -23,12 +23,12 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from campaign import record, runs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from persist import CorruptPart, FileBlob, PersistClient, PersistError, fsck
 from stash import Antichain, AppendBatch, Stash, StashError
+from tests.reliability.campaign import record, runs
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])

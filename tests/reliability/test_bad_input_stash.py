@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from campaign import record, runs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stash import Antichain, AppendBatch, Stash, StashError
+from tests.reliability.campaign import record, runs
 
 garbage = st.one_of(
     st.none(),

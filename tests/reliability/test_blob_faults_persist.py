@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from campaign import LONG, record, runs
 
 from persist import (
     Blob,
@@ -46,6 +45,7 @@ from persist import (
     fsck,
 )
 from stash import Stash
+from tests.reliability.campaign import LONG, record, runs
 
 KS = pa.schema([("i", pa.int64()), ("j", pa.int64())])
 VS = pa.schema([("v", pa.string())])

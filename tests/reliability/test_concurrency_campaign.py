@@ -26,10 +26,10 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from campaign import LONG, record
 
 from persist import PersistClient, PersistError, UpperMismatch, fsck, read_batches
 from stash import Antichain, AppendBatch, AppendLowerMismatch, Stash, StashError
+from tests.reliability.campaign import LONG, record
 
 PROCS = 8
 KS = pa.schema([("proc", pa.int64()), ("n", pa.int64())])
@@ -243,7 +243,7 @@ def test_concurrency_sqlite(tmp_path: Path) -> None:
 
 @pytest.mark.postgres
 def test_concurrency_postgres(tmp_path: Path, postgres_url: str) -> None:
-    from dbutil import migrate_to_head
+    from tests.support.dbutil import migrate_to_head
 
     migrate_to_head(postgres_url)
     _campaign(postgres_url, tmp_path, 120.0 if LONG else 4.0, "postgres")

@@ -21,12 +21,19 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from campaign import LONG, record, runs
-from crash_child_persist import KEY_SCHEMA, SHARD, VALUE_SCHEMA, batch_rows, make_client, payload
-from dbutil import migrate_to_head
 
 from persist import collect_garbage, fsck
 from stash import Stash
+from tests.reliability.campaign import LONG, record, runs
+from tests.reliability.crash_child_persist import (
+    KEY_SCHEMA,
+    SHARD,
+    VALUE_SCHEMA,
+    batch_rows,
+    make_client,
+    payload,
+)
+from tests.support.dbutil import migrate_to_head
 
 CHILD = Path(__file__).with_name("crash_child_persist.py")
 

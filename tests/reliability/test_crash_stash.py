@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from campaign import record, runs
-from dbutil import migrate_to_head
 
 from stash import Stash
+from tests.reliability.campaign import record, runs
+from tests.support.dbutil import migrate_to_head
 
 CHILD = Path(__file__).with_name("crash_child.py")
 

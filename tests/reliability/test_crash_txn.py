@@ -25,8 +25,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from campaign import LONG, record, runs
-from crash_child_txn import (
+
+from persist import PersistClient, collect_garbage, fsck
+from stash import Stash
+from tests.reliability.campaign import LONG, record, runs
+from tests.reliability.crash_child_txn import (
     CATALOG,
     KEY_SCHEMA,
     SHARDS,
@@ -36,10 +39,7 @@ from crash_child_txn import (
     payload,
     txn_shards,
 )
-from dbutil import migrate_to_head
-
-from persist import PersistClient, collect_garbage, fsck
-from stash import Stash
+from tests.support.dbutil import migrate_to_head
 
 CHILD = Path(__file__).with_name("crash_child_txn.py")
 

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from campaign import record, runs
 
 from stash import Stash, StashError
+from tests.reliability.campaign import record, runs
 
 
 def _old_leader(
@@ -41,7 +41,7 @@ def _old_leader(
 def test_deposed_leader_writes_nothing(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    from dbutil import backend_url
+    from tests.support.dbutil import backend_url
 
     url = backend_url(request, backend, tmp_path)
     Stash.open(url, fenced=False).close()

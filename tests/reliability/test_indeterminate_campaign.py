@@ -19,11 +19,11 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from campaign import record, runs
-from stash_faults import AckLostStash
 
 from persist import ConsensusError, MemoryBlob, PersistClient, UpperMismatch
 from stash import Stash
+from tests.reliability.campaign import record, runs
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])

@@ -23,11 +23,9 @@ from collections import Counter
 from typing import Any
 
 import pyarrow as pa
-from campaign import record, runs
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from stash_faults import AckLostStash
 
 from persist import (
     BatchAppended,
@@ -42,6 +40,9 @@ from persist import (
     fsck,
 )
 from stash import Antichain, Stash
+from tests.reliability.campaign import record, runs
+from tests.support.clock import Clock
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
@@ -54,14 +55,6 @@ FIG: Counter[str] = Counter()
 
 def ac(t: int) -> Antichain:
     return Antichain.from_elem(t)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Lifecycle(RuleBasedStateMachine):

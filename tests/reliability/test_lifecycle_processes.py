@@ -53,9 +53,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import model_worker
 import pytest
-from campaign import LONG, record, runs
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -66,10 +64,12 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from model_worker import KS, STEP_TIMEOUT, row_values, value_schema
 
 from persist import LeaseExpired, PersistClient, fsck
 from stash import Stash
+from tests.reliability import model_worker
+from tests.reliability.campaign import LONG, record, runs
+from tests.reliability.model_worker import KS, STEP_TIMEOUT, row_values, value_schema
 
 PROCS = 2
 LEASE = 600.0
@@ -754,7 +754,7 @@ def test_lifecycle_processes_sqlite(procs: Procs, tmp_path: Path) -> None:
 
 @pytest.mark.postgres
 def test_lifecycle_processes_postgres(procs: Procs, tmp_path: Path, postgres_url: str) -> None:
-    from dbutil import migrate_to_head
+    from tests.support.dbutil import migrate_to_head
 
     migrate_to_head(postgres_url)
     _run(procs, postgres_url, tmp_path, "Postgres", 3)

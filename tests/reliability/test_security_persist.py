@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from campaign import record
 from click.testing import CliRunner
 
 from persist import (
@@ -36,6 +35,7 @@ from persist import (
 )
 from persist.cli import main
 from stash import Stash
+from tests.reliability.campaign import record
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])

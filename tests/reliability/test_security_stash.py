@@ -12,7 +12,6 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from campaign import record
 from click.testing import CliRunner
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -21,6 +20,7 @@ from sqlalchemy.engine import make_url
 from stash import Antichain, Stash, StashError
 from stash.cli import main
 from stash.url import safe_url
+from tests.reliability.campaign import record
 
 INJECTIONS = [
     "'; DROP TABLE data; --",
@@ -35,7 +35,7 @@ INJECTIONS = [
 def test_injection_attempts_are_plain_data(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    from dbutil import backend_url
+    from tests.support.dbutil import backend_url
 
     url = backend_url(request, backend, tmp_path)
     with Stash.open(url) as s:
@@ -63,7 +63,7 @@ def test_sqlite_files_are_owner_only(tmp_path: Path) -> None:
 
 
 def test_password_never_shown(postgres_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    from dbutil import migrate_to_head
+    from tests.support.dbutil import migrate_to_head
 
     migrate_to_head(postgres_url)
     u = make_url(postgres_url)
@@ -104,10 +104,9 @@ def test_password_as_query_parameter_never_shown(
     ``sslpassword``/``passfile`` values appear in no repr, log line (DEBUG), CLI output
     (tables, titles, JSON, errors) or error message; neither does the password of a URL
     missing ``//``."""
-    from dbutil import migrate_to_head
-
     from persist import PersistClient
     from persist.cli import main as persist_main
+    from tests.support.dbutil import migrate_to_head
 
     migrate_to_head(postgres_url)
     u = make_url(postgres_url)

@@ -24,12 +24,12 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
-from dbutil import migrate_to_head
-from s3_fixtures import S3Server
 
 from persist import PersistClient, fsck
 from persist.cli import main as persist_main
 from stash import Stash
+from tests.support.dbutil import migrate_to_head
+from tests.support.s3_fixtures import S3Server
 
 pytestmark = [pytest.mark.spark, pytest.mark.postgres, pytest.mark.cluster]
 

@@ -13,7 +13,6 @@ import datetime as dt
 import decimal
 import math
 import os
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -289,8 +288,7 @@ def test_a_duration_beyond_sparks_range_raises_naming_column_and_shard(
 
 
 # ------------------------------------------------------------- differential
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "persist"))
-from arrow_strategies import COLUMN_TYPES, NAN, shard_schemas, update_tables  # noqa: E402
+from tests.persist.arrow_strategies import COLUMN_TYPES, NAN, shard_schemas, update_tables  # noqa: E402
 
 #: The column types every value of which Spark holds: not decimal256 wider than 38
 #: digits (refused naming the column) nor durations in seconds or milliseconds, whose

@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from dbutil import backend_url
 
 from stash import Memory, Stash
+from tests.support.dbutil import backend_url
 
 BACKENDS = ["memory", "memory-over-sqlite", "sqlite", "postgres"]
 #: Every backend, and ``Memory(inner)`` over each (for tests of what every handle must do,

@@ -8,12 +8,12 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import pytest
-from conftest_helpers import tick
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stash import Antichain, Stash, StashError, TableTransaction, TypedCollection
 from stash.codec import resolve_codec
+from tests.stash.conftest_helpers import tick
 
 
 @dataclasses.dataclass(frozen=True)

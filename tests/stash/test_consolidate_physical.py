@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from dbutil import migrate_to_head
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stash import Antichain, MemoryStash, Stash, StashCollection, StashError
 from stash.antichain import I64_MAX, I64_MIN
 from stash.postgres import canonical_text
+from tests.support.dbutil import migrate_to_head
 
 A = Antichain.from_elem
 _names = itertools.count()

@@ -7,7 +7,6 @@ import dataclasses
 import random
 
 import pytest
-from conftest_helpers import tick
 
 from stash import (
     Antichain,
@@ -20,6 +19,7 @@ from stash import (
     TypedCollection,
 )
 from stash.antichain import I64_MAX
+from tests.stash.conftest_helpers import tick
 
 A = Antichain.from_elem
 EMPTY = Antichain()

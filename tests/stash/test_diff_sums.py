@@ -5,10 +5,10 @@ naming the collection and the rule, and commits nothing; reads never disagree.""
 from __future__ import annotations
 
 import pytest
-from conftest_helpers import tick
 
 from stash import Antichain, Stash, StashError
 from stash.antichain import I64_MAX, I64_MIN
+from tests.stash.conftest_helpers import tick
 
 A = Antichain.from_elem
 

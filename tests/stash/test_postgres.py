@@ -13,11 +13,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest_helpers import tick
-from dbutil import migrate_to_head
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pgserver import PostgresServer
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
@@ -31,6 +28,9 @@ from stash import (
 )
 from stash.codec import canonical_json
 from stash.postgres import canonical_text
+from tests.stash.conftest_helpers import tick
+from tests.support.dbutil import migrate_to_head
+from tests.support.pgserver import PostgresServer
 
 pytestmark = pytest.mark.postgres
 

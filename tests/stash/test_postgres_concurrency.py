@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from dbutil import migrate_to_head
-from pgserver import PostgresServer
 from sqlalchemy.engine import make_url
 
 from stash import (
@@ -31,6 +29,8 @@ from stash import (
     StashError,
     TypedCollection,
 )
+from tests.support.dbutil import migrate_to_head
+from tests.support.pgserver import PostgresServer
 
 pytestmark = pytest.mark.postgres
 

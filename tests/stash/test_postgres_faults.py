@@ -17,11 +17,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
-from dbutil import migrate_to_head
-from pgserver import PostgresServer
 from sqlalchemy.engine import make_url
 
 from stash import Antichain, AppendBatch, AppendLowerMismatch, Stash, StashCollection, StashError
+from tests.support.dbutil import migrate_to_head
+from tests.support.pgserver import PostgresServer
 
 pytestmark = pytest.mark.postgres
 
@@ -136,7 +136,7 @@ def _finish(st: Stream, t: threading.Thread, pg: str, campaign: str, faults: int
     assert not t.is_alive()
     with Stash.open(pg, mode="readonly") as reader:
         st.check(reader)
-    from campaign import record  # tests/reliability is on sys.path via pyproject
+    from tests.reliability.campaign import record
 
     outcomes = list(st.outcomes.values())
     record(

@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from conftest import ALL_BACKENDS, open_backend
-from conftest_helpers import tick
-from dbutil import backend_url, migrate_to_head
 
 from stash import Antichain, Memory, Stash, StashError
+from tests.stash.conftest import ALL_BACKENDS, open_backend
+from tests.stash.conftest_helpers import tick
+from tests.support.dbutil import backend_url, migrate_to_head
 
 A = Antichain.from_elem
 _n = itertools.count()

@@ -10,7 +10,6 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from dbutil import backend_url, migrate_to_head
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -18,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from stash import Antichain, AppendBatch, Memory, Stash, StashError
 from stash.antichain import I64_MAX
 from stash.codec import canonical_json, json_sort_key
+from tests.support.dbutil import backend_url, migrate_to_head
 
 NAMES = ["a", "b", "c"]
 keys = st.sampled_from(["k1", "k2", "k3"])

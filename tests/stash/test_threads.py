@@ -23,9 +23,9 @@ import threading
 from typing import Any
 
 import pytest
-from campaign import record
 
 from stash import AppendLowerMismatch, Stash, StashError, TypedCollection
+from tests.reliability.campaign import record
 
 WRITERS = 3
 READERS = 2

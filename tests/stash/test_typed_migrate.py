@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import OpenStash
 
 from stash import Antichain, StashError, TypedCollection
 from stash.codec import JsonCodec
+from tests.stash.conftest import OpenStash
 
 
 def _seed(stash: Any) -> TypedCollection[Any, Any]:

@@ -1,0 +1,1 @@
+"""Tests of persist: shards, handles, compaction, GC, transactions, schema evolution."""

@@ -1,0 +1,1 @@
+"""Tests of the stash: every backend's contract, migrations, concurrency, redaction."""

@@ -2,7 +2,7 @@
 
 :class:`PersistClient` (the persist-client ``PersistClient``) ties together consensus
 (:mod:`persist.consensus`, on a :class:`stash.Stash`), a blob store
-(:mod:`persist.blob`), one :class:`~persist.consensus.ShardMachine` per open shard, and a
+(:mod:`persist.blob`), one :class:`~persist.machine.ShardMachine` per open shard, and a
 :class:`~persist.compactor.Compactor` that answers the Spine's merge requests in the
 background, inline after each append, or not at all.
 
@@ -65,14 +65,10 @@ from persist import metrics as persist_metrics
 from persist.blob import ArrowFsBlob, Blob, BlobMetrics, open_blob
 from persist.blobdirs import remove_empty_dirs
 from persist.compactor import Compactor
-from persist.consensus import (
-    Consensus,
-    ShardMachine,
-    Stale,
-    validate_shard_id,
-    validate_shard_name,
-)
+from persist.consensus import Consensus
 from persist.errors import BlobError, InvalidKey, InvalidUsage, PersistError
+from persist.ids import validate_shard_id, validate_shard_name
+from persist.machine import ShardMachine, Stale
 from persist.parts import DEFAULT_TARGET_PART_BYTES, updates_schema
 from persist.read import Listen, ReadHandle
 from persist.spine import FueledMergeReq, Trace

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from persist import metrics as persist_metrics
-from persist.consensus import ShardMachine, Stale
 from persist.errors import PersistError
 from persist.keys import new_writer_id, part_name_prefix
+from persist.machine import ShardMachine, Stale
 from persist.parts import consolidate_order, updates_schema, write_parts
 from persist.read import read_batches
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes

@@ -62,9 +62,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from persist import metrics as persist_metrics
-from persist.consensus import RetiredKey, ShardMachine
+from persist.consensus import RetiredKey
 from persist.errors import BlobError, InvalidUsage
 from persist.keys import key_created_ms, parse_part_key
+from persist.machine import ShardMachine
 from persist.state import ShardState
 from persist.types import INLINE_ID_PREFIX
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import pyarrow as pa
 
-from persist.consensus import ShardMachine
 from persist.errors import InvalidUsage
+from persist.machine import ShardMachine
 from persist.parts import updates_schema
 from stash import Antichain
 

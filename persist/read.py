@@ -72,7 +72,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from persist.blob import Blob
-from persist.consensus import ShardMachine, Stale
 from persist.errors import (
     CorruptPart,
     DiffOverflow,
@@ -90,6 +89,7 @@ from persist.filters import (
 )
 from persist.handle import ShardHandle
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
+from persist.machine import ShardMachine, Stale
 from persist.parts import TIME, consolidate, read_parts
 from persist.pool import run_all
 from persist.state import LeaseExpired, ShardState

@@ -69,6 +69,7 @@ __all__ = [
     "LeaseExpired",
     "ReaderState",
     "ShardState",
+    "Stale",
     "WriterState",
     "schema_from_json",
     "schema_to_json",
@@ -91,6 +92,13 @@ SEQNO_ONLY = "seqno hold"
 #: Separates an idempotency token from the fingerprint of its append in a writer's
 #: recorded tokens (a control character: never part of a valid token).
 TOKEN_SEP = "\x1f"
+
+
+class Stale(Exception):
+    """Raised by a command that would fail on a cached state (``fresh`` false): the
+    machine re-reads the head and runs it again on the fresh state, where failing is then
+    real (Materialize's persist-client returns the same "retry on a fresh state" from
+    its ``internal/state.rs`` commands)."""
 
 
 class LeaseExpired(InvalidUsage):

@@ -105,10 +105,6 @@ from persist.consensus import (
     REGISTRY_COLLECTION,
     RETIRED_COLLECTION_PREFIX,
     SHARD_COLLECTION_PREFIX,
-    ShardMachine,
-    Staged,
-    Stale,
-    validate_shard_name,
 )
 from persist.errors import (
     ConsensusError,
@@ -117,7 +113,9 @@ from persist.errors import (
     PersistError,
     UpperMismatch,
 )
+from persist.ids import validate_shard_name
 from persist.keys import key_writer_id
+from persist.machine import ShardMachine, Staged, Stale
 from persist.parts import DIFF, TIME
 from persist.spine import FueledMergeReq
 from persist.state import TOKEN_SEP, LeaseExpired, ShardState

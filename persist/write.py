@@ -82,7 +82,6 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 from persist import metrics as persist_metrics
 from persist.appended import copy_check, inline_ids
 from persist.batch import Batch
-from persist.consensus import ShardMachine, Stale
 from persist.consolidation import _adjacent
 from persist.errors import (
     BatchAppended,
@@ -102,6 +101,7 @@ from persist.fingerprint import batches_fingerprint, check_same_append, updates_
 from persist.handle import ShardHandle
 from persist.keys import key_writer_id, part_name_prefix
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
+from persist.machine import ShardMachine, Stale
 from persist.parts import (
     TIME,
     consolidate_order,

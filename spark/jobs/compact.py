@@ -230,7 +230,7 @@ def _apply(client: Any, machine: Any, out: Any) -> bool:
     """Swap ``out`` into the trace by compare-and-set; delete its parts if it was not
     applied and the latest state does not reference them."""
     from persist import FueledMergeRes, PersistError
-    from persist.consensus import Stale
+    from persist.machine import Stale
 
     res = FueledMergeRes(out)
     keys = [p.key for p in out.parts if p.key is not None]

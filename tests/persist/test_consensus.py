@@ -11,16 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persist.consensus import (
-    Consensus,
-    ShardMachine,
-    Stale,
-    diff_key,
-    new_shard_id,
-    validate_shard_id,
-    validate_shard_name,
-)
+from persist.consensus import Consensus, diff_key
 from persist.errors import ConsensusError, InvalidUsage
+from persist.ids import new_shard_id, validate_shard_id, validate_shard_name
+from persist.machine import ShardMachine, Stale
 from persist.spine import FueledMergeRes
 from persist.state import LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef

@@ -29,15 +29,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from persist import ConsensusError, MemoryBlob, PersistClient, UpperMismatch, collect_garbage
-from persist.consensus import (
-    Consensus,
-    ShardMachine,
-    Stale,
-    VersionedData,
-    diff_key,
-    new_shard_id,
-)
+from persist.consensus import Consensus, VersionedData, diff_key
 from persist.errors import InvalidUsage
+from persist.ids import new_shard_id
+from persist.machine import ShardMachine, Stale
 from persist.state import ShardState
 from stash import IndeterminateError, Stash
 

@@ -47,25 +47,44 @@ Spine's flattened trace (``src/persist-client/src/internal/trace.rs``), the pers
 
 from __future__ import annotations
 
-import base64
-import json
-import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 
+from persist import state_codec
 from persist.errors import InvalidUsage, PersistError, SchemaMismatch
 from persist.keys import key_writer_id
+from persist.lease_state import (
+    _TOKEN_RE,
+    TOKEN_FOREIGN,
+    TOKEN_LANDED,
+    TOKEN_NOT_LANDED,
+    TOKEN_SEP,
+    TOKEN_UNKNOWN,
+    WRITER_TOKENS_KEPT,
+    ReaderState,
+    WriterState,
+    token_for,
+)
 from persist.schemacache import schema_cache
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
+from persist.state_codec import schema_from_json, schema_to_json
 from persist.types import HollowBatch
 from persist.updates import SchemaHistory, check_schema_evolution
 from stash import Antichain
 
 __all__ = [
     "SEQNO_ONLY",
+    "TOKEN_FOREIGN",
+    "TOKEN_LANDED",
+    "TOKEN_NOT_LANDED",
+    "TOKEN_SEP",
+    "TOKEN_UNKNOWN",
+    "WRITER_TOKENS_KEPT",
+    "token_for",
+    "token_verdict",
     "LeaseExpired",
     "ReaderState",
     "ShardState",
@@ -75,23 +94,9 @@ __all__ = [
     "schema_to_json",
 ]
 
-# Entry keys of the flattened state (see ShardState.to_entries).
-_SHARD = "shard"
-_META = "meta"
-_TRACE_MAPS = ("hollow_batches", "spine_batches")
-_READER = "reader/"
-_SCHEMAS = "schemas"
-_WRITER = "writer/"
-
-
 #: The purpose of a reader lease that holds a seqno but no since (see
 #: :meth:`ShardState.detach_reader`).
 SEQNO_ONLY = "seqno hold"
-
-
-#: Separates an idempotency token from the fingerprint of its append in a writer's
-#: recorded tokens (a control character: never part of a valid token).
-TOKEN_SEP = "\x1f"
 
 
 class Stale(Exception):
@@ -118,254 +123,8 @@ class LeaseExpired(InvalidUsage):
 
 
 @schema_cache(256)
-def _schema_json_cached(schema: pa.Schema) -> str:
-    return json.dumps(_schema_to_json(schema))
-
-
-# The last ``shard`` entries made, by the identity of their arguments (the schema objects
-# are kept alive by the values, so their ids are not reused while listed): hashing a
-# ``pa.Schema`` for the lru_cache below costs tens of microseconds per version.
-_SHARD_ENTRIES: dict[tuple[int, int, str, str], tuple[pa.Schema, pa.Schema, dict[str, Any]]] = {}
-
-
-def _shard_entry(
-    shard_id: str, name: str, key_schema: pa.Schema, value_schema: pa.Schema
-) -> dict[str, Any]:
-    """The ``shard`` entry of :meth:`ShardState.to_entries` (the same dict for the same
-    shard, so that versions compare it cheaply; do not mutate it)."""
-    ident = (id(key_schema), id(value_schema), shard_id, name)
-    hit = _SHARD_ENTRIES.get(ident)
-    if hit is not None and hit[0] is key_schema and hit[1] is value_schema:
-        return hit[2]
-    entry = _shard_entry_cached(shard_id, name, key_schema, value_schema)
-    if len(_SHARD_ENTRIES) >= 256:
-        _SHARD_ENTRIES.clear()
-    _SHARD_ENTRIES[ident] = (key_schema, value_schema, entry)
-    return entry
-
-
-@schema_cache(256)
-def _shard_entry_cached(
-    shard_id: str, name: str, key_schema: pa.Schema, value_schema: pa.Schema
-) -> dict[str, Any]:
-    """:func:`_shard_entry` by value."""
-    return {
-        "shard_id": shard_id,
-        "name": name,
-        "key_schema": schema_to_json(key_schema),
-        "value_schema": schema_to_json(value_schema),
-    }
-
-
-def schema_to_json(schema: pa.Schema) -> dict[str, Any]:
-    """A readable and exact JSON form of an Arrow schema: ``{"fields": ["name: type", ...],
-    "ipc": base64 of the Arrow IPC schema message}`` (``fields`` is informational)."""
-    out: dict[str, Any] = json.loads(_schema_json_cached(schema))
-    return out
-
-
-def _schema_to_json(schema: pa.Schema) -> dict[str, Any]:
-    return {
-        "fields": [f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in schema],
-        "ipc": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
-    }
-
-
-def schema_from_json(d: Mapping[str, Any]) -> pa.Schema:
-    """Inverse of :func:`schema_to_json`.
-
-    Raises:
-        PersistError: the IPC bytes are not an Arrow schema.
-    """
-    try:
-        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["ipc"])))
-    except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
-        raise PersistError(f"stored schema is not a valid Arrow IPC schema: {e}") from e
-
-
-@schema_cache(256)
 def _history(key_schema: pa.Schema, versions: tuple[pa.Schema, ...]) -> SchemaHistory:
     return SchemaHistory(key_schema, versions)
-
-
-@schema_cache(64)
-def _schemas_entry(versions: tuple[pa.Schema, ...]) -> list[dict[str, Any]]:
-    """The ``schemas`` entry: every value schema version, by id (the same list for the
-    same versions, so that versions compare it cheaply; do not mutate it)."""
-    return [{"id": i, **schema_to_json(v)} for i, v in enumerate(versions)]
-
-
-def _schemas_from(entry: Any) -> tuple[pa.Schema, ...]:
-    """Inverse of :func:`_schemas_entry` (``None``: a state of one version)."""
-    if entry is None:
-        return ()
-    versions = []
-    for i, d in enumerate(entry):
-        if int(d["id"]) != i:
-            raise ValueError(f"schema versions out of order: id {d['id']} at position {i}")
-        versions.append(schema_from_json(d))
-    return tuple(versions)
-
-
-@dataclass(frozen=True)
-class ReaderState:
-    """A leased reader (Materialize's ``LeasedReaderState``).
-
-    Attributes:
-        since: the reader's since hold: the shard's since never passes it.
-        last_heartbeat_ms: wall-clock time (ms since the epoch) of its last heartbeat.
-        lease_duration_ms: the reader is expired once ``now > last_heartbeat_ms +
-            lease_duration_ms``.
-        purpose: a free-form description (``"read handle"``, ``"listen"``, ...).
-        seqno: the reader's seqno hold: it may still read any version from this seqno
-            on, so GC keeps every blob key that such a version references (a key retired
-            at seqno ``R`` is deleted only once every live reader holds ``>= R``).  It
-            only advances.  Versions written before seqno holds existed read as ``0``.
-    """
-
-    since: Antichain
-    last_heartbeat_ms: int
-    lease_duration_ms: int
-    purpose: str = ""
-    seqno: int = 0
-
-    def expired(self, now_ms: int) -> bool:
-        """True when the lease ran out at ``now_ms``."""
-        return now_ms > self.last_heartbeat_ms + self.lease_duration_ms
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "since": self.since.to_json(),
-            "last_heartbeat_ms": self.last_heartbeat_ms,
-            "lease_duration_ms": self.lease_duration_ms,
-            "purpose": self.purpose,
-            "seqno": self.seqno,
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> ReaderState:
-        return cls(
-            Antichain.from_json(d["since"]),
-            int(d["last_heartbeat_ms"]),
-            int(d["lease_duration_ms"]),
-            str(d.get("purpose", "")),
-            int(d.get("seqno", 0)),
-        )
-
-
-@dataclass(frozen=True)
-class WriterState:
-    """A writer (Materialize's ``WriterState``).
-
-    Attributes:
-        last_heartbeat_ms: wall-clock time (ms) of its last append or heartbeat.
-        lease_duration_ms: the writer is dropped once its lease runs out.
-        last_token: the idempotency token of the writer's last committed append, used to
-            learn the outcome of an append whose commit was indeterminate.
-        tokens: the tokens of its earlier recent appends (oldest first, at most
-            :data:`WRITER_TOKENS_KEPT` with ``last_token``), so that a retry with a token
-            stays idempotent even after the same writer appended again.  States written
-            before this field existed load with ``()``.
-        handed_off: batches with parts of this writer that its handle had handed out
-            (e.g. transmitted to another process,
-            :meth:`persist.batch.Batch.into_transmittable`) and not appended itself
-            when it expired; ``0`` (omitted from the JSON) while the handle is in use.
-            A handed-off writer is kept (for its hand-off lease, see
-            :meth:`ShardState.hand_off_writer`) while some of them are outstanding, so
-            that GC keeps their parts.
-        settled: batches with parts of this writer that other writers appended (or
-            whose decoded copies they deleted), before or after the hand-off; the
-            writer is dropped once it is handed off and ``settled >= handed_off``.
-            ``0`` (omitted from the JSON) at first.
-    """
-
-    last_heartbeat_ms: int
-    lease_duration_ms: int
-    last_token: str | None = None
-    tokens: tuple[str, ...] = ()
-    handed_off: int = 0
-    settled: int = 0
-
-    @property
-    def outstanding(self) -> int:
-        """Handed-off batches neither appended nor deleted yet (``0`` while in use)."""
-        return max(0, self.handed_off - self.settled) if self.handed_off else 0
-
-    def expired(self, now_ms: int) -> bool:
-        """True when the lease ran out at ``now_ms``."""
-        return now_ms > self.last_heartbeat_ms + self.lease_duration_ms
-
-    def token_entry(self, token: str) -> str | None:
-        """The recorded entry of an append with ``token`` by this writer
-        (``token``, or ``token + TOKEN_SEP + fingerprint``), or ``None``."""
-        for entry in (self.last_token, *self.tokens):
-            if entry is not None and entry.split(TOKEN_SEP, 1)[0] == token:
-                return entry
-        return None
-
-    def has_token(self, token: str) -> bool:
-        """Whether an append with ``token`` by this writer is recorded."""
-        return self.token_entry(token) is not None
-
-    def with_token(self, now_ms: int, lease_ms: int, token: str) -> WriterState:
-        """This writer after an append with ``token`` (heartbeat renewed)."""
-        older = self.tokens if self.last_token is None else (*self.tokens, self.last_token)
-        older = older[-(WRITER_TOKENS_KEPT - 1) :] if WRITER_TOKENS_KEPT > 1 else ()
-        return replace(
-            self,
-            last_heartbeat_ms=max(self.last_heartbeat_ms, now_ms),
-            lease_duration_ms=lease_ms,
-            last_token=token,
-            tokens=older,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "last_heartbeat_ms": self.last_heartbeat_ms,
-            "lease_duration_ms": self.lease_duration_ms,
-            "last_token": self.last_token,
-        }
-        if self.tokens:
-            d["tokens"] = list(self.tokens)
-        if self.handed_off:
-            d["handed_off"] = self.handed_off
-        if self.settled:
-            d["settled"] = self.settled
-        return d
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> WriterState:
-        tok = d.get("last_token")
-        return cls(
-            int(d["last_heartbeat_ms"]),
-            int(d["lease_duration_ms"]),
-            None if tok is None else str(tok),
-            tuple(str(t) for t in d.get("tokens", ())),
-            int(d.get("handed_off", 0)),
-            int(d.get("settled", 0)),
-        )
-
-
-#: How many idempotency tokens of recent appends a writer's state keeps.
-WRITER_TOKENS_KEPT = 8
-
-#: A token persist made (:func:`token_for`): 16 hex digits of the writer's id, 8 of the
-#: drawing process, an 8-digit counter, dot-separated (a form no uuid or plain hex token
-#: of a caller's has).
-_TOKEN_RE = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{8}\.[0-9a-f]{8}")
-#: :func:`token_verdict`'s answers.
-TOKEN_LANDED, TOKEN_NOT_LANDED, TOKEN_UNKNOWN, TOKEN_FOREIGN = (
-    "landed",
-    "not landed",
-    "unknown",
-    "foreign",
-)
-
-
-def token_for(writer_id: str, process: str, count: int) -> str:
-    """The idempotency token ``count`` drawn by a process (8 hex digits ``process``) for
-    ``writer_id`` (``w`` and 32 hex digits)."""
-    return f"{writer_id[1:17]}.{process}.{count:08x}"
 
 
 def token_verdict(st: ShardState, token: str) -> tuple[str, str | None]:
@@ -857,39 +616,11 @@ class ShardState:
         return bool(retired)
 
     # ------------------------------------------------------------------- JSON
-    def to_entries(self) -> dict[str, Any]:
-        """The state flattened into one JSON value per component, keyed by a path:
 
-        ``meta`` (``seqno``, ``since``, ``upper``, the trace's ``next_id`` and
-        ``fueling_merges``: what changes with every version, kept in one entry),
-        ``shard`` (id, name, schemas; ``value_schema`` the newest version),
-        ``schemas`` (only once there is more than one version: every value schema
-        version, by id), ``trace/hollow_batches/<id>``,
-        ``trace/spine_batches/<id>``, ``reader/<id>``, ``writer/<id>``,
-        (retired keys live in their own collection).  A new version differs from the
-        previous one in
-        ``meta`` and the few components that changed, so consensus writes little.
-        """
-        t = self.trace.to_json()
-        meta = {k: v for k, v in t.items() if k not in _TRACE_MAPS}
-        meta["seqno"] = self.seqno
-        meta["retired_upper"] = self.retired_upper
-        if self.tombstone:
-            meta["tombstone"] = True
-        out: dict[str, Any] = {
-            _META: meta,
-            _SHARD: _shard_entry(self.shard_id, self.name, self.key_schema, self.value_schema),
-        }
-        if len(self.schema_history) > 1:
-            out[_SCHEMAS] = _schemas_entry(self.schema_history)
-        for m in _TRACE_MAPS:
-            for k, v in t[m].items():
-                out[f"trace/{m}/{k}"] = v
-        for rid, r in self.readers.items():
-            out[_READER + rid] = r.to_json()
-        for wid, w in self.writers.items():
-            out[_WRITER + wid] = w.to_json()
-        return out
+    def to_entries(self) -> dict[str, Any]:
+        """The state flattened into one JSON value per component, keyed by a path
+        (:func:`persist.state_codec.to_entries`)."""
+        return state_codec.to_entries(self)
 
     @classmethod
     def from_entries(cls, entries: Mapping[str, Any]) -> ShardState:
@@ -898,64 +629,11 @@ class ShardState:
         Raises:
             PersistError: an entry is missing or malformed.
         """
-        seqno: object = "?"
-        try:
-            shard = entries[_SHARD]
-            trace_json: dict[str, Any] = dict(entries[_META])
-            seqno = trace_json.pop("seqno")
-            retired_upper = int(trace_json.pop("retired_upper", 0))
-            tombstone = bool(trace_json.pop("tombstone", False))
-            maps: dict[str, dict[str, Any]] = {m: {} for m in _TRACE_MAPS}
-            readers: dict[str, ReaderState] = {}
-            writers: dict[str, WriterState] = {}
-            for k, v in entries.items():
-                if k.startswith("trace/"):
-                    _, m, ident = k.split("/", 2)
-                    maps[m][ident] = v
-                elif k.startswith(_READER):
-                    readers[k[len(_READER) :]] = ReaderState.from_json(v)
-                elif k.startswith(_WRITER):
-                    writers[k[len(_WRITER) :]] = WriterState.from_json(v)
-                elif k not in (_SHARD, _META, _SCHEMAS):
-                    raise ValueError(f"unknown state entry {k!r}")
-            trace_json.update(maps)
-            if isinstance(seqno, bool) or not isinstance(seqno, int):
-                raise ValueError(f"seqno {seqno!r} is not an int")
-            return cls(
-                shard_id=str(shard["shard_id"]),
-                name=str(shard["name"]),
-                key_schema=schema_from_json(shard["key_schema"]),
-                value_schema=schema_from_json(shard["value_schema"]),
-                seqno=seqno,
-                trace=Trace.from_json(trace_json),
-                readers=readers,
-                writers=writers,
-                retired_upper=retired_upper,
-                tombstone=tombstone,
-                schema_history=_schemas_from(entries.get(_SCHEMAS)),
-            )
-        except PersistError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PersistError(f"malformed shard state at seqno {seqno}: {e}") from e
+        return cls(**state_codec.from_entries(entries))
 
     def to_json(self) -> dict[str, Any]:
         """One readable JSON document of this version (for inspection)."""
-        return {
-            "seqno": self.seqno,
-            "shard_id": self.shard_id,
-            "name": self.name,
-            "since": self.since.to_json(),
-            "upper": self.upper.to_json(),
-            "key_schema": schema_to_json(self.key_schema),
-            "value_schema": schema_to_json(self.value_schema),
-            "schemas": list(_schemas_entry(self.schema_history)),
-            "trace": self.trace.to_json(),
-            "readers": {k: v.to_json() for k, v in sorted(self.readers.items())},
-            "writers": {k: v.to_json() for k, v in sorted(self.writers.items())},
-            "retired_upper": self.retired_upper,
-            "tombstone": self.tombstone,
-        }
+        return state_codec.to_json(self)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ShardState:
@@ -964,21 +642,4 @@ class ShardState:
         Raises:
             PersistError: the document is malformed.
         """
-        try:
-            return cls(
-                shard_id=str(d["shard_id"]),
-                name=str(d["name"]),
-                key_schema=schema_from_json(d["key_schema"]),
-                value_schema=schema_from_json(d["value_schema"]),
-                seqno=int(d["seqno"]),
-                trace=Trace.from_json(d["trace"]),
-                readers={k: ReaderState.from_json(v) for k, v in d["readers"].items()},
-                writers={k: WriterState.from_json(v) for k, v in d["writers"].items()},
-                retired_upper=int(d.get("retired_upper", 0)),
-                tombstone=bool(d.get("tombstone", False)),
-                schema_history=_schemas_from(d.get("schemas")),
-            )
-        except PersistError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PersistError(f"malformed shard state document: {e}") from e
+        return cls(**state_codec.from_json(d))

@@ -68,14 +68,13 @@ from persist.compactor import Compactor
 from persist.consensus import Consensus
 from persist.errors import BlobError, InvalidKey, InvalidUsage, PersistError
 from persist.ids import validate_shard_id, validate_shard_name
-from persist.machine import ShardMachine, Stale
+from persist.machine import ShardMachine
 from persist.parts import DEFAULT_TARGET_PART_BYTES, updates_schema
 from persist.read import Listen, ReadHandle
-from persist.spine import FueledMergeReq, Trace
+from persist.spine import FueledMergeReq
 from persist.state import ShardState
-from persist.types import Description, HollowBatch
 from persist.write import WriteHandle
-from stash import Antichain, Stash, StashError
+from stash import Stash, StashError
 
 if TYPE_CHECKING:
     from persist.txn import Txn
@@ -338,13 +337,7 @@ class PersistClient:
         known = st.schemas().id_of(value_schema) if st.key_schema.equals(key_schema) else None
         if known is not None:
             return known
-
-        def fn(st: ShardState, fresh: bool) -> tuple[int, bool]:
-            if not fresh:
-                raise Stale()  # decide on the latest versions only
-            return st.register_schema(key_schema, value_schema, drop)
-
-        return m.apply(fn)
+        return m.register_schema(key_schema, value_schema, drop)
 
     def _schema_id(self, m: ShardMachine, key_schema: pa.Schema, value_schema: pa.Schema) -> int:
         """The schema id of these schemas in the shard's latest state (registering them
@@ -526,14 +519,7 @@ class PersistClient:
         registers it (the version equal to ``value_schema`` there)."""
         rid = "r" + uuid.uuid4().hex
         rl = self.reader_lease_seconds
-
-        def fn(st: ShardState, fresh: bool) -> tuple[int | None, bool]:
-            st.register_reader(rid, m.now_ms(), int(rl * 1000), "read handle")
-            if schema_id is not None or not st.key_schema.equals(key_schema):
-                return schema_id, True
-            return st.schemas().id_of(value_schema), True
-
-        sid = m.apply(fn, keep=(rid,))
+        sid = m.open_reader(rid, int(rl * 1000), key_schema, value_schema, schema_id)
         r = ReadHandle(self, m, name, rid, key_schema, value_schema, rl)
         r.schema_id = self._schema_id(m, key_schema, value_schema) if sid is None else sid
         self._handles.add(r)
@@ -584,24 +570,7 @@ class PersistClient:
 
         shard_id = self.shard_id(shard)
         m = self.machine(shard_id)
-        now = m.now_ms()
-
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            if st.tombstone:
-                return None, False
-            before = st.referenced_blob_keys()
-            trace = Trace()
-            trace.push_batch(HollowBatch(Description(trace.upper, Antichain())))
-            trace.downgrade_since(Antichain())
-            st.trace = trace
-            st.readers.clear()
-            st.writers.clear()
-            st.tombstone = True
-            for k in before:
-                st.retire_adds[k] = now
-            return None, True
-
-        m.apply(fn)
+        m.finalize(m.now_ms())
         n = 0
         for key, _size in self.blob.list_keys(f"{shard_id}/"):
             if parse_part_key(shard_id, key) is None:
@@ -614,14 +583,7 @@ class PersistClient:
             remove_empty_dirs(self.raw_blob, f"{shard_id}/")
         _u, retired = self.consensus.retired_entries(shard_id)
         if retired:
-
-            def forget(st: ShardState, fresh: bool) -> tuple[None, bool]:
-                _u2, rows = self.consensus.retired_entries(shard_id)
-                if _u2 != st.retired_upper and not fresh:
-                    raise Stale()
-                return None, st.forget_retired({r.entry: r.ms for r in rows.values()})
-
-            m.apply(forget)
+            m.forget_retired()
         self.consensus.truncate(shard_id)
         return n
 

@@ -242,12 +242,7 @@ def _commit_expiry(m: ShardMachine) -> ShardState:
     writers are expired through the state machine, never behind it.
     """
     m.fetch()  # decide on a head read after the listing, never on an older cache
-    now = m.now_ms()
-
-    def fn(st: ShardState, fresh: bool) -> tuple[ShardState, bool]:
-        return st, st.expire_leases(now)
-
-    return m.apply(fn)
+    return m.expire_leases(m.now_ms())
 
 
 def _forget(client: PersistClient, m: ShardMachine, shard_id: str, done: dict[str, int]) -> None:
@@ -261,14 +256,4 @@ def _forget(client: PersistClient, m: ShardMachine, shard_id: str, done: dict[st
     only on that version.  So two overlapping GC passes, or a pass re-run after an
     indeterminate outcome, never retract a row twice (which would leave a ``-1`` row).
     """
-    seen: list[tuple[int, dict[str, int]]] = []
-
-    def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
-        if not seen or seen[0][0] != s.retired_upper:
-            upper, rows = client.consensus.retired_entries(shard_id)
-            seen[:] = [(upper, {r.entry: r.ms for r in rows.values()})]
-        present = seen[0][1]
-        todo = {k: ms for k, ms in done.items() if present.get(k) == ms}
-        return None, s.forget_retired(todo)
-
-    m.apply(fn)
+    m.forget_retired(done)

@@ -34,11 +34,14 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import pyarrow as pa
+
 from persist import metrics as persist_metrics
+from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
 from persist.consensus import (
     Consensus,
     RetiredChange,
@@ -48,7 +51,7 @@ from persist.consensus import (
 )
 from persist.errors import ConsensusError, PersistError
 from persist.ids import validate_shard_id
-from persist.spine import FueledMergeRes
+from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
 from persist.state import (
     TOKEN_FOREIGN,
     TOKEN_NOT_LANDED,
@@ -57,6 +60,7 @@ from persist.state import (
     Stale,
     token_verdict,
 )
+from stash import Antichain
 
 __all__ = ["ShardMachine", "Stale", "Staged"]
 
@@ -292,17 +296,17 @@ class ShardMachine:
     @property
     def lock(self) -> threading.RLock:
         """The machine's lock: a multi-shard transaction (:mod:`persist.txn`) holds the
-        locks of all its shards (taken in shard-id order) around :meth:`stage` and
+        locks of all its shards (taken in shard-id order) around :meth:`_stage` and
         :meth:`install`."""
         return self._lock
 
-    def stage(
+    def _stage(
         self,
         fn: Callable[[ShardState, bool], tuple[T, bool]],
         fresh: bool,
         keep: tuple[str, ...] = (),
     ) -> tuple[T, Staged | None]:
-        """Run a transition on a copy of the cached state, as :meth:`apply` does, but
+        """Run a transition on a copy of the cached state, as :meth:`_apply` does, but
         do not publish it: return ``fn``'s result and the :class:`Staged` version
         (``None`` when nothing changed) for the caller to send with
         :meth:`Consensus.version_batches` and, once committed, :meth:`install`.  The
@@ -363,7 +367,7 @@ class ShardMachine:
             self._cache = _Cache(staged.state, _published(staged))
 
     # ----------------------------------------------------------------- writes
-    def apply(
+    def _apply(
         self,
         fn: Callable[[ShardState, bool], tuple[T, bool]],
         *,
@@ -455,6 +459,217 @@ class ShardMachine:
                     time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
                 self.fetch()
                 fresh = True
+
+    # ------------------------------------------------------------- commands
+    # One method per command, each running the ShardState method of the same (or the
+    # named) name through the applier (after Materialize's persist-client
+    # internal/machine.rs).  The clock is read on every attempt unless ``now_ms`` is
+    # given; a ``seqno_hold`` is read under the machine's lock on every attempt.
+
+    def _now(self, now_ms: int | None) -> int:
+        return self.now_ms() if now_ms is None else now_ms
+
+    def open_reader(
+        self,
+        reader_id: str,
+        lease_ms: int,
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        schema_id: int | None = None,
+    ) -> int | None:
+        """Register a read handle's reader (:meth:`ShardState.open_reader`)."""
+        return self._apply(
+            lambda st, fresh: (
+                st.open_reader(
+                    reader_id, self.now_ms(), lease_ms, key_schema, value_schema, schema_id
+                ),
+                True,
+            ),
+            keep=(reader_id,),
+        )
+
+    def register_listen(self, reader_id: str, as_of: int, now_ms: int, lease_ms: int) -> None:
+        """Register a listen's reader (:meth:`ShardState.register_listen`)."""
+        self._apply(
+            lambda st, fresh: (None, st.register_listen(reader_id, as_of, now_ms, lease_ms, fresh)),
+            keep=(reader_id,),
+        )
+
+    def downgrade_since(
+        self,
+        reader_id: str,
+        since: Antichain,
+        now_ms: int,
+        seqno_hold: Callable[[], int | None] | None = None,
+    ) -> None:
+        """Move a reader's since hold (:meth:`ShardState.downgrade_since`)."""
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            hold = None if seqno_hold is None else seqno_hold()
+            return None, st.downgrade_since(reader_id, since, now_ms, hold, fresh)
+
+        self._apply(fn, keep=(reader_id,))
+
+    def heartbeat_reader(
+        self, reader_id: str, now_ms: int, seqno_hold: Callable[[], int | None]
+    ) -> None:
+        """Renew a reader's lease and seqno hold (:meth:`ShardState.renew_reader`)."""
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            return None, st.renew_reader(reader_id, now_ms, seqno_hold(), fresh)
+
+        self._apply(fn, keep=(reader_id,))
+
+    def detach_reader(self, reader_id: str, now_ms: int, seqno: int | None) -> None:
+        """Keep only a reader's seqno hold (:meth:`ShardState.detach`)."""
+        self._apply(
+            lambda st, fresh: (None, st.detach(reader_id, now_ms, seqno, fresh)),
+            keep=(reader_id,),
+        )
+
+    def expire_reader(self, reader_id: str) -> None:
+        """Drop a reader (:meth:`ShardState.expire_reader`)."""
+        self._apply(lambda st, fresh: (None, st.expire_reader(reader_id)))
+
+    def register_writer(self, writer_id: str, now_ms: int, lease_ms: int, registered: bool) -> None:
+        """Register or renew a writer (:meth:`ShardState.register_writer`)."""
+        self._apply(
+            lambda st, fresh: (
+                None,
+                st.register_writer(writer_id, now_ms, lease_ms, registered, fresh),
+            ),
+            keep=(writer_id,),
+        )
+
+    def register_compactor(
+        self, writer_id: str, fallback_id: str, renew: bool, now_ms: int, lease_ms: int
+    ) -> str:
+        """Register or renew a compactor's writer (:meth:`ShardState.register_compactor`);
+        returns the id registered."""
+        return self._apply(
+            lambda st, fresh: (
+                st.register_compactor(writer_id, fallback_id, renew, now_ms, lease_ms, fresh),
+                True,
+            ),
+            keep=(writer_id,),
+        )
+
+    def renew_writers(self, writer_ids: tuple[str, ...]) -> bool:
+        """Renew live writers' leases (:meth:`ShardState.renew_writers`); returns whether
+        every one was renewed."""
+        return self._apply(lambda st, fresh: st.renew_writers(writer_ids, self.now_ms()))
+
+    def settle_handed_off(self, handed: tuple[tuple[str, int], ...]) -> None:
+        """Count hand-offs down (:meth:`ShardState.settle_handed_off`)."""
+        self._apply(lambda st, fresh: (None, st.settle_handed_off(handed)))
+
+    def hand_off(self, writer_id: str, lease_ms: int, batches: int) -> bool:
+        """Hand a writer off (:meth:`ShardState.hand_off`); returns whether it is still
+        registered."""
+        return self._apply(
+            lambda st, fresh: st.hand_off(writer_id, self.now_ms(), lease_ms, batches),
+            keep=(writer_id,),
+        )
+
+    def expire_writer(self, writer_id: str) -> None:
+        """Drop a writer (:meth:`ShardState.expire_writer`)."""
+        self._apply(lambda st, fresh: (None, st.expire_writer(writer_id)))
+
+    def expire_leases(self, now_ms: int) -> ShardState:
+        """Drop every expired lease (:meth:`ShardState.expire_leases`); returns the state
+        committed (or found needing no change)."""
+        return self._apply(lambda st, fresh: (st, st.expire_leases(now_ms)))
+
+    def register_schema(
+        self, key_schema: pa.Schema, value_schema: pa.Schema, drop: Collection[str] = ()
+    ) -> int:
+        """Register a value schema version on the latest state only
+        (:meth:`ShardState.register_schema`); returns its id."""
+
+        def fn(st: ShardState, fresh: bool) -> tuple[int, bool]:
+            if not fresh:
+                raise Stale()  # decide on the latest versions only
+            return st.register_schema(key_schema, value_schema, drop)
+
+        return self._apply(fn)
+
+    def finalize(self, now_ms: int) -> None:
+        """Make the state a tombstone (:meth:`ShardState.finalize`)."""
+        self._apply(lambda st, fresh: (None, st.finalize(now_ms)))
+
+    def forget_retired(self, done: Mapping[str, int] | None = None) -> None:
+        """Forget retired rows GC deleted (``done``), or every one (``None``), as of the
+        version committed on (:meth:`ShardState.forget_listed`; the retired collection
+        is re-read unless its upper read equals that version's ``retired_upper``)."""
+        seen: list[tuple[int, dict[str, int]]] = []
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if not seen or seen[0][0] != st.retired_upper:
+                upper, rows = self.consensus.retired_entries(self.shard_id)
+                seen[:] = [(upper, {r.entry: r.ms for r in rows.values()})]
+            return None, st.forget_listed(seen[0][0], seen[0][1], done, fresh)
+
+        self._apply(fn)
+
+    def apply_merge_results(self, results: list[FueledMergeRes]) -> list[ApplyMergeResult]:
+        """Swap compaction results into the trace (:meth:`ShardState.apply_merge_results`,
+        the one place merge results are applied)."""
+        return self._apply(lambda st, fresh: st.apply_merge_results(results, self.now_ms(), fresh))
+
+    def _with_inputs(
+        self,
+        st: ShardState,
+        inputs: Inputs,
+        relist: Callable[[], object] | None,
+        run: Callable[[int], tuple[T, bool]],
+    ) -> tuple[T, bool]:
+        """Run a command, reading what it asks for (:class:`NeedsInput`) as of ``st``
+        and running it again: the retired part ids from consensus, or a listing of the
+        given parts by ``relist`` (which raises ``PartsMissing``)."""
+        while True:
+            try:
+                return run(self.now_ms())
+            except NeedsInput as e:
+                if e.what == "retired":
+                    _upper, rows = self.consensus.retired_entries(self.shard_id)
+                    inputs.retired = (e.retired_upper, frozenset(rows))
+                else:
+                    if relist is not None:
+                        relist()
+                    inputs.listed_upper = e.retired_upper
+
+    def compare_and_append(
+        self,
+        cmd: AppendCmd,
+        relist: Callable[[], object] | None = None,
+        listed_upper: int | None = None,
+    ) -> list[FueledMergeReq]:
+        """Append (:meth:`ShardState.compare_and_append`); returns the Spine's merge
+        requests.  ``listed_upper``: the ``retired_upper`` of a version read before the
+        given parts were listed (``relist`` lists them again once a newer one is
+        committed on)."""
+        inputs = Inputs(listed_upper=listed_upper)
+
+        def fn(st: ShardState, fresh: bool) -> tuple[list[FueledMergeReq], bool]:
+            return self._with_inputs(
+                st, inputs, relist, lambda now: st.compare_and_append(cmd, inputs, now, fresh)
+            )
+
+        return self._apply(fn, keep=(cmd.writer_id,))
+
+    def stage_commit_txn(
+        self, cmd: TxnCmd, fresh: bool, relist: Callable[[], object] | None = None
+    ) -> tuple[tuple[str, Any], Staged | None]:
+        """Stage this shard's part of a transaction (:meth:`ShardState.commit_txn`)
+        without publishing it (see :meth:`_stage`); the caller holds :attr:`lock`."""
+        inputs = Inputs()
+
+        def fn(st: ShardState, fresh: bool) -> tuple[tuple[str, Any], bool]:
+            return self._with_inputs(
+                st, inputs, relist, lambda now: st.commit_txn(cmd, inputs, now, fresh)
+            )
+
+        return self._stage(fn, fresh, keep=(cmd.writer_id,))
 
 
 #: The settled outcome of a token whose writer left the state before it was seen.

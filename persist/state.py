@@ -283,16 +283,20 @@ class ShardState(ShardStateBase):
 
     def _apply_merges(
         self, results: Iterable[FueledMergeRes], now_ms: int
-    ) -> list[ApplyMergeResult]:
+    ) -> tuple[list[ApplyMergeResult], bool]:
         """Apply compaction results (:meth:`apply_merge_res`); one already in the trace
-        (applied by an earlier attempt) counts as ``APPLIED_EXACT``."""
+        (applied by an earlier attempt) counts as ``APPLIED_EXACT`` and changes nothing.
+        Returns ``(result per input, changed)``."""
         out: list[ApplyMergeResult] = []
+        changed = False
         for res in results:
             if self.contains_batch(res.output):
                 out.append(ApplyMergeResult.APPLIED_EXACT)
-            else:
-                out.append(self.apply_merge_res(res, now_ms))
-        return out
+                continue
+            r = self.apply_merge_res(res, now_ms)
+            changed = changed or r.applied()
+            out.append(r)
+        return out, changed
 
     def apply_merge_results(
         self, results: Iterable[FueledMergeRes], now_ms: int, fresh: bool
@@ -304,10 +308,10 @@ class ShardState(ShardStateBase):
         Raises:
             Stale: some result did not apply to a cached version.
         """
-        rs = self._apply_merges(results, now_ms)
+        rs, changed = self._apply_merges(results, now_ms)
         if not all(r.applied() for r in rs) and not fresh:
             raise Stale()
-        return rs, any(r.applied() for r in rs)
+        return rs, changed
 
     def _check_copies(self, given: tuple[str, ...], inputs: Inputs) -> None:
         """No given part may be referenced by, or retired from, this version, and the

@@ -78,7 +78,7 @@ class _Cache:
 
 @dataclass
 class Staged:
-    """A shard version computed by :meth:`ShardMachine.stage`, not yet published:
+    """A shard version computed by :meth:`ShardMachine._stage`, not yet published:
     ``expected`` (the seqno it builds on), the new ``state`` with its ``data`` and
     ``texts`` by entry key, the expected version ``prev`` (as stored), the ``retired``
     change to write with it and the ``plan`` of its stash updates

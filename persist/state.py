@@ -1,4 +1,4 @@
-"""The state of one shard: what a version in consensus holds, and its transitions.
+"""The state of one shard: what a version in consensus holds, and its commands.
 
 A :class:`ShardState` is one version of a shard's metadata (Materialize's persist-client
 ``State``): its identity and Arrow schemas, the flattened Spine :class:`~persist.spine.Trace`
@@ -7,6 +7,23 @@ holds, the writers, and the counter of the shard's *retired* collection (blob ke
 compaction stopped referencing, waiting for GC, kept by consensus beside the state so that
 the state stays small however many parts wait for their grace period).  Versions
 are numbered by ``seqno``; consensus (:mod:`persist.consensus`) stores them.
+
+Every state change is a named command, a method of :class:`ShardState` run by the
+:class:`~persist.machine.ShardMachine` method of the same name on a private copy of the
+latest known version (after Materialize's persist-client ``internal/state.rs``):
+``compare_and_append``, ``commit_txn``, ``apply_merge_results`` (the one place
+compaction results are applied), ``open_reader``, ``register_listen``,
+``downgrade_since``, ``renew_reader``, ``detach``, ``expire_reader``,
+``register_writer``, ``register_compactor``, ``renew_writers``, ``hand_off``,
+``settle_handed_off``, ``expire_writer``, ``expire_leases``, ``register_schema``,
+``finalize`` and ``forget_listed``.  A command takes plain values (many of them as an
+:class:`~persist.commands.AppendCmd` or :class:`~persist.commands.TxnCmd`), the clock
+reading ``now_ms`` and ``fresh`` (whether the version was just read from consensus); it
+does no I/O (a fact only storage knows is asked for with
+:class:`~persist.commands.NeedsInput`), raises :class:`Stale` where failing on a cached
+version could be wrong, and otherwise raises before changing anything when it refuses.
+The fields and the primitive changes commands combine are in :mod:`persist.state_base`;
+the codec in :mod:`persist.state_codec`; the lease records in :mod:`persist.lease_state`.
 
 Invariants kept here (every transition keeps them or raises before changing anything):
 

@@ -94,7 +94,8 @@ class TxnCmd:
         ts: the commit time.
         lease_ms: the writer's lease duration.
         registered: whether the writer registered before.
-        owners: writers whose parts the batches reference (the writer included).
+        owners: writers whose parts the batches reference (each must be live; the
+            writer itself once registered).
         handed: ``(writer id, batches)``: hand-offs the commit settles.
         given: part ids of given parts (see :class:`AppendCmd`).
         timed_lo: the earliest time of timed updates (``None``: none are timed); the

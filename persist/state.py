@@ -368,7 +368,7 @@ class ShardState(ShardStateBase):
                 another owner than the writer, with ``wrap``, naming it as the writer
                 of an appended batch).
         """
-        need = set(owners) - {writer_id}
+        need = set(owners)
         if registered:
             need.add(writer_id)
         for wid in sorted(need):

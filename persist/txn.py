@@ -1050,6 +1050,8 @@ class Txn:
         owners = {wid}
         for b in sw.batches:
             owners.update(x for k in b.blob_keys() if (x := key_writer_id(k)) is not None)
+        if not w._registered:
+            owners.discard(wid)  # checked once registered
         timed = any(_is_timed(b) for b in sw.batches)
         ranges = [b.time_range for b in sw.batches if b.len > 0 and b.time_range is not None]
         timed_lo = min(r[0] for r in ranges) if timed and ranges else None

@@ -60,7 +60,7 @@ def append_cmd(st: ShardState, wid: str, lo: int, hi: int, i: int = 0, **kw: obj
         "pieces": (batch(st, wid, lo, hi, i),),
         "lease_ms": LEASE,
         "registered": False,
-        "owners": frozenset({wid}),
+        "owners": frozenset(),
     }
     fields.update(kw)
     return AppendCmd(**fields)  # type: ignore[arg-type]
@@ -132,6 +132,21 @@ def test_compare_and_append_refuses_an_expired_writer_and_owner() -> None:
     with pytest.raises(LeaseExpired, match=wid):
         st.compare_and_append(late, Inputs(), LEASE + 1, True)
     assert same(st, before)
+
+
+def test_compare_and_append_checks_the_owners_parts_of_its_own_writer_too() -> None:
+    """Parts naming the appending writer need it live, registered before or not."""
+    st = new_state()
+    wid = new_writer_id()
+    before = st.clone()
+    cmd = append_cmd(st, wid, 0, 5, owners=frozenset({wid}))
+    with pytest.raises(Stale):
+        st.compare_and_append(cmd, Inputs(), 100, False)
+    with pytest.raises(LeaseExpired, match=wid):
+        st.compare_and_append(cmd, Inputs(), 100, True)
+    assert same(st, before)
+    st.heartbeat_writer(wid, 0, LEASE)
+    assert st.compare_and_append(cmd, Inputs(), 100, True)[1]
 
 
 def test_compare_and_append_refuses_a_batch_already_appended() -> None:
@@ -268,7 +283,7 @@ def txn_cmd(st: ShardState, wid: str, ts: int, **kw: object) -> TxnCmd:
         "ts": ts,
         "lease_ms": LEASE,
         "registered": False,
-        "owners": frozenset({wid}),
+        "owners": frozenset(),  # the writer's own parts: checked once registered
         "handed": (),
         "given": (),
         "timed_lo": None,
@@ -313,7 +328,7 @@ def test_commit_txn_refuses_an_expired_owner_stale_first() -> None:
     wid, owner = new_writer_id(), new_writer_id()
     st.heartbeat_writer(owner, 0, 10)
     before = st.clone()
-    cmd = txn_cmd(st, wid, 4, owners=frozenset({wid, owner}))
+    cmd = txn_cmd(st, wid, 4, owners=frozenset({owner}))
     with pytest.raises(Stale):
         st.commit_txn(cmd, Inputs(), 100, False)
     with pytest.raises(LeaseExpired):

@@ -18,7 +18,7 @@ from persist.batch import Batch
 from persist.blob import Blob, FileBlob, MemoryBlob, UnreliableBlob, open_blob
 from persist.client import CompactionMode, PersistClient, RetryingBlob
 from persist.compactor import CompactionReport, Compactor
-from persist.consensus import Consensus, ShardMachine, VersionedData
+from persist.consensus import Consensus, VersionedData
 from persist.errors import (
     BatchAppended,
     BlobError,
@@ -41,6 +41,7 @@ from persist.errors import (
 from persist.fetch import read_batch, read_batches
 from persist.fsck import FsckReport, fsck
 from persist.gc import GcReport, collect_garbage
+from persist.machine import ShardMachine
 from persist.read import Listen, ListenEvent, ReadHandle
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.state import LeaseExpired, ShardState

@@ -3,7 +3,7 @@
 :class:`PersistClient` (the persist-client ``PersistClient``) is a facade: it builds
 the client's knobs (:class:`~persist.config.PersistConfig`), what its handles share
 (:class:`~persist.context.PersistContext`: consensus on a :class:`stash.Stash`, a blob
-store, one :class:`~persist.consensus.ShardMachine` per open shard), the shard opener
+store, one :class:`~persist.machine.ShardMachine` per open shard), the shard opener
 (:class:`~persist.shards.Shards`), a :class:`~persist.compactor.Compactor` and the
 background worker (:class:`~persist.maintenance.Maintenance`) that answers the Spine's
 merge requests in the background, inline after each append, or not at all; and it hands
@@ -62,9 +62,10 @@ import pyarrow as pa
 from persist.blob import Blob, RetryingBlob, open_blob
 from persist.compactor import Compactor
 from persist.config import DEFAULT_TARGET_PART_BYTES, CompactionMode, PersistConfig
-from persist.consensus import Consensus, ShardMachine
+from persist.consensus import Consensus
 from persist.context import SHARD_ID_REF, PersistContext
 from persist.errors import BlobError, PersistError
+from persist.machine import ShardMachine
 from persist.maintenance import Maintenance
 from persist.read import ReadHandle
 from persist.shards import Shards
@@ -76,7 +77,6 @@ from stash import Stash, StashError
 __all__ = ["SHARD_ID_REF", "CompactionMode", "PersistClient", "RetryingBlob"]
 
 log = logging.getLogger(__name__)
-
 
 
 class PersistClient:

@@ -47,14 +47,13 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from persist import metrics as persist_metrics
-from persist.consensus import ShardMachine, Stale
 from persist.context import PersistContext
 from persist.errors import PersistError
 from persist.fetch import read_batches
 from persist.keys import new_writer_id, part_name_prefix
+from persist.machine import ShardMachine
 from persist.parts import consolidate_order, updates_schema, write_parts
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
-from persist.state import ShardState
 from persist.types import HollowBatch
 
 
@@ -146,17 +145,9 @@ class Compactor:
             return cur[0]
         wid = cur[0] if cur is not None else new_writer_id()
         renew = cur is not None
-
-        def fn(st: ShardState, fresh: bool) -> tuple[str, bool]:
-            w = wid
-            if renew and w not in st.live_writers(now):
-                if not fresh:
-                    raise Stale()
-                w = new_writer_id()  # the old id's lease ran out: never reuse it
-            st.heartbeat_writer(w, now, lease_ms)
-            return w, True
-
-        got = machine.apply(fn, keep=(wid,))
+        # The old id's lease may have run out: an id is never reused, so a new one is
+        # drawn to register instead.
+        got = machine.register_compactor(wid, new_writer_id(), renew, now, lease_ms)
         with self._writers_lock:
             self._writers[sid] = (got, now)
         return got
@@ -167,12 +158,8 @@ class Compactor:
         with self._writers_lock:
             items, self._writers = list(self._writers.items()), {}
         for sid, (wid, _ms) in items:
-
-            def fn(st: ShardState, fresh: bool, wid: str = wid) -> tuple[None, bool]:
-                return None, st.expire_writer(wid)
-
             try:
-                self.ctx.machine(sid).apply(fn)
+                self.ctx.machine(sid).expire_writer(wid)
             except PersistError as e:
                 log.info("could not expire compactor writer %s of shard %s: %s", wid, sid, e)
 
@@ -236,24 +223,8 @@ class Compactor:
         """
         if not results:
             return []
-
-        def fn(s: ShardState, fresh: bool) -> tuple[list[ApplyMergeResult], bool]:
-            now = machine.now_ms()
-            rs: list[ApplyMergeResult] = []
-            changed = False
-            for res in results:
-                if s.contains_batch(res.output):  # applied by an earlier attempt
-                    rs.append(ApplyMergeResult.APPLIED_EXACT)
-                    continue
-                r = s.apply_merge_res(res, now)
-                changed = changed or r.applied()
-                rs.append(r)
-            if not all(r.applied() for r in rs) and not fresh:
-                raise Stale()
-            return rs, changed
-
         try:
-            rs = machine.apply(fn)
+            rs = machine.apply_merge_results(results)
         except PersistError as e:
             # An earlier attempt of this apply may have committed (its outcome was
             # indeterminate, then learned by re-reading): only outputs the latest

@@ -34,22 +34,13 @@ state keeps every version small however many parts wait for their grace period.
 A registry collection, ``persist.shards`` (key: shard name, value ``{"shard_id": ...}``),
 maps names to :class:`ShardId` strings; registering races resolve the same way.
 
-:class:`ShardMachine` is the state machine of one shard in one process (after the
-persist-client ``Machine``): it caches the last version it saw, applies a transition to a
-copy, publishes it by compare-and-set and on a lost race re-reads the head and re-applies
-the transition.  Compaction results computed by this process may ride along in a writer's
-version (:meth:`ShardMachine.offer_merge_results`), saving a compare-and-set per merge.
-Transient consensus failures are retried with backoff (tenacity); an
-indeterminate commit is resolved by re-reading the head and re-running the transition,
-which must recognise its own already-committed effect (appends carry an idempotency
-token, the other transitions are idempotent).
-
-A transaction over several shards (:mod:`persist.txn`) stages each shard's next version
-with :meth:`ShardMachine.stage` (under the machines' locks, taken in shard-id order),
-builds its stash batches with :meth:`Consensus.version_batches` and sends them, with any
-other stash batches, as one :meth:`Consensus.append_atomic`: every shard's seqno check
-and every other batch's lower check pass together or nothing is committed; the staged
-versions are cached (:meth:`ShardMachine.install`) only once committed.
+The state machine of one shard in one process, which applies commands to a copy of the
+cached state and publishes the next version here by compare-and-set, is
+:class:`persist.machine.ShardMachine`; a transaction over several shards
+(:mod:`persist.txn`) builds the stash batches of each shard's staged version with
+:meth:`Consensus.version_batches` and sends them, with any other stash batches, as one
+:meth:`Consensus.append_atomic`: every shard's seqno check and every other batch's lower
+check pass together or nothing is committed.
 
 Invariants kept here: a version is only ever published on top of the version it was
 computed from; the diff entries present are exactly those of the versions after the
@@ -67,11 +58,8 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 import threading
 import time
-import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -84,16 +72,8 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from persist import metrics as persist_metrics
-from persist.errors import ConsensusError, InvalidUsage, PersistError
-from persist.spine import FueledMergeRes
-from persist.state import (
-    TOKEN_FOREIGN,
-    TOKEN_NOT_LANDED,
-    TOKEN_UNKNOWN,
-    ShardState,
-    token_verdict,
-)
+from persist.errors import ConsensusError, InvalidUsage
+from persist.ids import new_shard_id, validate_shard_id, validate_shard_name
 from stash import AppendBatch, AppendLowerMismatch, Stash, StashCollection, StashError
 from stash.antichain import Antichain
 from stash.codec import canonical_json
@@ -105,16 +85,10 @@ __all__ = [
     "RetiredChange",
     "RetiredKey",
     "Consensus",
-    "ShardMachine",
-    "Stale",
-    "Staged",
     "Stored",
     "VersionPlan",
     "VersionedData",
     "diff_key",
-    "new_shard_id",
-    "validate_shard_id",
-    "validate_shard_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -128,44 +102,9 @@ DIFF_PREFIX = "diff/"
 #: rollup instead (the diff of a big compaction or a large inline part).
 MAX_DIFF_CHARS = 1 << 20
 
-_SHARD_ID_RE = re.compile(r"s[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-_SHARD_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]{0,199}")
 
 T = TypeVar("T")
 _MISSING = object()
-
-
-def new_shard_id() -> str:
-    """A fresh ShardId: ``"s"`` followed by a UUID4."""
-    return "s" + str(uuid.uuid4())
-
-
-def validate_shard_id(shard_id: object) -> str:
-    """Return ``shard_id`` if it is a ShardId (``s`` + lower-case UUID).
-
-    Raises:
-        InvalidUsage: it is not.
-    """
-    if not isinstance(shard_id, str) or not _SHARD_ID_RE.fullmatch(shard_id):
-        raise InvalidUsage(f"invalid shard id {shard_id!r}: expected 's' followed by a UUID")
-    return shard_id
-
-
-def validate_shard_name(name: object) -> str:
-    """Return ``name`` if it is a valid shard name: 1 to 200 characters, starting with a
-    letter or digit, then letters, digits, ``_``, ``.``, ``=`` or ``-``.
-
-    Raises:
-        InvalidUsage: naming the rule broken.
-    """
-    if not isinstance(name, str):
-        raise InvalidUsage(f"shard name must be a str, got {type(name).__name__}")
-    if not _SHARD_NAME_RE.fullmatch(name):
-        raise InvalidUsage(
-            f"invalid shard name {name!r}: it must be 1 to 200 characters, start with a "
-            "letter or digit, and contain only letters, digits, '_', '.', '=' and '-'"
-        )
-    return name
 
 
 @dataclass(frozen=True)
@@ -782,413 +721,6 @@ class Consensus:
                 continue
             return shard_id
         raise ConsensusError(f"could not register shard {name!r}: too much contention")
-
-
-class Stale(Exception):
-    """Raised by a transition that would fail on a cached state: the machine re-reads the
-    head and runs it again on the fresh state (where failing is then real)."""
-
-
-@dataclass
-class _Cache:
-    state: ShardState
-    version: VersionedData
-
-
-@dataclass
-class Staged:
-    """A shard version computed by :meth:`ShardMachine.stage`, not yet published:
-    ``expected`` (the seqno it builds on), the new ``state`` with its ``data`` and
-    ``texts`` by entry key, the expected version ``prev`` (as stored), the ``retired``
-    change to write with it and the ``plan`` of its stash updates
-    (:meth:`Consensus.plan`)."""
-
-    expected: int
-    state: ShardState
-    data: dict[str, Any]
-    texts: dict[str, str]
-    prev: VersionedData
-    retired: RetiredChange | None
-    plan: VersionPlan
-
-
-class ShardMachine:
-    """The state machine of one shard within one process (thread-safe).
-
-    Args:
-        consensus: where versions live.
-        shard_id: the shard.
-        clock: wall-clock seconds (``time.time`` by default; injectable for tests).
-        max_races: how many lost compare-and-set races one transition may suffer before
-            giving up with :class:`ConsensusError` (a livelock guard; every lost race is
-            someone else's progress).
-    """
-
-    def __init__(
-        self,
-        consensus: Consensus,
-        shard_id: str,
-        *,
-        clock: Callable[[], float] = time.time,
-        max_races: int = 10_000,
-    ) -> None:
-        self.consensus = consensus
-        self.shard_id = validate_shard_id(shard_id)
-        self.clock = clock
-        self.max_races = max_races
-        self._lock = threading.RLock()
-        self._offered_lock = threading.Lock()
-        self._cache: _Cache | None = None
-        self.metrics = {"cas": 0, "cas_lost": 0, "heads": 0, "indeterminate": 0}
-        self._offered: list[FueledMergeRes] = []
-        # Idempotency tokens of appends whose outcome was left unknown, by token: the
-        # writer that tried them and the seqno then known; settled (see _settle_tokens)
-        # by the next head this machine sees, before the writer's record of them (its
-        # last WRITER_TOKENS_KEPT tokens, dropped with its lease) can be lost.
-        self._unsettled: dict[str, tuple[str, int]] = {}
-        self._settled: OrderedDict[str, str | None] = OrderedDict()
-
-    # ------------------------------------------------- merge results to piggyback
-    def offer_merge_results(self, results: list[FueledMergeRes]) -> None:
-        """Offer compaction results to the next transition of this process that wants
-        them (a writer's append applies them in its own version, saving a
-        compare-and-set); see :meth:`take_merge_results`."""
-        with self._offered_lock:
-            self._offered.extend(results)
-
-    def take_merge_results(self) -> list[FueledMergeRes]:
-        """Take every offered compaction result (the taker applies them or offers them
-        back)."""
-        with self._offered_lock:
-            out, self._offered = self._offered, []
-            return out
-
-    def offered_count(self) -> int:
-        """How many offered results are waiting."""
-        with self._offered_lock:
-            return len(self._offered)
-
-    def now_ms(self) -> int:
-        """The clock in integer milliseconds."""
-        return int(self.clock() * 1000)
-
-    # ------------------------------------------------------------------ reads
-    def _load(self) -> _Cache | None:
-        self.metrics["heads"] += 1
-        h = self.consensus.head(self.shard_id)
-        if h is None:
-            return None
-        try:
-            st = ShardState.from_entries(h.data)
-        except PersistError as e:
-            if self.shard_id in str(e):
-                raise
-            raise PersistError(f"shard {self.shard_id}: {e}") from e
-        if st.shard_id != self.shard_id:
-            raise PersistError(
-                f"shard {self.shard_id}: its state is corrupt: it names shard {st.shard_id!r}"
-            )
-        if st.seqno != h.seqno:  # pragma: no cover - both read the same entry
-            raise ConsensusError(f"shard {self.shard_id}: seqno mismatch in state")
-        return _Cache(st, h)
-
-    def fetch(self) -> ShardState:
-        """Re-read the head from consensus (and cache it).
-
-        Raises:
-            PersistError: the shard has no state (it was never initialised).
-        """
-        with self._lock:
-            c = self._load()
-            if c is None:
-                raise PersistError(f"shard {self.shard_id} has no state in consensus")
-            self._cache = c
-            if self._unsettled:
-                self._settle_tokens(c.state)
-            return c.state
-
-    # ------------------------------------------ appends of unknown outcome (tokens)
-    def note_unknown_token(self, token: str, writer_id: str) -> None:
-        """An append of ``writer_id`` with idempotency ``token`` ended with its outcome
-        unknown: learn it from the next head this machine sees (a later transition of
-        any handle of this client on the shard, or a re-read), while the state still
-        records the writer's recent tokens, so that a retry with ``token`` is answered
-        even after the writer appended again or its lease ran out."""
-        with self._lock:
-            seqno = -1 if self._cache is None else self._cache.state.seqno
-            self._unsettled[token] = (writer_id, seqno)
-
-    def token_outcome(self, token: str) -> tuple[bool, str | None]:
-        """``(known, entry)`` for an append with ``token`` whose outcome was left unknown
-        (:meth:`note_unknown_token`): ``(True, entry)`` it landed (the writer's recorded
-        entry), ``(True, None)`` it did not, ``(False, None)`` not settled here.
-
-        Raises:
-            ConsensusError: indeterminate: the writer's record left the state before a
-                head showing the outcome was seen, so it can no longer be learned.
-        """
-        with self._lock:
-            if token not in self._settled:
-                return False, None
-            entry = self._settled[token]
-        if entry == _TOKEN_UNKNOWABLE:
-            raise ConsensusError(
-                f"the outcome of the append with idempotency token {token!r} on shard "
-                f"{self.shard_id} cannot be learned any more: the shard state no longer "
-                "held its writer's record of it (the writer appended again, or its lease "
-                "ran out) when this process first saw the outcome; read the shard to see "
-                "whether its updates are there",
-                indeterminate=True,
-            )
-        return True, entry
-
-    def forget_token(self, token: str) -> None:
-        """An append with ``token`` just committed: the state answers for it now."""
-        with self._lock:
-            self._unsettled.pop(token, None)
-            self._settled.pop(token, None)
-
-    def _settle_tokens(self, head: ShardState) -> None:
-        """Settle the unknown outcomes ``head`` (a state that was the head: read as such,
-        or compared against by a compare-and-set that succeeded) decides
-        (:func:`persist.state.token_verdict`): landed, not landed, or no longer knowable
-        (its writer's record is gone, or later tokens of it pushed it out)."""
-        for token, (writer_id, seqno) in list(self._unsettled.items()):
-            if head.seqno < seqno:
-                continue
-            verdict, entry = token_verdict(head, token)
-            if verdict == TOKEN_FOREIGN and writer_id in head.writers:
-                verdict = TOKEN_NOT_LANDED  # a caller's own token: its writer's word
-            if verdict in (TOKEN_UNKNOWN, TOKEN_FOREIGN):
-                entry = _TOKEN_UNKNOWABLE
-            del self._unsettled[token]
-            self._settled[token] = entry
-            while len(self._settled) > _SETTLED_TOKENS_KEPT:
-                self._settled.popitem(last=False)
-
-    def recent(self) -> ShardState:
-        """The latest state: the cached one if the head seqno did not move (one cheap
-        read of the collection's upper), else re-read.
-
-        Raises:
-            PersistError: the shard has no state.
-        """
-        with self._lock:
-            if self._cache is not None:
-                seq = self.consensus.head_seqno(self.shard_id)
-                if seq == self._cache.state.seqno:
-                    return self._cache.state
-            return self.fetch()
-
-    def state(self) -> ShardState:
-        """The cached state (read from consensus the first time).  Do not mutate it."""
-        with self._lock:
-            if self._cache is None:
-                return self.fetch()
-            return self._cache.state
-
-    def seqno(self) -> int:
-        """The cached state's seqno."""
-        return self.state().seqno
-
-    def initialize(self, initial: ShardState) -> ShardState:
-        """Load the shard's state, writing ``initial`` as version 0 if it has none yet.
-
-        Returns: the state now at the head (``initial`` or whatever won the race).
-        """
-        with self._lock:
-            for _ in range(100):
-                c = self._load()
-                if c is not None:
-                    self._cache = c
-                    return c.state
-                initial.seqno = 0
-                data = initial.to_entries()
-                texts = {k: Consensus.encode(v) for k, v in data.items()}
-                plan = self.consensus.plan(self.shard_id, None, texts, None)
-                if self.consensus.compare_and_set(self.shard_id, None, texts, plan=plan):
-                    self._cache = _Cache(initial, VersionedData(0, data, texts, plan.stored))
-                    return initial
-            raise ConsensusError(f"could not initialise shard {self.shard_id}")
-
-    # -------------------------------------------- multi-shard transactions
-    @property
-    def lock(self) -> threading.RLock:
-        """The machine's lock: a multi-shard transaction (:mod:`persist.txn`) holds the
-        locks of all its shards (taken in shard-id order) around :meth:`stage` and
-        :meth:`install`."""
-        return self._lock
-
-    def stage(
-        self,
-        fn: Callable[[ShardState, bool], tuple[T, bool]],
-        fresh: bool,
-        keep: tuple[str, ...] = (),
-    ) -> tuple[T, Staged | None]:
-        """Run a transition on a copy of the cached state, as :meth:`apply` does, but
-        do not publish it: return ``fn``'s result and the :class:`Staged` version
-        (``None`` when nothing changed) for the caller to send with
-        :meth:`Consensus.version_batches` and, once committed, :meth:`install`.  The
-        caller holds :attr:`lock`.  ``fn`` may raise :class:`Stale` (the caller then
-        re-reads with :meth:`fetch` and stages again).
-        """
-        if self._cache is None:
-            self.fetch()
-        cache = self._cache
-        assert cache is not None
-        st = cache.state.clone()
-        result, changed = fn(st, fresh)
-        return result, self._next_version(cache, st, changed, keep)
-
-    def _next_version(
-        self, cache: _Cache, st: ShardState, changed: bool, keep: tuple[str, ...]
-    ) -> Staged | None:
-        """Finish the version a transition made of ``cache``'s state, ``st``: drop expired
-        leases (but ``keep``'s), move the keys it retired to a :class:`RetiredChange`
-        and encode the entries (reusing the cached text of each unchanged one).
-        ``None`` when nothing changed."""
-        if st.expire_leases(self.now_ms(), keep):
-            changed = True
-        retired: RetiredChange | None = None
-        if st.retire_adds or st.retire_removes:
-            # A key is retired at the seqno of the version that stops referencing it
-            # (GC compares it with the readers' seqno holds).
-            at = cache.state.seqno + 1
-            retired = RetiredChange(
-                st.retired_upper,
-                {retired_entry(k, at): ms for k, ms in st.retire_adds.items()},
-                dict(st.retire_removes),
-            )
-            st.retire_adds, st.retire_removes = {}, {}
-            st.retired_upper += 1
-            changed = True
-        if not changed:
-            return None
-        st.seqno = cache.state.seqno + 1
-        data = st.to_entries()
-        old, old_texts = cache.version.data, cache.version.texts
-        # Unchanged components are mostly the very objects of the cached version
-        # (memoized JSON of immutable batches): identity first, equality after.
-        texts = {
-            k: (old_texts[k] if (o := old.get(k, _MISSING)) is v or o == v else Consensus.encode(v))
-            for k, v in data.items()
-        }
-        plan = self.consensus.plan(self.shard_id, cache.state.seqno, texts, cache.version)
-        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan)
-
-    def install(self, staged: Staged) -> None:
-        """Cache a staged version once the caller's atomic append committed it."""
-        self.metrics["cas"] += 1
-        with self._lock:
-            prev = self._cache
-            if self._unsettled and prev is not None and prev.state.seqno == staged.expected:
-                self._settle_tokens(prev.state)  # the head this version followed
-            self._cache = _Cache(staged.state, _published(staged))
-
-    # ----------------------------------------------------------------- writes
-    def apply(
-        self,
-        fn: Callable[[ShardState, bool], tuple[T, bool]],
-        *,
-        keep: tuple[str, ...] = (),
-    ) -> T:
-        """Apply a transition and publish it by compare-and-set.
-
-        ``fn(state, fresh)`` mutates ``state`` (a private copy of the latest known
-        version; ``fresh`` tells whether it was just read from consensus) and returns
-        ``(result, changed)``.  It raises :class:`Stale` to ask for a fresh state before
-        failing, or any other exception to abort (nothing is committed).  Expired leases
-        (except the ids in ``keep``) are dropped in the same version.
-
-        Returns: ``fn``'s result from the run whose version was committed (or that
-        needed no change).
-
-        Raises:
-            whatever ``fn`` raises; ConsensusError (after retries, or on an indeterminate
-            outcome that re-reading could not resolve).
-        """
-        with self._lock:
-            fresh = False
-            races = 0
-            indeterminate = 0
-            if self._cache is None:
-                self.fetch()
-                fresh = True
-            while True:
-                cache = self._cache
-                assert cache is not None
-                st = cache.state.clone()
-                try:
-                    result, changed = fn(st, fresh)
-                except Stale:
-                    if fresh:
-                        raise
-                    self.fetch()
-                    fresh = True
-                    continue
-                staged = self._next_version(cache, st, changed, keep)
-                if staged is None:
-                    return result
-                self.metrics["cas"] += 1
-                try:
-                    ok = self.consensus.compare_and_set(
-                        self.shard_id,
-                        cache.state.seqno,
-                        staged.texts,
-                        cache.version,
-                        staged.retired,
-                        plan=staged.plan,
-                    )
-                except ConsensusError as e:
-                    if not e.is_indeterminate():
-                        raise
-                    self.metrics["indeterminate"] += 1
-                    indeterminate += 1
-                    log.warning(
-                        "indeterminate commit on shard %s: %s",
-                        self.shard_id,
-                        e,
-                        extra={"shard": self.shard_id, "seqno": cache.state.seqno + 1},
-                    )
-                    if indeterminate > 5:
-                        raise
-                    # Learn the outcome: re-read; fn recognises its own committed effect.
-                    try:
-                        self.fetch()
-                    except ConsensusError as e2:
-                        raise ConsensusError(
-                            f"{e}; and re-reading the head to learn the outcome failed: {e2}",
-                            indeterminate=True,
-                        ) from e2
-                    fresh = True
-                    continue
-                if ok:
-                    if self._unsettled:
-                        self._settle_tokens(cache.state)  # the head this version followed
-                    self._cache = _Cache(st, _published(staged))
-                    persist_metrics.observe_commit(cache.state, st, self.now_ms())
-                    return result
-                self.metrics["cas_lost"] += 1
-                races += 1
-                if races > self.max_races:
-                    raise ConsensusError(
-                        f"shard {self.shard_id}: gave up after {races} lost compare-and-set races"
-                    )
-                if races > 2:
-                    time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
-                self.fetch()
-                fresh = True
-
-
-#: The settled outcome of a token whose writer left the state before it was seen.
-_TOKEN_UNKNOWABLE = "\x00unknowable"
-#: How many settled token outcomes a machine remembers (oldest forgotten first).
-_SETTLED_TOKENS_KEPT = 4096
-
-
-def _published(staged: Staged) -> VersionedData:
-    """The version ``staged`` made, as stored once its plan committed."""
-    return VersionedData(staged.plan.seqno, staged.data, staged.texts, staged.plan.stored)
 
 
 class _NotAtHead(InvalidUsage):

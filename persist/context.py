@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from persist.blob import Blob
 from persist.config import PersistConfig
-from persist.consensus import Consensus, ShardMachine, validate_shard_id, validate_shard_name
+from persist.consensus import Consensus
 from persist.errors import InvalidUsage
+from persist.ids import validate_shard_id, validate_shard_name
+from persist.machine import ShardMachine
 from persist.spine import FueledMergeReq, FueledMergeRes
 from stash import Stash
 

@@ -61,10 +61,11 @@ import logging
 from dataclasses import dataclass, field
 
 from persist import metrics as persist_metrics
-from persist.consensus import RetiredKey, ShardMachine
+from persist.consensus import RetiredKey
 from persist.context import HasContext, PersistContext, as_context
 from persist.errors import BlobError, InvalidUsage
 from persist.keys import key_created_ms, parse_part_key
+from persist.machine import ShardMachine
 from persist.state import ShardState
 from persist.types import INLINE_ID_PREFIX
 
@@ -240,12 +241,7 @@ def _commit_expiry(m: ShardMachine) -> ShardState:
     writers are expired through the state machine, never behind it.
     """
     m.fetch()  # decide on a head read after the listing, never on an older cache
-    now = m.now_ms()
-
-    def fn(st: ShardState, fresh: bool) -> tuple[ShardState, bool]:
-        return st, st.expire_leases(now)
-
-    return m.apply(fn)
+    return m.expire_leases(m.now_ms())
 
 
 def _forget(ctx: PersistContext, m: ShardMachine, shard_id: str, done: dict[str, int]) -> None:
@@ -259,14 +255,4 @@ def _forget(ctx: PersistContext, m: ShardMachine, shard_id: str, done: dict[str,
     only on that version.  So two overlapping GC passes, or a pass re-run after an
     indeterminate outcome, never retract a row twice (which would leave a ``-1`` row).
     """
-    seen: list[tuple[int, dict[str, int]]] = []
-
-    def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
-        if not seen or seen[0][0] != s.retired_upper:
-            upper, rows = ctx.consensus.retired_entries(shard_id)
-            seen[:] = [(upper, {r.entry: r.ms for r in rows.values()})]
-        present = seen[0][1]
-        todo = {k: ms for k, ms in done.items() if present.get(k) == ms}
-        return None, s.forget_retired(todo)
-
-    m.apply(fn)
+    m.forget_retired(done)

@@ -12,9 +12,9 @@ from typing import ClassVar
 
 import pyarrow as pa
 
-from persist.consensus import ShardMachine
 from persist.context import PersistContext
 from persist.errors import InvalidUsage
+from persist.machine import ShardMachine
 from persist.parts import updates_schema
 from stash import Antichain
 

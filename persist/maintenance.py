@@ -34,10 +34,10 @@ import threading
 import time
 
 from persist.compactor import Compactor
-from persist.consensus import ShardMachine
 from persist.context import SHARD_ID_REF, PersistContext
 from persist.errors import PersistError
 from persist.gc import collect_garbage
+from persist.machine import ShardMachine
 from persist.spine import FueledMergeReq, FueledMergeRes
 
 __all__ = ["Maintenance"]

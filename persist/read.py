@@ -68,7 +68,6 @@ from typing import TYPE_CHECKING, Literal
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.consensus import ShardMachine, Stale
 from persist.errors import (
     CorruptPart,
     DiffOverflow,
@@ -83,6 +82,7 @@ from persist.filters import (
 )
 from persist.handle import ShardHandle
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
+from persist.machine import ShardMachine
 from persist.parts import consolidate
 from persist.state import LeaseExpired, ShardState
 from persist.types import HollowBatch
@@ -237,15 +237,7 @@ class ReadHandle(ShardHandle):
         self._check()
         frontier = _as_frontier(since, "since")
         now = self._machine.now_ms()
-
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            if self.reader_id not in st.readers and not fresh:
-                raise Stale()
-            target = st.reader(self.reader_id).since.join(frontier)
-            hold = self._seqno_hold()
-            return None, st.downgrade_reader_since(self.reader_id, target, now, hold)
-
-        self._machine.apply(fn, keep=(self.reader_id,))
+        self._machine.downgrade_since(self.reader_id, frontier, now, self._seqno_hold)
         self._last_heartbeat_ms = now
         self._ctx.maintenance.since_moved(self.shard_id)
 
@@ -257,15 +249,8 @@ class ReadHandle(ShardHandle):
         """
         self._check()
         now = self._machine.now_ms()
-
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            if self.reader_id not in st.readers and not fresh:
-                raise Stale()
-            # A read leasing its seqno after this runs reads this version or a newer one.
-            st.heartbeat_reader(self.reader_id, now, self._seqno_hold())
-            return None, True
-
-        self._machine.apply(fn, keep=(self.reader_id,))
+        # A read leasing its seqno after this runs reads this version or a newer one.
+        self._machine.heartbeat_reader(self.reader_id, now, self._seqno_hold)
         self._last_heartbeat_ms = now
 
     def _maybe_heartbeat(self) -> None:
@@ -285,14 +270,7 @@ class ReadHandle(ShardHandle):
         self._check()
         now = self._machine.now_ms()
         hold = self._seqno_hold()
-
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            if self.reader_id not in st.readers and not fresh:
-                raise Stale()
-            st.detach_reader(self.reader_id, now, hold)
-            return None, True
-
-        self._machine.apply(fn, keep=(self.reader_id,))
+        self._machine.detach_reader(self.reader_id, now, hold)
         self._expired = True
         self._stop_keeping_alive()  # the hold now lasts one lease, as documented
         self._ctx.handles.discard(self)
@@ -307,11 +285,7 @@ class ReadHandle(ShardHandle):
         self._stop_keeping_alive()
         self._release_seqno(self._batches_lease)
         self._batches_lease = None
-
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            return None, st.expire_reader(self.reader_id)
-
-        self._machine.apply(fn)
+        self._machine.expire_reader(self.reader_id)
         self._ctx.maintenance.since_moved(self.shard_id)
 
     # --------------------------------------------------------------------- reads
@@ -675,17 +649,7 @@ class Listen:
         self._lease_ms = handle._lease_ms
         now = self._machine.now_ms()
         hold = Antichain.from_elem(as_of)
-
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            if not st.since.less_equal(as_of):
-                if not fresh:
-                    raise Stale()
-                st.check_not_finalized()  # a dropped shard's since is empty: say dropped
-                raise SinceViolation(as_of, st.since)
-            st.register_reader(self.reader_id, now, self._lease_ms, "listen", since=hold)
-            return None, True
-
-        self._machine.apply(fn, keep=(self.reader_id,))
+        self._machine.register_listen(self.reader_id, as_of, now, self._lease_ms)
         self._last_hold_ms = now
         self._hold = hold
         interval = heartbeat_seconds if heartbeat_seconds is not None else self._lease_ms / 4000
@@ -834,15 +798,8 @@ class Listen:
         if not advanced and now - self._last_hold_ms < self._lease_ms // 4:
             return
         target = Antichain.from_elem(self._frontier - 1)
-
-        def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
-            if self.reader_id not in s.readers and not fresh:
-                raise Stale()
-            r = s.reader(self.reader_id)
-            return None, s.downgrade_reader_since(self.reader_id, r.since.join(target), now)
-
         try:
-            self._machine.apply(fn, keep=(self.reader_id,))
+            self._machine.downgrade_since(self.reader_id, target, now)
         except LeaseExpired as e:
             raise self._fail(e) from None
         self._last_hold_ms = now
@@ -855,18 +812,14 @@ class Listen:
         if self._closed or self._failed is not None:
             return False
         now = self._machine.now_ms()
-
-        def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
-            if self.reader_id not in s.readers and not fresh:
-                raise Stale()
-            # Runs under the machine's lock, as the step's read of the state does: a step
-            # that began before reads a version no older than this hold, and one reading
-            # now keeps the hold unchanged (seqno 0: never moved backwards, not forwards).
-            s.heartbeat_reader(self.reader_id, now, 0 if self._reading else None)
-            return None, True
-
         try:
-            self._machine.apply(fn, keep=(self.reader_id,))
+            # The hold is read under the machine's lock, as the step's read of the state
+            # is: a step that began before reads a version no older than this hold, and
+            # one reading now keeps the hold unchanged (seqno 0: never moved backwards,
+            # not forwards).
+            self._machine.heartbeat_reader(
+                self.reader_id, now, lambda: 0 if self._reading else None
+            )
         except LeaseExpired as e:
             self._failed = e
             return False
@@ -880,12 +833,8 @@ class Listen:
         beat, self._beat_id = self._beat_id, None
         if beat is not None:
             self._keeper.unregister(beat)
-
-        def fn(s: ShardState, fresh: bool) -> tuple[None, bool]:
-            return None, s.expire_reader(self.reader_id)
-
         try:
-            self._machine.apply(fn)
+            self._machine.expire_reader(self.reader_id)
         except PersistError as e:
             log.warning("could not release listen lease %s: %s", self.reader_id, e)
 

@@ -38,17 +38,15 @@ import pyarrow as pa
 
 from persist.blob import ArrowFsBlob
 from persist.blob.dirs import remove_empty_dirs
-from persist.consensus import ShardMachine, Stale, validate_shard_name
 from persist.context import PersistContext
 from persist.errors import InvalidUsage
+from persist.ids import validate_shard_name
 from persist.keys import parse_part_key
+from persist.machine import ShardMachine
 from persist.parts import updates_schema
 from persist.read import ReadHandle
-from persist.spine import Trace
 from persist.state import ShardState
-from persist.types import Description, HollowBatch
 from persist.write import WriteHandle
-from stash import Antichain
 
 __all__ = ["Shards"]
 
@@ -126,13 +124,7 @@ class Shards:
         known = st.schemas().id_of(value_schema) if st.key_schema.equals(key_schema) else None
         if known is not None:
             return known
-
-        def fn(st: ShardState, fresh: bool) -> tuple[int, bool]:
-            if not fresh:
-                raise Stale()  # decide on the latest versions only
-            return st.register_schema(key_schema, value_schema, drop)
-
-        return m.apply(fn)
+        return m.register_schema(key_schema, value_schema, drop)
 
     def schema_id(self, m: ShardMachine, key_schema: pa.Schema, value_schema: pa.Schema) -> int:
         """The schema id of these schemas in the shard's latest state (registering them
@@ -169,14 +161,7 @@ class Shards:
         registers it (the version equal to ``value_schema`` there)."""
         rid = "r" + uuid.uuid4().hex
         rl = self.ctx.config.reader_lease_seconds
-
-        def fn(st: ShardState, fresh: bool) -> tuple[int | None, bool]:
-            st.register_reader(rid, m.now_ms(), int(rl * 1000), "read handle")
-            if schema_id is not None or not st.key_schema.equals(key_schema):
-                return schema_id, True
-            return st.schemas().id_of(value_schema), True
-
-        sid = m.apply(fn, keep=(rid,))
+        sid = m.open_reader(rid, int(rl * 1000), key_schema, value_schema, schema_id)
         r = ReadHandle(self.ctx, m, name, rid, key_schema, value_schema, rl)
         r.schema_id = self.schema_id(m, key_schema, value_schema) if sid is None else sid
         self.ctx.handles.add(r)
@@ -273,24 +258,7 @@ class Shards:
         self.ctx.check_may_delete("finalize_shard")
         shard_id = self.ctx.shard_id(shard)
         m = self.ctx.machine(shard_id)
-        now = m.now_ms()
-
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            if st.tombstone:
-                return None, False
-            before = st.referenced_blob_keys()
-            trace = Trace()
-            trace.push_batch(HollowBatch(Description(trace.upper, Antichain())))
-            trace.downgrade_since(Antichain())
-            st.trace = trace
-            st.readers.clear()
-            st.writers.clear()
-            st.tombstone = True
-            for k in before:
-                st.retire_adds[k] = now
-            return None, True
-
-        m.apply(fn)
+        m.finalize(m.now_ms())
         n = 0
         for key, _size in self.ctx.blob.list_keys(f"{shard_id}/"):
             if parse_part_key(shard_id, key) is None:
@@ -303,13 +271,6 @@ class Shards:
             remove_empty_dirs(self.ctx.raw_blob, f"{shard_id}/")
         _u, retired = self.consensus.retired_entries(shard_id)
         if retired:
-
-            def forget(st: ShardState, fresh: bool) -> tuple[None, bool]:
-                _u2, rows = self.consensus.retired_entries(shard_id)
-                if _u2 != st.retired_upper and not fresh:
-                    raise Stale()
-                return None, st.forget_retired({r.entry: r.ms for r in rows.values()})
-
-            m.apply(forget)
+            m.forget_retired()
         self.consensus.truncate(shard_id)
         return n

@@ -1,4 +1,4 @@
-"""The state of one shard: what a version in consensus holds, and its transitions.
+"""The state of one shard: what a version in consensus holds, and its commands.
 
 A :class:`ShardState` is one version of a shard's metadata (Materialize's persist-client
 ``State``): its identity and Arrow schemas, the flattened Spine :class:`~persist.spine.Trace`
@@ -7,6 +7,23 @@ holds, the writers, and the counter of the shard's *retired* collection (blob ke
 compaction stopped referencing, waiting for GC, kept by consensus beside the state so that
 the state stays small however many parts wait for their grace period).  Versions
 are numbered by ``seqno``; consensus (:mod:`persist.consensus`) stores them.
+
+Every state change is a named command, a method of :class:`ShardState` run by the
+:class:`~persist.machine.ShardMachine` method of the same name on a private copy of the
+latest known version (after Materialize's persist-client ``internal/state.rs``):
+``compare_and_append``, ``commit_txn``, ``apply_merge_results`` (the one place
+compaction results are applied), ``open_reader``, ``register_listen``,
+``downgrade_since``, ``renew_reader``, ``detach``, ``expire_reader``,
+``register_writer``, ``register_compactor``, ``renew_writers``, ``hand_off``,
+``settle_handed_off``, ``expire_writer``, ``expire_leases``, ``register_schema``,
+``finalize`` and ``forget_listed``.  A command takes plain values (many of them as an
+:class:`~persist.commands.AppendCmd` or :class:`~persist.commands.TxnCmd`), the clock
+reading ``now_ms`` and ``fresh`` (whether the version was just read from consensus); it
+does no I/O (a fact only storage knows is asked for with
+:class:`~persist.commands.NeedsInput`), raises :class:`Stale` where failing on a cached
+version could be wrong, and otherwise raises before changing anything when it refuses.
+The fields and the primitive changes commands combine are in :mod:`persist.state_base`;
+the codec in :mod:`persist.state_codec`; the lease records in :mod:`persist.lease_state`.
 
 Invariants kept here (every transition keeps them or raises before changing anything):
 
@@ -47,841 +64,399 @@ Spine's flattened trace (``src/persist-client/src/internal/trace.rs``), the pers
 
 from __future__ import annotations
 
-import base64
-import json
-import re
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from persist.errors import InvalidUsage, PersistError, SchemaMismatch
-from persist.keys import key_writer_id
-from persist.schemacache import schema_cache
+from persist import state_codec
+from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
+from persist.errors import BatchAppended, SinceViolation, UpperMismatch
+from persist.lease_state import (
+    TOKEN_FOREIGN,
+    TOKEN_LANDED,
+    TOKEN_NOT_LANDED,
+    TOKEN_SEP,
+    TOKEN_UNKNOWN,
+    WRITER_TOKENS_KEPT,
+    ReaderState,
+    WriterState,
+    token_for,
+)
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
-from persist.types import HollowBatch
-from persist.updates import SchemaHistory, check_schema_evolution
+from persist.state_base import (
+    SEQNO_ONLY,
+    LeaseExpired,
+    ShardStateBase,
+    Stale,
+    token_entry,
+    token_verdict,
+)
+from persist.state_codec import schema_from_json, schema_to_json
+from persist.types import Description, HollowBatch
 from stash import Antichain
 
 __all__ = [
     "SEQNO_ONLY",
+    "TOKEN_FOREIGN",
+    "TOKEN_LANDED",
+    "TOKEN_NOT_LANDED",
+    "TOKEN_SEP",
+    "TOKEN_UNKNOWN",
+    "WRITER_TOKENS_KEPT",
+    "token_entry",
+    "token_for",
+    "token_verdict",
     "LeaseExpired",
     "ReaderState",
     "ShardState",
+    "Stale",
     "WriterState",
     "schema_from_json",
     "schema_to_json",
 ]
 
-# Entry keys of the flattened state (see ShardState.to_entries).
-_SHARD = "shard"
-_META = "meta"
-_TRACE_MAPS = ("hollow_batches", "spine_batches")
-_READER = "reader/"
-_SCHEMAS = "schemas"
-_WRITER = "writer/"
-
-
-#: The purpose of a reader lease that holds a seqno but no since (see
-#: :meth:`ShardState.detach_reader`).
-SEQNO_ONLY = "seqno hold"
-
-
-#: Separates an idempotency token from the fingerprint of its append in a writer's
-#: recorded tokens (a control character: never part of a valid token).
-TOKEN_SEP = "\x1f"
-
-
-class LeaseExpired(InvalidUsage):
-    """A reader or writer handle was used after its lease expired (it was dropped from the
-    shard state because it did not heartbeat within its lease duration).
-
-    Attributes: ``shard_id`` (str), ``handle_id`` (str).
-    """
-
-    def __init__(self, shard_id: str, handle_id: str, what: str = "reader") -> None:
-        self.shard_id = shard_id
-        self.handle_id = handle_id
-        super().__init__(
-            f"{what} {handle_id} of shard {shard_id} is not registered: its lease expired "
-            "(no heartbeat within the lease duration) or it was expired"
-        )
-
-
-@schema_cache(256)
-def _schema_json_cached(schema: pa.Schema) -> str:
-    return json.dumps(_schema_to_json(schema))
-
-
-# The last ``shard`` entries made, by the identity of their arguments (the schema objects
-# are kept alive by the values, so their ids are not reused while listed): hashing a
-# ``pa.Schema`` for the lru_cache below costs tens of microseconds per version.
-_SHARD_ENTRIES: dict[tuple[int, int, str, str], tuple[pa.Schema, pa.Schema, dict[str, Any]]] = {}
-
-
-def _shard_entry(
-    shard_id: str, name: str, key_schema: pa.Schema, value_schema: pa.Schema
-) -> dict[str, Any]:
-    """The ``shard`` entry of :meth:`ShardState.to_entries` (the same dict for the same
-    shard, so that versions compare it cheaply; do not mutate it)."""
-    ident = (id(key_schema), id(value_schema), shard_id, name)
-    hit = _SHARD_ENTRIES.get(ident)
-    if hit is not None and hit[0] is key_schema and hit[1] is value_schema:
-        return hit[2]
-    entry = _shard_entry_cached(shard_id, name, key_schema, value_schema)
-    if len(_SHARD_ENTRIES) >= 256:
-        _SHARD_ENTRIES.clear()
-    _SHARD_ENTRIES[ident] = (key_schema, value_schema, entry)
-    return entry
-
-
-@schema_cache(256)
-def _shard_entry_cached(
-    shard_id: str, name: str, key_schema: pa.Schema, value_schema: pa.Schema
-) -> dict[str, Any]:
-    """:func:`_shard_entry` by value."""
-    return {
-        "shard_id": shard_id,
-        "name": name,
-        "key_schema": schema_to_json(key_schema),
-        "value_schema": schema_to_json(value_schema),
-    }
-
-
-def schema_to_json(schema: pa.Schema) -> dict[str, Any]:
-    """A readable and exact JSON form of an Arrow schema: ``{"fields": ["name: type", ...],
-    "ipc": base64 of the Arrow IPC schema message}`` (``fields`` is informational)."""
-    out: dict[str, Any] = json.loads(_schema_json_cached(schema))
-    return out
-
-
-def _schema_to_json(schema: pa.Schema) -> dict[str, Any]:
-    return {
-        "fields": [f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in schema],
-        "ipc": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
-    }
-
-
-def schema_from_json(d: Mapping[str, Any]) -> pa.Schema:
-    """Inverse of :func:`schema_to_json`.
-
-    Raises:
-        PersistError: the IPC bytes are not an Arrow schema.
-    """
-    try:
-        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["ipc"])))
-    except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
-        raise PersistError(f"stored schema is not a valid Arrow IPC schema: {e}") from e
-
-
-@schema_cache(256)
-def _history(key_schema: pa.Schema, versions: tuple[pa.Schema, ...]) -> SchemaHistory:
-    return SchemaHistory(key_schema, versions)
-
-
-@schema_cache(64)
-def _schemas_entry(versions: tuple[pa.Schema, ...]) -> list[dict[str, Any]]:
-    """The ``schemas`` entry: every value schema version, by id (the same list for the
-    same versions, so that versions compare it cheaply; do not mutate it)."""
-    return [{"id": i, **schema_to_json(v)} for i, v in enumerate(versions)]
-
-
-def _schemas_from(entry: Any) -> tuple[pa.Schema, ...]:
-    """Inverse of :func:`_schemas_entry` (``None``: a state of one version)."""
-    if entry is None:
-        return ()
-    versions = []
-    for i, d in enumerate(entry):
-        if int(d["id"]) != i:
-            raise ValueError(f"schema versions out of order: id {d['id']} at position {i}")
-        versions.append(schema_from_json(d))
-    return tuple(versions)
-
-
-@dataclass(frozen=True)
-class ReaderState:
-    """A leased reader (Materialize's ``LeasedReaderState``).
-
-    Attributes:
-        since: the reader's since hold: the shard's since never passes it.
-        last_heartbeat_ms: wall-clock time (ms since the epoch) of its last heartbeat.
-        lease_duration_ms: the reader is expired once ``now > last_heartbeat_ms +
-            lease_duration_ms``.
-        purpose: a free-form description (``"read handle"``, ``"listen"``, ...).
-        seqno: the reader's seqno hold: it may still read any version from this seqno
-            on, so GC keeps every blob key that such a version references (a key retired
-            at seqno ``R`` is deleted only once every live reader holds ``>= R``).  It
-            only advances.  Versions written before seqno holds existed read as ``0``.
-    """
-
-    since: Antichain
-    last_heartbeat_ms: int
-    lease_duration_ms: int
-    purpose: str = ""
-    seqno: int = 0
-
-    def expired(self, now_ms: int) -> bool:
-        """True when the lease ran out at ``now_ms``."""
-        return now_ms > self.last_heartbeat_ms + self.lease_duration_ms
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "since": self.since.to_json(),
-            "last_heartbeat_ms": self.last_heartbeat_ms,
-            "lease_duration_ms": self.lease_duration_ms,
-            "purpose": self.purpose,
-            "seqno": self.seqno,
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> ReaderState:
-        return cls(
-            Antichain.from_json(d["since"]),
-            int(d["last_heartbeat_ms"]),
-            int(d["lease_duration_ms"]),
-            str(d.get("purpose", "")),
-            int(d.get("seqno", 0)),
-        )
-
-
-@dataclass(frozen=True)
-class WriterState:
-    """A writer (Materialize's ``WriterState``).
-
-    Attributes:
-        last_heartbeat_ms: wall-clock time (ms) of its last append or heartbeat.
-        lease_duration_ms: the writer is dropped once its lease runs out.
-        last_token: the idempotency token of the writer's last committed append, used to
-            learn the outcome of an append whose commit was indeterminate.
-        tokens: the tokens of its earlier recent appends (oldest first, at most
-            :data:`WRITER_TOKENS_KEPT` with ``last_token``), so that a retry with a token
-            stays idempotent even after the same writer appended again.  States written
-            before this field existed load with ``()``.
-        handed_off: batches with parts of this writer that its handle had handed out
-            (e.g. transmitted to another process,
-            :meth:`persist.batch.Batch.into_transmittable`) and not appended itself
-            when it expired; ``0`` (omitted from the JSON) while the handle is in use.
-            A handed-off writer is kept (for its hand-off lease, see
-            :meth:`ShardState.hand_off_writer`) while some of them are outstanding, so
-            that GC keeps their parts.
-        settled: batches with parts of this writer that other writers appended (or
-            whose decoded copies they deleted), before or after the hand-off; the
-            writer is dropped once it is handed off and ``settled >= handed_off``.
-            ``0`` (omitted from the JSON) at first.
-    """
-
-    last_heartbeat_ms: int
-    lease_duration_ms: int
-    last_token: str | None = None
-    tokens: tuple[str, ...] = ()
-    handed_off: int = 0
-    settled: int = 0
-
-    @property
-    def outstanding(self) -> int:
-        """Handed-off batches neither appended nor deleted yet (``0`` while in use)."""
-        return max(0, self.handed_off - self.settled) if self.handed_off else 0
-
-    def expired(self, now_ms: int) -> bool:
-        """True when the lease ran out at ``now_ms``."""
-        return now_ms > self.last_heartbeat_ms + self.lease_duration_ms
-
-    def token_entry(self, token: str) -> str | None:
-        """The recorded entry of an append with ``token`` by this writer
-        (``token``, or ``token + TOKEN_SEP + fingerprint``), or ``None``."""
-        for entry in (self.last_token, *self.tokens):
-            if entry is not None and entry.split(TOKEN_SEP, 1)[0] == token:
-                return entry
-        return None
-
-    def has_token(self, token: str) -> bool:
-        """Whether an append with ``token`` by this writer is recorded."""
-        return self.token_entry(token) is not None
-
-    def with_token(self, now_ms: int, lease_ms: int, token: str) -> WriterState:
-        """This writer after an append with ``token`` (heartbeat renewed)."""
-        older = self.tokens if self.last_token is None else (*self.tokens, self.last_token)
-        older = older[-(WRITER_TOKENS_KEPT - 1) :] if WRITER_TOKENS_KEPT > 1 else ()
-        return replace(
-            self,
-            last_heartbeat_ms=max(self.last_heartbeat_ms, now_ms),
-            lease_duration_ms=lease_ms,
-            last_token=token,
-            tokens=older,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "last_heartbeat_ms": self.last_heartbeat_ms,
-            "lease_duration_ms": self.lease_duration_ms,
-            "last_token": self.last_token,
-        }
-        if self.tokens:
-            d["tokens"] = list(self.tokens)
-        if self.handed_off:
-            d["handed_off"] = self.handed_off
-        if self.settled:
-            d["settled"] = self.settled
-        return d
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> WriterState:
-        tok = d.get("last_token")
-        return cls(
-            int(d["last_heartbeat_ms"]),
-            int(d["lease_duration_ms"]),
-            None if tok is None else str(tok),
-            tuple(str(t) for t in d.get("tokens", ())),
-            int(d.get("handed_off", 0)),
-            int(d.get("settled", 0)),
-        )
-
-
-#: How many idempotency tokens of recent appends a writer's state keeps.
-WRITER_TOKENS_KEPT = 8
-
-#: A token persist made (:func:`token_for`): 16 hex digits of the writer's id, 8 of the
-#: drawing process, an 8-digit counter, dot-separated (a form no uuid or plain hex token
-#: of a caller's has).
-_TOKEN_RE = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{8}\.[0-9a-f]{8}")
-#: :func:`token_verdict`'s answers.
-TOKEN_LANDED, TOKEN_NOT_LANDED, TOKEN_UNKNOWN, TOKEN_FOREIGN = (
-    "landed",
-    "not landed",
-    "unknown",
-    "foreign",
-)
-
-
-def token_for(writer_id: str, process: str, count: int) -> str:
-    """The idempotency token ``count`` drawn by a process (8 hex digits ``process``) for
-    ``writer_id`` (``w`` and 32 hex digits)."""
-    return f"{writer_id[1:17]}.{process}.{count:08x}"
-
-
-def token_verdict(st: ShardState, token: str) -> tuple[str, str | None]:
-    """What ``st`` (a head) says of an append with ``token``: ``(TOKEN_LANDED, entry)``
-    when a writer records it; for a token persist made (:func:`token_for`),
-    ``(TOKEN_NOT_LANDED, None)`` when its writer is registered and every token it still
-    records from the same process was drawn before it (had it landed, nothing drawn
-    before it could have pushed it out of the writer's recent tokens without a token
-    drawn after it being kept too), else ``(TOKEN_UNKNOWN, None)`` (its writer is gone,
-    or later tokens of it are kept); ``(TOKEN_FOREIGN, None)`` for a token of another
-    form (a caller's own), of which nothing more can be told."""
-    for w in st.writers.values():
-        entry = w.token_entry(token)
-        if entry is not None:
-            return TOKEN_LANDED, entry
-    if _TOKEN_RE.fullmatch(token) is None:
-        return TOKEN_FOREIGN, None
-    writer = next((w for wid, w in st.writers.items() if wid[1:17] == token[:16]), None)
-    if writer is None:
-        return TOKEN_UNKNOWN, None
-    drawn = int(token[26:], 16)
-    for entry in (writer.last_token, *writer.tokens):
-        if entry is None:
-            continue
-        t = entry.split(TOKEN_SEP, 1)[0]
-        if _TOKEN_RE.fullmatch(t) and t[:25] == token[:25] and int(t[26:], 16) > drawn:
-            return TOKEN_UNKNOWN, None
-    return TOKEN_NOT_LANDED, None
-
 
 @dataclass
-class ShardState:
-    """One version of a shard's state.  Mutable: transitions change it in place, so callers
-    work on a :meth:`clone` and publish it by compare-and-set.
+class ShardState(ShardStateBase):
+    """One version of a shard's state (the fields: :class:`ShardStateBase`).  Mutable:
+    commands change it in place, so the machine runs them on a :meth:`clone` and
+    publishes it by compare-and-set."""
 
-    Attributes:
-        shard_id: ``"s"`` + a UUID.
-        name: the shard's registered name.
-        key_schema, value_schema: the Arrow schemas of the key and the value columns
-            (``value_schema`` is the newest registered version).
-        schema_history: the value schema versions, ``schema_history[i]`` being schema
-            id ``i``; its last one is ``value_schema``; empty on
-            construction means ``(value_schema,)`` (states written before schemas were
-            versioned load so: every part of theirs has schema id 0).
-        seqno: the version number in consensus (``-1`` before the first version).
-        trace: the Spine holding the batches, ``since`` and ``upper``.
-        readers: reader id -> :class:`ReaderState`.
-        writers: writer id -> :class:`WriterState`.
-        retired_upper: the upper of the shard's retired collection (see the module
-            docstring).
-        tombstone: the shard was finalized (dropped): no handle may use it again.
-        retire_adds, retire_removes: transient (not serialised) changes to the retired
-            collection made by this transition: blob key -> retirement ms.
-    """
+    # --------------------------------------------------------------- commands
+    # One method per command of persist.machine.ShardMachine (after Materialize's
+    # persist-client internal/state.rs): each decides on this version alone, does no I/O,
+    # raises Stale where failing on a cached version (``fresh`` false) may be wrong, and
+    # raises before changing anything when it refuses.
 
-    shard_id: str
-    name: str
-    key_schema: pa.Schema
-    value_schema: pa.Schema
-    seqno: int = -1
-    trace: Trace = field(default_factory=Trace)
-    readers: dict[str, ReaderState] = field(default_factory=dict)
-    writers: dict[str, WriterState] = field(default_factory=dict)
-    retired_upper: int = 0
-    tombstone: bool = False
-    retire_adds: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
-    retire_removes: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
-    schema_history: tuple[pa.Schema, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.schema_history:
-            self.schema_history = (self.value_schema,)
-        elif self.schema_history[-1] is not self.value_schema and not self.schema_history[
-            -1
-        ].equals(self.value_schema):
-            raise PersistError(
-                f"shard {self.shard_id}: the newest schema version is not the value schema"
-            )
-
-    # ----------------------------------------------------------------- schemas
-    def schemas(self) -> SchemaHistory:
-        """The shard's :class:`~persist.updates.SchemaHistory` (key schema and value
-        schema versions)."""
-        return _history(self.key_schema, self.schema_history)
-
-    def register_schema(
-        self, key_schema: pa.Schema, value_schema: pa.Schema, drop: Collection[str] = ()
-    ) -> tuple[int, bool]:
-        """The schema id of a handle opened with these schemas, registering
-        ``value_schema`` as a new newest version if it is a compatible evolution of
-        the newest one dropping no column but those ``drop``
-        names.  Returns ``(schema id, registered)``.
-
-        A value schema equal to a registered version gets that version's id (the
-        newest such): a handle opened with an older schema keeps its view.
-
-        Raises:
-            SchemaMismatch: the key schema differs, or ``value_schema`` is not a
-                compatible evolution of the newest version (naming column and rule; a
-                column it lacks that ``drop`` does not name is one); nothing changes.
-            InvalidUsage: ``drop`` names a column no version has, or one the schemas
-                keep.
-        """
-        if isinstance(drop, str):
-            raise InvalidUsage(f"drop must be a collection of column names, not the str {drop!r}")
-        unknown = sorted(set(drop) - {n for v in self.schema_history for n in v.names})
-        if unknown:
-            raise InvalidUsage(
-                f"shard {self.name!r} ({self.shard_id}): drop names {unknown}, which no "
-                "version of its value schema has"
-            )
-        if not key_schema.equals(self.key_schema):
-            check_schema_evolution(
-                f"{self.name!r} ({self.shard_id})",
-                self.key_schema,
-                self.value_schema,
-                key_schema,
-                value_schema,
-            )
-        known = self.schemas().id_of(value_schema)
-        if known is not None:
-            return known, False
-        check_schema_evolution(
-            f"{self.name!r} ({self.shard_id})",
-            self.key_schema,
-            self.value_schema,
-            key_schema,
-            value_schema,
-            drop,
-        )
-        self.schema_history = (*self.schema_history, value_schema)
-        self.value_schema = value_schema
-        return len(self.schema_history) - 1, True
-
-    # ----------------------------------------------------------------- reading
-    @property
-    def since(self) -> Antichain:
-        """The shard's since (the trace's)."""
-        return self.trace.since
-
-    @property
-    def upper(self) -> Antichain:
-        """The shard's upper (the trace's)."""
-        return self.trace.upper
-
-    def clone(self) -> ShardState:
-        """An independent copy (batches and frontiers are immutable and shared)."""
-        return replace(
-            self,
-            trace=self.trace.copy(),
-            readers=dict(self.readers),
-            writers=dict(self.writers),
-            retire_adds={},
-            retire_removes={},
-        )
-
-    def batches(self) -> list[HollowBatch]:
-        """The trace's hollow batches, oldest first."""
-        return list(self.trace.batches())
-
-    def referenced_blob_keys(self) -> set[str]:
-        """Blob keys of every part the trace references (inline parts have none)."""
-        return {p.key for b in self.trace.batches() for p in b.parts if p.key is not None}
-
-    def referenced_part_ids(self) -> set[str]:
-        """:attr:`~persist.types.PartRef.part_id` of every part the trace references
-        (blob keys, ``inline:`` nonces)."""
-        return {i for b in self.trace.batches() for p in b.parts if (i := p.part_id) is not None}
-
-    def inline_bytes(self) -> int:
-        """Total size (bytes) of the inline parts held in this state."""
-        return sum(b.inline_bytes for b in self.trace.batches())
-
-    def blob_bytes(self) -> int:
-        """Total size (bytes) of the blob parts the trace references."""
-        return sum(
-            p.encoded_size_bytes for b in self.trace.batches() for p in b.parts if p.key is not None
-        )
-
-    def num_parts(self) -> int:
-        """Number of parts (inline and blob) the trace references."""
-        return sum(len(b.parts) for b in self.trace.batches())
-
-    # ------------------------------------------------------------ transitions
-    def register_reader(
+    def open_reader(
         self,
         reader_id: str,
         now_ms: int,
         lease_ms: int,
-        purpose: str = "",
-        since: Antichain | None = None,
-    ) -> Antichain:
-        """Add a reader holding ``since`` (default: the shard's current since); returns
-        its hold.
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        schema_id: int | None,
+    ) -> int | None:
+        """Register a read handle's reader (holding the shard's since); returns its
+        schema id: ``schema_id`` if given, else the version of this state equal to
+        ``value_schema`` (``None``: none is, or the key schema differs)."""
+        self.register_reader(reader_id, now_ms, lease_ms, "read handle")
+        if schema_id is not None or not self.key_schema.equals(key_schema):
+            return schema_id
+        return self.schemas().id_of(value_schema)
 
-        Raises:
-            InvalidUsage: ``since`` is before the shard's since.
-        """
-        hold = self.since if since is None else since
-        if not self.since <= hold:
-            raise InvalidUsage(
-                f"reader {reader_id} of shard {self.shard_id} cannot hold since {hold}: "
-                f"the shard's since is already {self.since}"
-            )
-        self.readers[reader_id] = ReaderState(hold, now_ms, lease_ms, purpose, max(self.seqno, 0))
-        return hold
-
-    def check_not_finalized(self) -> None:
-        """Raise if the shard was finalized (dropped), so handles opened before the drop
-        say so instead of reporting a lost lease or an upper race.
-
-        Raises:
-            InvalidUsage: the state is a tombstone.
-        """
-        if self.tombstone:
-            raise InvalidUsage(
-                f"shard {self.shard_id} was finalized (dropped by finalize_shard or "
-                "`persist drop`): it can be neither read nor written"
-            )
-
-    def reader(self, reader_id: str) -> ReaderState:
-        """The reader's state.
-
-        Raises:
-            LeaseExpired: the reader is not registered (expired or never registered).
-        """
-        r = self.readers.get(reader_id)
-        if r is None:
-            raise LeaseExpired(self.shard_id, reader_id)
-        return r
-
-    def _seqno_hold(self, r: ReaderState, seqno: int | None) -> int:
-        """The reader's new seqno hold: ``seqno`` (default: this version's seqno, for a
-        reader with no read in progress), capped at this version's, never backwards."""
-        cur = max(self.seqno, 0)
-        want = cur if seqno is None else min(seqno, cur)
-        return max(r.seqno, want)
-
-    def heartbeat_reader(self, reader_id: str, now_ms: int, seqno: int | None = None) -> None:
-        """Renew the reader's lease and advance its seqno hold to ``seqno`` (the oldest
-        version it may still be reading; ``None``: it reads none older than this one).
-
-        Raises:
-            LeaseExpired: the reader is not registered.
-        """
-        r = self.reader(reader_id)
-        self.readers[reader_id] = replace(
-            r,
-            last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms),
-            seqno=self._seqno_hold(r, seqno),
-        )
-
-    def downgrade_reader_since(
-        self, reader_id: str, since: Antichain, now_ms: int, seqno: int | None = None
+    def register_listen(
+        self, reader_id: str, as_of: int, now_ms: int, lease_ms: int, fresh: bool
     ) -> bool:
-        """Advance the reader's since hold to ``since`` (and heartbeat, advancing its
-        seqno hold as :meth:`heartbeat_reader`); the shard's since follows the meet of
-        the holds.  Returns whether anything changed.
+        """Register a listen's reader holding ``as_of`` (returns ``True``: changed).
 
         Raises:
-            LeaseExpired: the reader is not registered.
-            InvalidUsage: ``since`` is earlier than the reader's current hold.
+            Stale: ``as_of`` is before the since of a cached version.
+            InvalidUsage: the shard was finalized.  SinceViolation: ``as_of`` is before
+                the shard's since.
         """
-        r = self.reader(reader_id)
-        if not r.since <= since:
-            raise InvalidUsage(
-                f"reader {reader_id} of shard {self.shard_id} cannot move its since "
-                f"backwards from {r.since} to {since}"
-            )
-        hold = self._seqno_hold(r, seqno)
-        changed = since != r.since or now_ms > r.last_heartbeat_ms or hold != r.seqno
-        self.readers[reader_id] = replace(
-            r, since=since, last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms), seqno=hold
-        )
-        return self._recompute_since() or changed
-
-    def min_seqno_hold(self, now_ms: int) -> int | None:
-        """The earliest seqno hold of the readers live at ``now_ms`` (``None``: none)."""
-        holds = [r.seqno for r in self.readers.values() if not r.expired(now_ms)]
-        return min(holds) if holds else None
-
-    def live_writers(self, now_ms: int) -> set[str]:
-        """Ids of the writers registered and not expired at ``now_ms``."""
-        return {wid for wid, w in self.writers.items() if not w.expired(now_ms)}
-
-    def check_writer_live(self, writer_id: str, now_ms: int) -> None:
-        """Raise unless ``writer_id`` is registered and its lease has not run out at
-        ``now_ms`` (GC may have deleted the keys of a writer that is not live).
-
-        Raises:
-            LeaseExpired: naming the writer and the shard.
-        """
-        w = self.writers.get(writer_id)
-        if w is None or w.expired(now_ms):
-            raise LeaseExpired(self.shard_id, writer_id, "writer")
-
-    def expire_reader(self, reader_id: str) -> bool:
-        """Drop the reader (its hold is released).  Returns whether it was registered."""
-        if self.readers.pop(reader_id, None) is None:
-            return False
-        self._recompute_since()
+        if not self.since.less_equal(as_of):
+            if not fresh:
+                raise Stale()
+            self.check_not_finalized()  # a dropped shard's since is empty: say dropped
+            raise SinceViolation(as_of, self.since)
+        hold = Antichain.from_elem(as_of)
+        self.register_reader(reader_id, now_ms, lease_ms, "listen", since=hold)
         return True
 
-    def expire_writer(self, writer_id: str) -> bool:
-        """Drop the writer.  Returns whether it was registered."""
-        return self.writers.pop(writer_id, None) is not None
+    def _reader_known(self, reader_id: str, fresh: bool) -> None:
+        """Raise :class:`Stale` if the reader is absent from a cached version."""
+        if reader_id not in self.readers and not fresh:
+            raise Stale()
 
-    def expire_leases(self, now_ms: int, keep: Iterable[str] = ()) -> bool:
-        """Drop readers and writers whose lease ran out at ``now_ms`` (except the ids in
-        ``keep``, the caller's own handles).  Returns whether anything changed."""
-        keep_set = set(keep)
-        dead_r = [
-            rid for rid, r in self.readers.items() if r.expired(now_ms) and rid not in keep_set
-        ]
-        dead_w = [
-            wid for wid, w in self.writers.items() if w.expired(now_ms) and wid not in keep_set
-        ]
-        for rid in dead_r:
-            del self.readers[rid]
-        for wid in dead_w:
-            del self.writers[wid]
-        if dead_r:
-            self._recompute_since()
-        return bool(dead_r or dead_w)
-
-    def detach_reader(self, reader_id: str, now_ms: int, seqno: int | None) -> None:
-        """Turn the reader into a *seqno-only* lease (purpose :data:`SEQNO_ONLY`): it
-        keeps its seqno hold (advanced to ``seqno``, see :meth:`heartbeat_reader`) until
-        its lease runs out, but no longer holds the since back (for a planner whose
-        listed parts others read after it is gone: the parts stay, whatever compaction
-        does meanwhile).
+    def downgrade_since(
+        self, reader_id: str, since: Antichain, now_ms: int, seqno: int | None, fresh: bool
+    ) -> bool:
+        """Move the reader's since hold to the join of its hold and ``since`` (an
+        earlier ``since`` only renews the lease), as :meth:`downgrade_reader_since`.
 
         Raises:
-            LeaseExpired: the reader is not registered.
+            Stale: the reader is absent from a cached version.  LeaseExpired: absent.
         """
+        self._reader_known(reader_id, fresh)
+        target = self.reader(reader_id).since.join(since)
+        return self.downgrade_reader_since(reader_id, target, now_ms, seqno)
+
+    def renew_reader(self, reader_id: str, now_ms: int, seqno: int | None, fresh: bool) -> bool:
+        """:meth:`heartbeat_reader`, asking for a fresh version first when the reader is
+        absent from a cached one (:class:`Stale`; then :class:`LeaseExpired`).  Returns
+        ``True`` (changed)."""
+        self._reader_known(reader_id, fresh)
         self.heartbeat_reader(reader_id, now_ms, seqno)
-        self.readers[reader_id] = replace(self.readers[reader_id], purpose=SEQNO_ONLY)
-        self._recompute_since()
+        return True
 
-    def _recompute_since(self) -> bool:
-        """Advance the trace's since to the meet of the readers' holds (never backwards;
-        with no reader the since stays where it is; seqno-only leases hold no since).
-        Returns whether it moved."""
-        holders = [r for r in self.readers.values() if r.purpose != SEQNO_ONLY]
-        if not holders:
-            return False
-        holds = iter(holders)
-        meet = next(holds).since
-        for r in holds:
-            meet = meet.meet(r.since)
-        if self.trace.since < meet:
-            self.trace.downgrade_since(meet)
-            return True
-        return False
+    def detach(self, reader_id: str, now_ms: int, seqno: int | None, fresh: bool) -> bool:
+        """:meth:`detach_reader`, asking for a fresh version first when the reader is
+        absent from a cached one (:class:`Stale`; then :class:`LeaseExpired`).  Returns
+        ``True`` (changed)."""
+        self._reader_known(reader_id, fresh)
+        self.detach_reader(reader_id, now_ms, seqno)
+        return True
 
-    def append_batch(
-        self, batch: HollowBatch, writer_id: str, token: str, now_ms: int, lease_ms: int
-    ) -> list[FueledMergeReq]:
-        """Push ``batch`` (which must start at the upper) into the trace and record the
-        writer's heartbeat and idempotency ``token``.  Returns the Spine's merge requests.
+    def register_writer(
+        self, writer_id: str, now_ms: int, lease_ms: int, registered: bool, fresh: bool
+    ) -> bool:
+        """Register or renew a writer (:meth:`heartbeat_writer`); one that registered
+        before must still be live (it is never registered again: GC may have deleted
+        its parts).  Returns ``True`` (changed).
 
         Raises:
-            InvalidUsage: the batch does not start at the upper, or is empty in time
-                (nothing changes).
-            SchemaMismatch: a part was written under a schema version a later version
-                dropped a column of (its values there would read as null for every
-                reader); nothing changes.
+            Stale: it is not live in a cached version.  LeaseExpired: not live.
         """
-        if len(self.schema_history) > 1:
-            history = self.schemas()
-            for sid in sorted({p.schema_id for p in batch.parts}):
-                if 0 <= sid < len(history.versions) and (lost := history.dropped_after(sid)):
-                    raise SchemaMismatch(
-                        f"{self.name!r} ({self.shard_id})",
-                        lost[0],
-                        f"this writer's schema version {sid} has the column, but version "
-                        f"{history.newest} (or one between) dropped it, so its values "
-                        "would read as null for every reader: open the shard again with "
-                        "the newest schema (adding the column back makes a new column); "
-                        "nothing was committed",
-                    )
-        try:
-            reqs = self.trace.push_batch(batch)
-        except ValueError as e:
-            raise InvalidUsage(f"cannot append to shard {self.shard_id}: {e}") from e
-        w = self.writers.get(writer_id) or WriterState(now_ms, lease_ms)
-        self.writers[writer_id] = w.with_token(now_ms, lease_ms, token)
-        return reqs
-
-    def heartbeat_writer(self, writer_id: str, now_ms: int, lease_ms: int) -> None:
-        """Register or renew a writer, keeping its last token.  The heartbeat time never
-        moves back (``max(old, now_ms)``, as the reader's heartbeat): a clock behind the
-        one that last renewed it never shortens the lease.  (A handle that was
-        registered before must check :meth:`check_writer_live` first: a writer id is
-        registered over one contiguous interval, never again after its lease ran out.)"""
-        w = self.writers.get(writer_id)
-        if w is None:
-            self.writers[writer_id] = WriterState(now_ms, lease_ms)
-        else:
-            self.writers[writer_id] = replace(
-                w, last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms), lease_duration_ms=lease_ms
-            )
-
-    def hand_off_writer(self, writer_id: str, now_ms: int, lease_ms: int, batches: int) -> bool:
-        """Record that the live writer ``writer_id``, whose handle is going away, handed
-        out ``batches`` batches it did not append (see :attr:`WriterState.handed_off`).
-        If some are still outstanding (not yet settled by others' appends or
-        deletions), its lease is renewed at ``now_ms`` and lengthened to at least
-        ``lease_ms`` (the client's hand-off lease), so GC keeps their parts while they
-        travel to whoever appends them (the receiver's
-        :meth:`persist.write.WriteHandle.hold` renews it further while it holds them);
-        if none is, the writer is dropped at once.  A writer that is gone or whose lease
-        ran out is never brought back.  Returns whether the state changed."""
-        w = self.writers.get(writer_id)
-        if w is None or w.expired(now_ms) or batches <= 0:
-            return False
-        handed = replace(w, handed_off=w.handed_off + batches)
-        if handed.settled >= handed.handed_off:
-            del self.writers[writer_id]
-            return True
-        self.writers[writer_id] = replace(
-            handed,
-            last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms),
-            lease_duration_ms=max(w.lease_duration_ms, lease_ms),
-        )
+        if registered:
+            try:
+                self.check_writer_live(writer_id, now_ms)
+            except LeaseExpired:
+                if not fresh:
+                    raise Stale() from None
+                raise
+        self.heartbeat_writer(writer_id, now_ms, lease_ms)
         return True
 
-    def release_handed_off(self, writer_id: str, batches: int = 1) -> bool:
-        """Count ``batches`` batches with parts of ``writer_id`` that another writer
-        appended (or whose decoded copies it deleted) as settled (see
-        :attr:`WriterState.settled`); a handed-off writer is dropped once none is
-        outstanding.  Returns whether anything changed."""
-        w = self.writers.get(writer_id)
-        if w is None or batches <= 0:
+    def register_compactor(
+        self,
+        writer_id: str,
+        fallback_id: str,
+        renew: bool,
+        now_ms: int,
+        lease_ms: int,
+        fresh: bool,
+    ) -> str:
+        """Register or renew a compactor's writer ``writer_id``; when renewing one whose
+        lease ran out, register ``fallback_id`` instead (an id is never reused).
+        Returns the id registered.
+
+        Raises:
+            Stale: the renewed writer is not live in a cached version.
+        """
+        wid = writer_id
+        if renew and wid not in self.live_writers(now_ms):
+            if not fresh:
+                raise Stale()
+            wid = fallback_id
+        self.heartbeat_writer(wid, now_ms, lease_ms)
+        return wid
+
+    def renew_writers(self, writer_ids: Iterable[str], now_ms: int) -> tuple[bool, bool]:
+        """Renew each live writer of ``writer_ids`` (:meth:`renew_writer`); returns
+        ``(all renewed, any renewed)``."""
+        renewed = [self.renew_writer(w, now_ms) for w in writer_ids]
+        return all(renewed), any(renewed)
+
+    def settle_handed_off(self, handed: Iterable[tuple[str, int]]) -> bool:
+        """Count hand-offs ``(writer id, batches)`` down (:meth:`release_handed_off`);
+        returns whether anything changed."""
+        changed = [self.release_handed_off(w, n) for w, n in handed]
+        return any(changed)
+
+    def hand_off(
+        self, writer_id: str, now_ms: int, lease_ms: int, batches: int
+    ) -> tuple[bool, bool]:
+        """:meth:`hand_off_writer`; returns ``(writer still registered, changed)``."""
+        changed = self.hand_off_writer(writer_id, now_ms, lease_ms, batches)
+        return writer_id in self.writers, changed
+
+    def finalize(self, now_ms: int) -> bool:
+        """Make this state a tombstone: upper and since the empty antichain, no batch,
+        reader or writer; every blob key it referenced is retired at ``now_ms``.
+        Idempotent; returns whether anything changed."""
+        if self.tombstone:
             return False
-        w = replace(w, settled=w.settled + batches)
-        if w.handed_off and w.settled >= w.handed_off:
-            del self.writers[writer_id]
-        else:
-            self.writers[writer_id] = w
+        before = self.referenced_blob_keys()
+        trace = Trace()
+        trace.push_batch(HollowBatch(Description(trace.upper, Antichain())))
+        trace.downgrade_since(Antichain())
+        self.trace = trace
+        self.readers.clear()
+        self.writers.clear()
+        self.tombstone = True
+        for k in before:
+            self.retire_adds[k] = now_ms
         return True
 
-    def renew_writer(self, writer_id: str, now_ms: int) -> bool:
-        """Renew the lease of a writer that is live at ``now_ms`` (keeping its lease
-        duration), on behalf of whoever holds a batch of its parts.  A writer that is
-        gone or whose lease ran out is never brought back (GC may have deleted its
-        parts).  The heartbeat time never moves back (``max(old, now_ms)``).  Returns
-        whether it was renewed (live at ``now_ms``)."""
-        w = self.writers.get(writer_id)
-        if w is None or w.expired(now_ms):
-            return False
-        self.writers[writer_id] = replace(w, last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms))
-        return True
+    def forget_listed(
+        self, upper: int, rows: Mapping[str, int], done: Mapping[str, int] | None, fresh: bool
+    ) -> bool:
+        """Forget retired rows (:meth:`forget_retired`) given the retired collection's
+        ``rows`` (row key -> ms) read at its ``upper``: those of ``done`` (rows GC
+        deleted) still present with the same ms, or, with ``done`` ``None``, every row
+        (finalize).  Returns whether anything changed.
 
-    def apply_merge_res(self, res: FueledMergeRes, now_ms: int) -> ApplyMergeResult:
-        """Swap a compaction result into the trace; blob keys it stops referencing are
-        retired at ``now_ms`` (listed in ``retire_adds``, for GC after its grace period),
-        and so are the ids of inline parts it merged away (``inline:`` and a nonce, see
-        :attr:`~persist.types.PartRef.part_id`: an append refuses a copy of them until
-        GC forgets them).
+        Raises:
+            Stale: (``done`` ``None``) ``upper`` is not this cached version's.
+        """
+        if done is None:
+            if upper != self.retired_upper and not fresh:
+                raise Stale()
+            return self.forget_retired(dict(rows))
+        return self.forget_retired({k: ms for k, ms in done.items() if rows.get(k) == ms})
 
-        An output whose parts name a writer (the compactor that wrote them) that is not
-        live at ``now_ms`` is not applied (``NOT_APPLIED_NO_MATCH``): GC may already have
-        deleted its parts."""
-        for p in res.output.parts:
-            wid = None if p.key is None else key_writer_id(p.key)
-            if wid is not None and wid not in self.live_writers(now_ms):
-                return ApplyMergeResult.NOT_APPLIED_NO_MATCH
-        before = self.referenced_part_ids()
-        result = self.trace.apply_merge_res(res)
-        if result.applied():
-            after = self.referenced_part_ids()
-            for key in before - after:
-                self.retire_adds[key] = now_ms
-        return result
+    def _apply_merges(
+        self, results: Iterable[FueledMergeRes], now_ms: int
+    ) -> tuple[list[ApplyMergeResult], bool]:
+        """Apply compaction results (:meth:`apply_merge_res`); one already in the trace
+        (applied by an earlier attempt) counts as ``APPLIED_EXACT`` and changes nothing.
+        Returns ``(result per input, changed)``."""
+        out: list[ApplyMergeResult] = []
+        changed = False
+        for res in results:
+            if self.contains_batch(res.output):
+                out.append(ApplyMergeResult.APPLIED_EXACT)
+                continue
+            r = self.apply_merge_res(res, now_ms)
+            changed = changed or r.applied()
+            out.append(r)
+        return out, changed
 
-    def contains_batch(self, batch: HollowBatch) -> bool:
-        """Whether the trace holds exactly this hollow batch (e.g. a merge result that
-        an earlier attempt already applied)."""
-        return any(b == batch for b in self.trace.batches())
+    def apply_merge_results(
+        self, results: Iterable[FueledMergeRes], now_ms: int, fresh: bool
+    ) -> tuple[list[ApplyMergeResult], bool]:
+        """Swap compaction results into the trace: the one place merge results are
+        applied (the compactor, Spark's compaction job, and a writer's append carrying
+        them).  Returns ``(result per input, changed)``.
 
-    def forget_retired(self, retired: Mapping[str, int]) -> bool:
-        """Remove rows (row key -> retirement ms, exactly as stored: see
-        :class:`persist.consensus.RetiredKey`) from the retired collection, after GC
-        deleted their blobs.  The caller must pass only rows present in the collection
-        as of this version (GC checks ``retired_upper``); returns whether anything
-        changed."""
-        self.retire_removes.update(retired)
-        return bool(retired)
+        Raises:
+            Stale: some result did not apply to a cached version.
+        """
+        rs, changed = self._apply_merges(results, now_ms)
+        if not all(r.applied() for r in rs) and not fresh:
+            raise Stale()
+        return rs, changed
+
+    def _check_copies(self, given: tuple[str, ...], inputs: Inputs) -> None:
+        """No given part may be referenced by, or retired from, this version, and the
+        parts must have been listed at its ``retired_upper`` (see
+        :mod:`persist.appended`).
+
+        Raises:
+            BatchAppended: naming a part already appended.  NeedsInput: the retired
+                part ids or a listing of the parts at this version are needed.
+        """
+        if not given:
+            return
+        ref = self.referenced_part_ids()
+        again = [k for k in given if k in ref]
+        if not again and self.retired_upper > 0:
+            if inputs.retired is None or inputs.retired[0] != self.retired_upper:
+                raise NeedsInput("retired", self.retired_upper)
+            again = [k for k in given if k in inputs.retired[1]]
+        if again:
+            raise BatchAppended(self.shard_id, again)
+        if inputs.listed_upper != self.retired_upper:
+            raise NeedsInput("parts", self.retired_upper)
+
+    def _check_owners(
+        self,
+        writer_id: str,
+        registered: bool,
+        owners: Iterable[str],
+        now_ms: int,
+        fresh: bool,
+        wrap: bool,
+    ) -> None:
+        """Every owner (and the writer, once registered) must be live at ``now_ms``.
+
+        Raises:
+            Stale: one is not live in a cached version.  LeaseExpired: not live (for
+                another owner than the writer, with ``wrap``, naming it as the writer
+                of an appended batch).
+        """
+        need = set(owners)
+        if registered:
+            need.add(writer_id)
+        for wid in sorted(need):
+            try:
+                self.check_writer_live(wid, now_ms)
+            except LeaseExpired as e:
+                if not fresh:
+                    raise Stale() from None
+                if wid == writer_id or not wrap:
+                    raise
+                raise LeaseExpired(self.shard_id, wid, "writer of an appended batch") from e
+
+    def compare_and_append(
+        self, cmd: AppendCmd, inputs: Inputs, now_ms: int, fresh: bool
+    ) -> tuple[list[FueledMergeReq], bool]:
+        """Append ``cmd.pieces`` if the shard's upper is ``cmd.expected`` (Materialize's
+        ``compare_and_append``); returns ``(the Spine's merge requests, changed)``.  An
+        append whose token this version records already landed (no change).
+
+        Raises:
+            Stale: a check failed on a cached version.  InvalidUsage: finalized.
+            UpperMismatch: the upper differs.  BatchAppended, NeedsInput: see
+            :meth:`_check_copies`.  LeaseExpired: a writer is not live.
+            SchemaMismatch: see :meth:`append_batch`.
+        """
+        if token_entry(self, cmd.writer_id, cmd.token) is not None:
+            return [], False  # committed by an attempt whose outcome was indeterminate
+        self.check_not_finalized()
+        if self.upper != cmd.expected:
+            if not fresh:
+                raise Stale()
+            raise UpperMismatch(cmd.expected, self.upper)
+        if not cmd.pieces:
+            return [], False
+        self._check_copies(cmd.given, inputs)
+        self._check_owners(cmd.writer_id, cmd.registered, cmd.owners, now_ms, fresh, True)
+        self._apply_merges(cmd.merges, now_ms)
+        reqs: list[FueledMergeReq] = []
+        for hb in cmd.pieces:
+            reqs.extend(self.append_batch(hb, cmd.writer_id, cmd.recorded, now_ms, cmd.lease_ms))
+        self.settle_handed_off(cmd.handed)
+        return reqs, True
+
+    def commit_txn(
+        self, cmd: TxnCmd, inputs: Inputs, now_ms: int, fresh: bool
+    ) -> tuple[tuple[str, Any], bool]:
+        """This shard's part of a transaction committing at ``cmd.ts``: returns
+        ``(("landed", ts), False)`` when its token is recorded (an earlier attempt
+        committed at ``ts``), ``(("mismatch", (upper, retryable)), False)`` when the
+        upper is past ``ts`` (``retryable``: a later ts may fix it), else
+        ``(("ok", merge requests), True)``.
+
+        Raises:
+            Stale: a writer is not live in a cached version.  InvalidUsage: finalized.
+            BatchAppended, NeedsInput: see :meth:`_check_copies`.  LeaseExpired.
+        """
+        for ws in self.writers.values():
+            entry = ws.token_entry(cmd.token)
+            if entry is not None:
+                _, _, fp = entry.partition(TOKEN_SEP)
+                return ("landed", int(fp[1:]) if fp.startswith("t") else cmd.ts), False
+        self.check_not_finalized()
+        if not self.upper.less_equal(cmd.ts):
+            return ("mismatch", (self.upper, True)), False
+        if cmd.timed_lo is not None and not self.upper.less_equal(cmd.timed_lo):
+            return ("mismatch", (self.upper, False)), False  # no later ts fixes it
+        self._check_copies(cmd.given, inputs)
+        self._check_owners(cmd.writer_id, cmd.registered, cmd.owners, now_ms, fresh, False)
+        pieces = cmd.pieces(self.upper)
+        reqs: list[FueledMergeReq] = []
+        recorded = f"{cmd.token}{TOKEN_SEP}t{cmd.ts}"
+        for hb in pieces:
+            reqs.extend(self.append_batch(hb, cmd.record_id, recorded, now_ms, cmd.lease_ms))
+        # The builder's writer is registered (or renewed) as by a normal append; the
+        # token is recorded under the transaction's own record id only.
+        self.heartbeat_writer(cmd.writer_id, now_ms, cmd.lease_ms)
+        self.settle_handed_off(cmd.handed)
+        # Record ids of acknowledged transactions are no longer needed: drop them.
+        for d in cmd.done:
+            self.writers.pop(d, None)
+        return ("ok", reqs), True
 
     # ------------------------------------------------------------------- JSON
-    def to_entries(self) -> dict[str, Any]:
-        """The state flattened into one JSON value per component, keyed by a path:
 
-        ``meta`` (``seqno``, ``since``, ``upper``, the trace's ``next_id`` and
-        ``fueling_merges``: what changes with every version, kept in one entry),
-        ``shard`` (id, name, schemas; ``value_schema`` the newest version),
-        ``schemas`` (only once there is more than one version: every value schema
-        version, by id), ``trace/hollow_batches/<id>``,
-        ``trace/spine_batches/<id>``, ``reader/<id>``, ``writer/<id>``,
-        (retired keys live in their own collection).  A new version differs from the
-        previous one in
-        ``meta`` and the few components that changed, so consensus writes little.
-        """
-        t = self.trace.to_json()
-        meta = {k: v for k, v in t.items() if k not in _TRACE_MAPS}
-        meta["seqno"] = self.seqno
-        meta["retired_upper"] = self.retired_upper
-        if self.tombstone:
-            meta["tombstone"] = True
-        out: dict[str, Any] = {
-            _META: meta,
-            _SHARD: _shard_entry(self.shard_id, self.name, self.key_schema, self.value_schema),
-        }
-        if len(self.schema_history) > 1:
-            out[_SCHEMAS] = _schemas_entry(self.schema_history)
-        for m in _TRACE_MAPS:
-            for k, v in t[m].items():
-                out[f"trace/{m}/{k}"] = v
-        for rid, r in self.readers.items():
-            out[_READER + rid] = r.to_json()
-        for wid, w in self.writers.items():
-            out[_WRITER + wid] = w.to_json()
-        return out
+    def to_entries(self) -> dict[str, Any]:
+        """The state flattened into one JSON value per component, keyed by a path
+        (:func:`persist.state_codec.to_entries`)."""
+        return state_codec.to_entries(self)
 
     @classmethod
     def from_entries(cls, entries: Mapping[str, Any]) -> ShardState:
@@ -890,64 +465,11 @@ class ShardState:
         Raises:
             PersistError: an entry is missing or malformed.
         """
-        seqno: object = "?"
-        try:
-            shard = entries[_SHARD]
-            trace_json: dict[str, Any] = dict(entries[_META])
-            seqno = trace_json.pop("seqno")
-            retired_upper = int(trace_json.pop("retired_upper", 0))
-            tombstone = bool(trace_json.pop("tombstone", False))
-            maps: dict[str, dict[str, Any]] = {m: {} for m in _TRACE_MAPS}
-            readers: dict[str, ReaderState] = {}
-            writers: dict[str, WriterState] = {}
-            for k, v in entries.items():
-                if k.startswith("trace/"):
-                    _, m, ident = k.split("/", 2)
-                    maps[m][ident] = v
-                elif k.startswith(_READER):
-                    readers[k[len(_READER) :]] = ReaderState.from_json(v)
-                elif k.startswith(_WRITER):
-                    writers[k[len(_WRITER) :]] = WriterState.from_json(v)
-                elif k not in (_SHARD, _META, _SCHEMAS):
-                    raise ValueError(f"unknown state entry {k!r}")
-            trace_json.update(maps)
-            if isinstance(seqno, bool) or not isinstance(seqno, int):
-                raise ValueError(f"seqno {seqno!r} is not an int")
-            return cls(
-                shard_id=str(shard["shard_id"]),
-                name=str(shard["name"]),
-                key_schema=schema_from_json(shard["key_schema"]),
-                value_schema=schema_from_json(shard["value_schema"]),
-                seqno=seqno,
-                trace=Trace.from_json(trace_json),
-                readers=readers,
-                writers=writers,
-                retired_upper=retired_upper,
-                tombstone=tombstone,
-                schema_history=_schemas_from(entries.get(_SCHEMAS)),
-            )
-        except PersistError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PersistError(f"malformed shard state at seqno {seqno}: {e}") from e
+        return cls(**state_codec.from_entries(entries))
 
     def to_json(self) -> dict[str, Any]:
         """One readable JSON document of this version (for inspection)."""
-        return {
-            "seqno": self.seqno,
-            "shard_id": self.shard_id,
-            "name": self.name,
-            "since": self.since.to_json(),
-            "upper": self.upper.to_json(),
-            "key_schema": schema_to_json(self.key_schema),
-            "value_schema": schema_to_json(self.value_schema),
-            "schemas": list(_schemas_entry(self.schema_history)),
-            "trace": self.trace.to_json(),
-            "readers": {k: v.to_json() for k, v in sorted(self.readers.items())},
-            "writers": {k: v.to_json() for k, v in sorted(self.writers.items())},
-            "retired_upper": self.retired_upper,
-            "tombstone": self.tombstone,
-        }
+        return state_codec.to_json(self)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ShardState:
@@ -956,21 +478,4 @@ class ShardState:
         Raises:
             PersistError: the document is malformed.
         """
-        try:
-            return cls(
-                shard_id=str(d["shard_id"]),
-                name=str(d["name"]),
-                key_schema=schema_from_json(d["key_schema"]),
-                value_schema=schema_from_json(d["value_schema"]),
-                seqno=int(d["seqno"]),
-                trace=Trace.from_json(d["trace"]),
-                readers={k: ReaderState.from_json(v) for k, v in d["readers"].items()},
-                writers={k: WriterState.from_json(v) for k, v in d["writers"].items()},
-                retired_upper=int(d.get("retired_upper", 0)),
-                tombstone=bool(d.get("tombstone", False)),
-                schema_history=_schemas_from(d.get("schemas")),
-            )
-        except PersistError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PersistError(f"malformed shard state document: {e}") from e
+        return cls(**state_codec.from_json(d))

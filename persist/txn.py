@@ -93,22 +93,20 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import partial
+from typing import Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.batch import Batch
+from persist.commands import TxnCmd
 from persist.consensus import (
     REGISTRY_COLLECTION,
     RETIRED_COLLECTION_PREFIX,
     SHARD_COLLECTION_PREFIX,
-    ShardMachine,
-    Staged,
-    Stale,
-    validate_shard_name,
 )
 from persist.errors import (
     ConsensusError,
@@ -117,11 +115,13 @@ from persist.errors import (
     PersistError,
     UpperMismatch,
 )
+from persist.ids import validate_shard_name
 from persist.keys import key_writer_id
+from persist.machine import ShardMachine, Staged, Stale
 from persist.parts import DIFF, TIME
 from persist.shards import Shards
 from persist.spine import FueledMergeReq
-from persist.state import TOKEN_SEP, LeaseExpired, ShardState
+from persist.state import TOKEN_SEP, LeaseExpired
 from persist.types import Description, HollowBatch, PartRef
 from persist.updates import to_updates_table, updates_schema
 from persist.write import WriteHandle, handed_off_owners
@@ -946,9 +946,9 @@ class Txn:
                 restage = False
                 for sid, m in zip(order, machines, strict=True):
                     sw = self._shards[sid]
-                    fn = self._transition(sw, ts, m)
+                    cmd, relist = self._command(sw, ts, m)
                     try:
-                        (kind, value), st = m.stage(fn, sid in fresh, keep=(sw.writer.writer_id,))
+                        (kind, value), st = m.stage_commit_txn(cmd, sid in fresh, relist)
                     except Stale:
                         m.fetch()
                         fresh.add(sid)
@@ -1049,80 +1049,57 @@ class Txn:
                 unfixable.add(sw.name)
         return TxnUpperMismatch(ts, shards, unfixable=unfixable)
 
-    def _transition(self, sw: _ShardWrites, ts: int, m: ShardMachine) -> Any:
-        """The staging transition of one shard (see :meth:`ShardMachine.stage`); its
-        result is ``("landed", ts)``, ``("mismatch", upper)`` or ``("ok", reqs)``."""
+    def _command(
+        self, sw: _ShardWrites, ts: int, m: ShardMachine
+    ) -> tuple[TxnCmd, Callable[[], object]]:
+        """One shard's part of the commit (:meth:`ShardState.commit_txn`, staged by
+        :meth:`ShardMachine.stage_commit_txn`) and the listing of its given parts."""
         w = sw.writer
         wid = w.writer_id
-        token = self.token
         new = Antichain.from_elem(ts + 1)
-        owners = {w.writer_id for w in [sw.writer]}
+        owners = {wid}
         for b in sw.batches:
             owners.update(x for k in b.blob_keys() if (x := key_writer_id(k)) is not None)
-        handed = handed_off_owners(sw.batches, wid)
-        registered = w._registered
+        if not w._registered:
+            owners.discard(wid)  # checked once registered
         timed = any(_is_timed(b) for b in sw.batches)
         ranges = [b.time_range for b in sw.batches if b.len > 0 and b.time_range is not None]
         timed_lo = min(r[0] for r in ranges) if timed and ranges else None
         rid = sw.record_id
         done = [d for d in self._shard_ops.txn_done_ids(m.shard_id) if d != rid]
         self._dropping[m.shard_id] = done
-        given = [k for b in sw.given for k in b.part_ids()]
-        refuse_copies = w._copy_check(sw.given, given, None, None)
 
-        def fn(st: ShardState, fresh: bool) -> tuple[tuple[str, Any], bool]:
-            for ws in st.writers.values():
-                entry = ws.token_entry(token)
-                if entry is not None:
-                    _, _, fp = entry.partition(TOKEN_SEP)
-                    return ("landed", int(fp[1:]) if fp.startswith("t") else ts), False
-            st.check_not_finalized()
-            if not st.upper.less_equal(ts):
-                return ("mismatch", (st.upper, True)), False
-            if timed_lo is not None and not st.upper.less_equal(timed_lo):
-                return ("mismatch", (st.upper, False)), False  # no later ts fixes it
-            refuse_copies(st)  # BatchAppended, PartsMissing
-            now = m.now_ms()
-            for o in sorted(owners):
-                if o == wid and not registered:
-                    continue
-                try:
-                    st.check_writer_live(o, now)
-                except LeaseExpired:
-                    if not fresh:
-                        raise Stale() from None
-                    raise
-            pieces: list[HollowBatch]
+        def pieces(upper: Antichain) -> list[HollowBatch]:
             if timed:
                 # The updates keep their times, all in [upper, ts]: one batch.
-                pieces = [_concat(st.upper, new, sw.batches)]
-            else:
-                copies = []
-                for b in sw.batches:
-                    cp = Batch(w._ctx.blob, b.shard_id, b.hollow, time_range=b.time_range)
-                    cp.rewrite_ts(Antichain.from_elem(ts), new)  # metadata only
-                    copies.append(cp)
-                pieces, temps = w._assemble(copies, st.upper, new)
-                if temps:  # pragma: no cover - one rewrite frontier never needs a rewrite
-                    for t in temps:
-                        t.delete()
-                    raise InvalidUsage("a transaction's batches needed a physical rewrite")
-            reqs: list[FueledMergeReq] = []
-            recorded = f"{token}{TOKEN_SEP}t{ts}"
-            for hb in pieces:
-                reqs.extend(st.append_batch(hb, rid, recorded, now, w._lease_ms))
-            # The builder's writer is registered (or renewed) as by a normal append;
-            # the token is recorded under the transaction's own record id only.
-            st.heartbeat_writer(wid, now, w._lease_ms)
-            for owner, n in handed.items():
-                st.release_handed_off(owner, n)
-            # Record ids of this client's acknowledged transactions are no longer
-            # needed (their outcome is known): drop them, bounding the state.
-            for d in done:
-                st.writers.pop(d, None)
-            return ("ok", reqs), True
+                return [_concat(upper, new, sw.batches)]
+            copies = []
+            for b in sw.batches:
+                cp = Batch(w._ctx.blob, b.shard_id, b.hollow, time_range=b.time_range)
+                cp.rewrite_ts(Antichain.from_elem(ts), new)  # metadata only
+                copies.append(cp)
+            out, temps = w._assemble(copies, upper, new)
+            if temps:  # pragma: no cover - one rewrite frontier never needs a rewrite
+                for t in temps:
+                    t.delete()
+                raise InvalidUsage("a transaction's batches needed a physical rewrite")
+            return out
 
-        return fn
+        cmd = TxnCmd(
+            writer_id=wid,
+            record_id=rid,
+            token=self.token,
+            ts=ts,
+            lease_ms=w._lease_ms,
+            registered=w._registered,
+            owners=frozenset(owners),
+            handed=tuple(handed_off_owners(sw.batches, wid).items()),
+            given=tuple(k for b in sw.given for k in b.part_ids()),
+            timed_lo=timed_lo,
+            done=tuple(done),
+            pieces=pieces,
+        )
+        return cmd, partial(w._check_appendable, sw.given, None)
 
     def _resolve_landed(self) -> int | None:
         """Re-read the written shards' heads: the commit time if this transaction's

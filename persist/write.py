@@ -80,9 +80,9 @@ import pyarrow.compute as pc
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from persist import metrics as persist_metrics
-from persist.appended import copy_check, inline_ids
+from persist.appended import inline_ids
 from persist.batch import Batch
-from persist.consensus import ShardMachine, Stale
+from persist.commands import AppendCmd
 from persist.consolidation import _adjacent
 from persist.errors import (
     BatchAppended,
@@ -96,26 +96,24 @@ from persist.errors import (
     PersistError,
     UpdateBeyondUpper,
     UpdateNotBeyondLower,
-    UpperMismatch,
 )
 from persist.fetch import read_batch
 from persist.fingerprint import batches_fingerprint, check_same_append, updates_fingerprint
 from persist.handle import ShardHandle
 from persist.keys import key_writer_id, part_name_prefix
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
+from persist.machine import ShardMachine
 from persist.parts import (
     TIME,
     consolidate_order,
     to_updates_table,
     write_parts,
 )
-from persist.spine import FueledMergeReq, worth_compacting
+from persist.spine import worth_compacting
 from persist.state import (
     TOKEN_FOREIGN,
     TOKEN_SEP,
     TOKEN_UNKNOWN,
-    LeaseExpired,
-    ShardState,
     token_for,
     token_verdict,
 )
@@ -222,25 +220,6 @@ def handed_off_owners(batches: Sequence[Batch], appender: str) -> dict[str, int]
     return out
 
 
-def _landed(st: ShardState, writer_id: str, token: str) -> bool:
-    """Whether the state records an append with ``token`` (by this writer, or by any
-    writer for a token handed over from another handle)."""
-    return _token_entry(st, writer_id, token) is not None
-
-
-def _token_entry(st: ShardState, writer_id: str, token: str) -> str | None:
-    """The recorded entry of the append with ``token`` (see :data:`TOKEN_SEP`)."""
-    w = st.writers.get(writer_id)
-    entry = None if w is None else w.token_entry(token)
-    if entry is not None:
-        return entry
-    for w in st.writers.values():
-        entry = w.token_entry(token)
-        if entry is not None:
-            return entry
-    return None
-
-
 #: Tables of at most this many rows take the pure-Python paths of :func:`_time_range`
 #: (a pyarrow compute call costs tens of microseconds however small its input).
 _SMALL_ROWS = 32
@@ -310,22 +289,6 @@ class WriteHandle(ShardHandle):
         return f"{self.shard_id}/{kind}/{name[:-1]}"
 
     # -------------------------------------------------------------------- lease
-    def _writer_fn(self, now: int) -> Callable[[ShardState, bool], tuple[None, bool]]:
-        wid, lease, registered = self.writer_id, self._lease_ms, self._registered
-
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            if registered:
-                try:
-                    st.check_writer_live(wid, now)
-                except LeaseExpired:
-                    if not fresh:
-                        raise Stale() from None
-                    raise
-            st.heartbeat_writer(wid, now, lease)
-            return None, True
-
-        return fn
-
     #: Runs the background renewals of :meth:`hold` (tests inject one with a clock).
     lease_keeper: LeaseKeeper = DEFAULT_KEEPER
 
@@ -355,13 +318,7 @@ class WriteHandle(ShardHandle):
         def beat() -> bool:
             if ref() is None or not alive() or ctx.closed:
                 return False
-            now = machine.now_ms()
-
-            def fn(st: ShardState, fresh: bool) -> tuple[bool, bool]:
-                renewed = [st.renew_writer(w, now) for w in wids]
-                return all(renewed), any(renewed)
-
-            return machine.apply(fn)
+            return machine.renew_writers(wids)
 
         ident = keeper.register(
             f"holder of {len(wids)} writer(s)' parts in shard {self.shard_id}",
@@ -393,7 +350,16 @@ class WriteHandle(ShardHandle):
         """
         self._check()
         now = self._machine.now_ms()
-        self._apply_resolving(self._writer_fn(now))  # resolves a lost acknowledgement
+        # Resolves a lost acknowledgement (registering is idempotent).
+        self._apply_resolving(
+            partial(
+                self._machine.register_writer,
+                self.writer_id,
+                now,
+                self._lease_ms,
+                self._registered,
+            )
+        )
         self._registered = True
         self._last_heartbeat_ms = now
 
@@ -432,35 +398,6 @@ class WriteHandle(ShardHandle):
         if missing:
             raise PartsMissing(self.shard_id, sorted(missing))
         return owners
-
-    def _check_owners(self, st: ShardState, owners: set[str], fresh: bool, now: int) -> None:
-        """In the append's transition: this writer (once registered) and every writer
-        whose parts the append references must be live (else GC may have deleted
-        parts)."""
-        need = set(owners)
-        if self._registered:
-            need.add(self.writer_id)
-        for wid in sorted(need):
-            try:
-                st.check_writer_live(wid, now)
-            except LeaseExpired as e:
-                if not fresh:
-                    raise Stale() from None
-                if wid == self.writer_id:
-                    raise
-                raise LeaseExpired(self.shard_id, wid, "writer of an appended batch") from e
-
-    def _copy_check(
-        self,
-        batches: Sequence[Batch],
-        keys: list[str],
-        fresh: Batch | None,
-        checked_upper: int | None,
-    ) -> Callable[[ShardState], None]:
-        """:func:`persist.appended.copy_check` for ``batches`` (their parts listed
-        again by :meth:`_check_appendable`)."""
-        relist = partial(self._check_appendable, batches, fresh)
-        return copy_check(self._ctx.consensus, keys, relist, checked_upper)
 
     def _inline_max(self) -> int:
         """Inline writes are allowed while the state holds less than the total budget."""
@@ -569,13 +506,8 @@ class WriteHandle(ShardHandle):
         """A decoded batch is deleted instead of appended: count it down from its
         writers' hand-off (best effort: if the stash fails, the hand-off lease runs out
         by itself)."""
-
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            changed = [st.release_handed_off(w, n) for w, n in handed.items()]
-            return None, any(changed)
-
         try:
-            self._machine.apply(fn)
+            self._machine.settle_handed_off(tuple(handed.items()))
         except PersistError as e:
             log.warning(
                 "could not settle the hand-off of a deleted batch in shard %s: %s",
@@ -929,40 +861,30 @@ class WriteHandle(ShardHandle):
         )
         if pieces:  # inline parts: their nonces name them (see PartRef.part_id)
             given.extend(inline_ids(b for b in batches if b is not fresh))
-        refuse_copies = self._copy_check(batches, given, fresh, checked_upper)
         wid = self.writer_id
-        lease = self._lease_ms
         machine = self._machine
         # Compaction results offered by the compactor ride along in this version.
         merges = machine.take_merge_results() if pieces else []
-
-        recorded = f"{token}{TOKEN_SEP}{fingerprint}"
-
-        def fn(st: ShardState, fresh: bool) -> tuple[list[FueledMergeReq], bool]:
-            if _landed(st, wid, token):
-                return [], False  # committed by an attempt whose outcome was indeterminate
-            st.check_not_finalized()
-            if st.upper != expected:
-                if not fresh:
-                    raise Stale()
-                raise UpperMismatch(expected, st.upper)
-            if not pieces:
-                return [], False
-            refuse_copies(st)
-            now = machine.now_ms()
-            self._check_owners(st, owners, fresh, now)
-            for res in merges:
-                if not st.contains_batch(res.output):
-                    st.apply_merge_res(res, now)
-            reqs: list[FueledMergeReq] = []
-            for hb in pieces:
-                reqs.extend(st.append_batch(hb, wid, recorded, now, lease))
-            for owner, n in handed.items():
-                st.release_handed_off(owner, n)
-            return reqs, True
-
+        cmd = AppendCmd(
+            writer_id=wid,
+            token=token,
+            recorded=f"{token}{TOKEN_SEP}{fingerprint}",
+            expected=expected,
+            pieces=tuple(pieces),
+            lease_ms=self._lease_ms,
+            registered=self._registered,
+            owners=frozenset(owners),
+            handed=tuple(handed.items()),
+            merges=tuple(merges),
+            given=tuple(given),
+        )
+        # Lists the given parts again once a GC may have forgotten some (see
+        # persist.appended).
+        relist = partial(self._check_appendable, batches, fresh)
         try:
-            reqs = self._apply_resolving(fn)
+            reqs = self._apply_resolving(
+                partial(machine.compare_and_append, cmd, relist, checked_upper)
+            )
         except PersistError as e:
             indeterminate = e.is_indeterminate()
             if merges and not indeterminate:
@@ -1012,8 +934,8 @@ class WriteHandle(ShardHandle):
     resolve_attempts: int = 8
     resolve_max_wait: float = 1.0
 
-    def _apply_resolving(self, fn: Callable[[ShardState, bool], tuple[_T, bool]]) -> _T:
-        """``machine.apply(fn)``, re-applied while its outcome is unknown (the transition
+    def _apply_resolving(self, apply: Callable[[], _T]) -> _T:
+        """``apply()`` (a machine command), re-applied while its outcome is unknown (the command
         recognises its own committed effect by its token), with tenacity backoff, at
         most :attr:`resolve_attempts` times.  Once an attempt was indeterminate, a later
         attempt's consensus failure leaves the outcome unknown too (the earlier commit
@@ -1027,7 +949,6 @@ class WriteHandle(ShardHandle):
             UpperMismatch (only when this append is known not to have landed), the
             transition's errors, ConsensusError.
         """
-        apply = partial(self._machine.apply, fn, keep=(self.writer_id,))
         try:
             first: _T = apply()  # the common case, without a retry loop
             return first
@@ -1131,13 +1052,7 @@ class WriteHandle(ShardHandle):
             # or deleted (then the hand-off lease runs out by itself).
             wid, sent = self.writer_id, max(self._lent, self._transmitted)
             lease_ms = int(self._ctx.config.handoff_lease_seconds * 1000)
-            machine = self._machine
-
-            def hand_off(st: ShardState, fresh: bool) -> tuple[bool, bool]:
-                changed = st.hand_off_writer(wid, machine.now_ms(), lease_ms, sent)
-                return wid in st.writers, changed
-
-            kept = self._machine.apply(hand_off, keep=(wid,))
+            kept = self._machine.hand_off(wid, lease_ms, sent)
             log.info(
                 "writer %s of shard %s handed off %d batch(es) to other processes: %s",
                 wid,
@@ -1157,11 +1072,7 @@ class WriteHandle(ShardHandle):
                 extra={"shard": self.shard_id, "writer_id": self.writer_id},
             )
             return
-
-        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
-            return None, st.expire_writer(self.writer_id)
-
-        self._machine.apply(fn)
+        self._machine.expire_writer(self.writer_id)
 
     def __enter__(self) -> WriteHandle:
         return self

@@ -230,19 +230,11 @@ def _apply(client: Any, machine: Any, out: Any) -> bool:
     """Swap ``out`` into the trace by compare-and-set; delete its parts if it was not
     applied and the latest state does not reference them."""
     from persist import FueledMergeRes, PersistError
-    from persist.consensus import Stale
 
     res = FueledMergeRes(out)
     keys = [p.key for p in out.parts if p.key is not None]
-
-    def fn(s: Any, fresh: bool) -> tuple[Any, bool]:
-        r = s.apply_merge_res(res, machine.now_ms())
-        if not r.applied() and not fresh:
-            raise Stale()
-        return r, r.applied()
-
     try:
-        result = machine.apply(fn)
+        (result,) = machine.apply_merge_results([res])
     except PersistError as e:
         if not e.is_indeterminate():
             _delete(client, machine, keys, check=False)

@@ -11,16 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persist.consensus import (
-    Consensus,
-    ShardMachine,
-    Stale,
-    diff_key,
-    new_shard_id,
-    validate_shard_id,
-    validate_shard_name,
-)
+from persist.consensus import Consensus, diff_key
 from persist.errors import ConsensusError, InvalidUsage
+from persist.ids import new_shard_id, validate_shard_id, validate_shard_name
+from persist.machine import ShardMachine, Stale
 from persist.spine import FueledMergeRes
 from persist.state import LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
@@ -105,7 +99,7 @@ def _register_readers(c: Consensus, sid: str, n: int) -> ShardMachine:
             st.register_reader(f"r{i}", m.now_ms(), 60_000)
             return None, True
 
-        m.apply(fn)
+        m._apply(fn)
     return m
 
 
@@ -149,7 +143,7 @@ def test_versions_are_diffs_after_a_rollup_and_roll_up_every_max_diffs(stash: St
                 st.expire_reader(f"r{i - 1}")  # a removed entry travels in a diff too
             return None, True
 
-        m.apply(fn)
+        m._apply(fn)
         rows = stash.iter(coll)
         diffs = sorted(k for (k, _), _, _ in rows if k.startswith("diff/"))
         layouts.append((len(diffs), stash.since(coll).as_option()))
@@ -281,7 +275,7 @@ def test_a_shard_written_whole_goes_on_in_diffs_and_back(stash: Stash) -> None:
             st.register_reader(f"r{i}", m1.now_ms(), 60_000)
             return None, True
 
-        (m1 if i < 6 else m0).apply(fn)  # m0's cache is stale: it re-reads and goes on
+        (m1 if i < 6 else m0)._apply(fn)  # m0's cache is stale: it re-reads and goes on
         for c in (whole, diffs):
             assert ShardMachine(c, sid).fetch().to_json() == (m1 if i < 6 else m0).state().to_json()
     assert sorted(ShardMachine(Consensus(stash), sid).fetch().readers) == [
@@ -410,8 +404,8 @@ def test_machine_retries_lost_races_on_fresh_state(stash: Stash) -> None:
 
         return fn
 
-    m1.apply(add("one"))
-    m2.apply(add("two"))  # m2's cache is stale: it loses once, re-reads, re-applies
+    m1._apply(add("one"))
+    m2._apply(add("two"))  # m2's cache is stale: it loses once, re-reads, re-applies
     assert m2.metrics["cas_lost"] == 1
     assert set(m1.fetch().readers) == {"one", "two"}
     assert m1.fetch().seqno == 2
@@ -424,7 +418,7 @@ def test_machine_retries_lost_races_on_fresh_state(stash: Stash) -> None:
         return None, False
 
     with pytest.raises(InvalidUsage, match="really"):
-        m1.apply(fails_on_stale)
+        m1._apply(fails_on_stale)
     assert m1.fetch().seqno == 2  # nothing committed
 
 

@@ -29,15 +29,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from persist import ConsensusError, MemoryBlob, PersistClient, UpperMismatch, collect_garbage
-from persist.consensus import (
-    Consensus,
-    ShardMachine,
-    Stale,
-    VersionedData,
-    diff_key,
-    new_shard_id,
-)
+from persist.consensus import Consensus, VersionedData, diff_key
 from persist.errors import InvalidUsage
+from persist.ids import new_shard_id
+from persist.machine import ShardMachine, Stale
 from persist.state import ShardState
 from stash import IndeterminateError, Stash
 
@@ -78,7 +73,7 @@ def _add_reader(m: ShardMachine, rid: str) -> None:
         st.register_reader(rid, m.now_ms(), 3_600_000)
         return None, True
 
-    m.apply(fn)
+    m._apply(fn)
 
 
 def _physical_rows(stash: Stash, c: Consensus, sid: str) -> list[tuple[tuple[str, Any], int, int]]:
@@ -546,7 +541,7 @@ def test_txn_staged_plans_survive_a_lost_race_at_the_rollup(url: str) -> None:
         tbl = pa.table({"k": ["t"], "v": [1]})
         txn.write("a", tbl)
         txn.write("b", tbl)
-        orig: Callable[..., Any] = m.stage
+        orig: Callable[..., Any] = m._stage
         raced = False
 
         def stage(*args: Any, **kw: Any) -> Any:
@@ -557,7 +552,7 @@ def test_txn_staged_plans_survive_a_lost_race_at_the_rollup(url: str) -> None:
                 _append(w2, "y1")
             return orig(*args, **kw)
 
-        m.stage = stage  # type: ignore[method-assign]
+        m._stage = stage  # type: ignore[method-assign]
         txn.commit()
         assert raced and m.metrics["cas"] > 0
         got = _snapshot_counts(r1, w1.fetch_recent_upper().as_option() or 0)
@@ -573,7 +568,7 @@ def _remove_reader(m: ShardMachine, rid: str) -> None:
             raise Stale()  # the cached state may predate the reader
         return None, st.expire_reader(rid)
 
-    m.apply(fn)
+    m._apply(fn)
 
 
 @settings(max_examples=40, deadline=None)

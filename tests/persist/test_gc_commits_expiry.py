@@ -204,7 +204,7 @@ def test_a_lagging_clock_never_shortens_a_writers_lease(env: Any) -> None:
     behind = env(Clock(clock.now - 100))  # another process holding a batch of its parts
     m = behind.machine(behind.shard_id("lag"))
     now = m.now_ms()
-    renewed = m.apply(lambda st, fresh: (st.renew_writer(w.writer_id, now),) * 2)
+    renewed = m._apply(lambda st, fresh: (st.renew_writer(w.writer_id, now),) * 2)
     assert renewed
     assert c.inspect("lag").writers[w.writer_id].last_heartbeat_ms == registered
 

@@ -1,0 +1,683 @@
+"""The state machine of one shard in one process: one method per command.
+
+:class:`ShardMachine` (after Materialize's persist-client ``internal/machine.rs`` and
+``internal/apply.rs``) caches the last version of a shard's state it saw and runs each
+command as: copy the cached state, call the :class:`~persist.state.ShardState` method of
+the same name on the copy (a pure function of the state and the command's inputs, see
+:mod:`persist.state`), and publish the next version by compare-and-set through
+:class:`~persist.consensus.Consensus`; on a lost race it re-reads the head and runs the
+command again.  A command that would fail on a cached state raises
+:class:`~persist.state.Stale` and is re-run on a fresh one, where failing is real.
+Compaction results computed by this process may ride along in a writer's version
+(:meth:`ShardMachine.offer_merge_results`), saving a compare-and-set per merge.
+Transient consensus failures are retried with backoff (tenacity, in
+:class:`~persist.consensus.Consensus`); an indeterminate commit is resolved by re-reading
+the head and re-running the command, which recognises its own already-committed effect
+(appends carry an idempotency token, the other commands are idempotent).
+
+A transaction over several shards (:mod:`persist.txn`) stages each shard's next version
+with :meth:`ShardMachine.stage_commit_txn` (under the machines' locks, taken in shard-id
+order), builds its stash batches with :meth:`Consensus.version_batches`, sends them as one
+:meth:`Consensus.append_atomic`, and caches the staged versions
+(:meth:`ShardMachine.install`) only once committed.
+
+Invariants kept here: a version is only published on top of the version it was computed
+from; this module is the only place a transition function reaches the applier (every
+other module calls a named command); expired leases (except the command's own) are
+dropped in the version a command publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pyarrow as pa
+
+from persist import metrics as persist_metrics
+from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
+from persist.consensus import (
+    Consensus,
+    RetiredChange,
+    VersionedData,
+    VersionPlan,
+    retired_entry,
+)
+from persist.errors import ConsensusError, PersistError
+from persist.ids import validate_shard_id
+from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
+from persist.state import (
+    TOKEN_FOREIGN,
+    TOKEN_NOT_LANDED,
+    TOKEN_UNKNOWN,
+    ShardState,
+    Stale,
+    token_verdict,
+)
+from stash import Antichain
+
+__all__ = ["ShardMachine", "Stale", "Staged"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_MISSING = object()
+
+
+@dataclass
+class _Cache:
+    state: ShardState
+    version: VersionedData
+
+
+@dataclass
+class Staged:
+    """A shard version computed by :meth:`ShardMachine._stage`, not yet published:
+    ``expected`` (the seqno it builds on), the new ``state`` with its ``data`` and
+    ``texts`` by entry key, the expected version ``prev`` (as stored), the ``retired``
+    change to write with it and the ``plan`` of its stash updates
+    (:meth:`Consensus.plan`)."""
+
+    expected: int
+    state: ShardState
+    data: dict[str, Any]
+    texts: dict[str, str]
+    prev: VersionedData
+    retired: RetiredChange | None
+    plan: VersionPlan
+
+
+class ShardMachine:
+    """The state machine of one shard within one process (thread-safe).
+
+    Args:
+        consensus: where versions live.
+        shard_id: the shard.
+        clock: wall-clock seconds (``time.time`` by default; injectable for tests).
+        max_races: how many lost compare-and-set races one transition may suffer before
+            giving up with :class:`ConsensusError` (a livelock guard; every lost race is
+            someone else's progress).
+    """
+
+    def __init__(
+        self,
+        consensus: Consensus,
+        shard_id: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        max_races: int = 10_000,
+    ) -> None:
+        self.consensus = consensus
+        self.shard_id = validate_shard_id(shard_id)
+        self.clock = clock
+        self.max_races = max_races
+        self._lock = threading.RLock()
+        self._offered_lock = threading.Lock()
+        self._cache: _Cache | None = None
+        self.metrics = {"cas": 0, "cas_lost": 0, "heads": 0, "indeterminate": 0}
+        self._offered: list[FueledMergeRes] = []
+        # Idempotency tokens of appends whose outcome was left unknown, by token: the
+        # writer that tried them and the seqno then known; settled (see _settle_tokens)
+        # by the next head this machine sees, before the writer's record of them (its
+        # last WRITER_TOKENS_KEPT tokens, dropped with its lease) can be lost.
+        self._unsettled: dict[str, tuple[str, int]] = {}
+        self._settled: OrderedDict[str, str | None] = OrderedDict()
+
+    # ------------------------------------------------- merge results to piggyback
+    def offer_merge_results(self, results: list[FueledMergeRes]) -> None:
+        """Offer compaction results to the next transition of this process that wants
+        them (a writer's append applies them in its own version, saving a
+        compare-and-set); see :meth:`take_merge_results`."""
+        with self._offered_lock:
+            self._offered.extend(results)
+
+    def take_merge_results(self) -> list[FueledMergeRes]:
+        """Take every offered compaction result (the taker applies them or offers them
+        back)."""
+        with self._offered_lock:
+            out, self._offered = self._offered, []
+            return out
+
+    def offered_count(self) -> int:
+        """How many offered results are waiting."""
+        with self._offered_lock:
+            return len(self._offered)
+
+    def now_ms(self) -> int:
+        """The clock in integer milliseconds."""
+        return int(self.clock() * 1000)
+
+    # ------------------------------------------------------------------ reads
+    def _load(self) -> _Cache | None:
+        self.metrics["heads"] += 1
+        h = self.consensus.head(self.shard_id)
+        if h is None:
+            return None
+        try:
+            st = ShardState.from_entries(h.data)
+        except PersistError as e:
+            if self.shard_id in str(e):
+                raise
+            raise PersistError(f"shard {self.shard_id}: {e}") from e
+        if st.shard_id != self.shard_id:
+            raise PersistError(
+                f"shard {self.shard_id}: its state is corrupt: it names shard {st.shard_id!r}"
+            )
+        if st.seqno != h.seqno:  # pragma: no cover - both read the same entry
+            raise ConsensusError(f"shard {self.shard_id}: seqno mismatch in state")
+        return _Cache(st, h)
+
+    def fetch(self) -> ShardState:
+        """Re-read the head from consensus (and cache it).
+
+        Raises:
+            PersistError: the shard has no state (it was never initialised).
+        """
+        with self._lock:
+            c = self._load()
+            if c is None:
+                raise PersistError(f"shard {self.shard_id} has no state in consensus")
+            self._cache = c
+            if self._unsettled:
+                self._settle_tokens(c.state)
+            return c.state
+
+    # ------------------------------------------ appends of unknown outcome (tokens)
+    def note_unknown_token(self, token: str, writer_id: str) -> None:
+        """An append of ``writer_id`` with idempotency ``token`` ended with its outcome
+        unknown: learn it from the next head this machine sees (a later transition of
+        any handle of this client on the shard, or a re-read), while the state still
+        records the writer's recent tokens, so that a retry with ``token`` is answered
+        even after the writer appended again or its lease ran out."""
+        with self._lock:
+            seqno = -1 if self._cache is None else self._cache.state.seqno
+            self._unsettled[token] = (writer_id, seqno)
+
+    def token_outcome(self, token: str) -> tuple[bool, str | None]:
+        """``(known, entry)`` for an append with ``token`` whose outcome was left unknown
+        (:meth:`note_unknown_token`): ``(True, entry)`` it landed (the writer's recorded
+        entry), ``(True, None)`` it did not, ``(False, None)`` not settled here.
+
+        Raises:
+            ConsensusError: indeterminate: the writer's record left the state before a
+                head showing the outcome was seen, so it can no longer be learned.
+        """
+        with self._lock:
+            if token not in self._settled:
+                return False, None
+            entry = self._settled[token]
+        if entry == _TOKEN_UNKNOWABLE:
+            raise ConsensusError(
+                f"the outcome of the append with idempotency token {token!r} on shard "
+                f"{self.shard_id} cannot be learned any more: the shard state no longer "
+                "held its writer's record of it (the writer appended again, or its lease "
+                "ran out) when this process first saw the outcome; read the shard to see "
+                "whether its updates are there",
+                indeterminate=True,
+            )
+        return True, entry
+
+    def forget_token(self, token: str) -> None:
+        """An append with ``token`` just committed: the state answers for it now."""
+        with self._lock:
+            self._unsettled.pop(token, None)
+            self._settled.pop(token, None)
+
+    def _settle_tokens(self, head: ShardState) -> None:
+        """Settle the unknown outcomes ``head`` (a state that was the head: read as such,
+        or compared against by a compare-and-set that succeeded) decides
+        (:func:`persist.state.token_verdict`): landed, not landed, or no longer knowable
+        (its writer's record is gone, or later tokens of it pushed it out)."""
+        for token, (writer_id, seqno) in list(self._unsettled.items()):
+            if head.seqno < seqno:
+                continue
+            verdict, entry = token_verdict(head, token)
+            if verdict == TOKEN_FOREIGN and writer_id in head.writers:
+                verdict = TOKEN_NOT_LANDED  # a caller's own token: its writer's word
+            if verdict in (TOKEN_UNKNOWN, TOKEN_FOREIGN):
+                entry = _TOKEN_UNKNOWABLE
+            del self._unsettled[token]
+            self._settled[token] = entry
+            while len(self._settled) > _SETTLED_TOKENS_KEPT:
+                self._settled.popitem(last=False)
+
+    def recent(self) -> ShardState:
+        """The latest state: the cached one if the head seqno did not move (one cheap
+        read of the collection's upper), else re-read.
+
+        Raises:
+            PersistError: the shard has no state.
+        """
+        with self._lock:
+            if self._cache is not None:
+                seq = self.consensus.head_seqno(self.shard_id)
+                if seq == self._cache.state.seqno:
+                    return self._cache.state
+            return self.fetch()
+
+    def state(self) -> ShardState:
+        """The cached state (read from consensus the first time).  Do not mutate it."""
+        with self._lock:
+            if self._cache is None:
+                return self.fetch()
+            return self._cache.state
+
+    def seqno(self) -> int:
+        """The cached state's seqno."""
+        return self.state().seqno
+
+    def initialize(self, initial: ShardState) -> ShardState:
+        """Load the shard's state, writing ``initial`` as version 0 if it has none yet.
+
+        Returns: the state now at the head (``initial`` or whatever won the race).
+        """
+        with self._lock:
+            for _ in range(100):
+                c = self._load()
+                if c is not None:
+                    self._cache = c
+                    return c.state
+                initial.seqno = 0
+                data = initial.to_entries()
+                texts = {k: Consensus.encode(v) for k, v in data.items()}
+                plan = self.consensus.plan(self.shard_id, None, texts, None)
+                if self.consensus.compare_and_set(self.shard_id, None, texts, plan=plan):
+                    self._cache = _Cache(initial, VersionedData(0, data, texts, plan.stored))
+                    return initial
+            raise ConsensusError(f"could not initialise shard {self.shard_id}")
+
+    # -------------------------------------------- multi-shard transactions
+    @property
+    def lock(self) -> threading.RLock:
+        """The machine's lock: a multi-shard transaction (:mod:`persist.txn`) holds the
+        locks of all its shards (taken in shard-id order) around :meth:`_stage` and
+        :meth:`install`."""
+        return self._lock
+
+    def _stage(
+        self,
+        fn: Callable[[ShardState, bool], tuple[T, bool]],
+        fresh: bool,
+        keep: tuple[str, ...] = (),
+    ) -> tuple[T, Staged | None]:
+        """Run a transition on a copy of the cached state, as :meth:`_apply` does, but
+        do not publish it: return ``fn``'s result and the :class:`Staged` version
+        (``None`` when nothing changed) for the caller to send with
+        :meth:`Consensus.version_batches` and, once committed, :meth:`install`.  The
+        caller holds :attr:`lock`.  ``fn`` may raise :class:`Stale` (the caller then
+        re-reads with :meth:`fetch` and stages again).
+        """
+        if self._cache is None:
+            self.fetch()
+        cache = self._cache
+        assert cache is not None
+        st = cache.state.clone()
+        result, changed = fn(st, fresh)
+        return result, self._next_version(cache, st, changed, keep)
+
+    def _next_version(
+        self, cache: _Cache, st: ShardState, changed: bool, keep: tuple[str, ...]
+    ) -> Staged | None:
+        """Finish the version a transition made of ``cache``'s state, ``st``: drop expired
+        leases (but ``keep``'s), move the keys it retired to a :class:`RetiredChange`
+        and encode the entries (reusing the cached text of each unchanged one).
+        ``None`` when nothing changed."""
+        if st.expire_leases(self.now_ms(), keep):
+            changed = True
+        retired: RetiredChange | None = None
+        if st.retire_adds or st.retire_removes:
+            # A key is retired at the seqno of the version that stops referencing it
+            # (GC compares it with the readers' seqno holds).
+            at = cache.state.seqno + 1
+            retired = RetiredChange(
+                st.retired_upper,
+                {retired_entry(k, at): ms for k, ms in st.retire_adds.items()},
+                dict(st.retire_removes),
+            )
+            st.retire_adds, st.retire_removes = {}, {}
+            st.retired_upper += 1
+            changed = True
+        if not changed:
+            return None
+        st.seqno = cache.state.seqno + 1
+        data = st.to_entries()
+        old, old_texts = cache.version.data, cache.version.texts
+        # Unchanged components are mostly the very objects of the cached version
+        # (memoized JSON of immutable batches): identity first, equality after.
+        texts = {
+            k: (old_texts[k] if (o := old.get(k, _MISSING)) is v or o == v else Consensus.encode(v))
+            for k, v in data.items()
+        }
+        plan = self.consensus.plan(self.shard_id, cache.state.seqno, texts, cache.version)
+        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan)
+
+    def install(self, staged: Staged) -> None:
+        """Cache a staged version once the caller's atomic append committed it."""
+        self.metrics["cas"] += 1
+        with self._lock:
+            prev = self._cache
+            if self._unsettled and prev is not None and prev.state.seqno == staged.expected:
+                self._settle_tokens(prev.state)  # the head this version followed
+            self._cache = _Cache(staged.state, _published(staged))
+
+    # ----------------------------------------------------------------- writes
+    def _apply(
+        self,
+        fn: Callable[[ShardState, bool], tuple[T, bool]],
+        *,
+        keep: tuple[str, ...] = (),
+    ) -> T:
+        """Apply a transition and publish it by compare-and-set.
+
+        ``fn(state, fresh)`` mutates ``state`` (a private copy of the latest known
+        version; ``fresh`` tells whether it was just read from consensus) and returns
+        ``(result, changed)``.  It raises :class:`Stale` to ask for a fresh state before
+        failing, or any other exception to abort (nothing is committed).  Expired leases
+        (except the ids in ``keep``) are dropped in the same version.
+
+        Returns: ``fn``'s result from the run whose version was committed (or that
+        needed no change).
+
+        Raises:
+            whatever ``fn`` raises; ConsensusError (after retries, or on an indeterminate
+            outcome that re-reading could not resolve).
+        """
+        with self._lock:
+            fresh = False
+            races = 0
+            indeterminate = 0
+            if self._cache is None:
+                self.fetch()
+                fresh = True
+            while True:
+                cache = self._cache
+                assert cache is not None
+                st = cache.state.clone()
+                try:
+                    result, changed = fn(st, fresh)
+                except Stale:
+                    if fresh:
+                        raise
+                    self.fetch()
+                    fresh = True
+                    continue
+                staged = self._next_version(cache, st, changed, keep)
+                if staged is None:
+                    return result
+                self.metrics["cas"] += 1
+                try:
+                    ok = self.consensus.compare_and_set(
+                        self.shard_id,
+                        cache.state.seqno,
+                        staged.texts,
+                        cache.version,
+                        staged.retired,
+                        plan=staged.plan,
+                    )
+                except ConsensusError as e:
+                    if not e.is_indeterminate():
+                        raise
+                    self.metrics["indeterminate"] += 1
+                    indeterminate += 1
+                    log.warning(
+                        "indeterminate commit on shard %s: %s",
+                        self.shard_id,
+                        e,
+                        extra={"shard": self.shard_id, "seqno": cache.state.seqno + 1},
+                    )
+                    if indeterminate > 5:
+                        raise
+                    # Learn the outcome: re-read; fn recognises its own committed effect.
+                    try:
+                        self.fetch()
+                    except ConsensusError as e2:
+                        raise ConsensusError(
+                            f"{e}; and re-reading the head to learn the outcome failed: {e2}",
+                            indeterminate=True,
+                        ) from e2
+                    fresh = True
+                    continue
+                if ok:
+                    if self._unsettled:
+                        self._settle_tokens(cache.state)  # the head this version followed
+                    self._cache = _Cache(st, _published(staged))
+                    persist_metrics.observe_commit(cache.state, st, self.now_ms())
+                    return result
+                self.metrics["cas_lost"] += 1
+                races += 1
+                if races > self.max_races:
+                    raise ConsensusError(
+                        f"shard {self.shard_id}: gave up after {races} lost compare-and-set races"
+                    )
+                if races > 2:
+                    time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
+                self.fetch()
+                fresh = True
+
+    # ------------------------------------------------------------- commands
+    # One method per command, each running the ShardState method of the same (or the
+    # named) name through the applier (after Materialize's persist-client
+    # internal/machine.rs).  The clock is read on every attempt unless ``now_ms`` is
+    # given; a ``seqno_hold`` is read under the machine's lock on every attempt.
+
+    def _now(self, now_ms: int | None) -> int:
+        return self.now_ms() if now_ms is None else now_ms
+
+    def open_reader(
+        self,
+        reader_id: str,
+        lease_ms: int,
+        key_schema: pa.Schema,
+        value_schema: pa.Schema,
+        schema_id: int | None = None,
+    ) -> int | None:
+        """Register a read handle's reader (:meth:`ShardState.open_reader`)."""
+        return self._apply(
+            lambda st, fresh: (
+                st.open_reader(
+                    reader_id, self.now_ms(), lease_ms, key_schema, value_schema, schema_id
+                ),
+                True,
+            ),
+            keep=(reader_id,),
+        )
+
+    def register_listen(self, reader_id: str, as_of: int, now_ms: int, lease_ms: int) -> None:
+        """Register a listen's reader (:meth:`ShardState.register_listen`)."""
+        self._apply(
+            lambda st, fresh: (None, st.register_listen(reader_id, as_of, now_ms, lease_ms, fresh)),
+            keep=(reader_id,),
+        )
+
+    def downgrade_since(
+        self,
+        reader_id: str,
+        since: Antichain,
+        now_ms: int,
+        seqno_hold: Callable[[], int | None] | None = None,
+    ) -> None:
+        """Move a reader's since hold (:meth:`ShardState.downgrade_since`)."""
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            hold = None if seqno_hold is None else seqno_hold()
+            return None, st.downgrade_since(reader_id, since, now_ms, hold, fresh)
+
+        self._apply(fn, keep=(reader_id,))
+
+    def heartbeat_reader(
+        self, reader_id: str, now_ms: int, seqno_hold: Callable[[], int | None]
+    ) -> None:
+        """Renew a reader's lease and seqno hold (:meth:`ShardState.renew_reader`)."""
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            return None, st.renew_reader(reader_id, now_ms, seqno_hold(), fresh)
+
+        self._apply(fn, keep=(reader_id,))
+
+    def detach_reader(self, reader_id: str, now_ms: int, seqno: int | None) -> None:
+        """Keep only a reader's seqno hold (:meth:`ShardState.detach`)."""
+        self._apply(
+            lambda st, fresh: (None, st.detach(reader_id, now_ms, seqno, fresh)),
+            keep=(reader_id,),
+        )
+
+    def expire_reader(self, reader_id: str) -> None:
+        """Drop a reader (:meth:`ShardState.expire_reader`)."""
+        self._apply(lambda st, fresh: (None, st.expire_reader(reader_id)))
+
+    def register_writer(self, writer_id: str, now_ms: int, lease_ms: int, registered: bool) -> None:
+        """Register or renew a writer (:meth:`ShardState.register_writer`)."""
+        self._apply(
+            lambda st, fresh: (
+                None,
+                st.register_writer(writer_id, now_ms, lease_ms, registered, fresh),
+            ),
+            keep=(writer_id,),
+        )
+
+    def register_compactor(
+        self, writer_id: str, fallback_id: str, renew: bool, now_ms: int, lease_ms: int
+    ) -> str:
+        """Register or renew a compactor's writer (:meth:`ShardState.register_compactor`);
+        returns the id registered."""
+        return self._apply(
+            lambda st, fresh: (
+                st.register_compactor(writer_id, fallback_id, renew, now_ms, lease_ms, fresh),
+                True,
+            ),
+            keep=(writer_id,),
+        )
+
+    def renew_writers(self, writer_ids: tuple[str, ...]) -> bool:
+        """Renew live writers' leases (:meth:`ShardState.renew_writers`); returns whether
+        every one was renewed."""
+        return self._apply(lambda st, fresh: st.renew_writers(writer_ids, self.now_ms()))
+
+    def settle_handed_off(self, handed: tuple[tuple[str, int], ...]) -> None:
+        """Count hand-offs down (:meth:`ShardState.settle_handed_off`)."""
+        self._apply(lambda st, fresh: (None, st.settle_handed_off(handed)))
+
+    def hand_off(self, writer_id: str, lease_ms: int, batches: int) -> bool:
+        """Hand a writer off (:meth:`ShardState.hand_off`); returns whether it is still
+        registered."""
+        return self._apply(
+            lambda st, fresh: st.hand_off(writer_id, self.now_ms(), lease_ms, batches),
+            keep=(writer_id,),
+        )
+
+    def expire_writer(self, writer_id: str) -> None:
+        """Drop a writer (:meth:`ShardState.expire_writer`)."""
+        self._apply(lambda st, fresh: (None, st.expire_writer(writer_id)))
+
+    def expire_leases(self, now_ms: int) -> ShardState:
+        """Drop every expired lease (:meth:`ShardState.expire_leases`); returns the state
+        committed (or found needing no change)."""
+        return self._apply(lambda st, fresh: (st, st.expire_leases(now_ms)))
+
+    def register_schema(
+        self, key_schema: pa.Schema, value_schema: pa.Schema, drop: Collection[str] = ()
+    ) -> int:
+        """Register a value schema version on the latest state only
+        (:meth:`ShardState.register_schema`); returns its id."""
+
+        def fn(st: ShardState, fresh: bool) -> tuple[int, bool]:
+            if not fresh:
+                raise Stale()  # decide on the latest versions only
+            return st.register_schema(key_schema, value_schema, drop)
+
+        return self._apply(fn)
+
+    def finalize(self, now_ms: int) -> None:
+        """Make the state a tombstone (:meth:`ShardState.finalize`)."""
+        self._apply(lambda st, fresh: (None, st.finalize(now_ms)))
+
+    def forget_retired(self, done: Mapping[str, int] | None = None) -> None:
+        """Forget retired rows GC deleted (``done``), or every one (``None``), as of the
+        version committed on (:meth:`ShardState.forget_listed`; the retired collection
+        is re-read unless its upper read equals that version's ``retired_upper``)."""
+        seen: list[tuple[int, dict[str, int]]] = []
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if not seen or seen[0][0] != st.retired_upper:
+                upper, rows = self.consensus.retired_entries(self.shard_id)
+                seen[:] = [(upper, {r.entry: r.ms for r in rows.values()})]
+            return None, st.forget_listed(seen[0][0], seen[0][1], done, fresh)
+
+        self._apply(fn)
+
+    def apply_merge_results(self, results: list[FueledMergeRes]) -> list[ApplyMergeResult]:
+        """Swap compaction results into the trace (:meth:`ShardState.apply_merge_results`,
+        the one place merge results are applied)."""
+        return self._apply(lambda st, fresh: st.apply_merge_results(results, self.now_ms(), fresh))
+
+    def _with_inputs(
+        self,
+        st: ShardState,
+        inputs: Inputs,
+        relist: Callable[[], object] | None,
+        run: Callable[[int], tuple[T, bool]],
+    ) -> tuple[T, bool]:
+        """Run a command, reading what it asks for (:class:`NeedsInput`) as of ``st``
+        and running it again: the retired part ids from consensus, or a listing of the
+        given parts by ``relist`` (which raises ``PartsMissing``)."""
+        while True:
+            try:
+                return run(self.now_ms())
+            except NeedsInput as e:
+                if e.what == "retired":
+                    _upper, rows = self.consensus.retired_entries(self.shard_id)
+                    inputs.retired = (e.retired_upper, frozenset(rows))
+                else:
+                    if relist is not None:
+                        relist()
+                    inputs.listed_upper = e.retired_upper
+
+    def compare_and_append(
+        self,
+        cmd: AppendCmd,
+        relist: Callable[[], object] | None = None,
+        listed_upper: int | None = None,
+    ) -> list[FueledMergeReq]:
+        """Append (:meth:`ShardState.compare_and_append`); returns the Spine's merge
+        requests.  ``listed_upper``: the ``retired_upper`` of a version read before the
+        given parts were listed (``relist`` lists them again once a newer one is
+        committed on)."""
+        inputs = Inputs(listed_upper=listed_upper)
+
+        def fn(st: ShardState, fresh: bool) -> tuple[list[FueledMergeReq], bool]:
+            return self._with_inputs(
+                st, inputs, relist, lambda now: st.compare_and_append(cmd, inputs, now, fresh)
+            )
+
+        return self._apply(fn, keep=(cmd.writer_id,))
+
+    def stage_commit_txn(
+        self, cmd: TxnCmd, fresh: bool, relist: Callable[[], object] | None = None
+    ) -> tuple[tuple[str, Any], Staged | None]:
+        """Stage this shard's part of a transaction (:meth:`ShardState.commit_txn`)
+        without publishing it (see :meth:`_stage`); the caller holds :attr:`lock`."""
+        inputs = Inputs()
+
+        def fn(st: ShardState, fresh: bool) -> tuple[tuple[str, Any], bool]:
+            return self._with_inputs(
+                st, inputs, relist, lambda now: st.commit_txn(cmd, inputs, now, fresh)
+            )
+
+        return self._stage(fn, fresh, keep=(cmd.writer_id,))
+
+
+#: The settled outcome of a token whose writer left the state before it was seen.
+_TOKEN_UNKNOWABLE = "\x00unknowable"
+#: How many settled token outcomes a machine remembers (oldest forgotten first).
+_SETTLED_TOKENS_KEPT = 4096
+
+
+def _published(staged: Staged) -> VersionedData:
+    """The version ``staged`` made, as stored once its plan committed."""
+    return VersionedData(staged.plan.seqno, staged.data, staged.texts, staged.plan.stored)

@@ -1,0 +1,584 @@
+"""The fields of a shard's state and the primitive changes the state's commands are made of.
+
+:class:`ShardStateBase` holds one version of a shard's metadata (the fields, see
+:class:`persist.state.ShardState`, its only subclass, for the invariants they keep) and
+the small mutations the commands of :mod:`persist.state` combine: register, renew,
+downgrade and expire leases, push a batch, swap a compaction result in, retire and forget
+blob keys.  Each raises before changing anything when it refuses.  Also here: the
+exceptions a command raises to ask for a fresh version (:class:`Stale`) or to report a
+lost lease (:class:`LeaseExpired`), and what a version says of an idempotency token
+(:func:`token_entry`, :func:`token_verdict`).
+
+Source: Materialize's persist-client ``internal/state.rs`` (``StateCollections``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Self
+
+import pyarrow as pa
+
+from persist.errors import InvalidUsage, PersistError, SchemaMismatch
+from persist.keys import key_writer_id
+from persist.lease_state import (
+    _TOKEN_RE,
+    TOKEN_FOREIGN,
+    TOKEN_LANDED,
+    TOKEN_NOT_LANDED,
+    TOKEN_SEP,
+    TOKEN_UNKNOWN,
+    ReaderState,
+    WriterState,
+)
+from persist.schemacache import schema_cache
+from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
+from persist.types import HollowBatch
+from persist.updates import SchemaHistory, check_schema_evolution
+from stash import Antichain
+
+__all__ = [
+    "SEQNO_ONLY",
+    "LeaseExpired",
+    "ShardStateBase",
+    "Stale",
+    "token_entry",
+    "token_verdict",
+]
+
+
+#: The purpose of a reader lease that holds a seqno but no since (see
+#: :meth:`ShardState.detach_reader`).
+SEQNO_ONLY = "seqno hold"
+
+
+class Stale(Exception):
+    """Raised by a command that would fail on a cached state (``fresh`` false): the
+    machine re-reads the head and runs it again on the fresh state, where failing is then
+    real (Materialize's persist-client returns the same "retry on a fresh state" from
+    its ``internal/state.rs`` commands)."""
+
+
+class LeaseExpired(InvalidUsage):
+    """A reader or writer handle was used after its lease expired (it was dropped from the
+    shard state because it did not heartbeat within its lease duration).
+
+    Attributes: ``shard_id`` (str), ``handle_id`` (str).
+    """
+
+    def __init__(self, shard_id: str, handle_id: str, what: str = "reader") -> None:
+        self.shard_id = shard_id
+        self.handle_id = handle_id
+        super().__init__(
+            f"{what} {handle_id} of shard {shard_id} is not registered: its lease expired "
+            "(no heartbeat within the lease duration) or it was expired"
+        )
+
+
+@schema_cache(256)
+def _history(key_schema: pa.Schema, versions: tuple[pa.Schema, ...]) -> SchemaHistory:
+    return SchemaHistory(key_schema, versions)
+
+
+def token_entry(st: ShardStateBase, writer_id: str, token: str) -> str | None:
+    """The recorded entry of the append with ``token`` (see :data:`TOKEN_SEP`): by
+    ``writer_id``, or by any writer for a token handed over from another handle."""
+    w = st.writers.get(writer_id)
+    entry = None if w is None else w.token_entry(token)
+    if entry is not None:
+        return entry
+    for w in st.writers.values():
+        entry = w.token_entry(token)
+        if entry is not None:
+            return entry
+    return None
+
+
+def token_verdict(st: ShardStateBase, token: str) -> tuple[str, str | None]:
+    """What ``st`` (a head) says of an append with ``token``: ``(TOKEN_LANDED, entry)``
+    when a writer records it; for a token persist made (:func:`token_for`),
+    ``(TOKEN_NOT_LANDED, None)`` when its writer is registered and every token it still
+    records from the same process was drawn before it (had it landed, nothing drawn
+    before it could have pushed it out of the writer's recent tokens without a token
+    drawn after it being kept too), else ``(TOKEN_UNKNOWN, None)`` (its writer is gone,
+    or later tokens of it are kept); ``(TOKEN_FOREIGN, None)`` for a token of another
+    form (a caller's own), of which nothing more can be told."""
+    for w in st.writers.values():
+        entry = w.token_entry(token)
+        if entry is not None:
+            return TOKEN_LANDED, entry
+    if _TOKEN_RE.fullmatch(token) is None:
+        return TOKEN_FOREIGN, None
+    writer = next((w for wid, w in st.writers.items() if wid[1:17] == token[:16]), None)
+    if writer is None:
+        return TOKEN_UNKNOWN, None
+    drawn = int(token[26:], 16)
+    for entry in (writer.last_token, *writer.tokens):
+        if entry is None:
+            continue
+        t = entry.split(TOKEN_SEP, 1)[0]
+        if _TOKEN_RE.fullmatch(t) and t[:25] == token[:25] and int(t[26:], 16) > drawn:
+            return TOKEN_UNKNOWN, None
+    return TOKEN_NOT_LANDED, None
+
+
+@dataclass
+class ShardStateBase:
+    """One version of a shard's state.  Mutable: transitions change it in place, so callers
+    work on a :meth:`clone` and publish it by compare-and-set.
+
+    Attributes:
+        shard_id: ``"s"`` + a UUID.
+        name: the shard's registered name.
+        key_schema, value_schema: the Arrow schemas of the key and the value columns
+            (``value_schema`` is the newest registered version).
+        schema_history: the value schema versions, ``schema_history[i]`` being schema
+            id ``i``; its last one is ``value_schema``; empty on
+            construction means ``(value_schema,)`` (states written before schemas were
+            versioned load so: every part of theirs has schema id 0).
+        seqno: the version number in consensus (``-1`` before the first version).
+        trace: the Spine holding the batches, ``since`` and ``upper``.
+        readers: reader id -> :class:`ReaderState`.
+        writers: writer id -> :class:`WriterState`.
+        retired_upper: the upper of the shard's retired collection (see the module
+            docstring).
+        tombstone: the shard was finalized (dropped): no handle may use it again.
+        retire_adds, retire_removes: transient (not serialised) changes to the retired
+            collection made by this transition: blob key -> retirement ms.
+    """
+
+    shard_id: str
+    name: str
+    key_schema: pa.Schema
+    value_schema: pa.Schema
+    seqno: int = -1
+    trace: Trace = field(default_factory=Trace)
+    readers: dict[str, ReaderState] = field(default_factory=dict)
+    writers: dict[str, WriterState] = field(default_factory=dict)
+    retired_upper: int = 0
+    tombstone: bool = False
+    retire_adds: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    retire_removes: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    schema_history: tuple[pa.Schema, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.schema_history:
+            self.schema_history = (self.value_schema,)
+        elif self.schema_history[-1] is not self.value_schema and not self.schema_history[
+            -1
+        ].equals(self.value_schema):
+            raise PersistError(
+                f"shard {self.shard_id}: the newest schema version is not the value schema"
+            )
+
+    # ----------------------------------------------------------------- schemas
+    def schemas(self) -> SchemaHistory:
+        """The shard's :class:`~persist.updates.SchemaHistory` (key schema and value
+        schema versions)."""
+        return _history(self.key_schema, self.schema_history)
+
+    def register_schema(
+        self, key_schema: pa.Schema, value_schema: pa.Schema, drop: Collection[str] = ()
+    ) -> tuple[int, bool]:
+        """The schema id of a handle opened with these schemas, registering
+        ``value_schema`` as a new newest version if it is a compatible evolution of
+        the newest one dropping no column but those ``drop``
+        names.  Returns ``(schema id, registered)``.
+
+        A value schema equal to a registered version gets that version's id (the
+        newest such): a handle opened with an older schema keeps its view.
+
+        Raises:
+            SchemaMismatch: the key schema differs, or ``value_schema`` is not a
+                compatible evolution of the newest version (naming column and rule; a
+                column it lacks that ``drop`` does not name is one); nothing changes.
+            InvalidUsage: ``drop`` names a column no version has, or one the schemas
+                keep.
+        """
+        if isinstance(drop, str):
+            raise InvalidUsage(f"drop must be a collection of column names, not the str {drop!r}")
+        unknown = sorted(set(drop) - {n for v in self.schema_history for n in v.names})
+        if unknown:
+            raise InvalidUsage(
+                f"shard {self.name!r} ({self.shard_id}): drop names {unknown}, which no "
+                "version of its value schema has"
+            )
+        if not key_schema.equals(self.key_schema):
+            check_schema_evolution(
+                f"{self.name!r} ({self.shard_id})",
+                self.key_schema,
+                self.value_schema,
+                key_schema,
+                value_schema,
+            )
+        known = self.schemas().id_of(value_schema)
+        if known is not None:
+            return known, False
+        check_schema_evolution(
+            f"{self.name!r} ({self.shard_id})",
+            self.key_schema,
+            self.value_schema,
+            key_schema,
+            value_schema,
+            drop,
+        )
+        self.schema_history = (*self.schema_history, value_schema)
+        self.value_schema = value_schema
+        return len(self.schema_history) - 1, True
+
+    # ----------------------------------------------------------------- reading
+    @property
+    def since(self) -> Antichain:
+        """The shard's since (the trace's)."""
+        return self.trace.since
+
+    @property
+    def upper(self) -> Antichain:
+        """The shard's upper (the trace's)."""
+        return self.trace.upper
+
+    def clone(self) -> Self:
+        """An independent copy (batches and frontiers are immutable and shared)."""
+        return replace(
+            self,
+            trace=self.trace.copy(),
+            readers=dict(self.readers),
+            writers=dict(self.writers),
+            retire_adds={},
+            retire_removes={},
+        )
+
+    def batches(self) -> list[HollowBatch]:
+        """The trace's hollow batches, oldest first."""
+        return list(self.trace.batches())
+
+    def referenced_blob_keys(self) -> set[str]:
+        """Blob keys of every part the trace references (inline parts have none)."""
+        return {p.key for b in self.trace.batches() for p in b.parts if p.key is not None}
+
+    def referenced_part_ids(self) -> set[str]:
+        """:attr:`~persist.types.PartRef.part_id` of every part the trace references
+        (blob keys, ``inline:`` nonces)."""
+        return {i for b in self.trace.batches() for p in b.parts if (i := p.part_id) is not None}
+
+    def inline_bytes(self) -> int:
+        """Total size (bytes) of the inline parts held in this state."""
+        return sum(b.inline_bytes for b in self.trace.batches())
+
+    def blob_bytes(self) -> int:
+        """Total size (bytes) of the blob parts the trace references."""
+        return sum(
+            p.encoded_size_bytes for b in self.trace.batches() for p in b.parts if p.key is not None
+        )
+
+    def num_parts(self) -> int:
+        """Number of parts (inline and blob) the trace references."""
+        return sum(len(b.parts) for b in self.trace.batches())
+
+    # ------------------------------------------------------------ transitions
+    def register_reader(
+        self,
+        reader_id: str,
+        now_ms: int,
+        lease_ms: int,
+        purpose: str = "",
+        since: Antichain | None = None,
+    ) -> Antichain:
+        """Add a reader holding ``since`` (default: the shard's current since); returns
+        its hold.
+
+        Raises:
+            InvalidUsage: ``since`` is before the shard's since.
+        """
+        hold = self.since if since is None else since
+        if not self.since <= hold:
+            raise InvalidUsage(
+                f"reader {reader_id} of shard {self.shard_id} cannot hold since {hold}: "
+                f"the shard's since is already {self.since}"
+            )
+        self.readers[reader_id] = ReaderState(hold, now_ms, lease_ms, purpose, max(self.seqno, 0))
+        return hold
+
+    def check_not_finalized(self) -> None:
+        """Raise if the shard was finalized (dropped), so handles opened before the drop
+        say so instead of reporting a lost lease or an upper race.
+
+        Raises:
+            InvalidUsage: the state is a tombstone.
+        """
+        if self.tombstone:
+            raise InvalidUsage(
+                f"shard {self.shard_id} was finalized (dropped by finalize_shard or "
+                "`persist drop`): it can be neither read nor written"
+            )
+
+    def reader(self, reader_id: str) -> ReaderState:
+        """The reader's state.
+
+        Raises:
+            LeaseExpired: the reader is not registered (expired or never registered).
+        """
+        r = self.readers.get(reader_id)
+        if r is None:
+            raise LeaseExpired(self.shard_id, reader_id)
+        return r
+
+    def _seqno_hold(self, r: ReaderState, seqno: int | None) -> int:
+        """The reader's new seqno hold: ``seqno`` (default: this version's seqno, for a
+        reader with no read in progress), capped at this version's, never backwards."""
+        cur = max(self.seqno, 0)
+        want = cur if seqno is None else min(seqno, cur)
+        return max(r.seqno, want)
+
+    def heartbeat_reader(self, reader_id: str, now_ms: int, seqno: int | None = None) -> None:
+        """Renew the reader's lease and advance its seqno hold to ``seqno`` (the oldest
+        version it may still be reading; ``None``: it reads none older than this one).
+
+        Raises:
+            LeaseExpired: the reader is not registered.
+        """
+        r = self.reader(reader_id)
+        self.readers[reader_id] = replace(
+            r,
+            last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms),
+            seqno=self._seqno_hold(r, seqno),
+        )
+
+    def downgrade_reader_since(
+        self, reader_id: str, since: Antichain, now_ms: int, seqno: int | None = None
+    ) -> bool:
+        """Advance the reader's since hold to ``since`` (and heartbeat, advancing its
+        seqno hold as :meth:`heartbeat_reader`); the shard's since follows the meet of
+        the holds.  Returns whether anything changed.
+
+        Raises:
+            LeaseExpired: the reader is not registered.
+            InvalidUsage: ``since`` is earlier than the reader's current hold.
+        """
+        r = self.reader(reader_id)
+        if not r.since <= since:
+            raise InvalidUsage(
+                f"reader {reader_id} of shard {self.shard_id} cannot move its since "
+                f"backwards from {r.since} to {since}"
+            )
+        hold = self._seqno_hold(r, seqno)
+        changed = since != r.since or now_ms > r.last_heartbeat_ms or hold != r.seqno
+        self.readers[reader_id] = replace(
+            r, since=since, last_heartbeat_ms=max(now_ms, r.last_heartbeat_ms), seqno=hold
+        )
+        return self._recompute_since() or changed
+
+    def min_seqno_hold(self, now_ms: int) -> int | None:
+        """The earliest seqno hold of the readers live at ``now_ms`` (``None``: none)."""
+        holds = [r.seqno for r in self.readers.values() if not r.expired(now_ms)]
+        return min(holds) if holds else None
+
+    def live_writers(self, now_ms: int) -> set[str]:
+        """Ids of the writers registered and not expired at ``now_ms``."""
+        return {wid for wid, w in self.writers.items() if not w.expired(now_ms)}
+
+    def check_writer_live(self, writer_id: str, now_ms: int) -> None:
+        """Raise unless ``writer_id`` is registered and its lease has not run out at
+        ``now_ms`` (GC may have deleted the keys of a writer that is not live).
+
+        Raises:
+            LeaseExpired: naming the writer and the shard.
+        """
+        w = self.writers.get(writer_id)
+        if w is None or w.expired(now_ms):
+            raise LeaseExpired(self.shard_id, writer_id, "writer")
+
+    def expire_reader(self, reader_id: str) -> bool:
+        """Drop the reader (its hold is released).  Returns whether it was registered."""
+        if self.readers.pop(reader_id, None) is None:
+            return False
+        self._recompute_since()
+        return True
+
+    def expire_writer(self, writer_id: str) -> bool:
+        """Drop the writer.  Returns whether it was registered."""
+        return self.writers.pop(writer_id, None) is not None
+
+    def expire_leases(self, now_ms: int, keep: Iterable[str] = ()) -> bool:
+        """Drop readers and writers whose lease ran out at ``now_ms`` (except the ids in
+        ``keep``, the caller's own handles).  Returns whether anything changed."""
+        keep_set = set(keep)
+        dead_r = [
+            rid for rid, r in self.readers.items() if r.expired(now_ms) and rid not in keep_set
+        ]
+        dead_w = [
+            wid for wid, w in self.writers.items() if w.expired(now_ms) and wid not in keep_set
+        ]
+        for rid in dead_r:
+            del self.readers[rid]
+        for wid in dead_w:
+            del self.writers[wid]
+        if dead_r:
+            self._recompute_since()
+        return bool(dead_r or dead_w)
+
+    def detach_reader(self, reader_id: str, now_ms: int, seqno: int | None) -> None:
+        """Turn the reader into a *seqno-only* lease (purpose :data:`SEQNO_ONLY`): it
+        keeps its seqno hold (advanced to ``seqno``, see :meth:`heartbeat_reader`) until
+        its lease runs out, but no longer holds the since back (for a planner whose
+        listed parts others read after it is gone: the parts stay, whatever compaction
+        does meanwhile).
+
+        Raises:
+            LeaseExpired: the reader is not registered.
+        """
+        self.heartbeat_reader(reader_id, now_ms, seqno)
+        self.readers[reader_id] = replace(self.readers[reader_id], purpose=SEQNO_ONLY)
+        self._recompute_since()
+
+    def _recompute_since(self) -> bool:
+        """Advance the trace's since to the meet of the readers' holds (never backwards;
+        with no reader the since stays where it is; seqno-only leases hold no since).
+        Returns whether it moved."""
+        holders = [r for r in self.readers.values() if r.purpose != SEQNO_ONLY]
+        if not holders:
+            return False
+        holds = iter(holders)
+        meet = next(holds).since
+        for r in holds:
+            meet = meet.meet(r.since)
+        if self.trace.since < meet:
+            self.trace.downgrade_since(meet)
+            return True
+        return False
+
+    def append_batch(
+        self, batch: HollowBatch, writer_id: str, token: str, now_ms: int, lease_ms: int
+    ) -> list[FueledMergeReq]:
+        """Push ``batch`` (which must start at the upper) into the trace and record the
+        writer's heartbeat and idempotency ``token``.  Returns the Spine's merge requests.
+
+        Raises:
+            InvalidUsage: the batch does not start at the upper, or is empty in time
+                (nothing changes).
+            SchemaMismatch: a part was written under a schema version a later version
+                dropped a column of (its values there would read as null for every
+                reader); nothing changes.
+        """
+        if len(self.schema_history) > 1:
+            history = self.schemas()
+            for sid in sorted({p.schema_id for p in batch.parts}):
+                if 0 <= sid < len(history.versions) and (lost := history.dropped_after(sid)):
+                    raise SchemaMismatch(
+                        f"{self.name!r} ({self.shard_id})",
+                        lost[0],
+                        f"this writer's schema version {sid} has the column, but version "
+                        f"{history.newest} (or one between) dropped it, so its values "
+                        "would read as null for every reader: open the shard again with "
+                        "the newest schema (adding the column back makes a new column); "
+                        "nothing was committed",
+                    )
+        try:
+            reqs = self.trace.push_batch(batch)
+        except ValueError as e:
+            raise InvalidUsage(f"cannot append to shard {self.shard_id}: {e}") from e
+        w = self.writers.get(writer_id) or WriterState(now_ms, lease_ms)
+        self.writers[writer_id] = w.with_token(now_ms, lease_ms, token)
+        return reqs
+
+    def heartbeat_writer(self, writer_id: str, now_ms: int, lease_ms: int) -> None:
+        """Register or renew a writer, keeping its last token.  The heartbeat time never
+        moves back (``max(old, now_ms)``, as the reader's heartbeat): a clock behind the
+        one that last renewed it never shortens the lease.  (A handle that was
+        registered before must check :meth:`check_writer_live` first: a writer id is
+        registered over one contiguous interval, never again after its lease ran out.)"""
+        w = self.writers.get(writer_id)
+        if w is None:
+            self.writers[writer_id] = WriterState(now_ms, lease_ms)
+        else:
+            self.writers[writer_id] = replace(
+                w, last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms), lease_duration_ms=lease_ms
+            )
+
+    def hand_off_writer(self, writer_id: str, now_ms: int, lease_ms: int, batches: int) -> bool:
+        """Record that the live writer ``writer_id``, whose handle is going away, handed
+        out ``batches`` batches it did not append (see :attr:`WriterState.handed_off`).
+        If some are still outstanding (not yet settled by others' appends or
+        deletions), its lease is renewed at ``now_ms`` and lengthened to at least
+        ``lease_ms`` (the client's hand-off lease), so GC keeps their parts while they
+        travel to whoever appends them (the receiver's
+        :meth:`persist.write.WriteHandle.hold` renews it further while it holds them);
+        if none is, the writer is dropped at once.  A writer that is gone or whose lease
+        ran out is never brought back.  Returns whether the state changed."""
+        w = self.writers.get(writer_id)
+        if w is None or w.expired(now_ms) or batches <= 0:
+            return False
+        handed = replace(w, handed_off=w.handed_off + batches)
+        if handed.settled >= handed.handed_off:
+            del self.writers[writer_id]
+            return True
+        self.writers[writer_id] = replace(
+            handed,
+            last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms),
+            lease_duration_ms=max(w.lease_duration_ms, lease_ms),
+        )
+        return True
+
+    def release_handed_off(self, writer_id: str, batches: int = 1) -> bool:
+        """Count ``batches`` batches with parts of ``writer_id`` that another writer
+        appended (or whose decoded copies it deleted) as settled (see
+        :attr:`WriterState.settled`); a handed-off writer is dropped once none is
+        outstanding.  Returns whether anything changed."""
+        w = self.writers.get(writer_id)
+        if w is None or batches <= 0:
+            return False
+        w = replace(w, settled=w.settled + batches)
+        if w.handed_off and w.settled >= w.handed_off:
+            del self.writers[writer_id]
+        else:
+            self.writers[writer_id] = w
+        return True
+
+    def renew_writer(self, writer_id: str, now_ms: int) -> bool:
+        """Renew the lease of a writer that is live at ``now_ms`` (keeping its lease
+        duration), on behalf of whoever holds a batch of its parts.  A writer that is
+        gone or whose lease ran out is never brought back (GC may have deleted its
+        parts).  The heartbeat time never moves back (``max(old, now_ms)``).  Returns
+        whether it was renewed (live at ``now_ms``)."""
+        w = self.writers.get(writer_id)
+        if w is None or w.expired(now_ms):
+            return False
+        self.writers[writer_id] = replace(w, last_heartbeat_ms=max(w.last_heartbeat_ms, now_ms))
+        return True
+
+    def apply_merge_res(self, res: FueledMergeRes, now_ms: int) -> ApplyMergeResult:
+        """Swap a compaction result into the trace; blob keys it stops referencing are
+        retired at ``now_ms`` (listed in ``retire_adds``, for GC after its grace period),
+        and so are the ids of inline parts it merged away (``inline:`` and a nonce, see
+        :attr:`~persist.types.PartRef.part_id`: an append refuses a copy of them until
+        GC forgets them).
+
+        An output whose parts name a writer (the compactor that wrote them) that is not
+        live at ``now_ms`` is not applied (``NOT_APPLIED_NO_MATCH``): GC may already have
+        deleted its parts."""
+        for p in res.output.parts:
+            wid = None if p.key is None else key_writer_id(p.key)
+            if wid is not None and wid not in self.live_writers(now_ms):
+                return ApplyMergeResult.NOT_APPLIED_NO_MATCH
+        before = self.referenced_part_ids()
+        result = self.trace.apply_merge_res(res)
+        if result.applied():
+            after = self.referenced_part_ids()
+            for key in before - after:
+                self.retire_adds[key] = now_ms
+        return result
+
+    def contains_batch(self, batch: HollowBatch) -> bool:
+        """Whether the trace holds exactly this hollow batch (e.g. a merge result that
+        an earlier attempt already applied)."""
+        return any(b == batch for b in self.trace.batches())
+
+    def forget_retired(self, retired: Mapping[str, int]) -> bool:
+        """Remove rows (row key -> retirement ms, exactly as stored: see
+        :class:`persist.consensus.RetiredKey`) from the retired collection, after GC
+        deleted their blobs.  The caller must pass only rows present in the collection
+        as of this version (GC checks ``retired_upper``); returns whether anything
+        changed."""
+        self.retire_removes.update(retired)
+        return bool(retired)

@@ -1,0 +1,288 @@
+"""The codec of a shard's state: a :class:`~persist.state.ShardState` to and from its
+stash entries (one JSON value per component, so that consensus stores a new version as
+the few entries that changed) and one readable JSON document, and Arrow schemas to and
+from JSON.
+
+Invariants kept here: both forms round-trip exactly (``from_entries(to_entries(s))``
+rebuilds ``s``; likewise for the document); unchanged components encode to the very
+same objects (memoized), so that consensus compares them by identity; a malformed entry
+or document raises :class:`~persist.errors.PersistError` naming what is wrong, never a
+half-built state.  The functions take the state's fields (:class:`StateFields`) and give
+back the state constructor's keyword arguments, so this module never imports
+:mod:`persist.state`.
+
+Source: Materialize's persist-client ``internal/state_serde.rs`` (a state's readable
+serialization) and its rollups of ``internal/state_diff.rs``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from persist.errors import PersistError
+from persist.lease_state import ReaderState, WriterState
+from persist.schemacache import schema_cache
+from persist.spine import Trace
+from stash import Antichain
+
+__all__ = [
+    "StateFields",
+    "from_entries",
+    "from_json",
+    "schema_from_json",
+    "schema_to_json",
+    "schemas_entry",
+    "to_entries",
+    "to_json",
+]
+
+
+class StateFields(Protocol):
+    """The fields of a shard state the codec reads (see :class:`persist.state.ShardState`)."""
+
+    shard_id: str
+    name: str
+    key_schema: pa.Schema
+    value_schema: pa.Schema
+    seqno: int
+    trace: Trace
+    readers: dict[str, ReaderState]
+    writers: dict[str, WriterState]
+    retired_upper: int
+    tombstone: bool
+    schema_history: tuple[pa.Schema, ...]
+
+    @property
+    def since(self) -> Antichain: ...
+
+    @property
+    def upper(self) -> Antichain: ...
+
+
+# Entry keys of the flattened state (see ShardState.to_entries).
+_SHARD = "shard"
+_META = "meta"
+_TRACE_MAPS = ("hollow_batches", "spine_batches")
+_READER = "reader/"
+_SCHEMAS = "schemas"
+_WRITER = "writer/"
+
+
+@schema_cache(256)
+def _schema_json_cached(schema: pa.Schema) -> str:
+    return json.dumps(_schema_to_json(schema))
+
+
+# The last ``shard`` entries made, by the identity of their arguments (the schema objects
+# are kept alive by the values, so their ids are not reused while listed): hashing a
+# ``pa.Schema`` for the lru_cache below costs tens of microseconds per version.
+_SHARD_ENTRIES: dict[tuple[int, int, str, str], tuple[pa.Schema, pa.Schema, dict[str, Any]]] = {}
+
+
+def _shard_entry(
+    shard_id: str, name: str, key_schema: pa.Schema, value_schema: pa.Schema
+) -> dict[str, Any]:
+    """The ``shard`` entry of :meth:`ShardState.to_entries` (the same dict for the same
+    shard, so that versions compare it cheaply; do not mutate it)."""
+    ident = (id(key_schema), id(value_schema), shard_id, name)
+    hit = _SHARD_ENTRIES.get(ident)
+    if hit is not None and hit[0] is key_schema and hit[1] is value_schema:
+        return hit[2]
+    entry = _shard_entry_cached(shard_id, name, key_schema, value_schema)
+    if len(_SHARD_ENTRIES) >= 256:
+        _SHARD_ENTRIES.clear()
+    _SHARD_ENTRIES[ident] = (key_schema, value_schema, entry)
+    return entry
+
+
+@schema_cache(256)
+def _shard_entry_cached(
+    shard_id: str, name: str, key_schema: pa.Schema, value_schema: pa.Schema
+) -> dict[str, Any]:
+    """:func:`_shard_entry` by value."""
+    return {
+        "shard_id": shard_id,
+        "name": name,
+        "key_schema": schema_to_json(key_schema),
+        "value_schema": schema_to_json(value_schema),
+    }
+
+
+def schema_to_json(schema: pa.Schema) -> dict[str, Any]:
+    """A readable and exact JSON form of an Arrow schema: ``{"fields": ["name: type", ...],
+    "ipc": base64 of the Arrow IPC schema message}`` (``fields`` is informational)."""
+    out: dict[str, Any] = json.loads(_schema_json_cached(schema))
+    return out
+
+
+def _schema_to_json(schema: pa.Schema) -> dict[str, Any]:
+    return {
+        "fields": [f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in schema],
+        "ipc": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
+    }
+
+
+def schema_from_json(d: Mapping[str, Any]) -> pa.Schema:
+    """Inverse of :func:`schema_to_json`.
+
+    Raises:
+        PersistError: the IPC bytes are not an Arrow schema.
+    """
+    try:
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["ipc"])))
+    except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
+        raise PersistError(f"stored schema is not a valid Arrow IPC schema: {e}") from e
+
+
+@schema_cache(64)
+def schemas_entry(versions: tuple[pa.Schema, ...]) -> list[dict[str, Any]]:
+    """The ``schemas`` entry: every value schema version, by id (the same list for the
+    same versions, so that versions compare it cheaply; do not mutate it)."""
+    return [{"id": i, **schema_to_json(v)} for i, v in enumerate(versions)]
+
+
+def _schemas_from(entry: Any) -> tuple[pa.Schema, ...]:
+    """Inverse of :func:`schemas_entry` (``None``: a state of one version)."""
+    if entry is None:
+        return ()
+    versions = []
+    for i, d in enumerate(entry):
+        if int(d["id"]) != i:
+            raise ValueError(f"schema versions out of order: id {d['id']} at position {i}")
+        versions.append(schema_from_json(d))
+    return tuple(versions)
+
+
+def to_entries(self: StateFields) -> dict[str, Any]:
+    """The state flattened into one JSON value per component, keyed by a path:
+
+    ``meta`` (``seqno``, ``since``, ``upper``, the trace's ``next_id`` and
+    ``fueling_merges``: what changes with every version, kept in one entry),
+    ``shard`` (id, name, schemas; ``value_schema`` the newest version),
+    ``schemas`` (only once there is more than one version: every value schema
+    version, by id), ``trace/hollow_batches/<id>``,
+    ``trace/spine_batches/<id>``, ``reader/<id>``, ``writer/<id>``,
+    (retired keys live in their own collection).  A new version differs from the
+    previous one in
+    ``meta`` and the few components that changed, so consensus writes little.
+    """
+    t = self.trace.to_json()
+    meta = {k: v for k, v in t.items() if k not in _TRACE_MAPS}
+    meta["seqno"] = self.seqno
+    meta["retired_upper"] = self.retired_upper
+    if self.tombstone:
+        meta["tombstone"] = True
+    out: dict[str, Any] = {
+        _META: meta,
+        _SHARD: _shard_entry(self.shard_id, self.name, self.key_schema, self.value_schema),
+    }
+    if len(self.schema_history) > 1:
+        out[_SCHEMAS] = schemas_entry(self.schema_history)
+    for m in _TRACE_MAPS:
+        for k, v in t[m].items():
+            out[f"trace/{m}/{k}"] = v
+    for rid, r in self.readers.items():
+        out[_READER + rid] = r.to_json()
+    for wid, w in self.writers.items():
+        out[_WRITER + wid] = w.to_json()
+    return out
+
+
+def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`to_entries`: the :class:`~persist.state.ShardState`
+    constructor's keyword arguments.
+
+    Raises:
+        PersistError: an entry is missing or malformed.
+    """
+    seqno: object = "?"
+    try:
+        shard = entries[_SHARD]
+        trace_json: dict[str, Any] = dict(entries[_META])
+        seqno = trace_json.pop("seqno")
+        retired_upper = int(trace_json.pop("retired_upper", 0))
+        tombstone = bool(trace_json.pop("tombstone", False))
+        maps: dict[str, dict[str, Any]] = {m: {} for m in _TRACE_MAPS}
+        readers: dict[str, ReaderState] = {}
+        writers: dict[str, WriterState] = {}
+        for k, v in entries.items():
+            if k.startswith("trace/"):
+                _, m, ident = k.split("/", 2)
+                maps[m][ident] = v
+            elif k.startswith(_READER):
+                readers[k[len(_READER) :]] = ReaderState.from_json(v)
+            elif k.startswith(_WRITER):
+                writers[k[len(_WRITER) :]] = WriterState.from_json(v)
+            elif k not in (_SHARD, _META, _SCHEMAS):
+                raise ValueError(f"unknown state entry {k!r}")
+        trace_json.update(maps)
+        if isinstance(seqno, bool) or not isinstance(seqno, int):
+            raise ValueError(f"seqno {seqno!r} is not an int")
+        return dict(
+            shard_id=str(shard["shard_id"]),
+            name=str(shard["name"]),
+            key_schema=schema_from_json(shard["key_schema"]),
+            value_schema=schema_from_json(shard["value_schema"]),
+            seqno=seqno,
+            trace=Trace.from_json(trace_json),
+            readers=readers,
+            writers=writers,
+            retired_upper=retired_upper,
+            tombstone=tombstone,
+            schema_history=_schemas_from(entries.get(_SCHEMAS)),
+        )
+    except PersistError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PersistError(f"malformed shard state at seqno {seqno}: {e}") from e
+
+
+def to_json(self: StateFields) -> dict[str, Any]:
+    """One readable JSON document of this version (for inspection)."""
+    return {
+        "seqno": self.seqno,
+        "shard_id": self.shard_id,
+        "name": self.name,
+        "since": self.since.to_json(),
+        "upper": self.upper.to_json(),
+        "key_schema": schema_to_json(self.key_schema),
+        "value_schema": schema_to_json(self.value_schema),
+        "schemas": list(schemas_entry(self.schema_history)),
+        "trace": self.trace.to_json(),
+        "readers": {k: v.to_json() for k, v in sorted(self.readers.items())},
+        "writers": {k: v.to_json() for k, v in sorted(self.writers.items())},
+        "retired_upper": self.retired_upper,
+        "tombstone": self.tombstone,
+    }
+
+
+def from_json(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`to_json`: the :class:`~persist.state.ShardState`
+    constructor's keyword arguments.
+
+    Raises:
+        PersistError: the document is malformed.
+    """
+    try:
+        return dict(
+            shard_id=str(d["shard_id"]),
+            name=str(d["name"]),
+            key_schema=schema_from_json(d["key_schema"]),
+            value_schema=schema_from_json(d["value_schema"]),
+            seqno=int(d["seqno"]),
+            trace=Trace.from_json(d["trace"]),
+            readers={k: ReaderState.from_json(v) for k, v in d["readers"].items()},
+            writers={k: WriterState.from_json(v) for k, v in d["writers"].items()},
+            retired_upper=int(d.get("retired_upper", 0)),
+            tombstone=bool(d.get("tombstone", False)),
+            schema_history=_schemas_from(d.get("schemas")),
+        )
+    except PersistError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PersistError(f"malformed shard state document: {e}") from e

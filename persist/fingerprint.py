@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.errors import InvalidUsage
-from persist.state import TOKEN_SEP
+from persist.lease_state import TOKEN_SEP
 from stash import Antichain
 
 if TYPE_CHECKING:

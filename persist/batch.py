@@ -1,8 +1,9 @@
 """Batches: updates written (to blob parts or inline) but not yet appended to a shard.
 
 A :class:`Batch` wraps a :class:`~persist.types.HollowBatch` (description, parts, runs)
-together with the shard it was written for (Materialize's ``Batch`` in ``src/persist-client/src/batch.rs``).
-It is made by :meth:`persist.write.BatchBuilder.finish` or decoded from the bytes of
+together with the shard it was written for (Materialize's ``Batch`` in
+``src/persist-client/src/batch.rs``). It is made by :meth:`persist.write.BatchBuilder.finish` or
+decoded from the bytes of
 :meth:`Batch.into_transmittable`, and is consumed by
 :meth:`persist.write.WriteHandle.compare_and_append_batch`.
 

@@ -4,7 +4,8 @@ For a :class:`~persist.spine.FueledMergeReq` the compactor reads the inputs' par
 (times advanced to each batch's lower and since, see :func:`persist.fetch.read_batches`),
 advances every time to the request's since, consolidates (vectorised, with
 :func:`persist.consolidation.consolidate`), writes the result as one sorted run (inline if small)
-and swaps it into the trace by compare-and-set (:meth:`ShardState.apply_merge_res`),
+and swaps it into the trace by compare-and-set
+(:meth:`~persist.machine.ShardMachine.apply_merge_results`),
 re-applied on seqno races.  It runs inline after an append, as a background thread of
 the client (:mod:`persist.maintenance`), from ``persist compact``, or from any process
 (Spark) holding a client.  The compactor itself runs no thread: it holds the client's
@@ -34,8 +35,9 @@ Invariants kept here:
   offered to a writer's append, while the compactor lives; an output of a compactor
   that is no longer live is never applied.
 
-Sources: the first engine's maintenance requests (``000``/``001``) and the Spine's
-``FueledMergeReq``/``apply_merge_res`` (``002``).
+Sources: the first engine's maintenance requests (Materialize's ``src/persist/src/indexed/``)
+and the Spine's ``FueledMergeReq``/``apply_merge_res``
+(``src/persist-client/src/internal/trace.rs``).
 """
 
 from __future__ import annotations

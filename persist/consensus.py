@@ -14,9 +14,9 @@ consensus, whose rows are a rollup and the diffs after it):
 A new version is written by :meth:`Consensus.compare_and_set` as one stash ``append``
 at time ``seqno``: usually a single diff entry (one row, whatever the state's size);
 every :attr:`Consensus.max_diffs` versions, or once the diffs outweigh both the rollup
-and :data:`MAX_DIFF_CHARS`, a new rollup instead, which retracts (diff ``-1``) every diff entry and each rollup entry that
-changed and inserts (diff ``+1``) the new texts.  The collection's upper is always
-``head seqno + 1``, so the append's ``lower`` is the expected seqno's successor and two
+and :data:`MAX_DIFF_CHARS`, a new rollup instead, which retracts (diff ``-1``) every diff entry and
+each rollup entry that changed and inserts (diff ``+1``) the new texts.  The collection's upper is
+always ``head seqno + 1``, so the append's ``lower`` is the expected seqno's successor and two
 writers racing on the same seqno cannot both win: the loser gets the stash's
 ``AppendLowerMismatch`` and nothing of its batch is committed.  A rollup also moves the
 collection's since to its seqno, so older versions are logically truncated in the same
@@ -49,8 +49,8 @@ caller is told "committed" only if the version is durable, "not committed" only 
 is not, and otherwise gets a :class:`ConsensusError` whose
 ``is_indeterminate()`` is true.
 
-Sources: Materialize's early persist engine's consensus/meta handling (``src/persist/src/indexed/``) and the
-stash's ``Append`` (``src/stash/src/lib.rs``).
+Sources: Materialize's early persist engine's consensus/meta handling (``src/persist/src/indexed/``)
+and the stash's ``Append`` (``src/stash/src/lib.rs``).
 """
 
 from __future__ import annotations

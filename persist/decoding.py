@@ -6,8 +6,8 @@ Invariants kept here:
   :class:`~persist.types.PartRef`'s checksum: it raises
   :class:`~persist.errors.CorruptPart` naming the part's key instead;
 * column types come back exactly: ``date64``, ``time32[s]`` and ``timestamp[s]``,
-  which Parquet stores otherwise, are restored on decode, and string and binary columns read as dictionaries
-  (:func:`_dictionary_columns`) are expanded to their stored type;
+  which Parquet stores otherwise, are restored on decode, and string and binary columns read as
+  dictionaries (:func:`_dictionary_columns`) are expanded to their stored type;
 * :data:`INLINE_CACHE` answers only a ref carrying the very ``bytes`` object this process
   encoded or already verified, with the table those bytes decode to.
 """
@@ -125,8 +125,9 @@ def _restore_coerced_types(table: pa.Table, pf: pq.ParquetFile) -> pa.Table:
     restore from the stored Arrow schema: ``date64`` (written as a 32-bit date),
     ``time32[s]`` and ``timestamp[s]`` with or without a zone (written in
     milliseconds): a column read as one of the types they are coerced to
-    (:func:`_maybe_coerced`) is cast to its type in the stored schema. Each cast is checked to be exact (Arrow's safe cast: a value that does not fit
-    raises, and is reported as a corrupt part by the caller).
+    (:func:`_maybe_coerced`) is cast to its type in the stored schema. Each cast is checked to be
+    exact (Arrow's safe cast: a value that does not fit raises, and is reported as a corrupt part by
+    the caller).
 
     Source: pyarrow's Parquet writer coerces these units (``parquet/arrow/schema.cc``,
     Parquet having no second or 64-bit date logical type); its reader restores only

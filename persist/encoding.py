@@ -3,8 +3,9 @@
 :func:`encode_part` chooses per column between dictionary, delta and plain encodings;
 :func:`encode_inline_part` writes a zstd-compressed Arrow IPC stream for parts small
 enough to live in the shard's state (:data:`INLINE_ZSTD_MAGIC`, the stream's length,
-then the zstd frame; decoders also read the plain streams written before); :func:`make_part_ref` describes encoded bytes with their SHA-256
-checksum (the persist-client batch builder, Materialize's ``src/persist-client/src/batch.rs``).
+then the zstd frame; decoders also read the plain streams written before); :func:`make_part_ref`
+describes encoded bytes with their SHA-256 checksum (the persist-client batch builder, Materialize's
+``src/persist-client/src/batch.rs``).
 
 Invariants kept here:
 
@@ -113,8 +114,8 @@ def encode_part(table: pa.Table) -> bytes:
     columns, LZ4 (``LZ4_RAW``) for everything but delta-encoded columns; statistics
     only for ``_time`` (min/max time of the part); decimals of precision up to 18 stored
     as integers; about :data:`ROW_GROUPS_PER_PART` row groups (of at least
-    :data:`ROW_GROUP_MIN_ROWS` rows) so that key-range reads can skip some; the Arrow schema stored so that types such as ``large_string`` or time
-    zones round-trip.
+    :data:`ROW_GROUP_MIN_ROWS` rows) so that key-range reads can skip some; the Arrow schema stored
+    so that types such as ``large_string`` or time zones round-trip.
 
     Raises:
         InvalidUsage: pyarrow cannot encode the table.

@@ -6,8 +6,8 @@ Every error persist raises on purpose is a :class:`PersistError`.  Invariants ke
   before the call) unless the error says ``is_indeterminate()``;
 * messages name the shard, blob key or bound that broke the rule.
 
-Names follow Materialize's persist-client (``src/persist-client/src/batch.rs``): ``InvalidUsage`` and its cases
-(``UpdateNotBeyondLower``, ``UpdateBeyondUpper``, ``InvalidBounds``,
+Names follow Materialize's persist-client (``src/persist-client/src/batch.rs``): ``InvalidUsage``
+and its cases (``UpdateNotBeyondLower``, ``UpdateBeyondUpper``, ``InvalidBounds``,
 ``InvalidBatchBounds``, ``InvalidRewrite``), plus ``UpperMismatch`` and
 ``SinceViolation``.
 """

@@ -24,7 +24,8 @@ contents, as a SHA-256 digest (first 128 bits, hex):
 Forms recorded by earlier versions (the token alone, ``r<rows>d<diff sum>``,
 ``b<digest of checksums>``) named at most an append's shape, and ``U<digest>`` named
 the Arrow IPC bytes of the updates (not a function of their values); a retry against
-one of them cannot be checked and is refused, naming that (nothing is written).  Transactions record ``t<ts>``.
+one of them cannot be checked and is refused, naming that (nothing is written).  Transactions record
+``t<ts>``.
 
 Source of the idea: persist-client's ``WriterState`` (``internal/state.rs``) records a
 writer's most recent idempotency token together with that write's upper

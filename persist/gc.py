@@ -51,8 +51,8 @@ more than a lease expires live writers early, and their next commits are refused
 again); it does make those writers fail, so the processes sharing a shard should keep
 their clocks in agreement to well within a lease (NTP does).
 
-Sources: the first engine's blob bookkeeping (``000``/``001``); persist-client's GC,
-writer-named blob keys and seqno holds.
+Sources: the first engine's blob bookkeeping (Materialize's ``src/persist/src/indexed/``);
+persist-client's GC, writer-named blob keys and seqno holds.
 """
 
 from __future__ import annotations

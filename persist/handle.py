@@ -3,7 +3,8 @@ handle's id in the shard state, its lease length and whether it was expired.
 
 Invariant kept here: once a handle is expired, every call that checks it raises
 :class:`~persist.errors.InvalidUsage` naming the handle and the shard.
-Source of the idea: persist-client's ``WriteHandle`` / ``ReadHandle`` (Materialize's ``src/persist-client/src/batch.rs``).
+Source of the idea: persist-client's ``WriteHandle`` / ``ReadHandle`` (Materialize's
+``src/persist-client/src/batch.rs``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Invariants kept here:
   ``thread=False`` runs beats only when told (:meth:`LeaseKeeper.run_due`), which with
   an injected clock lets tests pass lease intervals without sleeping.
 
-Source of the idea: persist-client's reader heartbeat task (``004``).
+Source of the idea: persist-client's reader heartbeat task (Materialize's
+``src/persist-client/src/read.rs``).
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ Invariants kept here:
   and cuts, never over every row (placing a cut in a sorted part reads about
   ``log2(rows)`` of its rows, :func:`cut_positions`).
 
-Source of the idea: the sorted runs and their merges in the Spine (Materialize's ``src/persist-client/src/internal/trace.rs``) and
-persist-client's part key bounds (Materialize's ``HollowBatchPart`` stats), used here to
-split a consolidated read by key range without a shuffle.
+Source of the idea: the sorted runs and their merges in the Spine (Materialize's
+``src/persist-client/src/internal/trace.rs``) and persist-client's part key bounds (Materialize's
+``HollowBatchPart`` stats), used here to split a consolidated read by key range without a shuffle.
 """
 
 from __future__ import annotations

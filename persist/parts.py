@@ -3,7 +3,9 @@
 A run is a sorted updates table cut into parts of a target size (:func:`split_for_parts`),
 each encoded (:mod:`persist.encoding`) and uploaded in parallel (:func:`write_parts`), or
 kept inline in the shard's state when small; :func:`read_parts` fetches, verifies and
-decodes them (:mod:`persist.decoding`), after the persist-client batch builder (Materialize's ``src/persist-client/src/batch.rs``: parts of a target size, inline writes). This module also re-exports the names of
+decodes them (:mod:`persist.decoding`), after the persist-client batch builder (Materialize's
+``src/persist-client/src/batch.rs``: parts of a target size, inline writes). This module also
+re-exports the names of
 :mod:`persist.updates`, :mod:`persist.consolidation`, :mod:`persist.encoding` and
 :mod:`persist.decoding`, which it was once made of.
 
@@ -179,7 +181,8 @@ def write_parts(
     by the thread that encodes it, so the whole reordered table never exists at once
     and gathering overlaps encoding. If its inline encoding
     (:func:`encode_inline_part`) is at most ``inline_max_bytes`` it becomes one inline
-    part (no blob call; Materialize's ``src/persist-client/src/batch.rs``'s inline writes). Otherwise it is split by
+    part (no blob call; Materialize's ``src/persist-client/src/batch.rs``'s inline writes).
+    Otherwise it is split by
     :func:`split_for_parts` (at least ``max_workers`` parts when it holds at least
     ``2 * MIN_PARALLEL_PART_BYTES``, and a multiple of ``max_workers`` when several)
     and the parts are encoded by ``max_workers`` threads, each at key
@@ -190,9 +193,9 @@ def write_parts(
 
     With ``key_names`` (only for a table sorted by those columns, e.g. a consolidated
     run), each blob part's ref records its key samples (:func:`persist.merge.key_samples`),
-    which key-range reads plan by (inline parts are sampled when planned), unless a sampled value cannot go into the shard state
-    (a NUL character, or a string longer than :data:`MAX_SAMPLE_STRING_BYTES`): then it
-    has none, and reads treat the part as one range.
+    which key-range reads plan by (inline parts are sampled when planned), unless a sampled value
+    cannot go into the shard state (a NUL character, or a string longer than
+    :data:`MAX_SAMPLE_STRING_BYTES`): then it has none, and reads treat the part as one range.
 
     If an encoding or an upload fails, no further part is encoded, the keys already
     attempted are deleted best-effort once every upload has ended (an orphan left by a

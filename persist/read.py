@@ -50,7 +50,8 @@ Invariants kept here:
   Antichain) before it takes a lease, raising ``InvalidUsage`` naming the argument.
 
 Sources: Materialize's persist-client ``ReadHandle``, ``Listen`` and ``LeasedReaderState`` (
-``src/persist-client/src/batch.rs``) and the first engine's listeners (``src/persist/src/indexed/``).
+``src/persist-client/src/batch.rs``) and the first engine's listeners
+(``src/persist/src/indexed/``).
 """
 
 from __future__ import annotations

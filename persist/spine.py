@@ -3,8 +3,9 @@
 A :class:`Trace` holds the :class:`~persist.types.HollowBatch` es of one shard, contiguous in
 time, together with the shard's ``since`` and ``upper``.  It is a port of Materialize's Spine
 (``src/persist-client/src/internal/trace.rs``), itself a fork of differential dataflow's
-fueled Spine.  The Spine only does the *bookkeeping* of merges: when two batches at a level finish "fueling", they become one
-*fueled* spine batch (a list of hollow batches with one merged description) and a
+fueled Spine.  The Spine only does the *bookkeeping* of merges: when two batches at a level finish
+"fueling", they become one *fueled* spine batch (a list of hollow batches with one merged
+description) and a
 :class:`FueledMergeReq` is handed out; a compactor may later answer it with a
 :class:`FueledMergeRes`, which :meth:`Trace.apply_merge_res` swaps in.  A merge that is never
 answered costs nothing but the extra hollow batches it keeps listing.

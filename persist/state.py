@@ -58,8 +58,10 @@ Invariants kept here (every transition keeps them or raises before changing anyt
   store a new version as the few entries that changed) and :meth:`ShardState.to_json` /
   :meth:`ShardState.from_json` (one document, for ``persist inspect --json``).
 
-Sources of the ideas: Materialize's early persist engine's ``AppliedState`` (``src/persist/src/indexed/``), the
-Spine's flattened trace (``src/persist-client/src/internal/trace.rs``), the persist-client batch and lease handling (``src/persist-client/src/batch.rs``).
+Sources of the ideas: Materialize's early persist engine's ``AppliedState``
+(``src/persist/src/indexed/``), the Spine's flattened trace
+(``src/persist-client/src/internal/trace.rs``), the persist-client batch and lease handling
+(``src/persist-client/src/batch.rs``).
 """
 
 from __future__ import annotations

@@ -34,11 +34,11 @@ planning skips parts whose statistics exclude them and tasks apply them exactly
 (:class:`spark.persist_reader.PersistPushdownReader`), on a PySpark that plans each
 query's pushed filters afresh; PySpark 4 reuses a filtered query's plan for later
 queries of the same DataFrame, so there the reader takes no filter and Spark filters
-(:func:`spark.persist_reader.spark_reuses_pushed_plans`). ``expand=true`` (only with ``full``) drops the diff column and repeats each row by its
-multiplicity (a negative multiplicity raises). ``time_column`` adds the read time
-(``as_of``, or the update's time with ``consolidate=none``). Each task fetches its parts
-from the blob store, advances times, drops later updates, consolidates and yields Arrow
-``RecordBatch``es (no row-at-a-time conversion on either side). Planning keeps each
+(:func:`spark.persist_reader.spark_reuses_pushed_plans`). ``expand=true`` (only with ``full``) drops
+the diff column and repeats each row by its multiplicity (a negative multiplicity raises).
+``time_column`` adds the read time (``as_of``, or the update's time with ``consolidate=none``). Each
+task fetches its parts from the blob store, advances times, drops later updates, consolidates and
+yields Arrow ``RecordBatch``es (no row-at-a-time conversion on either side). Planning keeps each
 sliced batch's runs, so a task never takes parts of several runs for one consolidated run.
 A shard with no complete time yet (created by an empty write) reads as an empty
 DataFrame with its schema. Timestamps with a time zone read as Spark ``timestamp``

@@ -36,8 +36,8 @@ this module never imports a backend (they import it).  Invariants kept here:
 * every write refuses a handle another stash made (:meth:`Stash._check_handles_tx`:
   the identity and name come from the same statement as the codec names).
 
-Source: Materialize's ``Stash`` trait (``src/stash/src/lib.rs``): ``Stash``, ``Append``, ``peek_timestamp``,
-``peek``, ``peek_one``, ``peek_key_one``.
+Source: Materialize's ``Stash`` trait (``src/stash/src/lib.rs``): ``Stash``, ``Append``,
+``peek_timestamp``, ``peek``, ``peek_one``, ``peek_key_one``.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ unchanged.  The rule on diff sums (:func:`diff_sums_fit`): for each ``(key, valu
 positive diffs of its stored rows sum to at most ``2**63 - 1`` and the negative ones to at
 least ``-2**63``, so every sum a read or a consolidation takes of them, in any order,
 fits in i64 (SQLite's ``sum`` fails on an overflow along the way; Postgres casts to
-``bigint``); writes that would break it are refused.  Data are compared by value (stash data are canonical encodings, so value
-equality is encoding equality).  Source of the idea: differential dataflow's
-``consolidate_updates``, used by Materialize's ``Stash`` trait (``src/stash/src/lib.rs``).
+``bigint``); writes that would break it are refused.  Data are compared by value (stash data are
+canonical encodings, so value equality is encoding equality).  Source of the idea: differential
+dataflow's ``consolidate_updates``, used by Materialize's ``Stash`` trait
+(``src/stash/src/lib.rs``).
 """
 
 from __future__ import annotations

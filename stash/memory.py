@@ -11,8 +11,8 @@ fencing and concurrent handles can be exercised).  Invariants kept here:
   every later call of an older fenced handle fails unrecoverably.
 
 :class:`Memory` wraps any :class:`~stash.base.Stash` and caches frontiers, recorded codec
-names and rows of the collections it reads, writing every change through and dropping the cached state of the
-collections a write touched, as Materialize's ``Memory<S>`` does.  It is safe to share
+names and rows of the collections it reads, writing every change through and dropping the cached
+state of the collections a write touched, as Materialize's ``Memory<S>`` does.  It is safe to share
 between threads: cache fills are checked against a generation, so a fill read before a
 write's invalidation is never installed, and a collection with a write in flight is read
 from ``inner`` (see :class:`Memory`).  It caches only when the

@@ -392,9 +392,9 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
     so a lone stored row stays where it is (no rewrite, and no cached generic plan ever
     gets to delete on a key that has no group); ``"all"`` leaves the rows as the memory
     backend holds them (every row at ``greatest(time, since)``, no zero diff).  The
-    statement returns whether the rule on diff sums is broken afterwards.  All parts see the snapshot of the
-    statement, so the consolidation merges the new rows (from the ``c_new`` CTE) with the
-    stored ones (from the table) itself.  Built from constant fragments with
+    statement returns whether the rule on diff sums is broken afterwards.  All parts see the
+    snapshot of the statement, so the consolidation merges the new rows (from the ``c_new`` CTE)
+    with the stored ones (from the table) itself.  Built from constant fragments with
     :mod:`psycopg.sql`; every value is a bound parameter.  The arrays are sent in
     binary (``%(name)b``): as text, psycopg escaped every JSON text for the array
     literal, about 20% of a one-row persist append's client CPU.

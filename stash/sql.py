@@ -44,7 +44,8 @@ Invariants kept here:
 * no message, log line or repr carries a password (URLs go through
   :func:`stash.url.redact`).
 
-Source of the idea: Materialize's ``Sqlite`` and ``Postgres`` stash backends (``src/stash/src/lib.rs``).
+Source of the idea: Materialize's ``Sqlite`` and ``Postgres`` stash backends
+(``src/stash/src/lib.rs``).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ of these primitives.  Invariants a backend must keep:
 * ``None`` stands for the empty frontier in ``frontiers``/``set_upper``/``set_since``;
 * keys and values are canonical JSON text (see :mod:`stash.codec`), so text equality is
   value equality;
-* ``codecs`` and ``collection_name`` answer from the statement that read the collection's frontiers (or took
-  its lock), so checking a handle's codecs costs no query of its own; in a write
+* ``codecs`` and ``collection_name`` answer from the statement that read the collection's frontiers
+  (or took its lock), so checking a handle's codecs costs no query of its own; in a write
   transaction, once ``lock`` (or ``frontiers``) returned, the codec names cannot change
   until the transaction ends (``set_collection_codecs`` of a concurrent migration waits).
 """

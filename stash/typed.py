@@ -91,8 +91,8 @@ class TypedCollection(Generic[K, V]):
         Collection handles made with the old codecs, through any stash handle, can no
         longer read or write it (``peek``, ``iter``, ``update``, ``append``... raise
         ``StashError`` naming both codec pairs; ``since``, ``upper`` and ``seal`` still
-        work); reopen it with the returned collection.  Alembic migrations (``migrations/``) own the SQL tables
-        every collection lives in; this owns one collection's entries and codecs.
+        work); reopen it with the returned collection.  Alembic migrations (``migrations/``) own the
+        SQL tables every collection lives in; this owns one collection's entries and codecs.
 
         Args:
             stash: a writable stash handle.

@@ -345,8 +345,8 @@ def load_flights(
     The chunks left are written by ONE Spark job (:func:`spark.persist_txn.prepare_write`:
     each task writes a batch per chunk it holds), then committed one transaction per
     chunk on the driver; a failed commit leaves the chunks after it uncommitted and
-    their parts deleted.  Several appends give the shard's Spine batches to merge.  Returns the rows written
-    and the catalog rows added by this run; adds the seconds spent building DataFrames
+    their parts deleted.  Several appends give the shard's Spine batches to merge.  Returns the rows
+    written and the catalog rows added by this run; adds the seconds spent building DataFrames
     (``"frames"``) and writing and committing (``"writes"``) to ``times`` if given."""
     from spark.persist_txn import persist_txn, prepare_write
 

@@ -16,6 +16,14 @@ Usage::
         txn.stash_append([catalog_batch])
         txn.commit_at(ts)                 # or txn.commit(): the smallest valid ts
 
+This module holds the user-facing :class:`Txn`: building a transaction (:meth:`Txn.write`,
+:meth:`Txn.write_batches`, :meth:`Txn.stash_append`, :meth:`Txn.stash_replace`), the rules
+a commit time must keep (:meth:`Txn.commit_at`, :meth:`Txn.commit`), the bookkeeping of an
+attempt whose outcome is unknown, and :meth:`Txn.abort`.  The commit protocol itself (one
+stash append for every shard's version, under the machines' locks) is
+:mod:`persist.txn_commit`; cross-shard-consistent reads are :mod:`persist.snapshots`
+(both re-exported here: ``from persist.txn import TxnUpperMismatch, snapshot_many``).
+
 Invariants kept here:
 
 * **data goes up early**: :meth:`Txn.write` writes its updates as a batch at once,
@@ -24,21 +32,18 @@ Invariants kept here:
   same path as a normal append).  Parts hold the raw time ``I64_MIN``; a commit at
   ``ts`` applies :meth:`~persist.batch.Batch.rewrite_ts` to a *copy* of each batch
   (metadata only), so a retry at a later ``ts`` never uploads a part again;
-* **one atomic step**: :meth:`Txn.commit_at` stages, for every written shard, the
-  version whose trace holds ``[old upper, ts)`` empty and the updates at ``[ts, ts+1)``
-  (upper ``ts + 1``), records the transaction's idempotency token in that version under
-  a writer id of the transaction's own (one per shard, used by no other append, so
-  its token is that writer's last token and no later append pushes it out of the
-  :data:`~persist.state.WRITER_TOKENS_KEPT` kept; the builder's writer is renewed as
-  by a normal append), and sends all of them with the stash batches in one stash
-  ``append`` (:meth:`persist.consensus.Consensus.append_atomic`); the shards' seqnos are
-  its compare-and-set;
+* **one atomic step**: :meth:`Txn.commit_at` gives every written shard its updates at
+  ``ts`` and upper ``ts + 1`` (``[old upper, ts)`` recorded empty) and appends the stash
+  batches, all in one stash ``append`` (:func:`persist.txn_commit.commit_shards`): a
+  reader sees all of it or none of it.  The transaction's idempotency token is recorded
+  in each shard's version under a writer id of the transaction's own (one per shard,
+  used by no other append, so no later append pushes it out of the
+  :data:`~persist.state.WRITER_TOKENS_KEPT` kept; the builder's writer is renewed as by
+  a normal append);
 * **a race is not a failure**: a shard whose upper is already beyond ``ts`` makes
   ``commit_at`` raise :class:`TxnUpperMismatch` (an :class:`UpperMismatch`) naming every
-  such shard with its current upper (every written shard is re-read first, so none is
-  missed for a stale cache), and nothing is committed; a lost race on a
-  shard's seqno with its upper still ``<= ts`` (a reader, compactor or GC changed it)
-  is retried on the metadata alone; a stash batch whose lower check fails raises
+  such shard with its current upper, and nothing is committed; :meth:`Txn.commit`
+  retries it at a later time by itself.  A stash batch whose lower check fails raises
   :class:`TxnUpperMismatch` naming the collection (nothing committed; the caller
   rebuilds the batch and swaps it in with :meth:`Txn.stash_replace`, keeping the
   parts); stash batches for one collection are merged into one (they must be made
@@ -56,33 +61,35 @@ Invariants kept here:
   :class:`~persist.errors.InvalidUsage` naming the shard (not a race); a
   writer whose lease ran out by commit time raises
   :class:`~persist.state.LeaseExpired` (nothing is committed);
-* **unknown outcomes are resolved, never double-applied**: when the stash loses the
-  acknowledgement of the append, the transaction re-reads the shards' heads and looks
-  for its token (recorded under its own writer id); if found it committed, if not the
-  same staging is retried (at the same ``ts``, on the fresh seqnos, so an old
-  in-flight commit and the retry can never both land).  If the outcome stays unknown a
-  :class:`~persist.errors.ConsensusError` with ``is_indeterminate()`` and the
-  ``idempotency_token`` is raised; the parts are then kept (never deleted by
-  :meth:`Txn.abort`), and calling ``commit_at``/``commit`` again on the same ``Txn``
-  first looks for the token.  Once the record of a landed attempt could have expired
-  with its writer lease (counted from the first unknown outcome), its absence proves
-  nothing and the outcome stays indeterminate.  A transaction with stash batches and no
-  shard write has no token to look for: its indeterminate outcome is reported as such,
-  and so is a later failed lower check of a retry (never a definite "nothing was
-  committed", which would invite appending the batches twice);
+* **unknown outcomes are settled before the next change, never double-applied**: when
+  the stash loses the acknowledgement of the append, the transaction looks for its
+  token in the shards' heads (:func:`persist.txn_commit.find_landed`); if found it
+  committed, if not the same staging is retried (at the same ``ts``, on the fresh
+  seqnos, so an old in-flight commit and the retry can never both land).  If the
+  outcome stays unknown a :class:`~persist.errors.ConsensusError` with
+  ``is_indeterminate()`` and the ``idempotency_token`` is raised; the parts are then
+  kept (never deleted by :meth:`Txn.abort`), and the next ``write``, ``stash_*``,
+  ``commit_at`` or ``commit`` on the same ``Txn`` first looks for the token (a change
+  to a transaction that landed is refused).  Once the record of a landed attempt could
+  have expired with its writer lease (counted from the first unknown outcome), its
+  absence proves nothing and the outcome stays indeterminate.  A transaction with
+  stash batches and no shard write has no token to look for: its indeterminate outcome
+  is reported as such, and so is a later failed lower check of a retry (never a
+  definite "nothing was committed", which would invite appending the batches twice);
 * **abort**: :meth:`Txn.abort` (or an exception leaving ``with client.begin() as
   txn:``) deletes the parts the transaction uploaded, unless a commit of it may have
   landed;
 * **consistent reads**: after ``commit_at(ts)`` returns, every written shard's snapshot
   as of any ``t >= ts`` (below each shard's upper) shows the transaction, and as of any
-  ``t < ts`` none of it; :func:`snapshot_many` (``client.snapshot_many``) reads several
-  shards at one ``as_of`` each, by default the latest time definite in all of them,
-  giving a cross-shard-consistent view.  Per-shard ``snapshot`` calls at *different*
-  times, or at the latest time of each shard separately, are not consistent with each
-  other.
+  ``t < ts`` none of it; :func:`~persist.snapshots.snapshot_many`
+  (``client.snapshot_many``) reads several shards at one ``as_of``.  Per-shard
+  ``snapshot`` calls at *different* times, or at the latest time of each shard
+  separately, are not consistent with each other.
 
-Source of the idea: Materialize ``src/txn-wal`` (``TxnsHandle::begin``, ``Txn::write``,
-``Txn::commit_at`` and its ``UpperMismatch`` retry with a later timestamp).
+Sources of the idea: Materialize ``src/txn-wal`` (``TxnsHandle::begin``, ``Txn::write``,
+``Txn::commit_at`` and its ``UpperMismatch`` retry with a later timestamp); pyiceberg's
+``Transaction`` (``pyiceberg/table/__init__.py``: changes gathered first, checked and
+committed together, or not at all).
 """
 
 from __future__ import annotations
@@ -155,7 +162,8 @@ class Txn:
     thread-safe: one thread builds and commits a transaction; several threads may each
     run their own transactions on one client (its lock order is in
     :mod:`persist.client`: a commit holds its shards' machine locks, in shard-id order,
-    and takes the client's transaction lock, a leaf, only inside them).
+    and takes the client's transaction lock, a leaf, only inside them; both are taken in
+    :func:`persist.txn_commit.commit_shards`).
 
     Attributes:
         token: the idempotency token recorded in each written shard's state (under the

@@ -120,11 +120,11 @@ from persist.txn_commit import (
     TxnUpperMismatch,
     commit_shards,
     find_landed,
-    indeterminate,
     is_timed,
     lost_collection_upper,
     merged_stash_batches,
     timed_max,
+    unknown_outcome,
 )
 from persist.updates import to_updates_table, updates_schema
 from persist.write import WriteHandle
@@ -703,7 +703,7 @@ class Txn:
                     )
 
     def _unknown(self, e: ConsensusError) -> ConsensusError:
-        return indeterminate(self.token, str(e))
+        return unknown_outcome(self.token, str(e))
 
     def commit(self) -> int:
         """Commit at the smallest valid time: the largest upper of the written shards
@@ -776,7 +776,7 @@ class Txn:
         if lost is not None:
             cur = lost_collection_upper(self._ctx, batches, lost)
             if self._maybe_landed:
-                raise indeterminate(
+                raise unknown_outcome(
                     self.token,
                     "an earlier attempt's acknowledgement was lost and stash collection "
                     f"{lost!r} moved on to upper {cur} (by that attempt or by another "

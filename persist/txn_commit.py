@@ -76,11 +76,11 @@ __all__ = [
     "TxnUpperMismatch",
     "commit_shards",
     "find_landed",
-    "indeterminate",
     "is_timed",
     "lost_collection_upper",
     "merged_stash_batches",
     "timed_max",
+    "unknown_outcome",
 ]
 
 
@@ -193,7 +193,7 @@ def _concat(lower: Antichain, upper: Antichain, batches: Sequence[Batch]) -> Hol
     return HollowBatch(Description(lower, upper), tuple(parts), n, tuple(sorted(set(runs))))
 
 
-def indeterminate(token: str, why: str) -> ConsensusError:
+def unknown_outcome(token: str, why: str) -> ConsensusError:
     """The indeterminate :class:`~persist.errors.ConsensusError` of the transaction with
     ``token`` (its ``idempotency_token``): the outcome is unknown because of ``why``."""
     err = ConsensusError(
@@ -496,11 +496,11 @@ def find_landed(
         if unknown_since_ms is not None and m.now_ms() > unknown_since_ms + lease:
             # A landed commit's record may have expired with its lease: its absence
             # proves nothing any more, so the outcome stays unknown.
-            raise indeterminate(
+            raise unknown_outcome(
                 token,
                 f"its record in shard {sid} would have expired (writer lease {lease} ms) "
                 "since the commit's acknowledgement was lost",
             )
         return None
     assert last is not None
-    raise indeterminate(token, f"re-reading shard {sid} failed: {last}")
+    raise unknown_outcome(token, f"re-reading shard {sid} failed: {last}")

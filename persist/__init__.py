@@ -43,9 +43,11 @@ from persist.fsck import FsckReport, fsck
 from persist.gc import GcReport, collect_garbage
 from persist.machine import ShardMachine
 from persist.read import Listen, ListenEvent, ReadHandle
+from persist.snapshots import snapshot_many
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.state import LeaseExpired, ShardState
-from persist.txn import Txn, TxnUpperMismatch, snapshot_many
+from persist.txn import Txn
+from persist.txn_commit import TxnUpperMismatch
 from persist.types import Description, HollowBatch, PartRef
 from persist.write import BatchBuilder, WriteHandle
 

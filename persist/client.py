@@ -69,8 +69,9 @@ from persist.machine import ShardMachine
 from persist.maintenance import Maintenance
 from persist.read import ReadHandle
 from persist.shards import Shards
+from persist.snapshots import snapshot_many
 from persist.state import ShardState
-from persist.txn import Txn, snapshot_many
+from persist.txn import Txn
 from persist.write import WriteHandle
 from stash import Stash, StashError
 
@@ -407,7 +408,7 @@ class PersistClient:
     def snapshot_many(
         self, as_ofs: Mapping[str, int | None] | Sequence[str]
     ) -> dict[str, pa.Table]:
-        """Cross-shard-consistent snapshots: see :func:`persist.txn.snapshot_many`."""
+        """Cross-shard-consistent snapshots: see :func:`persist.snapshots.snapshot_many`."""
         self._ctx.check_open()
         return snapshot_many(self._shard_ops, as_ofs)
 

@@ -37,7 +37,7 @@ maps names to :class:`ShardId` strings; registering races resolve the same way.
 The state machine of one shard in one process, which applies commands to a copy of the
 cached state and publishes the next version here by compare-and-set, is
 :class:`persist.machine.ShardMachine`; a transaction over several shards
-(:mod:`persist.txn`) builds the stash batches of each shard's staged version with
+(:mod:`persist.txn_commit`) builds the stash batches of each shard's staged version with
 :meth:`Consensus.version_batches` and sends them, with any other stash batches, as one
 :meth:`Consensus.append_atomic`: every shard's seqno check and every other batch's lower
 check pass together or nothing is committed.
@@ -600,7 +600,7 @@ class Consensus:
     ) -> list[AppendBatch]:
         """The stash batches that publish version ``expected + 1`` of ``shard_id`` on top
         of ``expected`` (the same batches :meth:`compare_and_set` sends), without sending
-        them: a multi-shard transaction (:mod:`persist.txn`) sends several shards'
+        them: a multi-shard transaction (:mod:`persist.txn_commit`) sends several shards'
         batches, and batches of other collections, in one atomic stash ``append``.
 
         Args: as :meth:`compare_and_set` (``expected`` is never ``None`` here).

@@ -15,7 +15,7 @@ Transient consensus failures are retried with backoff (tenacity, in
 the head and re-running the command, which recognises its own already-committed effect
 (appends carry an idempotency token, the other commands are idempotent).
 
-A transaction over several shards (:mod:`persist.txn`) stages each shard's next version
+A multi-shard transaction (:mod:`persist.txn_commit`) stages each shard's next version
 with :meth:`ShardMachine.stage_commit_txn` (under the machines' locks, taken in shard-id
 order), builds its stash batches with :meth:`Consensus.version_batches`, sends them as one
 :meth:`Consensus.append_atomic`, and caches the staged versions
@@ -295,7 +295,7 @@ class ShardMachine:
     # -------------------------------------------- multi-shard transactions
     @property
     def lock(self) -> threading.RLock:
-        """The machine's lock: a multi-shard transaction (:mod:`persist.txn`) holds the
+        """The machine's lock: a multi-shard transaction (:mod:`persist.txn_commit`) holds the
         locks of all its shards (taken in shard-id order) around :meth:`_stage` and
         :meth:`install`."""
         return self._lock

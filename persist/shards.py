@@ -68,7 +68,7 @@ class Shards:
         self._txn_writers: dict[str, WriteHandle] = {}
         self._txn_lock = threading.Lock()
         # shard id -> record ids of acknowledged transactions, dropped from the shard's
-        # state by this client's next transaction on it (see persist.txn).
+        # state by this client's next transaction on it (see persist.txn_commit).
         self._txn_done: dict[str, list[str]] = {}
 
     def __repr__(self) -> str:

@@ -16,6 +16,14 @@ Usage::
         txn.stash_append([catalog_batch])
         txn.commit_at(ts)                 # or txn.commit(): the smallest valid ts
 
+This module holds the user-facing :class:`Txn`: building a transaction (:meth:`Txn.write`,
+:meth:`Txn.write_batches`, :meth:`Txn.stash_append`, :meth:`Txn.stash_replace`), the rules
+a commit time must keep (:meth:`Txn.commit_at`, :meth:`Txn.commit`), the bookkeeping of an
+attempt whose outcome is unknown, and :meth:`Txn.abort`.  The commit protocol itself (one
+stash append for every shard's version, under the machines' locks) is
+:mod:`persist.txn_commit`; cross-shard-consistent reads are :mod:`persist.snapshots`
+(both re-exported here: ``from persist.txn import TxnUpperMismatch, snapshot_many``).
+
 Invariants kept here:
 
 * **data goes up early**: :meth:`Txn.write` writes its updates as a batch at once,
@@ -24,21 +32,18 @@ Invariants kept here:
   same path as a normal append).  Parts hold the raw time ``I64_MIN``; a commit at
   ``ts`` applies :meth:`~persist.batch.Batch.rewrite_ts` to a *copy* of each batch
   (metadata only), so a retry at a later ``ts`` never uploads a part again;
-* **one atomic step**: :meth:`Txn.commit_at` stages, for every written shard, the
-  version whose trace holds ``[old upper, ts)`` empty and the updates at ``[ts, ts+1)``
-  (upper ``ts + 1``), records the transaction's idempotency token in that version under
-  a writer id of the transaction's own (one per shard, used by no other append, so
-  its token is that writer's last token and no later append pushes it out of the
-  :data:`~persist.state.WRITER_TOKENS_KEPT` kept; the builder's writer is renewed as
-  by a normal append), and sends all of them with the stash batches in one stash
-  ``append`` (:meth:`persist.consensus.Consensus.append_atomic`); the shards' seqnos are
-  its compare-and-set;
+* **one atomic step**: :meth:`Txn.commit_at` gives every written shard its updates at
+  ``ts`` and upper ``ts + 1`` (``[old upper, ts)`` recorded empty) and appends the stash
+  batches, all in one stash ``append`` (:func:`persist.txn_commit.commit_shards`): a
+  reader sees all of it or none of it.  The transaction's idempotency token is recorded
+  in each shard's version under a writer id of the transaction's own (one per shard,
+  used by no other append, so no later append pushes it out of the
+  :data:`~persist.state.WRITER_TOKENS_KEPT` kept; the builder's writer is renewed as by
+  a normal append);
 * **a race is not a failure**: a shard whose upper is already beyond ``ts`` makes
   ``commit_at`` raise :class:`TxnUpperMismatch` (an :class:`UpperMismatch`) naming every
-  such shard with its current upper (every written shard is re-read first, so none is
-  missed for a stale cache), and nothing is committed; a lost race on a
-  shard's seqno with its upper still ``<= ts`` (a reader, compactor or GC changed it)
-  is retried on the metadata alone; a stash batch whose lower check fails raises
+  such shard with its current upper, and nothing is committed; :meth:`Txn.commit`
+  retries it at a later time by itself.  A stash batch whose lower check fails raises
   :class:`TxnUpperMismatch` naming the collection (nothing committed; the caller
   rebuilds the batch and swaps it in with :meth:`Txn.stash_replace`, keeping the
   parts); stash batches for one collection are merged into one (they must be made
@@ -56,86 +61,75 @@ Invariants kept here:
   :class:`~persist.errors.InvalidUsage` naming the shard (not a race); a
   writer whose lease ran out by commit time raises
   :class:`~persist.state.LeaseExpired` (nothing is committed);
-* **unknown outcomes are resolved, never double-applied**: when the stash loses the
-  acknowledgement of the append, the transaction re-reads the shards' heads and looks
-  for its token (recorded under its own writer id); if found it committed, if not the
-  same staging is retried (at the same ``ts``, on the fresh seqnos, so an old
-  in-flight commit and the retry can never both land).  If the outcome stays unknown a
-  :class:`~persist.errors.ConsensusError` with ``is_indeterminate()`` and the
-  ``idempotency_token`` is raised; the parts are then kept (never deleted by
-  :meth:`Txn.abort`), and calling ``commit_at``/``commit`` again on the same ``Txn``
-  first looks for the token.  Once the record of a landed attempt could have expired
-  with its writer lease (counted from the first unknown outcome), its absence proves
-  nothing and the outcome stays indeterminate.  A transaction with stash batches and no
-  shard write has no token to look for: its indeterminate outcome is reported as such,
-  and so is a later failed lower check of a retry (never a definite "nothing was
-  committed", which would invite appending the batches twice);
+* **unknown outcomes are settled before the next change, never double-applied**: when
+  the stash loses the acknowledgement of the append, the transaction looks for its
+  token in the shards' heads (:func:`persist.txn_commit.find_landed`); if found it
+  committed, if not the same staging is retried (at the same ``ts``, on the fresh
+  seqnos, so an old in-flight commit and the retry can never both land).  If the
+  outcome stays unknown a :class:`~persist.errors.ConsensusError` with
+  ``is_indeterminate()`` and the ``idempotency_token`` is raised; the parts are then
+  kept (never deleted by :meth:`Txn.abort`), and the next ``write``, ``stash_*``,
+  ``commit_at`` or ``commit`` on the same ``Txn`` first looks for the token (a change
+  to a transaction that landed is refused).  Once the record of a landed attempt could
+  have expired with its writer lease (counted from the first unknown outcome), its
+  absence proves nothing and the outcome stays indeterminate.  A transaction with
+  stash batches and no shard write has no token to look for: its indeterminate outcome
+  is reported as such, and so is a later failed lower check of a retry (never a
+  definite "nothing was committed", which would invite appending the batches twice);
 * **abort**: :meth:`Txn.abort` (or an exception leaving ``with client.begin() as
   txn:``) deletes the parts the transaction uploaded, unless a commit of it may have
   landed;
 * **consistent reads**: after ``commit_at(ts)`` returns, every written shard's snapshot
   as of any ``t >= ts`` (below each shard's upper) shows the transaction, and as of any
-  ``t < ts`` none of it; :func:`snapshot_many` (``client.snapshot_many``) reads several
-  shards at one ``as_of`` each, by default the latest time definite in all of them,
-  giving a cross-shard-consistent view.  Per-shard ``snapshot`` calls at *different*
-  times, or at the latest time of each shard separately, are not consistent with each
-  other.
+  ``t < ts`` none of it; :func:`~persist.snapshots.snapshot_many`
+  (``client.snapshot_many``) reads several shards at one ``as_of``.  Per-shard
+  ``snapshot`` calls at *different* times, or at the latest time of each shard
+  separately, are not consistent with each other.
 
-Source of the idea: Materialize ``src/txn-wal`` (``TxnsHandle::begin``, ``Txn::write``,
-``Txn::commit_at`` and its ``UpperMismatch`` retry with a later timestamp).
+Sources of the idea: Materialize ``src/txn-wal`` (``TxnsHandle::begin``, ``Txn::write``,
+``Txn::commit_at`` and its ``UpperMismatch`` retry with a later timestamp); pyiceberg's
+``Transaction`` (``pyiceberg/table/__init__.py``: changes gathered first, checked and
+committed together, or not at all).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Protocol
+from collections.abc import Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.batch import Batch
-from persist.commands import TxnCmd
 from persist.consensus import (
     REGISTRY_COLLECTION,
     RETIRED_COLLECTION_PREFIX,
     SHARD_COLLECTION_PREFIX,
 )
-from persist.errors import (
-    ConsensusError,
-    DiffOverflow,
-    InvalidUsage,
-    PersistError,
-    UpperMismatch,
-)
+from persist.errors import ConsensusError, DiffOverflow, InvalidUsage, PersistError
 from persist.ids import validate_shard_name
-from persist.keys import key_writer_id
-from persist.machine import ShardMachine, Staged, Stale
 from persist.parts import DIFF, TIME
 from persist.shards import Shards
-from persist.spine import FueledMergeReq
-from persist.state import TOKEN_SEP, LeaseExpired
-from persist.types import Description, HollowBatch, PartRef
+from persist.snapshots import snapshot_many
+from persist.state import LeaseExpired
+from persist.txn_commit import (
+    ShardWrites,
+    TxnUpperMismatch,
+    commit_shards,
+    find_landed,
+    is_timed,
+    lost_collection_upper,
+    merged_stash_batches,
+    timed_max,
+    unknown_outcome,
+)
 from persist.updates import to_updates_table, updates_schema
-from persist.write import WriteHandle, handed_off_owners
+from persist.write import WriteHandle
 from stash import Antichain, AppendBatch, StashError
 from stash.antichain import I64_MAX, I64_MIN
-
-
-class HasShards(Protocol):
-    """Anything holding a :class:`~persist.shards.Shards` (a
-    :class:`~persist.client.PersistClient`)."""
-
-    @property
-    def shard_ops(self) -> Shards: ...
-
 
 __all__ = ["Txn", "TxnUpperMismatch", "snapshot_many"]
 
@@ -147,120 +141,11 @@ RAW_TIME = I64_MIN
 _INTERNAL_PREFIXES = (SHARD_COLLECTION_PREFIX, RETIRED_COLLECTION_PREFIX)
 
 
-class TxnUpperMismatch(UpperMismatch):
-    """``Txn.commit_at(ts)`` lost a race: nothing was committed.
-
-    Attributes:
-        ts: the commit time asked for.
-        shards: shard name -> its current upper, for every written shard whose upper is
-            beyond ``ts`` (retry with ``commit_at(t)`` for ``t >=`` the largest of them).
-        collections: stash collection name -> its current upper, for every stash batch
-            whose lower no longer matches (such a batch must be rebuilt).
-        unfixable: names of shards whose upper passed a time a ``time_column`` write
-            must be written at (no later ``ts`` can fix it).
-        expected, current: as :class:`UpperMismatch` (``{ts}`` and the largest upper
-            of the shards, or the collection's).
-    """
-
-    def __init__(
-        self,
-        ts: int,
-        shards: Mapping[str, Antichain],
-        collections: Mapping[str, Antichain] | None = None,
-        *,
-        unfixable: set[str] | frozenset[str] = frozenset(),
-    ) -> None:
-        self.ts = ts
-        self.unfixable = frozenset(unfixable)
-        self.shards = dict(shards)
-        self.collections = dict(collections or {})
-        uppers = [*self.shards.values(), *self.collections.values()]
-        current = uppers[0]
-        for u in uppers[1:]:
-            current = current.join(u)
-        parts = [f"shard {n!r} upper {u}" for n, u in sorted(self.shards.items())]
-        parts += [f"stash collection {n!r} upper {u}" for n, u in sorted(self.collections.items())]
-        UpperMismatch.__init__(self, Antichain.from_elem(ts), current)
-        self.args = (
-            f"transaction cannot commit at {ts}, nothing was committed: "
-            + "; ".join(parts)
-            + (
-                " (a stash batch's lower check failed: rebuild it)"
-                if self.collections
-                else " (writes with their own times are now below the upper)"
-                if self.unfixable
-                else " (retry at a later time)"
-            ),
-        )
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-    def retry_ts(self) -> int | None:
-        """The smallest time a retry may commit at, or ``None`` if only a new stash batch
-        (or nothing: a shard sealed for ever) can fix the race."""
-        if self.collections or self.unfixable:
-            return None
-        ts = self.ts
-        for u in self.shards.values():
-            t = u.as_option()
-            if t is None:
-                return None
-            ts = max(ts, t)
-        return ts
-
-
-@dataclass
-class _ShardWrites:
-    """What a transaction writes to one shard."""
-
-    name: str
-    writer: WriteHandle
-    batches: list[Batch] = field(default_factory=list)
-    # The writer id this transaction alone records its token under in this shard's
-    # state: it appends once, so the token is its ``last_token`` and no later append
-    # (through a shared or the caller's handle) can push it out.
-    record_id: str = field(default_factory=lambda: "w" + uuid.uuid4().hex)
-    lent: dict[int, WriteHandle] = field(default_factory=dict)  # batch id -> its builder's handle
-    # The batches added by write_batches (written elsewhere: possibly copies of a batch
-    # the shard already has), checked against the version committed on.
-    given: list[Batch] = field(default_factory=list)
-
-
-def _is_timed(b: Batch) -> bool:
-    """Whether a transaction's batch keeps its own times (``time_column``)."""
-    return bool(getattr(b, "txn_timed", False))
-
-
-def _timed_max(batches: Sequence[Batch]) -> int | None:
-    """The latest time of a shard's timed (``time_column``) writes, or ``None``."""
-    his = [b.time_range[1] for b in batches if _is_timed(b) and b.time_range is not None]
-    return max(his) if his else None
-
-
 def _time_range(table: pa.Table) -> tuple[int, int] | None:
     if table.num_rows == 0:
         return None
     mm = pc.min_max(table.column(TIME))
     return int(mm["min"].as_py()), int(mm["max"].as_py())
-
-
-def _concat(lower: Antichain, upper: Antichain, batches: Sequence[Batch]) -> HollowBatch:
-    """One hollow batch ``[lower, upper)`` holding every part of ``batches`` (each
-    batch's runs kept as runs)."""
-    parts: list[PartRef] = []
-    runs: list[int] = []
-    n = 0
-    for b in batches:
-        if b.len == 0:
-            continue
-        off = len(parts)
-        if off:
-            runs.append(off)
-        runs.extend(off + r for r in b.hollow.runs)
-        parts.extend(b.hollow.parts)
-        n += b.len
-    return HollowBatch(Description(lower, upper), tuple(parts), n, tuple(sorted(set(runs))))
 
 
 def _check_time(ts: object) -> int:
@@ -277,7 +162,8 @@ class Txn:
     thread-safe: one thread builds and commits a transaction; several threads may each
     run their own transactions on one client (its lock order is in
     :mod:`persist.client`: a commit holds its shards' machine locks, in shard-id order,
-    and takes the client's transaction lock, a leaf, only inside them).
+    and takes the client's transaction lock, a leaf, only inside them; both are taken in
+    :func:`persist.txn_commit.commit_shards`).
 
     Attributes:
         token: the idempotency token recorded in each written shard's state (under the
@@ -297,14 +183,13 @@ class Txn:
         shard_ops.ctx.check_open()
         self._shard_ops = shard_ops
         self._ctx = shard_ops.ctx
-        self._shards: dict[str, _ShardWrites] = {}  # by shard id
+        self._shards: dict[str, ShardWrites] = {}  # by shard id
         self._stash_batches: list[AppendBatch] = []
         self.token = uuid.uuid4().hex
         self.committed_ts: int | None = None
         self._aborted = False
         self._maybe_landed = False
         self._unknown_since_ms: int | None = None  # first indeterminate attempt (ms)
-        self._dropping: dict[str, list[str]] = {}  # shard id -> done record ids dropped
 
     def __repr__(self) -> str:
         names = sorted(w.name for w in self._shards.values())
@@ -474,7 +359,7 @@ class Txn:
             raise
         if time_column is not None:
             batch.txn_timed = True  # type: ignore[attr-defined]
-        sw = self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w))
+        sw = self._shards.setdefault(w.shard_id, ShardWrites(w.name, w))
         sw.batches.append(batch)
         sw.lent[id(batch)] = w
 
@@ -549,14 +434,14 @@ class Txn:
         for b, timed in zip(batches, flags, strict=True):
             if timed:
                 b.txn_timed = True  # type: ignore[attr-defined]
-        sw = self._shards.setdefault(w.shard_id, _ShardWrites(w.name, w))
+        sw = self._shards.setdefault(w.shard_id, ShardWrites(w.name, w))
         sw.batches.extend(batches)
         sw.given.extend(batches)
 
     def _check_mode(self, w: WriteHandle, flags: Sequence[bool]) -> None:
         """A shard takes timed or untimed writes in one transaction, not both."""
         sw = self._shards.get(w.shard_id)
-        all_flags = {*(_is_timed(b) for b in (sw.batches if sw else [])), *flags}
+        all_flags = {*(is_timed(b) for b in (sw.batches if sw else [])), *flags}
         if len(all_flags) > 1:
             raise InvalidUsage(
                 f"Txn.write to shard {w.name!r}: one transaction writes a shard either with "
@@ -710,22 +595,6 @@ class Txn:
             self._stash_batches = before
             raise
 
-    def _merged_stash_batches(self) -> list[AppendBatch]:
-        """The stash batches with those for one collection merged into one (same lower,
-        upper and compact, checked by :meth:`stash_append`; entries in the order
-        added).  The caller's batches are not changed."""
-        groups: dict[str, list[AppendBatch]] = {}
-        for b in self._stash_batches:
-            groups.setdefault(b.collection.name, []).append(b)
-        merged: dict[str, AppendBatch] = {}
-        for name, bs in groups.items():
-            merged[name] = (
-                bs[0]
-                if len(bs) == 1
-                else dataclasses.replace(bs[0], entries=[e for b in bs for e in b.entries])
-            )
-        return list(merged.values())
-
     # -------------------------------------------------------------- committing
     def commit_at(self, ts: int) -> int:
         """Commit everything at ``ts`` in one stash transaction (all or nothing): each
@@ -753,7 +622,7 @@ class Txn:
         self._check_pending()
         ts = _check_time(ts)
         for sw in self._shards.values():
-            hi = _timed_max(sw.batches)
+            hi = timed_max(sw.batches)
             if hi is not None and hi > ts:
                 raise InvalidUsage(
                     f"cannot commit at {ts}: the write to shard {sw.name!r} with its own "
@@ -834,17 +703,12 @@ class Txn:
                     )
 
     def _unknown(self, e: ConsensusError) -> ConsensusError:
-        err = ConsensusError(
-            f"the outcome of the transaction (token {self.token}) is unknown: {e}",
-            indeterminate=True,
-        )
-        err.idempotency_token = self.token
-        return err
+        return unknown_outcome(self.token, str(e))
 
     def commit(self) -> int:
         """Commit at the smallest valid time: the largest upper of the written shards
-        (freshly read) and time of their ``time_column`` writes, retrying by itself with a later time when a race moves an upper
-        past it.
+        (freshly read) and time of their ``time_column`` writes, retrying by itself with
+        a later time when a race moves an upper past it.
 
         Returns: the commit time.
 
@@ -878,7 +742,7 @@ class Txn:
                     "largest time: no time is left to write it at (nothing was committed)"
                 )
             ts = max(ts, up)
-            hi = _timed_max(self._shards[sid].batches)
+            hi = timed_max(self._shards[sid].batches)
             if hi is not None:
                 ts = max(ts, hi)
         for attempt in range(self.max_commit_attempts):
@@ -901,7 +765,7 @@ class Txn:
         if not self._stash_batches:
             return self._finish(ts)
         c = self._ctx.consensus
-        batches = self._merged_stash_batches()
+        batches = merged_stash_batches(self._stash_batches)
         try:
             lost = c.append_atomic(batches, "a transaction's stash append")
         except ConsensusError as e:
@@ -910,242 +774,41 @@ class Txn:
                 raise self._unknown(e) from e
             raise
         if lost is not None:
-            b = next(b for b in batches if b.collection.name == lost)
-            try:
-                cur = self._ctx.stash.upper(b.collection)
-            except StashError as e:
-                raise ConsensusError(f"reading the upper of {lost} failed: {e}") from e
+            cur = lost_collection_upper(self._ctx, batches, lost)
             if self._maybe_landed:
-                err = ConsensusError(
-                    f"the outcome of the transaction (token {self.token}) is unknown: an "
-                    f"earlier attempt's acknowledgement was lost and stash collection "
+                raise unknown_outcome(
+                    self.token,
+                    "an earlier attempt's acknowledgement was lost and stash collection "
                     f"{lost!r} moved on to upper {cur} (by that attempt or by another "
                     "writer; a stash-only transaction has no token to tell which)",
-                    indeterminate=True,
                 )
-                err.idempotency_token = self.token
-                raise err
             raise TxnUpperMismatch(ts, {}, {lost: cur})
         return self._finish(ts)
 
     def _attempt(self, ts: int) -> int:
-        """Stage every shard's version at ``ts`` and send them with the stash batches as
-        one append; re-stage on lost seqno races.  Returns the committed time."""
-        c = self._ctx
-        order = sorted(self._shards)
-        machines = [c.machine(sid) for sid in order]
-        with contextlib.ExitStack() as stack:
-            for m in machines:
-                stack.enter_context(m.lock)
-            fresh: set[str] = set()
-            races = 0
-            while True:
-                staged: list[tuple[ShardMachine, Staged, list[FueledMergeReq]]] = []
-                mismatched: dict[str, Antichain] = {}
-                landed_at: int | None = None
-                restage = False
-                for sid, m in zip(order, machines, strict=True):
-                    sw = self._shards[sid]
-                    cmd, relist = self._command(sw, ts, m)
-                    try:
-                        (kind, value), st = m.stage_commit_txn(cmd, sid in fresh, relist)
-                    except Stale:
-                        m.fetch()
-                        fresh.add(sid)
-                        restage = True
-                        break
-                    if kind == "landed":
-                        landed_at = value
-                        break
-                    if kind == "mismatch":
-                        mismatched[sw.name] = value[0]
-                        continue
-                    assert st is not None
-                    staged.append((m, st, value))
-                if restage:
-                    continue
-                if landed_at is not None:
-                    for m in machines:  # an earlier attempt landed: learn its versions
-                        m.fetch()
-                    return landed_at
-                if mismatched:
-                    # Uppers only advance: a cached upper beyond ts is a real race.  The
-                    # other shards' cached uppers may be older than theirs: re-read every
-                    # shard, so the report (and retry_ts) names each one beyond ts.
-                    raise self._mismatch(ts, order, machines)
-                batches: list[AppendBatch] = []
-                for m, st, _reqs in staged:
-                    batches.extend(
-                        c.consensus.version_batches(
-                            m.shard_id, st.expected, st.texts, st.prev, st.retired, plan=st.plan
-                        )
-                    )
-                batches.extend(self._merged_stash_batches())
-                lost = c.consensus.append_atomic(
-                    batches, f"transaction commit at {ts} of shards {self.shards}"
-                )
-                if lost is None:
-                    for m, st, _reqs in staged:
-                        m.install(st)
-                        self._shard_ops.txn_done_forget(
-                            m.shard_id, self._dropping.get(m.shard_id, ())
-                        )
-                    for m, _st, reqs in staged:
-                        if reqs:
-                            c.maintenance.after_append(m, reqs)
-                    return ts
-                sid_lost = next(
-                    (
-                        m.shard_id
-                        for m in machines
-                        if lost
-                        in (
-                            SHARD_COLLECTION_PREFIX + m.shard_id,
-                            RETIRED_COLLECTION_PREFIX + m.shard_id,
-                        )
-                    ),
-                    None,
-                )
-                if sid_lost is None:
-                    sb = next(b for b in batches if b.collection.name == lost)
-                    try:
-                        cur = c.stash.upper(sb.collection)
-                    except StashError as e:
-                        raise ConsensusError(f"reading the upper of {lost} failed: {e}") from e
-                    raise TxnUpperMismatch(ts, {}, {lost: cur})
-                # A lost seqno race: re-read every shard (cheap when unchanged) and
-                # stage again; no part is written again.
-                races += 1
-                if races > self.max_races:
-                    raise ConsensusError(
-                        f"transaction at {ts}: gave up after {races} lost compare-and-set races"
-                    )
-                for m in machines:
-                    m.fetch()
-                fresh = set(order)
-                if races > 2:
-                    time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
-
-    def _mismatch(
-        self, ts: int, order: Sequence[str], machines: Sequence[ShardMachine]
-    ) -> TxnUpperMismatch:
-        """The race at ``ts``, decided on a fresh read of every written shard: each shard
-        whose upper is beyond ``ts`` with that upper (unfixable when its timed writes
-        are now below it)."""
-        shards: dict[str, Antichain] = {}
-        unfixable: set[str] = set()
-        for sid, m in zip(order, machines, strict=True):
-            sw = self._shards[sid]
-            upper = m.fetch().upper
-            if not upper.less_equal(ts):
-                shards[sw.name] = upper
-            los = [
-                b.time_range[0]
-                for b in sw.batches
-                if _is_timed(b) and b.len > 0 and b.time_range is not None
-            ]
-            if los and not upper.less_equal(min(los)):
-                shards[sw.name] = upper
-                unfixable.add(sw.name)
-        return TxnUpperMismatch(ts, shards, unfixable=unfixable)
-
-    def _command(
-        self, sw: _ShardWrites, ts: int, m: ShardMachine
-    ) -> tuple[TxnCmd, Callable[[], object]]:
-        """One shard's part of the commit (:meth:`ShardState.commit_txn`, staged by
-        :meth:`ShardMachine.stage_commit_txn`) and the listing of its given parts."""
-        w = sw.writer
-        wid = w.writer_id
-        new = Antichain.from_elem(ts + 1)
-        owners = {wid}
-        for b in sw.batches:
-            owners.update(x for k in b.blob_keys() if (x := key_writer_id(k)) is not None)
-        if not w._registered:
-            owners.discard(wid)  # checked once registered
-        timed = any(_is_timed(b) for b in sw.batches)
-        ranges = [b.time_range for b in sw.batches if b.len > 0 and b.time_range is not None]
-        timed_lo = min(r[0] for r in ranges) if timed and ranges else None
-        rid = sw.record_id
-        done = [d for d in self._shard_ops.txn_done_ids(m.shard_id) if d != rid]
-        self._dropping[m.shard_id] = done
-
-        def pieces(upper: Antichain) -> list[HollowBatch]:
-            if timed:
-                # The updates keep their times, all in [upper, ts]: one batch.
-                return [_concat(upper, new, sw.batches)]
-            copies = []
-            for b in sw.batches:
-                cp = Batch(w._ctx.blob, b.shard_id, b.hollow, time_range=b.time_range)
-                cp.rewrite_ts(Antichain.from_elem(ts), new)  # metadata only
-                copies.append(cp)
-            out, temps = w._assemble(copies, upper, new)
-            if temps:  # pragma: no cover - one rewrite frontier never needs a rewrite
-                for t in temps:
-                    t.delete()
-                raise InvalidUsage("a transaction's batches needed a physical rewrite")
-            return out
-
-        cmd = TxnCmd(
-            writer_id=wid,
-            record_id=rid,
-            token=self.token,
-            ts=ts,
-            lease_ms=w._lease_ms,
-            registered=w._registered,
-            owners=frozenset(owners),
-            handed=tuple(handed_off_owners(sw.batches, wid).items()),
-            given=tuple(k for b in sw.given for k in b.part_ids()),
-            timed_lo=timed_lo,
-            done=tuple(done),
-            pieces=pieces,
+        """One commit attempt at ``ts`` (:func:`persist.txn_commit.commit_shards`).
+        Returns the committed time."""
+        return commit_shards(
+            self._shard_ops,
+            self._shards,
+            self._stash_batches,
+            self.token,
+            ts,
+            max_races=self.max_races,
         )
-        return cmd, partial(w._check_appendable, sw.given, None)
 
     def _resolve_landed(self) -> int | None:
-        """Re-read the written shards' heads: the commit time if this transaction's
-        token is recorded (it committed), else ``None``.  Failing reads are retried
-        with backoff; if they keep failing, ``None`` is not claimed and the error is
-        raised as indeterminate."""
-        sid = sorted(self._shards)[0]
-        m = self._ctx.machine(sid)
-        last: Exception | None = None
-        for attempt in range(self.resolve_attempts):
-            try:
-                st = m.fetch()
-            except ConsensusError as e:
-                last = e
-                time.sleep(min(self.resolve_max_wait, 0.005 * 2**attempt))
-                continue
-            for ws in st.writers.values():
-                entry = ws.token_entry(self.token)
-                if entry is not None:
-                    _, _, fp = entry.partition(TOKEN_SEP)
-                    for other in sorted(self._shards)[1:]:
-                        with contextlib.suppress(ConsensusError):
-                            self._ctx.machine(other).fetch()
-                    return int(fp[1:]) if fp.startswith("t") else -1
-            lease = max(sw.writer._lease_ms for sw in self._shards.values())
-            since = self._unknown_since_ms
-            if since is not None and m.now_ms() > since + lease:
-                # A landed commit's record may have expired with its lease: its absence
-                # proves nothing any more, so the outcome stays unknown.
-                err = ConsensusError(
-                    f"the outcome of the transaction (token {self.token}) is unknown: its "
-                    f"record in shard {sid} would have expired (writer lease {lease} ms) "
-                    "since the commit's acknowledgement was lost",
-                    indeterminate=True,
-                )
-                err.idempotency_token = self.token
-                raise err
-            return None
-        assert last is not None
-        err = ConsensusError(
-            f"the outcome of the transaction (token {self.token}) is unknown: re-reading "
-            f"shard {sid} failed: {last}",
-            indeterminate=True,
+        """The time an earlier commit of this transaction landed at, or ``None`` if it
+        did not (:func:`persist.txn_commit.find_landed`; raises its indeterminate
+        :class:`~persist.errors.ConsensusError`)."""
+        return find_landed(
+            self._ctx,
+            self._shards,
+            self.token,
+            self._unknown_since_ms,
+            attempts=self.resolve_attempts,
+            max_wait=self.resolve_max_wait,
         )
-        err.idempotency_token = self.token
-        raise err
 
     def _finish(self, ts: int) -> int:
         self.committed_ts = ts
@@ -1178,7 +841,7 @@ class Txn:
             self._return_lent(sw)
 
     @staticmethod
-    def _return_lent(sw: _ShardWrites) -> None:
+    def _return_lent(sw: ShardWrites) -> None:
         """The builders :meth:`write` borrowed are settled (a handle whose lent
         batches were all appended or deleted may unregister on ``expire``)."""
         for h in sw.lent.values():
@@ -1200,63 +863,3 @@ class Txn:
             except BaseException:
                 self.abort()
                 raise
-
-
-def snapshot_many(
-    source: Shards | HasShards, as_ofs: Mapping[str, int | None] | Sequence[str]
-) -> dict[str, pa.Table]:
-    """Consolidated snapshots of several shards, consistent across them.
-
-    Args:
-        source: the client, or its :class:`~persist.shards.Shards`.
-        as_ofs: shard name -> as_of time, or ``None`` (or a list of names) for "the
-            latest time definite in every listed shard": ``min(upper) - 1`` over them,
-            read once (``2**63 - 1`` when every one is closed, upper ``{}``).  A transaction committed at ``ts`` is wholly visible in every
-            shard read at ``as_of >= ts`` and wholly absent at ``as_of < ts``, so reading
-            every shard at one time gives a cross-shard-consistent view; shards given
-            different explicit times are each consistent at their own time.
-
-    Returns: shard name -> table (see :meth:`persist.read.ReadHandle.snapshot`), in
-        each shard's newest value schema as of its latest state (read at the call, so
-        a column another process added or widened is there).
-
-    Raises:
-        InvalidUsage: unknown shard; an explicit ``as_of`` at or beyond a shard's upper.
-        SinceViolation: an ``as_of`` before a shard's since (also when a listed
-            shard has no definite time yet: its upper is still its since).
-    """
-    from persist.errors import SinceViolation
-
-    names = list(as_ofs) if not isinstance(as_ofs, Mapping) else list(as_ofs.keys())
-    wanted: dict[str, int | None] = (
-        dict(as_ofs) if isinstance(as_ofs, Mapping) else dict.fromkeys(names)
-    )
-    ops = source if isinstance(source, Shards) else source.shard_ops
-    machines: dict[str, ShardMachine] = {}
-    for n in names:
-        machines[n] = ops.ctx.machine(ops.ctx.shard_id(n))
-    # Each shard's latest state, read now: its upper and its newest schema (another
-    # process may have evolved it), never this process's cached version.
-    latest = {n: machines[n].recent() for n in names}
-    common: int | None = None
-    if any(v is None for v in wanted.values()):
-        ts = [latest[n].upper.as_option() for n, v in wanted.items() if v is None]
-        finite = [t for t in ts if t is not None]
-        # Every shard closed (upper {}): every time is definite, the greatest included
-        # (a row may be at I64_MAX, as ReadHandle.snapshot(I64_MAX) shows).
-        common = min(finite) - 1 if finite else I64_MAX
-    out: dict[str, pa.Table] = {}
-    for n in names:
-        m = machines[n]
-        st = latest[n]
-        t = wanted[n] if wanted[n] is not None else common
-        assert t is not None
-        if t < I64_MIN:
-            raise SinceViolation(t, st.since)
-        r = ops.reader(m, n, st.key_schema, st.value_schema, st.schemas().newest)
-        try:
-            out[n] = r.snapshot(t)
-        finally:
-            with contextlib.suppress(PersistError):
-                r.expire()
-    return out

@@ -138,7 +138,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.maintenance",
             ],
         ),
-        ("9 txn", ["persist.txn"]),
+        ("9 txn", ["persist.txn", "persist.txn_commit", "persist.snapshots"]),
         ("10 client, cli, public face", ["persist.client", "persist.cli", "persist"]),
     ],
     "spark": [

@@ -121,7 +121,7 @@ from stash import Antichain
 if TYPE_CHECKING:
     from persist.context import PersistContext
 
-__all__ = ["BatchBuilder", "WriteHandle"]
+__all__ = ["BatchBuilder", "WriteHandle", "handed_off_owners"]
 
 log = logging.getLogger(__name__)
 

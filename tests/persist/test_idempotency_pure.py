@@ -3,6 +3,8 @@ and the token checks, on plain functions: no machine, no consensus."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from persist.errors import ConsensusError, InvalidUsage, UpperMismatch
@@ -12,7 +14,7 @@ from stash import Antichain
 WID = "w" + "ab" * 16
 
 
-def commands(*outcomes: object) -> tuple[list[int], object]:
+def commands(*outcomes: object) -> tuple[list[int], Callable[[], object]]:
     """A command answering ``outcomes`` in turn (an exception is raised)."""
     calls: list[int] = []
     it = iter(outcomes)

@@ -259,6 +259,10 @@ class BatchBuilder:
     an ``add`` accepted.  A failed :meth:`finish` leaves it unfinished, to retry or
     :meth:`abort`.  Safe to share between threads: ``add``, ``finish`` and ``abort`` are
     serialized.
+
+    Made by :meth:`persist.write.WriteHandle.builder` (``handle``, a
+    :class:`BuilderHost`): it writes through the handle's :class:`RunWriter` and has the
+    handle hold its writer's lease while it holds uploaded parts.
     """
 
     def __init__(self, handle: BuilderHost, lower: Antichain) -> None:

@@ -667,8 +667,9 @@ class WriteHandle(ShardHandle):
         parts while the bytes travel; each append of one of them, or deletion of a
         decoded copy, counts one down, and the writer is dropped once none is left (or
         when its lease runs out, e.g. for bytes never decoded).  The receiver holding
-        them renews the lease further (:meth:`hold`).  Otherwise (batches still held in this process, which renew the
-        lease while held) the lease is left to run out by itself.
+        them renews the lease further (:meth:`hold`).  Otherwise (batches still held in
+        this process, which renew the lease while held) the lease is left to run out by
+        itself.
         """
         if self._expired:
             return

@@ -6,7 +6,8 @@ state itself: Materialize's inline writes, ``src/persist-client/src/batch.rs``),
 commits the new state version by compare-and-set in consensus.
 
 The walk of an append, one step after the other, each a call into a lower module that
-never calls back into this one (but for the two plain functions named below):
+never calls back into this one (but for the writer's registration before its first
+upload, handed down as a plain function, step 2):
 
 1. validate and plan: the bounds and the updates' times (:mod:`persist.batch_rules`:
    ``append_bounds``, ``check_times``; ``check_batches``, ``validate_truncate``,
@@ -18,8 +19,9 @@ never calls back into this one (but for the two plain functions named below):
    first upload);
 3. commit: :meth:`persist.machine.ShardMachine.compare_and_append` of an
    :class:`~persist.commands.AppendCmd`, re-applied while its outcome is unknown
-   (:func:`persist.idempotency.apply_resolving`; given the parts' existence check as a
-   plain function, to list the given parts again once a GC may have forgotten some);
+   (:func:`persist.idempotency.apply_resolving`; given
+   :func:`persist.batch_rules.check_appendable` as a plain function, to list the given
+   parts again once a GC may have forgotten some);
 4. maintenance: the compaction requests the command returned go to
    ``ctx.maintenance.after_append`` (:mod:`persist.maintenance`).
 
@@ -548,9 +550,9 @@ class WriteHandle(ShardHandle):
             given=tuple(given),
         )
         # 3. commit (the parts were written by the caller or by plan_pieces' rewrites).
-        # The machine lists the given parts again (a plain function) once a GC may have
-        # forgotten some (see persist.appended).
-        relist = partial(self._check_appendable, batches, fresh)
+        # The machine lists the given parts again (a plain function of batch_rules) once
+        # a GC may have forgotten some (see persist.appended).
+        relist = partial(check_appendable, self._ctx.blob, self.shard_id, batches, fresh)
         try:
             reqs = self._apply_resolving(
                 partial(machine.compare_and_append, cmd, relist, checked_upper)

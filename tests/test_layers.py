@@ -114,9 +114,6 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.lease_state",
             ],
         ),
-        # NOT NAMED BY THE PLAN: placed here by what they hold (idempotency tokens and
-        # fingerprints sit beside the data they describe).
-        ("2b not in the plan: data", ["persist.idempotency"]),
         (
             "3 state: the commands and their pure methods",
             ["persist.commands", "persist.state_base", "persist.state", "persist.state_codec"],
@@ -129,6 +126,9 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             "8 handles and maintenance",
             [
                 "persist.handle",
+                "persist.builder",
+                "persist.batch_rules",
+                "persist.idempotency",
                 "persist.write",
                 "persist.read",
                 "persist.compactor",

@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 from persist.appended import inline_ids
 from persist.batch import Batch
 from persist.blob import Blob
-from persist.builder import RunWriter, frontier, time_range
+from persist.builder import RunWriter, time_range
 from persist.errors import (
     InvalidBatchBounds,
     InvalidBounds,
@@ -56,7 +56,7 @@ from persist.fetch import read_batch
 from persist.keys import key_writer_id
 from persist.machine import ShardMachine
 from persist.parts import TIME
-from persist.types import Description, HollowBatch, PartRef
+from persist.types import Description, HollowBatch, PartRef, as_frontier
 from stash import Antichain
 
 __all__ = [
@@ -82,8 +82,8 @@ def append_bounds(
         InvalidUsage: not a frontier or an int time.
         InvalidBounds: ``expected_upper`` is not ``<= new_upper``.
     """
-    expected = frontier(expected_upper, "expected_upper")
-    new = frontier(new_upper, "new_upper")
+    expected = as_frontier(expected_upper, "expected_upper")
+    new = as_frontier(new_upper, "new_upper")
     if not expected <= new:
         raise InvalidBounds(expected, new)
     return expected, new
@@ -306,21 +306,27 @@ def assemble(
         for t in temps:
             t.delete()
         raise
+    out: list[HollowBatch] = []
+    if lo != expected:
+        out.append(HollowBatch(Description(expected, lo)))
+    out.append(concat_runs(lo, new, use))
+    return out, temps
+
+
+def concat_runs(lower: Antichain, upper: Antichain, batches: Sequence[Batch]) -> HollowBatch:
+    """One hollow batch ``[lower, upper)`` holding the parts of ``batches`` in order,
+    each batch's runs kept as runs (a batch's first part starts a new run)."""
     parts: list[PartRef] = []
     runs: list[int] = []
     n = 0
-    for b in use:
+    for b in batches:
         off = len(parts)
         if off:
             runs.append(off)
         runs.extend(off + r for r in b.hollow.runs)
         parts.extend(b.hollow.parts)
         n += b.len
-    out: list[HollowBatch] = []
-    if lo != expected:
-        out.append(HollowBatch(Description(expected, lo)))
-    out.append(HollowBatch(Description(lo, new), tuple(parts), n, tuple(sorted(set(runs)))))
-    return out, temps
+    return HollowBatch(Description(lower, upper), tuple(parts), n, tuple(sorted(set(runs))))
 
 
 def plan_pieces(

@@ -49,30 +49,14 @@ from persist.errors import (
 from persist.keys import part_name_prefix
 from persist.machine import ShardMachine
 from persist.parts import TIME, consolidate_order, to_updates_table, updates_schema, write_parts
-from persist.types import Description, HollowBatch, PartRef
+from persist.types import Description, HollowBatch, PartRef, as_frontier
 from persist.updates import check_whole_days
 from stash import Antichain
 
-__all__ = ["BatchBuilder", "BuilderHost", "RunWriter", "Updates", "frontier", "time_range"]
+__all__ = ["BatchBuilder", "BuilderHost", "RunWriter", "Updates", "time_range"]
 
 Updates = Any
 """A ``pyarrow.Table``/``RecordBatch`` or a list of ``((key, value), time, diff)``."""
-
-
-def frontier(x: Antichain | int, what: str) -> Antichain:
-    """``x`` as a frontier (an int ``t`` is ``{t}``).
-
-    Raises:
-        InvalidUsage: ``x`` (named ``what``) is neither an Antichain nor an int of the
-            i64 range of times.
-    """
-    if isinstance(x, Antichain):
-        return x
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise InvalidUsage(f"{what} must be an Antichain or an int, got {type(x).__name__}")
-    if not -(2**63) <= x < 2**63:
-        raise InvalidUsage(f"{what} {x} is outside the i64 range of times")
-    return Antichain.from_elem(x)
 
 
 #: Tables of at most this many rows take the pure-Python paths of :func:`time_range`
@@ -364,7 +348,7 @@ class BatchBuilder:
     def _finish(self, upper: Antichain | int) -> Batch:
         if self._finished:
             raise InvalidUsage("BatchBuilder.finish was already called")
-        up = frontier(upper, "upper")
+        up = as_frontier(upper, "upper")
         if not self.lower <= up:
             raise InvalidBounds(self.lower, up)
         if self._max_time is not None and up.less_equal(self._max_time):

@@ -86,7 +86,7 @@ from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.machine import ShardMachine
 from persist.parts import consolidate
 from persist.state import LeaseExpired, ShardState
-from persist.types import HollowBatch
+from persist.types import HollowBatch, as_frontier
 from persist.updates import SchemaHistory
 from stash import Antichain
 
@@ -112,16 +112,6 @@ def _as_time(x: int | Antichain, what: str) -> int:
     if not -(2**63) <= x < 2**63:
         raise InvalidUsage(f"{what} {x} is outside the i64 range of times")
     return x
-
-
-def _as_frontier(x: int | Antichain, what: str) -> Antichain:
-    if isinstance(x, Antichain):
-        return x
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise InvalidUsage(f"{what} must be an Antichain or an int, got {type(x).__name__}")
-    if not -(2**63) <= x < 2**63:
-        raise InvalidUsage(f"{what} {x} is outside the i64 range of times")
-    return Antichain.from_elem(x)
 
 
 @dataclass(frozen=True)
@@ -236,7 +226,7 @@ class ReadHandle(ShardHandle):
                 expired (:class:`~persist.state.LeaseExpired`).
         """
         self._check()
-        frontier = _as_frontier(since, "since")
+        frontier = as_frontier(since, "since")
         now = self._machine.now_ms()
         self._machine.downgrade_since(self.reader_id, frontier, now, self._seqno_hold)
         self._last_heartbeat_ms = now

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from persist.batch import Batch
+from persist.batch_rules import concat_runs
 from persist.commands import TxnCmd
 from persist.consensus import RETIRED_COLLECTION_PREFIX, SHARD_COLLECTION_PREFIX
 from persist.context import PersistContext
@@ -67,7 +68,7 @@ from persist.machine import ShardMachine, Staged, Stale
 from persist.shards import Shards
 from persist.spine import FueledMergeReq
 from persist.state import TOKEN_SEP
-from persist.types import Description, HollowBatch, PartRef
+from persist.types import HollowBatch
 from persist.write import WriteHandle, handed_off_owners
 from stash import Antichain, AppendBatch, StashError
 
@@ -173,24 +174,6 @@ def timed_max(batches: Sequence[Batch]) -> int | None:
     """The latest time of a shard's timed (``time_column``) writes, or ``None``."""
     his = [b.time_range[1] for b in batches if is_timed(b) and b.time_range is not None]
     return max(his) if his else None
-
-
-def _concat(lower: Antichain, upper: Antichain, batches: Sequence[Batch]) -> HollowBatch:
-    """One hollow batch ``[lower, upper)`` holding every part of ``batches`` (each
-    batch's runs kept as runs)."""
-    parts: list[PartRef] = []
-    runs: list[int] = []
-    n = 0
-    for b in batches:
-        if b.len == 0:
-            continue
-        off = len(parts)
-        if off:
-            runs.append(off)
-        runs.extend(off + r for r in b.hollow.runs)
-        parts.extend(b.hollow.parts)
-        n += b.len
-    return HollowBatch(Description(lower, upper), tuple(parts), n, tuple(sorted(set(runs))))
 
 
 def unknown_outcome(token: str, why: str) -> ConsensusError:
@@ -415,7 +398,7 @@ def _shard_command(
     def pieces(upper: Antichain) -> list[HollowBatch]:
         if timed:
             # The updates keep their times, all in [upper, ts]: one batch.
-            return [_concat(upper, new, sw.batches)]
+            return [concat_runs(upper, new, [b for b in sw.batches if b.len])]
         copies = []
         for b in sw.batches:
             cp = Batch(w._ctx.blob, b.shard_id, b.hollow, time_range=b.time_range)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from persist.errors import InvalidUsage
 from persist.stats import ColumnStats, stats_from_json, stats_to_json
 from stash import Antichain
 
@@ -228,3 +229,19 @@ class HollowBatch:
             len=int(d["len"]),
             runs=tuple(int(r) for r in d.get("runs", ())),
         )
+
+
+def as_frontier(x: Antichain | int, what: str) -> Antichain:
+    """``x`` as a frontier (an int ``t`` is ``{t}``).
+
+    Raises:
+        InvalidUsage: ``x`` (named ``what``) is neither an Antichain nor an int of the
+            i64 range of times.
+    """
+    if isinstance(x, Antichain):
+        return x
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise InvalidUsage(f"{what} must be an Antichain or an int, got {type(x).__name__}")
+    if not -(2**63) <= x < 2**63:
+        raise InvalidUsage(f"{what} {x} is outside the i64 range of times")
+    return Antichain.from_elem(x)

@@ -99,7 +99,7 @@ from persist.batch_rules import (
     plan_pieces,
     validate_truncate,
 )
-from persist.builder import BatchBuilder, RunWriter, Updates, frontier, time_range
+from persist.builder import BatchBuilder, RunWriter, Updates, time_range
 from persist.commands import AppendCmd
 from persist.errors import BatchAppended, InvalidUsage, PersistError
 from persist.fingerprint import batches_fingerprint, updates_fingerprint
@@ -117,7 +117,7 @@ from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.lease_state import TOKEN_SEP
 from persist.machine import ShardMachine
 from persist.spine import FueledMergeRes, worth_compacting
-from persist.types import Description, HollowBatch
+from persist.types import Description, HollowBatch, as_frontier
 from stash import Antichain
 
 if TYPE_CHECKING:
@@ -134,7 +134,6 @@ _TokenSource = TokenSource
 _tokens = tokens
 _token = checked_token
 _carrying_token = carrying_token
-_frontier = frontier
 _time_range = time_range
 
 
@@ -277,7 +276,7 @@ class WriteHandle(ShardHandle):
     def builder(self, lower: Antichain | int) -> BatchBuilder:
         """A :class:`BatchBuilder` for a batch starting at ``lower``."""
         self._check()
-        b = BatchBuilder(self, frontier(lower, "lower"))
+        b = BatchBuilder(self, as_frontier(lower, "lower"))
         self._lent += 1
         return b
 

@@ -1,6 +1,6 @@
 """Benchmarks (not tests): this project's stash, persist and Spark paths measured against
 the limits (raw ``sqlite3``/psycopg, ``pyarrow.parquet``, ``df.write.parquet``) and the
-peers (delta-rs, pyiceberg, DuckDB) on the same data, in the same run (issue 6).
+peers (delta-rs, pyiceberg, DuckDB) on the same data, in the same run.
 
 ``python -m bench.run_all [--quick]`` (what ``make bench`` runs) executes every bench,
 collects their JSON results under ``var/bench-results/`` and writes ``docs/benchmarks.md``

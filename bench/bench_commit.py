@@ -1,4 +1,4 @@
-"""Persist's one-row ``compare_and_append`` against the commit it must do (issue 18).
+"""Persist's one-row ``compare_and_append`` against the commit it must do.
 
 Each figure is a ratio measured in the same run, in interleaved rounds (order rotated
 every round, every contender after the same warm-up round; the median of the per-round

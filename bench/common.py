@@ -92,7 +92,7 @@ __all__ = [
 
 RESULTS_SCHEMA = "stashpersist-bench/1"
 #: Relative run-to-run noise of a figure on the shared 2-core VM: a median that misses its
-#: goal by less than this fraction of the goal is "within noise" (issue 18: verdicts near
+#: goal by less than this fraction of the goal is "within noise" (verdicts near
 #: a goal flipped between full runs of the same code).
 NOISE = 0.15
 #: The repository root (the parent of ``bench/``).

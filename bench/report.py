@@ -473,8 +473,8 @@ def write_report(
             lines.append(f"- {bench_name} / {e.get('section')}: `{_cell(e.get('error'))}`")
     lines.append("")
     if OPTIMIZATIONS.is_file():
-        # The hand-kept account of what was made faster (the issue asks the report to say
-        # what was changed and what it gained); measured figures are in the sections.
+        # The hand-kept account of what was made faster (the report says what
+        # was changed and what it gained); measured figures are in the sections.
         lines += [OPTIMIZATIONS.read_text().rstrip(), ""]
     for b in benches:
         lines += _bench_section(b, img_rel)

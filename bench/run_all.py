@@ -5,17 +5,17 @@ Benches, in order (each in its own Python process, so memory, threads and the Sp
 of one cannot disturb the next):
 
 1. ``bench.bench_stash_append --backend all --json PATH``: 1-entry stash appends against
-   raw ``sqlite3`` and raw psycopg (issues 2 and 3);
+   raw ``sqlite3`` and raw psycopg;
 2. ``bench.bench_commit --backend all --json PATH``: persist's one-row
    ``compare_and_append`` against a raw ``sqlite3``/psycopg commit of one row, at several
-   shard lengths, and 8 processes against 1 on Postgres (issue 18);
+   shard lengths, and 8 processes against 1 on Postgres;
 3. ``bench.bench_persist``: persist against ``pyarrow.parquet``, delta-rs, pyiceberg and
-   DuckDB (issue 4);
-4. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet (issue 5);
+   DuckDB;
+4. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet;
 5. ``bench.bench_pipeline_parquet``: the flights pipeline on persist against the same
-   pipeline on plain Parquet (issue 16);
+   pipeline on plain Parquet;
 6. ``bench.bench_txn``: 2-shard transactions against separate ``compare_and_append``
-   calls (issue 14).
+   calls.
 
 Invariants kept here:
 

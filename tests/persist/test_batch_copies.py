@@ -1,4 +1,4 @@
-"""A batch and its copies (issue 12 items 1, 2 and 8, found by an adversarial review):
+"""A batch and its copies:
 the transmittable bytes of one batch decoded twice, a retry of the same batch after an
 unknown commit outcome, and one builder shared by threads.  No acknowledged row is lost
 or read twice."""

@@ -1,7 +1,7 @@
-"""Issue 12 (persist side): the batch builder's exception safety and run extension, the
-seed's batch-bound rules for ``compare_and_append_batch`` (``validate_truncate_batch``,
-seed ``004``), ``rewrite_ts`` keeping the lower, listen progress at ``as_of`` and
-``downgrade_since`` to an earlier frontier."""
+"""The batch builder's exception safety and run extension, the batch-bound rules of
+``compare_and_append_batch`` (``validate_truncate_batch`` in Materialize's
+``src/persist-client/src/batch.rs``), ``rewrite_ts`` keeping the lower, listen progress at
+``as_of`` and ``downgrade_since`` to an earlier frontier."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_builder_extends_run_when_chunks_arrive_in_order(stash: Stash) -> None:
     c.close()
 
 
-# ------------------------------------------------- the seed's batch rules (item 6)
+# --------------------------------------- batch bounds (Materialize's validate_truncate_batch)
 def test_batch_must_cover_the_append_and_is_truncated_to_it(stash: Stash) -> None:
     c = PersistClient(stash, MemoryBlob(), compaction="inline", inline_max_bytes=0)
     w, r = c.open("t", KS, VS)

@@ -374,7 +374,7 @@ def _snapshot(d: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("link", ["shard", "shard/b"])
 def test_file_blob_never_follows_a_symlinked_directory(tmp_path: Path, link: str) -> None:
-    """Issue 19: a shard directory or a kind directory that is a symbolic link to a
+    """A shard directory or a kind directory that is a symbolic link to a
     directory outside the root: set, get, delete, list_keys and the temporaries' sweep
     neither write, read, list nor delete anything through it, and name it."""
     docs = _outside_tree(tmp_path)

@@ -1,4 +1,4 @@
-"""The ``persist`` CLI's operator surface (DESIGN 5.5): ``--metrics-port`` and
+"""The ``persist`` CLI's operator surface (``persist/cli.py``): ``--metrics-port`` and
 ``--metrics-addr`` errors are one-line ``error:`` messages, and ``--json`` output is
 strict JSON (no ``NaN`` tokens)."""
 

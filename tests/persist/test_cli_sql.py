@@ -111,7 +111,7 @@ def test_sql_and_cat_refuse_bad_input(tmp_path: Path) -> None:
         assert words in res.output, (args, res.output)
 
 
-# ------------------------------------------- from the adversarial review of persist sql
+# ---------------------------------- persist sql: no filesystem probing, limits, consistent reads
 
 
 def _one_row_shard(tmp_path: Path, name: str = "flights", diff: int = 1) -> list[str]:

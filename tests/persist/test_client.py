@@ -1,4 +1,5 @@
-"""The public handles of DESIGN section 5: PersistClient, WriteHandle, ReadHandle, Batch."""
+"""The public handles of persist (``persist/__init__.py``): PersistClient, WriteHandle,
+ReadHandle, Batch."""
 
 from __future__ import annotations
 
@@ -248,7 +249,8 @@ def test_builder_finish_checks_upper_and_delete_removes_parts(stash: Stash) -> N
 
 
 def test_compare_and_append_batch_bounds_and_multiple_batches(client: PersistClient) -> None:
-    # The seed's validate_truncate_batch: every batch must cover [expected, new).
+    # Materialize's validate_truncate_batch (src/persist-client/src/batch.rs): every batch
+    # must cover [expected, new).
     w, r = client.open("orders", KS, VS)
     b1 = w.batch([upd("a", 1, 0)], 0, 2)
     b2 = w.batch([upd("b", 1, 3)], 2, 4)
@@ -264,7 +266,8 @@ def test_compare_and_append_batch_bounds_and_multiple_batches(client: PersistCli
 
 
 def test_rewrite_ts_is_metadata_only(client: PersistClient) -> None:
-    # The seed's rewrite_ts_example: a batch at [0, 1) rewritten to time 2, upper 3.
+    # Materialize's rewrite_ts example (src/persist-client/src/batch.rs): a batch at [0, 1)
+    # rewritten to time 2, upper 3.
     w, r = client.open("orders", KS, VS)
     batch = w.batch([upd("foo", 1, 0)], 0, 1)
     batch = w.batch_from_transmittable(batch.into_transmittable())

@@ -1,5 +1,5 @@
 """Operations that delete blobs are refused over a stash that commits nothing, and bad
-numbers for time limits are refused clearly (found by an adversarial review).
+numbers for time limits are refused clearly.
 
 A ``PersistClient`` over a *savepoint* handle of the live stash (what an operator trying
 a change would open) used to delete real parts: ``finalize_shard`` deleted the live

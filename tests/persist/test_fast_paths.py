@@ -1,4 +1,4 @@
-"""Tests of persist's fast paths (issue 6): consolidation returning a row order instead of
+"""Tests of persist's fast paths: consolidation returning a row order instead of
 a gathered table, parts gathered by their encoding threads, the one-row shortcut, reads
 that skip the time filter, flat blob keys (no directory per batch), cached batch JSON,
 and one-row appends kept inline with the client's defaults."""

@@ -48,7 +48,7 @@ def blob_keys(client: PersistClient, shard: str) -> set[str]:
 def test_one_row_appends_with_moving_since_stay_logarithmic(stash: Stash, n: int) -> None:
     """n one-row appends (every tenth a retraction) with a moving since and the
     background compactor: at most 2*log2(n) batches, and GC leaves no unreferenced part.
-    The issue asks for 10,000 (about 30 s here, marked slow); 2,000 runs always."""
+    The goal is 10,000 (about 30 s here, marked slow); 2,000 runs always."""
     blob = MemoryBlob()
     # Small batches inline, merged outputs beyond 512 bytes (compressed: a few dozen rows)
     # in blob: GC has parts to collect.

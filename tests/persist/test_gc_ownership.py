@@ -1,6 +1,6 @@
 """GC against live writers, held reads and compactors; idempotent forgetting of retired
-keys; shard names versus ids; fsck; dropping a shard (issue 12 and the security issue's
-"GC deletes only persist's keys")."""
+keys; shard names versus ids; fsck; dropping a shard; GC deletes only persist's
+keys."""
 
 from __future__ import annotations
 
@@ -274,7 +274,7 @@ def test_a_reader_holding_snapshot_batches_survives_compaction_and_gc(
 def test_held_snapshot_batches_keep_their_lease_alive_past_every_grace(
     stash: Stash, any_blob: Blob
 ) -> None:
-    """Issue 12 item 7b with default-like settings: a reader that holds
+    """With default-like settings: a reader that holds
     ``snapshot_batches`` far past its lease and GC's grace, without calling anything
     itself, still reads every part: its lease is renewed in the background."""
     clock, blob = Clock(), any_blob

@@ -1,4 +1,4 @@
-"""Issue 12 item 8: an unknown commit outcome never duplicates data nor reports a race
+"""An unknown commit outcome never duplicates data nor reports a race
 that was the append's own success.  The fault injected: the COMMIT lands, its
 acknowledgement is lost, and the re-reads that follow fail too."""
 
@@ -140,9 +140,9 @@ def test_lost_ack_of_the_writers_registration_is_resolved_or_carries_the_token(
 
 
 def test_a_token_names_one_append_and_refuses_another(setup: Any) -> None:
-    """Found by an adversarial review: passing the token of a landed append to a
-    *different* append returned success and wrote nothing (an acknowledged write that
-    never happened).  It is refused, naming the rule; the real retry still succeeds."""
+    """Passing the token of a landed append to a *different* append returned success and
+    wrote nothing (an acknowledged write that never happened) before the fix.  It is
+    refused, naming the rule; the real retry still succeeds."""
     _flaky, _blob, c, w, r = setup
     token = "tok-0123456789"
     w.compare_and_append([upd("a", 1, 0)], 0, 1, idempotency_token=token)

@@ -1,4 +1,4 @@
-"""Issue 12 items 7a and 9c: a listen that lost its lease fails for good; listens and
+"""A listen that lost its lease fails for good; listens and
 ``snapshot(wait=True)`` keep their lease alive with a background heartbeat
 (:class:`persist.lease.LeaseKeeper`, clock and interval injected: no duration is
 asserted); times are validated before any lease is taken."""

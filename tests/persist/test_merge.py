@@ -1,4 +1,4 @@
-"""Key ranges over sorted runs (persist.merge) and the streamed snapshot (issue 16).
+"""Key ranges over sorted runs (persist.merge) and the streamed snapshot.
 
 The property: for random shards (several appends, batches of several runs, tiny parts so
 that runs span parts and equal keys span part boundaries, retractions, compactions, keys

@@ -1,7 +1,8 @@
-"""Prometheus metrics (DESIGN section 5.5): the ``persist`` command serves ``/metrics`` with
-``--metrics-port``; a scrape after appends, an upper race, compaction, GC, a lease that ran
-out and stash transactions shows every family the design names, with values that moved;
-log lines carry structured fields (shard, seqno, writer id)."""
+"""Prometheus metrics (``persist/metrics.py``, ``stash/metrics.py``): the ``persist``
+command serves ``/metrics`` with ``--metrics-port``; a scrape after appends, an upper race,
+compaction, GC, a lease that ran out and stash transactions shows every family those modules
+define, with values that moved; log lines carry structured fields (shard, seqno, writer
+id)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of the one-row append paths of issue 18 (third round): each fast path gives
+"""Tests of the one-row append paths (``persist/write.py``): each fast path gives
 what its reference (slow) path gives, so a wrong fast path fails here."""
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def test_fresh_tokens_are_distinct_valid_and_redrawn_in_a_child() -> None:
 
 
 def test_a_fork_while_another_thread_draws_a_token_does_not_deadlock_the_child() -> None:
-    """adversary: the token source's lock is held by another thread at the fork; the
+    """The token source's lock is held by another thread at the fork; the
     child (where that thread does not exist) must still draw a fresh token, with a new
     prefix.  Before the fix the child blocked forever on the inherited lock."""
     src = write_mod._tokens

@@ -1,4 +1,4 @@
-"""Part statistics and filter/projection pushdown of ``ReadHandle.snapshot`` (issue 16).
+"""Part statistics and filter/projection pushdown of ``ReadHandle.snapshot``.
 
 Properties: statistics round-trip exactly per type; ``snapshot(as_of, filter=f,
 columns=c)`` equals ``snapshot(as_of).filter(f).select(c)`` across appends, retractions

@@ -1,4 +1,4 @@
-"""Schema evolution of shards (DESIGN section 5.3, issue 15).
+"""Schema evolution of shards (``persist/updates.py``, ``persist/state_base.py``).
 
 Versioned value schemas in the shard state, parts recording the version they were
 written with, reads conformed to the reader's version, compaction under the newest

@@ -1,4 +1,4 @@
-"""Two processes racing to evolve a shard's schema (issue 15).
+"""Two processes racing to evolve a shard's schema.
 
 Each process, in rounds, reads the newest value schema, adds a nullable column of its
 own, opens the shard with it (registering a version by compare-and-set, re-checked on

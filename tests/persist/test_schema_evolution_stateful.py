@@ -1,4 +1,4 @@
-"""A hypothesis stateful test of schema evolution against a reference (issue 15).
+"""A hypothesis stateful test of schema evolution against a reference.
 
 Random compatible value schema changes (add a nullable column, drop one, widen one, make
 one nullable) interleaved with appends by writers of any registered version,

@@ -1,11 +1,13 @@
-"""Tests of persist.spine: the fueled Spine trace ported from the seed ``002``.
+"""Tests of persist.spine: the fueled Spine trace ported from Materialize's
+``src/persist-client/src/internal/trace.rs``.
 
-What is checked: the public API and its errors, each ``ApplyMergeResult`` case, the seed's
-redundant-request filter, that ``validate`` / ``from_json`` catch broken invariants, the
-lead's acceptance test (10,000 one-row appends with a moving since and a compactor answering
-every request keep at most 2*log2(10,000) batches), and a hypothesis state machine of random
-pushes, since downgrades, merge results (faithful, consolidated, oversized, later since,
-subsets, stale) and JSON reloads, with every invariant checked after every step.
+What is checked: the public API and its errors, each ``ApplyMergeResult`` case,
+Materialize's redundant-request filter, that ``validate`` / ``from_json`` catch broken
+invariants, an acceptance test (10,000 one-row appends with a moving since and a
+compactor answering every request keep at most 2*log2(10,000) batches), and a hypothesis
+state machine of random pushes, since downgrades, merge results (faithful, consolidated,
+oversized, later since, subsets, stale) and JSON reloads, with every invariant checked after
+every step.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ def test_empty_batches_are_fused() -> None:
 
 
 def test_levels_follow_the_seed_spine_by_hand() -> None:
-    """A small case worked out by hand from the seed's algorithm: a 100-row batch enters
+    """A small case worked out by hand from Materialize's Spine: a 100-row batch enters
     at level 7 (next power of two 128), rolling the 1-row batch up with it; the next
     100-row batch's fuel (8 << 7) finishes that merge into level 8, and tidying draws the
     level-8 batch back down to level 7 (101 rows fit under 2**7; nothing lies below), where

@@ -1,8 +1,8 @@
-"""Thread stress (issue 12): one PersistClient and its handles, one WriteHandle and one
-ReadHandle, shared by several threads (DESIGN: handles are thread-safe).  Writers append
-with ``compare_and_append`` and retry upper races; readers take snapshots, a listen
-follows every append, another thread downgrades the since.  Everything is checked
-against a model multiset of the acknowledged appends."""
+"""Thread stress: one PersistClient and its handles, one WriteHandle and one ReadHandle,
+shared by several threads (``persist/client.py``: handles are thread-safe).  Writers append
+with ``compare_and_append`` and retry upper races; readers take snapshots, a listen follows
+every append, another thread downgrades the since.  Everything is checked against a model
+multiset of the acknowledged appends."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 14: transactions across shards and stash collections (persist.txn).
+"""Transactions across shards and stash collections (persist.txn).
 
-Each test names the rule of DESIGN section 5.2 it checks: all or nothing, races name
+Each test names the rule of ``persist/txn.py`` it checks: all or nothing, races name
 every shard and commit nothing, a retry never uploads a part twice, clear errors before
 anything is written, abort deletes uploaded parts, unknown outcomes are resolved without
 double-applying, and cross-shard-consistent reads."""

@@ -1,10 +1,10 @@
-"""Regression tests for defects an adversarial review found in persist.txn (issue 14,
-DESIGN 5.2): an unknown outcome resolved exactly even after later appends (each
-transaction records its token under its own writer id), a stash-only transaction that
-lost its acknowledgement never reported as "nothing committed", a refused write that
-leaves the shard's schema alone, two stash batches of one collection merged, clear
-errors for finalized shards, shards at the largest time and timed writes below the
-upper.  Each test failed on the code before its fix."""
+"""Regression tests for defects found in persist.txn (``persist/txn.py``,
+``persist/txn_commit.py``): an unknown outcome resolved exactly even after later appends
+(each transaction records its token under its own writer id), a stash-only transaction that
+lost its acknowledgement never reported as "nothing committed", a refused write that leaves
+the shard's schema alone, two stash batches of one collection merged, clear errors for
+finalized shards, shards at the largest time and timed writes below the upper.  Each test
+failed on the code before its fix."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def test_commit_on_a_dropped_shard_is_invalid_usage_not_a_retryable_race(inner: 
 
 def test_refused_txn_write_does_not_evolve_the_shard_schema(inner: Stash) -> None:
     """``Txn.write(name, bad_updates, key_schema=, value_schema=newer)`` raises
-    InvalidUsage ("Nothing is written", DESIGN 5.2 "clear errors, nothing half-done"),
+    InvalidUsage ("Nothing is written": clear errors, nothing half-done),
     yet the newer value schema has already been registered in the shard's state by
     compare-and-set: a refused write of an uncommitted transaction committed a schema
     change (and abort does not undo it)."""
@@ -133,8 +133,8 @@ def test_unknown_outcome_retry_after_other_txns_never_double_applies(inner: Stas
     the client's transaction writer, whose state keeps only the last
     WRITER_TOKENS_KEPT (8) tokens, so T1's token is pushed out.  Retrying T1 with
     ``commit()`` no longer finds its token, takes the upper beyond its time for a race
-    and commits T1 a second time: its row shows with diff 2.  (DESIGN 8: an unknown
-    outcome is never resolved by applying twice.)"""
+    and commits T1 a second time: its row shows with diff 2.  (An unknown outcome
+    is never resolved by applying twice.)"""
     flaky = AckLostStash(inner)
     c = PersistClient(  # type: ignore[arg-type]
         flaky, MemoryBlob(), compaction="off", consensus_retries=1, inline_max_bytes=0

@@ -1,7 +1,8 @@
-"""Issue 14, property test: random sequences of multi-shard transactions, single-shard
-appends and plain stash appends on 3 shards and 2 stash collections, checked after every
-step against a reference model (contents of every shard as of every definite time, every
-upper, the collections' contents), on the memory, SQLite and Postgres stashes.
+"""Transactions (``persist/txn.py``), property test: random sequences of multi-shard
+transactions, single-shard appends and plain stash appends on 3 shards and 2 stash
+collections, checked after every step against a reference model (contents of every shard as
+of every definite time, every upper, the collections' contents), on the memory, SQLite and
+Postgres stashes.
 
 A transaction committed at a time below some shard's upper must raise TxnUpperMismatch
 naming exactly those shards, and change nothing anywhere."""

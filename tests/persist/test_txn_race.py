@@ -1,9 +1,9 @@
-"""Issue 14, race: four processes commit overlapping transactions (each writes two of
-three shards, plus a row of its own stash collection) on one SQLite stash and one file
-blob store.  Every acknowledged transaction is visible exactly once, in all of its
-shards and its collection, at its commit time; and no part is uploaded twice (every
-blob ``set`` of every process is counted: one per ``Txn.write``, however many races the
-commits lost)."""
+"""Transactions (``persist/txn.py``), race: four processes commit overlapping transactions
+(each writes two of three shards, plus a row of its own stash collection) on one SQLite
+stash and one file blob store.  Every acknowledged transaction is visible exactly once, in
+all of its shards and its collection, at its commit time; and no part is uploaded twice
+(every blob ``set`` of every process is counted: one per ``Txn.write``, however many races
+the commits lost)."""
 
 from __future__ import annotations
 

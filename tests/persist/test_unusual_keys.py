@@ -1,6 +1,6 @@
-"""Persist writes and reads with unusual keys (found by an adversarial review): a
+"""Persist writes and reads with unusual keys: a
 string key holding NUL (which the stash's JSON cannot hold, so statistics and key
-samples leave it out) and very long keys, and the read surface of DESIGN 5.4."""
+samples leave it out) and very long keys, and the read surface of ``persist/read.py``."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def test_string_key_with_nul_character_round_trips(client: PersistClient) -> Non
 
 
 def test_string_key_with_nul_error_is_a_persist_error(client: PersistClient) -> None:
-    """If refused, the error must be a PersistError (DESIGN 5: errors subclass
-    persist.PersistError) naming the shard."""
+    """If refused, the error must be a PersistError (``persist/errors.py``: errors
+    subclass persist.PersistError) naming the shard."""
     w, _ = client.open("s", KS, VS)
     try:
         w.compare_and_append([((("a\x00b",), (1,)), 0, 1)], 0, 1)
@@ -50,7 +50,7 @@ def test_string_key_with_nul_error_is_a_persist_error(client: PersistClient) -> 
 
 
 def test_snapshot_takes_filter_and_columns(client: PersistClient) -> None:
-    """DESIGN 5.4: ``ReadHandle.snapshot(as_of, filter=pyarrow.compute.Expression,
+    """``ReadHandle.snapshot(as_of, filter=pyarrow.compute.Expression,
     columns=[...])``."""
     import pyarrow.compute as pc
 

@@ -1,4 +1,4 @@
-"""Child process of the transaction crash campaign (issue 14): commits multi-shard
+"""Child process of the transaction crash campaign: commits multi-shard
 transactions in a loop until it is SIGKILLed.
 
 Usage: ``python crash_child_txn.py STASH_URL BLOB_URI ACK_PATH RUN``.  Loop iteration

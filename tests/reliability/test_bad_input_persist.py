@@ -1,4 +1,4 @@
-"""Bad-input campaign, persist side (issue 7): hypothesis-generated garbage for persist's
+"""Bad-input campaign, persist side: hypothesis-generated garbage for persist's
 public entry points (shard names, schemas, frontiers, times outside the bounds, wrong
 types, wrong columns and column types, transmitted batches, rewrite frontiers), Parquet
 parts truncated or corrupted in the blob store, and corrupted state JSON in the shard's
@@ -466,7 +466,7 @@ def test_unreadable_transmitted_batches(bad: str, tmp_path: Path) -> None:
         client.close()
 
 
-# ---------------------------------------------------------------- regressions (issue 7)
+# ------------------------------------------------------------------------------ regressions
 
 
 @pytest.mark.parametrize("t", [2**63, 2**70, -(2**63) - 1])

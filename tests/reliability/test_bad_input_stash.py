@@ -1,4 +1,4 @@
-"""Bad-input campaign, stash side (issue 7): hypothesis-generated garbage for every public
+"""Bad-input campaign, stash side: hypothesis-generated garbage for every public
 entry point (frontiers, times outside bounds, huge and deeply nested values, wrong types,
 wrong codecs). Each call either succeeds or raises a StashError whose message starts with
 ``stash error: `` — never another exception — and a failed call changes nothing."""

@@ -1,6 +1,6 @@
-"""Blob-fault campaign (issue 7): persist over an :class:`UnreliableBlob` (after the seed's
-``UnreliableBlob``: calls that fail, slow calls, puts and deletes that fail *after* doing
-their work) during writes, compaction, reads and GC.
+"""Blob-fault campaign: persist over an :class:`UnreliableBlob` (after Materialize's
+``UnreliableBlob`` in ``src/persist/src/unreliable.rs``: calls that fail, slow calls, puts
+and deletes that fail *after* doing their work) during writes, compaction, reads and GC.
 
 Invariants checked:
 
@@ -90,7 +90,7 @@ def _final_cleanup_check(
     compactor) are expired and the reader holds no old version, GC (grace 0) leaves
     exactly the referenced parts, the Spine validates and fsck finds no damage."""
     client.compactor.compact_once(shard)
-    # A live writer's parts are never collected (issue 12): expire the writers first.
+    # A live writer's parts are never collected: expire the writers first.
     w.expire()
     client.compactor.expire_writers()
     r.heartbeat()  # no read in progress: its seqno hold moves to the latest version

@@ -1,4 +1,4 @@
-"""Concurrency campaign (issue 7, persist and stash together): 8 processes mix, for a fixed
+"""Concurrency campaign (persist and stash together): 8 processes mix, for a fixed
 time, stash appends (to their own collection and to one shared collection) and persist
 ``compare_and_append`` s (to their own shard and to one shared shard), all on one stash
 (SQLite file or Postgres) and one FileBlob.  Every operation is logged by its process with

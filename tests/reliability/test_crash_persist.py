@@ -1,4 +1,4 @@
-"""Crash campaign (issue 7) for persist: a child ``compare_and_append``s to a shard (stash
+"""Crash campaign for persist: a child ``compare_and_append``s to a shard (stash
 consensus on SQLite or Postgres, a FileBlob or an S3 prefix on moto) in a loop and is SIGKILLed at random moments.
 After each kill:
 

@@ -1,4 +1,4 @@
-"""Crash campaign (issue 7) for the stash: a child appends in a loop and is SIGKILLed at
+"""Crash campaign for the stash: a child appends in a loop and is SIGKILLed at
 random moments; after each kill every acknowledged append is present exactly once, no
 batch is half there (a key in one collection of an atomic append but not the other), and
 the stash reopens. SQLite and Postgres."""

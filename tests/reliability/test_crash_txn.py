@@ -1,4 +1,4 @@
-"""Crash campaign (issue 14) for transactions across shards and stash collections: a
+"""Crash campaign for transactions across shards and stash collections: a
 child commits multi-shard transactions, each with a catalog row (stash consensus on
 SQLite or Postgres, a FileBlob), in a loop and is SIGKILLed at random moments, mostly
 inside ``Txn.commit_at``.  After each kill:

@@ -1,4 +1,4 @@
-"""Fencing campaign (issue 7): a deposed leader keeps trying to write for a while after a
+"""Fencing campaign: a deposed leader keeps trying to write for a while after a
 new leader opens; none of its writes become visible, each attempt fails unrecoverably,
 and the new leader's writes all land. The old leader runs in a separate process."""
 

@@ -1,4 +1,4 @@
-"""Indeterminate-commit campaign (issue 12 item 8): COMMITs land but their
+"""Indeterminate-commit campaign: COMMITs land but their
 acknowledgement is lost, and the re-reads that follow fail for a while.  Each append is
 retried the way a caller that retries everything would: after an indeterminate error it
 retries the same append (same rows and bounds: a token names one append exactly),

@@ -1,4 +1,4 @@
-"""Lifecycle model (issue 12): writers, builders and batches held open, readers, GC,
+"""Lifecycle model: writers, builders and batches held open, readers, GC,
 compaction, heartbeats, clock jumps past every grace period and lease, blob outages at
 any call (builders flush on every ``add``, so an outage can hit an ``add`` after earlier
 ones were accepted), and stash commits whose acknowledgement is lost, against a
@@ -335,7 +335,7 @@ class Lifecycle(RuleBasedStateMachine):
     @rule(jump=st.sampled_from([GRACE + 1, LEASE + 1]))
     def later_gc(self, jump: float) -> None:
         """Time passes (past the grace period, or every lease), then another process
-        collects garbage: what the issue's lost batches went through."""
+        collects garbage: the path on which GC once deleted a held batch's parts."""
         self.clock_jump(jump)
         self.gc()
 

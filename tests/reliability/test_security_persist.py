@@ -1,4 +1,4 @@
-"""Security campaign, persist side (issue 7):
+"""Security campaign, persist side:
 
 * shard names (and ids, and blob keys) that try to escape the blob root -- ``..``,
   absolute paths, NUL, backslashes, very long names, hidden names -- are refused by
@@ -299,7 +299,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def test_symlinked_directories_under_the_blob_root_are_never_followed(
     tmp_path: Path, where: str
 ) -> None:
-    """Issue 19: ``<root>/<shard_id>`` or ``<root>/<shard_id>/b`` is a symbolic link to a
+    """``<root>/<shard_id>`` or ``<root>/<shard_id>/b`` is a symbolic link to a
     user's directory.  Appends, reads, GC (default one-hour grace) and the temporaries'
     sweep through it fail with an error naming the link; the user's files outside the
     root are all still there, unchanged, and nothing new appears next to them."""

@@ -1,4 +1,4 @@
-"""Security campaign, stash side (issue 7): bound parameters only (injection attempts are
+"""Security campaign, stash side: bound parameters only (injection attempts are
 stored as data), passwords never in reprs, logs, exceptions or CLI output, and the
 embedded database readable by its owner only."""
 
@@ -100,7 +100,7 @@ def _leaked(texts: list[str], *secrets: str) -> list[tuple[str, str]]:
 def test_password_as_query_parameter_never_shown(
     postgres_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 19: the password given as ``?password=`` (libpq accepts it) and planted
+    """The password given as ``?password=`` (libpq accepts it) and planted
     ``sslpassword``/``passfile`` values appear in no repr, log line (DEBUG), CLI output
     (tables, titles, JSON, errors) or error message; neither does the password of a URL
     missing ``//``."""
@@ -207,7 +207,7 @@ def test_redact_is_the_one_redaction(url: str, shown: str) -> None:
 
 
 def test_sqlite_files_owner_only_whoever_creates_them(tmp_path: Path) -> None:
-    """Issue 19: ``stash migrate`` (into a directory that does not exist yet) and a plain
+    """``stash migrate`` (into a directory that does not exist yet) and a plain
     ``alembic upgrade`` create the SQLite file ``0600`` (and so its ``-wal`` and ``-shm``)
     in ``0700`` directories, even under umask 022."""
     from alembic.config import main as alembic_main
@@ -274,7 +274,7 @@ EVIL_VALUE = "[bold red]loud[/bold red] \x1b[31mred\\x1b"
 
 
 def test_cli_tables_are_inert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 19: stored text reaches the terminal inert through ``stash`` and
+    """Stored text reaches the terminal inert through ``stash`` and
     ``persist`` tables: control characters are shown escaped as ``repr`` shows them
     (no ESC, BEL or CR is printed), rich markup in names, keys and values is shown
     literally (never a link or a style), and ``--json`` keeps the exact values."""
@@ -333,7 +333,7 @@ def test_cli_tables_are_inert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_malformed_url_errors_hide_the_password() -> None:
-    """Issue 19: a stash URL missing ``//`` was echoed whole in "malformed stash URL"."""
+    """A stash URL missing ``//`` was echoed whole in "malformed stash URL"."""
     for bad in (
         f"postgresql+psycopg://user:{PLANTED}?x@host/db",  # the parser's error quotes it
         f"postgresql+psycopg:/user:{PLANTED}@host/db",
@@ -389,7 +389,7 @@ def test_redact_never_lets_a_planted_secret_through(secret: str) -> None:
         lambda s: "Zq" + s + "9"
     )
 )
-# Found by an adversarial review: a space in a password (which SQLAlchemy's grammar,
+# Regressions: a space in a password (which SQLAlchemy's grammar,
 # and so Stash.open, accepts), or a password beginning with '/', stayed in view.
 @example(secret="Zqhunter 2xyz9")
 @example(secret="Zq/secret9")
@@ -502,7 +502,7 @@ def test_opening_a_database_others_can_read_warns(
     ],
 )
 def test_redact_hides_quoted_nested_and_embedded_secrets(text: str, secrets: list[str]) -> None:
-    """Found by an adversarial review: these forms kept their secret (or access key id)."""
+    """Regressions: these forms kept their secret (or access key id)."""
     from stash import redact
 
     shown = redact(text)

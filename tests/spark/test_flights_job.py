@@ -56,7 +56,7 @@ def test_small_pipeline_matches_pandas_and_runs_twice(spark: Any, spark_store: A
     assert after.batches < before.batches and after.parts < before.parts
     assert (after.since, after.upper) == (3, 8)
     # The job's GC (grace 0) keeps the parts its own Spark reads planned: each planner
-    # holds its seqno for a reader lease (issue 12).  Once those leases ran out, GC takes
+    # holds its seqno for a reader lease.  Once those leases ran out, GC takes
     # the compaction's leftovers, and fsck finds no damage.
     with Stash.open(spark_store.stash_url, fenced=False) as s:
         later = PersistClient(
@@ -74,7 +74,7 @@ def test_small_pipeline_matches_pandas_and_runs_twice(spark: Any, spark_store: A
         assert len(s.peek_one(colls["airlines"])) == 16
         assert len(s.peek_one(colls["airports"])) == 1458
         assert len(s.peek_one(colls["planes"])) == 3322
-        # Issue 14: the retractions committed with their corrections entry.
+        # One transaction: the retractions committed with their corrections entry.
         assert s.peek_one(colls["corrections"]) == {
             "cancelled@7": {
                 "shard": "flights",

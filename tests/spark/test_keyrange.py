@@ -1,4 +1,4 @@
-"""The consolidated Spark read cut by key range (issue 16): several input partitions, no
+"""The consolidated Spark read cut by key range: several input partitions, no
 shuffle, each distinct row once, equal to ``ReadHandle.snapshot``.
 
 A few random shards (composite keys with nulls, NaN and strings; several appends of
@@ -119,7 +119,7 @@ def test_key_range_read_equals_the_snapshot(
 
 def test_key_range_read_splits_a_compacted_shard(spark: Any, spark_store: Any) -> None:
     """A shard of one compacted run of many parts reads in the partitions asked for
-    (it was one task before issue 16), with the same rows as the snapshot."""
+    (it used to be one task), with the same rows as the snapshot."""
     with Stash.open(spark_store.stash_url, fenced=False) as s:
         client = PersistClient(
             s, spark_store.blob_uri, inline_max_bytes=0, target_part_bytes=20_000

@@ -1,4 +1,4 @@
-"""Spark writes evolve a shard's schema with ``mergeSchema`` (issue 15, DESIGN 5.3).
+"""Spark writes evolve a shard's schema with ``mergeSchema``.
 
 ``df.write.format("persist").option("mergeSchema", "true")`` adds the DataFrame's extra
 columns as nullable value columns and widens value columns it holds in a wider type, as

@@ -1,6 +1,5 @@
-"""The persist source checks its options, matches columns by name, keeps timestamps as
-they were written, and explains save modes and key uniqueness (issue 13, items 3-5 and
-the "also" list)."""
+"""The persist source checks its options, matches columns by name, keeps timestamps as they
+were written, and explains save modes and key uniqueness."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The persist source's reads equal ``ReadHandle.snapshot``: the default read is the
-consolidated snapshot, the raw modes sum to it, on any partitioning (issue 13, items 1-2).
+consolidated snapshot, the raw modes sum to it, on any partitioning.
 
 The differential test writes random shards straight through persist (several batches
 per append, as several Spark tasks do; tiny parts, so runs span parts and batches span
@@ -40,7 +40,8 @@ def _read(spark: Any, stash_url: str, blob_uri: str, shard: str, **options: Any)
 
 
 def test_default_read_of_a_four_task_write_is_consolidated(spark: Any, spark_store: Any) -> None:
-    """The issue's repro: one row per task, a key inserted and retracted by two tasks."""
+    """The case that was read unconsolidated: one row per task, a key inserted and
+    retracted by two tasks."""
     rows = [(1, "a", 1), (1, "a", -1), (2, "b", 1), (2, "b", 1)]
     df = spark.createDataFrame(rows, "id long, name string, d long").repartition(4)
     assert df.rdd.getNumPartitions() == 4

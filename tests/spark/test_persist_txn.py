@@ -1,4 +1,4 @@
-"""Issue 14, Spark: ``spark.persist_txn`` commits writes of several DataFrames to several
+"""Spark: ``spark.persist_txn`` commits writes of several DataFrames to several
 shards, plus catalog rows, as one transaction; an exception in the block commits
 nothing and deletes the parts the executors uploaded."""
 

@@ -1,4 +1,4 @@
-"""Filter pushdown of the ``persist`` Spark source (issue 16): which Spark filters the
+"""Filter pushdown of the ``persist`` Spark source: which Spark filters the
 reader takes, that planning skips the parts whose statistics exclude them (bytes
 counted, parts never fetched), and that every read mode still returns exactly what
 Spark's own filtering of the unfiltered read gives, also when one DataFrame serves a

@@ -1,4 +1,4 @@
-"""The ``persist`` source from Spark SQL (issue 16): what PySpark 4.3's Python data
+"""The ``persist`` source from Spark SQL: what PySpark 4.3's Python data
 sources support and what they do not.
 
 Works: ``CREATE TEMPORARY VIEW v USING persist OPTIONS (stash, blob, shard)``, ``SELECT``,

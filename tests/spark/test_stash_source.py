@@ -118,7 +118,7 @@ def test_empty_and_missing_collections(spark: Any, catalog: str) -> None:
         spark.read.format("stash").load("airlines").collect()
 
 
-# ------------------------------------------------ issue 13: layout, types, options
+# ------------------------------------------------------------- layout, types, options
 @pytest.fixture
 def tricky(spark_store: Any) -> str:
     """Collections whose key and value fields share names, and mixed JSON types."""

@@ -1,5 +1,6 @@
 """The stash contract suite: every test runs unchanged on every backend (memory, memory
-over SQLite, SQLite, Postgres). Messages are checked to the letter (DESIGN section 3)."""
+over SQLite, SQLite, Postgres). Messages are checked to the letter (``stash/errors.py``:
+every one starts ``stash error: ``)."""
 
 from __future__ import annotations
 

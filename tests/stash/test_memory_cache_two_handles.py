@@ -5,12 +5,12 @@ The attack: ``Memory(inner)`` over a fenced leader, and a second handle on the s
 SQLite stash that writes (an optimistic ``fenced=False`` multi-writer, the only kind of
 writer that can coexist with a live fenced leader).
 
-The stash's design makes ``Memory(inner)`` a write-through read cache with no carve-out, and says
-``fenced=False`` handles "never fence and never get fenced"; ``stash/typed.py`` promises
-that after ``migrate`` every decoding read through a handle with the old codecs, "of any
-stash handle", is refused.  The memory.py docstring itself admits "optimistic
-``fenced=False`` writers of the same collections make the cache stale: do not mix
-them": a limitation written in a docstring.
+``Memory(inner)`` is a write-through read cache with no carve-out (``stash/memory.py``), and
+``fenced=False`` handles never fence and never get fenced; ``stash/typed.py`` promises that
+after ``migrate`` every decoding read through a handle with the old codecs, "of any stash
+handle", is refused.  The memory.py docstring itself admits "optimistic ``fenced=False``
+writers of the same collections make the cache stale: do not mix them": a limitation written
+in a docstring.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The Postgres backend on a real server: jsonb text both ways, fencing (including a
-deposed leader that keeps writing), readonly and savepoint modes as in the seed's tests
-(with a role that may only SELECT, to show they never write the live tables), and the
-epoch left untouched by both."""
+"""The Postgres backend on a real server: jsonb text both ways, fencing (including a deposed
+leader that keeps writing), readonly and savepoint modes as in Materialize's stash tests
+(``src/stash/src/lib.rs``; with a role that may only SELECT, to show they never write the
+live tables), and the epoch left untouched by both."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A SQLite append merges its rows with the stored rows of their keys before writing
 anything: a retraction and the row it cancels are never written only to be deleted
-(issue 18: an update of a 4 KB persist state entry wrote its 4 KB retraction to the WAL
+(before, an update of a 4 KB persist state entry wrote its 4 KB retraction to the WAL
 and freed it again in the same transaction)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""One stash handle shared between threads (DESIGN section 3: "a handle is safe to share
-between threads"), on every backend and on ``Memory(inner)`` over each.
+"""One stash handle shared between threads ("a handle is safe to share between
+threads": ``stash/base.py``), on every backend and on ``Memory(inner)`` over each.
 
 Writer threads each own a collection and a set of keys of a shared collection; reader
 threads read everything while they write.  Checked against a model:

@@ -1,5 +1,5 @@
 """``TypedCollection.migrate``: a collection's entries and recorded codec names rewritten in
-one transaction (issue 15, the stash side), on every backend."""
+one transaction (the stash side of schema evolution), on every backend."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ STALE = r"collection c now has codecs \(key=str, value={new}\) \(migrated.*\(key
 def test_a_stale_handles_writes_are_all_refused(open_stash: OpenStash) -> None:
     """Every write that encodes through a handle made before a migration (by another
     stash handle, or by the migrating one) is refused and commits nothing: ``update``,
-    ``update_many``, ``append`` and a committed ``TableTransaction``.  (Found by an
-    adversarial test: ``update`` used to commit old-encoded entries, after which every
+    ``update_many``, ``append`` and a committed ``TableTransaction``.  (Before the
+    fix, ``update`` committed old-encoded entries, after which every
     reader with the new codecs failed.)"""
     a, b = open_stash(), open_stash()
     tc: TypedCollection[str, str] = TypedCollection("c", key="str", value="str")

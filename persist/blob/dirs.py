@@ -2,7 +2,7 @@
 
 ``pyarrow.fs`` keeps a directory alive on object stores (S3, GCS) with an empty
 "directory marker" object (key ending in ``/``): after deleting a directory's last file
-it writes one for that directory (apache/arrow issue 36275), and S3 consoles and other
+it writes one for that directory (apache/arrow#36275 on GitHub), and S3 consoles and other
 clients write them too.  They are never keys (:meth:`persist.blob.arrowfs.ArrowFsBlob.list_keys`
 skips them), but a dropped shard should leave nothing under its prefix: this removes
 them.

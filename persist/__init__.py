@@ -43,6 +43,7 @@ from persist.fsck import FsckReport, fsck
 from persist.gc import GcReport, collect_garbage
 from persist.machine import ShardMachine
 from persist.read import Listen, ListenEvent, ReadHandle
+from persist.rows import ChangeContended, RowChanges
 from persist.snapshots import snapshot_many
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.state import LeaseExpired, ShardState
@@ -54,6 +55,7 @@ from persist.write import BatchBuilder, WriteHandle
 __all__ = [
     "ApplyMergeResult",
     "Batch",
+    "ChangeContended",
     "BatchBuilder",
     "Blob",
     "BlobError",
@@ -86,6 +88,7 @@ __all__ = [
     "PersistClient",
     "PersistError",
     "ReadHandle",
+    "RowChanges",
     "RetryingBlob",
     "SchemaMismatch",
     "ShardMachine",

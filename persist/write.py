@@ -80,13 +80,15 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from persist import metrics as persist_metrics
+from persist import rows as rows_mod
 from persist.batch import Batch
 from persist.batch_rules import (
     append_bounds,
@@ -101,7 +103,9 @@ from persist.batch_rules import (
 )
 from persist.builder import BatchBuilder, RunWriter, Updates, time_range
 from persist.commands import AppendCmd
-from persist.errors import BatchAppended, InvalidUsage, PersistError
+from persist.errors import BatchAppended, InvalidUsage, PersistError, SchemaMismatch
+from persist.fetch import snapshot_table
+from persist.filters import check_filter
 from persist.fingerprint import batches_fingerprint, updates_fingerprint
 from persist.handle import ShardHandle
 from persist.idempotency import (
@@ -116,7 +120,9 @@ from persist.keys import key_writer_id
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.lease_state import TOKEN_SEP
 from persist.machine import ShardMachine
+from persist.rows import Planned, RowChanges
 from persist.spine import FueledMergeRes, worth_compacting
+from persist.state import ShardState
 from persist.types import Description, HollowBatch, as_frontier
 from stash import Antichain
 
@@ -412,6 +418,110 @@ class WriteHandle(ShardHandle):
         """Append ``updates`` at ``[lower, upper)``: the shard's upper must be ``lower``
         (the persist-client ``append``; same errors as :meth:`compare_and_append`)."""
         self.compare_and_append(updates, lower, upper)
+
+    # ------------------------------------------------------- row-level changes
+    def upsert(self, rows: pa.Table | pa.RecordBatch) -> RowChanges:
+        """Replace, for each row of ``rows``, every live row with its key by it, at one
+        new time (:mod:`persist.rows`: serializable, re-planned on a lost race).  Only
+        the parts whose key statistics can hold one of the incoming keys are read.
+
+        Args:
+            rows: a pyarrow ``Table``/``RecordBatch`` of exactly the key and value
+                columns (no ``_time`` or ``_diff``), each key at most once.
+
+        Raises:
+            InvalidUsage: bad columns, or two rows with one key (naming the key
+                columns); nothing committed.
+            SchemaMismatch: this handle's schema is older than the shard's newest.
+            ChangeContended: the race for the upper was lost on every attempt.
+            BlobError, ConsensusError: as :meth:`compare_and_append`.
+        """
+        self._check()
+        table = rows_mod.conform_rows(rows, self.schema, f"upsert into shard {self.name!r}")
+        keys, values = self.key_schema.names, self.value_schema.names
+        rows_mod.check_unique_keys(table, keys)  # before anything is read
+        filt = rows_mod.key_filter(table, keys)
+
+        def plan(read: Callable[[pc.Expression | None], pa.Table], upper: int) -> Planned:
+            live = read(filt) if table.num_rows else self.schema.empty_table()
+            return rows_mod.plan_upsert(live, table, keys, values)
+
+        return rows_mod.apply_change(self, plan)
+
+    def delete(self, filter: pc.Expression) -> RowChanges:
+        """Retract every live row ``filter`` (a boolean ``pyarrow.compute`` expression
+        over key and value columns, as in ``snapshot(filter=)``) keeps, at one new time
+        (:mod:`persist.rows`).  Same errors as :meth:`upsert` (a bad filter:
+        ``InvalidUsage``)."""
+        self._check()
+        keys, values = self.key_schema.names, self.value_schema.names
+        check_filter(filter, self.schema, keys, values)
+
+        def plan(read: Callable[[pc.Expression | None], pa.Table], upper: int) -> Planned:
+            return rows_mod.plan_delete(read(filter), keys, values)
+
+        return rows_mod.apply_change(self, plan)
+
+    def update(self, filter: pc.Expression, set: Mapping[str, Any]) -> RowChanges:
+        """Retract every live row ``filter`` keeps and insert it again with ``set``
+        (``{column: scalar | pyarrow.compute expression}``, expressions evaluated on the
+        old row, e.g. ``{"v": pc.field("v") + 1}``), keeping its count, at one new time
+        (:mod:`persist.rows`).  Key columns may change, unless two live rows would get
+        one key that did not share it before (``InvalidUsage``, nothing committed).
+        Same errors as :meth:`upsert`."""
+        self._check()
+        keys, values = self.key_schema.names, self.value_schema.names
+        check_filter(filter, self.schema, keys, values)
+        changes = rows_mod.check_set(set, self.schema, keys, values)
+
+        def plan(read: Callable[[pc.Expression | None], pa.Table], upper: int) -> Planned:
+            live = read(filter)
+            at_new = None
+            if rows_mod.changes_key(changes, keys) and live.num_rows:
+                new = rows_mod.new_values(live, changes, [*keys, *values])
+                at_new = read(rows_mod.key_filter(new, keys))
+            return rows_mod.plan_update(live, changes, keys, values, at_new)
+
+        return rows_mod.apply_change(self, plan)
+
+    def change_state(self) -> ShardState:
+        """The shard's state freshly read from consensus, for a row-level change: its
+        upper is the change's time.
+
+        Raises:
+            SchemaMismatch: this handle's schema version is older than the shard's
+                newest (its retractions could not name the newer columns).
+        """
+        st = self._machine.fetch()
+        newest = st.schemas().newest
+        if self.schema_id != newest:
+            raise SchemaMismatch(
+                repr(self.name),
+                "*",
+                f"a row change needs the shard's newest schema version {newest}",
+                f"this handle has version {self.schema_id}; nothing was committed",
+            )
+        return st
+
+    def read_live(self, state: ShardState, filter: pc.Expression | None) -> pa.Table:
+        """The live rows of ``state`` (all its updates, consolidated, as of ``upper - 1``
+        or its since if later), conformed to this handle's view, at least those
+        ``filter`` keeps (parts pruned by their statistics, :func:`snapshot_table`)."""
+        upper, since = state.upper.as_option(), state.since.as_option()
+        if not upper:
+            return self.schema.empty_table()
+        as_of = upper - 1 if since is None else max(upper - 1, since)
+        return snapshot_table(
+            self._ctx.blob,
+            [b for b in state.batches() if b.len > 0],
+            self.schema,
+            self.key_schema.names,
+            self.value_schema.names,
+            as_of,
+            max_workers=self._ctx.config.read_workers,
+            schemas=(state.schemas(), self.schema_id),
+            filter=filter,
+        )
 
     def _normalize(self, updates: Updates) -> pa.Table:
         """``updates`` as a table of exactly :attr:`schema`

@@ -130,6 +130,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.batch_rules",
                 "persist.idempotency",
                 "persist.write",
+                "persist.rows",
                 "persist.read",
                 "persist.compactor",
                 "persist.gc",

@@ -371,10 +371,24 @@ class ChangeWriter(Protocol):
     ) -> None: ...
 
 
-def _retryable(e: BaseException) -> bool:
-    if isinstance(e, UpperMismatch):
-        return True
-    return isinstance(e, CorruptPart) and e.missing
+#: Re-reads of one change after a part went missing (a GC of a version it read, after
+#: a compaction replaced the part), as :meth:`persist.read.ReadHandle.snapshot` retries.
+MISSING_RETRIES = 2
+
+
+def _retryable(missing: list[int]) -> Callable[[BaseException], bool]:
+    """Retry every lost race; a missing part only :data:`MISSING_RETRIES` times (then
+    it is reported: the latest version still names it)."""
+
+    def retry(e: BaseException) -> bool:
+        if isinstance(e, UpperMismatch):
+            return True
+        if isinstance(e, CorruptPart) and e.missing and missing[0] < MISSING_RETRIES:
+            missing[0] += 1
+            return True
+        return False
+
+    return retry
 
 
 def apply_change(
@@ -395,8 +409,11 @@ def apply_change(
     ``compare_and_append`` itself (its idempotency token): it is never re-planned, so a
     change is never applied twice.
 
+    A part found missing (GC raced the version read) re-reads too, twice at most.
+
     Raises:
         ChangeContended: every attempt lost the race (naming the shard).
+        CorruptPart: a part is missing or corrupt in the latest version read.
         InvalidUsage, SchemaMismatch: from ``plan`` or the handle; nothing committed.
         PersistError: storage failed (see ``compare_and_append``).
     """
@@ -405,7 +422,7 @@ def apply_change(
         for attempt in Retrying(
             stop=stop_after_attempt(attempts),
             wait=wait_random_exponential(multiplier=0.005, max=wait_max),
-            retry=retry_if_exception(_retryable),
+            retry=retry_if_exception(_retryable([0])),
             reraise=True,
         ):
             with attempt:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from persist import (
     ChangeContended,
+    CorruptPart,
     FileBlob,
     InvalidUsage,
     MemoryBlob,
@@ -162,6 +163,11 @@ def test_upsert_reads_only_parts_that_can_hold_its_keys(tmp_path: Path) -> None:
             blob.delete(k)
         ch = w.upsert(table([(5, -5), (7, -7), (1000, 0)]))
         assert ch == RowChanges(3, 3, 2)
+        # a key whose part is gone: the missing part is re-read twice, then reported
+        upper = w.fetch_recent_upper()
+        with pytest.raises(CorruptPart) as e:
+            w.upsert(table([(150, 0)]))
+        assert e.value.missing and w.fetch_recent_upper() == upper
         assert w.read_live(w.change_state(), pc.field("id") < 10).column("v").to_pylist() == [
             0,
             1,

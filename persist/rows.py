@@ -175,10 +175,12 @@ def conform_rows(rows: pa.Table | pa.RecordBatch, schema: pa.Schema, what: str) 
 
 
 def key_filter(rows: pa.Table, key_names: Sequence[str]) -> pc.Expression | None:
-    """A filter keeping at least the rows whose key is one of ``rows``' keys (one
-    ``isin`` per key column, anded; nulls kept when a key column has them), for the
-    statistics pruning of the read (:func:`persist.fetch.prune_batches`).  ``None``
-    when ``rows`` is empty."""
+    """A filter keeping at least the rows whose key is one of ``rows``' keys, for the
+    statistics pruning of the read (:func:`persist.fetch.prune_batches`): per key
+    column its ``[min, max]`` range (what part statistics can prune by: Arrow does not
+    simplify ``is_in`` under a range) and an ``isin`` of its values, anded over the key
+    columns; nulls kept when a key column has them; no range for a floating-point
+    column (NaN is in no range).  ``None`` when ``rows`` is empty."""
     if rows.num_rows == 0:
         return None
     out: pc.Expression | None = None
@@ -186,6 +188,9 @@ def key_filter(rows: pa.Table, key_names: Sequence[str]) -> pc.Expression | None
         col = rows.column(k)
         values = pc.unique(col.drop_null() if col.null_count else col)
         e = pc.field(k).isin(values)
+        if len(values) and not pa.types.is_floating(col.type):
+            mm = pc.min_max(values)
+            e = (pc.field(k) >= mm["min"]) & (pc.field(k) <= mm["max"]) & e
         if col.null_count:
             e = e | pc.field(k).is_null()
         out = e if out is None else out & e

@@ -162,25 +162,16 @@ def test_upsert_reads_only_parts_that_can_hold_its_keys(tmp_path: Path) -> None:
         assert later and all(k is not None for k in later)
         for k in later:
             blob.delete(k)
-        ch = w.upsert(table([(5, -5), (7, -7), (1000, 0)]))
-        assert ch == RowChanges(3, 3, 2)
+        # many keys: Arrow does not prune an ``is_in`` of many values by itself
+        ch = w.upsert(table([(i, -i) for i in range(5, 95)]))
+        assert ch == RowChanges(3, 90, 90)
         # a key whose part is gone: the missing part is re-read twice, then reported
         upper = w.fetch_recent_upper()
         with pytest.raises(CorruptPart) as e:
             w.upsert(table([(150, 0)]))
         assert e.value.missing and w.fetch_recent_upper() == upper
-        assert w.read_live(w.change_state(), pc.field("id") < 10).column("v").to_pylist() == [
-            0,
-            1,
-            2,
-            3,
-            4,
-            -5,
-            6,
-            -7,
-            8,
-            9,
-        ]
+        got = w.read_live(w.change_state(), pc.field("id") < 10).column("v").to_pylist()
+        assert got == [0, 1, 2, 3, 4, -5, -6, -7, -8, -9]
     finally:
         c.close()
         s.close()

@@ -196,6 +196,21 @@ def test_schema_evolution_conforms_old_rows_and_refuses_old_handles(
     assert w2.fetch_recent_upper() == upper
 
 
+def test_rows_differing_only_in_a_dropped_column_are_one_row(client: PersistClient) -> None:
+    """Rows of an older version are conformed before they are compared: after ``w`` is
+    dropped, (1, 10, "a") and (1, 10, "b") are one row (1, 10) with count 2, and an
+    upsert of key 1 retracts both; a widened column (int32 -> int64) reads as int64."""
+    val1 = pa.schema([pa.field("v", pa.int32()), pa.field("w", pa.string())])
+    w1, _ = client.open("s", KEY, val1)
+    w1.compare_and_append([(((1,), (10, "a")), 0, 1), (((1,), (10, "b")), 0, 1)], 0, 1)
+    w2, r2 = client.open("s", KEY, VAL, drop=["w"])
+    assert live(r2, w2) == Counter({(1, 10): 2})
+    assert w2.upsert(table([(1, 11)])) == RowChanges(1, 1, 2)
+    assert live(r2, w2) == Counter({(1, 11): 1})
+    assert w2.update(pc.field("v") == 11, {"v": 2**40}) == RowChanges(2, 1, 1)
+    assert live(r2, w2) == Counter({(1, 2**40): 1})
+
+
 # ------------------------------------------------------------------ the loop
 class _AlwaysRaced:
     name = "racy"

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from persist import (
     ChangeContended,
+    ConsensusError,
     CorruptPart,
     FileBlob,
     InvalidUsage,
@@ -30,6 +31,7 @@ from persist import (
 )
 from persist import rows as rows_mod
 from stash import Antichain, Stash
+from tests.support.stash_faults import AckLostStash
 
 KEY = pa.schema([pa.field("id", pa.int64(), False)])
 VAL = pa.schema([pa.field("v", pa.int64())])
@@ -209,6 +211,36 @@ def test_rows_differing_only_in_a_dropped_column_are_one_row(client: PersistClie
     assert live(r2, w2) == Counter({(1, 11): 1})
     assert w2.update(pc.field("v") == 11, {"v": 2**40}) == RowChanges(2, 1, 1)
     assert live(r2, w2) == Counter({(1, 2**40): 1})
+
+
+@pytest.mark.parametrize("reads", [3, 50], ids=["resolved", "unresolved"])
+def test_lost_ack_never_applies_a_change_twice(reads: int) -> None:
+    """The commit of ``update(v = v + 1)`` lands but its acknowledgement is lost (then
+    ``reads`` re-reads fail): resolved, the change reports its time; unresolved, it
+    raises the indeterminate error and is not re-planned.  Either way ``v`` is
+    incremented exactly once."""
+    inner = Stash.open("memory://", fenced=False)
+    flaky = AckLostStash(inner)
+    c = PersistClient(flaky, MemoryBlob(), compaction="off", consensus_retries=1)  # type: ignore[arg-type]
+    try:
+        w, r = c.open("idem", KEY, VAL)
+        w.resolve_max_wait = 0.001
+        w.resolve_attempts = 8 if reads < 10 else 2
+        w.upsert(table([(0, 0)]))
+        flaky.arm(reads=reads)
+        if reads < 10:
+            assert w.update(pc.field("id") == 0, {"v": pc.field("v") + 1}) == RowChanges(1, 1, 1)
+        else:
+            with pytest.raises(ConsensusError) as e:
+                w.update(pc.field("id") == 0, {"v": pc.field("v") + 1})
+            assert e.value.is_indeterminate()
+            flaky.reads_to_fail = 0
+        assert flaky.lost_acks == 1
+        assert w.fetch_recent_upper() == Antichain([2])
+        assert live(r, w) == Counter({(0, 1): 1})
+    finally:
+        c.close()
+        inner.close()
 
 
 # ------------------------------------------------------------------ the loop

@@ -398,3 +398,47 @@ def test_four_processes_update_one_row_no_lost_update(shared_url: str, tmp_path:
     finally:
         c.close()
         s.close()
+
+
+def _upserter(stash_url: str, blob_root: str, p: int, rounds: int) -> int:
+    s = Stash.open(stash_url, fenced=False)
+    c = PersistClient(s, FileBlob(blob_root), compaction="inline")
+    try:
+        w, _ = c.open("keys", KEY, VAL)
+        for n in range(rounds):
+            own = [(p * 10 + i, p * 1000 + n) for i in range(3)]
+            shared = [(100 + i, p * 1000 + n) for i in range(2)]
+            w.upsert(table(own + shared))
+        return rounds
+    finally:
+        c.close()
+        s.close()
+
+
+@pytest.mark.slow
+def test_four_processes_upsert_disjoint_and_overlapping_keys(
+    shared_url: str, tmp_path: Path
+) -> None:
+    """Four processes upsert their own keys and two shared keys, 8 rounds each: every
+    key ends with one live row of ``_diff`` 1, own keys with their process's last round,
+    shared keys with some process's last round."""
+    url, root = shared_url, str(tmp_path / "blob")
+    s = Stash.open(url, fenced=False)
+    c = PersistClient(s, FileBlob(root), compaction="inline")
+    try:
+        w, r = c.open("keys", KEY, VAL)
+        w.upsert(table([(100, -1)]))
+        with mp.get_context("spawn").Pool(4) as pool:
+            acked = sum(pool.starmap(_upserter, [(url, root, p, 8) for p in range(4)]))
+        assert acked == 32 and w.fetch_recent_upper() == Antichain([33])
+        got = live(r, w)
+        assert set(got.values()) == {1} and len(got) == 4 * 3 + 2
+        for p in range(4):
+            for i in range(3):
+                assert got[(p * 10 + i, p * 1000 + 7)] == 1
+        finals = {p * 1000 + 7 for p in range(4)}
+        shared = {v for (k, v) in got if k >= 100}
+        assert len(shared) == 1 and shared <= finals  # one upsert wrote both last
+    finally:
+        c.close()
+        s.close()

@@ -71,6 +71,12 @@ Invariants kept here (the batch rules, the builder's and the tokens' own are in
   (:mod:`persist.fingerprint`): a token reused on another append is refused
   (``InvalidUsage``), never taken for a landed retry.
 
+Row-level changes (:meth:`WriteHandle.upsert`, :meth:`~WriteHandle.delete`,
+:meth:`~WriteHandle.update`) read the live rows of a freshly read state through
+:func:`persist.fetch.snapshot_table` (pruned by key statistics), are planned by
+:mod:`persist.rows` and committed by :meth:`WriteHandle.compare_and_append` at that
+state's upper; :func:`persist.rows.apply_change` re-reads and re-plans on a lost race.
+
 Sources: the persist-client ``WriteHandle`` (Materialize's
 ``src/persist-client/src/write.rs``) and its ``compare_and_append`` through
 ``src/persist-client/src/internal/machine.rs``.

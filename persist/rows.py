@@ -170,7 +170,8 @@ def conform_rows(rows: pa.Table | pa.RecordBatch, schema: pa.Schema, what: str) 
     target = pa.schema([schema.field(n) for n in names])
     try:
         return rows.select(names).cast(target)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError) as e:
+        # ValueError: nulls in a non-nullable column
         raise InvalidUsage(f"{what}: rows do not fit the shard's columns {target}: {e}") from None
 
 

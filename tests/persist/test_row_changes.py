@@ -107,6 +107,10 @@ def test_bad_input_refused_nothing_committed(client: PersistClient) -> None:
         w.upsert(bad_rows)
     with pytest.raises(InvalidUsage, match="missing"):
         w.upsert(pa.table({"id": [1]}))
+    with pytest.raises(InvalidUsage, match="non-nullable"):
+        w.upsert(pa.table({"id": pa.array([None], pa.int64()), "v": [1]}))
+    with pytest.raises(InvalidUsage, match="non-nullable column 'id'"):
+        w.update(pc.field("id") == 1, {"id": None})
     with pytest.raises(InvalidUsage, match="not key or value columns"):
         w.update(pc.field("id") == 1, {"_diff": 2})
     with pytest.raises(InvalidUsage, match="non-empty"):

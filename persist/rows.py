@@ -253,8 +253,9 @@ def check_set(
     ``pyarrow.compute`` expressions.
 
     Raises:
-        InvalidUsage: ``set`` is not a mapping, is empty, or names a column that is not
-            a key or value column (``_time`` and ``_diff`` included).
+        InvalidUsage: ``set`` is not a mapping, is empty, names a column that is not a
+            key or value column (``_time`` and ``_diff`` included), or holds an
+            expression that does not apply to the columns (e.g. an unknown field).
     """
     if not isinstance(set, Mapping) or not set:
         raise InvalidUsage("update: set must be a non-empty {column: scalar | expression}")
@@ -262,6 +263,14 @@ def check_set(
     bad = [c for c in set if c not in names]
     if bad:
         raise InvalidUsage(f"update: set names {bad}, which are not key or value columns {names}")
+    exprs = {c: v for c, v in set.items() if isinstance(v, pc.Expression)}
+    if exprs:  # bound against the columns now, even if no row will match
+        try:
+            ds.dataset(schema.empty_table()).to_table(columns=exprs)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            raise InvalidUsage(
+                f"update: a set expression does not apply to the rows: {e}"
+            ) from None
     return dict(set)
 
 

@@ -113,6 +113,8 @@ def test_bad_input_refused_nothing_committed(client: PersistClient) -> None:
         w.update(pc.field("id") == 1, {"id": None})
     with pytest.raises(InvalidUsage, match="not key or value columns"):
         w.update(pc.field("id") == 1, {"_diff": 2})
+    with pytest.raises(InvalidUsage, match="does not apply"):  # even matching no row
+        w.update(pc.field("id") == 99, {"v": pc.field("nope") + 1})
     with pytest.raises(InvalidUsage, match="non-empty"):
         w.update(pc.field("id") == 1, {})
     with pytest.raises(InvalidUsage, match="'v'"):

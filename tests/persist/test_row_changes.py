@@ -5,6 +5,7 @@ dict, four processes racing ``update(v = v + 1)``, schema evolution and pruning.
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -448,3 +449,27 @@ def test_four_processes_upsert_disjoint_and_overlapping_keys(
     finally:
         c.close()
         s.close()
+
+
+def test_threads_with_their_own_handles_lose_no_update(client: PersistClient) -> None:
+    """Four threads, each with its own write handle on one client (one shared state
+    machine), run ``update(v = v + 1)`` 10 times: ``v == 40``."""
+    w, r = client.open("t", KEY, VAL)
+    w.upsert(table([(0, 0)]))
+    handles = [client.open("t", KEY, VAL)[0] for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def run(h: Any) -> None:
+        try:
+            for _ in range(10):
+                h.update(pc.field("id") == 0, {"v": pc.field("v") + 1})
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(h,)) for h in handles]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert live(r, w) == Counter({(0, 40): 1})

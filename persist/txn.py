@@ -126,6 +126,7 @@ from persist.txn_commit import (
     timed_max,
     unknown_outcome,
 )
+from persist.txn_rows import TxnRowChanges, settle_replaced
 from persist.updates import to_updates_table, updates_schema
 from persist.write import WriteHandle
 from stash import Antichain, AppendBatch, StashError
@@ -156,9 +157,10 @@ def _check_time(ts: object) -> int:
     return ts
 
 
-class Txn:
+class Txn(TxnRowChanges):
     """A transaction over several shards and stash collections of one client (see the
-    module docstring).  Made by :meth:`persist.client.PersistClient.begin`.  Not
+    module docstring); row-level changes (:meth:`upsert`, :meth:`delete`,
+    :meth:`update`) are :mod:`persist.txn_rows`'.  Made by :meth:`persist.client.PersistClient.begin`.  Not
     thread-safe: one thread builds and commits a transaction; several threads may each
     run their own transactions on one client (its lock order is in
     :mod:`persist.client`: a commit holds its shards' machine locks, in shard-id order,
@@ -185,6 +187,7 @@ class Txn:
         self._ctx = shard_ops.ctx
         self._shards: dict[str, ShardWrites] = {}  # by shard id
         self._stash_batches: list[AppendBatch] = []
+        self._row_ops: list[tuple[str, int]] = []
         self.token = uuid.uuid4().hex
         self.committed_ts: int | None = None
         self._aborted = False
@@ -323,6 +326,7 @@ class Txn:
             except InvalidUsage as e:
                 raise InvalidUsage(f"Txn.write to shard {wname!r}: {e} (nothing written)") from e
         w = self._writer_for(shard, key_schema, value_schema)
+        self._check_no_rows(w)
         try:
             table = w._normalize(table)
         except InvalidUsage as e:
@@ -403,6 +407,7 @@ class Txn:
         """
         self._check_changeable()
         w = self._writer_for(shard, None, None)
+        self._check_no_rows(w)
         batches = list(batches)
         seen = {id(b) for sw in self._shards.values() for b in sw.batches}
         held = {k for sw in self._shards.values() for b in sw.batches for k in b.part_ids()}
@@ -437,6 +442,16 @@ class Txn:
         sw = self._shards.setdefault(w.shard_id, ShardWrites(w.name, w))
         sw.batches.extend(batches)
         sw.given.extend(batches)
+
+    def _check_no_rows(self, w: WriteHandle) -> None:
+        """A shard takes row-level changes or updates in one transaction, not both."""
+        sw = self._shards.get(w.shard_id)
+        if sw is not None and sw.rows is not None:
+            raise InvalidUsage(
+                f"Txn.write to shard {w.name!r}: this transaction already makes row-level "
+                "changes to it; one transaction takes either row-level changes or updates "
+                "for a shard, not both (nothing was written)"
+            )
 
     def _check_mode(self, w: WriteHandle, flags: Sequence[bool]) -> None:
         """A shard takes timed or untimed writes in one transaction, not both."""
@@ -654,6 +669,9 @@ class Txn:
                         raise self._unknown(e) from e
                     raise
                 self._maybe_landed = True
+                for sw in self._shards.values():
+                    if sw.rows is not None:  # the batches it sent may have landed
+                        sw.rows.keep_replaced = True
                 indeterminate += 1
                 log.warning("indeterminate commit of a transaction at %s: %s", ts, e)
                 landed = self._resolve_landed()
@@ -818,6 +836,7 @@ class Txn:
             w = sw.writer
             for b in sw.batches:
                 b.mark_consumed()
+            settle_replaced(sw)
             self._return_lent(sw)
             w._registered = True
             w._last_heartbeat_ms = w._machine.now_ms()
@@ -838,6 +857,9 @@ class Txn:
                     b.mark_consumed()  # maybe referenced: GC decides
                 else:
                     b.delete()
+            if sw.rows is not None and self._maybe_landed:
+                sw.rows.keep_replaced = True
+            settle_replaced(sw)
             self._return_lent(sw)
 
     @staticmethod

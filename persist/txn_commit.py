@@ -68,6 +68,7 @@ from persist.machine import ShardMachine, Staged, Stale
 from persist.shards import Shards
 from persist.spine import FueledMergeReq
 from persist.state import TOKEN_SEP
+from persist.txn_rows import ShardRowChanges, plan_on_head
 from persist.types import HollowBatch
 from persist.write import WriteHandle, handed_off_owners
 from stash import Antichain, AppendBatch, StashError
@@ -163,6 +164,8 @@ class ShardWrites:
     # The batches added by write_batches (written elsewhere: possibly copies of a batch
     # the shard already has), checked against the version committed on.
     given: list[Batch] = field(default_factory=list)
+    # Its row-level changes (persist.txn_rows), planned on the version staged on.
+    rows: ShardRowChanges | None = None
 
 
 def is_timed(b: Batch) -> bool:
@@ -272,6 +275,8 @@ def commit_shards(
             restage = False
             for sid, m in zip(order, machines, strict=True):
                 sw = writes[sid]
+                if sw.rows is not None:
+                    plan_on_head(sw, m, ts, token)  # on the head this shard is staged on
                 cmd, relist = _shard_command(shard_ops, sw, token, ts, m)
                 dropping[sid] = cmd.done
                 try:

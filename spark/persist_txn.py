@@ -8,7 +8,8 @@ transaction in plain Python)::
     with persist_txn(spark, stash_url, blob_uri) as txn:
         txn.write(flights_df, "flights", key_columns=["id"], time_column="t")
         txn.write(lines_df, "order_lines")
-        txn.upsert("planes", {"N123": {...}})     # catalog rows (a stash collection)
+        txn.upsert("planes", planes_table)        # row upsert into the shard "planes"
+        txn.upsert_entries("catalog", {"N123": {...}})  # entries of a stash collection
     # leaving the block commits everything at once (txn.commit()); an exception aborts
 
 :meth:`PersistTxn.write` runs one Spark job over the DataFrame: each task writes its rows
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -380,6 +382,22 @@ def prepare_write(
         raise
 
 
+def _as_arrow(rows: Any) -> pa.Table | None:
+    """``rows`` as an Arrow table: a ``Table`` as is, a ``RecordBatch`` wrapped, a Spark
+    DataFrame collected (``toArrow``); ``None`` for anything else."""
+    if isinstance(rows, pa.RecordBatch):
+        return pa.Table.from_batches([rows])
+    if isinstance(rows, pa.Table):
+        return rows
+    try:
+        from pyspark.sql import DataFrame
+    except ImportError:  # pragma: no cover - pyspark is a dependency of spark/
+        return None
+    if isinstance(rows, DataFrame):
+        return rows.toArrow()
+    return None
+
+
 class PersistTxn:
     """A driver-side transaction over persist shards and stash collections for Spark
     jobs (see the module docstring).  Made by :func:`persist_txn`.
@@ -479,7 +497,73 @@ class PersistTxn:
         :meth:`persist.Txn.stash_append`)."""
         self.txn.stash_append(batches)
 
-    def upsert(self, collection: str, items: Mapping[str, Any], uniqueness: Any = None) -> int:
+    def upsert(self, shard: str, rows: Any, uniqueness: Any = None) -> int:
+        """Upsert ``rows`` into the persist shard ``shard`` with the transaction: each
+        row replaces every live row with its key (:meth:`persist.Txn.upsert`, planned
+        on the version the commit lands on), as ``upsert`` does on
+        :class:`persist.Txn` and :class:`persist.WriteHandle`.
+
+        Args:
+            shard: an existing shard's name.
+            rows: a pyarrow ``Table`` / ``RecordBatch`` with exactly the shard's key and
+                value columns, or a Spark DataFrame with them (collected to the driver
+                as Arrow: for catalog-sized data; a large DataFrame belongs to the
+                executors' row changes of ``spark.PersistTable``).
+            uniqueness: only for the deprecated call shape below.
+
+        Returns: the number of rows upserted.
+
+        The old call shape ``upsert(collection, {key: value, ...}[, uniqueness])``
+        (a ``Mapping`` of stash catalog entries) still works for one release and warns
+        with a ``DeprecationWarning``: use :meth:`upsert_entries`.  The two shapes are
+        told apart by the type of the second argument, never guessed.
+
+        Raises:
+            persist.InvalidUsage: ``rows`` is neither an Arrow table/batch, a Spark
+                DataFrame nor a mapping (naming both call shapes); ``uniqueness`` with
+                rows; see :meth:`persist.Txn.upsert`.
+        """
+        from persist import InvalidUsage
+
+        if isinstance(rows, Mapping):
+            warnings.warn(
+                "PersistTxn.upsert(collection, {key: value}) for stash catalog entries is "
+                "deprecated: use PersistTxn.upsert_entries(collection, items); upsert(shard, "
+                "rows) now upserts rows into a persist shard",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return self.upsert_entries(shard, rows, uniqueness)
+        if uniqueness is not None:
+            raise InvalidUsage(
+                f"upsert into shard {shard!r}: uniqueness is only for stash catalog entries "
+                "(upsert_entries)"
+            )
+        table = _as_arrow(rows)
+        if table is None:
+            raise InvalidUsage(
+                f"upsert into shard {shard!r} takes rows as a pyarrow Table/RecordBatch or a "
+                f"Spark DataFrame, not {type(rows).__name__} (catalog entries, a mapping, "
+                "go to upsert_entries(collection, items))"
+            )
+        self.txn.upsert(shard, table)
+        return int(table.num_rows)
+
+    def delete(self, shard: str, filter: Any) -> None:
+        """Retract every live row of the persist shard ``shard`` that ``filter`` (a
+        ``pyarrow.compute`` expression) keeps, with the transaction
+        (:meth:`persist.Txn.delete`)."""
+        self.txn.delete(shard, filter)
+
+    def update(self, shard: str, filter: Any, set: Mapping[str, Any]) -> None:
+        """Re-insert every live row of ``shard`` that ``filter`` keeps with ``set``
+        (``{column: scalar | pyarrow.compute expression}``), with the transaction
+        (:meth:`persist.Txn.update`)."""
+        self.txn.update(shard, filter, set)
+
+    def upsert_entries(
+        self, collection: str, items: Mapping[str, Any], uniqueness: Any = None
+    ) -> int:
         """Set ``key -> value`` in the JSON stash collection ``collection`` (created if
         needed) with the transaction, through a :class:`stash.TableTransaction` (so
         ``uniqueness`` constraints apply).  Several calls for one collection accumulate
@@ -488,12 +572,17 @@ class PersistTxn:
         nothing to change, nothing added).
 
         Raises:
-            persist.InvalidUsage: a later call for the collection with another
-                ``uniqueness`` than the first.
+            persist.InvalidUsage: ``items`` is not a mapping; a later call for the
+                collection with another ``uniqueness`` than the first.
         """
         from persist import InvalidUsage
         from stash import PeekSinceUpperError, TableTransaction
 
+        if not isinstance(items, Mapping):
+            raise InvalidUsage(
+                f"upsert_entries to collection {collection!r} takes a mapping of key -> "
+                f"value, not {type(items).__name__} (rows go to upsert(shard, rows))"
+            )
         coll = self.stash.collection(collection, key="str", value="json")
         known = self._upserts.get(collection)
         if known is None:

@@ -386,7 +386,7 @@ def load_flights(
         for chunk, part, last in todo:
             with persist_txn(spark, cfg.stash_url, cfg.blob_uri) as txn:
                 n = txn.write_prepared(prepared, chunk)
-                planes += txn.upsert("planes", first_seen.get(chunk, {}))
+                planes += txn.upsert_entries("planes", first_seen.get(chunk, {}))
                 ts = txn.commit()
             if n != len(part):  # pragma: no cover - a lost or doubled row
                 raise RuntimeError(f"chunk {chunk}: {n} rows written, {len(part)} expected")
@@ -418,7 +418,7 @@ def retract_cancelled(spark: Any, cfg: Config, correction_time: int) -> int:
     )
     with persist_txn(spark, cfg.stash_url, cfg.blob_uri) as txn:
         n = txn.write(cancelled, cfg.shard, key_columns=["id"], diff_column="diff")
-        txn.upsert(
+        txn.upsert_entries(
             "corrections",
             {
                 f"cancelled@{correction_time}": {

@@ -32,7 +32,7 @@ def test_persist_txn_commits_shards_and_catalog_together(spark: Any, spark_store
     with persist_txn(spark, url, blob) as txn:
         assert txn.write(orders, "orders", key_columns=["id"], time_column="day") == 40
         assert txn.write(lines, "lines", key_columns=["id"]) == 25
-        assert txn.upsert("catalog", {"orders": {"rows": 40}, "lines": {"rows": 25}}) == 2
+        assert txn.upsert_entries("catalog", {"orders": {"rows": 40}, "lines": {"rows": 25}}) == 2
         with Stash.open(url, fenced=False) as s:  # nothing visible before the commit
             c = PersistClient(s, blob, compaction="off")
             assert c.inspect("orders").upper.as_option() == 0
@@ -67,7 +67,7 @@ def test_persist_txn_exception_commits_nothing_and_deletes_parts(
     with pytest.raises(RuntimeError, match="boom"), persist_txn(spark, url, blob) as txn:
         txn.write(big, "big", key_columns=["id"])
         assert _parts(root) - before  # the executors uploaded parts
-        txn.upsert("catalog", {"big": 1})
+        txn.upsert_entries("catalog", {"big": 1})
         raise RuntimeError("boom")
     assert _parts(root) == before
     with Stash.open(url, fenced=False) as s:
@@ -81,17 +81,17 @@ def test_persist_txn_exception_commits_nothing_and_deletes_parts(
 
 
 def test_spark_persist_txn_two_upserts_to_one_collection_commit(tmp_path: Path) -> None:
-    """``PersistTxn.upsert`` called twice for one collection (e.g. planes of two
+    """``PersistTxn.upsert_entries`` called twice for one collection (e.g. planes of two
     DataFrames) commits both (before the fix: two batches with the same lower, and
-    TxnUpperMismatch at every try).  ``upsert`` does not use Spark, so no session is
+    TxnUpperMismatch at every try).  ``upsert_entries`` does not use Spark, so no session is
     needed to show it."""
     from spark.persist_txn import PersistTxn
 
     url = f"sqlite:///{tmp_path}/s.db"
     t = PersistTxn(None, url, "memory://")
     try:
-        t.upsert("planes", {"N1": {"seats": 2}})
-        t.upsert("planes", {"N2": {"seats": 4}})
+        t.upsert_entries("planes", {"N1": {"seats": 2}})
+        t.upsert_entries("planes", {"N2": {"seats": 4}})
         t.commit()
         coll = t.stash.collection("planes", key="str", value="json")
         assert t.stash.peek_one(coll) == {"N1": {"seats": 2}, "N2": {"seats": 4}}
@@ -107,20 +107,83 @@ def test_spark_persist_txn_upserts_of_one_key_twice_keep_the_last_value(tmp_path
     url = f"sqlite:///{tmp_path}/s.db"
     t = PersistTxn(None, url, "memory://")
     try:
-        t.upsert("planes", {"N1": {"seats": 1}})
+        t.upsert_entries("planes", {"N1": {"seats": 1}})
         t.commit()
     finally:
         t.close()
     t = PersistTxn(None, url, "memory://")
     try:
-        t.upsert("planes", {"N1": {"seats": 2}})
-        t.upsert("planes", {"N1": {"seats": 3}, "N2": {"seats": 4}})
+        t.upsert_entries("planes", {"N1": {"seats": 2}})
+        t.upsert_entries("planes", {"N1": {"seats": 3}, "N2": {"seats": 4}})
         t.commit()
         coll = t.stash.collection("planes", key="str", value="json")
         assert t.stash.peek_one(coll) == {"N1": {"seats": 3}, "N2": {"seats": 4}}
         assert sorted(d for _, _, d in t.stash.iter(coll)) == [1, 1]
     finally:
         t.close()
+
+
+def test_upsert_means_a_row_upsert_and_the_entry_shape_is_deprecated(tmp_path: Path) -> None:
+    """``PersistTxn.upsert(shard, rows)`` upserts rows into a shard, as on
+    ``persist.Txn``; the old ``upsert(collection, {key: value})`` shape still sets
+    catalog entries but warns, naming ``upsert_entries``; any other shape is refused,
+    naming both, and adds nothing."""
+    import pyarrow as pa
+
+    from persist import InvalidUsage
+    from spark.persist_txn import PersistTxn
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    key = pa.schema([pa.field("tailnum", pa.string(), False)])
+    val = pa.schema([pa.field("seats", pa.int64())])
+    t = PersistTxn(None, url, "memory://")
+    try:
+        t.client.open("planes", key, val)
+        rows = pa.table({"tailnum": ["N1", "N2"], "seats": [2, 4]})
+        assert t.upsert("planes", rows) == 2
+        with pytest.warns(DeprecationWarning, match="upsert_entries"):
+            assert t.upsert("catalog", {"N1": {"seats": 2}}) == 1
+        with pytest.raises(InvalidUsage, match="upsert_entries"):
+            t.upsert("planes", [("N1", 3)])
+        with pytest.raises(InvalidUsage, match=r"upsert\(shard, rows\)"):
+            t.upsert_entries("catalog", rows)  # type: ignore[arg-type]
+        with pytest.raises(InvalidUsage, match="uniqueness"):
+            t.upsert("planes", rows, uniqueness=lambda a, b: False)
+        ts = t.commit()
+    finally:
+        t.close()
+    t = PersistTxn(None, url, "memory://")
+    try:  # a second upsert of N1 replaces its row: one row per key
+        assert t.upsert("planes", pa.table({"tailnum": ["N1"], "seats": [3]}).to_batches()[0]) == 1
+        t.commit()
+        snap = t.client.snapshot_many({"planes": ts + 1})["planes"]
+        got = {(r["tailnum"], r["seats"], r["_diff"]) for r in snap.to_pylist()}
+        assert got == {("N1", 3, 1), ("N2", 4, 1)}
+        cat = t.stash.collection("catalog", key="str", value="json")
+        assert t.stash.peek_one(cat) == {"N1": {"seats": 2}}
+    finally:
+        t.close()
+
+
+def test_upsert_takes_a_spark_dataframe(spark: Any, spark_store: Any) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    url, blob = spark_store.stash_url, spark_store.blob_uri
+    key = pa.schema([pa.field("id", pa.int64(), False)])
+    val = pa.schema([pa.field("name", pa.string())])
+    with persist_txn(spark, url, blob) as txn:
+        txn.client.open("people", key, val)
+        txn.upsert("people", spark.createDataFrame([(1, "a"), (2, "b")], "id long, name string"))
+    with persist_txn(spark, url, blob) as txn:
+        txn.upsert("people", spark.createDataFrame([(2, "B")], "id long, name string"))
+        txn.delete("people", pc.field("id") == 1)
+    with Stash.open(url, fenced=False) as s:
+        c = PersistClient(s, blob, compaction="off")
+        try:
+            assert _rows(c, "people", 1) == Counter({(2, "B", 1, 1): 1})
+        finally:
+            c.close()
 
 
 def _rows(c: PersistClient, shard: str, as_of: int) -> Counter[tuple[Any, ...]]:
@@ -158,7 +221,7 @@ def test_prepare_write_by_chunk_equals_one_write_per_chunk(
             with persist_txn(spark, url, blob) as txn:
                 n = txn.write_prepared(prepared, m)
                 assert n == sum(1 for r in rows if r[1] == m)
-                txn.upsert("catalog", {f"m{m}": n})
+                txn.upsert_entries("catalog", {f"m{m}": n})
                 ts_fast.append(txn.commit())
     for m in months:
         part = spark.createDataFrame([r for r in rows if r[1] == m], schema).repartition(3)

@@ -7,7 +7,10 @@ Steps, each idempotent so that the job can run twice:
    through one :class:`stash.TableTransaction` each, with uniqueness constraints
    (airline names; airport coordinates), committed atomically by one ``Stash.append``;
    a re-run finds nothing pending and appends nothing.  Planes that some loaded flight
-   uses are left to step 2 (planes no loaded flight uses go in here).
+   uses are left to step 2 (planes no loaded flight uses go in here).  In the same
+   transaction (:meth:`persist.Txn.upsert`) every plane is upserted into the persist
+   shard ``planes`` (key ``tailnum``), the planes catalog as a table: a re-run
+   replaces each row by itself, so the shard keeps one row per tail number.
 2. **load** - the flights go into the persist shard ``flights``, written by one Spark job
    (:func:`spark.persist_txn.prepare_write`) and committed one transaction per
    month (per day with ``--small``) through :func:`spark.persist_txn.persist_txn`: the
@@ -57,6 +60,9 @@ DAYS = 365
 ON_TIME_MINUTES = 15
 """A flight is on time when it arrives at most this many minutes late (US DOT rule)."""
 
+PLANES_SHARD = "planes"
+"""The persist shard of the planes catalog (key ``tailnum``), written with upsert."""
+
 SMALL_DAYS = 7
 """``--small`` keeps the flights of the first week of January."""
 
@@ -72,6 +78,7 @@ class Config:
         master: Spark master URL, or ``None`` for the default (``local[*]``).
         small: run on the first week of January only.
         shard: the persist shard name.
+        planes_shard: the persist shard the planes catalog is upserted into.
         as_of_day: the day (0-based time) the query reads at and the since is set to;
             default: day 181 (July 1), or day 3 with ``small``.
     """
@@ -81,6 +88,7 @@ class Config:
     master: str | None = None
     small: bool = False
     shard: str = SHARD
+    planes_shard: str = PLANES_SHARD
     as_of_day: int | None = None
 
     def __repr__(self) -> str:
@@ -123,6 +131,7 @@ class Summary:
     flights: int = 0
     cancelled: int = 0
     catalog_changes: dict[str, int] = field(default_factory=dict)
+    planes_upserted: int = 0
     loaded_rows: int = 0
     retracted_rows: int = 0
     before_compaction: ShardFigures | None = None
@@ -200,11 +209,36 @@ CATALOG: dict[str, tuple[str, Callable[[Any, Any], bool] | None]] = {
 
 
 # ------------------------------------------------------------------ steps
+def planes_table(planes_pd: Any) -> Any:
+    """The planes catalog as an Arrow table for the ``planes`` shard: key ``tailnum``
+    (non-null string), the other columns nullable (years and speeds as nullable
+    integers, so that no NaN stands for a missing value)."""
+    import pyarrow as pa
+
+    df = planes_pd.copy()
+    for col in ("year", "speed"):
+        df[col] = df[col].astype("Int64")
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    fields = []
+    for f in table.schema:
+        t = pa.string() if pa.types.is_large_string(f.type) else f.type
+        fields.append(pa.field(f.name, t, f.name != CATALOG["planes"][0]))
+    return table.cast(pa.schema(fields))
+
+
 def load_catalog(
-    stash_url: str, frames: dict[str, Any], later: Mapping[str, set[str]] | None = None
+    stash_url: str,
+    frames: dict[str, Any],
+    later: Mapping[str, set[str]] | None = None,
+    *,
+    blob_uri: str | None = None,
+    planes_shard: str = PLANES_SHARD,
 ) -> dict[str, int]:
-    """Upsert the dimension tables into stash collections (one TableTransaction each,
-    one atomic append for all). Returns the number of pending updates per collection.
+    """Upsert the dimension tables into stash collections (one TableTransaction each)
+    and, with ``blob_uri``, every plane into the persist shard ``planes_shard`` (created
+    if needed; :meth:`persist.Txn.upsert`, so one row per tail number however often the
+    job runs), all in ONE transaction. Returns the number of pending updates per
+    collection.
 
     ``later``: collection -> keys left to the flights' transactions (:func:`load_flights`
     adds them with the flights that need them); they are neither inserted nor deleted
@@ -212,43 +246,69 @@ def load_catalog(
 
     Raises:
         stash.StashError: a uniqueness violation or a storage error (nothing committed).
+        persist.PersistError: the planes shard could not be written (nothing committed).
     """
     from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random
 
+    from persist import PersistClient, TxnUpperMismatch
     from stash import AppendLowerMismatch, PeekSinceUpperError, Stash, TableTransaction
 
     changes: dict[str, int] = {}
+    planes = planes_table(frames["planes"]) if blob_uri is not None else None
     with Stash.open(stash_url, fenced=False) as s:
-        for attempt in Retrying(
-            stop=stop_after_attempt(5),
-            wait=wait_random(0, 0.2),
-            retry=retry_if_exception_type(AppendLowerMismatch),
-            reraise=True,
-        ):
-            with attempt:
-                batches = []
-                for name, (key, unique) in CATALOG.items():
-                    coll = s.collection(name, key="str", value="json")
-                    try:
-                        initial = s.peek_one(coll)
-                    except PeekSinceUpperError:
-                        initial = {}  # never sealed: empty
-                    tx: TableTransaction[str, Any] = TableTransaction(initial, unique)
-                    rows = dict(_records(frames[name], key))
-                    wanted = set(rows)
-                    tx.delete(lambda k, _v: k not in wanted)  # noqa: B023 - used at once
-                    skip = (later or {}).get(name, set())
-                    tx.set_many((k, v) for k, v in rows.items() if k not in skip)
-                    pending = tx.pending()
-                    changes[name] = len(pending)
-                    if pending:
-                        batch = coll.make_batch(s)
-                        for k, v, d in pending:
-                            coll.append_to_batch(batch, k, v, d)
-                        batches.append(batch)
-                if batches:
-                    s.append(batches)
+        client = PersistClient(s, blob_uri, compaction="off") if blob_uri is not None else None
+        try:
+            if client is not None and planes is not None:
+                key = [CATALOG["planes"][0]]
+                values = [n for n in planes.schema.names if n not in key]
+                # Created with its schemas if new (a row upsert needs the shard).
+                client.open_writer(
+                    planes_shard, _schema(planes, key), _schema(planes, values)
+                ).expire()
+            for attempt in Retrying(
+                stop=stop_after_attempt(5),
+                wait=wait_random(0, 0.2),
+                retry=retry_if_exception_type((AppendLowerMismatch, TxnUpperMismatch)),
+                reraise=True,
+            ):
+                with attempt:
+                    batches = []
+                    for name, (key_col, unique) in CATALOG.items():
+                        coll = s.collection(name, key="str", value="json")
+                        try:
+                            initial = s.peek_one(coll)
+                        except PeekSinceUpperError:
+                            initial = {}  # never sealed: empty
+                        tx: TableTransaction[str, Any] = TableTransaction(initial, unique)
+                        rows = dict(_records(frames[name], key_col))
+                        wanted = set(rows)
+                        tx.delete(lambda k, _v: k not in wanted)  # noqa: B023 - used at once
+                        skip = (later or {}).get(name, set())
+                        tx.set_many((k, v) for k, v in rows.items() if k not in skip)
+                        pending = tx.pending()
+                        changes[name] = len(pending)
+                        if pending:
+                            batch = coll.make_batch(s)
+                            for k, v, d in pending:
+                                coll.append_to_batch(batch, k, v, d)
+                            batches.append(batch)
+                    if client is None:
+                        if batches:
+                            s.append(batches)
+                    else:
+                        with client.begin() as txn:  # all of it, or nothing
+                            txn.stash_append(batches)
+                            txn.upsert(planes_shard, planes)
+        finally:
+            if client is not None:
+                client.close()
     return changes
+
+
+def _schema(table: Any, names: list[str]) -> Any:
+    import pyarrow as pa
+
+    return pa.schema([table.schema.field(n) for n in names])
 
 
 def _flights_df(spark: Any, flights_pd: Any) -> Any:
@@ -596,8 +656,16 @@ def run(
         first_seen = planes_first_seen(flights_pd, frames["planes"], cfg.small)
         flown = {t for rows in first_seen.values() for t in rows}
         with step("catalog into stash") as t:
-            summary.catalog_changes = load_catalog(cfg.stash_url, frames, {"planes": flown})
+            summary.catalog_changes = load_catalog(
+                cfg.stash_url,
+                frames,
+                {"planes": flown},
+                blob_uri=cfg.blob_uri,
+                planes_shard=cfg.planes_shard,
+            )
+            summary.planes_upserted = len(frames["planes"])
             t.note = ", ".join(f"{k} {v}" for k, v in summary.catalog_changes.items())
+            t.note += f"; {summary.planes_upserted} planes upserted into shard {cfg.planes_shard}"
             progress.update(t_cat, completed=3)
 
         t_load = progress.add_task("flights -> shard (Spark)", total=len(flights_pd))

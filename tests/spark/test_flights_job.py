@@ -97,3 +97,17 @@ def test_small_pipeline_matches_pandas_and_runs_twice(spark: Any, spark_store: A
     assert second["catalog_changes"] == {"airlines": 0, "airports": 0, "planes": 0}
     assert second["after_compaction"]["rows"] == after.rows
     assert second["by_carrier"]["3"] == first.by_carrier[3]
+    # The planes catalog shard is written with upsert: after two runs it still holds
+    # one live row per tail number, each with _diff 1.
+    assert first.planes_upserted == second["planes_upserted"] == 3322
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        c = PersistClient(s, spark_store.blob_uri, compaction="off")
+        try:
+            upper = c.inspect(cfg.planes_shard).upper.as_option()
+            assert upper == 2  # one upsert per run
+            planes = c.snapshot_many({cfg.planes_shard: upper - 1})[cfg.planes_shard]
+            assert planes.num_rows == 3322
+            assert set(planes.column("_diff").to_pylist()) == {1}
+            assert len(set(planes.column("tailnum").to_pylist())) == 3322
+        finally:
+            c.close()

@@ -17,8 +17,17 @@ import pyarrow.compute as pc
 import pytest
 
 import persist.txn_commit as txn_commit
-from persist import FileBlob, InvalidUsage, MemoryBlob, PersistClient, RowChanges
+from persist import (
+    ConsensusError,
+    FileBlob,
+    InvalidUsage,
+    MemoryBlob,
+    PersistClient,
+    RowChanges,
+    SchemaMismatch,
+)
 from stash import Antichain, Stash
+from tests.support.stash_faults import AckLostStash
 
 KEY = pa.schema([pa.field("id", pa.int64(), False)])
 VAL = pa.schema([pa.field("v", pa.int64())])
@@ -255,6 +264,58 @@ def test_refused_changes_commit_nothing_in_any_shard(client: PersistClient) -> N
         client.begin().row_changes()
 
 
+@pytest.mark.parametrize("reads", [3, 50], ids=["resolved", "unresolved"])
+def test_lost_ack_never_applies_the_changes_twice(reads: int) -> None:
+    """The commit of two increments lands but its acknowledgement is lost (then
+    ``reads`` re-reads fail): resolved, ``commit`` returns its time; unresolved, it
+    raises the indeterminate error and the next ``commit`` learns it landed.  Either
+    way each row is incremented exactly once."""
+    inner = Stash.open("memory://", fenced=False)
+    flaky = AckLostStash(inner)
+    c = PersistClient(flaky, MemoryBlob(), compaction="off", consensus_retries=1)  # type: ignore[arg-type]
+    try:
+        for name in "ab":
+            w, _ = c.open(name, KEY, VAL)
+            w.upsert(table([(0, 0)]))
+        txn = c.begin()
+        txn.resolve_max_wait = 0.001
+        txn.resolve_attempts = 8 if reads < 10 else 2
+        txn.update("a", pc.field("id") == 0, INC)
+        txn.update("b", pc.field("id") == 0, INC)
+        flaky.arm(reads=reads)
+        if reads < 10:
+            assert txn.commit() == 1
+        else:
+            with pytest.raises(ConsensusError) as e:
+                txn.commit()
+            assert e.value.is_indeterminate()
+            flaky.reads_to_fail = 0
+            assert txn.commit() == 1
+        assert flaky.lost_acks == 1
+        for name in "ab":
+            assert live(c, name) == Counter({(0, 1): 1})
+            assert c.inspect(name).upper == Antichain([2])
+    finally:
+        c.close()
+        inner.close()
+
+
+def test_a_schema_evolved_since_the_change_commits_nothing(client: PersistClient) -> None:
+    """A change added under the shard's schema version, which evolves before the
+    commit: its retractions could not name the new column, so the commit refuses it
+    (naming the shard) and commits nothing in any shard."""
+    before = {n: (live(client, n), client.inspect(n).upper) for n in "ab"}
+    txn = client.begin()
+    txn.update("a", pc.field("id") == 0, INC)
+    txn.upsert("b", table([(5, 5)]))
+    val2 = pa.schema([*VAL, pa.field("note", pa.string())])
+    client.open("a", KEY, val2)  # a newer schema version of a
+    with pytest.raises(SchemaMismatch, match="'a'.*newest schema version"):
+        txn.commit()
+    txn.abort()
+    assert {n: (live(client, n), client.inspect(n).upper) for n in "ab"} == before
+
+
 # ---------------------------------------------------------- several processes
 def _txn_incrementer(stash_url: str, blob_root: str, n: int) -> int:
     s = Stash.open(stash_url, fenced=False)
@@ -270,10 +331,23 @@ def _txn_incrementer(stash_url: str, blob_root: str, n: int) -> int:
         s.close()
 
 
-def test_processes_racing_transactions_lose_no_update(tmp_path: Path) -> None:
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
+def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A stash several processes can share."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'stash.db'}"
+    from tests.support.dbutil import migrate_to_head
+
+    url = str(request.getfixturevalue("postgres_url"))
+    migrate_to_head(url)
+    return url
+
+
+def test_processes_racing_transactions_lose_no_update(shared_url: str, tmp_path: Path) -> None:
     """Three spawned processes each commit 6 transactions incrementing row 0 of two
-    shards (SQLite stash): both end at exactly the number acknowledged."""
-    url, root = f"sqlite:///{tmp_path / 'stash.db'}", str(tmp_path / "blob")
+    shards (SQLite stash; Postgres among the slow tests): both end at exactly the
+    number acknowledged."""
+    url, root = shared_url, str(tmp_path / "blob")
     s = Stash.open(url, fenced=False)
     c = PersistClient(s, FileBlob(root), compaction="inline")
     try:

@@ -7,6 +7,7 @@ update."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -314,6 +315,26 @@ def test_a_schema_evolved_since_the_change_commits_nothing(client: PersistClient
         txn.commit()
     txn.abort()
     assert {n: (live(client, n), client.inspect(n).upper) for n in "ab"} == before
+
+
+def test_threads_of_one_client_racing_transactions_lose_no_update(client: PersistClient) -> None:
+    """Four threads of one client each commit five transactions incrementing row 0 of
+    both shards (the commits take the shards' locks while they plan and upload)."""
+
+    def run() -> None:
+        for _ in range(5):
+            with client.begin() as txn:
+                txn.update("a", pc.field("id") == 0, INC)
+                txn.update("b", pc.field("id") == 0, INC)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    for name in "ab":
+        assert live(client, name) == Counter({(0, 20): 1, (1, 10): 1})
 
 
 # ---------------------------------------------------------- several processes

@@ -14,7 +14,11 @@ Usage::
         txn.write("orders", updates)      # key/value columns, optional _diff; no _time
         txn.write("order_lines", more)
         txn.stash_append([catalog_batch])
+        txn.update("stock", pc.field("id") == 1, {"qty": pc.field("qty") - 1})
         txn.commit_at(ts)                 # or txn.commit(): the smallest valid ts
+
+Row-level changes (``txn.upsert``, ``txn.delete``, ``txn.update``) are planned on the
+version each shard's commit lands on (:mod:`persist.txn_rows`).
 
 This module holds the user-facing :class:`Txn`: building a transaction (:meth:`Txn.write`,
 :meth:`Txn.write_batches`, :meth:`Txn.stash_append`, :meth:`Txn.stash_replace`), the rules

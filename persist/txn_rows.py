@@ -388,7 +388,10 @@ class TxnRowChanges:
 
     def row_changes(self) -> list[RowChanges]:
         """The committed row-level changes' outcomes, in the order they were added
-        (counts with multiplicity, as :class:`persist.rows.RowChanges`).
+        (counts with multiplicity, as :class:`persist.rows.RowChanges`).  The counts
+        are those of the last plan; when a commit whose acknowledgement was lost turns
+        out to have landed, they may be those of a later re-plan than the one that
+        landed (the rows themselves are exactly the landed plan's).
 
         Raises:
             InvalidUsage: the transaction has not committed.

@@ -59,8 +59,19 @@ def _record(row: dict[str, str]) -> dict[str, Any] | None:
     }
 
 
-def benches_from_report(text: str) -> list[dict[str, Any]]:
-    """The benches of a report, each ``{"bench", "title", "records"}``, in order."""
+def figure_rows(text: str) -> dict[str, dict[str, str]]:
+    """Every row of the report's figures tables, by figure name (its cells by column:
+    ``value``, ``goal``, ``verdict``, ``subject (median)``, ...)."""
+    return {
+        row["figure"]: row
+        for bench in benches_from_report(text, keep_rows=True)
+        for row in bench["rows"]
+    }
+
+
+def benches_from_report(text: str, *, keep_rows: bool = False) -> list[dict[str, Any]]:
+    """The benches of a report, each ``{"bench", "title", "records"}`` (and ``"rows"``,
+    its figures tables' rows, when ``keep_rows``), in order."""
     tokens = MarkdownIt("commonmark").enable("table").parse(text)
     benches: list[dict[str, Any]] = []
     title = ""
@@ -91,7 +102,10 @@ def benches_from_report(text: str) -> list[dict[str, Any]]:
                 )
                 if m:
                     records = [r for r in map(_record, rows) if r is not None]
-                    benches.append({"bench": m.group("bench"), "title": title, "records": records})
+                    bench = {"bench": m.group("bench"), "title": title, "records": records}
+                    if keep_rows:
+                        bench["rows"] = rows
+                    benches.append(bench)
     return benches
 
 

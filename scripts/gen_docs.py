@@ -161,6 +161,65 @@ def options_table(names: tuple[str, ...], meanings: dict[tuple[str, ...], str], 
     return "\n".join(lines) + "\n"
 
 
+SCALING_FIGURES: list[tuple[str, str, str]] = [
+    (
+        "stash appends/s, one collection, Postgres, 1 entry, fenced",
+        "postgres: stash postgres appends/s vs raw postgres",
+        "both",
+    ),
+    ("stash appends/s, SQLite", "sqlite: stash sqlite appends/s vs raw sqlite", "both"),
+    (
+        "persist one-row `compare_and_append`/s (SQLite stash, compactor running)",
+        "persist one-row compare_and_append per second",
+        "subject",
+    ),
+    (
+        "persist write of 336,776 flights rows (one append)",
+        "flights: persist write vs write_table",
+        "subject",
+    ),
+    (
+        "persist snapshot of lineitem SF1 (6 M rows)",
+        "lineitem-sf1: persist snapshot vs read_table",
+        "subject",
+    ),
+    ("persist write of lineitem SF1", "lineitem-sf1: persist write vs write_table", "subject"),
+    (
+        "batches after 10,000 one-row appends (compactor idle; bound 2·log2 n = 26.6)",
+        "batches after 10,000 one-row appends (compactor idle)",
+        "subject",
+    ),
+]
+"""The rows of ``docs/scaling.md``'s measured figures: (what, the figure's name in
+``docs/benchmarks.md``, which medians to show: the subject's, or both)."""
+
+
+def scaling_measured() -> str:
+    """The measured rows of the scaling plan, read from ``docs/benchmarks.md``'s tables
+    (so the two documents always show the same figures).
+
+    Raises:
+        KeyError: a figure of :data:`SCALING_FIGURES` is not in the report (naming it).
+    """
+    from bench.replot import figure_rows
+
+    report = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    rows = figure_rows(report)
+    started = re.search(r"the first started (\S+?)T", report)
+    lines = ["| figure | value | source |", "|---|---|---|"]
+    for what, name, show in SCALING_FIGURES:
+        if name not in rows:
+            raise KeyError(f"figure {name!r} is not in docs/benchmarks.md")
+        row = rows[name]
+        value = row["subject (median)"].split(": ", 1)[-1]
+        if show == "both" and row.get("reference (median)"):
+            ref, ref_value = row["reference (median)"].split(": ", 1)
+            value += f" ({ref}: {ref_value})"
+        when = f", run of {started.group(1)}" if started else ""
+        lines.append(f"| {what} | {value} | benchmarks.md{when} |")
+    return "\n".join(lines) + "\n"
+
+
 def _signature(obj: object) -> str:
     try:
         sig = str(inspect.signature(obj))  # type: ignore[arg-type]
@@ -207,6 +266,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
         "stash reads",
     ),
     "api": api_reference,
+    "scaling-measured": scaling_measured,
 }
 
 

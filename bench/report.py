@@ -76,41 +76,103 @@ def _speed(rec: dict[str, Any]) -> tuple[float, float | None]:
     return v, g
 
 
-def _plot_ratios(bench: dict[str, Any], path: Path) -> bool:
-    import matplotlib
+#: Bar colours by verdict (``None``: the record has no goal).
+VERDICT_COLOURS: dict[str | None, str] = {
+    "met": "#4c9a2a",
+    "within noise": "#e0a526",
+    "missed": "#c0392b",
+    None: "#7f8c8d",
+}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    recs = [r for r in bench.get("records", []) if r.get("kind") == "ratio" and r.get("value")]
-    if not recs:
-        return False
-    labels = [r["name"] for r in recs]
-    speeds = [_speed(r) for r in recs]
-    colors = []
-    for r in recs:
-        met = r.get("goal_met")
-        colors.append("#4c9a2a" if met is True else "#c0392b" if met is False else "#7f8c8d")
-    fig, ax = plt.subplots(figsize=(9, 0.42 * len(recs) + 1.6))
+def _verdict_of(rec: dict[str, Any]) -> str | None:
+    """``"met"``, ``"within noise"``, ``"missed"`` or None (no goal); results written
+    before verdicts had a noise band give met/missed from ``goal_met``."""
+    if not rec.get("goal"):
+        return None
+    v = rec.get("verdict")
+    if v is None:
+        v = "met" if rec.get("goal_met") else "missed"
+    return str(v)
+
+
+def _is_memory(rec: dict[str, Any]) -> bool:
+    """A ratio of peak bytes (lower is better), not of times or rates."""
+    return rec.get("subject_unit") == "bytes" or rec.get("reference_unit") == "bytes"
+
+
+def _bars(
+    ax: Any, recs: list[dict[str, Any]], values: list[float], goals: list[float | None]
+) -> None:
     y = list(range(len(recs)))
-    ax.barh(y, [s for s, _ in speeds], color=colors)
-    for i, (r, (sp, _)) in enumerate(zip(recs, speeds, strict=True)):
-        ax.text(sp, i, f" {fmt_num(r['value'])}x", va="center", fontsize=7)
-    for i, (_, g) in enumerate(speeds):
+    ax.barh(y, values, color=[VERDICT_COLOURS[_verdict_of(r)] for r in recs])
+    for i, (r, v) in enumerate(zip(recs, values, strict=True)):
+        ax.text(v, i, f" {fmt_num(r['value'])}x", va="center", fontsize=7)
+    for i, g in enumerate(goals):
         if g is not None:
             ax.plot([g, g], [i - 0.4, i + 0.4], color="black", linewidth=2)
     ax.axvline(1.0, color="#555555", linewidth=0.8, linestyle=":")
     ax.set_xscale("log")
+    lows = [v for v in [*values, *(g for g in goals if g is not None), 1.0] if v > 0]
+    ax.set_xlim(min(lows) / 1.5, max(lows) * 2.5)  # room for the value labels
     ax.set_yticks(y)
-    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_yticklabels([r["name"] for r in recs], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("speed relative to the reference (log scale; > 1: this project is faster)")
-    ax.set_title(
-        f"{bench.get('title', bench['bench'])}\n"
-        "green: goal met, red: missed, grey: no goal; black tick: the goal",
-        fontsize=9,
+
+
+def _plot_ratios(bench: dict[str, Any], path: Path) -> bool:
+    """Draw a bench's ratio records as bars on a log axis, coloured by verdict (with a
+    legend): speed ratios (> 1: this project is faster) in one panel, and peak-memory
+    ratios, which are not speeds, in a panel of their own with their own axis (< 1: this
+    project uses less memory). Returns False when the bench has no ratio record."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    recs = [r for r in bench.get("records", []) if r.get("kind") == "ratio" and r.get("value")]
+    if not recs:
+        return False
+    speed = [r for r in recs if not _is_memory(r)]
+    memory = [r for r in recs if _is_memory(r)]
+    panels = [p for p in (speed, memory) if p]
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(9, 0.42 * len(recs) + 2.2 + 0.8 * (len(panels) - 1)),
+        gridspec_kw={"height_ratios": [len(p) + 1.5 for p in panels]},
+        squeeze=False,
     )
-    fig.tight_layout()
+    for ax, panel in zip(axes[:, 0], panels, strict=True):
+        if panel is speed:
+            sp = [_speed(r) for r in panel]
+            _bars(ax, panel, [s for s, _ in sp], [g for _, g in sp])
+            ax.set_xlabel(
+                "speed relative to the reference (log scale; > 1: this project is faster)"
+            )
+        else:
+            goals = [float(r["goal"]["value"]) if r.get("goal") else None for r in panel]
+            _bars(ax, panel, [float(r["value"]) for r in panel], goals)
+            ax.set_xlabel("peak memory relative to the reference (log scale; < 1: uses less)")
+    verdicts = {_verdict_of(r) for r in recs}
+    names = {
+        "met": "goal met",
+        "within noise": "within noise (missed by < 15%)",
+        "missed": "goal missed",
+        None: "no goal",
+    }
+    handles: list[Any] = [
+        Patch(color=VERDICT_COLOURS[v], label=names[v])
+        for v in ("met", "within noise", "missed", None)
+        if v in verdicts
+    ]
+    if any(r.get("goal") for r in recs):
+        handles.append(Line2D([], [], color="black", linewidth=2, label="the goal"))
+    axes[0, 0].set_title(str(bench.get("title", bench["bench"])), fontsize=9)
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -2,8 +2,9 @@
 sources support and what they do not.
 
 Works: ``CREATE TEMPORARY VIEW v USING persist OPTIONS (stash, blob, shard)``, ``SELECT``,
-``INSERT INTO v``, time travel by a view with ``as_of`` (a view's read is planned once:
-its time is fixed by its first query until it is made again). Accepted but
+``INSERT INTO v``, time travel by a view with ``as_of`` (an unfiltered query of a view reuses the scan of
+the last query planned, so it may not see later writes until the view is made again:
+``test_view_read_time.py`` pins exactly when). Accepted but
 unusable: ``CREATE TABLE t USING persist OPTIONS (...)``: Spark reads and writes such a
 table with none of its options, and the source says so. Refused by Spark: ``VERSION AS
 OF`` / ``TIMESTAMP AS OF`` on a Python source, and ``INSERT OVERWRITE`` (refused by the
@@ -51,7 +52,7 @@ def test_temporary_view_select_insert_and_time_travel(spark: Any, spark_store: A
     ]
     spark.sql("INSERT INTO flights VALUES (3, 'DL', 1)")  # time 1
     spark.sql("INSERT INTO flights SELECT 1 AS id, 'AA' AS carrier, -1 AS _diff")  # time 2
-    # PySpark plans a view's read once (its as_of is fixed by its first query): made
+    # An unfiltered query reuses the last planned scan (test_view_read_time.py): made
     # again, it reads the latest time.
     spark.sql(
         f"CREATE OR REPLACE TEMPORARY VIEW flights USING persist OPTIONS ({_options(spark_store)})"

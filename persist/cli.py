@@ -41,11 +41,10 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import click
 import pyarrow as pa
-from click.core import ParameterSource
 
 from persist import metrics as persist_metrics
 from persist.blob import open_blob
@@ -65,86 +64,54 @@ from persist.fsck import fsck as fsck_shard
 from persist.gc import collect_garbage
 from persist.state import ShardState
 from stash import Stash, StashError, redact
-from stash.cli import print_table, printable
+from stash.cli import CliError, F, fail, print_table, printable, shared_option, shared_value
 from stash.errors import MigrationRequired
 
 if TYPE_CHECKING:
     pass
 
 
-class CliError(Exception):
-    """A user error the CLI reports as ``error: what — todo`` (then ``detail``'s lines,
-    each made printable), with exit code 1."""
-
-    def __init__(self, what: str, todo: str | None = None, detail: str | None = None) -> None:
-        super().__init__(what)
-        self.what, self.todo, self.detail = what, todo, detail
-
-
 STORE_ENV = {"stash_url": "PERSIST_STASH", "blob_uri": "PERSIST_BLOB"}
 """The environment variables of the store options."""
 
 
-def _remember_store(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """Record a store option's value and where it came from, on the group or on a
-    subcommand (:func:`_store`); ``ctx.meta`` is shared by the whole invocation."""
-    if value is not None:
-        assert param.name is not None
-        seen = ctx.meta.setdefault("persist.store", {}).setdefault(param.name, [])
-        seen.append((value, ctx.get_parameter_source(param.name), ctx.parent is not None))
-
-
-def store_options(f: Callable[..., Any]) -> Callable[..., Any]:
+def store_options(f: F) -> F:
     """``--stash`` and ``--blob`` (from ``PERSIST_STASH`` / ``PERSIST_BLOB`` when not
     given), accepted on the group and on every subcommand, so that ``persist --stash U
-    cat S`` and ``persist cat S --stash U`` mean the same.  They are not required by
-    click, so ``--help`` works with no store; :func:`_store` asks for a missing one."""
-    f = click.option(
+    cat S`` and ``persist cat S --stash U`` mean the same (:func:`stash.cli.shared_option`).
+    Click does not require them, so ``--help`` works with no store; :func:`_store` asks
+    for a missing one."""
+    f = shared_option(
         "--blob",
         "blob_uri",
-        envvar=STORE_ENV["blob_uri"],
-        show_envvar=True,
-        expose_value=False,
-        callback=_remember_store,
-        help="Blob store URI (file:///path, s3://bucket/prefix, ...); before or after "
-        "the subcommand.",
+        STORE_ENV["blob_uri"],
+        "Blob store URI (file:///path, s3://bucket/prefix, ...)",
     )(f)
-    return click.option(
+    return shared_option(
         "--stash",
         "stash_url",
-        envvar=STORE_ENV["stash_url"],
-        show_envvar=True,
-        expose_value=False,
-        callback=_remember_store,
-        help="Stash URL holding consensus (sqlite:///path, postgresql+psycopg://...); "
-        "before or after the subcommand.",
+        STORE_ENV["stash_url"],
+        "Stash URL holding consensus (sqlite:///path, postgresql+psycopg://...)",
     )(f)
 
 
 def _store(ctx: click.Context) -> tuple[str, str]:
     """The ``(stash URL, blob URI)`` of this invocation: an option given on the command
-    line (after the subcommand, else before it) wins over the environment.
+    line (before or after the subcommand) wins over the environment.
 
     Raises:
         CliError: an option is missing everywhere, or given before and after the
             subcommand with different values.
     """
-    seen = ctx.meta.get("persist.store", {})
     out: list[str] = []
     for name, flag in (("stash_url", "--stash"), ("blob_uri", "--blob")):
-        given = seen.get(name, [])
-        typed = {v for v, src, _ in given if src is ParameterSource.COMMANDLINE}
-        if len(typed) > 1:
-            raise CliError(
-                f"{flag} is given twice with different values",
-                "give it once, before or after the subcommand",
-            )
-        if not given:
+        value = shared_value(ctx, name, flag)
+        if value is None:
             raise CliError(
                 f"no {flag} given",
                 f"pass {flag} before or after the subcommand, or set {STORE_ENV[name]}",
             )
-        out.append(typed.pop() if typed else given[-1][0])
+        out.append(value)
     return out[0], out[1]
 
 
@@ -188,17 +155,6 @@ def _message(e: Exception) -> str:
     return e.message if isinstance(e, StashError) else str(e)
 
 
-def _fail(what: str, todo: str | None = None, detail: str | None = None) -> NoReturn:
-    """Print ``error: what — todo`` as one line (credentials redacted, control
-    characters escaped), then ``detail``'s lines (each escaped alike), and exit with
-    code 1."""
-    line = f"error: {what}" + (f" — {todo}" if todo else "")
-    click.echo(printable(redact(line), backslashes=False), err=True)
-    for extra in (detail or "").splitlines():
-        click.echo(printable(redact(extra), backslashes=False), err=True)
-    sys.exit(1)
-
-
 def _blob_hint(ctx: click.Context, key: str) -> str | None:
     """When the part ``key`` is missing and the blob store holds no key of its shard at
     all, the question to ask (is ``--blob`` right?), naming the redacted URI; else
@@ -224,11 +180,11 @@ def _guard(fn: Callable[[], None]) -> None:
     try:
         fn()
     except CliError as e:
-        _fail(e.what, e.todo, e.detail)
+        fail(e.what, e.todo, e.detail)
     except UnknownShard as e:
-        _fail(str(e), None if e.close else "`persist shards` lists the shards")
+        fail(str(e), None if e.close else "`persist shards` lists the shards")
     except (PersistError, StashError) as e:
-        _fail(_message(e))
+        fail(_message(e))
 
 
 def summary(st: ShardState, retired: int = 0) -> dict[str, Any]:
@@ -310,7 +266,7 @@ def main(verbose: bool, metrics_port: int | None, metrics_addr: str) -> None:
     try:
         persist_metrics.serve(metrics_port, addr=metrics_addr)
     except OSError as e:  # the port is taken, the address is not ours, ...
-        _fail(str(e), "choose another --metrics-port or --metrics-addr")
+        fail(str(e), "choose another --metrics-port or --metrics-addr")
 
 
 def shard_state(st: ShardState) -> str:

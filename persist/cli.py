@@ -36,6 +36,7 @@ scraper on another host reaches it); ``--metrics-addr 127.0.0.1`` keeps it local
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import sys
@@ -707,9 +708,14 @@ def sql(
                 known = set(c.shards())
                 wanted = shards_named(names, known)
                 if not wanted:
-                    raise InvalidUsage(
-                        f"persist sql: the query names no shard (tables {sorted(names)}; "
-                        f"shards {sorted(known)[:20]})"
+                    close = sorted(
+                        {m for n in names for m in difflib.get_close_matches(n, known, n=3)}
+                    )
+                    raise CliError(
+                        f"persist sql: the query names no shard (tables {sorted(names)})",
+                        f"did you mean {' or '.join(map(repr, close))}?"
+                        if close
+                        else f"the shards are {sorted(known)[:20]}",
                     )
                 if as_of is not None:  # each shard can be read then
                     for n in wanted:

@@ -288,3 +288,35 @@ def test_console_script_end_to_end(tmp_path: Path) -> None:
     )
     assert out.returncode == 0 and "orders" in out.stdout, out.stderr
     assert not (tmp_path / "typo").exists()
+
+
+def test_sql_naming_no_shard_offers_close_names(tmp_path: Path) -> None:
+    url, blob = _store(tmp_path)
+    res = _run(["--stash", url, "--blob", blob, "sql", "SELECT * FROM ordrs"])
+    assert res.exit_code == 1
+    assert res.stderr.strip() == (
+        "error: persist sql: the query names no shard (tables ['ordrs']) — did you mean 'orders'?"
+    )
+
+
+def test_file_blob_opened_without_create_makes_nothing_until_a_write(tmp_path: Path) -> None:
+    from persist.blob import open_blob
+    from persist.blob.file import FileBlob
+    from persist.errors import BlobError
+
+    root = tmp_path / "a" / "root"
+    b = open_blob(f"file://{root}", create=False)
+    assert isinstance(b, FileBlob) and not b.root_exists()
+    assert b.get("s1/b/x") is None and b.list_keys("") == [] and b.find_symlinks() == []
+    b.delete("s1/b/x")
+    assert b.sweep_temporaries("s1/", 0) == 0
+    assert not (tmp_path / "a").exists()
+    b.set("s1/b/x", b"v")  # the first write makes the root (owner-only)
+    assert b.get("s1/b/x") == b"v" and b.root_exists()
+    assert (root.stat().st_mode & 0o777) == 0o700
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(BlobError, match="not a directory"):
+        FileBlob(tmp_path / "file", create=False)
+    # The default still makes the root at once.
+    FileBlob(tmp_path / "eager")
+    assert (tmp_path / "eager").is_dir()

@@ -42,7 +42,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 import pyarrow as pa
@@ -65,12 +65,17 @@ from persist.fsck import fsck as fsck_shard
 from persist.gc import collect_garbage
 from persist.state import ShardState
 from stash import Stash, StashError, redact
-from stash.cli import CliError, F, fail, print_table, printable, shared_option, shared_value
+from stash.cli import (
+    CliError,
+    CliGroup,
+    F,
+    fail,
+    print_table,
+    printable,
+    shared_option,
+    shared_value,
+)
 from stash.errors import MigrationRequired
-
-if TYPE_CHECKING:
-    pass
-
 
 STORE_ENV = {"stash_url": "PERSIST_STASH", "blob_uri": "PERSIST_BLOB"}
 """The environment variables of the store options."""
@@ -241,7 +246,7 @@ def _fmt(frontier: Any) -> str:
     return "{" + ",".join(map(str, frontier)) + "}"
 
 
-@click.group()
+@click.group(cls=CliGroup)
 @store_options
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
 @click.option(

@@ -19,7 +19,7 @@ import difflib
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -82,6 +82,42 @@ def fail(what: str, todo: str | None = None, detail: str | None = None) -> NoRet
     for extra in (detail or "").splitlines():
         click.echo(printable(redact(extra), backslashes=False), err=True)
     sys.exit(1)
+
+
+class CliGroup(click.Group):
+    """A click group whose own errors (a missing argument, an unknown option, a bad
+    value) are printed in the style of :func:`fail`: ``error: <click's message> — see
+    'COMMAND --help'``, exit code 2 as click gives them (1 for an abort), without
+    click's usage block."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:  # bare command: its help
+            click.echo(e.format_message(), err=True)
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else self.name
+            line = f"error: {e.format_message()} — see '{where} --help'"
+            click.echo(printable(redact(line), backslashes=False), err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            line = f"error: {e.format_message()}"
+            click.echo(printable(redact(line), backslashes=False), err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -220,7 +256,7 @@ def _guard(fn: Callable[[], None]) -> None:
         fail(e.message)
 
 
-@click.group()
+@click.group(cls=CliGroup)
 @stash_option
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
 @click.option(

@@ -320,3 +320,20 @@ def test_file_blob_opened_without_create_makes_nothing_until_a_write(tmp_path: P
     # The default still makes the root at once.
     FileBlob(tmp_path / "eager")
     assert (tmp_path / "eager").is_dir()
+
+
+def test_click_usage_errors_have_the_same_style() -> None:
+    """A missing argument, an unknown option, a bad value: ``error: ... — see
+    '... --help'`` on one line, exit code 2, no usage block; in both CLIs."""
+    from stash.cli import main as stash_main
+
+    for cli, args, what in (
+        (main, ["cat"], "Missing argument 'SHARD'."),
+        (main, ["cat", "x", "--nope"], "No such option '--nope'."),
+        (main, ["nope"], "No such command 'nope'."),
+        (stash_main, ["peek"], "Missing argument '[URL] NAME'."),
+    ):
+        res = CliRunner().invoke(cli, args, env=NO_ENV, prog_name="prog")
+        assert res.exit_code == 2, res.output
+        sub = f" {args[0]}" if what.startswith("Missing") or "option" in what else ""
+        assert res.stderr == f"error: {what} — see 'prog{sub} --help'\n", res.stderr

@@ -337,3 +337,14 @@ def test_click_usage_errors_have_the_same_style() -> None:
         assert res.exit_code == 2, res.output
         sub = f" {args[0]}" if what.startswith("Missing") or "option" in what else ""
         assert res.stderr == f"error: {what} — see 'prog{sub} --help'\n", res.stderr
+
+
+def test_a_consensus_error_does_not_repeat_the_stash_prefix() -> None:
+    """The CLIs print ``error: consensus read failed: ...``, not ``... failed: stash
+    error: ...``."""
+    from persist.consensus import _wrap
+    from stash import StashError
+
+    assert str(_wrap(StashError("database is locked"), "read")) == (
+        "consensus read failed: database is locked"
+    )

@@ -92,6 +92,7 @@ def store_options(f: F) -> F:
         "blob_uri",
         STORE_ENV["blob_uri"],
         "Blob store URI (file:///path, s3://bucket/prefix, ...)",
+        metavar="URI",
     )(f)
     return shared_option(
         "--stash",
@@ -290,10 +291,10 @@ def shard_state(st: ShardState) -> str:
 def shards(ctx: click.Context, as_json: bool) -> None:
     """List the shards: state (live, closed, finalized), frontiers and sizes.
 
-    ``updates`` counts the stored updates (rows of the parts, before consolidation:
-    an update of a row is a retraction and an insertion), not the live rows, which
-    would need every part read; ``persist sql 'select count(*) from SHARD'`` counts
-    those.  A finalized (dropped) shard shows no frontiers or sizes."""
+    The updates column counts stored updates (rows of the parts, before
+    consolidation: changing a row stores a retraction and an insertion), not live
+    rows, which would need every part read: persist sql 'SELECT count(*) FROM
+    SHARD' counts those.  A finalized (dropped) shard shows no frontiers or sizes."""
 
     def run() -> None:
         with _client(ctx, readonly=True) as c:

@@ -132,7 +132,9 @@ def _remember(ctx: click.Context, param: click.Parameter, value: str | None) -> 
         seen.append((value, ctx.get_parameter_source(param.name)))
 
 
-def shared_option(flag: str, dest: str, envvar: str, help: str) -> Callable[[F], F]:
+def shared_option(
+    flag: str, dest: str, envvar: str, help: str, metavar: str = "URL"
+) -> Callable[[F], F]:
     """An option accepted on a group and on each of its subcommands alike (decorate
     both), read from ``envvar`` when not given and shown with it in ``--help``.  It is
     never required by click, so ``--help`` works without it; read it with
@@ -142,6 +144,7 @@ def shared_option(flag: str, dest: str, envvar: str, help: str) -> Callable[[F],
         dest,
         envvar=envvar,
         show_envvar=True,
+        metavar=metavar,
         expose_value=False,
         callback=_remember,
         help=f"{help}; before or after the subcommand.",

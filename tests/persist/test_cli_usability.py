@@ -348,3 +348,26 @@ def test_a_consensus_error_does_not_repeat_the_stash_prefix() -> None:
     assert str(_wrap(StashError("database is locked"), "read")) == (
         "consensus read failed: database is locked"
     )
+
+
+def test_an_object_store_prefix_without_the_shard_asks_whether_blob_is_right(
+    tmp_path: Path, s3_blob_uri: str
+) -> None:
+    """S3 (moto): the shard's parts under one prefix, ``--blob`` naming another."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    with Stash.open(url, fenced=False) as s:
+        c = PersistClient(s, s3_blob_uri, compaction="off", inline_max_bytes=0)
+        w = c.open_writer("orders", KS, VS)
+        w.compare_and_append([(((1,), ("a", 6)), 0, 1)], 0, 1)
+        w.expire()
+        c.close()
+    from stash import redact
+
+    wrong = s3_blob_uri.replace("/t", "/typo-t", 1)
+    assert wrong != s3_blob_uri
+    res = _run(["--stash", url, "--blob", wrong, "cat", "orders"])
+    assert res.exit_code == 1
+    assert res.stderr.strip().endswith(
+        f"the blob store {redact(wrong)} holds no part of this shard: is --blob right?"
+    ), res.stderr
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in res.output

@@ -1,96 +1,208 @@
 """The ``persist`` command line: list shards, inspect one, compact it, collect its
 garbage, check it, drop it, print its rows, query shards with SQL.
 
-``persist --stash URL --blob URI [--metrics-port P [--metrics-addr A]] shards | inspect
-SHARD | compact SHARD | gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of T]
-[--limit N] | sql QUERY [--as-of T] [--max-expanded-rows N]`` (``--stash``/``--blob``
-also from ``PERSIST_STASH``/``PERSIST_BLOB``).  ``cat`` and ``sql`` read consolidated
-snapshots through reader leases (seqno holds, so GC cannot delete a part they are
-reading), which needs a writable stash.  ``sql`` runs DuckDB with each shard named in the
-query registered as an Arrow table of its rows (one row per unit of multiplicity), every
-shard read at one time (``--as-of T``, or the latest time all of them have:
-:meth:`persist.PersistClient.snapshot_many`), so a cross-shard transaction is wholly
-visible or wholly absent.  ``SHARD`` is a shard *name*; a shard id is given as
-``id:<shard id>`` (names and ids never mix: a name shaped like an id is a name).  Output
-is a readable table (rich) or JSON with ``--json``.
+``persist [--stash URL] [--blob URI] [--metrics-port P [--metrics-addr A]] shards |
+inspect SHARD | compact SHARD | gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of
+T [--wait SECONDS]] [--limit N] | sql QUERY [--as-of T] [--max-expanded-rows N]``.
+``--stash`` and ``--blob`` go before or after the subcommand, or come from
+``PERSIST_STASH`` / ``PERSIST_BLOB`` (:func:`store_options`).  ``cat`` and ``sql`` read
+consolidated snapshots through reader leases (seqno holds, so GC cannot delete a part
+they are reading), which needs a writable stash.  ``sql`` runs DuckDB with each shard
+named in the query registered as an Arrow table of its rows (one row per unit of
+multiplicity, :mod:`persist.cli_sql`), every shard read at one time (``--as-of T``, or
+the latest time all of them have: :meth:`persist.PersistClient.snapshot_many`), so a
+cross-shard transaction is wholly visible or wholly absent.  ``SHARD`` is a shard
+*name*; a shard id is given as ``id:<shard id>`` (names and ids never mix: a name shaped
+like an id is a name).  Output is a readable table (rich) or JSON with ``--json``.
 
-Invariants kept here: reads other than ``cat``/``sql`` open the stash readonly; the SQL
+Invariants kept here: no command creates a stash or a blob root (the stash is opened
+readonly first, so a mistyped SQLite path is refused; a ``file://`` root is opened with
+``create=False``); reads other than ``cat``/``sql`` keep the stash readonly; the SQL
 query, parsing included, runs only on a private DuckDB connection whose external access
 (files, network) is off and locked, so it reaches nothing but the registered shards and
 answers alike for files that exist and files that do not; a shard whose multiplicities
 would add more than ``--max-expanded-rows`` rows is refused by name, never half-built;
-``--json`` is strict JSON, one object per line (non-finite floats as the strings
-``"NaN"``, ``"Infinity"``, ``"-Infinity"``); URLs are never printed with credentials
-(:func:`stash.redact`); errors (a ``/metrics`` port that cannot be bound included) are
-printed as one ``error:`` line and exit with code 1; ``fsck`` exits with code 2 when it
-finds damage; tables are rendered by :func:`stash.cli.print_table`, so no stored text
-reaches the terminal as a control sequence or as rich markup.  ``/metrics`` is served on
-all interfaces by default (``--metrics-addr 0.0.0.0``, the Prometheus convention, so a
+``--json`` is strict JSON, one object per line, keys in column order (non-finite floats
+as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``); URLs are never printed with
+credentials (:func:`stash.redact`); user errors (a ``/metrics`` port that cannot be
+bound included) are printed as ``error: what is wrong — what to do`` (the same style as
+the ``stash`` CLI; a DuckDB error's caret lines follow on lines of their own), never as
+a traceback, and exit with code 1; ``fsck`` exits with code 2 when it finds damage;
+tables are rendered by :func:`stash.cli.print_table`, so no stored text reaches the
+terminal as a control sequence or as rich markup.  ``/metrics`` is served on all
+interfaces by default (``--metrics-addr 0.0.0.0``, the Prometheus convention, so a
 scraper on another host reaches it); ``--metrics-addr 127.0.0.1`` keeps it local.
 """
 
 from __future__ import annotations
 
-import decimal
+import difflib
 import json
 import logging
-import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any
 
 import click
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from persist import metrics as persist_metrics
+from persist.blob import open_blob
+from persist.blob.file import FileBlob
+from persist.cli_sql import (
+    MAX_EXPANDED_ROWS,
+    as_rows,
+    first_line,
+    json_line,
+    locked_duckdb,
+    rest_lines,
+    shards_named,
+)
 from persist.client import PersistClient
-from persist.errors import InvalidUsage, PersistError
+from persist.errors import CorruptPart, InvalidUsage, PersistError, UnknownShard
 from persist.fsck import fsck as fsck_shard
 from persist.gc import collect_garbage
 from persist.state import ShardState
 from stash import Stash, StashError, redact
-from stash.cli import print_table, printable
+from stash.cli import (
+    CliError,
+    CliGroup,
+    F,
+    fail,
+    print_table,
+    printable,
+    shared_option,
+    shared_value,
+)
+from stash.errors import MigrationRequired
 
-if TYPE_CHECKING:
-    import duckdb
+STORE_ENV = {"stash_url": "PERSIST_STASH", "blob_uri": "PERSIST_BLOB"}
+"""The environment variables of the store options."""
+
+
+def store_options(f: F) -> F:
+    """``--stash`` and ``--blob`` (from ``PERSIST_STASH`` / ``PERSIST_BLOB`` when not
+    given), accepted on the group and on every subcommand, so that ``persist --stash U
+    cat S`` and ``persist cat S --stash U`` mean the same (:func:`stash.cli.shared_option`).
+    Click does not require them, so ``--help`` works with no store; :func:`_store` asks
+    for a missing one."""
+    f = shared_option(
+        "--blob",
+        "blob_uri",
+        STORE_ENV["blob_uri"],
+        "Blob store URI (file:///path, s3://bucket/prefix, ...)",
+        metavar="URI",
+    )(f)
+    return shared_option(
+        "--stash",
+        "stash_url",
+        STORE_ENV["stash_url"],
+        "Stash URL holding consensus (sqlite:///path, postgresql+psycopg://...)",
+    )(f)
+
+
+def _store(ctx: click.Context) -> tuple[str, str]:
+    """The ``(stash URL, blob URI)`` of this invocation: an option given on the command
+    line (before or after the subcommand) wins over the environment.
+
+    Raises:
+        CliError: an option is missing everywhere, or given before and after the
+            subcommand with different values.
+    """
+    out: list[str] = []
+    for name, flag in (("stash_url", "--stash"), ("blob_uri", "--blob")):
+        value = shared_value(ctx, name, flag)
+        if value is None:
+            raise CliError(
+                f"no {flag} given",
+                f"pass {flag} before or after the subcommand, or set {STORE_ENV[name]}",
+            )
+        out.append(value)
+    return out[0], out[1]
 
 
 @contextmanager
 def _client(ctx: click.Context, readonly: bool) -> Iterator[PersistClient]:
-    url, blob = ctx.obj["stash"], ctx.obj["blob"]
-    s = Stash.open(url, mode="readonly" if readonly else "writable", fenced=False)
+    """A client on this invocation's store.  Nothing is created: the stash must exist
+    (it is first opened readonly, so a mistyped SQLite path is not made into a new
+    database) and a ``file://`` blob root is opened with ``create=False`` (a missing root
+    reads as empty, and only a write would create it)."""
+    url, uri = _store(ctx)
+    try:
+        s = Stash.open(url, mode="readonly", fenced=False)
+        if not readonly:  # it exists: now open it for the leases and writes
+            s.close()
+            s = Stash.open(url, mode="writable", fenced=False)
+    except MigrationRequired:
+        raise
+    except StashError as e:
+        raise CliError(e.message, "is --stash right?") from None
+    try:
+        blob = open_blob(uri, create=False)
+    except PersistError:
+        s.close()
+        raise
     c = PersistClient(s, blob, compaction="off")
+    ctx.meta["persist.blob"] = (uri, blob)
     try:
         yield c
+    except CorruptPart as e:
+        hint = _blob_hint(ctx, e.key) if e.missing else None
+        if hint is None:
+            raise
+        raise CliError(str(e), hint) from None
     finally:
         c.close()
+        blob.close()
         s.close()
 
 
-def _fail(message: str) -> NoReturn:
-    """Print ``error: message`` as one line (credentials redacted, control characters
-    escaped) and exit with code 1."""
-    click.echo(printable(redact(f"error: {message}"), backslashes=False), err=True)
-    sys.exit(1)
+def _message(e: Exception) -> str:
+    return e.message if isinstance(e, StashError) else str(e)
+
+
+def _blob_hint(ctx: click.Context, key: str) -> str | None:
+    """When the part ``key`` is missing and the blob store holds no key of its shard at
+    all, the question to ask (is ``--blob`` right?), naming the redacted URI; else
+    ``None``.  Call it while the client is open."""
+    found = ctx.meta.get("persist.blob")
+    if found is None or "/" not in key:
+        return None
+    uri, blob = found
+    try:
+        if blob.list_keys(key.split("/", 1)[0] + "/"):
+            return None
+    except PersistError:
+        return None
+    where = (
+        "does not exist"
+        if isinstance(blob, FileBlob) and not blob.root_exists()
+        else "holds no part of this shard"
+    )
+    return f"the blob store {redact(uri)} {where}: is --blob right?"
 
 
 def _guard(fn: Callable[[], None]) -> None:
     try:
         fn()
+    except CliError as e:
+        fail(e.what, e.todo, e.detail)
+    except UnknownShard as e:
+        fail(str(e), None if e.close else "`persist shards` lists the shards")
     except (PersistError, StashError) as e:
-        _fail(str(e))
+        fail(_message(e))
 
 
 def summary(st: ShardState, retired: int = 0) -> dict[str, Any]:
-    """The numbers ``inspect`` shows: frontiers, batches, parts, rows, bytes, leases,
-    retired parts waiting for GC."""
+    """The numbers ``inspect`` and ``shards`` show: state (:func:`shard_state`),
+    frontiers, batches, parts, stored updates (rows of the parts, not consolidated),
+    bytes, leases, retired parts waiting for GC."""
     batches = st.batches()
     parts = [p for b in batches for p in b.parts]
     return {
         "name": st.name,
+        "state": shard_state(st),
         "shard_id": st.shard_id,
         "seqno": st.seqno,
         "since": st.since.to_json(),
@@ -98,7 +210,7 @@ def summary(st: ShardState, retired: int = 0) -> dict[str, Any]:
         "batches": len(batches),
         "parts": len(parts),
         "inline_parts": sum(1 for p in parts if p.inline is not None),
-        "rows": sum(b.len for b in batches),
+        "updates": sum(b.len for b in batches),
         "bytes": sum(p.encoded_size_bytes for p in parts),
         "inline_bytes": st.inline_bytes(),
         "readers": len(st.readers),
@@ -135,21 +247,8 @@ def _fmt(frontier: Any) -> str:
     return "{" + ",".join(map(str, frontier)) + "}"
 
 
-@click.group()
-@click.option(
-    "--stash",
-    "stash_url",
-    envvar="PERSIST_STASH",
-    required=True,
-    help="Stash URL holding consensus (sqlite:///path, postgresql+psycopg://...).",
-)
-@click.option(
-    "--blob",
-    "blob_uri",
-    envvar="PERSIST_BLOB",
-    required=True,
-    help="Blob store URI (file:///path, s3://bucket/prefix, ...).",
-)
+@click.group(cls=CliGroup)
+@store_options
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
 @click.option(
     "--metrics-port",
@@ -164,29 +263,38 @@ def _fmt(frontier: Any) -> str:
     help="Address to serve /metrics on (all interfaces by default, so Prometheus can "
     "scrape from another host; 127.0.0.1 keeps it local).",
 )
-@click.pass_context
-def main(
-    ctx: click.Context,
-    stash_url: str,
-    blob_uri: str,
-    verbose: bool,
-    metrics_port: int | None,
-    metrics_addr: str,
-) -> None:
-    """Inspect and maintain persist shards."""
+def main(verbose: bool, metrics_port: int | None, metrics_addr: str) -> None:
+    """Inspect and maintain persist shards.
+
+    The store options --stash and --blob go before or after the subcommand
+    (or come from PERSIST_STASH / PERSIST_BLOB).  No command creates a stash or a
+    blob root."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     try:
         persist_metrics.serve(metrics_port, addr=metrics_addr)
     except OSError as e:  # the port is taken, the address is not ours, ...
-        _fail(str(e))
-    ctx.obj = {"stash": stash_url, "blob": blob_uri}
+        fail(str(e), "choose another --metrics-port or --metrics-addr")
+
+
+def shard_state(st: ShardState) -> str:
+    """``"finalized"`` (dropped: a tombstone), ``"closed"`` (its upper is the empty
+    antichain: no more writes) or ``"live"``."""
+    if st.tombstone:
+        return "finalized"
+    return "closed" if st.upper.as_option() is None else "live"
 
 
 @main.command()
+@store_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def shards(ctx: click.Context, as_json: bool) -> None:
-    """List the shards with their frontiers and sizes."""
+    """List the shards: state (live, closed, finalized), frontiers and sizes.
+
+    The updates column counts stored updates (rows of the parts, before
+    consolidation: changing a row stores a retraction and an insertion), not live
+    rows, which would need every part read: persist sql 'SELECT count(*) FROM
+    SHARD' counts those.  A finalized (dropped) shard shows no frontiers or sizes."""
 
     def run() -> None:
         with _client(ctx, readonly=True) as c:
@@ -200,18 +308,20 @@ def shards(ctx: click.Context, as_json: bool) -> None:
             return
         _table(
             "shards",
-            ["name", "shard_id", "seqno", "since", "upper", "batches", "rows", "bytes"],
+            ["name", "state", "shard_id", "seqno", "since", "upper", "batches", "updates", "bytes"],
             [
-                [
-                    s["name"],
-                    s["shard_id"],
-                    s["seqno"],
-                    _fmt(s["since"]),
-                    _fmt(s["upper"]),
-                    s["batches"],
-                    s["rows"],
-                    s["bytes"],
-                ]
+                [s["name"], s["state"], s["shard_id"], s["seqno"]]
+                + (
+                    ["-"] * 5
+                    if s["state"] == "finalized"
+                    else [
+                        _fmt(s["since"]),
+                        _fmt(s["upper"]),
+                        s["batches"],
+                        s["updates"],
+                        s["bytes"],
+                    ]
+                )
                 for s in out
             ],
         )
@@ -220,13 +330,14 @@ def shards(ctx: click.Context, as_json: bool) -> None:
 
 
 @main.command()
+@store_options
 @click.argument("shard")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (summary and batches).")
 @click.option("--state", "full_state", is_flag=True, help="With --json: the whole state.")
 @click.pass_context
 def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> None:
-    """Show a shard (a name, or id:<shard id>): since, upper, seqno, batches, parts, rows,
-    bytes, and its schema history (each value schema version and its parts)."""
+    """Show a shard (a name, or id:<shard id>): state, since, upper, seqno, batches,
+    parts, stored updates, bytes, and its schema history (each value schema version and its parts)."""
 
     def run() -> None:
         with _client(ctx, readonly=True) as c:
@@ -238,7 +349,7 @@ def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> 
                 "lower": b.desc.lower.to_json(),
                 "upper": b.desc.upper.to_json(),
                 "since": b.desc.since.to_json(),
-                "rows": b.len,
+                "updates": b.len,
                 "parts": len(b.parts),
                 "bytes": sum(p.encoded_size_bytes for p in b.parts),
                 "inline": sum(1 for p in b.parts if p.inline is not None),
@@ -269,13 +380,13 @@ def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> 
         )
         _table(
             "batches",
-            ["lower", "upper", "since", "rows", "parts", "inline", "bytes"],
+            ["lower", "upper", "since", "updates", "parts", "inline", "bytes"],
             [
                 [
                     _fmt(b["lower"]),
                     _fmt(b["upper"]),
                     _fmt(b["since"]),
-                    b["rows"],
+                    b["updates"],
                     b["parts"],
                     b["inline"],
                     b["bytes"],
@@ -293,6 +404,7 @@ def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> 
 
 
 @main.command()
+@store_options
 @click.argument("shard")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
@@ -323,6 +435,7 @@ def compact(ctx: click.Context, shard: str, as_json: bool) -> None:
 
 
 @main.command()
+@store_options
 @click.argument("shard")
 @click.option(
     "--grace",
@@ -361,6 +474,7 @@ def gc(ctx: click.Context, shard: str, grace: float, as_json: bool) -> None:
 
 
 @main.command()
+@store_options
 @click.argument("shard")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
@@ -372,6 +486,8 @@ def fsck(ctx: click.Context, shard: str, as_json: bool) -> None:
     def run() -> None:
         with _client(ctx, readonly=True) as c:
             r = fsck_shard(c, shard)
+            every_part_missing = r.missing and len(r.missing) == r.checked_parts
+            hint = _blob_hint(ctx, r.missing[0]) if every_part_missing else None
         if as_json:
             click.echo(json.dumps(r.to_json(), sort_keys=True))
         else:
@@ -392,6 +508,10 @@ def fsck(ctx: click.Context, shard: str, as_json: bool) -> None:
             )
             for line in r.damage():
                 click.echo(printable(f"damage: {line}", backslashes=False), err=True)
+        if hint is not None:
+            click.echo(
+                printable(f"error: every part is missing — {hint}", backslashes=False), err=True
+            )
         if not r.ok:
             code[0] = 2
 
@@ -401,6 +521,7 @@ def fsck(ctx: click.Context, shard: str, as_json: bool) -> None:
 
 
 @main.command()
+@store_options
 @click.argument("shard")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -428,18 +549,37 @@ def drop(ctx: click.Context, shard: str, yes: bool, as_json: bool) -> None:
 # ------------------------------------------------------------ cat and sql
 
 
-def _readable_as_of(c: PersistClient, shard: str, as_of: int | None) -> int:
-    """``as_of``, or the latest readable time (``upper - 1``, at least the since).
+def _readable_as_of(c: PersistClient, shard: str, as_of: int | None, waits: bool = False) -> int:
+    """``as_of``, checked to be readable now (at or after the since, before the upper;
+    the upper is not checked if the read ``waits`` for it), or by default the latest
+    readable time (``upper - 1``, at least the since).
 
     Raises:
         InvalidUsage: the shard has no readable time yet (its upper is its since), or
             it was finalized (dropped).
+        CliError: ``as_of`` is before the since (compacted away) or, unless ``waits``,
+            at or beyond the upper (not yet written), saying what to pass instead.
     """
     st = c.inspect(shard)
     st.check_not_finalized()
-    if as_of is not None:
-        return as_of
     upper, since = st.upper.as_option(), st.since.as_option()
+    if as_of is not None:
+        if since is None or as_of < since:
+            raise CliError(
+                f"shard {shard!r} cannot be read at time {as_of}: its since is "
+                f"{_fmt(st.since.to_json())}, and earlier times are compacted away",
+                "nothing is readable any more (the shard is closed and compacted)"
+                if since is None
+                else f"read at --as-of {since} or later",
+            )
+        if upper is not None and as_of >= upper and not waits:
+            raise CliError(
+                f"shard {shard!r} cannot be read at time {as_of} yet: its upper is {upper}, "
+                f"so only times before {upper} are complete",
+                f"read at --as-of {upper - 1} or earlier, or add --wait SECONDS to wait "
+                f"until time {as_of} is complete",
+            )
+        return as_of
     if upper is None:  # closed: every time up to the since is readable
         if since is None:
             raise InvalidUsage(f"shard {shard!r} is closed and compacted away: nothing to read")
@@ -451,91 +591,40 @@ def _readable_as_of(c: PersistClient, shard: str, as_of: int | None) -> int:
     return upper - 1
 
 
-def _consolidated(c: PersistClient, shard: str, as_of: int | None) -> tuple[int, pa.Table]:
+def _consolidated(
+    c: PersistClient, shard: str, as_of: int | None, wait: float | None = None
+) -> tuple[int, pa.Table]:
     """The shard's consolidated snapshot at ``as_of`` (default: the latest readable
-    time), read through a reader lease (its seqno hold keeps GC off the parts)."""
-    t = _readable_as_of(c, shard, as_of)
-    st = c.inspect(shard)
-    with c.open_reader(shard, st.key_schema, st.value_schema) as r:
-        return t, r.snapshot(t)
-
-
-MAX_EXPANDED_ROWS = 10_000_000
-"""Default of ``persist sql --max-expanded-rows``: how many rows expanding a shard's
-multiplicities above 1 may add to its consolidated snapshot."""
-
-
-def _as_rows(table: pa.Table, shard: str, max_expanded_rows: int = MAX_EXPANDED_ROWS) -> pa.Table:
-    """A consolidated snapshot as a relation: one row per unit of multiplicity (a row
-    with ``_diff`` 3 appears three times), without ``_time``/``_diff``.
-
-    Args:
-        table: a consolidated snapshot (key and value columns, ``_time``, ``_diff``).
-        shard: its name, for messages.
-        max_expanded_rows: at most this many rows may be added by the expansion
-            (``sum(_diff) - rows``); the relation is built in memory, so a multiplicity
-            like ``2**50`` is refused rather than exhausting memory.
+    time), read through a reader lease (its seqno hold keeps GC off the parts); with
+    ``wait`` (seconds), waiting that long at most for ``as_of`` to be complete.
 
     Raises:
-        InvalidUsage: a negative multiplicity (the shard is not a collection at this
-            time: more retractions than insertions), naming the shard and the count;
-            an expansion adding more than ``max_expanded_rows`` rows, naming the shard,
-            its consolidated and expanded row counts, the limit and ways around it.
+        CliError: as :func:`_readable_as_of`, or the wait ran out.
     """
-    diffs = table.column("_diff")
-    negative = pc.sum(pc.less(diffs, 0)).as_py() or 0
-    if negative:
-        raise InvalidUsage(
-            f"shard {shard!r} has {negative} row(s) with a negative multiplicity at this "
-            "time (more retractions than insertions): it is not a relation SQL can query"
-        )
-    data = table.drop_columns(["_time", "_diff"])
-    if pc.all(pc.equal(diffs, 1)).as_py() in (True, None):
-        return data
-    # Summed as 38-digit decimals: exact where int64 would wrap (2**62 + 2**62).
-    total = int(pc.sum(diffs.cast(pa.decimal128(38, 0))).as_py())
-    if total - len(table) > max_expanded_rows:
-        raise InvalidUsage(
-            f"persist sql: shard {shard!r} holds {len(table)} consolidated row(s) that "
-            f"stand for {total} rows (multiplicities above 1); expanding them to one row "
-            f"per unit of multiplicity would add {total - len(table)} rows, over the limit "
-            f"of {max_expanded_rows} (--max-expanded-rows); see the rows with their _diff "
-            f"with `persist cat {shard}`, or raise the limit"
-        )
-    counts = diffs.to_numpy()
-    return data.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
-
-
-def _json_value(v: Any) -> Any:
-    """``v`` with every non-finite float, at any depth, replaced by the string
-    ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (JSON has no such numbers; the strings
-    are the ones Spark's and Jackson's JSON use, and Python's ``float()`` reads them)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
-    if isinstance(v, dict):
-        return {k: _json_value(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_value(x) for x in v]
-    return v
-
-
-def _json_default(v: Any) -> Any:
-    """JSON of values ``json`` lacks: integral decimals (DuckDB's ``sum`` of integers is
-    a 128-bit integer, which Arrow carries as a decimal) as ints, the rest as text."""
-    if isinstance(v, decimal.Decimal) and v == v.to_integral_value():
-        return int(v)
-    return str(v)
-
-
-def _json_line(row: dict[str, Any]) -> str:
-    """One row as strict JSON (RFC 8259: no ``NaN``/``Infinity`` tokens, see
-    :func:`_json_value`; other values as :func:`_json_default`), keys sorted."""
-    return json.dumps(_json_value(row), sort_keys=True, default=_json_default, allow_nan=False)
+    t = _readable_as_of(c, shard, as_of, waits=wait is not None)
+    st = c.inspect(shard)
+    with c.open_reader(shard, st.key_schema, st.value_schema) as r:
+        try:
+            return t, r.snapshot(t, wait=wait is not None, timeout=wait)
+        except TimeoutError:
+            raise CliError(
+                f"shard {shard!r}: time {t} was not complete within {wait} s (its upper "
+                f"is now {_fmt(c.inspect(shard).upper.to_json())})",
+                "wait longer, or read an earlier --as-of",
+            ) from None
 
 
 @main.command()
+@store_options
 @click.argument("shard")
 @click.option("--as-of", "as_of", type=int, default=None, help="Time to read (default upper-1).")
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0, max=1e8),
+    default=None,
+    metavar="SECONDS",
+    help="If --as-of is not complete yet (at or beyond the upper), wait this long at most for it.",
+)
 @click.option("--limit", type=click.IntRange(min=0), default=None, help="At most N rows.")
 @click.option(
     "--json",
@@ -546,7 +635,12 @@ def _json_line(row: dict[str, Any]) -> str:
 )
 @click.pass_context
 def cat(
-    ctx: click.Context, shard: str, as_of: int | None, limit: int | None, as_json: bool
+    ctx: click.Context,
+    shard: str,
+    as_of: int | None,
+    wait: float | None,
+    limit: int | None,
+    as_json: bool,
 ) -> None:
     """Print a shard's consolidated rows as of a time (keys, values, _diff), sorted.
 
@@ -554,13 +648,13 @@ def cat(
 
     def run() -> None:
         with _client(ctx, readonly=False) as c:
-            t, snap = _consolidated(c, shard, as_of)
+            t, snap = _consolidated(c, shard, as_of, wait)
         if limit is not None:
             snap = snap.slice(0, limit)
         snap = snap.drop_columns(["_time"])
         if as_json:
             for row in snap.to_pylist():
-                click.echo(_json_line(row))
+                click.echo(json_line(row))
             return
         _table(
             f"{shard} as of {t}",
@@ -571,50 +665,8 @@ def cat(
     _guard(run)
 
 
-def _locked_duckdb() -> duckdb.DuckDBPyConnection:
-    """A private DuckDB connection that reaches nothing outside itself: external access
-    (files, network, extensions) off and the configuration locked, so no statement can
-    turn it back on.  Every use of the user's query (parsing it too) goes through it."""
-    import duckdb
-
-    con = duckdb.connect(":memory:")
-    con.execute("SET enable_external_access = false")
-    con.execute("SET lock_configuration = true")
-    return con
-
-
-def _shards_named(names: set[str] | list[str], known: set[str]) -> list[str]:
-    """The shards a query's table ``names`` refer to.  DuckDB resolves table names
-    without regard to case, so a name matches its shard exactly or, failing that, the
-    one shard equal to it but for case (``FROM orders`` reads shard ``Orders``).
-
-    Raises:
-        InvalidUsage: the query refers to two shards whose names differ only in case
-            (DuckDB cannot tell their tables apart).
-    """
-    by_fold: dict[str, list[str]] = {}
-    for k in known:
-        by_fold.setdefault(k.casefold(), []).append(k)
-    wanted: set[str] = set()
-    for n in names:
-        if n in known:
-            wanted.add(n)
-        else:
-            alike = by_fold.get(n.casefold(), [])
-            if len(alike) == 1:
-                wanted.add(alike[0])
-    folded: dict[str, str] = {}
-    for w in sorted(wanted):
-        other = folded.setdefault(w.casefold(), w)
-        if other != w:
-            raise InvalidUsage(
-                f"persist sql: shards {other!r} and {w!r} differ only in case, and DuckDB "
-                "does not tell table names apart by case: query them separately"
-            )
-    return sorted(wanted)
-
-
 @main.command()
+@store_options
 @click.argument("query")
 @click.option("--as-of", "as_of", type=int, default=None, help="Time to read every shard at.")
 @click.option(
@@ -648,22 +700,32 @@ def sql(
     from persist.errors import SinceViolation
 
     def run() -> None:
-        con = _locked_duckdb()
+        con = locked_duckdb()
         try:
             try:
                 names = con.get_table_names(query)
             except duckdb.ParserException as e:
-                raise InvalidUsage(f"persist sql: cannot parse the query: {e}") from None
+                raise CliError(
+                    "persist sql: cannot parse the query", "fix the SQL", str(e)
+                ) from None
             except duckdb.Error as e:
-                raise InvalidUsage(f"persist sql: {e}") from None
+                raise CliError(f"persist sql: {first_line(e)}", None, rest_lines(e)) from None
             with _client(ctx, readonly=False) as c:
                 known = set(c.shards())
-                wanted = _shards_named(names, known)
+                wanted = shards_named(names, known)
                 if not wanted:
-                    raise InvalidUsage(
-                        f"persist sql: the query names no shard (tables {sorted(names)}; "
-                        f"shards {sorted(known)[:20]})"
+                    close = sorted(
+                        {m for n in names for m in difflib.get_close_matches(n, known, n=3)}
                     )
+                    raise CliError(
+                        f"persist sql: the query names no shard (tables {sorted(names)})",
+                        f"did you mean {' or '.join(map(repr, close))}?"
+                        if close
+                        else f"the shards are {sorted(known)[:20]}",
+                    )
+                if as_of is not None:  # each shard can be read then
+                    for n in wanted:
+                        _readable_as_of(c, n, as_of)
                 try:
                     # One time for all: a transaction is all or nothing across shards.
                     snaps = c.snapshot_many(dict.fromkeys(wanted, as_of))
@@ -676,19 +738,19 @@ def sql(
                         "shard has no readable time yet, or --as-of is before its since)"
                     ) from None
             for n in wanted:
-                con.register(n, _as_rows(snaps[n], n, max_expanded_rows))
+                con.register(n, as_rows(snaps[n], n, max_expanded_rows))
             try:
                 rel = con.sql(query)
                 if rel is None:
                     raise InvalidUsage("persist sql: the statement is not a query (no rows)")
                 result: pa.Table = rel.to_arrow_table()
             except duckdb.Error as e:
-                raise InvalidUsage(f"persist sql: {e}") from None
+                raise CliError(f"persist sql: {first_line(e)}", None, rest_lines(e)) from None
         finally:
             con.close()
         if as_json:
             for row in result.to_pylist():
-                click.echo(_json_line(row))
+                click.echo(json_line(row))
             return
         _table("persist sql", result.column_names, [list(r.values()) for r in result.to_pylist()])
 

@@ -205,7 +205,9 @@ class RetiredChange:
 
 
 def _wrap(e: StashError, what: str) -> ConsensusError:
-    return ConsensusError(f"consensus {what} failed: {e}", indeterminate=e.is_indeterminate())
+    return ConsensusError(
+        f"consensus {what} failed: {e.message}", indeterminate=e.is_indeterminate()
+    )
 
 
 class Consensus:

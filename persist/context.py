@@ -26,13 +26,14 @@ shared state per shard).
 
 from __future__ import annotations
 
+import difflib
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 from persist.blob import Blob
 from persist.config import PersistConfig
 from persist.consensus import Consensus
-from persist.errors import InvalidUsage
+from persist.errors import InvalidUsage, UnknownShard
 from persist.ids import validate_shard_id, validate_shard_name
 from persist.machine import ShardMachine
 from persist.spine import FueledMergeReq, FueledMergeRes
@@ -147,7 +148,8 @@ class PersistContext:
         given as ``"id:<shard id>"`` (``:`` is never part of a name).
 
         Raises:
-            InvalidUsage: no shard has that name; a malformed name or ``id:`` reference.
+            UnknownShard: no shard has that name (offering close names).
+            InvalidUsage: a malformed name or ``id:`` reference.
         """
         if not isinstance(shard, str):
             raise InvalidUsage(f"a shard reference must be a str, got {type(shard).__name__}")
@@ -156,7 +158,8 @@ class PersistContext:
         validate_shard_name(shard)
         sid = self.consensus.lookup(shard)
         if sid is None:
-            raise InvalidUsage(f"no shard named {shard!r}")
+            close = difflib.get_close_matches(shard, list(self.consensus.shards()), n=3)
+            raise UnknownShard(shard, close)
         return sid
 
     def check_open(self) -> None:

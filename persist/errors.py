@@ -37,6 +37,21 @@ class InvalidUsage(PersistError):
     """The caller broke a rule of the API (bad bounds, bad schema, bad time)."""
 
 
+class UnknownShard(InvalidUsage):
+    """No shard has the name given.  The message offers the registered names closest to
+    it (``difflib.get_close_matches``), if any: ``no shard named 'ordrs' — did you mean
+    'orders'?``.
+
+    Attributes: ``name`` (the name looked up), ``close`` (the close names, best first).
+    """
+
+    def __init__(self, name: str, close: list[str]) -> None:
+        self.name = name
+        self.close = close
+        hint = f" — did you mean {' or '.join(map(repr, close))}?" if close else ""
+        super().__init__(f"no shard named {name!r}{hint}")
+
+
 class SchemaMismatch(InvalidUsage):
     """A shard was opened with a schema that is not a compatible evolution of its
     newest registered one, or a value read under an older

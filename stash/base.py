@@ -109,6 +109,21 @@ def _ac(t: int | None) -> Antichain:
     return Antichain.from_option(t)
 
 
+def _shown(encoded: str, limit: int = 200) -> str:
+    """A stored key's text for a message: as stored, cut to ``limit`` characters."""
+    return encoded if len(encoded) <= limit else encoded[:limit] + "..."
+
+
+def _first_repeat(items: Iterable[str]) -> str:
+    """The first item equal to an earlier one (the caller knows there is one)."""
+    seen: set[str] = set()
+    for x in items:
+        if x in seen:
+            return x
+        seen.add(x)
+    raise AssertionError("no repeated item")  # pragma: no cover
+
+
 def _frozen_key(k: Any) -> Any:
     """A key as ``peek_one`` returns it: a JSON array (a tuple written with the default
     JSON codec) becomes a tuple, recursively, so it can be a dict key."""
@@ -530,15 +545,28 @@ class Stash(abc.ABC):
         (by its canonical encoding) once with multiplicity 1.
 
         Raises:
-            StashError: ``unexpected peek multiplicity``, or a key with two values.
+            StashError: ``unexpected peek multiplicity`` (naming the collection, the
+                first such key and its multiplicity), or a key with two values (naming
+                the collection and the key).
         """
         kc, vc = collection.key_codec, collection.value_codec
         if rows is None:
             rows = self._peek_raw(collection)
-        if any(d != 1 for _, _, d in rows):
-            raise StashError("unexpected peek multiplicity")
+        bad = next(((k, d) for k, _, d in rows if d != 1), None)
+        if bad is not None:
+            raise StashError(
+                f"unexpected peek multiplicity: collection {collection.name!r} holds key "
+                f"{_shown(bad[0])} with multiplicity {bad[1]}, and each key must be held "
+                "once with multiplicity 1 — was the same update written twice? Retract "
+                "the extra one, or read the collection with peek()"
+            )
         if len({k for k, _, _ in rows}) != len(rows):
-            raise StashError(f"duplicate peek keys for collection {collection.id}")
+            dup = _first_repeat(k for k, _, _ in rows)
+            raise StashError(
+                f"duplicate peek keys: collection {collection.name!r} holds key "
+                f"{_shown(dup)} with two values — retract one of them, or read the "
+                "collection with peek()"
+            )
         kd, vd = kc.decode, vc.decode
         out = [(k, kd(k), vd(v)) for k, v, _ in rows]
         sk = kc.sort_key

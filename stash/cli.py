@@ -1,8 +1,13 @@
 """The ``stash`` command line: migrate, list collections, peek, iter, consolidate.
 
-Output is a readable table (rich) or JSON with ``--json``.  Invariants kept here: URLs
-are shown with every credential hidden (:func:`stash.url.redact`); errors are printed as
-one line and exit with code 1; stored text (keys, values, collection names) reaches the
+``stash [--stash URL] migrate [URL] | collections [URL] | peek [URL] NAME | iter [URL]
+NAME | consolidate [URL] NAME``: the URL is the argument, else ``--stash`` (before or
+after the subcommand), else ``STASH_URL``.  Output is a readable table (rich) or JSON
+with ``--json``.  Invariants kept here: only ``migrate`` creates a database (the others
+open the stash readonly first, so a mistyped SQLite path is refused, not created); URLs
+are shown with every credential hidden (:func:`stash.url.redact`); user errors are
+printed as ``error: what is wrong — what to do`` (:func:`fail`, the style the
+``persist`` CLI shares; never a traceback) and exit with code 1; stored text (keys, values, collection names) reaches the
 terminal inert: control characters are shown escaped as ``repr`` shows them and rich
 markup in it is never interpreted (:func:`printable`, :func:`print_table`),
 while ``--json`` prints the exact values.
@@ -10,19 +15,21 @@ while ``--json`` prints the exact values.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from stash.base import Stash
-from stash.errors import StashError
+from stash.errors import MigrationRequired, StashError
 from stash.sql import first_line
 from stash.url import parse_url, redact
 
@@ -57,13 +64,110 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     console.print(table)
 
 
-def _fail(e: Exception) -> None:
-    click.echo(printable(redact(str(e)), backslashes=False), err=True)
+class CliError(Exception):
+    """A user error a CLI reports as ``error: what — todo`` (then ``detail``'s lines),
+    with exit code 1 (:func:`fail`)."""
+
+    def __init__(self, what: str, todo: str | None = None, detail: str | None = None) -> None:
+        super().__init__(what)
+        self.what, self.todo, self.detail = what, todo, detail
+
+
+def fail(what: str, todo: str | None = None, detail: str | None = None) -> NoReturn:
+    """Print ``error: what — todo`` as one line on stderr (credentials redacted,
+    control characters escaped), then ``detail``'s lines (each escaped alike), and exit
+    with code 1.  The one error style of the ``stash`` and ``persist`` CLIs."""
+    line = f"error: {what}" + (f" — {todo}" if todo else "")
+    click.echo(printable(redact(line), backslashes=False), err=True)
+    for extra in (detail or "").splitlines():
+        click.echo(printable(redact(extra), backslashes=False), err=True)
     sys.exit(1)
 
 
-def _open(url: str, readonly: bool = True) -> Stash:
-    return Stash.open(url, mode="readonly" if readonly else "writable", fenced=False)
+class CliGroup(click.Group):
+    """A click group whose own errors (a missing argument, an unknown option, a bad
+    value) are printed in the style of :func:`fail`: ``error: <click's message> — see
+    'COMMAND --help'``, exit code 2 as click gives them (1 for an abort), without
+    click's usage block."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:  # bare command: its help
+            click.echo(e.format_message(), err=True)
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else self.name
+            line = f"error: {e.format_message()} — see '{where} --help'"
+            click.echo(printable(redact(line), backslashes=False), err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            line = f"error: {e.format_message()}"
+            click.echo(printable(redact(line), backslashes=False), err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """Record an option's value and where it came from (command line or environment)
+    for :func:`shared_value`; ``ctx.meta`` is shared by the group and its subcommand."""
+    if value is not None:
+        assert param.name is not None
+        seen = ctx.meta.setdefault("cli.shared", {}).setdefault(param.name, [])
+        seen.append((value, ctx.get_parameter_source(param.name)))
+
+
+def shared_option(
+    flag: str, dest: str, envvar: str, help: str, metavar: str = "URL"
+) -> Callable[[F], F]:
+    """An option accepted on a group and on each of its subcommands alike (decorate
+    both), read from ``envvar`` when not given and shown with it in ``--help``.  It is
+    never required by click, so ``--help`` works without it; read it with
+    :func:`shared_value`."""
+    return click.option(
+        flag,
+        dest,
+        envvar=envvar,
+        show_envvar=True,
+        metavar=metavar,
+        expose_value=False,
+        callback=_remember,
+        help=f"{help}; before or after the subcommand.",
+    )
+
+
+def shared_value(ctx: click.Context, dest: str, flag: str) -> str | None:
+    """The value of a :func:`shared_option`: given on the command line (before or
+    after the subcommand) it wins over the environment; ``None`` if neither has it.
+
+    Raises:
+        CliError: given before and after the subcommand with different values.
+    """
+    given: list[tuple[str, ParameterSource | None]] = ctx.meta.get("cli.shared", {}).get(dest, [])
+    typed = {v for v, src in given if src is ParameterSource.COMMANDLINE}
+    if len(typed) > 1:
+        raise CliError(
+            f"{flag} is given twice with different values",
+            "give it once, before or after the subcommand",
+        )
+    if typed:
+        return typed.pop()
+    return given[-1][0] if given else None
 
 
 def _show(rows: list[dict[str, Any]], columns: list[str], as_json: bool, title: str) -> None:
@@ -77,14 +181,86 @@ def _cell(v: Any) -> str:
     return v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
 
 
+STASH_ENV = "STASH_URL"
+"""The environment variable of ``--stash`` (``migrations/env.py`` reads it too)."""
+
+
+def stash_option(f: F) -> F:
+    """``--stash URL`` (or ``STASH_URL``) on the group and on every subcommand."""
+    return shared_option(
+        "--stash",
+        "stash_url",
+        STASH_ENV,
+        "Stash URL (memory://, sqlite:///path, postgresql+psycopg://...) when the URL "
+        "argument is left out",
+    )(f)
+
+
+def _url(url: str | None) -> str:
+    """The stash URL: the ``URL`` argument, else ``--stash`` (before or after the
+    subcommand), else ``STASH_URL``.
+
+    Raises:
+        CliError: none of them gives one; ``--stash`` twice with different values.
+    """
+    if url is not None:
+        return url
+    found = shared_value(click.get_current_context(), "stash_url", "--stash")
+    if found is None:
+        raise CliError(
+            "no stash URL given",
+            f"pass it as the URL argument or with --stash URL, or set {STASH_ENV}",
+        )
+    return found
+
+
+def _url_and_name(args: tuple[str, ...]) -> tuple[str, str]:
+    """``(URL, NAME)`` of the arguments ``[URL] NAME`` (the URL as :func:`_url` when
+    only NAME is given).
+
+    Raises:
+        CliError: more than two arguments, or no URL anywhere.
+    """
+    if len(args) > 2:
+        raise CliError(
+            f"expected [URL] NAME, got {len(args)} arguments",
+            "quote a collection name that has spaces",
+        )
+    return (_url(None), args[0]) if len(args) == 1 else (_url(args[0]), args[1])
+
+
+def _open(url: str, readonly: bool = True) -> Stash:
+    """The stash at ``url``; nothing is created (it is opened readonly first, which
+    refuses a missing SQLite file, before any writable open).
+
+    Raises:
+        CliError: the stash cannot be opened (asking whether the URL is right).
+        MigrationRequired: its schema is behind (the message says what to run).
+    """
+    try:
+        s = Stash.open(url, mode="readonly", fenced=False)
+        if not readonly:  # it exists: reopen it for writing
+            s.close()
+            s = Stash.open(url, mode="writable", fenced=False)
+    except MigrationRequired:
+        raise
+    except StashError as e:
+        raise CliError(e.message, "is the stash URL right?") from None
+    return s
+
+
 def _guard(fn: Callable[[], None]) -> None:
+    """Run ``fn``; a user error ends the command with :func:`fail`."""
     try:
         fn()
+    except CliError as e:
+        fail(e.what, e.todo, e.detail)
     except StashError as e:
-        _fail(e)
+        fail(e.message)
 
 
-@click.group()
+@click.group(cls=CliGroup)
+@stash_option
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
 @click.option(
     "--metrics-port",
@@ -93,7 +269,10 @@ def _guard(fn: Callable[[], None]) -> None:
     help="Serve Prometheus /metrics on this port while the command runs.",
 )
 def main(verbose: bool, metrics_port: int | None) -> None:
-    """Inspect and maintain a stash (memory://, sqlite:///path, postgresql+psycopg://...)."""
+    """Inspect and maintain a stash (memory://, sqlite:///path, postgresql+psycopg://...).
+
+    Every command takes the stash URL as its URL argument or from --stash (before or
+    after the subcommand) or STASH_URL.  Only migrate creates a database."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     if metrics_port is not None:
         from prometheus_client import start_http_server
@@ -101,32 +280,35 @@ def main(verbose: bool, metrics_port: int | None) -> None:
         try:
             start_http_server(metrics_port)  # stash_* families (stash.metrics)
         except OSError as e:  # the port is taken: one error line, not a traceback
-            click.echo(
-                f"error: cannot serve /metrics on 0.0.0.0:{metrics_port}: {e.strerror}", err=True
+            fail(
+                f"cannot serve /metrics on 0.0.0.0:{metrics_port}: {e.strerror}",
+                "choose another --metrics-port",
             )
-            sys.exit(1)
 
 
 @main.command()
-@click.argument("url")
+@stash_option
+@click.argument("url", required=False)
 @click.option("--revision", default="head", show_default=True)
-def migrate(url: str, revision: str) -> None:
-    """Bring the database at URL to the alembic head (or REVISION)."""
+def migrate(url: str | None, revision: str) -> None:
+    """Bring the database at URL to the alembic head (or REVISION), creating it if
+    missing."""
 
     def run() -> None:
         import sqlalchemy as sa
 
         from stash.migrate import upgrade
 
-        u = parse_url(url)
+        u = parse_url(_url(url))
         if u.get_backend_name() == "postgresql":
             u = u.set(drivername="postgresql+psycopg")
         engine = sa.create_engine(u)
         try:
             upgrade(engine, revision)
         except Exception as e:  # noqa: BLE001 - report any driver error as one line
-            raise StashError(
-                redact(f"migrate {redact(u)}: {type(e).__name__}: {first_line(e)}", url=u)
+            raise CliError(
+                redact(f"migrate {redact(u)}: {type(e).__name__}: {first_line(e)}", url=u),
+                "is the URL right, and the server up?",
             ) from None
         finally:
             engine.dispose()
@@ -136,13 +318,15 @@ def migrate(url: str, revision: str) -> None:
 
 
 @main.command("collections")
-@click.argument("url")
+@stash_option
+@click.argument("url", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def collections_cmd(url: str, as_json: bool) -> None:
+def collections_cmd(url: str | None, as_json: bool) -> None:
     """List the collections with their since, upper and codecs."""
 
     def run() -> None:
-        with _open(url) as s:
+        where = _url(url)
+        with _open(where) as s:
             rows = [
                 {
                     "name": name,
@@ -158,27 +342,43 @@ def collections_cmd(url: str, as_json: bool) -> None:
             rows,
             ["name", "id", "since", "upper", "key_codec", "value_codec"],
             as_json,
-            f"collections of {redact(url)}",
+            f"collections of {redact(where)}",
         )
 
     _guard(run)
 
 
 def _coll(s: Stash, name: str) -> Any:
-    found = s.collections().get(name)
-    if found is None:
-        raise StashError(f"collection {name!r} does not exist")
-    return found
+    """The collection ``name``.
+
+    Raises:
+        CliError: no such collection, offering the close names (``difflib``).
+    """
+    found = s.collections()
+    if name not in found:
+        close = difflib.get_close_matches(name, list(found), n=3)
+        raise CliError(
+            f"collection {name!r} does not exist",
+            f"did you mean {' or '.join(map(repr, close))}?"
+            if close
+            else "`stash collections` lists them",
+        )
+    return found[name]
+
+
+URL_NAME = click.argument("url_name", nargs=-1, required=True, metavar="[URL] NAME")
+"""The arguments ``[URL] NAME`` of the commands on one collection (:func:`_url_and_name`)."""
 
 
 @main.command()
-@click.argument("url")
-@click.argument("name")
+@stash_option
+@URL_NAME
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def peek(url: str, name: str, as_json: bool) -> None:
+def peek(url_name: tuple[str, ...], as_json: bool) -> None:
     """Show the sealed contents of collection NAME as (key, value, diff)."""
 
     def run() -> None:
+        url, name = _url_and_name(url_name)
         with _open(url) as s:
             c = _coll(s, name)
             rows = [{"key": k, "value": v, "diff": d} for k, v, d in s.peek(c)]
@@ -188,13 +388,14 @@ def peek(url: str, name: str, as_json: bool) -> None:
 
 
 @main.command("iter")
-@click.argument("url")
-@click.argument("name")
+@stash_option
+@URL_NAME
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def iter_cmd(url: str, name: str, as_json: bool) -> None:
+def iter_cmd(url_name: tuple[str, ...], as_json: bool) -> None:
     """Show every entry of collection NAME as (key, value, time, diff)."""
 
     def run() -> None:
+        url, name = _url_and_name(url_name)
         with _open(url) as s:
             c = _coll(s, name)
             rows = [{"key": k, "value": v, "time": t, "diff": d} for (k, v), t, d in s.iter(c)]
@@ -204,15 +405,16 @@ def iter_cmd(url: str, name: str, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("url")
-@click.argument("name")
-def consolidate(url: str, name: str) -> None:
+@stash_option
+@URL_NAME
+def consolidate(url_name: tuple[str, ...]) -> None:
     """Physically consolidate collection NAME up to its since."""
 
     def run() -> None:
+        url, name = _url_and_name(url_name)
         with _open(url, readonly=False) as s:
             s.consolidate(_coll(s, name))
-        click.echo(f"consolidated {name}")
+        click.echo(printable(f"consolidated {name}", backslashes=False))
 
     _guard(run)
 

@@ -140,7 +140,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             ],
         ),
         ("9 txn", ["persist.txn", "persist.txn_commit", "persist.snapshots"]),
-        ("10 client, cli, public face", ["persist.client", "persist.cli", "persist"]),
+        ("10 client, cli, public face", ["persist.client", "persist.cli*", "persist"]),
     ],
     "spark": [
         (

@@ -106,11 +106,12 @@ def _backend(scheme: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def open_blob(uri: str | os.PathLike[str]) -> Blob:
+def open_blob(uri: str | os.PathLike[str], *, create: bool = True) -> Blob:
     """Open the blob store a URI names.
 
     * ``file:///abs/path`` (host empty or ``localhost``), or a plain absolute or relative
-      path: a :class:`FileBlob` (created if missing);
+      path: a :class:`FileBlob` (its root created if missing; with ``create=False``
+      nothing is created until the first write, and a missing root reads as empty);
     * ``memory://``: a fresh private :class:`MemoryBlob`; ``memory://name``: the
       in-process store shared by every ``memory://name`` of this process;
     * anything else (``s3://bucket/prefix``, ``gs://...``, ``hdfs://...``, ``mock:///``):
@@ -133,7 +134,7 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
     """
     blob: Blob
     if isinstance(uri, os.PathLike):
-        blob = _backend("file")(os.fspath(uri))
+        blob = _backend("file")(os.fspath(uri), create=create)
         return blob
     if not isinstance(uri, str):
         raise InvalidUsage(f"a blob URI must be a str or path, not {type(uri).__name__}")
@@ -142,7 +143,7 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
     if "\x00" in uri:
         raise InvalidUsage(f"blob URI {redact(uri)!r} contains NUL")
     if "://" not in uri:
-        blob = _backend("file")(uri)
+        blob = _backend("file")(uri, create=create)
         return blob
     scheme = uri.split("://", 1)[0].lower()
     if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
@@ -156,5 +157,8 @@ def open_blob(uri: str | os.PathLike[str]) -> Blob:
         problem = f"malformed blob URI {redact(uri)!r}: {redact(str(e), url=uri)}"
     if problem is not None:
         raise InvalidUsage(problem)
-    blob = _backend(scheme).from_uri(uri, parts)
+    if scheme == "file":
+        blob = _backend(scheme).from_uri(uri, parts, create=create)
+    else:  # object stores and memory create nothing on open
+        blob = _backend(scheme).from_uri(uri, parts)
     return blob

@@ -91,26 +91,36 @@ class FileBlob(Closable):
     here; the second ``set`` raises :class:`BlobError`. Persist's keys never do this.
 
     Args:
-        root: the directory (created if missing).
+        root: the directory (created if missing, unless ``create`` is false).
         fsync: fsync files and directories on ``set`` (default ``True``; ``False`` keeps
             atomicity against concurrent readers but not durability against power loss).
+        create: ``True`` (the default): create a missing root now.  ``False``: create
+            nothing now; while the root is missing the store reads as empty (``get``
+            gives ``None``, ``list_keys`` nothing, ``delete`` does nothing) and the first
+            ``set`` creates it.  Read-only tools (``persist shards``, ``cat``, ``fsck``)
+            open stores so, so a mistyped path never leaves a directory behind.
 
     Attributes:
         root: the root, absolute and with every symbolic link resolved.
 
     Raises:
-        BlobError: the root cannot be created or is not a directory.
+        BlobError: the root cannot be created or is not a directory (with ``create``
+            false: it exists and is not a directory).
     """
 
-    def __init__(self, root: str | os.PathLike[str], fsync: bool = True) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], fsync: bool = True, *, create: bool = True
+    ) -> None:
         given = Path(root).absolute()
         self._fsync = fsync
+        self._root_may_be_missing = not create
         self.metrics = BlobMetrics()
-        try:
-            self._make_dirs(given)
-        except OSError as e:
-            raise BlobError(f"cannot create blob root {str(given)!r}: {e.strerror}") from e
-        if not given.is_dir():
+        if create:
+            try:
+                self._make_dirs(given)
+            except OSError as e:
+                raise BlobError(f"cannot create blob root {str(given)!r}: {e.strerror}") from e
+        if (create or given.exists()) and not given.is_dir():
             raise BlobError(f"blob root {str(given)!r} is not a directory")
         self.root = Path(os.path.realpath(given))
 
@@ -118,9 +128,10 @@ class FileBlob(Closable):
         return f"FileBlob({str(self.root)!r})"
 
     @classmethod
-    def from_uri(cls, uri: str, parts: SplitResult) -> FileBlob:
+    def from_uri(cls, uri: str, parts: SplitResult, *, create: bool = True) -> FileBlob:
         """The store of a ``file:///absolute/path`` URI (host empty or ``localhost``),
-        ``parts`` being ``urlsplit(uri)`` (:func:`persist.blob.open_blob` calls this).
+        ``parts`` being ``urlsplit(uri)`` (:func:`persist.blob.open_blob` calls this);
+        ``create`` as for the constructor.
 
         Raises:
             InvalidUsage: a host, query or fragment, or an empty path (the message
@@ -135,7 +146,7 @@ class FileBlob(Closable):
         path = unquote(parts.path)
         if not path.startswith("/"):
             raise InvalidUsage(f"malformed blob URI {redact(uri)!r}: the path is empty")
-        return cls(path)
+        return cls(path, create=create)
 
     def _make_dirs(self, path: Path) -> None:
         """Create ``path`` (the root) and its missing parents with mode 0o700."""
@@ -168,13 +179,27 @@ class FileBlob(Closable):
             "(replace it with a real directory or file)"
         )
 
-    def _open_root(self) -> int:
+    def root_exists(self) -> bool:
+        """Whether the root directory exists (always, unless opened with
+        ``create=False`` and nothing was written yet)."""
+        return self.root.is_dir()
+
+    def _open_root(self, create: bool) -> int | None:
+        """A descriptor of the root; ``None`` when it is missing, the store was opened
+        with ``create=False`` and ``create`` is false here too (else it is made now)."""
         try:
             return os.open(self.root, _DIR_FLAGS)
+        except FileNotFoundError:
+            if not self._root_may_be_missing:
+                raise
+            if not create:
+                return None
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise _SymlinkMet(".") from None
             raise
+        self._make_dirs(self.root)  # the first write of a store opened with create=False
+        return os.open(self.root, _DIR_FLAGS)
 
     def _open_dir(self, parent_fd: int, name: str, rel: str) -> int | None:
         """The directory ``name`` of ``parent_fd`` opened without following a link;
@@ -196,7 +221,9 @@ class FileBlob(Closable):
         Raises: _SymlinkMet (a link on the way), NotADirectoryError (a file on the
         way), OSError.
         """
-        fd = self._open_root()
+        fd = self._open_root(create)
+        if fd is None:
+            return None
         try:
             for i, seg in enumerate(segments):
                 rel = "/".join(segments[: i + 1])

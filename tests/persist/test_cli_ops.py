@@ -56,7 +56,10 @@ def test_stash_cli_metrics_port_in_use_is_a_clean_cli_error(tmp_path: Path) -> N
         port = s.getsockname()[1]
         res = CliRunner().invoke(stash_main, ["--metrics-port", str(port), "collections", url])
     assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.exception
-    assert res.output == f"error: cannot serve /metrics on 0.0.0.0:{port}: {_in_use()}\n"
+    assert res.output == (
+        f"error: cannot serve /metrics on 0.0.0.0:{port}: {_in_use()} — choose another "
+        "--metrics-port\n"
+    )
 
 
 def _in_use() -> str:

@@ -202,7 +202,7 @@ def test_cli(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     s = doc["summary"]
-    assert (s["since"], s["upper"], s["rows"], s["batches"]) == ([4], [6], 6, 6)
+    assert (s["since"], s["upper"], s["updates"], s["batches"]) == ([4], [6], 6, 6)
     assert s["parts"] == 6 and s["bytes"] > 0 and s["merges_outstanding"] >= 1
     assert doc["state"]["seqno"] == s["seqno"] and len(doc["batches"]) == 6
     res = runner.invoke(main, [*base, "inspect", f"id:{shard_id}"])  # by id, as a table

@@ -59,7 +59,7 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     r = CliRunner()
     res = r.invoke(main, ["peek", f"sqlite:///{tmp_path}/missing.db", "x"])
     assert res.exit_code == 1
-    assert res.output.strip().startswith("stash error: ")
+    assert res.output.strip().startswith("error: ")
     url = f"sqlite:///{tmp_path}/s.db"
     _seed(url)
     res = r.invoke(main, ["peek", url, "nope"])

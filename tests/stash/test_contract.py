@@ -205,7 +205,11 @@ def test_peek_one_and_peek_key_one(stash: Stash) -> None:
     stash.seal(c, A(2))
     with pytest.raises(StashError) as e:
         stash.peek_one(c)
-    assert err(e) == "stash error: unexpected peek multiplicity"
+    assert err(e) == (
+        "stash error: unexpected peek multiplicity: collection 'c' holds key \"a\" with "
+        "multiplicity 2, and each key must be held once with multiplicity 1 — was the same "
+        "update written twice? Retract the extra one, or read the collection with peek()"
+    )
     with pytest.raises(StashError) as e:
         stash.peek_key_one(c, "a")
     assert err(e) == "stash error: multiple values unexpected"
@@ -213,7 +217,10 @@ def test_peek_one_and_peek_key_one(stash: Stash) -> None:
     stash.seal(c, A(3))
     with pytest.raises(StashError) as e:
         stash.peek_one(c)
-    assert err(e) == f"stash error: duplicate peek keys for collection {c.id}"
+    assert err(e) == (
+        "stash error: duplicate peek keys: collection 'c' holds key \"b\" with two values "
+        "— retract one of them, or read the collection with peek()"
+    )
 
 
 @pytest.mark.parametrize("size", [10_000, 100_000])

@@ -120,7 +120,6 @@ from persist.shards import Shards
 from persist.snapshots import snapshot_many
 from persist.state import LeaseExpired
 from persist.txn_commit import (
-    ShardWrites,
     TxnUpperMismatch,
     commit_shards,
     find_landed,
@@ -130,7 +129,7 @@ from persist.txn_commit import (
     timed_max,
     unknown_outcome,
 )
-from persist.txn_rows import TxnRowChanges, settle_replaced
+from persist.txn_rows import ShardWrites, TxnRowChanges, settle_replaced
 from persist.updates import to_updates_table, updates_schema
 from persist.write import WriteHandle
 from stash import Antichain, AppendBatch, StashError

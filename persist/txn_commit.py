@@ -1,6 +1,6 @@
 """The commit protocol of a transaction across shards and stash collections.
 
-A :class:`~persist.txn.Txn` gathers what it writes (:class:`ShardWrites`, one per shard,
+A :class:`~persist.txn.Txn` gathers what it writes (:class:`~persist.txn_rows.ShardWrites`, one per shard,
 and stash :class:`~stash.AppendBatch` es); this module commits it, and learns whether an
 attempt whose acknowledgement was lost landed:
 
@@ -52,9 +52,7 @@ import contextlib
 import dataclasses
 import random
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 
 from persist.batch import Batch
@@ -68,13 +66,12 @@ from persist.machine import ShardMachine, Staged, Stale
 from persist.shards import Shards
 from persist.spine import FueledMergeReq
 from persist.state import TOKEN_SEP
-from persist.txn_rows import ShardRowChanges, plan_on_head
+from persist.txn_rows import ShardWrites, plan_on_head
 from persist.types import HollowBatch
-from persist.write import WriteHandle, handed_off_owners
+from persist.write import handed_off_owners
 from stash import Antichain, AppendBatch, StashError
 
 __all__ = [
-    "ShardWrites",
     "TxnUpperMismatch",
     "commit_shards",
     "find_landed",
@@ -147,25 +144,6 @@ class TxnUpperMismatch(UpperMismatch):
                 return None
             ts = max(ts, t)
         return ts
-
-
-@dataclass
-class ShardWrites:
-    """What a transaction writes to one shard."""
-
-    name: str
-    writer: WriteHandle
-    batches: list[Batch] = field(default_factory=list)
-    # The writer id this transaction alone records its token under in this shard's
-    # state: it appends once, so the token is its ``last_token`` and no later append
-    # (through a shared or the caller's handle) can push it out.
-    record_id: str = field(default_factory=lambda: "w" + uuid.uuid4().hex)
-    lent: dict[int, WriteHandle] = field(default_factory=dict)  # batch id -> its builder's handle
-    # The batches added by write_batches (written elsewhere: possibly copies of a batch
-    # the shard already has), checked against the version committed on.
-    given: list[Batch] = field(default_factory=list)
-    # Its row-level changes (persist.txn_rows), planned on the version staged on.
-    rows: ShardRowChanges | None = None
 
 
 def is_timed(b: Batch) -> bool:

@@ -38,6 +38,7 @@ transaction and checked against the snapshot committed on).
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -58,9 +59,8 @@ from stash.antichain import I64_MIN
 
 if TYPE_CHECKING:
     from persist.machine import ShardMachine
-    from persist.txn_commit import ShardWrites
 
-__all__ = ["RowOp", "ShardRowChanges", "TxnRowChanges", "plan_on_head"]
+__all__ = ["RowOp", "ShardRowChanges", "ShardWrites", "TxnRowChanges", "plan_on_head"]
 
 #: The raw time of a transaction's updates (as :data:`persist.txn.RAW_TIME`).
 RAW_TIME = I64_MIN
@@ -419,8 +419,6 @@ class TxnRowChanges:
         return w
 
     def _row_shard(self, w: WriteHandle) -> ShardWrites:
-        from persist.txn_commit import ShardWrites
-
         sw = self._shards.get(w.shard_id)
         if sw is None:
             sw = self._shards[w.shard_id] = ShardWrites(w.name, w, rows=ShardRowChanges())
@@ -437,3 +435,22 @@ class TxnRowChanges:
         i = len(self._row_ops)
         rc.ops.append((i, op))
         self._row_ops.append((sw.writer.shard_id, i))
+
+
+@dataclass
+class ShardWrites:
+    """What a transaction writes to one shard."""
+
+    name: str
+    writer: WriteHandle
+    batches: list[Batch] = field(default_factory=list)
+    # The writer id this transaction alone records its token under in this shard's
+    # state: it appends once, so the token is its ``last_token`` and no later append
+    # (through a shared or the caller's handle) can push it out.
+    record_id: str = field(default_factory=lambda: "w" + uuid.uuid4().hex)
+    lent: dict[int, WriteHandle] = field(default_factory=dict)  # batch id -> its builder's handle
+    # The batches added by write_batches (written elsewhere: possibly copies of a batch
+    # the shard already has), checked against the version committed on.
+    given: list[Batch] = field(default_factory=list)
+    # Its row-level changes (persist.txn_rows), planned on the version staged on.
+    rows: ShardRowChanges | None = None

@@ -139,7 +139,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.maintenance",
             ],
         ),
-        ("9 txn", ["persist.txn", "persist.txn_commit", "persist.snapshots"]),
+        ("9 txn", ["persist.txn_rows", "persist.txn", "persist.txn_commit", "persist.snapshots"]),
         ("10 client, cli, public face", ["persist.client", "persist.cli*", "persist"]),
     ],
     "spark": [

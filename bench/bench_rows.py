@@ -427,7 +427,7 @@ def run(quick: bool, only: tuple[str, ...] = (), json_path: str | None = None) -
     from bench.data import lineitem
 
     scale = 0.1 if quick else 1.0
-    rounds = 3 if quick else 5
+    rounds = 3
     res = BenchResults(
         "rows",
         "Row-level changes against delta-rs and pyiceberg",

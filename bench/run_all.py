@@ -15,7 +15,9 @@ of one cannot disturb the next):
 5. ``bench.bench_pipeline_parquet``: the flights pipeline on persist against the same
    pipeline on plain Parquet;
 6. ``bench.bench_txn``: 2-shard transactions against separate ``compare_and_append``
-   calls.
+   calls;
+7. ``bench.bench_rows``: row-level upsert, delete and update on TPC-H ``lineitem``
+   against delta-rs and pyiceberg.
 
 Invariants kept here:
 
@@ -109,6 +111,14 @@ BENCHES: tuple[BenchSpec, ...] = (
         600,
         180,
         "Transactions across shards against separate appends",
+    ),
+    BenchSpec(
+        "rows",
+        "bench.bench_rows",
+        (),
+        2400,
+        600,
+        "Row-level changes against delta-rs and pyiceberg",
     ),
 )
 

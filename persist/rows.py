@@ -62,11 +62,13 @@ __all__ = [
     "Planned",
     "RowChanges",
     "apply_change",
+    "check_distinct_keys",
     "check_unique_keys",
     "key_filter",
     "plan_delete",
     "plan_update",
     "plan_upsert",
+    "with_keys_of",
 ]
 
 #: Attempts of one change before :class:`ChangeContended` (each re-reads and re-plans).
@@ -198,21 +200,72 @@ def key_filter(rows: pa.Table, key_names: Sequence[str]) -> pc.Expression | None
     return out
 
 
+def _joinable(tables: Sequence[pa.Table], key_names: Sequence[str]) -> bool:
+    """Whether Arrow's hash join and grouping match the key columns of ``tables`` as
+    :func:`_key_tuple` does: no nulls (a join matches no null) and no floating-point
+    key column (NaN, ``-0.0``)."""
+    return bool(key_names) and all(
+        not pa.types.is_floating(t.schema.field(k).type) and t.column(k).null_count == 0
+        for t in tables
+        for k in key_names
+    )
+
+
+def _duplicate_key(rows: pa.Table, key_names: Sequence[str]) -> list[Any] | None:
+    """A key that two rows of ``rows`` share, or ``None``."""
+    if _joinable([rows], key_names):
+        counts = (
+            rows.select(list(key_names)).group_by(list(key_names)).aggregate([([], "count_all")])
+        )
+        dup = counts.filter(pc.field("count_all") > 1)
+        return [dup.column(k)[0].as_py() for k in key_names] if dup.num_rows else None
+    seen: set[tuple[Any, ...]] = set()
+    for key in _keys(rows, key_names):
+        if key in seen:
+            return list(key)
+        seen.add(key)
+    return None
+
+
 def check_unique_keys(rows: pa.Table, key_names: Sequence[str]) -> set[tuple[Any, ...]]:
-    """The keys of ``rows`` (NaN equal to NaN), checked distinct.
+    """The keys of ``rows`` (NaN equal to NaN), checked distinct (as
+    :func:`check_distinct_keys`, which does not build the set).
 
     Raises:
         InvalidUsage: two rows have one key (naming the key columns and the key).
     """
-    seen: set[tuple[Any, ...]] = set()
-    for key in _keys(rows, key_names):
-        if key in seen:
-            raise InvalidUsage(
-                f"upsert: two rows have one key {list(key_names)} = {list(key)}; "
-                "each key may appear once; nothing was committed"
-            )
-        seen.add(key)
-    return seen
+    check_distinct_keys(rows, key_names)
+    return set(_keys(rows, key_names))
+
+
+def check_distinct_keys(rows: pa.Table, key_names: Sequence[str]) -> None:
+    """Check the keys of ``rows`` distinct (NaN equal to NaN, null to null); vectorised
+    (Arrow's grouping) when no key column is floating-point or holds a null.
+
+    Raises:
+        InvalidUsage: two rows have one key (naming the key columns and the key).
+    """
+    key = _duplicate_key(rows, key_names)
+    if key is not None:
+        raise InvalidUsage(
+            f"upsert: two rows have one key {list(key_names)} = {key}; "
+            "each key may appear once; nothing was committed"
+        )
+
+
+def with_keys_of(live: pa.Table, rows: pa.Table, key_names: Sequence[str]) -> pa.Table:
+    """The rows of ``live`` whose key is one of ``rows``' (NaN equal to NaN, null to
+    null), in ``live``'s column order; vectorised (Arrow's hash semi-join) when no key
+    column is floating-point or holds a null, else by Python tuples."""
+    if not live.num_rows or not rows.num_rows:
+        return live.slice(0, 0)
+    if _joinable([live, rows], key_names):
+        keys = rows.select(list(key_names))
+        return live.join(keys, keys=list(key_names), join_type="left semi").select(
+            live.column_names
+        )
+    seen = set(_keys(rows, key_names))
+    return live.filter(pa.array([k in seen for k in _keys(live, key_names)], pa.bool_()))
 
 
 def plan_upsert(
@@ -230,10 +283,8 @@ def plan_upsert(
             key).
     """
     names = [*key_names, *value_names]
-    seen = check_unique_keys(rows, key_names)
-    hits = [k in seen for k in _keys(live, key_names)]
-    old = live.filter(pa.array(hits, pa.bool_())) if live.num_rows else live
-    retract, retracted = _retractions(old, names)
+    check_distinct_keys(rows, key_names)
+    retract, retracted = _retractions(with_keys_of(live, rows, key_names), names)
     schema = _out_schema(rows.schema, names)
     out = _concat([retract, _with_diff(rows.select(names), 1)], schema)
     return Planned(out, rows.num_rows, retracted)

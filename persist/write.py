@@ -73,7 +73,7 @@ Invariants kept here (the batch rules, the builder's and the tokens' own are in
 
 Row-level changes (:meth:`WriteHandle.upsert`, :meth:`~WriteHandle.delete`,
 :meth:`~WriteHandle.update`) read the live rows of a freshly read state through
-:func:`persist.fetch.snapshot_table` (pruned by key statistics), are planned by
+:func:`persist.rows_read.read_live_rows` (parts and row groups pruned by statistics), are planned by
 :mod:`persist.rows` and committed by :meth:`WriteHandle.compare_and_append` at that
 state's upper; :func:`persist.rows.apply_change` re-reads and re-plans on a lost race.
 
@@ -110,7 +110,6 @@ from persist.batch_rules import (
 from persist.builder import BatchBuilder, RunWriter, Updates, time_range
 from persist.commands import AppendCmd
 from persist.errors import BatchAppended, InvalidUsage, PersistError, SchemaMismatch
-from persist.fetch import snapshot_table
 from persist.filters import check_filter
 from persist.fingerprint import batches_fingerprint, updates_fingerprint
 from persist.handle import ShardHandle
@@ -127,6 +126,7 @@ from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.lease_state import TOKEN_SEP
 from persist.machine import ShardMachine
 from persist.rows import Planned, RowChanges
+from persist.rows_read import read_live_rows
 from persist.spine import FueledMergeRes, worth_compacting
 from persist.state import ShardState
 from persist.types import Description, HollowBatch, as_frontier
@@ -445,7 +445,7 @@ class WriteHandle(ShardHandle):
         self._check()
         table = rows_mod.conform_rows(rows, self.schema, f"upsert into shard {self.name!r}")
         keys, values = self.key_schema.names, self.value_schema.names
-        rows_mod.check_unique_keys(table, keys)  # before anything is read
+        rows_mod.check_distinct_keys(table, keys)  # before anything is read
         filt = rows_mod.key_filter(table, keys)
 
         def plan(read: Callable[[pc.Expression | None], pa.Table], upper: int) -> Planned:
@@ -512,12 +512,13 @@ class WriteHandle(ShardHandle):
     def read_live(self, state: ShardState, filter: pc.Expression | None) -> pa.Table:
         """The live rows of ``state`` (all its updates, consolidated, as of ``upper - 1``
         or its since if later), conformed to this handle's view, at least those
-        ``filter`` keeps (parts pruned by their statistics, :func:`snapshot_table`)."""
+        ``filter`` keeps (parts and their row groups pruned by their statistics,
+        :func:`persist.rows_read.read_live_rows`)."""
         upper, since = state.upper.as_option(), state.since.as_option()
         if not upper:
             return self.schema.empty_table()
         as_of = upper - 1 if since is None else max(upper - 1, since)
-        return snapshot_table(
+        return read_live_rows(
             self._ctx.blob,
             [b for b in state.batches() if b.len > 0],
             self.schema,

@@ -62,6 +62,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -236,6 +237,22 @@ def committed_batch(
             stash, coll, f"{client.shard_id(shard)} {_location(checkpoint_location)}"
         )
     return None if rec is None else int(rec["batch_id"])
+
+
+HOLD_AFTER_COMMIT_ENV = "PERSIST_STREAM_HOLD_AFTER_COMMIT"
+"""Fault injection for tests: when this environment variable names a file, the commit
+of micro-batch 0 writes that file after its persist transaction committed and then
+waits (for the test to SIGKILL the driver before Spark records the micro-batch in
+``checkpointLocation/commits/``)."""
+
+
+def _after_commit_hook(batch_id: int) -> None:
+    marker = os.environ.get(HOLD_AFTER_COMMIT_ENV)
+    if marker and batch_id == 0:
+        import time
+
+        Path(marker).write_text("committed")
+        time.sleep(600)
 
 
 class PersistStreamWriter(DataSourceStreamArrowWriter):
@@ -423,6 +440,7 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
                 txn.commit_at(ts)
             else:
                 txn.commit()
+            _after_commit_hook(batch_id)
         except TxnUpperMismatch:
             for b in extra:
                 b.delete()

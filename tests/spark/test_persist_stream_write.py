@@ -87,3 +87,165 @@ def test_replayed_micro_batch_adds_nothing(spark: Any, spark_store: Any) -> None
     _files(src, more, start=len(BATCHES))
     _stream(spark, src, spark_store, "events", ckpt)
     assert _rows(spark, spark_store, "events") == _expected(BATCHES + more)
+
+
+DRIVER = """
+import sys
+from pathlib import Path
+from spark.session import build_session
+spark = build_session("local[1]", "stream-kill", shuffle_partitions=1, driver_memory="1g")
+src, stash, blob, ckpt = sys.argv[1:5]
+q = (
+    spark.readStream.schema("id long, v string").option("maxFilesPerTrigger", 1).json(src)
+    .writeStream.format("persist").option("stash", stash).option("blob", blob)
+    .option("key_columns", "id").option("checkpointLocation", ckpt)
+    .trigger(availableNow=True).start("events")
+)
+q.awaitTermination()
+"""
+
+
+@pytest.mark.slow  # a second JVM: over 30 s on a loaded machine
+def test_sigkill_after_persist_commit_then_restart(
+    spark: Any, spark_store: Any, tmp_path: Path
+) -> None:
+    """A driver killed after micro-batch 0 committed to persist and before Spark wrote
+    ``commits/0``: the restarted stream replays micro-batch 0 and adds nothing for it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from spark.persist_stream_writer import HOLD_AFTER_COMMIT_ENV, committed_batch
+
+    src, ckpt = spark_store.root / "src", spark_store.root / "ckpt"
+    _files(src, BATCHES)
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    marker = tmp_path / "committed"
+    env = {**os.environ, HOLD_AFTER_COMMIT_ENV: str(marker)}
+    args = [str(src), spark_store.stash_url, spark_store.blob_uri, str(ckpt)]
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        env=env,
+        start_new_session=True,  # its own process group: the JVM and its Python workers
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            if proc.poll() is not None:
+                raise AssertionError(f"driver exited early: {proc.stderr.read().decode()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError("micro-batch 0 never committed")
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+    # Persist has micro-batch 0; Spark's commit log does not.
+    assert committed_batch(spark_store.stash_url, spark_store.blob_uri, "events", str(ckpt)) == 0
+    assert not (ckpt / "commits" / "0").exists()
+    assert _rows(spark, spark_store, "events") == _expected(BATCHES[:1])
+    _stream(spark, src, spark_store, "events", ckpt)
+    assert _rows(spark, spark_store, "events") == _expected(BATCHES)
+
+
+def test_stream_reader_and_writer_chained(spark: Any, spark_store: Any) -> None:
+    """Shard to shard: the stream reader's updates (retractions included, through
+    ``_diff``) written by the stream writer leave the target equal to the source."""
+    from persist import PersistClient
+    from stash import Stash
+
+    ks, vs = _schemas()
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        client = PersistClient(s, spark_store.blob_uri, compaction="off")
+        try:
+            w = client.open_writer("source", ks, vs)
+            w.compare_and_append([(((1,), ("a",)), 0, 1), (((2,), ("b",)), 0, 2)], 0, 1)
+            q = (
+                spark.readStream.format("persist")
+                .options(**_opts(spark_store))
+                .load("source")
+                .writeStream.format("persist")
+                .options(**_opts(spark_store))
+                .option("checkpointLocation", str(spark_store.root / "ckpt"))
+                .start("target")
+            )
+            try:
+                q.processAllAvailable()
+                assert _rows(spark, spark_store, "target") == _rows(spark, spark_store, "source")
+                w.compare_and_append([(((2,), ("b",)), 1, -1), (((3,), ("c",)), 1, 1)], 1, 2)
+                q.processAllAvailable()
+                want = Counter({(1, "a", 1): 1, (2, "b", 1): 1, (3, "c", 1): 1})
+                assert _rows(spark, spark_store, "source") == want
+                assert _rows(spark, spark_store, "target") == want
+            finally:
+                q.stop()
+            w.expire()
+        finally:
+            client.close()
+
+
+def _schemas() -> tuple[Any, Any]:
+    import pyarrow as pa
+
+    return pa.schema([("id", pa.int64())]), pa.schema([("v", pa.string())])
+
+
+UPSERTS = [[(1, "a"), (2, "b")], [(1, "c")], [(2, "d"), (3, "e"), (1, "c")]]
+
+
+def test_upsert_mode_matches_write_handle_upsert(spark: Any, spark_store: Any) -> None:
+    """Each micro-batch applied as an upsert: the shard equals one where the same rows
+    went through ``WriteHandle.upsert`` batch by batch; a replayed micro-batch adds
+    nothing; two rows with one key in a micro-batch fail it, committing nothing."""
+    import pyarrow as pa
+
+    from persist import PersistClient
+    from stash import Stash
+
+    src, ckpt = spark_store.root / "src", spark_store.root / "ckpt"
+    _files(src, UPSERTS)
+    _stream(spark, src, spark_store, "upserted", ckpt, mode="upsert")
+    ks, vs = _schemas()
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        client = PersistClient(s, spark_store.blob_uri, compaction="off")
+        try:
+            w = client.open_writer("model", ks, vs)
+            for rows in UPSERTS:
+                w.upsert(pa.table({"id": [k for k, _ in rows], "v": [v for _, v in rows]}))
+            w.expire()
+        finally:
+            client.close()
+    want = Counter({(1, "c", 1): 1, (2, "d", 1): 1, (3, "e", 1): 1})
+    assert _rows(spark, spark_store, "model") == want
+    assert _rows(spark, spark_store, "upserted") == want
+    for p in _newest_commits(ckpt, 2):
+        p.unlink()
+        (p.parent / f".{p.name}.crc").unlink(missing_ok=True)
+    _stream(spark, src, spark_store, "upserted", ckpt, mode="upsert")
+    assert _rows(spark, spark_store, "upserted") == want
+    _files(src, [[(4, "x"), (4, "y")]], start=len(UPSERTS))
+    with pytest.raises(Exception, match="two rows have one key"):
+        _stream(spark, src, spark_store, "upserted", ckpt, mode="upsert")
+    assert _rows(spark, spark_store, "upserted") == want
+
+
+def test_bad_options_name_the_rule(spark: Any, spark_store: Any) -> None:
+    src = spark_store.root / "src"
+    _files(src, BATCHES[:1])
+    df = spark.readStream.schema(SCHEMA).json(str(src))
+    base = df.writeStream.format("persist").options(**_opts(spark_store))
+    cases = [
+        (base, "checkpointLocation"),
+        (base.option("checkpointLocation", str(src / "c1")).option("time", "3"), "one new time"),
+        (base.option("checkpointLocation", str(src / "c2")).option("mode", "merge"), "mode must"),
+    ]
+    for writer, message in cases:
+        with pytest.raises(Exception, match=message):
+            q = writer.trigger(availableNow=True).start("bad")
+            q.awaitTermination()

@@ -199,6 +199,13 @@ def _run(table: ShardTable, plan: Any) -> RowChanges:
                 upper = state.upper.as_option()
                 if upper is None:
                     raise InvalidUsage(f"shard {table.shard!r} is finalized: its upper is empty")
+                since = state.since.as_option()
+                if upper and since is not None and since > upper - 1:
+                    raise InvalidUsage(
+                        f"shard {table.shard!r}: its since {{{since}}} is beyond upper - 1 "
+                        f"({upper - 1}), so the live rows cannot be read through Spark at a "
+                        "time before the upper; use persist's WriteHandle for this change"
+                    )
                 changes = plan(upper)
                 if changes is None:
                     return _commit(table, upper, None, names, (0, 0))

@@ -249,3 +249,108 @@ def test_bad_options_name_the_rule(spark: Any, spark_store: Any) -> None:
         with pytest.raises(Exception, match=message):
             q = writer.trigger(availableNow=True).start("bad")
             q.awaitTermination()
+
+
+# ---------------------------------------------------- the commit protocol, without a JVM
+def _writer(store: Any, ckpt: Path, mode: str = "append") -> Any:
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from spark.persist_common import ShardTarget, registered_schemas
+    from spark.persist_stream_writer import PersistStreamWriter, StreamWriteSettings
+
+    schema = StructType([StructField("id", LongType()), StructField("v", StringType())])
+    options = {
+        **_opts(store),
+        "path": "events",
+        "key_columns": "id",
+        "checkpointLocation": str(ckpt),
+        "mode": mode,
+    }
+    target = ShardTarget(store.stash_url, store.blob_uri, "events")
+    settings = StreamWriteSettings.from_options(options, schema, registered_schemas(target))
+    return PersistStreamWriter(settings)
+
+
+def _task(writer: Any, rows: list[tuple[int, str]]) -> Any:
+    import pyarrow as pa
+
+    rb = pa.RecordBatch.from_pydict(
+        {"id": pa.array([k for k, _ in rows], pa.int64()), "v": [v for _, v in rows]}
+    )
+    return writer.write(iter([rb]))
+
+
+def _snapshot(store: Any) -> Counter[tuple[Any, ...]]:
+    from spark.persist_common import ShardTarget, persist_client
+
+    with persist_client(ShardTarget(store.stash_url, store.blob_uri, "events")) as client:
+        read = client.open_reader("events", *_schemas())
+        try:
+            upper = read.fetch_recent_upper().as_option()
+            t = read.snapshot(upper - 1)
+        finally:
+            read.expire()
+    return Counter((r["id"], r["v"], r["_diff"]) for r in t.to_pylist())
+
+
+def test_racing_commits_of_one_micro_batch_land_once(spark_store: Any) -> None:
+    """Drivers of one query (a zombie run and its restarts) commit micro-batch 0 at
+    once, each with its own parts: the rows land once, the losers' parts are deleted."""
+    import threading
+
+    ckpt = spark_store.root / "ckpt"
+    writers = [_writer(spark_store, ckpt) for _ in range(4)]
+    rows = [(k, "x" * 100) for k in range(3000)]  # big enough for blob parts
+    msgs = [_task(w, rows) for w in writers]
+    barrier = threading.Barrier(len(writers))
+    errors: list[BaseException] = []
+
+    def run(w: Any, m: Any) -> None:
+        try:
+            barrier.wait()
+            w.commit([m], 0)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=wm) for wm in zip(writers, msgs, strict=True)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert _snapshot(spark_store) == Counter((k, v, 1) for k, v in rows)
+    assert _stray_parts(spark_store) == set()
+
+
+def _stray_parts(store: Any) -> set[str]:
+    """Blob keys of parts the shard does not reference."""
+    from spark.persist_common import ShardTarget, persist_client
+
+    with persist_client(ShardTarget(store.stash_url, store.blob_uri, "events")) as client:
+        referenced = set(client.inspect("events").referenced_blob_keys())
+        keys = {k for k, _ in client.blob.list_keys()}
+    assert referenced
+    return keys - referenced
+
+
+def test_new_query_on_a_recreated_checkpoint_is_not_a_replay(spark_store: Any) -> None:
+    """A checkpoint location deleted and made again holds a new query id: its batch 0 is
+    new data, not a replay of the old query's batch 0."""
+    ckpt = spark_store.root / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "metadata").write_text('{"id":"query-one"}\n')
+    w = _writer(spark_store, ckpt)
+    w.commit([_task(w, [(1, "a")])], 0)
+    w.commit([_task(w, [(1, "a")])], 0)  # a replay: nothing
+    (ckpt / "metadata").write_text('{"id":"query-two"}\n')
+    w.commit([_task(w, [(2, "b")])], 0)
+    assert _snapshot(spark_store) == Counter({(1, "a", 1): 1, (2, "b", 1): 1})
+
+
+def test_abort_deletes_the_parts(spark_store: Any) -> None:
+    w = _writer(spark_store, spark_store.root / "ckpt")
+    w.commit([_task(w, [(k, "y" * 100) for k in range(3000)])], 0)
+    m = _task(w, [(k, "x" * 100) for k in range(3000)])
+    assert _stray_parts(spark_store)
+    w.abort([m, None], 1)
+    assert _stray_parts(spark_store) == set()

@@ -151,3 +151,33 @@ def test_lost_race_replans(spark: Any, spark_store: Any, stores: Stores, monkeyp
     assert out.time == raced[0] + 1
     assert (out.inserted, out.retracted) == (1, 1)
     assert [r for r in stores.rows("spark") if r[0] == 8] == [(8, "new", 1, 1)]
+
+
+@pytest.mark.slow  # several Spark jobs per change, from threads
+def test_concurrent_updates_lose_nothing(spark: Any, spark_store: Any, stores: Stores) -> None:
+    """Threads sharing the SparkSession each run ``update(id == 1, n = n + 1)``: every
+    acknowledged update is in the final value (serializable per shard)."""
+    import threading
+
+    from spark import row_changes as rc
+
+    t = Table(spark, "spark", spark_store.stash_url, spark_store.blob_uri)
+    errors: list[BaseException] = []
+    done: list[int] = []
+
+    def run() -> None:
+        try:
+            for _ in range(2):
+                rc.update(t, "id = 1", {"n": "n + 1"})
+                done.append(1)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert [r for r in stores.rows("spark") if r[0] == 1] == [(1, "a", 10 + len(done), 1)]
+    assert len(done) == 6

@@ -99,7 +99,8 @@ micro-batch still has to tell apart.
 The source is split by concept: :mod:`spark.persist_common` (options, settings, schema
 conversions), :mod:`spark.persist_planning` (which parts each input partition reads),
 :mod:`spark.persist_reader` (the batch reader), :mod:`spark.persist_stream` (the stream
-reader) and :mod:`spark.persist_writer` (the writer); this module holds the
+reader), :mod:`spark.persist_writer` (the writer) and :mod:`spark.persist_stream_writer`
+(exactly-once streaming writes: ``df.writeStream.format("persist")``); this module holds the
 :class:`PersistDataSource` that ties them together.
 
 Invariants: commit messages and partitions carry only picklable metadata and transmittable
@@ -120,6 +121,7 @@ from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
+    DataSourceStreamWriter,
 )
 from pyspark.sql.types import LongType, StructField, StructType
 
@@ -307,6 +309,12 @@ class PersistDataSource(DataSource):
         return PersistStreamReader(self._read_settings(True), schema)
 
     # ------------------------------------------------------------- writing
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        """Exactly-once streaming writes (:mod:`spark.persist_stream_writer`)."""
+        from spark.persist_stream_writer import stream_writer
+
+        return stream_writer(self.options, schema, overwrite)
+
     def writer(self, schema: StructType, overwrite: bool) -> PersistWriter:
         check_write_options(self.options)
         if overwrite:

@@ -305,6 +305,45 @@ def _merged_value_schema(
     return pa.schema(fields)
 
 
+def updates_table(s: WriteSettings, rb: pa.RecordBatch, at: int) -> pa.Table:
+    """The updates (key, value, ``_time``, ``_diff`` columns of ``s.updates_schema``) of a
+    batch of DataFrame rows: each column cast to the shard's type (pyarrow's safe cast),
+    times from the time column, ``s.time``, or ``at`` (``time_mode`` ``"auto"``), diffs
+    from the diff column or 1.
+
+    Raises:
+        PersistSourceError: a value that does not convert exactly to its shard column's
+            type, or a null time or diff.
+    """
+    n = rb.num_rows
+    cols: list[pa.Array | pa.ChunkedArray] = []
+    for f in [*s.key_schema, *s.value_schema]:
+        col = rb.column(rb.schema.get_field_index(f.name))
+        try:
+            cols.append(col.cast(f.type, safe=True))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise PersistSourceError(
+                f"column {f.name!r} ({col.type}) does not convert exactly to shard "
+                f"{s.target.shard}'s {f.type}: {e}; nothing of this write is committed"
+            ) from None
+    if s.time_mode == "column":
+        assert s.time_column is not None
+        times = rb.column(rb.schema.get_field_index(s.time_column)).cast(pa.int64())
+        if times.null_count:
+            raise PersistSourceError(f"time column {s.time_column!r} has null values")
+    else:
+        t = s.time if s.time_mode == "fixed" else at
+        times = pa.array([t] * n, pa.int64())
+    if s.diff_column is not None:
+        diffs = rb.column(rb.schema.get_field_index(s.diff_column)).cast(pa.int64())
+        if diffs.null_count:
+            raise PersistSourceError(f"diff column {s.diff_column!r} has null values")
+    else:
+        diffs = pa.array([1] * n, pa.int64())
+    cols.extend([times, diffs])
+    return pa.Table.from_arrays(cols, schema=s.updates_schema)
+
+
 @dataclass
 class PersistCommitMessage(WriterCommitMessage):
     """What a write task reports: its batch (transmittable bytes) and a summary."""
@@ -355,34 +394,7 @@ class PersistWriter(DataSourceArrowWriter):
 
     # ------------------------------------------------------------ executor
     def _updates(self, rb: pa.RecordBatch) -> pa.Table:
-        s = self.settings
-        n = rb.num_rows
-        cols: list[pa.Array | pa.ChunkedArray] = []
-        for f in [*s.key_schema, *s.value_schema]:
-            col = rb.column(rb.schema.get_field_index(f.name))
-            try:
-                cols.append(col.cast(f.type, safe=True))
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                raise PersistSourceError(
-                    f"column {f.name!r} ({col.type}) does not convert exactly to shard "
-                    f"{s.target.shard}'s {f.type}: {e}; nothing of this write is committed"
-                ) from None
-        if s.time_mode == "column":
-            assert s.time_column is not None
-            times = rb.column(rb.schema.get_field_index(s.time_column)).cast(pa.int64())
-            if times.null_count:
-                raise PersistSourceError(f"time column {s.time_column!r} has null values")
-        else:
-            t = s.time if s.time_mode == "fixed" else self.lower
-            times = pa.array([t] * n, pa.int64())
-        if s.diff_column is not None:
-            diffs = rb.column(rb.schema.get_field_index(s.diff_column)).cast(pa.int64())
-            if diffs.null_count:
-                raise PersistSourceError(f"diff column {s.diff_column!r} has null values")
-        else:
-            diffs = pa.array([1] * n, pa.int64())
-        cols.extend([times, diffs])
-        return pa.Table.from_arrays(cols, schema=s.updates_schema)
+        return updates_table(self.settings, rb, self.lower)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PersistCommitMessage:
         from pyspark import TaskContext
@@ -578,32 +590,36 @@ class PersistWriter(DataSourceArrowWriter):
         return int(current)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        """Delete the batches of the tasks that reported one, unless the shard references
-        any of their parts or retired them (an indeterminate commit may have landed and
-        been compacted since: its parts are then GC's to delete, once no reader holds
-        them)."""
-        s = self.settings
-        msgs = [m for m in messages if isinstance(m, PersistCommitMessage)]
-        if not msgs:
-            return
-        with persist_client(s.target) as client:
-            try:
-                referenced = client.inspect(s.target.shard).referenced_blob_keys()
-                retired = client.consensus.retired(client.shard_id(s.target.shard))
-                live: set[str] | None = referenced | set(retired)
-            except Exception as e:  # cannot read the state: deleting could lose data
-                log.warning(
-                    "abort of a write to shard %s: state unreadable (%s)", s.target.shard, e
-                )
-                live = None
-            if live is None:
-                return  # cannot prove any unreferenced: leave them to GC
-            with client.open_writer(s.target.shard, s.key_schema, s.value_schema) as write:
-                for m in msgs:
-                    # Decoded by a handle, so that deleting it also counts it down from
-                    # the task writer's hand-off (the writer is then dropped at once).
-                    batch = write.batch_from_transmittable(m.batch)
-                    if set(batch.blob_keys()) & live:
-                        batch.mark_consumed()  # maybe referenced: leave it to GC
-                        continue
-                    batch.delete()
+        """Delete the batches of the tasks that reported one (:func:`delete_unreferenced`)."""
+        delete_unreferenced(self.settings, messages)
+
+
+def delete_unreferenced(settings: WriteSettings, messages: Sequence[object]) -> None:
+    """Delete the batches of the :class:`PersistCommitMessage` s among ``messages``,
+    unless the shard references any of their parts or retired them (an indeterminate
+    commit may have landed and been compacted since: its parts are then GC's to delete,
+    once no reader holds them).  When the shard state cannot be read, nothing is deleted
+    (left to GC)."""
+    s = settings
+    msgs = [m for m in messages if isinstance(m, PersistCommitMessage)]
+    if not msgs:
+        return
+    with persist_client(s.target) as client:
+        try:
+            referenced = client.inspect(s.target.shard).referenced_blob_keys()
+            retired = client.consensus.retired(client.shard_id(s.target.shard))
+            live: set[str] | None = referenced | set(retired)
+        except Exception as e:  # cannot read the state: deleting could lose data
+            log.warning("abort of a write to shard %s: state unreadable (%s)", s.target.shard, e)
+            live = None
+        if live is None:
+            return  # cannot prove any unreferenced: leave them to GC
+        with client.open_writer(s.target.shard, s.key_schema, s.value_schema) as write:
+            for m in msgs:
+                # Decoded by a handle, so that deleting it also counts it down from
+                # the task writer's hand-off (the writer is then dropped at once).
+                batch = write.batch_from_transmittable(m.batch)
+                if set(batch.blob_keys()) & live:
+                    batch.mark_consumed()  # maybe referenced: leave it to GC
+                    continue
+                batch.delete()

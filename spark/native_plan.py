@@ -252,19 +252,19 @@ def _split(
             size = sum(p.encoded_size_bytes for p in run)
             total += size
             time = _run_time(run, floor)
-            clean = (
+            ok = (
                 time is not None
                 and time <= as_of
                 and all(hist.plan(p.schema_id, dst).keeps_runs for p in run)
             )
-            runs.append((bi, idx, time if clean else None, _bounds(run) if clean else None, size))
+            runs.append((bi, idx, time if ok else None, _bounds(run) if ok else None, size))
     # Largest clean runs first; a run joins only if its key interval is disjoint from
     # every taken one's.
     clean = [i for i, r in enumerate(runs) if r[2] is not None and r[3] is not None]
     clean.sort(key=lambda i: -runs[i][4])
     taken: list[int] = []
     if clean:
-        ranks = _ranks([k for i in clean for k in runs[i][3]], key_schema)  # type: ignore[index]
+        ranks = _ranks([k for i in clean for k in runs[i][3] or ()], key_schema)
         spans = {i: (ranks[2 * j], ranks[2 * j + 1]) for j, i in enumerate(clean)}
         for i in clean:
             lo, hi = spans[i]

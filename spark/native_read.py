@@ -123,10 +123,11 @@ def _read_group(
     return df.select(*cols)
 
 
-def _direct_df(spark: Any, plan: NativePlan, prefix: str, parts: list[Any]) -> Any | None:
+def _direct_df(spark: Any, plan: NativePlan, prefix: str, parts: list[Any]) -> Any:
+    """The rows of direct ``parts`` (at least one) as the view's columns and ``_diff``."""
     hist, dst = plan.history
     target = hist.view_schema(dst)
-    out = None
+    out: Any = None
     for sid in sorted({p.schema_id for p in parts}):
         paths = [f"{prefix}/{p.key}" for p in parts if p.schema_id == sid]
         cp = hist.plan(sid, dst)

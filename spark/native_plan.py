@@ -52,6 +52,9 @@ DIFF = "_diff"
 TAIL_MAX_SHARE = 0.25
 #: Tails up to this many encoded bytes are always read on the driver.
 TAIL_MIN_BYTES = 16 * 1024 * 1024
+#: Touched direct parts up to this many encoded bytes are merged with the tail on the
+#: driver (one Spark scan remains); beyond it Spark merges them (a second scan).
+DRIVER_MERGE_MAX_BYTES = 256 * 1024 * 1024
 
 
 def native_type(t: pa.DataType) -> bool:
@@ -85,6 +88,7 @@ class DirectPart:
     schema_id: int
     size: int
     touched: bool = False
+    ref: Any = None
 
 
 @dataclass
@@ -100,6 +104,11 @@ class NativePlan:
         parts, tail_parts: how many parts the snapshot and its tail have.
         tail_bytes, total_bytes: encoded bytes of the tail's and all parts.
         declined: why an ``auto`` plan leaves the read to the Python path, or ``None``.
+        merged: when the driver merged the touched parts with the tail
+            (:func:`merge_on_driver`), the snapshot's rows of every tail key (the tail
+            and the touched parts' rows of those keys, consolidated); Spark then reads
+            the touched parts without the rows of ``tail_keys`` (the tail's distinct
+            keys) and adds ``merged``; ``None``: Spark merges.
     """
 
     as_of: int | None
@@ -111,6 +120,8 @@ class NativePlan:
     tail_bytes: int = 0
     total_bytes: int = 0
     declined: str | None = None
+    merged: pa.Table | None = None
+    tail_keys: pa.Table | None = None
 
     def summary(self) -> str:
         touched = sum(1 for p in self.direct if p.touched)
@@ -227,7 +238,44 @@ def plan_snapshot(
         read.detach()
     if out.declined is None and out.tail is not None and out.direct:
         _mark_touched(out, plan["intervals"], key_schema)
+        touched = sum(p.size for p in out.direct if p.touched)
+        if touched <= DRIVER_MERGE_MAX_BYTES:
+            merge_on_driver(out, client.blob, key_schema)
     return out
+
+
+def merge_on_driver(plan: NativePlan, blob: Any, key_schema: pa.Schema) -> None:
+    """Merge the touched direct parts' rows of tail keys with the tail, on the driver:
+    fetch and decode the touched parts (conformed to the read view), keep the rows whose
+    key is a tail key (by consolidation's order, :func:`persist.merge.key_ranks`: nulls
+    and NaN match as consolidation matches them), consolidate them with the tail at
+    ``as_of`` and set ``plan.merged`` and ``plan.tail_keys``.
+
+    Raises:
+        persist.errors.CorruptPart: a touched part is missing or corrupt.
+    """
+    from persist.consolidation import consolidate
+    from persist.merge import key_ranks
+    from persist.parts import read_parts
+
+    assert plan.tail is not None and plan.as_of is not None
+    hist, dst = plan.history
+    view = hist.view_schema(dst)
+    names = key_schema.names
+    tail = plan.tail
+    refs = [p.ref for p in plan.direct if p.touched]
+    rows = read_parts(blob, refs, schema=view, max_workers=4, conform=plan.history)
+    rows = pa.Table.from_arrays(
+        [rows.column(f.name).cast(f.type) for f in tail.schema], schema=tail.schema
+    )
+    both = pa.concat_tables([rows.select(names), tail.select(names)])
+    ranks = key_ranks(both, names)
+    n = rows.num_rows
+    matched = rows.filter(pa.array(np.isin(ranks[:n], ranks[n:])))
+    values = hist.versions[dst].names
+    plan.merged = consolidate(pa.concat_tables([matched, tail]), names, values, since=plan.as_of)
+    _, first = np.unique(ranks[n:], return_index=True)
+    plan.tail_keys = tail.select(names).take(pa.array(first))
 
 
 def _split(
@@ -279,7 +327,7 @@ def _split(
         if i in chosen:
             for j in idx:
                 p = b.parts[j]
-                direct.append(DirectPart(p.key, p.schema_id, p.encoded_size_bytes))
+                direct.append(DirectPart(p.key, p.schema_id, p.encoded_size_bytes, ref=p))
                 intervals.append((p.key_samples[0], p.key_samples[-1]))
         else:
             tail.setdefault(bi, []).extend(idx)

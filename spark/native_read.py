@@ -137,12 +137,47 @@ def _direct_df(spark: Any, plan: NativePlan, prefix: str, parts: list[Any]) -> A
     return out
 
 
-def _tail_df(spark: Any, plan: NativePlan, schema: Any) -> Any:
+def _local_df(spark: Any, rows: pa.Table, schema: Any) -> Any:
+    """``rows`` (an updates table of the read view) as a local DataFrame of ``schema``."""
     from spark.persist_reader import _to_output
 
-    assert plan.tail is not None
-    table = _to_output(plan.tail, schema, None, DIFF)
-    return spark.createDataFrame(table, schema=schema)
+    return spark.createDataFrame(_to_output(rows, schema, None, DIFF), schema=schema)
+
+
+def _on(df: Any, keys: Any, key_schema: pa.Schema) -> Any:
+    """Null-safe equality of ``df``'s key columns and ``keys``' ``__k0, __k1, ...``."""
+    on = None
+    for i, k in enumerate(key_schema.names):
+        c = df[k].eqNullSafe(keys[f"__k{i}"])
+        on = c if on is None else on & c
+    return on
+
+
+def _without_keys(
+    spark: Any, df: Any, plan: NativePlan, key_schema: pa.Schema, names: list[str]
+) -> Any:
+    """``df`` without the rows whose key is one of ``plan.tail_keys`` (a broadcast
+    left-anti join, null-safe)."""
+    from pyspark.sql import functions as F
+
+    assert plan.tail_keys is not None
+    ks = _spark_schema(key_schema)
+    keys = spark.createDataFrame(_to_output_keys(plan.tail_keys, ks), schema=ks).toDF(
+        *[f"__k{i}" for i in range(len(key_schema))]
+    )
+    keys = F.broadcast(keys)
+    return df.join(keys, _on(df, keys, key_schema), "left_anti").select(*names)
+
+
+def _to_output_keys(keys: pa.Table, schema: Any) -> pa.Table:
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from spark.arrow_spark import to_spark_column
+
+    target = to_arrow_schema(schema, timezone="UTC")
+    return pa.Table.from_arrays(
+        [to_spark_column(keys.column(f.name), f.type) for f in target], schema=target
+    )
 
 
 def output_schema(key_schema: pa.Schema, history: Any) -> Any:
@@ -169,8 +204,16 @@ def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str
     pieces: list[Any] = []
     if untouched:
         pieces.append(_direct_df(spark, plan, prefix, untouched))
-    if plan.tail is not None:
-        tail = _tail_df(spark, plan, schema)
+    if plan.merged is not None:
+        if touched:
+            pieces.append(
+                _without_keys(
+                    spark, _direct_df(spark, plan, prefix, touched), plan, key_schema, names
+                )
+            )
+        pieces.append(_local_df(spark, plan.merged, schema))
+    elif plan.tail is not None:
+        tail = _local_df(spark, plan.tail, schema)
         if touched:
             near = _direct_df(spark, plan, prefix, touched)
             keys = F.broadcast(
@@ -178,10 +221,7 @@ def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str
                     *[F.col(k).alias(f"__k{i}") for i, k in enumerate(key_schema.names)]
                 ).distinct()
             )
-            on = None
-            for i, k in enumerate(key_schema.names):
-                c = near[k].eqNullSafe(keys[f"__k{i}"])
-                on = c if on is None else on & c
+            on = _on(near, keys, key_schema)
             pieces.append(near.join(keys, on, "left_anti").select(*names))
             merged = near.join(keys, on, "left_semi").select(*names).unionByName(tail)
             value_cols = [n for n in names if n != DIFF]

@@ -116,11 +116,24 @@ def test_both_paths_equal_the_snapshot(table: Any, spark_store: Any) -> None:
     # The bulk run is read by Spark, some of it merged with the tail.
     assert plan.direct and any(p.touched for p in plan.direct)
     assert any(not p.touched for p in plan.direct) and plan.tail is not None
-    for as_of in range(3, upper):
+    for as_of in (3, 5, upper - 1):  # the since; a retraction and a widened schema; last
         want = snapshot(spark_store, as_of)
         for path in ("native", "python"):
             assert collected(table.to_df(as_of=as_of, path=path)) == want, (path, as_of)
     assert collected(table.to_df()) == snapshot(spark_store, upper - 1)
+
+
+def test_spark_merges_touched_parts_beyond_the_driver_limit(
+    table: Any, spark_store: Any, monkeypatch: Any
+) -> None:
+    import spark.native_plan as native_plan
+
+    monkeypatch.setattr(native_plan, "DRIVER_MERGE_MAX_BYTES", 0)
+    with table.client() as c:
+        st = c.inspect("t")
+        plan = native_plan.plan_snapshot(c, "t", st.key_schema, st.value_schema, 5)
+    assert plan.merged is None and any(p.touched for p in plan.direct)
+    assert collected(table.to_df(as_of=5, path="native")) == snapshot(spark_store, 5)
 
 
 def test_columns_and_filters_reach_both_paths(table: Any, spark_store: Any) -> None:

@@ -6,15 +6,20 @@ snapshot as stored, no two holding one (key, value)) and a small tail that persi
 and consolidates on the driver. This module turns that plan into one DataFrame:
 
 * each schema version's direct parts are read by ``spark.read.schema(...).parquet(paths)``
-  with ``_time <= as_of``, then conformed to the read view in Spark expressions (a
-  column the part's version lacks is a typed null, a widened one is cast), so Spark's
-  column pruning and filter pushdown reach the Parquet reader;
+  (each holds one time, not after ``as_of``, as planning proved from its ``_time``
+  statistics: no row is filtered by time), conformed to the read view in Spark
+  expressions when the version differs (a column it lacks is a typed null, a widened one
+  is cast), so Spark's column pruning and filter pushdown reach the Parquet reader;
 * the tail becomes a local relation (``createDataFrame`` of its Arrow table);
 * rows of direct parts whose key intervals hold no tail key are snapshot rows as they
-  are; the touched parts' rows whose key is in the tail (a broadcast left-semi join on
-  the key columns, null-safe) are unioned with the tail and summed per (key, value)
-  (rows whose diffs cancel dropped), and their other rows pass a broadcast left-anti
-  join. Only the tail's keys are aggregated: no shuffle of the shard's rows.
+  are. The touched parts' rows of tail keys are merged with the tail on the driver
+  (:func:`spark.native_plan.merge_on_driver`) and the direct parts are read through a
+  broadcast left-anti join on the tail's keys (null-safe), plus the merged rows as a
+  local relation: one scan, no shuffle. Beyond
+  :data:`spark.native_plan.DRIVER_MERGE_MAX_BYTES` of touched parts, Spark merges them
+  instead: their rows of tail keys (a broadcast left-semi join) are unioned with the
+  tail and summed per (key, value) (rows whose diffs cancel dropped), their other rows
+  pass the anti-join. Either way only the tail's keys are aggregated.
 
 The DataFrame's columns are the shard's key and value columns (newest schema, in Spark's
 read types, :mod:`spark.arrow_spark`) and ``_diff``, each distinct (key, value) once:
@@ -103,17 +108,24 @@ def _read_group(
     plan_sources: Any,
     as_of: int,
 ) -> Any:
-    """The rows of one schema version's parts at ``paths``, ``_time <= as_of``, as the
-    view's key, value and ``_diff`` columns."""
+    """The rows of one schema version's parts at ``paths`` as the view's key, value and
+    ``_diff`` columns. Every direct part holds one time, not after ``as_of`` (planning
+    proved it from the parts' ``_time`` statistics), so no row is filtered by time and
+    ``_time`` is not read. A part written under the view's own columns is read with the
+    view's schema as is (no projection: a plain Parquet scan); others are conformed in
+    Spark expressions (a column the version lacks is a typed null, a widened one cast)."""
     from pyspark.sql import functions as F
 
     st = _spark_schema(source)
-    df = spark.read.schema(st).parquet(*paths).where(F.col(TIME) <= F.lit(as_of))
     tt = _spark_schema(target)
+    out = [(f, src) for f, src in zip(tt.fields, plan_sources, strict=True) if f.name != TIME]
+    if all(src == f.name and st[src].dataType == f.dataType for f, src in out):
+        from pyspark.sql.types import StructType
+
+        return spark.read.schema(StructType([f for f, _s in out])).parquet(*paths)
+    df = spark.read.schema(st).parquet(*paths)
     cols = []
-    for f, src in zip(tt.fields, plan_sources, strict=True):
-        if f.name == TIME:
-            continue
+    for f, src in out:
         if src is None:
             cols.append(F.lit(None).cast(f.dataType).alias(f.name))
         elif st[src].dataType == f.dataType:
@@ -166,7 +178,7 @@ def _without_keys(
         *[f"__k{i}" for i in range(len(key_schema))]
     )
     keys = F.broadcast(keys)
-    return df.join(keys, _on(df, keys, key_schema), "left_anti").select(*names)
+    return df.join(keys, _on(df, keys, key_schema), "left_anti")
 
 
 def _to_output_keys(keys: pa.Table, schema: Any) -> pa.Table:
@@ -202,17 +214,18 @@ def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str
     untouched = [p for p in plan.direct if not p.touched]
     touched = [p for p in plan.direct if p.touched]
     pieces: list[Any] = []
-    if untouched:
-        pieces.append(_direct_df(spark, plan, prefix, untouched))
     if plan.merged is not None:
-        if touched:
-            pieces.append(
-                _without_keys(
-                    spark, _direct_df(spark, plan, prefix, touched), plan, key_schema, names
-                )
-            )
+        # One scan of every direct part: rows of untouched parts never hold a tail key,
+        # so the anti-join keeps them all, and one scan costs less than a union of two.
+        if plan.direct:
+            every = _direct_df(spark, plan, prefix, plan.direct)
+            pieces.append(_without_keys(spark, every, plan, key_schema, names))
         pieces.append(_local_df(spark, plan.merged, schema))
-    elif plan.tail is not None:
+    elif plan.tail is None:
+        pieces.append(_direct_df(spark, plan, prefix, plan.direct))
+    else:
+        if untouched:
+            pieces.append(_direct_df(spark, plan, prefix, untouched))
         tail = _local_df(spark, plan.tail, schema)
         if touched:
             near = _direct_df(spark, plan, prefix, touched)
@@ -232,4 +245,4 @@ def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str
     out: Any = pieces[0]
     for p in pieces[1:]:
         out = out.unionByName(p)
-    return out.select(*names)
+    return out

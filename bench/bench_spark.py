@@ -11,6 +11,9 @@ Sections:
   (``df.write.format("noop")``), so neither side can skip columns.
 * ``partitions``: the same write pair with the DataFrame repartitioned to 1, 2, 4, 8
   partitions (a curve).
+* ``table``: reads through ``PersistTable.to_df`` (Spark's Parquet reader over the
+  compacted run) against ``spark.read.parquet``, the Python floor and
+  ``format("persist")`` (:mod:`bench.bench_spark_table`).
 * ``key-range``: the consolidated read cut into 4 key ranges (``partitions=4``, the
   default ``consolidate=full``) against the raw-updates read (``consolidate=none``) of the
   same shard, written by 4 tasks (4 parts; ``partition_bytes=1`` makes the raw read one
@@ -307,7 +310,7 @@ def _key_range_read(res: BenchResults, s: _Setup, rounds: int) -> None:
 
 
 #: Names of the sections :func:`run` can be limited to (``--sections``).
-SECTIONS = ("write-read", "key-range", "partitions")
+SECTIONS = ("write-read", "key-range", "partitions", "table")
 
 
 def run(
@@ -353,6 +356,11 @@ def run(
                 _key_range_read(res, s, rounds)
         if "partitions" in sections:
             _write_vs_partitions(res, s, root, params)
+        if "table" in sections:
+            from bench.bench_spark_table import run_table_section
+
+            with res.section("spark reads through PersistTable"):
+                run_table_section(res, s, root, rounds)
     finally:
         if setup is not None:
             setup.close()

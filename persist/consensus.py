@@ -657,6 +657,26 @@ class Consensus:
         h = self.head(shard_id)
         return [] if h is None or h.seqno < from_seqno else [h]
 
+    def versions(self, shard_id: str) -> list[VersionedData]:
+        """Every version the stash still holds, oldest first: the rollup and one per
+        diff entry after it (versions before the rollup are gone), each assembled as
+        :meth:`head` assembles the latest; ``[]`` for a shard with no state.
+
+        Raises:
+            ConsensusError: the stash failed or holds malformed entries.
+        """
+        c = self.collection(shard_id)
+        rows = self._call(f"versions of shard {shard_id}", lambda: self.stash.iter(c))
+        diffs = sorted({k for (k, _v), _t, _d in rows if k.startswith(DIFF_PREFIX)})
+        out: list[VersionedData] = []
+        for n in range(len(diffs) + 1):
+            upto = set(diffs[:n])
+            sub = [r for r in rows if not r[0][0].startswith(DIFF_PREFIX) or r[0][0] in upto]
+            v = self._assemble(shard_id, sub)
+            if v is not None:
+                out.append(v)
+        return out
+
     def truncate(self, shard_id: str) -> None:
         """Physically drop the rows of versions before the head's rollup (consolidate
         the collection); the rollup and the diffs after it stay."""

@@ -6,6 +6,9 @@
 * ``persist``: batch read, batch write and streaming read of a persist shard
   (:mod:`spark.persist_source`).
 
+:class:`PersistTable` (:mod:`spark.table`) is a shard as a table, after delta-spark's
+``DeltaTable``: ``to_df`` reads it through Spark's own Parquet reader where it can.
+
 :func:`persist_txn` commits Spark writes to several shards plus catalog updates as one
 transaction (:mod:`spark.persist_txn`).
 
@@ -25,8 +28,19 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from spark.persist_txn import PersistTxn
+    from spark.table import PersistTable
 
-__all__ = ["activate", "build_session", "persist_txn", "register"]
+__all__ = ["PersistTable", "activate", "build_session", "persist_txn", "register"]
+
+
+def __getattr__(name: str) -> object:
+    """``spark.PersistTable`` (:class:`spark.table.PersistTable`), imported on first use
+    so that importing the package does not import pyspark."""
+    if name == "PersistTable":
+        from spark.table import PersistTable
+
+        return PersistTable
+    raise AttributeError(f"module 'spark' has no attribute {name!r}")
 
 
 def build_session(*args: object, **kwargs: object) -> SparkSession:

@@ -521,10 +521,14 @@ def compact_and_gc(spark: Any, cfg: Config, since: int) -> tuple[dict[str, int],
 
 def on_time_spark(spark: Any, cfg: Config, as_of: int) -> list[dict[str, Any]]:
     """On-time performance by carrier as of ``as_of``, computed by Spark from the shard
-    joined with the ``airlines`` catalog (the ``stash`` source)."""
+    (read through :meth:`spark.table.PersistTable.to_df`: Spark's Parquet reader over
+    the compacted parts) joined with the ``airlines`` catalog (the ``stash`` source)."""
     from pyspark.sql import functions as F
 
-    flights = _reader(spark, cfg).option("as_of", str(as_of)).load(cfg.shard)
+    from spark.table import PersistTable
+
+    table = PersistTable.for_name(spark, cfg.shard, stash=cfg.stash_url, blob=cfg.blob_uri)
+    flights = table.to_df(as_of=as_of, columns=["carrier", "arr_delay"])
     d = F.col("_diff")
     arrived = F.col("arr_delay").isNotNull()
     agg = flights.groupBy("carrier").agg(

@@ -1,0 +1,248 @@
+"""The native read of a persist shard: a snapshot as a DataFrame whose bulk Spark's own
+Parquet reader scans, with no Python worker in the way.
+
+:func:`spark.native_plan.plan_snapshot` splits the snapshot into direct parts (rows of the
+snapshot as stored, no two holding one (key, value)) and a small tail that persist reads
+and consolidates on the driver. This module turns that plan into one DataFrame:
+
+* each schema version's direct parts are read by ``spark.read.schema(...).parquet(paths)``
+  (each holds one time, not after ``as_of``, as planning proved from its ``_time``
+  statistics: no row is filtered by time), conformed to the read view in Spark
+  expressions when the version differs (a column it lacks is a typed null, a widened one
+  is cast), so Spark's column pruning and filter pushdown reach the Parquet reader;
+* the tail becomes a local relation (``createDataFrame`` of its Arrow table);
+* rows of direct parts whose key intervals hold no tail key are snapshot rows as they
+  are. The touched parts' rows of tail keys are merged with the tail on the driver
+  (:func:`spark.native_plan.merge_on_driver`) and the direct parts are read through a
+  broadcast left-anti join on the tail's keys (null-safe), plus the merged rows as a
+  local relation: one scan, no shuffle. Beyond
+  :data:`spark.native_plan.DRIVER_MERGE_MAX_BYTES` of touched parts, Spark merges them
+  instead: their rows of tail keys (a broadcast left-semi join) are unioned with the
+  tail and summed per (key, value) (rows whose diffs cancel dropped), their other rows
+  pass the anti-join. Either way only the tail's keys are aggregated.
+
+The DataFrame's columns are the shard's key and value columns (newest schema, in Spark's
+read types, :mod:`spark.arrow_spark`) and ``_diff``, each distinct (key, value) once:
+``ReadHandle.snapshot(as_of)`` without its ``_time`` column.
+
+Which blob stores: ``file://`` (and plain local paths) read as ``file://`` paths; an
+``s3://bucket/prefix`` store as ``s3a://`` paths when the session's Hadoop configuration
+sets some ``fs.s3a.`` option (endpoint, credentials provider...). Any other store, or a
+column type Spark's Parquet reader does not read as persist does
+(:func:`spark.native_plan.native_type`), makes :func:`native_reason` say why the Python
+path (``format("persist")``) is taken instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pyarrow as pa
+
+from spark.native_plan import DIFF, TIME, NativePlan, native_type
+
+log = logging.getLogger(__name__)
+
+
+def blob_paths_root(spark: Any, blob_uri: str) -> tuple[str | None, str]:
+    """``(prefix, why)``: the Hadoop path prefix under which blob key ``k`` is the file
+    ``prefix + "/" + k`` (``None`` when Spark cannot read the store; ``why`` says
+    why)."""
+    from persist.blob import open_blob
+    from persist.blob.arrowfs import ArrowFsBlob
+    from persist.blob.file import FileBlob
+
+    try:
+        blob = open_blob(blob_uri)
+    except Exception as e:  # noqa: BLE001 - the reason is reported, the Python path decides
+        return None, f"the blob store cannot be opened here ({type(e).__name__})"
+    try:
+        if isinstance(blob, FileBlob):
+            return "file://" + str(blob.root), ""
+        if isinstance(blob, ArrowFsBlob) and blob.fs.type_name == "s3":
+            if not _s3a_configured(spark):
+                return None, "the blob store is on S3 and the session has no fs.s3a configuration"
+            return "s3a://" + blob.root.rstrip("/"), ""
+        scheme = blob_uri.split("://", 1)[0] if "://" in blob_uri else "?"
+        return None, f"Spark's Hadoop layer does not read {scheme}:// blob stores here"
+    finally:
+        blob.close()
+
+
+def _s3a_configured(spark: Any) -> bool:
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    it = conf.iterator()
+    while it.hasNext():
+        if str(it.next().getKey()).startswith("fs.s3a."):
+            return True
+    return any(
+        k.startswith("spark.hadoop.fs.s3a.") for k, _v in spark.sparkContext.getConf().getAll()
+    )
+
+
+def type_reason(key_schema: pa.Schema, history: Any) -> str | None:
+    """Why a column of some schema version keeps the read off the native path, or
+    ``None``."""
+    hist, _dst = history
+    for version in [key_schema, *hist.versions]:
+        for f in version:
+            if not native_type(f.type):
+                return (
+                    f"column {f.name!r} is {f.type}, which Spark's Parquet reader reads differently"
+                )
+    return None
+
+
+def _spark_schema(schema: pa.Schema) -> Any:
+    from spark.persist_common import arrow_to_spark
+
+    return arrow_to_spark(schema)
+
+
+def _read_group(
+    spark: Any,
+    paths: list[str],
+    source: pa.Schema,
+    target: pa.Schema,
+    plan_sources: Any,
+    as_of: int,
+) -> Any:
+    """The rows of one schema version's parts at ``paths`` as the view's key, value and
+    ``_diff`` columns. Every direct part holds one time, not after ``as_of`` (planning
+    proved it from the parts' ``_time`` statistics), so no row is filtered by time and
+    ``_time`` is not read. A part written under the view's own columns is read with the
+    view's schema as is (no projection: a plain Parquet scan); others are conformed in
+    Spark expressions (a column the version lacks is a typed null, a widened one cast)."""
+    from pyspark.sql import functions as F
+
+    st = _spark_schema(source)
+    tt = _spark_schema(target)
+    out = [(f, src) for f, src in zip(tt.fields, plan_sources, strict=True) if f.name != TIME]
+    if all(src == f.name and st[src].dataType == f.dataType for f, src in out):
+        from pyspark.sql.types import StructType
+
+        return spark.read.schema(StructType([f for f, _s in out])).parquet(*paths)
+    df = spark.read.schema(st).parquet(*paths)
+    cols = []
+    for f, src in out:
+        if src is None:
+            cols.append(F.lit(None).cast(f.dataType).alias(f.name))
+        elif st[src].dataType == f.dataType:
+            cols.append(F.col(src))
+        else:
+            cols.append(F.col(src).cast(f.dataType).alias(f.name))
+    return df.select(*cols)
+
+
+def _direct_df(spark: Any, plan: NativePlan, prefix: str, parts: list[Any]) -> Any:
+    """The rows of direct ``parts`` (at least one) as the view's columns and ``_diff``."""
+    hist, dst = plan.history
+    target = hist.view_schema(dst)
+    out: Any = None
+    for sid in sorted({p.schema_id for p in parts}):
+        paths = [f"{prefix}/{p.key}" for p in parts if p.schema_id == sid]
+        cp = hist.plan(sid, dst)
+        assert plan.as_of is not None
+        df = _read_group(spark, paths, hist.updates_schema(sid), target, cp.sources, plan.as_of)
+        out = df if out is None else out.unionByName(df)
+    return out
+
+
+def _local_df(spark: Any, rows: pa.Table, schema: Any) -> Any:
+    """``rows`` (an updates table of the read view) as a local DataFrame of ``schema``."""
+    from spark.persist_reader import _to_output
+
+    return spark.createDataFrame(_to_output(rows, schema, None, DIFF), schema=schema)
+
+
+def _on(df: Any, keys: Any, key_schema: pa.Schema) -> Any:
+    """Null-safe equality of ``df``'s key columns and ``keys``' ``__k0, __k1, ...``."""
+    on = None
+    for i, k in enumerate(key_schema.names):
+        c = df[k].eqNullSafe(keys[f"__k{i}"])
+        on = c if on is None else on & c
+    return on
+
+
+def _without_keys(
+    spark: Any, df: Any, plan: NativePlan, key_schema: pa.Schema, names: list[str]
+) -> Any:
+    """``df`` without the rows whose key is one of ``plan.tail_keys`` (a broadcast
+    left-anti join, null-safe)."""
+    from pyspark.sql import functions as F
+
+    assert plan.tail_keys is not None
+    ks = _spark_schema(key_schema)
+    keys = spark.createDataFrame(_to_output_keys(plan.tail_keys, ks), schema=ks).toDF(
+        *[f"__k{i}" for i in range(len(key_schema))]
+    )
+    keys = F.broadcast(keys)
+    return df.join(keys, _on(df, keys, key_schema), "left_anti")
+
+
+def _to_output_keys(keys: pa.Table, schema: Any) -> pa.Table:
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from spark.arrow_spark import to_spark_column
+
+    target = to_arrow_schema(schema, timezone="UTC")
+    return pa.Table.from_arrays(
+        [to_spark_column(keys.column(f.name), f.type) for f in target], schema=target
+    )
+
+
+def output_schema(key_schema: pa.Schema, history: Any) -> Any:
+    """The Spark schema of a snapshot DataFrame: key and value columns of the read view
+    and ``_diff`` (long)."""
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    hist, dst = history
+    st = _spark_schema(pa.schema(list(key_schema) + list(hist.versions[dst])))
+    return StructType([*st.fields, StructField(DIFF, LongType(), True)])
+
+
+def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str) -> Any:
+    """The snapshot of ``plan`` as a DataFrame (see the module docstring); ``prefix``
+    from :func:`blob_paths_root`."""
+    from pyspark.sql import functions as F
+
+    schema = output_schema(key_schema, plan.history)
+    names = schema.fieldNames()
+    if plan.as_of is None or (not plan.direct and plan.tail is None):
+        return spark.createDataFrame([], schema)
+    untouched = [p for p in plan.direct if not p.touched]
+    touched = [p for p in plan.direct if p.touched]
+    pieces: list[Any] = []
+    if plan.merged is not None:
+        # One scan of every direct part: rows of untouched parts never hold a tail key,
+        # so the anti-join keeps them all, and one scan costs less than a union of two.
+        if plan.direct:
+            every = _direct_df(spark, plan, prefix, plan.direct)
+            pieces.append(_without_keys(spark, every, plan, key_schema, names))
+        pieces.append(_local_df(spark, plan.merged, schema))
+    elif plan.tail is None:
+        pieces.append(_direct_df(spark, plan, prefix, plan.direct))
+    else:
+        if untouched:
+            pieces.append(_direct_df(spark, plan, prefix, untouched))
+        tail = _local_df(spark, plan.tail, schema)
+        if touched:
+            near = _direct_df(spark, plan, prefix, touched)
+            keys = F.broadcast(
+                tail.select(
+                    *[F.col(k).alias(f"__k{i}") for i, k in enumerate(key_schema.names)]
+                ).distinct()
+            )
+            on = _on(near, keys, key_schema)
+            pieces.append(near.join(keys, on, "left_anti").select(*names))
+            merged = near.join(keys, on, "left_semi").select(*names).unionByName(tail)
+            value_cols = [n for n in names if n != DIFF]
+            summed = merged.groupBy(*value_cols).agg(F.sum(DIFF).alias(DIFF))
+            pieces.append(summed.where(F.col(DIFF) != 0).select(*names))
+        else:
+            pieces.append(tail)
+    out: Any = pieces[0]
+    for p in pieces[1:]:
+        out = out.unionByName(p)
+    return out

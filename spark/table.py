@@ -1,0 +1,326 @@
+"""``PersistTable``: a persist shard as a Spark table, shaped after delta-spark's
+``DeltaTable`` (``forName``, ``toDF``, ``history``, ``merge``-style row changes,
+``optimize``/``vacuum``).
+
+::
+
+    from spark import PersistTable
+
+    t = PersistTable.create(spark, "flights", key_schema, value_schema,
+                            stash="sqlite:////abs/stash.db", blob="file:///abs/blob")
+    t = PersistTable.for_name(spark, "flights", stash=STASH_URL, blob=BLOB_URI)
+    df = t.to_df()                      # the consolidated snapshot, with _diff
+    df = t.to_df(as_of=41, columns=["carrier", "arr_delay"])
+    t.history().show()                  # one row per retained state version
+    t.compact(); t.gc()                 # what `persist compact` / `persist gc` do
+    t.upsert(df); t.delete("id = 3"); t.update("id = 3", {"v": "v + 1"})
+
+``to_df`` reads through Spark's own Parquet reader where it can (:mod:`spark.native_read`;
+``path="native"``), else through the ``persist`` Python data source (``path="python"``);
+``path="auto"`` (the default) takes the native path unless the blob store or a column
+type keeps it off, or the tail that persist reads on the driver is large, and logs one
+line saying why. Both paths give the same rows: ``ReadHandle.snapshot(as_of)`` without
+its ``_time`` column.
+
+The DataFrame ``to_df`` returns names the parts of one state version: GC deletes none of
+them for one reader lease (the client's ``reader_lease_seconds``, 15 minutes by default)
+after ``to_df`` returns; act on it within that time, or call ``to_df`` again (a later
+action on a DataFrame whose parts GC deleted fails with a missing file, never with other
+rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from spark.persist_common import PersistSourceError, ShardTarget, persist_client
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
+
+READ_PATHS = ("auto", "native", "python")
+"""Values of :meth:`PersistTable.to_df`'s ``path``."""
+
+
+def _arrow_schema(schema: Any, what: str) -> pa.Schema:
+    """A key or value schema given as a ``pyarrow.Schema`` or a Spark ``StructType``.
+
+    Raises:
+        PersistSourceError: anything else.
+    """
+    if isinstance(schema, pa.Schema):
+        return schema
+    from pyspark.sql.types import StructType
+
+    if isinstance(schema, StructType):
+        from spark.persist_common import spark_to_arrow
+
+        return spark_to_arrow(schema)
+    raise PersistSourceError(
+        f"{what} must be a pyarrow.Schema or a pyspark StructType, not {type(schema).__name__}"
+    )
+
+
+class PersistTable:
+    """A persist shard seen from Spark (see the module docstring).
+
+    Attributes:
+        spark: the SparkSession.
+        shard: the shard's name.
+        stash_url: the stash (consensus) URL, a database every executor reaches.
+        blob_uri: the blob store URI, one every executor reaches.
+    """
+
+    def __init__(self, spark: SparkSession, shard: str, stash_url: str, blob_uri: str) -> None:
+        self.spark = spark
+        self.shard = shard
+        self.stash_url = stash_url
+        self.blob_uri = blob_uri
+
+    def __repr__(self) -> str:
+        return f"PersistTable({self.shard!r})"
+
+    @property
+    def target(self) -> ShardTarget:
+        """Where the shard lives (the ``persist`` source's options)."""
+        return ShardTarget(self.stash_url, self.blob_uri, self.shard)
+
+    @contextlib.contextmanager
+    def client(self, *, readonly: bool = False) -> Iterator[Any]:
+        """A :class:`persist.PersistClient` on the table's stores (compaction off),
+        closed when the ``with`` block ends: open handles with
+        ``client.open_writer(table.shard, *table.schemas())`` and friends."""
+        with persist_client(self.target, readonly=readonly) as c:
+            yield c
+
+    def schemas(self) -> tuple[pa.Schema, pa.Schema]:
+        """The shard's ``(key_schema, value_schema)`` (newest value schema version)."""
+        with self.client(readonly=True) as c:
+            st = c.inspect(self.shard)
+        return st.key_schema, st.value_schema
+
+    # ---------------------------------------------------------------- opening
+    @classmethod
+    def for_name(cls, spark: SparkSession, shard: str, *, stash: str, blob: str) -> PersistTable:
+        """The existing shard ``shard`` (Delta's ``DeltaTable.forName``).
+
+        Raises:
+            PersistSourceError: no shard has that name in ``stash``.
+        """
+        from spark.persist_common import registered_schemas
+
+        table = cls(spark, shard, stash, blob)
+        if registered_schemas(table.target) is None:
+            from stash import redact
+
+            raise PersistSourceError(
+                f"persist shard {shard} does not exist in {redact(stash)}; "
+                "create it with PersistTable.create or write to it first"
+            )
+        return table
+
+    @classmethod
+    def create(
+        cls,
+        spark: SparkSession,
+        shard: str,
+        key_schema: Any,
+        value_schema: Any,
+        *,
+        stash: str,
+        blob: str,
+    ) -> PersistTable:
+        """Create the shard with these schemas (``pyarrow.Schema`` or Spark
+        ``StructType``), or open it when it exists with exactly these schemas.
+
+        Raises:
+            PersistSourceError: a schema of another kind; the shard exists with other
+                key or value schemas (naming both); persist refuses the schemas (e.g.
+                no key column).
+        """
+        from persist.errors import InvalidUsage
+
+        keys = _arrow_schema(key_schema, "key_schema")
+        values = _arrow_schema(value_schema, "value_schema")
+        table = cls(spark, shard, stash, blob)
+        from spark.persist_common import registered_schemas
+
+        found = registered_schemas(table.target)
+        if found is not None:
+            if not (found[0].equals(keys) and found[1].equals(values)):
+                raise PersistSourceError(
+                    f"persist shard {shard} exists with key schema {_fmt(found[0])} and "
+                    f"value schema {_fmt(found[1])}, not {_fmt(keys)} and {_fmt(values)}"
+                )
+            return table
+        try:
+            with table.client() as c:
+                write, read = c.open(shard, keys, values)
+                write.expire()
+                read.expire()
+        except InvalidUsage as e:
+            raise PersistSourceError(f"cannot create persist shard {shard}: {e}") from None
+        return table
+
+    # ---------------------------------------------------------------- reading
+    def to_df(
+        self,
+        as_of: int | None = None,
+        columns: Sequence[str] | None = None,
+        *,
+        path: str = "auto",
+    ) -> DataFrame:
+        """The consolidated snapshot at ``as_of`` (default: the latest complete time,
+        as ``format("persist")``): the key and value columns (or only ``columns``, key or
+        value column names) and ``_diff`` (long), each distinct (key, value) once.
+
+        Args:
+            as_of: the read time.
+            columns: key and value columns to keep (``_diff`` is always there).
+            path: ``"native"`` (Spark's Parquet reader, :mod:`spark.native_read`),
+                ``"python"`` (the ``persist`` data source) or ``"auto"``.
+
+        Raises:
+            PersistSourceError: unknown ``path`` or column; ``as_of`` before the since
+                or not before the upper; ``path="native"`` on a store or column type
+                Spark's Parquet reader cannot read (naming it).
+        """
+        if path not in READ_PATHS:
+            raise PersistSourceError(f"path must be one of {', '.join(READ_PATHS)}, got {path!r}")
+        if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, int)):
+            raise PersistSourceError(f"as_of must be an int time, got {as_of!r}")
+        df, why = self._native(as_of, path == "native") if path != "python" else (None, "")
+        if df is None:
+            if path == "native":
+                raise PersistSourceError(f"shard {self.shard} cannot be read natively: {why}")
+            if path == "auto":
+                log.info(
+                    "shard %s: to_df reads through the persist data source: %s", self.shard, why
+                )
+            df = self._python(as_of)
+        if columns is not None:
+            names = [c for c in df.columns if c != "_diff"]
+            bad = [c for c in columns if c not in names]
+            if bad or not isinstance(columns, (list, tuple)):
+                raise PersistSourceError(
+                    f"columns {bad or columns!r} are not key or value columns of shard "
+                    f"{self.shard} ({', '.join(names)})"
+                )
+            df = df.select(*columns, "_diff")
+        return df
+
+    def _native(self, as_of: int | None, force: bool) -> tuple[DataFrame | None, str]:
+        """The native read's DataFrame, or ``None`` and why not (with ``force``, only a
+        store or a column type Spark cannot read says no)."""
+        from spark.native_plan import plan_snapshot
+        from spark.native_read import blob_paths_root, snapshot_df, type_reason
+
+        prefix, why = blob_paths_root(self.spark, self.blob_uri)
+        if prefix is None:
+            return None, why
+        with self.client() as c:
+            st = self._state(c)
+            keys, values = st.key_schema, st.value_schema
+            reason = type_reason(keys, (st.schemas(), 0))
+            if reason is not None:
+                return None, reason
+            plan = plan_snapshot(c, self.shard, keys, values, as_of, auto=not force)
+        if plan.declined is not None:
+            return None, plan.declined
+        log.debug("shard %s at %s: %s", self.shard, plan.as_of, plan.summary())
+        return snapshot_df(self.spark, plan, keys, prefix), ""
+
+    def _python(self, as_of: int | None) -> DataFrame:
+        from spark.formats import register
+        from spark.persist_planning import resolve_as_of
+
+        register(self.spark)
+        with self.client(readonly=True) as c:
+            st = self._state(c)
+            t = resolve_as_of(st, as_of, self.shard, c.blob)
+        r = self.spark.read.format("persist").option("stash", self.stash_url)
+        r = r.option("blob", self.blob_uri)
+        if t is not None:
+            r = r.option("as_of", str(t))
+        return r.load(self.shard)
+
+    def _state(self, c: Any) -> Any:
+        from persist.errors import InvalidUsage
+
+        try:
+            return c.inspect(self.shard)
+        except InvalidUsage as e:
+            raise PersistSourceError(str(e)) from None
+
+    def history(self) -> DataFrame:
+        """One row per state version the stash still holds (the rollup and the diffs
+        after it; GC's truncation drops older ones), newest first: ``seqno``,
+        ``operation`` (``append``, ``compaction``, ``since``, ``lease``, ``create``),
+        ``lower``/``upper`` (the time range the version added, ``[lower, upper)``, null
+        when none), ``rows_added`` and ``bytes_added`` (updates and encoded bytes of the
+        batches it added), ``since`` and ``writers`` (ids of the writers whose state
+        entries it changed). After delta-spark's ``DeltaTable.history``."""
+        from spark.table_history import history_rows, history_schema
+
+        with self.client(readonly=True) as c:
+            self._state(c)
+            rows = history_rows(c, self.shard)
+        return self.spark.createDataFrame(rows, history_schema())
+
+    # ------------------------------------------------------------ maintenance
+    def compact(self) -> Any:
+        """Answer every outstanding merge request of the shard, large ones as Spark
+        jobs (:func:`spark.jobs.compact.compact_shard`); returns its
+        :class:`~spark.jobs.compact.CompactJobReport`."""
+        from spark.jobs.compact import compact_shard
+
+        return compact_shard(self.spark, self.stash_url, self.blob_uri, self.shard)
+
+    def gc(self, grace_seconds: float | None = None) -> Any:
+        """Delete the shard's unreferenced blobs older than ``grace_seconds`` (default:
+        the client's, one hour) and truncate its consensus versions
+        (:func:`persist.collect_garbage`, as ``persist gc``); returns its
+        :class:`persist.gc.GcReport`.
+
+        Raises:
+            persist.InvalidUsage: a grace period that is not a finite number ``>= 0``.
+        """
+        from persist import collect_garbage
+
+        with self.client() as c:
+            return collect_garbage(c, self.shard, grace_seconds=grace_seconds)
+
+    # ----------------------------------------------------------- row changes
+    def upsert(self, df: DataFrame) -> Any:
+        """Insert ``df``'s rows, replacing the rows of the shard with the same key
+        (:func:`spark.row_changes.upsert`); returns the :class:`persist.RowChanges`."""
+        return _row_changes().upsert(self, df)
+
+    def delete(self, condition: str | Column) -> Any:
+        """Retract the rows ``condition`` (a SQL string or a ``Column``) holds for
+        (:func:`spark.row_changes.delete`); returns the :class:`persist.RowChanges`."""
+        return _row_changes().delete(self, condition)
+
+    def update(self, condition: str | Column, set: Mapping[str, str | Column]) -> Any:
+        """Set columns (``set``: column -> SQL string or ``Column``) of the rows
+        ``condition`` holds for (:func:`spark.row_changes.update`); returns the
+        :class:`persist.RowChanges`."""
+        return _row_changes().update(self, condition, set)
+
+
+def _row_changes() -> Any:
+    """:mod:`spark.row_changes` (Spark's row-level changes), imported when first used."""
+    import importlib
+
+    return importlib.import_module("spark.row_changes")
+
+
+def _fmt(schema: pa.Schema) -> str:
+    return "(" + ", ".join(f"{f.name} {f.type}" for f in schema) + ")"

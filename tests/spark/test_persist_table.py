@@ -1,0 +1,262 @@
+"""Protects: ``PersistTable.to_df`` gives ``ReadHandle.snapshot`` on both read paths.
+
+A differential test of the native path (Spark's Parquet reader over the parts that need
+no consolidation, the tail merged exactly) and the Python path (``format("persist")``)
+against ``ReadHandle.snapshot``, on a shard with a compacted run, runs with retractions,
+inline and blob parts, three schema versions (a column added, a type widened) and a
+since downgrade; ``history``, ``compact`` and ``gc``; bad input."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from persist import PersistClient
+from spark.persist_common import PersistSourceError
+from stash import Stash
+
+pytestmark = pytest.mark.spark
+
+KEYS = pa.schema([("k", pa.int64())])
+V0 = pa.schema([("v", pa.string()), ("w", pa.int32())])
+V1 = pa.schema([("v", pa.string()), ("w", pa.int32()), ("x", pa.float64())])
+V2 = pa.schema([("v", pa.string()), ("w", pa.int64()), ("x", pa.float64())])
+N = 300
+
+
+def _rows(keys: list[int], tag: str, schema: pa.Schema) -> pa.Table:
+    cols: dict[str, Any] = {"k": pa.array(keys, pa.int64())}
+    cols["v"] = pa.array([None if k % 11 == 0 else f"{tag}{k}" for k in keys], pa.string())
+    cols["w"] = pa.array([k % 7 for k in keys], schema.field("w").type)
+    if "x" in schema.names:
+        cols["x"] = pa.array([k / 4 for k in keys], pa.float64())
+    return pa.table(cols, schema=pa.schema(list(KEYS) + list(schema)))
+
+
+def build(store: Any, shard: str = "t") -> int:
+    """A shard whose snapshot needs every kind of read: one big single-time run of blob
+    parts (the bulk load at time 0), then, with the since held at 3, upserts and deletes
+    (retractions of bulk rows) at times 1..3 that compaction merges into single-time runs
+    overlapping the bulk, inline parts, a value column added at 4 and a type widened at
+    5, and an uncompacted tail. Returns the upper."""
+    with Stash.open(store.stash_url, fenced=False) as s:
+        bulk = PersistClient(
+            s, store.blob_uri, compaction="off", inline_max_bytes=0, target_part_bytes=1500
+        )
+        small = PersistClient(s, store.blob_uri, compaction="off", target_part_bytes=1500)
+        try:
+            w, r = bulk.open(shard, KEYS, V0)
+            bulk_rows = _rows(list(range(N)), "v", V0)
+            bulk_rows = bulk_rows.append_column("_time", pa.array([0] * N, pa.int64()))
+            w.append(bulk_rows.append_column("_diff", pa.array([1] * N, pa.int64())), 0, 1)
+            r.downgrade_since(3)
+            w.upsert(_rows([1, 51, 299, 400], "a", V0))
+            w.delete(pc.field("k") == 7)
+            w2, r2 = small.open(shard, KEYS, V0)
+            w2.upsert(_rows([2, 52, 401], "b", V0))  # inline parts
+            bulk.compactor.compact_once(shard)
+            w1, r1 = small.open(shard, KEYS, V1)
+            w1.upsert(_rows([3, 53, 402], "c", V1))
+            w1.delete(pc.field("k") == 60)
+            wb, rb = bulk.open(shard, KEYS, V2)
+            wb.upsert(_rows([4, 54, 251, 403], "d", V2))
+            wb.delete(pc.field("k") == 1)
+            for h in (w, r, w2, r2, w1, r1, wb, rb):
+                h.expire()
+            return int(bulk.inspect(shard).upper.as_option())
+        finally:
+            small.close()
+            bulk.close()
+
+
+def snapshot(store: Any, as_of: int, shard: str = "t") -> Counter:
+    with Stash.open(store.stash_url, fenced=False) as s:
+        c = PersistClient(s, store.blob_uri, compaction="off")
+        try:
+            st = c.inspect(shard)
+            r = c.open_reader(shard, st.key_schema, st.value_schema)
+            try:
+                t = r.snapshot(as_of)
+            finally:
+                r.expire()
+        finally:
+            c.close()
+    names = [n for n in t.column_names if n not in ("_time", "_diff")]
+    return Counter({tuple(row[n] for n in names): row["_diff"] for row in t.to_pylist()})
+
+
+def collected(df: Any) -> Counter:
+    rows = df.collect()
+    names = [n for n in df.columns if n != "_diff"]
+    got = Counter({tuple(r[n] for n in names): r["_diff"] for r in rows})
+    assert len(rows) == len(got), "a (key, value) appears twice"
+    return got
+
+
+@pytest.fixture
+def table(spark: Any, spark_store: Any) -> Any:
+    from spark import PersistTable
+
+    build(spark_store)
+    return PersistTable.for_name(spark, "t", stash=spark_store.stash_url, blob=spark_store.blob_uri)
+
+
+def test_both_paths_equal_the_snapshot(table: Any, spark_store: Any) -> None:
+    from spark.native_plan import plan_snapshot
+
+    with table.client() as c:
+        st = c.inspect("t")
+        upper = st.upper.as_option()
+        plan = plan_snapshot(c, "t", st.key_schema, st.value_schema, None)
+    # The bulk run is read by Spark, some of it merged with the tail.
+    assert plan.direct and any(p.touched for p in plan.direct)
+    assert any(not p.touched for p in plan.direct) and plan.tail is not None
+    for as_of in (3, 5, upper - 1):  # the since; a retraction and a widened schema; last
+        want = snapshot(spark_store, as_of)
+        for path in ("native", "python"):
+            assert collected(table.to_df(as_of=as_of, path=path)) == want, (path, as_of)
+    assert collected(table.to_df()) == snapshot(spark_store, upper - 1)
+
+
+def test_spark_merges_touched_parts_beyond_the_driver_limit(
+    table: Any, spark_store: Any, monkeypatch: Any
+) -> None:
+    import spark.native_plan as native_plan
+
+    monkeypatch.setattr(native_plan, "DRIVER_MERGE_MAX_BYTES", 0)
+    with table.client() as c:
+        st = c.inspect("t")
+        plan = native_plan.plan_snapshot(c, "t", st.key_schema, st.value_schema, 5)
+    assert plan.merged is None and any(p.touched for p in plan.direct)
+    assert collected(table.to_df(as_of=5, path="native")) == snapshot(spark_store, 5)
+
+
+def test_columns_and_filters_reach_both_paths(table: Any, spark_store: Any) -> None:
+    want: Counter = Counter()
+    for (k, _v, w, _x), d in snapshot(spark_store, 5).items():
+        if k < 100 and w != 3:
+            want[(k, w)] += d
+    for path in ("native", "python"):
+        df = table.to_df(as_of=5, columns=["k", "w"], path=path).where("k < 100 AND w != 3")
+        assert df.columns == ["k", "w", "_diff"]
+        rows = Counter()
+        for r in df.collect():
+            rows[(r["k"], r["w"])] += r["_diff"]
+        assert rows == want, path
+
+
+def test_native_plan_is_pushed_to_parquet(table: Any) -> None:
+    plan = table.to_df(path="native").where("k = 5")._jdf.queryExecution().executedPlan().toString()
+    assert "FileScan parquet" in plan and "PushedFilters" in plan and "EqualTo(k,5)" in plan
+
+
+def test_since_downgrade_and_bad_as_of(table: Any, spark_store: Any) -> None:
+    with table.client() as c:
+        st = c.inspect("t")
+        r = c.open_reader("t", st.key_schema, st.value_schema)
+        r.downgrade_since(6)
+        try:
+            for path in ("native", "python"):
+                with pytest.raises(PersistSourceError, match="before shard t's since"):
+                    table.to_df(as_of=5, path=path)
+            c.compactor.compact_once("t")
+            want = snapshot(spark_store, 6)
+            for path in ("native", "python"):
+                assert collected(table.to_df(as_of=6, path=path)) == want
+        finally:
+            r.expire()
+    with pytest.raises(PersistSourceError, match="not before shard t's upper"):
+        table.to_df(as_of=99)
+
+
+def test_history_compact_and_gc(table: Any, spark_store: Any) -> None:
+    hist = table.history().collect()
+    assert [r["seqno"] for r in hist] == sorted((r["seqno"] for r in hist), reverse=True)
+    appends = [r for r in hist if r["operation"] == "append"]
+    assert appends and all(r["upper"] == r["lower"] + 1 for r in appends)
+    assert all(r["rows_added"] > 0 and r["bytes_added"] > 0 for r in appends)
+    before = snapshot(spark_store, 5)
+    report = table.compact()
+    assert report.failed == 0
+    g = table.gc(grace_seconds=0)
+    assert g.failed == [] or not g.failed
+    assert collected(table.to_df(as_of=5, path="native")) == before
+
+
+def test_bad_input_raises_naming_the_rule(spark: Any, spark_store: Any, table: Any) -> None:
+    from spark import PersistTable
+
+    with pytest.raises(PersistSourceError, match="shard nope does not exist"):
+        PersistTable.for_name(spark, "nope", stash=spark_store.stash_url, blob=spark_store.blob_uri)
+    with pytest.raises(PersistSourceError, match="exists with key schema"):
+        PersistTable.create(
+            spark, "t", KEYS, V1, stash=spark_store.stash_url, blob=spark_store.blob_uri
+        )
+    with pytest.raises(PersistSourceError, match="must be a pyarrow.Schema"):
+        PersistTable.create(
+            spark, "u", "k int", V0, stash=spark_store.stash_url, blob=spark_store.blob_uri
+        )
+    with pytest.raises(PersistSourceError, match="path must be one of"):
+        table.to_df(path="fast")
+    with pytest.raises(PersistSourceError, match="not key or value columns"):
+        table.to_df(columns=["k", "nope"])
+    with pytest.raises(PersistSourceError, match="as_of must be an int"):
+        table.to_df(as_of="3")
+    mem = PersistTable(spark, "t", spark_store.stash_url, "memory://x")
+    with pytest.raises(PersistSourceError, match="cannot be read natively.*memory"):
+        mem.to_df(path="native")
+
+
+def test_create_then_write_then_read(spark: Any, spark_store: Any) -> None:
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from spark import PersistTable
+
+    keys = StructType([StructField("id", LongType())])
+    values = StructType([StructField("name", StringType())])
+    t = PersistTable.create(
+        spark, "people", keys, values, stash=spark_store.stash_url, blob=spark_store.blob_uri
+    )
+    assert (
+        PersistTable.create(
+            spark, "people", keys, values, stash=spark_store.stash_url, blob=spark_store.blob_uri
+        ).shard
+        == "people"
+    )
+    assert t.to_df().collect() == []
+    with t.client() as c:
+        w = c.open_writer("people", *t.schemas())
+        w.append([(((1,), ("ann",)), 0, 1), (((2,), ("bob",)), 0, 1)], 0, 1)
+        w.expire()
+    assert collected(t.to_df(path="native")) == Counter({(1, "ann"): 1, (2, "bob"): 1})
+
+
+def test_auto_path_logs_why(spark: Any, spark_store: Any, caplog: Any) -> None:
+    from spark import PersistTable
+
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        c = PersistClient(s, spark_store.blob_uri, compaction="off")
+        try:
+            w, r = c.open("u", KEYS, pa.schema([("d", pa.duration("s"))]))
+            w.append([(((1,), (5,)), 0, 1)], 0, 1)
+            w.expire()
+            r.expire()
+        finally:
+            c.close()
+    t = PersistTable.for_name(spark, "u", stash=spark_store.stash_url, blob=spark_store.blob_uri)
+    with caplog.at_level(logging.INFO, logger="spark.table"):
+        assert len(t.to_df().collect()) == 1
+    assert "column 'd' is duration[s]" in caplog.text
+
+
+def test_row_changes_delegate(table: Any, spark: Any) -> None:
+    pytest.importorskip("spark.row_changes")
+    df = spark.createDataFrame([(5, "z", 1, 0.5)], "k long, v string, w long, x double")
+    table.upsert(df)
+    got = {r["k"]: r["v"] for r in table.to_df().collect()}
+    assert got[5] == "z"

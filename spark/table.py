@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from spark import row_changes
 from spark.persist_common import PersistSourceError, ShardTarget, persist_client
 
 if TYPE_CHECKING:
@@ -301,25 +302,18 @@ class PersistTable:
     def upsert(self, df: DataFrame) -> Any:
         """Insert ``df``'s rows, replacing the rows of the shard with the same key
         (:func:`spark.row_changes.upsert`); returns the :class:`persist.RowChanges`."""
-        return _row_changes().upsert(self, df)
+        return row_changes.upsert(self, df)
 
     def delete(self, condition: str | Column) -> Any:
         """Retract the rows ``condition`` (a SQL string or a ``Column``) holds for
         (:func:`spark.row_changes.delete`); returns the :class:`persist.RowChanges`."""
-        return _row_changes().delete(self, condition)
+        return row_changes.delete(self, condition)
 
     def update(self, condition: str | Column, set: Mapping[str, str | Column]) -> Any:
         """Set columns (``set``: column -> SQL string or ``Column``) of the rows
         ``condition`` holds for (:func:`spark.row_changes.update`); returns the
         :class:`persist.RowChanges`."""
-        return _row_changes().update(self, condition, set)
-
-
-def _row_changes() -> Any:
-    """:mod:`spark.row_changes` (Spark's row-level changes), imported when first used."""
-    import importlib
-
-    return importlib.import_module("spark.row_changes")
+        return row_changes.update(self, condition, set)
 
 
 def _fmt(schema: pa.Schema) -> str:

@@ -159,6 +159,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "spark.persist_reader",
                 "spark.persist_writer",
                 "spark.persist_stream",
+                "spark.persist_stream_writer",
             ],
         ),
         (
@@ -170,6 +171,17 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             ],
         ),
         ("format registration and sessions", ["spark.formats", "spark.session"]),
+        ("the compaction job", ["spark.jobs", "spark.jobs.compact"]),
+        (
+            "the table and its row-level changes",
+            [
+                "spark.row_changes",
+                "spark.native_plan",
+                "spark.native_read",
+                "spark.table_history",
+                "spark.table",
+            ],
+        ),
         ("public face", ["spark"]),
         ("jobs", ["spark.jobs.*"]),
     ],

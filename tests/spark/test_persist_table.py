@@ -255,8 +255,11 @@ def test_auto_path_logs_why(spark: Any, spark_store: Any, caplog: Any) -> None:
 
 
 def test_row_changes_delegate(table: Any, spark: Any) -> None:
-    pytest.importorskip("spark.row_changes")
     df = spark.createDataFrame([(5, "z", 1, 0.5)], "k long, v string, w long, x double")
     table.upsert(df)
     got = {r["k"]: r["v"] for r in table.to_df().collect()}
     assert got[5] == "z"
+    table.update("k = 5", {"v": "upper(v)"})
+    assert {r["k"]: r["v"] for r in table.to_df().collect()}[5] == "Z"
+    table.delete("k = 5")
+    assert 5 not in {r["k"] for r in table.to_df().collect()}

@@ -54,8 +54,8 @@ reliability: venv
 	bash scripts/ensure_postgres.sh
 	bash scripts/ensure_java.sh
 	STASH_RELIABILITY=long $(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests/reliability
-	STASH_RELIABILITY=long $(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m campaign tests \
-		--ignore=tests/reliability
+	STASH_RELIABILITY=long $(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m "campaign or sized" \
+		tests --ignore=tests/reliability
 	$(PY) tests/reliability/report.py --mode long
 
 clean:

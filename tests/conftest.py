@@ -21,4 +21,5 @@ pytest_plugins = [
     "tests.support.pg_fixtures",
     "tests.support.spark_fixtures",
     "tests.support.s3_fixtures",
+    "tests.support.run_summary",
 ]

@@ -460,6 +460,7 @@ def _process_writer(url: str, blob_root: str, i: int, n: int, max_diffs: int, q:
     q.put(i)
 
 
+@pytest.mark.campaign
 def test_processes_with_other_max_diffs_append_across_rollups(
     shared_url: str, tmp_path: Path
 ) -> None:

@@ -43,7 +43,9 @@ def blob_keys(client: PersistClient, shard: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "n", [2_000, pytest.param(10_000, marks=pytest.mark.slow, id="10000")], ids=str
+    "n",
+    [2_000, pytest.param(10_000, marks=[pytest.mark.slow, pytest.mark.campaign], id="10000")],
+    ids=str,
 )
 def test_one_row_appends_with_moving_since_stay_logarithmic(stash: Stash, n: int) -> None:
     """n one-row appends (every tenth a retraction) with a moving since and the

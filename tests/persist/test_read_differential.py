@@ -147,6 +147,7 @@ def _check_reads(
     tally["reads"] += 3
 
 
+@pytest.mark.sized
 @settings(
     max_examples=runs(40, 600),
     deadline=None,
@@ -196,6 +197,7 @@ def _large_shards(draw: st.DrawFn) -> tuple[pa.Schema, pa.Schema, list[pa.Table]
 _LARGE_ROWS = 40_000
 
 
+@pytest.mark.sized
 @settings(
     max_examples=runs(4, 60),
     deadline=None,

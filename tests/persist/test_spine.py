@@ -38,6 +38,7 @@ from persist.spine import (
 )
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain
+from tests.reliability.campaign import runs
 
 A = Antichain.from_elem
 EMPTY = Antichain()
@@ -636,12 +637,12 @@ class SpineMachine(RuleBasedStateMachine):
 
 
 SpineMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=runs(50, 200),
     stateful_step_count=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestSpineMachine = SpineMachine.TestCase
+TestSpineMachine = pytest.mark.sized(SpineMachine.TestCase)
 
 
 @settings(max_examples=40, deadline=None)

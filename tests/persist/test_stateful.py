@@ -32,6 +32,7 @@ from persist import (
 )
 from persist.blob import Blob
 from stash import Antichain, Stash
+from tests.reliability.campaign import runs
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
@@ -223,9 +224,9 @@ class FilesShardMachineTest(ShardMachineTest):
     use_files = True
 
 
-TestShardStateful = ShardMachineTest.TestCase
+TestShardStateful = pytest.mark.sized(ShardMachineTest.TestCase)
 TestShardStateful.settings = settings(
-    max_examples=40,
+    max_examples=runs(15, 60),
     stateful_step_count=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

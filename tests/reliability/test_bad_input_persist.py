@@ -184,6 +184,7 @@ def _observe(client: PersistClient, name: str) -> Any:
     return st_.upper, st_.since, rows
 
 
+@pytest.mark.campaign
 def test_garbage_never_crashes_or_half_writes(tmp_path: Path) -> None:
     stash = Stash.open(f"sqlite:///{tmp_path}/bad.db", fenced=False)
     client = PersistClient(
@@ -268,6 +269,7 @@ def _mutate(data: bytes, draw: st.DataObject) -> bytes:
     return data[:i] + draw.draw(st.binary(min_size=1, max_size=8)) + data[i:]
 
 
+@pytest.mark.campaign
 def test_corrupt_parts_are_named_and_recoverable(tmp_path: Path) -> None:
     """Truncated, bit-flipped, emptied, replaced or missing Parquet parts: a snapshot and
     a compaction raise CorruptPart naming the part's key (never another error, never
@@ -360,6 +362,7 @@ def _publish(stash: Stash, coll: Any, changes: list[tuple[str, Any, int]]) -> No
     stash.append([b])
 
 
+@pytest.mark.campaign
 def test_corrupt_state_json(tmp_path: Path) -> None:
     """Entries of the shard's state in the stash replaced by garbage JSON (or removed):
     reading the shard raises a PersistError naming the shard, writing it commits nothing,

@@ -59,6 +59,7 @@ def _snapshot(s: Stash, names: list[str]) -> Any:
     return out
 
 
+@pytest.mark.campaign
 @pytest.mark.parametrize("backend", ["memory", "sqlite"])
 def test_garbage_never_crashes_or_half_writes(backend: str, tmp_path: Path) -> None:
     url = (

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 
 from persist import (
     Blob,
@@ -106,6 +107,7 @@ def _final_cleanup_check(
     assert report.ok, report.damage()
 
 
+@pytest.mark.campaign
 def test_blob_faults_sequential() -> None:
     """Appends, inline compaction, GC and snapshots in one thread; every fault surfaces."""
     inner = MemoryBlob()
@@ -207,6 +209,7 @@ def test_blob_faults_sequential() -> None:
     assert unclear == 0
 
 
+@pytest.mark.campaign
 def test_blob_faults_concurrent(tmp_path: Path) -> None:
     """A writer thread and a reader thread, with the background compactor and its GC
     (grace 0.5 s), over a FileBlob with faults and slow calls; then faults off."""

@@ -237,10 +237,12 @@ def _campaign(url: str, tmp_path: Path, seconds: float, label: str) -> None:
     )
 
 
+@pytest.mark.campaign
 def test_concurrency_sqlite(tmp_path: Path) -> None:
     _campaign(f"sqlite:///{tmp_path}/c.db", tmp_path, 120.0 if LONG else 10.0, "sqlite")
 
 
+@pytest.mark.campaign
 @pytest.mark.postgres
 def test_concurrency_postgres(tmp_path: Path, postgres_url: str) -> None:
     from tests.support.dbutil import migrate_to_head

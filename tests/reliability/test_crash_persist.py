@@ -163,12 +163,14 @@ def _campaign(
 LIMIT = 3600 if LONG else 600
 
 
+@pytest.mark.campaign
 @pytest.mark.timeout(LIMIT)
 def test_crash_persist_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/crash.db"
     _campaign(url, tmp_path, runs(8, 200), "sqlite + file blob")
 
 
+@pytest.mark.campaign
 @pytest.mark.timeout(LIMIT)
 def test_crash_persist_sqlite_s3(tmp_path: Path, s3_blob_uri: str) -> None:
     """The same campaign with the parts on S3 (moto): a kill mid-upload leaves at most
@@ -177,6 +179,7 @@ def test_crash_persist_sqlite_s3(tmp_path: Path, s3_blob_uri: str) -> None:
     _campaign(url, tmp_path, runs(3, 50), "sqlite + s3 blob", blob_uri=s3_blob_uri)
 
 
+@pytest.mark.campaign
 @pytest.mark.postgres
 @pytest.mark.timeout(LIMIT)
 def test_crash_persist_postgres(tmp_path: Path, postgres_url: str) -> None:

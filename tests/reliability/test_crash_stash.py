@@ -67,12 +67,14 @@ def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
     )
 
 
+@pytest.mark.campaign
 def test_crash_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/crash.db"
     Stash.open(url, fenced=False).close()
     _campaign(url, tmp_path, runs(6, 200), "sqlite")
 
 
+@pytest.mark.campaign
 @pytest.mark.postgres
 def test_crash_postgres(tmp_path: Path, postgres_url: str) -> None:
     migrate_to_head(postgres_url)

@@ -200,12 +200,14 @@ def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
 LIMIT = 3600 if LONG else 600
 
 
+@pytest.mark.campaign
 @pytest.mark.timeout(LIMIT)
 def test_crash_txn_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/crash.db"
     _campaign(url, tmp_path, runs(8, 100), "sqlite + file blob")
 
 
+@pytest.mark.campaign
 @pytest.mark.timeout(LIMIT)
 @pytest.mark.postgres
 def test_crash_txn_postgres(tmp_path: Path, postgres_url: str) -> None:

@@ -37,6 +37,7 @@ def _old_leader(
     out.put((attempts, unrecoverable))
 
 
+@pytest.mark.campaign
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_deposed_leader_writes_nothing(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest

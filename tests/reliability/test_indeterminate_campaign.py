@@ -60,6 +60,7 @@ def _append_until_acknowledged(w: Any, i: int, stats: Counter[str]) -> None:
     raise AssertionError(f"append {i} never acknowledged")
 
 
+@pytest.mark.campaign
 @pytest.mark.parametrize("backend", ["memory", "sqlite"])
 def test_indeterminate_commits_never_duplicate(backend: str, tmp_path: Path) -> None:
     url = "memory://" if backend == "memory" else f"sqlite:///{tmp_path / 'stash.db'}"

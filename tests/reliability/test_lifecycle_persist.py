@@ -23,6 +23,7 @@ from collections import Counter
 from typing import Any
 
 import pyarrow as pa
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -392,6 +393,7 @@ class Lifecycle(RuleBasedStateMachine):
         assert report.ok, report.damage()
 
 
+@pytest.mark.campaign
 def test_lifecycle_model() -> None:
     FIG.clear()
     n = runs(40, 300)

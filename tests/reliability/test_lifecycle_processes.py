@@ -748,10 +748,12 @@ def _run(procs: Procs, url: str, tmp_path: Path, label: str, examples: int) -> N
     )
 
 
+@pytest.mark.campaign
 def test_lifecycle_processes_sqlite(procs: Procs, tmp_path: Path) -> None:
     _run(procs, f"sqlite:///{tmp_path}/stash.db", tmp_path, "one SQLite file", 4)
 
 
+@pytest.mark.campaign
 @pytest.mark.postgres
 def test_lifecycle_processes_postgres(procs: Procs, tmp_path: Path, postgres_url: str) -> None:
     from tests.support.dbutil import migrate_to_head

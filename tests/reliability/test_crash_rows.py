@@ -165,12 +165,14 @@ def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
 LIMIT = 3600 if LONG else 600
 
 
+@pytest.mark.campaign
 @pytest.mark.timeout(LIMIT)
 def test_crash_row_changes_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/crash.db"
     _campaign(url, tmp_path, runs(4, 100), "sqlite + file blob")
 
 
+@pytest.mark.campaign
 @pytest.mark.timeout(LIMIT)
 @pytest.mark.postgres
 def test_crash_row_changes_postgres(tmp_path: Path, postgres_url: str) -> None:

@@ -71,14 +71,26 @@ def blob_paths_root(spark: Any, blob_uri: str) -> tuple[str | None, str]:
 
 
 def _s3a_configured(spark: Any) -> bool:
+    """Whether the session can read ``s3a://``: Hadoop's S3A filesystem (hadoop-aws) is
+    on the JVM's class path and some ``fs.s3a.`` option is set by the user, not only by
+    Hadoop's ``core-default.xml`` (which defines dozens of them in every session)."""
+    jvm = spark.sparkContext._jvm
+    try:
+        loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()
+        jvm.java.lang.Class.forName("org.apache.hadoop.fs.s3a.S3AFileSystem", False, loader)
+    except Exception:  # noqa: BLE001 - py4j raises Py4JJavaError for ClassNotFoundException
+        return False
+    if any(k.startswith("spark.hadoop.fs.s3a.") for k, _v in spark.sparkContext.getConf().getAll()):
+        return True
     conf = spark.sparkContext._jsc.hadoopConfiguration()
     it = conf.iterator()
     while it.hasNext():
-        if str(it.next().getKey()).startswith("fs.s3a."):
-            return True
-    return any(
-        k.startswith("spark.hadoop.fs.s3a.") for k, _v in spark.sparkContext.getConf().getAll()
-    )
+        key = str(it.next().getKey())
+        if key.startswith("fs.s3a."):
+            sources = conf.getPropertySources(key) or []
+            if any(str(src) != "core-default.xml" for src in sources):
+                return True
+    return False
 
 
 def type_reason(key_schema: pa.Schema, history: Any) -> str | None:

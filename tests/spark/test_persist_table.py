@@ -263,3 +263,12 @@ def test_row_changes_delegate(table: Any, spark: Any) -> None:
     assert {r["k"]: r["v"] for r in table.to_df().collect()}[5] == "Z"
     table.delete("k = 5")
     assert 5 not in {r["k"] for r in table.to_df().collect()}
+
+
+def test_s3_blob_takes_the_python_path_without_hadoop_aws(spark: Any) -> None:
+    """Hadoop's core-default.xml defines fs.s3a.* options in every session: they alone do
+    not make s3a:// readable. Without hadoop-aws on the class path (PySpark ships none)
+    an S3 blob is not read natively, and the reason says so."""
+    from spark.native_read import _s3a_configured
+
+    assert not _s3a_configured(spark)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -463,6 +463,56 @@ def _runs_of(batches: Sequence[HollowBatch]) -> list[tuple[int, list[PartRef]]]:
     return out
 
 
+def read_row_groups(
+    blob: Blob,
+    ref: PartRef,
+    schema: pa.Schema,
+    choose: Callable[[list[tuple[int, int]]], list[int]],
+) -> pa.Table:
+    """The rows of one blob part, verified, restricted to the Parquet row groups
+    ``choose`` keeps: it gets every row group as its row range ``[start, end)`` and
+    returns the indexes of the groups that may hold wanted rows, in order.
+
+    Anything unexpected (an inline part, no key samples, one row group, a bad size,
+    checksum, footer or schema, ``choose`` raising ``ValueError``, ``KeyError`` or
+    ``IndexError``, or keeping every group) reads the part whole through
+    :func:`persist.parts.read_parts`, which reports corruption.
+
+    Raises:
+        CorruptPart: the part is missing or corrupt (naming its key).
+        BlobError: the fetch failed.
+    """
+    from persist.decoding import _restore_coerced_types
+    from persist.encoding import _sha256
+
+    if ref.inline is not None or ref.key is None or not ref.key_samples:
+        return read_parts(blob, [ref], schema=schema, max_workers=1)
+    data = blob.get(ref.key)
+    if data is None:
+        raise CorruptPart(ref.key, "the part is missing from the blob store", missing=True)
+    try:
+        if len(data) != ref.encoded_size_bytes or _sha256(data) != ref.checksum:
+            raise ValueError("not verified")
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        meta = pf.metadata
+        if meta.num_rows != ref.rows or meta.num_row_groups <= 1:
+            raise ValueError("not prunable")
+        sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        ends = np.cumsum(sizes)
+        keep = choose([(int(e - n), int(e)) for n, e in zip(sizes, ends, strict=True)])
+        if len(keep) == len(sizes):
+            raise ValueError("nothing to skip")
+        if not keep:
+            return schema.empty_table()
+        table = pf.read_row_groups(keep, use_threads=False)
+        table = _restore_coerced_types(table, pf).replace_schema_metadata(None)
+        if not table.schema.equals(schema):
+            raise ValueError("schema differs")
+        return table
+    except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, InvalidUsage):
+        return read_parts(blob, [ref], schema=schema, max_workers=1)
+
+
 def _part_in_range(
     blob: Blob,
     ref: PartRef,
@@ -474,63 +524,40 @@ def _part_in_range(
     """The rows of one part, verified, except for whole Parquet row groups that its key
     samples show to lie entirely below ``lower`` or at or above ``upper`` (the rows
     returned are a contiguous slice of the part, holding every row with a key in
-    ``[lower, upper)``).
+    ``[lower, upper)``); read through :func:`read_row_groups`.
 
     A row group ``[s, e)`` lies below ``lower`` when a sample at a position ``>= e - 1``
     has a key below ``lower`` (the part is sorted), and at or above ``upper`` when a sample
-    at a position ``<= s`` has a key at or above it. Anything unexpected (an inline part,
-    no samples, one row group, a bad checksum or footer) reads the part whole through
-    :func:`persist.parts.read_parts`, which reports corruption.
+    at a position ``<= s`` has a key at or above it.
 
     Raises:
         CorruptPart: the part is missing or corrupt (naming its key).
         BlobError: the fetch failed.
     """
-    from persist.decoding import _restore_coerced_types
-    from persist.encoding import _sha256
     from persist.merge import decode_keys, key_ranks, sample_positions
 
-    whole = (lower is None and upper is None) or ref.inline is not None or not ref.key_samples
-    if whole:
+    if lower is None and upper is None:
         return read_parts(blob, [ref], schema=schema, max_workers=1)
-    assert ref.key is not None and ref.key_samples is not None
-    data = blob.get(ref.key)
-    if data is None:
-        raise CorruptPart(ref.key, "the part is missing from the blob store", missing=True)
-    positions = sample_positions(ref.rows)
-    try:
-        if len(data) != ref.encoded_size_bytes or _sha256(data) != ref.checksum:
-            raise ValueError("not verified")
-        pf = pq.ParquetFile(pa.BufferReader(data))
-        meta = pf.metadata
-        groups = meta.num_row_groups
-        if meta.num_rows != ref.rows or groups <= 1 or len(positions) != len(ref.key_samples):
-            raise ValueError("not prunable")
-        ends = np.cumsum([meta.row_group(i).num_rows for i in range(groups)])
-        starts = ends - np.asarray([meta.row_group(i).num_rows for i in range(groups)])
+
+    def in_range(groups: list[tuple[int, int]]) -> list[int]:
+        assert ref.key_samples is not None
+        positions = sample_positions(ref.rows)
+        if len(positions) != len(ref.key_samples):
+            raise ValueError("samples do not match the part's rows")
         samples = decode_keys(ref.key_samples, key_schema)
         bounds = [b for b in (lower, upper) if b is not None]
         ranks = key_ranks(pa.concat_tables([samples, *bounds]), key_schema.names)
         m = samples.num_rows
         below = ranks[:m] < ranks[m] if lower is not None else np.zeros(m, dtype=bool)
         above = ranks[:m] >= ranks[-1] if upper is not None else np.zeros(m, dtype=bool)
-        keep = [
+        return [
             g
-            for g in range(groups)
-            if not (below & (positions >= ends[g] - 1)).any()
-            and not (above & (positions <= starts[g])).any()
+            for g, (start, end) in enumerate(groups)
+            if not (below & (positions >= end - 1)).any()
+            and not (above & (positions <= start)).any()
         ]
-        if len(keep) == groups:
-            raise ValueError("nothing to skip")
-        if not keep:
-            return schema.empty_table()
-        table = pf.read_row_groups(keep, use_threads=False)
-        table = _restore_coerced_types(table, pf).replace_schema_metadata(None)
-        if not table.schema.equals(schema):
-            raise ValueError("schema differs")
-        return table
-    except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, InvalidUsage):
-        return read_parts(blob, [ref], schema=schema, max_workers=1)
+
+    return read_row_groups(blob, ref, schema, in_range)
 
 
 #: A snapshot stream cuts each part into about this many key ranges (the part samples'

@@ -37,14 +37,17 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from persist.blob import Blob
 from persist.consolidation import consolidate
-from persist.errors import CorruptPart, InvalidUsage
-from persist.fetch import _advance_and_filter, _layout, prune_batches, snapshot_table
+from persist.fetch import (
+    _advance_and_filter,
+    _layout,
+    prune_batches,
+    read_row_groups,
+    snapshot_table,
+)
 from persist.filters import apply_filter, check_filter, filter_columns
-from persist.parts import read_parts
 from persist.stats import ColumnStats, encode_value, prune_mask
 from persist.types import HollowBatch, PartRef
 from persist.updates import SchemaHistory
@@ -127,45 +130,20 @@ def _pruned_part(
 ) -> pa.Table:
     """The updates of one part, verified, but for the row groups whose first key column
     (bounded by the part's key samples, :func:`_group_stats`) shows ``filter`` false
-    for all their rows (:func:`persist.stats.prune_mask`).  Anything unexpected (inline,
-    no key samples, one row group, a bad size, checksum, footer or schema) reads the
-    part whole through :func:`read_parts`, which reports corruption.
+    for all their rows (:func:`persist.stats.prune_mask`); read through
+    :func:`persist.fetch.read_row_groups`, which reads the part whole when anything is
+    unexpected.
 
     Raises:
         CorruptPart: the part is missing or corrupt (naming its key).
         BlobError: the fetch failed.
     """
-    from persist.decoding import _restore_coerced_types
-    from persist.encoding import _sha256
 
-    if ref.inline is not None or ref.key is None or not ref.key_samples:
-        return read_parts(blob, [ref], schema=schema, max_workers=1)
-    data = blob.get(ref.key)
-    if data is None:
-        raise CorruptPart(ref.key, "the part is missing from the blob store", missing=True)
-    try:
-        if len(data) != ref.encoded_size_bytes or _sha256(data) != ref.checksum:
-            raise ValueError("not verified")
-        pf = pq.ParquetFile(pa.BufferReader(data))
-        meta = pf.metadata
-        if meta.num_rows != ref.rows or meta.num_row_groups <= 1:
-            raise ValueError("not prunable")
-        sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-        ends = np.cumsum(sizes)
-        groups = [(int(e - n), int(e)) for n, e in zip(sizes, ends, strict=True)]
+    def matching(groups: list[tuple[int, int]]) -> list[int]:
         mask = prune_mask(_group_stats(ref, key_schema, groups), schema, filter)
-        keep = [g for g, m in enumerate(mask) if m]
-        if len(keep) == len(groups):
-            raise ValueError("nothing to skip")
-        if not keep:
-            return schema.empty_table()
-        table = pf.read_row_groups(keep, use_threads=False)
-        table = _restore_coerced_types(table, pf).replace_schema_metadata(None)
-        if not table.schema.equals(schema):
-            raise ValueError("schema differs")
-        return table
-    except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, InvalidUsage):
-        return read_parts(blob, [ref], schema=schema, max_workers=1)
+        return [g for g, m in enumerate(mask) if m]
+
+    return read_row_groups(blob, ref, schema, matching)
 
 
 def read_live_rows(

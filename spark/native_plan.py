@@ -240,42 +240,40 @@ def plan_snapshot(
         _mark_touched(out, plan["intervals"], key_schema)
         touched = sum(p.size for p in out.direct if p.touched)
         if touched <= DRIVER_MERGE_MAX_BYTES:
-            merge_on_driver(out, client.blob, key_schema)
+            merge_on_driver(out, client.blob, key_schema, repr(client.raw_blob))
     return out
 
 
-def merge_on_driver(plan: NativePlan, blob: Any, key_schema: pa.Schema) -> None:
+def merge_on_driver(plan: NativePlan, blob: Any, key_schema: pa.Schema, blob_id: str) -> None:
     """Merge the touched direct parts' rows of tail keys with the tail, on the driver:
-    fetch and decode the touched parts (conformed to the read view), keep the rows whose
-    key is a tail key (by consolidation's order, :func:`persist.merge.key_ranks`: nulls
-    and NaN match as consolidation matches them), consolidate them with the tail at
-    ``as_of`` and set ``plan.merged`` and ``plan.tail_keys``.
+    read those rows (:func:`spark.native_merge.touched_rows`: only the row groups that can
+    hold a tail key are decoded, and decoded row groups are cached by the part's blob key
+    and checksum; ``blob_id`` names the store), consolidate them with the tail at
+    ``as_of`` and set ``plan.merged`` and ``plan.tail_keys`` (keys match by
+    consolidation's order, :func:`persist.merge.key_ranks`: nulls and NaN as
+    consolidation matches them).
 
     Raises:
         persist.errors.CorruptPart: a touched part is missing or corrupt.
     """
     from persist.consolidation import consolidate
     from persist.merge import key_ranks
-    from persist.parts import read_parts
+    from spark.native_merge import touched_rows
 
     assert plan.tail is not None and plan.as_of is not None
     hist, dst = plan.history
-    view = hist.view_schema(dst)
     names = key_schema.names
     tail = plan.tail
+    ranks = key_ranks(tail.select(names), names)
+    _, first = np.unique(ranks, return_index=True)
+    plan.tail_keys = tail.select(names).take(pa.array(first))
     refs = [p.ref for p in plan.direct if p.touched]
-    rows = read_parts(blob, refs, schema=view, max_workers=4, conform=plan.history)
+    rows = touched_rows(blob, blob_id, refs, plan.history, key_schema, plan.tail_keys)
     rows = pa.Table.from_arrays(
         [rows.column(f.name).cast(f.type) for f in tail.schema], schema=tail.schema
     )
-    both = pa.concat_tables([rows.select(names), tail.select(names)])
-    ranks = key_ranks(both, names)
-    n = rows.num_rows
-    matched = rows.filter(pa.array(np.isin(ranks[:n], ranks[n:])))
     values = hist.versions[dst].names
-    plan.merged = consolidate(pa.concat_tables([matched, tail]), names, values, since=plan.as_of)
-    _, first = np.unique(ranks[n:], return_index=True)
-    plan.tail_keys = tail.select(names).take(pa.array(first))
+    plan.merged = consolidate(pa.concat_tables([rows, tail]), names, values, since=plan.as_of)
 
 
 def _split(

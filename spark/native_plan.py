@@ -106,9 +106,12 @@ class NativePlan:
         declined: why an ``auto`` plan leaves the read to the Python path, or ``None``.
         merged: when the driver merged the touched parts with the tail
             (:func:`merge_on_driver`), the snapshot's rows of every tail key (the tail
-            and the touched parts' rows of those keys, consolidated); Spark then reads
-            the touched parts without the rows of ``tail_keys`` (the tail's distinct
-            keys) and adds ``merged``; ``None``: Spark merges.
+            and the touched parts' rows of those keys, consolidated), plus a marker row
+            with ``_diff`` 0 for each tail key that has none, so its key column hold
+            every tail key; Spark then reads the direct parts without the rows of those
+            keys and adds the rows of ``merged`` whose ``_diff`` is not 0; ``None``:
+            Spark merges.
+        tail_keys: the tail's distinct keys (key columns), when the driver merged.
     """
 
     as_of: int | None
@@ -273,7 +276,20 @@ def merge_on_driver(plan: NativePlan, blob: Any, key_schema: pa.Schema, blob_id:
         [rows.column(f.name).cast(f.type) for f in tail.schema], schema=tail.schema
     )
     values = hist.versions[dst].names
-    plan.merged = consolidate(pa.concat_tables([rows, tail]), names, values, since=plan.as_of)
+    merged = consolidate(pa.concat_tables([rows, tail]), names, values, since=plan.as_of)
+    # A tail key none of whose rows survive gets a marker row (a row of the tail with that
+    # key, ``_diff`` 0): Spark then takes every tail key from this one table.
+    both = key_ranks(pa.concat_tables([merged.select(names), plan.tail_keys]), names)
+    n = merged.num_rows
+    lost = np.flatnonzero(~np.isin(both[n:], both[:n]))
+    if len(lost):
+        marks = tail.take(pa.array(first[lost]))
+        for name, value in ((DIFF, 0), (TIME, plan.as_of)):
+            i = marks.schema.get_field_index(name)
+            column = pa.array(np.full(len(lost), value, np.int64))
+            marks = marks.set_column(i, marks.schema.field(i), column)
+        merged = pa.concat_tables([merged, marks.cast(merged.schema)])
+    plan.merged = merged
 
 
 def _split(

@@ -14,8 +14,9 @@ and consolidates on the driver. This module turns that plan into one DataFrame:
 * rows of direct parts whose key intervals hold no tail key are snapshot rows as they
   are. The touched parts' rows of tail keys are merged with the tail on the driver
   (:func:`spark.native_plan.merge_on_driver`) and the direct parts are read through a
-  broadcast left-anti join on the tail's keys (null-safe), plus the merged rows as a
-  local relation: one scan, no shuffle. Beyond
+  broadcast left-anti join on the tail's keys (null-safe when a tail key has a null),
+  plus the merged rows; keys and merged rows come from one local relation: one scan, no
+  shuffle. Beyond
   :data:`spark.native_plan.DRIVER_MERGE_MAX_BYTES` of touched parts, Spark merges them
   instead: their rows of tail keys (a broadcast left-semi join) are unioned with the
   tail and summed per (key, value) (rows whose diffs cancel dropped), their other rows
@@ -177,31 +178,18 @@ def _on(df: Any, keys: Any, key_schema: pa.Schema) -> Any:
     return on
 
 
-def _without_keys(
-    spark: Any, df: Any, plan: NativePlan, key_schema: pa.Schema, names: list[str]
-) -> Any:
-    """``df`` without the rows whose key is one of ``plan.tail_keys`` (a broadcast
-    left-anti join, null-safe)."""
+def _without_keys(df: Any, keys: Any, key_schema: pa.Schema, nulls: bool) -> Any:
+    """``df`` without the rows whose key is a row of ``keys`` (a DataFrame of the key
+    columns): a broadcast left-anti join, on plain equality of the key columns, or
+    null-safe equality when some key of ``keys`` has a null (Spark's ``<=>``: a null key
+    matches a null key, as consolidation matches them)."""
     from pyspark.sql import functions as F
 
-    assert plan.tail_keys is not None
-    ks = _spark_schema(key_schema)
-    keys = spark.createDataFrame(_to_output_keys(plan.tail_keys, ks), schema=ks).toDF(
-        *[f"__k{i}" for i in range(len(key_schema))]
-    )
-    keys = F.broadcast(keys)
+    names = key_schema.names
+    if not nulls:
+        return df.join(F.broadcast(keys), on=list(names), how="left_anti")
+    keys = F.broadcast(keys.toDF(*[f"__k{i}" for i in range(len(names))]))
     return df.join(keys, _on(df, keys, key_schema), "left_anti")
-
-
-def _to_output_keys(keys: pa.Table, schema: Any) -> pa.Table:
-    from pyspark.sql.pandas.types import to_arrow_schema
-
-    from spark.arrow_spark import to_spark_column
-
-    target = to_arrow_schema(schema, timezone="UTC")
-    return pa.Table.from_arrays(
-        [to_spark_column(keys.column(f.name), f.type) for f in target], schema=target
-    )
 
 
 def output_schema(key_schema: pa.Schema, history: Any) -> Any:
@@ -227,12 +215,17 @@ def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str
     touched = [p for p in plan.direct if p.touched]
     pieces: list[Any] = []
     if plan.merged is not None:
-        # One scan of every direct part: rows of untouched parts never hold a tail key,
-        # so the anti-join keeps them all, and one scan costs less than a union of two.
+        # One local relation holds the merged rows and every tail key (marker rows have
+        # ``_diff`` 0); one scan of every direct part: rows of untouched parts never hold
+        # a tail key, so the anti-join keeps them all, and one scan costs less than two.
+        assert plan.tail_keys is not None
+        local = _local_df(spark, plan.merged, schema)
         if plan.direct:
             every = _direct_df(spark, plan, prefix, plan.direct)
-            pieces.append(_without_keys(spark, every, plan, key_schema, names))
-        pieces.append(_local_df(spark, plan.merged, schema))
+            keys = local.select(*key_schema.names)
+            nulls = any(c.null_count for c in plan.tail_keys.columns)
+            pieces.append(_without_keys(every, keys, key_schema, nulls))
+        pieces.append(local.where(F.col(DIFF) != 0))
     elif plan.tail is None:
         pieces.append(_direct_df(spark, plan, prefix, plan.direct))
     else:

@@ -136,6 +136,61 @@ def test_spark_merges_touched_parts_beyond_the_driver_limit(
     assert collected(table.to_df(as_of=5, path="native")) == snapshot(spark_store, 5)
 
 
+def test_native_merges_a_tail_of_null_keys_exactly(spark: Any, spark_store: Any) -> None:
+    """Key columns with nulls: a tail retracting and re-adding rows of null keys (and a
+    key whose rows it all retracts) is merged null-safely, as consolidation matches
+    nulls, on both paths and in the driver merge and Spark merge."""
+    import spark.native_plan as native_plan
+    from spark import PersistTable
+
+    keys = pa.schema([("k", pa.int64()), ("j", pa.string())])
+    values = pa.schema([("v", pa.int64())])
+    ks = [None if i % 5 == 0 else i for i in range(200)]
+    js = [None if i % 3 == 0 else f"j{i % 4}" for i in range(200)]
+
+    def upd(rows: list[tuple[Any, Any, int]], time: int, diff: int) -> pa.Table:
+        return pa.table(
+            {
+                "k": pa.array([r[0] for r in rows], pa.int64()),
+                "j": pa.array([r[1] for r in rows], pa.string()),
+                "v": pa.array([r[2] for r in rows], pa.int64()),
+                "_time": pa.array([time] * len(rows), pa.int64()),
+                "_diff": pa.array([diff] * len(rows), pa.int64()),
+            }
+        )
+
+    bulk = sorted({(k, j) for k, j in zip(ks, js, strict=True)}, key=str)
+    rows = [(k, j, 1) for k, j in bulk]
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        c = PersistClient(
+            s, spark_store.blob_uri, compaction="off", inline_max_bytes=0, target_part_bytes=400
+        )
+        try:
+            w = c.open_writer("nk", keys, values)
+            w.append(upd(rows, 0, 1), 0, 1)
+            nulls = [r for r in rows if r[0] is None or r[1] is None][:6]
+            w.append(upd(nulls, 1, -1), 1, 2)  # retract rows of null keys
+            w.append(upd([(k, j, 2) for k, j, _v in nulls[:4]], 2, 1), 2, 3)  # re-add two
+            w.append(upd([rows[-1]], 3, -1), 3, 4)  # a non-null key wholly retracted
+            w.expire()
+        finally:
+            c.close()
+    t = PersistTable.for_name(spark, "nk", stash=spark_store.stash_url, blob=spark_store.blob_uri)
+    want = snapshot(spark_store, 3, shard="nk")
+    with t.client() as c:
+        plan = native_plan.plan_snapshot(c, "nk", keys, values, 3)
+    assert plan.merged is not None and plan.tail_keys is not None
+    assert any(col.null_count for col in plan.tail_keys.columns)
+    for path in ("native", "python"):
+        assert collected(t.to_df(as_of=3, path=path)) == want, path
+    limit = native_plan.DRIVER_MERGE_MAX_BYTES
+    native_plan.DRIVER_MERGE_MAX_BYTES = 0
+    try:
+        assert collected(t.to_df(as_of=3, path="native")) == want
+    finally:
+        native_plan.DRIVER_MERGE_MAX_BYTES = limit
+
+
 def test_columns_and_filters_reach_both_paths(table: Any, spark_store: Any) -> None:
     want: Counter = Counter()
     for (k, _v, w, _x), d in snapshot(spark_store, 5).items():

@@ -191,7 +191,8 @@ class PersistTable:
         Raises:
             PersistSourceError: unknown ``path`` or column; ``as_of`` before the since
                 or not before the upper; ``path="native"`` on a store or column type
-                Spark's Parquet reader cannot read (naming it).
+                Spark's Parquet reader cannot read (naming the blob store, its secrets
+                redacted, and the reason).
         """
         if path not in READ_PATHS:
             raise PersistSourceError(f"path must be one of {', '.join(READ_PATHS)}, got {path!r}")
@@ -199,12 +200,13 @@ class PersistTable:
             raise PersistSourceError(f"as_of must be an int time, got {as_of!r}")
         df, why = self._native(as_of, path == "native") if path != "python" else (None, "")
         if df is None:
+            from stash import redact
+
+            where = f"shard {self.shard} (blob store {redact(self.blob_uri)})"
             if path == "native":
-                raise PersistSourceError(f"shard {self.shard} cannot be read natively: {why}")
+                raise PersistSourceError(f"{where} cannot be read natively: {why}")
             if path == "auto":
-                log.info(
-                    "shard %s: to_df reads through the persist data source: %s", self.shard, why
-                )
+                log.info("%s: to_df reads through the persist data source: %s", where, why)
             df = self._python(as_of)
         if columns is not None:
             names = [c for c in df.columns if c != "_diff"]

@@ -1,7 +1,8 @@
 """Protects: ``PersistTable.history`` shows, by default, only the state versions that
 change data, a frontier or the schema (writes, compaction, since downgrades, schema
 registrations), classified from the committed versions themselves; ``leases=True`` shows
-every retained version (heartbeats and registrations too); ``limit`` keeps the newest.
+every retained version (heartbeats, registrations, expiries and GC's bookkeeping too);
+``limit`` keeps the newest.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from persist import PersistClient
+from persist import PersistClient, collect_garbage
 from spark.persist_common import PersistSourceError
 from stash import Stash
 
@@ -31,7 +32,7 @@ def _rows(keys: list[int], schema: pa.Schema) -> pa.Table:
 
 def build(store: Any) -> dict[str, int]:
     """Three writes, a reader heartbeat, a since downgrade, a compaction, a schema
-    evolution (a column added) and a write with it; returns the seqno of each named
+    evolution (a column added), a write with it and GC; returns the seqno of each named
     step's version."""
     seqnos: dict[str, int] = {}
     with Stash.open(store.stash_url, fenced=False) as s:
@@ -54,6 +55,7 @@ def build(store: Any) -> dict[str, int]:
             seqnos["evolved write"] = c.inspect("t").seqno
             for h in (w, r, w1, r1):
                 h.expire()
+            collect_garbage(c, "t", grace_seconds=0)  # forgets the compacted inline parts
             seqnos["last"] = c.inspect("t").seqno
         finally:
             c.close()
@@ -82,11 +84,11 @@ def test_history_hides_lease_only_versions_by_default(history_table: Any) -> Non
     assert op[seqnos["compaction"]] == "compaction"
     assert op[seqnos["evolved write"]] == "append"
     assert op[0] == "create"
-    assert "schema" in op.values() and "lease" in op.values()
+    assert "schema" in op.values() and "lease" in op.values() and "gc" in op.values()
     # The schema registration is its own version, between the compaction and the write.
     (schema_seqno,) = [s for s, o in op.items() if o == "schema"]
     assert seqnos["compaction"] < schema_seqno < seqnos["evolved write"]
-    # Default: exactly the versions that are not lease-only, the same rows.
+    # Default: exactly the versions that are not lease-only or GC bookkeeping, same rows.
     assert shown == [r for r in everything if r["operation"] not in ("lease", "gc")]
     assert {r["operation"] for r in shown} == {"create", "append", "since", "compaction", "schema"}
     assert sum(r["operation"] == "append" for r in shown) == 4

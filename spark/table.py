@@ -11,7 +11,7 @@
     t = PersistTable.for_name(spark, "flights", stash=STASH_URL, blob=BLOB_URI)
     df = t.to_df()                      # the consolidated snapshot, with _diff
     df = t.to_df(as_of=41, columns=["carrier", "arr_delay"])
-    t.history().show()                  # one row per retained state version
+    t.history(limit=10).show()          # the newest 10 versions changing data
     t.compact(); t.gc()                 # what `persist compact` / `persist gc` do
     t.upsert(df); t.delete("id = 3"); t.update("id = 3", {"v": "v + 1"})
 
@@ -191,7 +191,8 @@ class PersistTable:
         Raises:
             PersistSourceError: unknown ``path`` or column; ``as_of`` before the since
                 or not before the upper; ``path="native"`` on a store or column type
-                Spark's Parquet reader cannot read (naming it).
+                Spark's Parquet reader cannot read (naming the blob store, its secrets
+                redacted, and the reason).
         """
         if path not in READ_PATHS:
             raise PersistSourceError(f"path must be one of {', '.join(READ_PATHS)}, got {path!r}")
@@ -199,12 +200,13 @@ class PersistTable:
             raise PersistSourceError(f"as_of must be an int time, got {as_of!r}")
         df, why = self._native(as_of, path == "native") if path != "python" else (None, "")
         if df is None:
+            from stash import redact
+
+            where = f"shard {self.shard} (blob store {redact(self.blob_uri)})"
             if path == "native":
-                raise PersistSourceError(f"shard {self.shard} cannot be read natively: {why}")
+                raise PersistSourceError(f"{where} cannot be read natively: {why}")
             if path == "auto":
-                log.info(
-                    "shard %s: to_df reads through the persist data source: %s", self.shard, why
-                )
+                log.info("%s: to_df reads through the persist data source: %s", where, why)
             df = self._python(as_of)
         if columns is not None:
             names = [c for c in df.columns if c != "_diff"]
@@ -260,20 +262,43 @@ class PersistTable:
         except InvalidUsage as e:
             raise PersistSourceError(str(e)) from None
 
-    def history(self) -> DataFrame:
-        """One row per state version the stash still holds (the rollup and the diffs
-        after it; GC's truncation drops older ones), newest first: ``seqno``,
-        ``operation`` (``append``, ``compaction``, ``since``, ``lease``, ``create``),
-        ``lower``/``upper`` (the time range the version added, ``[lower, upper)``, null
-        when none), ``rows_added`` and ``bytes_added`` (updates and encoded bytes of the
-        batches it added), ``since`` and ``writers`` (ids of the writers whose state
-        entries it changed). After delta-spark's ``DeltaTable.history``."""
+    def history(self, limit: int | None = None, *, leases: bool = False) -> DataFrame:
+        """The shard's state versions the stash still holds (the rollup and the diffs
+        after it; GC's truncation drops older ones), newest first, each compared with
+        the version before it (after delta-spark's ``DeltaTable.history(limit)``).
+
+        Columns: ``seqno``, ``operation`` (``create``, ``rollup``, ``append``,
+        ``compaction``, ``schema``, ``since``, ``finalize``, ``other``; with ``leases``
+        also ``lease`` and ``gc``), ``lower``/``upper`` (the time range the version
+        added, ``[lower, upper)``, null when none), ``rows_added`` and ``bytes_added``
+        (updates and encoded bytes of the batches it added), ``since`` and ``writers``
+        (ids of the writers whose state entries it changed). The operation is read off
+        which consensus entries differ from the previous committed version's
+        (:func:`spark.table_history.operation`).
+
+        Args:
+            limit: at most this many rows (``int >= 1``), the newest; ``None``: all.
+            leases: also the versions that change only leases or GC's bookkeeping
+                (reader and writer heartbeats, registrations and expiries, reader holds
+                that leave the shard's since where it is, GC forgetting deleted blobs):
+                by default only versions that change data, a frontier or the schema.
+
+        Raises:
+            PersistSourceError: ``limit`` not ``None`` nor an int ``>= 1``; ``leases``
+                not a bool; unknown shard.
+        """
         from spark.table_history import history_rows, history_schema
 
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise PersistSourceError(f"history limit must be an int >= 1 or None, got {limit!r}")
+        if limit is not None and limit < 1:
+            raise PersistSourceError(f"history limit must be an int >= 1 or None, got {limit}")
+        if not isinstance(leases, bool):
+            raise PersistSourceError(f"history leases must be a bool, got {leases!r}")
         with self.client(readonly=True) as c:
             self._state(c)
-            rows = history_rows(c, self.shard)
-        return self.spark.createDataFrame(rows, history_schema())
+            rows = history_rows(c, self.shard, leases=leases)
+        return self.spark.createDataFrame(rows[:limit], history_schema())
 
     # ------------------------------------------------------------ maintenance
     def compact(self) -> Any:

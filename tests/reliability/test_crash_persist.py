@@ -12,19 +12,14 @@ After each kill:
 
 from __future__ import annotations
 
-import random
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from persist import collect_garbage, fsck
+from persist import collect_garbage
 from stash import Stash
-from tests.reliability.campaign import LONG, record, runs
+from tests.reliability.campaign import runs
 from tests.reliability.crash_child_persist import (
     KEY_SCHEMA,
     SHARD,
@@ -32,6 +27,14 @@ from tests.reliability.crash_child_persist import (
     batch_rows,
     make_client,
     payload,
+)
+from tests.reliability.crash_harness import (
+    CAMPAIGN_LIMIT,
+    batch_counts,
+    checker_clock,
+    gc_then_check,
+    kill_runs,
+    record_kills,
 )
 from tests.support.dbutil import migrate_to_head
 
@@ -45,7 +48,7 @@ def _check_after_kill(
     with Stash.open(url, fenced=False) as s:
         # The killed child's writer and compactor leases (2 s) have run out for this
         # clock: GC may take their leftovers (a live writer's parts are never taken).
-        client = make_client(s, blob, clock=lambda: time.time() + 10.0)
+        client = make_client(s, blob, clock=checker_clock)
         try:
             r = client.open_reader(SHARD, KEY_SCHEMA, VALUE_SCHEMA)
             st = client.inspect(SHARD)
@@ -54,17 +57,7 @@ def _check_after_kill(
             assert upper is not None
             rows: Counter[tuple[int, int]] = Counter()
             if upper > 0:
-                snap = r.snapshot(upper - 1)
-                assert set(snap.column("_diff").to_pylist()) <= {1}, "duplicated rows"
-                for rr, i, j, p in zip(
-                    snap.column("run").to_pylist(),
-                    snap.column("i").to_pylist(),
-                    snap.column("j").to_pylist(),
-                    snap.column("payload").to_pylist(),
-                    strict=True,
-                ):
-                    assert p == payload(rr, i, j)
-                    rows[(rr, i)] += 1
+                rows = batch_counts(r.snapshot(upper - 1), payload)
             # Whole batches only, every one of them once.
             partial = {b: n for b, n in rows.items() if n != batch_rows(*b)}
             assert not partial, f"run {run}: half-present batches {partial}"
@@ -76,22 +69,8 @@ def _check_after_kill(
             assert len(extra) <= 1, f"run {run}: unacknowledged batches {extra}"
             assert len(rows) == upper, "each append advanced the upper by one"
             r.expire()
-            report = collect_garbage(client, SHARD, grace_seconds=0)
-            st = client.inspect(SHARD)
-            st.trace.validate()
-            listed = {k for k, _ in client.raw_blob.list_keys(st.shard_id + "/")}
-            referenced = st.referenced_blob_keys()
-            assert listed == referenced, (
-                f"run {run}: GC left unreferenced parts {sorted(listed - referenced)[:5]}, "
-                f"missing referenced {sorted(referenced - listed)[:5]}"
-            )
-            damage = fsck(client, SHARD)
-            assert damage.ok, f"run {run}: fsck: {damage.damage()}"
-            return {
-                "unacked": len(extra),
-                "gc_deleted": len(report.deleted_abandoned) + len(report.deleted_retired),
-                "parts": len(referenced),
-            }
+            gc_deleted, parts = gc_then_check(client, SHARD, run)
+            return {"unacked": len(extra), "gc_deleted": gc_deleted, "parts": parts}
         finally:
             client.close()
 
@@ -105,7 +84,6 @@ def _campaign(
 ) -> None:
     """``kills`` SIGKILLed children appending to one shard on ``url``; the blob is a
     local directory, or ``blob_uri`` (an S3 prefix) when given."""
-    rng = random.Random(11)
     blob_root = tmp_path / "blob"
     blob = f"file://{blob_root}" if blob_uri is None else blob_uri
     with Stash.open(url, fenced=False) as s:  # create the shard before the first kill
@@ -113,65 +91,36 @@ def _campaign(
         c.open_writer(SHARD, KEY_SCHEMA, VALUE_SCHEMA)
         c.close()
     acked_total = unacked_seen = gc_deleted = 0
-    for run in range(kills):
-        ack = tmp_path / f"ack{run}"
-        child = subprocess.Popen(
-            [sys.executable, str(CHILD), url, blob, str(ack), str(run)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        assert line.strip() == "ready", child.stderr.read() if child.stderr else ""
-        time.sleep(rng.uniform(0.05, 1.0))
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-        assert child.returncode == -signal.SIGKILL, f"{label} run {run}: child died by itself: " + (
-            child.stderr.read() if child.stderr else ""
-        )
-        acked = [
-            (int(a), int(b))
-            for a, b in (
-                ln.split() for ln in (ack.read_text().splitlines() if ack.exists() else [])
-            )
-        ]
+    for run, acks in kill_runs(
+        CHILD, [url, blob], tmp_path, kills, seed=11, window=(0.05, 1.0), label=label
+    ):
+        acked = [(int(a), int(b)) for a, b in acks]
         acked_total += len(acked)
         fig = _check_after_kill(url, blob, run, acked)
         stray = _stray_temp_files(blob_root)
         assert stray == 0, f"{label} run {run}: GC left {stray} temporary files of killed uploads"
         unacked_seen += fig["unacked"]
         gc_deleted += fig["gc_deleted"]
-    record(
+    record_kills(
         f"crash: persist on {label}",
-        runs=kills,
-        faults=kills,
-        acknowledged=acked_total,
-        lost=0,
-        duplicated=0,
-        partial=0,
-        unclear=0,
-        durable_unacknowledged=unacked_seen,
+        kills,
+        acked_total,
+        unacked_seen,
         gc_deleted_parts=gc_deleted,
         stray_temp_files_after_gc=_stray_temp_files(blob_root),
     )
     assert acked_total > 0
 
 
-#: A long campaign's 200 kills (a child's start, a kill, the checks, GC) outlast
-#: pytest's default limit on a busy machine, as ``test_crash_txn.py``'s do.
-LIMIT = 3600 if LONG else 600
-
-
 @pytest.mark.campaign
-@pytest.mark.timeout(LIMIT)
+@pytest.mark.timeout(CAMPAIGN_LIMIT)
 def test_crash_persist_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/crash.db"
     _campaign(url, tmp_path, runs(8, 200), "sqlite + file blob")
 
 
 @pytest.mark.campaign
-@pytest.mark.timeout(LIMIT)
+@pytest.mark.timeout(CAMPAIGN_LIMIT)
 def test_crash_persist_sqlite_s3(tmp_path: Path, s3_blob_uri: str) -> None:
     """The same campaign with the parts on S3 (moto): a kill mid-upload leaves at most
     an unfinished multipart upload, never a visible half part; GC leaves no orphan."""
@@ -181,7 +130,7 @@ def test_crash_persist_sqlite_s3(tmp_path: Path, s3_blob_uri: str) -> None:
 
 @pytest.mark.campaign
 @pytest.mark.postgres
-@pytest.mark.timeout(LIMIT)
+@pytest.mark.timeout(CAMPAIGN_LIMIT)
 def test_crash_persist_postgres(tmp_path: Path, postgres_url: str) -> None:
     migrate_to_head(postgres_url)
     _campaign(postgres_url, tmp_path, runs(4, 200), "postgres + file blob")

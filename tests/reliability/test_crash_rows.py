@@ -17,18 +17,13 @@ changes (``tests/reliability/crash_child_rows.py``):
 
 from __future__ import annotations
 
-import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from persist import fsck
 from stash import Stash
-from tests.reliability.campaign import LONG, record, runs
+from tests.reliability.campaign import runs
 from tests.reliability.crash_child_rows import (
     CATALOG,
     KEY_SCHEMA,
@@ -39,6 +34,7 @@ from tests.reliability.crash_child_rows import (
     make_client,
     model_change,
 )
+from tests.reliability.crash_harness import CAMPAIGN_LIMIT, checker_clock, kill_runs, record_kills
 from tests.support.dbutil import migrate_to_head
 
 CHILD = Path(__file__).with_name("crash_child_rows.py")
@@ -48,7 +44,7 @@ def _observed(url: str, blob: str) -> Model:
     """The shards' live rows and the catalog's keys, checked one row per key with
     ``_diff`` 1."""
     with Stash.open(url, fenced=False) as s:
-        client = make_client(s, blob, clock=lambda: time.time() + 10.0)
+        client = make_client(s, blob, clock=checker_clock)
         try:
             shards: dict[str, dict[int, tuple[int, str]]] = {}
             for shard in SHARDS:
@@ -97,31 +93,14 @@ def _setup(url: str, blob: str) -> None:
 
 
 def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
-    rng = random.Random(31)
     blob = f"file://{tmp_path / 'blob'}"
     _setup(url, blob)
     model = initial()
     acked_total = in_flight_durable = 0
-    for run in range(kills):
-        ack = tmp_path / f"ack{run}"
-        child = subprocess.Popen(
-            [sys.executable, str(CHILD), url, blob, str(ack), str(run)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        assert line.strip() == "ready", child.stderr.read() if child.stderr else ""
-        time.sleep(rng.uniform(0.1, 1.5))
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-        assert child.returncode == -signal.SIGKILL, f"{label} run {run}: child died by itself: " + (
-            child.stderr.read() if child.stderr else ""
-        )
-        acked = [
-            int(ln.split()[1]) for ln in (ack.read_text().splitlines() if ack.exists() else [])
-        ]
+    for run, acks in kill_runs(
+        CHILD, [url, blob], tmp_path, kills, seed=31, window=(0.1, 1.5), label=label
+    ):
+        acked = [int(fields[1]) for fields in acks]
         assert acked == list(range(len(acked)))
         acked_total += len(acked)
         after_acked = model
@@ -141,39 +120,31 @@ def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
                 f"change):\n got {got}\n acked {after_acked}\n +1 {with_in_flight}"
             )
     with Stash.open(url, fenced=False) as s:
-        client = make_client(s, blob, clock=lambda: time.time() + 10.0)
+        client = make_client(s, blob, clock=checker_clock)
         try:
             for shard in SHARDS:
                 damage = fsck(client, shard)
                 assert damage.ok, f"{shard}: fsck: {damage.damage()}"
         finally:
             client.close()
-    record(
+    record_kills(
         f"crash: row changes on {label}",
-        runs=kills,
-        faults=kills,
-        acknowledged=acked_total,
-        lost=0,
-        duplicated=0,
-        partial=0,
-        unclear=0,
-        durable_unacknowledged=in_flight_durable,
+        kills,
+        acked_total,
+        in_flight_durable,
     )
     assert acked_total > 0
 
 
-LIMIT = 3600 if LONG else 600
-
-
 @pytest.mark.campaign
-@pytest.mark.timeout(LIMIT)
+@pytest.mark.timeout(CAMPAIGN_LIMIT)
 def test_crash_row_changes_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/crash.db"
     _campaign(url, tmp_path, runs(4, 100), "sqlite + file blob")
 
 
 @pytest.mark.campaign
-@pytest.mark.timeout(LIMIT)
+@pytest.mark.timeout(CAMPAIGN_LIMIT)
 @pytest.mark.postgres
 def test_crash_row_changes_postgres(tmp_path: Path, postgres_url: str) -> None:
     migrate_to_head(postgres_url)

@@ -1,48 +1,32 @@
 """Crash campaign for the stash: a child appends in a loop and is SIGKILLed at
-random moments; after each kill every acknowledged append is present exactly once, no
+random moments (``tests/reliability/crash_harness.py``); after each kill every acknowledged append is present exactly once, no
 batch is half there (a key in one collection of an atomic append but not the other), and
 the stash reopens. SQLite and Postgres."""
 
 from __future__ import annotations
 
-import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from stash import Stash
-from tests.reliability.campaign import record, runs
+from tests.reliability.campaign import runs
+from tests.reliability.crash_harness import kill_runs, record_kills
 from tests.support.dbutil import migrate_to_head
 
 CHILD = Path(__file__).with_name("crash_child.py")
 
 
 def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
-    rng = random.Random(7)
     acked_total = 0
     unacked_seen = 0
-    for run in range(kills):
-        ack = tmp_path / f"ack{run}"
-        child = subprocess.Popen(
-            [sys.executable, str(CHILD), url, str(ack), str(run)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        assert line.strip() == "ready", child.stderr.read() if child.stderr else ""
-        time.sleep(rng.uniform(0.02, 0.4))
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
+    for run, acks in kill_runs(
+        CHILD, [url], tmp_path, kills, seed=7, window=(0.02, 0.4), label=label
+    ):
         with Stash.open(url, mode="readonly") as s:
             a = dict((k, d) for k, _, d in s.peek(s.collection("crash_a", key="str", value="int")))
             b = dict((k, d) for k, _, d in s.peek(s.collection("crash_b", key="str", value="int")))
-        acked = ack.read_text().split() if ack.exists() else []
+        acked = [key for (key,) in acks]
         acked_total += len(acked)
         mine_a = {k for k in a if k.startswith(f"{run}-")}
         mine_b = {k for k in b if k.startswith(f"{run}-")}
@@ -54,16 +38,11 @@ def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
         # At most the one append in flight at the kill may be durable without its ack.
         assert len(extra) <= 1, f"{label} run {run}: unacknowledged entries {extra}"
         unacked_seen += len(extra)
-    record(
+    record_kills(
         f"crash: stash on {label}",
-        runs=kills,
-        faults=kills,
-        acknowledged=acked_total,
-        lost=0,
-        duplicated=0,
-        partial=0,
-        unclear=0,
-        durable_unacknowledged=unacked_seen,
+        kills,
+        acked_total,
+        unacked_seen,
     )
 
 

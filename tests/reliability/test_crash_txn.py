@@ -16,19 +16,14 @@ inside ``Txn.commit_at``.  After each kill:
 
 from __future__ import annotations
 
-import random
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from persist import PersistClient, collect_garbage, fsck
+from persist import PersistClient
 from stash import Stash
-from tests.reliability.campaign import LONG, record, runs
+from tests.reliability.campaign import runs
 from tests.reliability.crash_child_txn import (
     CATALOG,
     KEY_SCHEMA,
@@ -38,6 +33,14 @@ from tests.reliability.crash_child_txn import (
     make_client,
     payload,
     txn_shards,
+)
+from tests.reliability.crash_harness import (
+    CAMPAIGN_LIMIT,
+    batch_counts,
+    checker_clock,
+    gc_then_check,
+    kill_runs,
+    record_kills,
 )
 from tests.support.dbutil import migrate_to_head
 
@@ -69,7 +72,7 @@ def _check_after_kill(
 ) -> dict[str, int]:
     """Reopen the shards and the catalog and check the campaign's invariants."""
     with Stash.open(url, fenced=False) as s:
-        client = make_client(s, blob, clock=lambda: time.time() + 10.0)
+        client = make_client(s, blob, clock=checker_clock)
         try:
             # Where each transaction shows up: shard -> (run, i) -> (row count, times).
             seen: dict[str, Counter[tuple[int, int]]] = {}
@@ -81,17 +84,7 @@ def _check_after_kill(
                 rows: Counter[tuple[int, int]] = Counter()
                 if upper > 0:
                     r = client.open_reader(shard, KEY_SCHEMA, VALUE_SCHEMA)
-                    snap = r.snapshot(upper - 1)
-                    assert set(snap.column("_diff").to_pylist()) <= {1}, "duplicated rows"
-                    for rr, i, j, p in zip(
-                        snap.column("run").to_pylist(),
-                        snap.column("i").to_pylist(),
-                        snap.column("j").to_pylist(),
-                        snap.column("payload").to_pylist(),
-                        strict=True,
-                    ):
-                        assert p == payload(rr, i, j)
-                        rows[(rr, i)] += 1
+                    rows = batch_counts(r.snapshot(upper - 1), payload)
                     r.expire()
                 seen[shard] = rows
             cat = s.collection(CATALOG, key="str", value="json")
@@ -124,26 +117,15 @@ def _check_after_kill(
             gc_deleted = 0
             parts = 0
             for shard in SHARDS:
-                report = collect_garbage(client, shard, grace_seconds=0)
-                gc_deleted += len(report.deleted_abandoned) + len(report.deleted_retired)
-                st = client.inspect(shard)
-                st.trace.validate()
-                listed = {k for k, _ in client.raw_blob.list_keys(st.shard_id + "/")}
-                referenced = st.referenced_blob_keys()
-                assert listed == referenced, (
-                    f"run {run}: GC left unreferenced parts {sorted(listed - referenced)[:5]}, "
-                    f"missing referenced {sorted(referenced - listed)[:5]}"
-                )
-                damage = fsck(client, shard)
-                assert damage.ok, f"run {run}: fsck: {damage.damage()}"
-                parts += len(referenced)
+                deleted, referenced = gc_then_check(client, shard, run)
+                gc_deleted += deleted
+                parts += referenced
             return {"unacked": len(extra), "gc_deleted": gc_deleted, "parts": parts}
         finally:
             client.close()
 
 
 def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
-    rng = random.Random(14)
     blob_root = tmp_path / "blob"
     blob = f"file://{blob_root}"
     with Stash.open(url, fenced=False) as s:  # create the shards before the first kill
@@ -153,62 +135,33 @@ def _campaign(url: str, tmp_path: Path, kills: int, label: str) -> None:
         s.collection(CATALOG, key="str", value="json")
         c.close()
     acked_total = unacked_seen = gc_deleted = 0
-    for run in range(kills):
-        ack = tmp_path / f"ack{run}"
-        child = subprocess.Popen(
-            [sys.executable, str(CHILD), url, blob, str(ack), str(run)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        assert line.strip() == "ready", child.stderr.read() if child.stderr else ""
-        time.sleep(rng.uniform(0.1, 2.0))
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-        assert child.returncode == -signal.SIGKILL, f"{label} run {run}: child died by itself: " + (
-            child.stderr.read() if child.stderr else ""
-        )
-        acked = [
-            (int(a), int(b))
-            for a, b in (
-                ln.split() for ln in (ack.read_text().splitlines() if ack.exists() else [])
-            )
-        ]
+    for run, acks in kill_runs(
+        CHILD, [url, blob], tmp_path, kills, seed=14, window=(0.1, 2.0), label=label
+    ):
+        acked = [(int(a), int(b)) for a, b in acks]
         acked_total += len(acked)
         fig = _check_after_kill(url, blob, run, acked)
         unacked_seen += fig["unacked"]
         gc_deleted += fig["gc_deleted"]
-    record(
+    record_kills(
         f"crash: transactions on {label}",
-        runs=kills,
-        faults=kills,
-        acknowledged=acked_total,
-        lost=0,
-        duplicated=0,
-        partial=0,
-        unclear=0,
-        durable_unacknowledged=unacked_seen,
+        kills,
+        acked_total,
+        unacked_seen,
         gc_deleted_parts=gc_deleted,
     )
     assert acked_total > 0
 
 
-# Each kill costs a child start and a check of three shards (a bisection, GC, fsck):
-# the long campaign gets more than the suite's default time limit.
-LIMIT = 3600 if LONG else 600
-
-
 @pytest.mark.campaign
-@pytest.mark.timeout(LIMIT)
+@pytest.mark.timeout(CAMPAIGN_LIMIT)
 def test_crash_txn_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/crash.db"
     _campaign(url, tmp_path, runs(8, 100), "sqlite + file blob")
 
 
 @pytest.mark.campaign
-@pytest.mark.timeout(LIMIT)
+@pytest.mark.timeout(CAMPAIGN_LIMIT)
 @pytest.mark.postgres
 def test_crash_txn_postgres(tmp_path: Path, postgres_url: str) -> None:
     migrate_to_head(postgres_url)

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +79,12 @@ class PersistTable:
         shard: the shard's name.
         stash_url: the stash (consensus) URL, a database every executor reaches.
         blob_uri: the blob store URI, one every executor reaches.
+
+    The native read (:meth:`to_df`) plans on the driver through one
+    :class:`persist.PersistClient` the table keeps open (its stash's connection pool and
+    the shard's state machine) instead of opening one per read; every plan still starts
+    from the committed state (it registers a reader by compare-and-set). :meth:`close`
+    (or leaving a ``with`` block, or the table being garbage collected) closes it.
     """
 
     def __init__(self, spark: SparkSession, shard: str, stash_url: str, blob_uri: str) -> None:
@@ -84,6 +92,33 @@ class PersistTable:
         self.shard = shard
         self.stash_url = stash_url
         self.blob_uri = blob_uri
+        self._lock = threading.Lock()
+        self._kept: contextlib.ExitStack | None = None
+        self._kept_client: Any = None
+
+    def __enter__(self) -> PersistTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the client the table keeps for planning reads (a later read opens a
+        new one)."""
+        with self._lock:
+            kept, self._kept, self._kept_client = self._kept, None, None
+        if kept is not None:
+            kept.close()
+
+    def _planning_client(self) -> Any:
+        """The client kept for planning native reads, opened on first use."""
+        with self._lock:
+            if self._kept_client is None:
+                stack = contextlib.ExitStack()
+                self._kept_client = stack.enter_context(persist_client(self.target))
+                self._kept = stack
+                weakref.finalize(self, stack.close)
+            return self._kept_client
 
     def __repr__(self) -> str:
         return f"PersistTable({self.shard!r})"
@@ -228,13 +263,13 @@ class PersistTable:
         prefix, why = blob_paths_root(self.spark, self.blob_uri)
         if prefix is None:
             return None, why
-        with self.client() as c:
-            st = self._state(c)
-            keys, values = st.key_schema, st.value_schema
-            reason = type_reason(keys, (st.schemas(), 0))
-            if reason is not None:
-                return None, reason
-            plan = plan_snapshot(c, self.shard, keys, values, as_of, auto=not force)
+        c = self._planning_client()
+        st = self._state(c)
+        keys, values = st.key_schema, st.value_schema
+        reason = type_reason(keys, (st.schemas(), 0))
+        if reason is not None:
+            return None, reason
+        plan = plan_snapshot(c, self.shard, keys, values, as_of, auto=not force)
         if plan.declined is not None:
             return None, plan.declined
         log.debug("shard %s at %s: %s", self.shard, plan.as_of, plan.summary())

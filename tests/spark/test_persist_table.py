@@ -191,6 +191,48 @@ def test_native_merges_a_tail_of_null_keys_exactly(spark: Any, spark_store: Any)
         native_plan.DRIVER_MERGE_MAX_BYTES = limit
 
 
+def test_the_kept_planning_client_sees_other_processes_commits(
+    table: Any, spark_store: Any
+) -> None:
+    """The client a table keeps between reads caches a state version; another process
+    appends, compacts and downgrades the since under it: the next read plans on the
+    committed state, not on the cache."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    first = collected(table.to_df(path="native"))
+    code = textwrap.dedent(
+        f"""
+        import pyarrow as pa
+        from persist import PersistClient
+        from stash import Stash
+        with Stash.open({spark_store.stash_url!r}, fenced=False) as s:
+            c = PersistClient(s, {spark_store.blob_uri!r}, compaction="off")
+            st = c.inspect("t")
+            w, r = c.open("t", st.key_schema, st.value_schema)
+            w.upsert(pa.table({{"k": [5, 999], "v": ["other", "new"], "w": [1, 2],
+                                "x": [0.5, 1.5]}}, schema=pa.schema(list(st.key_schema)
+                                + list(st.value_schema))))
+            r.downgrade_since(w.fetch_recent_upper().as_option() - 1)
+            c.compactor.compact_once("t")
+            w.expire(); r.expire(); c.close()
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    with table.client() as c:
+        upper = c.inspect("t").upper.as_option()
+    got = collected(table.to_df(path="native"))
+    assert got == snapshot(spark_store, upper - 1) != first
+    assert got[(999, "new", 2, 1.5)] == 1
+    table.close()  # a closed table opens a new client on its next read
+    assert collected(table.to_df(path="native")) == got
+    with table as t:
+        assert collected(t.to_df(path="native")) == got
+
+
 def test_columns_and_filters_reach_both_paths(table: Any, spark_store: Any) -> None:
     want: Counter = Counter()
     for (k, _v, w, _x), d in snapshot(spark_store, 5).items():

@@ -62,8 +62,9 @@ def blob_paths_root(spark: Any, blob_uri: str) -> tuple[str | None, str]:
         if isinstance(blob, FileBlob):
             return "file://" + str(blob.root), ""
         if isinstance(blob, ArrowFsBlob) and blob.fs.type_name == "s3":
-            if not _s3a_configured(spark):
-                return None, "the blob store is on S3 and the session has no fs.s3a configuration"
+            why = _s3a_unreadable(spark)
+            if why is not None:
+                return None, why
             return "s3a://" + blob.root.rstrip("/"), ""
         scheme = blob_uri.split("://", 1)[0] if "://" in blob_uri else "?"
         return None, f"Spark's Hadoop layer does not read {scheme}:// blob stores here"
@@ -71,18 +72,23 @@ def blob_paths_root(spark: Any, blob_uri: str) -> tuple[str | None, str]:
         blob.close()
 
 
-def _s3a_configured(spark: Any) -> bool:
-    """Whether the session can read ``s3a://``: Hadoop's S3A filesystem (hadoop-aws) is
-    on the JVM's class path and some ``fs.s3a.`` option is set by the user, not only by
-    Hadoop's ``core-default.xml`` (which defines dozens of them in every session)."""
+def _s3a_unreadable(spark: Any) -> str | None:
+    """Why the session cannot read ``s3a://`` paths, or ``None`` when it can: Hadoop's
+    S3A filesystem (hadoop-aws) must be on the JVM's class path and some ``fs.s3a.``
+    option set by the user, not only by Hadoop's ``core-default.xml`` (which defines
+    dozens of them in every session)."""
     jvm = spark.sparkContext._jvm
     try:
         loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()
         jvm.java.lang.Class.forName("org.apache.hadoop.fs.s3a.S3AFileSystem", False, loader)
     except Exception:  # noqa: BLE001 - py4j raises Py4JJavaError for ClassNotFoundException
-        return False
+        return (
+            "the blob store is on S3 and Hadoop's S3A filesystem (hadoop-aws, "
+            "org.apache.hadoop.fs.s3a.S3AFileSystem) is not on the session's class path "
+            "(add it, e.g. spark.jars.packages, and set the fs.s3a options)"
+        )
     if any(k.startswith("spark.hadoop.fs.s3a.") for k, _v in spark.sparkContext.getConf().getAll()):
-        return True
+        return None
     conf = spark.sparkContext._jsc.hadoopConfiguration()
     it = conf.iterator()
     while it.hasNext():
@@ -90,8 +96,8 @@ def _s3a_configured(spark: Any) -> bool:
         if key.startswith("fs.s3a."):
             sources = conf.getPropertySources(key) or []
             if any(str(src) != "core-default.xml" for src in sources):
-                return True
-    return False
+                return None
+    return "the blob store is on S3 and the session sets no fs.s3a option (endpoint, credentials)"
 
 
 def type_reason(key_schema: pa.Schema, history: Any) -> str | None:

@@ -367,6 +367,7 @@ def test_s3_blob_takes_the_python_path_without_hadoop_aws(spark: Any) -> None:
     """Hadoop's core-default.xml defines fs.s3a.* options in every session: they alone do
     not make s3a:// readable. Without hadoop-aws on the class path (PySpark ships none)
     an S3 blob is not read natively, and the reason says so."""
-    from spark.native_read import _s3a_configured
+    from spark.native_read import _s3a_unreadable
 
-    assert not _s3a_configured(spark)
+    why = _s3a_unreadable(spark)
+    assert why is not None and "hadoop-aws" in why and "class path" in why

@@ -15,7 +15,9 @@ persist client: one sorted, consolidated run of blob parts, what compaction leav
 Each contender runs the same query: a read-and-aggregate (``groupBy("carrier")`` with the
 count and the sums of ``dep_delay`` and ``arr_delay``, weighted by ``_diff`` for the
 persist reads), collected to the driver; Parquet reads the snapshot's rows written by
-``df.write.parquet``. Contenders are interleaved; medians and the (min, max) spread of the
+``df.write.parquet``. ``to_df`` runs twice per round: as a table read again (its planning
+client kept, the direct parts' decoded row groups cached, :mod:`spark.native_merge`), and
+cold, as a first read (cache cleared, a new client). Contenders are interleaved; medians and the (min, max) spread of the
 per-round ratios are reported, with the machine's load average before and after.
 
 Invariant: every contender's result equals ``spark.read.parquet``'s (checked once,
@@ -35,6 +37,7 @@ import pyarrow as pa
 from bench.common import BenchResults, Goal, Table, fmt_num, interleave, median, ratio_record
 
 NATIVE = "PersistTable.to_df"
+COLD = "PersistTable.to_df, cold"
 PARQUET = "spark.read.parquet"
 FLOOR = "python floor"
 SOURCE = 'format("persist")'
@@ -136,6 +139,14 @@ def run_table_section(res: BenchResults, s: Any, root: Path, rounds: int) -> Non
         def native(r: int, t: Any = t, upper: int = upper) -> list[Any]:
             return _agg(t.to_df(as_of=upper - 1, path="native"), True)
 
+        def cold(r: int, t: Any = t, upper: int = upper) -> list[Any]:
+            # A first read: no decoded row group cached, a new planning client.
+            from spark.native_merge import ROW_GROUP_CACHE
+
+            ROW_GROUP_CACHE.clear()
+            t.close()
+            return _agg(t.to_df(as_of=upper - 1, path="native"), True)
+
         def source(r: int, t: Any = t, upper: int = upper) -> list[Any]:
             return _agg(t.to_df(as_of=upper - 1, path="python"), True)
 
@@ -151,7 +162,7 @@ def run_table_section(res: BenchResults, s: Any, root: Path, rounds: int) -> Non
             return _agg(df.load(), True)
 
         want = parquet(0)
-        for name, fn in ((NATIVE, native), (SOURCE, source)):
+        for name, fn in ((NATIVE, native), (COLD, cold), (SOURCE, source)):
             got = fn(0)
             if [r[:2] for r in got] != [r[:2] for r in want] or not all(
                 abs(a[2] - b[2]) < 1e-6 * max(1, abs(b[2]))
@@ -168,7 +179,12 @@ def run_table_section(res: BenchResults, s: Any, root: Path, rounds: int) -> Non
 
             return go
 
-        contenders = {NATIVE: timed(native), PARQUET: timed(parquet), SOURCE: timed(source)}
+        contenders = {
+            NATIVE: timed(native),
+            COLD: timed(cold),
+            PARQUET: timed(parquet),
+            SOURCE: timed(source),
+        }
         if shard == "compacted":
             contenders[FLOOR] = timed(floor)
         sm = interleave(contenders, rounds, warmup=1, log=res.log)
@@ -184,6 +200,19 @@ def run_table_section(res: BenchResults, s: Any, root: Path, rounds: int) -> Non
                 goal=Goal("<=", goal),
             )
         )
+        cold_rec = res.add(
+            ratio_record(
+                "Spark reads through PersistTable",
+                f"read-and-aggregate of flights {what}: to_df cold (first read) vs "
+                "spark.read.parquet",
+                subject=COLD,
+                subject_samples=sm[COLD],
+                reference=PARQUET,
+                reference_samples=sm[PARQUET],
+                measure="slowdown",
+            )
+        )
+        cold_spread = cold_rec.spread or (0.0, 0.0)
         src = ratio_record(
             "Spark reads through PersistTable",
             f"read-and-aggregate of flights {what}: format(persist) vs spark.read.parquet",
@@ -201,6 +230,7 @@ def run_table_section(res: BenchResults, s: Any, root: Path, rounds: int) -> Non
                 fmt_num(median(sm[PARQUET])),
                 fmt_num(median(sm[NATIVE])),
                 f"{fmt_num(rec.value)} ({fmt_num(spread[0])}-{fmt_num(spread[1])})",
+                f"{fmt_num(cold_rec.value)} ({fmt_num(cold_spread[0])}-{fmt_num(cold_spread[1])})",
                 fmt_num(median(sm[SOURCE])),
                 fmt_num(src.value),
                 fmt_num(median(sm[FLOOR])) if FLOOR in sm else "",
@@ -223,6 +253,7 @@ def run_table_section(res: BenchResults, s: Any, root: Path, rounds: int) -> Non
                 "spark.read.parquet s",
                 "to_df s",
                 "to_df ratio",
+                "first to_df ratio",
                 "format(persist) s",
                 "ratio",
                 "python floor s",

@@ -176,6 +176,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             "the table and its row-level changes",
             [
                 "spark.row_changes",
+                "spark.native_merge",
                 "spark.native_plan",
                 "spark.native_read",
                 "spark.table_history",

@@ -213,7 +213,7 @@ def test_a_second_process_downgrades_the_since_between_compute_and_apply(
         assert reqs and all(q.desc.since == A(0) for q in reqs)
         results = [c.compactor.compute(m, q)[0] for q in reqs]
         assert {res.output.desc.since for res in results} == {A(4)}
-        env = dict(os.environ, PYTHONPATH=os.getcwd())
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         subprocess.run(
             [sys.executable, "-c", _DOWNGRADE, stash_url, blob_dir, str(n - 1)],
             check=True,

@@ -18,8 +18,9 @@ answered; the smaller ones are covered by a later request, or by :meth:`compact_
 Invariants kept here:
 
 * a merge never changes what any readable ``as_of`` (``>= since``) sees: the output
-  holds exactly the inputs' updates with times advanced to the request's since, which
-  is ``<=`` the shard's since;
+  holds exactly the inputs' updates with times advanced to the since of the committed
+  state version the compactor read (or the request's, if later), which is ``<=`` the
+  shard's since at apply time, and the output's description records that since;
 * a merge rewrites its inputs under the newest value schema version: each
   input part is conformed to it before consolidation, so a row is the same whichever
   version wrote it, and the output's parts record that version's id;
@@ -56,6 +57,7 @@ from persist.keys import new_writer_id, part_name_prefix
 from persist.machine import ShardMachine
 from persist.parts import consolidate_order, updates_schema, write_parts
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
+from persist.spine_merge import merge_output_desc
 from persist.types import HollowBatch
 
 
@@ -170,6 +172,13 @@ class Compactor:
         """Compute (and write the parts of) the answer to a merge request, without
         applying it.  Returns the result and the number of rows read.
 
+        The inputs are consolidated at the since of the committed state version this
+        works from (the later of it and the request's,
+        :func:`persist.spine_merge.merge_output_desc`), which the output's description
+        carries: a request made long before the shard's since moved on still yields one
+        time per key and value when every reader's since is past the inputs' times.  A
+        stale version in hand only advances less.
+
         Raises:
             CorruptPart, BlobError: reading or writing failed (outputs already written
                 are left to GC).
@@ -183,6 +192,9 @@ class Compactor:
             st = machine.fetch()  # a version registered since this process last looked
             history, newest = st.schemas(), st.schemas().newest
         ks, vs = st.key_schema, st.value_schema
+        # Consolidated at the since of the committed version in hand (never a cache of
+        # a reader's hold): at most the since at apply time and every readable as_of.
+        desc = merge_output_desc(req, st.since)
         # Conformed to the newest schema version *before* consolidating: rows that
         # differ only in a dropped column become one.
         table = read_batches(
@@ -193,9 +205,7 @@ class Compactor:
             schemas=(history, newest),
         )
         rows_in = table.num_rows
-        table, order = consolidate_order(
-            table, ks.names, vs.names, since=req.desc.since.as_option()
-        )
+        table, order = consolidate_order(table, ks.names, vs.names, since=desc.since.as_option())
         rows_out = table.num_rows if order is None else len(order)
         inline_max = cfg.inline_max_bytes if st.inline_bytes() < cfg.inline_total_max_bytes else 0
         wid = self.writer_id(machine)  # registered before any output is uploaded
@@ -213,7 +223,7 @@ class Compactor:
         )
         if newest:
             parts = [replace(p, schema_id=newest) for p in parts]
-        return FueledMergeRes(HollowBatch(req.desc, tuple(parts), rows_out)), rows_in
+        return FueledMergeRes(HollowBatch(desc, tuple(parts), rows_out)), rows_in
 
     def apply(self, machine: ShardMachine, results: list[FueledMergeRes]) -> list[ApplyMergeResult]:
         """Swap computed results into the shard's trace in one compare-and-set (retried

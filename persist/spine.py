@@ -41,9 +41,11 @@ stored in the shard state by one process behaves identically when loaded by anot
 Differences from Materialize's persist, on purpose: errors are ``ValueError`` s rather than panics
 and are raised before anything changes; ``downgrade_since`` refuses to move the since
 backwards and ``push_batch`` refuses a batch whose since is beyond the trace's since (both
-would break the since invariant); ``apply_merge_res`` reports
-``NOT_APPLIED_INVALID_SINCE`` when the batch it matched has an earlier since (Materialize's
-checked the since before matching and so could only ever report no match); the JSON form
+would break the since invariant); ``apply_merge_res`` accepts an output consolidated at any since up to the trace's (the since
+of the committed state the compactor read, see :func:`persist.spine_merge.merge_output_desc`;
+Materialize's accepts one up to the matched batch's) and reports ``NOT_APPLIED_INVALID_SINCE``
+for one beyond it (Materialize's checked the since before matching and so could only ever
+report no match); the JSON form
 stores every batch with an id (no legacy, id-less batches).
 
 The Spine is three modules: this one holds the :class:`Trace`; :mod:`persist.spine_merge`
@@ -281,14 +283,14 @@ class Trace:
         batch) with the same lower and upper (Materialize's ``apply_merge_res``).
 
         Stale results are harmless: a result matching nothing is ``NOT_APPLIED_NO_MATCH``,
-        one whose since is beyond the matched batch's is ``NOT_APPLIED_INVALID_SINCE``, one
+        one whose since is beyond this trace's since is ``NOT_APPLIED_INVALID_SINCE``, one
         with more updates than it would replace is ``NOT_APPLIED_TOO_MANY_UPDATES``; in
         these cases nothing changes.
         """
         invalid_since = False
         for level in reversed(self._levels):
             for i, b in enumerate(level.batches):
-                result, replacement = b.maybe_replace(res)
+                result, replacement = b.maybe_replace(res, self._since)
                 if replacement is not None:
                     level.batches[i] = replacement
                 if result.matched():

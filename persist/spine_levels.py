@@ -84,17 +84,27 @@ class SpineBatch:
     def is_compact(self) -> bool:
         return not self.fueled and not self.parts[0].batch.runs
 
-    def maybe_replace(self, res: FueledMergeRes) -> tuple[ApplyMergeResult, SpineBatch | None]:
+    def maybe_replace(
+        self, res: FueledMergeRes, trace_since: Antichain
+    ) -> tuple[ApplyMergeResult, SpineBatch | None]:
         """Try to swap ``res`` in: the result and the replacement batch (``None`` unless
         applied).  Materialize's ``SpineBatch::maybe_replace``, checking the since after the
-        bounds so that a bounds match with an invalid since is reported as such."""
+        bounds so that a bounds match with an invalid since is reported as such.
+
+        The output's since is checked against ``trace_since``, the since of the trace
+        the result is applied to (the committed state being written), not against this
+        batch's since: a compactor consolidates at the since of the state it read
+        (:func:`persist.spine_merge.merge_output_desc`), which may be past the since this
+        batch's merge began at.  The replacement carries the output's since (a fueled
+        batch whose run of hollow batches is replaced takes the join of both sinces).
+        """
         out = res.output
         od = out.desc
         d = self.desc
         if od.lower == d.lower and od.upper == d.upper:
-            # The spine's since may be ahead of the result's (the trace was reloaded, or
-            # the since moved on), never behind it.
-            if not od.since <= d.since:
+            # The output was consolidated at the since of a committed version; the
+            # shard's since never regresses, so anything beyond it was not.
+            if not od.since <= trace_since:
                 return ApplyMergeResult.NOT_APPLIED_INVALID_SINCE, None
             # A longer output means this range was already compacted harder: keep that.
             if out.len > self.len:
@@ -116,12 +126,15 @@ class SpineBatch:
                 break
         if lo_i is None or hi_i is None or lo_i > hi_i:
             return ApplyMergeResult.NOT_APPLIED_NO_MATCH, None
-        if not od.since <= d.since:
+        if not od.since <= trace_since:
             return ApplyMergeResult.NOT_APPLIED_INVALID_SINCE, None
         # Not every part: covering them all would have been an exact match above.
         new_part = IdHollowBatch(SpineId(self.parts[lo_i].id.lo, self.parts[hi_i].id.hi), out)
         new_parts = (*self.parts[:lo_i], new_part, *self.parts[hi_i + 1 :])
-        replacement = SpineBatch.make_fueled(self.id, d, new_parts)
+        new_desc = (
+            d if od.since <= d.since else Description(d.lower, d.upper, d.since.join(od.since))
+        )
+        replacement = SpineBatch.make_fueled(self.id, new_desc, new_parts)
         if replacement.len > self.len:
             return ApplyMergeResult.NOT_APPLIED_TOO_MANY_UPDATES, None
         return ApplyMergeResult.APPLIED_SUBSET, replacement
@@ -216,7 +229,12 @@ class FuelingMerge:
         """The merged spine batch of ``bs``; logs a merge request unless all are empty."""
         first, last = bs[0], bs[-1]
         id = SpineId(first.id.lo, last.id.hi)
-        desc = Description(first.desc.lower, last.desc.upper, self.since)
+        # A merge result applied while this merge fueled may have advanced a batch's
+        # since past the one the merge began at: the merged batch covers them all.
+        since = self.since
+        for b in bs:
+            since = since.join(b.desc.since)
+        desc = Description(first.desc.lower, last.desc.upper, since)
         if all(b.len == 0 for b in bs):
             return SpineBatch.merged(IdHollowBatch(id, HollowBatch(desc)))
         parts: list[IdHollowBatch] = []

@@ -20,6 +20,7 @@ import enum
 from dataclasses import dataclass
 
 from persist.types import Description, HollowBatch
+from stash import Antichain
 
 __all__ = [
     "COMPACTION_MIN_INPUTS",
@@ -30,6 +31,7 @@ __all__ = [
     "FueledMergeRes",
     "IdHollowBatch",
     "SpineId",
+    "merge_output_desc",
     "worth_compacting",
 ]
 
@@ -90,8 +92,9 @@ class FueledMergeReq:
     """A request to merge ``inputs`` (contiguous, oldest first) into one batch with ``desc``.
 
     ``desc.lower`` is the first input's lower, ``desc.upper`` the last input's upper and
-    ``desc.since`` the since the output's times may be advanced to (Materialize's
-    ``FueledMergeReq``).
+    ``desc.since`` the trace's since when the merge began (Materialize's
+    ``FueledMergeReq``).  A compactor consolidates at the later since of the state it
+    reads (:func:`merge_output_desc`).
     """
 
     desc: Description
@@ -102,11 +105,40 @@ class FueledMergeReq:
 class FueledMergeRes:
     """The answer to a :class:`FueledMergeReq`: the merged batch (Materialize's ``FueledMergeRes``).
 
-    ``output.desc`` is normally the request's ``desc``; ``output.len`` must not exceed the
-    summed ``len`` of the inputs it replaces.
+    ``output.desc`` has the request's lower and upper and the since the output was
+    consolidated at (:func:`merge_output_desc`: at or after the request's, never after
+    the trace's since when applied); ``output.len`` must not exceed the summed ``len`` of
+    the inputs it replaces.
     """
 
     output: HollowBatch
+
+
+def merge_output_desc(req: FueledMergeReq, state_since: Antichain) -> Description:
+    """The description of a merge's output: the request's lower and upper, and as since the
+    join of the request's since and ``state_since``, the since of the committed state
+    version the compactor read.  The output's times are advanced to (and consolidated at)
+    that since.
+
+    ``state_since`` must come from a committed version of the shard's state: the shard's
+    since never regresses, so it is ``<=`` the since of every later version (the one the
+    result is applied to included) and of every ``as_of`` a reader may still read at.  A
+    stale version is safe (an earlier since advances less, so the output keeps more
+    distinct times) but never a since no version committed (a cache of a reader's hold, a
+    clock reading).  An empty ``state_since`` (a finalized shard) leaves the request's
+    since: there is nothing left to read.
+
+    Materialize's ``FueledMergeReq`` carries the since the merge began at, and its
+    ``maybe_replace`` accepts an output whose since is at most the spine's (the comment
+    in ``src/persist-client/src/internal/trace.rs``: "the Spine since must be in advance
+    of the merge res since"); this takes the state's since instead of the request's so
+    that a shard whose since moved on after the request was made is consolidated that far.
+    """
+    d = req.desc
+    if state_since.is_empty():
+        return d
+    since = d.since.join(state_since)
+    return d if since == d.since else Description(d.lower, d.upper, since)
 
 
 def worth_compacting(req: FueledMergeReq) -> bool:
@@ -129,7 +161,8 @@ class ApplyMergeResult(enum.Enum):
     APPLIED_SUBSET = "applied_subset"
     #: No spine batch (or run of hollow batches) has the output's lower and upper.
     NOT_APPLIED_NO_MATCH = "not_applied_no_match"
-    #: A batch matched, but its since is earlier than the output's since.
+    #: A batch matched, but the output's since is beyond the trace's since (it was not
+    #: consolidated at a since any committed version of the shard had).
     NOT_APPLIED_INVALID_SINCE = "not_applied_invalid_since"
     #: A batch matched, but the output holds more updates than what it would replace.
     NOT_APPLIED_TOO_MANY_UPDATES = "not_applied_too_many_updates"

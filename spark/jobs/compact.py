@@ -9,16 +9,20 @@ answered on the driver by persist's own :class:`persist.Compactor`. A large one
    :func:`persist.read_batches` does) and emits Arrow batches;
 2. the rows are hash-partitioned by the key columns (``repartition``), so that every
    update of one key lands in one task;
-3. each task advances times to the request's since, consolidates
-   (:func:`persist.consolidation.consolidate`), writes its rows as one sorted run of parts to the
-   blob store and returns the part references;
-4. the driver assembles one hollow batch with the request's description, one run per task
+3. each task advances times to the merge's since (the later of the request's and the
+   since of the committed state version the driver read,
+   :func:`persist.spine_merge.merge_output_desc`, as persist's compactor does),
+   consolidates (:func:`persist.consolidation.consolidate`), writes its rows as one
+   sorted run of parts to the blob store and returns the part references;
+4. the driver assembles one hollow batch with the request's lower and upper and that
+   since, one run per task
    (the runs hold disjoint keys, so the batch is consolidated), and swaps it into the trace
    by compare-and-set (``apply_merge_res``); an output that is not applied (the trace moved
    on) is deleted unless the latest state references it.
 
 Invariants: a merge never changes what any readable ``as_of`` sees (the output holds the
-inputs' updates with times advanced to the request's since, consolidated); parts of a
+inputs' updates with times advanced to the merge's since, ``<=`` the shard's since at
+apply time, consolidated); parts of a
 failed merge are garbage for GC, never referenced; the trace is only changed by
 compare-and-set.
 
@@ -164,6 +168,7 @@ def _spark_merge(
 
     from persist import HollowBatch
     from persist.parts import updates_schema
+    from persist.spine_merge import merge_output_desc
     from spark.persist_common import arrow_to_spark
 
     st = machine.state()
@@ -174,7 +179,10 @@ def _spark_merge(
     # Parts are conformed to the newest schema version before consolidating, and the
     # output records it (persist's compaction).
     schemas = (st.schemas(), st.schemas().newest)
-    since = req.desc.since.as_option()
+    # Consolidated at the since of the committed version in hand, as persist's compactor
+    # does (merge_output_desc); the output's description carries it.
+    desc = merge_output_desc(req, st.since)
+    since = desc.since.as_option()
     # One input row per part: the part's hollow batch slice, as JSON.
     pieces = [
         json.dumps(HollowBatch(i.batch.desc, (p,), p.rows).to_json())
@@ -221,7 +229,7 @@ def _spark_merge(
             runs.append(len(parts))
         parts.extend(refs)
     rows_out = sum(p.rows for p in parts)
-    out = HollowBatch(req.desc, tuple(parts), rows_out, tuple(runs))
+    out = HollowBatch(desc, tuple(parts), rows_out, tuple(runs))
     applied = _apply(client, machine, out)
     return applied, rows_in, rows_out, sum(p.encoded_size_bytes for p in parts)
 

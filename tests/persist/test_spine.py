@@ -36,6 +36,7 @@ from persist.spine import (
     SpineMetrics,
     Trace,
 )
+from persist.spine_merge import merge_output_desc
 from persist.types import Description, HollowBatch, PartRef
 from stash import Antichain
 from tests.reliability.campaign import runs
@@ -480,7 +481,7 @@ def test_without_a_compactor_spine_batches_stay_logarithmic() -> None:
 
 # --------------------------------------------------------------------------- hypothesis
 
-MODES = ["faithful", "consolidated", "oversized", "later_since", "subset"]
+MODES = ["faithful", "consolidated", "oversized", "later_since", "subset", "state_since"]
 
 
 class SpineMachine(RuleBasedStateMachine):
@@ -550,14 +551,14 @@ class SpineMachine(RuleBasedStateMachine):
         for req in chosen:
             mode = data.draw(st.sampled_from(MODES))
             total = sum(i.batch.len for i in req.inputs)
-            if mode == "subset":
+            if mode in ("subset", "state_since"):
                 a = data.draw(st.integers(0, len(req.inputs) - 1))
                 b = data.draw(st.integers(a, len(req.inputs) - 1))
                 ins = req.inputs[a : b + 1]
                 d = Description(ins[0].batch.desc.lower, ins[-1].batch.desc.upper, req.desc.since)
                 req = FueledMergeReq(d, ins)
                 total = sum(i.batch.len for i in ins)
-                mode = "faithful"
+                mode = "faithful" if mode == "subset" else mode
             n = total
             if mode == "consolidated":
                 n = data.draw(st.integers(0, total))
@@ -570,11 +571,20 @@ class SpineMachine(RuleBasedStateMachine):
                     req.desc.lower, req.desc.upper, EMPTY if s is None else A(s + 1)
                 )
                 res = FueledMergeRes(HollowBatch(later, res.output.parts, n))
+            elif mode == "state_since":
+                # Consolidated at the trace's since (a compactor's committed state).
+                out = merge_output_desc(req, self.trace.since)
+                res = FueledMergeRes(HollowBatch(out, res.output.parts, n))
             before = self.trace.copy()
             updates_before = self.trace.num_updates()
             result = self.trace.apply_merge_res(res)
             assert self.shadow.apply_merge_res(res) is result
             event(f"{mode} -> {result.name}")
+            # The since is judged against the trace's, not the matched batch's.
+            since_ok = res.output.desc.since <= self.trace.since
+            assert (result is ApplyMergeResult.NOT_APPLIED_INVALID_SINCE) == (
+                not since_ok and result is not ApplyMergeResult.NOT_APPLIED_NO_MATCH
+            ), (mode, result)
             if not result.applied():
                 assert self.trace == before
             if mode == "oversized":
@@ -655,7 +665,10 @@ TestSpineMachine = pytest.mark.sized(SpineMachine.TestCase)
 )
 def test_long_random_runs_stay_valid(ops: list[tuple[int, int, float]]) -> None:
     """Deeper spines than the state machine reaches: long runs of pushes, a moving since
-    and a compactor answering each request with probability ``p`` (later, in order)."""
+    and a compactor answering each request with probability ``p`` (later, in order),
+    consolidating at the trace's since when it answers (as persist's compactor does with
+    the since of the committed state it reads): every answer whose bounds still match
+    applies, whatever since its merge began at."""
     t = Trace()
     backlog: list[FueledMergeReq] = []
     rows = 0
@@ -668,7 +681,10 @@ def test_long_random_runs_stay_valid(ops: list[tuple[int, int, float]]) -> None:
         keep = []
         for j, req in enumerate(backlog):
             if (j * 7919 + i) % 100 < p * 100:
-                t.apply_merge_res(answer(req))
+                res = answer(req)
+                out = HollowBatch(merge_output_desc(req, t.since), res.output.parts, res.output.len)
+                r = t.apply_merge_res(FueledMergeRes(out))
+                assert r is not ApplyMergeResult.NOT_APPLIED_INVALID_SINCE, (req.desc, t.since)
             else:
                 keep.append(req)
         backlog = keep[-20:]

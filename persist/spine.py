@@ -41,12 +41,12 @@ stored in the shard state by one process behaves identically when loaded by anot
 Differences from Materialize's persist, on purpose: errors are ``ValueError`` s rather than panics
 and are raised before anything changes; ``downgrade_since`` refuses to move the since
 backwards and ``push_batch`` refuses a batch whose since is beyond the trace's since (both
-would break the since invariant); ``apply_merge_res`` accepts an output consolidated at any since up to the trace's (the since
-of the committed state the compactor read, see :func:`persist.spine_merge.merge_output_desc`;
-Materialize's accepts one up to the matched batch's) and reports ``NOT_APPLIED_INVALID_SINCE``
-for one beyond it (Materialize's checked the since before matching and so could only ever
-report no match); the JSON form
-stores every batch with an id (no legacy, id-less batches).
+would break the since invariant); ``apply_merge_res`` accepts an output consolidated at
+any since up to the trace's (the since of the committed state the compactor read, see
+:func:`persist.spine_merge.merge_output_desc`; Materialize's accepts one up to the matched
+batch's) and reports ``NOT_APPLIED_INVALID_SINCE`` for one beyond it (Materialize's checked
+the since before matching and so could only ever report no match); the JSON form stores
+every batch with an id (no legacy, id-less batches).
 
 The Spine is three modules: this one holds the :class:`Trace`; :mod:`persist.spine_merge`
 the merge requests and results it hands out and takes back (re-exported here, so

@@ -17,8 +17,9 @@ count and the sums of ``dep_delay`` and ``arr_delay``, weighted by ``_diff`` for
 persist reads), collected to the driver; Parquet reads the snapshot's rows written by
 ``df.write.parquet``. ``to_df`` runs twice per round: as a table read again (its planning
 client kept, the direct parts' decoded row groups cached, :mod:`spark.native_merge`), and
-cold, as a first read (cache cleared, a new client). Contenders are interleaved; medians and the (min, max) spread of the
-per-round ratios are reported, with the machine's load average before and after.
+cold, as a first read (cache cleared, a new client). Contenders are interleaved; medians
+and the (min, max) spread of the per-round ratios are reported, with the machine's load
+average before and after.
 
 Invariant: every contender's result equals ``spark.read.parquet``'s (checked once,
 untimed); a mismatch fails the section.
@@ -122,6 +123,36 @@ def _agg(df: Any, weighted: bool) -> list[tuple[Any, ...]]:
     return sorted((r["carrier"], int(r["n"]), r["dep"], r["arr"]) for r in rows)
 
 
+def _against_parquet(
+    res: BenchResults,
+    sm: dict[str, list[float]],
+    what: str,
+    subject: str,
+    label: str,
+    limit: float | None = None,
+) -> Any:
+    """Record ``subject``'s slowdown against ``spark.read.parquet`` (with a goal of at most
+    ``limit``, if given) and return the record."""
+    return res.add(
+        ratio_record(
+            "Spark reads through PersistTable",
+            f"read-and-aggregate of flights {what}: {label} vs spark.read.parquet",
+            subject=subject,
+            subject_samples=sm[subject],
+            reference=PARQUET,
+            reference_samples=sm[PARQUET],
+            measure="slowdown",
+            goal=None if limit is None else Goal("<=", limit),
+        )
+    )
+
+
+def _spread_of(rec: Any) -> str:
+    """A ratio with its (min-max) spread."""
+    lo, hi = rec.spread or (0.0, 0.0)
+    return f"{fmt_num(rec.value)} ({fmt_num(lo)}-{fmt_num(hi)})"
+
+
 def run_table_section(res: BenchResults, s: Any, root: Path, rounds: int) -> None:
     """The ``table`` section (see the module docstring)."""
     from spark.table import PersistTable
@@ -188,49 +219,17 @@ def run_table_section(res: BenchResults, s: Any, root: Path, rounds: int) -> Non
         if shard == "compacted":
             contenders[FLOOR] = timed(floor)
         sm = interleave(contenders, rounds, warmup=1, log=res.log)
-        rec = res.add(
-            ratio_record(
-                "Spark reads through PersistTable",
-                f"read-and-aggregate of flights {what}: to_df vs spark.read.parquet",
-                subject=NATIVE,
-                subject_samples=sm[NATIVE],
-                reference=PARQUET,
-                reference_samples=sm[PARQUET],
-                measure="slowdown",
-                goal=Goal("<=", goal),
-            )
-        )
-        cold_rec = res.add(
-            ratio_record(
-                "Spark reads through PersistTable",
-                f"read-and-aggregate of flights {what}: to_df cold (first read) vs "
-                "spark.read.parquet",
-                subject=COLD,
-                subject_samples=sm[COLD],
-                reference=PARQUET,
-                reference_samples=sm[PARQUET],
-                measure="slowdown",
-            )
-        )
-        cold_spread = cold_rec.spread or (0.0, 0.0)
-        src = ratio_record(
-            "Spark reads through PersistTable",
-            f"read-and-aggregate of flights {what}: format(persist) vs spark.read.parquet",
-            subject=SOURCE,
-            subject_samples=sm[SOURCE],
-            reference=PARQUET,
-            reference_samples=sm[PARQUET],
-            measure="slowdown",
-        )
-        res.add(src)
-        spread = rec.spread or (0.0, 0.0)
+        rec = _against_parquet(res, sm, what, NATIVE, "to_df", goal)
+        cold_rec = _against_parquet(res, sm, what, COLD, "to_df cold (first read)")
+        src = _against_parquet(res, sm, what, SOURCE, "format(persist)")
+
         out_rows.append(
             [
                 what,
                 fmt_num(median(sm[PARQUET])),
                 fmt_num(median(sm[NATIVE])),
-                f"{fmt_num(rec.value)} ({fmt_num(spread[0])}-{fmt_num(spread[1])})",
-                f"{fmt_num(cold_rec.value)} ({fmt_num(cold_spread[0])}-{fmt_num(cold_spread[1])})",
+                _spread_of(rec),
+                _spread_of(cold_rec),
                 fmt_num(median(sm[SOURCE])),
                 fmt_num(src.value),
                 fmt_num(median(sm[FLOOR])) if FLOOR in sm else "",

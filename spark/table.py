@@ -92,9 +92,9 @@ class PersistTable:
         self.shard = shard
         self.stash_url = stash_url
         self.blob_uri = blob_uri
-        self._lock = threading.Lock()
-        self._kept: contextlib.ExitStack | None = None
+        self._lock = threading.Lock()  # guards the planning client (see close)
         self._kept_client: Any = None
+        self._finalizer: weakref.finalize | None = None
 
     def __enter__(self) -> PersistTable:
         return self
@@ -104,21 +104,20 @@ class PersistTable:
 
     def close(self) -> None:
         """Close the client the table keeps for planning reads (a later read opens a
-        new one)."""
+        new one). A read being planned in another thread finishes first."""
         with self._lock:
-            kept, self._kept, self._kept_client = self._kept, None, None
-        if kept is not None:
-            kept.close()
+            fin, self._finalizer, self._kept_client = self._finalizer, None, None
+            if fin is not None:
+                fin()
 
     def _planning_client(self) -> Any:
-        """The client kept for planning native reads, opened on first use."""
-        with self._lock:
-            if self._kept_client is None:
-                stack = contextlib.ExitStack()
-                self._kept_client = stack.enter_context(persist_client(self.target))
-                self._kept = stack
-                weakref.finalize(self, stack.close)
-            return self._kept_client
+        """The client kept for planning native reads, opened on first use; the caller
+        holds ``self._lock``."""
+        if self._kept_client is None:
+            stack = contextlib.ExitStack()
+            self._kept_client = stack.enter_context(persist_client(self.target))
+            self._finalizer = weakref.finalize(self, stack.close)
+        return self._kept_client
 
     def __repr__(self) -> str:
         return f"PersistTable({self.shard!r})"
@@ -263,13 +262,14 @@ class PersistTable:
         prefix, why = blob_paths_root(self.spark, self.blob_uri)
         if prefix is None:
             return None, why
-        c = self._planning_client()
-        st = self._state(c)
-        keys, values = st.key_schema, st.value_schema
-        reason = type_reason(keys, (st.schemas(), 0))
-        if reason is not None:
-            return None, reason
-        plan = plan_snapshot(c, self.shard, keys, values, as_of, auto=not force)
+        with self._lock:  # one plan at a time on the kept client; close() waits
+            c = self._planning_client()
+            st = self._state(c)
+            keys, values = st.key_schema, st.value_schema
+            reason = type_reason(keys, (st.schemas(), 0))
+            if reason is not None:
+                return None, reason
+            plan = plan_snapshot(c, self.shard, keys, values, as_of, auto=not force)
         if plan.declined is not None:
             return None, plan.declined
         log.debug("shard %s at %s: %s", self.shard, plan.as_of, plan.summary())

@@ -220,7 +220,9 @@ def test_the_kept_planning_client_sees_other_processes_commits(
             w.expire(); r.expire(); c.close()
         """
     )
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     with table.client() as c:
         upper = c.inspect("t").upper.as_option()
@@ -231,6 +233,34 @@ def test_the_kept_planning_client_sees_other_processes_commits(
     assert collected(table.to_df(path="native")) == got
     with table as t:
         assert collected(t.to_df(path="native")) == got
+
+
+def test_threads_share_a_table_while_one_closes_it(table: Any, spark_store: Any) -> None:
+    """Threads read one table natively while another closes its planning client again
+    and again: every read gives the snapshot, none fails on a client closed under it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    want = snapshot(spark_store, 5)
+    stop = False
+
+    def closer() -> int:
+        n = 0
+        while not stop:
+            table.close()
+            n += 1
+        return n
+
+    def read(_i: int) -> Counter:
+        return collected(table.to_df(as_of=5, path="native"))
+
+    with ThreadPoolExecutor(4) as pool:
+        closing = pool.submit(closer)
+        try:
+            got = list(pool.map(read, range(6)))
+        finally:
+            stop = True
+        assert closing.result() > 0
+    assert all(g == want for g in got)
 
 
 def test_columns_and_filters_reach_both_paths(table: Any, spark_store: Any) -> None:

@@ -55,6 +55,10 @@ class RowGroupCache:
         max_bytes: the bound (bytes); a table larger than it is not kept; ``0`` keeps
             nothing.
 
+    Attributes:
+        hits, misses: :meth:`get` calls answered and not answered since the last
+            :meth:`clear`.
+
     Thread-safe: one lock guards the map; decoding happens outside it.
     """
 

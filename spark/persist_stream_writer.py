@@ -214,8 +214,11 @@ def _peek_record(stash: Any, coll: Any, key: str) -> dict[str, Any] | None:
 
     try:
         value = stash.peek_key_one(coll, key)
-    except PeekSinceUpperError:
-        if stash.upper(coll).as_option() == 0:  # never written
+    except PeekSinceUpperError as e:
+        # Decided on the upper the peek read: a second read of the upper may see
+        # another driver's record appended since, which the caller's batch (made
+        # before this read) then fails to follow, so its attempt is retried.
+        if e.never_written():
             return None
         raise
     return None if value is None else dict(value)

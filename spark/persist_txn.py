@@ -588,7 +588,9 @@ class PersistTxn:
         if known is None:
             try:
                 initial = self.stash.peek_one(coll)
-            except PeekSinceUpperError:
+            except PeekSinceUpperError as e:
+                if not e.never_written():  # sealed but unreadable: not "empty"
+                    raise
                 initial = {}
             tx: TableTransaction[str, Any] = TableTransaction(initial, uniqueness)
             batch = None

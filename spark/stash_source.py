@@ -134,8 +134,8 @@ def read_collection(url: str, name: str) -> _Snapshot:
         try:
             ts = s.peek_timestamp(found)
             entries = s.peek(found)
-        except PeekSinceUpperError:
-            if s.upper(found).as_option() == 0:
+        except PeekSinceUpperError as e:
+            if e.never_written():  # on the version the peek read, not a second read
                 return _Snapshot([], -1, kname, vname)
             raise
         return _Snapshot(entries, ts, kname, vname)

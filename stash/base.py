@@ -489,7 +489,9 @@ class Stash(abc.ABC):
     def _peek_ts(cid: int, since: int | None, upper: int | None) -> int:
         s, u = _ac(since), _ac(upper)
         if u <= s:
-            raise PeekSinceUpperError(f"collection {cid} since {s} is not less than upper {u}")
+            raise PeekSinceUpperError(
+                f"collection {cid} since {s} is not less than upper {u}", since=s, upper=u
+            )
         if upper is None:
             return I64_MAX
         return upper - 1

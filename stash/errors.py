@@ -56,7 +56,26 @@ class IndeterminateError(StashError):
 
 
 class PeekSinceUpperError(StashError):
-    """A peek was asked of a collection whose since is not less than its upper."""
+    """A peek was asked of a collection whose since is not less than its upper.
+
+    Attributes:
+        since: the collection's since in the state version the peek read (an
+            ``Antichain``; ``None`` when not known).
+        upper: the collection's upper in that same version (an ``Antichain``):
+            ``{0}`` means nothing was ever appended.  Decide on these, not on a second
+            read, which may see another writer's later append.
+    """
+
+    def __init__(self, message: str, since: object = None, upper: object = None) -> None:
+        super().__init__(message)
+        self.since = since
+        self.upper = upper
+
+    def never_written(self) -> bool:
+        """Whether the peek read a collection nothing was ever appended to (upper
+        ``{0}``)."""
+        as_option = getattr(self.upper, "as_option", None)
+        return as_option is not None and as_option() == 0
 
 
 class AppendLowerMismatch(StashError):

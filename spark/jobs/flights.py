@@ -277,7 +277,9 @@ def load_catalog(
                         coll = s.collection(name, key="str", value="json")
                         try:
                             initial = s.peek_one(coll)
-                        except PeekSinceUpperError:
+                        except PeekSinceUpperError as e:
+                            if not e.never_written():
+                                raise  # sealed but unreadable is not "empty"
                             initial = {}  # never sealed: empty
                         tx: TableTransaction[str, Any] = TableTransaction(initial, unique)
                         rows = dict(_records(frames[name], key_col))

@@ -336,6 +336,39 @@ def test_racing_commits_of_one_micro_batch_land_once(spark_store: Any) -> None:
     assert _referenced(spark_store)  # the parts were blobs, not inline
 
 
+def test_a_record_committed_between_the_peek_and_a_second_read_is_a_lost_race(
+    spark_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first commit of a stream peeks an empty record collection; another driver's
+    record lands right after that peek.  The decision stays on the version the peek
+    read (nothing committed yet), so the commit loses the race on its record batch's
+    lower, retries, sees the other record and adds nothing.  (Deciding on a second
+    read of the upper raised ``PeekSinceUpperError`` to Spark instead.)"""
+    from stash import PeekSinceUpperError, Stash
+
+    ckpt = spark_store.root / "ckpt"
+    first, second = _writer(spark_store, ckpt), _writer(spark_store, ckpt)
+    rows = [(k, "x" * 100) for k in range(3000)]
+    m_first, m_second = _task(first, rows), _task(second, rows)
+    real = Stash.peek_key_one
+    raced: list[bool] = []
+
+    def peek_then_race(self: Any, coll: Any, key: Any) -> Any:
+        try:
+            return real(self, coll, key)
+        except PeekSinceUpperError:
+            if not raced:
+                raced.append(True)
+                second.commit([m_second], 0)  # lands between the peek and the decision
+            raise
+
+    monkeypatch.setattr(Stash, "peek_key_one", peek_then_race)
+    first.commit([m_first], 0)
+    assert raced
+    assert _snapshot(spark_store) == Counter((k, v, 1) for k, v in rows)
+    assert _stray_parts(spark_store) == set()
+
+
 def _stray_parts(store: Any) -> set[str]:
     """Blob keys of parts the shard does not reference."""
     from spark.persist_common import ShardTarget, persist_client

@@ -40,6 +40,9 @@ def test_new_collection_is_empty_with_zero_frontiers(stash: Stash) -> None:
     with pytest.raises(PeekSinceUpperError) as e:
         stash.peek(c)
     assert err(e) == f"stash error: collection {c.id} since {{0}} is not less than upper {{0}}"
+    # The frontiers the peek read travel with the error, so a caller decides on them.
+    assert (e.value.since, e.value.upper) == (A(0), A(0))
+    assert e.value.never_written()
 
 
 def test_collection_handles_share_state(open_stash) -> None:  # type: ignore[no-untyped-def]
@@ -189,6 +192,8 @@ def test_compact_batch_and_empty_since(stash: Stash) -> None:
     with pytest.raises(PeekSinceUpperError) as e2:
         stash.peek(c)
     assert err(e2) == f"stash error: collection {c.id} since {{}} is not less than upper {{}}"
+    assert (e2.value.since, e2.value.upper) == (EMPTY, EMPTY)
+    assert not e2.value.never_written()
     stash.consolidate(c)
 
 

@@ -34,7 +34,7 @@ Invariant: direct parts + tail, combined as :mod:`spark.native_read` does, is ex
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,12 +106,15 @@ class NativePlan:
         declined: why an ``auto`` plan leaves the read to the Python path, or ``None``.
         merged: when the driver merged the touched parts with the tail
             (:func:`merge_on_driver`), the snapshot's rows of every tail key (the tail
-            and the touched parts' rows of those keys, consolidated), plus a marker row
-            with ``_diff`` 0 for each tail key that has none, so its key column hold
-            every tail key; Spark then reads the direct parts without the rows of those
-            keys and adds the rows of ``merged`` whose ``_diff`` is not 0; ``None``:
-            Spark merges.
+            and the touched parts' rows of those keys, consolidated: no ``_diff`` is 0);
+            Spark then reads the direct parts without the rows of ``tail_keys`` and adds
+            these; ``None``: Spark merges.
         tail_keys: the tail's distinct keys (key columns), when the driver merged.
+        identity: everything the plan was made from: the read time, the schema history
+            and the listed batches (frozen dataclasses naming each part by blob key or
+            inline bytes, checksum and statistics). Two reads with equal identities
+            read the same rows, whatever versions of the state they listed (a lease
+            or GC bookkeeping version changes no batch).
     """
 
     as_of: int | None
@@ -125,6 +128,7 @@ class NativePlan:
     declined: str | None = None
     merged: pa.Table | None = None
     tail_keys: pa.Table | None = None
+    identity: Hashable = None
 
     def summary(self) -> str:
         touched = sum(1 for p in self.direct if p.touched)
@@ -181,6 +185,7 @@ def plan_snapshot(
     as_of: int | None,
     *,
     auto: bool = False,
+    reuse: NativePlan | None = None,
 ) -> NativePlan:
     """Plan the snapshot of ``shard`` at ``as_of`` (default: as
     :func:`spark.persist_planning.resolve_as_of`) for a native read, on one state version
@@ -190,7 +195,11 @@ def plan_snapshot(
     reader lease (the client's ``reader_lease_seconds``), the time Spark has to read them.
     With ``auto``, a plan no better than the Python path (no direct part, or a tail of
     more than :data:`TAIL_MAX_SHARE` of the bytes and :data:`TAIL_MIN_BYTES`) is
-    declined before the tail is read: its ``declined`` says why.
+    declined before the tail is read: its ``declined`` says why. When ``reuse``, an
+    earlier plan, has the identity of this read (:attr:`NativePlan.identity`, computed
+    on the state version just listed), it is returned as it is, after the reader is
+    detached as for a new plan: its tail is not read or merged again (as delta-spark's
+    ``DeltaLog.update`` returns the cached ``Snapshot`` of an unchanged table version).
 
     Raises:
         spark.persist_common.PersistSourceError: ``as_of`` before the since or not
@@ -209,6 +218,10 @@ def plan_snapshot(
         history = read.read_schemas()
         view = history[0].view_schema(history[1])
         batches = prune_batches(read.snapshot_batches(t), view, t, None, history)
+        identity = (t, history, tuple(batches), auto)
+        if reuse is not None and reuse.identity == identity:
+            read.detach()
+            return reuse
         plan = _split(batches, key_schema, history, t)
         tail_batches = []
         for b, idx in plan.pop("tail"):
@@ -220,6 +233,7 @@ def plan_snapshot(
             tail_parts=sum(len(b.parts) for b in tail_batches),
             tail_bytes=sum(p.encoded_size_bytes for b in tail_batches for p in b.parts),
             total_bytes=plan["bytes"],
+            identity=identity,
         )
         out.direct = plan["direct"]
         if auto and out.tail_parts:
@@ -276,20 +290,7 @@ def merge_on_driver(plan: NativePlan, blob: Any, key_schema: pa.Schema, blob_id:
         [rows.column(f.name).cast(f.type) for f in tail.schema], schema=tail.schema
     )
     values = hist.versions[dst].names
-    merged = consolidate(pa.concat_tables([rows, tail]), names, values, since=plan.as_of)
-    # A tail key none of whose rows survive gets a marker row (a row of the tail with that
-    # key, ``_diff`` 0): Spark then takes every tail key from this one table.
-    both = key_ranks(pa.concat_tables([merged.select(names), plan.tail_keys]), names)
-    n = merged.num_rows
-    lost = np.flatnonzero(~np.isin(both[n:], both[:n]))
-    if len(lost):
-        marks = tail.take(pa.array(first[lost]))
-        for name, value in ((DIFF, 0), (TIME, plan.as_of)):
-            i = marks.schema.get_field_index(name)
-            column = pa.array(np.full(len(lost), value, np.int64))
-            marks = marks.set_column(i, marks.schema.field(i), column)
-        merged = pa.concat_tables([merged, marks.cast(merged.schema)])
-    plan.merged = merged
+    plan.merged = consolidate(pa.concat_tables([rows, tail]), names, values, since=plan.as_of)
 
 
 def _split(

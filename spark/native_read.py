@@ -15,7 +15,7 @@ and consolidates on the driver. This module turns that plan into one DataFrame:
   are. The touched parts' rows of tail keys are merged with the tail on the driver
   (:func:`spark.native_plan.merge_on_driver`) and the direct parts are read through a
   broadcast left-anti join on the tail's keys (null-safe when a tail key has a null),
-  plus the merged rows; keys and merged rows come from one local relation: one scan, no
+  plus the merged rows; keys and merged rows are two small local relations: one scan, no
   shuffle. Beyond
   :data:`spark.native_plan.DRIVER_MERGE_MAX_BYTES` of touched parts, Spark merges them
   instead: their rows of tail keys (a broadcast left-semi join) are unioned with the
@@ -212,6 +212,9 @@ def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str
     """The snapshot of ``plan`` as a DataFrame (see the module docstring); ``prefix``
     from :func:`blob_paths_root`."""
     from pyspark.sql import functions as F
+    from pyspark.sql.types import StructType
+
+    from spark.persist_reader import _to_output
 
     schema = output_schema(key_schema, plan.history)
     names = schema.fieldNames()
@@ -221,17 +224,22 @@ def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str
     touched = [p for p in plan.direct if p.touched]
     pieces: list[Any] = []
     if plan.merged is not None:
-        # One local relation holds the merged rows and every tail key (marker rows have
-        # ``_diff`` 0); one scan of every direct part: rows of untouched parts never hold
-        # a tail key, so the anti-join keeps them all, and one scan costs less than two.
+        # Two small local relations: the tail's keys (the broadcast side of the
+        # anti-join) and the merged rows (a union). One relation used on both sides
+        # costs more: Spark's analyzer copies and hashes its rows for each use.
         assert plan.tail_keys is not None
-        local = _local_df(spark, plan.merged, schema)
         if plan.direct:
             every = _direct_df(spark, plan, prefix, plan.direct)
-            keys = local.select(*key_schema.names)
+            key_fields = StructType([schema[k] for k in key_schema.names])
+            keys = spark.createDataFrame(
+                _to_output(plan.tail_keys, key_fields, None, None), schema=key_fields
+            )
             nulls = any(c.null_count for c in plan.tail_keys.columns)
             pieces.append(_without_keys(every, keys, key_schema, nulls))
-        pieces.append(local.where(F.col(DIFF) != 0))
+        if plan.merged.num_rows:
+            pieces.append(_local_df(spark, plan.merged, schema))
+        if not pieces:
+            return spark.createDataFrame([], schema)
     elif plan.tail is None:
         pieces.append(_direct_df(spark, plan, prefix, plan.direct))
     else:

@@ -85,6 +85,13 @@ class PersistTable:
     the shard's state machine) instead of opening one per read; every plan still starts
     from the committed state (it registers a reader by compare-and-set). :meth:`close`
     (or leaving a ``with`` block, or the table being garbage collected) closes it.
+
+    The table also keeps its last native plan and DataFrame: a read whose plan has the
+    same identity (:attr:`spark.native_plan.NativePlan.identity`: read time, schemas
+    and the batches listed from the state version just read) returns that DataFrame
+    again instead of reading the tail and building the plan anew, as delta-spark's
+    ``DeltaLog`` keeps the ``Snapshot`` of an unchanged table version. Any change of
+    data, frontier or schema in the state makes a new plan.
     """
 
     def __init__(self, spark: SparkSession, shard: str, stash_url: str, blob_uri: str) -> None:
@@ -95,6 +102,7 @@ class PersistTable:
         self._lock = threading.Lock()  # guards the planning client (see close)
         self._kept_client: Any = None
         self._finalizer: weakref.finalize | None = None
+        self._last: tuple[Any, DataFrame] | None = None  # (NativePlan, its DataFrame)
 
     def __enter__(self) -> PersistTable:
         return self
@@ -107,6 +115,7 @@ class PersistTable:
         new one). A read being planned in another thread finishes first."""
         with self._lock:
             fin, self._finalizer, self._kept_client = self._finalizer, None, None
+            self._last = None
             if fin is not None:
                 fin()
 
@@ -269,11 +278,19 @@ class PersistTable:
             reason = type_reason(keys, (st.schemas(), 0))
             if reason is not None:
                 return None, reason
-            plan = plan_snapshot(c, self.shard, keys, values, as_of, auto=not force)
-        if plan.declined is not None:
-            return None, plan.declined
-        log.debug("shard %s at %s: %s", self.shard, plan.as_of, plan.summary())
-        return snapshot_df(self.spark, plan, keys, prefix), ""
+            last = self._last
+            plan = plan_snapshot(
+                c, self.shard, keys, values, as_of, auto=not force, reuse=last and last[0]
+            )
+            if plan.declined is not None:
+                return None, plan.declined
+            if last is not None and plan is last[0]:
+                log.debug("shard %s at %s: the last plan again", self.shard, plan.as_of)
+                return last[1], ""
+            log.debug("shard %s at %s: %s", self.shard, plan.as_of, plan.summary())
+            df = snapshot_df(self.spark, plan, keys, prefix)
+            self._last = (plan, df)
+        return df, ""
 
     def _python(self, as_of: int | None) -> DataFrame:
         from spark.formats import register

@@ -235,6 +235,57 @@ def test_the_kept_planning_client_sees_other_processes_commits(
         assert collected(t.to_df(path="native")) == got
 
 
+def test_an_unchanged_shard_reuses_its_plan_and_every_change_makes_a_new_one(
+    table: Any, spark_store: Any
+) -> None:
+    """A read whose plan has the last one's identity (read time, schemas, listed
+    batches) returns the last DataFrame: lease-only versions change none of them.  New
+    data, a compaction, a schema version or another ``as_of`` make a new plan, decided
+    on the state version just read; the reused plan still registers a reader, so GC
+    spares its parts while Spark reads them."""
+    first = table.to_df(path="native")
+    assert table.to_df(path="native") is first
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        c = PersistClient(s, spark_store.blob_uri, compaction="off")
+        try:
+            st = c.inspect("t")
+            upper = int(st.upper.as_option())
+            c.open_reader("t", st.key_schema, st.value_schema).expire()  # lease versions
+            readers = set(c.inspect("t").readers)
+            assert table.to_df(path="native") is first
+            assert set(c.inspect("t").readers) - readers, "the reused plan registered no reader"
+            assert collected(first) == snapshot(spark_store, upper - 1)
+            older = table.to_df(as_of=upper - 2, path="native")
+            assert older is not first
+            assert collected(older) == snapshot(spark_store, upper - 2)
+            assert table.to_df(path="native") is not older  # the last plan is the older one
+
+            w, r = c.open("t", st.key_schema, st.value_schema)
+            w.upsert(
+                pa.table(
+                    {"k": [5, 999], "v": ["x", "y"], "w": [1, 2], "x": [0.5, 1.5]},
+                    schema=pa.schema(list(st.key_schema) + list(st.value_schema)),
+                )
+            )
+            appended = table.to_df(path="native")
+            assert collected(appended) == snapshot(spark_store, upper) != collected(first)
+
+            r.downgrade_since(upper)
+            c.compactor.compact_once("t")
+            compacted = table.to_df(path="native")
+            assert compacted is not appended
+            assert collected(compacted) == collected(appended)
+
+            v3 = pa.schema([*st.value_schema, ("y", pa.string())])
+            w3 = c.open_writer("t", st.key_schema, v3)  # a schema version, no data
+            evolved = table.to_df(path="native")
+            assert "y" in evolved.columns and "y" not in compacted.columns
+            for h in (w, r, w3):
+                h.expire()
+        finally:
+            c.close()
+
+
 def test_threads_share_a_table_while_one_closes_it(table: Any, spark_store: Any) -> None:
     """Threads read one table natively while another closes its planning client again
     and again: every read gives the snapshot, none fails on a client closed under it."""

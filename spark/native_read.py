@@ -224,9 +224,11 @@ def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str
     touched = [p for p in plan.direct if p.touched]
     pieces: list[Any] = []
     if plan.merged is not None:
-        # Two small local relations: the tail's keys (the broadcast side of the
-        # anti-join) and the merged rows (a union). One relation used on both sides
-        # costs more: Spark's analyzer copies and hashes its rows for each use.
+        # Two small local relations, of one partition each (one task, not one per
+        # core, to broadcast the keys and to scan the merged rows): the tail's keys (the
+        # broadcast side of the anti-join) and the merged rows (a union). One relation
+        # used on both sides costs more: Spark's analyzer copies and hashes its rows
+        # for each use.
         assert plan.tail_keys is not None
         if plan.direct:
             every = _direct_df(spark, plan, prefix, plan.direct)
@@ -235,9 +237,9 @@ def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str
                 _to_output(plan.tail_keys, key_fields, None, None), schema=key_fields
             )
             nulls = any(c.null_count for c in plan.tail_keys.columns)
-            pieces.append(_without_keys(every, keys, key_schema, nulls))
+            pieces.append(_without_keys(every, keys.coalesce(1), key_schema, nulls))
         if plan.merged.num_rows:
-            pieces.append(_local_df(spark, plan.merged, schema))
+            pieces.append(_local_df(spark, plan.merged, schema).coalesce(1))
         if not pieces:
             return spark.createDataFrame([], schema)
     elif plan.tail is None:

@@ -16,8 +16,9 @@ Each contender runs the same query: a read-and-aggregate (``groupBy("carrier")``
 count and the sums of ``dep_delay`` and ``arr_delay``, weighted by ``_diff`` for the
 persist reads), collected to the driver; Parquet reads the snapshot's rows written by
 ``df.write.parquet``. ``to_df`` runs twice per round: as a table read again (its planning
-client kept, the direct parts' decoded row groups cached, :mod:`spark.native_merge`), and
-cold, as a first read (cache cleared, a new client). Contenders are interleaved; medians
+client kept, the direct parts' decoded row groups cached, :mod:`spark.native_merge`, and
+the unchanged shard's plan and DataFrame reused, :class:`spark.table.PersistTable`), and
+cold, as a first read (cache cleared, a new client, a new plan). Contenders are interleaved; medians
 and the (min, max) spread of the per-round ratios are reported, with the machine's load
 average before and after.
 

@@ -90,8 +90,9 @@ class PersistTable:
     same identity (:attr:`spark.native_plan.NativePlan.identity`: read time, schemas
     and the batches listed from the state version just read) returns that DataFrame
     again instead of reading the tail and building the plan anew, as delta-spark's
-    ``DeltaLog`` keeps the ``Snapshot`` of an unchanged table version. Any change of
-    data, frontier or schema in the state makes a new plan.
+    ``DeltaLog`` keeps the ``Snapshot`` of an unchanged table version. New batches (an
+    append, a compaction), a schema version or another read time make a new plan; a
+    since downgrade alone changes no row read at that time, and keeps it.
     """
 
     def __init__(self, spark: SparkSession, shard: str, stash_url: str, blob_uri: str) -> None:

@@ -1,0 +1,62 @@
+"""Read-then-write paths decide on the version they read: a commit that lands between
+the read and the write fails the write's lower check instead of writing changes
+computed against a version that is no longer the collection's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stash import Stash
+
+
+def _peek_then(monkeypatch: pytest.MonkeyPatch, race: Any) -> list[bool]:
+    """Wrap ``Stash.peek_one`` so ``race()`` runs once, right after the first peek."""
+    real = Stash.peek_one
+    raced: list[bool] = []
+
+    def peek_then_race(self: Any, coll: Any) -> Any:
+        out = real(self, coll)
+        if not raced:
+            raced.append(True)
+            race()
+        return out
+
+    monkeypatch.setattr(Stash, "peek_one", peek_then_race)
+    return raced
+
+
+def test_persist_txn_upsert_entries_loses_a_race_committed_after_its_peek(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``PersistTxn.upsert_entries`` computes its retractions against the version its
+    peek read.  Another driver sets the key right after that peek: the transaction's
+    catalog batch must fail its lower check (nothing committed), not retract a value
+    the collection no longer holds (which left the key with three values, two of them
+    at multiplicity +1, and every later ``peek_one`` failing)."""
+    from persist.txn import TxnUpperMismatch
+    from spark.persist_txn import PersistTxn
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    with PersistTxn(None, url, "memory://") as t:
+        t.upsert_entries("planes", {"N1": {"seats": 1}})
+
+    def other_driver() -> None:
+        with PersistTxn(None, url, "memory://") as other:
+            other.upsert_entries("planes", {"N1": {"seats": 2}})
+
+    t = PersistTxn(None, url, "memory://")
+    try:
+        raced = _peek_then(monkeypatch, other_driver)
+        t.upsert_entries("planes", {"N1": {"seats": 3}})
+        monkeypatch.undo()
+        assert raced
+        with pytest.raises(TxnUpperMismatch, match="planes"):
+            t.commit()
+    finally:
+        t.close()
+    with Stash.open(url, mode="readonly") as s:
+        coll = s.collection("planes", key="str", value="json")
+        assert s.peek_one(coll) == {"N1": {"seats": 2}}

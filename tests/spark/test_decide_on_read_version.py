@@ -60,3 +60,40 @@ def test_persist_txn_upsert_entries_loses_a_race_committed_after_its_peek(
     with Stash.open(url, mode="readonly") as s:
         coll = s.collection("planes", key="str", value="json")
         assert s.peek_one(coll) == {"N1": {"seats": 2}}
+
+
+def _catalog_frames(airline: str, seats: int) -> dict[str, Any]:
+    import pandas as pd
+
+    return {
+        "airlines": pd.DataFrame({"carrier": ["AA", "UA"], "name": [airline, "United"]}),
+        "airports": pd.DataFrame({"faa": ["JFK"], "lat": [40.6], "lon": [-73.8]}),
+        "planes": pd.DataFrame({"tailnum": ["N1"], "seats": [seats]}),
+    }
+
+
+def test_flights_load_catalog_retries_a_race_committed_after_its_peek(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flights job's ``load_catalog`` diffs each catalog collection against its
+    peek.  Another run of the job commits right after the first peek: the first run's
+    batch must fail its lower check and the run retry on the new version (ending with
+    its own catalog), not append retractions of values the other run replaced (which
+    left ``AA`` with three values and ``peek_one`` failing)."""
+    from spark.jobs.flights import load_catalog
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    load_catalog(url, _catalog_frames("American", 100))
+    raced = _peek_then(monkeypatch, lambda: load_catalog(url, _catalog_frames("American 2", 200)))
+    load_catalog(url, _catalog_frames("American Airlines", 300))
+    assert raced
+    with Stash.open(url, mode="readonly") as s:
+        got = {
+            name: s.peek_one(s.collection(name, key="str", value="json"))
+            for name in ("airlines", "airports", "planes")
+        }
+    assert got == {
+        "airlines": {"AA": {"name": "American Airlines"}, "UA": {"name": "United"}},
+        "airports": {"JFK": {"lat": 40.6, "lon": -73.8}},
+        "planes": {"N1": {"seats": 300}},
+    }

@@ -117,12 +117,16 @@ def read_collection(url: str, name: str) -> _Snapshot:
 
     Returns the consolidated ``[(key, value, diff)]`` (sorted by key and value), the peek
     time, and the collection's codec names. A collection that was never sealed (upper
-    ``{0}``) reads as empty at time ``-1``.
+    ``{0}``) reads as empty at time ``-1``.  The entries are those at the returned
+    time: a read the collection's upper advanced during is read again.
 
     Raises:
-        StashSourceError: the collection does not exist.
+        StashSourceError: the collection does not exist; its upper advanced during each
+            of :data:`SNAPSHOT_ATTEMPTS` reads.
         stash.StashError: the stash cannot be opened or read.
     """
+    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random
+
     from stash import PeekSinceUpperError, Stash, redact
 
     with Stash.open(url, mode="readonly") as s:
@@ -132,13 +136,39 @@ def read_collection(url: str, name: str) -> _Snapshot:
         kname = str(getattr(found.key_codec, "name", "json"))
         vname = str(getattr(found.value_codec, "name", "json"))
         try:
-            ts = s.peek_timestamp(found)
-            entries = s.peek(found)
+            for attempt in Retrying(
+                stop=stop_after_attempt(SNAPSHOT_ATTEMPTS),
+                wait=wait_random(0, 0.05),
+                retry=retry_if_exception_type(_UpperMoved),
+                reraise=True,
+            ):
+                with attempt:
+                    # Uppers only advance: the same peek time before and after the
+                    # peek is the time the peek read its entries at (a seqlock).
+                    ts = s.peek_timestamp(found)
+                    entries = s.peek(found)
+                    if s.peek_timestamp(found) != ts:
+                        raise _UpperMoved(name)
         except PeekSinceUpperError as e:
             if e.never_written():  # on the version the peek read, not a second read
                 return _Snapshot([], -1, kname, vname)
             raise
+        except _UpperMoved:
+            raise StashSourceError(
+                f"stash collection {name!r} in {redact(url)} advanced during each of "
+                f"{SNAPSHOT_ATTEMPTS} reads, so no read's entries could be given one "
+                "peek time; read it again"
+            ) from None
         return _Snapshot(entries, ts, kname, vname)
+
+
+SNAPSHOT_ATTEMPTS = 8
+"""How many times :func:`read_collection` reads a collection whose upper keeps advancing
+before it gives up."""
+
+
+class _UpperMoved(Exception):
+    """The collection's upper advanced between a snapshot's reads (retried)."""
 
 
 # ------------------------------------------------------------------ layout

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from stash import Stash
+from stash import Antichain, Stash
 
 
 def _peek_then(monkeypatch: pytest.MonkeyPatch, race: Any) -> list[bool]:
@@ -97,3 +97,43 @@ def test_flights_load_catalog_retries_a_race_committed_after_its_peek(
         "airports": {"JFK": {"lat": 40.6, "lon": -73.8}},
         "planes": {"N1": {"seats": 300}},
     }
+
+
+def test_stash_source_snapshot_time_is_the_time_its_entries_were_read_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``stash`` source's snapshot labels its entries with the peek time (the
+    ``time_column``).  Another handle appends right after the snapshot reads that time:
+    the snapshot must hold the entries of the time it reports (before: the new entry
+    came back labelled with the earlier time, at which it did not exist)."""
+    from spark.stash_source import read_collection
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    with Stash.open(url) as s:
+        c = s.collection("catalog", key="str", value="json")
+        s.update(c, ("a", 1), 0, 1)
+        s.seal(c, Antichain.from_elem(1))
+
+    def other_handle() -> None:
+        with Stash.open(url) as o:
+            oc = o.collection("catalog", key="str", value="json")
+            o.update(oc, ("b", 2), 1, 1)
+            o.seal(oc, Antichain.from_elem(2))
+
+    real = Stash.peek_timestamp
+    raced: list[bool] = []
+
+    def time_then_race(self: Any, coll: Any) -> int:
+        ts = real(self, coll)
+        if not raced:
+            raced.append(True)
+            other_handle()
+        return ts
+
+    monkeypatch.setattr(Stash, "peek_timestamp", time_then_race)
+    snap = read_collection(url, "catalog")
+    assert raced
+    assert (snap.time, snap.entries) in [
+        (0, [("a", 1, 1)]),
+        (1, [("a", 1, 1), ("b", 2, 1)]),
+    ]

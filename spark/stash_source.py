@@ -34,8 +34,9 @@ Columns (the "layout", :func:`layout`), keys first:
   fit its column (``2**70`` or ``"5"`` in a ``bigint``) raises :class:`StashSourceError`
   naming the column.
 
-Invariants: a read sees one consistent peek of the collection (one stash read
-transaction); a negative multiplicity is never silently dropped: without a diff column it
+Invariants: a read sees one consistent peek of the collection, labelled with the time
+it was read at (the peek time read before and after the peek agree, else it is read
+again); a negative multiplicity is never silently dropped: without a diff column it
 raises :class:`StashSourceError`; no value is read into a column of another side or
 field, nor rounded; the stash is only ever opened ``readonly``.
 

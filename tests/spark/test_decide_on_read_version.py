@@ -12,6 +12,14 @@ import pytest
 from stash import Antichain, Stash
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def stash_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A new stash: a SQLite file, or a migrated database on the test Postgres server."""
+    from tests.support.dbutil import backend_url
+
+    return backend_url(request, request.param, tmp_path)
+
+
 def _peek_then(monkeypatch: pytest.MonkeyPatch, race: Any) -> list[bool]:
     """Wrap ``Stash.peek_one`` so ``race()`` runs once, right after the first peek."""
     real = Stash.peek_one
@@ -29,7 +37,7 @@ def _peek_then(monkeypatch: pytest.MonkeyPatch, race: Any) -> list[bool]:
 
 
 def test_persist_txn_upsert_entries_loses_a_race_committed_after_its_peek(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stash_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``PersistTxn.upsert_entries`` computes its retractions against the version its
     peek read.  Another driver sets the key right after that peek: the transaction's
@@ -39,7 +47,7 @@ def test_persist_txn_upsert_entries_loses_a_race_committed_after_its_peek(
     from persist.txn import TxnUpperMismatch
     from spark.persist_txn import PersistTxn
 
-    url = f"sqlite:///{tmp_path}/s.db"
+    url = stash_url
     with PersistTxn(None, url, "memory://") as t:
         t.upsert_entries("planes", {"N1": {"seats": 1}})
 

@@ -145,3 +145,56 @@ def test_stash_source_snapshot_time_is_the_time_its_entries_were_read_at(
         (0, [("a", 1, 1)]),
         (1, [("a", 1, 1), ("b", 2, 1)]),
     ]
+
+
+def test_compact_job_keeps_the_retired_parts_of_a_merge_output_that_did_not_apply(
+    tmp_path: Path,
+) -> None:
+    """The compact job deletes the parts of a merge output that did not apply, except
+    those the shard references or retired as of one state version (an output whose
+    apply lost its acknowledgement may since have been compacted away and its parts
+    retired: readers can still hold them).  Before: ``_delete`` read a ``retired``
+    attribute shard states do not have, so a lost race crashed the job with
+    ``AttributeError`` and leaked the output's parts."""
+    import dataclasses
+
+    import pyarrow as pa
+
+    from persist import Description, HollowBatch, PersistClient
+    from spark.jobs.compact import _apply
+
+    with Stash.open(f"sqlite:///{tmp_path}/s.db", fenced=False) as s:
+        c = PersistClient(s, f"file://{tmp_path}/blob", compaction="off")
+        try:
+            w = c.open_writer("t", pa.schema([("k", pa.int64())]), pa.schema([("v", pa.string())]))
+            for i in range(4):
+                n = 1000
+                w.compare_and_append(
+                    pa.table(
+                        {
+                            "k": pa.array(range(i * n, (i + 1) * n), pa.int64()),
+                            "v": ["x" * 50] * n,
+                            "_time": pa.array([i] * n, pa.int64()),
+                            "_diff": pa.array([1] * n, pa.int64()),
+                        }
+                    ),
+                    i,
+                    i + 1,
+                )
+            m = c.machine(c.shard_id("t"))
+            (req,) = m.fetch().trace.all_fueled_merge_reqs()
+            inputs = [p for b in req.inputs for p in b.batch.parts]
+            assert c.compactor.merge(m, req).applied  # the inputs are retired now
+            retired = inputs[0]
+            assert retired.key is not None
+            fresh = dataclasses.replace(retired, key=retired.key.replace(".parquet", "-b.parquet"))
+            c.blob.set(fresh.key, c.blob.get(retired.key))
+            # An output for inputs no longer in the spine (they were merged): a lost race.
+            stale = Description(Antichain.from_elem(1), Antichain.from_elem(3), req.desc.since)
+            out = HollowBatch(stale, (retired, fresh), 2 * retired.rows, ())
+            assert _apply(c, m, out) is False
+            keys = {k for k, _ in c.blob.list_keys()}
+            assert retired.key in keys  # retired: a reader may still hold it
+            assert fresh.key not in keys  # never referenced: deleted
+        finally:
+            c.close()

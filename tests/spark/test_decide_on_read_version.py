@@ -198,3 +198,59 @@ def test_compact_job_keeps_the_retired_parts_of_a_merge_output_that_did_not_appl
             assert fresh.key not in keys  # never referenced: deleted
         finally:
             c.close()
+
+
+def test_writer_abort_keeps_the_parts_of_a_commit_landing_between_its_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The persist writer's ``abort`` deletes a task batch's parts only when the shard
+    neither references nor retired them.  The driver's commit, whose acknowledgement
+    was lost, lands while ``abort`` reads: between its read of the state and its read
+    of the retired keys.  Both must be of one version (re-read when the head moved);
+    before, the parts were referenced by the head yet deleted, and the shard lost
+    the rows."""
+    import pyarrow as pa
+
+    from persist import PersistClient
+    from persist.consensus import Consensus
+    from spark.persist_common import ShardTarget
+    from spark.persist_writer import PersistCommitMessage, PersistWriter, WriteSettings
+
+    ks, vs = pa.schema([("k", pa.int64())]), pa.schema([("v", pa.string())])
+    target = ShardTarget(f"sqlite:///{tmp_path}/stash.db", f"file://{tmp_path}/blob", "t")
+    with Stash.open(target.stash_url, fenced=False) as s:
+        c = PersistClient(s, target.blob_uri, compaction="off", inline_max_bytes=0)
+        try:
+            w, r = c.open(target.shard, ks, vs)
+            w.compare_and_append([(((0,), ("v0",)), 0, 1)], 0, 1)
+            b = w.batch([(((9,), ("v9",)), 1, 1)], 1, 2)
+            msg = PersistCommitMessage(b.into_transmittable(), 1, 2, 1, 1, 1)
+            landed = w.batch_from_transmittable(msg.batch)
+            keys = set(landed.blob_keys())
+            real = Consensus.retired_entries
+            raced: list[bool] = []
+
+            def land_then_read(self: Any, shard_id: str) -> Any:
+                if not raced:
+                    raced.append(True)
+                    w.compare_and_append_batch([landed], 1, 2)  # the late commit
+                return real(self, shard_id)
+
+            monkeypatch.setattr(Consensus, "retired_entries", land_then_read)
+            settings = WriteSettings(
+                target=target,
+                key_columns=["k"],
+                value_columns=["v"],
+                key_schema=ks,
+                value_schema=vs,
+                time_mode="auto",
+            )
+            PersistWriter(settings).abort([msg])
+            monkeypatch.undo()
+            assert raced
+            assert keys <= c.inspect(target.shard).referenced_blob_keys()
+            present = {k for k, _ in c.raw_blob.list_keys(c.shard_id(target.shard) + "/")}
+            assert keys <= present, "abort deleted parts the shard references"
+            assert sorted(r.snapshot(1).column("k").to_pylist()) == [0, 9]
+        finally:
+            c.close()

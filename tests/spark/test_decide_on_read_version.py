@@ -254,3 +254,40 @@ def test_writer_abort_keeps_the_parts_of_a_commit_landing_between_its_reads(
             assert sorted(r.snapshot(1).column("k").to_pylist()) == [0, 9]
         finally:
             c.close()
+
+
+@pytest.mark.spark
+def test_stash_source_rows_read_after_an_inferred_schema_changed_are_an_error(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The ``stash`` source infers a DataFrame's schema from one peek and reads its rows
+    from a later one.  A value appended in between that the inferred schema cannot
+    tell apart (the number ``5`` in a column inferred from the string ``"5"`` as plain
+    strings, not JSON text) must not read as the same ``"5"``: rows are given only when
+    their own peek infers the same schema, else a named error (reading again infers
+    again)."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    with Stash.open(url) as s:
+        c = s.collection("things", key="str", value="json")
+        s.update(c, ("a", {"x": "5"}), 0, 1)
+        s.seal(c, Antichain.from_elem(1))
+    df = spark.read.format("stash").option("url", url).load("things")
+    assert df.schema["x"].metadata == {}  # plain strings
+    with Stash.open(url) as s:
+        c = s.collection("things", key="str", value="json")
+        s.update(c, ("b", {"x": 5}), 1, 1)
+        s.seal(c, Antichain.from_elem(2))
+    with pytest.raises(Exception, match="changed since its schema was inferred") as e:
+        df.collect()
+    assert "things" in str(e.value)
+    again = spark.read.format("stash").option("url", url).load("things")
+    assert sorted((r["key"], r["x"]) for r in again.collect()) == [("a", '"5"'), ("b", "5")]
+    with Stash.open(url) as s:  # a change the schema still reads exactly
+        c = s.collection("things", key="str", value="json")
+        s.update(c, ("c", {"x": 7}), 2, 1)
+        s.seal(c, Antichain.from_elem(3))
+    assert sorted((r["key"], r["x"]) for r in again.collect()) == [
+        ("a", '"5"'),
+        ("b", "5"),
+        ("c", "7"),
+    ]

@@ -288,3 +288,34 @@ def arrow_to_spark(
         raise PersistSourceError(str(e)) from None
     st = from_arrow_schema(readable, prefer_timestamp_ntz=True)
     return StructType([StructField(f.name, f.dataType, True) for f in st.fields])
+
+
+LIVE_KEYS_ATTEMPTS = 5
+"""How many times :func:`live_blob_keys` reads a shard whose state keeps changing."""
+
+
+def live_blob_keys(client: Any, shard_id: str) -> set[str] | None:
+    """The blob keys shard ``shard_id`` references or has retired, as of ONE state
+    version: the state, then its retired collection, then the head seqno; the pair is
+    kept only when the collection's upper is the state's ``retired_upper`` and the head
+    is still the state's seqno (else all is read again).  A retired key may still be
+    read by a reader holding an older version, so it is as live as a referenced one
+    (persist-client's GC keeps retired blobs for its seqno holds in the same way).
+
+    Args:
+        client: a :class:`persist.PersistClient`.
+        shard_id: the shard's id.
+
+    Returns: the keys, or ``None`` when no consistent pair was read in
+    :data:`LIVE_KEYS_ATTEMPTS` tries (the caller must then delete nothing).
+
+    Raises:
+        persist.PersistError, stash.StashError: reading the state failed.
+    """
+    machine = client.machine(shard_id)
+    for _ in range(LIVE_KEYS_ATTEMPTS):
+        st = machine.fetch()
+        upper, retired = client.consensus.retired_entries(shard_id)
+        if upper == st.retired_upper and client.consensus.head_seqno(shard_id) == st.seqno:
+            return set(st.referenced_blob_keys()) | set(retired)
+    return None

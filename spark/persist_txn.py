@@ -569,7 +569,10 @@ class PersistTxn:
         ``uniqueness`` constraints apply).  Several calls for one collection accumulate
         in one table transaction and one stash batch (a later value of a key replaces
         an earlier one).  Returns the number of pending updates of the collection (0:
-        nothing to change, nothing added).
+        nothing to change, nothing added).  The updates are computed against the
+        version the first call read: if another writer appends to the collection after
+        that read, :meth:`commit` raises :class:`persist.TxnUpperMismatch` naming the
+        collection and commits nothing.
 
         Raises:
             persist.InvalidUsage: ``items`` is not a mapping; a later call for the
@@ -585,7 +588,12 @@ class PersistTxn:
             )
         coll = self.stash.collection(collection, key="str", value="json")
         known = self._upserts.get(collection)
+        fresh = known is None
         if known is None:
+            # The batch first, then the read: a commit landing in between fails the
+            # batch's lower check, so the changes below are appended to the version they
+            # were computed against (Materialize's compare-and-append).
+            batch = coll.make_batch(self.stash)
             try:
                 initial = self.stash.peek_one(coll)
             except PeekSinceUpperError as e:
@@ -593,7 +601,6 @@ class PersistTxn:
                     raise
                 initial = {}
             tx: TableTransaction[str, Any] = TableTransaction(initial, uniqueness)
-            batch = None
         else:
             tx, batch, first = known
             if uniqueness is not None and uniqueness is not first:
@@ -604,10 +611,9 @@ class PersistTxn:
             uniqueness = first
         tx.set_many(items.items())
         pending = tx.pending()
-        if batch is None:
+        if fresh:
             if not pending:
                 return 0
-            batch = coll.make_batch(self.stash)
             self.txn.stash_append([batch])
         batch.entries.clear()
         for k, v, d in pending:

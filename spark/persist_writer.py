@@ -32,6 +32,7 @@ from spark.persist_common import (
     _opt_list,
     _truthy,
     arrow_to_spark,
+    live_blob_keys,
     persist_client,
     spark_to_arrow,
 )
@@ -598,17 +599,18 @@ def delete_unreferenced(settings: WriteSettings, messages: Sequence[object]) -> 
     """Delete the batches of the :class:`PersistCommitMessage` s among ``messages``,
     unless the shard references any of their parts or retired them (an indeterminate
     commit may have landed and been compacted since: its parts are then GC's to delete,
-    once no reader holds them).  When the shard state cannot be read, nothing is deleted
-    (left to GC)."""
+    once no reader holds them), both as of one state version
+    (:func:`spark.persist_common.live_blob_keys`).  When the shard state cannot be
+    read consistently, nothing is deleted (left to GC)."""
     s = settings
     msgs = [m for m in messages if isinstance(m, PersistCommitMessage)]
     if not msgs:
         return
     with persist_client(s.target) as client:
         try:
-            referenced = client.inspect(s.target.shard).referenced_blob_keys()
-            retired = client.consensus.retired(client.shard_id(s.target.shard))
-            live: set[str] | None = referenced | set(retired)
+            # Referenced and retired as of one version: a commit landing between two
+            # separate reads would be in neither.
+            live = live_blob_keys(client, client.shard_id(s.target.shard))
         except Exception as e:  # cannot read the state: deleting could lose data
             log.warning("abort of a write to shard %s: state unreadable (%s)", s.target.shard, e)
             live = None

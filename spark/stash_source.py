@@ -34,8 +34,11 @@ Columns (the "layout", :func:`layout`), keys first:
   fit its column (``2**70`` or ``"5"`` in a ``bigint``) raises :class:`StashSourceError`
   naming the column.
 
-Invariants: a read sees one consistent peek of the collection (one stash read
-transaction); a negative multiplicity is never silently dropped: without a diff column it
+Invariants: a read sees one consistent peek of the collection, labelled with the time
+it was read at (the peek time read before and after the peek agree, else it is read
+again); rows are read from a later peek than an inferred schema, and are given only
+when that peek infers the same schema (else :class:`StashSourceError`: load again); a
+negative multiplicity is never silently dropped: without a diff column it
 raises :class:`StashSourceError`; no value is read into a column of another side or
 field, nor rounded; the stash is only ever opened ``readonly``.
 
@@ -117,12 +120,16 @@ def read_collection(url: str, name: str) -> _Snapshot:
 
     Returns the consolidated ``[(key, value, diff)]`` (sorted by key and value), the peek
     time, and the collection's codec names. A collection that was never sealed (upper
-    ``{0}``) reads as empty at time ``-1``.
+    ``{0}``) reads as empty at time ``-1``.  The entries are those at the returned
+    time: a read the collection's upper advanced during is read again.
 
     Raises:
-        StashSourceError: the collection does not exist.
+        StashSourceError: the collection does not exist; its upper advanced during each
+            of :data:`SNAPSHOT_ATTEMPTS` reads.
         stash.StashError: the stash cannot be opened or read.
     """
+    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random
+
     from stash import PeekSinceUpperError, Stash, redact
 
     with Stash.open(url, mode="readonly") as s:
@@ -132,13 +139,39 @@ def read_collection(url: str, name: str) -> _Snapshot:
         kname = str(getattr(found.key_codec, "name", "json"))
         vname = str(getattr(found.value_codec, "name", "json"))
         try:
-            ts = s.peek_timestamp(found)
-            entries = s.peek(found)
+            for attempt in Retrying(
+                stop=stop_after_attempt(SNAPSHOT_ATTEMPTS),
+                wait=wait_random(0, 0.05),
+                retry=retry_if_exception_type(_UpperMoved),
+                reraise=True,
+            ):
+                with attempt:
+                    # Uppers only advance: the same peek time before and after the
+                    # peek is the time the peek read its entries at (a seqlock).
+                    ts = s.peek_timestamp(found)
+                    entries = s.peek(found)
+                    if s.peek_timestamp(found) != ts:
+                        raise _UpperMoved(name)
         except PeekSinceUpperError as e:
             if e.never_written():  # on the version the peek read, not a second read
                 return _Snapshot([], -1, kname, vname)
             raise
+        except _UpperMoved:
+            raise StashSourceError(
+                f"stash collection {name!r} in {redact(url)} advanced during each of "
+                f"{SNAPSHOT_ATTEMPTS} reads, so no read's entries could be given one "
+                "peek time; read it again"
+            ) from None
         return _Snapshot(entries, ts, kname, vname)
+
+
+SNAPSHOT_ATTEMPTS = 8
+"""How many times :func:`read_collection` reads a collection whose upper keeps advancing
+before it gives up."""
+
+
+class _UpperMoved(Exception):
+    """The collection's upper advanced between a snapshot's reads (retried)."""
 
 
 # ------------------------------------------------------------------ layout
@@ -415,7 +448,12 @@ class StashDataSource(DataSource):
         if ddl is not None:
             return ddl
         o = self._settings()
-        return infer_schema(read_collection(o.url, o.collection), o)
+        snap = read_collection(o.url, o.collection)
+        inferred = infer_schema(snap, o)
+        # Kept for reader() (Spark pickles this instance after schema()): the rows are
+        # read from a later peek, which must infer the same schema.
+        self._inferred_at: int | None = snap.time
+        return inferred
 
     def reader(self, schema: StructType) -> DataSourceReader:
         """The reader of the collection in ``schema``.
@@ -427,19 +465,58 @@ class StashDataSource(DataSource):
         for f in schema.fields:
             if f.name not in (o.time_column, o.diff_column):
                 check_readable(f.dataType, f.name)
-        return StashReader(o, schema)
+        return StashReader(o, schema, getattr(self, "_inferred_at", None))
 
 
 class StashReader(DataSourceReader):
     """Reads the whole collection in one partition (catalog collections are small)."""
 
-    def __init__(self, options: ReadOptions, schema: StructType) -> None:
+    def __init__(
+        self, options: ReadOptions, schema: StructType, inferred_at: int | None = None
+    ) -> None:
+        """``inferred_at``: the peek time ``schema`` was inferred at (``None``: the
+        user's schema)."""
         self.options = options
         self.schema = schema
+        self.inferred_at = inferred_at
 
     def partitions(self) -> Sequence[InputPartition]:
         return [InputPartition(self.options.collection)]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        """The rows of one peek.  With an inferred schema, that peek must infer the same
+        schema: a value appended since the inference could read like another (the
+        number ``5`` and the string ``"5"`` in a column inferred as plain strings).
+
+        Raises:
+            StashSourceError: as :func:`rows_of`; the collection changed since its
+                schema was inferred so that it infers another (naming the first column
+                that differs).
+        """
         o = self.options
-        yield from rows_of(read_collection(o.url, o.collection), self.schema, o)
+        snap = read_collection(o.url, o.collection)
+        if self.inferred_at is not None and snap.time != self.inferred_at:
+            _check_inference(snap, self.schema, o, self.inferred_at)
+        yield from rows_of(snap, self.schema, o)
+
+
+def _check_inference(snap: _Snapshot, schema: StructType, o: ReadOptions, at: int) -> None:
+    """Raise unless ``snap`` infers ``schema`` (inferred at peek time ``at``)."""
+    now = infer_schema(snap, o)
+    if now == schema:
+        return
+    old = {f.name: f for f in schema.fields}
+    new = {f.name: f for f in now.fields}
+    col = next(n for n in [*old, *new] if old.get(n) != new.get(n))
+
+    def shown(f: StructField | None) -> str:
+        if f is None:
+            return "absent"
+        json_text = " of JSON text" if (f.metadata or {}).get(JSON_METADATA) else ""
+        return f"{f.dataType.simpleString()}{json_text}"
+
+    raise StashSourceError(
+        f"stash collection {o.collection!r} changed since its schema was inferred at time "
+        f"{at}: as of time {snap.time} column {col!r} reads as {shown(new.get(col))}, not "
+        f"{shown(old.get(col))}; load the collection again (or give a schema)"
+    )

@@ -253,10 +253,16 @@ def _apply(client: Any, machine: Any, out: Any) -> bool:
 
 
 def _delete(client: Any, machine: Any, keys: list[str], check: bool) -> None:
+    """Delete ``keys``; with ``check``, only those the shard neither references nor
+    retired as of one state version (none when that cannot be read consistently)."""
+    from spark.persist_common import live_blob_keys
+
     protected: set[str] = set()
     if check:
-        st = machine.fetch()
-        protected = st.referenced_blob_keys() | set(st.retired)
+        live = live_blob_keys(client, machine.shard_id)
+        if live is None:
+            return  # cannot prove any unreferenced: leave them to GC
+        protected = live
     for k in keys:
         if k not in protected:
             client.blob.delete(k)

@@ -275,6 +275,10 @@ def load_catalog(
                     batches = []
                     for name, (key_col, unique) in CATALOG.items():
                         coll = s.collection(name, key="str", value="json")
+                        # The batch first, then the read: a commit landing in between
+                        # fails the batch's lower check (a retry), so the changes are
+                        # appended to the version they were computed against.
+                        batch = coll.make_batch(s)
                         try:
                             initial = s.peek_one(coll)
                         except PeekSinceUpperError as e:
@@ -290,7 +294,6 @@ def load_catalog(
                         pending = tx.pending()
                         changes[name] = len(pending)
                         if pending:
-                            batch = coll.make_batch(s)
                             for k, v, d in pending:
                                 coll.append_to_batch(batch, k, v, d)
                             batches.append(batch)

@@ -1,6 +1,7 @@
 """Shared pytest configuration: fixtures for a real PostgreSQL server, one local
 SparkSession per test session and an S3-compatible server (moto) live in their own
-modules, registered here.
+modules, registered here, as do the run summary and the xdist ordering (long test files
+start first on every worker).
 
 Hypothesis: when ``CI`` is set, the ``ci`` profile draws each property's examples from
 a seed derived from the test itself (``derandomize``), so a CI run is reproducible and
@@ -22,4 +23,5 @@ pytest_plugins = [
     "tests.support.spark_fixtures",
     "tests.support.s3_fixtures",
     "tests.support.run_summary",
+    "tests.support.schedule",
 ]

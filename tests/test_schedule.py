@@ -1,0 +1,52 @@
+"""The xdist ordering plugin (tests/support/schedule.py): long files start the slices,
+files stay whole, and the collection is a permutation of the one given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tests.support.schedule import arrange, durations_from_report, slice_sizes
+
+
+@dataclass(frozen=True)
+class _Item:
+    nodeid: str
+
+
+def _items(spec: dict[str, int]) -> list[Any]:
+    return [_Item(f"{f}::t{i}") for f, n in spec.items() for i in range(n)]
+
+
+def test_slice_sizes_are_worksteals_first_distribution() -> None:
+    assert slice_sizes(7, 2) == [3, 4]
+    assert slice_sizes(10, 3) == [3, 3, 4]
+    assert sum(slice_sizes(1990, 2)) == 1990
+
+
+def test_long_files_start_each_slice_and_files_stay_whole() -> None:
+    items = _items({"a.py": 6, "long1.py": 1, "b.py": 6, "long2.py": 2, "long3.py": 1})
+    seconds = {"long1.py::t0": 160.0, "long2.py::t0": 40.0, "long2.py::t1": 30.0}
+    seconds["long3.py::t0"] = 50.0
+    out = arrange(items, 2, seconds)
+    assert sorted(i.nodeid for i in out) == sorted(i.nodeid for i in items)
+    first, second = out[:8], out[8:]
+    assert first[0].nodeid == "long1.py::t0"  # longest first, on its own slice
+    assert [i.nodeid for i in second[:3]] == ["long2.py::t0", "long2.py::t1", "long3.py::t0"]
+    # the short files keep their order and are not interleaved with long ones
+    shorts = [i.nodeid for i in out if i.nodeid.startswith(("a.py", "b.py"))]
+    assert shorts == [i.nodeid for i in items if i.nodeid.startswith(("a.py", "b.py"))]
+
+
+def test_durations_from_report_sums_phases() -> None:
+    text = """
+============================= slowest 3 durations ==============================
+21.02s setup    tests/spark/test_compact_job.py::test_merges
+18.00s call     tests/spark/test_compact_job.py::test_merges
+80.10s call     README.md::[CodeFence#3][line:94]
+0.20s teardown  tests/x.py::t
+"""
+    assert durations_from_report(text) == {
+        "README.md::[CodeFence#3][line:94]": 80.1,
+        "tests/spark/test_compact_job.py::test_merges": 39.0,
+    }

@@ -46,7 +46,8 @@ def test_durations_from_report_sums_phases() -> None:
 80.10s call     README.md::[CodeFence#3][line:94]
 0.20s teardown  tests/x.py::t
 """
-    assert durations_from_report(text) == {
+    parsed = durations_from_report(text)  # report text in, per-test totals out
+    assert parsed == {
         "README.md::[CodeFence#3][line:94]": 80.1,
         "tests/spark/test_compact_job.py::test_merges": 39.0,
     }

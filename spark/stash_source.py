@@ -35,8 +35,7 @@ Columns (the "layout", :func:`layout`), keys first:
   naming the column.
 
 Invariants: a read sees one consistent peek of the collection, labelled with the time
-it was read at (the peek time read before and after the peek agree, else it is read
-again); rows are read from a later peek than an inferred schema, and are given only
+it was read at (both in one read transaction, :meth:`stash.Stash.peek_at`); rows are read from a later peek than an inferred schema, and are given only
 when that peek infers the same schema (else :class:`StashSourceError`: load again); a
 negative multiplicity is never silently dropped: without a diff column it
 raises :class:`StashSourceError`; no value is read into a column of another side or
@@ -121,15 +120,12 @@ def read_collection(url: str, name: str) -> _Snapshot:
     Returns the consolidated ``[(key, value, diff)]`` (sorted by key and value), the peek
     time, and the collection's codec names. A collection that was never sealed (upper
     ``{0}``) reads as empty at time ``-1``.  The entries are those at the returned
-    time: a read the collection's upper advanced during is read again.
+    time (:meth:`stash.Stash.peek_at`: both in one read transaction).
 
     Raises:
-        StashSourceError: the collection does not exist; its upper advanced during each
-            of :data:`SNAPSHOT_ATTEMPTS` reads.
+        StashSourceError: the collection does not exist.
         stash.StashError: the stash cannot be opened or read.
     """
-    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_random
-
     from stash import PeekSinceUpperError, Stash, redact
 
     with Stash.open(url, mode="readonly") as s:
@@ -139,39 +135,12 @@ def read_collection(url: str, name: str) -> _Snapshot:
         kname = str(getattr(found.key_codec, "name", "json"))
         vname = str(getattr(found.value_codec, "name", "json"))
         try:
-            for attempt in Retrying(
-                stop=stop_after_attempt(SNAPSHOT_ATTEMPTS),
-                wait=wait_random(0, 0.05),
-                retry=retry_if_exception_type(_UpperMoved),
-                reraise=True,
-            ):
-                with attempt:
-                    # Uppers only advance: the same peek time before and after the
-                    # peek is the time the peek read its entries at (a seqlock).
-                    ts = s.peek_timestamp(found)
-                    entries = s.peek(found)
-                    if s.peek_timestamp(found) != ts:
-                        raise _UpperMoved(name)
+            ts, entries = s.peek_at(found)  # one read transaction: entries at that time
         except PeekSinceUpperError as e:
             if e.never_written():  # on the version the peek read, not a second read
                 return _Snapshot([], -1, kname, vname)
             raise
-        except _UpperMoved:
-            raise StashSourceError(
-                f"stash collection {name!r} in {redact(url)} advanced during each of "
-                f"{SNAPSHOT_ATTEMPTS} reads, so no read's entries could be given one "
-                "peek time; read it again"
-            ) from None
         return _Snapshot(entries, ts, kname, vname)
-
-
-SNAPSHOT_ATTEMPTS = 8
-"""How many times :func:`read_collection` reads a collection whose upper keeps advancing
-before it gives up."""
-
-
-class _UpperMoved(Exception):
-    """The collection's upper advanced between a snapshot's reads (retried)."""
 
 
 # ------------------------------------------------------------------ layout

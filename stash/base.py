@@ -507,15 +507,22 @@ class Stash(abc.ABC):
         cid = self._cid(collection)
         return self._read(lambda tx: self._peek_ts(cid, *tx.frontiers(cid)), codecs=())
 
+    def _peek_raw_at(
+        self, collection: StashCollection[Any, Any], key: str | None = None
+    ) -> tuple[int, list[tuple[str, str, int]]]:
+        """The peek time and the raw rows at it, both read in one read transaction."""
+        cid = self._cid(collection)
+
+        def peek(tx: Txn) -> tuple[int, list[tuple[str, str, int]]]:
+            ts = self._peek_ts(cid, *tx.frontiers(cid))
+            return ts, tx.peek_rows(cid, ts, key)
+
+        return self._read(peek, codecs=(collection,))
+
     def _peek_raw(
         self, collection: StashCollection[Any, Any], key: str | None = None
     ) -> list[tuple[str, str, int]]:
-        cid = self._cid(collection)
-
-        def peek(tx: Txn) -> list[tuple[str, str, int]]:
-            return tx.peek_rows(cid, self._peek_ts(cid, *tx.frontiers(cid)), key)
-
-        return self._read(peek, codecs=(collection,))
+        return self._peek_raw_at(collection, key)[1]
 
     def peek(self, collection: StashCollection[K, V]) -> list[tuple[K, V, int]]:
         """The sealed contents as ``(key, value, diff)``: consolidated, sorted by
@@ -526,8 +533,18 @@ class Stash(abc.ABC):
             StashError: the collection records other codecs than the handle's (a
                 migration since the handle was made), naming both pairs.
         """
+        return self.peek_at(collection)[1]
+
+    def peek_at(self, collection: StashCollection[K, V]) -> tuple[int, list[tuple[K, V, int]]]:
+        """``(time, entries)``: the peek time (:meth:`peek_timestamp`) and the sealed
+        contents at it (:meth:`peek`), read in one read transaction, so the entries are
+        exactly those at that time even while another handle appends (two calls could
+        pair a time with entries of a later one).
+
+        Raises: as :meth:`peek`.
+        """
         kc, vc = collection.key_codec, collection.value_codec
-        rows = self._peek_raw(collection)
+        ts, rows = self._peek_raw_at(collection)
         # Sort by key; only keys with several values need their values' sort keys.
         rows.sort(key=lambda r: r[0])
         dup = {rows[i][0] for i in range(1, len(rows)) if rows[i][0] == rows[i - 1][0]}
@@ -535,7 +552,7 @@ class Stash(abc.ABC):
         if dup:
             out.sort(key=lambda e: vc.sort_key(e[1]))
         out.sort(key=lambda e: kc.sort_key(e[0]))
-        return out
+        return ts, out
 
     def _peek_unique(
         self,

@@ -111,9 +111,10 @@ def test_stash_source_snapshot_time_is_the_time_its_entries_were_read_at(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The ``stash`` source's snapshot labels its entries with the peek time (the
-    ``time_column``).  Another handle appends right after the snapshot reads that time:
-    the snapshot must hold the entries of the time it reports (before: the new entry
-    came back labelled with the earlier time, at which it did not exist)."""
+    ``time_column``).  Another handle appends right after the snapshot's first read:
+    the snapshot must hold the entries of the time it reports (before: the time and the
+    entries were two reads, and the new entry came back labelled with the earlier time,
+    at which it did not exist)."""
     from spark.stash_source import read_collection
 
     url = f"sqlite:///{tmp_path}/s.db"
@@ -128,17 +129,27 @@ def test_stash_source_snapshot_time_is_the_time_its_entries_were_read_at(
             o.update(oc, ("b", 2), 1, 1)
             o.seal(oc, Antichain.from_elem(2))
 
-    real = Stash.peek_timestamp
+    # Another handle commits right after the snapshot's first read transaction of the
+    # collection (the first after it looked the collection up): a time and entries
+    # read in two transactions straddle that commit.
+    real_read, real_collections = Stash._read, Stash.collections
+    armed: list[bool] = []
     raced: list[bool] = []
 
-    def time_then_race(self: Any, coll: Any) -> int:
-        ts = real(self, coll)
-        if not raced:
+    def collections_then_arm(self: Any) -> Any:
+        out = real_collections(self)
+        armed.append(True)
+        return out
+
+    def read_then_race(self: Any, fn: Any, *, codecs: Any) -> Any:
+        out = real_read(self, fn, codecs=codecs)
+        if armed and not raced:
             raced.append(True)
             other_handle()
-        return ts
+        return out
 
-    monkeypatch.setattr(Stash, "peek_timestamp", time_then_race)
+    monkeypatch.setattr(Stash, "collections", collections_then_arm)
+    monkeypatch.setattr(Stash, "_read", read_then_race)
     snap = read_collection(url, "catalog")
     assert raced
     assert (snap.time, snap.entries) in [

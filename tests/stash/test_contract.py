@@ -198,6 +198,17 @@ def test_compact_batch_and_empty_since(stash: Stash) -> None:
 
 
 # --------------------------------------------------------------------- peek
+def test_peek_at_pairs_the_peek_time_with_its_entries(stash: Stash) -> None:
+    c = stash.collection("c")
+    stash.update_many(c, [(("a", 1), 0, 1), (("b", 2), 1, 1), (("late", 0), 5, 1)])
+    stash.seal(c, A(2))
+    assert stash.peek_at(c) == (1, [("a", 1, 1), ("b", 2, 1)])
+    assert stash.peek_at(c) == (stash.peek_timestamp(c), stash.peek(c))
+    with pytest.raises(PeekSinceUpperError) as e:
+        stash.peek_at(stash.collection("never"))
+    assert e.value.never_written()
+
+
 def test_peek_one_and_peek_key_one(stash: Stash) -> None:
     c = stash.collection("c")
     stash.update_many(c, [(("a", 1), 0, 1), (("b", 2), 0, 1), (("late", 0), 5, 1)])

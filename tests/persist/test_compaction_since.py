@@ -9,6 +9,7 @@ merge's compute and its apply.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -103,18 +104,38 @@ def _compacted(client: PersistClient, shard: str, since: int) -> list[HollowBatc
     return [b for b in client.inspect(shard).trace.batches() if b.desc.since == A(since)]
 
 
+N = 10
+"""Times ``0..N-1`` are written by :func:`_written`."""
+
+
+@contextlib.contextmanager
+def _written(
+    stores: tuple[str, str], since: int | None = None
+) -> Iterator[tuple[Stash, PersistClient, Any, Any, list[Update]]]:
+    """A shard ``s`` holding :func:`_updates` of ``N`` times (five batches), its reader's
+    since downgraded to ``since`` if given: ``(stash, client, writer, reader,
+    updates)``; the client is closed at the end."""
+    stash_url, blob_dir = stores
+    ups = _updates(N)
+    with Stash.open(stash_url, fenced=False) as s:
+        c = _client(s, blob_dir)
+        try:
+            w, r = c.open("s", KS, VS)
+            _write(w, ups, N)
+            if since is not None:
+                r.downgrade_since(A(since))
+            yield s, c, w, r, ups
+        finally:
+            c.close()
+
+
 def test_compaction_after_a_since_downgrade_leaves_one_time(stores: tuple[str, str]) -> None:
     """Times 0..9 appended in five batches, the reader's since downgraded to 9, then
     compacted: every output records since 9, its parts' ``_time`` statistics show the
     single time 9, key 1 (updated at every time) and key 2 (+1, +1, -1 at three times)
     are one row each, and every readable as_of reads the model."""
-    stash_url, blob_dir = stores
-    n = 10
-    ups = _updates(n)
-    with Stash.open(stash_url, fenced=False) as s:
-        c = _client(s, blob_dir)
-        w, r = c.open("s", KS, VS)
-        _write(w, ups, n)
+    n = N
+    with _written(stores) as (_s, c, w, r, ups):
         assert c.inspect("s").trace.all_fueled_merge_reqs()  # made while the since was 0
         r.downgrade_since(A(n - 1))
         report = c.compactor.compact_once("s")
@@ -140,7 +161,6 @@ def test_compaction_after_a_since_downgrade_leaves_one_time(stores: tuple[str, s
         _append(w, more, n, n + 3)
         for as_of in range(n - 1, n + 3):
             assert _snapshot(r, as_of) == _model(ups + more, as_of), as_of
-        c.close()
 
 
 def test_a_stale_version_in_hand_advances_less_but_still_applies(
@@ -150,14 +170,9 @@ def test_a_stale_version_in_hand_advances_less_but_still_applies(
     separate cache) downgrades the since to 9 before the compaction, which works from
     its cached version: the output is consolidated at 4 (never at a since it did not
     read), applies on the fresh state, and reads equal the model."""
-    stash_url, blob_dir = stores
-    n = 10
-    ups = _updates(n)
-    with Stash.open(stash_url, fenced=False) as s:
-        c = _client(s, blob_dir)
-        w, r = c.open("s", KS, VS)
-        _write(w, ups, n)
-        r.downgrade_since(A(4))
+    _stash_url, blob_dir = stores
+    n = N
+    with _written(stores, since=4) as (s, c, _w, r, ups):
         comp = _client(s, blob_dir)
         m = comp.machine(comp.shard_id("s"))
         assert m.fetch().since == A(4)  # the compactor's cache
@@ -173,7 +188,6 @@ def test_a_stale_version_in_hand_advances_less_but_still_applies(
             assert min(_times(b)) == 4, b.desc
         assert _snapshot(r, n - 1) == _model(ups, n - 1)
         comp.close()
-        c.close()
 
 
 _DOWNGRADE = """
@@ -198,13 +212,8 @@ def test_a_second_process_downgrades_the_since_between_compute_and_apply(
     only moved on), their descriptions say 4, their stored times are at least 4, and
     every readable as_of reads the model."""
     stash_url, blob_dir = stores
-    n = 10
-    ups = _updates(n)
-    with Stash.open(stash_url, fenced=False) as s:
-        c = _client(s, blob_dir)
-        w, r = c.open("s", KS, VS)
-        _write(w, ups, n)
-        r.downgrade_since(A(4))
+    n = N
+    with _written(stores, since=4) as (_s, c, _w, r, ups):
         r.expire()  # the second process's reader alone holds the since from here
         m = c.machine(c.shard_id("s"))
         st = m.fetch()
@@ -232,4 +241,3 @@ def test_a_second_process_downgrades_the_since_between_compute_and_apply(
             assert min(_times(b)) >= 4, b.desc
         r2 = c.open_reader("s", KS, VS)
         assert _snapshot(r2, n - 1) == _model(ups, n - 1)
-        c.close()

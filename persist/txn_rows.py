@@ -22,9 +22,12 @@ planned and kept while a re-plan gives the same updates (a digest of their conte
 race that did not touch the rows the changes read uploads nothing again.  A batch a
 re-plan replaces is deleted when the transaction finishes, unless an attempt whose
 outcome was unknown may have sent it (then GC decides).  A shard whose changes net to
-nothing is still committed (its upper moves to ``ts + 1``, with no part): the
-transaction's commit is what checks that the rows it planned on are still the live
-ones at ``ts``.
+nothing is still committed (its upper moves to ``ts + 1``, with no part) when the
+transaction writes anything else: its commit is what checks that the rows it planned
+on are still the live ones at ``ts``.  A transaction whose only writes are row changes
+that changed nothing writes nothing at all (:func:`persist.txn_commit.commit_shards`):
+no version, no part, no upper moved; its commit returns the time asked for, and
+:meth:`TxnRowChanges.row_changes` count nothing.
 
 Several changes to one shard in one transaction apply in order: each sees the live rows
 with the earlier ones' updates applied (consolidated).  A shard takes either row-level
@@ -471,3 +474,5 @@ class ShardWrites:
     given: list[Batch] = field(default_factory=list)
     # Its row-level changes (persist.txn_rows), planned on the version staged on.
     rows: ShardRowChanges | None = None
+    # False when the commit wrote nothing to the shard (its changes changed nothing).
+    wrote: bool = True

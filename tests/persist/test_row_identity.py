@@ -286,3 +286,46 @@ def test_a_duplicated_live_row_is_brought_to_one(client: PersistClient, path: Pa
     ch = path(client, w, ("upsert", rows([1], [1], pa.int64(), pa.int64())))
     assert (ch.inserted, ch.retracted) == (0, 1)
     assert live(w) == Counter({(1, 1): 1})
+
+
+def test_a_rerun_of_a_txn_upsert_writes_nothing(client: PersistClient) -> None:
+    """The main job's catalog step (``spark/jobs/flights.py``): one transaction upserts
+    the whole planes table into its shard, with the catalog's stash batches (none on a
+    re-run).  Run again on the same rows it writes nothing: no part, no state version,
+    no upper moved; the transaction commits at the time asked for and counts nothing."""
+    f = pa.float64()
+    planes = pa.table(
+        {
+            "tailnum": pa.array(["N1", "N2", "N3"], pa.string()),
+            "year": pa.array([2001, None, 1999], pa.int64()),
+            "speed": pa.array([NAN, 1.5, None], f),
+        }
+    )
+    key = pa.schema([pa.field("tailnum", pa.string(), False)])
+    client.open("planes", key, pa.schema([planes.schema.field(n) for n in ("year", "speed")]))
+    client.open("other", pa.schema([pa.field("k", INT)]), pa.schema([pa.field("v", INT)]))
+
+    def run() -> int:
+        with client.begin() as txn:
+            txn.stash_append([])
+            txn.upsert("planes", planes)
+        assert txn.committed_ts is not None
+        return txn.committed_ts
+
+    run()
+    state = client.inspect("planes")
+    n = parts(client, "planes")
+    ts = run()
+    assert ts == state.upper.as_option()
+    assert client.inspect("planes").seqno == state.seqno and parts(client, "planes") == n
+    # two shards, both unchanged: nothing either; one changed: both commit
+    with client.begin() as txn:
+        txn.upsert("planes", planes)
+        txn.delete("other", pc.field("k") == 1)
+    assert txn.row_changes() == [RowChanges(ts, 0, 0), RowChanges(ts, 0, 0)]
+    assert client.inspect("planes").seqno == state.seqno
+    with client.begin() as txn:
+        txn.upsert("planes", planes)
+        txn.upsert("other", rows([1], [1], INT, INT))
+    assert client.inspect("planes").upper.as_option() == txn.committed_ts + 1
+    assert parts(client, "planes") == n

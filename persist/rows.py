@@ -242,7 +242,12 @@ def with_keys_of(live: pa.Table, rows: pa.Table, key_names: Sequence[str]) -> pa
 
 
 def plan_upsert(
-    live: pa.Table, rows: pa.Table, key_names: Sequence[str], value_names: Sequence[str]
+    live: pa.Table,
+    rows: pa.Table,
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    *,
+    net: bool = True,
 ) -> Planned:
     """Retract every live row whose key is one of ``rows``' and insert ``rows``, netted
     (:func:`net_changes`): a row equal to its key's one live row is left alone.
@@ -251,6 +256,10 @@ def plan_upsert(
         live: consolidated live rows (key, value columns, ``_diff``; any other columns
             ignored), at least those with the keys of ``rows``.
         rows: the incoming rows (exactly the key and value columns: :func:`conform_rows`).
+        net: ``False`` for a caller that writes ``rows`` itself, whatever the live
+            rows (a stream sink's tasks): then every live row with a key of ``rows``
+            is retracted and every row of ``rows`` inserted, not netted (counts: all
+            of them).
 
     Raises:
         InvalidUsage: two rows of ``rows`` have one key (naming the key columns and the
@@ -259,9 +268,12 @@ def plan_upsert(
     names = [*key_names, *value_names]
     check_distinct_keys(rows, key_names)
     old = with_keys_of(live, rows, key_names)
-    return net_changes(
-        [_retractions(old, names), _with_diff(rows.select(names), 1)], key_names, value_names
-    )
+    parts = [_retractions(old, names), _with_diff(rows.select(names), 1)]
+    if net:
+        return net_changes(parts, key_names, value_names)
+    schema = _out_schema(rows.schema, names)
+    retracted = int(pc.sum(pc.abs(old.column(DIFF))).as_py() or 0)
+    return Planned(pa.concat_tables([p.cast(schema) for p in parts]), rows.num_rows, retracted)
 
 
 def plan_delete(live: pa.Table, key_names: Sequence[str], value_names: Sequence[str]) -> Planned:

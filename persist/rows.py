@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -147,31 +148,91 @@ def _out_schema(schema: pa.Schema, names: Sequence[str]) -> pa.Schema:
     return pa.schema([schema.field(n) for n in names] + [pa.field(DIFF, pa.int64(), False)])
 
 
+#: Same-key (retraction, insertion) pairs per update above which :func:`net_changes`
+#: consolidates every update instead of comparing the pairs (keys with many live rows).
+PAIRS_PER_UPDATE = 4
+
+
+def _cancelling(both: pa.Table, key_names: Sequence[str], value_names: Sequence[str]) -> Any:
+    """The positions of the rows of ``both`` (updates) that may cancel another one: a
+    retraction and an insertion equal by key identity
+    (:func:`persist.key_identity.identity_columns` of the key, then of the value
+    columns), found by a hash join on the key and an element-wise comparison of the
+    values of each same-key pair; ``None`` when there are too many pairs to compare
+    (:data:`PAIRS_PER_UPDATE`)."""
+    diff = both.column(DIFF)
+    rows = pa.array(np.arange(both.num_rows, dtype=np.int64))
+    neg, pos = rows.filter(pc.less(diff, 0)), rows.filter(pc.greater(diff, 0))
+    if not len(neg) or not len(pos):
+        return pa.array([], pa.int64())
+    if not key_names:
+        return None
+    kid = key_identity.identity_columns(both, key_names)
+    pairs = (
+        kid.take(neg)
+        .append_column("\x00neg", neg)
+        .join(
+            kid.take(pos).append_column("\x00pos", pos),
+            keys=kid.column_names,
+            join_type="inner",
+            use_threads=False,
+        )
+    )
+    if pairs.num_rows > PAIRS_PER_UPDATE * both.num_rows:
+        return None
+    a, b = pairs.column("\x00neg"), pairs.column("\x00pos")
+    va, vb = key_identity.aligned([both.take(a), both.take(b)], value_names)
+    same = pa.repeat(pa.scalar(True), pairs.num_rows)
+    for x, y in zip(va.columns, vb.columns, strict=True):
+        same = pc.and_(same, pc.equal(x, y))
+    return pc.unique(
+        pa.concat_arrays([a.filter(same).combine_chunks(), b.filter(same).combine_chunks()])
+    )
+
+
 def net_changes(
-    parts: Sequence[pa.Table], key_names: Sequence[str], value_names: Sequence[str]
+    parts: Sequence[pa.Table],
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    *,
+    consolidated: bool = False,
 ) -> Planned:
-    """The updates ``parts`` (key and value columns and ``_diff``, one schema) summed
-    per row as consolidation sums them (:func:`persist.consolidation.consolidate`: equal
-    rows by its equality, ``-0.0`` = ``0.0``, NaN = NaN, nulls equal), zero sums
-    dropped, with their counts: ``inserted`` the sum of the positive diffs,
-    ``retracted`` that of the negative ones (absolute).  So a row retracted and
-    inserted again by one change (an upsert or update that changes nothing) is neither
-    written nor counted.  The one count of a change, for every path.
+    """The updates ``parts`` (key and value columns and ``_diff``, one schema) with
+    every retraction and insertion of one row summed as consolidation sums them
+    (:func:`persist.consolidation.consolidate`: equal rows by its equality, ``-0.0`` =
+    ``0.0``, NaN = NaN, nulls equal), zero sums dropped, with their counts:
+    ``inserted`` the sum of the positive diffs, ``retracted`` that of the negative
+    ones (absolute).  So a row retracted and inserted again by one change (an upsert or
+    update that changes nothing) is neither written nor counted.  The one count of a
+    change, for every path.
+
+    Only the rows that may cancel (:func:`_cancelling`: a cheap same-key comparison) are
+    consolidated, unless ``consolidated``: then all of them are (one row per distinct
+    row: the live rows a table of updates gives).  Either way the counts are those of
+    the full consolidation.
 
     Raises:
         DiffOverflow: a row's diffs sum beyond int64.
     """
     names = [*key_names, *value_names]
-    schema = _out_schema(parts[0].schema, names) if parts else None
-    if not parts or schema is None:
+    if not parts:
         raise ValueError("net_changes: no updates")
+    schema = _out_schema(parts[0].schema, names)
     both = pa.concat_tables([p.select([*names, DIFF]).cast(schema) for p in parts])
-    both = both.append_column(TIME, pa.repeat(pa.scalar(0, pa.int64()), both.num_rows))
-    net = consolidate(both, key_names, value_names).select([*names, DIFF])
-    diff = net.column(DIFF)
+    which = None if consolidated else _cancelling(both, key_names, value_names)
+    if which is None or len(which):
+        chosen = both if which is None else both.take(which)
+        chosen = chosen.append_column(TIME, pa.repeat(pa.scalar(0, pa.int64()), chosen.num_rows))
+        net = consolidate(chosen, key_names, value_names).select([*names, DIFF])
+        if which is not None:
+            keep = np.ones(both.num_rows, dtype=bool)
+            keep[np.asarray(which.to_numpy(), dtype=np.int64)] = False
+            net = pa.concat_tables([both.filter(pa.array(keep)), net])
+        both = net
+    diff = both.column(DIFF)
     inserted = int(pc.sum(pc.max_element_wise(diff, 0)).as_py() or 0)
     retracted = int(pc.sum(pc.max_element_wise(pc.negate(diff), 0)).as_py() or 0)
-    return Planned(net, inserted, retracted)
+    return Planned(both, inserted, retracted)
 
 
 def conform_rows(rows: pa.Table | pa.RecordBatch, schema: pa.Schema, what: str) -> pa.Table:
@@ -461,7 +522,9 @@ def _check_key_change(
     """
     old_id, new_id = key_identity.aligned([live, new], key_names)
     old_names = [f"\x00old{i}" for i in range(old_id.num_columns)]
-    pairs = new_id.append_column(key_identity.ROW, pa.array(range(new.num_rows), pa.int64()))
+    pairs = new_id.append_column(
+        key_identity.ROW, pa.array(np.arange(new.num_rows, dtype=np.int64))
+    )
     for name, col in zip(old_names, old_id.columns, strict=True):
         pairs = pairs.append_column(name, col)
     new_names = new_id.column_names

@@ -159,7 +159,8 @@ def _with_earlier(
     prior = pa.concat_tables(earlier)
     if filter is not None:
         prior = apply_filter(prior, update_filter(filter, schema))
-    both = rows_mod.net_changes([live.select([*names, DIFF]), prior], keys, values).updates
+    parts = [live.select([*names, DIFF]), prior]
+    both = rows_mod.net_changes(parts, keys, values, consolidated=True).updates
     return both if filter is None else apply_filter(both, filter)
 
 

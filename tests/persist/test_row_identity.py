@@ -21,10 +21,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from persist import InvalidUsage, MemoryBlob, PersistClient, RowChanges, SchemaMismatch
+from persist import rows as rows_mod
 from persist.write import WriteHandle
 from stash import Stash
+from tests.persist.arrow_strategies import canonical_rows
 from tests.persist.row_paths import PATHS, Path
 
 NAN = float("nan")
@@ -329,3 +333,52 @@ def test_a_rerun_of_a_txn_upsert_writes_nothing(client: PersistClient) -> None:
         txn.upsert("other", rows([1], [1], INT, INT))
     assert client.inspect("planes").upper.as_option() == txn.committed_ts + 1
     assert parts(client, "planes") == n
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    updates=st.lists(
+        st.tuples(
+            st.sampled_from([0.0, -0.0, NAN, 1.0, None]),
+            st.sampled_from([1, 2, None]),
+            st.sampled_from([NAN, 0.0, -0.0, None]),
+            st.sampled_from([-2, -1, 1, 2]),
+        ),
+        max_size=12,
+    ),
+    split=st.integers(0, 12),
+)
+def test_net_changes_compares_only_what_may_cancel_and_counts_as_consolidation(
+    updates: list[tuple[Any, Any, Any, int]], split: int
+) -> None:
+    """:func:`persist.rows.net_changes` consolidates only the same-key retraction and
+    insertion pairs that are equal; the result sums to the full consolidation's rows,
+    every row that can cancel is cancelled, and the counts are the same."""
+    t = pa.table(
+        {
+            "k": pa.array([u[0] for u in updates], pa.float64()),
+            "j": pa.array([u[1] for u in updates], pa.int64()),
+            "v": pa.array([u[2] for u in updates], pa.float64()),
+            "_diff": pa.array([u[3] for u in updates], pa.int64()),
+        }
+    )
+    parts = [t.slice(0, split), t.slice(split)]
+    quick = rows_mod.net_changes(parts, ["k", "j"], ["v"])
+    full = rows_mod.net_changes(parts, ["k", "j"], ["v"], consolidated=True)
+    assert (quick.inserted, quick.retracted) == (full.inserted, full.retracted)
+
+    def summed(x: pa.Table) -> Counter[tuple[Any, ...]]:
+        out: Counter[tuple[Any, ...]] = Counter()
+        for row, d in zip(canonical_rows(x, ["k", "j", "v"]), x["_diff"].to_pylist(), strict=True):
+            out[row] += d
+        return out
+
+    assert summed(quick.updates) == summed(full.updates)
+    signs: dict[tuple[Any, ...], set[bool]] = {}
+    for row, d in zip(
+        canonical_rows(quick.updates, ["k", "j", "v"]),
+        quick.updates["_diff"].to_pylist(),
+        strict=True,
+    ):
+        signs.setdefault(row, set()).add(d > 0)
+    assert all(len(s) == 1 for s in signs.values())  # nothing left that could cancel

@@ -370,9 +370,12 @@ class TxnRowChanges:
         :meth:`persist.write.WriteHandle.update`).
 
         Raises:
-            InvalidUsage: unknown shard; a bad filter or ``set``; as :meth:`upsert`.
-                A ``set`` value that does not fit its column, or key columns changed
-                onto a live key, is refused by :meth:`commit` (nothing committed).
+            InvalidUsage: unknown shard; a bad filter or ``set`` (a scalar that does
+                not fit its column exactly, :func:`persist.rows.set_scalar`, is refused
+                here, before anything is staged); as :meth:`upsert`.  An expression
+                result that does not fit its column, or key columns changed onto a
+                live key, is refused by :meth:`commit` (nothing committed).
+            SchemaMismatch: as :meth:`upsert`.
         """
         self._check_changeable()
         w = self._row_writer(shard)

@@ -153,7 +153,9 @@ def _out_schema(schema: pa.Schema, names: Sequence[str]) -> pa.Schema:
 PAIRS_PER_UPDATE = 4
 
 
-def _cancelling(both: pa.Table, key_names: Sequence[str], value_names: Sequence[str]) -> Any:
+def _cancelling(
+    both: pa.Table, key_names: Sequence[str], value_names: Sequence[str]
+) -> pa.Array | None:
     """The positions of the rows of ``both`` (updates) that may cancel another one: a
     retraction and an insertion equal by key identity
     (:func:`persist.key_identity.identity_columns` of the key, then of the value

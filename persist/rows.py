@@ -270,12 +270,19 @@ key_filter = key_identity.key_filter
 
 
 def _show_key(rows: pa.Table, key_names: Sequence[str], at: int) -> list[Any]:
-    """The key of row ``at`` for a message (temporal values as Arrow prints them,
-    exactly)."""
+    """The key of row ``at`` for a message: temporal values as Arrow prints them (exact,
+    never through Python objects, which truncate nanoseconds and overflow), with their
+    stored integer and type when Arrow cannot print them."""
     out: list[Any] = []
     for k in key_names:
-        v = rows.column(k)[at]
-        out.append(str(v) if pa.types.is_temporal(v.type) and v.is_valid else v.as_py())
+        col = rows.column(k).slice(at, 1)
+        if pa.types.is_temporal(col.type) and col.null_count == 0:
+            try:
+                out.append(pc.cast(col, pa.string())[0].as_py())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                out.append(f"{key_identity.view_int(col)[0].as_py()} ({col.type})")
+        else:
+            out.append(col[0].as_py())
     return out
 
 

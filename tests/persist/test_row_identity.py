@@ -382,3 +382,19 @@ def test_net_changes_compares_only_what_may_cancel_and_counts_as_consolidation(
     ):
         signs.setdefault(row, set()).add(d > 0)
     assert all(len(s) == 1 for s in signs.values())  # nothing left that could cancel
+
+
+@pytest.mark.parametrize(
+    "t", [pa.duration("ms"), pa.duration("s"), pa.time64("ns"), pa.timestamp("ns")]
+)
+def test_a_duplicate_key_message_shows_extreme_temporal_keys_exactly(
+    client: PersistClient, path: Path, t: pa.DataType
+) -> None:
+    """A key Python cannot hold (a duration of 2**62 ms) or would truncate (7 ns) is
+    named exactly in the refusal, not an ``OverflowError``."""
+    w = shard(client, t)
+    big = -(2**62) if pa.types.is_duration(t) else 7
+    keys = pa.array([big, big], pa.int64()).view(t)
+    with pytest.raises(InvalidUsage, match="two rows have one key") as e:
+        path(client, w, ("upsert", pa.table({"k": keys, "v": pa.array([1, 2], INT)})))
+    assert str(big) in str(e.value) or "00:00:00.000000007" in str(e.value)

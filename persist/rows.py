@@ -393,6 +393,15 @@ def _kind(t: pa.DataType) -> str:
     return str(t)
 
 
+def _shown(v: pa.Scalar) -> str:
+    """An Arrow scalar for a message (Arrow's string cast: exact, and never an
+    ``OverflowError`` from a value Python cannot hold)."""
+    try:
+        return str(pc.cast(pa.array([v]), pa.string())[0].as_py())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return f"<{v.type} scalar>"
+
+
 def _cast_scalar(v: pa.Scalar, field: pa.Field, column: str) -> pa.Scalar:
     """An Arrow scalar as one of ``field``'s type, by a safe cast within its kind
     (numbers, decimals, strings, binaries, each temporal kind: never a string parsed
@@ -401,19 +410,21 @@ def _cast_scalar(v: pa.Scalar, field: pa.Field, column: str) -> pa.Scalar:
     kinds = {_kind(v.type), _kind(t)}
     if len(kinds) > 1 and kinds != {"number", "decimal"}:
         raise InvalidUsage(
-            f"update: set value {v} of type {v.type} does not fit column {column!r} ({t})"
+            f"update: set value {_shown(v)} of type {v.type} does not fit column {column!r} ({t})"
         )
     try:
         out = v.cast(t, safe=True)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-        raise InvalidUsage(f"update: set value {v} for column {column!r} ({t}): {e}") from None
+        raise InvalidUsage(
+            f"update: set value {_shown(v)} for column {column!r} ({t}): {e}"
+        ) from None
     if (
         pa.types.is_floating(t)
         and out.is_valid
         and math.isinf(out.as_py())
         and not (pa.types.is_floating(v.type) and math.isinf(v.as_py()))
     ):
-        raise InvalidUsage(f"update: set value {v} overflows column {column!r} ({t})")
+        raise InvalidUsage(f"update: set value {_shown(v)} overflows column {column!r} ({t})")
     return out
 
 

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -28,7 +29,7 @@ from persist import InvalidUsage, MemoryBlob, PersistClient, RowChanges, SchemaM
 from persist import rows as rows_mod
 from persist.write import WriteHandle
 from stash import Stash
-from tests.persist.arrow_strategies import canonical_rows
+from tests.persist.arrow_strategies import COLUMN_TYPES, canonical_rows
 from tests.persist.row_paths import PATHS, Path
 
 NAN = float("nan")
@@ -398,3 +399,39 @@ def test_a_duplicate_key_message_shows_extreme_temporal_keys_exactly(
     with pytest.raises(InvalidUsage, match="two rows have one key") as e:
         path(client, w, ("upsert", pa.table({"k": keys, "v": pa.array([1, 2], INT)})))
     assert str(big) in str(e.value) or "00:00:00.000000007" in str(e.value)
+
+
+_any_value = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**80), 2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1.9, -0.0, 2.0**53 + 2, 1e300, 0.5]),
+    st.text(max_size=3),
+    st.binary(max_size=4),
+    st.decimals(allow_nan=False, allow_infinity=False, places=3),
+    st.timedeltas(),
+    st.datetimes(),
+    st.times(),
+    st.dates(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_any_value, t=st.sampled_from(COLUMN_TYPES), nullable=st.booleans())
+def test_set_scalar_is_exact_or_invalid_usage(value: Any, t: pa.DataType, nullable: bool) -> None:
+    """Any Python value for any column type: a scalar of that type holding the value
+    exactly (numbers compared as numbers; a float32 column takes the nearest float32,
+    not an overflow to infinity), or ``InvalidUsage``; never another error."""
+    try:
+        out = rows_mod.set_scalar(value, pa.field("v", t, nullable), "v")
+    except InvalidUsage:
+        return
+    assert out.type == t
+    if value is None:
+        assert not out.is_valid and nullable
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        if pa.types.is_integer(t) or pa.types.is_floating(t):
+            got = out.as_py()
+            want = float(np.float32(value)) if t == pa.float32() else value  # rounded
+            assert got == want or (math.isnan(got) and math.isnan(value))

@@ -95,7 +95,8 @@ class RowChanges:
         time: the time the change committed at (int); the shard's upper was then
             ``time + 1``.  A change that changed nothing commits nothing: ``time`` is
             then ``upper - 1`` of the state version it read (a read as of ``time``
-            already shows its result), and both counts are 0.
+            already shows its result), and both counts are 0.  In a transaction,
+            ``time`` is always the transaction's commit time.
         inserted: rows the change added to the live rows (with multiplicity; int >= 0;
             a row equal to its live row is not counted).
         retracted: rows the change removed from the live rows (with multiplicity;

@@ -31,10 +31,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 from stash.antichain import I64_MAX, Antichain
-from stash.base import Stash, _frozen_key
+from stash.base import Stash
 from stash.codec import CodecLike, resolve_codec
 from stash.collection import AppendBatch, StashCollection
 from stash.errors import PeekSinceUpperError, StashError
+from stash.peek import frozen_key
 from stash.table import TableTransaction
 from stash.txn import Row, Txn
 
@@ -181,7 +182,7 @@ class TypedCollection(Generic[K, V]):
         c, _, prev = self._read_then_batch(stash, stash._peek_unique)
         # Keys as peek_one gives them (a JSON array, a tuple written with the JSON codec,
         # as a tuple): the transaction holds them in dicts.
-        initial = [(_frozen_key(k) if type(k) is list else k, v) for _, k, v in prev]
+        initial = [(frozen_key(k) if type(k) is list else k, v) for _, k, v in prev]
         return TableTransaction(
             initial, uniqueness_violation, key_codec=c.key_codec, value_codec=c.value_codec
         )

@@ -569,12 +569,17 @@ class Stash(abc.ABC):
                 (``multiple values unexpected``); the collection records other codecs
                 than the handle's (naming both); PeekSinceUpperError as for :meth:`peek`.
         """
+        return self._peek_key_entry(collection, key)[1]
+
+    def _peek_key_entry(self, collection: StashCollection[K, V], key: K) -> tuple[bool, V | None]:
+        """``(held, value)``: whether ``key`` holds a sealed value, and the value (a
+        stored JSON ``null`` is held: ``(True, None)``).  Raises as :meth:`peek_key_one`."""
         rows = self._peek_raw(collection, collection.key_codec.encode(key))
         if not rows:
-            return None
+            return False, None
         if len(rows) > 1 or rows[0][2] != 1:
             raise StashError("multiple values unexpected")
-        return collection.value_codec.decode(rows[0][1])  # type: ignore[no-any-return]
+        return True, collection.value_codec.decode(rows[0][1])
 
     # ----------------------------------------------------------------- writes
     def update(

@@ -618,3 +618,42 @@ def test_malformed_url(url: str) -> None:
         Stash.open(url)
     assert err(e).startswith("stash error: ")
     assert "pw" not in err(e)
+
+
+# ------------------------------------------------- defects of a stash review
+def test_stored_json_null_is_a_value_for_upsert_key_and_insert(stash: Stash) -> None:
+    """A key whose value is JSON ``null`` holds a value: ``insert_without_overwrite``
+    keeps it and ``upsert_key`` retracts it (both took it as absent, and the key ended
+    with two values)."""
+    t = TypedCollection[str, object]("nulls")
+    t.upsert(stash, [("a", None), ("b", None)])
+    assert t.insert_without_overwrite(stash, "a", 1) is None
+    assert t.peek_one(stash) == {"a": None, "b": None}
+    t.upsert_key(stash, "b", 2)
+    assert t.peek_one(stash) == {"a": None, "b": 2}
+    t.upsert_key(stash, "a", None)
+    t.upsert_key(stash, "a", None)
+    assert t.peek_one(stash) == {"a": None, "b": 2}
+    assert t.peek_key_one(stash, "a") is None
+
+
+def test_migrate_rewrites_entries_at_and_beyond_the_upper(stash: Stash) -> None:
+    """Entries ``update`` wrote at or beyond the upper are migrated at their own times:
+    none is left in the old encoding (they were, and every later peek failed)."""
+    t = TypedCollection[str, object]("mig")
+    t.upsert(stash, [("a", 1)])
+    c = t.get(stash)
+    up = stash.upper(c).as_option()
+    assert up is not None
+    stash.update(c, ("b", 2), up, 1)  # at the upper
+    stash.update(c, ("c", 3), up + 5, 1)  # beyond it
+    new = t.migrate(stash, "str", "str", lambda k, v: (k, str(v)))
+    assert new.peek_one(stash) == {"a": "1", "b": "2"}
+    nc = new.get(stash)
+    stash.seal(nc, A(up + 6))
+    assert new.peek_one(stash) == {"a": "1", "b": "2", "c": "3"}
+    assert [(kv, d) for kv, _, d in stash.iter(nc)] == [
+        (("a", "1"), 1),
+        (("b", "2"), 1),
+        (("c", "3"), 1),
+    ]

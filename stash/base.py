@@ -722,6 +722,9 @@ class Stash(abc.ABC):
         For each batch: ``lower`` must equal the collection's upper (then ``upper`` is the
         new upper and ``compact`` the new since); entries must be at or beyond ``lower``.
         Batches are checked in the order given (two batches of one collection chain).
+        Entries encoded by hand (not by ``append_to_batch``) must decode with the
+        collection's codecs and are stored as the codecs encode them again (canonical),
+        alike on every backend.
 
         Raises:
             AppendLowerMismatch: ``append lower {1} does not match the current upper
@@ -731,7 +734,8 @@ class Stash(abc.ABC):
                 in i64``); a batch's collection records other codecs than its handle's
                 (a migration since the handle was made), naming both pairs; a batch's
                 handle was made by another stash (its ``stash_id`` is not the one this
-                stash records), naming both stashes (URLs redacted) and their ids.
+                stash records), naming both stashes (URLs redacted) and their ids; an
+                entry encoded by hand that is not an encoding of the collection's codec.
             In every case nothing is committed.
         """
         batches = list(batches)
@@ -741,9 +745,9 @@ class Stash(abc.ABC):
             _check_antichain(b.lower, "append lower")
             _check_antichain(b.upper, "append upper")
             _check_antichain(b.compact, "append compact")
-            for (k, v), t, d in b.entries:
-                if not isinstance(k, str) or not isinstance(v, str):
-                    raise StashError("append batch entries must be encoded (use append_to_batch)")
+        entries = [b.canonical_entries() for b in batches]
+        for es in entries:
+            for _, t, d in es:
                 check_time(t)
                 check_diff(d)
         # No batch still runs the (empty) transaction: a fenced-out leader learns it here
@@ -751,7 +755,7 @@ class Stash(abc.ABC):
         names = {b.collection.id: b.collection.name for b in batches}
         self._write_checked(
             names,
-            lambda tx: self._append_tx(tx, batches),
+            lambda tx: self._append_tx(tx, batches, entries),
             codecs=[b.collection for b in batches],
         )
 
@@ -773,9 +777,14 @@ class Stash(abc.ABC):
                 f"write to collection {name} refused, nothing committed: {DIFF_SUM_RULE}"
             ) from None
 
-    def _append_tx(self, tx: Txn, batches: list[AppendBatch]) -> None:
+    def _append_tx(
+        self,
+        tx: Txn,
+        batches: list[AppendBatch],
+        entries: list[list[tuple[tuple[str, str], int, int]]],
+    ) -> None:
         tx.lock(sorted({b.collection.id for b in batches}))
-        for b in batches:
+        for b, es in zip(batches, entries, strict=True):
             cid = b.collection.id
             _, upper = tx.frontiers(cid)
             if _ac(upper) != b.lower:
@@ -786,7 +795,7 @@ class Stash(abc.ABC):
                     b.lower,
                     _ac(upper),
                 )
-            rows = [(k, v, t, d) for (k, v), t, d in b.entries]
+            rows = [(k, v, t, d) for (k, v), t, d in es]
             self._check_entry_times(rows, upper)
             if rows:
                 tx.insert(cid, rows)

@@ -657,3 +657,36 @@ def test_migrate_rewrites_entries_at_and_beyond_the_upper(stash: Stash) -> None:
         (("b", "2"), 1),
         (("c", "3"), 1),
     ]
+
+
+def test_pre_encoded_entries_are_canonical_on_every_backend(stash: Stash) -> None:
+    """Entries encoded by hand are checked and stored as the codecs encode them: ``1.0``
+    and ``1`` are one value on every backend (they stayed apart on memory and SQLite and
+    merged on Postgres), and a key that is not JSON commits nothing (it was committed on
+    memory and SQLite)."""
+    c = stash.collection("pre")
+    b = c.make_batch(stash)
+    b.entries.append((("1.0", '{"b": 1, "a": 2.0}'), b.timestamp, 1))
+    b.entries.append((("1", '{"a":2,"b":1}'), b.timestamp, 1))
+    stash.append([b])
+    assert stash.peek(c) == [(1, {"a": 2, "b": 1}, 2)]
+    assert [(kv, d) for kv, _, d in stash.iter(c)] == [((1, {"a": 2, "b": 1}), 2)]
+
+    b = c.make_batch(stash)
+    c.append_to_batch(b, "ok", 1, 1)
+    b.entries.append((("not json", "1"), b.timestamp, 1))
+    with pytest.raises(StashError) as e:
+        stash.append([b])
+    assert "collection pre" in err(e) and "'not json'" in err(e) and "json codec" in err(e)
+    assert stash.upper(c) == A(1)
+    assert stash.peek(c) == [(1, {"a": 2, "b": 1}, 2)]
+
+    ints = stash.collection("pre_int", key="int", value="str")
+    b = ints.make_batch(stash)
+    b.entries.append((("7.0", '"x"'), b.timestamp, 1))
+    stash.append([b])
+    assert stash.peek_one(ints) == {7: "x"}
+    b = ints.make_batch(stash)
+    b.entries.append((("8", "9"), b.timestamp, 1))  # a number is no str value
+    with pytest.raises(StashError, match="str codec"):
+        stash.append([b])

@@ -70,6 +70,7 @@ from stash.errors import (
     StashError,
 )
 from stash.peek import peek_one_checked, peek_one_fast, peek_unique
+from stash.transaction import DEFAULT_RETRIES, Transaction, run_transaction
 from stash.txn import Row, Txn
 from stash.url import parse_url, redact
 
@@ -464,11 +465,11 @@ class Stash(abc.ABC):
         return since, tx.rows(cid, key)
 
     @staticmethod
-    def _peek_ts(cid: int, since: int | None, upper: int | None) -> int:
+    def _peek_ts(name: str, since: int | None, upper: int | None) -> int:
         s, u = _ac(since), _ac(upper)
         if u <= s:
             raise PeekSinceUpperError(
-                f"collection {cid} since {s} is not less than upper {u}", since=s, upper=u
+                f"collection {name} since {s} is not less than upper {u}", since=s, upper=u
             )
         if upper is None:
             return I64_MAX
@@ -480,10 +481,11 @@ class Stash(abc.ABC):
 
         Raises:
             PeekSinceUpperError: ``since`` is not less than ``upper``
-                (``collection 7 since {0} is not less than upper {0}``).
+                (``collection orders since {0} is not less than upper {0}``).
         """
         cid = self._cid(collection)
-        return self._read(lambda tx: self._peek_ts(cid, *tx.frontiers(cid)), codecs=())
+        name = collection.name
+        return self._read(lambda tx: self._peek_ts(name, *tx.frontiers(cid)), codecs=())
 
     def _peek_raw_at(
         self, collection: StashCollection[Any, Any], key: str | None = None
@@ -492,7 +494,7 @@ class Stash(abc.ABC):
         cid = self._cid(collection)
 
         def peek(tx: Txn) -> tuple[int, list[tuple[str, str, int]]]:
-            ts = self._peek_ts(cid, *tx.frontiers(cid))
+            ts = self._peek_ts(collection.name, *tx.frontiers(cid))
             return ts, tx.peek_rows(cid, ts, key)
 
         return self._read(peek, codecs=(collection,))
@@ -541,7 +543,8 @@ class Stash(abc.ABC):
         return peek_unique(collection, self._peek_raw(collection) if rows is None else rows)
 
     def peek_one(self, collection: StashCollection[K, V]) -> dict[K, V]:
-        """The sealed contents as a ``{key: value}`` dict (in key order).
+        """The sealed contents as a ``{key: value}`` dict (in key order); ``{}`` for a
+        collection nothing was ever appended to (upper ``{0}``).
 
         Keys are told apart by their canonical encodings (``true`` is not ``1``).  A key
         that decodes to a list (a tuple written with the default JSON codec) is returned
@@ -553,9 +556,15 @@ class Stash(abc.ABC):
                 frozen record type for record keys); two
                 distinct keys that Python's dict cannot tell apart (``True`` and ``1``);
                 the collection records other codecs than the handle's (naming both);
-                PeekSinceUpperError as for :meth:`peek`.
+                PeekSinceUpperError as for :meth:`peek` when something was appended
+                (a since at the upper leaves nothing readable; that is not "empty").
         """
-        rows = self._peek_raw(collection)
+        try:
+            rows = self._peek_raw(collection)
+        except PeekSinceUpperError as e:
+            if e.never_written():
+                return {}
+            raise
         fast = peek_one_fast(collection, rows)
         if fast is not None:
             return fast
@@ -804,6 +813,36 @@ class Stash(abc.ABC):
             if rows:
                 # Keep the collection physically consolidated where this batch touched it.
                 tx.consolidate(cid, b.compact.as_option(), {k for k, _, _, _ in rows})
+
+    # ----------------------------------------------------------- transactions
+    def with_transaction(
+        self, fn: Callable[[Transaction], R], *, retries: int = DEFAULT_RETRIES
+    ) -> R:
+        """Run ``fn(tx)`` with reads at one consistent point and commit its changes
+        atomically, only if every collection it read or wrote is still at the upper it
+        read (Materialize's ``with_transaction``).
+
+        ``tx.peek_one(c)``, ``tx.peek_key_one(c, key)`` and
+        ``tx.table(c, uniqueness_violation=None)`` (a :class:`~stash.TableTransaction`
+        whose changes commit with ``fn``) read; ``c`` is a collection handle or a
+        :class:`~stash.TypedCollection`.  On a conflict (another writer moved a
+        collection ``fn`` read) ``fn`` runs again from scratch, so it must not have
+        other side effects.  See :mod:`stash.transaction`.
+
+        Args:
+            fn: the transaction's work; its result is returned.
+            retries: how many times ``fn`` may run again after a conflict (>= 0).
+
+        Returns: ``fn``'s result.
+
+        Raises:
+            AppendLowerMismatch: still conflicting after ``retries`` runs again (nothing
+                was committed).
+            StashError: as ``append`` (a uniqueness violation, a readonly handle...);
+                whatever ``fn`` raises is raised as is; nothing is committed then.
+        """
+        self._check_open()
+        return run_transaction(self, fn, retries)
 
     # ------------------------------------------------------------- leadership
     def confirm_leadership(self) -> None:

@@ -14,7 +14,9 @@ Invariants kept here:
 * ``pending()`` lists, in key order, for each changed key its retraction (diff -1) before
   its insertion (diff +1); a key set back to (a value encoding like) its initial value
   yields nothing;
-* composite keys (tuples, frozen records, NamedTuples) work like any other key.
+* composite keys (tuples, frozen records, NamedTuples) work like any other key;
+* a transaction bound to a read commits only at the upper it read (``commit``), so it
+  never commits over a newer write.
 
 Source of the idea: Materialize's ``TableTransaction`` (``src/stash/src/lib.rs``).
 """
@@ -25,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 from stash.codec import CodecLike, canonical_json, json_sort_key, resolve_codec, to_json
-from stash.errors import StashError
+from stash.errors import StashError, UniquenessViolation
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -65,6 +67,13 @@ class TableTransaction(Generic[K, V]):
             not coexist (e.g. the same name); ``None`` for no constraint beyond the key.
         key_codec, value_codec: codecs whose encodings decide equality and whose
             ``sort_key`` orders keys (default: canonical JSON, records as objects).
+        collection: the name of the collection the contents are of (for messages).
+
+    A transaction made by :meth:`stash.TypedCollection.table` (or by
+    ``Stash.with_transaction``'s ``tx.table``) is bound to the upper it read:
+    :meth:`commit` appends :meth:`pending` at that lower.  One made from plain data has
+    nothing to commit to (append :meth:`pending` yourself, with a batch made *before*
+    the data was read).
 
     Raises:
         StashError: ``initial`` holds one key twice (by encoding).
@@ -77,7 +86,10 @@ class TableTransaction(Generic[K, V]):
         *,
         key_codec: CodecLike = None,
         value_codec: CodecLike = None,
+        collection: str | None = None,
     ) -> None:
+        self.collection = collection
+        self._commit: Callable[[], None] | None = None
         if key_codec is None:
             self._ktok: Callable[[Any], Any] = _natural_token
             self._ksort: Callable[[Any], Any] = _natural_sort_key
@@ -152,6 +164,25 @@ class TableTransaction(Generic[K, V]):
                 out.append((k, new, 1))
         return out
 
+    def commit(self) -> None:
+        """Append :meth:`pending` to the collection at the upper the contents were read
+        at, atomically; a transaction with nothing pending writes nothing.
+
+        Raises:
+            AppendLowerMismatch: another writer appended to the collection since it was
+                read (nothing was committed: read again and redo the changes, or use
+                ``Stash.with_transaction``, which does so).
+            StashError: the transaction is not bound to a stash (made from plain data),
+                belongs to a ``with_transaction`` function (which commits it), or was
+                committed already; any error of ``Stash.append``.
+        """
+        if self._commit is None:
+            raise StashError(
+                "table transaction: not bound to a stash read; make it with "
+                "TypedCollection.table(stash) or Stash.with_transaction"
+            )
+        self._commit()
+
     # ------------------------------------------------------------ checks
     def _verify(self, changes: Mapping[Any, tuple[K, Any]]) -> None:
         violates = self._violates
@@ -159,13 +190,15 @@ class TableTransaction(Generic[K, V]):
             return
         trial = dict(self._pending)
         trial.update(changes)
-        visible = [(t, v) for t, (_, v) in trial.items() if v is not _DELETED]
-        visible += [(t, v) for t, (_, v) in self._initial.items() if t not in trial]
-        changed = [(t, v) for t, (_, v) in changes.items() if v is not _DELETED]
-        for ct, cv in changed:
-            for t, v in visible:
+        visible = [(t, k, v) for t, (k, v) in trial.items() if v is not _DELETED]
+        visible += [(t, k, v) for t, (k, v) in self._initial.items() if t not in trial]
+        changed = [(t, k, v) for t, (k, v) in changes.items() if v is not _DELETED]
+        for ct, ck, cv in changed:
+            for t, k, v in visible:
                 if t != ct and (violates(cv, v) or violates(v, cv)):
-                    raise StashError("uniqueness violation")
+                    raise UniquenessViolation(
+                        self.collection, ck, k, "two rows' values may not coexist"
+                    )
 
     def _change(self, key: K, value: Any) -> tuple[Any, tuple[K, Any]]:
         if value is not _DELETED:
@@ -182,7 +215,7 @@ class TableTransaction(Generic[K, V]):
         """
         t, kv = self._change(key, value)
         if self._visible(t):
-            raise StashError("uniqueness violation: key already exists")
+            raise UniquenessViolation(self.collection, key, key, "key already exists")
         self._verify({t: kv})
         self._pending[t] = kv
 

@@ -35,8 +35,8 @@ from stash.base import Stash
 from stash.codec import CodecLike, resolve_codec
 from stash.collection import AppendBatch, StashCollection
 from stash.errors import PeekSinceUpperError, StashError
-from stash.peek import frozen_key
 from stash.table import TableTransaction
+from stash.transaction import bound_table
 from stash.txn import Row, Txn
 
 K = TypeVar("K")
@@ -185,15 +185,13 @@ class TypedCollection(Generic[K, V]):
         self, stash: Stash, uniqueness_violation: Callable[[V, V], bool] | None = None
     ) -> TableTransaction[K, V]:
         """A :class:`~stash.table.TableTransaction` over the sealed contents, comparing
-        keys and values by this collection's codecs (commit its ``pending()`` with
-        ``append_to_batch``)."""
-        c, _, prev = self._read_then_batch(stash, stash._peek_unique)
-        # Keys as peek_one gives them (a JSON array, a tuple written with the JSON codec,
-        # as a tuple): the transaction holds them in dicts.
-        initial = [(frozen_key(k) if type(k) is list else k, v) for _, k, v in prev]
-        return TableTransaction(
-            initial, uniqueness_violation, key_codec=c.key_codec, value_codec=c.value_codec
-        )
+        keys and values by this collection's codecs, bound to the upper it read: its
+        ``commit()`` appends its changes at that lower, and raises
+        :class:`~stash.errors.AppendLowerMismatch` (committing nothing) if another
+        writer appended since.  A new collection reads as empty.  To read and write
+        several collections at one point, with retries, use ``Stash.with_transaction``.
+        """
+        return bound_table(stash, self.get(stash), uniqueness_violation)
 
     def peek_key_one(self, stash: Stash, key: K) -> V | None:
         """The sealed value of ``key`` or ``None`` (see :meth:`Stash.peek_key_one`)."""

@@ -18,6 +18,7 @@ from stash import (
     StashError,
     TableTransaction,
     TypedCollection,
+    UniquenessViolation,
 )
 from stash.antichain import I64_MAX
 from tests.stash.conftest_helpers import tick
@@ -39,7 +40,8 @@ def test_new_collection_is_empty_with_zero_frontiers(stash: Stash) -> None:
     assert "orders" in stash.collections()
     with pytest.raises(PeekSinceUpperError) as e:
         stash.peek(c)
-    assert err(e) == f"stash error: collection {c.id} since {{0}} is not less than upper {{0}}"
+    assert err(e) == "stash error: collection orders since {0} is not less than upper {0}"
+    assert stash.peek_one(c) == {}  # nothing was ever appended: empty
     # The frontiers the peek read travel with the error, so a caller decides on them.
     assert (e.value.since, e.value.upper) == (A(0), A(0))
     assert e.value.never_written()
@@ -191,7 +193,7 @@ def test_compact_batch_and_empty_since(stash: Stash) -> None:
     assert err(e) == "stash error: cannot iterate collection with empty since frontier"
     with pytest.raises(PeekSinceUpperError) as e2:
         stash.peek(c)
-    assert err(e2) == f"stash error: collection {c.id} since {{}} is not less than upper {{}}"
+    assert err(e2) == f"stash error: collection {c.name} since {{}} is not less than upper {{}}"
     assert (e2.value.since, e2.value.upper) == (EMPTY, EMPTY)
     assert not e2.value.never_written()
     stash.consolidate(c)
@@ -489,7 +491,9 @@ def test_table_transaction_commit(stash: Stash) -> None:
     tt.insert(3, {"name": "cy"})
     with pytest.raises(StashError) as e:
         tt.insert(4, {"name": "ann"})
-    assert err(e) == "stash error: uniqueness violation"
+    assert err(e).startswith("stash error: uniqueness violation")
+    assert isinstance(e.value, UniquenessViolation)
+    assert (e.value.key, e.value.existing_key) == (4, 1)
     with pytest.raises(StashError):
         tt.insert(1, {"name": "zed"})
     assert tt.update(lambda k, v: {"name": "bo"} if k == 2 else None) == 1
@@ -690,3 +694,155 @@ def test_pre_encoded_entries_are_canonical_on_every_backend(stash: Stash) -> Non
     b.entries.append((("8", "9"), b.timestamp, 1))  # a number is no str value
     with pytest.raises(StashError, match="str codec"):
         stash.append([b])
+
+
+# --------------------------------------- transactions with one consistent read
+def test_table_commit_never_commits_over_a_newer_write(open_stash) -> None:  # type: ignore[no-untyped-def]
+    """``TypedCollection.table`` is bound to the upper it read: a commit after another
+    writer's append fails and commits nothing (the documented path used to append the
+    changes over it, retracting a value no longer live and breaking every later peek)."""
+    s1, s2 = open_stash(), open_stash()
+    t = TypedCollection[str, int]("tbl", key="str", value="int")
+    t.upsert(s1, [("a", 1)])
+    tt = t.table(s1)
+    tt.set("a", 2)
+    t.upsert_key(s2, "a", 5)  # lands between the read and the commit
+    with pytest.raises(AppendLowerMismatch) as e:
+        tt.commit()
+    assert e.value.collection == "tbl"
+    assert t.peek_one(s1) == {"a": 5}
+    tt = t.table(s1)  # read again: commits
+    tt.set("a", 2)
+    tt.set("b", 3)
+    tt.commit()
+    assert t.peek_one(s2) == {"a": 2, "b": 3}
+    with pytest.raises(StashError, match="committed already"):
+        tt.commit()
+    with pytest.raises(StashError, match="not bound"):
+        TableTransaction({}).commit()
+
+
+def test_table_commit_on_a_new_collection(stash: Stash) -> None:
+    """A new collection reads as empty and its table commits at lower {0} (the old
+    batch-first order failed there with AppendLowerMismatch)."""
+    t = TypedCollection[str, int]("fresh", key="str", value="int")
+    assert t.peek_one(stash) == {}
+    tt = t.table(stash)
+    assert tt.items() == {}
+    tt.insert("a", 1)
+    tt.commit()
+    assert t.peek_one(stash) == {"a": 1}
+    assert stash.upper(t.get(stash)) == A(1)
+    unchanged = t.table(stash)
+    unchanged.commit()  # nothing pending: nothing written
+    assert stash.upper(t.get(stash)) == A(1)
+
+
+def test_uniqueness_violation_names_collection_and_both_keys(stash: Stash) -> None:
+    t = TypedCollection[str, dict]("people", key="str")
+    t.upsert(stash, [("ann", {"name": "Ann"})])
+    tt = t.table(stash, lambda a, b: a["name"] == b["name"])
+    with pytest.raises(UniquenessViolation) as e:
+        tt.insert("ann2", {"name": "Ann"})
+    assert (e.value.collection, e.value.key, e.value.existing_key) == ("people", "ann2", "ann")
+    assert "people" in err(e) and "'ann2'" in err(e) and "'ann'" in err(e)
+    with pytest.raises(UniquenessViolation) as e:
+        tt.insert("ann", {"name": "Other"})
+    assert err(e).startswith("stash error: uniqueness violation: key already exists")
+    assert isinstance(e.value, StashError)
+
+
+def test_with_transaction_commits_atomically_and_returns_the_result(stash: Stash) -> None:
+    tables = TypedCollection[str, int]("w_tables", key="str", value="int")
+    columns = TypedCollection[tuple, str]("w_columns", key=tuple, value="str")
+
+    def create(tx):  # type: ignore[no-untyped-def]
+        t = tx.table(tables)
+        t.insert("orders", 1)
+        c = tx.table(columns)
+        c.insert(("orders", "id"), "int")
+        c.insert(("orders", "qty"), "int")
+        assert tx.peek_one(tables) == {"orders": 1}  # its own changes
+        assert tx.peek_key_one(columns, ("orders", "id")) == "int"
+        with pytest.raises(StashError, match="with_transaction"):
+            t.commit()
+        return "done"
+
+    assert stash.with_transaction(create) == "done"
+    assert tables.peek_one(stash) == {"orders": 1}
+    assert columns.peek_one(stash) == {("orders", "id"): "int", ("orders", "qty"): "int"}
+
+    def failing(tx):  # type: ignore[no-untyped-def]
+        tx.table(tables).set("orders", None)
+        tx.table(columns).insert(("orders", "id"), "dup")  # raises: nothing commits
+
+    with pytest.raises(UniquenessViolation):
+        stash.with_transaction(failing)
+    assert tables.peek_one(stash) == {"orders": 1}
+    uppers = (stash.upper(tables.get(stash)), stash.upper(columns.get(stash)))
+    assert stash.with_transaction(lambda tx: tx.peek_one(tables)) == {"orders": 1}
+    assert (stash.upper(tables.get(stash)), stash.upper(columns.get(stash))) == uppers
+
+
+def test_with_transaction_reads_at_one_point_and_runs_again(open_stash) -> None:  # type: ignore[no-untyped-def]
+    """A write landing between two reads of one attempt ends the attempt before the
+    function sees a torn state; the function runs again and sees the new state whole."""
+    s, other = open_stash(), open_stash()
+    a = TypedCollection[str, int]("one_a", key="str", value="int")
+    b = TypedCollection[str, int]("one_b", key="str", value="int")
+    a.upsert(s, [("x", 1)])
+    b.upsert(s, [("x", 1)])
+    seen: list[tuple[int, int | None]] = []
+
+    def rename(tx):  # type: ignore[no-untyped-def]
+        va = tx.peek_key_one(a, "x")
+        if not seen:  # the first attempt: another writer moves both collections now
+            other.with_transaction(lambda t2: (t2.table(a).set("x", 2), t2.table(b).set("x", 2)))
+        seen.append((va, None))
+        vb = tx.peek_key_one(b, "x")
+        seen[-1] = (va, vb)
+        tx.table(a).set("x", va + 10)
+        return va, vb
+
+    assert s.with_transaction(rename) == (2, 2)
+    assert seen == [(1, None), (2, 2)]  # the first attempt never read b's newer value
+    assert a.peek_one(s) == {"x": 12}
+
+
+def test_with_transaction_checks_collections_it_only_read(open_stash) -> None:  # type: ignore[no-untyped-def]
+    s, other = open_stash(), open_stash()
+    src = TypedCollection[str, int]("ro_src", key="str", value="int")
+    dst = TypedCollection[str, int]("ro_dst", key="str", value="int")
+    src.upsert(s, [("n", 1)])
+    runs: list[int] = []
+
+    def copy(tx):  # type: ignore[no-untyped-def]
+        n = tx.peek_key_one(src, "n")
+        runs.append(n)
+        if len(runs) == 1:
+            src.upsert_key(other, "n", 7)  # after the read, before the commit
+        tx.table(dst).set("n", n)
+
+    s.with_transaction(copy)
+    assert runs == [1, 7]
+    assert dst.peek_one(s) == {"n": 7}  # never the stale 1
+
+
+def test_with_transaction_gives_up_after_retries(open_stash) -> None:  # type: ignore[no-untyped-def]
+    s, other = open_stash(), open_stash()
+    t = TypedCollection[str, int]("busy", key="str", value="int")
+    t.upsert(s, [("k", 0)])
+    runs = []
+
+    def contended(tx):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        v = tx.peek_key_one(t, "k")
+        t.upsert_key(other, "k", v + 100)  # always someone faster
+        tx.table(t).set("k", v + 1)
+
+    with pytest.raises(AppendLowerMismatch) as e:
+        s.with_transaction(contended, retries=2)
+    assert len(runs) == 3 and e.value.collection == "busy"
+    assert t.peek_one(s) == {"k": 300}  # only the other writer's changes
+    with pytest.raises(StashError, match="retries"):
+        s.with_transaction(contended, retries=-1)

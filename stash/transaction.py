@@ -5,16 +5,18 @@
 A transaction reads lazily, each read in a read transaction of its own, and commits its
 changes in one write transaction.  Invariants kept here:
 
-* every read of a transaction sees the state of one moment: a read also reads the upper
-  of every collection read before it and, if one moved, the attempt ends
-  (:class:`~stash.errors.AppendLowerMismatch`) before the function sees anything newer.
-  The contents a peek shows are a function of the upper (every time before the upper is
-  sealed), so equal uppers mean equal contents;
-* a commit locks every collection read or written, checks each is still at the upper
-  read, then appends each written collection's changes at that lower (entries at the
-  upper ``t``, new upper ``t + 1``, since ``t``, as ``make_batch``): all of it or
-  nothing, and never over a newer write; a transaction that changed nothing writes
-  nothing;
+* every read of a transaction sees the state of one moment: a read first checks that
+  nothing read before changed (:meth:`_ReadSet.check`) and, if something did, the attempt
+  ends (:class:`~stash.errors.AppendLowerMismatch`) before the function sees anything
+  newer.  What was read is tracked per collection: all of it at an upper (the contents
+  a peek shows are a function of the upper: every time before it is sealed), or some
+  keys, each at the upper it was read at (a key changed when it has a row at or after
+  that upper: writes land at or after the upper);
+* a commit locks every collection read or written, checks that nothing read changed,
+  then appends each written collection's changes at its upper ``t`` (entries at ``t``,
+  new upper ``t + 1``, since ``t``, as ``make_batch``): all of it or nothing, and never
+  over a newer write of anything read, so transactions are serializable and writers of
+  distinct keys do not conflict; a transaction that changed nothing writes nothing;
 * ``run_transaction`` runs the function again on a conflict, up to ``retries`` times
   (tenacity, jittered backoff), then raises the last ``AppendLowerMismatch``;
 * a collection nothing was ever appended to (upper ``{0}``) reads as empty; one whose
@@ -28,13 +30,14 @@ versions of Materialize's stash (``src/stash/src/transaction.rs``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import tenacity
 
 from stash.antichain import I64_MAX, Antichain
 from stash.collection import AppendBatch, StashCollection
-from stash.errors import AppendLowerMismatch, StashError
+from stash.errors import AppendLowerMismatch, PeekSinceUpperError, StashError
 from stash.peek import frozen_key, peek_one_checked, peek_one_fast, peek_unique
 from stash.table import TableTransaction
 from stash.txn import Txn
@@ -59,13 +62,19 @@ class _Conflict(Exception):
         self.mismatch = mismatch
 
 
-class _NeedsBump(Exception):
-    """Internal: a collection's since reached its upper; append an empty batch first."""
+class _NeedsBump(PeekSinceUpperError):
+    """Internal: a collection's since reached its upper; append an empty batch first
+    (raised outside an attempt, it is the ``PeekSinceUpperError`` a peek raises)."""
 
-    def __init__(self, collection: StashCollection[Any, Any], upper: int) -> None:
-        super().__init__(collection.name)
+    def __init__(
+        self, collection: StashCollection[Any, Any], since: int | None, upper: int
+    ) -> None:
+        s, u = Antichain.from_option(since), Antichain.from_elem(upper)
+        super().__init__(
+            f"collection {collection.name} since {s} is not less than upper {u}", since=s, upper=u
+        )
         self.collection = collection
-        self.upper = upper
+        self.upper_time = upper
 
 
 def upper_moved(name: str, read: int | None, now: int | None) -> AppendLowerMismatch:
@@ -80,6 +89,44 @@ def upper_moved(name: str, read: int | None, now: int | None) -> AppendLowerMism
     )
 
 
+@dataclass
+class _ReadSet:
+    """What a transaction read of one collection: all of it at ``upper`` (``full``), or
+    some keys, each at the upper it was read at (key text -> upper)."""
+
+    handle: StashCollection[Any, Any]
+    full: bool = False
+    upper: int | None = None
+    keys: dict[str, int | None] = field(default_factory=dict)
+
+    def check(self, tx: Txn) -> None:
+        """Raise :class:`_Conflict` if what was read may have changed: the upper moved
+        (a whole read), or a key read has a row at or after the upper it was read at (a
+        write of it since; a whole-collection ``consolidate`` may also move old rows
+        there: a conflict that was not one, never the reverse)."""
+        cid = self.handle.id
+        if self.full:
+            now = tx.frontiers(cid)[1]
+            if now != self.upper:
+                raise _Conflict(upper_moved(self.handle.name, self.upper, now))
+            return
+        for kj, up in self.keys.items():
+            if up is None:
+                continue  # read at the empty upper: sealed for ever
+            if any(t >= up for _, _, t, _ in tx.rows(cid, kj)):
+                now = tx.frontiers(cid)[1]
+                lower, cur = Antichain.from_option(up), Antichain.from_option(now)
+                raise _Conflict(
+                    AppendLowerMismatch(
+                        f"key {kj} of collection {self.handle.name} was written after the "
+                        f"transaction read it at upper {lower} (the upper is now {cur})",
+                        self.handle.name,
+                        lower,
+                        cur,
+                    )
+                )
+
+
 class Transaction:
     """The reads and changes of one attempt of ``Stash.with_transaction``.
 
@@ -87,12 +134,17 @@ class Transaction:
     changes are made through the :class:`~stash.table.TableTransaction` objects
     :meth:`table` returns and commit when the function returns.  Collections are given as
     handles (``stash.collection(...)``) or as :class:`~stash.TypedCollection` objects.
+
+    What is read is tracked by key where it can be: ``peek_key_one`` reads one key, and
+    a table without a uniqueness rule reads only the keys it is asked about (``get``,
+    ``set``, ``insert``) until something needs every row (``items``, ``update``,
+    ``delete``).  A commit then checks only those keys, so transactions writing
+    distinct keys of one collection both commit, each at the upper it finds.
     """
 
     def __init__(self, stash: Stash) -> None:
         self._stash = stash
-        # collection id -> (handle, the upper read)
-        self._read: dict[int, tuple[StashCollection[Any, Any], int | None]] = {}
+        self._reads: dict[int, _ReadSet] = {}
         self._tables: dict[int, TableTransaction[Any, Any]] = {}
         self._done = False
 
@@ -110,30 +162,45 @@ class Transaction:
             f"{type(collection).__name__}"
         )
 
-    def _rows(self, c: StashCollection[Any, Any], key: str | None) -> Rows:
-        """The sealed rows of ``c`` (of one key), read with a check that every collection
-        read before is still at the upper it was read at."""
+    def _read_rows(self, c: StashCollection[Any, Any], keys: list[str] | None) -> Rows:
+        """The sealed rows of ``c`` (of ``keys``, or all), read in one read transaction
+        with a check that nothing read before has changed, and recorded as read."""
         if self._done:
             raise StashError("transaction: used after it ended")
-        earlier = list(self._read.items())
+        earlier = list(self._reads.values())
 
         def read(tx: Txn) -> tuple[int | None, Rows]:
-            for cid, (h, up) in earlier:
-                now = tx.frontiers(cid)[1]
-                if now != up:
-                    raise _Conflict(upper_moved(h.name, up, now))
+            for r in earlier:
+                r.check(tx)
             since, upper = tx.frontiers(c.id)
             if upper is None:
-                return upper, tx.peek_rows(c.id, I64_MAX, key)
-            if upper == 0:
+                ts = I64_MAX
+            elif upper == 0:
                 return upper, []  # nothing was ever appended
-            if since is None or upper <= since:
-                raise _NeedsBump(c, upper)
-            return upper, tx.peek_rows(c.id, upper - 1, key)
+            elif since is None or upper <= since:
+                raise _NeedsBump(c, since, upper)
+            else:
+                ts = upper - 1
+            if keys is None:
+                return upper, tx.peek_rows(c.id, ts)
+            return upper, [row for kj in keys for row in tx.peek_rows(c.id, ts, kj)]
 
         got: tuple[int | None, Rows] = self._stash._read(read, codecs=(c,))
-        self._read.setdefault(c.id, (c, got[0]))
-        return got[1]
+        upper, rows = got
+        rec = self._reads.setdefault(c.id, _ReadSet(c))
+        if keys is None:
+            rec.full, rec.upper = True, upper
+        elif not rec.full:
+            for kj in keys:
+                rec.keys.setdefault(kj, upper)
+        return rows
+
+    def _pairs(self, c: StashCollection[Any, Any], keys: list[Any] | None) -> list[Any]:
+        """``[(key, value)]`` of ``keys`` (or all) that hold a value, checked as
+        ``peek_one`` checks them; keys as ``peek_one`` gives them (lists as tuples)."""
+        kjs = None if keys is None else [c.key_codec.encode(k) for k in keys]
+        uniq = peek_unique(c, self._read_rows(c, kjs))
+        return [(frozen_key(k) if type(k) is list else k, v) for _, k, v in uniq]
 
     def peek_one(self, collection: Any) -> dict[Any, Any]:
         """The collection's contents as a dict (as ``Stash.peek_one``), with this
@@ -141,17 +208,17 @@ class Transaction:
         c = self._handle(collection)
         if c.id in self._tables:
             return self._tables[c.id].items()
-        rows = self._rows(c, None)
+        rows = self._read_rows(c, None)
         fast = peek_one_fast(c, rows)
         return fast if fast is not None else peek_one_checked(c, rows)
 
     def peek_key_one(self, collection: Any, key: Any) -> Any:
         """The value of ``key`` or ``None`` (as ``Stash.peek_key_one``), with this
-        transaction's changes applied."""
+        transaction's changes applied; only this key is read."""
         c = self._handle(collection)
         if c.id in self._tables:
             return self._tables[c.id].get(key)
-        rows = self._rows(c, c.key_codec.encode(key))
+        rows = self._read_rows(c, [c.key_codec.encode(key)])
         if not rows:
             return None
         if len(rows) > 1 or rows[0][2] != 1:
@@ -163,7 +230,8 @@ class Transaction:
     ) -> TableTransaction[Any, Any]:
         """A :class:`~stash.table.TableTransaction` over the collection's contents, whose
         changes commit with this transaction (one per collection: asking again returns
-        the same one)."""
+        the same one).  With a uniqueness rule every row is read now (a new value is
+        checked against all of them); without one, keys are read as they are needed."""
         c = self._handle(collection)
         tt = self._tables.get(c.id)
         if tt is None:
@@ -175,87 +243,81 @@ class Transaction:
     def _table(
         self, c: StashCollection[Any, Any], uniqueness_violation: Callable[[Any, Any], bool] | None
     ) -> TableTransaction[Any, Any]:
-        uniq = peek_unique(c, self._rows(c, None))
-        # Keys as peek_one gives them (a JSON array as a tuple): held in dicts.
-        initial = [(frozen_key(k) if type(k) is list else k, v) for _, k, v in uniq]
-        return TableTransaction(
-            initial,
+        lazy = uniqueness_violation is None
+        tt: TableTransaction[Any, Any] = TableTransaction(
+            [] if lazy else self._pairs(c, None),
             uniqueness_violation,
             key_codec=c.key_codec,
             value_codec=c.value_codec,
             collection=c.name,
         )
+        if lazy:
+            self._read_rows(c, [])  # the frontiers: a since at the upper is bumped now
+            tt._bind_source(lambda keys: self._pairs(c, keys), lambda: self._pairs(c, None))
+        return tt
 
     # --------------------------------------------------------------- commit
-    def _batches(self) -> list[AppendBatch]:
-        out: list[AppendBatch] = []
-        for cid, tt in self._tables.items():
-            pending = tt.pending()
-            if not pending:
-                continue
-            c, upper = self._read[cid]
-            if upper is None:
-                raise StashError(f"collection {c.name} is sealed (empty upper): cannot write")
-            if upper >= I64_MAX:
-                raise StashError(f"collection {c.name}: cannot determine new upper")
-            b = AppendBatch(
-                collection=c,
-                lower=Antichain.from_elem(upper),
-                upper=Antichain.from_elem(upper + 1),
-                compact=Antichain.from_elem(upper),
-                timestamp=upper,
-            )
-            for k, v, d in pending:
-                c.append_to_batch(b, k, v, d)
-            out.append(b)
-        return out
-
     def commit(self) -> None:
-        """Commit the changes of every table at the uppers read (see the module
-        docstring); nothing if nothing changed.
+        """Commit the changes of every table (see the module docstring); nothing if
+        nothing changed.
 
         Raises:
-            AppendLowerMismatch: a collection read or written moved since it was read.
+            AppendLowerMismatch: something read changed since (a collection read whole
+                moved, or a key read was written).
             StashError: as ``Stash.append``.
         """
         if self._done:
             raise StashError("transaction: committed already")
         self._done = True
-        batches = self._batches()
-        if not batches:
-            return
-        written = {b.collection.id for b in batches}
-        only_read = [(h, up) for cid, (h, up) in self._read.items() if cid not in written]
-        commit_batches(self._stash, batches, only_read)
+        changes = [(self._reads[cid], tt.pending()) for cid, tt in self._tables.items()]
+        changes = [(r, p) for r, p in changes if p]
+        if changes:
+            commit_changes(self._stash, changes, list(self._reads.values()))
 
 
-def commit_batches(
-    stash: Stash,
-    batches: list[AppendBatch],
-    only_read: list[tuple[StashCollection[Any, Any], int | None]],
+def commit_changes(
+    stash: Stash, changes: list[tuple[_ReadSet, list[Any]]], reads: list[_ReadSet]
 ) -> None:
-    """Append ``batches`` (as ``Stash.append``) in one write transaction that first
-    locks every collection of ``only_read`` too and checks it is still at the upper
-    read (each pair's second item).
+    """Append each collection's ``(key, value, diff)`` changes in one write transaction
+    that first locks every collection read or written and checks nothing read changed
+    (:meth:`_ReadSet.check`).  A collection read whole is appended to at the upper read
+    (which the check found unchanged); one read by key at its current upper.
 
     Raises:
-        AppendLowerMismatch: a collection moved (nothing committed); as ``Stash.append``.
+        AppendLowerMismatch: something read changed (nothing committed); as
+            ``Stash.append``.
     """
-    entries = [b.canonical_entries() for b in batches]
-    handles = [h for h, _ in only_read]
-    ids = sorted({b.collection.id for b in batches} | {h.id for h in handles})
+    handles = [r.handle for r in reads]
+    ids = sorted({h.id for h in handles})
 
     def write(tx: Txn) -> None:
         tx.lock(ids)
-        for h, up in only_read:
-            now = tx.frontiers(h.id)[1]
-            if now != up:
-                raise upper_moved(h.name, up, now)
-        stash._append_tx(tx, batches, entries)
+        for r in reads:
+            r.check(tx)
+        batches = [_batch(r.handle, tx.frontiers(r.handle.id)[1], p) for r, p in changes]
+        stash._append_tx(tx, batches, [b.entries for b in batches])
 
-    names = {b.collection.id: b.collection.name for b in batches}
-    codecs = [b.collection for b in batches]
-    stash._write_checked(names, write, codecs=codecs, handles=handles)
+    written = [r.handle for r, _ in changes]
+    names = {h.id: h.name for h in handles}
+    stash._write_checked(names, write, codecs=written, handles=handles)
+
+
+def _batch(c: StashCollection[Any, Any], upper: int | None, pending: list[Any]) -> AppendBatch:
+    """The batch of ``pending`` changes at ``upper`` (as ``make_batch``)."""
+    if upper is None:
+        raise StashError(f"collection {c.name} is sealed (empty upper): cannot write")
+    if upper >= I64_MAX:
+        raise StashError(f"collection {c.name}: cannot determine new upper")
+    b = AppendBatch(
+        collection=c,
+        lower=Antichain.from_elem(upper),
+        upper=Antichain.from_elem(upper + 1),
+        compact=Antichain.from_elem(upper),
+        timestamp=upper,
+    )
+    for k, v, d in pending:
+        c.append_to_batch(b, k, v, d)
+    return b
 
 
 def _owned_by_with_transaction() -> None:
@@ -292,10 +354,10 @@ def _attempt(stash: Stash, fn: Callable[[Transaction], R]) -> R:
         except AppendLowerMismatch as e:
             raise _Conflict(e) from None
         except _NeedsBump as b:
-            if (b.collection.id, b.upper) in bumped:
+            if (b.collection.id, b.upper_time) in bumped:
                 raise StashError(f"collection {b.collection.name}: nothing readable") from None
-            bumped.add((b.collection.id, b.upper))
-            _bump(stash, b.collection, b.upper)
+            bumped.add((b.collection.id, b.upper_time))
+            _bump(stash, b.collection, b.upper_time)
         finally:
             tx._done = True
 
@@ -331,11 +393,22 @@ def bound_table(
 
     # Read-only: nothing to commit, so no conflict either; a since at the upper is bumped.
     tx, tt = _attempt(stash, read)
-    tx._done = False
+    tx._done = False  # its table may still read (lazily) and commit
     tx._tables[collection.id] = tt
-
-    def commit() -> None:
-        tx.commit()
-
-    tt._commit = commit
+    tt._commit = _plain(tx.commit)
+    if tt._load_keys is not None and tt._load_all is not None:
+        tt._bind_source(_plain(tt._load_keys), _plain(tt._load_all))
     return tt
+
+
+def _plain(fn: Callable[..., R]) -> Callable[..., R]:
+    """``fn`` raising a conflict as the plain :class:`AppendLowerMismatch` (outside
+    ``with_transaction`` nothing runs again)."""
+
+    def run(*args: Any) -> R:
+        try:
+            return fn(*args)
+        except _Conflict as c:
+            raise c.mismatch from None
+
+    return run

@@ -846,3 +846,74 @@ def test_with_transaction_gives_up_after_retries(open_stash) -> None:  # type: i
     assert t.peek_one(s) == {"k": 300}  # only the other writer's changes
     with pytest.raises(StashError, match="retries"):
         s.with_transaction(contended, retries=-1)
+
+
+def test_writers_of_distinct_keys_do_not_conflict(open_stash) -> None:  # type: ignore[no-untyped-def]
+    """A transaction checks the keys it read, not the whole collection: another
+    writer's commit of a different key in between costs no retry (it cost one, and two
+    processes inserting different keys conflicted hundreds of times); the same key, or
+    a rule that reads every row, still conflicts (serializable)."""
+    s, other = open_stash(), open_stash()
+    t = TypedCollection[str, int]("keys", key="str", value="int")
+    t.upsert(s, [("a", 1), ("b", 1)])
+    runs: list[int] = []
+
+    def bump_a(tx):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        tt = tx.table(t)
+        v = tt.get("a")
+        if len(runs) == 1:
+            t.upsert_key(other, "b", 5)  # a distinct key, between the read and the commit
+            other.with_transaction(lambda t2: t2.table(t).insert("c", 9))
+        tt.set("a", v + 1)
+        assert tx.peek_key_one(t, "a") == v + 1
+
+    s.with_transaction(bump_a)
+    assert runs == [1]
+    assert t.peek_one(s) == {"a": 2, "b": 5, "c": 9}
+
+    # A bound table too: a distinct key lands, the commit succeeds.
+    tt = t.table(s)
+    tt.set("a", 3)
+    t.upsert_key(other, "b", 6)
+    tt.commit()
+    assert t.peek_one(s) == {"a": 3, "b": 6, "c": 9}
+
+    # The same key: a conflict.
+    tt = t.table(s)
+    tt.set("a", 4)
+    t.upsert_key(other, "a", 7)
+    with pytest.raises(AppendLowerMismatch, match="key"):
+        tt.commit()
+    assert t.peek_one(s) == {"a": 7, "b": 6, "c": 9}
+
+    # A key read as absent, then inserted by another writer: a conflict (no phantom).
+    tt = t.table(s)
+    assert tt.get("d") is None
+    t.upsert_key(other, "d", 1)
+    tt.insert("d", 2)  # "d" was read before the other insert: still absent here
+    with pytest.raises(AppendLowerMismatch):
+        tt.commit()
+    assert t.peek_key_one(s, "d") == 1
+
+    # A uniqueness rule reads every row: any other write is a conflict.
+    tt = t.table(s, lambda x, y: x == y)
+    tt.set("e", 100)
+    t.upsert_key(other, "f", 1)
+    with pytest.raises(AppendLowerMismatch):
+        tt.commit()
+    assert "e" not in t.peek_one(s)
+
+    # items() reads every row too.
+    runs.clear()
+
+    def count(tx):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        tt = tx.table(t)
+        n = len(tt.items())
+        if len(runs) == 1:
+            t.upsert_key(other, "g", 1)
+        tt.set("n", n)
+
+    s.with_transaction(count)
+    assert len(runs) == 2 and t.peek_key_one(s, "n") == 6

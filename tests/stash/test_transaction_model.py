@@ -202,3 +202,34 @@ def test_two_processes_and_threads_against_the_model(
         assert child.returncode == 0, (out, err[-3000:])
         assert not errors, errors
         _final(s0, tag, [*child_moves, *thread_moves[0], *thread_moves[1]])
+
+
+@pytest.mark.sized
+def test_writers_of_distinct_keys_commit_without_retries(open_stash) -> None:  # type: ignore[no-untyped-def]
+    """Threads (each with its own handle) that each write only their own key never run
+    their function twice: the commit checks the keys read, not the collection."""
+    t = TypedCollection[str, int](f"own_{next(_names)}", key="str", value="int")
+    n, writers = (30 if LONG else 6), 3
+    runs = [0] * writers
+    errors: list[BaseException] = []
+
+    def writer(i: int, s: Stash) -> None:
+        def fn(tx: Any) -> None:
+            runs[i] += 1
+            tt = tx.table(t)
+            tt.set(f"k{i}", (tt.get(f"k{i}") or 0) + 1)
+
+        try:
+            for _ in range(n):
+                s.with_transaction(fn, retries=0)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i, open_stash())) for i in range(writers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert runs == [n] * writers
+    assert t.peek_one(open_stash()) == {f"k{i}": n for i in range(writers)}

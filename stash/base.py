@@ -571,19 +571,26 @@ class Stash(abc.ABC):
         return peek_one_checked(collection, rows)
 
     def peek_key_one(self, collection: StashCollection[K, V], key: K) -> V | None:
-        """The sealed value of one key, or ``None``.
+        """The sealed value of one key, or ``None`` (also for a collection nothing was
+        ever appended to).
 
         Raises:
             StashError: the key has several values or a multiplicity other than 1
                 (``multiple values unexpected``); the collection records other codecs
-                than the handle's (naming both); PeekSinceUpperError as for :meth:`peek`.
+                than the handle's (naming both); PeekSinceUpperError as for
+                :meth:`peek_one`.
         """
         return self._peek_key_entry(collection, key)[1]
 
     def _peek_key_entry(self, collection: StashCollection[K, V], key: K) -> tuple[bool, V | None]:
         """``(held, value)``: whether ``key`` holds a sealed value, and the value (a
         stored JSON ``null`` is held: ``(True, None)``).  Raises as :meth:`peek_key_one`."""
-        rows = self._peek_raw(collection, collection.key_codec.encode(key))
+        try:
+            rows = self._peek_raw(collection, collection.key_codec.encode(key))
+        except PeekSinceUpperError as e:
+            if e.never_written():
+                return False, None
+            raise
         if not rows:
             return False, None
         if len(rows) > 1 or rows[0][2] != 1:

@@ -210,8 +210,8 @@ class AppendBatch:
     compact: Antichain
     timestamp: int = 0
     entries: list[tuple[tuple[str, str], int, int]] = field(default_factory=list)
-    #: The entries ``append_to_batch`` encoded (the same objects, in order): canonical
-    #: already, so ``append`` checks only the others.
+    #: The entries ``append_to_batch`` encoded (the same objects): canonical already, so
+    #: ``append`` checks only the others.
     _encoded: list[tuple[tuple[str, str], int, int]] = field(
         default_factory=list, init=False, repr=False, compare=False
     )
@@ -219,9 +219,13 @@ class AppendBatch:
     def canonical_entries(self) -> list[tuple[tuple[str, str], int, int]]:
         """The entries, each one ``append_to_batch`` did not encode made canonical by
         :meth:`StashCollection.canonical_entry` (raising as it does)."""
-        known, out = self._encoded, list(self.entries)
+        # The ids of the entries append_to_batch made: ``_encoded`` keeps those objects
+        # alive, so no other live object has one of these ids (entries may have been
+        # cleared, reordered or mixed with entries encoded by hand since).
+        known = {id(e) for e in self._encoded}
+        out = list(self.entries)
         for i, e in enumerate(out):
-            if i < len(known) and e is known[i]:
+            if id(e) in known:
                 continue
             if not isinstance(e, tuple) or len(e) != 3 or not isinstance(e[0], tuple):
                 raise StashError("append batch entries must be ((key, value), time, diff)")

@@ -42,6 +42,7 @@ def test_new_collection_is_empty_with_zero_frontiers(stash: Stash) -> None:
         stash.peek(c)
     assert err(e) == "stash error: collection orders since {0} is not less than upper {0}"
     assert stash.peek_one(c) == {}  # nothing was ever appended: empty
+    assert stash.peek_key_one(c, "k") is None
     # The frontiers the peek read travel with the error, so a caller decides on them.
     assert (e.value.since, e.value.upper) == (A(0), A(0))
     assert e.value.never_written()
@@ -684,6 +685,15 @@ def test_pre_encoded_entries_are_canonical_on_every_backend(stash: Stash) -> Non
     assert "collection pre" in err(e) and "'not json'" in err(e) and "json codec" in err(e)
     assert stash.upper(c) == A(1)
     assert stash.peek(c) == [(1, {"a": 2, "b": 1}, 2)]
+
+    # Cleared, reordered and mixed with entries encoded by hand: every hand entry checked.
+    b = c.make_batch(stash)
+    c.append_to_batch(b, "gone", 1, 1)
+    b.entries.clear()
+    c.append_to_batch(b, "x", 1, 1)
+    b.entries.insert(0, (("2.0", "[1.0]"), b.timestamp, 1))
+    stash.append([b])
+    assert stash.peek(c) == [(1, {"a": 2, "b": 1}, 2), (2, [1], 1), ("x", 1, 1)]
 
     ints = stash.collection("pre_int", key="int", value="str")
     b = ints.make_batch(stash)

@@ -1,9 +1,10 @@
 """The Stash: the whole contract of Materialize's ``Stash`` and ``Append`` traits, once.
 
 :class:`Stash` implements every method of the contract (checks, exact error messages,
-consolidation; the peek rules are :mod:`stash.peek`) on top of the primitive transactions
-of a backend (:mod:`stash.txn`).  Backends (:mod:`stash.memory`, :mod:`stash.sql`) only store rows and
-frontiers; :meth:`Stash.open` finds the backend of a URL by name (:data:`BACKENDS`), so
+consolidation; the peek rules are :mod:`stash.peek`, the handle and codec checks
+:mod:`stash.checks`, transactions :mod:`stash.transaction`) on top of the primitive
+transactions of a backend (:mod:`stash.txn`).  Backends (:mod:`stash.memory`,
+:mod:`stash.sql`) only store rows and frontiers; :meth:`Stash.open` finds the backend of a URL by name (:data:`BACKENDS`), so
 this module never imports a backend (they import it).  Invariants kept here:
 
 * every public method is one transaction: it commits entirely or not at all;
@@ -33,7 +34,7 @@ this module never imports a backend (they import it).  Invariants kept here:
   codecs), so it never hands out a handle with codecs the collection no longer records.
   Calls that neither encode nor decode (``since``, ``upper``, ``peek_timestamp``,
   ``seal``, ``compact``, ``consolidate``) work through any handle of the collection;
-* every write refuses a handle another stash made (:meth:`Stash._check_handles_tx`:
+* every write refuses a handle another stash made (:func:`stash.checks.check_handles_tx`:
   the identity and name come from the same statement as the codec names).
 
 Source: Materialize's ``Stash`` trait (``src/stash/src/lib.rs``): ``Stash``, ``Append``,
@@ -53,6 +54,7 @@ from sqlalchemy.engine import URL
 
 from stash import metrics as stash_metrics
 from stash.antichain import I64_MAX, Antichain
+from stash.checks import check_handles_tx, with_codec_check
 from stash.codec import CodecLike, resolve_codec
 from stash.collection import (
     AppendBatch,
@@ -64,7 +66,6 @@ from stash.collection import (
 from stash.consolidation import DIFF_SUM_RULE, DiffSumOverflow, consolidate_updates
 from stash.errors import (
     AppendLowerMismatch,
-    FenceError,
     PeekSinceUpperError,
     ReadOnlyError,
     StashError,
@@ -217,17 +218,18 @@ class Stash(abc.ABC):
                 (in id order) and checked against their recorded codec names first.
             handles: further handles ``fn`` writes through (codecs unchecked): locked
                 with ``codecs``; every handle of both is checked to be this stash's
-                (:meth:`_check_handles_tx`) before anything else.
+                (:func:`stash.checks.check_handles_tx`) before anything else.
 
         Raises:
             ReadOnlyError: a readonly handle.
-            StashError: a handle of another stash (see :meth:`_check_handles_tx`); a
-                collection records other codecs (see :meth:`_check_codecs_tx`).
+            StashError: a handle of another stash (see
+                :func:`stash.checks.check_handles_tx`); a collection records other codecs
+                (see :func:`stash.checks.check_codecs_tx`).
         """
         self._check_open()
         if self.mode == "readonly":
             raise ReadOnlyError("cannot write through a stash opened in readonly mode")
-        run = self._with_codec_check(fn, codecs, True, handles)
+        run = with_codec_check(fn, codecs, True, handles, self._check_handles)
         return stash_metrics.observe_txn(self, True, lambda: self._run(True, run))
 
     def _read(self, fn: Callable[[Txn], R], *, codecs: Sequence[StashCollection[Any, Any]]) -> R:
@@ -240,107 +242,21 @@ class Stash(abc.ABC):
                 same transaction (so in the snapshot the rows are read from).
 
         Raises:
-            StashError: a collection records other codecs (see :meth:`_check_codecs_tx`).
+            StashError: a collection records other codecs (see
+                :func:`stash.checks.check_codecs_tx`).
         """
         self._check_open()
-        run = self._with_codec_check(fn, codecs, False)
+        run = with_codec_check(fn, codecs, False, (), self._check_handles)
         return stash_metrics.observe_txn(self, False, lambda: self._run(False, run))
 
-    def _with_codec_check(
-        self,
-        fn: Callable[[Txn], R],
-        codecs: Sequence[StashCollection[Any, Any]],
-        write: bool,
-        handles: Sequence[StashCollection[Any, Any]] = (),
-    ) -> Callable[[Txn], R]:
-        if not codecs and not (write and handles):
-            return fn
-        if len(codecs) == 1 and not handles:
-            (c,) = codecs
-
-            def one(tx: Txn) -> R:
-                if write:
-                    tx.lock([c.id])
-                    self._check_handles_tx(tx, codecs)
-                self._check_codecs_tx(tx, c, write)
-                return fn(tx)
-
-            return one
-        decoded = list({c.id: c for c in codecs}.values())
-        written = [*codecs, *handles]
-        ids = sorted({c.id for c in written})
-
-        def many(tx: Txn) -> R:
-            if write:
-                tx.lock(ids)
-                self._check_handles_tx(tx, written)
-            for c in decoded:
-                self._check_codecs_tx(tx, c, write)
-            return fn(tx)
-
-        return many
-
-    def _check_handles_tx(self, tx: Txn, handles: Sequence[StashCollection[Any, Any]]) -> None:
-        """Refuse a write through a handle another stash made: its collection id would
-        name some other collection here (or none).  A handle is this stash's when it
-        carries this stash's identity (``tx.stash_id()``, read in the write's transaction
-        with its fence check or lock) and its collection here has the handle's name (a
-        savepoint handle also takes the handles of the stash it copied, by id and name).
-        The identity and the name come from the statement that read the collection's
-        frontiers or took its lock: no query of their own.
-
-        Raises:
-            StashError: naming the collection, both stashes (URLs redacted) and their
-                identities, or the name the id has here; nothing was committed.
-        """
-        for c in handles:
-            try:
-                here: str | None = tx.collection_name(c.id)
-            except FenceError:
-                raise
-            except StashError:
-                here = None  # no collection of this id here
-            sid = tx.stash_id()
-            if c.stash_id is None:
-                why = "its handle carries no stash identity (make handles with Stash.collection)"
-            elif c.stash_id not in (sid, self._savepoint_of):
-                why = f"its handle was made by stash {c.stash_url} (stash id {c.stash_id})"
-            elif here != c.name:
-                why = f"its handle's id {c.id} is " + (
-                    "no collection here" if here is None else f"collection {here} here"
-                )
-            else:
-                continue
-            raise StashError(
-                f"write to collection {c.name} (id {c.id}) refused, nothing committed: "
-                f"{why}; this stash is {self._handle_url} (stash id {sid})"
-            )
+    def _check_handles(self, tx: Txn, handles: Sequence[StashCollection[Any, Any]]) -> None:
+        """:func:`stash.checks.check_handles_tx` for this stash."""
+        check_handles_tx(tx, handles, savepoint_of=self._savepoint_of, handle_url=self._handle_url)
 
     @property
     def _handle_url(self) -> str:
         """The URL (redacted) this handle's collection handles name as their maker."""
         return self.redacted_url + (" (a savepoint)" if self.mode == "savepoint" else "")
-
-    def _check_codecs_tx(self, tx: Txn, c: StashCollection[Any, Any], write: bool) -> None:
-        """Refuse a read or write through a handle whose codecs are no longer the
-        collection's (``TypedCollection.migrate``, through any handle, recorded others
-        since the handle was made): it would decode the new encoding with the old codecs,
-        or write entries of the old encoding.  ``tx.codecs`` answers from the statement
-        that read the frontiers or took the lock: no query of its own.
-
-        Raises:
-            StashError: naming the collection and both codec pairs (for a write: nothing
-                was committed).
-        """
-        found = tx.codecs(c.id)
-        mine = c.codec_names
-        if found != mine:
-            raise StashError(
-                f"collection {c.name} now has codecs (key={found[0]}, value={found[1]}) "
-                f"(migrated since this handle was opened), but this handle has "
-                f"(key={mine[0]}, value={mine[1]}): open it again with its codecs"
-                + ("; nothing was committed" if write else "")
-            )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -742,15 +742,17 @@ class Stash(abc.ABC):
         self, fn: Callable[[Transaction], R], *, retries: int = DEFAULT_RETRIES
     ) -> R:
         """Run ``fn(tx)`` with reads at one consistent point and commit its changes
-        atomically, only if every collection it read or wrote is still at the upper it
-        read (Materialize's ``with_transaction``).
+        atomically, only if nothing it read has changed since (Materialize's
+        ``with_transaction``): a collection read whole must still be at the upper read,
+        a key read must not have been written since, so writers of distinct keys do not
+        conflict.
 
         ``tx.peek_one(c)``, ``tx.peek_key_one(c, key)`` and
         ``tx.table(c, uniqueness_violation=None)`` (a :class:`~stash.TableTransaction`
-        whose changes commit with ``fn``) read; ``c`` is a collection handle or a
-        :class:`~stash.TypedCollection`.  On a conflict (another writer moved a
-        collection ``fn`` read) ``fn`` runs again from scratch, so it must not have
-        other side effects.  See :mod:`stash.transaction`.
+        whose changes commit with ``fn``; without a uniqueness rule it reads keys as it
+        is asked about them) read; ``c`` is a collection handle or a
+        :class:`~stash.TypedCollection`.  On a conflict ``fn`` runs again from scratch,
+        so it must not have other side effects.  See :mod:`stash.transaction`.
 
         Args:
             fn: the transaction's work; its result is returned.

@@ -185,11 +185,14 @@ class TypedCollection(Generic[K, V]):
         self, stash: Stash, uniqueness_violation: Callable[[V, V], bool] | None = None
     ) -> TableTransaction[K, V]:
         """A :class:`~stash.table.TableTransaction` over the sealed contents, comparing
-        keys and values by this collection's codecs, bound to the upper it read: its
-        ``commit()`` appends its changes at that lower, and raises
+        keys and values by this collection's codecs, bound to what it read: its
+        ``commit()`` appends its changes in one transaction, and raises
         :class:`~stash.errors.AppendLowerMismatch` (committing nothing) if another
-        writer appended since.  A new collection reads as empty.  To read and write
-        several collections at one point, with retries, use ``Stash.with_transaction``.
+        writer changed what it read since (with ``uniqueness_violation``, every row is
+        read now and any append conflicts; without one, keys are read as the table is
+        asked about them, and only a write of those keys conflicts).  A new collection
+        reads as empty.  To read and write several collections at one point, with
+        retries, use ``Stash.with_transaction``.
         """
         return bound_table(stash, self.get(stash), uniqueness_violation)
 

@@ -4,7 +4,8 @@ Targets :data:`stash.schema.metadata`.  The database URL comes from, in order: a
 connection handed over by :mod:`stash.migrate` (``config.attributes["connection"]``),
 ``-x url=...``, the ``STASH_URL`` environment variable, or ``sqlalchemy.url`` in the ini.
 A SQLite database this creates is owner-only (``0600`` in ``0700`` directories), as
-when :meth:`stash.Stash.open` or ``stash migrate`` create it.
+when :meth:`stash.Stash.open` or ``stash migrate`` create it.  On Postgres a migration
+holds the advisory lock of :func:`stash.migrate.lock_migrations` until it commits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import sqlalchemy as sa
 from alembic import context
 
-from stash.migrate import create_sqlite_file
+from stash.migrate import create_sqlite_file, lock_migrations
 from stash.schema import exists_on, metadata
 
 config = context.config
@@ -52,6 +53,9 @@ def _run(connection: sa.Connection) -> None:
         compare_type=True,
     )
     with context.begin_transaction():
+        # Migrations of one database from several processes run one after the other;
+        # the later ones read the version only once the earlier committed.
+        lock_migrations(connection)
         context.run_migrations()
 
 

@@ -268,7 +268,10 @@ class PgOps(_Ops):
     def savepoint_open(self, dbc: Any, stash_id: str) -> str:
         # Statements prepared before the temporary tables existed must not be reused.
         dbc.prepare_threshold = None
-        dbc.isolation_level = None
+        # One snapshot for the whole copy: under READ COMMITTED each INSERT ... SELECT
+        # would see the appends committed before it, and the copy's uppers could claim
+        # rows its data table does not hold.
+        dbc.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         dbc.read_only = None
         cur = dbc.cursor()
         row = cur.execute(

@@ -69,6 +69,8 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             ],
         ),
         ("collection handles and table transactions", ["stash.collection", "stash.table"]),
+        ("the peek rules and the handle checks", ["stash.peek", "stash.checks"]),
+        ("transactions with one consistent read", ["stash.transaction"]),
         ("the Stash contract (backends looked up by name)", ["stash.base"]),
         ("typed collections", ["stash.typed"]),
         ("backends", ["stash.memory", "stash.sql"]),

@@ -939,3 +939,44 @@ class Stash(abc.ABC):
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - guard against misuse
         raise TypeError("a Stash is not iterable; use stash.iter(collection)")
+
+    # ------------------------------------- key ranges, change feed, operations
+    # Thin entry points to the modules that hold these features (found by name, as the
+    # backends are: those modules sit above this one).
+    def peek_range(
+        self,
+        collection: StashCollection[K, V],
+        lower: K | None = None,
+        upper: K | None = None,
+        prefix: Any = None,
+        limit: int | None = None,
+        *,
+        after: K | None = None,
+        at: int | None = None,
+    ) -> Any:
+        """A page of the sealed entries of a key range, in key order, read in one read
+        transaction through the key index (see :mod:`stash.ranges`).
+
+        Args:
+            collection: the collection.
+            lower: keys ``>= lower``; upper: keys ``< upper``; after: keys ``> after``
+                (the ``next_after`` of the previous page).  Keys compare as their stored
+                JSON texts, in code point order: strings in string order, numbers as
+                text (range over string or tuple keys).
+            prefix: a ``str`` (string keys starting with it) or a tuple (array keys
+                whose first items are its items).
+            limit: at most this many entries (a positive int), or all.
+            at: read at this time (``since <= at < upper``); default the peek time.
+
+        Returns:
+            A :class:`stash.ranges.RangePage`: ``entries`` ``[(key, value)]``, ``time``,
+            ``more`` and ``next_after``.
+
+        Raises:
+            StashError: a key of the page holds several values or a multiplicity other
+                than 1; ``at`` is compacted away or not sealed; a bad bound, prefix or
+                limit; the collection records other codecs than the handle's.
+            PeekSinceUpperError: as for :meth:`peek`.
+        """
+        fn = load_by_name("stash.ranges.peek_range")
+        return fn(self, collection, lower, upper, prefix, limit, after, at)

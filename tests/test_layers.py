@@ -70,7 +70,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
         ),
         ("collection handles and table transactions", ["stash.collection", "stash.table"]),
         ("the Stash contract (backends looked up by name)", ["stash.base"]),
-        ("typed collections", ["stash.typed", "stash.keyed"]),
+        ("typed collections", ["stash.typed", "stash.keyed", "stash.ranges"]),
         ("backends", ["stash.memory", "stash.sql"]),
         (
             "SQL dialects (each imports stash.sql, never the reverse)",

@@ -980,3 +980,70 @@ class Stash(abc.ABC):
         """
         fn = load_by_name("stash.ranges.peek_range")
         return fn(self, collection, lower, upper, prefix, limit, after, at)
+
+    def subscribe(
+        self,
+        collections: Sequence[StashCollection[Any, Any]],
+        as_of: int | dict[str, int],
+        *,
+        snapshot: bool = True,
+        poll_interval: float = 0.2,
+        idle_timeout: float | None = None,
+    ) -> Iterator[Any]:
+        """A change feed (see :mod:`stash.feed`): per collection, its contents as of
+        ``as_of`` (times ``<= as_of``, at time ``as_of``; skipped with
+        ``snapshot=False``), then each committed change at each later sealed time, as
+        ``Change(collection, key, value, time, diff)`` in time order, each sealed step
+        followed by ``Progress(collection, upper)`` (every change at times ``< upper``
+        was yielded).  Resume from a progress ``upper`` with ``as_of=upper - 1,
+        snapshot=False``.  Postgres wakes it with ``LISTEN/NOTIFY``; SQLite and memory
+        poll every ``poll_interval`` seconds.  It runs until closed (``break``), or
+        until nothing new arrived for ``idle_timeout`` seconds.
+
+        Args:
+            collections: the collection handles.
+            as_of: a time, or ``{collection name: time}``.
+
+        Raises:
+            stash.feed.FeedCompacted: the since of a collection passed the last time
+                yielded (or ``as_of``): its history is compacted away (set a retention,
+                :meth:`set_retention`).
+            StashError: ``as_of`` is not sealed yet; a collection records other codecs
+                than its handle's.
+        """
+        fn = load_by_name("stash.feed.subscribe")
+        it: Iterator[Any] = fn(
+            self,
+            collections,
+            as_of,
+            snapshot=snapshot,
+            poll_interval=poll_interval,
+            idle_timeout=idle_timeout,
+        )
+        return it
+
+    def set_retention(
+        self, collection: StashCollection[Any, Any], *, keep_times: int | None
+    ) -> None:
+        """Make the collection's since follow a retention instead of every append (see
+        :mod:`stash.retention`): ``keep_times=N`` keeps its last ``N`` times readable
+        (with one append per time, its last ``N`` appends); ``keep_times=None`` keeps
+        every time from now on.  ``make_batch`` and the typed writes follow it; a batch
+        built by hand keeps the ``compact`` it asks for.  Stored in the stash (the
+        collection ``stash.retention``), so writers of every process follow it.
+
+        Raises:
+            StashError: ``keep_times`` is not a positive int or ``None``; a readonly
+                stash.
+        """
+        load_by_name("stash.feed.set_retention")(self, collection, keep_times)
+
+    def batch_frontiers(self, collection: StashCollection[Any, Any]) -> tuple[int | None, int]:
+        """``(upper, compact)`` of a new batch of ``collection``, read in one read
+        transaction: its upper (``None``: the empty frontier) and the since its
+        retention keeps (:func:`stash.retention.batch_frontiers`; used by
+        ``StashCollection.make_batch``)."""
+        result: tuple[int | None, int] = load_by_name("stash.retention.batch_frontiers")(
+            self, collection
+        )
+        return result

@@ -4,7 +4,8 @@
 transaction locks the collection, reads the sealed values of the keys it writes (at
 ``upper - 1``: every sealed time, so also when ``since == upper``), and writes at the
 upper ``t`` it read: the new entries, the retraction of each replaced value, the upper
-``t + 1`` and the since ``t`` (the since a ``make_batch`` batch sets).  Invariants kept
+``t + 1`` and the since ``t`` (the since a ``make_batch`` batch sets), or the since the
+collection's retention keeps (:mod:`stash.feed`).  Invariants kept
 here:
 
 * the read and the write are one transaction under the collection's write lock, so no
@@ -34,6 +35,7 @@ from stash.base import Stash
 from stash.codec import CodecLike, JsonCodec, canonical_json, resolve_codec
 from stash.collection import StashCollection
 from stash.errors import StashError
+from stash.retention import retained_since
 from stash.txn import Row, Txn
 
 __all__ = ["Target", "insert_without_overwrite", "upsert", "upsert_key"]
@@ -77,11 +79,13 @@ def _held(c: StashCollection[Any, Any], rows: list[tuple[str, str, int]]) -> dic
 
 
 def _commit(tx: Txn, c: StashCollection[Any, Any], t: int, rows: list[Row]) -> None:
-    """Write ``rows`` at ``t``; the upper becomes ``t + 1`` and the since ``t``."""
+    """Write ``rows`` at ``t``; the upper becomes ``t + 1`` and the since ``t``, or the
+    since the collection's retention keeps (:func:`stash.feed.retained_since`)."""
+    since = retained_since(tx, c.id, c.name, t)
     tx.insert(c.id, rows)
     tx.set_upper(c.id, t + 1)
-    Stash._compact_tx(tx, c.id, Antichain.from_elem(t))
-    tx.consolidate(c.id, t, {k for k, _, _, _ in rows})
+    Stash._compact_tx(tx, c.id, Antichain.from_elem(since))
+    tx.consolidate(c.id, since, {k for k, _, _, _ in rows})
 
 
 class Target(NamedTuple):

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_HEAD = "0004"
+SCHEMA_HEAD = "0005"
 
 STASH_ENTRIES_VIEW = (
     "CREATE VIEW stash_entries AS "

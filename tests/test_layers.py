@@ -70,7 +70,10 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
         ),
         ("collection handles and table transactions", ["stash.collection", "stash.table"]),
         ("the Stash contract (backends looked up by name)", ["stash.base"]),
-        ("typed collections", ["stash.typed", "stash.keyed", "stash.ranges"]),
+        (
+            "typed collections, key ranges, change feed",
+            ["stash.typed", "stash.keyed", "stash.ranges", "stash.retention", "stash.feed"],
+        ),
         ("backends", ["stash.memory", "stash.sql"]),
         (
             "SQL dialects (each imports stash.sql, never the reverse)",

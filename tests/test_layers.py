@@ -72,7 +72,14 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
         ("the Stash contract (backends looked up by name)", ["stash.base"]),
         (
             "typed collections, key ranges, change feed",
-            ["stash.typed", "stash.keyed", "stash.ranges", "stash.retention", "stash.feed"],
+            [
+                "stash.typed",
+                "stash.keyed",
+                "stash.ranges",
+                "stash.retention",
+                "stash.feed",
+                "stash.ops",
+            ],
         ),
         ("backends", ["stash.memory", "stash.sql"]),
         (

@@ -325,14 +325,12 @@ def migrate(url: str | None, revision: str) -> None:
     missing."""
 
     def run() -> None:
-        import sqlalchemy as sa
-
-        from stash.migrate import upgrade
+        from stash.migrate import migration_engine, upgrade
 
         u = parse_url(_url(url))
         if u.get_backend_name() == "postgresql":
             u = u.set(drivername="postgresql+psycopg")
-        engine = sa.create_engine(u)
+        engine = migration_engine(u)
         try:
             upgrade(engine, revision)
         except Exception as e:  # noqa: BLE001 - report any driver error as one line

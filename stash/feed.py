@@ -42,6 +42,7 @@ from stash.antichain import Antichain
 from stash.collection import StashCollection
 from stash.errors import StashError
 from stash.keyed import Target, upsert_key
+from stash.placement import driver_url
 from stash.retention import RETENTION_COLLECTION
 from stash.txn import Txn
 
@@ -98,6 +99,8 @@ def _time_rows(tx: Txn, cid: int, lo: int, hi: int) -> list[tuple[str, str, int,
             {"c": cid, "lo": lo, "hi": hi},
         )
     elif backend == "postgresql":
+        from stash.ranges import _canonical  # jsonb::text made canonical
+
         if flush is not None:
             flush()
         cur = tx.cur.execute(  # type: ignore[attr-defined]
@@ -105,6 +108,8 @@ def _time_rows(tx: Txn, cid: int, lo: int, hi: int) -> list[tuple[str, str, int,
             " AND time >= %(lo)s AND time < %(hi)s",
             {"c": cid, "lo": lo, "hi": hi},
         )
+        c = _canonical
+        return [(c(k), c(v), int(t), int(d)) for k, v, t, d in cur.fetchall()]
     else:
         return [r for r in tx.rows(cid) if lo <= r[2] < hi]
     return [(str(k), str(v), int(t), int(d)) for k, v, t, d in cur.fetchall()]
@@ -219,10 +224,9 @@ class _Listener:
             try:
                 import psycopg
 
-                url = stash.engine.url
+                url = driver_url(stash.engine.url).set(drivername="postgresql")
                 self.conn = psycopg.connect(
-                    url.set(drivername="postgresql").render_as_string(hide_password=False),
-                    autocommit=True,
+                    url.render_as_string(hide_password=False), autocommit=True
                 )
                 self.conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
             except Exception:  # noqa: BLE001 - no listener: poll instead

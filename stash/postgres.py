@@ -63,12 +63,12 @@ from stash.antichain import I64_MAX, I64_MIN
 from stash.base import Mode
 from stash.consolidation import DiffSumOverflow
 from stash.errors import IndeterminateError, StashError
+from stash.placement import install, placement
 from stash.sql import (
     TABLE_COLUMNS,
     EngineOptions,
     SqlStash,
     SqlTxn,
-    _consolidate_peek,
     _driver_error,
     _Ops,
     _Transient,
@@ -114,13 +114,15 @@ def pg_engine(url: URL, *, pool_size: int, connect_timeout: float, pre_ping: boo
         "options": "-c plan_cache_mode=force_generic_plan",
     }
     connect_args = {k: v for k, v in defaults.items() if k not in url.query}
-    return sa.create_engine(
+    engine = sa.create_engine(
         url,
         pool_size=pool_size,
         max_overflow=2 * pool_size,
         pool_pre_ping=bool(pre_ping),
         connect_args=connect_args,
     )
+    install(engine)  # the stash's schema (stash_schema=...) on every connection
+    return engine
 
 
 def _parse_float(text: str) -> float | int:
@@ -171,6 +173,7 @@ class PgOps(_Ops):
             raise StashError(
                 f"unsupported postgres driver in {redact(url)!r}; use postgresql+psycopg"
             )
+        placement(url)  # the stash's schema parameters are identifiers
         return url.set(drivername="postgresql+psycopg")
 
     def engine(self, url: URL, mode: Mode, options: EngineOptions) -> sa.Engine:
@@ -533,10 +536,10 @@ _FLUSH_SQL = {
 }
 
 
-# A whole collection's rows, consolidated in Python (stash.sql._consolidate_peek): a
-# server-side GROUP BY of jsonb (key, value) cost more than the rest of the read.
 _PEEK_SQL = (
-    "SELECT key::text, value::text, diff FROM data WHERE collection_id = %(c)s AND time <= %(ts)s"
+    "SELECT key::text, value::text, sum(diff)::int8 FROM data"
+    " WHERE collection_id = %(c)s AND time <= %(ts)s"
+    " GROUP BY key, value HAVING sum(diff) <> 0"
 )
 # "(time <= ..) IS TRUE": not an index condition, so even a generic plan cached while the
 # table was tiny finds the key through the (collection_id, key hash) index, never by scanning
@@ -845,12 +848,11 @@ class PgTxn(SqlTxn):
         ).fetchall()
         c = canonical_text
         if key is None:
-            # A whole collection is read to be decoded: values stay as jsonb renders them
-            # (the same value always renders the same text, so they consolidate as
-            # texts), which decodes to the value written; re-encoding every object
-            # canonically cost half of a 10,000-entry typed peek_one.  Keys are made
-            # canonical (they are compared as texts).
-            return _consolidate_peek([(c(k), v, d) for k, v, d in out])
+            # A whole collection is read to be decoded: values (grouped by jsonb
+            # equality above) stay as jsonb renders them, which decodes to the value
+            # written; re-encoding every object canonically cost half of a 10,000-entry
+            # typed peek_one.  Keys are made canonical (they are compared as texts).
+            return [(c(k), v, int(d)) for k, v, d in out]
         return [(c(k), c(v), int(d)) for k, v, d in out]
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:

@@ -361,5 +361,14 @@ def _pg_batch(
     )
     rows = tx.cur.execute(sql, params).fetchall()
     # Keys stay as Postgres renders them (the bounds and admits() compare those
-    # renderings, one per key); the caller decodes them.
-    return [(str(k), str(v), int(d)) for k, v, d in rows]
+    # renderings); values are made canonical (rows consolidate by text).
+    return [(str(k), _canonical(v), int(d)) for k, v, d in rows]
+
+
+def _canonical(text: str) -> str:
+    """The canonical text of a ``jsonb::text`` (``"2.50"`` and ``"2.5"`` are one value)."""
+    from stash.codec import JsonCodec, canonical_json
+
+    if text[0] == '"' or text in ("true", "false", "null") or text.lstrip("-").isdigit():
+        return text
+    return canonical_json(JsonCodec().decode(text))

@@ -66,6 +66,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "stash.schema",
                 "stash.migrate",
                 "stash.url",
+                "stash.placement",
             ],
         ),
         ("collection handles and table transactions", ["stash.collection", "stash.table"]),

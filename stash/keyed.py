@@ -122,10 +122,10 @@ def _write_keys(
                 f"value={vname}) (or migrated to them) but opened with (key={kc.name}, "
                 f"value={vc.name})"
             )
+        tx.lock([cid])  # (its statement also reads the stash's identity)
         c: StashCollection[Any, Any] = StashCollection(
             cid, target.name, kc, vc, stash_id=tx.stash_id(), stash_url=stash._handle_url
         )
-        tx.lock([cid])
         stash._check_codecs_tx(tx, c, True)  # as recorded once the collection is locked
         t = _tick(tx, c)
         if len(encoded) == 1:

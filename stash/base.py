@@ -942,7 +942,7 @@ class Stash(abc.ABC):
 
     # ------------------------------------- key ranges, change feed, operations
     # Thin entry points to the modules that hold these features (found by name, as the
-    # backends are: those modules sit above this one).
+    # backends are: those modules sit above this one); each documents its arguments.
     def peek_range(
         self,
         collection: StashCollection[K, V],
@@ -954,30 +954,8 @@ class Stash(abc.ABC):
         after: K | None = None,
         at: int | None = None,
     ) -> Any:
-        """A page of the sealed entries of a key range, in key order, read in one read
-        transaction through the key index (see :mod:`stash.ranges`).
-
-        Args:
-            collection: the collection.
-            lower: keys ``>= lower``; upper: keys ``< upper``; after: keys ``> after``
-                (the ``next_after`` of the previous page).  Keys compare as their stored
-                JSON texts, in code point order: strings in string order, numbers as
-                text (range over string or tuple keys).
-            prefix: a ``str`` (string keys starting with it) or a tuple (array keys
-                whose first items are its items).
-            limit: at most this many entries (a positive int), or all.
-            at: read at this time (``since <= at < upper``); default the peek time.
-
-        Returns:
-            A :class:`stash.ranges.RangePage`: ``entries`` ``[(key, value)]``, ``time``,
-            ``more`` and ``next_after``.
-
-        Raises:
-            StashError: a key of the page holds several values or a multiplicity other
-                than 1; ``at`` is compacted away or not sealed; a bad bound, prefix or
-                limit; the collection records other codecs than the handle's.
-            PeekSinceUpperError: as for :meth:`peek`.
-        """
+        """A page of sealed entries of a key range in key order, through the key index
+        (:func:`stash.ranges.peek_range`): a :class:`stash.ranges.RangePage`."""
         fn = load_by_name("stash.ranges.peek_range")
         return fn(self, collection, lower, upper, prefix, limit, after, at)
 
@@ -990,27 +968,8 @@ class Stash(abc.ABC):
         poll_interval: float = 0.2,
         idle_timeout: float | None = None,
     ) -> Iterator[Any]:
-        """A change feed (see :mod:`stash.feed`): per collection, its contents as of
-        ``as_of`` (times ``<= as_of``, at time ``as_of``; skipped with
-        ``snapshot=False``), then each committed change at each later sealed time, as
-        ``Change(collection, key, value, time, diff)`` in time order, each sealed step
-        followed by ``Progress(collection, upper)`` (every change at times ``< upper``
-        was yielded).  Resume from a progress ``upper`` with ``as_of=upper - 1,
-        snapshot=False``.  Postgres wakes it with ``LISTEN/NOTIFY``; SQLite and memory
-        poll every ``poll_interval`` seconds.  It runs until closed (``break``), or
-        until nothing new arrived for ``idle_timeout`` seconds.
-
-        Args:
-            collections: the collection handles.
-            as_of: a time, or ``{collection name: time}``.
-
-        Raises:
-            stash.feed.FeedCompacted: the since of a collection passed the last time
-                yielded (or ``as_of``): its history is compacted away (set a retention,
-                :meth:`set_retention`).
-            StashError: ``as_of`` is not sealed yet; a collection records other codecs
-                than its handle's.
-        """
+        """A change feed of ``Change`` and ``Progress`` events, resumable from a
+        progress upper (:func:`stash.feed.subscribe`)."""
         fn = load_by_name("stash.feed.subscribe")
         it: Iterator[Any] = fn(
             self,
@@ -1025,24 +984,13 @@ class Stash(abc.ABC):
     def set_retention(
         self, collection: StashCollection[Any, Any], *, keep_times: int | None
     ) -> None:
-        """Make the collection's since follow a retention instead of every append (see
-        :mod:`stash.retention`): ``keep_times=N`` keeps its last ``N`` times readable
-        (with one append per time, its last ``N`` appends); ``keep_times=None`` keeps
-        every time from now on.  ``make_batch`` and the typed writes follow it; a batch
-        built by hand keeps the ``compact`` it asks for.  Stored in the stash (the
-        collection ``stash.retention``), so writers of every process follow it.
-
-        Raises:
-            StashError: ``keep_times`` is not a positive int or ``None``; a readonly
-                stash.
-        """
+        """Make the collection's since follow a retention instead of every append
+        (:func:`stash.feed.set_retention`)."""
         load_by_name("stash.feed.set_retention")(self, collection, keep_times)
 
     def batch_frontiers(self, collection: StashCollection[Any, Any]) -> tuple[int | None, int]:
-        """``(upper, compact)`` of a new batch of ``collection``, read in one read
-        transaction: its upper (``None``: the empty frontier) and the since its
-        retention keeps (:func:`stash.retention.batch_frontiers`; used by
-        ``StashCollection.make_batch``)."""
+        """``(upper, compact)`` of a new batch (``StashCollection.make_batch``), read in
+        one read transaction (:func:`stash.retention.batch_frontiers`)."""
         result: tuple[int | None, int] = load_by_name("stash.retention.batch_frontiers")(
             self, collection
         )

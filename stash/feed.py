@@ -76,7 +76,17 @@ class FeedCompacted(StashError):
 def set_retention(
     stash: Any, collection: StashCollection[Any, Any], keep_times: int | None
 ) -> None:
-    """See :meth:`stash.base.Stash.set_retention`."""
+    """Make the collection's since follow a retention instead of every append
+    (``Stash.set_retention`` calls this; see :mod:`stash.retention`): ``keep_times=N``
+    keeps its last ``N`` times readable (with one append per time, its last ``N``
+    appends); ``keep_times=None`` keeps every time from now on.  ``make_batch`` and the
+    typed writes follow it; a batch built by hand keeps the ``compact`` it asks for.
+    Stored in the stash (collection ``stash.retention``), so writers of every process
+    follow it.
+
+    Raises:
+        StashError: ``keep_times`` is not a positive int or ``None``; a readonly stash.
+    """
     if keep_times is not None and (
         isinstance(keep_times, bool) or not isinstance(keep_times, int) or keep_times < 1
     ):
@@ -132,7 +142,27 @@ def subscribe(
     poll_interval: float = 0.2,
     idle_timeout: float | None = None,
 ) -> Iterator[Change | Progress]:
-    """See :meth:`stash.base.Stash.subscribe`."""
+    """A change feed (``Stash.subscribe`` calls this): per collection, its contents as
+    of ``as_of`` (times ``<= as_of``, at time ``as_of``; skipped with
+    ``snapshot=False``), then each committed change at each later sealed time as
+    ``Change(collection, key, value, time, diff)`` in time order, each sealed step
+    followed by ``Progress(collection, upper)`` (every change at times ``< upper`` was
+    yielded).  Resume from a progress ``upper`` with ``as_of=upper - 1,
+    snapshot=False``.  Postgres wakes it with ``LISTEN/NOTIFY``; SQLite and memory poll
+    every ``poll_interval`` seconds.  It runs until closed (``break``), or until nothing
+    new arrived for ``idle_timeout`` seconds.
+
+    Args:
+        stash: the stash.
+        collections: the collection handles.
+        as_of: a time, or ``{collection name: time}``.
+
+    Raises:
+        FeedCompacted: the since of a collection passed the last time yielded (or
+            ``as_of``): its history is compacted away (set a retention first).
+        StashError: ``as_of`` is not sealed yet; a collection is given twice; a
+            collection records other codecs than its handle's.
+    """
     colls = list(collections)
     names = [c.name for c in colls]
     if len(set(names)) != len(names):

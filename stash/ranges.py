@@ -212,7 +212,31 @@ def peek_range(
     after: Any = None,
     at: int | None = None,
 ) -> RangePage[K, V]:
-    """See :meth:`stash.base.Stash.peek_range` (which calls this)."""
+    """A page of the sealed entries of a key range, in key order, read in one read
+    transaction through the key index (``Stash.peek_range`` calls this).
+
+    Args:
+        stash: the stash.
+        collection: the collection.
+        lower: keys ``>= lower``; upper: keys ``< upper``; after: keys ``> after`` (the
+            ``next_after`` of the previous page).  Keys compare as their stored JSON
+            texts, in code point order: strings in string order, numbers as text
+            (range over string or tuple keys).
+        prefix: a ``str`` (string keys starting with it) or a tuple (array keys whose
+            first items are its items).
+        limit: at most this many entries (a positive int), or all.
+        at: read at this time (``since <= at < upper``); default the peek time.
+
+    Returns:
+        A :class:`RangePage`: ``entries`` ``[(key, value)]``, ``time``, ``more`` and
+        ``next_after``.
+
+    Raises:
+        StashError: a key of the page holds several values or a multiplicity other
+            than 1; ``at`` is compacted away or not sealed; a bad bound, prefix or limit;
+            the collection records other codecs than the handle's.
+        PeekSinceUpperError: nothing is readable yet, as for ``peek``.
+    """
     from stash.codec import decode_all
 
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):

@@ -42,6 +42,7 @@ import re
 import threading
 import types
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -380,9 +381,12 @@ class _RecordPlan:
         fieldset: the same as a frozenset (compared with a stored object's keys).
         required: the fields without a default (an old row must hold them).
         convs: ``(field, converter)`` of the fields whose JSON needs converting.
+        read_from: the records of the type read from evolved rows, by ``id``: a weak
+            reference, the stored text and the record's encoding then (see
+            :meth:`RecordCodec.encode`).
     """
 
-    __slots__ = ("cls", "fields", "fieldset", "required", "convs")
+    __slots__ = ("cls", "fields", "fieldset", "required", "convs", "read_from")
 
     convs: tuple[tuple[str, Callable[[Any, str], Any]], ...]
 
@@ -392,6 +396,7 @@ class _RecordPlan:
         self.fieldset = frozenset(self.fields)
         self.required = frozenset(self.fields) - _defaulted(cls)
         self.convs = ()
+        self.read_from: dict[int, tuple[weakref.ref[Any], str, str]] = {}
 
     def build(self, d: dict[str, Any], where: str) -> Any:
         """The record of the decoded JSON object ``d``: a field missing from ``d`` takes
@@ -412,6 +417,7 @@ class _RecordPlan:
                     "(TypedCollection.migrate)"
                 )
             d = {f: d[f] for f in self.fields if f in d}
+            _EVOLVED.n = getattr(_EVOLVED, "n", 0) + 1  # see RecordCodec.decode
         elif self.convs:
             d = dict(d)
         for f, conv in self.convs:
@@ -421,6 +427,16 @@ class _RecordPlan:
             return self.cls(**d)
         except TypeError as e:
             raise StashError(f"{where} codec: {e}") from None
+
+
+#: Per thread: how many stored objects were read with defaults or without unknown
+#: fields (evolved rows, :meth:`_RecordPlan.build`); ``RecordCodec`` reads it around a
+#: decode to know whether re-encoding the record would give another text.
+_EVOLVED = threading.local()
+
+
+def _evolved() -> int:
+    return int(getattr(_EVOLVED, "n", 0))
 
 
 _PLANS: dict[Any, _RecordPlan] = {}
@@ -670,6 +686,10 @@ class RecordCodec(Generic[T]):
             aliases=(f"record:{cls.__module__}.{cls.__qualname__}",),
         )
         self._fields: tuple[str, ...] = self._plan.fields
+        # id(record) -> (weak reference, stored text, its encoding when read) of the
+        # records of this type read from evolved rows (see encode), shared by every
+        # codec of the type (a handle's codec may not be the one that read it).
+        self._read_from = self._plan.read_from
 
     def _as_dict(self, value: T) -> dict[str, Any]:
         if not isinstance(value, self.cls):
@@ -679,7 +699,31 @@ class RecordCodec(Generic[T]):
         return {f: to_json(getattr(value, f)) for f in self._fields}
 
     def encode(self, value: T) -> str:
-        return canonical_json(self._as_dict(value))
+        """Canonical JSON of the record's fields; a record decoded from an evolved row
+        (read with defaults or without unknown fields) and unchanged since encodes as
+        the stored text it was read from, so retracting it retracts what is stored."""
+        text = canonical_json(self._as_dict(value))
+        if self._read_from:
+            hit = self._read_from.get(id(value))
+            if hit is not None and hit[0]() is value and hit[2] == text:
+                return hit[1]
+        return text
+
+    def _remember(self, obj: Any, text: str) -> None:
+        """Remember that ``obj`` was read from the evolved row ``text``."""
+        key = id(obj)
+        try:
+            ref = weakref.ref(obj, lambda _r: self._read_from.pop(key, None))
+        except TypeError:  # not weakly referable (a NamedTuple): re-encoded instead
+            return
+        self._read_from[key] = (ref, text, canonical_json(self._as_dict(obj)))
+
+    def _from_dict(self, d: dict[str, Any], text: str) -> T:
+        before = _evolved()
+        obj: T = self._plan.build(d, self.name)
+        if _evolved() != before:
+            self._remember(obj, text)
+        return obj
 
     def decode(self, text: str) -> T:
         d = _loads(text, self.name)
@@ -688,26 +732,26 @@ class RecordCodec(Generic[T]):
                 f"{self.name} codec: stored value {text[:200]!r} does not have "
                 f"the fields {list(self._fields)}"
             )
-        return self._plan.build(d, self.name)  # type: ignore[no-any-return]
+        return self._from_dict(d, text)
 
     def decode_all(self, texts: Sequence[str]) -> list[T]:
         """``[self.decode(t) for t in texts]``, the JSON scanned in one pass first."""
         plan, name = self._plan, self.name
-        build, cls, direct = plan.build, plan.cls, not plan.convs
+        cls, n, direct = plan.cls, len(plan.fields), not plan.convs
         out: list[T] = []
         app = out.append
         for text, d in zip(texts, _loads_all(texts, name), strict=True):
-            if direct and type(d) is dict:
-                # The common row: its keys are the type's fields (or leave out fields
-                # with defaults), which the constructor checks itself; any other row
-                # (a TypeError) takes the checked path, which ignores unknown fields or
+            if direct and type(d) is dict and len(d) == n:
+                # The common row: as many keys as the type has fields, which the
+                # constructor checks are its fields; any other row (a TypeError, an
+                # evolved row) takes the checked path, which ignores unknown fields or
                 # raises the error it always raises.
                 try:
                     app(cls(**d))
                     continue
                 except TypeError:
                     pass
-            app(build(d, name) if type(d) is dict else self.decode(text))
+            app(self._from_dict(d, text) if type(d) is dict else self.decode(text))
         return out
 
     def sort_key(self, value: T) -> Any:

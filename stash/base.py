@@ -792,3 +792,59 @@ class Stash(abc.ABC):
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - guard against misuse
         raise TypeError("a Stash is not iterable; use stash.iter(collection)")
+
+    # ------------------------------------- key ranges, change feed, operations
+    # Thin entry points to the modules that hold these features (found by name, as the
+    # backends are: those modules sit above this one); each documents its arguments.
+    def peek_range(
+        self,
+        collection: StashCollection[K, V],
+        lower: K | None = None,
+        upper: K | None = None,
+        prefix: Any = None,
+        limit: int | None = None,
+        *,
+        after: K | None = None,
+        at: int | None = None,
+    ) -> Any:
+        """A page of sealed entries of a key range in key order, through the key index
+        (:func:`stash.ranges.peek_range`): a :class:`stash.ranges.RangePage`."""
+        fn = load_by_name("stash.ranges.peek_range")
+        return fn(self, collection, lower, upper, prefix, limit, after, at)
+
+    def subscribe(
+        self,
+        collections: Sequence[StashCollection[Any, Any]],
+        as_of: int | dict[str, int],
+        *,
+        snapshot: bool = True,
+        poll_interval: float = 0.2,
+        idle_timeout: float | None = None,
+    ) -> Iterator[Any]:
+        """A change feed of ``Change`` and ``Progress`` events, resumable from a
+        progress upper (:func:`stash.feed.subscribe`)."""
+        fn = load_by_name("stash.feed.subscribe")
+        it: Iterator[Any] = fn(
+            self,
+            collections,
+            as_of,
+            snapshot=snapshot,
+            poll_interval=poll_interval,
+            idle_timeout=idle_timeout,
+        )
+        return it
+
+    def set_retention(
+        self, collection: StashCollection[Any, Any], *, keep_times: int | None
+    ) -> None:
+        """Make the collection's since follow a retention instead of every append
+        (:func:`stash.feed.set_retention`)."""
+        load_by_name("stash.feed.set_retention")(self, collection, keep_times)
+
+    def batch_frontiers(self, collection: StashCollection[Any, Any]) -> tuple[int | None, int]:
+        """``(upper, compact)`` of a new batch (``StashCollection.make_batch``), read in
+        one read transaction (:func:`stash.retention.batch_frontiers`)."""
+        result: tuple[int | None, int] = load_by_name("stash.retention.batch_frontiers")(
+            self, collection
+        )
+        return result

@@ -14,7 +14,8 @@ atomic multi-collection ``append``.  Invariants kept here:
   canonical with the collection's codecs before it is stored, so pre-encoded entries
   land alike on every backend (``1.0`` and ``1`` are one value everywhere);
 * ``make_batch`` builds Materialize's "next tick" batch: ``lower`` = current upper ``{t}``,
-  ``upper`` = ``{t + 1}``, ``compact`` = ``{t}``, entries at time ``t``.
+  ``upper`` = ``{t + 1}``, ``compact`` = ``{t}`` (or, when the collection has a
+  retention, the since it keeps: ``Stash.set_retention``), entries at time ``t``.
 
 Source of the idea: Materialize's ``StashCollection``, ``AppendBatch``, ``make_batch`` and
 ``append_to_batch`` (``src/stash/src/lib.rs``).
@@ -106,17 +107,21 @@ class StashCollection(Generic[K, V]):
             StashError: the upper is the empty frontier (``cannot determine batch
                 timestamp``) or ``t + 1`` overflows i64 (``cannot determine new upper``).
         """
-        lower = stash.upper(self)
-        t = lower.as_option()
+        frontiers = getattr(stash, "batch_frontiers", None)
+        if frontiers is not None:  # a stash: the upper and the retained since, one read
+            t, since = frontiers(self)
+        else:
+            t = stash.upper(self).as_option()
+            since = t
         if t is None:
             raise StashError("cannot determine batch timestamp")
         if t >= I64_MAX:
             raise StashError("cannot determine new upper")
         return AppendBatch(
             collection=self,
-            lower=lower,
+            lower=Antichain.from_elem(t),
             upper=Antichain.from_elem(t + 1),
-            compact=Antichain.from_elem(t),
+            compact=Antichain.from_elem(t if since is None else since),
             timestamp=t,
         )
 

@@ -30,6 +30,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 import migrations
+from stash.placement import install, placement
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
 
@@ -101,7 +102,9 @@ def create_sqlite_file(database: str | None) -> Path | None:
 
 
 def alembic_config(connection: sa.Connection | None = None) -> Config:
-    """An alembic ``Config`` for ``migrations/`` (optionally bound to a connection)."""
+    """An alembic ``Config`` for ``migrations/`` (optionally bound to a connection; the
+    stash's schema and version table come from its engine's URL,
+    :mod:`stash.placement`)."""
     cfg = Config(str(MIGRATIONS_DIR / "alembic.ini"))
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     if connection is not None:
@@ -123,8 +126,29 @@ def known_revisions() -> frozenset[str]:
 
 
 def current_revision(connection: sa.Connection) -> str | None:
-    """The revision a database is at, or ``None`` if alembic never ran on it."""
-    return MigrationContext.configure(connection).get_current_revision()
+    """The revision a database is at, or ``None`` if alembic never ran on it (read from
+    the stash's version table, :mod:`stash.placement`)."""
+    where = placement(connection.engine.url)
+    opts = {"version_table": where.version_table, "version_table_schema": where.schema}
+    return MigrationContext.configure(connection, opts=opts).get_current_revision()
+
+
+def migration_engine(url: sa.URL | str) -> sa.Engine:
+    """An engine for migrating the stash at ``url`` (a Postgres one searches the
+    stash's schema; see :mod:`stash.placement`).
+
+    Raises:
+        StashError: a bad schema parameter.
+    """
+    u = sa.make_url(url)
+    if u.get_backend_name() == "postgresql" and u.drivername == "postgresql":
+        u = u.set(drivername="postgresql+psycopg")
+    engine = sa.create_engine(u, poolclass=sa.pool.NullPool)
+    if u.get_backend_name() == "postgresql":
+        install(engine)
+    else:
+        placement(u)  # refuses the Postgres-only parameters
+    return engine
 
 
 def upgrade(engine: sa.Engine, revision: str = "head") -> None:

@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
+from stash import keyed
 from stash.antichain import I64_MAX, Antichain
 from stash.base import Stash
 from stash.codec import CodecLike, resolve_codec
@@ -73,6 +74,11 @@ class TypedCollection(Generic[K, V]):
 
     def __repr__(self) -> str:
         return f"TypedCollection({self.name!r})"
+
+    def _target(self) -> keyed.Target:
+        """The name and codecs the one-transaction writes of :mod:`stash.keyed` look
+        the collection up with (inside their transaction)."""
+        return keyed.Target(self.name, self.key, self.value)
 
     def migrate(
         self,
@@ -216,53 +222,34 @@ class TypedCollection(Generic[K, V]):
         return c, batch, prev
 
     def insert_without_overwrite(self, stash: Stash, key: K, value: V) -> V:
-        """Set ``key`` to ``value`` unless it already has a value; return the value the
-        key has afterwards.
+        """Set ``key`` to ``value`` unless it already has a value (a stored ``null`` is
+        one); return the value the key has afterwards.  One write transaction (see
+        :mod:`stash.keyed`): no other writer can come between its read and its write.
 
         Raises:
-            AppendLowerMismatch: a writer through another handle appended between the
-                read and the write (threads sharing this handle run one at a time).
+            StashError: the key holds several values; the collection records other
+                codecs; nothing is written then.
         """
-        with _handle_lock(stash):
-            c, batch, (held, prev) = self._read_then_batch(
-                stash, lambda c: stash._peek_key_entry(c, key)
-            )
-            if held:  # a stored JSON null is a value too
-                return prev  # type: ignore[return-value]
-            c.append_to_batch(batch, key, value, 1)
-            stash.append([batch])
-            return value
+        got: V = keyed.insert_without_overwrite(stash, self._target(), key, value)
+        return got
 
     def upsert_key(self, stash: Stash, key: K, value: V) -> None:
-        """Set ``key`` to ``value``, retracting its previous value.
+        """Set ``key`` to ``value``, retracting its previous value (by its stored text),
+        in one write transaction (see :mod:`stash.keyed`); an unchanged value writes
+        nothing.
 
         Raises:
-            AppendLowerMismatch: a writer through another handle appended between the
-                read and the write (threads sharing this handle run one at a time).
+            StashError: the key holds several values; the collection records other
+                codecs; nothing is written then.
         """
-        with _handle_lock(stash):
-            c, batch, (held, prev) = self._read_then_batch(
-                stash, lambda c: stash._peek_key_entry(c, key)
-            )
-            if held:  # a stored JSON null is retracted too
-                c.append_to_batch(batch, key, prev, -1)  # type: ignore[arg-type]
-            c.append_to_batch(batch, key, value, 1)
-            stash.append([batch])
+        keyed.upsert_key(stash, self._target(), key, value)
 
     def upsert(self, stash: Stash, entries: Iterable[tuple[K, V]]) -> None:
-        """Set each ``(key, value)``, retracting previous values, in one append.
+        """Set each ``(key, value)``, retracting previous values (by their stored
+        texts), in one write transaction (see :mod:`stash.keyed`).
 
         Raises:
-            AppendLowerMismatch: a writer through another handle appended between the
-                read and the write (threads sharing this handle run one at a time).
+            StashError: a key written holds several values; the collection records
+                other codecs; nothing is written then.
         """
-        with _handle_lock(stash):
-            c, batch, prev = self._read_then_batch(stash, stash._peek_unique)
-            encoded: dict[str, Any] = {kj: v for kj, _, v in prev}
-            for k, v in entries:
-                kj = c.key_codec.encode(k)
-                if kj in encoded:
-                    c.append_to_batch(batch, k, encoded[kj], -1)
-                c.append_to_batch(batch, k, v, 1)
-                encoded[kj] = v
-            stash.append([batch])
+        keyed.upsert(stash, self._target(), entries)

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 from stash.antichain import I64_MAX, Antichain
 from stash.base import Stash
+from stash.checks import check_codecs_tx
 from stash.codec import CodecLike, JsonCodec, canonical_json, resolve_codec
 from stash.collection import StashCollection
 from stash.errors import StashError
@@ -126,7 +127,7 @@ def _write_keys(
         c: StashCollection[Any, Any] = StashCollection(
             cid, target.name, kc, vc, stash_id=tx.stash_id(), stash_url=stash._handle_url
         )
-        stash._check_codecs_tx(tx, c, True)  # as recorded once the collection is locked
+        check_codecs_tx(tx, c, True)  # as recorded once the collection is locked
         t = _tick(tx, c)
         if len(encoded) == 1:
             (kj,) = encoded

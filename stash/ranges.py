@@ -179,7 +179,7 @@ def _prefix(prefix: Any) -> tuple[str, str | None]:
     raise StashError(f"peek_range prefix must be a str or a tuple, got {type(prefix).__name__}")
 
 
-def read_time(stash: Any, tx: Txn, cid: int, at: int | None) -> int:
+def read_time(stash: Any, tx: Txn, cid: int, at: int | None, name: str = "") -> int:
     """The time a range is read at: ``at``, or the peek time (``upper - 1``).
 
     Raises:
@@ -189,7 +189,7 @@ def read_time(stash: Any, tx: Txn, cid: int, at: int | None) -> int:
     """
     since, upper = tx.frontiers(cid)
     if at is None:
-        return int(stash._peek_ts(cid, since, upper))
+        return int(stash._peek_ts(name or str(cid), since, upper))
     s, u = Antichain.from_option(since), Antichain.from_option(upper)
     if since is None or at < since:
         raise StashError(f"cannot read at time {at}: it is compacted away (the since is {s})")
@@ -247,7 +247,7 @@ def peek_range(
     cid = collection.id
 
     def read(tx: Txn) -> tuple[int, list[tuple[str, str, int]]]:
-        ts = read_time(stash, tx, cid, at)
+        ts = read_time(stash, tx, cid, at, collection.name)
         return ts, read_range(tx, cid, ts, rng, limit)
 
     ts, rows = stash._read(read, codecs=(collection,))

@@ -260,14 +260,16 @@ class PersistTable:
                     f"columns {bad or columns!r} are not key or value columns of shard "
                     f"{self.shard} ({', '.join(names)})"
                 )
-            df = df.select(*columns, "_diff")
+            from spark.names import col
+
+            df = df.select(*[col(c) for c in columns], "_diff")
         return df
 
     def _native(self, as_of: int | None, force: bool) -> tuple[DataFrame | None, str]:
         """The native read's DataFrame, or ``None`` and why not (with ``force``, only a
         store or a column type Spark cannot read says no)."""
         from spark.native_plan import plan_snapshot
-        from spark.native_read import blob_paths_root, snapshot_df, type_reason
+        from spark.native_read import blob_paths_root, name_reason, snapshot_df, type_reason
 
         prefix, why = blob_paths_root(self.spark, self.blob_uri)
         if prefix is None:
@@ -276,7 +278,9 @@ class PersistTable:
             c = self._planning_client()
             st = self._state(c)
             keys, values = st.key_schema, st.value_schema
-            reason = type_reason(keys, (st.schemas(), 0))
+            reason = type_reason(keys, (st.schemas(), 0)) or name_reason(
+                self.spark, keys, (st.schemas(), 0)
+            )
             if reason is not None:
                 return None, reason
             last = self._last

@@ -22,11 +22,14 @@ type keeps it off, or the tail that persist reads on the driver is large, and lo
 line saying why. Both paths give the same rows: ``ReadHandle.snapshot(as_of)`` without
 its ``_time`` column.
 
-The DataFrame ``to_df`` returns names the parts of one state version: GC deletes none of
-them for one reader lease (the client's ``reader_lease_seconds``, 15 minutes by default)
-after ``to_df`` returns; act on it within that time, or call ``to_df`` again (a later
-action on a DataFrame whose parts GC deleted fails with a missing file, never with other
-rows).
+The DataFrame ``to_df`` returns stays usable for one reader lease (the client's
+``reader_lease_seconds``, 15 minutes by default) after ``to_df`` returns, on either path:
+the native one names the parts of one state version, which GC deletes none of meanwhile;
+the Python one plans again on each action at the time ``to_df`` decided, and a reader
+left behind holds the since at that time meanwhile (:meth:`persist.ReadHandle.detach`
+with ``hold_since``), whatever other readers and compaction do. Act on it within that
+time, or call ``to_df`` again (a later action fails with a missing file or a since
+violation, never with other rows).
 """
 
 from __future__ import annotations
@@ -302,9 +305,22 @@ class PersistTable:
         from spark.persist_planning import resolve_as_of
 
         register(self.spark)
-        with self.client(readonly=True) as c:
+        with self.client() as c:
             st = self._state(c)
-            t = resolve_as_of(st, as_of, self.shard, c.blob)
+            read = c.open_reader(self.shard, st.key_schema, st.value_schema)
+            try:
+                # Decided after the reader's since hold was taken: the since cannot
+                # pass the time decided on.
+                st = self._state(c)
+                t = resolve_as_of(st, as_of, self.shard, c.blob)
+                if t is not None:
+                    read.downgrade_since(t)
+                # The data source plans again on each action: the since stays at or
+                # before t for one reader lease (as the native path's parts stay).
+                read.detach(hold_since=True)
+            except BaseException:
+                read.expire()
+                raise
         r = self.spark.read.format("persist").option("stash", self.stash_url)
         r = r.option("blob", self.blob_uri)
         if t is not None:

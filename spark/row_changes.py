@@ -32,10 +32,12 @@ How a change runs, per attempt:
    (:meth:`persist.Txn.commit_at`: one stash append; a lost race commits nothing, and
    the attempt's parts are deleted).
 
-A change that matches nothing still commits an empty append at ``t``, so the caller
-can wait for its time. Counts go by each row's role (a :data:`ROLE` column: inserted or
-retracted), never by the sign of the diff written, as :mod:`persist.rows` counts. Column
-names reach Spark quoted (:func:`spark.names.col`).
+A change that changes nothing writes nothing and returns ``RowChanges(t - 1, 0, 0)``. The changes are netted as :func:`persist.rows.net_changes` nets
+them (summed per row, Spark's grouping making ``-0.0`` equal ``0.0`` and NaN equal NaN
+as consolidation does; zero sums dropped): a row an upsert or update leaves equal is
+neither written nor counted, and ``inserted``/``retracted`` are the sums of the positive
+and negative net diffs, as ``WriteHandle`` counts them. Column names reach Spark quoted
+(:func:`spark.names.col`).
 
 A shard with a column Spark reads as other values (nanosecond timestamps, times and
 durations: :func:`spark.row_changes_driver.converts_values`) never has a retraction
@@ -60,12 +62,6 @@ from persist.rows import CHANGE_ATTEMPTS, ChangeContended, RowChanges
 from spark import row_changes_driver
 from spark.names import col, quote
 from spark.persist_common import DIFF, ShardTarget, registered_schemas
-
-ROLE = "__role"
-"""A change's column saying what each row of it does: 1 inserts, -1 retracts (its
-``_diff`` is minus the live row's count, which may be negative itself)."""
-
-__all__ = ["ShardTable", "delete", "update", "upsert"]
 
 
 class ShardTable(Protocol):
@@ -140,7 +136,7 @@ def _commit(
     counts: tuple[int, int],
 ) -> RowChanges:
     """Write ``changes`` (``names`` columns and ``_diff``) from the executors and commit
-    them at exactly ``upper`` (an empty append when there are none).
+    them at exactly ``upper`` (nothing when there are none).
 
     Raises:
         _Race: the upper moved (nothing committed, the parts deleted).
@@ -150,13 +146,9 @@ def _commit(
 
     inserted, retracted = counts
     if inserted == 0 and retracted == 0:
-        ks, vs = _schemas(table)
-        with _client(table) as client, client.open_writer(table.shard, ks, vs) as w:
-            try:
-                w.compare_and_append([], upper, upper + 1)
-            except UpperMismatch as e:
-                raise _Race(e) from None
-        return RowChanges(upper, 0, 0)
+        # A change that changes nothing writes nothing (as persist.rows.apply_change):
+        # the shard held its result as of upper - 1 already.
+        return RowChanges(upper - 1, 0, 0)
     txn = PersistTxn(table.spark, table.stash_url, table.blob_uri)
     try:
         txn.write(changes.select(*[col(n) for n in names], DIFF), table.shard, diff_column=DIFF)
@@ -170,16 +162,25 @@ def _commit(
     return RowChanges(upper, inserted, retracted)
 
 
-def _counts(changes: Any) -> tuple[int, int]:
-    """(inserted, retracted): the sums of the diffs' magnitudes of the inserted and of
-    the retracted rows (by their :data:`ROLE`, not by the sign of the diff: retracting
-    a live row of count -1 writes +1), as :mod:`persist.rows` counts them."""
+def _net(changes: Any, names: Sequence[str]) -> Any:
+    """``changes`` summed per row (key and value columns; Spark's grouping normalizes
+    ``-0.0`` and NaN as consolidation compares them, and groups nulls), zero sums
+    dropped: :func:`persist.rows.net_changes` in Spark."""
     from pyspark.sql import functions as F
 
-    d, role = F.abs(F.col(DIFF)), F.col(ROLE)
+    summed = changes.groupBy(*[col(n) for n in names]).agg(F.sum(DIFF).alias(DIFF))
+    return summed.where(F.col(DIFF) != 0)
+
+
+def _counts(changes: Any) -> tuple[int, int]:
+    """(inserted, retracted) of netted ``changes``: the sums of the positive and of the
+    negative diffs' magnitudes (:func:`persist.rows.net_changes`'s counts)."""
+    from pyspark.sql import functions as F
+
+    d = F.col(DIFF)
     row = changes.agg(
-        F.coalesce(F.sum(F.when(role > 0, d)), F.lit(0)).alias("ins"),
-        F.coalesce(F.sum(F.when(role < 0, d)), F.lit(0)).alias("ret"),
+        F.coalesce(F.sum(F.when(d > 0, d)), F.lit(0)).alias("ins"),
+        F.coalesce(F.sum(F.when(d < 0, -d)), F.lit(0)).alias("ret"),
     ).first()
     return int(row["ins"]), int(row["ret"])
 
@@ -224,7 +225,7 @@ def _run(table: ShardTable, plan: Any) -> RowChanges:
                 changes = plan(upper)
                 if changes is None:
                     return _commit(table, upper, None, names, (0, 0))
-                changes = changes.persist()
+                changes = _net(changes, names).persist()
                 try:
                     counts = _counts(changes)
                     return _commit(table, upper, changes, names, counts)
@@ -301,7 +302,7 @@ def upsert(table: ShardTable, df: Any) -> RowChanges:
         bounds, n = _key_bounds(rows, keys)
 
         def plan(upper: int) -> Any:
-            inserts = rows.withColumn(DIFF, F.lit(1).cast("long")).withColumn(ROLE, F.lit(1))
+            inserts = rows.withColumn(DIFF, F.lit(1).cast("long"))
             if upper == 0 or n == 0:
                 return inserts if n else None
             live = _live(table, upper - 1)
@@ -314,7 +315,7 @@ def upsert(table: ShardTable, df: Any) -> RowChanges:
             if rng is not None:
                 live = live.where(rng)
             old = live.alias("l").join(rows.alias("r"), _on(keys), "left_semi")
-            retract = old.withColumn(DIFF, -F.col(DIFF)).withColumn(ROLE, F.lit(-1))
+            retract = old.withColumn(DIFF, -F.col(DIFF))
             return retract.unionByName(inserts)
 
         return _run(table, plan)
@@ -396,7 +397,7 @@ def delete(table: ShardTable, condition: Any) -> RowChanges:
         if upper == 0:
             return None
         live = _live(table, upper - 1).where(cond)
-        return live.withColumn(DIFF, -F.col(DIFF)).withColumn(ROLE, F.lit(-1))
+        return live.withColumn(DIFF, -F.col(DIFF))
 
     return _run(table, plan)
 
@@ -447,8 +448,8 @@ def update(table: ShardTable, condition: Any, set: Mapping[str, Any]) -> RowChan
         )
         if key_change:
             _check_keys(new, live.where(~cond), keys)
-        retract = old.withColumn(DIFF, -F.col(DIFF)).withColumn(ROLE, F.lit(-1))
-        inserts = new.select(*[col(n) for n in names], DIFF).withColumn(ROLE, F.lit(1))
+        retract = old.withColumn(DIFF, -F.col(DIFF))
+        inserts = new.select(*[col(n) for n in names], DIFF)
         return retract.unionByName(inserts)
 
     return _run(table, plan)

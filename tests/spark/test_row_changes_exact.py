@@ -81,9 +81,7 @@ def _same(got: Any, want: Any, tw: Twins) -> None:
 NS = pa.timestamp("ns")
 
 
-def test_nanosecond_values_are_retracted_exactly(
-    spark: Any, spark_store: Any, twins: Any
-) -> None:
+def test_nanosecond_values_are_retracted_exactly(spark: Any, spark_store: Any, twins: Any) -> None:
     """A ``timestamp[ns]`` value column with sub-microsecond parts: delete, update and
     upsert retract the stored rows, and an update keeps the columns it does not set as
     stored. Before the fix the retractions were built from Spark's microsecond values:
@@ -155,12 +153,11 @@ def test_nanosecond_keys_keep_apart(spark: Any, spark_store: Any, twins: Any) ->
     )
 
 
-def test_retracting_a_negative_count_counts_as_retracted(
-    spark: Any, spark_store: Any, twins: Any
-) -> None:
-    """A live row of count -1 (a raw append of a retraction): deleting it writes +1,
-    and counts one row retracted, as ``WriteHandle`` does (before the fix Spark counted
-    it inserted, by the sign of the diff written)."""
+def test_counts_are_write_handles(spark: Any, spark_store: Any, twins: Any) -> None:
+    """Spark's ``RowChanges`` are ``WriteHandle``'s (:func:`persist.rows.net_changes`):
+    a live row of count -1 (a raw append of a retraction) deleted, a row of count 3
+    updated, an upsert and an update that leave rows as they are (nothing written,
+    nothing counted: before the fix Spark counted each row it rewrote, and wrote it)."""
     from spark import row_changes as rc
 
     ks = pa.schema([("id", pa.int64())])
@@ -168,14 +165,26 @@ def test_retracting_a_negative_count_counts_as_retracted(
     tw = twins(
         ks,
         vs,
-        [pa.table({"id": pa.array([1, 2], pa.int64()), "v": ["a", "b"], "_diff": [-1, 3]})],
+        [
+            pa.table(
+                {
+                    "id": pa.array([1, 2, 3], pa.int64()),
+                    "v": ["a", "b", "c"],
+                    "_diff": [-1, 3, 1],
+                }
+            )
+        ],
     )
     t = Table(spark, "spark", spark_store.stash_url, spark_store.blob_uri)
-    got, want = rc.delete(t, "id = 1"), tw.model.delete(pc.field("id") == 1)
-    assert (got.inserted, got.retracted) == (0, 1)
-    _same(got, want, tw)
-    got = rc.update(t, "id = 2", {"v": "'c'"})
-    _same(got, tw.model.update(pc.field("id") == 2, {"v": "c"}), tw)
+    _same(rc.delete(t, "id = 1"), tw.model.delete(pc.field("id") == 1), tw)
+    _same(
+        rc.update(t, "id = 2", {"v": "'d'"}), tw.model.update(pc.field("id") == 2, {"v": "d"}), tw
+    )
+    same = spark.createDataFrame([(3, "c")], "id long, v string")
+    got = rc.upsert(t, same)
+    _same(got, tw.model.upsert(pa.table({"id": pa.array([3], pa.int64()), "v": ["c"]})), tw)
+    assert (got.inserted, got.retracted) == (0, 0)
+    _same(rc.update(t, "id = 3", {"v": "v"}), tw.model.update(pc.field("id") == 3, {"v": "c"}), tw)
 
 
 def test_zoneless_timestamp_key_range_ignores_the_session_time_zone(

@@ -3,7 +3,8 @@ driver on the rows persist read, Spark only choosing the rows and computing new 
 
 Spark holds timestamps, times and durations in microseconds
 (:mod:`spark.arrow_spark`): a ``timestamp[ns]``, ``time64[ns]`` or ``duration[ns]``
-column reads truncated. A retraction built from such a value would not cancel the stored
+column reads truncated; other types read as other Spark types (unsigned integers,
+fixed-size binaries). A retraction built from such a value would not cancel the stored
 row (the row stays live and a phantom row with ``_diff -1`` appears), and two keys that
 differ below the microsecond would read as one. So on a shard with such a column
 (:func:`converts_values`) a change never rebuilds a stored value from what Spark
@@ -46,14 +47,15 @@ ROW = "__row"
 
 
 def converts_values(schema: pa.Schema) -> bool:
-    """Whether Spark reads some column of ``schema`` as other values than stored: a
-    timestamp, time or duration in nanoseconds (Spark keeps microseconds)."""
-    for f in schema:
-        t = f.type
-        temporal = pa.types.is_timestamp(t) or pa.types.is_time(t) or pa.types.is_duration(t)
-        if temporal and t.unit == "ns":
-            return True
-    return False
+    """Whether Spark holds some column of ``schema`` as other values or in a type it
+    does not compare as persist does: any column but those Spark's Parquet reader reads
+    as stored (:func:`spark.native_plan.native_type`: signed integers, floats, booleans,
+    strings, binaries, ``date32``, timestamps of second to microsecond units, decimals up
+    to 38 digits). Nanosecond timestamps, times and durations read truncated; unsigned
+    integers, fixed-size binaries, times and durations read in other types."""
+    from spark.native_plan import native_type
+
+    return not all(native_type(f.type) for f in schema)
 
 
 @contextlib.contextmanager

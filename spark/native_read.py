@@ -23,8 +23,9 @@ and consolidates on the driver. This module turns that plan into one DataFrame:
   pass the anti-join. Either way only the tail's keys are aggregated.
 
 The DataFrame's columns are the shard's key and value columns (newest schema, in Spark's
-read types, :mod:`spark.arrow_spark`) and ``_diff``, each distinct (key, value) once:
-``ReadHandle.snapshot(as_of)`` without its ``_time`` column.
+read types, :mod:`spark.arrow_spark`) and ``_diff``, each distinct (key, value) once
+(but for one that several runs of inserts only each insert: once per run, ``_diff`` 1,
+:mod:`spark.native_plan`): ``ReadHandle.snapshot(as_of)`` without its ``_time`` column.
 
 Which blob stores: ``file://`` (and plain local paths) read as ``file://`` paths; an
 ``s3://bucket/prefix`` store as ``s3a://`` paths when the session's Hadoop configuration

@@ -496,8 +496,10 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
 
     def _retractions(self, write: Any, incoming: pa.Table) -> tuple[int, list[Any]]:
         """Plan the upsert of ``incoming`` on the shard's latest state: its upper ``t``
-        (the commit time) and a batch of the retractions of the live rows (as of
-        ``t - 1``) with the micro-batch's keys (none when nothing is retracted).
+        (the commit time) and a batch that, with the micro-batch's own batches, adds up
+        to the netted upsert (:func:`persist.rows.plan_upsert`): the retractions of the
+        live rows (as of ``t - 1``) with the micro-batch's keys, and the retraction of
+        each incoming row equal to its live row (none when nothing is needed).
 
         Raises:
             persist.InvalidUsage: two rows of the micro-batch have one key.
@@ -519,7 +521,11 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
         if live is None or live.num_rows == 0:
             return upper, []
         planned = rows_mod.plan_upsert(live, incoming, keys, values)
-        retract = planned.updates.filter(pc.less(planned.updates.column(DIFF), 0))
+        # The executors' batches hold every incoming row once; the commit must add up
+        # to the netted plan (a row equal to its live row is left alone), so the extra
+        # batch is the plan minus those rows.
+        written = incoming.append_column(DIFF, pa.repeat(pa.scalar(-1, pa.int64()), len(incoming)))
+        retract = rows_mod.net_changes([planned.updates, written], keys, values).updates
         if retract.num_rows == 0:
             return upper, []
         times = pa.array([RAW_TIME] * retract.num_rows, pa.int64())

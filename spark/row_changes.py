@@ -257,7 +257,17 @@ def _conform(df: Any, ks: pa.Schema, vs: pa.Schema, shard: str) -> Any:
             f"{names}{f'; unknown {extra}' if extra else ''}"
             f"{f'; missing {missing}' if missing else ''}"
         )
-    return df.select(*[col(f.name).cast(f.dataType).alias(f.name) for f in spark_schema])
+    have = {f.name: f.dataType for f in df.schema.fields}
+    # Cast only what differs: Spark 4 evaluates no expression of a TIME column, a cast
+    # to its own type included (UNSUPPORTED_TIME_TYPE).
+    return df.select(
+        *[
+            col(f.name)
+            if have[f.name] == f.dataType
+            else col(f.name).cast(f.dataType).alias(f.name)
+            for f in spark_schema
+        ]
+    )
 
 
 def upsert(table: ShardTable, df: Any) -> RowChanges:

@@ -227,7 +227,10 @@ class PersistTable:
     ) -> DataFrame:
         """The consolidated snapshot at ``as_of`` (default: the latest complete time,
         as ``format("persist")``): the key and value columns (or only ``columns``, key or
-        value column names) and ``_diff`` (long), each distinct (key, value) once.
+        value column names) and ``_diff`` (long), each distinct (key, value) once
+        (on the native path, a (key, value) that several runs of inserts only each
+        insert, such as two tasks of one Spark write, reads once per run with ``_diff``
+        1: the same updates, not summed; :mod:`spark.native_plan`).
 
         Args:
             as_of: the read time.

@@ -4,7 +4,8 @@ Spark's Parquet reader alone.
 The writer's tasks each write one run at one time, inserts only, over overlapping key
 ranges. Such runs need no merge with each other (:mod:`spark.native_plan`): every part
 is direct and nothing is read on the driver. The read equals ``ReadHandle.snapshot``, and
-so does it after an upsert (a tail) and ``PersistTable.compact()``."""
+so does it after an upsert (a tail) and ``PersistTable.compact()``, which merges the
+write's runs into one (a new plan)."""
 
 from __future__ import annotations
 
@@ -49,5 +50,15 @@ def test_a_fresh_four_task_write_reads_every_part_directly(spark: Any, spark_sto
     table.upsert(spark.createDataFrame([(7, "seven")], "id long, name string"))
     first = table.to_df(path="native")
     assert collected(first) == snapshot(spark_store, upper, shard="fresh")
-    table.compact()
+    with table.client() as c:
+        st = c.inspect("fresh")
+        before = plan_snapshot(c, "fresh", st.key_schema, st.value_schema, None)
+    report = table.compact()
+    assert report.applied >= 1 and report.failed == 0, report
+    with table.client() as c:
+        st = c.inspect("fresh")
+        after = plan_snapshot(c, "fresh", st.key_schema, st.value_schema, None)
+        # The write's four runs are one now (the spine asked for no merge of them).
+        assert all(not b.runs for b in st.batches() if b.len), st.batches()
+    assert after.identity != before.identity
     assert collected(table.to_df(path="native")) == snapshot(spark_store, upper, shard="fresh")

@@ -54,7 +54,6 @@ MAX_STAT_BYTES = 64
 ColumnStats = tuple[str, Any, Any, int]
 
 
-
 def _int_storage(t: pa.DataType) -> pa.DataType | None:
     """The integer type a temporal type is stored as (same bit width), or ``None``."""
     if pa.types.is_date(t) or pa.types.is_time(t) or pa.types.is_timestamp(t):

@@ -496,10 +496,11 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
 
     def _retractions(self, write: Any, incoming: pa.Table) -> tuple[int, list[Any]]:
         """Plan the upsert of ``incoming`` on the shard's latest state: its upper ``t``
-        (the commit time) and a batch that, with the micro-batch's own batches, adds up
-        to the netted upsert (:func:`persist.rows.plan_upsert`): the retractions of the
-        live rows (as of ``t - 1``) with the micro-batch's keys, and the retraction of
-        each incoming row equal to its live row (none when nothing is needed).
+        (the commit time) and a batch of the retractions of every live row (as of
+        ``t - 1``) with a key of the micro-batch (:func:`persist.rows.plan_upsert`
+        unnetted: the micro-batch's own batches insert each of its rows, so a row equal
+        to its live row is retracted and inserted, and consolidates to one; none when
+        nothing is retracted).
 
         Raises:
             persist.InvalidUsage: two rows of the micro-batch have one key.
@@ -520,12 +521,8 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
         live = write.read_live(state, filt) if incoming.num_rows else None
         if live is None or live.num_rows == 0:
             return upper, []
-        planned = rows_mod.plan_upsert(live, incoming, keys, values)
-        # The executors' batches hold every incoming row once; the commit must add up
-        # to the netted plan (a row equal to its live row is left alone), so the extra
-        # batch is the plan minus those rows.
-        written = incoming.append_column(DIFF, pa.repeat(pa.scalar(-1, pa.int64()), len(incoming)))
-        retract = rows_mod.net_changes([planned.updates, written], keys, values).updates
+        planned = rows_mod.plan_upsert(live, incoming, keys, values, net=False)
+        retract = planned.updates.filter(pc.less(planned.updates.column(DIFF), 0))
         if retract.num_rows == 0:
             return upper, []
         times = pa.array([RAW_TIME] * retract.num_rows, pa.int64())

@@ -161,6 +161,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             "options and conversions",
             [
                 "spark.options",
+                "spark.names",
                 "spark.arrow_spark",
                 "spark.stash_convert",
                 "spark.daemon",
@@ -189,6 +190,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
         (
             "the table and its row-level changes",
             [
+                "spark.row_changes_driver",
                 "spark.row_changes",
                 "spark.native_merge",
                 "spark.native_plan",

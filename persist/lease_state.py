@@ -30,6 +30,7 @@ __all__ = [
     "ReaderState",
     "WriterState",
     "token_for",
+    "token_lo",
 ]
 
 #: Separates an idempotency token from the fingerprint of its append in a writer's
@@ -180,9 +181,10 @@ class WriterState:
 WRITER_TOKENS_KEPT = 8
 
 #: A token persist made (:func:`token_for`): 16 hex digits of the writer's id, 8 of the
-#: drawing process, an 8-digit counter, dot-separated (a form no uuid or plain hex token
-#: of a caller's has).
-_TOKEN_RE = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{8}\.[0-9a-f]{8}")
+#: drawing process, an 8-digit counter and the hex seqno of a version read before the
+#: append's first attempt, dot-separated (a form no uuid or plain hex token of a
+#: caller's has).  Tokens of earlier versions lack the seqno.
+_TOKEN_RE = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{8}\.[0-9a-f]{8}(?:\.(-?[0-9a-f]{1,16}))?")
 #: :func:`token_verdict`'s answers.
 TOKEN_LANDED, TOKEN_NOT_LANDED, TOKEN_UNKNOWN, TOKEN_FOREIGN = (
     "landed",
@@ -192,7 +194,16 @@ TOKEN_LANDED, TOKEN_NOT_LANDED, TOKEN_UNKNOWN, TOKEN_FOREIGN = (
 )
 
 
-def token_for(writer_id: str, process: str, count: int) -> str:
+def token_for(writer_id: str, process: str, count: int, lo: int = -1) -> str:
     """The idempotency token ``count`` drawn by a process (8 hex digits ``process``) for
-    ``writer_id`` (``w`` and 32 hex digits)."""
-    return f"{writer_id[1:17]}.{process}.{count:08x}"
+    ``writer_id`` (``w`` and 32 hex digits), for an append first tried after the version
+    with seqno ``lo`` (see :mod:`persist.landed`)."""
+    return f"{writer_id[1:17]}.{process}.{count:08x}.{lo:x}"
+
+
+def token_lo(token: str) -> int | None:
+    """The seqno a token of :func:`token_for` carries (``None``: another form)."""
+    m = _TOKEN_RE.fullmatch(token)
+    if m is None or m.group(1) is None:
+        return None
+    return int(m.group(1), 16)

@@ -75,6 +75,8 @@ import pyarrow as pa
 from persist import state_codec
 from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
 from persist.errors import BatchAppended, SinceViolation, UpperMismatch
+from persist.fingerprint import check_same_append
+from persist.landed import OutcomeUnknown
 from persist.lease_state import (
     TOKEN_FOREIGN,
     TOKEN_LANDED,
@@ -396,12 +398,23 @@ class ShardState(ShardStateBase):
             :meth:`_check_copies`.  LeaseExpired: a writer is not live.
             SchemaMismatch: see :meth:`append_batch`.
         """
-        if token_entry(self, cmd.writer_id, cmd.token) is not None:
+        entry = token_entry(self, cmd.writer_id, cmd.token)
+        if entry is not None:
+            if entry != cmd.recorded:  # the token names another append (InvalidUsage)
+                check_same_append(entry, cmd.token, cmd.recorded.partition(TOKEN_SEP)[2])
             return [], False  # committed by an attempt whose outcome was indeterminate
         self.check_not_finalized()
         if self.upper != cmd.expected:
             if not fresh:
                 raise Stale()
+            if (
+                inputs.maybe_landed
+                and cmd.pieces
+                and token_verdict(self, cmd.token, cmd.lo)[0] != TOKEN_NOT_LANDED
+            ):
+                # An earlier attempt may have landed and its record been pruned: the
+                # upper moved, perhaps by that very append (never UpperMismatch for it).
+                raise OutcomeUnknown(cmd.token, self.shard_id)
             raise UpperMismatch(cmd.expected, self.upper)
         if not cmd.pieces:
             return [], False
@@ -410,7 +423,12 @@ class ShardState(ShardStateBase):
         self._apply_merges(cmd.merges, now_ms)
         reqs: list[FueledMergeReq] = []
         for hb in cmd.pieces:
-            reqs.extend(self.append_batch(hb, cmd.writer_id, cmd.recorded, now_ms, cmd.lease_ms))
+            reqs.extend(self.append_batch(hb, cmd.writer_id, now_ms, cmd.lease_ms))
+        self.record_landed(cmd.recorded, now_ms)
+        ref = self.referenced_part_ids()
+        for k in cmd.consumed:  # truncated copies: a later copy is refused
+            if k not in ref:
+                self.retire_adds[k] = now_ms
         self.settle_handed_off(cmd.handed)
         return reqs, True
 
@@ -427,11 +445,10 @@ class ShardState(ShardStateBase):
             Stale: a writer is not live in a cached version.  InvalidUsage: finalized.
             BatchAppended, NeedsInput: see :meth:`_check_copies`.  LeaseExpired.
         """
-        for ws in self.writers.values():
-            entry = ws.token_entry(cmd.token)
-            if entry is not None:
-                _, _, fp = entry.partition(TOKEN_SEP)
-                return ("landed", int(fp[1:]) if fp.startswith("t") else cmd.ts), False
+        entry = token_entry(self, cmd.record_id, cmd.token)
+        if entry is not None:
+            _, _, fp = entry.partition(TOKEN_SEP)
+            return ("landed", int(fp[1:]) if fp.startswith("t") else cmd.ts), False
         self.check_not_finalized()
         if not self.upper.less_equal(cmd.ts):
             return ("mismatch", (self.upper, True)), False
@@ -441,12 +458,12 @@ class ShardState(ShardStateBase):
         self._check_owners(cmd.writer_id, cmd.registered, cmd.owners, now_ms, fresh, False)
         pieces = cmd.pieces(self.upper)
         reqs: list[FueledMergeReq] = []
-        recorded = f"{cmd.token}{TOKEN_SEP}t{cmd.ts}"
         for hb in pieces:
-            reqs.extend(self.append_batch(hb, cmd.record_id, recorded, now_ms, cmd.lease_ms))
+            reqs.extend(self.append_batch(hb, cmd.writer_id, now_ms, cmd.lease_ms))
         # The builder's writer is registered (or renewed) as by a normal append; the
-        # token is recorded under the transaction's own record id only.
+        # token is recorded apart from it (persist.landed), with the commit time.
         self.heartbeat_writer(cmd.writer_id, now_ms, cmd.lease_ms)
+        self.record_landed(f"{cmd.token}{TOKEN_SEP}t{cmd.ts}", now_ms)
         self.settle_handed_off(cmd.handed)
         # Record ids of acknowledged transactions are no longer needed: drop them.
         for d in cmd.done:

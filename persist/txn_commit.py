@@ -30,7 +30,8 @@ Invariants kept here:
 * **an unknown outcome is settled by the token alone**: the transaction's token is
   recorded in each written shard's state under a writer id of the transaction's own;
   :func:`find_landed` reports the landed time only on finding it there, and "not landed"
-  only on a head read while the record could not yet have expired with its writer lease.
+  only on a head whose landed records (:mod:`persist.landed`, kept apart from writer
+  leases) were not pruned past the version read before the first attempt.
   :class:`~persist.txn.Txn` settles an unknown outcome this way before it takes the next
   change or commit;
 * **one lock order**: the shard machines' locks are taken first, in shard-id order; the
@@ -65,7 +66,7 @@ from persist.keys import key_writer_id
 from persist.machine import ShardMachine, Staged, Stale
 from persist.shards import Shards
 from persist.spine import FueledMergeReq
-from persist.state import TOKEN_SEP
+from persist.state import TOKEN_SEP, TOKEN_UNKNOWN, token_verdict
 from persist.txn_rows import ShardWrites, plan_on_head
 from persist.types import HollowBatch
 from persist.write import handed_off_owners
@@ -415,7 +416,7 @@ def find_landed(
     ctx: PersistContext,
     writes: Mapping[str, ShardWrites],
     token: str,
-    unknown_since_ms: int | None,
+    lo: int | None,
     *,
     attempts: int,
     max_wait: float,
@@ -428,16 +429,16 @@ def find_landed(
         ctx: the client's context.
         writes: shard id -> what the transaction writes to it (not empty).
         token: the transaction's idempotency token.
-        unknown_since_ms: when the first attempt whose outcome is unknown started (the
-            shard machine's clock, ms), or ``None``.
+        lo: the seqno of a version of the first written shard read before the first
+            attempt whose outcome is unknown (``None``: not known), see
+            :mod:`persist.landed`.
         attempts, max_wait: how many times a failing read is tried, and the longest
             backoff between two tries (s).
 
     Raises:
         ConsensusError: indeterminate (``idempotency_token`` is ``token``): the reads kept
-            failing, or the token is absent but the record of a landed attempt could have
-            expired with its writer lease since ``unknown_since_ms``, so its absence
-            proves nothing.
+            failing, or the token is absent but the shard pruned records of versions
+            after ``lo``, so its absence proves nothing.
     """
     order = sorted(writes)
     sid = order[0]
@@ -450,22 +451,20 @@ def find_landed(
             last = e
             time.sleep(min(max_wait, 0.005 * 2**attempt))
             continue
-        for ws in st.writers.values():
-            entry = ws.token_entry(token)
-            if entry is not None:
-                _, _, fp = entry.partition(TOKEN_SEP)
-                for other in order[1:]:
-                    with contextlib.suppress(ConsensusError):
-                        ctx.machine(other).fetch()
-                return int(fp[1:]) if fp.startswith("t") else -1
-        lease = max(sw.writer._lease_ms for sw in writes.values())
-        if unknown_since_ms is not None and m.now_ms() > unknown_since_ms + lease:
-            # A landed commit's record may have expired with its lease: its absence
-            # proves nothing any more, so the outcome stays unknown.
+        verdict, entry = token_verdict(st, token, lo)
+        if entry is not None:
+            _, _, fp = entry.partition(TOKEN_SEP)
+            for other in order[1:]:
+                with contextlib.suppress(ConsensusError):
+                    ctx.machine(other).fetch()
+            return int(fp[1:]) if fp.startswith("t") else -1
+        if verdict == TOKEN_UNKNOWN:
+            # A landed commit's record may have been pruned (persist.landed): its
+            # absence proves nothing, so the outcome stays unknown.
             raise unknown_outcome(
                 token,
-                f"its record in shard {sid} would have expired (writer lease {lease} ms) "
-                "since the commit's acknowledgement was lost",
+                f"shard {sid} no longer holds the record of every transaction that "
+                "landed since the commit's acknowledgement was lost",
             )
         return None
     assert last is not None

@@ -52,7 +52,7 @@ from persist.errors import CorruptPart, InvalidUsage, SchemaMismatch
 from persist.filters import check_filter
 from persist.parts import DIFF, TIME
 from persist.rows import Planned, RowChanges
-from persist.state import ShardState
+from persist.state import ShardState, token_entry
 from persist.write import WriteHandle
 from stash import Antichain
 from stash.antichain import I64_MIN
@@ -239,11 +239,7 @@ def plan_on_head(sw: ShardWrites, m: ShardMachine, ts: int, token: str) -> None:
     keys, values = list(w.key_schema.names), list(w.value_schema.names)
     for attempt in range(PLAN_ATTEMPTS):
         st = m.recent()
-        if (
-            st.tombstone
-            or not st.upper.less_equal(ts)
-            or any(ws.token_entry(token) is not None for ws in st.writers.values())
-        ):
+        if st.tombstone or not st.upper.less_equal(ts) or token_entry(st, "", token) is not None:
             return  # refused, a race or landed: the staging says which
         newest = st.schemas().newest
         if newest != w.schema_id:

@@ -33,7 +33,6 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-
 from persist import (
     BatchAppended,
     ConsensusError,

@@ -501,18 +501,20 @@ class ShardMachine:
 
     def renew_writers(self, writer_ids: tuple[str, ...]) -> bool:
         """Renew live writers' leases (:meth:`ShardState.renew_writers`); returns whether
-        every one was renewed."""
-        return self._apply(lambda st, fresh: st.renew_writers(writer_ids, self.now_ms()))
+        every one was renewed (one found gone is found so on a freshly read version)."""
+        return self._apply(lambda st, fresh: st.renew_writers(writer_ids, self.now_ms(), fresh))
 
     def settle_handed_off(self, handed: tuple[tuple[str, int], ...]) -> None:
-        """Count hand-offs down (:meth:`ShardState.settle_handed_off`)."""
-        self._apply(lambda st, fresh: (None, st.settle_handed_off(handed)))
+        """Count hand-offs down (:meth:`ShardState.settle_handed_off`; a writer absent
+        from the cached version is looked for on a freshly read one)."""
+        self._apply(lambda st, fresh: (None, st.settle_handed_off(handed, fresh)))
 
     def hand_off(self, writer_id: str, lease_ms: int, batches: int) -> bool:
         """Hand a writer off (:meth:`ShardState.hand_off`); returns whether it is still
-        registered."""
+        registered (decided on a freshly read version when the cached one shows it
+        gone or expired: a holder of its batches may have renewed it)."""
         return self._apply(
-            lambda st, fresh: st.hand_off(writer_id, self.now_ms(), lease_ms, batches),
+            lambda st, fresh: st.hand_off(writer_id, self.now_ms(), lease_ms, batches, fresh),
             keep=(writer_id,),
         )
 

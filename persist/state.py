@@ -248,22 +248,46 @@ class ShardState(ShardStateBase):
         self.heartbeat_writer(wid, now_ms, lease_ms)
         return wid
 
-    def renew_writers(self, writer_ids: Iterable[str], now_ms: int) -> tuple[bool, bool]:
+    def _writers_live(self, writer_ids: Iterable[str], now_ms: int, fresh: bool) -> None:
+        """Raise :class:`Stale` if one of ``writer_ids`` is absent from, or expired in,
+        a cached version: a lease another process renewed, or a writer registered
+        after the cache was read, is only seen on a fresh one.  (A command that changes
+        nothing publishes nothing, so no compare-and-set would catch the stale read.)"""
+        if not fresh:
+            for wid in writer_ids:
+                w = self.writers.get(wid)
+                if w is None or w.expired(now_ms):
+                    raise Stale()
+
+    def renew_writers(
+        self, writer_ids: Iterable[str], now_ms: int, fresh: bool = True
+    ) -> tuple[bool, bool]:
         """Renew each live writer of ``writer_ids`` (:meth:`renew_writer`); returns
-        ``(all renewed, any renewed)``."""
-        renewed = [self.renew_writer(w, now_ms) for w in writer_ids]
+        ``(all renewed, any renewed)``.  A writer found gone is found so on a fresh
+        version (:class:`Stale`)."""
+        ids = tuple(writer_ids)
+        self._writers_live(ids, now_ms, fresh)
+        renewed = [self.renew_writer(w, now_ms) for w in ids]
         return all(renewed), any(renewed)
 
-    def settle_handed_off(self, handed: Iterable[tuple[str, int]]) -> bool:
+    def settle_handed_off(self, handed: Iterable[tuple[str, int]], fresh: bool = True) -> bool:
         """Count hand-offs ``(writer id, batches)`` down (:meth:`release_handed_off`);
-        returns whether anything changed."""
-        changed = [self.release_handed_off(w, n) for w, n in handed]
+        returns whether anything changed.  A writer absent from a cached version is
+        looked for on a fresh one (:class:`Stale`)."""
+        pairs = tuple(handed)
+        if not fresh and any(w not in self.writers for w, n in pairs if n > 0):
+            raise Stale()
+        changed = [self.release_handed_off(w, n) for w, n in pairs]
         return any(changed)
 
     def hand_off(
-        self, writer_id: str, now_ms: int, lease_ms: int, batches: int
+        self, writer_id: str, now_ms: int, lease_ms: int, batches: int, fresh: bool = True
     ) -> tuple[bool, bool]:
-        """:meth:`hand_off_writer`; returns ``(writer still registered, changed)``."""
+        """:meth:`hand_off_writer`; returns ``(writer still registered, changed)``.  A
+        writer gone or expired in a cached version is looked for on a fresh one (a
+        holder of its batches may have renewed it: :class:`Stale`)."""
+        if batches > 0:
+            self._writers_live((writer_id,), now_ms, fresh)
         changed = self.hand_off_writer(writer_id, now_ms, lease_ms, batches)
         return writer_id in self.writers, changed
 

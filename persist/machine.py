@@ -21,6 +21,23 @@ order), builds its stash batches with :meth:`Consensus.version_batches`, sends t
 :meth:`Consensus.append_atomic`, and caches the staged versions
 (:meth:`ShardMachine.install`) only once committed.
 
+Lock order (every thread takes locks in this order, never the reverse):
+
+1. the shard machines' locks (:attr:`ShardMachine.lock`, re-entrant), several of them
+   only in shard-id order (a multi-shard transaction,
+   :func:`persist.txn_commit.commit_shards`);
+2. leaves, taken inside them and calling out to nothing: the client's transaction lock
+   (``Shards._txn_lock``), a machine's ``_offered_lock``, the lease keeper's condition.
+
+Under a machine's lock a thread does consensus calls and pure computation only: no blob
+upload or part read, and no wait for a thread of the shared pools (:mod:`persist.pool`),
+whose tasks may need that very lock (a writer registering before its first upload runs
+a command of its shard's machine in whichever pool thread reaches the upload first).  So
+a transaction plans and uploads its row changes before it takes the locks and stages
+only on the version it planned on (:mod:`persist.txn_commit`); an append writes its
+parts before its command runs.  A lease renewal (:mod:`persist.lease`) runs its
+command holding its keeper entry's lock (taken before the machine's).
+
 Invariants kept here: a version is only published on top of the version it was computed
 from; this module is the only place a transition function reaches the applier (every
 other module calls a named command); expired leases (except the command's own) are

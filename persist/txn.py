@@ -360,8 +360,10 @@ class Txn(TxnRowChanges):
                 e.row if time_column is not None else {k: v for k, v in e.row.items() if k != TIME}
             )
             raise DiffOverflow(row, f"{w.name!r} ({w.shard_id})") from e
-        except BaseException:
+        except BaseException as e:
             builder.abort()  # settles the builder the handle lent
+            if isinstance(e, LeaseExpired):  # dropped (e.g. by a skewed clock): a new one
+                self._shard_ops.forget_txn_writer(w)
             raise
         if time_column is not None:
             batch.txn_timed = True  # type: ignore[attr-defined]

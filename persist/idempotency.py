@@ -9,8 +9,9 @@ This module holds what a writer needs to tell whether an append of its own lande
 * :func:`apply_resolving`: a machine command re-applied, with backoff, while its outcome
   is unknown (the command recognises its own committed effect by its token);
 * :func:`token_landed`: whether the append a caller's token names landed, decided on a
-  freshly fetched shard state (or on the outcome this client settled when it first
-  learned it), never on a cached one.
+  freshly fetched shard state by its landed records (:mod:`persist.landed`, kept apart
+  from writer leases), never on a cached one; :func:`token_floor`: the version any
+  attempt of a token lands after, as far as this process (or the token) knows.
 
 Invariants kept here:
 
@@ -20,7 +21,8 @@ Invariants kept here:
   append's is refused (``InvalidUsage``, :func:`persist.fingerprint.check_same_append`),
   never taken for a landed retry;
 * an outcome that can no longer be learned is reported as an indeterminate
-  ``ConsensusError``, never as "not landed" (which would invite a double append).
+  ``ConsensusError`` (:class:`persist.landed.OutcomeUnknown`), never as "not landed"
+  nor as ``UpperMismatch`` (either would invite a double append).
 
 The fingerprints themselves are in :mod:`persist.fingerprint`.  Sources of the idea:
 Materialize's ``src/persist-client/src/internal/machine.rs`` (``compare_and_append``
@@ -74,10 +76,11 @@ def carrying_token(token: str) -> Iterator[None]:
 
 class TokenSource:
     """Fresh idempotency tokens without a system call each (:func:`token_for`): the first
-    16 hex digits of the writer's id (so the state tells which writer a token belongs to,
-    :func:`persist.state_base.token_verdict`), 8 random ones per process (``os.urandom``,
-    drawn again in a forked child) and an 8-digit counter, dot-separated, so tokens never
-    repeat and a writer's tokens from one process are ordered by when they were drawn.  A
+    16 hex digits of the writer's id, 8 random ones per process (``os.urandom``, drawn
+    again in a forked child), an 8-digit counter and the seqno of a version read before
+    the append (so a restarted process retrying with the token knows which pruned
+    records could have been its own, :mod:`persist.landed`), dot-separated, so tokens
+    never repeat.  A
     forked child gets a fresh lock (:meth:`after_fork_in_child`), so a fork while another
     thread draws a token cannot deadlock the child.  (A ``uuid4`` per append costs a
     ``getrandom`` call, which releases the GIL and so waits for the compactor thread to

@@ -2,10 +2,11 @@
 and the idempotency tokens a writer's state records.
 
 Invariants kept here: both are immutable (a command replaces them); a lease is expired
-once ``now > last_heartbeat_ms + lease_duration_ms``; a writer records at most
-:data:`WRITER_TOKENS_KEPT` tokens of its recent appends (oldest dropped first), each as
-``token`` or ``token + TOKEN_SEP + fingerprint``; their JSON forms round-trip exactly,
-and states written before a field existed load with its default.
+once ``now > last_heartbeat_ms + lease_duration_ms``; a writer's state of a version
+written before the shard kept its own landed records (:mod:`persist.landed`) may hold
+at most :data:`WRITER_TOKENS_KEPT` tokens of its recent appends, each as ``token`` or
+``token + TOKEN_SEP + fingerprint`` (read, never written any more); their JSON forms
+round-trip exactly, and states written before a field existed load with its default.
 
 Source: Materialize's persist-client ``LeasedReaderState`` and ``WriterState``
 (``src/persist-client/src/internal/state.rs``).
@@ -91,12 +92,11 @@ class WriterState:
     Attributes:
         last_heartbeat_ms: wall-clock time (ms) of its last append or heartbeat.
         lease_duration_ms: the writer is dropped once its lease runs out.
-        last_token: the idempotency token of the writer's last committed append, used to
-            learn the outcome of an append whose commit was indeterminate.
-        tokens: the tokens of its earlier recent appends (oldest first, at most
-            :data:`WRITER_TOKENS_KEPT` with ``last_token``), so that a retry with a token
-            stays idempotent even after the same writer appended again.  States written
-            before this field existed load with ``()``.
+        last_token, tokens: in states written before the shard kept its own landed
+            records (:mod:`persist.landed`), the idempotency tokens of the writer's last
+            appends (``tokens`` oldest first, at most :data:`WRITER_TOKENS_KEPT` with
+            ``last_token``); still read (a record there counts as landed), no longer
+            written: ``None`` and ``()`` now.
         handed_off: batches with parts of this writer that its handle had handed out
             (e.g. transmitted to another process,
             :meth:`persist.batch.Batch.into_transmittable`) and not appended itself

@@ -3,7 +3,9 @@
 A :class:`ShardState` is one version of a shard's metadata (Materialize's persist-client
 ``State``): its identity and Arrow schemas, the flattened Spine :class:`~persist.spine.Trace`
 (which carries the shard's ``since`` and ``upper``), the leased readers with their since
-holds, the writers, and the counter of the shard's *retired* collection (blob keys a
+holds, the writers, the records of the appends that landed (:mod:`persist.landed`: the
+answer to "did this idempotency token's append land, and at which upper", kept apart
+from the writer leases), and the counter of the shard's *retired* collection (blob keys a
 compaction stopped referencing, waiting for GC, kept by consensus beside the state so that
 the state stays small however many parts wait for their grace period).  Versions
 are numbered by ``seqno``; consensus (:mod:`persist.consensus`) stores them.
@@ -42,6 +44,12 @@ Invariants kept here (every transition keeps them or raises before changing anyt
   is never registered again (GC may have deleted its parts), and an output of a
   compactor that is no longer live is never applied;
 * a ``tombstone`` state (a finalized shard) is final: no handle may use the shard;
+* an append or a transaction that commits records its token and fingerprint in the
+  version that commits it, apart from every lease; a recorded token with another
+  fingerprint is refused (``InvalidUsage``) by the commit itself; a command that
+  decides a writer is gone (so that GC may delete its parts) decides it on a freshly
+  read version, never on a cached one (a command that changes nothing publishes
+  nothing, so no compare-and-set would catch a stale read);
 * a transition that stops referencing blob keys lists them in ``retire_adds`` (blob key
   -> wall-clock ms; consensus records them with the seqno of the new version), one that
   lets GC forget deleted ones in ``retire_removes`` (row key -> ms); consensus

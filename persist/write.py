@@ -40,13 +40,18 @@ Invariants kept here (the batch rules, the builder's and the tokens' own are in
   new_upper)`` become visible;
 * an indeterminate commit (the stash lost the acknowledgement of COMMIT) is resolved by
   the append itself: it re-applies the same version, with the same idempotency token,
-  re-reading consensus with backoff, until it learns the outcome (the token is recorded
-  with the writer, which keeps its last few tokens, in the version that commits the
-  append); an append of its own that landed is reported as success, never as
-  ``UpperMismatch``.  If the outcome still cannot be learned, a ``ConsensusError`` with
-  ``is_indeterminate()`` and ``idempotency_token`` is raised and the parts are left in
-  place (GC collects them if the append did not land); a retry passing that token
-  returns success without writing again if the append landed;
+  re-reading consensus with backoff, until it learns the outcome.  The token is
+  recorded, with the append's fingerprint, in the shard's landed records
+  (:mod:`persist.landed`), apart from every writer lease: a writer's expiry, a process
+  whose clock is ahead, or other appends through a shared handle never drop it.  An
+  append of its own that landed is reported as success, never as ``UpperMismatch``;
+  one whose record may have been pruned (the shard keeps the newest records) raises the
+  indeterminate ``ConsensusError``.  If the outcome cannot be learned, a
+  ``ConsensusError`` with ``is_indeterminate()`` and ``idempotency_token`` is raised
+  and the parts are left in place (GC collects them if the append did not land); a
+  retry passing that token, from this process or a restarted one, returns success
+  without writing again if the append landed, appends if it did not, and raises the
+  indeterminate error again if the records cannot tell;
 * a writer is registered in the shard state (its lease) before its first upload, and
   its parts' keys name it (:mod:`persist.keys`), stamped when each run is written; GC
   never deletes the parts of a writer registered in the state it decides on (it
@@ -364,10 +369,11 @@ class WriteHandle(ShardHandle):
             idempotency_token: the token of an earlier attempt of this same append (from
                 the ``idempotency_token`` of the indeterminate :class:`ConsensusError` it
                 raised): if that attempt landed, this call returns at once, writing
-                nothing again, however many appends came since (the client settles the
-                outcome from the next shard state it sees); if whether it landed can no
-                longer be told, it raises an indeterminate :class:`ConsensusError` and
-                writes nothing.  The token names that append exactly (its bounds and
+                nothing again, however many appends came since and whatever became of
+                the writer (the shard keeps the record apart from its lease,
+                :mod:`persist.landed`); if it did not land, this call appends; if whether
+                it landed can no longer be told (its record may have been pruned), it
+                raises an indeterminate :class:`ConsensusError` and writes nothing.  The token names that append exactly (its bounds and
                 its updates in their order, :mod:`persist.fingerprint`): passed to any
                 other append it raises ``InvalidUsage`` and writes nothing.  By
                 default a fresh token.

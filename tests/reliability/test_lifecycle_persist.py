@@ -29,6 +29,7 @@ snapshot shows it.  A fifth figure row counts these cases.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter
@@ -40,7 +41,13 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from persist import (
     BatchAppended,
@@ -71,6 +78,13 @@ FAR = 2 * 86400.0
 POOL_THREADS = 4
 
 FIG: Counter[str] = Counter()
+#: MODEL_SKIP=rule,rule: leave those rules out (to see the defect behind each other one).
+SKIP = set(filter(None, os.environ.get("MODEL_SKIP", "").split(",")))
+
+
+def enabled(name: str) -> Any:
+    """A precondition: the rule ``name`` is not left out by ``MODEL_SKIP``."""
+    return precondition(lambda _self: name not in SKIP)
 
 
 def ac(t: int) -> Antichain:
@@ -257,6 +271,7 @@ class Lifecycle(RuleBasedStateMachine):
         return len(acked)
 
     # ------------------------------------------------------------------- rules
+    @enabled("append_ack_lost")
     @rule(
         k=st.integers(0, 5),
         v=st.sampled_from("ab"),
@@ -293,6 +308,7 @@ class Lifecycle(RuleBasedStateMachine):
         FIG["acks_lost_with_skew_or_pool"] += 1
         assert self._shard_upper() == self.upper
 
+    @enabled("txn_ack_lost")
     @rule(k=st.integers(0, 5), v=st.sampled_from("ab"))
     def txn_ack_lost(self, k: int, v: str) -> None:
         """A transaction lands, its acknowledgement is lost and its first re-read
@@ -329,6 +345,7 @@ class Lifecycle(RuleBasedStateMachine):
             break
         assert self._shard_upper() == self.upper
 
+    @enabled("retry_after_restart")
     @rule(k=st.integers(0, 5), v=st.sampled_from("ab"), own=st.booleans())
     def retry_after_restart(self, k: int, v: str, own: bool) -> None:
         """An append lands and its outcome stays unknown (every re-read fails); the
@@ -362,6 +379,7 @@ class Lifecycle(RuleBasedStateMachine):
             restarted.close()
         assert self._shard_upper() == self.upper
 
+    @enabled("shared_handle_pool")
     @rule(n=st.integers(2, 10), p=st.sampled_from([0.2, 0.5]))
     def shared_handle_pool(self, n: int, p: float) -> None:
         """A thread pool appends through one shared handle, acknowledgements lost at

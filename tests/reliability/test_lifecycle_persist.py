@@ -293,7 +293,7 @@ class Lifecycle(RuleBasedStateMachine):
                 others[0] = self._pool_appends(w, 8, 100 + 10 * FIG["pool_rounds"])
                 FIG["pool_rounds"] += 1
 
-        self.stash.arm(reads=1)
+        self.stash.arm(reads=10)  # more than the consensus retries: the command fails
         undo = self._before_retry(w, act)
         try:
             self._follow_the_docs(w, (k, v), up, None)
@@ -321,6 +321,7 @@ class Lifecycle(RuleBasedStateMachine):
         def sleep(s: float) -> None:
             if pending and threading.get_ident() == me:
                 pending.clear()
+                self.stash.reads_to_fail = 0
                 self._skewed_transition()
             real(min(s, 0.001))
 
@@ -329,7 +330,8 @@ class Lifecycle(RuleBasedStateMachine):
             time.sleep = sleep  # type: ignore[assignment]
             try:
                 txn.write(SHARD, pa.table({"k": pa.array([k], pa.int64()), "v": [v]}))
-                self.stash.arm(reads=1)
+                # Two failing reads: the consensus layer's retry backs off (sleeps) once.
+                self.stash.arm(reads=2)
                 txn.commit()
             except LeaseExpired:  # the transaction's writer was dropped: nothing committed
                 assert attempt == 0

@@ -84,11 +84,20 @@ class Landed:
     seqno: int
     ms: int
     _json: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    _key: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def token(self) -> str:
         """The idempotency token."""
         return self.entry.split(TOKEN_SEP, 1)[0]
+
+    @property
+    def key(self) -> str:
+        """Its state entry key (:func:`entry_key`, computed once)."""
+        if self._key is None:
+            object.__setattr__(self, "_key", entry_key(self.token))
+        assert self._key is not None
+        return self._key
 
     def to_json(self) -> dict[str, Any]:
         """``{"entry", "seqno", "ms"}`` (the same dict every call: do not mutate it)."""

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from persist.errors import PersistError
-from persist.landed import Landed, entry_key
+from persist.landed import Landed
 from persist.lease_state import ReaderState, WriterState
 from persist.schemacache import schema_cache
 from persist.spine import Trace
@@ -196,8 +196,8 @@ def to_entries(self: StateFields) -> dict[str, Any]:
         out[_READER + rid] = r.to_json()
     for wid, w in self.writers.items():
         out[_WRITER + wid] = w.to_json()
-    for token, rec in self.landed.items():
-        out[entry_key(token)] = rec.to_json()
+    for rec in self.landed.values():
+        out[rec.key] = rec.to_json()
     return out
 
 

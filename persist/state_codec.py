@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from persist.errors import PersistError
+from persist.landed import Landed
 from persist.lease_state import ReaderState, WriterState
 from persist.schemacache import schema_cache
 from persist.spine import Trace
@@ -56,6 +57,8 @@ class StateFields(Protocol):
     retired_upper: int
     tombstone: bool
     schema_history: tuple[pa.Schema, ...]
+    landed: dict[str, Landed]
+    landed_horizon: int
 
     @property
     def since(self) -> Antichain: ...
@@ -71,6 +74,7 @@ _TRACE_MAPS = ("hollow_batches", "spine_batches")
 _READER = "reader/"
 _SCHEMAS = "schemas"
 _WRITER = "writer/"
+_LANDED = "landed/"
 
 
 @schema_cache(256)
@@ -167,7 +171,8 @@ def to_entries(self: StateFields) -> dict[str, Any]:
     ``schemas`` (only once there is more than one version: every value schema
     version, by id), ``trace/hollow_batches/<id>``,
     ``trace/spine_batches/<id>``, ``reader/<id>``, ``writer/<id>``,
-    (retired keys live in their own collection).  A new version differs from the
+    ``landed/<digest of a token>`` (:mod:`persist.landed`; ``meta`` holds their
+    ``landed_horizon``), (retired keys live in their own collection).  A new version differs from the
     previous one in
     ``meta`` and the few components that changed, so consensus writes little.
     """
@@ -175,6 +180,7 @@ def to_entries(self: StateFields) -> dict[str, Any]:
     meta = {k: v for k, v in t.items() if k not in _TRACE_MAPS}
     meta["seqno"] = self.seqno
     meta["retired_upper"] = self.retired_upper
+    meta["landed_horizon"] = self.landed_horizon
     if self.tombstone:
         meta["tombstone"] = True
     out: dict[str, Any] = {
@@ -190,7 +196,14 @@ def to_entries(self: StateFields) -> dict[str, Any]:
         out[_READER + rid] = r.to_json()
     for wid, w in self.writers.items():
         out[_WRITER + wid] = w.to_json()
+    for rec in self.landed.values():
+        out[rec.key] = rec.to_json()
     return out
+
+
+def _landed_from(records: list[Landed]) -> dict[str, Landed]:
+    """The landed records by token, oldest first (by seqno)."""
+    return {r.token: r for r in sorted(records, key=lambda r: r.seqno)}
 
 
 def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
@@ -207,6 +220,10 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
         seqno = trace_json.pop("seqno")
         retired_upper = int(trace_json.pop("retired_upper", 0))
         tombstone = bool(trace_json.pop("tombstone", False))
+        # A state written before the shard kept its landed records: any earlier
+        # append's record may have left with its writer (see persist.landed).
+        horizon = int(trace_json.pop("landed_horizon", seqno))
+        landed: list[Landed] = []
         maps: dict[str, dict[str, Any]] = {m: {} for m in _TRACE_MAPS}
         readers: dict[str, ReaderState] = {}
         writers: dict[str, WriterState] = {}
@@ -218,6 +235,8 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
                 readers[k[len(_READER) :]] = ReaderState.from_json(v)
             elif k.startswith(_WRITER):
                 writers[k[len(_WRITER) :]] = WriterState.from_json(v)
+            elif k.startswith(_LANDED):
+                landed.append(Landed.from_json(v))
             elif k not in (_SHARD, _META, _SCHEMAS):
                 raise ValueError(f"unknown state entry {k!r}")
         trace_json.update(maps)
@@ -235,6 +254,8 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
             retired_upper=retired_upper,
             tombstone=tombstone,
             schema_history=_schemas_from(entries.get(_SCHEMAS)),
+            landed=_landed_from(landed),
+            landed_horizon=horizon,
         )
     except PersistError:
         raise
@@ -258,6 +279,8 @@ def to_json(self: StateFields) -> dict[str, Any]:
         "writers": {k: v.to_json() for k, v in sorted(self.writers.items())},
         "retired_upper": self.retired_upper,
         "tombstone": self.tombstone,
+        "landed": [r.to_json() for r in self.landed.values()],
+        "landed_horizon": self.landed_horizon,
     }
 
 
@@ -281,6 +304,8 @@ def from_json(d: Mapping[str, Any]) -> dict[str, Any]:
             retired_upper=int(d.get("retired_upper", 0)),
             tombstone=bool(d.get("tombstone", False)),
             schema_history=_schemas_from(d.get("schemas")),
+            landed=_landed_from([Landed.from_json(r) for r in d.get("landed", ())]),
+            landed_horizon=int(d.get("landed_horizon", d["seqno"])),
         )
     except PersistError:
         raise

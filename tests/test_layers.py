@@ -126,6 +126,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.batch",
                 "persist.lease",
                 "persist.lease_state",
+                "persist.landed",
             ],
         ),
         (

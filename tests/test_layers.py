@@ -112,6 +112,8 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.batch",
                 "persist.lease",
                 "persist.lease_state",
+                "persist.arrow_input",
+                "persist.relation",
             ],
         ),
         (
@@ -140,6 +142,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             ],
         ),
         ("9 txn", ["persist.txn_rows", "persist.txn", "persist.txn_commit", "persist.snapshots"]),
+        ("9b table", ["persist.table"]),
         ("10 client, cli, public face", ["persist.client", "persist.cli*", "persist"]),
     ],
     "spark": [

@@ -1,0 +1,383 @@
+"""The user-facing table: a shard anyone can open by name, write rows to and read rows
+from, without ``_time``, ``_diff`` or explicit uppers (:class:`Table`).
+
+A :class:`Table` is a thin layer over a shard's handles, after delta-rs's ``DeltaTable``
+and pyiceberg's ``Table``: :meth:`PersistClient.create_table
+<persist.client.PersistClient.create_table>` makes one (or returns the existing one with
+the same schema), :meth:`PersistClient.table <persist.client.PersistClient.table>` opens
+one with its newest schema.  Writes go through the shard's
+:class:`~persist.write.WriteHandle` (row changes) or a :class:`~persist.txn.Txn`
+(appends, retried at the next time without uploading again); reads go through one state
+version and its parts, without a lease.
+
+Invariants kept here:
+
+* every input goes through one conversion (:func:`persist.arrow_input.as_arrow_table`),
+  then the shard's column check and casts (:func:`persist.rows.conform_rows`): a value
+  that does not fit is refused and nothing is committed;
+* ``append`` commits its rows at one time, the shard's upper when it commits (the
+  smallest time that can commit), and returns it;
+* a read is the consolidated snapshot of ONE state version at one ``as_of``, each row
+  repeated by its multiplicity, without ``_time``/``_diff``; it registers no reader and
+  writes nothing (so it works on a readonly stash): if GC deleted a part of that
+  version meanwhile, it reads again on the newer version at the same ``as_of`` (exact
+  while ``as_of`` is at or after the since), or fails naming the since;
+* an ``as_of`` before the since raises :class:`~persist.errors.SinceViolation` naming
+  the since; one at or beyond the upper raises :class:`~persist.errors.InvalidUsage`
+  naming the upper.
+
+Sources: delta-rs's ``DeltaTable`` (``python/deltalake/table.py``) and pyiceberg's
+``Table`` (``pyiceberg/table/__init__.py``): the calls users know; Materialize's
+persist-client ``ReadHandle::snapshot_and_fetch`` for reading one version.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist import rows as rows_mod
+from persist.arrow_input import as_arrow_table
+from persist.errors import (
+    CorruptPart,
+    DiffOverflow,
+    InvalidUsage,
+    SchemaMismatch,
+    SinceViolation,
+)
+from persist.fetch import snapshot_table
+from persist.filters import check_columns, check_filter
+from persist.machine import ShardMachine
+from persist.parts import updates_schema
+from persist.relation import expand_rows
+from persist.rows import RowChanges
+from persist.state import ShardState
+from persist.txn import Txn
+from persist.write import WriteHandle
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from persist.shards import Shards
+
+__all__ = ["Table"]
+
+log = logging.getLogger(__name__)
+
+#: How many times a read re-reads the state after meeting a part GC deleted.
+_MISSING_RETRIES = 3
+
+
+def split_schema(name: str, schema: pa.Schema, key: Sequence[str]) -> tuple[pa.Schema, pa.Schema]:
+    """``schema`` split into the key schema (the ``key`` columns, in ``key``'s order)
+    and the value schema (the other columns, in ``schema``'s order).
+
+    Raises:
+        InvalidUsage: ``schema`` is not a ``pyarrow.Schema``; ``key`` is not a
+            non-empty list of distinct column names of ``schema``.
+    """
+    if not isinstance(schema, pa.Schema):
+        raise InvalidUsage(
+            f"table {name!r}: schema must be a pyarrow.Schema, not {type(schema).__name__}"
+        )
+    if isinstance(key, str) or not isinstance(key, Sequence) or not key:
+        raise InvalidUsage(
+            f"table {name!r}: key must be a non-empty list of column names, got {key!r}"
+        )
+    keys = list(key)
+    unknown = [k for k in keys if not isinstance(k, str) or schema.get_field_index(k) < 0]
+    if unknown:
+        raise InvalidUsage(
+            f"table {name!r}: key column(s) {unknown} are not in the schema {schema.names}"
+        )
+    if len(set(keys)) != len(keys):
+        raise InvalidUsage(f"table {name!r}: key {keys} names a column twice")
+    if len(set(schema.names)) != len(schema.names):
+        raise InvalidUsage(f"table {name!r}: schema {schema.names} names a column twice")
+    key_schema = pa.schema([schema.field(k) for k in keys])
+    value_schema = pa.schema([f for f in schema if f.name not in set(keys)])
+    return key_schema, value_schema
+
+
+class Table:
+    """A table: one shard, opened by name (see the module docstring).  Made by
+    :meth:`PersistClient.create_table <persist.client.PersistClient.create_table>` and
+    :meth:`PersistClient.table <persist.client.PersistClient.table>`, never directly.
+
+    Thread-safe: its methods may run in several threads at once (each write commits at
+    its own time).
+
+    Attributes:
+        name: the table's (shard's) name.
+        shard_id: the shard's id.
+    """
+
+    def __init__(self, shards: Shards, name: str, shard_id: str) -> None:
+        self._shards = shards
+        self._ctx = shards.ctx
+        self.name = name
+        self.shard_id = shard_id
+        self._machine: ShardMachine = self._ctx.machine(shard_id)
+        self._lock = threading.Lock()
+        self._writer: WriteHandle | None = None
+
+    def __repr__(self) -> str:
+        return f"Table({self.name!r}, key={self.key}, schema={self.schema.names})"
+
+    # ------------------------------------------------------------------ shape
+    def _state(self) -> ShardState:
+        """The latest state (the cached one if the head did not move)."""
+        st = self._machine.recent()
+        st.check_not_finalized()
+        return st
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The table's columns (``pyarrow.Schema``): the key columns, then the value
+        columns of the newest schema version."""
+        st = self._machine.state()
+        return pa.schema([*st.key_schema, *st.value_schema])
+
+    @property
+    def key(self) -> list[str]:
+        """The names of the key columns."""
+        return list(self._machine.state().key_schema.names)
+
+    # ----------------------------------------------------------------- writes
+    def _write_handle(self) -> WriteHandle:
+        """The writer of this table, in the shard's newest schema (made again when
+        another process evolved the schema, or its lease ran out)."""
+        st = self._state()
+        newest = st.schemas().newest
+        with self._lock:
+            w = self._writer
+            if w is not None and not w._expired and w.schema_id == newest:
+                return w
+        w = self._shards.writer(self._machine, self.name, st.key_schema, st.value_schema, newest)
+        with self._lock:
+            old, self._writer = self._writer, w
+        if old is not None and old is not w:
+            old.expire()
+        return w
+
+    def _rows(self, data: Any, what: str, w: WriteHandle) -> pa.Table:
+        """``data`` (anything Arrow takes) as the table's key and value columns."""
+        what = f"{what} table {self.name!r}"
+        return rows_mod.conform_rows(as_arrow_table(data, what), w.schema, what)
+
+    def append(self, data: Any) -> int:
+        """Insert the rows of ``data`` at the next time (the shard's upper when the
+        commit lands; a race moves it later, without uploading again).
+
+        Args:
+            data: the table's columns (no ``_time``/``_diff``): a pyarrow ``Table``,
+                ``RecordBatch`` or ``RecordBatchReader``, a pandas or polars
+                ``DataFrame``, or any object with ``__arrow_c_stream__``.
+
+        Returns: the time the rows were committed at (int).
+
+        Raises:
+            InvalidUsage: unknown input kind, missing or unknown columns, a value that
+                does not fit its column; nothing is committed.
+            BlobError, ConsensusError: storage failed.
+        """
+        w = self._write_handle()
+        rows = self._rows(data, "append to", w)
+        txn = Txn(self._shards)
+        try:
+            txn.write(w, rows)
+            return txn.commit()
+        except BaseException:
+            txn.abort()
+            raise
+
+    def upsert(self, data: Any) -> RowChanges:
+        """Replace every live row whose key is in ``data`` by ``data``'s row, at one
+        new time (:meth:`WriteHandle.upsert <persist.write.WriteHandle.upsert>`).
+
+        Raises: as :meth:`append`; also InvalidUsage when ``data`` has a key twice.
+        """
+        w = self._write_handle()
+        return w.upsert(self._rows(data, "upsert into", w))
+
+    def delete(self, filter: pc.Expression) -> RowChanges:
+        """Delete every live row ``filter`` (a boolean ``pyarrow.compute`` expression
+        over the columns) keeps, at one new time (:meth:`WriteHandle.delete
+        <persist.write.WriteHandle.delete>`)."""
+        return self._write_handle().delete(filter)
+
+    def update(self, filter: pc.Expression, set: Mapping[str, Any]) -> RowChanges:
+        """Set columns of every live row ``filter`` keeps (``set``: column -> scalar or
+        ``pyarrow.compute`` expression over the old row), at one new time
+        (:meth:`WriteHandle.update <persist.write.WriteHandle.update>`)."""
+        return self._write_handle().update(filter, set)
+
+    # ------------------------------------------------------------------ reads
+    def resolve_as_of(self, st: ShardState, as_of: Any) -> int | None:
+        """The logical time a read ``as_of`` means on ``st``: the latest definite time
+        for ``None`` (``None`` itself when nothing was ever committed), ``as_of`` for an
+        int.
+
+        Raises:
+            SinceViolation: before the since.  InvalidUsage: at or beyond the upper,
+                or not a time.
+        """
+        upper, since = st.upper.as_option(), st.since.as_option()
+        if as_of is None:
+            if not upper:
+                return None
+            return upper - 1 if since is None else max(upper - 1, since)
+        if isinstance(as_of, bool) or not isinstance(as_of, int):
+            raise InvalidUsage(
+                f"table {self.name!r}: as_of must be an int time or a timezone-aware "
+                f"datetime, not {type(as_of).__name__}"
+            )
+        if not st.since.less_equal(as_of):
+            raise SinceViolation(as_of, st.since)
+        if upper is None or as_of >= upper:
+            raise InvalidUsage(
+                f"table {self.name!r}: as_of {as_of} is not before its upper {st.upper}: "
+                "no data is definite there yet"
+            )
+        return as_of
+
+    def _snapshot(
+        self,
+        as_of: Any,
+        columns: Sequence[str] | None,
+        filter: pc.Expression | None,
+    ) -> pa.Table:
+        """The consolidated rows (with ``_diff``) of one state version at ``as_of``."""
+        st = self._state()
+        for attempt in range(_MISSING_RETRIES + 1):
+            t = self.resolve_as_of(st, as_of)
+            schema = updates_schema(st.key_schema, st.value_schema)
+            keys, values = st.key_schema.names, st.value_schema.names
+            check_filter(filter, schema, keys, values)
+            cols = check_columns(columns, pa.schema([*st.key_schema, *st.value_schema]))
+            if t is None:
+                out = schema.empty_table()
+                return out.select([*(cols or [*keys, *values]), "_diff"])
+            try:
+                return snapshot_table(
+                    self._ctx.blob,
+                    [b for b in st.batches() if b.len > 0 and b.desc.lower.less_equal(t)],
+                    schema,
+                    keys,
+                    values,
+                    t,
+                    max_workers=self._ctx.config.read_workers,
+                    schemas=(st.schemas(), st.schemas().newest),
+                    filter=filter,
+                    columns=None if cols is None else [*cols, "_diff"],
+                )
+            except DiffOverflow as e:
+                raise e.in_shard(f"{self.name!r} ({self.shard_id})") from e
+            except CorruptPart as e:
+                # GC may have deleted a part of this version after a newer one stopped
+                # referencing it: read that newer version at the same as_of.
+                if not e.missing or attempt == _MISSING_RETRIES:
+                    raise
+                log.info("read of table %s met a missing part, re-reading: %s", self.name, e)
+                st = self._machine.fetch()
+                st.check_not_finalized()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def to_arrow(
+        self,
+        as_of: Any = None,
+        columns: Sequence[str] | None = None,
+        filter: pc.Expression | None = None,
+    ) -> pa.Table:
+        """The live rows as of ``as_of``: each (key, value) row repeated by its
+        multiplicity, sorted by key and value, without ``_time``/``_diff``.
+
+        Args:
+            as_of: ``None`` (the latest definite time) or a time (int).
+            columns: the columns to return, in order (``None``: all).
+            filter: a boolean ``pyarrow.compute`` expression over the columns, e.g.
+                ``pc.field("id") < 10`` (parts that cannot hold a kept row are not read).
+
+        Raises:
+            SinceViolation: ``as_of`` is before the since (naming it).
+            InvalidUsage: ``as_of`` at or beyond the upper; bad columns or filter; a row
+                with a negative multiplicity (more retractions than insertions).
+            CorruptPart, BlobError, ConsensusError: storage failed.
+        """
+        return expand_rows(self._snapshot(as_of, columns, filter), self.name)
+
+    def to_pandas(
+        self,
+        as_of: Any = None,
+        columns: Sequence[str] | None = None,
+        filter: pc.Expression | None = None,
+    ) -> pd.DataFrame:
+        """:meth:`to_arrow`'s rows as a pandas ``DataFrame`` (needs pandas)."""
+        return self.to_arrow(as_of, columns, filter).to_pandas()
+
+    def to_reader(
+        self,
+        as_of: Any = None,
+        columns: Sequence[str] | None = None,
+        filter: pc.Expression | None = None,
+    ) -> pa.RecordBatchReader:
+        """:meth:`to_arrow`'s rows as a ``pyarrow.RecordBatchReader``."""
+        t = self.to_arrow(as_of, columns, filter)
+        return pa.RecordBatchReader.from_batches(t.schema, t.to_batches())
+
+    # ---------------------------------------------------------------- closing
+    def close(self) -> None:
+        """Expire this table's writer (its lease; the client's close does it too)."""
+        with self._lock:
+            w, self._writer = self._writer, None
+        if w is not None:
+            w.expire()
+
+    def __enter__(self) -> Table:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def create_table(shards: Shards, name: str, schema: pa.Schema, key: Sequence[str]) -> Table:
+    """:meth:`PersistClient.create_table <persist.client.PersistClient.create_table>`."""
+    shards.ctx.check_open()
+    key_schema, value_schema = split_schema(name, schema, key)
+    updates_schema(key_schema, value_schema)  # validates names and types
+    ctx = shards.ctx
+    shard_id = ctx.consensus.register(name, int(ctx.config.clock() * 1000))
+    m = ctx.machine(shard_id)
+    st = m.initialize(ShardState(shard_id, name, key_schema, value_schema))
+    st.check_not_finalized()
+    if not (st.key_schema.equals(key_schema) and st.value_schema.equals(value_schema)):
+        have = pa.schema([*st.key_schema, *st.value_schema])
+        raise SchemaMismatch(
+            repr(name),
+            "*",
+            f"the table exists with key {st.key_schema.names} and schema "
+            f"{_fields(have)}, not key {list(key_schema.names)} and schema "
+            f"{_fields(pa.schema([*key_schema, *value_schema]))}",
+            "open it with client.table(name); nothing was changed",
+        )
+    return Table(shards, name, shard_id)
+
+
+def open_table(shards: Shards, name: str) -> Table:
+    """:meth:`PersistClient.table <persist.client.PersistClient.table>`."""
+    shards.ctx.check_open()
+    shard_id = shards.ctx.shard_id(name)
+    m = shards.ctx.machine(shard_id)
+    st = m.fetch()
+    if st.tombstone:
+        raise InvalidUsage(f"table {name!r} ({shard_id}) was dropped: it cannot be opened")
+    return Table(shards, st.name, shard_id)
+
+
+def _fields(schema: pa.Schema) -> str:
+    return ", ".join(f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in schema)

@@ -1,0 +1,194 @@
+"""``persist.Table`` (:mod:`persist.table`): create and open by name, append anything
+Arrow takes, row changes, reads as of a time, on memory, SQLite and PostgreSQL stashes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from persist import (
+    InvalidUsage,
+    MemoryBlob,
+    PersistClient,
+    RowChanges,
+    SchemaMismatch,
+    SinceViolation,
+    Table,
+    UnknownShard,
+)
+from stash import Stash
+from tests.support.dbutil import backend_url
+
+SCHEMA = pa.schema([pa.field("id", pa.int64(), False), ("name", pa.string()), ("v", pa.float64())])
+
+
+@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
+def stash_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return backend_url(request, str(request.param), tmp_path)
+
+
+@pytest.fixture
+def client(stash_url: str) -> Iterator[PersistClient]:
+    s = Stash.open(stash_url, fenced=False)
+    c = PersistClient(s, MemoryBlob(), compaction="inline")
+    try:
+        yield c
+    finally:
+        c.close()
+        s.close()
+
+
+def rows(t: pa.Table) -> list[tuple[Any, ...]]:
+    return [tuple(r.values()) for r in t.to_pylist()]
+
+
+class ArrowStream:
+    """Any object with ``__arrow_c_stream__`` (the PyCapsule stream interface)."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+
+    def __arrow_c_stream__(self, requested_schema: Any = None) -> Any:
+        return self.table.__arrow_c_stream__(requested_schema)
+
+
+def test_create_open_append_read(client: PersistClient) -> None:
+    t = client.create_table("orders", SCHEMA, key=["id"])
+    assert isinstance(t, Table)
+    assert t.name == "orders" and t.key == ["id"] and t.schema.equals(SCHEMA)
+    assert t.to_arrow().num_rows == 0 and t.to_arrow().schema.equals(SCHEMA)
+    t0 = t.append(pa.table({"id": [1, 2], "name": ["a", "b"], "v": [1.0, 2.0]}))
+    t1 = t.append(pd.DataFrame({"id": [3], "name": ["c"], "v": [3.5]}))
+    t2 = t.append(pa.record_batch({"id": [4], "name": ["d"], "v": [4.0]}, schema=SCHEMA))
+    t3 = t.append(ArrowStream(pa.table({"v": [5.0], "id": [5], "name": ["e"]})))
+    reader = pa.RecordBatchReader.from_batches(
+        SCHEMA, pa.table({"id": [6], "name": ["f"], "v": [6.0]}, schema=SCHEMA).to_batches()
+    )
+    t4 = t.append(reader)
+    assert [t0, t1, t2, t3, t4] == [0, 1, 2, 3, 4]
+    assert rows(t.to_arrow()) == [
+        (1, "a", 1.0),
+        (2, "b", 2.0),
+        (3, "c", 3.5),
+        (4, "d", 4.0),
+        (5, "e", 5.0),
+        (6, "f", 6.0),
+    ]
+    assert rows(t.to_arrow(as_of=1)) == [(1, "a", 1.0), (2, "b", 2.0), (3, "c", 3.5)]
+    assert rows(t.to_arrow(columns=["v", "id"], filter=pc.field("id") >= 5)) == [
+        (5.0, 5),
+        (6.0, 6),
+    ]
+    assert t.to_pandas(as_of=0).to_dict("list") == {
+        "id": [1, 2],
+        "name": ["a", "b"],
+        "v": [1.0, 2.0],
+    }
+    assert t.to_reader(as_of=2).read_all().equals(t.to_arrow(as_of=2))
+    # a fresh client opens it by name with its schema
+    other = PersistClient(client.stash, client.raw_blob, compaction="off")
+    try:
+        again = other.table("orders")
+        assert again.schema.equals(SCHEMA) and again.key == ["id"]
+        assert again.to_arrow().equals(t.to_arrow())
+    finally:
+        other.close()
+
+
+def test_multiplicities_and_row_changes(client: PersistClient) -> None:
+    t = client.create_table("m", SCHEMA, key=["id"])
+    t.append(pa.table({"id": [1, 1], "name": ["a", "a"], "v": [1.0, 1.0]}, schema=SCHEMA))
+    assert rows(t.to_arrow()) == [(1, "a", 1.0), (1, "a", 1.0)]  # repeated by multiplicity
+    up = t.upsert(pd.DataFrame({"id": [1, 2], "name": ["x", "y"], "v": [9.0, 8.0]}))
+    assert up == RowChanges(1, 2, 2)
+    assert rows(t.to_arrow()) == [(1, "x", 9.0), (2, "y", 8.0)]
+    assert t.update(pc.field("id") == 2, {"v": pc.field("v") + 1}) == RowChanges(2, 1, 1)
+    assert t.delete(pc.field("id") == 1) == RowChanges(3, 0, 1)
+    assert rows(t.to_arrow()) == [(2, "y", 9.0)]
+    assert rows(t.to_arrow(as_of=0)) == [(1, "a", 1.0), (1, "a", 1.0)]
+
+
+def test_create_same_schema_returns_table_other_schema_refused(client: PersistClient) -> None:
+    t = client.create_table("o", SCHEMA, key=["id"])
+    t.append(pa.table({"id": [1], "name": ["a"], "v": [1.0]}))
+    again = client.create_table("o", SCHEMA, key=["id"])
+    assert again.shard_id == t.shard_id and again.to_arrow().num_rows == 1
+    other = pa.schema([pa.field("id", pa.int64(), False), ("name", pa.string())])
+    with pytest.raises(SchemaMismatch, match="exists with key"):
+        client.create_table("o", other, key=["id"])
+    with pytest.raises(SchemaMismatch):
+        client.create_table("o", SCHEMA, key=["id", "name"])
+    # the refusal changed nothing
+    assert client.table("o").schema.equals(SCHEMA)
+
+
+def test_key_order_and_bad_keys(client: PersistClient) -> None:
+    schema = pa.schema([("a", pa.string()), ("b", pa.int64()), ("c", pa.int64())])
+    t = client.create_table("k", schema, key=["c", "b"])
+    assert t.key == ["c", "b"] and t.schema.names == ["c", "b", "a"]
+    t.append(pa.table({"a": ["x"], "b": [1], "c": [2]}))
+    assert rows(t.to_arrow()) == [(2, 1, "x")]
+    with pytest.raises(InvalidUsage, match="not in the schema"):
+        client.create_table("k2", schema, key=["z"])
+    with pytest.raises(InvalidUsage, match="non-empty list"):
+        client.create_table("k2", schema, key=[])
+    with pytest.raises(InvalidUsage, match="non-empty list"):
+        client.create_table("k2", schema, key="a")
+    with pytest.raises(InvalidUsage, match="twice"):
+        client.create_table("k2", schema, key=["a", "a"])
+
+
+def test_unknown_table_did_you_mean(client: PersistClient) -> None:
+    client.create_table("orders", SCHEMA, key=["id"])
+    with pytest.raises(UnknownShard, match="did you mean 'orders'"):
+        client.table("ordrs")
+
+
+def test_bad_input_commits_nothing(client: PersistClient) -> None:
+    t = client.create_table("b", SCHEMA, key=["id"])
+    with pytest.raises(InvalidUsage, match="not list"):
+        t.append([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(InvalidUsage, match="missing"):
+        t.append(pa.table({"id": [1]}))
+    with pytest.raises(InvalidUsage, match="unknown"):
+        t.append(pa.table({"id": [1], "name": ["a"], "v": [1.0], "_diff": [1]}))
+    with pytest.raises(InvalidUsage, match="do not fit"):
+        t.append(pa.table({"id": [None], "name": ["a"], "v": [1.0]}))
+    assert client.inspect("b").upper.as_option() == 0
+
+
+def test_as_of_errors_name_since_and_upper(client: PersistClient) -> None:
+    t = client.create_table("s", SCHEMA, key=["id"])
+    for i in range(3):
+        t.append(pa.table({"id": [i], "name": ["a"], "v": [1.0]}))
+    with pytest.raises(InvalidUsage, match="not before its upper"):
+        t.to_arrow(as_of=3)
+    with pytest.raises(InvalidUsage, match="as_of must be"):
+        t.to_arrow(as_of="1")
+    # move the since: a reader downgrades it; reads before it name it
+    w, r = client.open(
+        "s", pa.schema([SCHEMA.field("id")]), pa.schema([SCHEMA.field("name"), SCHEMA.field("v")])
+    )
+    for h in list(client.context.handles):
+        if h is not r and hasattr(h, "downgrade_since"):
+            h.expire()
+    r.downgrade_since(2)
+    with pytest.raises(SinceViolation, match=r"since \{2\}"):
+        t.to_arrow(as_of=1)
+    assert rows(t.to_arrow(as_of=2)) == [(0, "a", 1.0), (1, "a", 1.0), (2, "a", 1.0)]
+
+
+def test_reads_write_nothing(client: PersistClient) -> None:
+    t = client.create_table("r", SCHEMA, key=["id"])
+    t.append(pa.table({"id": [1], "name": ["a"], "v": [1.0]}))
+    seqno = client.inspect("r").seqno
+    for _ in range(3):
+        client.table("r").to_arrow()
+        t.to_arrow(as_of=0)
+    assert client.inspect("r").seqno == seqno

@@ -2,7 +2,7 @@
 garbage, check it, drop it, print its rows, query shards with SQL.
 
 ``persist [--stash URL] [--blob URI] [--metrics-port P [--metrics-addr A]] shards |
-inspect SHARD | compact SHARD | gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of
+inspect SHARD | history TABLE [--limit N] | compact SHARD | gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of
 T [--wait SECONDS]] [--limit N] | sql QUERY [--as-of T] [--max-expanded-rows N]``.
 ``--stash`` and ``--blob`` go before or after the subcommand, or come from
 ``PERSIST_STASH`` / ``PERSIST_BLOB`` (:func:`store_options`).  ``cat`` and ``sql`` read
@@ -399,6 +399,33 @@ def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> 
             ["id", "value columns", "parts"],
             [[v["id"], ", ".join(v["value_schema"]), v["parts"]] for v in schemas],
         )
+
+    _guard(run)
+
+
+@main.command()
+@store_options
+@click.argument("table")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="Show the newest N.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one object per line).")
+@click.pass_context
+def history(ctx: click.Context, table: str, limit: int | None, as_json: bool) -> None:
+    """Show a table's history, newest first: version, logical time, commit timestamp
+    (UTC), operation, parameters and metrics (persist.Table.history).  Reads only."""
+
+    def run() -> None:
+        with _client(ctx, readonly=True) as c:
+            h = c.table(table).history(limit)
+        rows = h.to_pylist()
+        for r in rows:
+            r["timestamp"] = r["timestamp"].isoformat()
+        if as_json:
+            for r in rows:
+                r["parameters"] = json.loads(r["parameters"])
+                r["metrics"] = json.loads(r["metrics"])
+                click.echo(json.dumps(r))
+        else:
+            _table(f"history of {table}", h.column_names, [list(r.values()) for r in rows])
 
     _guard(run)
 

@@ -44,12 +44,14 @@ from persist import metrics as persist_metrics
 from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
 from persist.consensus import (
     Consensus,
+    HistoryAppend,
     RetiredChange,
     VersionedData,
     VersionPlan,
     retired_entry,
 )
 from persist.errors import ConsensusError, PersistError
+from persist.history_record import make_record
 from persist.ids import validate_shard_id
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
 from persist.state import (
@@ -82,7 +84,7 @@ class Staged:
     ``expected`` (the seqno it builds on), the new ``state`` with its ``data`` and
     ``texts`` by entry key, the expected version ``prev`` (as stored), the ``retired``
     change to write with it and the ``plan`` of its stash updates
-    (:meth:`Consensus.plan`)."""
+    (:meth:`Consensus.plan`), and the ``history`` record to write with it."""
 
     expected: int
     state: ShardState
@@ -91,6 +93,7 @@ class Staged:
     prev: VersionedData
     retired: RetiredChange | None
     plan: VersionPlan
+    history: HistoryAppend | None = None
 
 
 class ShardMachine:
@@ -284,10 +287,23 @@ class ShardMachine:
                     self._cache = c
                     return c.state
                 initial.seqno = 0
+                now = self.now_ms()
+                record: dict[str, Any] = {
+                    "seqno": 0,
+                    "time": None,
+                    "ms": now,
+                    "op": "create",
+                    "params": {},
+                    "metrics": {},
+                }
+                history = HistoryAppend(0, f"{0:020d}", record)
+                initial.history_upper, initial.history_ms = 1, now
                 data = initial.to_entries()
                 texts = {k: Consensus.encode(v) for k, v in data.items()}
                 plan = self.consensus.plan(self.shard_id, None, texts, None)
-                if self.consensus.compare_and_set(self.shard_id, None, texts, plan=plan):
+                if self.consensus.compare_and_set(
+                    self.shard_id, None, texts, plan=plan, history=history
+                ):
                     self._cache = _Cache(initial, VersionedData(0, data, texts, plan.stored))
                     return initial
             raise ConsensusError(f"could not initialise shard {self.shard_id}")
@@ -305,6 +321,7 @@ class ShardMachine:
         fn: Callable[[ShardState, bool], tuple[T, bool]],
         fresh: bool,
         keep: tuple[str, ...] = (),
+        op: str | None = None,
     ) -> tuple[T, Staged | None]:
         """Run a transition on a copy of the cached state, as :meth:`_apply` does, but
         do not publish it: return ``fn``'s result and the :class:`Staged` version
@@ -319,15 +336,21 @@ class ShardMachine:
         assert cache is not None
         st = cache.state.clone()
         result, changed = fn(st, fresh)
-        return result, self._next_version(cache, st, changed, keep)
+        return result, self._next_version(cache, st, changed, keep, op)
 
     def _next_version(
-        self, cache: _Cache, st: ShardState, changed: bool, keep: tuple[str, ...]
+        self,
+        cache: _Cache,
+        st: ShardState,
+        changed: bool,
+        keep: tuple[str, ...],
+        op: str | None = None,
     ) -> Staged | None:
         """Finish the version a transition made of ``cache``'s state, ``st``: drop expired
-        leases (but ``keep``'s), move the keys it retired to a :class:`RetiredChange`
-        and encode the entries (reusing the cached text of each unchanged one).
-        ``None`` when nothing changed."""
+        leases (but ``keep``'s), move the keys it retired to a :class:`RetiredChange`,
+        make its history record (:func:`persist.history_record.make_record`, for the
+        command ``op``; none for lease-only versions) and encode the entries (reusing
+        the cached text of each unchanged one).  ``None`` when nothing changed."""
         if st.expire_leases(self.now_ms(), keep):
             changed = True
         retired: RetiredChange | None = None
@@ -346,6 +369,14 @@ class ShardMachine:
         if not changed:
             return None
         st.seqno = cache.state.seqno + 1
+        history = None
+        if op is not None:
+            record = make_record(cache.state, st, op, self.now_ms())
+            if record is not None:
+                history = HistoryAppend(st.history_upper, f"{st.seqno:020d}", record)
+                st.history_record = record
+                st.history_upper += 1
+                st.history_ms = record["ms"]
         data = st.to_entries()
         old, old_texts = cache.version.data, cache.version.texts
         # Unchanged components are mostly the very objects of the cached version
@@ -355,7 +386,7 @@ class ShardMachine:
             for k, v in data.items()
         }
         plan = self.consensus.plan(self.shard_id, cache.state.seqno, texts, cache.version)
-        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan)
+        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan, history)
 
     def install(self, staged: Staged) -> None:
         """Cache a staged version once the caller's atomic append committed it."""
@@ -372,6 +403,7 @@ class ShardMachine:
         fn: Callable[[ShardState, bool], tuple[T, bool]],
         *,
         keep: tuple[str, ...] = (),
+        op: str | None = None,
     ) -> T:
         """Apply a transition and publish it by compare-and-set.
 
@@ -379,7 +411,8 @@ class ShardMachine:
         version; ``fresh`` tells whether it was just read from consensus) and returns
         ``(result, changed)``.  It raises :class:`Stale` to ask for a fresh state before
         failing, or any other exception to abort (nothing is committed).  Expired leases
-        (except the ids in ``keep``) are dropped in the same version.
+        (except the ids in ``keep``) are dropped in the same version.  ``op``: the
+        command's name for history (``None``: the version changes only leases).
 
         Returns: ``fn``'s result from the run whose version was committed (or that
         needed no change).
@@ -407,7 +440,7 @@ class ShardMachine:
                     self.fetch()
                     fresh = True
                     continue
-                staged = self._next_version(cache, st, changed, keep)
+                staged = self._next_version(cache, st, changed, keep, op)
                 if staged is None:
                     return result
                 self.metrics["cas"] += 1
@@ -419,6 +452,7 @@ class ShardMachine:
                         cache.version,
                         staged.retired,
                         plan=staged.plan,
+                        history=staged.history,
                     )
                 except ConsensusError as e:
                     if not e.is_indeterminate():
@@ -508,7 +542,7 @@ class ShardMachine:
             hold = None if seqno_hold is None else seqno_hold()
             return None, st.downgrade_since(reader_id, since, now_ms, hold, fresh)
 
-        self._apply(fn, keep=(reader_id,))
+        self._apply(fn, keep=(reader_id,), op="since")
 
     def heartbeat_reader(
         self, reader_id: str, now_ms: int, seqno_hold: Callable[[], int | None]
@@ -591,7 +625,7 @@ class ShardMachine:
                 raise Stale()  # decide on the latest versions only
             return st.register_schema(key_schema, value_schema, drop)
 
-        return self._apply(fn)
+        return self._apply(fn, op="schema")
 
     def finalize(self, now_ms: int) -> None:
         """Make the state a tombstone (:meth:`ShardState.finalize`)."""
@@ -614,7 +648,9 @@ class ShardMachine:
     def apply_merge_results(self, results: list[FueledMergeRes]) -> list[ApplyMergeResult]:
         """Swap compaction results into the trace (:meth:`ShardState.apply_merge_results`,
         the one place merge results are applied)."""
-        return self._apply(lambda st, fresh: st.apply_merge_results(results, self.now_ms(), fresh))
+        return self._apply(
+            lambda st, fresh: st.apply_merge_results(results, self.now_ms(), fresh), op="optimize"
+        )
 
     def _with_inputs(
         self,
@@ -655,7 +691,7 @@ class ShardMachine:
                 st, inputs, relist, lambda now: st.compare_and_append(cmd, inputs, now, fresh)
             )
 
-        return self._apply(fn, keep=(cmd.writer_id,))
+        return self._apply(fn, keep=(cmd.writer_id,), op="append")
 
     def stage_commit_txn(
         self, cmd: TxnCmd, fresh: bool, relist: Callable[[], object] | None = None
@@ -669,7 +705,7 @@ class ShardMachine:
                 st, inputs, relist, lambda now: st.commit_txn(cmd, inputs, now, fresh)
             )
 
-        return self._stage(fn, fresh, keep=(cmd.writer_id,))
+        return self._stage(fn, fresh, keep=(cmd.writer_id,), op="txn")
 
 
 #: The settled outcome of a token whose writer left the state before it was seen.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Self
+from typing import Any, Self
 
 import pyarrow as pa
 
@@ -146,6 +146,17 @@ class ShardStateBase:
         tombstone: the shard was finalized (dropped): no handle may use it again.
         retire_adds, retire_removes: transient (not serialised) changes to the retired
             collection made by this transition: blob key -> retirement ms.
+        history_upper: the upper of the shard's history collection (one record per
+            version that changed the shard's contents, schema or retention; see
+            :mod:`persist.history`); ``0`` for states written before it existed.
+        history_ms: the commit timestamp (UTC ms) of the newest history record: the
+            next one is never earlier.
+        retention_ms: the table's retention (ms; ``None``: none): the since follows
+            ``now - retention`` (see :mod:`persist.retention`).
+        store_id: the identity of the blob store holding the shard's parts (``None``
+            until recorded; see :mod:`persist.store_identity`).
+        history_record: transient (not serialised): the record this transition asks to
+            write with its version (set by the machine).
     """
 
     shard_id: str
@@ -161,6 +172,11 @@ class ShardStateBase:
     retire_adds: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     retire_removes: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     schema_history: tuple[pa.Schema, ...] = ()
+    history_upper: int = 0
+    history_ms: int = 0
+    retention_ms: int | None = None
+    store_id: str | None = None
+    history_record: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.schema_history:
@@ -247,6 +263,7 @@ class ShardStateBase:
             writers=dict(self.writers),
             retire_adds={},
             retire_removes={},
+            history_record=None,
         )
 
     def batches(self) -> list[HollowBatch]:

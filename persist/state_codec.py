@@ -56,6 +56,10 @@ class StateFields(Protocol):
     retired_upper: int
     tombstone: bool
     schema_history: tuple[pa.Schema, ...]
+    history_upper: int
+    history_ms: int
+    retention_ms: int | None
+    store_id: str | None
 
     @property
     def since(self) -> Antichain: ...
@@ -71,6 +75,11 @@ _TRACE_MAPS = ("hollow_batches", "spine_batches")
 _READER = "reader/"
 _SCHEMAS = "schemas"
 _WRITER = "writer/"
+# The table's entries (absent from states that never had them, so those decode and
+# encode as before): the history collection's upper and newest timestamp, and the
+# retention and blob store identity.
+_HISTORY = "history"
+_TABLE = "table"
 
 
 @schema_cache(256)
@@ -183,6 +192,11 @@ def to_entries(self: StateFields) -> dict[str, Any]:
     }
     if len(self.schema_history) > 1:
         out[_SCHEMAS] = schemas_entry(self.schema_history)
+    if self.history_upper:
+        out[_HISTORY] = {"ms": self.history_ms, "upper": self.history_upper}
+    table = _table_entry(self)
+    if table:
+        out[_TABLE] = table
     for m in _TRACE_MAPS:
         for k, v in t[m].items():
             out[f"trace/{m}/{k}"] = v
@@ -218,7 +232,7 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
                 readers[k[len(_READER) :]] = ReaderState.from_json(v)
             elif k.startswith(_WRITER):
                 writers[k[len(_WRITER) :]] = WriterState.from_json(v)
-            elif k not in (_SHARD, _META, _SCHEMAS):
+            elif k not in (_SHARD, _META, _SCHEMAS, _HISTORY, _TABLE):
                 raise ValueError(f"unknown state entry {k!r}")
         trace_json.update(maps)
         if isinstance(seqno, bool) or not isinstance(seqno, int):
@@ -235,11 +249,37 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
             retired_upper=retired_upper,
             tombstone=tombstone,
             schema_history=_schemas_from(entries.get(_SCHEMAS)),
+            **_table_fields(entries.get(_HISTORY), entries.get(_TABLE)),
         )
     except PersistError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise PersistError(f"malformed shard state at seqno {seqno}: {e}") from e
+
+
+def _table_entry(self: StateFields) -> dict[str, Any]:
+    """The ``table`` entry: the retention and the blob store's identity, if set."""
+    out: dict[str, Any] = {}
+    if self.retention_ms is not None:
+        out["retention_ms"] = self.retention_ms
+    if self.store_id is not None:
+        out["store_id"] = self.store_id
+    return out
+
+
+def _table_fields(history: Any, table: Any) -> dict[str, Any]:
+    """The constructor's keyword arguments of the ``history`` and ``table`` entries
+    (either may be absent)."""
+    h = history or {}
+    t = table or {}
+    retention = t.get("retention_ms")
+    store = t.get("store_id")
+    return {
+        "history_upper": int(h.get("upper", 0)),
+        "history_ms": int(h.get("ms", 0)),
+        "retention_ms": None if retention is None else int(retention),
+        "store_id": None if store is None else str(store),
+    }
 
 
 def to_json(self: StateFields) -> dict[str, Any]:
@@ -258,6 +298,8 @@ def to_json(self: StateFields) -> dict[str, Any]:
         "writers": {k: v.to_json() for k, v in sorted(self.writers.items())},
         "retired_upper": self.retired_upper,
         "tombstone": self.tombstone,
+        "history": {"ms": self.history_ms, "upper": self.history_upper},
+        "table": _table_entry(self),
     }
 
 
@@ -281,6 +323,7 @@ def from_json(d: Mapping[str, Any]) -> dict[str, Any]:
             retired_upper=int(d.get("retired_upper", 0)),
             tombstone=bool(d.get("tombstone", False)),
             schema_history=_schemas_from(d.get("schemas")),
+            **_table_fields(d.get("history"), d.get("table")),
         )
     except PersistError:
         raise

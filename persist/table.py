@@ -33,6 +33,7 @@ persist-client ``ReadHandle::snapshot_and_fetch`` for reading one version.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,7 @@ import pyarrow.compute as pc
 
 from persist import rows as rows_mod
 from persist.arrow_input import as_arrow_table
+from persist.commit_note import noting
 from persist.errors import (
     CorruptPart,
     DiffOverflow,
@@ -52,6 +54,7 @@ from persist.errors import (
 )
 from persist.fetch import snapshot_table
 from persist.filters import check_columns, check_filter
+from persist.history import history_table, time_at
 from persist.machine import ShardMachine
 from persist.parts import updates_schema
 from persist.relation import expand_rows
@@ -190,8 +193,10 @@ class Table:
         rows = self._rows(data, "append to", w)
         txn = Txn(self._shards)
         try:
-            txn.write(w, rows)
-            return txn.commit()
+            with noting("append") as note:
+                note.metrics.update(rows_inserted=rows.num_rows, rows_retracted=0)
+                txn.write(w, rows)
+                return txn.commit()
         except BaseException:
             txn.abort()
             raise
@@ -221,13 +226,18 @@ class Table:
     def resolve_as_of(self, st: ShardState, as_of: Any) -> int | None:
         """The logical time a read ``as_of`` means on ``st``: the latest definite time
         for ``None`` (``None`` itself when nothing was ever committed), ``as_of`` for an
-        int.
+        int, the time of the newest version committed at or before it for a
+        timezone-aware ``datetime`` (:func:`persist.history.time_at`).
 
         Raises:
             SinceViolation: before the since.  InvalidUsage: at or beyond the upper,
-                or not a time.
+                not a time, a naive datetime, or a datetime before the first commit
+                (naming the since).
         """
         upper, since = st.upper.as_option(), st.since.as_option()
+        if isinstance(as_of, dt.datetime):
+            records = self._ctx.consensus.history(self.shard_id)
+            as_of = time_at(records, as_of, st.since, f"table {self.name!r}")
         if as_of is None:
             if not upper:
                 return None
@@ -298,7 +308,8 @@ class Table:
         multiplicity, sorted by key and value, without ``_time``/``_diff``.
 
         Args:
-            as_of: ``None`` (the latest definite time) or a time (int).
+            as_of: ``None`` (the latest definite time), a time (int), or a
+                timezone-aware ``datetime`` (the table as it was at that instant).
             columns: the columns to return, in order (``None``: all).
             filter: a boolean ``pyarrow.compute`` expression over the columns, e.g.
                 ``pc.field("id") < 10`` (parts that cannot hold a kept row are not read).
@@ -329,6 +340,19 @@ class Table:
         """:meth:`to_arrow`'s rows as a ``pyarrow.RecordBatchReader``."""
         t = self.to_arrow(as_of, columns, filter)
         return pa.RecordBatchReader.from_batches(t.schema, t.to_batches())
+
+    # ---------------------------------------------------------------- history
+    def history(self, limit: int | None = None) -> pa.Table:
+        """The table's versions that changed its contents, schema or retention, newest
+        first (:func:`persist.history.history_table`): ``version`` (the state's seqno),
+        ``time`` (the logical time its contents are read at), ``timestamp`` (UTC,
+        never decreasing from one version to the next), ``operation``, ``parameters``
+        and ``metrics`` (JSON text).  Writes nothing.
+
+        Raises:
+            InvalidUsage: a bad ``limit``.  ConsensusError: the stash failed.
+        """
+        return history_table(self._ctx.consensus.history(self.shard_id), limit)
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:

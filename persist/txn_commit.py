@@ -287,7 +287,13 @@ def commit_shards(
             for m, st, _reqs in staged:
                 batches.extend(
                     c.consensus.version_batches(
-                        m.shard_id, st.expected, st.texts, st.prev, st.retired, plan=st.plan
+                        m.shard_id,
+                        st.expected,
+                        st.texts,
+                        st.prev,
+                        st.retired,
+                        plan=st.plan,
+                        history=st.history,
                     )
                 )
             batches.extend(merged_stash_batches(stash_batches))

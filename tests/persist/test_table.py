@@ -3,6 +3,8 @@ Arrow takes, row changes, reads as of a time, on memory, SQLite and PostgreSQL s
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -192,3 +194,108 @@ def test_reads_write_nothing(client: PersistClient) -> None:
         client.table("r").to_arrow()
         t.to_arrow(as_of=0)
     assert client.inspect("r").seqno == seqno
+
+
+# ------------------------------------------------------------------- history
+class Clock:
+    """A settable wall clock (seconds)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clocked(stash_url: str) -> Iterator[tuple[PersistClient, Clock]]:
+    s = Stash.open(stash_url, fenced=False)
+    clock = Clock(1_700_000_000.0)
+    c = PersistClient(s, MemoryBlob(), compaction="off", clock=clock)
+    try:
+        yield c, clock
+    finally:
+        c.close()
+        s.close()
+
+
+def _utc(seconds: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(seconds, dt.UTC)
+
+
+def test_history_operations_parameters_metrics(clocked: tuple[PersistClient, Clock]) -> None:
+    client, clock = clocked
+    t = client.create_table("h", SCHEMA, key=["id"])
+    clock.t += 10
+    t.append(pa.table({"id": [1, 2], "name": ["a", "b"], "v": [1.0, 2.0]}))
+    clock.t += 10
+    t.upsert(pa.table({"id": [2, 3], "name": ["B", "c"], "v": [2.0, 3.0]}))
+    clock.t -= 100  # a clock going backwards never makes a timestamp go backwards
+    t.update(pc.field("id") == 1, {"v": 7.5})
+    clock.t += 200
+    t.delete(pc.field("id") == 3)
+    # lease-only versions are hidden: a reader registers, heartbeats and expires
+    _w, r = client.open("h", pa.schema([SCHEMA.field("id")]), pa.schema(list(SCHEMA)[1:]))
+    r.heartbeat()
+    r.expire()
+    h = t.history()
+    assert h.schema.names == ["version", "time", "timestamp", "operation", "parameters", "metrics"]
+    ops = h.column("operation").to_pylist()
+    assert ops == ["delete", "update", "upsert", "append", "create"]
+    assert h.column("time").to_pylist() == [3, 2, 1, 0, None]
+    versions = h.column("version").to_pylist()
+    assert versions == sorted(versions, reverse=True)
+    stamps = h.column("timestamp").to_pylist()
+    assert stamps == sorted(stamps, reverse=True)  # never decreasing over versions
+    assert all(s.tzinfo is not None for s in stamps)
+    assert stamps[-1] == _utc(1_700_000_000.0) and stamps[-2] == _utc(1_700_000_010.0)
+    assert stamps[1] == stamps[2] == _utc(1_700_000_020.0)  # the update's clock was behind
+    params = [json.loads(p) for p in h.column("parameters").to_pylist()]
+    metrics = [json.loads(m) for m in h.column("metrics").to_pylist()]
+    assert "3" in params[0]["predicate"] and params[1]["set"] == {"v": "7.5"}
+    assert (metrics[3]["rows_inserted"], metrics[3]["rows_retracted"]) == (2, 0)
+    assert (metrics[2]["rows_inserted"], metrics[2]["rows_retracted"]) == (2, 1)
+    assert (metrics[1]["rows_inserted"], metrics[1]["rows_retracted"]) == (1, 1)
+    assert (metrics[0]["rows_inserted"], metrics[0]["rows_retracted"]) == (0, 1)
+    assert metrics[3]["parts_added"] == 1 and metrics[3]["bytes_added"] > 0
+    assert t.history(limit=2).column("operation").to_pylist() == ["delete", "update"]
+
+
+def test_time_travel_by_timestamp(clocked: tuple[PersistClient, Clock]) -> None:
+    client, clock = clocked
+    t = client.create_table("tt", SCHEMA, key=["id"])
+    start = clock.t
+    with pytest.raises(InvalidUsage, match="before the table's first commit.*since"):
+        t.to_arrow(as_of=_utc(start + 5))
+    clock.t = start + 10
+    t.append(pa.table({"id": [1], "name": ["a"], "v": [1.0]}))
+    clock.t = start + 20
+    t.upsert(pa.table({"id": [1], "name": ["b"], "v": [1.0]}))
+    assert rows(t.to_arrow(as_of=_utc(start + 10))) == [(1, "a", 1.0)]
+    assert rows(t.to_arrow(as_of=_utc(start + 19.999))) == [(1, "a", 1.0)]
+    assert rows(t.to_arrow(as_of=_utc(start + 20))) == [(1, "b", 1.0)]
+    assert rows(t.to_arrow(as_of=_utc(start + 10_000))) == [(1, "b", 1.0)]
+    with pytest.raises(InvalidUsage, match="before the table's first commit.*since"):
+        t.to_arrow(as_of=_utc(start + 9))
+    with pytest.raises(InvalidUsage, match="naive"):
+        t.to_arrow(as_of=dt.datetime(2030, 1, 1))
+    # a time the since passed is refused naming the since
+    _w, r = client.open("tt", pa.schema([SCHEMA.field("id")]), pa.schema(list(SCHEMA)[1:]))
+    r.downgrade_since(1)
+    with pytest.raises(SinceViolation, match=r"since \{1\}"):
+        t.to_arrow(as_of=_utc(start + 15))
+
+
+def test_old_states_without_history_decode() -> None:
+    """A state written before history and table entries existed decodes (no history,
+    no retention), and one with them round-trips."""
+    from persist import ShardState
+
+    st = ShardState("s" + "0" * 32, "x", pa.schema([("k", pa.int64())]), pa.schema([]))
+    entries = st.to_entries()
+    assert "history" not in entries and "table" not in entries
+    back = ShardState.from_entries(entries)
+    assert (back.history_upper, back.retention_ms, back.store_id) == (0, None, None)
+    st.history_upper, st.history_ms, st.retention_ms, st.store_id = 3, 5, 7, "b1"
+    assert ShardState.from_entries(st.to_entries()) == st
+    assert ShardState.from_json(st.to_json()) == st

@@ -1,0 +1,43 @@
+"""The ``persist`` commands of tables (``persist/cli.py``): ``history``, on a
+SQLite stash and a file blob store, read through a readonly stash."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from click.testing import CliRunner
+
+from persist import PersistClient
+from persist.cli import main
+from stash import Stash
+
+SCHEMA = pa.schema([pa.field("id", pa.int64(), False), ("v", pa.int64())])
+
+
+def _store(tmp_path: Path) -> tuple[str, str]:
+    url, blob = f"sqlite:///{tmp_path}/s.db", f"file://{tmp_path}/blob"
+    with Stash.open(url, fenced=False) as s:
+        c = PersistClient(s, blob, compaction="off")
+        t = c.create_table("orders", SCHEMA, key=["id"])
+        t.append(pa.table({"id": [1, 2], "v": [10, 20]}))
+        t.delete(pc.field("id") == 2)
+        c.close()
+    return url, blob
+
+
+def test_history_command(tmp_path: Path) -> None:
+    url, blob = _store(tmp_path)
+    r = CliRunner()
+    res = r.invoke(main, ["history", "orders", "--stash", url, "--blob", blob, "--json"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    lines = [json.loads(x) for x in res.output.splitlines()]
+    assert [x["operation"] for x in lines] == ["delete", "append", "create"]
+    assert lines[1]["metrics"]["rows_inserted"] == 2 and lines[0]["time"] == 1
+    assert lines[0]["timestamp"].endswith("+00:00")
+    res = r.invoke(main, ["history", "orders", "--limit", "1", "--stash", url, "--blob", blob])
+    assert res.exit_code == 0 and "delete" in res.output and "create" not in res.output
+    res = r.invoke(main, ["history", "ordrs", "--stash", url, "--blob", blob])
+    assert res.exit_code == 1 and "did you mean 'orders'" in res.output

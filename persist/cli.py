@@ -2,8 +2,9 @@
 garbage, check it, drop it, print its rows, query shards with SQL.
 
 ``persist [--stash URL] [--blob URI] [--metrics-port P [--metrics-addr A]] shards |
-inspect SHARD | history TABLE [--limit N] | compact SHARD | gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of
-T [--wait SECONDS]] [--limit N] | sql QUERY [--as-of T] [--max-expanded-rows N]``.
+inspect SHARD | history TABLE [--limit N] | compact SHARD [--full] | gc SHARD | fsck
+SHARD | drop SHARD | cat SHARD [--as-of T [--wait SECONDS]] [--limit N] | sql QUERY
+[--as-of T] [--max-expanded-rows N]``.
 ``--stash`` and ``--blob`` go before or after the subcommand, or come from
 ``PERSIST_STASH`` / ``PERSIST_BLOB`` (:func:`store_options`).  ``cat`` and ``sql`` read
 consolidated snapshots through reader leases (seqno holds, so GC cannot delete a part
@@ -63,6 +64,7 @@ from persist.client import PersistClient
 from persist.errors import CorruptPart, InvalidUsage, PersistError, UnknownShard
 from persist.fsck import fsck as fsck_shard
 from persist.gc import collect_garbage
+from persist.optimize import optimize
 from persist.state import ShardState
 from stash import Stash, StashError, redact
 from stash.cli import (
@@ -433,12 +435,27 @@ def history(ctx: click.Context, table: str, limit: int | None, as_json: bool) ->
 @main.command()
 @store_options
 @click.argument("shard")
+@click.option(
+    "--full",
+    is_flag=True,
+    help="Merge every batch into one, consolidated at the since (persist.Table.optimize).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
-def compact(ctx: click.Context, shard: str, as_json: bool) -> None:
-    """Answer every outstanding merge request of a shard."""
+def compact(ctx: click.Context, shard: str, full: bool, as_json: bool) -> None:
+    """Answer every outstanding merge request of a shard (with --full: merge all its
+    batches into one, consolidated at the since)."""
 
     def run() -> None:
+        if full:
+            with _client(ctx, readonly=False) as c:
+                rep = optimize(c.context, c.compactor, c.machine(c.shard_id(shard))).to_dict()
+            if as_json:
+                click.echo(json.dumps(rep, sort_keys=True))
+            else:
+                rows = [[k, v] for k, v in rep.items()]
+                _table(f"full compaction of {shard}", ["field", "value"], rows)
+            return
         with _client(ctx, readonly=False) as c:
             r = c.compactor.compact_once(shard)
             after = summary(c.inspect(shard))

@@ -389,7 +389,7 @@ class PersistClient:
             InvalidUsage: a bad name, schema or key; a dropped table.
             ConsensusError: the stash failed.
         """
-        return create_table(self._shard_ops, name, schema, key)
+        return create_table(self._shard_ops, self.compactor, name, schema, key)
 
     def table(self, name: str) -> Table:
         """The existing table ``name`` (:class:`~persist.table.Table`), in its newest
@@ -399,7 +399,7 @@ class PersistClient:
             UnknownShard: no table has that name (offering close names: "did you
                 mean").  InvalidUsage: the table was dropped.
         """
-        return open_table(self._shard_ops, name)
+        return open_table(self._shard_ops, self.compactor, name)
 
     def inspect(self, shard: str) -> ShardState:
         """The latest state of a shard (a name, or ``id:<shard id>``), freshly read."""

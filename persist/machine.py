@@ -62,6 +62,7 @@ from persist.state import (
     Stale,
     token_verdict,
 )
+from persist.types import HollowBatch
 from stash import Antichain
 
 __all__ = ["ShardMachine", "Stale", "Staged"]
@@ -650,6 +651,17 @@ class ShardMachine:
         the one place merge results are applied)."""
         return self._apply(
             lambda st, fresh: st.apply_merge_results(results, self.now_ms(), fresh), op="optimize"
+        )
+
+    def replace_batches(self, prefix: tuple[HollowBatch, ...], output: HollowBatch) -> bool:
+        """Swap a full compaction's output in for the oldest batches
+        (:meth:`ShardState.replace_batches`); returns whether it was applied."""
+        return self._apply(
+            lambda st, fresh: (
+                ok := st.replace_batches(prefix, output, self.now_ms(), fresh),
+                ok,
+            ),
+            op="optimize",
         )
 
     def _with_inputs(

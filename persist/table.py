@@ -39,12 +39,15 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist import rows as rows_mod
 from persist.arrow_input import as_arrow_table
 from persist.commit_note import noting
+from persist.compactor import Compactor
+from persist.consolidation import consolidate
 from persist.errors import (
     CorruptPart,
     DiffOverflow,
@@ -56,12 +59,14 @@ from persist.fetch import snapshot_table
 from persist.filters import check_columns, check_filter
 from persist.history import history_table, time_at
 from persist.machine import ShardMachine
+from persist.optimize import OptimizeReport, optimize
 from persist.parts import updates_schema
 from persist.relation import expand_rows
 from persist.rows import RowChanges
 from persist.state import ShardState
 from persist.txn import Txn
 from persist.write import WriteHandle
+from stash import redact
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -120,8 +125,9 @@ class Table:
         shard_id: the shard's id.
     """
 
-    def __init__(self, shards: Shards, name: str, shard_id: str) -> None:
+    def __init__(self, shards: Shards, name: str, shard_id: str, compactor: Compactor) -> None:
         self._shards = shards
+        self._compactor = compactor
         self._ctx = shards.ctx
         self.name = name
         self.shard_id = shard_id
@@ -341,6 +347,71 @@ class Table:
         t = self.to_arrow(as_of, columns, filter)
         return pa.RecordBatchReader.from_batches(t.schema, t.to_batches())
 
+    # ------------------------------------------------------------- operating
+    def restore(self, as_of: Any) -> RowChanges:
+        """Make the live rows those of ``as_of`` (a time or a timezone-aware
+        ``datetime``, as :meth:`to_arrow`) in one commit at the next time: the rows
+        live now and not then are retracted, those live then and not now inserted
+        (multiplicities included); history records it as ``restore``.
+
+        Raises:
+            SinceViolation, InvalidUsage: as :meth:`to_arrow`'s ``as_of``.
+            ChangeContended, BlobError, ConsensusError: as :meth:`upsert`.
+        """
+        t = self.resolve_as_of(self._state(), as_of)
+        w = self._write_handle()
+        names = [*w.key_schema.names, *w.value_schema.names]
+        target = (
+            self._snapshot(t, None, None).select([*names, "_diff"])
+            if t is not None
+            else w.schema.empty_table().select([*names, "_diff"])
+        )
+        with noting("restore", {"time": t}):
+            return rows_mod.apply_change(
+                w, lambda read, upper: plan_restore(read(None), target, w), op="restore"
+            )
+
+    def optimize(self) -> OptimizeReport:
+        """Merge every batch into one batch (one sorted run, parts cut by size),
+        consolidated at the since (:func:`persist.optimize.optimize`); what every
+        readable ``as_of`` sees is unchanged.  A table already so is left alone.
+        History records it as ``optimize`` (``{"full": true}``).
+
+        Returns: an :class:`~persist.optimize.OptimizeReport`.
+        """
+        return optimize(self._ctx, self._compactor, self._machine)
+
+    def details(self) -> dict[str, Any]:
+        """What the table is and holds, from its latest state (JSON-able; writes
+        nothing): ``name``, ``shard_id``, ``key``, ``schema`` (``"name: type"`` per
+        column), ``since`` and ``upper`` (ints, ``None`` for the empty frontier),
+        ``batches``, ``runs``, ``parts``, ``updates`` (stored rows, not consolidated),
+        ``bytes`` (blob parts), ``inline_bytes``, ``schema_versions``,
+        ``retention_seconds`` (``None``: none), ``blob_store`` (credentials
+        redacted)."""
+        st = self._machine.fetch()
+        batches = st.batches()
+        return {
+            "name": self.name,
+            "shard_id": self.shard_id,
+            "key": list(st.key_schema.names),
+            "schema": [
+                f"{f.name}: {f.type}{'' if f.nullable else ' not null'}"
+                for f in [*st.key_schema, *st.value_schema]
+            ],
+            "since": st.since.as_option(),
+            "upper": st.upper.as_option(),
+            "batches": len(batches),
+            "runs": sum(len(b.runs) + 1 for b in batches if b.parts),
+            "parts": st.num_parts(),
+            "updates": sum(b.len for b in batches),
+            "bytes": st.blob_bytes(),
+            "inline_bytes": st.inline_bytes(),
+            "schema_versions": len(st.schema_history),
+            "retention_seconds": None if st.retention_ms is None else st.retention_ms / 1000,
+            "blob_store": redact(repr(self._ctx.raw_blob)),
+        }
+
     # ---------------------------------------------------------------- history
     def history(self, limit: int | None = None) -> pa.Table:
         """The table's versions that changed its contents, schema or retention, newest
@@ -369,7 +440,26 @@ class Table:
         self.close()
 
 
-def create_table(shards: Shards, name: str, schema: pa.Schema, key: Sequence[str]) -> Table:
+def plan_restore(live: pa.Table, target: pa.Table, w: WriteHandle) -> rows_mod.Planned:
+    """The updates that turn ``live`` (consolidated, with ``_diff``) into ``target``
+    (likewise): ``target`` minus ``live``, consolidated (rows equal in both cancel)."""
+    names = [*w.key_schema.names, *w.value_schema.names]
+    kv = pa.schema([w.schema.field(n) for n in names])
+    cols = pa.schema([*kv, pa.field("_diff", pa.int64(), False)])
+    now = live.select([*names, "_diff"]).cast(cols)
+    now = now.set_column(len(names), cols.field("_diff"), pc.negate(now.column("_diff")))
+    both = pa.concat_tables([target.cast(cols), now])
+    both = both.append_column("_time", pa.array(np.zeros(both.num_rows, np.int64)))
+    out = consolidate(both, w.key_schema.names, w.value_schema.names).drop_columns(["_time"])
+    diffs = out.column("_diff")
+    inserted = pc.sum(pc.if_else(pc.greater(diffs, 0), diffs, 0)).as_py() or 0
+    retracted = -(pc.sum(pc.if_else(pc.less(diffs, 0), diffs, 0)).as_py() or 0)
+    return rows_mod.Planned(out, inserted, retracted)
+
+
+def create_table(
+    shards: Shards, compactor: Compactor, name: str, schema: pa.Schema, key: Sequence[str]
+) -> Table:
     """:meth:`PersistClient.create_table <persist.client.PersistClient.create_table>`."""
     shards.ctx.check_open()
     key_schema, value_schema = split_schema(name, schema, key)
@@ -389,10 +479,10 @@ def create_table(shards: Shards, name: str, schema: pa.Schema, key: Sequence[str
             f"{_fields(pa.schema([*key_schema, *value_schema]))}",
             "open it with client.table(name); nothing was changed",
         )
-    return Table(shards, name, shard_id)
+    return Table(shards, name, shard_id, compactor)
 
 
-def open_table(shards: Shards, name: str) -> Table:
+def open_table(shards: Shards, compactor: Compactor, name: str) -> Table:
     """:meth:`PersistClient.table <persist.client.PersistClient.table>`."""
     shards.ctx.check_open()
     shard_id = shards.ctx.shard_id(name)
@@ -400,7 +490,7 @@ def open_table(shards: Shards, name: str) -> Table:
     st = m.fetch()
     if st.tombstone:
         raise InvalidUsage(f"table {name!r} ({shard_id}) was dropped: it cannot be opened")
-    return Table(shards, st.name, shard_id)
+    return Table(shards, st.name, shard_id, compactor)
 
 
 def _fields(schema: pa.Schema) -> str:

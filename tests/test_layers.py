@@ -142,6 +142,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.rows",
                 "persist.read",
                 "persist.compactor",
+                "persist.optimize",
                 "persist.gc",
                 "persist.fsck",
                 "persist.shards",

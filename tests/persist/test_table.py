@@ -299,3 +299,59 @@ def test_old_states_without_history_decode() -> None:
     st.history_upper, st.history_ms, st.retention_ms, st.store_id = 3, 5, 7, "b1"
     assert ShardState.from_entries(st.to_entries()) == st
     assert ShardState.from_json(st.to_json()) == st
+
+
+# ------------------------------------------------------- optimize, restore, details
+def test_optimize_consolidates_at_the_since_and_keeps_every_read(client: PersistClient) -> None:
+    client.compaction = "off"
+    t = client.create_table("opt", SCHEMA, key=["id"])
+    for i in range(6):
+        t.upsert(pa.table({"id": [1, 2], "name": [f"n{i}", "x"], "v": [float(i), 2.0]}))
+    before = client.inspect("opt")
+    assert len(before.batches()) > 1
+    reads = {a: t.to_arrow(as_of=a) for a in range(6)}
+    _w, r = client.open("opt", pa.schema([SCHEMA.field("id")]), pa.schema(list(SCHEMA)[1:]))
+    r.downgrade_since(4)
+    rep = t.optimize()
+    assert rep.applied and rep.since == 4 and rep.batches_after == 1
+    assert rep.updates_after < rep.updates_before
+    st = client.inspect("opt")
+    assert len(st.batches()) == 1 and not st.batches()[0].runs
+    for a in (4, 5):
+        assert t.to_arrow(as_of=a).equals(reads[a])
+    # consolidated at the since: one update per live row
+    assert st.batches()[0].len == t.to_arrow(as_of=5).num_rows + 2  # 5's change stays a diff
+    assert t.history(limit=1).column("operation").to_pylist() == ["optimize"]
+    assert json.loads(t.history(limit=1).column("parameters")[0].as_py()) == {"full": True}
+    seqno = st.seqno
+    again = t.optimize()  # already one run at the since: nothing is written
+    assert not again.applied and client.inspect("opt").seqno == seqno
+    # later appends stay after the merged batch
+    t.append(pa.table({"id": [3], "name": ["z"], "v": [0.0]}))
+    assert rows(t.to_arrow(as_of=6)) == [(1, "n5", 5.0), (2, "x", 2.0), (3, "z", 0.0)]
+
+
+def test_restore(client: PersistClient) -> None:
+    t = client.create_table("res", SCHEMA, key=["id"])
+    t.append(pa.table({"id": [1, 1, 2], "name": ["a", "a", "b"], "v": [1.0, 1.0, 2.0]}))
+    t.upsert(pa.table({"id": [1, 3], "name": ["A", "c"], "v": [9.0, 3.0]}))
+    t.delete(pc.field("id") == 2)
+    then = t.to_arrow(as_of=0)
+    ch = t.restore(0)
+    assert ch == RowChanges(3, 3, 2)  # a x2 and b back, A and c gone
+    assert t.to_arrow().equals(then)
+    assert t.history(limit=1).column("operation").to_pylist() == ["restore"]
+    assert t.restore(3) == RowChanges(4, 0, 0)  # restoring the present changes no row
+
+
+def test_details(client: PersistClient) -> None:
+    t = client.create_table("det", SCHEMA, key=["id"])
+    t.append(pa.table({"id": [1], "name": ["a"], "v": [1.0]}))
+    d = t.details()
+    assert d["name"] == "det" and d["shard_id"] == t.shard_id and d["key"] == ["id"]
+    assert d["schema"] == ["id: int64 not null", "name: string", "v: double"]
+    assert (d["since"], d["upper"], d["batches"], d["parts"], d["updates"]) == (0, 1, 1, 1, 1)
+    assert d["runs"] == 1 and d["inline_bytes"] > 0 and d["bytes"] == 0
+    assert d["schema_versions"] == 1 and d["retention_seconds"] is None
+    assert d["blob_store"].startswith("MemoryBlob")
+    json.dumps(d)

@@ -41,3 +41,13 @@ def test_history_command(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "delete" in res.output and "create" not in res.output
     res = r.invoke(main, ["history", "ordrs", "--stash", url, "--blob", blob])
     assert res.exit_code == 1 and "did you mean 'orders'" in res.output
+
+
+def test_compact_full(tmp_path: Path) -> None:
+    url, blob = _store(tmp_path)
+    res = CliRunner().invoke(
+        main, ["compact", "orders", "--full", "--json", "--stash", url, "--blob", blob]
+    )
+    assert res.exit_code == 0, (res.output, res.exception)
+    rep = json.loads(res.output)
+    assert rep["applied"] and rep["batches_after"] == 1 and rep["batches_before"] == 2

@@ -2,9 +2,9 @@
 garbage, check it, drop it, print its rows, query shards with SQL.
 
 ``persist [--stash URL] [--blob URI] [--metrics-port P [--metrics-addr A]] shards |
-inspect SHARD | history TABLE [--limit N] | compact SHARD [--full] | gc SHARD | fsck
-SHARD | drop SHARD | cat SHARD [--as-of T [--wait SECONDS]] [--limit N] | sql QUERY
-[--as-of T] [--max-expanded-rows N]``.
+inspect SHARD | history TABLE [--limit N] | retention TABLE [--duration D] | compact
+SHARD [--full] | gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of T [--wait
+SECONDS]] [--limit N] | sql QUERY [--as-of T] [--max-expanded-rows N]``.
 ``--stash`` and ``--blob`` go before or after the subcommand, or come from
 ``PERSIST_STASH`` / ``PERSIST_BLOB`` (:func:`store_options`).  ``cat`` and ``sql`` read
 consolidated snapshots through reader leases (seqno holds, so GC cannot delete a part
@@ -37,9 +37,11 @@ scraper on another host reaches it); ``--metrics-addr 127.0.0.1`` keeps it local
 
 from __future__ import annotations
 
+import datetime as dt
 import difflib
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -428,6 +430,59 @@ def history(ctx: click.Context, table: str, limit: int | None, as_json: bool) ->
                 click.echo(json.dumps(r))
         else:
             _table(f"history of {table}", h.column_names, [list(r.values()) for r in rows])
+
+    _guard(run)
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(w|d|h|m|s|ms)")
+_UNIT_SECONDS = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def parse_duration(text: str) -> dt.timedelta:
+    """``7d``, ``12h``, ``30m``, ``45s``, ``1w``, ``1d12h`` as a ``timedelta``.
+
+    Raises:
+        click.BadParameter: anything else.
+    """
+    t = text.strip().lower()
+    pos, seconds = 0, 0.0
+    for m in _DURATION.finditer(t):
+        if m.start() != pos:
+            break
+        seconds += float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+        pos = m.end()
+    if not t or pos != len(t):
+        raise click.BadParameter(
+            f"{text!r} is not a duration: write a number and a unit (w, d, h, m, s, ms), "
+            "e.g. 7d or 1d12h"
+        )
+    return dt.timedelta(seconds=seconds)
+
+
+@main.command()
+@store_options
+@click.argument("table")
+@click.option("--duration", help="Keep this much history readable, e.g. 7d, 12h (none: clear).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def retention(ctx: click.Context, table: str, duration: str | None, as_json: bool) -> None:
+    """Show or set a table's retention (persist.Table.set_retention): its since follows
+    the newest time committed at or before now minus the duration."""
+    span = None
+    if duration is not None and duration.strip().lower() != "none":
+        span = parse_duration(duration)
+
+    def run() -> None:
+        with _client(ctx, readonly=duration is None) as c:
+            t = c.table(table)
+            if duration is not None:
+                t.set_retention(span)
+            d = t.details()
+        out = {"table": table, "retention_seconds": d["retention_seconds"], "since": d["since"]}
+        if as_json:
+            click.echo(json.dumps(out, sort_keys=True))
+        else:
+            _table(f"retention of {table}", ["field", "value"], [[k, v] for k, v in out.items()])
 
     _guard(run)
 

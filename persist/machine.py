@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from persist import metrics as persist_metrics
+from persist import retention
 from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
 from persist.consensus import (
     Consensus,
@@ -378,6 +379,9 @@ class ShardMachine:
                 st.history_record = record
                 st.history_upper += 1
                 st.history_ms = record["ms"]
+                if record["time"] is not None and st.retention_ms is not None:
+                    retention.note_commit(st, record["ms"], record["time"])
+                    retention.advance(st, self.now_ms())
         data = st.to_entries()
         old, old_texts = cache.version.data, cache.version.texts
         # Unchanged components are mostly the very objects of the cached version
@@ -662,6 +666,25 @@ class ShardMachine:
                 ok,
             ),
             op="optimize",
+        )
+
+    def set_retention(
+        self, retention_ms: int | None, marks: tuple[tuple[int, int], ...], hold: int | None
+    ) -> bool:
+        """Set or clear the retention (:func:`persist.retention.set_retention`)."""
+        return self._apply(
+            lambda st, fresh: (
+                ch := retention.set_retention(st, retention_ms, marks, hold, self.now_ms()),
+                ch,
+            ),
+            op="retention",
+        )
+
+    def advance_retention(self, hold: int | None) -> bool:
+        """Move the retention hold (:func:`persist.retention.advance_to`)."""
+        return self._apply(
+            lambda st, fresh: (ch := retention.advance_to(st, hold, self.now_ms()), ch),
+            op="retention",
         )
 
     def _with_inputs(

@@ -153,6 +153,10 @@ class ShardStateBase:
             next one is never earlier.
         retention_ms: the table's retention (ms; ``None``: none): the since follows
             ``now - retention`` (see :mod:`persist.retention`).
+        retention_marks: ``(commit ms, time)`` of recorded versions the retention may
+            yet move the since to (one per :func:`persist.retention.mark_width`).
+        retention_hold: the time the retention holds the since at (like a reader's
+            hold; ``None``: none); only advances.
         store_id: the identity of the blob store holding the shard's parts (``None``
             until recorded; see :mod:`persist.store_identity`).
         history_record: transient (not serialised): the record this transition asks to
@@ -175,6 +179,8 @@ class ShardStateBase:
     history_upper: int = 0
     history_ms: int = 0
     retention_ms: int | None = None
+    retention_marks: tuple[tuple[int, int], ...] = ()
+    retention_hold: int | None = None
     store_id: str | None = None
     history_record: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -450,16 +456,17 @@ class ShardStateBase:
         self._recompute_since()
 
     def _recompute_since(self) -> bool:
-        """Advance the trace's since to the meet of the readers' holds (never backwards;
-        with no reader the since stays where it is; seqno-only leases hold no since).
-        Returns whether it moved."""
-        holders = [r for r in self.readers.values() if r.purpose != SEQNO_ONLY]
-        if not holders:
+        """Advance the trace's since to the meet of the holds: the readers' and the
+        retention's (:attr:`retention_hold`); never backwards; with no hold the since
+        stays where it is; seqno-only leases hold no since.  Returns whether it moved."""
+        holds = [r.since for r in self.readers.values() if r.purpose != SEQNO_ONLY]
+        if self.retention_hold is not None:
+            holds.append(Antichain.from_elem(self.retention_hold))
+        if not holds:
             return False
-        holds = iter(holders)
-        meet = next(holds).since
-        for r in holds:
-            meet = meet.meet(r.since)
+        meet = holds[0]
+        for h in holds[1:]:
+            meet = meet.meet(h)
         if self.trace.since < meet:
             self.trace.downgrade_since(meet)
             return True

@@ -59,6 +59,8 @@ class StateFields(Protocol):
     history_upper: int
     history_ms: int
     retention_ms: int | None
+    retention_marks: tuple[tuple[int, int], ...]
+    retention_hold: int | None
     store_id: str | None
 
     @property
@@ -262,6 +264,10 @@ def _table_entry(self: StateFields) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if self.retention_ms is not None:
         out["retention_ms"] = self.retention_ms
+    if self.retention_marks:
+        out["retention_marks"] = [list(m) for m in self.retention_marks]
+    if self.retention_hold is not None:
+        out["retention_hold"] = self.retention_hold
     if self.store_id is not None:
         out["store_id"] = self.store_id
     return out
@@ -278,6 +284,8 @@ def _table_fields(history: Any, table: Any) -> dict[str, Any]:
         "history_upper": int(h.get("upper", 0)),
         "history_ms": int(h.get("ms", 0)),
         "retention_ms": None if retention is None else int(retention),
+        "retention_marks": tuple((int(a), int(b)) for a, b in t.get("retention_marks", ())),
+        "retention_hold": None if t.get("retention_hold") is None else int(t["retention_hold"]),
         "store_id": None if store is None else str(store),
     }
 

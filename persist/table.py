@@ -37,17 +37,20 @@ import datetime as dt
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist import retention
 from persist import rows as rows_mod
 from persist.arrow_input import as_arrow_table
 from persist.commit_note import noting
 from persist.compactor import Compactor
 from persist.consolidation import consolidate
+from persist.context import SHARD_ID_REF
 from persist.errors import (
     CorruptPart,
     DiffOverflow,
@@ -57,6 +60,7 @@ from persist.errors import (
 )
 from persist.fetch import snapshot_table
 from persist.filters import check_columns, check_filter
+from persist.gc import GcReport, collect_garbage
 from persist.history import history_table, time_at
 from persist.machine import ShardMachine
 from persist.optimize import OptimizeReport, optimize
@@ -73,7 +77,17 @@ if TYPE_CHECKING:
 
     from persist.shards import Shards
 
-__all__ = ["Table"]
+__all__ = ["Table", "VacuumReport"]
+
+
+@dataclass(frozen=True)
+class VacuumReport:
+    """What :meth:`Table.vacuum` did: the ``since`` after it (``None``: empty) and the
+    garbage collection's :class:`~persist.gc.GcReport` (``gc``)."""
+
+    since: int | None
+    gc: GcReport
+
 
 log = logging.getLogger(__name__)
 
@@ -411,6 +425,66 @@ class Table:
             "retention_seconds": None if st.retention_ms is None else st.retention_ms / 1000,
             "blob_store": redact(repr(self._ctx.raw_blob)),
         }
+
+    # -------------------------------------------------------------- retention
+    @property
+    def retention(self) -> dt.timedelta | None:
+        """The retention set by :meth:`set_retention` (``None``: none)."""
+        ms = self._machine.state().retention_ms
+        return None if ms is None else dt.timedelta(milliseconds=ms)
+
+    def set_retention(self, duration: dt.timedelta | None) -> None:
+        """Keep the table's states of the last ``duration`` readable: from now on its
+        since follows the newest time committed at or before ``now - duration``, at
+        every commit and at :meth:`vacuum` (:mod:`persist.retention`); reader leases
+        may hold it further back.  Kept in the shard's state; ``None`` clears it (the
+        since stays where it is).  History records it as ``retention``.
+
+        Raises:
+            InvalidUsage: ``duration`` is not a ``timedelta`` >= 0 or ``None``.
+        """
+        if duration is not None and (
+            not isinstance(duration, dt.timedelta) or duration < dt.timedelta(0)
+        ):
+            raise InvalidUsage(
+                f"table {self.name!r}: retention must be a datetime.timedelta >= 0 or None, "
+                f"got {duration!r}"
+            )
+        self._state()
+        if duration is None:
+            with noting("retention", {"duration_seconds": None}):
+                self._machine.set_retention(None, (), None)
+            return
+        ms = int(duration / dt.timedelta(milliseconds=1))
+        records = self._ctx.consensus.history(self.shard_id)
+        now = self._machine.now_ms()
+        marks = retention.marks_from(records, ms)
+        hold = retention.exact_hold(records, now, ms)
+        with noting("retention", {"duration_seconds": ms / 1000}):
+            self._machine.set_retention(ms, marks, hold)
+
+    def vacuum(self, grace_seconds: float | None = None) -> VacuumReport:
+        """Move the since exactly to where the retention puts it (the newest time
+        committed at or before ``now - retention``, from history; reader leases may
+        hold it back), then collect garbage
+        (:func:`persist.gc.collect_garbage`: blobs no version references any more,
+        older than the grace period).  Without a retention only the garbage is
+        collected.
+
+        Raises:
+            InvalidUsage: a stash that is not writable.  BlobError, ConsensusError:
+                storage failed.
+        """
+        self._ctx.check_may_delete("vacuum")
+        st = self._machine.fetch()
+        st.check_not_finalized()
+        if st.retention_ms is not None:
+            records = self._ctx.consensus.history(self.shard_id)
+            hold = retention.exact_hold(records, self._machine.now_ms(), st.retention_ms)
+            with noting("retention", {"vacuum": True}):
+                self._machine.advance_retention(hold)
+        gc = collect_garbage(self._ctx, SHARD_ID_REF + self.shard_id, grace_seconds=grace_seconds)
+        return VacuumReport(self._machine.state().since.as_option(), gc)
 
     # ---------------------------------------------------------------- history
     def history(self, limit: int | None = None) -> pa.Table:

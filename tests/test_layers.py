@@ -125,6 +125,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.state",
                 "persist.state_codec",
                 "persist.history_record",
+                "persist.retention",
             ],
         ),
         ("4 consensus", ["persist.consensus"]),

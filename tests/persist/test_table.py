@@ -355,3 +355,79 @@ def test_details(client: PersistClient) -> None:
     assert d["schema_versions"] == 1 and d["retention_seconds"] is None
     assert d["blob_store"].startswith("MemoryBlob")
     json.dumps(d)
+
+
+# ------------------------------------------------------------------ retention
+def _commit_every_10s(t: Table, clock: Clock, n: int) -> list[float]:
+    at = []
+    for i in range(n):
+        clock.t += 10
+        at.append(clock.t)
+        t.upsert(pa.table({"id": [1], "name": [f"n{i}"], "v": [float(i)]}))
+    return at
+
+
+def test_retention_moves_the_since_at_every_commit(clocked: tuple[PersistClient, Clock]) -> None:
+    client, clock = clocked
+    t = client.create_table("ret", SCHEMA, key=["id"])
+    _commit_every_10s(t, clock, 3)  # times 0, 1, 2 at +10, +20, +30 s
+    assert t.details()["since"] == 0
+    t.set_retention(dt.timedelta(seconds=15))  # now +30: newest commit at or before +15 is time 0
+    assert t.retention == dt.timedelta(seconds=15) and t.details()["retention_seconds"] == 15
+    assert t.details()["since"] == 0
+    assert t.history(limit=1).column("operation").to_pylist() == ["retention"]
+    _commit_every_10s(t, clock, 2)  # times 3, 4 at +40, +50: cutoff +35: time 2
+    assert t.details()["since"] == 2
+    with pytest.raises(SinceViolation, match=r"since \{2\}"):
+        t.to_arrow(as_of=1)
+    assert rows(t.to_arrow(as_of=2)) == [(1, "n2", 2.0)]
+    # another client sees the retention (it is in the state)
+    other = PersistClient(client.stash, client.raw_blob, compaction="off")
+    try:
+        assert other.table("ret").retention == dt.timedelta(seconds=15)
+    finally:
+        other.close()
+    # clearing it leaves the since where it is
+    t.set_retention(None)
+    _commit_every_10s(t, clock, 2)
+    assert t.retention is None and t.details()["since"] == 2
+
+
+def test_reader_leases_hold_the_since_back_table_reads_do_not(
+    clocked: tuple[PersistClient, Clock],
+) -> None:
+    client, clock = clocked
+    t = client.create_table("ret2", SCHEMA, key=["id"])
+    _w, r = client.open("ret2", pa.schema([SCHEMA.field("id")]), pa.schema(list(SCHEMA)[1:]))
+    _commit_every_10s(t, clock, 4)
+    t.set_retention(dt.timedelta(seconds=5))
+    t.to_arrow()
+    assert t.details()["since"] == 0  # the reader holds it
+    r.expire()
+    _commit_every_10s(t, clock, 1)  # time 4 at +50: cutoff +45: time 3
+    assert t.details()["since"] == 3
+
+
+def test_vacuum_moves_the_since_exactly_then_collects(clocked: tuple[PersistClient, Clock]) -> None:
+    client, clock = clocked
+    t = client.create_table("vac", SCHEMA, key=["id"])
+    _commit_every_10s(t, clock, 4)  # times 0..3 at +10..+40
+    t.set_retention(dt.timedelta(seconds=100))
+    assert t.details()["since"] == 0
+    clock.t += 75  # now +115: cutoff +15: time 0; then +125: time 1
+    rep = t.vacuum(grace_seconds=0)
+    assert rep.since == 0
+    clock.t += 10
+    rep = t.vacuum(grace_seconds=0)
+    assert rep.since == 1 and t.details()["since"] == 1
+    h = t.history(limit=1)
+    assert h.column("operation").to_pylist() == ["retention"]
+    assert json.loads(h.column("parameters")[0].as_py()) == {"vacuum": True}
+
+
+def test_bad_retention(client: PersistClient) -> None:
+    t = client.create_table("badret", SCHEMA, key=["id"])
+    with pytest.raises(InvalidUsage, match="timedelta"):
+        t.set_retention(7)  # type: ignore[arg-type]
+    with pytest.raises(InvalidUsage, match="timedelta"):
+        t.set_retention(dt.timedelta(seconds=-1))

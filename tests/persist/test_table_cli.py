@@ -51,3 +51,20 @@ def test_compact_full(tmp_path: Path) -> None:
     assert res.exit_code == 0, (res.output, res.exception)
     rep = json.loads(res.output)
     assert rep["applied"] and rep["batches_after"] == 1 and rep["batches_before"] == 2
+
+
+def test_retention_command(tmp_path: Path) -> None:
+    url, blob = _store(tmp_path)
+    r = CliRunner()
+    args = ["--stash", url, "--blob", blob, "--json"]
+    res = r.invoke(main, ["retention", "orders", "--duration", "7d", *args])
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert json.loads(res.output)["retention_seconds"] == 7 * 86400
+    res = r.invoke(main, ["retention", "orders", *args])  # shows it, readonly
+    assert json.loads(res.output)["retention_seconds"] == 7 * 86400
+    res = r.invoke(main, ["retention", "orders", "--duration", "1d12h", *args])
+    assert json.loads(res.output)["retention_seconds"] == 36 * 3600
+    res = r.invoke(main, ["retention", "orders", "--duration", "none", *args])
+    assert json.loads(res.output)["retention_seconds"] is None
+    res = r.invoke(main, ["retention", "orders", "--duration", "7 days", *args])
+    assert res.exit_code == 2 and "not a duration" in res.output

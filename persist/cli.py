@@ -7,8 +7,10 @@ SHARD [--full] | gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of T [--wa
 SECONDS]] [--limit N] | sql QUERY [--as-of T] [--max-expanded-rows N]``.
 ``--stash`` and ``--blob`` go before or after the subcommand, or come from
 ``PERSIST_STASH`` / ``PERSIST_BLOB`` (:func:`store_options`).  ``cat`` and ``sql`` read
-consolidated snapshots through reader leases (seqno holds, so GC cannot delete a part
-they are reading), which needs a writable stash.  ``sql`` runs DuckDB with each shard
+consolidated snapshots without a lease (:func:`persist.version_read.read_version`:
+nothing is written, a part GC removed meanwhile is read from the newer version at the
+same time), so a readonly stash will do (``cat --wait`` takes a reader lease while it
+waits).  ``sql`` runs DuckDB with each shard
 named in the query registered as an Arrow table of its rows (one row per unit of
 multiplicity, :mod:`persist.cli_sql`), every shard read at one time (``--as-of T``, or
 the latest time all of them have: :meth:`persist.PersistClient.snapshot_many`), so a
@@ -18,7 +20,7 @@ like an id is a name).  Output is a readable table (rich) or JSON with ``--json`
 
 Invariants kept here: no command creates a stash or a blob root (the stash is opened
 readonly first, so a mistyped SQLite path is refused; a ``file://`` root is opened with
-``create=False``); reads other than ``cat``/``sql`` keep the stash readonly; the SQL
+``create=False``); reads keep the stash readonly (but ``cat --wait``); the SQL
 query, parsing included, runs only on a private DuckDB connection whose external access
 (files, network) is off and locked, so it reaches nothing but the registered shards and
 answers alike for files that exist and files that do not; a shard whose multiplicities
@@ -68,6 +70,7 @@ from persist.fsck import fsck as fsck_shard
 from persist.gc import collect_garbage
 from persist.optimize import optimize
 from persist.state import ShardState
+from persist.version_read import read_version
 from stash import Stash, StashError, redact
 from stash.cli import (
     CliError,
@@ -694,14 +697,17 @@ def _consolidated(
     c: PersistClient, shard: str, as_of: int | None, wait: float | None = None
 ) -> tuple[int, pa.Table]:
     """The shard's consolidated snapshot at ``as_of`` (default: the latest readable
-    time), read through a reader lease (its seqno hold keeps GC off the parts); with
-    ``wait`` (seconds), waiting that long at most for ``as_of`` to be complete.
+    time), read without a lease (:func:`persist.version_read.read_version`); with
+    ``wait`` (seconds), through a reader lease, waiting that long at most for ``as_of``
+    to be complete.
 
     Raises:
         CliError: as :func:`_readable_as_of`, or the wait ran out.
     """
     t = _readable_as_of(c, shard, as_of, waits=wait is not None)
     st = c.inspect(shard)
+    if wait is None:  # no lease: nothing is written (a readonly stash will do)
+        return t, read_version(c.context, c.machine(st.shard_id), st, t)
     with c.open_reader(shard, st.key_schema, st.value_schema) as r:
         try:
             return t, r.snapshot(t, wait=wait is not None, timeout=wait)
@@ -743,10 +749,11 @@ def cat(
 ) -> None:
     """Print a shard's consolidated rows as of a time (keys, values, _diff), sorted.
 
-    Takes a reader lease for the read (so the stash must be writable)."""
+    Writes nothing (a readonly stash will do), except with --wait, which takes a
+    reader lease while it waits (so the stash must be writable)."""
 
     def run() -> None:
-        with _client(ctx, readonly=False) as c:
+        with _client(ctx, readonly=wait is None) as c:
             t, snap = _consolidated(c, shard, as_of, wait)
         if limit is not None:
             snap = snap.slice(0, limit)
@@ -793,7 +800,7 @@ def sql(
     network) is off and locked.  A shard whose multiplicities would expand to more than
     --max-expanded-rows extra rows is refused (see its _diff with ``persist cat``).
 
-    Takes reader leases for the reads (so the stash must be writable)."""
+    Writes nothing: a readonly stash will do."""
     import duckdb
 
     from persist.errors import SinceViolation
@@ -809,7 +816,7 @@ def sql(
                 ) from None
             except duckdb.Error as e:
                 raise CliError(f"persist sql: {first_line(e)}", None, rest_lines(e)) from None
-            with _client(ctx, readonly=False) as c:
+            with _client(ctx, readonly=True) as c:
                 known = set(c.shards())
                 wanted = shards_named(names, known)
                 if not wanted:

@@ -52,13 +52,10 @@ from persist.compactor import Compactor
 from persist.consolidation import consolidate
 from persist.context import SHARD_ID_REF
 from persist.errors import (
-    CorruptPart,
-    DiffOverflow,
     InvalidUsage,
     SchemaMismatch,
     SinceViolation,
 )
-from persist.fetch import snapshot_table
 from persist.filters import check_columns, check_filter
 from persist.gc import GcReport, collect_garbage
 from persist.history import history_table, time_at
@@ -69,6 +66,7 @@ from persist.relation import expand_rows
 from persist.rows import RowChanges
 from persist.state import ShardState
 from persist.txn import Txn
+from persist.version_read import read_version
 from persist.write import WriteHandle
 from stash import redact
 
@@ -90,9 +88,6 @@ class VacuumReport:
 
 
 log = logging.getLogger(__name__)
-
-#: How many times a read re-reads the state after meeting a part GC deleted.
-_MISSING_RETRIES = 3
 
 
 def split_schema(name: str, schema: pa.Schema, key: Sequence[str]) -> tuple[pa.Schema, pa.Schema]:
@@ -282,41 +277,24 @@ class Table:
         columns: Sequence[str] | None,
         filter: pc.Expression | None,
     ) -> pa.Table:
-        """The consolidated rows (with ``_diff``) of one state version at ``as_of``."""
+        """The consolidated rows (with ``_diff``) of one state version at ``as_of``
+        (:func:`persist.version_read.read_version`: no lease; a part GC removed meanwhile
+        is read from the newer version at the same time)."""
         st = self._state()
-        for attempt in range(_MISSING_RETRIES + 1):
-            t = self.resolve_as_of(st, as_of)
-            schema = updates_schema(st.key_schema, st.value_schema)
-            keys, values = st.key_schema.names, st.value_schema.names
-            check_filter(filter, schema, keys, values)
-            cols = check_columns(columns, pa.schema([*st.key_schema, *st.value_schema]))
-            if t is None:
-                out = schema.empty_table()
-                return out.select([*(cols or [*keys, *values]), "_diff"])
-            try:
-                return snapshot_table(
-                    self._ctx.blob,
-                    [b for b in st.batches() if b.len > 0 and b.desc.lower.less_equal(t)],
-                    schema,
-                    keys,
-                    values,
-                    t,
-                    max_workers=self._ctx.config.read_workers,
-                    schemas=(st.schemas(), st.schemas().newest),
-                    filter=filter,
-                    columns=None if cols is None else [*cols, "_diff"],
-                )
-            except DiffOverflow as e:
-                raise e.in_shard(f"{self.name!r} ({self.shard_id})") from e
-            except CorruptPart as e:
-                # GC may have deleted a part of this version after a newer one stopped
-                # referencing it: read that newer version at the same as_of.
-                if not e.missing or attempt == _MISSING_RETRIES:
-                    raise
-                log.info("read of table %s met a missing part, re-reading: %s", self.name, e)
-                st = self._machine.fetch()
-                st.check_not_finalized()
-        raise AssertionError("unreachable")  # pragma: no cover
+        t = self.resolve_as_of(st, as_of)
+        schema = pa.schema([*st.key_schema, *st.value_schema])
+        cols = check_columns(columns, schema)
+        wanted = [*(cols or schema.names), "_diff"]
+        if t is None:
+            check_filter(
+                filter,
+                updates_schema(st.key_schema, st.value_schema),
+                st.key_schema.names,
+                st.value_schema.names,
+            )
+            return updates_schema(st.key_schema, st.value_schema).empty_table().select(wanted)
+        out = read_version(self._ctx, self._machine, st, t, columns=wanted, filter=filter)
+        return out
 
     def to_arrow(
         self,

@@ -144,6 +144,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.read",
                 "persist.compactor",
                 "persist.optimize",
+                "persist.version_read",
                 "persist.gc",
                 "persist.fsck",
                 "persist.shards",

@@ -68,3 +68,26 @@ def test_retention_command(tmp_path: Path) -> None:
     assert json.loads(res.output)["retention_seconds"] is None
     res = r.invoke(main, ["retention", "orders", "--duration", "7 days", *args])
     assert res.exit_code == 2 and "not a duration" in res.output
+
+
+def test_cat_and_sql_write_nothing(tmp_path: Path) -> None:
+    """``persist cat`` and ``persist sql`` read without a lease: the shard's seqno does
+    not move (each read used to register and expire a reader: two versions)."""
+    url, blob = _store(tmp_path)
+
+    def seqno() -> int:
+        with Stash.open(url, mode="readonly", fenced=False) as s:
+            c = PersistClient(s, blob, compaction="off")
+            try:
+                return c.inspect("orders").seqno
+            finally:
+                c.close()
+
+    before = seqno()
+    r = CliRunner()
+    res = r.invoke(main, ["cat", "orders", "--json", "--stash", url, "--blob", blob])
+    assert res.exit_code == 0 and json.loads(res.output) == {"id": 1, "v": 10, "_diff": 1}
+    q = "SELECT sum(v) AS s FROM orders"
+    res = r.invoke(main, ["sql", q, "--json", "--stash", url, "--blob", blob])
+    assert res.exit_code == 0 and json.loads(res.output) == {"s": 10}, res.output
+    assert seqno() == before

@@ -48,6 +48,7 @@ from persist.rows import ChangeContended, RowChanges
 from persist.snapshots import snapshot_many
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.state import LeaseExpired, ShardState
+from persist.store_identity import StoreMismatch
 from persist.table import Table
 from persist.txn import Txn
 from persist.txn_commit import TxnUpperMismatch
@@ -96,6 +97,7 @@ __all__ = [
     "ShardMachine",
     "ShardState",
     "SinceViolation",
+    "StoreMismatch",
     "Table",
     "Trace",
     "Txn",

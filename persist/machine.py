@@ -108,6 +108,9 @@ class ShardMachine:
         max_races: how many lost compare-and-set races one transition may suffer before
             giving up with :class:`ConsensusError` (a livelock guard; every lost race is
             someone else's progress).
+        check: called with every state read from consensus before it is used (the
+            client's blob store check, :mod:`persist.store_identity`); what it raises
+            propagates, nothing cached.
     """
 
     def __init__(
@@ -117,8 +120,10 @@ class ShardMachine:
         *,
         clock: Callable[[], float] = time.time,
         max_races: int = 10_000,
+        check: Callable[[ShardState], None] | None = None,
     ) -> None:
         self.consensus = consensus
+        self.check = check
         self.shard_id = validate_shard_id(shard_id)
         self.clock = clock
         self.max_races = max_races
@@ -176,6 +181,8 @@ class ShardMachine:
             )
         if st.seqno != h.seqno:  # pragma: no cover - both read the same entry
             raise ConsensusError(f"shard {self.shard_id}: seqno mismatch in state")
+        if self.check is not None:
+            self.check(st)
         return _Cache(st, h)
 
     def fetch(self) -> ShardState:
@@ -277,8 +284,11 @@ class ShardMachine:
         """The cached state's seqno."""
         return self.state().seqno
 
-    def initialize(self, initial: ShardState) -> ShardState:
-        """Load the shard's state, writing ``initial`` as version 0 if it has none yet.
+    def initialize(
+        self, initial: ShardState, prepare: Callable[[ShardState], None] | None = None
+    ) -> ShardState:
+        """Load the shard's state, writing ``initial`` as version 0 if it has none yet
+        (``prepare`` is called on it first, e.g. to record the blob store's identity).
 
         Returns: the state now at the head (``initial`` or whatever won the race).
         """
@@ -289,6 +299,8 @@ class ShardMachine:
                     self._cache = c
                     return c.state
                 initial.seqno = 0
+                if prepare is not None:
+                    prepare(initial)
                 now = self.now_ms()
                 record: dict[str, Any] = {
                     "seqno": 0,
@@ -667,6 +679,18 @@ class ShardMachine:
             ),
             op="optimize",
         )
+
+    def adopt_store(self, store_id: str, store_name: str) -> None:
+        """Record the blob store's identity in a shard that has none (a shard made
+        before identities existed; no history record)."""
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if st.store_id is not None:
+                return None, False
+            st.store_id, st.store_name = store_id, store_name
+            return None, True
+
+        self._apply(fn)
 
     def set_retention(
         self, retention_ms: int | None, marks: tuple[tuple[int, int], ...], hold: int | None

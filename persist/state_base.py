@@ -159,6 +159,7 @@ class ShardStateBase:
             hold; ``None``: none); only advances.
         store_id: the identity of the blob store holding the shard's parts (``None``
             until recorded; see :mod:`persist.store_identity`).
+        store_name: that store's description (redacted), for messages.
         history_record: transient (not serialised): the record this transition asks to
             write with its version (set by the machine).
     """
@@ -182,6 +183,7 @@ class ShardStateBase:
     retention_marks: tuple[tuple[int, int], ...] = ()
     retention_hold: int | None = None
     store_id: str | None = None
+    store_name: str | None = None
     history_record: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

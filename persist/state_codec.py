@@ -62,6 +62,7 @@ class StateFields(Protocol):
     retention_marks: tuple[tuple[int, int], ...]
     retention_hold: int | None
     store_id: str | None
+    store_name: str | None
 
     @property
     def since(self) -> Antichain: ...
@@ -270,6 +271,8 @@ def _table_entry(self: StateFields) -> dict[str, Any]:
         out["retention_hold"] = self.retention_hold
     if self.store_id is not None:
         out["store_id"] = self.store_id
+    if self.store_name is not None:
+        out["store_name"] = self.store_name
     return out
 
 
@@ -287,6 +290,7 @@ def _table_fields(history: Any, table: Any) -> dict[str, Any]:
         "retention_marks": tuple((int(a), int(b)) for a, b in t.get("retention_marks", ())),
         "retention_hold": None if t.get("retention_hold") is None else int(t["retention_hold"]),
         "store_id": None if store is None else str(store),
+        "store_name": None if t.get("store_name") is None else str(t["store_name"]),
     }
 
 

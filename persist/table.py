@@ -519,8 +519,9 @@ def create_table(
     ctx = shards.ctx
     shard_id = ctx.consensus.register(name, int(ctx.config.clock() * 1000))
     m = ctx.machine(shard_id)
-    st = m.initialize(ShardState(shard_id, name, key_schema, value_schema))
+    st = m.initialize(ShardState(shard_id, name, key_schema, value_schema), ctx.store.stamp)
     st.check_not_finalized()
+    shards.adopt_store(m, st)
     if not (st.key_schema.equals(key_schema) and st.value_schema.equals(value_schema)):
         have = pa.schema([*st.key_schema, *st.value_schema])
         raise SchemaMismatch(
@@ -542,6 +543,7 @@ def open_table(shards: Shards, compactor: Compactor, name: str) -> Table:
     st = m.fetch()
     if st.tombstone:
         raise InvalidUsage(f"table {name!r} ({shard_id}) was dropped: it cannot be opened")
+    shards.adopt_store(m, st)
     return Table(shards, st.name, shard_id, compactor)
 
 

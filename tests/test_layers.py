@@ -126,6 +126,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.state_codec",
                 "persist.history_record",
                 "persist.retention",
+                "persist.store_identity",
             ],
         ),
         ("4 consensus", ["persist.consensus"]),

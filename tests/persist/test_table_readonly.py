@@ -121,3 +121,74 @@ def test_read_after_gc_fails_naming_the_since_when_it_passed(
     monkeypatch.setattr(vr, "snapshot_table", racing)
     with pytest.raises(SinceViolation, match=r"since \{2\}"):
         t.to_arrow(as_of=0)
+
+
+# ------------------------------------------------------------ the blob store identity
+def test_a_client_over_another_store_is_refused_before_writing(
+    writer: PersistClient, stash_url: str
+) -> None:
+    """All the data is inline, so another store used to read and write "fine": now the
+    shard records its store's identity and another store is refused, naming both,
+    before anything is written (the marker makes the store known)."""
+    from persist import StoreMismatch
+
+    t = writer.create_table("inl", SCHEMA, key=["id"])
+    t.append(pa.table({"id": [1], "v": [1]}))
+    st = writer.inspect("inl")
+    assert st.store_id is not None and st.store_name == "MemoryBlob()"
+    seqno = st.seqno
+    other_blob = MemoryBlob("other")
+    with Stash.open(stash_url, fenced=False) as s:
+        c = PersistClient(s, other_blob, compaction="off")
+        try:
+            with pytest.raises(
+                StoreMismatch, match=r"blob store MemoryBlob\(\).*MemoryBlob\('other'\)"
+            ):
+                c.table("inl")
+            with pytest.raises(StoreMismatch):
+                c.open("inl", pa.schema([SCHEMA.field("id")]), pa.schema([SCHEMA.field("v")]))
+            with pytest.raises(StoreMismatch):
+                c.create_table("inl", SCHEMA, key=["id"])
+            with pytest.raises(StoreMismatch):
+                c.snapshot_many(["inl"])
+            with pytest.raises(StoreMismatch):
+                txn = c.begin()
+                txn.write("inl", pa.table({"id": [2], "v": [2]}))
+        finally:
+            c.close()
+    assert other_blob.list_keys() == []  # nothing written to the wrong store
+    assert writer.inspect("inl").seqno == seqno
+    # the same store under another client object is fine
+    with Stash.open(stash_url, fenced=False) as s:
+        c = PersistClient(s, writer.raw_blob, compaction="off")
+        try:
+            assert c.table("inl").to_arrow().num_rows == 1
+        finally:
+            c.close()
+
+
+def test_old_shards_adopt_the_store_that_holds_their_parts(
+    writer: PersistClient, stash_url: str, tmp_path: Path
+) -> None:
+    from persist import FileBlob, StoreMismatch
+
+    t = writer.create_table("old", SCHEMA, key=["id"])
+    t.append(pa.table({"id": [1], "v": [1]}))  # a blob part (inline_max_bytes=0)
+    m = writer.machine(t.shard_id)
+    m._apply(lambda st, fresh: (None, _forget_store(st)))  # as made before identities
+    assert writer.inspect("old").store_id is None
+    with Stash.open(stash_url, fenced=False) as s:
+        c = PersistClient(s, FileBlob(str(tmp_path / "empty")), compaction="off")
+        try:
+            with pytest.raises(StoreMismatch, match="holds none of its 1 blob parts"):
+                c.table("old")
+        finally:
+            c.close()
+    assert writer.inspect("old").store_id is None
+    assert writer.table("old").to_arrow().num_rows == 1  # the right store adopts it
+    assert writer.inspect("old").store_id == writer.context.store.current()
+
+
+def _forget_store(st: Any) -> bool:
+    st.store_id = st.store_name = None
+    return True

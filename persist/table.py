@@ -51,6 +51,7 @@ from persist.commit_note import noting
 from persist.compactor import Compactor
 from persist.consolidation import consolidate
 from persist.context import SHARD_ID_REF
+from persist.duckdb_read import direct_paths, scan_parts
 from persist.errors import (
     InvalidUsage,
     SchemaMismatch,
@@ -66,7 +67,7 @@ from persist.relation import expand_rows
 from persist.rows import RowChanges
 from persist.state import ShardState
 from persist.txn import Txn
-from persist.version_read import read_version
+from persist.version_read import check_readable, read_version
 from persist.write import WriteHandle
 from stash import redact
 
@@ -476,6 +477,31 @@ class Table:
             InvalidUsage: a bad ``limit``.  ConsensusError: the stash failed.
         """
         return history_table(self._ctx.consensus.history(self.shard_id), limit)
+
+    # ----------------------------------------------------------------- duckdb
+    def to_duckdb(self, con: Any = None, as_of: Any = None) -> Any:
+        """The live rows as of ``as_of`` (as :meth:`to_arrow`) as a
+        ``duckdb.DuckDBPyRelation`` of ``con`` (default: a new in-memory connection).
+        DuckDB scans the Parquet parts itself when they are the snapshot as stored (one
+        consolidated run at one time in a local store, :mod:`persist.duckdb_read`);
+        otherwise persist merges and hands the rows over as Arrow.  Either way the
+        relation's rows are exactly :meth:`to_arrow`'s.
+
+        Raises: as :meth:`to_arrow`.
+        """
+        import duckdb
+
+        if con is None:
+            con = duckdb.connect()
+        st = self._state()
+        t = self.resolve_as_of(st, as_of)
+        names = [*st.key_schema.names, *st.value_schema.names]
+        if t is not None:
+            check_readable(st, t, self.name)
+            paths = direct_paths(st, self._ctx.raw_blob, t)
+            if paths:
+                return scan_parts(con, paths, names, self.name)
+        return con.from_arrow(self.to_arrow(t))
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:

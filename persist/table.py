@@ -63,6 +63,7 @@ from persist.history import history_table, time_at
 from persist.machine import ShardMachine
 from persist.optimize import OptimizeReport, optimize
 from persist.parts import updates_schema
+from persist.progress import Progress
 from persist.relation import expand_rows
 from persist.rows import RowChanges
 from persist.state import ShardState
@@ -205,17 +206,22 @@ class Table:
                 does not fit its column; nothing is committed.
             BlobError, ConsensusError: storage failed.
         """
-        w = self._write_handle()
-        rows = self._rows(data, "append to", w)
-        txn = Txn(self._shards)
-        try:
-            with noting("append") as note:
-                note.metrics.update(rows_inserted=rows.num_rows, rows_retracted=0)
-                txn.write(w, rows)
-                return txn.commit()
-        except BaseException:
-            txn.abort()
-            raise
+        with Progress(f"table {self.name!r}: append") as progress:
+            w = self._write_handle()
+            progress.set_phase("converting")
+            rows = self._rows(data, "append to", w)
+            progress.rows, progress.nbytes = rows.num_rows, rows.nbytes
+            txn = Txn(self._shards)
+            try:
+                with noting("append") as note:
+                    note.metrics.update(rows_inserted=rows.num_rows, rows_retracted=0)
+                    progress.set_phase("writing parts")
+                    txn.write(w, rows)
+                    progress.set_phase("committing", rows.num_rows)
+                    return txn.commit()
+            except BaseException:
+                txn.abort()
+                raise
 
     def upsert(self, data: Any) -> RowChanges:
         """Replace every live row whose key is in ``data`` by ``data``'s row, at one
@@ -223,20 +229,29 @@ class Table:
 
         Raises: as :meth:`append`; also InvalidUsage when ``data`` has a key twice.
         """
-        w = self._write_handle()
-        return w.upsert(self._rows(data, "upsert into", w))
+        with Progress(f"table {self.name!r}: upsert") as progress:
+            w = self._write_handle()
+            progress.set_phase("converting")
+            rows = self._rows(data, "upsert into", w)
+            progress.rows, progress.nbytes = rows.num_rows, rows.nbytes
+            progress.set_phase("reading live rows, writing changes, committing")
+            return w.upsert(rows)
 
     def delete(self, filter: pc.Expression) -> RowChanges:
         """Delete every live row ``filter`` (a boolean ``pyarrow.compute`` expression
         over the columns) keeps, at one new time (:meth:`WriteHandle.delete
         <persist.write.WriteHandle.delete>`)."""
-        return self._write_handle().delete(filter)
+        with Progress(f"table {self.name!r}: delete") as progress:
+            progress.set_phase("reading live rows, writing retractions, committing")
+            return self._write_handle().delete(filter)
 
     def update(self, filter: pc.Expression, set: Mapping[str, Any]) -> RowChanges:
         """Set columns of every live row ``filter`` keeps (``set``: column -> scalar or
         ``pyarrow.compute`` expression over the old row), at one new time
         (:meth:`WriteHandle.update <persist.write.WriteHandle.update>`)."""
-        return self._write_handle().update(filter, set)
+        with Progress(f"table {self.name!r}: update") as progress:
+            progress.set_phase("reading live rows, writing changes, committing")
+            return self._write_handle().update(filter, set)
 
     # ------------------------------------------------------------------ reads
     def resolve_as_of(self, st: ShardState, as_of: Any) -> int | None:
@@ -319,7 +334,11 @@ class Table:
                 with a negative multiplicity (more retractions than insertions).
             CorruptPart, BlobError, ConsensusError: storage failed.
         """
-        return expand_rows(self._snapshot(as_of, columns, filter), self.name)
+        with Progress(f"table {self.name!r}: read") as progress:
+            progress.set_phase("reading and consolidating parts")
+            out = expand_rows(self._snapshot(as_of, columns, filter), self.name)
+            progress.rows, progress.nbytes = out.num_rows, out.nbytes
+            return out
 
     def to_pandas(
         self,
@@ -372,7 +391,11 @@ class Table:
 
         Returns: an :class:`~persist.optimize.OptimizeReport`.
         """
-        return optimize(self._ctx, self._compactor, self._machine)
+        with Progress(f"table {self.name!r}: optimize") as progress:
+            st = self._machine.state()
+            progress.rows, progress.nbytes = sum(b.len for b in st.batches()), st.blob_bytes()
+            progress.set_phase("reading, consolidating, writing one run")
+            return optimize(self._ctx, self._compactor, self._machine)
 
     def details(self) -> dict[str, Any]:
         """What the table is and holds, from its latest state (JSON-able; writes

@@ -114,6 +114,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.lease_state",
                 "persist.arrow_input",
                 "persist.commit_note",
+                "persist.progress",
                 "persist.relation",
             ],
         ),

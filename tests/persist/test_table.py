@@ -431,3 +431,39 @@ def test_bad_retention(client: PersistClient) -> None:
         t.set_retention(7)  # type: ignore[arg-type]
     with pytest.raises(InvalidUsage, match="timedelta"):
         t.set_retention(dt.timedelta(seconds=-1))
+
+
+# ------------------------------------------------------------------- progress
+def test_progress_logged_for_long_operations_only(
+    client: PersistClient, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off a terminal, an operation still running after ``after`` seconds logs its
+    phase and size in rows and bytes (``persist.progress``), and its end; a short one
+    logs nothing."""
+    import logging
+    import time
+
+    from persist import progress as progress_mod
+
+    caplog.set_level(logging.INFO, logger="persist.progress")
+    t = client.create_table("prog", SCHEMA, key=["id"])
+    t.append(pa.table({"id": [1], "name": ["a"], "v": [1.0]}))
+    assert not [r for r in caplog.records if r.name == "persist.progress"]
+    real = progress_mod.Progress.__init__
+
+    def quick(self: Any, *a: Any, **k: Any) -> None:
+        real(self, *a, **{**k, "after": 0.0, "interval": 0.01, "tty": False})
+
+    monkeypatch.setattr(progress_mod.Progress, "__init__", quick)
+    w = t._write_handle()
+    real_upsert = w.upsert
+
+    def slow(rows: Any) -> Any:  # an upsert that takes a while
+        time.sleep(0.1)
+        return real_upsert(rows)
+
+    monkeypatch.setattr(w, "upsert", slow)
+    t.upsert(pa.table({"id": [2, 3], "name": ["b", "c"], "v": [2.0, 3.0]}))
+    msgs = [r.getMessage() for r in caplog.records if r.name == "persist.progress"]
+    assert any("upsert: reading live rows" in m and "(2 rows, 42 bytes)" in m for m in msgs), msgs
+    assert msgs[-1].startswith("table 'prog': upsert: done in")

@@ -3,17 +3,17 @@ marker object) and in the shard's state (:class:`StoreIdentity`, :func:`check_st
 
 Small data lives inline in the state, so a client pointed at the wrong blob store
 could read and write a shard "fine" until a part is missing.  So a store carries an
-identity: the object :data:`MARKER_KEY` at its root holds a random id, written the
-first time a shard is created in it; a shard records that id (and a redacted
+identity: an object ``persist-store-id/<id>`` at its root (:data:`MARKER_KEY`) names
+a random id, written the first time a shard is created in it; a shard records that id (and a redacted
 description of the store) in its state when it is created.  A client whose store has
 another id (or none) is refused, naming both stores, before it writes anything to the
 shard.  Shards created before identities existed adopt their store's identity when a
 client over the store that holds their parts opens them (a store holding none of the
 shard's blob parts is refused instead).
 
-Invariants kept here: the marker is written once per store (never overwritten: a
-writer that finds one uses it; two creating it at once both read back the one that
-stayed); a check that refuses changes nothing; credentials never appear in a
+Invariants kept here: markers are never overwritten or deleted (a writer that finds
+one uses it; two creating the first at once each add their own, and both name the
+store: a blob store has no create-if-absent); a check that refuses changes nothing; credentials never appear in a
 description (:func:`stash.redact`).
 
 Source of the idea: Delta Lake and Iceberg tables are found through their storage
@@ -43,8 +43,8 @@ from stash import redact
 
 __all__ = ["MARKER_KEY", "StoreIdentity", "StoreMismatch", "describe"]
 
-#: The blob key of a store's identity marker (outside every shard's prefix, so GC and
-#: finalization never touch it).
+#: The blob key prefix of a store's identity markers, ``persist-store-id/<id>`` (outside
+#: every shard's prefix, so GC and finalization never touch them).
 MARKER_KEY = "persist-store-id"
 
 
@@ -85,36 +85,44 @@ def describe(blob: Blob) -> str:
 
 
 class StoreIdentity:
-    """The identity of one client's blob store, read once (thread-safe)."""
+    """The identity of one client's blob store (thread-safe): the ids of the markers
+    under :data:`MARKER_KEY` (each a key ``persist-store-id/<id>``).  A store has one
+    marker, unless several clients created its first shards at once: each then wrote
+    its own (a blob store has no create-if-absent), and every one of them names the
+    store, so a shard recording any of them belongs to it."""
 
     def __init__(self, blob: Blob, raw: Blob) -> None:
         self.blob = blob
         self.name = describe(raw)
         self._lock = threading.Lock()
-        self._id: str | None = None
+        self._ids: frozenset[str] = frozenset()
+
+    def _list(self) -> frozenset[str]:
+        keys = _retried(lambda: self.blob.list_keys(MARKER_KEY + "/"))
+        return frozenset(k.rsplit("/", 1)[1] for k, _size in keys)
+
+    def ids(self, fresh: bool = False) -> frozenset[str]:
+        """The store's marker ids (listed again when ``fresh`` or none is known)."""
+        with self._lock:
+            if fresh or not self._ids:
+                self._ids = self._list()
+            return self._ids
 
     def current(self) -> str | None:
-        """The store's id (``None``: it has no marker yet)."""
-        with self._lock:
-            if self._id is None:  # a store without a marker is asked again next time
-                data = _retried(lambda: self.blob.get(MARKER_KEY))
-                self._id = None if data is None else data.decode("ascii").strip()
-            return self._id
+        """One id of the store (the least; ``None``: it has no marker yet)."""
+        ids = self.ids()
+        return min(ids) if ids else None
 
     def ensure(self) -> str:
-        """The store's id, writing a new marker if it has none (then reading it back,
-        so that of two writers racing both use the marker that stayed)."""
+        """An id of the store, writing a marker if it has none."""
         found = self.current()
         if found is not None:
             return found
         with self._lock:
-            new = f"b{uuid.uuid4().hex}".encode("ascii")
-            _retried(lambda: self.blob.set(MARKER_KEY, new))
-            data = _retried(lambda: self.blob.get(MARKER_KEY))
-            if data is None:  # pragma: no cover - a store that loses a write
-                raise PersistError(f"blob store {self.name}: its identity marker vanished")
-            self._id = data.decode("ascii").strip()
-            return self._id
+            new = f"b{uuid.uuid4().hex}"
+            _retried(lambda: self.blob.set(f"{MARKER_KEY}/{new}", new.encode("ascii")))
+            self._ids = self._list() | {new}
+        return new
 
     def stamp(self, st: ShardState) -> None:
         """Record this store's identity in a new shard's state."""
@@ -129,13 +137,13 @@ class StoreIdentity:
         """
         if st.store_id is None or st.tombstone:
             return
-        mine = self.current()
-        if mine == st.store_id:
+        if st.store_id in self.ids() or st.store_id in self.ids(fresh=True):
             return
+        ids = self.ids()
         why = (
             "this store has no identity marker"
-            if mine is None
-            else f"their identities differ: {st.store_id} vs {mine}"
+            if not ids
+            else f"their identities differ: {st.store_id} vs {', '.join(sorted(ids))}"
         )
         raise StoreMismatch(st.name, st.store_name or st.store_id, self.name, why)
 

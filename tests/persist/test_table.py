@@ -467,3 +467,34 @@ def test_progress_logged_for_long_operations_only(
     msgs = [r.getMessage() for r in caplog.records if r.name == "persist.progress"]
     assert any("upsert: reading live rows" in m and "(2 rows, 42 bytes)" in m for m in msgs), msgs
     assert msgs[-1].startswith("table 'prog': upsert: done in")
+
+
+def test_optimize_that_loses_the_race_to_a_merge_starts_again(
+    client: PersistClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A merge applied between the full compaction's read and its commit changes the
+    batches it read: its output is not applied (replace_batches refuses a prefix that
+    is no longer the trace's), it is released, and the compaction starts again on the
+    newer version; every read is unchanged."""
+    from persist import optimize as optimize_mod
+
+    client.compaction = "off"
+    t = client.create_table("race", SCHEMA, key=["id"])
+    for i in range(8):
+        t.upsert(pa.table({"id": [i % 3], "name": [f"n{i}"], "v": [float(i)]}))
+    want = {a: t.to_arrow(as_of=a) for a in range(8)}
+    real = optimize_mod.write_parts
+    calls: list[int] = []
+
+    def racing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:  # a background merge lands meanwhile
+            assert client.compactor.compact_once("race").applied > 0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optimize_mod, "write_parts", racing)
+    rep = t.optimize()
+    assert rep.applied and len(calls) == 2
+    assert len(client.inspect("race").batches()) == 1
+    for a, rows_a in want.items():
+        assert t.to_arrow(as_of=a).equals(rows_a)

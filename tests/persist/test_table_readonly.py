@@ -192,3 +192,46 @@ def test_old_shards_adopt_the_store_that_holds_their_parts(
 def _forget_store(st: Any) -> bool:
     st.store_id = st.store_name = None
     return True
+
+
+def test_clients_creating_the_first_shards_of_a_store_at_once(
+    stash_url: str, tmp_path: Path
+) -> None:
+    """Several clients create the first shards of a fresh store at once: each may write
+    its own identity marker (a blob store has no create-if-absent), and every one names
+    the store, so every shard opens from any client of it (a single overwritten marker
+    refused the shards made with the lost one)."""
+    import threading
+
+    from persist import FileBlob
+
+    root = str(tmp_path / "fresh")
+    with Stash.open(stash_url, fenced=False) as s:
+        clients = [PersistClient(s, FileBlob(root), compaction="off") for _ in range(4)]
+        barrier = threading.Barrier(4)
+        errors: list[BaseException] = []
+
+        def create(i: int) -> None:
+            try:
+                barrier.wait()
+                clients[i].create_table(f"t{i}", SCHEMA, key=["id"]).append(
+                    pa.table({"id": [i], "v": [i]})
+                )
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=create, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        fresh = PersistClient(s, FileBlob(root), compaction="off")
+        try:
+            for i in range(4):
+                assert fresh.table(f"t{i}").to_arrow().to_pylist() == [{"id": i, "v": i}]
+                assert clients[(i + 1) % 4].table(f"t{i}").to_arrow().num_rows == 1
+        finally:
+            fresh.close()
+            for c in clients:
+                c.close()

@@ -8,7 +8,12 @@ the same schema), :meth:`PersistClient.table <persist.client.PersistClient.table
 one with its newest schema.  Writes go through the shard's
 :class:`~persist.write.WriteHandle` (row changes) or a :class:`~persist.txn.Txn`
 (appends, retried at the next time without uploading again); reads go through one state
-version and its parts, without a lease.
+version and its parts, without a lease (:mod:`persist.version_read`).  The operating
+side lives in modules of its own: history (:mod:`persist.history`, written by the
+machine: :mod:`persist.history_record`), retention (:mod:`persist.retention`), full
+compaction (:mod:`persist.optimize`), DuckDB (:mod:`persist.duckdb_read`), the blob
+store's identity (:mod:`persist.store_identity`) and progress
+(:mod:`persist.progress`).
 
 Invariants kept here:
 
@@ -24,7 +29,10 @@ Invariants kept here:
   while ``as_of`` is at or after the since), or fails naming the since;
 * an ``as_of`` before the since raises :class:`~persist.errors.SinceViolation` naming
   the since; one at or beyond the upper raises :class:`~persist.errors.InvalidUsage`
-  naming the upper.
+  naming the upper; a ``datetime`` resolves to the time of the newest version
+  committed at or before it (its history record);
+* ``restore(as_of)`` is one commit of ``rows(as_of) - rows(now)``, consolidated, so
+  afterwards ``to_arrow()`` equals ``to_arrow(as_of)``.
 
 Sources: delta-rs's ``DeltaTable`` (``python/deltalake/table.py``) and pyiceberg's
 ``Table`` (``pyiceberg/table/__init__.py``): the calls users know; Materialize's

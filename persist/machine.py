@@ -58,18 +58,22 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from persist import metrics as persist_metrics
+from persist import retention
 from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
 from persist.consensus import (
     Consensus,
+    HistoryAppend,
     RetiredChange,
     VersionedData,
     VersionPlan,
     retired_entry,
 )
 from persist.errors import ConsensusError, PersistError
+from persist.history_record import make_record
 from persist.ids import validate_shard_id
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
 from persist.state import ShardState, Stale
+from persist.types import HollowBatch
 from stash import Antichain
 
 __all__ = ["ShardMachine", "Stale", "Staged"]
@@ -92,7 +96,7 @@ class Staged:
     ``expected`` (the seqno it builds on), the new ``state`` with its ``data`` and
     ``texts`` by entry key, the expected version ``prev`` (as stored), the ``retired``
     change to write with it and the ``plan`` of its stash updates
-    (:meth:`Consensus.plan`)."""
+    (:meth:`Consensus.plan`), and the ``history`` record to write with it."""
 
     expected: int
     state: ShardState
@@ -101,6 +105,7 @@ class Staged:
     prev: VersionedData
     retired: RetiredChange | None
     plan: VersionPlan
+    history: HistoryAppend | None = None
 
 
 class ShardMachine:
@@ -113,6 +118,9 @@ class ShardMachine:
         max_races: how many lost compare-and-set races one transition may suffer before
             giving up with :class:`ConsensusError` (a livelock guard; every lost race is
             someone else's progress).
+        check: called with every state read from consensus before it is used (the
+            client's blob store check, :mod:`persist.store_identity`); what it raises
+            propagates, nothing cached.
     """
 
     def __init__(
@@ -122,8 +130,10 @@ class ShardMachine:
         *,
         clock: Callable[[], float] = time.time,
         max_races: int = 10_000,
+        check: Callable[[ShardState], None] | None = None,
     ) -> None:
         self.consensus = consensus
+        self.check = check
         self.shard_id = validate_shard_id(shard_id)
         self.clock = clock
         self.max_races = max_races
@@ -178,6 +188,8 @@ class ShardMachine:
             )
         if st.seqno != h.seqno:  # pragma: no cover - both read the same entry
             raise ConsensusError(f"shard {self.shard_id}: seqno mismatch in state")
+        if self.check is not None:
+            self.check(st)
         return _Cache(st, h)
 
     def fetch(self) -> ShardState:
@@ -234,8 +246,11 @@ class ShardMachine:
         """The cached state's seqno."""
         return self.state().seqno
 
-    def initialize(self, initial: ShardState) -> ShardState:
-        """Load the shard's state, writing ``initial`` as version 0 if it has none yet.
+    def initialize(
+        self, initial: ShardState, prepare: Callable[[ShardState], None] | None = None
+    ) -> ShardState:
+        """Load the shard's state, writing ``initial`` as version 0 if it has none yet
+        (``prepare`` is called on it first, e.g. to record the blob store's identity).
 
         Returns: the state now at the head (``initial`` or whatever won the race).
         """
@@ -246,10 +261,25 @@ class ShardMachine:
                     self._cache = c
                     return c.state
                 initial.seqno = 0
+                if prepare is not None:
+                    prepare(initial)
+                now = self.now_ms()
+                record: dict[str, Any] = {
+                    "seqno": 0,
+                    "time": None,
+                    "ms": now,
+                    "op": "create",
+                    "params": {},
+                    "metrics": {},
+                }
+                history = HistoryAppend(0, f"{0:020d}", record)
+                initial.history_upper, initial.history_ms = 1, now
                 data = initial.to_entries()
                 texts = {k: Consensus.encode(v) for k, v in data.items()}
                 plan = self.consensus.plan(self.shard_id, None, texts, None)
-                if self.consensus.compare_and_set(self.shard_id, None, texts, plan=plan):
+                if self.consensus.compare_and_set(
+                    self.shard_id, None, texts, plan=plan, history=history
+                ):
                     self._cache = _Cache(initial, VersionedData(0, data, texts, plan.stored))
                     return initial
             raise ConsensusError(f"could not initialise shard {self.shard_id}")
@@ -267,6 +297,7 @@ class ShardMachine:
         fn: Callable[[ShardState, bool], tuple[T, bool]],
         fresh: bool,
         keep: tuple[str, ...] = (),
+        op: str | None = None,
     ) -> tuple[T, Staged | None]:
         """Run a transition on a copy of the cached state, as :meth:`_apply` does, but
         do not publish it: return ``fn``'s result and the :class:`Staged` version
@@ -281,15 +312,21 @@ class ShardMachine:
         assert cache is not None
         st = cache.state.clone()
         result, changed = fn(st, fresh)
-        return result, self._next_version(cache, st, changed, keep)
+        return result, self._next_version(cache, st, changed, keep, op)
 
     def _next_version(
-        self, cache: _Cache, st: ShardState, changed: bool, keep: tuple[str, ...]
+        self,
+        cache: _Cache,
+        st: ShardState,
+        changed: bool,
+        keep: tuple[str, ...],
+        op: str | None = None,
     ) -> Staged | None:
         """Finish the version a transition made of ``cache``'s state, ``st``: drop expired
-        leases (but ``keep``'s), move the keys it retired to a :class:`RetiredChange`
-        and encode the entries (reusing the cached text of each unchanged one).
-        ``None`` when nothing changed."""
+        leases (but ``keep``'s), move the keys it retired to a :class:`RetiredChange`,
+        make its history record (:func:`persist.history_record.make_record`, for the
+        command ``op``; none for lease-only versions) and encode the entries (reusing
+        the cached text of each unchanged one).  ``None`` when nothing changed."""
         if st.expire_leases(self.now_ms(), keep):
             changed = True
         retired: RetiredChange | None = None
@@ -308,6 +345,17 @@ class ShardMachine:
         if not changed:
             return None
         st.seqno = cache.state.seqno + 1
+        history = None
+        if op is not None:
+            record = make_record(cache.state, st, op, self.now_ms())
+            if record is not None:
+                history = HistoryAppend(st.history_upper, f"{st.seqno:020d}", record)
+                st.history_record = record
+                st.history_upper += 1
+                st.history_ms = record["ms"]
+                if record["time"] is not None and st.retention_ms is not None:
+                    retention.note_commit(st, record["ms"], record["time"])
+                    retention.advance(st, self.now_ms())
         data = st.to_entries()
         old, old_texts = cache.version.data, cache.version.texts
         # Unchanged components are mostly the very objects of the cached version
@@ -317,7 +365,7 @@ class ShardMachine:
             for k, v in data.items()
         }
         plan = self.consensus.plan(self.shard_id, cache.state.seqno, texts, cache.version)
-        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan)
+        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan, history)
 
     def install(self, staged: Staged) -> None:
         """Cache a staged version once the caller's atomic append committed it."""
@@ -332,6 +380,7 @@ class ShardMachine:
         *,
         keep: tuple[str, ...] = (),
         on_indeterminate: Callable[[], None] | None = None,
+        op: str | None = None,
     ) -> T:
         """Apply a transition and publish it by compare-and-set.
 
@@ -341,7 +390,8 @@ class ShardMachine:
         failing, or any other exception to abort (nothing is committed).  Expired leases
         (except the ids in ``keep``) are dropped in the same version.
         ``on_indeterminate()`` is called once a compare-and-set's outcome was
-        indeterminate, before ``fn`` runs again (it may have committed).
+        indeterminate, before ``fn`` runs again (it may have committed).  ``op``: the
+        command's name for history (``None``: the version changes only leases).
 
         Returns: ``fn``'s result from the run whose version was committed (or that
         needed no change).
@@ -369,7 +419,7 @@ class ShardMachine:
                     self.fetch()
                     fresh = True
                     continue
-                staged = self._next_version(cache, st, changed, keep)
+                staged = self._next_version(cache, st, changed, keep, op)
                 if staged is None:
                     return result
                 self.metrics["cas"] += 1
@@ -381,6 +431,7 @@ class ShardMachine:
                         cache.version,
                         staged.retired,
                         plan=staged.plan,
+                        history=staged.history,
                     )
                 except ConsensusError as e:
                     if not e.is_indeterminate():
@@ -470,7 +521,7 @@ class ShardMachine:
             hold = None if seqno_hold is None else seqno_hold()
             return None, st.downgrade_since(reader_id, since, now_ms, hold, fresh)
 
-        self._apply(fn, keep=(reader_id,))
+        self._apply(fn, keep=(reader_id,), op="since")
 
     def heartbeat_reader(
         self, reader_id: str, now_ms: int, seqno_hold: Callable[[], int | None]
@@ -555,7 +606,7 @@ class ShardMachine:
                 raise Stale()  # decide on the latest versions only
             return st.register_schema(key_schema, value_schema, drop)
 
-        return self._apply(fn)
+        return self._apply(fn, op="schema")
 
     def finalize(self, now_ms: int) -> None:
         """Make the state a tombstone (:meth:`ShardState.finalize`)."""
@@ -578,7 +629,51 @@ class ShardMachine:
     def apply_merge_results(self, results: list[FueledMergeRes]) -> list[ApplyMergeResult]:
         """Swap compaction results into the trace (:meth:`ShardState.apply_merge_results`,
         the one place merge results are applied)."""
-        return self._apply(lambda st, fresh: st.apply_merge_results(results, self.now_ms(), fresh))
+        return self._apply(
+            lambda st, fresh: st.apply_merge_results(results, self.now_ms(), fresh), op="optimize"
+        )
+
+    def replace_batches(self, prefix: tuple[HollowBatch, ...], output: HollowBatch) -> bool:
+        """Swap a full compaction's output in for the oldest batches
+        (:meth:`ShardState.replace_batches`); returns whether it was applied."""
+        return self._apply(
+            lambda st, fresh: (
+                ok := st.replace_batches(prefix, output, self.now_ms(), fresh),
+                ok,
+            ),
+            op="optimize",
+        )
+
+    def adopt_store(self, store_id: str, store_name: str) -> None:
+        """Record the blob store's identity in a shard that has none (a shard made
+        before identities existed; no history record)."""
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if st.store_id is not None:
+                return None, False
+            st.store_id, st.store_name = store_id, store_name
+            return None, True
+
+        self._apply(fn)
+
+    def set_retention(
+        self, retention_ms: int | None, marks: tuple[tuple[int, int], ...], hold: int | None
+    ) -> bool:
+        """Set or clear the retention (:func:`persist.retention.set_retention`)."""
+        return self._apply(
+            lambda st, fresh: (
+                ch := retention.set_retention(st, retention_ms, marks, hold, self.now_ms()),
+                ch,
+            ),
+            op="retention",
+        )
+
+    def advance_retention(self, hold: int | None) -> bool:
+        """Move the retention hold (:func:`persist.retention.advance_to`)."""
+        return self._apply(
+            lambda st, fresh: (ch := retention.advance_to(st, hold, self.now_ms()), ch),
+            op="retention",
+        )
 
     def _with_inputs(
         self,
@@ -624,7 +719,7 @@ class ShardMachine:
         def landed_maybe() -> None:
             inputs.maybe_landed = True
 
-        return self._apply(fn, keep=(cmd.writer_id,), on_indeterminate=landed_maybe)
+        return self._apply(fn, keep=(cmd.writer_id,), on_indeterminate=landed_maybe, op="append")
 
     def stage_commit_txn(
         self, cmd: TxnCmd, fresh: bool, relist: Callable[[], object] | None = None
@@ -638,7 +733,7 @@ class ShardMachine:
                 st, inputs, relist, lambda now: st.commit_txn(cmd, inputs, now, fresh)
             )
 
-        return self._stage(fn, fresh, keep=(cmd.writer_id,))
+        return self._stage(fn, fresh, keep=(cmd.writer_id,), op="txn")
 
 
 #: How many tokens of appends of unknown outcome a machine remembers (oldest first).

@@ -82,8 +82,9 @@ import pyarrow as pa
 
 from persist import state_codec
 from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
-from persist.errors import BatchAppended, SinceViolation, UpperMismatch
+from persist.errors import BatchAppended, InvalidUsage, SinceViolation, UpperMismatch
 from persist.fingerprint import check_same_append
+from persist.keys import key_writer_id
 from persist.landed import OutcomeUnknown
 from persist.lease_state import (
     TOKEN_FOREIGN,
@@ -298,6 +299,48 @@ class ShardState(ShardStateBase):
             self._writers_live((writer_id,), now_ms, fresh)
         changed = self.hand_off_writer(writer_id, now_ms, lease_ms, batches)
         return writer_id in self.writers, changed
+
+    def replace_batches(
+        self, prefix: tuple[HollowBatch, ...], output: HollowBatch, now_ms: int, fresh: bool
+    ) -> bool:
+        """Replace the trace's oldest batches ``prefix`` (exactly as read by a full
+        compaction) by ``output`` (their updates consolidated at a since ``<=`` this
+        one, spanning exactly their bounds), keeping the batches after them; the blob
+        keys and inline ids no longer referenced are retired at ``now_ms``, as
+        :meth:`apply_merge_res` does.  Returns whether it was applied: ``False`` when
+        the trace no longer starts with ``prefix`` (a merge or another full compaction
+        won the race; nothing changes), or when ``output``'s writer is not live.
+
+        Raises:
+            Stale: the prefix does not match a cached version.
+            InvalidUsage: ``output`` does not span ``prefix`` or its since is beyond
+                this one (nothing changes).
+        """
+        current = self.batches()
+        if tuple(current[: len(prefix)]) != prefix or not prefix:
+            if not fresh:
+                raise Stale()
+            return False
+        d = output.desc
+        if d.lower != prefix[0].desc.lower or d.upper != prefix[-1].desc.upper:
+            raise InvalidUsage(f"full compaction output {d} does not span its inputs")
+        if not d.since <= self.since:
+            raise InvalidUsage(f"full compaction output since {d.since} is beyond {self.since}")
+        live = self.live_writers(now_ms)
+        for p in output.parts:
+            wid = None if p.key is None else key_writer_id(p.key)
+            if wid is not None and wid not in live:
+                return False
+        before = self.referenced_part_ids()
+        trace = Trace()
+        trace.downgrade_since(self.since)
+        trace.push_batch_no_merge_reqs(output)
+        for b in current[len(prefix) :]:
+            trace.push_batch_no_merge_reqs(b)
+        self.trace = trace
+        for key in before - self.referenced_part_ids():
+            self.retire_adds[key] = now_ms
+        return True
 
     def finalize(self, now_ms: int) -> bool:
         """Make this state a tombstone: upper and since the empty antichain, no batch,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Self
+from typing import Any, Self
 
 import pyarrow as pa
 
@@ -137,6 +137,22 @@ class ShardStateBase:
         landed_horizon: the highest seqno of a pruned record (``-1``: none).
         retire_adds, retire_removes: transient (not serialised) changes to the retired
             collection made by this transition: blob key -> retirement ms.
+        history_upper: the upper of the shard's history collection (one record per
+            version that changed the shard's contents, schema or retention; see
+            :mod:`persist.history`); ``0`` for states written before it existed.
+        history_ms: the commit timestamp (UTC ms) of the newest history record: the
+            next one is never earlier.
+        retention_ms: the table's retention (ms; ``None``: none): the since follows
+            ``now - retention`` (see :mod:`persist.retention`).
+        retention_marks: ``(commit ms, time)`` of recorded versions the retention may
+            yet move the since to (one per :func:`persist.retention.mark_width`).
+        retention_hold: the time the retention holds the since at (like a reader's
+            hold; ``None``: none); only advances.
+        store_id: the identity of the blob store holding the shard's parts (``None``
+            until recorded; see :mod:`persist.store_identity`).
+        store_name: that store's description (redacted), for messages.
+        history_record: transient (not serialised): the record this transition asks to
+            write with its version (set by the machine).
     """
 
     shard_id: str
@@ -154,6 +170,14 @@ class ShardStateBase:
     schema_history: tuple[pa.Schema, ...] = ()
     landed: dict[str, Landed] = field(default_factory=dict)
     landed_horizon: int = NO_HORIZON
+    history_upper: int = 0
+    history_ms: int = 0
+    retention_ms: int | None = None
+    retention_marks: tuple[tuple[int, int], ...] = ()
+    retention_hold: int | None = None
+    store_id: str | None = None
+    store_name: str | None = None
+    history_record: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.schema_history:
@@ -241,6 +265,7 @@ class ShardStateBase:
             landed=dict(self.landed),
             retire_adds={},
             retire_removes={},
+            history_record=None,
         )
 
     def batches(self) -> list[HollowBatch]:
@@ -427,16 +452,17 @@ class ShardStateBase:
         self._recompute_since()
 
     def _recompute_since(self) -> bool:
-        """Advance the trace's since to the meet of the readers' holds (never backwards;
-        with no reader the since stays where it is; seqno-only leases hold no since).
-        Returns whether it moved."""
-        holders = [r for r in self.readers.values() if r.purpose != SEQNO_ONLY]
-        if not holders:
+        """Advance the trace's since to the meet of the holds: the readers' and the
+        retention's (:attr:`retention_hold`); never backwards; with no hold the since
+        stays where it is; seqno-only leases hold no since.  Returns whether it moved."""
+        holds = [r.since for r in self.readers.values() if r.purpose != SEQNO_ONLY]
+        if self.retention_hold is not None:
+            holds.append(Antichain.from_elem(self.retention_hold))
+        if not holds:
             return False
-        holds = iter(holders)
-        meet = next(holds).since
-        for r in holds:
-            meet = meet.meet(r.since)
+        meet = holds[0]
+        for h in holds[1:]:
+            meet = meet.meet(h)
         if self.trace.since < meet:
             self.trace.downgrade_since(meet)
             return True

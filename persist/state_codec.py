@@ -59,6 +59,13 @@ class StateFields(Protocol):
     schema_history: tuple[pa.Schema, ...]
     landed: dict[str, Landed]
     landed_horizon: int
+    history_upper: int
+    history_ms: int
+    retention_ms: int | None
+    retention_marks: tuple[tuple[int, int], ...]
+    retention_hold: int | None
+    store_id: str | None
+    store_name: str | None
 
     @property
     def since(self) -> Antichain: ...
@@ -75,6 +82,11 @@ _READER = "reader/"
 _SCHEMAS = "schemas"
 _WRITER = "writer/"
 _LANDED = "landed/"
+# The table's entries (absent from states that never had them, so those decode and
+# encode as before): the history collection's upper and newest timestamp, and the
+# retention and blob store identity.
+_HISTORY = "history"
+_TABLE = "table"
 
 
 @schema_cache(256)
@@ -189,6 +201,11 @@ def to_entries(self: StateFields) -> dict[str, Any]:
     }
     if len(self.schema_history) > 1:
         out[_SCHEMAS] = schemas_entry(self.schema_history)
+    if self.history_upper:
+        out[_HISTORY] = {"ms": self.history_ms, "upper": self.history_upper}
+    table = _table_entry(self)
+    if table:
+        out[_TABLE] = table
     for m in _TRACE_MAPS:
         for k, v in t[m].items():
             out[f"trace/{m}/{k}"] = v
@@ -237,7 +254,7 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
                 writers[k[len(_WRITER) :]] = WriterState.from_json(v)
             elif k.startswith(_LANDED):
                 landed.append(Landed.from_json(v))
-            elif k not in (_SHARD, _META, _SCHEMAS):
+            elif k not in (_SHARD, _META, _SCHEMAS, _HISTORY, _TABLE):
                 raise ValueError(f"unknown state entry {k!r}")
         trace_json.update(maps)
         if isinstance(seqno, bool) or not isinstance(seqno, int):
@@ -256,11 +273,46 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
             schema_history=_schemas_from(entries.get(_SCHEMAS)),
             landed=_landed_from(landed),
             landed_horizon=horizon,
+            **_table_fields(entries.get(_HISTORY), entries.get(_TABLE)),
         )
     except PersistError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise PersistError(f"malformed shard state at seqno {seqno}: {e}") from e
+
+
+def _table_entry(self: StateFields) -> dict[str, Any]:
+    """The ``table`` entry: the retention and the blob store's identity, if set."""
+    out: dict[str, Any] = {}
+    if self.retention_ms is not None:
+        out["retention_ms"] = self.retention_ms
+    if self.retention_marks:
+        out["retention_marks"] = [list(m) for m in self.retention_marks]
+    if self.retention_hold is not None:
+        out["retention_hold"] = self.retention_hold
+    if self.store_id is not None:
+        out["store_id"] = self.store_id
+    if self.store_name is not None:
+        out["store_name"] = self.store_name
+    return out
+
+
+def _table_fields(history: Any, table: Any) -> dict[str, Any]:
+    """The constructor's keyword arguments of the ``history`` and ``table`` entries
+    (either may be absent)."""
+    h = history or {}
+    t = table or {}
+    retention = t.get("retention_ms")
+    store = t.get("store_id")
+    return {
+        "history_upper": int(h.get("upper", 0)),
+        "history_ms": int(h.get("ms", 0)),
+        "retention_ms": None if retention is None else int(retention),
+        "retention_marks": tuple((int(a), int(b)) for a, b in t.get("retention_marks", ())),
+        "retention_hold": None if t.get("retention_hold") is None else int(t["retention_hold"]),
+        "store_id": None if store is None else str(store),
+        "store_name": None if t.get("store_name") is None else str(t["store_name"]),
+    }
 
 
 def to_json(self: StateFields) -> dict[str, Any]:
@@ -281,6 +333,8 @@ def to_json(self: StateFields) -> dict[str, Any]:
         "tombstone": self.tombstone,
         "landed": [r.to_json() for r in self.landed.values()],
         "landed_horizon": self.landed_horizon,
+        "history": {"ms": self.history_ms, "upper": self.history_upper},
+        "table": _table_entry(self),
     }
 
 
@@ -306,6 +360,7 @@ def from_json(d: Mapping[str, Any]) -> dict[str, Any]:
             schema_history=_schemas_from(d.get("schemas")),
             landed=_landed_from([Landed.from_json(r) for r in d.get("landed", ())]),
             landed_horizon=int(d.get("landed_horizon", d["seqno"])),
+            **_table_fields(d.get("history"), d.get("table")),
         )
     except PersistError:
         raise

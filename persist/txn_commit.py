@@ -347,7 +347,13 @@ def _commit_locked(
         for m, st, _reqs in staged:
             batches.extend(
                 c.consensus.version_batches(
-                    m.shard_id, st.expected, st.texts, st.prev, st.retired, plan=st.plan
+                    m.shard_id,
+                    st.expected,
+                    st.texts,
+                    st.prev,
+                    st.retired,
+                    plan=st.plan,
+                    history=st.history,
                 )
             )
         batches.extend(merged_stash_batches(stash_batches))

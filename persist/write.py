@@ -473,7 +473,7 @@ class WriteHandle(ShardHandle):
             live = read(filt) if table.num_rows else self.schema.empty_table()
             return rows_mod.plan_upsert(live, table, keys, values)
 
-        return rows_mod.apply_change(self, plan)
+        return rows_mod.apply_change(self, plan, op="upsert")
 
     def delete(self, filter: pc.Expression) -> RowChanges:
         """Retract every live row ``filter`` (a boolean ``pyarrow.compute`` expression
@@ -487,7 +487,7 @@ class WriteHandle(ShardHandle):
         def plan(read: Callable[[pc.Expression | None], pa.Table], upper: int) -> Planned:
             return rows_mod.plan_delete(read(filter), keys, values)
 
-        return rows_mod.apply_change(self, plan)
+        return rows_mod.apply_change(self, plan, op="delete", params={"predicate": str(filter)})
 
     def update(self, filter: pc.Expression, set: Mapping[str, Any]) -> RowChanges:
         """Retract every live row ``filter`` keeps and insert it again with ``set``
@@ -512,7 +512,8 @@ class WriteHandle(ShardHandle):
                 at_new = read(rows_mod.key_filter(new, keys))
             return rows_mod.plan_update(live, changes, keys, values, at_new)
 
-        return rows_mod.apply_change(self, plan)
+        params = {"predicate": str(filter), "set": {k: str(v) for k, v in set.items()}}
+        return rows_mod.apply_change(self, plan, op="update", params=params)
 
     def change_state(self) -> ShardState:
         """The shard's state freshly read from consensus, for a row-level change: its

@@ -21,6 +21,8 @@ while ``--json`` prints the exact values.
 from __future__ import annotations
 
 import base64
+import datetime
+import decimal
 import difflib
 import json
 import logging
@@ -30,6 +32,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 from click.core import ParameterSource
+from rich import filesize
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -61,14 +64,36 @@ def printable(text: str, *, backslashes: bool = True) -> str:
 def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     """Print a rich table on stdout with inert text: the title and every cell are
     :class:`rich.text.Text` (so never parsed as rich markup); ``str`` cells and the
-    title are made :func:`printable`, other cells are shown as JSON (``json.dumps``
-    escapes control characters and non-ASCII itself)."""
+    title are made :func:`printable`; numbers, dates and times are shown as they are
+    (unquoted; a column holding only numbers is right-aligned); byte counts (a column
+    named ``bytes``, ``*_bytes`` or ``bytes_*``, or a ``field``/``value`` row so named)
+    are humanized (``1.5 MB``; ``--json`` keeps them exact); other cells are shown as
+    JSON (``json.dumps`` escapes control characters and non-ASCII itself)."""
     table = Table(title=Text(printable(title)))
-    for c in columns:
-        table.add_column(Text(printable(c)))
+    fieldrows = columns[:2] == ["field", "value"]
+    for i, c in enumerate(columns):
+        values = [r[i] for r in rows if i < len(r) and r[i] is not None]
+        numeric = bool(values) and all(_is_number(v) for v in values)
+        table.add_column(Text(printable(c)), justify="right" if numeric else "left")
     for r in rows:
-        table.add_row(*[Text(printable(v) if isinstance(v, str) else _cell(v)) for v in r])
+        cells = []
+        for i, v in enumerate(r):
+            name = str(r[0]) if fieldrows and i == 1 else (columns[i] if i < len(columns) else "")
+            if _is_bytes_name(name) and _is_number(v) and not isinstance(v, float):
+                cells.append(Text(filesize.decimal(int(v))))
+            else:
+                cells.append(Text(printable(v) if isinstance(v, str) else _cell(v)))
+        table.add_row(*cells)
     console.print(table)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, decimal.Decimal)) and not isinstance(v, bool)
+
+
+def _is_bytes_name(name: str) -> bool:
+    n = name.lower()
+    return n == "bytes" or n.endswith("_bytes") or n.startswith("bytes_")
 
 
 class CliError(Exception):
@@ -203,8 +228,13 @@ def _show(rows: list[dict[str, Any]], columns: list[str], as_json: bool, title: 
 
 
 def _cell(v: Any) -> str:
+    """A cell: text as it is, numbers, dates and times unquoted, others as JSON."""
     if isinstance(v, str):
         return v
+    if _is_number(v):
+        return str(v)
+    if isinstance(v, (datetime.datetime, datetime.date, datetime.time)):
+        return v.isoformat()
     try:
         return json.dumps(jsonable(v), sort_keys=True)
     except TypeError:

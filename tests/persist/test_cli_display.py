@@ -64,8 +64,8 @@ def test_stash_collections_hides_persist_unless_all(tmp_path: Path) -> None:
     r = CliRunner()
     res = r.invoke(stash_main, ["collections", url, "--json"])
     assert res.exit_code == 0, res.output
-    names = [x["name"] for x in json.loads(res.output)]
+    names = [json.loads(line)["name"] for line in res.output.splitlines()]
     assert names == ["mine"]
     res = r.invoke(stash_main, ["collections", url, "--json", "--all"])
-    names = [x["name"] for x in json.loads(res.output)]
+    names = [json.loads(line)["name"] for line in res.output.splitlines()]
     assert "mine" in names and any(n.startswith("persist.shard.") for n in names)

@@ -341,7 +341,9 @@ def test_restore(client: PersistClient) -> None:
     assert ch == RowChanges(3, 3, 2)  # a x2 and b back, A and c gone
     assert t.to_arrow().equals(then)
     assert t.history(limit=1).column("operation").to_pylist() == ["restore"]
-    assert t.restore(3) == RowChanges(4, 0, 0)  # restoring the present changes no row
+    # restoring the present changes no row, so it writes nothing (time: upper - 1)
+    assert t.restore(3) == RowChanges(3, 0, 0)
+    assert t.history(limit=1).column("time").to_pylist() == [3]
 
 
 def test_details(client: PersistClient) -> None:

@@ -42,8 +42,8 @@ from persist.fetch import read_batch, read_batches
 from persist.fsck import FsckReport, fsck
 from persist.gc import GcReport, collect_garbage
 from persist.machine import ShardMachine
-from persist.read import Listen, ListenEvent, ReadHandle
 from persist.merge_into import MergeBuilder, MergeResult
+from persist.read import Listen, ListenEvent, ReadHandle
 from persist.rows import ChangeContended, RowChanges
 from persist.snapshots import snapshot_many
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace

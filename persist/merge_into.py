@@ -41,6 +41,7 @@ delta-rs's ``TableMerger`` state them):
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,8 +51,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.errors import InvalidUsage
 from persist.consolidation import _compare_pairs
+from persist.errors import InvalidUsage
 from persist.key_identity import identity_columns
 from persist.parts import DIFF
 from persist.rows import ChangeWriter, Planned, apply_change, key_filter
@@ -346,8 +347,7 @@ class _Sql:
                     hint = f" (a not-matched clause may use {self.spec.source_alias} columns only)"
                 del other
                 return InvalidUsage(
-                    f"merge: {what} {sql!r} cannot be evaluated{hint}: {msg}; "
-                    "nothing was committed"
+                    f"merge: {what} {sql!r} cannot be evaluated{hint}: {msg}; nothing was committed"
                 )
         return InvalidUsage(f"merge: the clauses cannot be evaluated: {e}; nothing was committed")
 
@@ -443,8 +443,7 @@ def source_on(source: pa.Table, spec: MergeSpec, schema: pa.Schema) -> pa.Table:
     for c in spec.on:
         if c not in source.column_names:
             raise InvalidUsage(
-                f"merge: the source has no column {c!r} to match on "
-                f"(it has {source.column_names})"
+                f"merge: the source has no column {c!r} to match on (it has {source.column_names})"
             )
         col = _cast(source.column(c), schema.field(c), f"the source's on column {c!r}")
         if col.null_count:
@@ -505,7 +504,7 @@ def plan_merge(
         for c in spec.clauses:
             by_kind.setdefault(c.kind, []).append(c)
         for kind in ("matched", "not_matched", "not_matched_by_source"):
-            clauses = by_kind.get(kind)  # type: ignore[call-overload]
+            clauses = by_kind.get(kind)
             if not clauses:
                 continue
             planned = _plan_kind(
@@ -521,9 +520,7 @@ def plan_merge(
         sql.close()
     out_schema = pa.schema([schema.field(n) for n in names] + [pa.field(DIFF, pa.int64(), False)])
     retracted_tbl = target.take(pa.array(sorted(set(retract_rows)), pa.int64()))
-    retractions = retracted_tbl.set_column(
-        len(names), DIFF, pc.negate(retracted_tbl.column(DIFF))
-    )
+    retractions = retracted_tbl.set_column(len(names), DIFF, pc.negate(retracted_tbl.column(DIFF)))
     inserts = [t for t in new_tables if t.num_rows]
     _check_new_keys(inserts, retracted_tbl, target, key_names, read_keys, spec.on)
     out = pa.concat_tables([retractions.cast(out_schema), *[t.cast(out_schema) for t in inserts]])
@@ -757,8 +754,10 @@ def rows_equal_any(rows: pa.Table, keys: pa.Table) -> pa.ChunkedArray:
     if not keys.num_rows or not rows.num_rows:
         return pa.chunked_array([pa.array([False] * rows.num_rows, pa.bool_())])
     names = rows.column_names
-    marked = keys.group_by(names).aggregate([]).append_column(
-        "__hit", pa.array([True] * keys.group_by(names).aggregate([]).num_rows)
+    marked = (
+        keys.group_by(names)
+        .aggregate([])
+        .append_column("__hit", pa.array([True] * keys.group_by(names).aggregate([]).num_rows))
     )
     idx = rows.append_column("__row", pa.array(range(rows.num_rows), pa.int64()))
     joined = idx.join(marked, keys=names, join_type="left outer").sort_by("__row")
@@ -789,6 +788,87 @@ def as_source(data: Any) -> pa.Table:
         ) from None
 
 
+_COMPARE = {
+    "COMPARE_EQUAL": ("==", "=="),
+    "COMPARE_GREATERTHAN": (">", "<"),
+    "COMPARE_GREATERTHANOREQUALTO": (">=", "<="),
+    "COMPARE_LESSTHAN": ("<", ">"),
+    "COMPARE_LESSTHANOREQUALTO": ("<=", ">="),
+}
+_NUMBER_LITERALS = {"INTEGER", "BIGINT", "HUGEINT", "SMALLINT", "TINYINT", "UBIGINT"}
+
+
+def _key_bounds(
+    condition: str | None, alias: str, schema: pa.Schema, key_names: Sequence[str]
+) -> pc.Expression | None:
+    """A filter every target row ``condition`` holds for passes, from the comparisons of
+    a key column with a constant that ``condition`` is a conjunction of
+    (``target.k >= 10 AND target.k < 20 AND ...``); ``None`` when it has none (any row
+    may pass).  DuckDB parses the condition (``json_serialize_sql``); the filter only
+    prunes the read: the condition itself is still evaluated on every row read."""
+    if condition is None:
+        return None
+    con = duckdb.connect(config={"enable_external_access": False})
+    try:
+        text = con.execute("SELECT json_serialize_sql(?)", [f"SELECT {condition}"]).fetchone()
+    except duckdb.Error:
+        return None
+    finally:
+        con.close()
+    try:
+        tree = json.loads(text[0]) if text else {}
+        node = tree["statements"][0]["node"]["select_list"][0]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None  # not parsed: execute() reports the condition
+    terms = node.get("children", []) if node.get("type") == "CONJUNCTION_AND" else [node]
+    out: pc.Expression | None = None
+    for term in terms:
+        e = _bound(term, alias, schema, key_names)
+        if e is not None:
+            out = e if out is None else out & e
+    return out
+
+
+def _bound(
+    term: dict[str, Any], alias: str, schema: pa.Schema, key_names: Sequence[str]
+) -> pc.Expression | None:
+    """``target.k <op> constant`` (either side) as a pyarrow expression, else ``None``."""
+    ops = _COMPARE.get(term.get("type", ""))
+    if ops is None:
+        return None
+    left, right = term.get("left", {}), term.get("right", {})
+    if left.get("class") == "COLUMN_REF":
+        col, const, op = left, right, ops[0]
+    else:
+        col, const, op = right, left, ops[1]
+    names = col.get("column_names", [])
+    if (
+        col.get("class") != "COLUMN_REF"
+        or const.get("class") != "CONSTANT"
+        or len(names) != 2
+        or names[0].lower() != alias.lower()
+        or names[1] not in key_names
+    ):
+        return None
+    lit = const.get("literal", {})
+    t = schema.field(names[1]).type
+    value: Any
+    if lit.get("kind") in _NUMBER_LITERALS and pa.types.is_integer(t):
+        value = int(lit["text"])
+    elif lit.get("kind") == "STRING" and (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        value = str(lit["text"])
+    else:
+        return None
+    f = pc.field(names[1])
+    return {
+        "==": f == value,
+        ">": f > value,
+        ">=": f >= value,
+        "<": f < value,
+        "<=": f <= value,
+    }[op]
+
+
 def run_merge(
     writer: ChangeWriter,
     source: pa.Table,
@@ -807,9 +887,16 @@ def run_merge(
     Raises:
         see :meth:`MergeBuilder.execute`.
     """
-    by_source = any(c.kind == "not_matched_by_source" for c in spec.clauses)
     on_cols = source_on(source, spec, schema)  # refused before anything is read
-    filt = None if by_source else key_filter(on_cols, spec.on)
+    filt = key_filter(on_cols, spec.on)
+    by_source = [c for c in spec.clauses if c.kind == "not_matched_by_source"]
+    if by_source:
+        bounds = [_key_bounds(c.condition, spec.target_alias, schema, key_names) for c in by_source]
+        if any(b is None for b in bounds):
+            filt = None  # a by-source clause may touch any live row: read them all
+        else:
+            for b in bounds:
+                filt = b if filt is None else filt | b
     last: list[MergeCounts] = []
 
     def plan(read: Callable[[pc.Expression | None], pa.Table], upper: int) -> Planned:

@@ -93,8 +93,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist import metrics as persist_metrics
 from persist import merge_into
+from persist import metrics as persist_metrics
 from persist import rows as rows_mod
 from persist.batch import Batch
 from persist.batch_rules import (

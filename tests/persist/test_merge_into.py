@@ -23,7 +23,9 @@ from stash import Antichain, Stash
 KEY = pa.schema([pa.field("id", pa.int64(), False)])
 VAL = pa.schema([("v", pa.string()), ("n", pa.int64()), ("flag", pa.bool_())])
 SCHEMA = pa.schema([*KEY, *VAL])
-SOURCE = pa.schema([("id", pa.int64()), ("v", pa.string()), ("n", pa.int64()), ("flag", pa.bool_())])
+SOURCE = pa.schema(
+    [("id", pa.int64()), ("v", pa.string()), ("n", pa.int64()), ("flag", pa.bool_())]
+)
 
 Row = tuple[str | None, int | None, bool | None]  # (v, n, flag)
 
@@ -54,9 +56,7 @@ def rows(t: dict[int, Row]) -> pa.Table:
 
 def live(r: Any, time: int) -> dict[int, tuple[Row, int]]:
     t = r.snapshot(time)
-    return {
-        d["id"]: ((d["v"], d["n"], d["flag"]), d["_diff"]) for d in t.to_pylist()
-    }
+    return {d["id"]: ((d["v"], d["n"], d["flag"]), d["_diff"]) for d in t.to_pylist()}
 
 
 # ------------------------------------------------------------------ recipes
@@ -99,7 +99,9 @@ def test_sync_to_a_source_deletes_what_the_source_no_longer_has(client: PersistC
     # row 2 is equal to its live value: neither retracted nor inserted, not counted
     assert (m.num_target_rows_updated, m.num_target_rows_unchanged) == (1, 1)
     assert (m.num_target_rows_inserted, m.num_target_rows_deleted) == (1, 1)
-    assert live(r, m.time) == {k: (v, 1) for k, v in {2: ("b", 2, None), 3: ("C", 3, None), 5: ("e", 5, None)}.items()}
+    assert live(r, m.time) == {
+        k: (v, 1) for k, v in {2: ("b", 2, None), 3: ("C", 3, None), 5: ("e", 5, None)}.items()
+    }
 
 
 def test_a_merge_that_changes_nothing_writes_no_part(client: PersistClient) -> None:
@@ -236,6 +238,9 @@ BY_SOURCE_CONDS = [
     (None, lambda s, t: True),
     ("target.n < 4", lambda s, t: _gt(4, t["n"])),
     ("target.v IS NULL", lambda s, t: t["v"] is None),
+    # a key range: the read is pruned to it (and the source's keys)
+    ("target.id >= 3 AND target.id < 6", lambda s, t: 3 <= t["id"] < 6),
+    ("5 > target.id AND target.n IS NOT NULL", lambda s, t: t["id"] < 5 and t["n"] is not None),
 ]
 MATCHED_SETS: list[tuple[dict[str, str] | None, Callable[[Any, Any], dict[str, Any]]]] = [
     ({"n": "target.n + source.n"}, lambda s, t: {"n": _add(t["n"], s["n"])}),
@@ -244,7 +249,10 @@ MATCHED_SETS: list[tuple[dict[str, str] | None, Callable[[Any, Any], dict[str, A
 ]
 INSERTS: list[tuple[dict[str, str] | None, Callable[[Any], dict[str, Any]]]] = [
     (None, lambda s: dict(s)),
-    ({"id": "source.id", "v": "'new'"}, lambda s: {"id": s["id"], "v": "new", "n": None, "flag": None}),
+    (
+        {"id": "source.id", "v": "'new'"},
+        lambda s: {"id": s["id"], "v": "new", "n": None, "flag": None},
+    ),
 ]
 BY_SOURCE_SETS: list[tuple[dict[str, str], Callable[[Any], dict[str, Any]]]] = [
     ({"v": "'gone'"}, lambda t: {"v": "gone"}),
@@ -261,7 +269,9 @@ def _add(a: int | None, b: int | None) -> int | None:
 
 
 values_st = st.tuples(
-    st.sampled_from(["a", "b", None]), st.one_of(st.none(), st.integers(0, 6)), st.sampled_from([True, False, None])
+    st.sampled_from(["a", "b", None]),
+    st.one_of(st.none(), st.integers(0, 6)),
+    st.sampled_from([True, False, None]),
 )
 table_st = st.dictionaries(st.integers(0, 7), values_st, max_size=6)
 
@@ -273,11 +283,29 @@ def clauses_st(draw: st.DrawFn) -> list[tuple[str, int, int]]:
     for _ in range(draw(st.integers(1, 5))):
         kind = draw(st.sampled_from(["matched", "not_matched", "not_matched_by_source"]))
         if kind == "matched":
-            out.append((kind, draw(st.integers(0, len(MATCHED_CONDS) - 1)), draw(st.integers(-1, len(MATCHED_SETS) - 1))))
+            out.append(
+                (
+                    kind,
+                    draw(st.integers(0, len(MATCHED_CONDS) - 1)),
+                    draw(st.integers(-1, len(MATCHED_SETS) - 1)),
+                )
+            )
         elif kind == "not_matched":
-            out.append((kind, draw(st.integers(0, len(NOT_MATCHED_CONDS) - 1)), draw(st.integers(0, len(INSERTS) - 1))))
+            out.append(
+                (
+                    kind,
+                    draw(st.integers(0, len(NOT_MATCHED_CONDS) - 1)),
+                    draw(st.integers(0, len(INSERTS) - 1)),
+                )
+            )
         else:
-            out.append((kind, draw(st.integers(0, len(BY_SOURCE_CONDS) - 1)), draw(st.integers(-1, len(BY_SOURCE_SETS) - 1))))
+            out.append(
+                (
+                    kind,
+                    draw(st.integers(0, len(BY_SOURCE_CONDS) - 1)),
+                    draw(st.integers(-1, len(BY_SOURCE_SETS) - 1)),
+                )
+            )
     return out
 
 
@@ -294,10 +322,18 @@ def build(b: Any, clauses: list[tuple[str, int, int]]) -> Any:
         elif kind == "not_matched":
             cond = NOT_MATCHED_CONDS[ci][0]
             vals = INSERTS[ai][0]
-            b = b.when_not_matched_insert_all(condition=cond) if vals is None else b.when_not_matched_insert(values=vals, condition=cond)
+            b = (
+                b.when_not_matched_insert_all(condition=cond)
+                if vals is None
+                else b.when_not_matched_insert(values=vals, condition=cond)
+            )
         else:
             cond = BY_SOURCE_CONDS[ci][0]
-            b = b.when_not_matched_by_source_delete(condition=cond) if ai < 0 else b.when_not_matched_by_source_update(set=BY_SOURCE_SETS[ai][0], condition=cond)
+            b = (
+                b.when_not_matched_by_source_delete(condition=cond)
+                if ai < 0
+                else b.when_not_matched_by_source_update(set=BY_SOURCE_SETS[ai][0], condition=cond)
+            )
     return b
 
 
@@ -306,6 +342,7 @@ def model(
 ) -> tuple[dict[int, Row], tuple[int, int, int, int]]:
     """Delta's semantics in plain Python: (the new rows, (inserted, updated, deleted,
     unchanged))."""
+
     def d(i: int, r: Row) -> dict[str, Any]:
         return {"id": i, "v": r[0], "n": r[1], "flag": r[2]}
 
@@ -326,7 +363,9 @@ def model(
                 dele += 1
             else:
                 new = dict(t)
-                new.update(MATCHED_SETS[ai][1](s, t) if kind == "matched" else BY_SOURCE_SETS[ai][1](t))
+                new.update(
+                    MATCHED_SETS[ai][1](s, t) if kind == "matched" else BY_SOURCE_SETS[ai][1](t)
+                )
                 row = (new["v"], new["n"], new["flag"])
                 if row == trow:
                     same += 1

@@ -53,9 +53,9 @@ import pyarrow.compute as pc
 
 from persist.consolidation import _compare_pairs
 from persist.errors import InvalidUsage
-from persist.key_identity import identity_columns
+from persist.key_identity import aligned, duplicate_key, isin, key_filter
 from persist.parts import DIFF
-from persist.rows import ChangeWriter, Planned, apply_change, key_filter
+from persist.rows import ChangeWriter, Planned, apply_change
 
 __all__ = ["MergeBuilder", "MergeClause", "MergeResult", "plan_merge", "run_merge"]
 
@@ -293,7 +293,9 @@ class _Sql:
     """One DuckDB connection over the target's live rows and the source, with the
     joins the clauses are evaluated on.  Errors name the clause and the expression."""
 
-    def __init__(self, spec: MergeSpec, target: pa.Table, source: pa.Table, p: str) -> None:
+    def __init__(
+        self, spec: MergeSpec, target: pa.Table, source: pa.Table, p: str, width: int
+    ) -> None:
         self.spec = spec
         self.p = p
         self.con = duckdb.connect(config={"enable_external_access": False})
@@ -301,7 +303,7 @@ class _Sql:
         self.con.register(f"{p}source", source)
         s, t = _quote(spec.source_alias), _quote(spec.target_alias)
         on = " AND ".join(
-            f"{s}.{_quote(f'{p}k{i}')} = {t}.{_quote(f'{p}k{i}')}" for i in range(len(spec.on))
+            f"{s}.{_quote(f'{p}k{i}')} = {t}.{_quote(f'{p}k{i}')}" for i in range(width)
         )
         self.from_ = {
             "matched": f"{_quote(p + 'source')} AS {s} JOIN {_quote(p + 'target')} AS {t} ON {on}",
@@ -424,8 +426,8 @@ def _key_of(table: pa.Table, row: int, key_names: Sequence[str]) -> list[Any]:
 
 
 # ------------------------------------------------------------------ planning
-def _with_identity(table: pa.Table, cols: Sequence[str], p: str, index: str) -> pa.Table:
-    ident = identity_columns(table, cols)
+def _with_identity(table: pa.Table, ident: pa.Table, p: str, index: str) -> pa.Table:
+    """``table`` with its key identity columns (named ``<p>k<i>``) and its row index."""
     out = table
     for i, name in enumerate(ident.column_names):
         out = out.append_column(f"{p}k{i}", ident.column(name))
@@ -489,13 +491,11 @@ def plan_merge(
     p = _prefix(target, source)
     on_cols = source_on(source, spec, schema)
     s_idx, t_idx = f"{p}s", f"{p}t"
-    src = _with_identity(source, spec.on, p, s_idx)
-    # identity of the source's on columns as cast to the key types
-    ident = identity_columns(on_cols, spec.on)
-    for i, name in enumerate(ident.column_names):
-        src = src.set_column(src.schema.get_field_index(f"{p}k{i}"), f"{p}k{i}", ident.column(name))
-    tgt = _with_identity(target, spec.on, p, t_idx)
-    sql = _Sql(spec, tgt, src, p)
+    # key identity of the source's on columns (cast to the key types) and the target's
+    s_ident, t_ident = aligned([on_cols, target], spec.on)
+    src = _with_identity(source, s_ident, p, s_idx)
+    tgt = _with_identity(target, t_ident, p, t_idx)
+    sql = _Sql(spec, tgt, src, p, t_ident.num_columns)
     counts = MergeCounts(source=source.num_rows)
     retract_rows: list[int] = []  # target row indexes retracted
     new_tables: list[pa.Table] = []  # new rows (names + _diff)
@@ -522,7 +522,7 @@ def plan_merge(
     retracted_tbl = target.take(pa.array(sorted(set(retract_rows)), pa.int64()))
     retractions = retracted_tbl.set_column(len(names), DIFF, pc.negate(retracted_tbl.column(DIFF)))
     inserts = [t for t in new_tables if t.num_rows]
-    _check_new_keys(inserts, retracted_tbl, target, key_names, read_keys, spec.on)
+    _check_new_keys(inserts, retracted_tbl, key_names, read_keys)
     out = pa.concat_tables([retractions.cast(out_schema), *[t.cast(out_schema) for t in inserts]])
     retracted = int(pc.sum(retracted_tbl.column(DIFF)).as_py() or 0)
     inserted = sum(int(pc.sum(t.column(DIFF)).as_py() or 0) for t in inserts)
@@ -664,7 +664,8 @@ def _plan_kind(
         assert old is not None and t_rows is not None
         changed_key = [k for k in key_names if k in vals]
         if changed_key:
-            same = rows_equal(old.select(changed_key), new.select(changed_key))
+            before, after = aligned([old, new], changed_key)
+            same = rows_equal(before, after)
             if not pc.all(same).as_py():
                 bad = pc.index(same, False).as_py()
                 raise InvalidUsage(
@@ -707,37 +708,26 @@ def _check_matched_once(
 def _check_new_keys(
     inserts: list[pa.Table],
     retracted: pa.Table,
-    target: pa.Table,
     key_names: Sequence[str],
     read_keys: Callable[[pa.Table], pa.Table],
-    on: Sequence[str],
 ) -> None:
     """Refuse inserted rows sharing a key, or taking the key of a live row the merge
     does not retract (the table keeps one live row per key)."""
     if not inserts:
         return
     new = pa.concat_tables([t.select(list(key_names)) for t in inserts])
-    ident = identity_columns(new, key_names)
-    counts = ident.group_by(ident.column_names).aggregate([([], "count_all")])
-    if counts.num_rows < new.num_rows:
-        dup = counts.filter(pc.greater(counts.column("count_all"), 1))
-        first = pc.index(rows_equal_any(ident, dup.select(ident.column_names)), True).as_py()
+    dup = duplicate_key(new, key_names)
+    if dup is not None:
         raise InvalidUsage(
             f"merge: two inserted rows have one key {list(key_names)} = "
-            f"{_key_of(new, first, key_names)}; nothing was committed"
+            f"{_key_of(new, dup, key_names)}; nothing was committed"
         )
-    if list(on) == list(key_names):
-        # an inserted row matched no target row on the whole key: its key is not live
-        # unless an insert value rewrote a key column, which the caller checks below
-        pass
     live = read_keys(new)
     if not live.num_rows:
         return
-    live_ident = identity_columns(live.select(list(key_names)), key_names)
-    gone = identity_columns(retracted.select(list(key_names)), key_names)
-    hit = rows_equal_any(live_ident, ident)
-    if gone.num_rows:
-        hit = pc.and_(hit, pc.invert(rows_equal_any(live_ident, gone)))
+    hit = isin(live, new, key_names)
+    if retracted.num_rows:
+        hit = pc.and_(hit, pc.invert(isin(live, retracted, key_names)))
     if pc.any(hit).as_py():
         row = pc.index(hit, True).as_py()
         raise InvalidUsage(
@@ -745,23 +735,6 @@ def _check_new_keys(
             f"{_key_of(live, row, key_names)} of a live row the merge keeps; "
             "nothing was committed"
         )
-    del target
-
-
-def rows_equal_any(rows: pa.Table, keys: pa.Table) -> pa.ChunkedArray:
-    """For each row of ``rows``, whether it equals some row of ``keys`` (both identity
-    columns of one name list: plain Arrow equality)."""
-    if not keys.num_rows or not rows.num_rows:
-        return pa.chunked_array([pa.array([False] * rows.num_rows, pa.bool_())])
-    names = rows.column_names
-    marked = (
-        keys.group_by(names)
-        .aggregate([])
-        .append_column("__hit", pa.array([True] * keys.group_by(names).aggregate([]).num_rows))
-    )
-    idx = rows.append_column("__row", pa.array(range(rows.num_rows), pa.int64()))
-    joined = idx.join(marked, keys=names, join_type="left outer").sort_by("__row")
-    return pc.fill_null(joined.column("__hit"), False)
 
 
 # ------------------------------------------------------------------ running

@@ -459,7 +459,7 @@ def test_four_processes_merging_lose_no_update(
         url = str(request.getfixturevalue("postgres_url"))
         migrate_to_head(url)
     blob = f"file://{tmp_path / 'blob'}"
-    rounds = 5
+    rounds = 3
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_merge_worker, args=(url, blob, rounds)) for _ in range(4)]
     for p in procs:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from persist import InvalidUsage, MemoryBlob, MergeResult, PersistClient
 from stash import Antichain, Stash
+from tests.reliability.campaign import runs
 
 KEY = pa.schema([pa.field("id", pa.int64(), False)])
 VAL = pa.schema([("v", pa.string()), ("n", pa.int64()), ("flag", pa.bool_())])
@@ -409,7 +410,7 @@ def merge_client(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Per
 @pytest.mark.sized
 @given(target=table_st, source=table_st, clauses=clauses_st())
 @settings(
-    max_examples=40,
+    max_examples=runs(25, 200),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

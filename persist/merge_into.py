@@ -53,6 +53,8 @@ import pyarrow.compute as pc
 from persist.errors import InvalidUsage
 from persist.key_identity import key_filter
 from persist.merge_plan import (
+    DuckDBEvaluator,
+    EvaluatorFactory,
     MergeClause,
     MergeCounts,
     MergeSpec,
@@ -104,14 +106,21 @@ class MergeBuilder:
     commits it.  Each ``when_*`` method returns the builder; clauses of one kind are
     tried in the order they were added."""
 
-    def __init__(self, spec: MergeSpec, run: Callable[[MergeSpec], MergeResult]) -> None:
+    def __init__(
+        self,
+        spec: MergeSpec,
+        run: Callable[[MergeSpec], MergeResult],
+        accepts: tuple[type, ...] = (str,),
+    ) -> None:
         self._spec = spec
         self._run = run
+        self._accepts = accepts
 
     def _add(self, clause: MergeClause) -> MergeBuilder:
-        if clause.condition is not None and not isinstance(clause.condition, str):
+        kinds = " or ".join(t.__name__ for t in self._accepts)
+        if clause.condition is not None and not isinstance(clause.condition, self._accepts):
             raise InvalidUsage(
-                f"merge: a condition must be SQL text, not {type(clause.condition).__name__}"
+                f"merge: a condition must be {kinds}, not {type(clause.condition).__name__}"
             )
         if clause.values is not None:
             if not isinstance(clause.values, Mapping) or not clause.values:
@@ -119,9 +128,9 @@ class MergeBuilder:
                     f"merge: when_{clause.kind}_{clause.action} needs a non-empty "
                     "{column: SQL expression} mapping"
                 )
-            bad = [c for c, v in clause.values.items() if not isinstance(v, str)]
+            bad = [c for c, v in clause.values.items() if not isinstance(v, self._accepts)]
             if bad:
-                raise InvalidUsage(f"merge: the values of {bad} must be SQL text")
+                raise InvalidUsage(f"merge: the values of {bad} must be {kinds}")
         self._spec = MergeSpec(
             self._spec.on,
             self._spec.source_alias,
@@ -328,6 +337,7 @@ def run_merge(
     spec: MergeSpec,
     schema: pa.Schema,
     key_names: Sequence[str],
+    evaluator: EvaluatorFactory = DuckDBEvaluator,
 ) -> MergeResult:
     """Plan and commit ``spec`` through ``writer`` (:func:`persist.rows.apply_change`:
     one ``compare_and_append``, planned again on a lost race).  Only the live rows whose
@@ -361,7 +371,7 @@ def run_merge(
         def read_keys(keys: pa.Table) -> pa.Table:
             return read(key_filter(keys, key_names))
 
-        planned, counts = plan_merge(live, source, spec, schema, key_names, read_keys)
+        planned, counts = plan_merge(live, source, spec, schema, key_names, read_keys, evaluator)
         last[:] = [counts]
         return planned
 

@@ -34,6 +34,8 @@ from persist.rows import Planned
 
 __all__ = [
     "CLAUSE",
+    "ClauseKind",
+    "out_of_scope",
     "S_ROW",
     "T_ROW",
     "DuckDBEvaluator",
@@ -512,8 +514,9 @@ def _plan_kind(
         vals = _values_of(c, schema, key_names, source, s_alias)
         values[i] = vals
         for col, expr in vals.items():
-            ref_s = _simple_ref(expr, s_alias) if kind != "not_matched_by_source" else None
-            ref_t = _simple_ref(expr, t_alias) if kind != "not_matched" else None
+            text = isinstance(expr, str)
+            ref_s = _simple_ref(expr, s_alias) if text and kind != "not_matched_by_source" else None
+            ref_t = _simple_ref(expr, t_alias) if text and kind != "not_matched" else None
             if ref_s is not None and ref_s in source.column_names:
                 from_arrow[(i, col)] = ("s", ref_s)
             elif ref_t is not None and ref_t in target.column_names:

@@ -179,6 +179,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             "the table and its row-level changes",
             [
                 "spark.row_changes",
+                "spark.merge",
                 "spark.native_merge",
                 "spark.native_plan",
                 "spark.native_read",

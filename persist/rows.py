@@ -29,11 +29,20 @@ Semantics (decisions recorded here):
   ``pyarrow.compute`` expression evaluated on the old row;
 * **an update may change key columns**; it is refused (``InvalidUsage``, nothing
   committed) when the result would give two live rows one key that did not share it
-  before: two updated rows mapped to one key, or an updated row mapped onto the key of
-  a live row the update does not retract.  So a shard used with upsert keeps one live
-  row per key through updates;
-* ``retracted`` and ``inserted`` count rows with their multiplicity (the sum of the
-  absolute counts); a change that matches nothing commits an empty append;
+  before, checked per row: updated rows of different old keys mapped to one key, or a
+  row whose key changes mapped onto the key of a live row the update keeps.  So a shard
+  used with upsert keeps one live row per key through updates;
+* keys are compared by :mod:`persist.key_identity` (as consolidation compares them:
+  ``-0.0`` = ``0.0``, NaN = NaN, nulls equal, temporal values to the tick), and
+  ``set`` scalars are converted exactly or refused before anything is read;
+* **a change is netted** (:func:`net_changes`): its retractions and insertions are
+  summed per row as consolidation sums them, so a row equal to its live row (an upsert
+  of the same row, an update whose ``set`` changes nothing) is neither retracted nor
+  inserted; ``inserted`` and ``retracted`` count what is left, with multiplicity (the
+  rows the change adds to and removes from the live multiset);
+* **a change that changes nothing writes nothing**: no part and no new state version
+  (the upper does not move); its :class:`RowChanges` has ``time = upper - 1`` of the
+  version read (the shard held the result as of that time already) and zero counts;
 * a change from a handle of an older schema version than the shard's newest is refused
   (``SchemaMismatch``): its rows could not name the newer columns, so its retractions
   would not cancel the live rows.  Rows written under older versions are conformed to
@@ -52,6 +61,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
+from persist import key_identity
+from persist.consolidation import consolidate
 from persist.errors import CorruptPart, InvalidUsage, PersistError, UpperMismatch
 from persist.parts import DIFF, TIME
 from persist.state import ShardState
@@ -81,9 +92,13 @@ class RowChanges:
 
     Attributes:
         time: the time the change committed at (int); the shard's upper was then
-            ``time + 1``.
-        inserted: rows inserted (with multiplicity; int >= 0).
-        retracted: rows retracted (with multiplicity; int >= 0).
+            ``time + 1``.  A change that changed nothing commits nothing: ``time`` is
+            then ``upper - 1`` of the state version it read (a read as of ``time``
+            already shows its result), and both counts are 0.
+        inserted: rows the change added to the live rows (with multiplicity; int >= 0;
+            a row equal to its live row is not counted).
+        retracted: rows the change removed from the live rows (with multiplicity;
+            int >= 0).
     """
 
     time: int
@@ -118,34 +133,45 @@ class ChangeContended(UpperMismatch):
 
 
 # ------------------------------------------------------------------------ planning
-def _key_tuple(row: Sequence[Any]) -> tuple[Any, ...]:
-    """A hashable key with NaN made equal to NaN (Arrow groups NaNs together)."""
-    return tuple(("nan",) if isinstance(v, float) and math.isnan(v) else v for v in row)
-
-
-def _keys(table: pa.Table, key_names: Sequence[str]) -> list[tuple[Any, ...]]:
-    cols = [table.column(k).to_pylist() for k in key_names]
-    return [_key_tuple(r) for r in zip(*cols, strict=True)] if cols else [()] * table.num_rows
-
-
-def _retractions(live: pa.Table, names: Sequence[str]) -> tuple[pa.Table, int]:
-    diff = live.column(DIFF)
-    out = live.select(list(names)).append_column(DIFF, pc.negate(diff))
-    return out, int(pc.sum(pc.abs(diff)).as_py() or 0)
+def _retractions(live: pa.Table, names: Sequence[str]) -> pa.Table:
+    return live.select(list(names)).append_column(DIFF, pc.negate(live.column(DIFF)))
 
 
 def _with_diff(rows: pa.Table, diff: pa.ChunkedArray | int) -> pa.Table:
     if isinstance(diff, int):
-        return rows.append_column(DIFF, pa.array([diff] * rows.num_rows, pa.int64()))
+        return rows.append_column(DIFF, pa.repeat(pa.scalar(diff, pa.int64()), rows.num_rows))
     return rows.append_column(DIFF, diff)
-
-
-def _concat(parts: Sequence[pa.Table], schema: pa.Schema) -> pa.Table:
-    return pa.concat_tables([p.cast(schema) for p in parts]) if parts else schema.empty_table()
 
 
 def _out_schema(schema: pa.Schema, names: Sequence[str]) -> pa.Schema:
     return pa.schema([schema.field(n) for n in names] + [pa.field(DIFF, pa.int64(), False)])
+
+
+def net_changes(
+    parts: Sequence[pa.Table], key_names: Sequence[str], value_names: Sequence[str]
+) -> Planned:
+    """The updates ``parts`` (key and value columns and ``_diff``, one schema) summed
+    per row as consolidation sums them (:func:`persist.consolidation.consolidate`: equal
+    rows by its equality, ``-0.0`` = ``0.0``, NaN = NaN, nulls equal), zero sums
+    dropped, with their counts: ``inserted`` the sum of the positive diffs,
+    ``retracted`` that of the negative ones (absolute).  So a row retracted and
+    inserted again by one change (an upsert or update that changes nothing) is neither
+    written nor counted.  The one count of a change, for every path.
+
+    Raises:
+        DiffOverflow: a row's diffs sum beyond int64.
+    """
+    names = [*key_names, *value_names]
+    schema = _out_schema(parts[0].schema, names) if parts else None
+    if not parts or schema is None:
+        raise ValueError("net_changes: no updates")
+    both = pa.concat_tables([p.select([*names, DIFF]).cast(schema) for p in parts])
+    both = both.append_column(TIME, pa.repeat(pa.scalar(0, pa.int64()), both.num_rows))
+    net = consolidate(both, key_names, value_names).select([*names, DIFF])
+    diff = net.column(DIFF)
+    inserted = int(pc.sum(pc.max_element_wise(diff, 0)).as_py() or 0)
+    retracted = int(pc.sum(pc.max_element_wise(pc.negate(diff), 0)).as_py() or 0)
+    return Planned(net, inserted, retracted)
 
 
 def conform_rows(rows: pa.Table | pa.RecordBatch, schema: pa.Schema, what: str) -> pa.Table:
@@ -177,101 +203,49 @@ def conform_rows(rows: pa.Table | pa.RecordBatch, schema: pa.Schema, what: str) 
         raise InvalidUsage(f"{what}: rows do not fit the shard's columns {target}: {e}") from None
 
 
-def key_filter(rows: pa.Table, key_names: Sequence[str]) -> pc.Expression | None:
-    """A filter keeping at least the rows whose key is one of ``rows``' keys, for the
-    statistics pruning of the read (:func:`persist.fetch.prune_batches`): per key
-    column its ``[min, max]`` range (what part statistics can prune by: Arrow does not
-    simplify ``is_in`` under a range) and an ``isin`` of its values, anded over the key
-    columns; nulls kept when a key column has them; no range for a floating-point
-    column (NaN is in no range).  ``None`` when ``rows`` is empty."""
-    if rows.num_rows == 0:
-        return None
-    out: pc.Expression | None = None
+key_filter = key_identity.key_filter
+
+
+def _show_key(rows: pa.Table, key_names: Sequence[str], at: int) -> list[Any]:
+    """The key of row ``at`` for a message (temporal values as Arrow prints them,
+    exactly)."""
+    out: list[Any] = []
     for k in key_names:
-        col = rows.column(k)
-        values = pc.unique(col.drop_null() if col.null_count else col)
-        e = pc.field(k).isin(values)
-        if len(values) and not pa.types.is_floating(col.type):
-            mm = pc.min_max(values)
-            e = (pc.field(k) >= mm["min"]) & (pc.field(k) <= mm["max"]) & e
-        if col.null_count:
-            e = e | pc.field(k).is_null()
-        out = e if out is None else out & e
+        v = rows.column(k)[at]
+        out.append(str(v) if pa.types.is_temporal(v.type) and v.is_valid else v.as_py())
     return out
 
 
-def _joinable(tables: Sequence[pa.Table], key_names: Sequence[str]) -> bool:
-    """Whether Arrow's hash join and grouping match the key columns of ``tables`` as
-    :func:`_key_tuple` does: no nulls (a join matches no null) and no floating-point
-    key column (NaN, ``-0.0``)."""
-    return bool(key_names) and all(
-        not pa.types.is_floating(t.schema.field(k).type) and t.column(k).null_count == 0
-        for t in tables
-        for k in key_names
-    )
-
-
-def _duplicate_key(rows: pa.Table, key_names: Sequence[str]) -> list[Any] | None:
-    """A key that two rows of ``rows`` share, or ``None``."""
-    if _joinable([rows], key_names):
-        counts = (
-            rows.select(list(key_names)).group_by(list(key_names)).aggregate([([], "count_all")])
-        )
-        dup = counts.filter(pc.field("count_all") > 1)
-        return [dup.column(k)[0].as_py() for k in key_names] if dup.num_rows else None
-    seen: set[tuple[Any, ...]] = set()
-    for key in _keys(rows, key_names):
-        if key in seen:
-            return list(key)
-        seen.add(key)
-    return None
-
-
-def check_unique_keys(rows: pa.Table, key_names: Sequence[str]) -> set[tuple[Any, ...]]:
-    """The keys of ``rows`` (NaN equal to NaN), checked distinct (as
-    :func:`check_distinct_keys`, which does not build the set).
-
-    Raises:
-        InvalidUsage: two rows have one key (naming the key columns and the key).
-    """
-    check_distinct_keys(rows, key_names)
-    return set(_keys(rows, key_names))
-
-
 def check_distinct_keys(rows: pa.Table, key_names: Sequence[str]) -> None:
-    """Check the keys of ``rows`` distinct (NaN equal to NaN, null to null); vectorised
-    (Arrow's grouping) when no key column is floating-point or holds a null.
+    """Check the keys of ``rows`` distinct by key identity
+    (:func:`persist.key_identity.duplicate_key`).
 
     Raises:
         InvalidUsage: two rows have one key (naming the key columns and the key).
     """
-    key = _duplicate_key(rows, key_names)
-    if key is not None:
+    at = key_identity.duplicate_key(rows, key_names)
+    if at is not None:
         raise InvalidUsage(
-            f"upsert: two rows have one key {list(key_names)} = {key}; "
-            "each key may appear once; nothing was committed"
+            f"upsert: two rows have one key {list(key_names)} = "
+            f"{_show_key(rows, key_names, at)}; each key may appear once; nothing was committed"
         )
+
+
+#: The former name of :func:`check_distinct_keys`.
+check_unique_keys = check_distinct_keys
 
 
 def with_keys_of(live: pa.Table, rows: pa.Table, key_names: Sequence[str]) -> pa.Table:
-    """The rows of ``live`` whose key is one of ``rows``' (NaN equal to NaN, null to
-    null), in ``live``'s column order; vectorised (Arrow's hash semi-join) when no key
-    column is floating-point or holds a null, else by Python tuples."""
-    if not live.num_rows or not rows.num_rows:
-        return live.slice(0, 0)
-    if _joinable([live, rows], key_names):
-        keys = rows.select(list(key_names))
-        return live.join(keys, keys=list(key_names), join_type="left semi").select(
-            live.column_names
-        )
-    seen = set(_keys(rows, key_names))
-    return live.filter(pa.array([k in seen for k in _keys(live, key_names)], pa.bool_()))
+    """The rows of ``live`` whose key is one of ``rows``' (key identity:
+    :func:`persist.key_identity.isin`)."""
+    return live.filter(key_identity.isin(live, rows, key_names))
 
 
 def plan_upsert(
     live: pa.Table, rows: pa.Table, key_names: Sequence[str], value_names: Sequence[str]
 ) -> Planned:
-    """Retract every live row whose key is one of ``rows``' and insert ``rows``.
+    """Retract every live row whose key is one of ``rows``' and insert ``rows``, netted
+    (:func:`net_changes`): a row equal to its key's one live row is left alone.
 
     Args:
         live: consolidated live rows (key, value columns, ``_diff``; any other columns
@@ -284,29 +258,117 @@ def plan_upsert(
     """
     names = [*key_names, *value_names]
     check_distinct_keys(rows, key_names)
-    retract, retracted = _retractions(with_keys_of(live, rows, key_names), names)
-    schema = _out_schema(rows.schema, names)
-    out = _concat([retract, _with_diff(rows.select(names), 1)], schema)
-    return Planned(out, rows.num_rows, retracted)
+    old = with_keys_of(live, rows, key_names)
+    return net_changes(
+        [_retractions(old, names), _with_diff(rows.select(names), 1)], key_names, value_names
+    )
 
 
 def plan_delete(live: pa.Table, key_names: Sequence[str], value_names: Sequence[str]) -> Planned:
     """Retract every row of ``live`` (the live rows the delete's filter keeps)."""
     names = [*key_names, *value_names]
-    retract, retracted = _retractions(live, names)
-    return Planned(retract.cast(_out_schema(live.schema, names)), 0, retracted)
+    return net_changes([_retractions(live, names)], key_names, value_names)
+
+
+def _python_scalar(v: Any, field: pa.Field, column: str) -> pa.Scalar:
+    """A Python value as a scalar of ``field``'s type, exactly or refused: Arrow's
+    conversion (``pyarrow.scalar(v, type)``) refuses a value of another kind, and the
+    value converted by its own type and cast safely (``Scalar.cast(safe=True)``)
+    must agree: no float truncated into an integer, no finer time truncated to a
+    coarser unit, no finite float overflowed into ``float32``'s infinity."""
+    t = field.type
+    try:
+        out = pa.scalar(v, t)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        raise InvalidUsage(f"update: set value {v!r} for column {column!r} ({t}): {e}") from None
+    except (OverflowError, TypeError, ValueError) as e:
+        raise InvalidUsage(
+            f"update: set value {v!r} for column {column!r} ({t}) does not fit: {e}"
+        ) from None
+    try:
+        own = pa.scalar(v)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+        return out  # e.g. an int beyond int64 for uint64: the conversion checked its range
+    if own.type == t or (pa.types.is_integer(own.type) and pa.types.is_decimal(t)):
+        return out  # the conversion of an int to a decimal is exact or refused
+    return _cast_scalar(own, field, column)
+
+
+def _kind(t: pa.DataType) -> str:
+    for kind, test in (
+        ("number", lambda t: pa.types.is_integer(t) or pa.types.is_floating(t)),
+        ("decimal", pa.types.is_decimal),
+        ("bool", pa.types.is_boolean),
+        ("string", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
+        ("binary", lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)),
+        ("timestamp", pa.types.is_timestamp),
+        ("date", pa.types.is_date),
+        ("time", pa.types.is_time),
+        ("duration", pa.types.is_duration),
+    ):
+        if test(t):
+            return kind
+    return str(t)
+
+
+def _cast_scalar(v: pa.Scalar, field: pa.Field, column: str) -> pa.Scalar:
+    """An Arrow scalar as one of ``field``'s type, by a safe cast within its kind
+    (numbers, decimals, strings, binaries, each temporal kind: never a string parsed
+    into a number), refusing a finite float that overflows into an infinity."""
+    t = field.type
+    kinds = {_kind(v.type), _kind(t)}
+    if len(kinds) > 1 and kinds != {"number", "decimal"}:
+        raise InvalidUsage(
+            f"update: set value {v} of type {v.type} does not fit column {column!r} ({t})"
+        )
+    try:
+        out = v.cast(t, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        raise InvalidUsage(f"update: set value {v} for column {column!r} ({t}): {e}") from None
+    if (
+        pa.types.is_floating(t)
+        and out.is_valid
+        and math.isinf(out.as_py())
+        and not (pa.types.is_floating(v.type) and math.isinf(v.as_py()))
+    ):
+        raise InvalidUsage(f"update: set value {v} overflows column {column!r} ({t})")
+    return out
+
+
+def set_scalar(v: Any, field: pa.Field, column: str) -> pa.Scalar:
+    """A ``set`` value (a Python value, an Arrow scalar or ``None``) as a scalar of
+    ``field``'s type, converted exactly (see :func:`_python_scalar`).
+
+    Raises:
+        InvalidUsage: the value is of another kind (e.g. a string for an integer
+            column), loses information (``1.9`` into ``int64``, microseconds into a
+            ``duration[s]``), is out of range (``2**70`` into ``int64``), or is null
+            for a non-nullable column; naming the column.
+    """
+    if isinstance(v, pa.Scalar):
+        out = _cast_scalar(v, field, column)
+    elif v is None:
+        out = pa.scalar(None, field.type)
+    else:
+        out = _python_scalar(v, field, column)
+    if not out.is_valid and not field.nullable:
+        raise InvalidUsage(f"update: set gives nulls to the non-nullable column {column!r}")
+    return out
 
 
 def check_set(
     set: Mapping[str, Any], schema: pa.Schema, key_names: Sequence[str], value_names: Sequence[str]
 ) -> dict[str, Any]:
-    """``set`` checked: a mapping of key or value column names to scalars or
-    ``pyarrow.compute`` expressions.
+    """``set`` checked, before anything is read or staged: a mapping of key or value
+    column names to scalars or ``pyarrow.compute`` expressions; the scalars returned
+    converted to their column's type exactly (:func:`set_scalar`), whether or not a
+    row will match.
 
     Raises:
         InvalidUsage: ``set`` is not a mapping, is empty, names a column that is not a
-            key or value column (``_time`` and ``_diff`` included), or holds an
-            expression that does not apply to the columns (e.g. an unknown field).
+            key or value column (``_time`` and ``_diff`` included), holds a scalar that
+            does not fit its column (:func:`set_scalar`), or an expression that does
+            not apply to the columns (e.g. an unknown field).
     """
     if not isinstance(set, Mapping) or not set:
         raise InvalidUsage("update: set must be a non-empty {column: scalar | expression}")
@@ -322,16 +384,20 @@ def check_set(
             raise InvalidUsage(
                 f"update: a set expression does not apply to the rows: {e}"
             ) from None
-    return dict(set)
+    return {
+        c: v if isinstance(v, pc.Expression) else set_scalar(v, schema.field(c), c)
+        for c, v in set.items()
+    }
 
 
 def new_values(old: pa.Table, set: Mapping[str, Any], names: Sequence[str]) -> pa.Table:
-    """``old``'s ``names`` columns with those of ``set`` replaced: a scalar repeated, an
-    expression evaluated on the old row; cast to the column's type.
+    """``old``'s ``names`` columns with those of ``set`` (checked by :func:`check_set`)
+    replaced: a scalar repeated, an expression evaluated on the old row and cast
+    safely to the column's type.
 
     Raises:
-        InvalidUsage: a value or expression result does not fit its column (naming it),
-            or an expression Arrow cannot evaluate on the rows.
+        InvalidUsage: an expression result does not fit its column (naming it), or an
+            expression Arrow cannot evaluate on the rows.
     """
     exprs = {c: v for c, v in set.items() if isinstance(v, pc.Expression)}
     evaluated: dict[str, pa.ChunkedArray] = {}
@@ -351,11 +417,12 @@ def new_values(old: pa.Table, set: Mapping[str, Any], names: Sequence[str]) -> p
         v = set[n]
         try:
             if n in evaluated:
-                arr: pa.Array | pa.ChunkedArray = evaluated[n].cast(field.type)
+                arr: pa.Array | pa.ChunkedArray = evaluated[n].cast(field.type, safe=True)
             elif isinstance(v, pc.Expression):
                 arr = pa.array([], field.type)
             else:
-                arr = pa.array([v] * old.num_rows, field.type)
+                scalar = v if isinstance(v, pa.Scalar) else set_scalar(v, field, n)
+                arr = pa.repeat(scalar.cast(field.type), old.num_rows)
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
             raise InvalidUsage(f"update: set value for column {n!r} ({field.type}): {e}") from None
         if not field.nullable and arr.null_count:
@@ -369,6 +436,56 @@ def changes_key(set: Mapping[str, Any], key_names: Sequence[str]) -> bool:
     return any(k in set for k in key_names)
 
 
+def _check_key_change(
+    live: pa.Table, new: pa.Table, at_new_keys: pa.Table | None, key_names: Sequence[str]
+) -> None:
+    """Refuse an update whose result gives two live rows one key that they did not
+    share before (by key identity), checked per row: the updated rows mapped to one new
+    key must all have had one old key, and a row whose key changes must not meet a
+    live row the update keeps (one of ``at_new_keys`` that is not in ``live``).
+
+    Raises:
+        InvalidUsage: naming the key columns and the key.
+    """
+    old_id, new_id = key_identity.aligned([live, new], key_names)
+    old_names = [f"\x00old{i}" for i in range(old_id.num_columns)]
+    pairs = new_id.append_column(key_identity.ROW, pa.array(range(new.num_rows), pa.int64()))
+    for name, col in zip(old_names, old_id.columns, strict=True):
+        pairs = pairs.append_column(name, col)
+    new_names = new_id.column_names
+    distinct = pairs.group_by([*new_names, *old_names], use_threads=False).aggregate(
+        [(key_identity.ROW, "min")]
+    )
+    per_new = distinct.group_by(new_names, use_threads=False).aggregate(
+        [([], "count_all"), (f"{key_identity.ROW}_min", "min")]
+    )
+    merged = per_new.filter(pc.field("count_all") > 1)
+    if merged.num_rows:
+        at = int(pc.min(merged.column(f"{key_identity.ROW}_min_min")).as_py())
+        raise InvalidUsage(
+            f"update: two updated rows would get one key {list(key_names)} = "
+            f"{_show_key(new, key_names, at)}; nothing was committed"
+        )
+    if at_new_keys is None or not at_new_keys.num_rows:
+        return
+    same = None
+    for o, n in zip(old_id.columns, new_id.columns, strict=True):
+        eq = pc.equal(o, n)
+        same = eq if same is None else pc.and_(same, eq)
+    moved = new.filter(pc.invert(same)) if same is not None else new.slice(0, 0)
+    names = [n for n in live.column_names if n in at_new_keys.column_names and n != DIFF]
+    names = [n for n in names if n != TIME]
+    kept = at_new_keys.filter(pc.invert(key_identity.isin(at_new_keys, live, names)))
+    hit = key_identity.isin(moved, kept, key_names)
+    if pc.any(hit).as_py():
+        at = int(pc.index(hit, True).as_py())
+        raise InvalidUsage(
+            f"update: an updated row would get the key {list(key_names)} = "
+            f"{_show_key(moved, key_names, at)} of a live row it does not change; "
+            "nothing was committed"
+        )
+
+
 def plan_update(
     live: pa.Table,
     set: Mapping[str, Any],
@@ -377,7 +494,8 @@ def plan_update(
     at_new_keys: pa.Table | None = None,
 ) -> Planned:
     """Retract every row of ``live`` (the live rows the update's filter keeps) and
-    insert it again with the ``set`` values (:func:`new_values`), with its count.
+    insert it again with the ``set`` values (:func:`new_values`), with its count,
+    netted (:func:`net_changes`: a row the update leaves equal is left alone).
 
     Args:
         at_new_keys: when ``set`` changes a key column, the live rows (of the same
@@ -385,34 +503,17 @@ def plan_update(
 
     Raises:
         InvalidUsage: bad ``set`` values (see :func:`new_values`); the update changes
-            keys and two updated rows get one new key, or an updated row gets the key
-            of a live row the update does not retract (naming the key columns and key).
+            keys and two updated rows of different keys get one new key, or a row whose
+            key changes gets the key of a live row the update does not change (naming
+            the key columns and key).
     """
     names = [*key_names, *value_names]
-    retract, retracted = _retractions(live, names)
     new = new_values(live, set, names)
     if changes_key(set, key_names) and live.num_rows:
-        old_keys = _keys(live, key_names)
-        new_keys = _keys(new, key_names)
-        # A key shared by old rows (e.g. one key with two values) may stay shared, but
-        # no two distinct old keys may merge, and no new key may meet a kept row.
-        first: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        for o, n in zip(old_keys, new_keys, strict=True):
-            if first.setdefault(n, o) != o:
-                raise InvalidUsage(
-                    f"update: two updated rows would get one key {list(key_names)} = "
-                    f"{list(n)}; nothing was committed"
-                )
-        retracted_keys = {*old_keys}
-        if at_new_keys is not None and at_new_keys.num_rows:
-            for k in _keys(at_new_keys, key_names):
-                if k in first and k not in retracted_keys:
-                    raise InvalidUsage(
-                        f"update: an updated row would get the key {list(key_names)} = "
-                        f"{list(k)} of a live row it does not change; nothing was committed"
-                    )
-    out = _concat([retract, _with_diff(new, live.column(DIFF))], _out_schema(live.schema, names))
-    return Planned(out, retracted, retracted)
+        _check_key_change(live, new, at_new_keys, key_names)
+    return net_changes(
+        [_retractions(live, names), _with_diff(new, live.column(DIFF))], key_names, value_names
+    )
 
 
 # ------------------------------------------------------------------ the loop
@@ -471,7 +572,8 @@ def apply_change(
     ``plan(read, upper)`` gets ``read(filter)`` (the live rows as of ``upper - 1`` of the
     freshly read state, restricted to at least those ``filter`` keeps; an empty shard
     has none) and returns the :class:`Planned` updates; they are appended at
-    ``[upper, upper + 1)``.  An indeterminate commit is resolved by
+    ``[upper, upper + 1)``, unless there are none: then nothing is appended and the
+    result is ``RowChanges(upper - 1, 0, 0)``.  An indeterminate commit is resolved by
     ``compare_and_append`` itself (its idempotency token): it is never re-planned, so a
     change is never applied twice.
 
@@ -501,6 +603,10 @@ def apply_change(
                     return writer.read_live(state, filter)
 
                 planned = plan(read, upper)
+                if planned.updates.num_rows == 0:
+                    # A change that changes nothing writes nothing: no part, no new
+                    # version; the shard held its result as of upper - 1 already.
+                    return RowChanges(upper - 1, 0, 0)
                 table = planned.updates.append_column(
                     pa.field(TIME, pa.int64(), False),
                     pa.array([upper] * planned.updates.num_rows, pa.int64()),

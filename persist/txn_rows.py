@@ -15,13 +15,16 @@ that version as of its ``upper - 1``; the shard's upper is at most the commit ti
 retractions and insertions are appended at ``ts``.  Every re-staging (a lost seqno
 race, a race that moves ``ts``) plans again on the version re-staged on.
 
-Uploads are not repeated: an upsert's insertions (its rows, each with ``_diff`` 1) are
-written once, when :meth:`Txn.upsert` is called, like :meth:`Txn.write` does.  What
-depends on the live rows (an upsert's retractions, a delete, an update) is one batch
-per shard, uploaded when planned and kept while a re-plan gives the same updates (a
-digest of their content): a race that did not touch the rows the change reads uploads
-nothing again.  A batch a re-plan replaces is deleted when the transaction finishes,
-unless an attempt whose outcome was unknown may have sent it (then GC decides).
+Uploads are not repeated: the changes of a shard are planned together and netted
+(:func:`persist.rows.net_changes`: a row retracted and inserted again is neither, so a
+change that changes nothing uploads no part) into one batch per shard, uploaded when
+planned and kept while a re-plan gives the same updates (a digest of their content): a
+race that did not touch the rows the changes read uploads nothing again.  A batch a
+re-plan replaces is deleted when the transaction finishes, unless an attempt whose
+outcome was unknown may have sent it (then GC decides).  A shard whose changes net to
+nothing is still committed (its upper moves to ``ts + 1``, with no part): the
+transaction's commit is what checks that the rows it planned on are still the live
+ones at ``ts``.
 
 Several changes to one shard in one transaction apply in order: each sees the live rows
 with the earlier ones' updates applied (consolidated).  A shard takes either row-level
@@ -49,7 +52,7 @@ import pyarrow.compute as pc
 from persist import rows as rows_mod
 from persist.batch import Batch
 from persist.errors import CorruptPart, InvalidUsage, SchemaMismatch
-from persist.filters import check_filter
+from persist.filters import apply_filter, check_filter, update_filter
 from persist.parts import DIFF, TIME
 from persist.rows import Planned, RowChanges
 from persist.state import ShardState
@@ -89,9 +92,8 @@ class ShardRowChanges:
 
     Attributes:
         ops: the changes in the order given, with their index in the transaction.
-        planned: the batch of the updates that depend on the live rows (``None``
-            before the first plan, or when there are none), and ``digest`` its
-            content's.
+        planned: the batch of the shard's updates as last planned (``None`` before
+            the first plan, or when there are none), and ``digest`` their content's.
         replaced: batches a re-plan replaced (deleted when the transaction finishes).
         results: per change, its counts as last planned (``time`` filled on commit).
         uploads: how many planned batches were written (for tests and metrics).
@@ -135,23 +137,27 @@ def _digest(updates: pa.Table) -> bytes:
     return hashlib.sha256(sink.getvalue().to_pybytes()).digest()
 
 
-def _consolidated(tables: list[pa.Table], names: list[str]) -> pa.Table:
-    """The rows of ``tables`` (``names`` and ``_diff``) with equal rows summed and
-    zero-count rows dropped.
-
-    Raises:
-        InvalidUsage: a column Arrow cannot group by (naming the rule).
-    """
-    both = pa.concat_tables([t.select([*names, DIFF]) for t in tables], promote_options="none")
-    try:
-        g = both.group_by(names, use_threads=False).aggregate([(DIFF, "sum")])
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-        raise InvalidUsage(
-            f"several row changes to one shard in one transaction need columns Arrow can "
-            f"group by: {e}"
-        ) from None
-    g = g.rename_columns([*names, DIFF]).select([*names, DIFF])
-    return g.filter(pc.field(DIFF) != 0)
+def _with_earlier(
+    live: pa.Table,
+    earlier: list[pa.Table],
+    filter: pc.Expression | None,
+    schema: pa.Schema,
+    keys: list[str],
+    values: list[str],
+) -> pa.Table:
+    """The live rows ``live`` (those ``filter`` keeps) with the ``earlier`` changes'
+    updates applied, consolidated as a shard consolidates them
+    (:func:`persist.rows.net_changes`), then ``filter`` applied: the earlier updates
+    are first filtered as updates are (:func:`persist.filters.update_filter`: every
+    update of a row the filter keeps, whichever zero or NaN it holds)."""
+    if not earlier:
+        return live
+    names = [*keys, *values]
+    prior = pa.concat_tables(earlier)
+    if filter is not None:
+        prior = apply_filter(prior, update_filter(filter, schema))
+    both = rows_mod.net_changes([live.select([*names, DIFF]), prior], keys, values).updates
+    return both if filter is None else apply_filter(both, filter)
 
 
 def _plan_op(
@@ -187,8 +193,8 @@ def plan_changes(
 ) -> pa.Table:
     """Plan every change of ``rc`` in order on the live rows ``read`` gives (each
     change seeing the earlier ones' updates), record their counts in ``rc.results``,
-    and return the updates that depend on the live rows (key and value columns and
-    ``_diff``): everything but the upserts' insertions, which were uploaded already.
+    and return the shard's updates (key and value columns and ``_diff``): every
+    change's, netted together (:func:`persist.rows.net_changes`).
 
     Raises:
         InvalidUsage: a change refused by its planning (see :mod:`persist.rows`).
@@ -196,27 +202,17 @@ def plan_changes(
     names = [*keys, *values]
     out_schema = pa.schema([schema.field(n) for n in names] + [pa.field(DIFF, pa.int64(), False)])
     earlier: list[pa.Table] = []  # every planned update so far
-    variable: list[pa.Table] = []
     for i, op in rc.ops:
 
         def read_op(filter: pc.Expression | None) -> pa.Table:
-            live = read(filter)
-            if not earlier:
-                return live
-            prior = pa.concat_tables(earlier)
-            if filter is not None:
-                prior = prior.filter(filter)
-            return _consolidated([live.select([*names, DIFF]).cast(out_schema), prior], names)
+            return _with_earlier(read(filter), earlier, filter, schema, keys, values)
 
         planned = _plan_op(op, read_op, schema, keys, values)
-        updates = planned.updates.cast(out_schema)
-        earlier.append(updates)
-        if op.kind == "upsert":
-            assert op.rows is not None
-            updates = updates.slice(0, updates.num_rows - op.rows.num_rows)  # retractions
-        variable.append(updates)
+        earlier.append(planned.updates.cast(out_schema))
         rc.results[i] = (planned.inserted, planned.retracted)
-    return pa.concat_tables(variable) if variable else out_schema.empty_table()
+    if not earlier:
+        return out_schema.empty_table()
+    return rows_mod.net_changes(earlier, keys, values).updates
 
 
 def plan_on_head(sw: ShardWrites, m: ShardMachine, ts: int, token: str) -> None:
@@ -276,11 +272,11 @@ def plan_on_head(sw: ShardWrites, m: ShardMachine, ts: int, token: str) -> None:
 
 def _use(sw: ShardWrites, updates: pa.Table) -> None:
     """Make ``updates`` the shard's planned batch, uploading it only if its content
-    differs from the current one's."""
+    differs from the current one's (none when there are no updates)."""
     rc = sw.rows
     assert rc is not None
     d = _digest(updates)
-    if rc.digest == d and (rc.planned is not None or updates.num_rows == 0):
+    if rc.digest == d:
         return
     old = rc.planned
     new = upload(sw.writer, updates) if updates.num_rows else None
@@ -326,7 +322,8 @@ class TxnRowChanges:
     def upsert(self, shard: str | WriteHandle, rows: pa.Table | pa.RecordBatch) -> None:
         """Replace, for each row of ``rows``, every live row of ``shard`` with its key by
         it, when the transaction commits (:mod:`persist.txn_rows`; the semantics of
-        :meth:`persist.write.WriteHandle.upsert`).  The rows are uploaded now, once.
+        :meth:`persist.write.WriteHandle.upsert`).  The rows are uploaded when the
+        commit plans them (only those that change a live row).
 
         Args:
             shard: an existing shard's name, or a write handle of this client.
@@ -337,19 +334,14 @@ class TxnRowChanges:
             InvalidUsage: unknown shard; bad columns; two rows with one key (naming the
                 key columns); a shard this transaction also writes with ``write``; a
                 finished transaction.  Nothing is added.
-            BlobError, ConsensusError: the upload failed; nothing of this call is kept.
+            SchemaMismatch: the handle's schema version is not the shard's newest, or
+                not that of the transaction's earlier changes to the shard.
         """
         self._check_changeable()
         w = self._row_writer(shard)
         table = rows_mod.conform_rows(rows, w.schema, f"Txn.upsert into shard {w.name!r}")
-        rows_mod.check_unique_keys(table, w.key_schema.names)
-        batch = upload(
-            w, table.append_column(DIFF, pa.repeat(pa.scalar(1, pa.int64()), len(table)))
-        )
-        sw = self._row_shard(w)
-        sw.batches.append(batch)
-        sw.lent[id(batch)] = w
-        self._add_op(sw, RowOp("upsert", rows=table))
+        rows_mod.check_distinct_keys(table, w.key_schema.names)
+        self._add_op(self._row_shard(w), RowOp("upsert", rows=table))
 
     def delete(self, shard: str | WriteHandle, filter: pc.Expression) -> None:
         """Retract every live row of ``shard`` that ``filter`` (a boolean
@@ -408,6 +400,15 @@ class TxnRowChanges:
 
     # ------------------------------------------------------------------ helpers
     def _row_writer(self, shard: str | WriteHandle) -> WriteHandle:
+        """The writer of a row change to ``shard``, checked: the shard takes row
+        changes in this transaction, and the writer has the shard's newest schema
+        version (as the state last read knows it; the commit checks again) and that of
+        the transaction's earlier changes to it (their rows name the same columns).
+
+        Raises:
+            InvalidUsage: the transaction writes the shard with ``write``.
+            SchemaMismatch: naming the shard and both versions; nothing is added.
+        """
         w = self._writer_for(shard, None, None)
         sw = self._shards.get(w.shard_id)
         if sw is not None and sw.rows is None:
@@ -415,6 +416,22 @@ class TxnRowChanges:
                 f"shard {w.name!r}: this transaction already writes it with write or "
                 "write_batches; one transaction takes either row-level changes or "
                 "updates for a shard, not both (nothing was added)"
+            )
+        newest = w._machine.recent().schemas().newest
+        if w.schema_id != newest:
+            raise SchemaMismatch(
+                repr(w.name),
+                "*",
+                f"a row change needs the shard's newest schema version {newest}",
+                f"this handle has version {w.schema_id}; nothing was added",
+            )
+        if sw is not None and sw.writer.schema_id != w.schema_id:
+            raise SchemaMismatch(
+                repr(w.name),
+                "*",
+                f"the transaction's earlier changes to the shard have schema version "
+                f"{sw.writer.schema_id}",
+                f"this change has version {w.schema_id}; nothing was added",
             )
         return w
 

@@ -100,6 +100,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.encoding",
                 "persist.decoding",
                 "persist.consolidation",
+                "persist.key_identity",
                 "persist.stats",
                 "persist.keys",
                 "persist.key_identity",

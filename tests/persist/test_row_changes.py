@@ -68,15 +68,18 @@ def table(rows: list[tuple[int, int | None]]) -> pa.Table:
 
 
 # ----------------------------------------------------------------- the handle
-def test_changes_on_an_empty_shard_and_empty_changes_commit(client: PersistClient) -> None:
+def test_changes_that_change_nothing_write_nothing(client: PersistClient) -> None:
+    """A change that changes nothing commits nothing (no part, no version: the upper
+    stays) and returns ``upper - 1`` of the version it read, with zero counts."""
     w, r = client.open("s", KEY, VAL)
-    # upper 0: no live rows; an empty change still commits and returns its time
-    assert w.delete(pc.field("id") == 1) == RowChanges(0, 0, 0)
+    seqno = client.inspect("s").seqno
+    assert w.delete(pc.field("id") == 1) == RowChanges(-1, 0, 0)  # upper 0: no rows
+    assert w.upsert(table([])) == RowChanges(-1, 0, 0)
+    assert w.update(pc.field("id") == 1, {"v": 3}) == RowChanges(-1, 0, 0)
+    assert w.fetch_recent_upper() == Antichain([0]) and client.inspect("s").seqno == seqno
+    assert w.upsert(table([(1, 10), (2, 20)])) == RowChanges(0, 2, 0)
+    assert w.delete(pc.field("id") == 3) == RowChanges(0, 0, 0)
     assert w.fetch_recent_upper() == Antichain([1])
-    assert w.upsert(table([])) == RowChanges(1, 0, 0)
-    assert w.update(pc.field("id") == 1, {"v": 3}) == RowChanges(2, 0, 0)
-    assert w.upsert(table([(1, 10), (2, 20)])) == RowChanges(3, 2, 0)
-    assert w.fetch_recent_upper() == Antichain([4])
     assert live(r, w) == Counter({(1, 10): 1, (2, 20): 1})
 
 
@@ -292,7 +295,7 @@ def test_lost_races_are_bounded_then_name_the_shard(client: PersistClient) -> No
     with pytest.raises(ChangeContended, match=r"shard 'racy' \(s-1\).* 4 times") as e:
         rows_mod.apply_change(
             racy,
-            lambda read, upper: rows_mod.plan_delete(read(None), ["id"], ["v"]),
+            lambda read, upper: rows_mod.plan_upsert(read(None), table([(1, 1)]), ["id"], ["v"]),
             attempts=4,
             wait_max=0.001,
         )
@@ -355,6 +358,7 @@ def test_model(stash_url: str, inline_max_bytes: int, ops: list[tuple[Any, ...]]
         for op in ops:
             upper = w.fetch_recent_upper().as_option()
             kind = op[0]
+            before = +model
             if kind == "since":  # up to beyond the upper: compaction may advance past it
                 r.downgrade_since(upper + 2)
                 continue
@@ -377,7 +381,9 @@ def test_model(stash_url: str, inline_max_bytes: int, ops: list[tuple[Any, ...]]
             else:
                 w.compare_and_append([(((i,), (v,)), upper, 1) for i, v in op[1]], upper, upper + 1)
                 model.update(op[1])
-            assert w.fetch_recent_upper().as_option() == upper + 1
+            # a change that changes nothing writes nothing: the upper stays
+            moved = kind == "append" or +model != before
+            assert w.fetch_recent_upper().as_option() == upper + moved
             assert live_rows(w) == +model
     finally:
         c.close()

@@ -30,7 +30,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from persist import MemoryBlob, PersistClient
+from persist import MemoryBlob, PersistClient, RowChanges
 from stash import Stash
 
 KEY = pa.schema([pa.field("id", pa.int64(), False)])
@@ -92,6 +92,16 @@ class RowChangesModel(RuleBasedStateMachine):
         for k, n in old:
             self.model[f(k)] += n
 
+    def counted(self, ch: RowChanges, before: Counter[Row], upper: int) -> None:
+        """``ch`` counts exactly the model's net change (a row equal to its live row
+        counts in neither), and a change that changed nothing moved no upper."""
+        after = +self.model
+        assert (ch.inserted, ch.retracted) == (
+            sum((after - before).values()),
+            sum((before - after).values()),
+        )
+        assert self.upper() == (upper if after == before else upper + 1)
+
     def replaced(self, rows: dict[int, Row]) -> None:
         for k in [k for k in self.model if k[0] in rows]:
             del self.model[k]
@@ -101,26 +111,33 @@ class RowChangesModel(RuleBasedStateMachine):
     @rule(rows=st.dictionaries(ids, st.tuples(vals, notes), max_size=4))
     def upsert(self, rows: dict[int, tuple[int, str | None]]) -> None:
         new = {i: self.row(i, v, n) for i, (v, n) in rows.items()}
+        before, upper = +self.model, self.upper()
         ch = self.w.upsert(self.table(sorted(new.values())))
-        assert ch.inserted == len(new)
         self.replaced(new)
+        self.counted(ch, before, upper)
 
     @rule(keys=st.frozensets(ids, max_size=3))
     def delete(self, keys: frozenset[int]) -> None:
-        self.w.delete(pc.field("id").isin(sorted(keys)))
+        before, upper = +self.model, self.upper()
+        ch = self.w.delete(pc.field("id").isin(sorted(keys)))
         for k in [k for k in self.model if k[0] in keys]:
             del self.model[k]
+        self.counted(ch, before, upper)
 
     @rule(i=ids, x=vals)
     def update_add(self, i: int, x: int) -> None:
-        self.w.update(pc.field("id") == i, {"v": pc.field("v") + x})
+        before, upper = +self.model, self.upper()
+        ch = self.w.update(pc.field("id") == i, {"v": pc.field("v") + x})
         self.moved(i, lambda k: (k[0], k[1] + x, k[2]))
+        self.counted(ch, before, upper)
 
     @precondition(lambda self: self.has_note)
     @rule(i=ids, note=notes)
     def update_note(self, i: int, note: str | None) -> None:
-        self.w.update(pc.field("id") == i, {"note": note})
+        before, upper = +self.model, self.upper()
+        ch = self.w.update(pc.field("id") == i, {"note": note})
         self.moved(i, lambda k: (k[0], k[1], note))
+        self.counted(ch, before, upper)
 
     @rule(rows=st.lists(st.tuples(ids, vals, notes), max_size=3))
     def append_raw(self, rows: list[tuple[int, int, str | None]]) -> None:

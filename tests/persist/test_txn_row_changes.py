@@ -192,10 +192,10 @@ def test_a_race_between_plan_and_commit_replans_and_loses_no_update(
 def test_a_replan_uploads_only_what_changed(
     client: PersistClient, stash: Stash, blob: CountingBlob, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Blob puts are counted.  An upsert's insertions go up once, at ``Txn.upsert``; a
-    race that did not touch the rows the changes read re-plans to the same updates and
-    uploads nothing; one that changed a retracted row uploads that shard's retractions
-    again, and only those.  The replaced part is deleted."""
+    """Blob puts are counted.  A shard's changes go up as one part when the commit
+    plans them; a race that did not touch the rows the changes read re-plans to the
+    same updates and uploads nothing; one that changed a retracted row uploads that
+    shard's part again, and only that.  The replaced part is deleted."""
     other = PersistClient(stash, blob, compaction="off")  # inline parts: no puts
     try:
         wa, _ = other.open("a", KEY, VAL)
@@ -203,15 +203,14 @@ def test_a_replan_uploads_only_what_changed(
         txn = client.begin()
         start = len(blob.puts)
         txn.upsert("a", table([(1, 11), (2, 20)]))
-        assert len(blob.puts) - start == 1  # the insertions, once
         txn.update("b", pc.field("id") == 0, INC)
-        assert len(blob.puts) - start == 1  # planned at commit
+        assert len(blob.puts) == start  # planned at commit
         # A race on an unrelated key of a: the same plan, nothing uploaded again.
         calls = _race_once(monkeypatch, lambda: wa.upsert(table([(9, 9)])))
         mid = len(blob.puts)
         txn.commit()
         assert calls[0] >= 3
-        assert len(blob.puts) - mid == 2  # a's retraction of (1, 10), b's update: once
+        assert len(blob.puts) - mid == 2  # a's upsert, b's update: once each
         assert live(client, "a") == Counter({(0, 0): 1, (1, 11): 1, (2, 20): 1, (9, 9): 1})
         assert live(client, "b") == Counter({(0, 1): 1, (1, 10): 1})
 
@@ -224,7 +223,7 @@ def test_a_replan_uploads_only_what_changed(
         start = len(blob.puts)
         txn.commit()
         retractions = blob.puts[start:]
-        assert len(retractions) == 2  # a's retraction of (1, 11), then of (1, 99)
+        assert len(retractions) == 2  # a's part retracting (1, 11), then (1, 99)
         assert blob.get(retractions[0]) is None  # the replaced one is deleted
         assert blob.get(retractions[1]) is not None
         assert live(client, "a") == Counter({(0, 0): 1, (1, 12): 1, (2, 20): 1, (9, 9): 1})

@@ -43,8 +43,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -57,12 +56,15 @@ from persist.merge_plan import (
     EvaluatorFactory,
     MergeClause,
     MergeCounts,
+    MergeResult,
     MergeSpec,
     plan_merge,
     source_on,
 )
 from persist.parts import DIFF
 from persist.rows import ChangeWriter, Planned, apply_change
+
+R = TypeVar("R")
 
 __all__ = [
     "MergeBuilder",
@@ -71,37 +73,15 @@ __all__ = [
     "MergeSpec",
     "as_source",
     "check_spec",
+    "plan_on_read",
+    "read_filter",
     "run_merge",
 ]
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-@dataclass(frozen=True)
-class MergeResult:
-    """The outcome of a committed merge.
-
-    Attributes:
-        time: the time the merge committed at (int); the shard's upper was then
-            ``time + 1``.
-        num_source_rows: rows of the source (int).
-        num_target_rows_inserted: rows inserted by ``when_not_matched_*`` clauses.
-        num_target_rows_updated: live rows given another value (with multiplicity).
-        num_target_rows_deleted: live rows retracted by delete clauses (with
-            multiplicity).
-        num_target_rows_unchanged: rows an update clause took whose value did not change
-            (nothing written for them).
-    """
-
-    time: int
-    num_source_rows: int
-    num_target_rows_inserted: int
-    num_target_rows_updated: int
-    num_target_rows_deleted: int
-    num_target_rows_unchanged: int = 0
-
-
-class MergeBuilder:
+class MergeBuilder(Generic[R]):
     """Chains a merge's clauses (delta-spark's ``DeltaMergeBuilder``); :meth:`execute`
     commits it.  Each ``when_*`` method returns the builder; clauses of one kind are
     tried in the order they were added."""
@@ -109,14 +89,14 @@ class MergeBuilder:
     def __init__(
         self,
         spec: MergeSpec,
-        run: Callable[[MergeSpec], MergeResult],
+        run: Callable[[MergeSpec], R],
         accepts: tuple[type, ...] = (str,),
     ) -> None:
         self._spec = spec
         self._run = run
         self._accepts = accepts
 
-    def _add(self, clause: MergeClause) -> MergeBuilder:
+    def _add(self, clause: MergeClause) -> Self:
         kinds = " or ".join(t.__name__ for t in self._accepts)
         if clause.condition is not None and not isinstance(clause.condition, self._accepts):
             raise InvalidUsage(
@@ -139,41 +119,39 @@ class MergeBuilder:
         )
         return self
 
-    def when_matched_update(
-        self, set: Mapping[str, str], condition: str | None = None
-    ) -> MergeBuilder:
+    def when_matched_update(self, set: Mapping[str, str], condition: str | None = None) -> Self:
         """Matched target rows (where ``condition`` holds) take ``set``'s values."""
         return self._add(MergeClause("matched", "update", condition, dict(set)))
 
-    def when_matched_update_all(self, condition: str | None = None) -> MergeBuilder:
+    def when_matched_update_all(self, condition: str | None = None) -> Self:
         """Matched target rows take every value column from the source column of the
         same name."""
         return self._add(MergeClause("matched", "update", condition, None))
 
-    def when_matched_delete(self, condition: str | None = None) -> MergeBuilder:
+    def when_matched_delete(self, condition: str | None = None) -> Self:
         """Matched target rows (where ``condition`` holds) are deleted."""
         return self._add(MergeClause("matched", "delete", condition, None))
 
     def when_not_matched_insert(
         self, values: Mapping[str, str], condition: str | None = None
-    ) -> MergeBuilder:
+    ) -> Self:
         """Source rows matching no target row are inserted with ``values`` (columns
         not named are null)."""
         return self._add(MergeClause("not_matched", "insert", condition, dict(values)))
 
-    def when_not_matched_insert_all(self, condition: str | None = None) -> MergeBuilder:
+    def when_not_matched_insert_all(self, condition: str | None = None) -> Self:
         """Source rows matching no target row are inserted as they are (every target
         column from the source column of the same name)."""
         return self._add(MergeClause("not_matched", "insert", condition, None))
 
     def when_not_matched_by_source_update(
         self, set: Mapping[str, str], condition: str | None = None
-    ) -> MergeBuilder:
+    ) -> Self:
         """Target rows no source row matches take ``set``'s values (target columns
         only)."""
         return self._add(MergeClause("not_matched_by_source", "update", condition, dict(set)))
 
-    def when_not_matched_by_source_delete(self, condition: str | None = None) -> MergeBuilder:
+    def when_not_matched_by_source_delete(self, condition: str | None = None) -> Self:
         """Target rows no source row matches (where ``condition`` holds) are deleted."""
         return self._add(MergeClause("not_matched_by_source", "delete", condition, None))
 
@@ -182,8 +160,10 @@ class MergeBuilder:
         """The merge as asked so far."""
         return self._spec
 
-    def execute(self) -> MergeResult:
-        """Plan and commit the merge (one commit; planned again on a lost race).
+    def execute(self) -> R:
+        """Plan and commit the merge (one commit; planned again on a lost race) and
+        return its :class:`MergeResult`; in a transaction (``Txn.merge``), add it to the
+        transaction (planned and checked when it commits) and return ``None``.
 
         Raises:
             InvalidUsage: no clause, a condition or value that does not parse or names
@@ -331,6 +311,52 @@ def _bound(
     }[op]
 
 
+def read_filter(
+    source: pa.Table, spec: MergeSpec, schema: pa.Schema, key_names: Sequence[str]
+) -> tuple[bool, pc.Expression | None]:
+    """What a merge reads of the live rows: ``(read anything, filter)``.  Only the rows
+    whose ``on`` columns can equal a source row's (part statistics and key-range row
+    groups prune, as ``upsert`` reads), and those of the key ranges its by-source
+    clauses are restricted to; every live row when a by-source clause is not.
+
+    Raises:
+        InvalidUsage: the source's ``on`` columns are missing, do not fit or hold nulls.
+    """
+    on_cols = source_on(source, spec, schema)  # refused before anything is read
+    filt = key_filter(on_cols, spec.on)
+    by_source = [c for c in spec.clauses if c.kind == "not_matched_by_source"]
+    if not by_source:
+        return source.num_rows > 0, filt
+    bounds = [_key_bounds(c.condition, spec.target_alias, schema, key_names) for c in by_source]
+    if any(b is None for b in bounds):
+        return True, None  # a by-source clause may touch any live row: read them all
+    for b in bounds:
+        filt = b if filt is None else filt | b
+    return True, filt
+
+
+def plan_on_read(
+    read: Callable[[pc.Expression | None], pa.Table],
+    source: pa.Table,
+    spec: MergeSpec,
+    schema: pa.Schema,
+    key_names: Sequence[str],
+    evaluator: EvaluatorFactory = DuckDBEvaluator,
+) -> tuple[Planned, MergeCounts]:
+    """Plan ``spec`` on the live rows ``read(filter)`` gives (:func:`read_filter`
+    decides what is read; :func:`persist.merge_plan.plan_merge` plans)."""
+    needs, filt = read_filter(source, spec, schema, key_names)
+    if needs:
+        live = read(filt)
+    else:
+        live = schema.empty_table().append_column(DIFF, pa.array([], pa.int64()))
+
+    def read_keys(keys: pa.Table) -> pa.Table:
+        return read(key_filter(keys, key_names))
+
+    return plan_merge(live, source, spec, schema, key_names, read_keys, evaluator)
+
+
 def run_merge(
     writer: ChangeWriter,
     source: pa.Table,
@@ -340,9 +366,8 @@ def run_merge(
     evaluator: EvaluatorFactory = DuckDBEvaluator,
 ) -> MergeResult:
     """Plan and commit ``spec`` through ``writer`` (:func:`persist.rows.apply_change`:
-    one ``compare_and_append``, planned again on a lost race).  Only the live rows whose
-    ``on`` columns can equal a source row's are read (part statistics and key-range row
-    groups, as ``upsert`` reads), unless a by-source clause needs every live row.
+    one ``compare_and_append``, planned again on a lost race; a merge that changes
+    nothing commits nothing), reading what :func:`read_filter` says.
 
     Args:
         schema: the shard's key and value columns (no ``_time``/``_diff``).
@@ -350,31 +375,13 @@ def run_merge(
     Raises:
         see :meth:`MergeBuilder.execute`.
     """
-    on_cols = source_on(source, spec, schema)  # refused before anything is read
-    filt = key_filter(on_cols, spec.on)
-    by_source = [c for c in spec.clauses if c.kind == "not_matched_by_source"]
-    if by_source:
-        bounds = [_key_bounds(c.condition, spec.target_alias, schema, key_names) for c in by_source]
-        if any(b is None for b in bounds):
-            filt = None  # a by-source clause may touch any live row: read them all
-        else:
-            for b in bounds:
-                filt = b if filt is None else filt | b
+    read_filter(source, spec, schema, key_names)  # refused before anything is read
     last: list[MergeCounts] = []
 
     def plan(read: Callable[[pc.Expression | None], pa.Table], upper: int) -> Planned:
-        if by_source or source.num_rows:
-            live = read(filt)
-        else:
-            live = schema.empty_table().append_column(DIFF, pa.array([], pa.int64()))
-
-        def read_keys(keys: pa.Table) -> pa.Table:
-            return read(key_filter(keys, key_names))
-
-        planned, counts = plan_merge(live, source, spec, schema, key_names, read_keys, evaluator)
+        planned, counts = plan_on_read(read, source, spec, schema, key_names, evaluator)
         last[:] = [counts]
         return planned
 
     changes = apply_change(writer, plan)
-    c = last[0]
-    return MergeResult(changes.time, c.source, c.inserted, c.updated, c.deleted, c.unchanged)
+    return last[0].result(changes.time)

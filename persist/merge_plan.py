@@ -30,7 +30,7 @@ from persist.consolidation import _compare_pairs
 from persist.errors import InvalidUsage
 from persist.key_identity import aligned, duplicate_key, isin
 from persist.parts import DIFF
-from persist.rows import Planned
+from persist.rows import Planned, net_changes
 
 __all__ = [
     "CLAUSE",
@@ -44,6 +44,7 @@ __all__ = [
     "Item",
     "MergeClause",
     "MergeCounts",
+    "MergeResult",
     "MergeSpec",
     "plan_merge",
     "source_on",
@@ -76,6 +77,31 @@ class MergeClause:
         return out
 
 
+@dataclass(frozen=True)
+class MergeResult:
+    """The outcome of a committed merge.
+
+    Attributes:
+        time: the time the merge committed at (int); the shard's upper was then
+            ``time + 1``.  A merge that changed nothing commits nothing: ``time`` is
+            then ``upper - 1`` of the state version it read.
+        num_source_rows: rows of the source (int).
+        num_target_rows_inserted: rows inserted by ``when_not_matched_*`` clauses.
+        num_target_rows_updated: live rows given another value (with multiplicity).
+        num_target_rows_deleted: live rows retracted by delete clauses (with
+            multiplicity).
+        num_target_rows_unchanged: rows an update clause took whose value did not change
+            (nothing written for them).
+    """
+
+    time: int
+    num_source_rows: int
+    num_target_rows_inserted: int
+    num_target_rows_updated: int
+    num_target_rows_deleted: int
+    num_target_rows_unchanged: int = 0
+
+
 @dataclass
 class MergeCounts:
     """The counts of one plan (the last plan's become the :class:`MergeResult`)."""
@@ -85,6 +111,22 @@ class MergeCounts:
     updated: int = 0
     deleted: int = 0
     unchanged: int = 0
+
+    def result(self, time: int) -> MergeResult:
+        """These counts as the result of a merge committed at ``time``."""
+        return MergeResult(
+            time, self.source, self.inserted, self.updated, self.deleted, self.unchanged
+        )
+
+    def metrics(self) -> dict[str, int]:
+        """These counts as history metrics (Delta's ``operationMetrics`` names)."""
+        return {
+            "num_source_rows": self.source,
+            "num_target_rows_inserted": self.inserted,
+            "num_target_rows_updated": self.updated,
+            "num_target_rows_deleted": self.deleted,
+            "num_target_rows_unchanged": self.unchanged,
+        }
 
 
 @dataclass(frozen=True)
@@ -434,10 +476,9 @@ def plan_merge(
     retractions = retracted_tbl.set_column(len(names), DIFF, pc.negate(retracted_tbl.column(DIFF)))
     inserts = [t for t in new_tables if t.num_rows]
     _check_new_keys(inserts, retracted_tbl, key_names, read_keys)
-    out = pa.concat_tables([retractions.cast(out_schema), *[t.cast(out_schema) for t in inserts]])
-    retracted = int(pc.sum(retracted_tbl.column(DIFF)).as_py() or 0)
-    inserted = sum(int(pc.sum(t.column(DIFF)).as_py() or 0) for t in inserts)
-    return Planned(out, inserted, retracted), counts
+    parts = [retractions.cast(out_schema), *[t.cast(out_schema) for t in inserts]]
+    value_names = [n for n in names if n not in key_names]
+    return net_changes(parts, key_names, value_names), counts
 
 
 @dataclass

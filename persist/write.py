@@ -126,7 +126,7 @@ from persist.keys import key_writer_id
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.lease_state import TOKEN_SEP
 from persist.machine import ShardMachine
-from persist.merge_into import MergeBuilder
+from persist.merge_into import MergeBuilder, MergeResult
 from persist.rows import Planned, RowChanges
 from persist.rows_read import read_live_rows
 from persist.spine import FueledMergeRes, worth_compacting
@@ -498,7 +498,7 @@ class WriteHandle(ShardHandle):
         on: Sequence[str] | None = None,
         source_alias: str = "source",
         target_alias: str = "target",
-    ) -> MergeBuilder:
+    ) -> MergeBuilder[MergeResult]:
         """A MERGE INTO this shard (:mod:`persist.merge_into`, after Delta Lake's
         ``DeltaTable.merge``): chain ``when_*`` clauses, then ``execute()`` commits them
         as one change (serializable; planned again on a lost race).

@@ -162,7 +162,7 @@ def merge_builder(
     on: Sequence[str] | None,
     source_alias: str,
     target_alias: str,
-) -> MergeBuilder:
+) -> MergeBuilder[MergeResult]:
     """The builder of ``PersistTable.merge``: ``table`` a :class:`spark.PersistTable`;
     clauses take Spark SQL strings or ``Column``s; ``execute()`` commits one change
     through a write handle of the table's shard (:func:`persist.merge_into.run_merge`)."""

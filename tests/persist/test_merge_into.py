@@ -476,3 +476,57 @@ def test_four_processes_merging_lose_no_update(
     assert got == {i: ((None, 4 * rounds, None), 1) for i in range(4)}
     c.close()
     s.close()
+
+
+# ------------------------------------------------------------------ transactions
+def test_txn_merge_commits_with_the_transaction(client: PersistClient) -> None:
+    from persist import RowChanges
+
+    wa, ra = client.open("a", KEY, VAL)
+    wb, rb = client.open("b", KEY, VAL)
+    wa.upsert(rows({1: ("a", 1, None), 2: ("b", 2, None)}))
+    stash = client.stash
+    cat = stash.collection("catalog", key="str", value="json")
+    with client.begin() as txn:
+        txn.merge(
+            "a", rows({2: ("B", 2, None), 3: ("c", 3, None)})
+        ).when_matched_update_all().when_not_matched_insert_all().execute()
+        txn.upsert("b", rows({9: ("z", 9, None)}))
+        # two changes to one shard apply in order: the merge sees the upsert
+        txn.upsert("a", rows({4: ("d", 4, None)}))
+        txn.merge("a", rows({4: ("D", 4, None)})).when_matched_update(
+            set={"v": "source.v"}
+        ).execute()
+        cb = cat.make_batch(stash)
+        cat.append_to_batch(cb, "a", {"merged": True}, 1)
+        txn.stash_append([cb])
+    ts = txn.committed_ts
+    assert ts is not None
+    assert live(ra, ts) == {
+        1: (("a", 1, None), 1),
+        2: (("B", 2, None), 1),
+        3: (("c", 3, None), 1),
+        4: (("D", 4, None), 1),
+    }
+    assert live(rb, ts) == {9: (("z", 9, None), 1)}
+    assert stash.peek_one(cat) == {"a": {"merged": True}}
+    first, second = txn.merge_results()
+    assert (first.num_target_rows_updated, first.num_target_rows_inserted) == (1, 1)
+    assert (second.time, second.num_target_rows_updated) == (ts, 1)
+    assert txn.row_changes()[0] == RowChanges(ts, 2, 1)
+
+
+def test_txn_merge_refused_at_commit_commits_nothing(client: PersistClient) -> None:
+    wa, _ = client.open("a", KEY, VAL)
+    wb, _ = client.open("b", KEY, VAL)
+    wa.upsert(rows({1: ("a", 1, None)}))
+    before = (wa.fetch_recent_upper(), wb.fetch_recent_upper())
+    txn = client.begin()
+    txn.upsert("b", rows({9: ("z", 9, None)}))
+    txn.merge("a", rows({1: ("x", 1, None)})).when_matched_update(set={"n": "'text'"}).execute()
+    with pytest.raises(InvalidUsage, match="within its kind"):
+        txn.commit()
+    txn.abort()
+    assert (wa.fetch_recent_upper(), wb.fetch_recent_upper()) == before
+    with pytest.raises(InvalidUsage, match="no column 'id'"):
+        client.begin().merge("a", pa.table({"x": [1]})).when_matched_delete().execute()

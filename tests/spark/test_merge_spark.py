@@ -67,8 +67,9 @@ def test_spark_merges_equal_the_handle_and_the_model(
     assert (got.num_target_rows_inserted, got.num_target_rows_updated) == (ins, upd)
     assert (got.num_target_rows_deleted, got.num_target_rows_unchanged) == (dele, same)
     assert got == want
-    assert live(r_spark, got.time) == live(r_model, want.time)
-    assert live(r_spark, got.time) == {k: (v, 1) for k, v in expected.items()}
+    rows_spark = live(r_spark, got.time) if got.time >= 0 else {}
+    assert rows_spark == (live(r_model, want.time) if want.time >= 0 else {})
+    assert rows_spark == {k: (v, 1) for k, v in expected.items()}
     table.close()
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "key_bounds",
     "key_filter",
     "null_flags",
+    "view_int",
 ]
 
 #: The row-position column the helpers add to identity tables (a control character:
@@ -119,11 +120,11 @@ def _identity(col: pa.ChunkedArray | pa.Array) -> pa.Array | pa.ChunkedArray:
             codes = pc.if_else(arr.is_null(), pa.scalar(None, pa.uint64()), codes)
         return codes
     if pa.types.is_temporal(t):
-        return _view_int(col)
+        return view_int(col)
     return col
 
 
-def _view_int(col: pa.ChunkedArray | pa.Array) -> pa.Array | pa.ChunkedArray:
+def view_int(col: pa.ChunkedArray | pa.Array) -> pa.Array | pa.ChunkedArray:
     """A temporal column's stored integers (``int32`` or ``int64``; zero-copy)."""
     as_int = pa.int32() if col.type.bit_width == 32 else pa.int64()
     if isinstance(col, pa.ChunkedArray):
@@ -278,7 +279,7 @@ def key_bounds(col: pa.ChunkedArray | pa.Array) -> tuple[pa.Scalar, pa.Scalar] |
         return None
     try:
         if pa.types.is_temporal(t):
-            ints = _view_int(col)
+            ints = view_int(col)
             mm = pc.min_max(ints)
             lo, hi = (pa.scalar(mm[f].as_py(), ints.type).cast(t) for f in ("min", "max"))
         else:

@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -94,7 +95,8 @@ class RowChanges:
         time: the time the change committed at (int); the shard's upper was then
             ``time + 1``.  A change that changed nothing commits nothing: ``time`` is
             then ``upper - 1`` of the state version it read (a read as of ``time``
-            already shows its result), and both counts are 0.
+            already shows its result), and both counts are 0.  In a transaction,
+            ``time`` is always the transaction's commit time.
         inserted: rows the change added to the live rows (with multiplicity; int >= 0;
             a row equal to its live row is not counted).
         retracted: rows the change removed from the live rows (with multiplicity;
@@ -147,31 +149,93 @@ def _out_schema(schema: pa.Schema, names: Sequence[str]) -> pa.Schema:
     return pa.schema([schema.field(n) for n in names] + [pa.field(DIFF, pa.int64(), False)])
 
 
+#: Same-key (retraction, insertion) pairs per update above which :func:`net_changes`
+#: consolidates every update instead of comparing the pairs (keys with many live rows).
+PAIRS_PER_UPDATE = 4
+
+
+def _cancelling(
+    both: pa.Table, key_names: Sequence[str], value_names: Sequence[str]
+) -> pa.Array | None:
+    """The positions of the rows of ``both`` (updates) that may cancel another one: a
+    retraction and an insertion equal by key identity
+    (:func:`persist.key_identity.identity_columns` of the key, then of the value
+    columns), found by a hash join on the key and an element-wise comparison of the
+    values of each same-key pair; ``None`` when there are too many pairs to compare
+    (:data:`PAIRS_PER_UPDATE`)."""
+    diff = both.column(DIFF)
+    rows = pa.array(np.arange(both.num_rows, dtype=np.int64))
+    neg, pos = rows.filter(pc.less(diff, 0)), rows.filter(pc.greater(diff, 0))
+    if not len(neg) or not len(pos):
+        return pa.array([], pa.int64())
+    if not key_names:
+        return None
+    kid = key_identity.identity_columns(both, key_names)
+    pairs = (
+        kid.take(neg)
+        .append_column("\x00neg", neg)
+        .join(
+            kid.take(pos).append_column("\x00pos", pos),
+            keys=kid.column_names,
+            join_type="inner",
+            use_threads=False,
+        )
+    )
+    if pairs.num_rows > PAIRS_PER_UPDATE * both.num_rows:
+        return None
+    a, b = pairs.column("\x00neg"), pairs.column("\x00pos")
+    va, vb = key_identity.aligned([both.take(a), both.take(b)], value_names)
+    same = pa.repeat(pa.scalar(True), pairs.num_rows)
+    for x, y in zip(va.columns, vb.columns, strict=True):
+        same = pc.and_(same, pc.equal(x, y))
+    return pc.unique(
+        pa.concat_arrays([a.filter(same).combine_chunks(), b.filter(same).combine_chunks()])
+    )
+
+
 def net_changes(
-    parts: Sequence[pa.Table], key_names: Sequence[str], value_names: Sequence[str]
+    parts: Sequence[pa.Table],
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    *,
+    consolidated: bool = False,
 ) -> Planned:
-    """The updates ``parts`` (key and value columns and ``_diff``, one schema) summed
-    per row as consolidation sums them (:func:`persist.consolidation.consolidate`: equal
-    rows by its equality, ``-0.0`` = ``0.0``, NaN = NaN, nulls equal), zero sums
-    dropped, with their counts: ``inserted`` the sum of the positive diffs,
-    ``retracted`` that of the negative ones (absolute).  So a row retracted and
-    inserted again by one change (an upsert or update that changes nothing) is neither
-    written nor counted.  The one count of a change, for every path.
+    """The updates ``parts`` (key and value columns and ``_diff``, one schema) with
+    every retraction and insertion of one row summed as consolidation sums them
+    (:func:`persist.consolidation.consolidate`: equal rows by its equality, ``-0.0`` =
+    ``0.0``, NaN = NaN, nulls equal), zero sums dropped, with their counts:
+    ``inserted`` the sum of the positive diffs, ``retracted`` that of the negative
+    ones (absolute).  So a row retracted and inserted again by one change (an upsert or
+    update that changes nothing) is neither written nor counted.  The one count of a
+    change, for every path.
+
+    Only the rows that may cancel (:func:`_cancelling`: a cheap same-key comparison) are
+    consolidated, unless ``consolidated``: then all of them are (one row per distinct
+    row: the live rows a table of updates gives).  Either way the counts are those of
+    the full consolidation.
 
     Raises:
         DiffOverflow: a row's diffs sum beyond int64.
     """
     names = [*key_names, *value_names]
-    schema = _out_schema(parts[0].schema, names) if parts else None
-    if not parts or schema is None:
+    if not parts:
         raise ValueError("net_changes: no updates")
+    schema = _out_schema(parts[0].schema, names)
     both = pa.concat_tables([p.select([*names, DIFF]).cast(schema) for p in parts])
-    both = both.append_column(TIME, pa.repeat(pa.scalar(0, pa.int64()), both.num_rows))
-    net = consolidate(both, key_names, value_names).select([*names, DIFF])
-    diff = net.column(DIFF)
+    which = None if consolidated else _cancelling(both, key_names, value_names)
+    if which is None or len(which):
+        chosen = both if which is None else both.take(which)
+        chosen = chosen.append_column(TIME, pa.repeat(pa.scalar(0, pa.int64()), chosen.num_rows))
+        net = consolidate(chosen, key_names, value_names).select([*names, DIFF])
+        if which is not None:
+            keep = np.ones(both.num_rows, dtype=bool)
+            keep[np.asarray(which.to_numpy(), dtype=np.int64)] = False
+            net = pa.concat_tables([both.filter(pa.array(keep)), net])
+        both = net
+    diff = both.column(DIFF)
     inserted = int(pc.sum(pc.max_element_wise(diff, 0)).as_py() or 0)
     retracted = int(pc.sum(pc.max_element_wise(pc.negate(diff), 0)).as_py() or 0)
-    return Planned(net, inserted, retracted)
+    return Planned(both, inserted, retracted)
 
 
 def conform_rows(rows: pa.Table | pa.RecordBatch, schema: pa.Schema, what: str) -> pa.Table:
@@ -207,12 +271,19 @@ key_filter = key_identity.key_filter
 
 
 def _show_key(rows: pa.Table, key_names: Sequence[str], at: int) -> list[Any]:
-    """The key of row ``at`` for a message (temporal values as Arrow prints them,
-    exactly)."""
+    """The key of row ``at`` for a message: temporal values as Arrow prints them (exact,
+    never through Python objects, which truncate nanoseconds and overflow), with their
+    stored integer and type when Arrow cannot print them."""
     out: list[Any] = []
     for k in key_names:
-        v = rows.column(k)[at]
-        out.append(str(v) if pa.types.is_temporal(v.type) and v.is_valid else v.as_py())
+        col = rows.column(k).slice(at, 1)
+        if pa.types.is_temporal(col.type) and col.null_count == 0:
+            try:
+                out.append(pc.cast(col, pa.string())[0].as_py())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                out.append(f"{key_identity.view_int(col)[0].as_py()} ({col.type})")
+        else:
+            out.append(col[0].as_py())
     return out
 
 
@@ -242,7 +313,12 @@ def with_keys_of(live: pa.Table, rows: pa.Table, key_names: Sequence[str]) -> pa
 
 
 def plan_upsert(
-    live: pa.Table, rows: pa.Table, key_names: Sequence[str], value_names: Sequence[str]
+    live: pa.Table,
+    rows: pa.Table,
+    key_names: Sequence[str],
+    value_names: Sequence[str],
+    *,
+    net: bool = True,
 ) -> Planned:
     """Retract every live row whose key is one of ``rows``' and insert ``rows``, netted
     (:func:`net_changes`): a row equal to its key's one live row is left alone.
@@ -251,6 +327,10 @@ def plan_upsert(
         live: consolidated live rows (key, value columns, ``_diff``; any other columns
             ignored), at least those with the keys of ``rows``.
         rows: the incoming rows (exactly the key and value columns: :func:`conform_rows`).
+        net: ``False`` for a caller that writes ``rows`` itself, whatever the live
+            rows (a stream sink's tasks): then every live row with a key of ``rows``
+            is retracted and every row of ``rows`` inserted, not netted (counts: all
+            of them).
 
     Raises:
         InvalidUsage: two rows of ``rows`` have one key (naming the key columns and the
@@ -259,9 +339,12 @@ def plan_upsert(
     names = [*key_names, *value_names]
     check_distinct_keys(rows, key_names)
     old = with_keys_of(live, rows, key_names)
-    return net_changes(
-        [_retractions(old, names), _with_diff(rows.select(names), 1)], key_names, value_names
-    )
+    parts = [_retractions(old, names), _with_diff(rows.select(names), 1)]
+    if net:
+        return net_changes(parts, key_names, value_names)
+    schema = _out_schema(rows.schema, names)
+    retracted = int(pc.sum(pc.abs(old.column(DIFF))).as_py() or 0)
+    return Planned(pa.concat_tables([p.cast(schema) for p in parts]), rows.num_rows, retracted)
 
 
 def plan_delete(live: pa.Table, key_names: Sequence[str], value_names: Sequence[str]) -> Planned:
@@ -311,6 +394,15 @@ def _kind(t: pa.DataType) -> str:
     return str(t)
 
 
+def _shown(v: pa.Scalar) -> str:
+    """An Arrow scalar for a message (Arrow's string cast: exact, and never an
+    ``OverflowError`` from a value Python cannot hold)."""
+    try:
+        return str(pc.cast(pa.array([v]), pa.string())[0].as_py())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return f"<{v.type} scalar>"
+
+
 def _cast_scalar(v: pa.Scalar, field: pa.Field, column: str) -> pa.Scalar:
     """An Arrow scalar as one of ``field``'s type, by a safe cast within its kind
     (numbers, decimals, strings, binaries, each temporal kind: never a string parsed
@@ -319,19 +411,21 @@ def _cast_scalar(v: pa.Scalar, field: pa.Field, column: str) -> pa.Scalar:
     kinds = {_kind(v.type), _kind(t)}
     if len(kinds) > 1 and kinds != {"number", "decimal"}:
         raise InvalidUsage(
-            f"update: set value {v} of type {v.type} does not fit column {column!r} ({t})"
+            f"update: set value {_shown(v)} of type {v.type} does not fit column {column!r} ({t})"
         )
     try:
         out = v.cast(t, safe=True)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-        raise InvalidUsage(f"update: set value {v} for column {column!r} ({t}): {e}") from None
+        raise InvalidUsage(
+            f"update: set value {_shown(v)} for column {column!r} ({t}): {e}"
+        ) from None
     if (
         pa.types.is_floating(t)
         and out.is_valid
         and math.isinf(out.as_py())
         and not (pa.types.is_floating(v.type) and math.isinf(v.as_py()))
     ):
-        raise InvalidUsage(f"update: set value {v} overflows column {column!r} ({t})")
+        raise InvalidUsage(f"update: set value {_shown(v)} overflows column {column!r} ({t})")
     return out
 
 
@@ -449,7 +543,9 @@ def _check_key_change(
     """
     old_id, new_id = key_identity.aligned([live, new], key_names)
     old_names = [f"\x00old{i}" for i in range(old_id.num_columns)]
-    pairs = new_id.append_column(key_identity.ROW, pa.array(range(new.num_rows), pa.int64()))
+    pairs = new_id.append_column(
+        key_identity.ROW, pa.array(np.arange(new.num_rows, dtype=np.int64))
+    )
     for name, col in zip(old_names, old_id.columns, strict=True):
         pairs = pairs.append_column(name, col)
     new_names = new_id.column_names

@@ -835,14 +835,16 @@ class Txn(TxnRowChanges):
         self.committed_ts = ts
         self._maybe_landed = False
         for sid, sw in self._shards.items():
-            self._shard_ops.txn_done_add(sid, sw.record_id)
+            if sw.wrote:  # else its changes changed nothing: no record, no registration
+                self._shard_ops.txn_done_add(sid, sw.record_id)
             w = sw.writer
             for b in sw.batches:
                 b.mark_consumed()
             settle_replaced(sw)
             self._return_lent(sw)
-            w._registered = True
-            w._last_heartbeat_ms = w._machine.now_ms()
+            if sw.wrote:
+                w._registered = True
+                w._last_heartbeat_ms = w._machine.now_ms()
         return ts
 
     # ------------------------------------------------------------------- abort

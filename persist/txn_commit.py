@@ -24,6 +24,10 @@ Invariants kept here:
   (:class:`TxnUpperMismatch`), an expired writer, a finalized shard or a batch already
   appended is refused while staging, before the append; a stash batch whose lower check
   fails makes the append commit nothing;
+* **a change that changes nothing writes nothing**: when the transaction's only
+  writes are row changes that net to nothing (and it has no stash batch), no version
+  and no part is written; :func:`commit_shards` returns the time asked for, having
+  checked that every shard is still at the version its changes were planned on;
 * **a lost seqno race is not a failure**: a reader, compactor or GC that moved a shard on
   (its upper still at or below the commit time) makes the attempt re-read every shard
   and stage again, on the metadata alone (no part is uploaded again);
@@ -222,7 +226,9 @@ def commit_shards(
         ts: the commit time.
 
     Returns: the committed time: ``ts``, or the time of an earlier attempt of this
-        transaction found landed while staging.
+        transaction found landed while staging.  When the transaction writes nothing
+        (its row changes changed nothing; no stash batch), nothing is sent, every
+        shard's :attr:`ShardWrites.wrote` is set false and ``ts`` is returned.
 
     Raises:
         TxnUpperMismatch: a shard's upper is beyond ``ts`` (every written shard re-read
@@ -283,6 +289,24 @@ def commit_shards(
                 # other shards' cached uppers may be older than theirs: re-read every
                 # shard, so the report (and retry_ts) names each one beyond ts.
                 raise _upper_mismatch(ts, writes, order, machines)
+            if not stash_batches and all(
+                sw.rows is not None and not sw.batches for sw in writes.values()
+            ):
+                # Row changes that changed nothing, and nothing else: write nothing (no
+                # version, no part) once every shard is read again at the version its
+                # changes were planned on (so all of them held at one instant).
+                if all(m.fetch().seqno == st.expected for m, st, _reqs in staged):
+                    for sw in writes.values():
+                        sw.wrote = False
+                    return ts
+                races += 1
+                if races > max_races:
+                    raise ConsensusError(
+                        f"transaction at {ts}: gave up after {races} re-plans of changes "
+                        "that changed nothing"
+                    )
+                fresh = set(order)
+                continue
             batches: list[AppendBatch] = []
             for m, st, _reqs in staged:
                 batches.extend(

@@ -22,9 +22,12 @@ planned and kept while a re-plan gives the same updates (a digest of their conte
 race that did not touch the rows the changes read uploads nothing again.  A batch a
 re-plan replaces is deleted when the transaction finishes, unless an attempt whose
 outcome was unknown may have sent it (then GC decides).  A shard whose changes net to
-nothing is still committed (its upper moves to ``ts + 1``, with no part): the
-transaction's commit is what checks that the rows it planned on are still the live
-ones at ``ts``.
+nothing is still committed (its upper moves to ``ts + 1``, with no part) when the
+transaction writes anything else: its commit is what checks that the rows it planned
+on are still the live ones at ``ts``.  A transaction whose only writes are row changes
+that changed nothing writes nothing at all (:func:`persist.txn_commit.commit_shards`):
+no version, no part, no upper moved; its commit returns the time asked for, and
+:meth:`TxnRowChanges.row_changes` count nothing.
 
 Several changes to one shard in one transaction apply in order: each sees the live rows
 with the earlier ones' updates applied (consolidated).  A shard takes either row-level
@@ -161,7 +164,8 @@ def _with_earlier(
     prior = pa.concat_tables(earlier)
     if filter is not None:
         prior = apply_filter(prior, update_filter(filter, schema))
-    both = rows_mod.net_changes([live.select([*names, DIFF]), prior], keys, values).updates
+    parts = [live.select([*names, DIFF]), prior]
+    both = rows_mod.net_changes(parts, keys, values, consolidated=True).updates
     return both if filter is None else apply_filter(both, filter)
 
 
@@ -377,9 +381,12 @@ class TxnRowChanges:
         :meth:`persist.write.WriteHandle.update`).
 
         Raises:
-            InvalidUsage: unknown shard; a bad filter or ``set``; as :meth:`upsert`.
-                A ``set`` value that does not fit its column, or key columns changed
-                onto a live key, is refused by :meth:`commit` (nothing committed).
+            InvalidUsage: unknown shard; a bad filter or ``set`` (a scalar that does
+                not fit its column exactly, :func:`persist.rows.set_scalar`, is refused
+                here, before anything is staged); as :meth:`upsert`.  An expression
+                result that does not fit its column, or key columns changed onto a
+                live key, is refused by :meth:`commit` (nothing committed).
+            SchemaMismatch: as :meth:`upsert`.
         """
         self._check_changeable()
         w = self._row_writer(shard)
@@ -533,3 +540,5 @@ class ShardWrites:
     given: list[Batch] = field(default_factory=list)
     # Its row-level changes (persist.txn_rows), planned on the version staged on.
     rows: ShardRowChanges | None = None
+    # False when the commit wrote nothing to the shard (its changes changed nothing).
+    wrote: bool = True

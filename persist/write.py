@@ -430,8 +430,12 @@ class WriteHandle(ShardHandle):
     # ------------------------------------------------------- row-level changes
     def upsert(self, rows: pa.Table | pa.RecordBatch) -> RowChanges:
         """Replace, for each row of ``rows``, every live row with its key by it, at one
-        new time (:mod:`persist.rows`: serializable, re-planned on a lost race).  Only
-        the parts whose key statistics can hold one of the incoming keys are read.
+        new time (:mod:`persist.rows`: serializable, re-planned on a lost race).  Keys
+        are equal as consolidation has them (:mod:`persist.key_identity`: ``-0.0`` =
+        ``0.0``, NaN = NaN, exact to the tick).  A row equal to its key's one live row
+        is left alone; a change that changes nothing commits nothing (see
+        :class:`persist.rows.RowChanges`).  Only the parts whose key statistics can
+        hold one of the incoming keys are read.
 
         Args:
             rows: a pyarrow ``Table``/``RecordBatch`` of exactly the key and value
@@ -474,9 +478,12 @@ class WriteHandle(ShardHandle):
         """Retract every live row ``filter`` keeps and insert it again with ``set``
         (``{column: scalar | pyarrow.compute expression}``, expressions evaluated on the
         old row, e.g. ``{"v": pc.field("v") + 1}``), keeping its count, at one new time
-        (:mod:`persist.rows`).  Key columns may change, unless two live rows would get
-        one key that did not share it before (``InvalidUsage``, nothing committed).
-        Same errors as :meth:`upsert`."""
+        (:mod:`persist.rows`).  A scalar is converted to its column's type exactly or
+        refused (``InvalidUsage``: ``1.9`` for an int64, ``2**70``, a string for a
+        number), before anything is read.  Key columns may change, unless two live rows
+        would get one key that did not share it before (``InvalidUsage``, nothing
+        committed).  Rows the update leaves equal are not rewritten.  Same errors as
+        :meth:`upsert`."""
         self._check()
         keys, values = self.key_schema.names, self.value_schema.names
         check_filter(filter, self.schema, keys, values)

@@ -476,7 +476,7 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
         live = write.read_live(state, filt) if incoming.num_rows else None
         if live is None or live.num_rows == 0:
             return upper, []
-        planned = rows_mod.plan_upsert(live, incoming, keys, values)
+        planned = rows_mod.plan_upsert(live, incoming, keys, values, net=False)
         retract = planned.updates.filter(pc.less(planned.updates.column(DIFF), 0))
         if retract.num_rows == 0:
             return upper, []

@@ -18,13 +18,18 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from persist import InvalidUsage, MemoryBlob, PersistClient, RowChanges, SchemaMismatch
+from persist import rows as rows_mod
 from persist.write import WriteHandle
 from stash import Stash
+from tests.persist.arrow_strategies import COLUMN_TYPES, canonical_rows
 from tests.persist.row_paths import PATHS, Path
 
 NAN = float("nan")
@@ -286,3 +291,147 @@ def test_a_duplicated_live_row_is_brought_to_one(client: PersistClient, path: Pa
     ch = path(client, w, ("upsert", rows([1], [1], pa.int64(), pa.int64())))
     assert (ch.inserted, ch.retracted) == (0, 1)
     assert live(w) == Counter({(1, 1): 1})
+
+
+def test_a_rerun_of_a_txn_upsert_writes_nothing(client: PersistClient) -> None:
+    """The main job's catalog step (``spark/jobs/flights.py``): one transaction upserts
+    the whole planes table into its shard, with the catalog's stash batches (none on a
+    re-run).  Run again on the same rows it writes nothing: no part, no state version,
+    no upper moved; the transaction commits at the time asked for and counts nothing."""
+    f = pa.float64()
+    planes = pa.table(
+        {
+            "tailnum": pa.array(["N1", "N2", "N3"], pa.string()),
+            "year": pa.array([2001, None, 1999], pa.int64()),
+            "speed": pa.array([NAN, 1.5, None], f),
+        }
+    )
+    key = pa.schema([pa.field("tailnum", pa.string(), False)])
+    client.open("planes", key, pa.schema([planes.schema.field(n) for n in ("year", "speed")]))
+    client.open("other", pa.schema([pa.field("k", INT)]), pa.schema([pa.field("v", INT)]))
+
+    def run() -> int:
+        with client.begin() as txn:
+            txn.stash_append([])
+            txn.upsert("planes", planes)
+        assert txn.committed_ts is not None
+        return txn.committed_ts
+
+    run()
+    state = client.inspect("planes")
+    n = parts(client, "planes")
+    ts = run()
+    assert ts == state.upper.as_option()
+    assert client.inspect("planes").seqno == state.seqno and parts(client, "planes") == n
+    # two shards, both unchanged: nothing either; one changed: both commit
+    with client.begin() as txn:
+        txn.upsert("planes", planes)
+        txn.delete("other", pc.field("k") == 1)
+    assert txn.row_changes() == [RowChanges(ts, 0, 0), RowChanges(ts, 0, 0)]
+    assert client.inspect("planes").seqno == state.seqno
+    with client.begin() as txn:
+        txn.upsert("planes", planes)
+        txn.upsert("other", rows([1], [1], INT, INT))
+    assert client.inspect("planes").upper.as_option() == txn.committed_ts + 1
+    assert parts(client, "planes") == n
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    updates=st.lists(
+        st.tuples(
+            st.sampled_from([0.0, -0.0, NAN, 1.0, None]),
+            st.sampled_from([1, 2, None]),
+            st.sampled_from([NAN, 0.0, -0.0, None]),
+            st.sampled_from([-2, -1, 1, 2]),
+        ),
+        max_size=12,
+    ),
+    split=st.integers(0, 12),
+)
+def test_net_changes_compares_only_what_may_cancel_and_counts_as_consolidation(
+    updates: list[tuple[Any, Any, Any, int]], split: int
+) -> None:
+    """:func:`persist.rows.net_changes` consolidates only the same-key retraction and
+    insertion pairs that are equal; the result sums to the full consolidation's rows,
+    every row that can cancel is cancelled, and the counts are the same."""
+    t = pa.table(
+        {
+            "k": pa.array([u[0] for u in updates], pa.float64()),
+            "j": pa.array([u[1] for u in updates], pa.int64()),
+            "v": pa.array([u[2] for u in updates], pa.float64()),
+            "_diff": pa.array([u[3] for u in updates], pa.int64()),
+        }
+    )
+    parts = [t.slice(0, split), t.slice(split)]
+    quick = rows_mod.net_changes(parts, ["k", "j"], ["v"])
+    full = rows_mod.net_changes(parts, ["k", "j"], ["v"], consolidated=True)
+    assert (quick.inserted, quick.retracted) == (full.inserted, full.retracted)
+
+    def summed(x: pa.Table) -> Counter[tuple[Any, ...]]:
+        out: Counter[tuple[Any, ...]] = Counter()
+        for row, d in zip(canonical_rows(x, ["k", "j", "v"]), x["_diff"].to_pylist(), strict=True):
+            out[row] += d
+        return out
+
+    assert summed(quick.updates) == summed(full.updates)
+    signs: dict[tuple[Any, ...], set[bool]] = {}
+    for row, d in zip(
+        canonical_rows(quick.updates, ["k", "j", "v"]),
+        quick.updates["_diff"].to_pylist(),
+        strict=True,
+    ):
+        signs.setdefault(row, set()).add(d > 0)
+    assert all(len(s) == 1 for s in signs.values())  # nothing left that could cancel
+
+
+@pytest.mark.parametrize(
+    "t", [pa.duration("ms"), pa.duration("s"), pa.time64("ns"), pa.timestamp("ns")]
+)
+def test_a_duplicate_key_message_shows_extreme_temporal_keys_exactly(
+    client: PersistClient, path: Path, t: pa.DataType
+) -> None:
+    """A key Python cannot hold (a duration of 2**62 ms) or would truncate (7 ns) is
+    named exactly in the refusal, not an ``OverflowError``."""
+    w = shard(client, t)
+    big = -(2**62) if pa.types.is_duration(t) else 7
+    keys = pa.array([big, big], pa.int64()).view(t)
+    with pytest.raises(InvalidUsage, match="two rows have one key") as e:
+        path(client, w, ("upsert", pa.table({"k": keys, "v": pa.array([1, 2], INT)})))
+    assert str(big) in str(e.value) or "00:00:00.000000007" in str(e.value)
+
+
+_any_value = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**80), 2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1.9, -0.0, 2.0**53 + 2, 1e300, 0.5]),
+    st.text(max_size=3),
+    st.binary(max_size=4),
+    st.decimals(allow_nan=False, allow_infinity=False, places=3),
+    st.timedeltas(),
+    st.datetimes(),
+    st.times(),
+    st.dates(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_any_value, t=st.sampled_from(COLUMN_TYPES), nullable=st.booleans())
+def test_set_scalar_is_exact_or_invalid_usage(value: Any, t: pa.DataType, nullable: bool) -> None:
+    """Any Python value for any column type: a scalar of that type holding the value
+    exactly (numbers compared as numbers; a float32 column takes the nearest float32,
+    not an overflow to infinity), or ``InvalidUsage``; never another error."""
+    try:
+        out = rows_mod.set_scalar(value, pa.field("v", t, nullable), "v")
+    except InvalidUsage:
+        return
+    assert out.type == t
+    if value is None:
+        assert not out.is_valid and nullable
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        if pa.types.is_integer(t) or pa.types.is_floating(t):
+            got = out.as_py()
+            want = float(np.float32(value)) if t == pa.float32() else value  # rounded
+            assert got == want or (math.isnan(got) and math.isnan(value))

@@ -11,7 +11,8 @@ updates (filters on a key column's pool values or on ``v``; ``set`` of an expres
 a scalar, a key from the pool or NaN).  Each path gets a fresh shard with the same
 initial updates and applies the changes in order; per change the outcome (its counts,
 or the error type refusing it) and at the end the live rows (canonical: temporal values
-as stored integers, ``-0.0`` as ``0.0``, one NaN) must agree across paths.
+as stored integers, ``-0.0`` as ``0.0``, one NaN) must agree across paths; after each
+upsert, each of its keys has exactly its row, once.
 
 Examples are few for ``make test``; ``STASH_RELIABILITY=long`` runs many more.
 """
@@ -135,6 +136,19 @@ def _live(w: WriteHandle) -> Counter[tuple[Any, ...]]:
     return Counter(dict(zip(canonical_rows(t, names), diffs, strict=True)))
 
 
+def _check_upserted(w: WriteHandle, rows: pa.Table) -> None:
+    """After an upsert, each of its keys has exactly one live row, its row, with
+    ``_diff`` 1 (keys and rows compared canonically)."""
+    keys, names = w.key_schema.names, [*w.key_schema.names, *w.value_schema.names]
+    by_key: dict[tuple[Any, ...], list[tuple[tuple[Any, ...], int]]] = {}
+    t = w.read_live(w.change_state(), None)
+    diffs = t.column("_diff").to_pylist()
+    for k, row, d in zip(canonical_rows(t, keys), canonical_rows(t, names), diffs, strict=True):
+        by_key.setdefault(k, []).append((row, d))
+    for k, row in zip(canonical_rows(rows, keys), canonical_rows(rows, names), strict=True):
+        assert by_key.get(k) == [(row, 1)], f"key {k}: {by_key.get(k)} after upserting {row}"
+
+
 def _run(
     client: PersistClient, path: Any, ks: pa.Schema, vs: pa.Schema, init: pa.Table, ops: list[Op]
 ) -> tuple[list[Any], Counter[tuple[Any, ...]]]:
@@ -151,6 +165,8 @@ def _run(
             outcomes.append(type(e).__name__)
         else:
             outcomes.append((ch.inserted, ch.retracted))
+            if op[0] == "upsert":
+                _check_upserted(w, op[1])
     live = _live(w)
     w.expire()
     return outcomes, live

@@ -114,7 +114,7 @@ def test_changes_match_write_handle(spark: Any, spark_store: Any, stores: Stores
     for ours, theirs in steps:
         got, want = ours(), theirs()
         assert (got.inserted, got.retracted) == (want.inserted, want.retracted)
-        assert got.time == want.time
+        assert got.time == want.time or not (want.inserted or want.retracted)  # no-op: upper - 1
         assert stores.rows("spark") == stores.rows("model")
     before = stores.rows("spark")
     upper = stores.client.inspect("spark").upper

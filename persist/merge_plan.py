@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist.casts import cast_column
 from persist.consolidation import _compare_pairs
 from persist.errors import InvalidUsage
 from persist.key_identity import aligned, duplicate_key, isin
@@ -304,56 +305,10 @@ def out_of_scope(spec: MergeSpec, kind: ClauseKind, item: Item, msg: str) -> Inv
     )
 
 
-def _family(t: pa.DataType) -> str | None:
-    """The kind of values ``t`` holds, for the rule that a value is cast only within
-    its kind (numbers to numbers, text to text, ...); ``None`` for the null type."""
-    if pa.types.is_null(t):
-        return None
-    if pa.types.is_dictionary(t):
-        return _family(t.value_type)
-    for name, test in (
-        ("number", lambda x: pa.types.is_integer(x) or pa.types.is_floating(x)),
-        ("number", pa.types.is_decimal),
-        ("text", lambda x: pa.types.is_string(x) or pa.types.is_large_string(x)),
-        ("bytes", lambda x: pa.types.is_binary(x) or pa.types.is_large_binary(x)),
-        ("bytes", pa.types.is_fixed_size_binary),
-        ("boolean", pa.types.is_boolean),
-        ("timestamp", pa.types.is_timestamp),
-        ("date", pa.types.is_date),
-        ("time", pa.types.is_time),
-        ("duration", pa.types.is_duration),
-    ):
-        if test(t):
-            return name
-    return str(t)
-
-
 def _cast(arr: pa.ChunkedArray | pa.Array, f: pa.Field, what: str) -> pa.ChunkedArray:
-    """``arr`` cast safely to ``f``'s type (within its kind of values: no text to a
-    number; no truncation or overflow), nulls refused in a non-nullable column.
-
-    Raises:
-        InvalidUsage: the values do not fit (naming the column and the rule).
-    """
-    have = _family(arr.type)
-    if have is not None and have != _family(f.type):
-        raise InvalidUsage(
-            f"merge: {what} gives {arr.type} values to column {f.name!r} ({f.type}); "
-            "a value is cast only within its kind (numbers, text, ...); nothing was committed"
-        )
-    try:
-        out = pc.cast(arr, f.type, safe=True)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-        raise InvalidUsage(
-            f"merge: {what} for column {f.name!r} ({f.type}) does not fit: {e}; "
-            "nothing was committed"
-        ) from None
-    if not f.nullable and out.null_count:
-        raise InvalidUsage(
-            f"merge: {what} gives nulls to the non-nullable column {f.name!r}; "
-            "nothing was committed"
-        )
-    return out if isinstance(out, pa.ChunkedArray) else pa.chunked_array([out])
+    """``arr`` cast into ``f`` by the one rule of every path
+    (:func:`persist.casts.cast_column`)."""
+    return cast_column(arr, f, f"merge: {what}")
 
 
 def rows_equal(a: pa.Table, b: pa.Table) -> pa.ChunkedArray:

@@ -51,7 +51,6 @@ Semantics (decisions recorded here):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -63,6 +62,7 @@ import pyarrow.dataset as ds
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from persist import key_identity
+from persist.casts import cast_column, set_scalar
 from persist.consolidation import consolidate
 from persist.errors import CorruptPart, InvalidUsage, PersistError, UpperMismatch
 from persist.parts import DIFF, TIME
@@ -353,103 +353,6 @@ def plan_delete(live: pa.Table, key_names: Sequence[str], value_names: Sequence[
     return net_changes([_retractions(live, names)], key_names, value_names)
 
 
-def _python_scalar(v: Any, field: pa.Field, column: str) -> pa.Scalar:
-    """A Python value as a scalar of ``field``'s type, exactly or refused: Arrow's
-    conversion (``pyarrow.scalar(v, type)``) refuses a value of another kind, and the
-    value converted by its own type and cast safely (``Scalar.cast(safe=True)``)
-    must agree: no float truncated into an integer, no finer time truncated to a
-    coarser unit, no finite float overflowed into ``float32``'s infinity."""
-    t = field.type
-    try:
-        out = pa.scalar(v, t)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-        raise InvalidUsage(f"update: set value {v!r} for column {column!r} ({t}): {e}") from None
-    except (OverflowError, TypeError, ValueError) as e:
-        raise InvalidUsage(
-            f"update: set value {v!r} for column {column!r} ({t}) does not fit: {e}"
-        ) from None
-    try:
-        own = pa.scalar(v)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
-        return out  # e.g. an int beyond int64 for uint64: the conversion checked its range
-    if own.type == t or (pa.types.is_integer(own.type) and pa.types.is_decimal(t)):
-        return out  # the conversion of an int to a decimal is exact or refused
-    return _cast_scalar(own, field, column)
-
-
-def _kind(t: pa.DataType) -> str:
-    for kind, test in (
-        ("number", lambda t: pa.types.is_integer(t) or pa.types.is_floating(t)),
-        ("decimal", pa.types.is_decimal),
-        ("bool", pa.types.is_boolean),
-        ("string", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
-        ("binary", lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)),
-        ("timestamp", pa.types.is_timestamp),
-        ("date", pa.types.is_date),
-        ("time", pa.types.is_time),
-        ("duration", pa.types.is_duration),
-    ):
-        if test(t):
-            return kind
-    return str(t)
-
-
-def _shown(v: pa.Scalar) -> str:
-    """An Arrow scalar for a message (Arrow's string cast: exact, and never an
-    ``OverflowError`` from a value Python cannot hold)."""
-    try:
-        return str(pc.cast(pa.array([v]), pa.string())[0].as_py())
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-        return f"<{v.type} scalar>"
-
-
-def _cast_scalar(v: pa.Scalar, field: pa.Field, column: str) -> pa.Scalar:
-    """An Arrow scalar as one of ``field``'s type, by a safe cast within its kind
-    (numbers, decimals, strings, binaries, each temporal kind: never a string parsed
-    into a number), refusing a finite float that overflows into an infinity."""
-    t = field.type
-    kinds = {_kind(v.type), _kind(t)}
-    if len(kinds) > 1 and kinds != {"number", "decimal"}:
-        raise InvalidUsage(
-            f"update: set value {_shown(v)} of type {v.type} does not fit column {column!r} ({t})"
-        )
-    try:
-        out = v.cast(t, safe=True)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-        raise InvalidUsage(
-            f"update: set value {_shown(v)} for column {column!r} ({t}): {e}"
-        ) from None
-    if (
-        pa.types.is_floating(t)
-        and out.is_valid
-        and math.isinf(out.as_py())
-        and not (pa.types.is_floating(v.type) and math.isinf(v.as_py()))
-    ):
-        raise InvalidUsage(f"update: set value {_shown(v)} overflows column {column!r} ({t})")
-    return out
-
-
-def set_scalar(v: Any, field: pa.Field, column: str) -> pa.Scalar:
-    """A ``set`` value (a Python value, an Arrow scalar or ``None``) as a scalar of
-    ``field``'s type, converted exactly (see :func:`_python_scalar`).
-
-    Raises:
-        InvalidUsage: the value is of another kind (e.g. a string for an integer
-            column), loses information (``1.9`` into ``int64``, microseconds into a
-            ``duration[s]``), is out of range (``2**70`` into ``int64``), or is null
-            for a non-nullable column; naming the column.
-    """
-    if isinstance(v, pa.Scalar):
-        out = _cast_scalar(v, field, column)
-    elif v is None:
-        out = pa.scalar(None, field.type)
-    else:
-        out = _python_scalar(v, field, column)
-    if not out.is_valid and not field.nullable:
-        raise InvalidUsage(f"update: set gives nulls to the non-nullable column {column!r}")
-    return out
-
-
 def check_set(
     set: Mapping[str, Any], schema: pa.Schema, key_names: Sequence[str], value_names: Sequence[str]
 ) -> dict[str, Any]:
@@ -509,10 +412,13 @@ def new_values(old: pa.Table, set: Mapping[str, Any], names: Sequence[str]) -> p
             cols.append(old.column(n))
             continue
         v = set[n]
+        if n in evaluated:
+            cols.append(
+                cast_column(evaluated[n], field, f"update: set expression for column {n!r}")
+            )
+            continue
         try:
-            if n in evaluated:
-                arr: pa.Array | pa.ChunkedArray = evaluated[n].cast(field.type, safe=True)
-            elif isinstance(v, pc.Expression):
+            if isinstance(v, pc.Expression):
                 arr = pa.array([], field.type)
             else:
                 scalar = v if isinstance(v, pa.Scalar) else set_scalar(v, field, n)

@@ -101,6 +101,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.decoding",
                 "persist.consolidation",
                 "persist.key_identity",
+                "persist.casts",
                 "persist.stats",
                 "persist.keys",
                 "persist.key_identity",

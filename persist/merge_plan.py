@@ -16,6 +16,7 @@ which runs a plan as one row change.  Invariants kept here:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -222,6 +223,26 @@ EvaluatorFactory = Callable[[MergeSpec, pa.Table, pa.Table], Evaluator]
 with its row position in :data:`S_ROW` / :data:`T_ROW`)."""
 
 
+@functools.lru_cache(maxsize=256)
+def _duckdb_holds(t: pa.DataType) -> bool:
+    """Whether DuckDB can read an Arrow column of type ``t``."""
+    con = duckdb.connect(config={"enable_external_access": False})
+    try:
+        con.register("probe", pa.table({"c": pa.array([], t)}))
+        con.sql("SELECT * FROM probe").to_arrow_table()
+    except duckdb.Error:
+        return False
+    finally:
+        con.close()
+    return True
+
+
+def _duckdb_columns(table: pa.Table) -> pa.Table:
+    """``table`` without the columns DuckDB cannot read."""
+    keep = [f.name for f in table.schema if _duckdb_holds(f.type)]
+    return table if len(keep) == table.num_columns else table.select(keep)
+
+
 class DuckDBEvaluator:
     """:class:`Evaluator` on an in-memory DuckDB connection with external access
     disabled; conditions and values are DuckDB SQL text."""
@@ -229,8 +250,11 @@ class DuckDBEvaluator:
     def __init__(self, spec: MergeSpec, source: pa.Table, target: pa.Table) -> None:
         self.spec = spec
         self.con = duckdb.connect(config={"enable_external_access": False})
-        self.con.register("merge_source", source)
-        self.con.register("merge_target", target)
+        # Columns of a type DuckDB cannot hold (e.g. decimal256 beyond 38 digits) are
+        # left out: an expression naming one is refused as naming an unknown column,
+        # and a plain reference to it is taken from the Arrow rows anyway.
+        self.con.register("merge_source", _duckdb_columns(source))
+        self.con.register("merge_target", _duckdb_columns(target))
 
     def close(self) -> None:
         self.con.close()
@@ -332,11 +356,12 @@ def _key_of(table: pa.Table, row: int, key_names: Sequence[str]) -> list[Any]:
 
 # ------------------------------------------------------------------ planning
 def source_on(source: pa.Table, spec: MergeSpec, schema: pa.Schema) -> pa.Table:
-    """The source's ``on`` columns cast (safely) to the key columns' types, checked
-    present and free of nulls (a null key matches nothing and may not be inserted).
+    """The source's ``on`` columns cast (safely) to the key columns' types.  A null
+    matches a null, as key identity (and ``upsert``) has it; a null in a non-nullable
+    key column is refused.
 
     Raises:
-        InvalidUsage: a column is missing, does not fit, or holds a null.
+        InvalidUsage: a column is missing or does not fit.
     """
     cols = []
     for c in spec.on:
@@ -344,13 +369,7 @@ def source_on(source: pa.Table, spec: MergeSpec, schema: pa.Schema) -> pa.Table:
             raise InvalidUsage(
                 f"merge: the source has no column {c!r} to match on (it has {source.column_names})"
             )
-        col = _cast(source.column(c), schema.field(c), f"the source's on column {c!r}")
-        if col.null_count:
-            raise InvalidUsage(
-                f"merge: the source's on column {c!r} holds a null; a null key matches "
-                "nothing and may not be inserted; nothing was committed"
-            )
-        cols.append(col)
+        cols.append(_cast(source.column(c), schema.field(c), f"the source's on column {c!r}"))
     return pa.Table.from_arrays(cols, names=list(spec.on))
 
 

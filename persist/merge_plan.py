@@ -452,7 +452,8 @@ def plan_merge(
     _check_new_keys(inserts, retracted_tbl, key_names, read_keys)
     parts = [retractions.cast(out_schema), *[t.cast(out_schema) for t in inserts]]
     value_names = [n for n in names if n not in key_names]
-    return net_changes(parts, key_names, value_names), counts
+    roles = (True, *[False] * len(inserts))
+    return net_changes(parts, key_names, value_names, retracting=roles), counts
 
 
 @dataclass

@@ -199,15 +199,22 @@ def net_changes(
     value_names: Sequence[str],
     *,
     consolidated: bool = False,
+    retracting: Sequence[bool] | None = None,
 ) -> Planned:
     """The updates ``parts`` (key and value columns and ``_diff``, one schema) with
     every retraction and insertion of one row summed as consolidation sums them
     (:func:`persist.consolidation.consolidate`: equal rows by its equality, ``-0.0`` =
-    ``0.0``, NaN = NaN, nulls equal), zero sums dropped, with their counts:
-    ``inserted`` the sum of the positive diffs, ``retracted`` that of the negative
-    ones (absolute).  So a row retracted and inserted again by one change (an upsert or
-    update that changes nothing) is neither written nor counted.  The one count of a
-    change, for every path.
+    ``0.0``, NaN = NaN, nulls equal), zero sums dropped, with their counts.  So a row retracted
+    and inserted again by one change (an upsert or update that changes nothing) is
+    neither written nor counted.  The one count of a change, for every path.
+
+    Counts are by role when ``retracting`` says, per part, whether it holds the
+    change's retractions (the live rows it removes, whatever the sign of their diffs:
+    a live row of count -1 is retracted with ``_diff`` +1) or its insertions:
+    ``retracted`` is the retractions' absolute diffs and ``inserted`` the insertions',
+    each less what cancelled between the two (per row, ``(|r| + |i| - |r + i|) / 2``
+    for its retraction ``r`` and insertion ``i``).  Without ``retracting``, by sign:
+    ``inserted`` the positive net diffs, ``retracted`` the negative ones (absolute).
 
     Only the rows that may cancel (:func:`_cancelling`: a cheap same-key comparison) are
     consolidated, unless ``consolidated``: then all of them are (one row per distinct
@@ -233,9 +240,16 @@ def net_changes(
             net = pa.concat_tables([both.filter(pa.array(keep)), net])
         both = net
     diff = both.column(DIFF)
-    inserted = int(pc.sum(pc.max_element_wise(diff, 0)).as_py() or 0)
-    retracted = int(pc.sum(pc.max_element_wise(pc.negate(diff), 0)).as_py() or 0)
-    return Planned(both, inserted, retracted)
+    if retracting is None:
+        inserted = int(pc.sum(pc.max_element_wise(diff, 0)).as_py() or 0)
+        retracted = int(pc.sum(pc.max_element_wise(pc.negate(diff), 0)).as_py() or 0)
+        return Planned(both, inserted, retracted)
+    by_role = [0, 0]  # insertions, retractions: their absolute diffs
+    for part, role in zip(parts, retracting, strict=True):
+        by_role[role] += int(pc.sum(pc.abs(part.column(DIFF))).as_py() or 0)
+    net = int(pc.sum(pc.abs(diff)).as_py() or 0)
+    cancelled = (by_role[0] + by_role[1] - net) // 2
+    return Planned(both, by_role[0] - cancelled, by_role[1] - cancelled)
 
 
 def conform_rows(rows: pa.Table | pa.RecordBatch, schema: pa.Schema, what: str) -> pa.Table:
@@ -341,7 +355,7 @@ def plan_upsert(
     old = with_keys_of(live, rows, key_names)
     parts = [_retractions(old, names), _with_diff(rows.select(names), 1)]
     if net:
-        return net_changes(parts, key_names, value_names)
+        return net_changes(parts, key_names, value_names, retracting=(True, False))
     schema = _out_schema(rows.schema, names)
     retracted = int(pc.sum(pc.abs(old.column(DIFF))).as_py() or 0)
     return Planned(pa.concat_tables([p.cast(schema) for p in parts]), rows.num_rows, retracted)
@@ -350,7 +364,7 @@ def plan_upsert(
 def plan_delete(live: pa.Table, key_names: Sequence[str], value_names: Sequence[str]) -> Planned:
     """Retract every row of ``live`` (the live rows the delete's filter keeps)."""
     names = [*key_names, *value_names]
-    return net_changes([_retractions(live, names)], key_names, value_names)
+    return net_changes([_retractions(live, names)], key_names, value_names, retracting=(True,))
 
 
 def check_set(
@@ -514,7 +528,10 @@ def plan_update(
     if changes_key(set, key_names) and live.num_rows:
         _check_key_change(live, new, at_new_keys, key_names)
     return net_changes(
-        [_retractions(live, names), _with_diff(new, live.column(DIFF))], key_names, value_names
+        [_retractions(live, names), _with_diff(new, live.column(DIFF))],
+        key_names,
+        value_names,
+        retracting=(True, False),
     )
 
 

@@ -2,8 +2,15 @@
 ``PersistTable.to_df`` against ``spark.read.parquet`` of the same rows, the floor of a
 Python data source and ``format("persist")``, in one run.
 
-Shards (flights with an ``id`` key, the row number, one append at time 0 through the
-persist client: one sorted, consolidated run of blob parts, what compaction leaves):
+Shards (flights with an ``id`` key, the row number):
+
+* ``fresh``: written through Spark's ``df.write.format("persist")`` from the DataFrame
+  in 4 partitions (round robin: every task's run spans the whole key range) and read
+  right away, as a pipeline reads what it just wrote: 4 runs of inserts only at one
+  time, overlapping;
+
+the others by one append at time 0 through the persist client: one sorted, consolidated
+run of blob parts, what compaction leaves:
 
 * ``compacted``: that run alone;
 * ``tail``: then 1% of the rows (3,368 random ids) upserted in 4 appends (each a
@@ -46,6 +53,7 @@ SOURCE = 'format("persist")'
 
 #: (shard, what it holds, goal of to_df against spark.read.parquet)
 SHARDS = (
+    ("fresh", "freshly written by Spark's writer (4 tasks, overlapping keys)", 1.1),
     ("compacted", "after compaction (one consolidated run)", 1.1),
     ("tail", "with a 1% uncompacted tail of upserts (random keys)", 1.3),
     ("tail-clustered", "with a 1% uncompacted tail of upserts (consecutive keys)", 1.3),
@@ -61,6 +69,21 @@ def _load(s: Any, shard: str) -> int:
 
     table = s.table
     ids = pa.array(np.arange(table.num_rows, dtype=np.int64))
+    if shard == "fresh":
+        with_ids = pa.Table.from_arrays([ids, *table.columns], names=["id", *table.column_names])
+        df = s.spark.createDataFrame(with_ids).repartition(4)
+        (
+            df.write.format("persist")
+            .option("stash", s.stash_url)
+            .option("blob", s.blob_uri)
+            .option("key_columns", "id")
+            .mode("append")
+            .save(shard)
+        )
+        from spark.table import PersistTable
+
+        with PersistTable(s.spark, shard, s.stash_url, s.blob_uri).client() as c:
+            return int(c.inspect(shard).upper.as_option())
     keys = pa.schema([("id", pa.int64())])
     values = table.schema
     rows = pa.Table.from_arrays(

@@ -6,17 +6,20 @@ of one cannot disturb the next):
 
 1. ``bench.bench_stash_append --backend all --json PATH``: 1-entry stash appends against
    raw ``sqlite3`` and raw psycopg;
-2. ``bench.bench_commit --backend all --json PATH``: persist's one-row
+2. ``bench.bench_stash_typed --backend all --json PATH``: typed ``peek_one`` of 10,000
+   dataclass entries and a one-key ``upsert_key`` against SQLAlchemy Core doing the same
+   on the same database;
+3. ``bench.bench_commit --backend all --json PATH``: persist's one-row
    ``compare_and_append`` against a raw ``sqlite3``/psycopg commit of one row, at several
    shard lengths, and 8 processes against 1 on Postgres;
-3. ``bench.bench_persist``: persist against ``pyarrow.parquet``, delta-rs, pyiceberg and
+4. ``bench.bench_persist``: persist against ``pyarrow.parquet``, delta-rs, pyiceberg and
    DuckDB;
-4. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet;
-5. ``bench.bench_pipeline_parquet``: the flights pipeline on persist against the same
+5. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet;
+6. ``bench.bench_pipeline_parquet``: the flights pipeline on persist against the same
    pipeline on plain Parquet;
-6. ``bench.bench_txn``: 2-shard transactions against separate ``compare_and_append``
+7. ``bench.bench_txn``: 2-shard transactions against separate ``compare_and_append``
    calls;
-7. ``bench.bench_rows``: row-level upsert, delete and update on TPC-H ``lineitem``
+8. ``bench.bench_rows``: row-level upsert, delete and update on TPC-H ``lineitem``
    against delta-rs and pyiceberg.
 
 Invariants kept here:
@@ -71,6 +74,14 @@ BENCHES: tuple[BenchSpec, ...] = (
         900,
         240,
         "Stash: 1-entry appends against raw sqlite3 and psycopg",
+    ),
+    BenchSpec(
+        "typed",
+        "bench.bench_stash_typed",
+        ("--backend", "all"),
+        600,
+        180,
+        "Stash: typed peek_one and upsert_key against SQLAlchemy Core",
     ),
     BenchSpec(
         "commit",

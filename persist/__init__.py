@@ -34,6 +34,7 @@ from persist.errors import (
     PersistError,
     SchemaMismatch,
     SinceViolation,
+    UnknownShard,
     UpdateBeyondUpper,
     UpdateNotBeyondLower,
     UpperMismatch,
@@ -48,6 +49,8 @@ from persist.rows import ChangeContended, RowChanges
 from persist.snapshots import snapshot_many
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
 from persist.state import LeaseExpired, ShardState
+from persist.store_identity import StoreMismatch
+from persist.table import Table
 from persist.txn import Txn
 from persist.txn_commit import TxnUpperMismatch
 from persist.types import Description, HollowBatch, PartRef
@@ -97,9 +100,12 @@ __all__ = [
     "ShardMachine",
     "ShardState",
     "SinceViolation",
+    "StoreMismatch",
+    "Table",
     "Trace",
     "Txn",
     "TxnUpperMismatch",
+    "UnknownShard",
     "UnreliableBlob",
     "UpdateBeyondUpper",
     "UpdateNotBeyondLower",

@@ -2,12 +2,15 @@
 garbage, check it, drop it, print its rows, query shards with SQL.
 
 ``persist [--stash URL] [--blob URI] [--metrics-port P [--metrics-addr A]] shards |
-inspect SHARD | compact SHARD | gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of
-T [--wait SECONDS]] [--limit N] | sql QUERY [--as-of T] [--max-expanded-rows N]``.
+inspect SHARD | history TABLE [--limit N] | retention TABLE [--duration D] | compact
+SHARD [--full] | gc SHARD | fsck SHARD | drop SHARD | cat SHARD [--as-of T [--wait
+SECONDS]] [--limit N] | sql QUERY [--as-of T] [--max-expanded-rows N]``.
 ``--stash`` and ``--blob`` go before or after the subcommand, or come from
 ``PERSIST_STASH`` / ``PERSIST_BLOB`` (:func:`store_options`).  ``cat`` and ``sql`` read
-consolidated snapshots through reader leases (seqno holds, so GC cannot delete a part
-they are reading), which needs a writable stash.  ``sql`` runs DuckDB with each shard
+consolidated snapshots without a lease (:func:`persist.version_read.read_version`:
+nothing is written, a part GC removed meanwhile is read from the newer version at the
+same time), so a readonly stash will do (``cat --wait`` takes a reader lease while it
+waits).  ``sql`` runs DuckDB with each shard
 named in the query registered as an Arrow table of its rows (one row per unit of
 multiplicity, :mod:`persist.cli_sql`), every shard read at one time (``--as-of T``, or
 the latest time all of them have: :meth:`persist.PersistClient.snapshot_many`), so a
@@ -17,7 +20,7 @@ like an id is a name).  Output is a readable table (rich) or JSON with ``--json`
 
 Invariants kept here: no command creates a stash or a blob root (the stash is opened
 readonly first, so a mistyped SQLite path is refused; a ``file://`` root is opened with
-``create=False``); reads other than ``cat``/``sql`` keep the stash readonly; the SQL
+``create=False``); reads keep the stash readonly (but ``cat --wait``); the SQL
 query, parsing included, runs only on a private DuckDB connection whose external access
 (files, network) is off and locked, so it reaches nothing but the registered shards and
 answers alike for files that exist and files that do not; a shard whose multiplicities
@@ -36,9 +39,11 @@ scraper on another host reaches it); ``--metrics-addr 127.0.0.1`` keeps it local
 
 from __future__ import annotations
 
+import datetime as dt
 import difflib
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -63,7 +68,9 @@ from persist.client import PersistClient
 from persist.errors import CorruptPart, InvalidUsage, PersistError, UnknownShard
 from persist.fsck import fsck as fsck_shard
 from persist.gc import collect_garbage
+from persist.optimize import optimize
 from persist.state import ShardState
+from persist.version_read import read_version
 from stash import Stash, StashError, redact
 from stash.cli import (
     CliError,
@@ -276,6 +283,14 @@ def main(verbose: bool, metrics_port: int | None, metrics_addr: str) -> None:
         fail(str(e), "choose another --metrics-port or --metrics-addr")
 
 
+def _listed_state(c: PersistClient, shard_id: str) -> ShardState:
+    """A shard's latest state read from consensus without the blob store check."""
+    h = c.consensus.head(shard_id)
+    if h is None:
+        raise PersistError(f"shard {shard_id} has no state in consensus")
+    return ShardState.from_entries(h.data)
+
+
 def shard_state(st: ShardState) -> str:
     """``"finalized"`` (dropped: a tombstone), ``"closed"`` (its upper is the empty
     antichain: no more writes) or ``"live"``."""
@@ -299,8 +314,10 @@ def shards(ctx: click.Context, as_json: bool) -> None:
     def run() -> None:
         with _client(ctx, readonly=True) as c:
             names = c.shards()
+            # Listed from consensus alone: a shard of another blob store is listed too
+            # (every other command refuses it, naming both stores).
             out = [
-                summary(c.machine(sid).fetch(), len(c.consensus.retired(sid)))
+                summary(_listed_state(c, sid), len(c.consensus.retired(sid)))
                 for sid in names.values()
             ]
         if as_json:
@@ -405,13 +422,108 @@ def inspect(ctx: click.Context, shard: str, as_json: bool, full_state: bool) -> 
 
 @main.command()
 @store_options
-@click.argument("shard")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.argument("table")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="Show the newest N.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one object per line).")
 @click.pass_context
-def compact(ctx: click.Context, shard: str, as_json: bool) -> None:
-    """Answer every outstanding merge request of a shard."""
+def history(ctx: click.Context, table: str, limit: int | None, as_json: bool) -> None:
+    """Show a table's history, newest first: version, logical time, commit timestamp
+    (UTC), operation, parameters and metrics (persist.Table.history).  Reads only."""
 
     def run() -> None:
+        with _client(ctx, readonly=True) as c:
+            h = c.table(table).history(limit)
+        rows = h.to_pylist()
+        for r in rows:
+            r["timestamp"] = r["timestamp"].isoformat()
+        if as_json:
+            for r in rows:
+                r["parameters"] = json.loads(r["parameters"])
+                r["metrics"] = json.loads(r["metrics"])
+                click.echo(json.dumps(r))
+        else:
+            _table(f"history of {table}", h.column_names, [list(r.values()) for r in rows])
+
+    _guard(run)
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(w|d|h|m|s|ms)")
+_UNIT_SECONDS = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def parse_duration(text: str) -> dt.timedelta:
+    """``7d``, ``12h``, ``30m``, ``45s``, ``1w``, ``1d12h`` as a ``timedelta``.
+
+    Raises:
+        click.BadParameter: anything else.
+    """
+    t = text.strip().lower()
+    pos, seconds = 0, 0.0
+    for m in _DURATION.finditer(t):
+        if m.start() != pos:
+            break
+        seconds += float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+        pos = m.end()
+    if not t or pos != len(t):
+        raise click.BadParameter(
+            f"{text!r} is not a duration: write a number and a unit (w, d, h, m, s, ms), "
+            "e.g. 7d or 1d12h"
+        )
+    return dt.timedelta(seconds=seconds)
+
+
+@main.command()
+@store_options
+@click.argument("table")
+@click.option("--duration", help="Keep this much history readable, e.g. 7d, 12h (none: clear).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def retention(ctx: click.Context, table: str, duration: str | None, as_json: bool) -> None:
+    """Show or set a table's retention (persist.Table.set_retention): its since follows
+    the newest time committed at or before now minus the duration."""
+    span = None
+    if duration is not None and duration.strip().lower() != "none":
+        span = parse_duration(duration)
+
+    def run() -> None:
+        with _client(ctx, readonly=duration is None) as c:
+            t = c.table(table)
+            if duration is not None:
+                t.set_retention(span)
+            d = t.details()
+        out = {"table": table, "retention_seconds": d["retention_seconds"], "since": d["since"]}
+        if as_json:
+            click.echo(json.dumps(out, sort_keys=True))
+        else:
+            _table(f"retention of {table}", ["field", "value"], [[k, v] for k, v in out.items()])
+
+    _guard(run)
+
+
+@main.command()
+@store_options
+@click.argument("shard")
+@click.option(
+    "--full",
+    is_flag=True,
+    help="Merge every batch into one, consolidated at the since (persist.Table.optimize).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def compact(ctx: click.Context, shard: str, full: bool, as_json: bool) -> None:
+    """Answer every outstanding merge request of a shard (with --full: merge all its
+    batches into one, consolidated at the since)."""
+
+    def run() -> None:
+        if full:
+            with _client(ctx, readonly=False) as c:
+                rep = optimize(c.context, c.compactor, c.machine(c.shard_id(shard))).to_dict()
+            if as_json:
+                click.echo(json.dumps(rep, sort_keys=True))
+            else:
+                rows = [[k, v] for k, v in rep.items()]
+                _table(f"full compaction of {shard}", ["field", "value"], rows)
+            return
         with _client(ctx, readonly=False) as c:
             r = c.compactor.compact_once(shard)
             after = summary(c.inspect(shard))
@@ -595,14 +707,17 @@ def _consolidated(
     c: PersistClient, shard: str, as_of: int | None, wait: float | None = None
 ) -> tuple[int, pa.Table]:
     """The shard's consolidated snapshot at ``as_of`` (default: the latest readable
-    time), read through a reader lease (its seqno hold keeps GC off the parts); with
-    ``wait`` (seconds), waiting that long at most for ``as_of`` to be complete.
+    time), read without a lease (:func:`persist.version_read.read_version`); with
+    ``wait`` (seconds), through a reader lease, waiting that long at most for ``as_of``
+    to be complete.
 
     Raises:
         CliError: as :func:`_readable_as_of`, or the wait ran out.
     """
     t = _readable_as_of(c, shard, as_of, waits=wait is not None)
     st = c.inspect(shard)
+    if wait is None:  # no lease: nothing is written (a readonly stash will do)
+        return t, read_version(c.context, c.machine(st.shard_id), st, t)
     with c.open_reader(shard, st.key_schema, st.value_schema) as r:
         try:
             return t, r.snapshot(t, wait=wait is not None, timeout=wait)
@@ -644,10 +759,11 @@ def cat(
 ) -> None:
     """Print a shard's consolidated rows as of a time (keys, values, _diff), sorted.
 
-    Takes a reader lease for the read (so the stash must be writable)."""
+    Writes nothing (a readonly stash will do), except with --wait, which takes a
+    reader lease while it waits (so the stash must be writable)."""
 
     def run() -> None:
-        with _client(ctx, readonly=False) as c:
+        with _client(ctx, readonly=wait is None) as c:
             t, snap = _consolidated(c, shard, as_of, wait)
         if limit is not None:
             snap = snap.slice(0, limit)
@@ -694,7 +810,7 @@ def sql(
     network) is off and locked.  A shard whose multiplicities would expand to more than
     --max-expanded-rows extra rows is refused (see its _diff with ``persist cat``).
 
-    Takes reader leases for the reads (so the stash must be writable)."""
+    Writes nothing: a readonly stash will do."""
     import duckdb
 
     from persist.errors import SinceViolation
@@ -710,7 +826,7 @@ def sql(
                 ) from None
             except duckdb.Error as e:
                 raise CliError(f"persist sql: {first_line(e)}", None, rest_lines(e)) from None
-            with _client(ctx, readonly=False) as c:
+            with _client(ctx, readonly=True) as c:
                 known = set(c.shards())
                 wanted = shards_named(names, known)
                 if not wanted:

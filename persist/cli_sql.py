@@ -15,11 +15,10 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from persist.errors import InvalidUsage
+from persist.relation import check_multiplicities, expand_rows, expanded_count
 
 if TYPE_CHECKING:
     import duckdb
@@ -57,18 +56,11 @@ def as_rows(table: pa.Table, shard: str, max_expanded_rows: int = MAX_EXPANDED_R
             an expansion adding more than ``max_expanded_rows`` rows, naming the shard,
             its consolidated and expanded row counts, the limit and ways around it.
     """
-    diffs = table.column("_diff")
-    negative = pc.sum(pc.less(diffs, 0)).as_py() or 0
-    if negative:
-        raise InvalidUsage(
-            f"shard {shard!r} has {negative} row(s) with a negative multiplicity at this "
-            "time (more retractions than insertions): it is not a relation SQL can query"
-        )
-    data = table.drop_columns(["_time", "_diff"])
-    if pc.all(pc.equal(diffs, 1)).as_py() in (True, None):
-        return data
-    # Summed as 38-digit decimals: exact where int64 would wrap (2**62 + 2**62).
-    total = int(pc.sum(diffs.cast(pa.decimal128(38, 0))).as_py())
+    try:
+        check_multiplicities(table, shard)
+    except InvalidUsage as e:
+        raise InvalidUsage(f"{e}: SQL cannot query it") from None
+    total = expanded_count(table)
     if total - len(table) > max_expanded_rows:
         raise InvalidUsage(
             f"persist sql: shard {shard!r} holds {len(table)} consolidated row(s) that "
@@ -77,8 +69,7 @@ def as_rows(table: pa.Table, shard: str, max_expanded_rows: int = MAX_EXPANDED_R
             f"of {max_expanded_rows} (--max-expanded-rows); see the rows with their _diff "
             f"with `persist cat {shard}`, or raise the limit"
         )
-    counts = diffs.to_numpy()
-    return data.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
+    return expand_rows(table, shard)
 
 
 def json_value(v: Any) -> Any:

@@ -71,6 +71,7 @@ from persist.read import ReadHandle
 from persist.shards import Shards
 from persist.snapshots import snapshot_many
 from persist.state import ShardState
+from persist.table import Table, create_table, open_table
 from persist.txn import Txn
 from persist.write import WriteHandle
 from stash import Stash, StashError
@@ -370,6 +371,35 @@ class PersistClient:
         ops = self._shard_ops
         m, sid = ops.open_machine(shard_name, key_schema, value_schema, drop)
         return ops.reader(m, shard_name, key_schema, value_schema, sid)
+
+    def create_table(self, name: str, schema: pa.Schema, key: Sequence[str]) -> Table:
+        """The table ``name`` (:class:`~persist.table.Table`) with columns ``schema``
+        and key columns ``key``, created if it does not exist; an existing table with
+        exactly this key and schema is returned as it is.
+
+        Args:
+            name: the table's (shard's) name.
+            schema: its columns (``pyarrow.Schema``); the shard keeps the key columns
+                first (in ``key``'s order), then the others in ``schema``'s order.
+            key: the key columns' names (a non-empty list).
+
+        Raises:
+            SchemaMismatch: the table exists with another key or schema (naming both);
+                nothing is changed.
+            InvalidUsage: a bad name, schema or key; a dropped table.
+            ConsensusError: the stash failed.
+        """
+        return create_table(self._shard_ops, self.compactor, name, schema, key)
+
+    def table(self, name: str) -> Table:
+        """The existing table ``name`` (:class:`~persist.table.Table`), in its newest
+        schema.  Writes nothing: works on a readonly stash.
+
+        Raises:
+            UnknownShard: no table has that name (offering close names: "did you
+                mean").  InvalidUsage: the table was dropped.
+        """
+        return open_table(self._shard_ops, self.compactor, name)
 
     def inspect(self, shard: str) -> ShardState:
         """The latest state of a shard (a name, or ``id:<shard id>``), freshly read."""

@@ -44,10 +44,13 @@ class Inputs:
     """Facts a command asked for (:class:`NeedsInput`), read as of a ``retired_upper``:
     ``retired`` is ``(retired_upper, retired part ids)``; ``listed_upper`` the
     ``retired_upper`` of a version at which the given parts were (last) listed
-    (``None``: never)."""
+    (``None``: never); ``maybe_landed``: an earlier attempt of the command may have
+    committed (its outcome was indeterminate), so a missing record of its token may
+    mean it was pruned (see :mod:`persist.landed`)."""
 
     retired: tuple[int, frozenset[str]] | None = None
     listed_upper: int | None = None
+    maybe_landed: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,11 @@ class AppendCmd:
         merges: compaction results riding along (applied unless already in the trace).
         given: part ids of given (not freshly written) parts: none may be in the shard
             already, or retired from it.
+        lo: the seqno of a version read before the append's first attempt (any attempt
+            of it lands after it; ``None``: not known), see :mod:`persist.landed`.
+        consumed: part ids of given batches the append rewrote into new parts
+            (truncated): retired in the version that commits it, so that another copy
+            of those batches is refused as appended (``BatchAppended``).
     """
 
     writer_id: str
@@ -80,6 +88,8 @@ class AppendCmd:
     handed: tuple[tuple[str, int], ...] = ()
     merges: tuple[FueledMergeRes, ...] = ()
     given: tuple[str, ...] = ()
+    lo: int | None = None
+    consumed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,7 +110,9 @@ class TxnCmd:
         given: part ids of given parts (see :class:`AppendCmd`).
         timed_lo: the earliest time of timed updates (``None``: none are timed); the
             shard's upper must not be past it.
-        done: record ids of this client's acknowledged transactions to drop.
+        done: record ids of this client's acknowledged transactions to drop (writers
+            of states written before transactions recorded their token as
+            :mod:`persist.landed` records).
         pieces: the hollow batches to add for a shard whose upper is the argument
             (pure: a function of the upper only).
     """

@@ -80,6 +80,8 @@ from stash.codec import canonical_json
 
 __all__ = [
     "REGISTRY_COLLECTION",
+    "HISTORY_COLLECTION_PREFIX",
+    "HistoryAppend",
     "RETIRED_COLLECTION_PREFIX",
     "SHARD_COLLECTION_PREFIX",
     "RetiredChange",
@@ -96,6 +98,7 @@ log = logging.getLogger(__name__)
 REGISTRY_COLLECTION = "persist.shards"
 SHARD_COLLECTION_PREFIX = "persist.shard."
 RETIRED_COLLECTION_PREFIX = "persist.retired."
+HISTORY_COLLECTION_PREFIX = "persist.history."
 META_KEY = "meta"
 DIFF_PREFIX = "diff/"
 #: A version whose diff entry would be longer than this (characters) is written as a
@@ -204,6 +207,16 @@ class RetiredChange:
     removes: Mapping[str, int]
 
 
+@dataclass(frozen=True)
+class HistoryAppend:
+    """The history record written with one version: the history collection's current
+    upper ``lower``, the record's key (its version's seqno, 20 digits) and value."""
+
+    lower: int
+    key: str
+    record: Mapping[str, Any]
+
+
 def _wrap(e: StashError, what: str) -> ConsensusError:
     return ConsensusError(
         f"consensus {what} failed: {e.message}", indeterminate=e.is_indeterminate()
@@ -233,6 +246,7 @@ class Consensus:
         self.max_diffs = max_diffs
         self._colls: dict[str, StashCollection[Any, Any]] = {}
         self._retired_colls: dict[str, StashCollection[Any, Any]] = {}
+        self._history_colls: dict[str, StashCollection[Any, Any]] = {}
         self._lock = threading.Lock()
         self._registry: StashCollection[Any, Any] | None = None
 
@@ -300,6 +314,52 @@ class Consensus:
             "int",
             "the retired collection",
         )
+
+    def history_collection(self, shard_id: str) -> StashCollection[Any, Any]:
+        """The stash collection holding ``shard_id``'s history records (key: the
+        version's seqno, 20 digits; value: the record, JSON; see
+        :mod:`persist.history`)."""
+        return self._cached_collection(
+            self._history_colls,
+            shard_id,
+            HISTORY_COLLECTION_PREFIX + shard_id,
+            "json",
+            "the history collection",
+        )
+
+    def history(self, shard_id: str) -> list[dict[str, Any]]:
+        """The shard's history records, oldest first (``[]`` when it has none; a
+        readonly stash creates nothing).
+
+        Raises:
+            ConsensusError: the stash failed.
+        """
+        if shard_id not in self._history_colls and self.stash.mode == "readonly":
+            name = HISTORY_COLLECTION_PREFIX + shard_id
+            if name not in self._call("listing collections", self.stash.collections):
+                return []
+        c = self.history_collection(shard_id)
+        rows = self._call(f"reading the history of shard {shard_id}", lambda: self.stash.iter(c))
+        acc: dict[tuple[str, str], int] = {}
+        values: dict[tuple[str, str], Any] = {}
+        for (k, v), _t, d in rows:
+            at = (str(k), canonical_json(v))
+            acc[at] = acc.get(at, 0) + d
+            values[at] = v
+        return [dict(values[at]) for at in sorted(acc) if acc[at] > 0]
+
+    def _history_batch(self, shard_id: str, h: HistoryAppend) -> AppendBatch:
+        """The stash batch that writes ``h``, appended with its version."""
+        hc = self.history_collection(shard_id)
+        b = AppendBatch(
+            collection=hc,
+            lower=Antichain.from_elem(h.lower),
+            upper=Antichain.from_elem(h.lower + 1),
+            compact=Antichain.from_elem(h.lower),
+            timestamp=h.lower,
+        )
+        hc.append_to_batch(b, h.key, dict(h.record), 1)
+        return b
 
     def retired(self, shard_id: str) -> dict[str, int]:
         """The shard's retired blob keys: key -> wall-clock ms of retirement."""
@@ -529,6 +589,7 @@ class Consensus:
         retired: RetiredChange | None = None,
         *,
         plan: VersionPlan | None = None,
+        history: HistoryAppend | None = None,
     ) -> bool:
         """Publish the version ``expected + 1`` (``0`` when ``expected`` is ``None``) if the
         head is still ``expected``.
@@ -544,6 +605,8 @@ class Consensus:
                 version (``new`` must record the collection's new upper, ``lower + 1``).
             plan: :meth:`plan`'s result for these arguments, if the caller made it
                 already (it learns how the version is stored from it).
+            history: the version's history record, written atomically with it
+                (``new`` must record the history collection's new upper).
 
         Returns: ``True`` if committed, ``False`` if the head was not ``expected`` (a lost
             race: nothing was committed).
@@ -563,6 +626,8 @@ class Consensus:
         batches = self._plan_batches(c, plan)
         if retired is not None:
             batches.append(self._retired_batch(shard_id, retired))
+        if history is not None:
+            batches.append(self._history_batch(shard_id, history))
         try:
             self._call(
                 f"compare_and_set of shard {shard_id} at seqno {plan.seqno}",
@@ -571,7 +636,8 @@ class Consensus:
         except AppendLowerMismatch as e:
             if e.collection != c.name:
                 raise ConsensusError(
-                    f"the retired collection of shard {shard_id} is out of step with its state: {e}"
+                    f"the retired or history collection of shard {shard_id} is out of step "
+                    f"with its state: {e}"
                 ) from e
             return False
         return True
@@ -599,6 +665,7 @@ class Consensus:
         retired: RetiredChange | None = None,
         *,
         plan: VersionPlan | None = None,
+        history: HistoryAppend | None = None,
     ) -> list[AppendBatch]:
         """The stash batches that publish version ``expected + 1`` of ``shard_id`` on top
         of ``expected`` (the same batches :meth:`compare_and_set` sends), without sending
@@ -612,6 +679,8 @@ class Consensus:
         out = self._plan_batches(self.collection(shard_id), plan)
         if retired is not None:
             out.append(self._retired_batch(shard_id, retired))
+        if history is not None:
+            out.append(self._history_batch(shard_id, history))
         return out
 
     def _retired_batch(self, shard_id: str, retired: RetiredChange) -> AppendBatch:

@@ -16,7 +16,9 @@ Invariants kept here:
 * names and ids are separate namespaces (:meth:`PersistContext.shard_id`): a plain
   string is a name, an id is written ``id:<shard id>``;
 * once :attr:`PersistContext.closed` is set it stays set, and :meth:`check_open` raises;
-* operations that delete blobs run only on a writable stash (:meth:`check_may_delete`).
+* operations that delete blobs run only on a writable stash (:meth:`check_may_delete`);
+* every state a machine reads is checked against this client's blob store
+  (:class:`~persist.store_identity.StoreIdentity`) before it is used.
 
 Source of the idea: Materialize's persist-client ``src/persist-client/src/write.rs``
 (a ``WriteHandle`` holds ``cfg``, ``metrics``, ``machine``, ``compact``, ``blob`` and
@@ -37,6 +39,7 @@ from persist.errors import InvalidUsage, UnknownShard
 from persist.ids import validate_shard_id, validate_shard_name
 from persist.machine import ShardMachine
 from persist.spine import FueledMergeReq, FueledMergeRes
+from persist.store_identity import StoreIdentity
 from stash import Stash
 
 if TYPE_CHECKING:
@@ -100,6 +103,7 @@ class PersistContext:
             (expired on close).
         maintenance: the hooks handles call (:class:`MaintenanceHooks`).
         closed: the client was closed.
+        store: the blob store's identity (:class:`~persist.store_identity.StoreIdentity`).
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class PersistContext:
         self.handles: weakref.WeakSet[Any] = weakref.WeakSet()
         self.maintenance: MaintenanceHooks = NoMaintenance()
         self.closed = False
+        self.store = StoreIdentity(blob, raw_blob)
 
     def __repr__(self) -> str:
         return f"PersistContext({self.stash!r}, {self.raw_blob!r})"
@@ -138,7 +143,10 @@ class PersistContext:
         m = self.machines.get(shard_id)
         if m is None:
             m = self.machines.setdefault(
-                shard_id, ShardMachine(self.consensus, shard_id, clock=self.config.clock)
+                shard_id,
+                ShardMachine(
+                    self.consensus, shard_id, clock=self.config.clock, check=self.store.check
+                ),
             )
         return m
 

@@ -2,10 +2,11 @@
 
 An append records its idempotency token in the shard state together with a
 *fingerprint* of the append (``token + TOKEN_SEP + fingerprint``, see
-:data:`persist.state.TOKEN_SEP`).  A later call passing the same token is taken as a
-retry of that append only if its own fingerprint is equal; a token reused on any other
-append is refused (:func:`check_same_append`), so a retry is never acknowledged for
-rows that were not written.
+:data:`persist.state.TOKEN_SEP`, in :mod:`persist.landed`'s records).  A later call
+passing the same token is taken as a retry of that append only if its own fingerprint
+is equal; a token reused on any other append is refused (:func:`check_same_append`),
+also by the commit of an append that raced the one recording it, so a retry is never
+acknowledged for rows that were not written.
 
 The fingerprint names the append's bounds (``expected_upper``, ``new_upper``) and its
 contents, as a SHA-256 digest (first 128 bits, hex):
@@ -31,7 +32,7 @@ Source of the idea: persist-client's ``WriterState`` (``internal/state.rs``) rec
 writer's most recent idempotency token together with that write's upper
 (``most_recent_write_token``, ``most_recent_write_upper``), and its
 ``compare_and_append`` takes a retry by the token only at that upper; here the
-contents are named too, and a writer's last few tokens are kept.
+contents are named too, and the shard keeps the records (:mod:`persist.landed`).
 """
 
 from __future__ import annotations

@@ -49,7 +49,9 @@ skew therefore never loses an acknowledged append: a process whose clock is ahea
 more than a lease expires live writers early, and their next commits are refused with
 ``LeaseExpired`` and nothing committed (the caller opens a new writer and writes
 again); it does make those writers fail, so the processes sharing a shard should keep
-their clocks in agreement to well within a lease (NTP does).
+their clocks in agreement to well within a lease (NTP does).  The record that an
+append landed is the shard's, not the writer's (:mod:`persist.landed`): an expiry,
+early or not, never makes a landed append look lost.
 
 Sources: the first engine's blob bookkeeping (Materialize's ``src/persist/src/indexed/``);
 persist-client's GC, writer-named blob keys and seqno holds.

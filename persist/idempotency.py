@@ -9,8 +9,9 @@ This module holds what a writer needs to tell whether an append of its own lande
 * :func:`apply_resolving`: a machine command re-applied, with backoff, while its outcome
   is unknown (the command recognises its own committed effect by its token);
 * :func:`token_landed`: whether the append a caller's token names landed, decided on a
-  freshly fetched shard state (or on the outcome this client settled when it first
-  learned it), never on a cached one.
+  freshly fetched shard state by its landed records (:mod:`persist.landed`, kept apart
+  from writer leases), never on a cached one; :func:`token_floor`: the version any
+  attempt of a token lands after, as far as this process (or the token) knows.
 
 Invariants kept here:
 
@@ -20,7 +21,8 @@ Invariants kept here:
   append's is refused (``InvalidUsage``, :func:`persist.fingerprint.check_same_append`),
   never taken for a landed retry;
 * an outcome that can no longer be learned is reported as an indeterminate
-  ``ConsensusError``, never as "not landed" (which would invite a double append).
+  ``ConsensusError`` (:class:`persist.landed.OutcomeUnknown`), never as "not landed"
+  nor as ``UpperMismatch`` (either would invite a double append).
 
 The fingerprints themselves are in :mod:`persist.fingerprint`.  Sources of the idea:
 Materialize's ``src/persist-client/src/internal/machine.rs`` (``compare_and_append``
@@ -39,7 +41,8 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 
 from persist.errors import ConsensusError, InvalidUsage, PersistError
 from persist.fingerprint import check_same_append
-from persist.lease_state import TOKEN_FOREIGN, TOKEN_UNKNOWN, token_for
+from persist.landed import OutcomeUnknown
+from persist.lease_state import TOKEN_LANDED, TOKEN_UNKNOWN, token_for, token_lo
 from persist.state_base import token_verdict
 
 if TYPE_CHECKING:
@@ -50,6 +53,7 @@ __all__ = [
     "apply_resolving",
     "carrying_token",
     "checked_token",
+    "token_floor",
     "token_landed",
     "tokens",
 ]
@@ -72,10 +76,11 @@ def carrying_token(token: str) -> Iterator[None]:
 
 class TokenSource:
     """Fresh idempotency tokens without a system call each (:func:`token_for`): the first
-    16 hex digits of the writer's id (so the state tells which writer a token belongs to,
-    :func:`persist.state_base.token_verdict`), 8 random ones per process (``os.urandom``,
-    drawn again in a forked child) and an 8-digit counter, dot-separated, so tokens never
-    repeat and a writer's tokens from one process are ordered by when they were drawn.  A
+    16 hex digits of the writer's id, 8 random ones per process (``os.urandom``, drawn
+    again in a forked child), an 8-digit counter and the seqno of a version read before
+    the append (so a restarted process retrying with the token knows which pruned
+    records could have been its own, :mod:`persist.landed`), dot-separated, so tokens
+    never repeat.  A
     forked child gets a fresh lock (:meth:`after_fork_in_child`), so a fork while another
     thread draws a token cannot deadlock the child.  (A ``uuid4`` per append costs a
     ``getrandom`` call, which releases the GIL and so waits for the compactor thread to
@@ -93,14 +98,16 @@ class TokenSource:
         self._lock = threading.Lock()
         self._pid = -1
 
-    def next(self, writer_id: str) -> str:
-        """A fresh token of ``writer_id`` (``w`` and 32 hex digits): 34 characters."""
+    def next(self, writer_id: str, lo: int = -1) -> str:
+        """A fresh token of ``writer_id`` (``w`` and 32 hex digits) for an append first
+        tried after the version with seqno ``lo`` (carried in the token, see
+        :func:`persist.lease_state.token_lo`)."""
         with self._lock:
             pid = os.getpid()
             if pid != self._pid or self._count >= (1 << 32) - 1:
                 self._pid, self._process, self._count = pid, os.urandom(4).hex(), 0
             self._count += 1
-            return token_for(writer_id, self._process, self._count)
+            return token_for(writer_id, self._process, self._count, lo)
 
 
 #: The process's token source.
@@ -109,14 +116,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=tokens.after_fork_in_child)
 
 
-def checked_token(token: str | None, writer_id: str) -> str:
-    """A fresh idempotency token of ``writer_id``, or ``token`` checked.
+def checked_token(token: str | None, writer_id: str, lo: int = -1) -> str:
+    """A fresh idempotency token of ``writer_id`` for an append first tried after the
+    version with seqno ``lo``, or ``token`` checked.
 
     Raises:
         InvalidUsage: ``token`` is not a printable str of 8 to 128 characters.
     """
     if token is None:
-        return tokens.next(writer_id)
+        return tokens.next(writer_id, lo)
     if not isinstance(token, str) or not 8 <= len(token) <= 128 or not token.isprintable():
         raise InvalidUsage(
             "idempotency_token must be a printable str of 8 to 128 characters "
@@ -148,7 +156,10 @@ def apply_resolving(
 
     def retry(e: BaseException) -> bool:
         # The first attempt's commit may have landed: any consensus failure of a
-        # later attempt leaves the outcome unknown too.
+        # later attempt leaves the outcome unknown too (but one that re-reading
+        # cannot settle).
+        if isinstance(e, OutcomeUnknown):
+            return False
         return isinstance(e, ConsensusError) or (
             isinstance(e, PersistError) and e.is_indeterminate()
         )
@@ -172,56 +183,37 @@ def apply_resolving(
     return out
 
 
-def token_landed(
-    machine: ShardMachine,
-    token: str,
-    fingerprint: str,
-    *,
-    writer_id: str,
-    registered: bool,
-    created_ms: int,
-    lease_ms: int,
-) -> bool:
-    """Whether an append with the caller's ``token`` landed: recorded in the latest
-    shard state, or settled by this client when the outcome was first learned (the
-    writer may have appended many times since, or its lease run out: see
-    :meth:`ShardMachine.note_unknown_token`); it must be this append (``fingerprint``).
+def token_floor(machine: ShardMachine, token: str) -> int | None:
+    """The seqno of a version read before the first attempt of the append with
+    ``token`` (``lo`` of :func:`persist.landed.verdict`): noted by this process when an
+    attempt's outcome was left unknown (:meth:`ShardMachine.note_attempt`), else the one
+    a token persist made carries (:func:`token_lo`); ``None``: not known (a caller's own
+    token retried by another process)."""
+    lo = machine.attempt_floor(token)
+    if lo is None:
+        lo = token_lo(token)
+    return lo
 
-    ``writer_id``, ``registered``, ``created_ms`` and ``lease_ms`` (milliseconds of the
-    machine's clock) describe the handle asking: whether it ever registered in the shard
-    state and when it was made.
+
+def token_landed(machine: ShardMachine, token: str, fingerprint: str) -> tuple[bool, int]:
+    """Whether an append with the caller's ``token`` landed, decided on a freshly
+    fetched shard state by the shard's landed records (:mod:`persist.landed`, which
+    outlive the writer and its lease); it must be this append (``fingerprint``).
+    Returns ``(landed, seqno of the state read)``: a retry that did not land is tried
+    again with that seqno as its ``lo``.
 
     Raises:
         InvalidUsage: the token names another append.
-        ConsensusError: indeterminate: the outcome can no longer be learned.
+        ConsensusError: indeterminate (:class:`~persist.landed.OutcomeUnknown`): the
+            record of the append may have been pruned, so the outcome cannot be learned.
     """
-    st = machine.fetch()  # a head: also settles what it decides
-    verdict, entry = token_verdict(st, token)
-    if entry is None:
-        known, entry = machine.token_outcome(token)
-        if known and entry is None:
-            return False
-    if entry is None:
-        if verdict == TOKEN_FOREIGN and registered and writer_id not in st.writers:
-            # A caller's own token names no writer: this handle's record of its
-            # earlier appends left the state with its registration (GC or another
-            # process expired it), so whether one of them used the token is unknown.
-            verdict = TOKEN_UNKNOWN
-        if verdict != TOKEN_UNKNOWN or (
-            # A token of this handle, which never registered, within a lease of its
-            # creation: an append of it that landed would have registered the writer,
-            # and its record could not have expired yet.
-            token.startswith(writer_id[1:17])
-            and not registered
-            and machine.now_ms() - created_ms < lease_ms
-        ):
-            return False
-        raise ConsensusError(
-            f"the outcome of the append with idempotency token {token!r} on shard "
-            f"{machine.shard_id} cannot be learned: the state no longer holds its "
-            "writer's record of it (the writer appended again or its lease ran out); "
-            "read the shard to see whether its updates are there",
-            indeterminate=True,
-        )
-    check_same_append(entry, token, fingerprint)
-    return True
+    lo = token_floor(machine, token)
+    st = machine.fetch()
+    verdict, entry = token_verdict(st, token, lo)
+    if verdict == TOKEN_LANDED:
+        assert entry is not None
+        check_same_append(entry, token, fingerprint)
+        return True, st.seqno
+    if verdict == TOKEN_UNKNOWN:
+        raise OutcomeUnknown(token, machine.shard_id)
+    return False, st.seqno

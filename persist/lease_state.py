@@ -2,10 +2,11 @@
 and the idempotency tokens a writer's state records.
 
 Invariants kept here: both are immutable (a command replaces them); a lease is expired
-once ``now > last_heartbeat_ms + lease_duration_ms``; a writer records at most
-:data:`WRITER_TOKENS_KEPT` tokens of its recent appends (oldest dropped first), each as
-``token`` or ``token + TOKEN_SEP + fingerprint``; their JSON forms round-trip exactly,
-and states written before a field existed load with its default.
+once ``now > last_heartbeat_ms + lease_duration_ms``; a writer's state of a version
+written before the shard kept its own landed records (:mod:`persist.landed`) may hold
+at most :data:`WRITER_TOKENS_KEPT` tokens of its recent appends, each as ``token`` or
+``token + TOKEN_SEP + fingerprint`` (read, never written any more); their JSON forms
+round-trip exactly, and states written before a field existed load with its default.
 
 Source: Materialize's persist-client ``LeasedReaderState`` and ``WriterState``
 (``src/persist-client/src/internal/state.rs``).
@@ -30,6 +31,7 @@ __all__ = [
     "ReaderState",
     "WriterState",
     "token_for",
+    "token_lo",
 ]
 
 #: Separates an idempotency token from the fingerprint of its append in a writer's
@@ -90,12 +92,11 @@ class WriterState:
     Attributes:
         last_heartbeat_ms: wall-clock time (ms) of its last append or heartbeat.
         lease_duration_ms: the writer is dropped once its lease runs out.
-        last_token: the idempotency token of the writer's last committed append, used to
-            learn the outcome of an append whose commit was indeterminate.
-        tokens: the tokens of its earlier recent appends (oldest first, at most
-            :data:`WRITER_TOKENS_KEPT` with ``last_token``), so that a retry with a token
-            stays idempotent even after the same writer appended again.  States written
-            before this field existed load with ``()``.
+        last_token, tokens: in states written before the shard kept its own landed
+            records (:mod:`persist.landed`), the idempotency tokens of the writer's last
+            appends (``tokens`` oldest first, at most :data:`WRITER_TOKENS_KEPT` with
+            ``last_token``); still read (a record there counts as landed), no longer
+            written: ``None`` and ``()`` now.
         handed_off: batches with parts of this writer that its handle had handed out
             (e.g. transmitted to another process,
             :meth:`persist.batch.Batch.into_transmittable`) and not appended itself
@@ -180,9 +181,10 @@ class WriterState:
 WRITER_TOKENS_KEPT = 8
 
 #: A token persist made (:func:`token_for`): 16 hex digits of the writer's id, 8 of the
-#: drawing process, an 8-digit counter, dot-separated (a form no uuid or plain hex token
-#: of a caller's has).
-_TOKEN_RE = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{8}\.[0-9a-f]{8}")
+#: drawing process, an 8-digit counter and the hex seqno of a version read before the
+#: append's first attempt, dot-separated (a form no uuid or plain hex token of a
+#: caller's has).  Tokens of earlier versions lack the seqno.
+_TOKEN_RE = re.compile(r"[0-9a-f]{16}\.[0-9a-f]{8}\.[0-9a-f]{8}(?:\.(-?[0-9a-f]{1,16}))?")
 #: :func:`token_verdict`'s answers.
 TOKEN_LANDED, TOKEN_NOT_LANDED, TOKEN_UNKNOWN, TOKEN_FOREIGN = (
     "landed",
@@ -192,7 +194,16 @@ TOKEN_LANDED, TOKEN_NOT_LANDED, TOKEN_UNKNOWN, TOKEN_FOREIGN = (
 )
 
 
-def token_for(writer_id: str, process: str, count: int) -> str:
+def token_for(writer_id: str, process: str, count: int, lo: int = -1) -> str:
     """The idempotency token ``count`` drawn by a process (8 hex digits ``process``) for
-    ``writer_id`` (``w`` and 32 hex digits)."""
-    return f"{writer_id[1:17]}.{process}.{count:08x}"
+    ``writer_id`` (``w`` and 32 hex digits), for an append first tried after the version
+    with seqno ``lo`` (see :mod:`persist.landed`)."""
+    return f"{writer_id[1:17]}.{process}.{count:08x}.{lo:x}"
+
+
+def token_lo(token: str) -> int | None:
+    """The seqno a token of :func:`token_for` carries (``None``: another form)."""
+    m = _TOKEN_RE.fullmatch(token)
+    if m is None or m.group(1) is None:
+        return None
+    return int(m.group(1), 16)

@@ -21,6 +21,23 @@ order), builds its stash batches with :meth:`Consensus.version_batches`, sends t
 :meth:`Consensus.append_atomic`, and caches the staged versions
 (:meth:`ShardMachine.install`) only once committed.
 
+Lock order (every thread takes locks in this order, never the reverse):
+
+1. the shard machines' locks (:attr:`ShardMachine.lock`, re-entrant), several of them
+   only in shard-id order (a multi-shard transaction,
+   :func:`persist.txn_commit.commit_shards`);
+2. leaves, taken inside them and calling out to nothing: the client's transaction lock
+   (``Shards._txn_lock``), a machine's ``_offered_lock``, the lease keeper's condition.
+
+Under a machine's lock a thread does consensus calls and pure computation only: no blob
+upload or part read, and no wait for a thread of the shared pools (:mod:`persist.pool`),
+whose tasks may need that very lock (a writer registering before its first upload runs
+a command of its shard's machine in whichever pool thread reaches the upload first).  So
+a transaction plans and uploads its row changes before it takes the locks and stages
+only on the version it planned on (:mod:`persist.txn_commit`); an append writes its
+parts before its command runs.  A lease renewal (:mod:`persist.lease`) runs its
+command holding its keeper entry's lock (taken before the machine's).
+
 Invariants kept here: a version is only published on top of the version it was computed
 from; this module is the only place a transition function reaches the applier (every
 other module calls a named command); expired leases (except the command's own) are
@@ -41,25 +58,22 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from persist import metrics as persist_metrics
+from persist import retention
 from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
 from persist.consensus import (
     Consensus,
+    HistoryAppend,
     RetiredChange,
     VersionedData,
     VersionPlan,
     retired_entry,
 )
 from persist.errors import ConsensusError, PersistError
+from persist.history_record import make_record
 from persist.ids import validate_shard_id
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
-from persist.state import (
-    TOKEN_FOREIGN,
-    TOKEN_NOT_LANDED,
-    TOKEN_UNKNOWN,
-    ShardState,
-    Stale,
-    token_verdict,
-)
+from persist.state import ShardState, Stale
+from persist.types import HollowBatch
 from stash import Antichain
 
 __all__ = ["ShardMachine", "Stale", "Staged"]
@@ -82,7 +96,7 @@ class Staged:
     ``expected`` (the seqno it builds on), the new ``state`` with its ``data`` and
     ``texts`` by entry key, the expected version ``prev`` (as stored), the ``retired``
     change to write with it and the ``plan`` of its stash updates
-    (:meth:`Consensus.plan`)."""
+    (:meth:`Consensus.plan`), and the ``history`` record to write with it."""
 
     expected: int
     state: ShardState
@@ -91,6 +105,7 @@ class Staged:
     prev: VersionedData
     retired: RetiredChange | None
     plan: VersionPlan
+    history: HistoryAppend | None = None
 
 
 class ShardMachine:
@@ -103,6 +118,9 @@ class ShardMachine:
         max_races: how many lost compare-and-set races one transition may suffer before
             giving up with :class:`ConsensusError` (a livelock guard; every lost race is
             someone else's progress).
+        check: called with every state read from consensus before it is used (the
+            client's blob store check, :mod:`persist.store_identity`); what it raises
+            propagates, nothing cached.
     """
 
     def __init__(
@@ -112,8 +130,10 @@ class ShardMachine:
         *,
         clock: Callable[[], float] = time.time,
         max_races: int = 10_000,
+        check: Callable[[ShardState], None] | None = None,
     ) -> None:
         self.consensus = consensus
+        self.check = check
         self.shard_id = validate_shard_id(shard_id)
         self.clock = clock
         self.max_races = max_races
@@ -122,12 +142,9 @@ class ShardMachine:
         self._cache: _Cache | None = None
         self.metrics = {"cas": 0, "cas_lost": 0, "heads": 0, "indeterminate": 0}
         self._offered: list[FueledMergeRes] = []
-        # Idempotency tokens of appends whose outcome was left unknown, by token: the
-        # writer that tried them and the seqno then known; settled (see _settle_tokens)
-        # by the next head this machine sees, before the writer's record of them (its
-        # last WRITER_TOKENS_KEPT tokens, dropped with its lease) can be lost.
-        self._unsettled: dict[str, tuple[str, int]] = {}
-        self._settled: OrderedDict[str, str | None] = OrderedDict()
+        # Idempotency tokens of appends whose outcome was left unknown -> the seqno of
+        # a version read before their first attempt (persist.landed's ``lo``).
+        self._attempted: OrderedDict[str, int] = OrderedDict()
 
     # ------------------------------------------------- merge results to piggyback
     def offer_merge_results(self, results: list[FueledMergeRes]) -> None:
@@ -171,6 +188,8 @@ class ShardMachine:
             )
         if st.seqno != h.seqno:  # pragma: no cover - both read the same entry
             raise ConsensusError(f"shard {self.shard_id}: seqno mismatch in state")
+        if self.check is not None:
+            self.check(st)
         return _Cache(st, h)
 
     def fetch(self) -> ShardState:
@@ -184,68 +203,23 @@ class ShardMachine:
             if c is None:
                 raise PersistError(f"shard {self.shard_id} has no state in consensus")
             self._cache = c
-            if self._unsettled:
-                self._settle_tokens(c.state)
             return c.state
 
     # ------------------------------------------ appends of unknown outcome (tokens)
-    def note_unknown_token(self, token: str, writer_id: str) -> None:
-        """An append of ``writer_id`` with idempotency ``token`` ended with its outcome
-        unknown: learn it from the next head this machine sees (a later transition of
-        any handle of this client on the shard, or a re-read), while the state still
-        records the writer's recent tokens, so that a retry with ``token`` is answered
-        even after the writer appended again or its lease ran out."""
+    def note_attempt(self, token: str, lo: int) -> None:
+        """An append with idempotency ``token``, first tried after version ``lo``, ended
+        with its outcome unknown: a retry with the token in this process asks
+        :meth:`attempt_floor` (see :mod:`persist.landed`)."""
         with self._lock:
-            seqno = -1 if self._cache is None else self._cache.state.seqno
-            self._unsettled[token] = (writer_id, seqno)
+            prev = self._attempted.pop(token, lo)
+            self._attempted[token] = min(prev, lo)
+            while len(self._attempted) > _ATTEMPTS_KEPT:
+                self._attempted.popitem(last=False)
 
-    def token_outcome(self, token: str) -> tuple[bool, str | None]:
-        """``(known, entry)`` for an append with ``token`` whose outcome was left unknown
-        (:meth:`note_unknown_token`): ``(True, entry)`` it landed (the writer's recorded
-        entry), ``(True, None)`` it did not, ``(False, None)`` not settled here.
-
-        Raises:
-            ConsensusError: indeterminate: the writer's record left the state before a
-                head showing the outcome was seen, so it can no longer be learned.
-        """
+    def attempt_floor(self, token: str) -> int | None:
+        """The ``lo`` noted for ``token`` by :meth:`note_attempt` (``None``: none)."""
         with self._lock:
-            if token not in self._settled:
-                return False, None
-            entry = self._settled[token]
-        if entry == _TOKEN_UNKNOWABLE:
-            raise ConsensusError(
-                f"the outcome of the append with idempotency token {token!r} on shard "
-                f"{self.shard_id} cannot be learned any more: the shard state no longer "
-                "held its writer's record of it (the writer appended again, or its lease "
-                "ran out) when this process first saw the outcome; read the shard to see "
-                "whether its updates are there",
-                indeterminate=True,
-            )
-        return True, entry
-
-    def forget_token(self, token: str) -> None:
-        """An append with ``token`` just committed: the state answers for it now."""
-        with self._lock:
-            self._unsettled.pop(token, None)
-            self._settled.pop(token, None)
-
-    def _settle_tokens(self, head: ShardState) -> None:
-        """Settle the unknown outcomes ``head`` (a state that was the head: read as such,
-        or compared against by a compare-and-set that succeeded) decides
-        (:func:`persist.state.token_verdict`): landed, not landed, or no longer knowable
-        (its writer's record is gone, or later tokens of it pushed it out)."""
-        for token, (writer_id, seqno) in list(self._unsettled.items()):
-            if head.seqno < seqno:
-                continue
-            verdict, entry = token_verdict(head, token)
-            if verdict == TOKEN_FOREIGN and writer_id in head.writers:
-                verdict = TOKEN_NOT_LANDED  # a caller's own token: its writer's word
-            if verdict in (TOKEN_UNKNOWN, TOKEN_FOREIGN):
-                entry = _TOKEN_UNKNOWABLE
-            del self._unsettled[token]
-            self._settled[token] = entry
-            while len(self._settled) > _SETTLED_TOKENS_KEPT:
-                self._settled.popitem(last=False)
+            return self._attempted.get(token)
 
     def recent(self) -> ShardState:
         """The latest state: the cached one if the head seqno did not move (one cheap
@@ -272,8 +246,11 @@ class ShardMachine:
         """The cached state's seqno."""
         return self.state().seqno
 
-    def initialize(self, initial: ShardState) -> ShardState:
-        """Load the shard's state, writing ``initial`` as version 0 if it has none yet.
+    def initialize(
+        self, initial: ShardState, prepare: Callable[[ShardState], None] | None = None
+    ) -> ShardState:
+        """Load the shard's state, writing ``initial`` as version 0 if it has none yet
+        (``prepare`` is called on it first, e.g. to record the blob store's identity).
 
         Returns: the state now at the head (``initial`` or whatever won the race).
         """
@@ -284,10 +261,25 @@ class ShardMachine:
                     self._cache = c
                     return c.state
                 initial.seqno = 0
+                if prepare is not None:
+                    prepare(initial)
+                now = self.now_ms()
+                record: dict[str, Any] = {
+                    "seqno": 0,
+                    "time": None,
+                    "ms": now,
+                    "op": "create",
+                    "params": {},
+                    "metrics": {},
+                }
+                history = HistoryAppend(0, f"{0:020d}", record)
+                initial.history_upper, initial.history_ms = 1, now
                 data = initial.to_entries()
                 texts = {k: Consensus.encode(v) for k, v in data.items()}
                 plan = self.consensus.plan(self.shard_id, None, texts, None)
-                if self.consensus.compare_and_set(self.shard_id, None, texts, plan=plan):
+                if self.consensus.compare_and_set(
+                    self.shard_id, None, texts, plan=plan, history=history
+                ):
                     self._cache = _Cache(initial, VersionedData(0, data, texts, plan.stored))
                     return initial
             raise ConsensusError(f"could not initialise shard {self.shard_id}")
@@ -305,6 +297,7 @@ class ShardMachine:
         fn: Callable[[ShardState, bool], tuple[T, bool]],
         fresh: bool,
         keep: tuple[str, ...] = (),
+        op: str | None = None,
     ) -> tuple[T, Staged | None]:
         """Run a transition on a copy of the cached state, as :meth:`_apply` does, but
         do not publish it: return ``fn``'s result and the :class:`Staged` version
@@ -319,15 +312,21 @@ class ShardMachine:
         assert cache is not None
         st = cache.state.clone()
         result, changed = fn(st, fresh)
-        return result, self._next_version(cache, st, changed, keep)
+        return result, self._next_version(cache, st, changed, keep, op)
 
     def _next_version(
-        self, cache: _Cache, st: ShardState, changed: bool, keep: tuple[str, ...]
+        self,
+        cache: _Cache,
+        st: ShardState,
+        changed: bool,
+        keep: tuple[str, ...],
+        op: str | None = None,
     ) -> Staged | None:
         """Finish the version a transition made of ``cache``'s state, ``st``: drop expired
-        leases (but ``keep``'s), move the keys it retired to a :class:`RetiredChange`
-        and encode the entries (reusing the cached text of each unchanged one).
-        ``None`` when nothing changed."""
+        leases (but ``keep``'s), move the keys it retired to a :class:`RetiredChange`,
+        make its history record (:func:`persist.history_record.make_record`, for the
+        command ``op``; none for lease-only versions) and encode the entries (reusing
+        the cached text of each unchanged one).  ``None`` when nothing changed."""
         if st.expire_leases(self.now_ms(), keep):
             changed = True
         retired: RetiredChange | None = None
@@ -346,6 +345,17 @@ class ShardMachine:
         if not changed:
             return None
         st.seqno = cache.state.seqno + 1
+        history = None
+        if op is not None:
+            record = make_record(cache.state, st, op, self.now_ms())
+            if record is not None:
+                history = HistoryAppend(st.history_upper, f"{st.seqno:020d}", record)
+                st.history_record = record
+                st.history_upper += 1
+                st.history_ms = record["ms"]
+                if record["time"] is not None and st.retention_ms is not None:
+                    retention.note_commit(st, record["ms"], record["time"])
+                    retention.advance(st, self.now_ms())
         data = st.to_entries()
         old, old_texts = cache.version.data, cache.version.texts
         # Unchanged components are mostly the very objects of the cached version
@@ -355,15 +365,12 @@ class ShardMachine:
             for k, v in data.items()
         }
         plan = self.consensus.plan(self.shard_id, cache.state.seqno, texts, cache.version)
-        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan)
+        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan, history)
 
     def install(self, staged: Staged) -> None:
         """Cache a staged version once the caller's atomic append committed it."""
         self.metrics["cas"] += 1
         with self._lock:
-            prev = self._cache
-            if self._unsettled and prev is not None and prev.state.seqno == staged.expected:
-                self._settle_tokens(prev.state)  # the head this version followed
             self._cache = _Cache(staged.state, _published(staged))
 
     # ----------------------------------------------------------------- writes
@@ -372,6 +379,8 @@ class ShardMachine:
         fn: Callable[[ShardState, bool], tuple[T, bool]],
         *,
         keep: tuple[str, ...] = (),
+        on_indeterminate: Callable[[], None] | None = None,
+        op: str | None = None,
     ) -> T:
         """Apply a transition and publish it by compare-and-set.
 
@@ -380,6 +389,9 @@ class ShardMachine:
         ``(result, changed)``.  It raises :class:`Stale` to ask for a fresh state before
         failing, or any other exception to abort (nothing is committed).  Expired leases
         (except the ids in ``keep``) are dropped in the same version.
+        ``on_indeterminate()`` is called once a compare-and-set's outcome was
+        indeterminate, before ``fn`` runs again (it may have committed).  ``op``: the
+        command's name for history (``None``: the version changes only leases).
 
         Returns: ``fn``'s result from the run whose version was committed (or that
         needed no change).
@@ -407,7 +419,7 @@ class ShardMachine:
                     self.fetch()
                     fresh = True
                     continue
-                staged = self._next_version(cache, st, changed, keep)
+                staged = self._next_version(cache, st, changed, keep, op)
                 if staged is None:
                     return result
                 self.metrics["cas"] += 1
@@ -419,12 +431,15 @@ class ShardMachine:
                         cache.version,
                         staged.retired,
                         plan=staged.plan,
+                        history=staged.history,
                     )
                 except ConsensusError as e:
                     if not e.is_indeterminate():
                         raise
                     self.metrics["indeterminate"] += 1
                     indeterminate += 1
+                    if on_indeterminate is not None:
+                        on_indeterminate()
                     log.warning(
                         "indeterminate commit on shard %s: %s",
                         self.shard_id,
@@ -444,8 +459,6 @@ class ShardMachine:
                     fresh = True
                     continue
                 if ok:
-                    if self._unsettled:
-                        self._settle_tokens(cache.state)  # the head this version followed
                     self._cache = _Cache(st, _published(staged))
                     persist_metrics.observe_commit(cache.state, st, self.now_ms())
                     return result
@@ -508,7 +521,7 @@ class ShardMachine:
             hold = None if seqno_hold is None else seqno_hold()
             return None, st.downgrade_since(reader_id, since, now_ms, hold, fresh)
 
-        self._apply(fn, keep=(reader_id,))
+        self._apply(fn, keep=(reader_id,), op="since")
 
     def heartbeat_reader(
         self, reader_id: str, now_ms: int, seqno_hold: Callable[[], int | None]
@@ -556,18 +569,20 @@ class ShardMachine:
 
     def renew_writers(self, writer_ids: tuple[str, ...]) -> bool:
         """Renew live writers' leases (:meth:`ShardState.renew_writers`); returns whether
-        every one was renewed."""
-        return self._apply(lambda st, fresh: st.renew_writers(writer_ids, self.now_ms()))
+        every one was renewed (one found gone is found so on a freshly read version)."""
+        return self._apply(lambda st, fresh: st.renew_writers(writer_ids, self.now_ms(), fresh))
 
     def settle_handed_off(self, handed: tuple[tuple[str, int], ...]) -> None:
-        """Count hand-offs down (:meth:`ShardState.settle_handed_off`)."""
-        self._apply(lambda st, fresh: (None, st.settle_handed_off(handed)))
+        """Count hand-offs down (:meth:`ShardState.settle_handed_off`; a writer absent
+        from the cached version is looked for on a freshly read one)."""
+        self._apply(lambda st, fresh: (None, st.settle_handed_off(handed, fresh)))
 
     def hand_off(self, writer_id: str, lease_ms: int, batches: int) -> bool:
         """Hand a writer off (:meth:`ShardState.hand_off`); returns whether it is still
-        registered."""
+        registered (decided on a freshly read version when the cached one shows it
+        gone or expired: a holder of its batches may have renewed it)."""
         return self._apply(
-            lambda st, fresh: st.hand_off(writer_id, self.now_ms(), lease_ms, batches),
+            lambda st, fresh: st.hand_off(writer_id, self.now_ms(), lease_ms, batches, fresh),
             keep=(writer_id,),
         )
 
@@ -591,7 +606,7 @@ class ShardMachine:
                 raise Stale()  # decide on the latest versions only
             return st.register_schema(key_schema, value_schema, drop)
 
-        return self._apply(fn)
+        return self._apply(fn, op="schema")
 
     def finalize(self, now_ms: int) -> None:
         """Make the state a tombstone (:meth:`ShardState.finalize`)."""
@@ -614,7 +629,51 @@ class ShardMachine:
     def apply_merge_results(self, results: list[FueledMergeRes]) -> list[ApplyMergeResult]:
         """Swap compaction results into the trace (:meth:`ShardState.apply_merge_results`,
         the one place merge results are applied)."""
-        return self._apply(lambda st, fresh: st.apply_merge_results(results, self.now_ms(), fresh))
+        return self._apply(
+            lambda st, fresh: st.apply_merge_results(results, self.now_ms(), fresh), op="optimize"
+        )
+
+    def replace_batches(self, prefix: tuple[HollowBatch, ...], output: HollowBatch) -> bool:
+        """Swap a full compaction's output in for the oldest batches
+        (:meth:`ShardState.replace_batches`); returns whether it was applied."""
+        return self._apply(
+            lambda st, fresh: (
+                ok := st.replace_batches(prefix, output, self.now_ms(), fresh),
+                ok,
+            ),
+            op="optimize",
+        )
+
+    def adopt_store(self, store_id: str, store_name: str) -> None:
+        """Record the blob store's identity in a shard that has none (a shard made
+        before identities existed; no history record)."""
+
+        def fn(st: ShardState, fresh: bool) -> tuple[None, bool]:
+            if st.store_id is not None:
+                return None, False
+            st.store_id, st.store_name = store_id, store_name
+            return None, True
+
+        self._apply(fn)
+
+    def set_retention(
+        self, retention_ms: int | None, marks: tuple[tuple[int, int], ...], hold: int | None
+    ) -> bool:
+        """Set or clear the retention (:func:`persist.retention.set_retention`)."""
+        return self._apply(
+            lambda st, fresh: (
+                ch := retention.set_retention(st, retention_ms, marks, hold, self.now_ms()),
+                ch,
+            ),
+            op="retention",
+        )
+
+    def advance_retention(self, hold: int | None) -> bool:
+        """Move the retention hold (:func:`persist.retention.advance_to`)."""
+        return self._apply(
+            lambda st, fresh: (ch := retention.advance_to(st, hold, self.now_ms()), ch),
+            op="retention",
+        )
 
     def _with_inputs(
         self,
@@ -643,19 +702,24 @@ class ShardMachine:
         cmd: AppendCmd,
         relist: Callable[[], object] | None = None,
         listed_upper: int | None = None,
+        maybe_landed: bool = False,
     ) -> list[FueledMergeReq]:
         """Append (:meth:`ShardState.compare_and_append`); returns the Spine's merge
         requests.  ``listed_upper``: the ``retired_upper`` of a version read before the
         given parts were listed (``relist`` lists them again once a newer one is
-        committed on)."""
-        inputs = Inputs(listed_upper=listed_upper)
+        committed on); ``maybe_landed``: an earlier attempt's outcome was unknown (so
+        is one of this call once a compare-and-set of it is indeterminate)."""
+        inputs = Inputs(listed_upper=listed_upper, maybe_landed=maybe_landed)
 
         def fn(st: ShardState, fresh: bool) -> tuple[list[FueledMergeReq], bool]:
             return self._with_inputs(
                 st, inputs, relist, lambda now: st.compare_and_append(cmd, inputs, now, fresh)
             )
 
-        return self._apply(fn, keep=(cmd.writer_id,))
+        def landed_maybe() -> None:
+            inputs.maybe_landed = True
+
+        return self._apply(fn, keep=(cmd.writer_id,), on_indeterminate=landed_maybe, op="append")
 
     def stage_commit_txn(
         self, cmd: TxnCmd, fresh: bool, relist: Callable[[], object] | None = None
@@ -669,13 +733,11 @@ class ShardMachine:
                 st, inputs, relist, lambda now: st.commit_txn(cmd, inputs, now, fresh)
             )
 
-        return self._stage(fn, fresh, keep=(cmd.writer_id,))
+        return self._stage(fn, fresh, keep=(cmd.writer_id,), op="txn")
 
 
-#: The settled outcome of a token whose writer left the state before it was seen.
-_TOKEN_UNKNOWABLE = "\x00unknowable"
-#: How many settled token outcomes a machine remembers (oldest forgotten first).
-_SETTLED_TOKENS_KEPT = 4096
+#: How many tokens of appends of unknown outcome a machine remembers (oldest first).
+_ATTEMPTS_KEPT = 4096
 
 
 def _published(staged: Staged) -> VersionedData:

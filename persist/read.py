@@ -248,12 +248,16 @@ class ReadHandle(ShardHandle):
         if self._machine.now_ms() - self._last_heartbeat_ms > self._lease_ms // 4:
             self.heartbeat()
 
-    def detach(self) -> None:
+    def detach(self, *, hold_since: bool = False) -> None:
         """Hand the parts of the last :meth:`snapshot_batches` to readers elsewhere
         (e.g. Spark executors reading what a driver planned): this reader stops holding
         the since back, keeps its seqno hold until its lease runs out (the client's
         ``reader_lease_seconds`` from now), so GC deletes none of those parts meanwhile,
         and becomes unusable here (closing the client does not expire it).
+
+        With ``hold_since``, it keeps holding the since too, until its lease runs out:
+        for readers elsewhere that plan their read again later at a time not before
+        this reader's since (e.g. a Spark data source planning each action anew).
 
         Raises:
             LeaseExpired: the reader's lease already ran out.
@@ -261,7 +265,10 @@ class ReadHandle(ShardHandle):
         self._check()
         now = self._machine.now_ms()
         hold = self._seqno_hold()
-        self._machine.detach_reader(self.reader_id, now, hold)
+        if hold_since:
+            self._machine.heartbeat_reader(self.reader_id, now, lambda: hold)
+        else:
+            self._machine.detach_reader(self.reader_id, now, hold)
         self._expired = True
         self._stop_keeping_alive()  # the hold now lasts one lease, as documented
         self._ctx.handles.discard(self)

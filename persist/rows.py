@@ -63,6 +63,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_rand
 
 from persist import key_identity
 from persist.casts import cast_column, set_scalar
+from persist.commit_note import note_rows, noting_unless_noted
 from persist.consolidation import consolidate
 from persist.errors import CorruptPart, InvalidUsage, PersistError, UpperMismatch
 from persist.parts import DIFF, TIME
@@ -583,6 +584,8 @@ def apply_change(
     *,
     attempts: int = CHANGE_ATTEMPTS,
     wait_max: float = 0.5,
+    op: str = "update",
+    params: Mapping[str, Any] | None = None,
 ) -> RowChanges:
     """Read, plan and compare-and-append one change, re-reading and re-planning on a
     lost race, ``attempts`` times at most with jittered exponential back-off (tenacity's
@@ -597,6 +600,8 @@ def apply_change(
     change is never applied twice.
 
     A part found missing (GC raced the version read) re-reads too, twice at most.
+    History records the change as ``op`` with ``params`` (unless a table operation's
+    note runs: :func:`persist.commit_note.noting_unless_noted`).
 
     Raises:
         ChangeContended: every attempt lost the race (naming the shard).
@@ -604,6 +609,17 @@ def apply_change(
         InvalidUsage, SchemaMismatch: from ``plan`` or the handle; nothing committed.
         PersistError: storage failed (see ``compare_and_append``).
     """
+    with noting_unless_noted(op, params):
+        return _apply_change(writer, plan, attempts, wait_max)
+
+
+def _apply_change(
+    writer: ChangeWriter,
+    plan: Callable[[Callable[[pc.Expression | None], pa.Table], int], Planned],
+    attempts: int,
+    wait_max: float,
+) -> RowChanges:
+    """:func:`apply_change` under its note."""
     shard = f"{writer.name!r} ({writer.shard_id})"
     try:
         for attempt in Retrying(
@@ -626,6 +642,7 @@ def apply_change(
                     # A change that changes nothing writes nothing: no part, no new
                     # version; the shard held its result as of upper - 1 already.
                     return RowChanges(upper - 1, 0, 0)
+                note_rows(planned.inserted, planned.retracted)
                 table = planned.updates.append_column(
                     pa.field(TIME, pa.int64(), False),
                     pa.array([upper] * planned.updates.num_rows, pa.int64()),

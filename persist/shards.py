@@ -46,6 +46,7 @@ from persist.machine import ShardMachine
 from persist.parts import updates_schema
 from persist.read import ReadHandle
 from persist.state import ShardState
+from persist.store_identity import StoreMismatch
 from persist.write import WriteHandle
 
 __all__ = ["Shards"]
@@ -90,12 +91,36 @@ class Shards:
         now_ms = int(self.ctx.config.clock() * 1000)
         shard_id = self.consensus.register(name, now_ms)
         m = self.ctx.machine(shard_id)
-        st = m.initialize(ShardState(shard_id, name, key_schema, value_schema))
+        st = m.initialize(
+            ShardState(shard_id, name, key_schema, value_schema), self.ctx.store.stamp
+        )
+        self.adopt_store(m, st)
         if st.tombstone:
             raise InvalidUsage(
                 f"shard {name!r} ({shard_id}) was finalized (dropped): it cannot be opened"
             )
         return m, self.register_schema(m, st, key_schema, value_schema, drop)
+
+    def adopt_store(self, m: ShardMachine, st: ShardState) -> None:
+        """Record this client's blob store in a shard that records none (made before
+        stores had identities) if the store holds its parts, on a writable stash; a
+        store holding none of its blob parts is refused.
+
+        Raises:
+            StoreMismatch: the store holds none of the shard's blob parts.
+        """
+        if st.store_id is not None or st.tombstone:
+            return
+        store = self.ctx.store
+        if not store.holds_parts(st):
+            raise StoreMismatch(
+                st.name,
+                "that holds its parts",
+                store.name,
+                f"this one holds none of its {len(st.referenced_blob_keys())} blob parts",
+            )
+        if getattr(self.ctx.stash, "mode", "writable") == "writable":
+            m.adopt_store(store.ensure(), store.name)
 
     def register_schema(
         self,

@@ -11,8 +11,10 @@ Invariants kept here:
   process's cached version): ``min(upper) - 1`` over the shards read at the common time,
   the latest time definite in all of them (``2**63 - 1`` when every one is closed);
 * each shard is read in its newest value schema as of that latest state (a column
-  another process added or widened is there), through a leased reader that is expired
-  after the read, whatever its outcome.
+  another process added or widened is there), without a lease
+  (:func:`persist.version_read.read_version`: nothing is written, so it works on a
+  readonly stash; a part GC removed meanwhile is read from the newer version at the
+  same time).
 
 Source of the idea: Materialize's ``src/txn-wal`` (a read at one timestamp across the
 data shards a transaction wrote) and ``src/persist-client/src/read.rs``
@@ -21,15 +23,15 @@ data shards a transaction wrote) and ``src/persist-client/src/read.rs``
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import pyarrow as pa
 
-from persist.errors import PersistError, SinceViolation
+from persist.errors import SinceViolation
 from persist.machine import ShardMachine
 from persist.shards import Shards
+from persist.version_read import read_version
 from stash.antichain import I64_MAX, I64_MIN
 
 __all__ = ["HasShards", "snapshot_many"]
@@ -93,10 +95,5 @@ def snapshot_many(
         assert t is not None
         if t < I64_MIN:
             raise SinceViolation(t, st.since)
-        r = ops.reader(m, n, st.key_schema, st.value_schema, st.schemas().newest)
-        try:
-            out[n] = r.snapshot(t)
-        finally:
-            with contextlib.suppress(PersistError):
-                r.expire()
+        out[n] = read_version(ops.ctx, m, st, t)
     return out

@@ -207,6 +207,18 @@ class Trace:
         requests lost to a crash or a lost compare-and-set)."""
         return [FueledMergeReq(b.desc, b.parts) for b in self._spine_batches() if b.fueled]
 
+    def run_merge_reqs(self) -> list[FueledMergeReq]:
+        """A merge request for every merged spine batch holding several runs (e.g. one
+        batch written by several tasks at once, each a sorted run of its own, their key
+        ranges overlapping), oldest first: answered, each such batch becomes one sorted,
+        consolidated run. The spine asks for none of these (it merges batches, not the
+        runs of one); an explicit compaction answers them after the fueled ones."""
+        return [
+            FueledMergeReq(b.desc, b.parts)
+            for b in self._spine_batches()
+            if not b.fueled and not b.is_compact()
+        ]
+
     def copy(self) -> Trace:
         """An independent copy (batches are immutable and shared)."""
         t = Trace()

@@ -3,7 +3,9 @@
 A :class:`ShardState` is one version of a shard's metadata (Materialize's persist-client
 ``State``): its identity and Arrow schemas, the flattened Spine :class:`~persist.spine.Trace`
 (which carries the shard's ``since`` and ``upper``), the leased readers with their since
-holds, the writers, and the counter of the shard's *retired* collection (blob keys a
+holds, the writers, the records of the appends that landed (:mod:`persist.landed`: the
+answer to "did this idempotency token's append land, and at which upper", kept apart
+from the writer leases), and the counter of the shard's *retired* collection (blob keys a
 compaction stopped referencing, waiting for GC, kept by consensus beside the state so that
 the state stays small however many parts wait for their grace period).  Versions
 are numbered by ``seqno``; consensus (:mod:`persist.consensus`) stores them.
@@ -42,6 +44,12 @@ Invariants kept here (every transition keeps them or raises before changing anyt
   is never registered again (GC may have deleted its parts), and an output of a
   compactor that is no longer live is never applied;
 * a ``tombstone`` state (a finalized shard) is final: no handle may use the shard;
+* an append or a transaction that commits records its token and fingerprint in the
+  version that commits it, apart from every lease; a recorded token with another
+  fingerprint is refused (``InvalidUsage``) by the commit itself; a command that
+  decides a writer is gone (so that GC may delete its parts) decides it on a freshly
+  read version, never on a cached one (a command that changes nothing publishes
+  nothing, so no compare-and-set would catch a stale read);
 * a transition that stops referencing blob keys lists them in ``retire_adds`` (blob key
   -> wall-clock ms; consensus records them with the seqno of the new version), one that
   lets GC forget deleted ones in ``retire_removes`` (row key -> ms); consensus
@@ -74,7 +82,10 @@ import pyarrow as pa
 
 from persist import state_codec
 from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
-from persist.errors import BatchAppended, SinceViolation, UpperMismatch
+from persist.errors import BatchAppended, InvalidUsage, SinceViolation, UpperMismatch
+from persist.fingerprint import check_same_append
+from persist.keys import key_writer_id
+from persist.landed import OutcomeUnknown
 from persist.lease_state import (
     TOKEN_FOREIGN,
     TOKEN_LANDED,
@@ -246,24 +257,90 @@ class ShardState(ShardStateBase):
         self.heartbeat_writer(wid, now_ms, lease_ms)
         return wid
 
-    def renew_writers(self, writer_ids: Iterable[str], now_ms: int) -> tuple[bool, bool]:
+    def _writers_live(self, writer_ids: Iterable[str], now_ms: int, fresh: bool) -> None:
+        """Raise :class:`Stale` if one of ``writer_ids`` is absent from, or expired in,
+        a cached version: a lease another process renewed, or a writer registered
+        after the cache was read, is only seen on a fresh one.  (A command that changes
+        nothing publishes nothing, so no compare-and-set would catch the stale read.)"""
+        if not fresh:
+            for wid in writer_ids:
+                w = self.writers.get(wid)
+                if w is None or w.expired(now_ms):
+                    raise Stale()
+
+    def renew_writers(
+        self, writer_ids: Iterable[str], now_ms: int, fresh: bool = True
+    ) -> tuple[bool, bool]:
         """Renew each live writer of ``writer_ids`` (:meth:`renew_writer`); returns
-        ``(all renewed, any renewed)``."""
-        renewed = [self.renew_writer(w, now_ms) for w in writer_ids]
+        ``(all renewed, any renewed)``.  A writer found gone is found so on a fresh
+        version (:class:`Stale`)."""
+        ids = tuple(writer_ids)
+        self._writers_live(ids, now_ms, fresh)
+        renewed = [self.renew_writer(w, now_ms) for w in ids]
         return all(renewed), any(renewed)
 
-    def settle_handed_off(self, handed: Iterable[tuple[str, int]]) -> bool:
+    def settle_handed_off(self, handed: Iterable[tuple[str, int]], fresh: bool = True) -> bool:
         """Count hand-offs ``(writer id, batches)`` down (:meth:`release_handed_off`);
-        returns whether anything changed."""
-        changed = [self.release_handed_off(w, n) for w, n in handed]
+        returns whether anything changed.  A writer absent from a cached version is
+        looked for on a fresh one (:class:`Stale`)."""
+        pairs = tuple(handed)
+        if not fresh and any(w not in self.writers for w, n in pairs if n > 0):
+            raise Stale()
+        changed = [self.release_handed_off(w, n) for w, n in pairs]
         return any(changed)
 
     def hand_off(
-        self, writer_id: str, now_ms: int, lease_ms: int, batches: int
+        self, writer_id: str, now_ms: int, lease_ms: int, batches: int, fresh: bool = True
     ) -> tuple[bool, bool]:
-        """:meth:`hand_off_writer`; returns ``(writer still registered, changed)``."""
+        """:meth:`hand_off_writer`; returns ``(writer still registered, changed)``.  A
+        writer gone or expired in a cached version is looked for on a fresh one (a
+        holder of its batches may have renewed it: :class:`Stale`)."""
+        if batches > 0:
+            self._writers_live((writer_id,), now_ms, fresh)
         changed = self.hand_off_writer(writer_id, now_ms, lease_ms, batches)
         return writer_id in self.writers, changed
+
+    def replace_batches(
+        self, prefix: tuple[HollowBatch, ...], output: HollowBatch, now_ms: int, fresh: bool
+    ) -> bool:
+        """Replace the trace's oldest batches ``prefix`` (exactly as read by a full
+        compaction) by ``output`` (their updates consolidated at a since ``<=`` this
+        one, spanning exactly their bounds), keeping the batches after them; the blob
+        keys and inline ids no longer referenced are retired at ``now_ms``, as
+        :meth:`apply_merge_res` does.  Returns whether it was applied: ``False`` when
+        the trace no longer starts with ``prefix`` (a merge or another full compaction
+        won the race; nothing changes), or when ``output``'s writer is not live.
+
+        Raises:
+            Stale: the prefix does not match a cached version.
+            InvalidUsage: ``output`` does not span ``prefix`` or its since is beyond
+                this one (nothing changes).
+        """
+        current = self.batches()
+        if tuple(current[: len(prefix)]) != prefix or not prefix:
+            if not fresh:
+                raise Stale()
+            return False
+        d = output.desc
+        if d.lower != prefix[0].desc.lower or d.upper != prefix[-1].desc.upper:
+            raise InvalidUsage(f"full compaction output {d} does not span its inputs")
+        if not d.since <= self.since:
+            raise InvalidUsage(f"full compaction output since {d.since} is beyond {self.since}")
+        live = self.live_writers(now_ms)
+        for p in output.parts:
+            wid = None if p.key is None else key_writer_id(p.key)
+            if wid is not None and wid not in live:
+                return False
+        before = self.referenced_part_ids()
+        trace = Trace()
+        trace.downgrade_since(self.since)
+        trace.push_batch_no_merge_reqs(output)
+        for b in current[len(prefix) :]:
+            trace.push_batch_no_merge_reqs(b)
+        self.trace = trace
+        for key in before - self.referenced_part_ids():
+            self.retire_adds[key] = now_ms
+        return True
 
     def finalize(self, now_ms: int) -> bool:
         """Make this state a tombstone: upper and since the empty antichain, no batch,
@@ -396,12 +473,23 @@ class ShardState(ShardStateBase):
             :meth:`_check_copies`.  LeaseExpired: a writer is not live.
             SchemaMismatch: see :meth:`append_batch`.
         """
-        if token_entry(self, cmd.writer_id, cmd.token) is not None:
+        entry = token_entry(self, cmd.writer_id, cmd.token)
+        if entry is not None:
+            if entry != cmd.recorded:  # the token names another append (InvalidUsage)
+                check_same_append(entry, cmd.token, cmd.recorded.partition(TOKEN_SEP)[2])
             return [], False  # committed by an attempt whose outcome was indeterminate
         self.check_not_finalized()
         if self.upper != cmd.expected:
             if not fresh:
                 raise Stale()
+            if (
+                inputs.maybe_landed
+                and cmd.pieces
+                and token_verdict(self, cmd.token, cmd.lo)[0] != TOKEN_NOT_LANDED
+            ):
+                # An earlier attempt may have landed and its record been pruned: the
+                # upper moved, perhaps by that very append (never UpperMismatch for it).
+                raise OutcomeUnknown(cmd.token, self.shard_id)
             raise UpperMismatch(cmd.expected, self.upper)
         if not cmd.pieces:
             return [], False
@@ -410,7 +498,12 @@ class ShardState(ShardStateBase):
         self._apply_merges(cmd.merges, now_ms)
         reqs: list[FueledMergeReq] = []
         for hb in cmd.pieces:
-            reqs.extend(self.append_batch(hb, cmd.writer_id, cmd.recorded, now_ms, cmd.lease_ms))
+            reqs.extend(self.append_batch(hb, cmd.writer_id, now_ms, cmd.lease_ms))
+        self.record_landed(cmd.recorded, now_ms)
+        ref = self.referenced_part_ids()
+        for k in cmd.consumed:  # truncated copies: a later copy is refused
+            if k not in ref:
+                self.retire_adds[k] = now_ms
         self.settle_handed_off(cmd.handed)
         return reqs, True
 
@@ -427,11 +520,10 @@ class ShardState(ShardStateBase):
             Stale: a writer is not live in a cached version.  InvalidUsage: finalized.
             BatchAppended, NeedsInput: see :meth:`_check_copies`.  LeaseExpired.
         """
-        for ws in self.writers.values():
-            entry = ws.token_entry(cmd.token)
-            if entry is not None:
-                _, _, fp = entry.partition(TOKEN_SEP)
-                return ("landed", int(fp[1:]) if fp.startswith("t") else cmd.ts), False
+        entry = token_entry(self, cmd.record_id, cmd.token)
+        if entry is not None:
+            _, _, fp = entry.partition(TOKEN_SEP)
+            return ("landed", int(fp[1:]) if fp.startswith("t") else cmd.ts), False
         self.check_not_finalized()
         if not self.upper.less_equal(cmd.ts):
             return ("mismatch", (self.upper, True)), False
@@ -441,12 +533,12 @@ class ShardState(ShardStateBase):
         self._check_owners(cmd.writer_id, cmd.registered, cmd.owners, now_ms, fresh, False)
         pieces = cmd.pieces(self.upper)
         reqs: list[FueledMergeReq] = []
-        recorded = f"{cmd.token}{TOKEN_SEP}t{cmd.ts}"
         for hb in pieces:
-            reqs.extend(self.append_batch(hb, cmd.record_id, recorded, now_ms, cmd.lease_ms))
+            reqs.extend(self.append_batch(hb, cmd.writer_id, now_ms, cmd.lease_ms))
         # The builder's writer is registered (or renewed) as by a normal append; the
-        # token is recorded under the transaction's own record id only.
+        # token is recorded apart from it (persist.landed), with the commit time.
         self.heartbeat_writer(cmd.writer_id, now_ms, cmd.lease_ms)
+        self.record_landed(f"{cmd.token}{TOKEN_SEP}t{cmd.ts}", now_ms)
         self.settle_handed_off(cmd.handed)
         # Record ids of acknowledged transactions are no longer needed: drop them.
         for d in cmd.done:

@@ -7,7 +7,7 @@ downgrade and expire leases, push a batch, swap a compaction result in, retire a
 blob keys.  Each raises before changing anything when it refuses.  Also here: the
 exceptions a command raises to ask for a fresh version (:class:`Stale`) or to report a
 lost lease (:class:`LeaseExpired`), and what a version says of an idempotency token
-(:func:`token_entry`, :func:`token_verdict`).
+(:func:`token_entry`, :func:`token_verdict`; the records are :mod:`persist.landed`'s).
 
 Source: Materialize's persist-client ``internal/state.rs`` (``StateCollections``).
 """
@@ -16,18 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Self
+from typing import Any, Self
 
 import pyarrow as pa
 
 from persist.errors import InvalidUsage, PersistError, SchemaMismatch
 from persist.keys import key_writer_id
+from persist.landed import NO_HORIZON, Landed, record, verdict
 from persist.lease_state import (
-    _TOKEN_RE,
-    TOKEN_FOREIGN,
     TOKEN_LANDED,
     TOKEN_NOT_LANDED,
-    TOKEN_SEP,
     TOKEN_UNKNOWN,
     ReaderState,
     WriterState,
@@ -82,8 +80,12 @@ def _history(key_schema: pa.Schema, versions: tuple[pa.Schema, ...]) -> SchemaHi
 
 
 def token_entry(st: ShardStateBase, writer_id: str, token: str) -> str | None:
-    """The recorded entry of the append with ``token`` (see :data:`TOKEN_SEP`): by
-    ``writer_id``, or by any writer for a token handed over from another handle."""
+    """The recorded entry of the append with ``token`` (see :data:`TOKEN_SEP`): the
+    shard's durable record (:mod:`persist.landed`), or, in a state written before those
+    existed, one a writer (``writer_id`` first) still keeps."""
+    rec = st.landed.get(token)
+    if rec is not None:
+        return rec.entry
     w = st.writers.get(writer_id)
     entry = None if w is None else w.token_entry(token)
     if entry is not None:
@@ -95,32 +97,17 @@ def token_entry(st: ShardStateBase, writer_id: str, token: str) -> str | None:
     return None
 
 
-def token_verdict(st: ShardStateBase, token: str) -> tuple[str, str | None]:
-    """What ``st`` (a head) says of an append with ``token``: ``(TOKEN_LANDED, entry)``
-    when a writer records it; for a token persist made (:func:`token_for`),
-    ``(TOKEN_NOT_LANDED, None)`` when its writer is registered and every token it still
-    records from the same process was drawn before it (had it landed, nothing drawn
-    before it could have pushed it out of the writer's recent tokens without a token
-    drawn after it being kept too), else ``(TOKEN_UNKNOWN, None)`` (its writer is gone,
-    or later tokens of it are kept); ``(TOKEN_FOREIGN, None)`` for a token of another
-    form (a caller's own), of which nothing more can be told."""
-    for w in st.writers.values():
-        entry = w.token_entry(token)
-        if entry is not None:
-            return TOKEN_LANDED, entry
-    if _TOKEN_RE.fullmatch(token) is None:
-        return TOKEN_FOREIGN, None
-    writer = next((w for wid, w in st.writers.items() if wid[1:17] == token[:16]), None)
-    if writer is None:
-        return TOKEN_UNKNOWN, None
-    drawn = int(token[26:], 16)
-    for entry in (writer.last_token, *writer.tokens):
-        if entry is None:
-            continue
-        t = entry.split(TOKEN_SEP, 1)[0]
-        if _TOKEN_RE.fullmatch(t) and t[:25] == token[:25] and int(t[26:], 16) > drawn:
-            return TOKEN_UNKNOWN, None
-    return TOKEN_NOT_LANDED, None
+def token_verdict(st: ShardStateBase, token: str, lo: int | None) -> tuple[str, str | None]:
+    """What ``st`` (a version read from consensus) says of the append with ``token``
+    whose first attempt started after version ``lo`` (``None``: unknown):
+    ``(TOKEN_LANDED, entry)``, ``(TOKEN_NOT_LANDED, None)`` or ``(TOKEN_UNKNOWN, None)``
+    (:func:`persist.landed.verdict`; a writer's record of a state written before the
+    shard kept its own counts as landed)."""
+    entry = token_entry(st, "", token)
+    if entry is not None:
+        return TOKEN_LANDED, entry
+    v, _ = verdict(st.landed, st.landed_horizon, token, lo)
+    return (TOKEN_NOT_LANDED if v == "not landed" else TOKEN_UNKNOWN), None
 
 
 @dataclass
@@ -144,8 +131,28 @@ class ShardStateBase:
         retired_upper: the upper of the shard's retired collection (see the module
             docstring).
         tombstone: the shard was finalized (dropped): no handle may use it again.
+        landed: idempotency token -> :class:`~persist.landed.Landed`, the records of
+            the newest appends and transactions that landed, oldest first (kept apart
+            from the writers: :mod:`persist.landed`).
+        landed_horizon: the highest seqno of a pruned record (``-1``: none).
         retire_adds, retire_removes: transient (not serialised) changes to the retired
             collection made by this transition: blob key -> retirement ms.
+        history_upper: the upper of the shard's history collection (one record per
+            version that changed the shard's contents, schema or retention; see
+            :mod:`persist.history`); ``0`` for states written before it existed.
+        history_ms: the commit timestamp (UTC ms) of the newest history record: the
+            next one is never earlier.
+        retention_ms: the table's retention (ms; ``None``: none): the since follows
+            ``now - retention`` (see :mod:`persist.retention`).
+        retention_marks: ``(commit ms, time)`` of recorded versions the retention may
+            yet move the since to (one per :func:`persist.retention.mark_width`).
+        retention_hold: the time the retention holds the since at (like a reader's
+            hold; ``None``: none); only advances.
+        store_id: the identity of the blob store holding the shard's parts (``None``
+            until recorded; see :mod:`persist.store_identity`).
+        store_name: that store's description (redacted), for messages.
+        history_record: transient (not serialised): the record this transition asks to
+            write with its version (set by the machine).
     """
 
     shard_id: str
@@ -161,6 +168,16 @@ class ShardStateBase:
     retire_adds: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     retire_removes: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     schema_history: tuple[pa.Schema, ...] = ()
+    landed: dict[str, Landed] = field(default_factory=dict)
+    landed_horizon: int = NO_HORIZON
+    history_upper: int = 0
+    history_ms: int = 0
+    retention_ms: int | None = None
+    retention_marks: tuple[tuple[int, int], ...] = ()
+    retention_hold: int | None = None
+    store_id: str | None = None
+    store_name: str | None = None
+    history_record: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.schema_history:
@@ -245,8 +262,10 @@ class ShardStateBase:
             trace=self.trace.copy(),
             readers=dict(self.readers),
             writers=dict(self.writers),
+            landed=dict(self.landed),
             retire_adds={},
             retire_removes={},
+            history_record=None,
         )
 
     def batches(self) -> list[HollowBatch]:
@@ -433,26 +452,28 @@ class ShardStateBase:
         self._recompute_since()
 
     def _recompute_since(self) -> bool:
-        """Advance the trace's since to the meet of the readers' holds (never backwards;
-        with no reader the since stays where it is; seqno-only leases hold no since).
-        Returns whether it moved."""
-        holders = [r for r in self.readers.values() if r.purpose != SEQNO_ONLY]
-        if not holders:
+        """Advance the trace's since to the meet of the holds: the readers' and the
+        retention's (:attr:`retention_hold`); never backwards; with no hold the since
+        stays where it is; seqno-only leases hold no since.  Returns whether it moved."""
+        holds = [r.since for r in self.readers.values() if r.purpose != SEQNO_ONLY]
+        if self.retention_hold is not None:
+            holds.append(Antichain.from_elem(self.retention_hold))
+        if not holds:
             return False
-        holds = iter(holders)
-        meet = next(holds).since
-        for r in holds:
-            meet = meet.meet(r.since)
+        meet = holds[0]
+        for h in holds[1:]:
+            meet = meet.meet(h)
         if self.trace.since < meet:
             self.trace.downgrade_since(meet)
             return True
         return False
 
     def append_batch(
-        self, batch: HollowBatch, writer_id: str, token: str, now_ms: int, lease_ms: int
+        self, batch: HollowBatch, writer_id: str, now_ms: int, lease_ms: int
     ) -> list[FueledMergeReq]:
         """Push ``batch`` (which must start at the upper) into the trace and record the
-        writer's heartbeat and idempotency ``token``.  Returns the Spine's merge requests.
+        writer's heartbeat (the append's token is recorded by :meth:`record_landed`).
+        Returns the Spine's merge requests.
 
         Raises:
             InvalidUsage: the batch does not start at the upper, or is empty in time
@@ -478,9 +499,16 @@ class ShardStateBase:
             reqs = self.trace.push_batch(batch)
         except ValueError as e:
             raise InvalidUsage(f"cannot append to shard {self.shard_id}: {e}") from e
-        w = self.writers.get(writer_id) or WriterState(now_ms, lease_ms)
-        self.writers[writer_id] = w.with_token(now_ms, lease_ms, token)
+        self.heartbeat_writer(writer_id, now_ms, lease_ms)
         return reqs
+
+    def record_landed(self, entry: str, now_ms: int) -> None:
+        """Record that the append named by ``entry`` (``token + TOKEN_SEP +
+        fingerprint``) lands in the version this state becomes (seqno ``self.seqno +
+        1``), pruning the oldest records (:func:`persist.landed.record`)."""
+        self.landed_horizon = record(
+            self.landed, self.landed_horizon, entry, self.seqno + 1, now_ms
+        )
 
     def heartbeat_writer(self, writer_id: str, now_ms: int, lease_ms: int) -> None:
         """Register or renew a writer, keeping its last token.  The heartbeat time never

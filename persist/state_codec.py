@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from persist.errors import PersistError
+from persist.landed import Landed
 from persist.lease_state import ReaderState, WriterState
 from persist.schemacache import schema_cache
 from persist.spine import Trace
@@ -56,6 +57,15 @@ class StateFields(Protocol):
     retired_upper: int
     tombstone: bool
     schema_history: tuple[pa.Schema, ...]
+    landed: dict[str, Landed]
+    landed_horizon: int
+    history_upper: int
+    history_ms: int
+    retention_ms: int | None
+    retention_marks: tuple[tuple[int, int], ...]
+    retention_hold: int | None
+    store_id: str | None
+    store_name: str | None
 
     @property
     def since(self) -> Antichain: ...
@@ -71,6 +81,12 @@ _TRACE_MAPS = ("hollow_batches", "spine_batches")
 _READER = "reader/"
 _SCHEMAS = "schemas"
 _WRITER = "writer/"
+_LANDED = "landed/"
+# The table's entries (absent from states that never had them, so those decode and
+# encode as before): the history collection's upper and newest timestamp, and the
+# retention and blob store identity.
+_HISTORY = "history"
+_TABLE = "table"
 
 
 @schema_cache(256)
@@ -167,7 +183,8 @@ def to_entries(self: StateFields) -> dict[str, Any]:
     ``schemas`` (only once there is more than one version: every value schema
     version, by id), ``trace/hollow_batches/<id>``,
     ``trace/spine_batches/<id>``, ``reader/<id>``, ``writer/<id>``,
-    (retired keys live in their own collection).  A new version differs from the
+    ``landed/<digest of a token>`` (:mod:`persist.landed`; ``meta`` holds their
+    ``landed_horizon``), (retired keys live in their own collection).  A new version differs from the
     previous one in
     ``meta`` and the few components that changed, so consensus writes little.
     """
@@ -175,6 +192,7 @@ def to_entries(self: StateFields) -> dict[str, Any]:
     meta = {k: v for k, v in t.items() if k not in _TRACE_MAPS}
     meta["seqno"] = self.seqno
     meta["retired_upper"] = self.retired_upper
+    meta["landed_horizon"] = self.landed_horizon
     if self.tombstone:
         meta["tombstone"] = True
     out: dict[str, Any] = {
@@ -183,6 +201,11 @@ def to_entries(self: StateFields) -> dict[str, Any]:
     }
     if len(self.schema_history) > 1:
         out[_SCHEMAS] = schemas_entry(self.schema_history)
+    if self.history_upper:
+        out[_HISTORY] = {"ms": self.history_ms, "upper": self.history_upper}
+    table = _table_entry(self)
+    if table:
+        out[_TABLE] = table
     for m in _TRACE_MAPS:
         for k, v in t[m].items():
             out[f"trace/{m}/{k}"] = v
@@ -190,7 +213,14 @@ def to_entries(self: StateFields) -> dict[str, Any]:
         out[_READER + rid] = r.to_json()
     for wid, w in self.writers.items():
         out[_WRITER + wid] = w.to_json()
+    for rec in self.landed.values():
+        out[rec.key] = rec.to_json()
     return out
+
+
+def _landed_from(records: list[Landed]) -> dict[str, Landed]:
+    """The landed records by token, oldest first (by seqno)."""
+    return {r.token: r for r in sorted(records, key=lambda r: r.seqno)}
 
 
 def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
@@ -207,6 +237,10 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
         seqno = trace_json.pop("seqno")
         retired_upper = int(trace_json.pop("retired_upper", 0))
         tombstone = bool(trace_json.pop("tombstone", False))
+        # A state written before the shard kept its landed records: any earlier
+        # append's record may have left with its writer (see persist.landed).
+        horizon = int(trace_json.pop("landed_horizon", seqno))
+        landed: list[Landed] = []
         maps: dict[str, dict[str, Any]] = {m: {} for m in _TRACE_MAPS}
         readers: dict[str, ReaderState] = {}
         writers: dict[str, WriterState] = {}
@@ -218,7 +252,9 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
                 readers[k[len(_READER) :]] = ReaderState.from_json(v)
             elif k.startswith(_WRITER):
                 writers[k[len(_WRITER) :]] = WriterState.from_json(v)
-            elif k not in (_SHARD, _META, _SCHEMAS):
+            elif k.startswith(_LANDED):
+                landed.append(Landed.from_json(v))
+            elif k not in (_SHARD, _META, _SCHEMAS, _HISTORY, _TABLE):
                 raise ValueError(f"unknown state entry {k!r}")
         trace_json.update(maps)
         if isinstance(seqno, bool) or not isinstance(seqno, int):
@@ -235,11 +271,48 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
             retired_upper=retired_upper,
             tombstone=tombstone,
             schema_history=_schemas_from(entries.get(_SCHEMAS)),
+            landed=_landed_from(landed),
+            landed_horizon=horizon,
+            **_table_fields(entries.get(_HISTORY), entries.get(_TABLE)),
         )
     except PersistError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise PersistError(f"malformed shard state at seqno {seqno}: {e}") from e
+
+
+def _table_entry(self: StateFields) -> dict[str, Any]:
+    """The ``table`` entry: the retention and the blob store's identity, if set."""
+    out: dict[str, Any] = {}
+    if self.retention_ms is not None:
+        out["retention_ms"] = self.retention_ms
+    if self.retention_marks:
+        out["retention_marks"] = [list(m) for m in self.retention_marks]
+    if self.retention_hold is not None:
+        out["retention_hold"] = self.retention_hold
+    if self.store_id is not None:
+        out["store_id"] = self.store_id
+    if self.store_name is not None:
+        out["store_name"] = self.store_name
+    return out
+
+
+def _table_fields(history: Any, table: Any) -> dict[str, Any]:
+    """The constructor's keyword arguments of the ``history`` and ``table`` entries
+    (either may be absent)."""
+    h = history or {}
+    t = table or {}
+    retention = t.get("retention_ms")
+    store = t.get("store_id")
+    return {
+        "history_upper": int(h.get("upper", 0)),
+        "history_ms": int(h.get("ms", 0)),
+        "retention_ms": None if retention is None else int(retention),
+        "retention_marks": tuple((int(a), int(b)) for a, b in t.get("retention_marks", ())),
+        "retention_hold": None if t.get("retention_hold") is None else int(t["retention_hold"]),
+        "store_id": None if store is None else str(store),
+        "store_name": None if t.get("store_name") is None else str(t["store_name"]),
+    }
 
 
 def to_json(self: StateFields) -> dict[str, Any]:
@@ -258,6 +331,10 @@ def to_json(self: StateFields) -> dict[str, Any]:
         "writers": {k: v.to_json() for k, v in sorted(self.writers.items())},
         "retired_upper": self.retired_upper,
         "tombstone": self.tombstone,
+        "landed": [r.to_json() for r in self.landed.values()],
+        "landed_horizon": self.landed_horizon,
+        "history": {"ms": self.history_ms, "upper": self.history_upper},
+        "table": _table_entry(self),
     }
 
 
@@ -281,6 +358,9 @@ def from_json(d: Mapping[str, Any]) -> dict[str, Any]:
             retired_upper=int(d.get("retired_upper", 0)),
             tombstone=bool(d.get("tombstone", False)),
             schema_history=_schemas_from(d.get("schemas")),
+            landed=_landed_from([Landed.from_json(r) for r in d.get("landed", ())]),
+            landed_horizon=int(d.get("landed_horizon", d["seqno"])),
+            **_table_fields(d.get("history"), d.get("table")),
         )
     except PersistError:
         raise

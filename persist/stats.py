@@ -53,8 +53,6 @@ MAX_STAT_BYTES = 64
 #: One column's statistics: ``(column, min, max, nulls)`` (JSON-safe encodings).
 ColumnStats = tuple[str, Any, Any, int]
 
-_DIFF = "_diff"
-
 
 def _int_storage(t: pa.DataType) -> pa.DataType | None:
     """The integer type a temporal type is stored as (same bit width), or ``None``."""
@@ -166,12 +164,12 @@ def column_stats(name: str, column: pa.ChunkedArray | pa.Array) -> ColumnStats |
 
 
 def table_stats(table: pa.Table) -> tuple[ColumnStats, ...]:
-    """The statistics of every column of a part's table but ``_diff`` (and the columns
-    :func:`column_stats` skips), in column order."""
+    """The statistics of every column of a part's table (but the columns
+    :func:`column_stats` skips), in column order. ``_diff``'s tell a part of inserts
+    only (``1`` to ``1``), whose rows need no merge with another such part's
+    (:mod:`spark.native_plan`)."""
     out = []
     for name, col in zip(table.column_names, table.columns, strict=True):
-        if name == _DIFF:
-            continue
         s = column_stats(name, col)
         if s is not None:
             out.append(s)

@@ -40,10 +40,9 @@ Invariants kept here:
   ``ts`` and upper ``ts + 1`` (``[old upper, ts)`` recorded empty) and appends the stash
   batches, all in one stash ``append`` (:func:`persist.txn_commit.commit_shards`): a
   reader sees all of it or none of it.  The transaction's idempotency token is recorded
-  in each shard's version under a writer id of the transaction's own (one per shard,
-  used by no other append, so no later append pushes it out of the
-  :data:`~persist.state.WRITER_TOKENS_KEPT` kept; the builder's writer is renewed as by
-  a normal append);
+  in each shard's version with its commit time, apart from every writer lease
+  (:mod:`persist.landed`: no expiry, hand-off or skewed clock drops it; the builder's
+  writer is renewed as by a normal append);
 * **a race is not a failure**: a shard whose upper is already beyond ``ts`` makes
   ``commit_at`` raise :class:`TxnUpperMismatch` (an :class:`UpperMismatch`) naming every
   such shard with its current upper, and nothing is committed; :meth:`Txn.commit`
@@ -74,9 +73,9 @@ Invariants kept here:
   ``is_indeterminate()`` and the ``idempotency_token`` is raised; the parts are then
   kept (never deleted by :meth:`Txn.abort`), and the next ``write``, ``stash_*``,
   ``commit_at`` or ``commit`` on the same ``Txn`` first looks for the token (a change
-  to a transaction that landed is refused).  Once the record of a landed attempt could
-  have expired with its writer lease (counted from the first unknown outcome), its
-  absence proves nothing and the outcome stays indeterminate.  A transaction with
+  to a transaction that landed is refused).  Once the shard pruned records of versions
+  after the one read before the first unknown outcome, the token's absence proves
+  nothing and the outcome stays indeterminate.  A transaction with
   stash batches and no shard write has no token to look for: its indeterminate outcome
   is reported as such, and so is a later failed lower check of a retry (never a
   definite "nothing was committed", which would invite appending the batches twice);
@@ -195,7 +194,7 @@ class Txn(TxnRowChanges):
         self.committed_ts: int | None = None
         self._aborted = False
         self._maybe_landed = False
-        self._unknown_since_ms: int | None = None  # first indeterminate attempt (ms)
+        self._unknown_lo: int | None = None  # a seqno read before the first unknown attempt
 
     def __repr__(self) -> str:
         names = sorted(w.name for w in self._shards.values())
@@ -229,7 +228,7 @@ class Txn(TxnRowChanges):
             return  # a stash-only transaction's retry settles it (see commit_at)
         landed = self._resolve_landed()
         if landed is None:
-            self._maybe_landed, self._unknown_since_ms = False, None
+            self._maybe_landed, self._unknown_lo = False, None
             return
         self._finish(landed)
         raise InvalidUsage(
@@ -361,8 +360,10 @@ class Txn(TxnRowChanges):
                 e.row if time_column is not None else {k: v for k, v in e.row.items() if k != TIME}
             )
             raise DiffOverflow(row, f"{w.name!r} ({w.shard_id})") from e
-        except BaseException:
+        except BaseException as e:
             builder.abort()  # settles the builder the handle lent
+            if isinstance(e, LeaseExpired):  # dropped (e.g. by a skewed clock): a new one
+                self._shard_ops.forget_txn_writer(w)
             raise
         if time_column is not None:
             batch.txn_timed = True  # type: ignore[attr-defined]
@@ -651,7 +652,7 @@ class Txn(TxnRowChanges):
         landed = self._resolve_landed() if self._maybe_landed else None
         if landed is not None:
             return self._finish(landed)
-        self._maybe_landed, self._unknown_since_ms = False, None  # it did not land
+        self._maybe_landed, self._unknown_lo = False, None  # it did not land
         self._check_not_consumed()
         indeterminate = 0
         while True:
@@ -659,15 +660,15 @@ class Txn(TxnRowChanges):
             # is none of the answers below (an interrupt, an error the stash did not
             # wrap) leaves the parts to GC instead of letting abort delete them.
             prior = self._maybe_landed
-            prior_since: int | None = self._unknown_since_ms
+            prior_lo: int | None = self._unknown_lo
             self._maybe_landed = True
-            if self._unknown_since_ms is None:  # when its record starts to be needed
-                self._unknown_since_ms = self._ctx.machine(sorted(self._shards)[0]).now_ms()
+            if self._unknown_lo is None:  # any attempt lands after this version
+                self._unknown_lo = self._ctx.machine(sorted(self._shards)[0]).state().seqno
             try:
                 out = self._attempt(ts)
             except ConsensusError as e:
                 if not e.is_indeterminate():
-                    self._maybe_landed, self._unknown_since_ms = prior, prior_since
+                    self._maybe_landed, self._unknown_lo = prior, prior_lo
                     if indeterminate:
                         raise self._unknown(e) from e
                     raise
@@ -685,7 +686,7 @@ class Txn(TxnRowChanges):
                 time.sleep(min(self.resolve_max_wait, 0.005 * 2**indeterminate))
                 continue
             except LeaseExpired as e:
-                self._maybe_landed, self._unknown_since_ms = prior, prior_since
+                self._maybe_landed, self._unknown_lo = prior, prior_lo
                 for sw in self._shards.values():
                     if sw.writer.writer_id == e.handle_id:
                         self._shard_ops.forget_txn_writer(sw.writer)
@@ -695,7 +696,7 @@ class Txn(TxnRowChanges):
                         return self._finish(landed)
                 raise
             except PersistError as e:
-                self._maybe_landed, self._unknown_since_ms = prior, prior_since
+                self._maybe_landed, self._unknown_lo = prior, prior_lo
                 if indeterminate and not isinstance(e, TxnUpperMismatch | LeaseExpired):
                     raise
                 if indeterminate:
@@ -826,7 +827,7 @@ class Txn(TxnRowChanges):
             self._ctx,
             self._shards,
             self.token,
-            self._unknown_since_ms,
+            self._unknown_lo,
             attempts=self.resolve_attempts,
             max_wait=self.resolve_max_wait,
         )

@@ -34,7 +34,8 @@ Invariants kept here:
 * **an unknown outcome is settled by the token alone**: the transaction's token is
   recorded in each written shard's state under a writer id of the transaction's own;
   :func:`find_landed` reports the landed time only on finding it there, and "not landed"
-  only on a head read while the record could not yet have expired with its writer lease.
+  only on a head whose landed records (:mod:`persist.landed`, kept apart from writer
+  leases) were not pruned past the version read before the first attempt.
   :class:`~persist.txn.Txn` settles an unknown outcome this way before it takes the next
   change or commit;
 * **one lock order**: the shard machines' locks are taken first, in shard-id order; the
@@ -69,7 +70,7 @@ from persist.keys import key_writer_id
 from persist.machine import ShardMachine, Staged, Stale
 from persist.shards import Shards
 from persist.spine import FueledMergeReq
-from persist.state import TOKEN_SEP
+from persist.state import TOKEN_SEP, TOKEN_UNKNOWN, token_verdict
 from persist.txn_rows import ShardWrites, plan_on_head
 from persist.types import HollowBatch
 from persist.write import handed_off_owners
@@ -240,118 +241,156 @@ def commit_shards(
     """
     c = shard_ops.ctx
     order = sorted(writes)
-    names = sorted(w.name for w in writes.values())
     machines = [c.machine(sid) for sid in order]
-    with contextlib.ExitStack() as stack:
-        # Lock order: the shard machines' locks first, in shard-id order (two commits
-        # over overlapping shards never wait on each other); the client's transaction
-        # lock (Shards._txn_lock) is a leaf, taken only inside them by txn_done_ids and
-        # txn_done_forget, which call out to nothing.
-        for m in machines:
-            stack.enter_context(m.lock)
-        fresh: set[str] = set()
-        races = 0
-        while True:
-            staged: list[tuple[ShardMachine, Staged, list[FueledMergeReq]]] = []
-            dropping: dict[str, tuple[str, ...]] = {}  # shard id -> done record ids
-            mismatched: dict[str, Antichain] = {}
-            landed_at: int | None = None
-            restage = False
-            for sid, m in zip(order, machines, strict=True):
-                sw = writes[sid]
-                if sw.rows is not None:
-                    plan_on_head(sw, m, ts, token)  # on the head this shard is staged on
-                cmd, relist = _shard_command(shard_ops, sw, token, ts, m)
-                dropping[sid] = cmd.done
-                try:
-                    (kind, value), st = m.stage_commit_txn(cmd, sid in fresh, relist)
-                except Stale:
-                    m.fetch()
-                    fresh.add(sid)
-                    restage = True
-                    break
-                if kind == "landed":
-                    landed_at = value
-                    break
-                if kind == "mismatch":
-                    mismatched[sw.name] = value[0]
-                    continue
-                assert st is not None
-                staged.append((m, st, value))
-            if restage:
-                continue
-            if landed_at is not None:
-                for m in machines:  # an earlier attempt landed: learn its versions
-                    m.fetch()
-                return landed_at
-            if mismatched:
-                # Uppers only advance: a cached upper beyond ts is a real race.  The
-                # other shards' cached uppers may be older than theirs: re-read every
-                # shard, so the report (and retry_ts) names each one beyond ts.
-                raise _upper_mismatch(ts, writes, order, machines)
-            if not stash_batches and all(
-                sw.rows is not None and not sw.batches for sw in writes.values()
-            ):
-                # Row changes that changed nothing, and nothing else: write nothing (no
-                # version, no part) once every shard is read again at the version its
-                # changes were planned on (so all of them held at one instant).
-                if all(m.fetch().seqno == st.expected for m, st, _reqs in staged):
-                    for sw in writes.values():
-                        sw.wrote = False
-                    return ts
-                races += 1
-                if races > max_races:
-                    raise ConsensusError(
-                        f"transaction at {ts}: gave up after {races} re-plans of changes "
-                        "that changed nothing"
-                    )
-                fresh = set(order)
-                continue
-            batches: list[AppendBatch] = []
-            for m, st, _reqs in staged:
-                batches.extend(
-                    c.consensus.version_batches(
-                        m.shard_id, st.expected, st.texts, st.prev, st.retired, plan=st.plan
-                    )
-                )
-            batches.extend(merged_stash_batches(stash_batches))
-            lost = c.consensus.append_atomic(
-                batches, f"transaction commit at {ts} of shards {names}"
-            )
-            if lost is None:
-                for m, st, _reqs in staged:
-                    m.install(st)
-                    shard_ops.txn_done_forget(m.shard_id, dropping[m.shard_id])
-                for m, _st, reqs in staged:
-                    if reqs:
-                        c.maintenance.after_append(m, reqs)
-                return ts
-            sid_lost = next(
-                (
-                    m.shard_id
-                    for m in machines
-                    if lost
-                    in (
-                        SHARD_COLLECTION_PREFIX + m.shard_id,
-                        RETIRED_COLLECTION_PREFIX + m.shard_id,
-                    )
-                ),
-                None,
-            )
-            if sid_lost is None:
-                raise TxnUpperMismatch(ts, {}, {lost: lost_collection_upper(c, batches, lost)})
-            # A lost seqno race: re-read every shard (cheap when unchanged) and
-            # stage again; no part is written again.
-            races += 1
-            if races > max_races:
-                raise ConsensusError(
-                    f"transaction at {ts}: gave up after {races} lost compare-and-set races"
-                )
+    fresh: dict[str, int] = {}  # shard id -> seqno of a version just read from consensus
+    races = [0]
+    while True:
+        # Row changes are planned (parts read, their batch uploaded, the writer
+        # registered by a pool thread) before the locks are taken: no blob I/O, and no
+        # wait for a pool thread, under a machine's lock (see persist.machine).
+        for sid, m in zip(order, machines, strict=True):
+            rc = writes[sid].rows
+            if rc is not None and rc.planned_on != (m.state().seqno, ts):
+                plan_on_head(writes[sid], m, ts, token)
+        with contextlib.ExitStack() as stack:
+            # Lock order: the shard machines' locks first, in shard-id order (two
+            # commits over overlapping shards never wait on each other); the client's
+            # transaction lock (Shards._txn_lock) is a leaf, taken only inside them by
+            # txn_done_ids and txn_done_forget, which call out to nothing.
             for m in machines:
+                stack.enter_context(m.lock)
+            out = _commit_locked(
+                shard_ops, writes, stash_batches, token, ts, machines, fresh, races, max_races
+            )
+        if out is not None:
+            return out
+
+
+def _commit_locked(
+    shard_ops: Shards,
+    writes: Mapping[str, ShardWrites],
+    stash_batches: Sequence[AppendBatch],
+    token: str,
+    ts: int,
+    machines: Sequence[ShardMachine],
+    fresh: dict[str, int],
+    races: list[int],
+    max_races: int,
+) -> int | None:
+    """:func:`commit_shards` under the machines' locks: stage and send until the commit
+    lands, is refused, or a shard's version moved past the one its row changes were
+    planned on (``None``: plan again, outside the locks).  ``fresh`` (shard id -> seqno
+    read from consensus) and ``races`` (lost races so far) carry over between calls."""
+    c = shard_ops.ctx
+    order = sorted(writes)
+    names = sorted(w.name for w in writes.values())
+    while True:
+        for sid, m in zip(order, machines, strict=True):
+            rc = writes[sid].rows
+            if rc is not None and rc.planned_on != (m.state().seqno, ts):
+                return None  # planned on another version: plan again, unlocked
+        staged: list[tuple[ShardMachine, Staged, list[FueledMergeReq]]] = []
+        dropping: dict[str, tuple[str, ...]] = {}  # shard id -> done record ids
+        mismatched: dict[str, Antichain] = {}
+        landed_at: int | None = None
+        restage = False
+        for sid, m in zip(order, machines, strict=True):
+            sw = writes[sid]
+            cmd, relist = _shard_command(shard_ops, sw, token, ts, m)
+            dropping[sid] = cmd.done
+            try:
+                is_fresh = fresh.get(sid) == m.state().seqno
+                (kind, value), st = m.stage_commit_txn(cmd, is_fresh, relist)
+            except Stale:
+                fresh[sid] = m.fetch().seqno
+                restage = True
+                break
+            if kind == "landed":
+                landed_at = value
+                break
+            if kind == "mismatch":
+                mismatched[sw.name] = value[0]
+                continue
+            assert st is not None
+            staged.append((m, st, value))
+        if restage:
+            continue
+        if landed_at is not None:
+            for m in machines:  # an earlier attempt landed: learn its versions
                 m.fetch()
-            fresh = set(order)
-            if races > 2:
-                time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
+            return landed_at
+        if mismatched:
+            # Uppers only advance: a cached upper beyond ts is a real race.  The
+            # other shards' cached uppers may be older than theirs: re-read every
+            # shard, so the report (and retry_ts) names each one beyond ts.
+            raise _upper_mismatch(ts, writes, order, machines)
+        if not stash_batches and all(
+            sw.rows is not None and not sw.batches for sw in writes.values()
+        ):
+            # Row changes that changed nothing, and nothing else: write nothing (no
+            # version, no part) once every shard is read again at the version its
+            # changes were planned on (so all of them held at one instant).
+            if all(m.fetch().seqno == st.expected for m, st, _reqs in staged):
+                for sw in writes.values():
+                    sw.wrote = False
+                return ts
+            races[0] += 1
+            if races[0] > max_races:
+                raise ConsensusError(
+                    f"transaction at {ts}: gave up after {races[0]} re-plans of changes "
+                    "that changed nothing"
+                )
+            for sid, m in zip(order, machines, strict=True):
+                fresh[sid] = m.fetch().seqno
+            continue
+        batches: list[AppendBatch] = []
+        for m, st, _reqs in staged:
+            batches.extend(
+                c.consensus.version_batches(
+                    m.shard_id,
+                    st.expected,
+                    st.texts,
+                    st.prev,
+                    st.retired,
+                    plan=st.plan,
+                    history=st.history,
+                )
+            )
+        batches.extend(merged_stash_batches(stash_batches))
+        lost = c.consensus.append_atomic(batches, f"transaction commit at {ts} of shards {names}")
+        if lost is None:
+            for m, st, _reqs in staged:
+                m.install(st)
+                shard_ops.txn_done_forget(m.shard_id, dropping[m.shard_id])
+            for m, _st, reqs in staged:
+                if reqs:
+                    c.maintenance.after_append(m, reqs)
+            return ts
+        sid_lost = next(
+            (
+                m.shard_id
+                for m in machines
+                if lost
+                in (
+                    SHARD_COLLECTION_PREFIX + m.shard_id,
+                    RETIRED_COLLECTION_PREFIX + m.shard_id,
+                )
+            ),
+            None,
+        )
+        if sid_lost is None:
+            raise TxnUpperMismatch(ts, {}, {lost: lost_collection_upper(c, batches, lost)})
+        # A lost seqno race: re-read every shard (cheap when unchanged) and
+        # stage again; no part is written again.
+        races[0] += 1
+        if races[0] > max_races:
+            raise ConsensusError(
+                f"transaction at {ts}: gave up after {races[0]} lost compare-and-set races"
+            )
+        for sid, m in zip(order, machines, strict=True):
+            fresh[sid] = m.fetch().seqno
+        if races[0] > 2:
+            time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races[0], 10))))
 
 
 def _upper_mismatch(
@@ -439,7 +478,7 @@ def find_landed(
     ctx: PersistContext,
     writes: Mapping[str, ShardWrites],
     token: str,
-    unknown_since_ms: int | None,
+    lo: int | None,
     *,
     attempts: int,
     max_wait: float,
@@ -452,16 +491,16 @@ def find_landed(
         ctx: the client's context.
         writes: shard id -> what the transaction writes to it (not empty).
         token: the transaction's idempotency token.
-        unknown_since_ms: when the first attempt whose outcome is unknown started (the
-            shard machine's clock, ms), or ``None``.
+        lo: the seqno of a version of the first written shard read before the first
+            attempt whose outcome is unknown (``None``: not known), see
+            :mod:`persist.landed`.
         attempts, max_wait: how many times a failing read is tried, and the longest
             backoff between two tries (s).
 
     Raises:
         ConsensusError: indeterminate (``idempotency_token`` is ``token``): the reads kept
-            failing, or the token is absent but the record of a landed attempt could have
-            expired with its writer lease since ``unknown_since_ms``, so its absence
-            proves nothing.
+            failing, or the token is absent but the shard pruned records of versions
+            after ``lo``, so its absence proves nothing.
     """
     order = sorted(writes)
     sid = order[0]
@@ -474,22 +513,20 @@ def find_landed(
             last = e
             time.sleep(min(max_wait, 0.005 * 2**attempt))
             continue
-        for ws in st.writers.values():
-            entry = ws.token_entry(token)
-            if entry is not None:
-                _, _, fp = entry.partition(TOKEN_SEP)
-                for other in order[1:]:
-                    with contextlib.suppress(ConsensusError):
-                        ctx.machine(other).fetch()
-                return int(fp[1:]) if fp.startswith("t") else -1
-        lease = max(sw.writer._lease_ms for sw in writes.values())
-        if unknown_since_ms is not None and m.now_ms() > unknown_since_ms + lease:
-            # A landed commit's record may have expired with its lease: its absence
-            # proves nothing any more, so the outcome stays unknown.
+        verdict, entry = token_verdict(st, token, lo)
+        if entry is not None:
+            _, _, fp = entry.partition(TOKEN_SEP)
+            for other in order[1:]:
+                with contextlib.suppress(ConsensusError):
+                    ctx.machine(other).fetch()
+            return int(fp[1:]) if fp.startswith("t") else -1
+        if verdict == TOKEN_UNKNOWN:
+            # A landed commit's record may have been pruned (persist.landed): its
+            # absence proves nothing, so the outcome stays unknown.
             raise unknown_outcome(
                 token,
-                f"its record in shard {sid} would have expired (writer lease {lease} ms) "
-                "since the commit's acknowledgement was lost",
+                f"shard {sid} no longer holds the record of every transaction that "
+                "landed since the commit's acknowledgement was lost",
             )
         return None
     assert last is not None

@@ -60,7 +60,7 @@ from persist.merge_into import MergeBuilder, as_source, check_spec, plan_on_read
 from persist.merge_plan import MergeCounts, MergeResult, MergeSpec
 from persist.parts import DIFF, TIME
 from persist.rows import Planned, RowChanges
-from persist.state import ShardState
+from persist.state import ShardState, token_entry
 from persist.write import WriteHandle
 from stash import Antichain
 from stash.antichain import I64_MIN
@@ -105,6 +105,9 @@ class ShardRowChanges:
         replaced: batches a re-plan replaced (deleted when the transaction finishes).
         results: per change, its counts as last planned (``time`` filled on commit).
         uploads: how many planned batches were written (for tests and metrics).
+        planned_on: ``(seqno, ts)`` of the version last planned on for a commit at
+            ``ts`` (``None``: never planned); the commit at ``ts`` stages on that
+            version only.
     """
 
     ops: list[tuple[int, RowOp]] = field(default_factory=list)
@@ -114,6 +117,7 @@ class ShardRowChanges:
     results: dict[int, tuple[int, int]] = field(default_factory=dict)
     uploads: int = 0
     keep_replaced: bool = False
+    planned_on: tuple[int, int] | None = None
 
 
 def upload(w: WriteHandle, updates: pa.Table) -> Batch:
@@ -233,9 +237,11 @@ def plan_changes(
 def plan_on_head(sw: ShardWrites, m: ShardMachine, ts: int, token: str) -> None:
     """Plan the row-level changes of ``sw`` (a shard with :attr:`ShardWrites.rows`) on
     ``m``'s head version, the one the commit at ``ts`` is staged on, uploading their
-    batch only when its content changed; ``sw.batches`` then holds it.  The caller
-    holds ``m``'s lock; a version moved by the planning itself (the writer registered
-    by its upload) is planned on again.  A shard whose upper is beyond ``ts`` is not
+    batch only when its content changed; ``sw.batches`` then holds it, and
+    ``sw.rows.planned_on`` that version's seqno and ``ts``.  The caller holds NO machine lock (the
+    upload's writer registration may run in a pool thread, and needs ``m``'s); a
+    version moved by the planning itself (the writer registered by its upload) is
+    planned on again.  A shard whose upper is beyond ``ts`` is not
     planned (the staging reports the race), nor one whose state records ``token`` (an
     earlier attempt of the transaction landed: the staging reports it).
 
@@ -250,11 +256,8 @@ def plan_on_head(sw: ShardWrites, m: ShardMachine, ts: int, token: str) -> None:
     keys, values = list(w.key_schema.names), list(w.value_schema.names)
     for attempt in range(PLAN_ATTEMPTS):
         st = m.recent()
-        if (
-            st.tombstone
-            or not st.upper.less_equal(ts)
-            or any(ws.token_entry(token) is not None for ws in st.writers.values())
-        ):
+        if st.tombstone or not st.upper.less_equal(ts) or token_entry(st, "", token) is not None:
+            rc.planned_on = (st.seqno, ts)
             return  # refused, a race or landed: the staging says which
         newest = st.schemas().newest
         if newest != w.schema_id:
@@ -278,6 +281,7 @@ def plan_on_head(sw: ShardWrites, m: ShardMachine, ts: int, token: str) -> None:
             continue
         _use(sw, updates)
         if m.recent().seqno == st.seqno:
+            rc.planned_on = (st.seqno, ts)
             return
     raise InvalidUsage(  # pragma: no cover - the version keeps moving under the lock
         f"shard {sw.name!r}: its version moved under every plan of the transaction's "

@@ -40,13 +40,18 @@ Invariants kept here (the batch rules, the builder's and the tokens' own are in
   new_upper)`` become visible;
 * an indeterminate commit (the stash lost the acknowledgement of COMMIT) is resolved by
   the append itself: it re-applies the same version, with the same idempotency token,
-  re-reading consensus with backoff, until it learns the outcome (the token is recorded
-  with the writer, which keeps its last few tokens, in the version that commits the
-  append); an append of its own that landed is reported as success, never as
-  ``UpperMismatch``.  If the outcome still cannot be learned, a ``ConsensusError`` with
-  ``is_indeterminate()`` and ``idempotency_token`` is raised and the parts are left in
-  place (GC collects them if the append did not land); a retry passing that token
-  returns success without writing again if the append landed;
+  re-reading consensus with backoff, until it learns the outcome.  The token is
+  recorded, with the append's fingerprint, in the shard's landed records
+  (:mod:`persist.landed`), apart from every writer lease: a writer's expiry, a process
+  whose clock is ahead, or other appends through a shared handle never drop it.  An
+  append of its own that landed is reported as success, never as ``UpperMismatch``;
+  one whose record may have been pruned (the shard keeps the newest records) raises the
+  indeterminate ``ConsensusError``.  If the outcome cannot be learned, a
+  ``ConsensusError`` with ``is_indeterminate()`` and ``idempotency_token`` is raised
+  and the parts are left in place (GC collects them if the append did not land); a
+  retry passing that token, from this process or a restarted one, returns success
+  without writing again if the append landed, appends if it did not, and raises the
+  indeterminate error again if the records cannot tell;
 * a writer is registered in the shard state (its lease) before its first upload, and
   its parts' keys name it (:mod:`persist.keys`), stamped when each run is written; GC
   never deletes the parts of a writer registered in the state it decides on (it
@@ -119,6 +124,7 @@ from persist.idempotency import (
     apply_resolving,
     carrying_token,
     checked_token,
+    token_floor,
     token_landed,
     tokens,
 )
@@ -179,7 +185,6 @@ class WriteHandle(ShardHandle):
         # registered, a writer found missing or expired is never registered again.
         self._registered = False
         self._last_heartbeat_ms = 0
-        self._created_ms = machine.now_ms()
         self.runs = RunWriter(
             ctx.blob,
             ctx.config,
@@ -366,10 +371,11 @@ class WriteHandle(ShardHandle):
             idempotency_token: the token of an earlier attempt of this same append (from
                 the ``idempotency_token`` of the indeterminate :class:`ConsensusError` it
                 raised): if that attempt landed, this call returns at once, writing
-                nothing again, however many appends came since (the client settles the
-                outcome from the next shard state it sees); if whether it landed can no
-                longer be told, it raises an indeterminate :class:`ConsensusError` and
-                writes nothing.  The token names that append exactly (its bounds and
+                nothing again, however many appends came since and whatever became of
+                the writer (the shard keeps the record apart from its lease,
+                :mod:`persist.landed`); if it did not land, this call appends; if whether
+                it landed can no longer be told (its record may have been pruned), it
+                raises an indeterminate :class:`ConsensusError` and writes nothing.  The token names that append exactly (its bounds and
                 its updates in their order, :mod:`persist.fingerprint`): passed to any
                 other append it raises ``InvalidUsage`` and writes nothing.  By
                 default a fresh token.
@@ -393,15 +399,19 @@ class WriteHandle(ShardHandle):
         # 1. validate and plan
         self._check()
         expected, new = append_bounds(expected_upper, new_upper)
-        token = checked_token(idempotency_token, self.writer_id)
+        token = checked_token(idempotency_token, self.writer_id, self._machine.state().seqno)
         table = self.runs.normalize(updates)
         rng = check_times(table, expected, new)
         fingerprint = updates_fingerprint(expected, new, table)
-        if idempotency_token is not None and self._token_landed(token, fingerprint):
-            return  # an earlier attempt landed: write nothing again
+        retry = idempotency_token is not None
+        seen: int | None = None
+        if retry:
+            landed, seen = self._token_landed(token, fingerprint)
+            if landed:
+                return  # an earlier attempt landed: write nothing again
         if expected == new:
             # Nothing can be written into an empty range: just check the upper.
-            self._append_batches([], expected, new, token, fingerprint=fingerprint)
+            self._append_batches([], expected, new, token, fingerprint=fingerprint, seen=seen)
             return
         # 2. write parts
         with carrying_token(token):
@@ -415,7 +425,14 @@ class WriteHandle(ShardHandle):
         # 3. commit and 4. maintenance
         try:
             self._append_batches(
-                [batch], expected, new, token, fresh=batch, fingerprint=fingerprint
+                [batch],
+                expected,
+                new,
+                token,
+                retry,
+                fresh=batch,
+                fingerprint=fingerprint,
+                seen=seen,
             )
         except PersistError as e:
             if not e.is_indeterminate():
@@ -458,7 +475,7 @@ class WriteHandle(ShardHandle):
             live = read(filt) if table.num_rows else self.schema.empty_table()
             return rows_mod.plan_upsert(live, table, keys, values)
 
-        return rows_mod.apply_change(self, plan)
+        return rows_mod.apply_change(self, plan, op="upsert")
 
     def delete(self, filter: pc.Expression) -> RowChanges:
         """Retract every live row ``filter`` (a boolean ``pyarrow.compute`` expression
@@ -472,7 +489,7 @@ class WriteHandle(ShardHandle):
         def plan(read: Callable[[pc.Expression | None], pa.Table], upper: int) -> Planned:
             return rows_mod.plan_delete(read(filter), keys, values)
 
-        return rows_mod.apply_change(self, plan)
+        return rows_mod.apply_change(self, plan, op="delete", params={"predicate": str(filter)})
 
     def update(self, filter: pc.Expression, set: Mapping[str, Any]) -> RowChanges:
         """Retract every live row ``filter`` keeps and insert it again with ``set``
@@ -497,7 +514,8 @@ class WriteHandle(ShardHandle):
                 at_new = read(rows_mod.key_filter(new, keys))
             return rows_mod.plan_update(live, changes, keys, values, at_new)
 
-        return rows_mod.apply_change(self, plan)
+        params = {"predicate": str(filter), "set": {k: str(v) for k, v in set.items()}}
+        return rows_mod.apply_change(self, plan, op="update", params=params)
 
     def merge(
         self,
@@ -656,7 +674,7 @@ class WriteHandle(ShardHandle):
             pending = {getattr(b, "pending_token", None) for b in batches}
             if len(pending) == 1:
                 idempotency_token = pending.pop()
-        token = checked_token(idempotency_token, self.writer_id)
+        token = checked_token(idempotency_token, self.writer_id, self._machine.state().seqno)
         with carrying_token(token):
             self._append_batches(batches, expected, new, token, idempotency_token is not None)
 
@@ -669,21 +687,29 @@ class WriteHandle(ShardHandle):
         retry: bool = False,
         fresh: Batch | None = None,
         fingerprint: str | None = None,
+        seen: int | None = None,
     ) -> None:
         """:meth:`compare_and_append_batch` after its arguments were converted;
         ``retry``: the token came from the caller (an earlier attempt may have landed);
         ``fresh``: a batch whose parts this call just wrote (not checked for existence,
-        not one this writer lent out)."""
+        not one this writer lent out); ``seen``: the seqno of a state the caller already
+        found not to record the retried token (:meth:`_token_landed`)."""
         # 1. validate and plan (persist.batch_rules)
         check_batches(batches, self.shard_id)
         validate_truncate(batches, expected, new)
         if fingerprint is None:  # the batches' parts (the same in copies and retries)
             fingerprint = batches_fingerprint(expected, new, batches)
-        if retry and self._token_landed(token, fingerprint):
-            for b in batches:  # an earlier attempt landed them
-                b.mark_consumed()
-            return
         machine = self._machine
+        # Any attempt of this append lands after version ``lo`` (persist.landed).
+        lo = token_floor(machine, token)
+        if retry and seen is None:
+            landed, seen = self._token_landed(token, fingerprint)
+            if landed:
+                for b in batches:  # an earlier attempt landed them
+                    b.mark_consumed()
+                return
+        if seen is not None:
+            lo = seen  # no attempt landed at or before the version read
         # The retired collection's upper in a version read before the existence check:
         # the copy check of the commit re-lists the parts once a GC may have forgotten
         # some.
@@ -691,6 +717,17 @@ class WriteHandle(ShardHandle):
         owners = self._check_appendable(batches, fresh)  # parts exist; owners checked below
         pieces, temps, given = plan_pieces(
             batches, expected, new, fresh, self._rewriter(expected, new)
+        )
+        fresh_keys = {k for b in [fresh, *temps] if b is not None for k in b.part_ids()}
+        kept = {k for hb in pieces for p in hb.parts if (k := p.part_id) is not None}
+        # Given parts rewritten (truncated) into new ones: retired by the commit, so a
+        # copy of their batch is refused as appended.
+        consumed = tuple(
+            k
+            for b in batches
+            if b is not fresh
+            for k in b.part_ids()
+            if k not in kept and k not in fresh_keys
         )
         # Compaction results offered by the compactor ride along in this version.
         merges = machine.take_merge_results() if pieces else []
@@ -706,20 +743,28 @@ class WriteHandle(ShardHandle):
             handed=tuple(handed_off_owners(batches, self.writer_id).items()),
             merges=tuple(merges),
             given=tuple(given),
+            lo=lo,
+            consumed=consumed if pieces else (),
         )
         # 3. commit (the parts were written by the caller or by plan_pieces' rewrites).
         # The machine lists the given parts again (a plain function of batch_rules) once
         # a GC may have forgotten some (see persist.appended).
         relist = partial(check_appendable, self._ctx.blob, self.shard_id, batches, fresh)
-        try:
-            reqs = self._apply_resolving(
-                partial(machine.compare_and_append, cmd, relist, checked_upper)
+        attempts = [0]
+
+        def attempt() -> list[Any]:
+            # After an attempt of unknown outcome (or a caller's retry), a missing
+            # record may be a pruned one: the command then never says UpperMismatch.
+            attempts[0] += 1
+            return machine.compare_and_append(
+                cmd, relist, checked_upper, maybe_landed=retry or attempts[0] > 1
             )
+
+        try:
+            reqs = self._apply_resolving(attempt)
         except PersistError as e:
-            self._append_failed(e, batches, temps, merges, token, bool(pieces))
+            self._append_failed(e, batches, temps, merges, token, bool(pieces), lo)
             raise
-        if retry:
-            machine.forget_token(token)  # landed now: the state answers for it
         if pieces:
             self._registered = True  # the append registered or renewed this writer
             self._last_heartbeat_ms = machine.now_ms()
@@ -753,6 +798,7 @@ class WriteHandle(ShardHandle):
         merges: list[FueledMergeRes],
         token: str,
         pushed: bool,
+        lo: int | None,
     ) -> None:
         """Settle a failed commit of an append of ``batches`` (``pushed``: it pushed
         hollow batches): give back the compaction results it carried, and either keep
@@ -766,8 +812,8 @@ class WriteHandle(ShardHandle):
             e.idempotency_token = token
             for b in batches:  # a retry with these batches reuses the token
                 b.pending_token = token
-            if pushed:  # learn the outcome from the next head (a retry asks it)
-                machine.note_unknown_token(token, self.writer_id)
+            if pushed:  # a retry in this process knows when it was first tried
+                machine.note_attempt(token, -1 if lo is None else lo)
         else:
             for t in temps:
                 t.delete()
@@ -793,23 +839,16 @@ class WriteHandle(ShardHandle):
             shard_id=self.shard_id,
         )
 
-    def _token_landed(self, token: str, fingerprint: str) -> bool:
-        """Whether the append with the caller's ``token`` (and ``fingerprint``) landed
-        (:func:`persist.idempotency.token_landed`, asked for this handle).
+    def _token_landed(self, token: str, fingerprint: str) -> tuple[bool, int]:
+        """Whether the append with the caller's ``token`` (and ``fingerprint``) landed,
+        and the seqno of the state that says so
+        (:func:`persist.idempotency.token_landed`).
 
         Raises:
             InvalidUsage: the token names another append.
             ConsensusError: indeterminate: the outcome can no longer be learned.
         """
-        return token_landed(
-            self._machine,
-            token,
-            fingerprint,
-            writer_id=self.writer_id,
-            registered=self._registered,
-            created_ms=self._created_ms,
-            lease_ms=self._lease_ms,
-        )
+        return token_landed(self._machine, token, fingerprint)
 
     def _count_transmitted(self) -> None:
         """A batch of this handle's builders, with blob parts, was transmitted."""

@@ -12,7 +12,13 @@ module splits a snapshot's parts into
   show one single time, the same for the whole run, not after ``as_of``; the conform step
   keeps runs sorted and consolidated; key samples recorded), the largest such run first
   and then every other clean run whose key interval (first to last key, by its parts' key
-  samples) is disjoint from those taken: no two direct parts hold one (key, value);
+  samples) is disjoint from those taken, or that holds only inserts (``_diff``
+  statistics 1 to 1) as every overlapping taken run does. Runs of inserts only need no
+  merge with each other: each of their rows is a live row with count 1, whatever the
+  others hold (a fresh Spark write, one run per task, overlapping key ranges, reads all
+  direct). The one difference from a consolidated snapshot: a (key, value) that several
+  such runs each insert reads as one row per run, ``_diff`` 1 each (the same updates,
+  not summed); every other (key, value) is once;
 * the **tail**: every other part (inline parts, runs with several times, such as the
   appends since the last compaction, retractions included, and clean runs overlapping a
   taken one), read and consolidated here by persist (:func:`persist.fetch.snapshot_table`);
@@ -27,7 +33,8 @@ merging with it; and delta-spark's ``DeltaTable``, whose reads are Spark's Parqu
 the files its log names.
 
 Invariant: direct parts + tail, combined as :mod:`spark.native_read` does, is exactly
-``ReadHandle.snapshot(as_of)``; every decision is taken on one state version (the one
+``ReadHandle.snapshot(as_of)`` (summed per (key, value), for rows that runs of inserts
+only repeat); every decision is taken on one state version (the one
 ``snapshot_batches`` listed), never on a cache.
 """
 
@@ -155,6 +162,18 @@ def _run_time(parts: Sequence[Any], floor: int) -> int | None:
     if len(times) != 1:
         return None
     return max(times.pop(), floor)
+
+
+def _inserts_only(parts: Sequence[Any]) -> bool:
+    """Whether every update of a run of blob ``parts`` has ``_diff`` 1, by the parts'
+    ``_diff`` statistics."""
+    for p in parts:
+        if p.stats is None:
+            return False
+        d = [(lo, hi) for name, lo, hi, _n in p.stats if name == DIFF]
+        if not d or d[0][0] != 1 or d[0][1] != 1:
+            return False
+    return True
 
 
 def _bounds(parts: Sequence[Any]) -> tuple[Any, Any] | None:
@@ -300,6 +319,7 @@ def _split(
     indexes of its tail parts) of ``batches``."""
     hist, dst = history
     runs: list[tuple[int, list[int], int | None, tuple[Any, Any] | None, int]] = []
+    inserts: set[int] = set()  # clean runs of inserts only
     total = 0
     nparts = 0
     for bi, b in enumerate(batches):
@@ -320,9 +340,11 @@ def _split(
                 and time <= as_of
                 and all(hist.plan(p.schema_id, dst).keeps_runs for p in run)
             )
+            if ok and _inserts_only(run):
+                inserts.add(len(runs))
             runs.append((bi, idx, time if ok else None, _bounds(run) if ok else None, size))
     # Largest clean runs first; a run joins only if its key interval is disjoint from
-    # every taken one's.
+    # every taken one's, or both runs hold inserts only.
     clean = [i for i, r in enumerate(runs) if r[2] is not None and r[3] is not None]
     clean.sort(key=lambda i: -runs[i][4])
     taken: list[int] = []
@@ -331,7 +353,10 @@ def _split(
         spans = {i: (ranks[2 * j], ranks[2 * j + 1]) for j, i in enumerate(clean)}
         for i in clean:
             lo, hi = spans[i]
-            if all(hi < spans[j][0] or lo > spans[j][1] for j in taken):
+            if all(
+                hi < spans[j][0] or lo > spans[j][1] or (i in inserts and j in inserts)
+                for j in taken
+            ):
                 taken.append(i)
     direct: list[DirectPart] = []
     intervals: list[tuple[Any, Any]] = []

@@ -23,8 +23,9 @@ and consolidates on the driver. This module turns that plan into one DataFrame:
   pass the anti-join. Either way only the tail's keys are aggregated.
 
 The DataFrame's columns are the shard's key and value columns (newest schema, in Spark's
-read types, :mod:`spark.arrow_spark`) and ``_diff``, each distinct (key, value) once:
-``ReadHandle.snapshot(as_of)`` without its ``_time`` column.
+read types, :mod:`spark.arrow_spark`) and ``_diff``, each distinct (key, value) once
+(but for one that several runs of inserts only each insert: once per run, ``_diff`` 1,
+:mod:`spark.native_plan`): ``ReadHandle.snapshot(as_of)`` without its ``_time`` column.
 
 Which blob stores: ``file://`` (and plain local paths) read as ``file://`` paths; an
 ``s3://bucket/prefix`` store as ``s3a://`` paths when the session's Hadoop configuration
@@ -41,6 +42,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from spark.names import col, literal_path, quote
 from spark.native_plan import DIFF, TIME, NativePlan, native_type
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,26 @@ def type_reason(key_schema: pa.Schema, history: Any) -> str | None:
     return None
 
 
+def name_reason(spark: Any, key_schema: pa.Schema, history: Any) -> str | None:
+    """Why column names keep the read off the native path, or ``None``: two names that
+    differ only in case, when the session resolves names case-insensitively (Spark's
+    Parquet reader then refuses the schema). Any other name is read quoted
+    (:func:`spark.names.col`)."""
+    from spark.names import case_clash
+
+    if str(spark.conf.get("spark.sql.caseSensitive", "false")).lower() == "true":
+        return None
+    hist, _dst = history
+    for version in hist.versions:
+        clash = case_clash([*key_schema.names, *version.names])
+        if clash is not None:
+            return (
+                f"columns {clash[0]!r} and {clash[1]!r} differ only in case, one name to "
+                "Spark's Parquet reader (spark.sql.caseSensitive is false)"
+            )
+    return None
+
+
 def _spark_schema(schema: pa.Schema) -> Any:
     from spark.persist_common import arrow_to_spark
 
@@ -148,9 +170,9 @@ def _read_group(
         if src is None:
             cols.append(F.lit(None).cast(f.dataType).alias(f.name))
         elif st[src].dataType == f.dataType:
-            cols.append(F.col(src))
+            cols.append(col(src).alias(f.name))
         else:
-            cols.append(F.col(src).cast(f.dataType).alias(f.name))
+            cols.append(col(src).cast(f.dataType).alias(f.name))
     return df.select(*cols)
 
 
@@ -160,7 +182,7 @@ def _direct_df(spark: Any, plan: NativePlan, prefix: str, parts: list[Any]) -> A
     target = hist.view_schema(dst)
     out: Any = None
     for sid in sorted({p.schema_id for p in parts}):
-        paths = [f"{prefix}/{p.key}" for p in parts if p.schema_id == sid]
+        paths = [literal_path(f"{prefix}/{p.key}") for p in parts if p.schema_id == sid]
         cp = hist.plan(sid, dst)
         assert plan.as_of is not None
         df = _read_group(spark, paths, hist.updates_schema(sid), target, cp.sources, plan.as_of)
@@ -179,7 +201,7 @@ def _on(df: Any, keys: Any, key_schema: pa.Schema) -> Any:
     """Null-safe equality of ``df``'s key columns and ``keys``' ``__k0, __k1, ...``."""
     on = None
     for i, k in enumerate(key_schema.names):
-        c = df[k].eqNullSafe(keys[f"__k{i}"])
+        c = df[quote(k)].eqNullSafe(keys[f"__k{i}"])
         on = c if on is None else on & c
     return on
 
@@ -192,10 +214,15 @@ def _without_keys(df: Any, keys: Any, key_schema: pa.Schema, nulls: bool) -> Any
     from pyspark.sql import functions as F
 
     names = key_schema.names
-    if not nulls:
-        return df.join(F.broadcast(keys), on=list(names), how="left_anti")
     keys = F.broadcast(keys.toDF(*[f"__k{i}" for i in range(len(names))]))
-    return df.join(keys, _on(df, keys, key_schema), "left_anti")
+    if nulls:
+        on = _on(df, keys, key_schema)
+    else:
+        on = None
+        for i, k in enumerate(names):
+            c = df[quote(k)] == keys[f"__k{i}"]
+            on = c if on is None else on & c
+    return df.join(keys, on, "left_anti")
 
 
 def output_schema(key_schema: pa.Schema, history: Any) -> Any:
@@ -252,15 +279,16 @@ def snapshot_df(spark: Any, plan: NativePlan, key_schema: pa.Schema, prefix: str
             near = _direct_df(spark, plan, prefix, touched)
             keys = F.broadcast(
                 tail.select(
-                    *[F.col(k).alias(f"__k{i}") for i, k in enumerate(key_schema.names)]
+                    *[col(k).alias(f"__k{i}") for i, k in enumerate(key_schema.names)]
                 ).distinct()
             )
             on = _on(near, keys, key_schema)
-            pieces.append(near.join(keys, on, "left_anti").select(*names))
-            merged = near.join(keys, on, "left_semi").select(*names).unionByName(tail)
-            value_cols = [n for n in names if n != DIFF]
+            every = [col(n) for n in names]
+            pieces.append(near.join(keys, on, "left_anti").select(*every))
+            merged = near.join(keys, on, "left_semi").select(*every).unionByName(tail)
+            value_cols = [col(n) for n in names if n != DIFF]
             summed = merged.groupBy(*value_cols).agg(F.sum(DIFF).alias(DIFF))
-            pieces.append(summed.where(F.col(DIFF) != 0).select(*names))
+            pieces.append(summed.where(F.col(DIFF) != 0).select(*every))
         else:
             pieces.append(tail)
     out: Any = pieces[0]

@@ -119,14 +119,32 @@ STREAM_MODES = ("append", "upsert")
 
 
 def _location(raw: str) -> str:
-    """A checkpoint location in one spelling: a local path made absolute with a
-    ``file://`` scheme, no trailing slash."""
-    loc = raw.strip().rstrip("/")
-    if "://" not in loc and not loc.startswith("file:"):
-        loc = "file://" + os.path.abspath(loc)
-    elif loc.startswith("file:") and not loc.startswith("file://"):
-        loc = "file://" + os.path.abspath(loc[len("file:") :])
-    return loc
+    """A checkpoint location in one spelling: a local path (or ``file:`` location) made
+    absolute and written as a ``file://`` URI, every character that is not plain in a
+    URI percent-escaped (:meth:`pathlib.PurePath.as_uri`); no trailing slash.  A local
+    location is taken literally, as Hadoop's ``Path`` takes it (``%41`` names the three
+    characters, not ``A``), so the URI names the directory Spark writes to.  Other
+    schemes are kept as given."""
+    loc = raw.strip()
+    if loc.startswith("file://"):
+        loc = loc[len("file://") :]
+        if not loc.startswith("/"):  # file://host/...: not a local path
+            return raw.strip().rstrip("/")
+    elif loc.startswith("file:"):
+        loc = loc[len("file:") :]
+    elif "://" in loc:
+        return loc.rstrip("/")
+    return Path(os.path.abspath(loc)).as_uri()
+
+
+def _local_path(location: str) -> str | None:
+    """The local path a ``file://`` location of :func:`_location` names, else ``None``."""
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(location)
+    if parts.scheme != "file":
+        return None
+    return unquote(parts.path)
 
 
 def _query_id(location: str) -> str | None:
@@ -135,8 +153,13 @@ def _query_id(location: str) -> str | None:
     from pyarrow import fs
 
     try:
-        filesystem, path = fs.FileSystem.from_uri(location)
-        with filesystem.open_input_stream(path + "/metadata") as f:
+        local = _local_path(location)
+        if local is not None:
+            filesystem: Any = fs.LocalFileSystem()
+            path = local
+        else:
+            filesystem, path = fs.FileSystem.from_uri(location)
+        with filesystem.open_input_stream(path.rstrip("/") + "/metadata") as f:
             first = f.read().decode("utf-8").splitlines()[0]
         qid = json.loads(first).get("id")
         return str(qid) if qid else None
@@ -352,8 +375,8 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
                     b.delete()
                 else:
                     batches.append(b)
-            incoming = self._incoming(client, batches) if st.mode == "upsert" else None
             try:
+                incoming = self._incoming(client, batches) if st.mode == "upsert" else None
                 for attempt in Retrying(
                     stop=stop_after_attempt(COMMIT_ATTEMPTS),
                     wait=wait_random_exponential(multiplier=0.02, max=1.0),
@@ -379,7 +402,16 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
                 ) from None
 
     def _incoming(self, client: Any, batches: Sequence[Any]) -> pa.Table:
-        """The micro-batch's rows (key and value columns), read back from its parts."""
+        """The micro-batch's rows (key and value columns), read back from its parts.
+
+        A task's builder consolidates what it is given, so a row repeated within one
+        task comes back once with ``_diff`` 2: every diff is checked to be 1 here, as
+        the key check (:func:`persist.rows.check_distinct_keys`) sees only rows.
+
+        Raises:
+            persist.InvalidUsage: a row of the micro-batch came twice (naming the key
+                columns and the key)."""
+        from persist.errors import InvalidUsage
         from persist.fetch import read_batches
         from persist.parts import updates_schema
 
@@ -388,7 +420,17 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
         names = [*s.key_schema.names, *s.value_schema.names]
         if not batches:
             return pa.schema([schema.field(n) for n in names]).empty_table()
-        return read_batches(client.blob, [b.hollow for b in batches], schema).select(names)
+        rows = read_batches(client.blob, [b.hollow for b in batches], schema)
+        repeated = rows.filter(pc.not_equal(rows.column(DIFF), 1))
+        if repeated.num_rows:
+            keys = s.key_schema.names
+            key = [repeated.column(k)[0].as_py() for k in keys]
+            raise InvalidUsage(
+                f"upsert: two rows have one key {list(keys)} = {key} (the same row "
+                f"{repeated.column(DIFF)[0].as_py()} times); each key may appear once; "
+                "nothing was committed"
+            )
+        return rows.select(names)
 
     def _attempt(
         self,
@@ -454,8 +496,11 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
 
     def _retractions(self, write: Any, incoming: pa.Table) -> tuple[int, list[Any]]:
         """Plan the upsert of ``incoming`` on the shard's latest state: its upper ``t``
-        (the commit time) and a batch of the retractions of the live rows (as of
-        ``t - 1``) with the micro-batch's keys (none when nothing is retracted).
+        (the commit time) and a batch of the retractions of every live row (as of
+        ``t - 1``) with a key of the micro-batch (:func:`persist.rows.plan_upsert`
+        unnetted: the micro-batch's own batches insert each of its rows, so a row equal
+        to its live row is retracted and inserted, and consolidates to one; none when
+        nothing is retracted).
 
         Raises:
             persist.InvalidUsage: two rows of the micro-batch have one key.

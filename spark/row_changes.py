@@ -32,8 +32,17 @@ How a change runs, per attempt:
    (:meth:`persist.Txn.commit_at`: one stash append; a lost race commits nothing, and
    the attempt's parts are deleted).
 
-A change that matches nothing still commits an empty append at ``t``, so the caller
-can wait for its time.  Sources of the idea: Delta Lake on Spark's ``MERGE`` /
+A change that changes nothing writes nothing and returns ``RowChanges(t - 1, 0, 0)``. The changes are netted as :func:`persist.rows.net_changes` nets
+them (summed per row, Spark's grouping making ``-0.0`` equal ``0.0`` and NaN equal NaN
+as consolidation does; zero sums dropped): a row an upsert or update leaves equal is
+neither written nor counted, and ``inserted``/``retracted`` are the sums of the positive
+and negative net diffs, as ``WriteHandle`` counts them. Column names reach Spark quoted
+(:func:`spark.names.col`).
+
+A shard with a column Spark reads as other values (nanosecond timestamps, times and
+durations: :func:`spark.row_changes_driver.converts_values`) never has a retraction
+built from Spark's values: :mod:`spark.row_changes_driver` plans its changes on the rows
+persist read, Spark only choosing the rows by a row identity.  Sources of the idea: Delta Lake on Spark's ``MERGE`` /
 ``DELETE`` / ``UPDATE`` (``DeltaTable.merge``, ``.delete(condition)``,
 ``.update(condition, set)``: the shapes of ``condition`` and ``set``), and Materialize's
 persist-client ``compare_and_append`` contract (``src/persist-client/src/write.rs``)
@@ -50,9 +59,9 @@ import pyarrow as pa
 
 from persist.errors import InvalidUsage
 from persist.rows import CHANGE_ATTEMPTS, ChangeContended, RowChanges
+from spark import row_changes_driver
+from spark.names import col, quote
 from spark.persist_common import DIFF, ShardTarget, registered_schemas
-
-__all__ = ["ShardTable", "delete", "update", "upsert"]
 
 
 class ShardTable(Protocol):
@@ -127,7 +136,7 @@ def _commit(
     counts: tuple[int, int],
 ) -> RowChanges:
     """Write ``changes`` (``names`` columns and ``_diff``) from the executors and commit
-    them at exactly ``upper`` (an empty append when there are none).
+    them at exactly ``upper`` (nothing when there are none).
 
     Raises:
         _Race: the upper moved (nothing committed, the parts deleted).
@@ -137,16 +146,12 @@ def _commit(
 
     inserted, retracted = counts
     if inserted == 0 and retracted == 0:
-        ks, vs = _schemas(table)
-        with _client(table) as client, client.open_writer(table.shard, ks, vs) as w:
-            try:
-                w.compare_and_append([], upper, upper + 1)
-            except UpperMismatch as e:
-                raise _Race(e) from None
-        return RowChanges(upper, 0, 0)
+        # A change that changes nothing writes nothing (as persist.rows.apply_change):
+        # the shard held its result as of upper - 1 already.
+        return RowChanges(upper - 1, 0, 0)
     txn = PersistTxn(table.spark, table.stash_url, table.blob_uri)
     try:
-        txn.write(changes.select(*names, DIFF), table.shard, diff_column=DIFF)
+        txn.write(changes.select(*[col(n) for n in names], DIFF), table.shard, diff_column=DIFF)
         try:
             txn.commit_at(upper)
         except UpperMismatch as e:
@@ -157,8 +162,19 @@ def _commit(
     return RowChanges(upper, inserted, retracted)
 
 
+def _net(changes: Any, names: Sequence[str]) -> Any:
+    """``changes`` summed per row (key and value columns; Spark's grouping normalizes
+    ``-0.0`` and NaN as consolidation compares them, and groups nulls), zero sums
+    dropped: :func:`persist.rows.net_changes` in Spark."""
+    from pyspark.sql import functions as F
+
+    summed = changes.groupBy(*[col(n) for n in names]).agg(F.sum(DIFF).alias(DIFF))
+    return summed.where(F.col(DIFF) != 0)
+
+
 def _counts(changes: Any) -> tuple[int, int]:
-    """(inserted, retracted): the sums of the positive and negative diffs' magnitudes."""
+    """(inserted, retracted) of netted ``changes``: the sums of the positive and of the
+    negative diffs' magnitudes (:func:`persist.rows.net_changes`'s counts)."""
     from pyspark.sql import functions as F
 
     d = F.col(DIFF)
@@ -209,7 +225,7 @@ def _run(table: ShardTable, plan: Any) -> RowChanges:
                 changes = plan(upper)
                 if changes is None:
                     return _commit(table, upper, None, names, (0, 0))
-                changes = changes.persist()
+                changes = _net(changes, names).persist()
                 try:
                     counts = _counts(changes)
                     return _commit(table, upper, changes, names, counts)
@@ -228,7 +244,6 @@ def _conform(df: Any, ks: pa.Schema, vs: pa.Schema, shard: str) -> Any:
     Raises:
         InvalidUsage: ``df`` lacks one or has another column (``_time``/``_diff``
             included)."""
-    from pyspark.sql import functions as F
 
     from spark.persist_common import arrow_to_spark
 
@@ -242,7 +257,17 @@ def _conform(df: Any, ks: pa.Schema, vs: pa.Schema, shard: str) -> Any:
             f"{names}{f'; unknown {extra}' if extra else ''}"
             f"{f'; missing {missing}' if missing else ''}"
         )
-    return df.select(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in spark_schema])
+    have = {f.name: f.dataType for f in df.schema.fields}
+    # Cast only what differs: Spark 4 evaluates no expression of a TIME column, a cast
+    # to its own type included (UNSUPPORTED_TIME_TYPE).
+    return df.select(
+        *[
+            col(f.name)
+            if have[f.name] == f.dataType
+            else col(f.name).cast(f.dataType).alias(f.name)
+            for f in spark_schema
+        ]
+    )
 
 
 def upsert(table: ShardTable, df: Any) -> RowChanges:
@@ -266,18 +291,25 @@ def upsert(table: ShardTable, df: Any) -> RowChanges:
 
     ks, vs = _schemas(table)
     keys = list(ks.names)
-    rows = _conform(df, ks, vs, table.shard).persist()
+    rows = _conform(df, ks, vs, table.shard)
+    if row_changes_driver.converts_values(pa.schema([*ks, *vs])):
+        return row_changes_driver.upsert(table, rows, ks, vs)
+    rows = rows.persist()
     try:
-        dupes = rows.groupBy(*keys).count().where(F.col("count") > 1).limit(1).collect()
+        dupes = (
+            rows.groupBy(*[col(k) for k in keys])
+            .count()
+            .where(F.col("count") > 1)
+            .limit(1)
+            .collect()
+        )
         if dupes:
             key = [dupes[0][k] for k in keys]
             raise InvalidUsage(
                 f"upsert into shard {table.shard!r}: two rows have one key {keys} = {key}; "
                 "each key may appear once; nothing was committed"
             )
-        aggs = [f(F.col(k)).alias(f"{f.__name__}_{k}") for k in keys for f in (F.min, F.max)]
-        bounds = rows.agg(F.count(F.lit(1)).alias("n"), *aggs).first()
-        n = int(bounds["n"])
+        bounds, n = _key_bounds(rows, keys)
 
         def plan(upper: int) -> Any:
             inserts = rows.withColumn(DIFF, F.lit(1).cast("long"))
@@ -285,11 +317,10 @@ def upsert(table: ShardTable, df: Any) -> RowChanges:
                 return inserts if n else None
             live = _live(table, upper - 1)
             rng = None
-            for k in keys:  # the key range: statistics pruning of the read
-                lo, hi = bounds[f"min_{k}"], bounds[f"max_{k}"]
+            for k, (lo, hi) in zip(keys, bounds, strict=True):  # statistics pruning
                 if lo is None:
                     continue
-                e = F.col(k).between(F.lit(lo), F.lit(hi)) | F.col(k).isNull()
+                e = col(k).between(lo, hi) | col(k).isNull()
                 rng = e if rng is None else rng & e
             if rng is not None:
                 live = live.where(rng)
@@ -302,6 +333,47 @@ def upsert(table: ShardTable, df: Any) -> RowChanges:
         rows.unpersist()
 
 
+def _key_bounds(rows: Any, keys: Sequence[str]) -> tuple[list[tuple[Any, Any]], int]:
+    """Each key column's least and greatest value in ``rows`` as literal Columns of its
+    own type (``(None, None)``: all null), and the row count.
+
+    A timestamp is carried as an exact number or string, never as a Python
+    ``datetime``: PySpark turns a naive ``datetime`` into a zoned ``timestamp`` in the
+    driver's time zone, which Spark then compares with a zone-less ``timestamp_ntz``
+    column in the session's time zone, shifting the bound when the two zones differ.
+    Zoned timestamps travel as microseconds since the epoch (``unix_micros``), zone-less
+    ones as their text (a wall-clock value, no zone)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import TimestampNTZType, TimestampType
+
+    types = {f.name: f.dataType for f in rows.schema.fields}
+    aggs = [F.count(F.lit(1)).alias("n")]
+    for i, k in enumerate(keys):
+        for j, agg in enumerate((F.min, F.max)):
+            c = agg(col(k))
+            if isinstance(types[k], TimestampType):
+                c = F.unix_micros(c)
+            elif isinstance(types[k], TimestampNTZType):
+                c = c.cast("string")
+            aggs.append(c.alias(f"b{i}_{j}"))
+    row = rows.agg(*aggs).first()
+    out: list[tuple[Any, Any]] = []
+    for i, k in enumerate(keys):
+        ends = []
+        for j in (0, 1):
+            v = row[f"b{i}_{j}"]
+            if v is None:
+                ends.append(None)
+            elif isinstance(types[k], TimestampType):
+                ends.append(F.timestamp_micros(F.lit(v)))
+            elif isinstance(types[k], TimestampNTZType):
+                ends.append(F.lit(v).cast(TimestampNTZType()))
+            else:
+                ends.append(F.lit(v))
+        out.append((ends[0], ends[1]))
+    return out, int(row["n"])
+
+
 def _on(keys: Sequence[str]) -> Any:
     """Null-safe equality of the aliases ``l`` and ``r`` on every key column (persist's
     keys compare nulls equal)."""
@@ -309,7 +381,7 @@ def _on(keys: Sequence[str]) -> Any:
 
     cond = None
     for k in keys:
-        c = F.col(f"l.{k}").eqNullSafe(F.col(f"r.{k}"))
+        c = F.col(f"l.{quote(k)}").eqNullSafe(F.col(f"r.{quote(k)}"))
         cond = c if cond is None else cond & c
     return cond
 
@@ -327,11 +399,15 @@ def delete(table: ShardTable, condition: Any) -> RowChanges:
     from pyspark.sql import functions as F
 
     cond = _column(table.spark, condition, "delete: condition")
+    ks, vs = _schemas(table)
+    if row_changes_driver.converts_values(pa.schema([*ks, *vs])):
+        return row_changes_driver.delete(table, cond, ks, vs)
 
     def plan(upper: int) -> Any:
         if upper == 0:
             return None
-        return _live(table, upper - 1).where(cond).withColumn(DIFF, -F.col(DIFF))
+        live = _live(table, upper - 1).where(cond)
+        return live.withColumn(DIFF, -F.col(DIFF))
 
     return _run(table, plan)
 
@@ -365,6 +441,9 @@ def update(table: ShardTable, condition: Any, set: Mapping[str, Any]) -> RowChan
     from spark.persist_common import arrow_to_spark
 
     types = {f.name: f.dataType for f in arrow_to_spark(pa.schema([*ks, *vs]), table.shard)}
+    if row_changes_driver.converts_values(pa.schema([*ks, *vs])):
+        cast = {c: e.cast(types[c]) for c, e in exprs.items()}
+        return row_changes_driver.update(table, cond, cast, ks, vs)
     key_change = any(k in set for k in keys)
 
     def plan(upper: int) -> Any:
@@ -373,14 +452,15 @@ def update(table: ShardTable, condition: Any, set: Mapping[str, Any]) -> RowChan
         live = _live(table, upper - 1)
         old = live.where(cond)
         new = old.select(
-            *[(exprs[c].cast(types[c]) if c in exprs else F.col(c)).alias(c) for c in names],
+            *[(exprs[c].cast(types[c]) if c in exprs else col(c)).alias(c) for c in names],
             F.col(DIFF),
-            *[F.col(k).alias(f"_old_{k}") for k in keys],
+            *[col(k).alias(f"_old_{i}") for i, k in enumerate(keys)],
         )
         if key_change:
             _check_keys(new, live.where(~cond), keys)
         retract = old.withColumn(DIFF, -F.col(DIFF))
-        return retract.unionByName(new.select(*names, DIFF))
+        inserts = new.select(*[col(n) for n in names], DIFF)
+        return retract.unionByName(inserts)
 
     return _run(table, plan)
 
@@ -393,9 +473,9 @@ def _check_keys(new: Any, kept: Any, keys: Sequence[str]) -> None:
     """
     from pyspark.sql import functions as F
 
-    old_key = F.struct(*[F.col(f"_old_{k}") for k in keys])
+    old_key = F.struct(*[F.col(f"_old_{i}") for i in range(len(keys))])
     merged = (
-        new.groupBy(*keys)
+        new.groupBy(*[col(k) for k in keys])
         .agg(F.countDistinct(old_key).alias("n"))
         .where(F.col("n") > 1)
         .limit(1)
@@ -407,10 +487,10 @@ def _check_keys(new: Any, kept: Any, keys: Sequence[str]) -> None:
             f"{[merged[0][k] for k in keys]}; nothing was committed"
         )
     hit = (
-        new.select(*keys)
+        new.select(*[col(k) for k in keys])
         .distinct()
         .alias("l")
-        .join(kept.select(*keys).alias("r"), _on(keys), "left_semi")
+        .join(kept.select(*[col(k) for k in keys]).alias("r"), _on(keys), "left_semi")
         .limit(1)
         .collect()
     )

@@ -22,11 +22,14 @@ type keeps it off, or the tail that persist reads on the driver is large, and lo
 line saying why. Both paths give the same rows: ``ReadHandle.snapshot(as_of)`` without
 its ``_time`` column.
 
-The DataFrame ``to_df`` returns names the parts of one state version: GC deletes none of
-them for one reader lease (the client's ``reader_lease_seconds``, 15 minutes by default)
-after ``to_df`` returns; act on it within that time, or call ``to_df`` again (a later
-action on a DataFrame whose parts GC deleted fails with a missing file, never with other
-rows).
+The DataFrame ``to_df`` returns stays usable for one reader lease (the client's
+``reader_lease_seconds``, 15 minutes by default) after ``to_df`` returns, on either path:
+the native one names the parts of one state version, which GC deletes none of meanwhile;
+the Python one plans again on each action at the time ``to_df`` decided, and a reader
+left behind holds the since at that time meanwhile (:meth:`persist.ReadHandle.detach`
+with ``hold_since``), whatever other readers and compaction do. Act on it within that
+time, or call ``to_df`` again (a later action fails with a missing file or a since
+violation, never with other rows).
 """
 
 from __future__ import annotations
@@ -224,7 +227,10 @@ class PersistTable:
     ) -> DataFrame:
         """The consolidated snapshot at ``as_of`` (default: the latest complete time,
         as ``format("persist")``): the key and value columns (or only ``columns``, key or
-        value column names) and ``_diff`` (long), each distinct (key, value) once.
+        value column names) and ``_diff`` (long), each distinct (key, value) once
+        (on the native path, a (key, value) that several runs of inserts only each
+        insert, such as two tasks of one Spark write, reads once per run with ``_diff``
+        1: the same updates, not summed; :mod:`spark.native_plan`).
 
         Args:
             as_of: the read time.
@@ -260,14 +266,16 @@ class PersistTable:
                     f"columns {bad or columns!r} are not key or value columns of shard "
                     f"{self.shard} ({', '.join(names)})"
                 )
-            df = df.select(*columns, "_diff")
+            from spark.names import col
+
+            df = df.select(*[col(c) for c in columns], "_diff")
         return df
 
     def _native(self, as_of: int | None, force: bool) -> tuple[DataFrame | None, str]:
         """The native read's DataFrame, or ``None`` and why not (with ``force``, only a
         store or a column type Spark cannot read says no)."""
         from spark.native_plan import plan_snapshot
-        from spark.native_read import blob_paths_root, snapshot_df, type_reason
+        from spark.native_read import blob_paths_root, name_reason, snapshot_df, type_reason
 
         prefix, why = blob_paths_root(self.spark, self.blob_uri)
         if prefix is None:
@@ -276,7 +284,9 @@ class PersistTable:
             c = self._planning_client()
             st = self._state(c)
             keys, values = st.key_schema, st.value_schema
-            reason = type_reason(keys, (st.schemas(), 0))
+            reason = type_reason(keys, (st.schemas(), 0)) or name_reason(
+                self.spark, keys, (st.schemas(), 0)
+            )
             if reason is not None:
                 return None, reason
             last = self._last
@@ -298,9 +308,22 @@ class PersistTable:
         from spark.persist_planning import resolve_as_of
 
         register(self.spark)
-        with self.client(readonly=True) as c:
+        with self.client() as c:
             st = self._state(c)
-            t = resolve_as_of(st, as_of, self.shard, c.blob)
+            read = c.open_reader(self.shard, st.key_schema, st.value_schema)
+            try:
+                # Decided after the reader's since hold was taken: the since cannot
+                # pass the time decided on.
+                st = self._state(c)
+                t = resolve_as_of(st, as_of, self.shard, c.blob)
+                if t is not None:
+                    read.downgrade_since(t)
+                # The data source plans again on each action: the since stays at or
+                # before t for one reader lease (as the native path's parts stay).
+                read.detach(hold_since=True)
+            except BaseException:
+                read.expire()
+                raise
         r = self.spark.read.format("persist").option("stash", self.stash_url)
         r = r.option("blob", self.blob_uri)
         if t is not None:

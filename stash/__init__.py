@@ -20,6 +20,7 @@ from stash.errors import (
     PeekSinceUpperError,
     ReadOnlyError,
     StashError,
+    UniquenessViolation,
 )
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "PeekSinceUpperError",
     "ReadOnlyError",
     "StashError",
+    "UniquenessViolation",
 ]
 
 from stash.base import Stash  # noqa: E402

@@ -1,9 +1,10 @@
 """The Stash: the whole contract of Materialize's ``Stash`` and ``Append`` traits, once.
 
 :class:`Stash` implements every method of the contract (checks, exact error messages,
-consolidation, the peek rules) on top of the primitive transactions of a backend
-(:mod:`stash.txn`).  Backends (:mod:`stash.memory`, :mod:`stash.sql`) only store rows and
-frontiers; :meth:`Stash.open` finds the backend of a URL by name (:data:`BACKENDS`), so
+consolidation; the peek rules are :mod:`stash.peek`, the handle and codec checks
+:mod:`stash.checks`, transactions :mod:`stash.transaction`) on top of the primitive
+transactions of a backend (:mod:`stash.txn`).  Backends (:mod:`stash.memory`,
+:mod:`stash.sql`) only store rows and frontiers; :meth:`Stash.open` finds the backend of a URL by name (:data:`BACKENDS`), so
 this module never imports a backend (they import it).  Invariants kept here:
 
 * every public method is one transaction: it commits entirely or not at all;
@@ -33,7 +34,7 @@ this module never imports a backend (they import it).  Invariants kept here:
   codecs), so it never hands out a handle with codecs the collection no longer records.
   Calls that neither encode nor decode (``since``, ``upper``, ``peek_timestamp``,
   ``seal``, ``compact``, ``consolidate``) work through any handle of the collection;
-* every write refuses a handle another stash made (:meth:`Stash._check_handles_tx`:
+* every write refuses a handle another stash made (:func:`stash.checks.check_handles_tx`:
   the identity and name come from the same statement as the codec names).
 
 Source: Materialize's ``Stash`` trait (``src/stash/src/lib.rs``): ``Stash``, ``Append``,
@@ -53,7 +54,8 @@ from sqlalchemy.engine import URL
 
 from stash import metrics as stash_metrics
 from stash.antichain import I64_MAX, Antichain
-from stash.codec import IDENTITY_SORT_CODECS, CodecLike, decode_all, resolve_codec
+from stash.checks import check_handles_tx, with_codec_check
+from stash.codec import CodecLike, resolve_codec
 from stash.collection import (
     AppendBatch,
     StashCollection,
@@ -64,11 +66,12 @@ from stash.collection import (
 from stash.consolidation import DIFF_SUM_RULE, DiffSumOverflow, consolidate_updates
 from stash.errors import (
     AppendLowerMismatch,
-    FenceError,
     PeekSinceUpperError,
     ReadOnlyError,
     StashError,
 )
+from stash.peek import peek_one_checked, peek_one_fast, peek_unique
+from stash.transaction import DEFAULT_RETRIES, Transaction, run_transaction
 from stash.txn import Row, Txn
 from stash.url import parse_url, redact
 
@@ -107,29 +110,6 @@ def load_by_name(qualname: str) -> Any:
 
 def _ac(t: int | None) -> Antichain:
     return Antichain.from_option(t)
-
-
-def _shown(encoded: str, limit: int = 200) -> str:
-    """A stored key's text for a message: as stored, cut to ``limit`` characters."""
-    return encoded if len(encoded) <= limit else encoded[:limit] + "..."
-
-
-def _first_repeat(items: Iterable[str]) -> str:
-    """The first item equal to an earlier one (the caller knows there is one)."""
-    seen: set[str] = set()
-    for x in items:
-        if x in seen:
-            return x
-        seen.add(x)
-    raise AssertionError("no repeated item")  # pragma: no cover
-
-
-def _frozen_key(k: Any) -> Any:
-    """A key as ``peek_one`` returns it: a JSON array (a tuple written with the default
-    JSON codec) becomes a tuple, recursively, so it can be a dict key."""
-    if isinstance(k, list):
-        return tuple(_frozen_key(x) for x in k)
-    return k
 
 
 def _check_antichain(value: object, what: str) -> Antichain:
@@ -238,17 +218,18 @@ class Stash(abc.ABC):
                 (in id order) and checked against their recorded codec names first.
             handles: further handles ``fn`` writes through (codecs unchecked): locked
                 with ``codecs``; every handle of both is checked to be this stash's
-                (:meth:`_check_handles_tx`) before anything else.
+                (:func:`stash.checks.check_handles_tx`) before anything else.
 
         Raises:
             ReadOnlyError: a readonly handle.
-            StashError: a handle of another stash (see :meth:`_check_handles_tx`); a
-                collection records other codecs (see :meth:`_check_codecs_tx`).
+            StashError: a handle of another stash (see
+                :func:`stash.checks.check_handles_tx`); a collection records other codecs
+                (see :func:`stash.checks.check_codecs_tx`).
         """
         self._check_open()
         if self.mode == "readonly":
             raise ReadOnlyError("cannot write through a stash opened in readonly mode")
-        run = self._with_codec_check(fn, codecs, True, handles)
+        run = with_codec_check(fn, codecs, True, handles, self._check_handles)
         return stash_metrics.observe_txn(self, True, lambda: self._run(True, run))
 
     def _read(self, fn: Callable[[Txn], R], *, codecs: Sequence[StashCollection[Any, Any]]) -> R:
@@ -261,107 +242,21 @@ class Stash(abc.ABC):
                 same transaction (so in the snapshot the rows are read from).
 
         Raises:
-            StashError: a collection records other codecs (see :meth:`_check_codecs_tx`).
+            StashError: a collection records other codecs (see
+                :func:`stash.checks.check_codecs_tx`).
         """
         self._check_open()
-        run = self._with_codec_check(fn, codecs, False)
+        run = with_codec_check(fn, codecs, False, (), self._check_handles)
         return stash_metrics.observe_txn(self, False, lambda: self._run(False, run))
 
-    def _with_codec_check(
-        self,
-        fn: Callable[[Txn], R],
-        codecs: Sequence[StashCollection[Any, Any]],
-        write: bool,
-        handles: Sequence[StashCollection[Any, Any]] = (),
-    ) -> Callable[[Txn], R]:
-        if not codecs and not (write and handles):
-            return fn
-        if len(codecs) == 1 and not handles:
-            (c,) = codecs
-
-            def one(tx: Txn) -> R:
-                if write:
-                    tx.lock([c.id])
-                    self._check_handles_tx(tx, codecs)
-                self._check_codecs_tx(tx, c, write)
-                return fn(tx)
-
-            return one
-        decoded = list({c.id: c for c in codecs}.values())
-        written = [*codecs, *handles]
-        ids = sorted({c.id for c in written})
-
-        def many(tx: Txn) -> R:
-            if write:
-                tx.lock(ids)
-                self._check_handles_tx(tx, written)
-            for c in decoded:
-                self._check_codecs_tx(tx, c, write)
-            return fn(tx)
-
-        return many
-
-    def _check_handles_tx(self, tx: Txn, handles: Sequence[StashCollection[Any, Any]]) -> None:
-        """Refuse a write through a handle another stash made: its collection id would
-        name some other collection here (or none).  A handle is this stash's when it
-        carries this stash's identity (``tx.stash_id()``, read in the write's transaction
-        with its fence check or lock) and its collection here has the handle's name (a
-        savepoint handle also takes the handles of the stash it copied, by id and name).
-        The identity and the name come from the statement that read the collection's
-        frontiers or took its lock: no query of their own.
-
-        Raises:
-            StashError: naming the collection, both stashes (URLs redacted) and their
-                identities, or the name the id has here; nothing was committed.
-        """
-        for c in handles:
-            try:
-                here: str | None = tx.collection_name(c.id)
-            except FenceError:
-                raise
-            except StashError:
-                here = None  # no collection of this id here
-            sid = tx.stash_id()
-            if c.stash_id is None:
-                why = "its handle carries no stash identity (make handles with Stash.collection)"
-            elif c.stash_id not in (sid, self._savepoint_of):
-                why = f"its handle was made by stash {c.stash_url} (stash id {c.stash_id})"
-            elif here != c.name:
-                why = f"its handle's id {c.id} is " + (
-                    "no collection here" if here is None else f"collection {here} here"
-                )
-            else:
-                continue
-            raise StashError(
-                f"write to collection {c.name} (id {c.id}) refused, nothing committed: "
-                f"{why}; this stash is {self._handle_url} (stash id {sid})"
-            )
+    def _check_handles(self, tx: Txn, handles: Sequence[StashCollection[Any, Any]]) -> None:
+        """:func:`stash.checks.check_handles_tx` for this stash."""
+        check_handles_tx(tx, handles, savepoint_of=self._savepoint_of, handle_url=self._handle_url)
 
     @property
     def _handle_url(self) -> str:
         """The URL (redacted) this handle's collection handles name as their maker."""
         return self.redacted_url + (" (a savepoint)" if self.mode == "savepoint" else "")
-
-    def _check_codecs_tx(self, tx: Txn, c: StashCollection[Any, Any], write: bool) -> None:
-        """Refuse a read or write through a handle whose codecs are no longer the
-        collection's (``TypedCollection.migrate``, through any handle, recorded others
-        since the handle was made): it would decode the new encoding with the old codecs,
-        or write entries of the old encoding.  ``tx.codecs`` answers from the statement
-        that read the frontiers or took the lock: no query of its own.
-
-        Raises:
-            StashError: naming the collection and both codec pairs (for a write: nothing
-                was committed).
-        """
-        found = tx.codecs(c.id)
-        mine = c.codec_names
-        if found != mine:
-            raise StashError(
-                f"collection {c.name} now has codecs (key={found[0]}, value={found[1]}) "
-                f"(migrated since this handle was opened), but this handle has "
-                f"(key={mine[0]}, value={mine[1]}): open it again with its codecs"
-                + ("; nothing was committed" if write else "")
-            )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -486,11 +381,11 @@ class Stash(abc.ABC):
         return since, tx.rows(cid, key)
 
     @staticmethod
-    def _peek_ts(cid: int, since: int | None, upper: int | None) -> int:
+    def _peek_ts(name: str, since: int | None, upper: int | None) -> int:
         s, u = _ac(since), _ac(upper)
         if u <= s:
             raise PeekSinceUpperError(
-                f"collection {cid} since {s} is not less than upper {u}", since=s, upper=u
+                f"collection {name} since {s} is not less than upper {u}", since=s, upper=u
             )
         if upper is None:
             return I64_MAX
@@ -502,10 +397,11 @@ class Stash(abc.ABC):
 
         Raises:
             PeekSinceUpperError: ``since`` is not less than ``upper``
-                (``collection 7 since {0} is not less than upper {0}``).
+                (``collection orders since {0} is not less than upper {0}``).
         """
         cid = self._cid(collection)
-        return self._read(lambda tx: self._peek_ts(cid, *tx.frontiers(cid)), codecs=())
+        name = collection.name
+        return self._read(lambda tx: self._peek_ts(name, *tx.frontiers(cid)), codecs=())
 
     def _peek_raw_at(
         self, collection: StashCollection[Any, Any], key: str | None = None
@@ -514,7 +410,7 @@ class Stash(abc.ABC):
         cid = self._cid(collection)
 
         def peek(tx: Txn) -> tuple[int, list[tuple[str, str, int]]]:
-            ts = self._peek_ts(cid, *tx.frontiers(cid))
+            ts = self._peek_ts(collection.name, *tx.frontiers(cid))
             return ts, tx.peek_rows(cid, ts, key)
 
         return self._read(peek, codecs=(collection,))
@@ -559,41 +455,12 @@ class Stash(abc.ABC):
         collection: StashCollection[K, V],
         rows: list[tuple[str, str, int]] | None = None,
     ) -> list[tuple[str, K, V]]:
-        """The sealed contents (``rows`` as :meth:`_peek_raw` returns them, read here if
-        ``None``) as ``[(key_json, key, value)]`` in key order, checked to hold each key
-        (by its canonical encoding) once with multiplicity 1.
-
-        Raises:
-            StashError: ``unexpected peek multiplicity`` (naming the collection, the
-                first such key and its multiplicity), or a key with two values (naming
-                the collection and the key).
-        """
-        kc, vc = collection.key_codec, collection.value_codec
-        if rows is None:
-            rows = self._peek_raw(collection)
-        bad = next(((k, d) for k, _, d in rows if d != 1), None)
-        if bad is not None:
-            raise StashError(
-                f"unexpected peek multiplicity: collection {collection.name!r} holds key "
-                f"{_shown(bad[0])} with multiplicity {bad[1]}, and each key must be held "
-                "once with multiplicity 1 — was the same update written twice? Retract "
-                "the extra one, or read the collection with peek()"
-            )
-        if len({k for k, _, _ in rows}) != len(rows):
-            dup = _first_repeat(k for k, _, _ in rows)
-            raise StashError(
-                f"duplicate peek keys: collection {collection.name!r} holds key "
-                f"{_shown(dup)} with two values — retract one of them, or read the "
-                "collection with peek()"
-            )
-        kd, vd = kc.decode, vc.decode
-        out = [(k, kd(k), vd(v)) for k, v, _ in rows]
-        sk = kc.sort_key
-        out.sort(key=lambda e: sk(e[1]))
-        return out
+        """:func:`stash.peek.peek_unique` of ``rows`` (read here if ``None``)."""
+        return peek_unique(collection, self._peek_raw(collection) if rows is None else rows)
 
     def peek_one(self, collection: StashCollection[K, V]) -> dict[K, V]:
-        """The sealed contents as a ``{key: value}`` dict (in key order).
+        """The sealed contents as a ``{key: value}`` dict (in key order); ``{}`` for a
+        collection nothing was ever appended to (upper ``{0}``).
 
         Keys are told apart by their canonical encodings (``true`` is not ``1``).  A key
         that decodes to a list (a tuple written with the default JSON codec) is returned
@@ -605,101 +472,46 @@ class Stash(abc.ABC):
                 frozen record type for record keys); two
                 distinct keys that Python's dict cannot tell apart (``True`` and ``1``);
                 the collection records other codecs than the handle's (naming both);
-                PeekSinceUpperError as for :meth:`peek`.
+                PeekSinceUpperError as for :meth:`peek` when something was appended
+                (a since at the upper leaves nothing readable; that is not "empty").
         """
-        rows = self._peek_raw(collection)
-        fast = self._peek_one_fast(collection, rows)
+        try:
+            rows = self._peek_raw(collection)
+        except PeekSinceUpperError as e:
+            if e.never_written():
+                return {}
+            raise
+        fast = peek_one_fast(collection, rows)
         if fast is not None:
             return fast
-        return self._peek_one_checked(collection, rows)
-
-    @staticmethod
-    def _peek_one_fast(
-        collection: StashCollection[K, V], rows: list[tuple[str, str, int]]
-    ) -> dict[K, V] | None:
-        """:meth:`peek_one` of ``rows`` (consolidated by the backend: one row per
-        ``(key, value)``, no zero diff) in whole-column passes, or ``None`` when the
-        rows need :meth:`_peek_one_checked` (which then raises, or turns list keys into
-        tuples).
-
-        The fast path returns only when every check of the checked path passes
-        provably: every diff is 1, the key texts are distinct, no decoded key is a
-        list, the decoded keys are hashable and pairwise unequal in Python (the dict
-        holds as many entries as there are rows), and decoding and sorting raised
-        nothing.  It then returns the same dict in the same order: entries sorted by the
-        key codec's ``sort_key``, ties in the backend's row order (both sorts are
-        stable).  Any failure falls back to the checked path, which raises the error it
-        always raised, so errors are unchanged.
-        """
-        n = len(rows)
-        if n == 0:
-            return {}
-        ks, vs, ds = zip(*rows, strict=True)
-        if ds.count(1) != n or len(set(ks)) != n:
-            return None
-        kc, vc = collection.key_codec, collection.value_codec
-        try:
-            keys = decode_all(kc, ks)
-            if list in set(map(type, keys)):
-                return None
-            held = dict(zip(keys, decode_all(vc, vs), strict=True))
-            if len(held) != n:
-                return None
-            # Sorting the keys alone and looking each value up is about three times
-            # faster than sorting the (key, value) items.
-            order = (
-                sorted(held) if type(kc) in IDENTITY_SORT_CODECS else sorted(held, key=kc.sort_key)
-            )
-            return {k: held[k] for k in order}
-        except Exception:  # the checked path raises the error it always raised
-            return None
-
-    def _peek_one_checked(
-        self, collection: StashCollection[K, V], rows: list[tuple[str, str, int]]
-    ) -> dict[K, V]:
-        """:meth:`peek_one` of ``rows`` one entry at a time, with every check and its
-        error (the reference the fast path is tested against)."""
-        uniq = self._peek_unique(collection, rows)
-        res: dict[K, V] = {}
-        for _, k0, v in uniq:
-            k = _frozen_key(k0) if type(k0) is list else k0
-            try:
-                res[k] = v
-            except TypeError:
-                raise StashError(
-                    f"peek_one needs hashable keys, but collection {collection.name} has a "
-                    f"{type(k).__name__} key; use key=tuple (the tuple codec) or a frozen "
-                    "record type for composite keys, or peek()"
-                ) from None
-        if len(res) != len(uniq):
-            # Keys are distinct by their encodings, so two of them are equal in Python
-            # (True and 1): name the first such pair.
-            held: dict[K, K] = {}
-            for _, k0, _v in uniq:
-                k = _frozen_key(k0)
-                if k in held:
-                    raise StashError(
-                        f"peek_one: keys {held[k]!r} and {k!r} of collection "
-                        f"{collection.name} are distinct stash keys but equal in Python, so "
-                        "one dict cannot hold both; use peek()"
-                    )
-                held[k] = k
-        return res
+        return peek_one_checked(collection, rows)
 
     def peek_key_one(self, collection: StashCollection[K, V], key: K) -> V | None:
-        """The sealed value of one key, or ``None``.
+        """The sealed value of one key, or ``None`` (also for a collection nothing was
+        ever appended to).
 
         Raises:
             StashError: the key has several values or a multiplicity other than 1
                 (``multiple values unexpected``); the collection records other codecs
-                than the handle's (naming both); PeekSinceUpperError as for :meth:`peek`.
+                than the handle's (naming both); PeekSinceUpperError as for
+                :meth:`peek_one`.
         """
-        rows = self._peek_raw(collection, collection.key_codec.encode(key))
+        return self._peek_key_entry(collection, key)[1]
+
+    def _peek_key_entry(self, collection: StashCollection[K, V], key: K) -> tuple[bool, V | None]:
+        """``(held, value)``: whether ``key`` holds a sealed value, and the value (a
+        stored JSON ``null`` is held: ``(True, None)``).  Raises as :meth:`peek_key_one`."""
+        try:
+            rows = self._peek_raw(collection, collection.key_codec.encode(key))
+        except PeekSinceUpperError as e:
+            if e.never_written():
+                return False, None
+            raise
         if not rows:
-            return None
+            return False, None
         if len(rows) > 1 or rows[0][2] != 1:
             raise StashError("multiple values unexpected")
-        return collection.value_codec.decode(rows[0][1])  # type: ignore[no-any-return]
+        return True, collection.value_codec.decode(rows[0][1])
 
     # ----------------------------------------------------------------- writes
     def update(
@@ -842,6 +654,9 @@ class Stash(abc.ABC):
         For each batch: ``lower`` must equal the collection's upper (then ``upper`` is the
         new upper and ``compact`` the new since); entries must be at or beyond ``lower``.
         Batches are checked in the order given (two batches of one collection chain).
+        Entries encoded by hand (not by ``append_to_batch``) must decode with the
+        collection's codecs and are stored as the codecs encode them again (canonical),
+        alike on every backend.
 
         Raises:
             AppendLowerMismatch: ``append lower {1} does not match the current upper
@@ -851,7 +666,8 @@ class Stash(abc.ABC):
                 in i64``); a batch's collection records other codecs than its handle's
                 (a migration since the handle was made), naming both pairs; a batch's
                 handle was made by another stash (its ``stash_id`` is not the one this
-                stash records), naming both stashes (URLs redacted) and their ids.
+                stash records), naming both stashes (URLs redacted) and their ids; an
+                entry encoded by hand that is not an encoding of the collection's codec.
             In every case nothing is committed.
         """
         batches = list(batches)
@@ -861,9 +677,9 @@ class Stash(abc.ABC):
             _check_antichain(b.lower, "append lower")
             _check_antichain(b.upper, "append upper")
             _check_antichain(b.compact, "append compact")
-            for (k, v), t, d in b.entries:
-                if not isinstance(k, str) or not isinstance(v, str):
-                    raise StashError("append batch entries must be encoded (use append_to_batch)")
+        entries = [b.canonical_entries() for b in batches]
+        for es in entries:
+            for _, t, d in es:
                 check_time(t)
                 check_diff(d)
         # No batch still runs the (empty) transaction: a fenced-out leader learns it here
@@ -871,7 +687,7 @@ class Stash(abc.ABC):
         names = {b.collection.id: b.collection.name for b in batches}
         self._write_checked(
             names,
-            lambda tx: self._append_tx(tx, batches),
+            lambda tx: self._append_tx(tx, batches, entries),
             codecs=[b.collection for b in batches],
         )
 
@@ -893,9 +709,14 @@ class Stash(abc.ABC):
                 f"write to collection {name} refused, nothing committed: {DIFF_SUM_RULE}"
             ) from None
 
-    def _append_tx(self, tx: Txn, batches: list[AppendBatch]) -> None:
+    def _append_tx(
+        self,
+        tx: Txn,
+        batches: list[AppendBatch],
+        entries: list[list[tuple[tuple[str, str], int, int]]],
+    ) -> None:
         tx.lock(sorted({b.collection.id for b in batches}))
-        for b in batches:
+        for b, es in zip(batches, entries, strict=True):
             cid = b.collection.id
             _, upper = tx.frontiers(cid)
             if _ac(upper) != b.lower:
@@ -906,7 +727,7 @@ class Stash(abc.ABC):
                     b.lower,
                     _ac(upper),
                 )
-            rows = [(k, v, t, d) for (k, v), t, d in b.entries]
+            rows = [(k, v, t, d) for (k, v), t, d in es]
             self._check_entry_times(rows, upper)
             if rows:
                 tx.insert(cid, rows)
@@ -915,6 +736,38 @@ class Stash(abc.ABC):
             if rows:
                 # Keep the collection physically consolidated where this batch touched it.
                 tx.consolidate(cid, b.compact.as_option(), {k for k, _, _, _ in rows})
+
+    # ----------------------------------------------------------- transactions
+    def with_transaction(
+        self, fn: Callable[[Transaction], R], *, retries: int = DEFAULT_RETRIES
+    ) -> R:
+        """Run ``fn(tx)`` with reads at one consistent point and commit its changes
+        atomically, only if nothing it read has changed since (Materialize's
+        ``with_transaction``): a collection read whole must still be at the upper read,
+        a key read must not have been written since, so writers of distinct keys do not
+        conflict.
+
+        ``tx.peek_one(c)``, ``tx.peek_key_one(c, key)`` and
+        ``tx.table(c, uniqueness_violation=None)`` (a :class:`~stash.TableTransaction`
+        whose changes commit with ``fn``; without a uniqueness rule it reads keys as it
+        is asked about them) read; ``c`` is a collection handle or a
+        :class:`~stash.TypedCollection`.  On a conflict ``fn`` runs again from scratch,
+        so it must not have other side effects.  See :mod:`stash.transaction`.
+
+        Args:
+            fn: the transaction's work; its result is returned.
+            retries: how many times ``fn`` may run again after a conflict (>= 0).
+
+        Returns: ``fn``'s result.
+
+        Raises:
+            AppendLowerMismatch: still conflicting after ``retries`` runs again (nothing
+                was committed).
+            StashError: as ``append`` (a uniqueness violation, a readonly handle...);
+                whatever ``fn`` raises is raised as is; nothing is committed then.
+        """
+        self._check_open()
+        return run_transaction(self, fn, retries)
 
     # ------------------------------------------------------------- leadership
     def confirm_leadership(self) -> None:
@@ -939,3 +792,59 @@ class Stash(abc.ABC):
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - guard against misuse
         raise TypeError("a Stash is not iterable; use stash.iter(collection)")
+
+    # ------------------------------------- key ranges, change feed, operations
+    # Thin entry points to the modules that hold these features (found by name, as the
+    # backends are: those modules sit above this one); each documents its arguments.
+    def peek_range(
+        self,
+        collection: StashCollection[K, V],
+        lower: K | None = None,
+        upper: K | None = None,
+        prefix: Any = None,
+        limit: int | None = None,
+        *,
+        after: K | None = None,
+        at: int | None = None,
+    ) -> Any:
+        """A page of sealed entries of a key range in key order, through the key index
+        (:func:`stash.ranges.peek_range`): a :class:`stash.ranges.RangePage`."""
+        fn = load_by_name("stash.ranges.peek_range")
+        return fn(self, collection, lower, upper, prefix, limit, after, at)
+
+    def subscribe(
+        self,
+        collections: Sequence[StashCollection[Any, Any]],
+        as_of: int | dict[str, int],
+        *,
+        snapshot: bool = True,
+        poll_interval: float = 0.2,
+        idle_timeout: float | None = None,
+    ) -> Iterator[Any]:
+        """A change feed of ``Change`` and ``Progress`` events, resumable from a
+        progress upper (:func:`stash.feed.subscribe`)."""
+        fn = load_by_name("stash.feed.subscribe")
+        it: Iterator[Any] = fn(
+            self,
+            collections,
+            as_of,
+            snapshot=snapshot,
+            poll_interval=poll_interval,
+            idle_timeout=idle_timeout,
+        )
+        return it
+
+    def set_retention(
+        self, collection: StashCollection[Any, Any], *, keep_times: int | None
+    ) -> None:
+        """Make the collection's since follow a retention instead of every append
+        (:func:`stash.feed.set_retention`)."""
+        load_by_name("stash.feed.set_retention")(self, collection, keep_times)
+
+    def batch_frontiers(self, collection: StashCollection[Any, Any]) -> tuple[int | None, int]:
+        """``(upper, compact)`` of a new batch (``StashCollection.make_batch``), read in
+        one read transaction (:func:`stash.retention.batch_frontiers`)."""
+        result: tuple[int | None, int] = load_by_name("stash.retention.batch_frontiers")(
+            self, collection
+        )
+        return result

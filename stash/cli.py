@@ -1,9 +1,14 @@
-"""The ``stash`` command line: migrate, list collections, peek, iter, consolidate.
+"""The ``stash`` command line: migrate, list collections, peek, iter, consolidate,
+backup, restore, export, import.
 
 ``stash [--stash URL] migrate [URL] | collections [URL] | peek [URL] NAME | iter [URL]
-NAME | consolidate [URL] NAME``: the URL is the argument, else ``--stash`` (before or
-after the subcommand), else ``STASH_URL``.  Output is a readable table (rich) or JSON
-with ``--json``.  Invariants kept here: only ``migrate`` creates a database (the others
+NAME | consolidate [URL] NAME | backup [URL] FILE | restore [URL] FILE | export [URL]
+FILE | import [URL] FILE``: the URL is the argument, else ``--stash`` (before or after
+the subcommand), else ``STASH_URL``.  Output is a readable table (rich) or, with
+``--json``, one JSON object per line (the stored JSON of keys and values, never a Python
+repr).  Invariants kept here: no command fences the leader (every handle is opened
+``fenced=False``; the read commands readonly); only ``migrate``, ``restore`` and
+``backup`` (its FILE) create a database (the others
 open the stash readonly first, so a mistyped SQLite path is refused, not created); URLs
 are shown with every credential hidden (:func:`stash.url.redact`); user errors are
 printed as ``error: what is wrong — what to do`` (:func:`fail`, the style the
@@ -15,6 +20,9 @@ while ``--json`` prints the exact values.
 
 from __future__ import annotations
 
+import base64
+import datetime
+import decimal
 import difflib
 import json
 import logging
@@ -24,11 +32,13 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 from click.core import ParameterSource
+from rich import filesize
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from stash.base import Stash
+from stash.codec import to_json
 from stash.errors import MigrationRequired, StashError
 from stash.sql import first_line
 from stash.url import parse_url, redact
@@ -54,14 +64,36 @@ def printable(text: str, *, backslashes: bool = True) -> str:
 def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     """Print a rich table on stdout with inert text: the title and every cell are
     :class:`rich.text.Text` (so never parsed as rich markup); ``str`` cells and the
-    title are made :func:`printable`, other cells are shown as JSON (``json.dumps``
-    escapes control characters and non-ASCII itself)."""
+    title are made :func:`printable`; numbers, dates and times are shown as they are
+    (unquoted; a column holding only numbers is right-aligned); byte counts (a column
+    named ``bytes``, ``*_bytes`` or ``bytes_*``, or a ``field``/``value`` row so named)
+    are humanized (``1.5 MB``; ``--json`` keeps them exact); other cells are shown as
+    JSON (``json.dumps`` escapes control characters and non-ASCII itself)."""
     table = Table(title=Text(printable(title)))
-    for c in columns:
-        table.add_column(Text(printable(c)))
+    fieldrows = columns[:2] == ["field", "value"]
+    for i, c in enumerate(columns):
+        values = [r[i] for r in rows if i < len(r) and r[i] is not None]
+        numeric = bool(values) and all(_is_number(v) for v in values)
+        table.add_column(Text(printable(c)), justify="right" if numeric else "left")
     for r in rows:
-        table.add_row(*[Text(printable(v) if isinstance(v, str) else _cell(v)) for v in r])
+        cells = []
+        for i, v in enumerate(r):
+            name = str(r[0]) if fieldrows and i == 1 else (columns[i] if i < len(columns) else "")
+            if _is_bytes_name(name) and _is_number(v) and not isinstance(v, float):
+                cells.append(Text(filesize.decimal(int(v))))
+            else:
+                cells.append(Text(printable(v) if isinstance(v, str) else _cell(v)))
+        table.add_row(*cells)
     console.print(table)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, decimal.Decimal)) and not isinstance(v, bool)
+
+
+def _is_bytes_name(name: str) -> bool:
+    n = name.lower()
+    return n == "bytes" or n.endswith("_bytes") or n.startswith("bytes_")
 
 
 class CliError(Exception):
@@ -170,15 +202,43 @@ def shared_value(ctx: click.Context, dest: str, flag: str) -> str | None:
     return given[-1][0] if given else None
 
 
+def jsonable(v: Any) -> Any:
+    """``v`` as the JSON the stash stores for it: records as objects of their fields,
+    tuples as arrays, bytes as standard base64 (never a Python repr).
+
+    Raises:
+        TypeError: ``v`` holds something that is not JSON.
+    """
+    if isinstance(v, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(v)).decode("ascii")
+    out = to_json(v)
+    json.dumps(out)  # raises TypeError for anything else
+    return out
+
+
 def _show(rows: list[dict[str, Any]], columns: list[str], as_json: bool, title: str) -> None:
+    """A table, or with ``as_json`` one JSON object per line (strict JSON: the stored
+    values, never Python reprs)."""
     if as_json:
-        click.echo(json.dumps(rows, sort_keys=True, default=str))
+        for r in rows:
+            line = json.dumps({k: jsonable(v) for k, v in r.items()}, sort_keys=True)
+            click.echo(line)
         return
     print_table(title, columns, [[r[c] for c in columns] for r in rows])
 
 
 def _cell(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
+    """A cell: text as it is, numbers, dates and times unquoted, others as JSON."""
+    if isinstance(v, str):
+        return v
+    if _is_number(v):
+        return str(v)
+    if isinstance(v, (datetime.datetime, datetime.date, datetime.time)):
+        return v.isoformat()
+    try:
+        return json.dumps(jsonable(v), sort_keys=True)
+    except TypeError:
+        return repr(v)
 
 
 STASH_ENV = "STASH_URL"
@@ -295,14 +355,12 @@ def migrate(url: str | None, revision: str) -> None:
     missing."""
 
     def run() -> None:
-        import sqlalchemy as sa
-
-        from stash.migrate import upgrade
+        from stash.migrate import migration_engine, upgrade
 
         u = parse_url(_url(url))
         if u.get_backend_name() == "postgresql":
             u = u.set(drivername="postgresql+psycopg")
-        engine = sa.create_engine(u)
+        engine = migration_engine(u)
         try:
             upgrade(engine, revision)
         except Exception as e:  # noqa: BLE001 - report any driver error as one line
@@ -320,9 +378,16 @@ def migrate(url: str | None, revision: str) -> None:
 @main.command("collections")
 @stash_option
 @click.argument("url", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def collections_cmd(url: str | None, as_json: bool) -> None:
-    """List the collections with their since, upper and codecs."""
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option(
+    "--all",
+    "show_all",
+    is_flag=True,
+    help="Also the collections persist and the stash keep for themselves (persist.*, stash.*).",
+)
+def collections_cmd(url: str | None, as_json: bool, show_all: bool) -> None:
+    """List the collections with their since, upper and codecs (the collections of
+    persist's and the stash's own bookkeeping only with --all)."""
 
     def run() -> None:
         where = _url(url)
@@ -333,10 +398,11 @@ def collections_cmd(url: str | None, as_json: bool) -> None:
                     "id": c.id,
                     "since": str(s.since(c)),
                     "upper": str(s.upper(c)),
-                    "key_codec": c.key_codec.name,
-                    "value_codec": c.value_codec.name,
+                    "key_codec": str(c.codec_names[0]),
+                    "value_codec": str(c.codec_names[1]),
                 }
                 for name, c in s.collections().items()
+                if show_all or not name.startswith(INTERNAL_PREFIXES)
             ]
         _show(
             rows,
@@ -366,6 +432,11 @@ def _coll(s: Stash, name: str) -> Any:
     return found[name]
 
 
+#: Name prefixes of the collections persist (``persist.*``: consensus, registry) and the
+#: stash (``stash.*``: retention) keep for themselves; ``collections`` lists them only
+#: with ``--all``.
+INTERNAL_PREFIXES = ("persist.", "stash.")
+
 URL_NAME = click.argument("url_name", nargs=-1, required=True, metavar="[URL] NAME")
 """The arguments ``[URL] NAME`` of the commands on one collection (:func:`_url_and_name`)."""
 
@@ -373,7 +444,7 @@ URL_NAME = click.argument("url_name", nargs=-1, required=True, metavar="[URL] NA
 @main.command()
 @stash_option
 @URL_NAME
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def peek(url_name: tuple[str, ...], as_json: bool) -> None:
     """Show the sealed contents of collection NAME as (key, value, diff)."""
 
@@ -390,7 +461,7 @@ def peek(url_name: tuple[str, ...], as_json: bool) -> None:
 @main.command("iter")
 @stash_option
 @URL_NAME
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def iter_cmd(url_name: tuple[str, ...], as_json: bool) -> None:
     """Show every entry of collection NAME as (key, value, time, diff)."""
 
@@ -415,6 +486,92 @@ def consolidate(url_name: tuple[str, ...]) -> None:
         with _open(url, readonly=False) as s:
             s.consolidate(_coll(s, name))
         click.echo(printable(f"consolidated {name}", backslashes=False))
+
+    _guard(run)
+
+
+URL_FILE = click.argument("url_file", nargs=-1, required=True, metavar="[URL] FILE")
+"""The arguments ``[URL] FILE`` of backup, restore, export and import."""
+
+
+@main.command()
+@stash_option
+@URL_FILE
+def backup(url_file: tuple[str, ...]) -> None:
+    """Write a consistent snapshot of the stash to FILE, a new SQLite stash file
+    (SQLite's online backup API for a SQLite stash; one read transaction otherwise).
+    Never fences the leader: writers go on while it runs."""
+
+    def run() -> None:
+        from stash import ops
+
+        url, file = _url_and_name(url_file)
+        _open(url).close()  # it exists (a mistyped URL is refused, not created)
+        ops.backup(url, file)
+        click.echo(printable(f"backed up {redact(url)} to {file}", backslashes=False))
+
+    _guard(run)
+
+
+@main.command()
+@stash_option
+@URL_FILE
+@click.option("--replace", is_flag=True, help="Replace a SQLite stash that holds collections.")
+def restore(url_file: tuple[str, ...], replace: bool) -> None:
+    """Bring the backup FILE into the stash at URL: a SQLite stash is replaced by it
+    (with --replace if it holds collections), any other must hold none of its
+    collections.  Does not fence the leader."""
+
+    def run() -> None:
+        from stash import ops
+
+        url, file = _url_and_name(url_file)
+        ops.restore(file, url, replace=replace)
+        click.echo(printable(f"restored {file} into {redact(url)}", backslashes=False))
+
+    _guard(run)
+
+
+@main.command("export")
+@stash_option
+@URL_FILE
+def export_cmd(url_file: tuple[str, ...]) -> None:
+    """Write a consistent snapshot of the stash to FILE ("-": stdout) as JSON lines: a
+    header object per collection, then one object per stored row."""
+
+    def run() -> None:
+        from stash import ops
+
+        url, file = _url_and_name(url_file)
+        with _open(url) as s:
+            if file == "-":
+                ops.export(s, sys.stdout)
+                return
+            with open(file, "x", encoding="utf-8") as out:
+                n = ops.export(s, out)
+        click.echo(printable(f"exported {n} rows to {file}", backslashes=False), err=True)
+
+    _guard(run)
+
+
+@main.command("import")
+@stash_option
+@URL_FILE
+def import_cmd(url_file: tuple[str, ...]) -> None:
+    """Create the collections of a JSON-lines export FILE ("-": stdin) in the stash, in
+    one transaction (it must hold none of them).  Does not fence the leader."""
+
+    def run() -> None:
+        from stash import ops
+
+        url, file = _url_and_name(url_file)
+        with _open(url, readonly=False) as s:
+            if file == "-":
+                n = ops.import_(s, sys.stdin)
+            else:
+                with open(file, encoding="utf-8") as f:
+                    n = ops.import_(s, f)
+        click.echo(printable(f"imported {n} rows", backslashes=False), err=True)
 
     _guard(run)
 

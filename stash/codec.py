@@ -10,8 +10,15 @@ A :class:`Codec` maps a Python value to a *canonical* JSON text (``encode``) and
 * ``sort_key`` gives a total order over accepted values (JSON: null < false < true <
   numbers < strings < arrays < objects), which is the order ``iter`` and ``peek`` return;
 * a codec's ``name`` is recorded with the collection and checked when it is reopened
-  (``json``, ``int``, ``str``, ``bytes``, ``tuple``, ``record:module.Qualname``; names
-  recorded by earlier versions resolve to the same codecs);
+  (``json``, ``int``, ``str``, ``bytes``, ``tuple``, ``record:NAME(required fields)``;
+  names recorded by earlier versions, such as ``record:module.Qualname``, resolve to
+  or compare equal with the same codecs);
+* a record type may evolve additively (:class:`RecordCodec`): a stored object is read
+  with defaults for the fields it lacks and without the fields the type does not know,
+  so one value may have two stored encodings (before and after the change); a write
+  that retracts a stored value retracts its stored text, never a re-encoding;
+* the codec work of a record type (fields, defaults, ``typing.get_type_hints``, the
+  converters of its fields) is done once per type (:func:`_plan`), not per row;
 * composite keys come back as the hashable type they went in as: the ``tuple`` codec
   decodes JSON arrays to tuples (nested ones too), and records (dataclasses, msgspec
   Structs, NamedTuples) decode fields holding records or annotated as tuples to those
@@ -31,8 +38,11 @@ import dataclasses
 import importlib
 import json
 import math
+import re
+import threading
 import types
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -357,11 +367,123 @@ def _is_record_type(cls: Any) -> bool:
 
 
 def _record_fields(cls: Any) -> tuple[str, ...]:
+    return _plan(cls).fields
+
+
+class _RecordPlan:
+    """What decoding a record type needs, worked out once per type (:func:`_plan`): its
+    fields, which of them have defaults, and one converter per field (``None`` where the
+    decoded JSON is the field's value as is).
+
+    Attributes:
+        cls: the record type.
+        fields: its field names in order.
+        fieldset: the same as a frozenset (compared with a stored object's keys).
+        required: the fields without a default (an old row must hold them).
+        convs: ``(field, converter)`` of the fields whose JSON needs converting.
+        read_from: the records of the type read from evolved rows, by ``id``: a weak
+            reference, the stored text and the record's encoding then (see
+            :meth:`RecordCodec.encode`).
+    """
+
+    __slots__ = ("cls", "fields", "fieldset", "required", "convs", "read_from")
+
+    convs: tuple[tuple[str, Callable[[Any, str], Any]], ...]
+
+    def __init__(self, cls: Any) -> None:
+        self.cls = cls
+        self.fields = _own_fields(cls)
+        self.fieldset = frozenset(self.fields)
+        self.required = frozenset(self.fields) - _defaulted(cls)
+        self.convs = ()
+        self.read_from: dict[int, tuple[weakref.ref[Any], str, str]] = {}
+
+    def build(self, d: dict[str, Any], where: str) -> Any:
+        """The record of the decoded JSON object ``d``: a field missing from ``d`` takes
+        its default, a key of ``d`` that is no field is ignored (the additive evolution
+        rule of :class:`RecordCodec`).
+
+        Raises:
+            StashError: ``d`` lacks a field that has no default, or the type's
+                constructor refuses the values.
+        """
+        if d.keys() != self.fieldset:
+            missing = self.required - d.keys()
+            if missing:
+                raise StashError(
+                    f"{where} codec: stored object with fields {sorted(d)} lacks the "
+                    f"fields {sorted(missing)} of {self.cls.__qualname__}, which have no "
+                    "default; a field added without a default needs a migration "
+                    "(TypedCollection.migrate)"
+                )
+            d = {f: d[f] for f in self.fields if f in d}
+            _EVOLVED.n = getattr(_EVOLVED, "n", 0) + 1  # see RecordCodec.decode
+        elif self.convs:
+            d = dict(d)
+        for f, conv in self.convs:
+            if f in d:
+                d[f] = conv(d[f], where)
+        try:
+            return self.cls(**d)
+        except TypeError as e:
+            raise StashError(f"{where} codec: {e}") from None
+
+
+#: Per thread: how many stored objects were read with defaults or without unknown
+#: fields (evolved rows, :meth:`_RecordPlan.build`); ``RecordCodec`` reads it around a
+#: decode to know whether re-encoding the record would give another text.
+_EVOLVED = threading.local()
+
+
+def _evolved() -> int:
+    return int(getattr(_EVOLVED, "n", 0))
+
+
+_PLANS: dict[Any, _RecordPlan] = {}
+_PLANS_LOCK = threading.RLock()  # reentrant: a plan makes the plans of its field types
+
+
+def _plan(cls: Any) -> _RecordPlan:
+    """The decoding plan of record type ``cls``, made on first use and kept (a type's
+    fields and annotations are fixed once its class body ran): ``typing.get_type_hints``
+    runs once per type, never per row."""
+    plan = _PLANS.get(cls)
+    if plan is not None:
+        return plan
+    with _PLANS_LOCK:
+        plan = _PLANS.get(cls)
+        if plan is None:
+            plan = _RecordPlan(cls)
+            # Registered before its converters are made, so a type that refers to itself
+            # (a tree of records) finds its plan instead of recursing.
+            _PLANS[cls] = plan
+            hints = _type_hints(cls)
+            convs = ((f, _converter(hints.get(f, Any))) for f in plan.fields)
+            plan.convs = tuple((f, c) for f, c in convs if c is not None)
+    return plan
+
+
+def _own_fields(cls: Any) -> tuple[str, ...]:
     if dataclasses.is_dataclass(cls):
         return tuple(f.name for f in dataclasses.fields(cls))
     if hasattr(cls, "__struct_fields__"):
         return tuple(cls.__struct_fields__)
     return tuple(cls._fields)
+
+
+def _defaulted(cls: Any) -> frozenset[str]:
+    """The fields of record type ``cls`` that have a default."""
+    if dataclasses.is_dataclass(cls):
+        missing = dataclasses.MISSING
+        return frozenset(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is not missing or f.default_factory is not missing
+        )
+    if hasattr(cls, "__struct_fields__"):  # msgspec: defaults belong to the last fields
+        n = len(getattr(cls, "__struct_defaults__", ()))
+        return frozenset(cls.__struct_fields__[len(cls.__struct_fields__) - n :])
+    return frozenset(getattr(cls, "_field_defaults", {}))
 
 
 def to_json(value: Any) -> Any:
@@ -386,44 +508,88 @@ def _hashable(data: Any) -> Any:
     return data
 
 
-def _from_json(hint: Any, data: Any, where: str) -> Any:
-    """Rebuild the value a type hint describes from decoded JSON: records from objects,
-    tuples from arrays (also inside lists, dicts and optional types); other hints leave
-    the data as decoded."""
-    if hint is Any or hint is None:
-        return data
-    if isinstance(hint, str | typing.ForwardRef):
-        return data  # unresolved annotation: keep the data as decoded
+_Conv = Callable[[Any, str], Any] | None
+
+
+def _converter(hint: Any) -> _Conv:
+    """The function rebuilding, from decoded JSON, the value type hint ``hint`` describes
+    (records from objects, tuples from arrays, also inside lists, dicts and optional
+    types), called as ``conv(data, where)``; ``None`` where the decoded JSON is the value
+    as is.  Made once per hint (record types through their cached :func:`_plan`)."""
+    if hint is Any or hint is None or isinstance(hint, str | typing.ForwardRef):
+        return None  # unresolved annotation: keep the data as decoded
     if _is_record_type(hint):
-        if isinstance(data, dict):
-            return _build_record(hint, data, where)
-        return data
+        plan = _plan(hint)
+
+        def record(data: Any, where: str) -> Any:
+            return plan.build(data, where) if isinstance(data, dict) else data
+
+        return record
     if hint is tuple:
-        return _hashable(data)
+        return lambda data, where: _hashable(data)
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
-    if origin is tuple and isinstance(data, list):
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_from_json(args[0], v, where) for v in data)
-        if args and len(args) == len(data):
-            return tuple(_from_json(a, v, where) for a, v in zip(args, data, strict=True))
-        return _hashable(data)
-    if origin is list and isinstance(data, list) and args:
-        return [_from_json(args[0], v, where) for v in data]
-    if origin is dict and isinstance(data, dict) and len(args) == 2:
-        return {k: _from_json(args[1], v, where) for k, v in data.items()}
-    if origin in (typing.Union, types.UnionType):
-        if data is None and type(None) in args:
+    if origin is tuple:
+        return _tuple_converter(args)
+    if origin is list and args:
+        item = _converter(args[0])
+        if item is None:
             return None
-        for a in args:
-            if a is type(None):
-                continue
-            if _is_record_type(a) and isinstance(data, dict):
-                return _build_record(a, data, where)
-            if (a is tuple or typing.get_origin(a) is tuple) and isinstance(data, list):
-                return _from_json(a, data, where)
-        return data
-    return data
+        return lambda data, where: (
+            [item(v, where) for v in data] if isinstance(data, list) else data
+        )
+    if origin is dict and len(args) == 2:
+        val = _converter(args[1])
+        if val is None:
+            return None
+        return lambda data, where: (
+            {k: val(v, where) for k, v in data.items()} if isinstance(data, dict) else data
+        )
+    if origin in (typing.Union, types.UnionType):
+        # The first alternative that rebuilds the data's kind: a record from an object,
+        # a tuple from an array.
+        on_dict = next((_converter(a) for a in args if _is_record_type(a)), None)
+        on_list = next(
+            (_converter(a) for a in args if a is tuple or typing.get_origin(a) is tuple), None
+        )
+        if on_dict is None and on_list is None:
+            return None
+
+        def union(data: Any, where: str) -> Any:
+            if on_dict is not None and isinstance(data, dict):
+                return on_dict(data, where)
+            if on_list is not None and isinstance(data, list):
+                return on_list(data, where)
+            return data
+
+        return union
+    return None
+
+
+def _tuple_converter(args: tuple[Any, ...]) -> _Conv:
+    if len(args) == 2 and args[1] is Ellipsis:
+        item = _converter(args[0])
+
+        def variadic(data: Any, where: str) -> Any:
+            if not isinstance(data, list):
+                return data
+            if item is None:
+                return tuple(data)
+            return tuple([item(v, where) for v in data])
+
+        return variadic
+    items = [_converter(a) for a in args]
+
+    def fixed(data: Any, where: str) -> Any:
+        if not isinstance(data, list):
+            return data
+        if args and len(args) == len(data):
+            return tuple(
+                [v if c is None else c(v, where) for c, v in zip(items, data, strict=True)]
+            )
+        return _hashable(data)
+
+    return fixed
 
 
 def _type_hints(cls: Any) -> dict[str, Any]:
@@ -433,42 +599,97 @@ def _type_hints(cls: Any) -> dict[str, Any]:
         return {}
 
 
-def _build_record(cls: Any, d: dict[str, Any], where: str) -> Any:
-    fields = _record_fields(cls)
-    if set(d) != set(fields):
-        raise StashError(
-            f"{where} codec: stored object with fields {sorted(d)} does not have "
-            f"the fields {list(fields)} of {cls.__qualname__}"
-        )
-    hints = _type_hints(cls)
-    try:
-        return cls(**{f: _from_json(hints.get(f, Any), d[f], where) for f in fields})
-    except TypeError as e:
-        raise StashError(f"{where} codec: {e}") from None
+class CodecName(str):
+    """A codec's recorded name that also equals, as a string, the names earlier releases
+    recorded for the same codec (its ``aliases``), so a collection recorded under an
+    old-style name keeps opening, and is checked, through the codec of today.  The stash
+    compares recorded names with ``==``; ``str(name)`` (what is recorded for a new
+    collection) is the name of today.  Hashes as the name of today only.
+    """
+
+    aliases: frozenset[str]
+
+    def __new__(cls, name: str, aliases: Sequence[str] = ()) -> CodecName:
+        self = super().__new__(cls, name)
+        self.aliases = frozenset(str(a) for a in aliases)
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        same = str.__eq__(self, other)
+        if same is NotImplemented:
+            return NotImplemented
+        return bool(same) or str(other) in self.aliases
+
+    def __ne__(self, other: object) -> bool:
+        same = self.__eq__(other)
+        return same if same is NotImplemented else not same
+
+    __hash__ = str.__hash__
+
+
+_RECORD_NAME = re.compile(r"[^\s(),]{1,200}")
 
 
 class RecordCodec(Generic[T]):
     """Typed records stored as JSON objects: dataclasses, msgspec Structs and
     ``typing.NamedTuple`` classes.
 
-    The recorded name is ``record:<module>.<qualname>``; fields are encoded by name, so
-    the database row is a readable JSON object.  A field holding a record, or annotated
-    as a tuple, is decoded back to that type (so a frozen dataclass or a NamedTuple of
-    scalars and tuples is hashable again after a round trip, and can be a key).
+    Fields are encoded by name, so the database row is a readable JSON object.  A field
+    holding a record, or annotated as a tuple, is decoded back to that type (so a frozen
+    dataclass or a NamedTuple of scalars and tuples is hashable again after a round trip,
+    and can be a key).
+
+    **Identity.** The recorded name is ``record:NAME(f1,f2,...)``: ``NAME`` is the
+    ``name`` argument, else the type's ``__stash_name__`` attribute, else its
+    ``__qualname__`` (never its module: a type may move between modules), and the
+    fields listed are those without a default, sorted.  A collection recorded under the
+    name of earlier releases, ``record:module.Qualname``, opens with the codec of the
+    same type (:class:`CodecName`).
+
+    **Evolution without migration.** A stored object may lack fields that have a
+    default (they take it) and may hold fields the type does not know (ignored).  So a
+    type may gain fields with defaults and lose fields that had one, and old and new
+    releases read each other's rows; such a change keeps the recorded name.  Any other
+    change (a field without a default added or removed, a new ``NAME``) changes the
+    name, so the collection opens only after ``TypedCollection.migrate``.  The codec
+    work of a type (its fields, defaults and ``typing.get_type_hints``) is done once per
+    type, not per row.
+
+    Args:
+        cls: the record type.
+        name: the ``NAME`` above: 1 to 200 characters, none of them a space, a
+            parenthesis or a comma.
 
     Raises:
-        StashError: the value is not an instance of the record type, or the stored
-            object does not have the record's fields.
+        StashError: ``cls`` is no record type, or ``name`` breaks its rule; at
+            ``encode``, the value is not an instance of the type; at ``decode``, the
+            stored object lacks a field that has no default.
     """
 
-    def __init__(self, cls: type[T]) -> None:
+    def __init__(self, cls: type[T], name: str | None = None) -> None:
         if not _is_record_type(cls):
             raise StashError(
                 f"record codec: {cls!r} is not a dataclass, msgspec Struct or NamedTuple"
             )
         self.cls = cls
-        self.name = f"record:{cls.__module__}.{cls.__qualname__}"
-        self._fields: tuple[str, ...] = _record_fields(cls)
+        self._plan = _plan(cls)
+        base = name if name is not None else getattr(cls, "__stash_name__", None)
+        base = cls.__qualname__ if base is None else base
+        if not isinstance(base, str) or not _RECORD_NAME.fullmatch(base):
+            raise StashError(
+                f"record codec name {base!r} of {cls.__qualname__} must be 1 to 200 "
+                "characters, none of them a space, a parenthesis or a comma"
+            )
+        self.record_name = base
+        self.name = CodecName(
+            f"record:{base}({','.join(sorted(self._plan.required))})",
+            aliases=(f"record:{cls.__module__}.{cls.__qualname__}",),
+        )
+        self._fields: tuple[str, ...] = self._plan.fields
+        # id(record) -> (weak reference, stored text, its encoding when read) of the
+        # records of this type read from evolved rows (see encode), shared by every
+        # codec of the type (a handle's codec may not be the one that read it).
+        self._read_from = self._plan.read_from
 
     def _as_dict(self, value: T) -> dict[str, Any]:
         if not isinstance(value, self.cls):
@@ -478,7 +699,31 @@ class RecordCodec(Generic[T]):
         return {f: to_json(getattr(value, f)) for f in self._fields}
 
     def encode(self, value: T) -> str:
-        return canonical_json(self._as_dict(value))
+        """Canonical JSON of the record's fields; a record decoded from an evolved row
+        (read with defaults or without unknown fields) and unchanged since encodes as
+        the stored text it was read from, so retracting it retracts what is stored."""
+        text = canonical_json(self._as_dict(value))
+        if self._read_from:
+            hit = self._read_from.get(id(value))
+            if hit is not None and hit[0]() is value and hit[2] == text:
+                return hit[1]
+        return text
+
+    def _remember(self, obj: Any, text: str) -> None:
+        """Remember that ``obj`` was read from the evolved row ``text``."""
+        key = id(obj)
+        try:
+            ref = weakref.ref(obj, lambda _r: self._read_from.pop(key, None))
+        except TypeError:  # not weakly referable (a NamedTuple): re-encoded instead
+            return
+        self._read_from[key] = (ref, text, canonical_json(self._as_dict(obj)))
+
+    def _from_dict(self, d: dict[str, Any], text: str) -> T:
+        before = _evolved()
+        obj: T = self._plan.build(d, self.name)
+        if _evolved() != before:
+            self._remember(obj, text)
+        return obj
 
     def decode(self, text: str) -> T:
         d = _loads(text, self.name)
@@ -487,7 +732,27 @@ class RecordCodec(Generic[T]):
                 f"{self.name} codec: stored value {text[:200]!r} does not have "
                 f"the fields {list(self._fields)}"
             )
-        return _build_record(self.cls, d, self.name)  # type: ignore[no-any-return]
+        return self._from_dict(d, text)
+
+    def decode_all(self, texts: Sequence[str]) -> list[T]:
+        """``[self.decode(t) for t in texts]``, the JSON scanned in one pass first."""
+        plan, name = self._plan, self.name
+        cls, n, direct = plan.cls, len(plan.fields), not plan.convs
+        out: list[T] = []
+        app = out.append
+        for text, d in zip(texts, _loads_all(texts, name), strict=True):
+            if direct and type(d) is dict and len(d) == n:
+                # The common row: as many keys as the type has fields, which the
+                # constructor checks are its fields; any other row (a TypeError, an
+                # evolved row) takes the checked path, which ignores unknown fields or
+                # raises the error it always raises.
+                try:
+                    app(cls(**d))
+                    continue
+                except TypeError:
+                    pass
+            app(self._from_dict(d, text) if type(d) is dict else self.decode(text))
+        return out
 
     def sort_key(self, value: T) -> Any:
         return json_sort_key(_normalize(self._as_dict(value)))
@@ -528,12 +793,13 @@ class TypedTupleCodec(TupleCodec):
 
     def __init__(self, hint: Any) -> None:
         self.hint = hint
+        self._conv = _converter(hint)
 
     def decode(self, text: str) -> tuple[Any, ...]:
         v = _loads(text, self.name)
         if not isinstance(v, list):
             raise StashError(f"tuple codec: stored value {text[:200]!r} is not an array")
-        out = _from_json(self.hint, v, self.name)
+        out = v if self._conv is None else self._conv(v, self.name)
         return out if isinstance(out, tuple) else tuple(_hashable(out))
 
 
@@ -552,7 +818,7 @@ def resolve_codec(spec: CodecLike) -> Any:
     """Turn a codec spec into a codec: a codec instance, a builtin name (``"json"``,
     ``"int"``, ``"str"``, ``"bytes"``, ``"tuple"``), ``int``/``str``/``bytes``/``tuple``,
     a tuple type such as ``tuple[str, int]``, a dataclass, msgspec Struct or NamedTuple
-    type, or a recorded name ``record:module.Qualname``.
+    type, or a name recorded by earlier releases, ``record:module.Qualname``.
 
     Raises:
         StashError: unknown name or type.
@@ -562,6 +828,11 @@ def resolve_codec(spec: CodecLike) -> Any:
     if isinstance(spec, str):
         if spec in _BUILTIN:
             return _BUILTIN[spec]()
+        if spec.startswith("record:") and spec.endswith(")"):
+            raise StashError(
+                f"record codec {spec!r} names no importable type: pass the record type "
+                "(or a RecordCodec of it) as the codec"
+            )
         if spec.startswith("record:"):
             module, _, qual = spec[len("record:") :].rpartition(".")
             try:
@@ -612,6 +883,8 @@ def decode_all(codec: Codec[Any], texts: Sequence[str]) -> list[Any]:
     t: type = type(codec)
     if t is JsonCodec:
         return _loads_all(texts, JsonCodec.name)
+    if t is RecordCodec:
+        return codec.decode_all(texts)  # type: ignore[attr-defined, no-any-return]
     if t is IntCodec:
         try:
             # IntCodec.decode tries int() first; a text int() refuses takes its slow path.

@@ -9,10 +9,13 @@ atomic multi-collection ``append``.  Invariants kept here:
   them as recorded); every stash read that decodes and every write that encodes through
   the handle checks, in its own transaction, that the collection still records them (a
   ``TypedCollection.migrate`` may have changed them since) and refuses otherwise;
-* an ``AppendBatch``'s entries are already encoded (canonical JSON text), so a batch can
-  be checked and committed without the codecs;
+* an ``AppendBatch``'s entries are already encoded (canonical JSON text): those
+  ``append_to_batch`` encoded are canonical, and any other is checked and made
+  canonical with the collection's codecs before it is stored, so pre-encoded entries
+  land alike on every backend (``1.0`` and ``1`` are one value everywhere);
 * ``make_batch`` builds Materialize's "next tick" batch: ``lower`` = current upper ``{t}``,
-  ``upper`` = ``{t + 1}``, ``compact`` = ``{t}``, entries at time ``t``.
+  ``upper`` = ``{t + 1}``, ``compact`` = ``{t}`` (or, when the collection has a
+  retention, the since it keeps: ``Stash.set_retention``), entries at time ``t``.
 
 Source of the idea: Materialize's ``StashCollection``, ``AppendBatch``, ``make_batch`` and
 ``append_to_batch`` (``src/stash/src/lib.rs``).
@@ -104,17 +107,21 @@ class StashCollection(Generic[K, V]):
             StashError: the upper is the empty frontier (``cannot determine batch
                 timestamp``) or ``t + 1`` overflows i64 (``cannot determine new upper``).
         """
-        lower = stash.upper(self)
-        t = lower.as_option()
+        frontiers = getattr(stash, "batch_frontiers", None)
+        if frontiers is not None:  # a stash: the upper and the retained since, one read
+            t, since = frontiers(self)
+        else:
+            t = stash.upper(self).as_option()
+            since = t
         if t is None:
             raise StashError("cannot determine batch timestamp")
         if t >= I64_MAX:
             raise StashError("cannot determine new upper")
         return AppendBatch(
             collection=self,
-            lower=lower,
+            lower=Antichain.from_elem(t),
             upper=Antichain.from_elem(t + 1),
-            compact=Antichain.from_elem(t),
+            compact=Antichain.from_elem(t if since is None else since),
             timestamp=t,
         )
 
@@ -127,13 +134,40 @@ class StashCollection(Generic[K, V]):
         """
         if batch.collection.id != self.id:
             raise StashError(f"batch is for collection {batch.collection.name}, not {self.name}")
-        batch.entries.append(
-            (
-                (self.key_codec.encode(key), self.value_codec.encode(value)),
-                batch.timestamp,
-                _check_diff(diff),
-            )
+        entry = (
+            (self.key_codec.encode(key), self.value_codec.encode(value)),
+            batch.timestamp,
+            _check_diff(diff),
         )
+        batch.entries.append(entry)
+        batch._encoded.append(entry)
+
+    def canonical_entry(self, key_text: object, value_text: object) -> tuple[str, str]:
+        """``(key_text, value_text)``, texts encoded by hand, as this handle's codecs
+        encode the values they decode to (``1.0`` becomes ``1`` with the JSON codec),
+        the same on every backend.
+
+        Raises:
+            StashError: a text is not a ``str``, or not an encoding of the codec (naming
+                the collection, the codec and the text).
+        """
+        out = []
+        for what, codec, text in (
+            ("key", self.key_codec, key_text),
+            ("value", self.value_codec, value_text),
+        ):
+            if not isinstance(text, str):
+                raise StashError("append batch entries must be encoded (use append_to_batch)")
+            try:
+                out.append(codec.encode(codec.decode(text)))
+            except (StashError, TypeError, ValueError) as e:
+                shown = text if len(text) <= 200 else text[:200] + "..."
+                msg = str(e).removeprefix("stash error: ")
+                raise StashError(
+                    f"append to collection {self.name}: entry {what} {shown!r} is not an "
+                    f"encoding of the {codec.name} codec: {msg}; nothing was committed"
+                ) from None
+        return out[0], out[1]
 
     def encode_entry(self, key: K, value: V) -> tuple[str, str]:
         """The canonical encodings of ``(key, value)``."""
@@ -170,7 +204,9 @@ class AppendBatch:
         upper: becomes the collection's new upper.
         compact: becomes the collection's new since.
         timestamp: the time ``append_to_batch`` gives entries.
-        entries: ``[((key_json, value_json), time, diff)]``, already encoded.
+        entries: ``[((key_json, value_json), time, diff)]``, already encoded; an entry
+            not added by ``append_to_batch`` is checked and made canonical with the
+            collection's codecs by ``append`` (the same on every backend).
     """
 
     collection: StashCollection[Any, Any]
@@ -179,3 +215,25 @@ class AppendBatch:
     compact: Antichain
     timestamp: int = 0
     entries: list[tuple[tuple[str, str], int, int]] = field(default_factory=list)
+    #: The entries ``append_to_batch`` encoded (the same objects): canonical already, so
+    #: ``append`` checks only the others.
+    _encoded: list[tuple[tuple[str, str], int, int]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+
+    def canonical_entries(self) -> list[tuple[tuple[str, str], int, int]]:
+        """The entries, each one ``append_to_batch`` did not encode made canonical by
+        :meth:`StashCollection.canonical_entry` (raising as it does)."""
+        # The ids of the entries append_to_batch made: ``_encoded`` keeps those objects
+        # alive, so no other live object has one of these ids (entries may have been
+        # cleared, reordered or mixed with entries encoded by hand since).
+        known = {id(e) for e in self._encoded}
+        out = list(self.entries)
+        for i, e in enumerate(out):
+            if id(e) in known:
+                continue
+            if not isinstance(e, tuple) or len(e) != 3 or not isinstance(e[0], tuple):
+                raise StashError("append batch entries must be ((key, value), time, diff)")
+            (k, v), t, d = e
+            out[i] = (self.collection.canonical_entry(k, v), t, d)
+        return out

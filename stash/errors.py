@@ -94,6 +94,29 @@ class AppendLowerMismatch(StashError):
         self.current = current
 
 
+class UniquenessViolation(StashError):
+    """A :class:`~stash.table.TableTransaction` change would leave two rows whose values
+    break the uniqueness rule, or insert a key that is there already (``str()`` starts
+    ``stash error: uniqueness violation``).
+
+    Attributes:
+        collection: the collection's name (``None`` for a transaction over plain data).
+        key: the key of the row being written.
+        existing_key: the key of the row it collides with (``key`` itself when the key
+            exists already).
+    """
+
+    def __init__(self, collection: str | None, key: object, existing_key: object, why: str) -> None:
+        where = f"collection {collection}" if collection is not None else "table transaction"
+        super().__init__(
+            f"uniqueness violation: {why} ({where}: key {key!r}, existing key {existing_key!r});"
+            " nothing was changed"
+        )
+        self.collection = collection
+        self.key = key
+        self.existing_key = existing_key
+
+
 class ReadOnlyError(StashError):
     """A mutation was attempted through a handle opened with ``mode="readonly"``."""
 

@@ -224,7 +224,7 @@ class MemoryStash(Stash):
                     by_name=dict(store.by_name),
                     epoch=store.epoch,
                     nonce=store.nonce,
-                    stash_id=uuid.uuid4().hex,  # its own: see Stash._check_handles_tx
+                    stash_id=uuid.uuid4().hex,  # its own: see stash.checks.check_handles_tx
                 )
         self._store = store
         self._name = name

@@ -63,6 +63,7 @@ from stash.antichain import I64_MAX, I64_MIN
 from stash.base import Mode
 from stash.consolidation import DiffSumOverflow
 from stash.errors import IndeterminateError, StashError
+from stash.placement import install, placement
 from stash.sql import (
     TABLE_COLUMNS,
     EngineOptions,
@@ -113,13 +114,15 @@ def pg_engine(url: URL, *, pool_size: int, connect_timeout: float, pre_ping: boo
         "options": "-c plan_cache_mode=force_generic_plan",
     }
     connect_args = {k: v for k, v in defaults.items() if k not in url.query}
-    return sa.create_engine(
+    engine = sa.create_engine(
         url,
         pool_size=pool_size,
         max_overflow=2 * pool_size,
         pool_pre_ping=bool(pre_ping),
         connect_args=connect_args,
     )
+    install(engine)  # the stash's schema (stash_schema=...) on every connection
+    return engine
 
 
 def _parse_float(text: str) -> float | int:
@@ -151,6 +154,28 @@ def canonical_text(text: str) -> str:
     return _encode(_decode(text))
 
 
+def _consolidate_rendered(rows: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    """A whole collection's rows ``(canonical key, jsonb-rendered value, diff)`` as
+    ``peek_rows`` returns them: one per ``(key, value)`` with its diff sum, no zero sum.
+
+    The collection is read to be decoded, so a value stays as ``jsonb`` renders it (it
+    decodes to the value written; making every object canonical cost half of a
+    10,000-entry typed ``peek_one``).  Only the values of a key held by several rows
+    are made canonical before they are summed (``2.50`` and ``2.5`` are one value).
+    """
+    keys = [k for k, _, _ in rows]
+    if len(set(keys)) == len(rows):
+        return [r for r in rows if r[2] != 0]
+    seen: dict[str, int] = {}
+    for k in keys:
+        seen[k] = seen.get(k, 0) + 1
+    sums: dict[tuple[str, str], int] = {}
+    for k, v, d in rows:
+        kv = (k, canonical_text(v) if seen[k] > 1 else v)
+        sums[kv] = sums.get(kv, 0) + d
+    return [(k, v, d) for (k, v), d in sums.items() if d != 0]
+
+
 def _sqlstate(e: BaseException) -> str | None:
     return getattr(e, "sqlstate", None)
 
@@ -170,6 +195,7 @@ class PgOps(_Ops):
             raise StashError(
                 f"unsupported postgres driver in {redact(url)!r}; use postgresql+psycopg"
             )
+        placement(url)  # the stash's schema parameters are identifiers
         return url.set(drivername="postgresql+psycopg")
 
     def engine(self, url: URL, mode: Mode, options: EngineOptions) -> sa.Engine:
@@ -268,7 +294,10 @@ class PgOps(_Ops):
     def savepoint_open(self, dbc: Any, stash_id: str) -> str:
         # Statements prepared before the temporary tables existed must not be reused.
         dbc.prepare_threshold = None
-        dbc.isolation_level = None
+        # One snapshot for the whole copy: under READ COMMITTED each INSERT ... SELECT
+        # would see the appends committed before it, and the copy's uppers could claim
+        # rows its data table does not hold.
+        dbc.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         dbc.read_only = None
         cur = dbc.cursor()
         row = cur.execute(
@@ -532,10 +561,10 @@ _FLUSH_SQL = {
 }
 
 
+# A whole collection's rows, consolidated in Python (_consolidate_rendered): a server-side
+# GROUP BY of jsonb (key, value) cost more than the rest of a 10,000-entry peek.
 _PEEK_SQL = (
-    "SELECT key::text, value::text, sum(diff)::int8 FROM data"
-    " WHERE collection_id = %(c)s AND time <= %(ts)s"
-    " GROUP BY key, value HAVING sum(diff) <> 0"
+    "SELECT key::text, value::text, diff FROM data WHERE collection_id = %(c)s AND time <= %(ts)s"
 )
 # "(time <= ..) IS TRUE": not an index condition, so even a generic plan cached while the
 # table was tiny finds the key through the (collection_id, key hash) index, never by scanning
@@ -843,6 +872,8 @@ class PgTxn(SqlTxn):
             _PEEK_SQL if key is None else _PEEK_KEY_SQL, {"c": cid, "ts": ts, "k": key}
         ).fetchall()
         c = canonical_text
+        if key is None:
+            return _consolidate_rendered([(c(k), v, int(d)) for k, v, d in out])
         return [(c(k), c(v), int(d)) for k, v, d in out]
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:

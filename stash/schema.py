@@ -5,7 +5,8 @@ identity: a uuid given at creation, never changed), ``collections``
 (``collection_id``, unique ``name``, ``key_codec``, ``value_codec``), ``data``
 (``collection_id, key, value, time, diff``, indexed on ``(collection_id, key)`` (on
 Postgres ``(collection_id, jsonb_hash_extended(key, 0))``: any key length) and
-``(collection_id, time)``), ``sinces`` and ``uppers`` (one row per collection; NULL is the
+``(collection_id, time)``, and on Postgres ``(collection_id, left(key::text, 1024)
+COLLATE "C")`` for key ranges), ``sinces`` and ``uppers`` (one row per collection; NULL is the
 empty frontier), and the view ``stash_entries(collection, key, value, time, diff)``.
 
 Invariants kept here: keys and values are canonical JSON: ``jsonb`` on Postgres, JSON
@@ -22,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_HEAD = "0003"
+SCHEMA_HEAD = "0005"
 
 STASH_ENTRIES_VIEW = (
     "CREATE VIEW stash_entries AS "
@@ -89,6 +90,16 @@ sa.Index(
     "data_collection_key_hash",
     data.c.collection_id,
     sa.func.jsonb_hash_extended(data.c.key, sa.literal_column("0")),
+).ddl_if(dialect="postgresql")
+# Key ranges (stash.ranges) walk keys in code point order: SQLite's index above is in
+# that order; on Postgres an index of the first 1024 characters of the key's text is.
+sa.Index(
+    "data_collection_key_text",
+    data.c.collection_id,
+    # Created with COLLATE "C" (migrations/versions/0004_key_text_index.py); SQLAlchemy's
+    # reflection does not report an index expression's collation, so it is spelled
+    # without one here, as alembic's autogenerate compares it.
+    sa.text("left(key::text, 1024)"),
 ).ddl_if(dialect="postgresql")
 
 sinces = sa.Table(

@@ -34,7 +34,9 @@ Invariants kept here:
   every transaction, before anything it writes; an older handle then fails with a
   :class:`~stash.errors.FenceError`;
 * a database behind the alembic head fails to open with the revision found and the
-  command to run, except that a writable SQLite stash upgrades itself;
+  command to run, except that a handle with ``auto_migrate`` (the default of a writable
+  SQLite stash) upgrades it, empty or at any earlier revision, one migration at a time
+  (in the process and, on Postgres, in the database: :mod:`stash.migrate`);
 * SQLite runs in WAL mode with ``synchronous=FULL`` by default; the database file is
   created readable by its owner only; a readonly handle never takes the write lock (not
   to check the schema, nor to set the journal mode) and never migrates;
@@ -62,7 +64,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import sqlalchemy as sa
 import tenacity
-from alembic import command
 from sqlalchemy.engine import URL
 
 from stash import metrics as stash_metrics
@@ -70,7 +71,12 @@ from stash import schema
 from stash.base import Mode, Stash, load_by_name
 from stash.consolidation import DiffSumOverflow, diff_sums_fit
 from stash.errors import FenceError, IndeterminateError, MigrationRequired, StashError
-from stash.migrate import alembic_config, current_revision
+from stash.migrate import (
+    current_revision,
+    known_revisions,
+    lock_migrations,
+    upgrade_connection,
+)
 from stash.txn import Row, Txn
 from stash.url import redact
 
@@ -311,10 +317,14 @@ class SqlStash(Stash):
                 # open never waits behind a writer, nor blocks one).
                 conn.execution_options(stash_write=auto_migrate)
                 with conn.begin():
+                    if auto_migrate:
+                        # Before reading the version: a migration running in another
+                        # session (another process or thread) commits first.
+                        lock_migrations(conn)
                     found = current_revision(conn)
                     if found == schema.SCHEMA_HEAD:
                         return
-                    if not auto_migrate or found not in (None, *_older_revisions()):
+                    if not auto_migrate or not (found is None or found in known_revisions()):
                         raise MigrationRequired(
                             f"database {redact(self._url)} is at schema revision "
                             f"{found or 'none (empty database)'} but this code needs "
@@ -326,7 +336,7 @@ class SqlStash(Stash):
                         found,
                         schema.SCHEMA_HEAD,
                     )
-                    command.upgrade(alembic_config(conn), "head")
+                    upgrade_connection(conn, "head")
 
         self._retrying(check)
 
@@ -500,10 +510,6 @@ def _driver_error(e: BaseException) -> BaseException:
 def _sql_txn(tx: Txn) -> SqlTxn:
     assert isinstance(tx, SqlTxn)
     return tx
-
-
-def _older_revisions() -> tuple[str, ...]:
-    return ()
 
 
 # A collection's frontiers, recorded codec names, name and the stash's identity, in one

@@ -35,6 +35,7 @@ from sqlalchemy.engine import URL
 from stash.base import Mode
 from stash.errors import IndeterminateError, StashError
 from stash.migrate import create_sqlite_file
+from stash.placement import placement
 from stash.sql import (
     TABLE_COLUMNS,
     EngineOptions,
@@ -96,6 +97,7 @@ class SqliteOps(_Ops):
     name = "sqlite"
 
     def stash_url(self, url: URL) -> URL:
+        placement(url)  # refuses the Postgres-only schema parameters
         if not url.database or url.database == ":memory:":
             raise StashError(
                 "sqlite stash URL needs a file path (sqlite:///path/to/stash.db); "

@@ -14,7 +14,13 @@ Invariants kept here:
 * ``pending()`` lists, in key order, for each changed key its retraction (diff -1) before
   its insertion (diff +1); a key set back to (a value encoding like) its initial value
   yields nothing;
-* composite keys (tuples, frozen records, NamedTuples) work like any other key.
+* composite keys (tuples, frozen records, NamedTuples) work like any other key;
+* a transaction bound to a read commits only if what it read is unchanged
+  (``commit``), so it never commits over a newer write;
+* a transaction with a lazy source (``_bind_source``) reads a key before it decides
+  anything about it (a value's retraction needs the value) and every row before
+  anything that needs them all, so ``pending()`` is always what it would be had every
+  row been read up front.
 
 Source of the idea: Materialize's ``TableTransaction`` (``src/stash/src/lib.rs``).
 """
@@ -25,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 from stash.codec import CodecLike, canonical_json, json_sort_key, resolve_codec, to_json
-from stash.errors import StashError
+from stash.errors import StashError, UniquenessViolation
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -65,6 +71,13 @@ class TableTransaction(Generic[K, V]):
             not coexist (e.g. the same name); ``None`` for no constraint beyond the key.
         key_codec, value_codec: codecs whose encodings decide equality and whose
             ``sort_key`` orders keys (default: canonical JSON, records as objects).
+        collection: the name of the collection the contents are of (for messages).
+
+    A transaction made by :meth:`stash.TypedCollection.table` (or by
+    ``Stash.with_transaction``'s ``tx.table``) is bound to the upper it read:
+    :meth:`commit` appends :meth:`pending` at that lower.  One made from plain data has
+    nothing to commit to (append :meth:`pending` yourself, with a batch made *before*
+    the data was read).
 
     Raises:
         StashError: ``initial`` holds one key twice (by encoding).
@@ -77,7 +90,10 @@ class TableTransaction(Generic[K, V]):
         *,
         key_codec: CodecLike = None,
         value_codec: CodecLike = None,
+        collection: str | None = None,
     ) -> None:
+        self.collection = collection
+        self._commit: Callable[[], None] | None = None
         if key_codec is None:
             self._ktok: Callable[[Any], Any] = _natural_token
             self._ksort: Callable[[Any], Any] = _natural_sort_key
@@ -96,14 +112,57 @@ class TableTransaction(Generic[K, V]):
             self._initial[t] = (k, v)
         self._pending: dict[Any, tuple[K, Any]] = {}
         self._violates = uniqueness_violation
+        # Lazy contents (see _bind_source): keys are read as they are needed.
+        self._load_keys: Callable[[list[K]], list[tuple[K, V]]] | None = None
+        self._load_all: Callable[[], list[tuple[K, V]]] | None = None
+        self._looked_up: set[Any] = set()
+
+    def _bind_source(
+        self,
+        load_keys: Callable[[list[K]], list[tuple[K, V]]],
+        load_all: Callable[[], list[tuple[K, V]]],
+    ) -> None:
+        """Read the contents lazily: ``load_keys(keys)`` returns the ``(key, value)``
+        pairs of those keys that hold a value, ``load_all()`` every pair.  A key is read
+        before anything about it is decided (its retraction needs its value); anything
+        that needs every row (``items``, ``update``, ``delete``, a uniqueness check)
+        reads them all first."""
+        self._load_keys, self._load_all = load_keys, load_all
+
+    def _need(self, keys: Iterable[K]) -> None:
+        if self._load_keys is None:
+            return
+        todo: dict[Any, K] = {}
+        for k in keys:
+            t = self._ktok(k)
+            if t not in self._looked_up:
+                todo.setdefault(t, k)
+        if todo:
+            for k, v in self._load_keys(list(todo.values())):
+                self._initial[self._ktok(k)] = (k, v)
+            self._looked_up.update(todo)
+
+    def _need_all(self) -> None:
+        load = self._load_all
+        if load is None:
+            return
+        self._load_keys = self._load_all = None
+        self._initial = {}
+        for k, v in load():
+            t = self._ktok(k)
+            if t in self._initial:
+                raise StashError(f"table transaction: contents hold key {k!r} twice")
+            self._initial[t] = (k, v)
 
     @property
     def initial(self) -> dict[K, V]:
         """The initial contents as a dict (see :meth:`items` for when that fails)."""
+        self._need_all()
         return _as_dict(list(self._initial.values()))
 
     # ------------------------------------------------------------ reading
     def _visible_rows(self) -> list[tuple[Any, K, V]]:
+        self._need_all()
         out = [(t, k, v) for t, (k, v) in self._pending.items() if v is not _DELETED]
         out += [(t, k, v) for t, (k, v) in self._initial.items() if t not in self._pending]
         return out
@@ -125,6 +184,7 @@ class TableTransaction(Generic[K, V]):
 
     def get(self, key: K) -> V | None:
         """The visible value of ``key`` or ``None``."""
+        self._need([key])
         t = self._ktok(key)
         if t in self._pending:
             v = self._pending[t][1]
@@ -152,20 +212,42 @@ class TableTransaction(Generic[K, V]):
                 out.append((k, new, 1))
         return out
 
+    def commit(self) -> None:
+        """Append :meth:`pending` to the collection at the upper the contents were read
+        at, atomically; a transaction with nothing pending writes nothing.
+
+        Raises:
+            AppendLowerMismatch: another writer appended to the collection since it was
+                read (nothing was committed: read again and redo the changes, or use
+                ``Stash.with_transaction``, which does so).
+            StashError: the transaction is not bound to a stash (made from plain data),
+                belongs to a ``with_transaction`` function (which commits it), or was
+                committed already; any error of ``Stash.append``.
+        """
+        if self._commit is None:
+            raise StashError(
+                "table transaction: not bound to a stash read; make it with "
+                "TypedCollection.table(stash) or Stash.with_transaction"
+            )
+        self._commit()
+
     # ------------------------------------------------------------ checks
     def _verify(self, changes: Mapping[Any, tuple[K, Any]]) -> None:
         violates = self._violates
         if violates is None:
             return
+        self._need_all()
         trial = dict(self._pending)
         trial.update(changes)
-        visible = [(t, v) for t, (_, v) in trial.items() if v is not _DELETED]
-        visible += [(t, v) for t, (_, v) in self._initial.items() if t not in trial]
-        changed = [(t, v) for t, (_, v) in changes.items() if v is not _DELETED]
-        for ct, cv in changed:
-            for t, v in visible:
+        visible = [(t, k, v) for t, (k, v) in trial.items() if v is not _DELETED]
+        visible += [(t, k, v) for t, (k, v) in self._initial.items() if t not in trial]
+        changed = [(t, k, v) for t, (k, v) in changes.items() if v is not _DELETED]
+        for ct, ck, cv in changed:
+            for t, k, v in visible:
                 if t != ct and (violates(cv, v) or violates(v, cv)):
-                    raise StashError("uniqueness violation")
+                    raise UniquenessViolation(
+                        self.collection, ck, k, "two rows' values may not coexist"
+                    )
 
     def _change(self, key: K, value: Any) -> tuple[Any, tuple[K, Any]]:
         if value is not _DELETED:
@@ -181,8 +263,9 @@ class TableTransaction(Generic[K, V]):
                 uniqueness (``uniqueness violation``); nothing changes then.
         """
         t, kv = self._change(key, value)
+        self._need([key])
         if self._visible(t):
-            raise StashError("uniqueness violation: key already exists")
+            raise UniquenessViolation(self.collection, key, key, "key already exists")
         self._verify({t: kv})
         self._pending[t] = kv
 
@@ -216,6 +299,7 @@ class TableTransaction(Generic[K, V]):
             StashError: the value violates uniqueness; nothing changes then.
         """
         t, kv = self._change(key, _DELETED if value is None else value)
+        self._need([key])
         if value is not None:
             self._verify({t: kv})
         self._pending[t] = kv
@@ -226,6 +310,7 @@ class TableTransaction(Generic[K, V]):
         for k, v in entries:
             t, kv = self._change(k, _DELETED if v is None else v)
             changes[t] = kv
+        self._need(k for k, _ in changes.values())
         self._verify(changes)
         self._pending.update(changes)
 

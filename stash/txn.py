@@ -8,7 +8,7 @@ of these primitives.  Invariants a backend must keep:
 * a new collection starts with no rows, since ``{0}`` and upper ``{0}``;
 * ``None`` stands for the empty frontier in ``frontiers``/``set_upper``/``set_since``;
 * keys and values are canonical JSON text (see :mod:`stash.codec`), so text equality is
-  value equality;
+  value equality (one exception: the values of a whole collection's ``peek_rows``);
 * ``codecs`` and ``collection_name`` answer from the statement that read the collection's frontiers
   (or took its lock), so checking a handle's codecs costs no query of its own; in a write
   transaction, once ``lock`` (or ``frontiers``) returned, the codec names cannot change
@@ -74,7 +74,10 @@ class Txn(Protocol):
 
     def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
         """``[(key, value, diff)]`` of rows with ``time <= ts``, consolidated by
-        ``(key, value)``, zero sums dropped, in no particular order."""
+        ``(key, value)``, zero sums dropped, in no particular order.  Without ``key``
+        (a whole collection, read to be decoded), a value may be a non-canonical JSON
+        text of the value stored (Postgres: as ``jsonb`` renders it; one value, one
+        text); keys, and the values of one key's peek, are canonical."""
         ...
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:

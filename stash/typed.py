@@ -30,12 +30,14 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
+from stash import keyed
 from stash.antichain import I64_MAX, Antichain
-from stash.base import Stash, _frozen_key
+from stash.base import Stash
 from stash.codec import CodecLike, resolve_codec
 from stash.collection import AppendBatch, StashCollection
 from stash.errors import PeekSinceUpperError, StashError
 from stash.table import TableTransaction
+from stash.transaction import bound_table
 from stash.txn import Row, Txn
 
 K = TypeVar("K")
@@ -73,6 +75,11 @@ class TypedCollection(Generic[K, V]):
     def __repr__(self) -> str:
         return f"TypedCollection({self.name!r})"
 
+    def _target(self) -> keyed.Target:
+        """The name and codecs the one-transaction writes of :mod:`stash.keyed` look
+        the collection up with (inside their transaction)."""
+        return keyed.Target(self.name, self.key, self.value)
+
     def migrate(
         self,
         stash: Stash,
@@ -88,6 +95,9 @@ class TypedCollection(Generic[K, V]):
         The new entries are written at the collection's upper ``t`` (the old ones are
         retracted there and consolidated away); the upper becomes ``t + 1`` and the
         since ``t``: history before the migration is not readable in either encoding.
+        Entries already written at times beyond ``t`` (``update`` accepts any time at
+        or beyond the upper) are rewritten at their own times, so no entry of any time
+        is left in the old encoding.
         Collection handles made with the old codecs, through any stash handle, can no
         longer read or write it (``peek``, ``iter``, ``update``, ``append``... raise
         ``StashError`` naming both codec pairs; ``since``, ``upper`` and ``seal`` still
@@ -122,14 +132,19 @@ class TypedCollection(Generic[K, V]):
                     f"{Antichain() if upper is None else Antichain.from_elem(upper)} leaves "
                     "no time to write the migrated entries at"
                 )
-            acc: dict[tuple[str, str], int] = {}
-            for kj, vj, _t, d in tx.rows(cid):
-                acc[(kj, vj)] = acc.get((kj, vj), 0) + d
-            live = {kv: d for kv, d in acc.items() if d != 0}
-            unique = len({kj for kj, _ in live}) == len(live)
-            out: dict[tuple[str, str], int] = {}
-            first: dict[str, Any] = {}
-            for (kj, vj), d in live.items():
+            # Rows before the upper are the contents now (read at the upper); a row at
+            # or beyond it (``update`` writes there) keeps its own time: every row, of
+            # every time, is rewritten in the new encoding.
+            acc: dict[tuple[str, str, int], int] = {}
+            for kj, vj, t, d in tx.rows(cid):
+                g = (kj, vj, max(t, upper))
+                acc[g] = acc.get(g, 0) + d
+            live = {g: d for g, d in acc.items() if d != 0}
+            now = [kj for kj, _, t in live if t == upper]
+            unique = len(set(now)) == len(now)
+            out: dict[tuple[str, str, int], int] = {}
+            first: dict[tuple[str, int], Any] = {}
+            for (kj, vj, t), d in live.items():
                 k, v = old.key_codec.decode(kj), old.value_codec.decode(vj)
                 k2, v2 = fn(k, v)
                 try:
@@ -139,15 +154,15 @@ class TypedCollection(Generic[K, V]):
                         f"migrating collection {name}: entry {k!r} maps to a key or value "
                         f"that does not encode with ({new_kc.name}, {new_vc.name}): {e}"
                     ) from None
-                if unique and nk in first:
+                if unique and t == upper and (nk, t) in first:
                     raise StashError(
-                        f"migrating collection {name}: keys {first[nk]!r} and {k!r} both "
-                        f"map to key {k2!r}; nothing was committed"
+                        f"migrating collection {name}: keys {first[(nk, t)]!r} and {k!r} "
+                        f"both map to key {k2!r}; nothing was committed"
                     )
-                first[nk] = k
-                out[(nk, nv)] = out.get((nk, nv), 0) + d
-            rows: list[Row] = [(kj, vj, upper, -d) for (kj, vj), d in live.items()]
-            rows += [(kj, vj, upper, d) for (kj, vj), d in out.items() if d != 0]
+                first[(nk, t)] = k
+                out[(nk, nv, t)] = out.get((nk, nv, t), 0) + d
+            rows: list[Row] = [(kj, vj, t, -d) for (kj, vj, t), d in live.items()]
+            rows += [(kj, vj, t, d) for (kj, vj, t), d in out.items() if d != 0]
             if rows:
                 tx.insert(cid, rows)
             tx.set_upper(cid, upper + 1)
@@ -176,15 +191,16 @@ class TypedCollection(Generic[K, V]):
         self, stash: Stash, uniqueness_violation: Callable[[V, V], bool] | None = None
     ) -> TableTransaction[K, V]:
         """A :class:`~stash.table.TableTransaction` over the sealed contents, comparing
-        keys and values by this collection's codecs (commit its ``pending()`` with
-        ``append_to_batch``)."""
-        c, _, prev = self._read_then_batch(stash, stash._peek_unique)
-        # Keys as peek_one gives them (a JSON array, a tuple written with the JSON codec,
-        # as a tuple): the transaction holds them in dicts.
-        initial = [(_frozen_key(k) if type(k) is list else k, v) for _, k, v in prev]
-        return TableTransaction(
-            initial, uniqueness_violation, key_codec=c.key_codec, value_codec=c.value_codec
-        )
+        keys and values by this collection's codecs, bound to what it read: its
+        ``commit()`` appends its changes in one transaction, and raises
+        :class:`~stash.errors.AppendLowerMismatch` (committing nothing) if another
+        writer changed what it read since (with ``uniqueness_violation``, every row is
+        read now and any append conflicts; without one, keys are read as the table is
+        asked about them, and only a write of those keys conflicts).  A new collection
+        reads as empty.  To read and write several collections at one point, with
+        retries, use ``Stash.with_transaction``.
+        """
+        return bound_table(stash, self.get(stash), uniqueness_violation)
 
     def peek_key_one(self, stash: Stash, key: K) -> V | None:
         """The sealed value of ``key`` or ``None`` (see :meth:`Stash.peek_key_one`)."""
@@ -206,49 +222,34 @@ class TypedCollection(Generic[K, V]):
         return c, batch, prev
 
     def insert_without_overwrite(self, stash: Stash, key: K, value: V) -> V:
-        """Set ``key`` to ``value`` unless it already has a value; return the value the
-        key has afterwards.
+        """Set ``key`` to ``value`` unless it already has a value (a stored ``null`` is
+        one); return the value the key has afterwards.  One write transaction (see
+        :mod:`stash.keyed`): no other writer can come between its read and its write.
 
         Raises:
-            AppendLowerMismatch: a writer through another handle appended between the
-                read and the write (threads sharing this handle run one at a time).
+            StashError: the key holds several values; the collection records other
+                codecs; nothing is written then.
         """
-        with _handle_lock(stash):
-            c, batch, prev = self._read_then_batch(stash, lambda c: stash.peek_key_one(c, key))
-            if prev is not None:
-                return prev
-            c.append_to_batch(batch, key, value, 1)
-            stash.append([batch])
-            return value
+        got: V = keyed.insert_without_overwrite(stash, self._target(), key, value)
+        return got
 
     def upsert_key(self, stash: Stash, key: K, value: V) -> None:
-        """Set ``key`` to ``value``, retracting its previous value.
+        """Set ``key`` to ``value``, retracting its previous value (by its stored text),
+        in one write transaction (see :mod:`stash.keyed`); an unchanged value writes
+        nothing.
 
         Raises:
-            AppendLowerMismatch: a writer through another handle appended between the
-                read and the write (threads sharing this handle run one at a time).
+            StashError: the key holds several values; the collection records other
+                codecs; nothing is written then.
         """
-        with _handle_lock(stash):
-            c, batch, prev = self._read_then_batch(stash, lambda c: stash.peek_key_one(c, key))
-            if prev is not None:
-                c.append_to_batch(batch, key, prev, -1)
-            c.append_to_batch(batch, key, value, 1)
-            stash.append([batch])
+        keyed.upsert_key(stash, self._target(), key, value)
 
     def upsert(self, stash: Stash, entries: Iterable[tuple[K, V]]) -> None:
-        """Set each ``(key, value)``, retracting previous values, in one append.
+        """Set each ``(key, value)``, retracting previous values (by their stored
+        texts), in one write transaction (see :mod:`stash.keyed`).
 
         Raises:
-            AppendLowerMismatch: a writer through another handle appended between the
-                read and the write (threads sharing this handle run one at a time).
+            StashError: a key written holds several values; the collection records
+                other codecs; nothing is written then.
         """
-        with _handle_lock(stash):
-            c, batch, prev = self._read_then_batch(stash, stash._peek_unique)
-            encoded: dict[str, Any] = {kj: v for kj, _, v in prev}
-            for k, v in entries:
-                kj = c.key_codec.encode(k)
-                if kj in encoded:
-                    c.append_to_batch(batch, k, encoded[kj], -1)
-                c.append_to_batch(batch, k, v, 1)
-                encoded[kj] = v
-            stash.append([batch])
+        keyed.upsert(stash, self._target(), entries)

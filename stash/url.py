@@ -109,7 +109,9 @@ def redact(value: object, *, url: object = None) -> str:
       fragment.
     * Text that begins with a URL is also parsed as :func:`parse_url` (and so
       ``Stash.open``) reads it, and the secrets it finds there are hidden whatever
-      characters they hold (whitespace, quotes, brackets, a leading ``/``).
+      characters they hold (whitespace, quotes, brackets, a leading ``/``, ``?``); if
+      no grammar reads it, everything from the user name's ``:`` to the text's last
+      ``@`` is hidden.
     * Any text, parsed or not (``postgresql+psycopg:/user:secret@host`` lacks ``//``, a
       driver's message quotes a URL): anything looking like ``user:secret@`` loses its
       secret, ``password=...``-like ``name=value`` pairs their value (quoted or bare,
@@ -138,6 +140,8 @@ def redact(value: object, *, url: object = None) -> str:
             parsed = _parse_quietly(text)
             if parsed is not None:
                 text = _hide_parsed_secrets(text, parsed)
+            else:  # no grammar reads it: hide up to its last "@" (over-hiding is safe)
+                text = _hide_userinfo_to_last_at(text)
     elif isinstance(value, os.PathLike):
         text = os.fspath(value)
         text = text if isinstance(text, str) else repr(text)
@@ -183,9 +187,66 @@ def _matched_value(m: re.Match[str]) -> str:
 def _parse_quietly(text: str) -> URL | None:
     """``text`` parsed as :func:`parse_url` does, or ``None`` if it does not parse."""
     try:
-        return sa.engine.make_url(_escape_ats(text))
+        return _parse(text)
     except Exception:
         return None
+
+
+def _parse(url: str) -> URL:
+    """``url`` read by SQLAlchemy's URL grammar, after :func:`_escape_ats` unless the
+    password holds a character that ends an RFC 3986 authority (``?``, ``/``, ``#``: the
+    RFC reading of ``user:pa?ss@host`` is the host ``user`` with the port ``pa``, no
+    port at all), in which case SQLAlchemy reads it as written; a URL the escaped form
+    does not parse as is read by SQLAlchemy as written too (what SQLAlchemy accepts,
+    the stash accepts).
+
+    Raises:
+        Exception: whatever SQLAlchemy's parser raises (its message may quote the URL).
+    """
+    if not _password_ends_authority(url):
+        try:
+            return sa.engine.make_url(_escape_ats(url))
+        except Exception:
+            pass
+    return sa.engine.make_url(url)
+
+
+def _password_ends_authority(url: str) -> bool:
+    """Whether the RFC 3986 authority of ``url`` ends inside a password: it holds no
+    ``@`` while the rest of the URL does, and what would be its port is not a number."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False
+    if "@" in parts.netloc or "@" not in url.partition("://")[2]:
+        return False
+    _, colon, port = parts.netloc.rpartition(":")
+    return bool(colon) and not port.isdigit() and "]" not in port
+
+
+def _redact_unparsed(url: str) -> str:
+    """A URL no grammar reads, shown safely: everything between the user name (the text
+    up to the first ``:``, when it holds no ``/``) and the last ``@`` is hidden, and so
+    is the whole user info if there is no such name; the query is hidden."""
+    if "://" not in url:
+        return HIDDEN
+    scheme, _, rest = _hide_userinfo_to_last_at(url).partition("://")
+    base, q, _ = rest.partition("?")
+    return f"{scheme}://{base}" + (f"?{HIDDEN}" if q else "")
+
+
+def _hide_userinfo_to_last_at(text: str) -> str:
+    """``text`` (``scheme://...``) with everything between the user name (up to the
+    first ``:``, if it holds no ``/`` nor whitespace) and the last ``@`` hidden (all of
+    it without such a name): a password may hold any character, so no earlier ``@``,
+    space or quote may end it."""
+    scheme, _, rest = text.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
+        return text
+    user, colon, _ = userinfo.partition(":")
+    named = colon and user and "/" not in user and not any(c.isspace() for c in user)
+    return f"{scheme}://{f'{user}:{HIDDEN}' if named else HIDDEN}@{host}"
 
 
 def _is_database(drivername: str) -> bool:
@@ -296,6 +357,11 @@ def _secrets_of(url: object) -> list[str]:
         url = url.render_as_string(hide_password=False)
     if not isinstance(url, str):
         return []
+    if parsed is None and "@" in url.partition("://")[2]:
+        # No grammar reads it: everything between the user name and the last ``@``.
+        userinfo = url.partition("://")[2].rpartition("@")[0]
+        user, colon, rest = userinfo.partition(":")
+        out += [rest, unquote(rest)] if colon and "/" not in user else [userinfo]
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -344,7 +410,8 @@ def _escape_ats(url: str) -> str:
 
 def parse_url(url: str) -> URL:
     """Parse a stash URL with SQLAlchemy's URL grammar (after percent-encoding any
-    ``@`` that RFC 3986 does not read as the end of the user info).
+    ``@`` that RFC 3986 does not read as the end of the user info; a password holding
+    ``?``, ``/`` or ``#`` is read as SQLAlchemy reads it, see :func:`_parse`).
 
     Raises:
         StashError: not a str, or not a URL of the form ``scheme://...``.
@@ -355,12 +422,12 @@ def parse_url(url: str) -> URL:
             "sqlite:///path or postgresql+psycopg://user@host/db"
         )
     try:
-        return sa.engine.make_url(_escape_ats(url))
+        return _parse(url)
     except Exception:
         pass
     # Raised outside the handler: the parser's own error quotes parts of the URL (a
     # password's included) and must not ride along as the context.
-    raise StashError(f"malformed stash URL {redact(url)!r}")
+    raise StashError(f"malformed stash URL {_redact_unparsed(url)!r}")
 
 
 #: The older name of :func:`redact` (kept for callers written before it was renamed).

@@ -90,7 +90,10 @@ def compact_shard(
     gc: bool = False,
     gc_grace_seconds: float | None = None,
 ) -> CompactJobReport:
-    """Answer every outstanding merge request of ``shard`` (large ones with Spark).
+    """Answer every outstanding merge request of ``shard`` (large ones with Spark), then
+    merge each batch of several runs smaller than ``min_spark_bytes`` into one run
+    (:meth:`persist.spine.Trace.run_merge_reqs`), so that a native read
+    (:mod:`spark.native_plan`) finds one consolidated run where a write left several.
 
     Args:
         spark: the SparkSession (only used for requests of ``min_spark_bytes`` or more).
@@ -104,7 +107,7 @@ def compact_shard(
     Raises:
         persist.InvalidUsage: unknown shard.
     """
-    from persist import PersistClient, PersistError, collect_garbage
+    from persist import PersistClient, collect_garbage
     from stash import Stash
 
     t0 = time.perf_counter()
@@ -115,34 +118,28 @@ def compact_shard(
             machine = client.machine(client.shard_id(shard))
             st = machine.fetch()
             reqs = st.trace.all_fueled_merge_reqs()
-            report.requests = len(reqs)
-            for req in reqs:
-                nbytes = _req_bytes(req)
-                report.bytes_in += nbytes
-                try:
-                    if nbytes >= min_spark_bytes and spark is not None:
-                        report.spark_merges += 1
-                        applied, rows_in, rows_out, out_bytes = _spark_merge(
-                            spark, client, machine, req, stash_url, blob_uri, nbytes, bytes_per_task
-                        )
-                    else:
-                        report.local_merges += 1
-                        r = client.compactor.merge(machine, req)
-                        applied, rows_in, rows_out, out_bytes = (
-                            bool(r.applied),
-                            r.rows_in,
-                            r.rows_out,
-                            r.bytes_written,
-                        )
-                except PersistError as e:
-                    report.failed += 1
-                    report.errors.append(f"merge {req.desc}: {e}")
-                    continue
-                report.applied += int(applied)
-                report.not_applied += int(not applied)
-                report.rows_in += rows_in
-                report.rows_out += rows_out
-                report.bytes_out += out_bytes
+            # Then every batch of several runs (e.g. a Spark write's tasks) under
+            # min_spark_bytes becomes one run (merged on the driver: a Spark merge
+            # writes one run per task), planned on the state the fueled merges leave.
+            for phase in (0, 1):
+                if phase == 1:
+                    reqs = [
+                        r
+                        for r in machine.fetch().trace.run_merge_reqs()
+                        if _req_bytes(r) < min_spark_bytes
+                    ]
+                report.requests += len(reqs)
+                _answer(
+                    spark,
+                    client,
+                    machine,
+                    reqs,
+                    report,
+                    stash_url,
+                    blob_uri,
+                    min_spark_bytes,
+                    bytes_per_task,
+                )
             if gc:
                 g = collect_garbage(client, shard, grace_seconds=gc_grace_seconds)
                 report.gc_deleted = len(g.deleted_retired) + len(g.deleted_abandoned)
@@ -150,6 +147,49 @@ def compact_shard(
             client.close()
     report.seconds = round(time.perf_counter() - t0, 3)
     return report
+
+
+def _answer(
+    spark: Any,
+    client: Any,
+    machine: Any,
+    reqs: list[Any],
+    report: CompactJobReport,
+    stash_url: str,
+    blob_uri: str,
+    min_spark_bytes: int,
+    bytes_per_task: int,
+) -> None:
+    """Answer merge requests ``reqs`` (large ones with Spark), adding to ``report``."""
+    from persist import PersistError
+
+    for req in reqs:
+        nbytes = _req_bytes(req)
+        report.bytes_in += nbytes
+        try:
+            if nbytes >= min_spark_bytes and spark is not None:
+                report.spark_merges += 1
+                applied, rows_in, rows_out, out_bytes = _spark_merge(
+                    spark, client, machine, req, stash_url, blob_uri, nbytes, bytes_per_task
+                )
+            else:
+                report.local_merges += 1
+                r = client.compactor.merge(machine, req)
+                applied, rows_in, rows_out, out_bytes = (
+                    bool(r.applied),
+                    r.rows_in,
+                    r.rows_out,
+                    r.bytes_written,
+                )
+        except PersistError as e:
+            report.failed += 1
+            report.errors.append(f"merge {req.desc}: {e}")
+            continue
+        report.applied += int(applied)
+        report.not_applied += int(not applied)
+        report.rows_in += rows_in
+        report.rows_out += rows_out
+        report.bytes_out += out_bytes
 
 
 # ------------------------------------------------------------ Spark merge

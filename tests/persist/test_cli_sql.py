@@ -175,7 +175,7 @@ def test_sql_join_never_sees_half_a_transaction(tmp_path: Path, monkeypatch: Any
     ``orders`` and ``lines`` between the reads of the two is wholly absent (reading each
     shard at its own latest time showed the order without its line).  The commit is
     injected right after the first shard's snapshot."""
-    from persist.read import ReadHandle
+    from persist import snapshots
 
     url, blob = f"sqlite:///{tmp_path}/s.db", f"file://{tmp_path}/blob"
     ks, vs = pa.schema([("id", pa.int64())]), pa.schema([("v", pa.int64())])
@@ -186,12 +186,12 @@ def test_sql_join_never_sees_half_a_transaction(tmp_path: Path, monkeypatch: Any
         t.write("lines", pa.table({"id": [1], "v": [100]}), key_schema=ks, value_schema=vs)
         t.commit()
         c.close()
-    real = ReadHandle.snapshot
+    real = snapshots.read_version
     calls: list[str] = []
 
-    def racing(self: ReadHandle, *args: Any, **kwargs: Any) -> Any:
-        out = real(self, *args, **kwargs)
-        calls.append(self.shard_id)
+    def racing(ctx: Any, m: Any, st: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real(ctx, m, st, *args, **kwargs)
+        calls.append(st.shard_id)
         if len(calls) == 1:  # another process commits a transaction right now
             with Stash.open(url, fenced=False) as s2:
                 c2 = PersistClient(s2, blob)
@@ -202,7 +202,7 @@ def test_sql_join_never_sees_half_a_transaction(tmp_path: Path, monkeypatch: Any
                 c2.close()
         return out
 
-    monkeypatch.setattr(ReadHandle, "snapshot", racing)
+    monkeypatch.setattr(snapshots, "read_version", racing)
     base = ["--stash", url, "--blob", blob]
     q = "SELECT o.id, l.v AS lv FROM orders o LEFT JOIN lines l ON l.id = o.id ORDER BY 1"
     res = CliRunner().invoke(main, [*base, "sql", q, "--json"])
@@ -210,7 +210,7 @@ def test_sql_join_never_sees_half_a_transaction(tmp_path: Path, monkeypatch: Any
     assert len(calls) == 2, calls  # the commit landed between the two reads
     rows = [json.loads(x) for x in res.output.splitlines()]
     assert rows == [{"id": 1, "lv": 100}], f"half a transaction visible: {rows}"
-    monkeypatch.setattr(ReadHandle, "snapshot", real)
+    monkeypatch.setattr(snapshots, "read_version", real)
     # Both transactions are there at the latest common time, and --as-of reads all at T.
     res = CliRunner().invoke(main, [*base, "sql", q, "--json"])
     assert [json.loads(x) for x in res.output.splitlines()] == [

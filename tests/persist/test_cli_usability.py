@@ -124,23 +124,22 @@ def test_no_command_creates_a_stash(tmp_path: Path, cmd: list[str]) -> None:
 
 
 def test_a_missing_blob_root_asks_whether_blob_is_right(tmp_path: Path) -> None:
+    """A shard records its blob store's identity: a client over another store (a typo
+    in --blob, an empty root) is refused up front, naming both stores, by every command
+    (it used to read inline data "fine" and fail on the first blob part)."""
     url, _ = _store(tmp_path)
     typo = f"file://{tmp_path}/blbo"
-    res = _run(["--stash", url, "--blob", typo, "cat", "orders"])
-    assert res.exit_code == 1 and "Traceback" not in res.output
-    line = res.stderr.strip()
-    assert line.startswith("error: corrupt part "), line
-    assert line.endswith(f" — the blob store {typo} does not exist: is --blob right?"), line
-    # An existing root that holds nothing of the shard: asked alike.
     (tmp_path / "empty").mkdir()
-    res = _run(["--stash", url, "--blob", f"file://{tmp_path}/empty", "cat", "orders"])
-    assert res.stderr.strip().endswith("holds no part of this shard: is --blob right?")
-    # fsck still reports the damage (exit 2), and asks the same question.
-    res = _run(["--stash", url, "--blob", typo, "fsck", "orders"])
-    assert res.exit_code == 2
-    assert res.stderr.splitlines()[-1] == (
-        f"error: every part is missing — the blob store {typo} does not exist: is --blob right?"
-    )
+    for blob in (typo, f"file://{tmp_path}/empty"):
+        for cmd in (["cat", "orders"], ["fsck", "orders"], ["inspect", "orders"]):
+            res = _run(["--stash", url, "--blob", blob, *cmd])
+            assert res.exit_code == 1 and "Traceback" not in res.output
+            line = res.stderr.strip()
+            assert line.startswith("error: shard 'orders' belongs to the blob store FileBlob("), (
+                line
+            )
+            assert f"not to this client's blob store FileBlob('{blob[7:]}')" in line, line
+            assert line.endswith("is the blob URI right? Nothing was written"), line
 
 
 def test_cat_beyond_the_upper_says_the_upper_and_offers_wait(tmp_path: Path) -> None:
@@ -361,13 +360,11 @@ def test_an_object_store_prefix_without_the_shard_asks_whether_blob_is_right(
         w.compare_and_append([(((1,), ("a", 6)), 0, 1)], 0, 1)
         w.expire()
         c.close()
-    from stash import redact
-
     wrong = s3_blob_uri.replace("/t", "/typo-t", 1)
     assert wrong != s3_blob_uri
     res = _run(["--stash", url, "--blob", wrong, "cat", "orders"])
     assert res.exit_code == 1
-    assert res.stderr.strip().endswith(
-        f"the blob store {redact(wrong)} holds no part of this shard: is --blob right?"
-    ), res.stderr
+    err = res.stderr.strip()
+    assert err.startswith("error: shard 'orders' belongs to the blob store ArrowFsBlob('s3'"), err
+    assert "/typo-t" in err and err.endswith("is the blob URI right? Nothing was written"), err
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in res.output

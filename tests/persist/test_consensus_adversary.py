@@ -528,8 +528,9 @@ def test_txn_staged_plans_survive_a_lost_race_at_the_rollup(url: str) -> None:
     that makes the 32nd (a diff) and the 33rd (the rollup) versions first: it re-stages
     on the fresh layout and commits; both shards read back whole."""
     with Stash.open(url, fenced=False) as s:
-        c1 = PersistClient(s, MemoryBlob(), compaction="off")
-        c2 = PersistClient(s, MemoryBlob(), compaction="off")
+        blob = MemoryBlob()  # one store: a shard records its store's identity
+        c1 = PersistClient(s, blob, compaction="off")
+        c2 = PersistClient(s, blob, compaction="off")
         w1, r1 = c1.open("a", KS, VS)
         c1.open("b", KS, VS)
         w2, _ = c2.open("a", KS, VS)

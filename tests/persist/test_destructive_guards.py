@@ -119,7 +119,7 @@ def test_handles_opened_before_a_drop_say_the_shard_was_dropped() -> None:
     w, r = c.open("sh", KS, VS)
     w.compare_and_append([_row("a", 1, 0)], 0, 1)
     listen = r.listen(0)
-    other = PersistClient(s, MemoryBlob(), compaction="off")
+    other = PersistClient(s, c.raw_blob, compaction="off")  # the same blob store
     other.finalize_shard("sh")
     with pytest.raises(InvalidUsage, match="was finalized"):
         r.snapshot(0)

@@ -211,14 +211,18 @@ WID = "w" + "ab" * 16
 
 def test_fresh_tokens_are_distinct_valid_and_redrawn_in_a_child() -> None:
     """Tokens name their writer (16 hex digits of its id), then the drawing process (8
-    random hex digits), then a counter: distinct, ordered within a process, and the
-    process digits drawn again after a fork."""
+    random hex digits), then a counter, then the seqno the append was first tried
+    after (persist/landed.py): distinct, ordered within a process, and the process
+    digits drawn again after a fork."""
+    from persist.lease_state import token_lo
+
     src = write_mod._TokenSource()
-    tokens = [src.next(WID) for _ in range(2000)]
+    tokens = [src.next(WID, 7) for _ in range(2000)]
     assert len(set(tokens)) == len(tokens)
-    assert all(len(t) == 34 and t[:16] == WID[1:17] for t in tokens)
+    assert all(len(t.rsplit(".", 1)[0]) == 34 and t[:16] == WID[1:17] for t in tokens)
     assert all(int(x, 16) >= 0 for t in tokens for x in t.split("."))
-    assert [int(t[26:], 16) for t in tokens] == sorted(int(t[26:], 16) for t in tokens)
+    assert all(token_lo(t) == 7 for t in tokens)
+    assert [int(t[26:34], 16) for t in tokens] == sorted(int(t[26:34], 16) for t in tokens)
     assert all(write_mod._token(t, WID) == t for t in tokens[:5])  # valid caller tokens too
     process = tokens[0][17:25]
     assert {t[17:25] for t in tokens} == {process}
@@ -263,4 +267,4 @@ def test_a_fork_while_another_thread_draws_a_token_does_not_deadlock_the_child()
     child_token = os.read(r, 64).decode()
     os.close(r)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
-    assert len(child_token) == 34 and child_token[17:25] != parent_token[17:25]
+    assert len(child_token.rsplit(".", 1)[0]) == 34 and child_token[17:25] != parent_token[17:25]

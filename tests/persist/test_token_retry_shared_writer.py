@@ -9,7 +9,8 @@ breaks that: the machine's lock is released between ``_apply_resolving``'s attem
 and before the note, and another thread's appends push the token out of the writer's
 recent tokens.  The note then records a seqno after those appends, the next head
 "shows" the writer present without the token, and the token is settled as NOT landed:
-the retry writes the rows a second time.
+the retry writes the rows a second time.  (The records now live in the shard apart
+from the writer, persist/landed.py; the hook point is ``note_attempt``.)
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def test_token_pushed_out_by_another_thread_before_the_note_is_settled_as_not_la
     w.resolve_max_wait = 0.001
     w.heartbeat()
     m = w._machine
-    orig_note = m.note_unknown_token
+    orig_note = m.note_attempt
 
     def other_thread() -> None:
         # Thread B, sharing the handle: appends while thread A sorts out its outcome
@@ -71,20 +72,20 @@ def test_token_pushed_out_by_another_thread_before_the_note_is_settled_as_not_la
         for i in range(WRITER_TOKENS_KEPT):
             w.compare_and_append([upd(f"b{i}", i, up + i)], up + i, up + i + 1)
 
-    def note(token: str, wid: str) -> None:
+    def note(token: str, lo: int) -> None:
         flaky.reads_to_fail = 0  # the server is back
         t = threading.Thread(target=other_thread)
         t.start()
         t.join()
-        orig_note(token, wid)
+        orig_note(token, lo)
 
-    m.note_unknown_token = note  # type: ignore[method-assign]
+    m.note_attempt = note  # type: ignore[method-assign]
     flaky.arm(reads=50)
     with pytest.raises(ConsensusError) as e:
         w.compare_and_append([upd("a", 1, 0)], 0, 1)  # lands at [0, 1); ack lost
     assert e.value.is_indeterminate()
     token = e.value.idempotency_token
-    m.note_unknown_token = orig_note  # type: ignore[method-assign]
+    m.note_attempt = orig_note  # type: ignore[method-assign]
     # Later tokens of the writer pushed the token out before the outcome was seen: the
     # retry may answer "landed" or say the outcome cannot be learned, never write again.
     with contextlib.suppress(ConsensusError):

@@ -448,3 +448,39 @@ def test_upsert_mode_replans_after_a_lost_race(spark_store: Any, monkeypatch: An
     assert raced
     assert _snapshot(spark_store) == Counter({(1, "c", 1): 1, (2, "b", 1): 1})
     assert _stray_parts(spark_store) == set()
+
+
+def test_upsert_micro_batch_repeating_a_row_fails_and_commits_nothing(spark_store: Any) -> None:
+    """The same row twice in one task of an upsert micro-batch: the task's builder
+    consolidates the two into one update with ``_diff`` 2, so the check must read the
+    diffs, not only the keys. The micro-batch fails and commits nothing (before the fix
+    it committed the row with ``_diff`` 2)."""
+    from spark.persist_common import PersistSourceError
+
+    w = _writer(spark_store, spark_store.root / "ckpt", mode="upsert")
+    w.commit([_task(w, [(1, "a")])], 0)
+    with pytest.raises(PersistSourceError, match="two rows have one key"):
+        w.commit([_task(w, [(2, "b"), (2, "b")])], 1)
+    assert _snapshot(spark_store) == Counter({(1, "a", 1): 1})
+    assert _stray_parts(spark_store) == set()
+
+
+@pytest.mark.parametrize("char", [" ", "%", "[", "#", "?", "%41"])
+def test_checkpoint_path_characters_are_data(spark_store: Any, char: str) -> None:
+    """A checkpoint directory whose name holds a space, ``%``, ``[``, ``#`` or ``?`` (or
+    an escape-like ``%41``): the query id is read from that directory's own
+    ``metadata``, so a recreated checkpoint (a new query id) is a new stream, not a
+    replay. Before the fix the location was ``"file://" + path`` unescaped: the id read
+    as ``None`` (or another file's), and micro-batch 0 of the new query was dropped."""
+    ckpt = spark_store.root / f"ck{char}pt"
+    ckpt.mkdir()
+    # A decoy beside it: "#" or "?" cut the unescaped URI's path at "ck".
+    (spark_store.root / "ck").mkdir()
+    (spark_store.root / "ck" / "metadata").write_text('{"id":"decoy"}\n')
+    (ckpt / "metadata").write_text('{"id":"query-one"}\n')
+    w = _writer(spark_store, ckpt)
+    w.commit([_task(w, [(1, "a")])], 0)
+    w.commit([_task(w, [(1, "a")])], 0)  # a replay: nothing
+    (ckpt / "metadata").write_text('{"id":"query-two"}\n')
+    w.commit([_task(w, [(2, "b")])], 0)
+    assert _snapshot(spark_store) == Counter({(1, "a", 1): 1, (2, "b", 1): 1})

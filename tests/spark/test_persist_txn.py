@@ -136,7 +136,10 @@ def test_upsert_means_a_row_upsert_and_the_entry_shape_is_deprecated(tmp_path: P
     url = f"sqlite:///{tmp_path}/s.db"
     key = pa.schema([pa.field("tailnum", pa.string(), False)])
     val = pa.schema([pa.field("seats", pa.int64())])
-    t = PersistTxn(None, url, "memory://")
+    # One blob store for both transactions (a named memory store): a shard records its
+    # store, and another one is refused even while every part is inline.
+    blob = f"memory://planes-{tmp_path.name}"
+    t = PersistTxn(None, url, blob)
     try:
         t.client.open("planes", key, val)
         rows = pa.table({"tailnum": ["N1", "N2"], "seats": [2, 4]})
@@ -152,7 +155,7 @@ def test_upsert_means_a_row_upsert_and_the_entry_shape_is_deprecated(tmp_path: P
         ts = t.commit()
     finally:
         t.close()
-    t = PersistTxn(None, url, "memory://")
+    t = PersistTxn(None, url, blob)
     try:  # a second upsert of N1 replaces its row: one row per key
         assert t.upsert("planes", pa.table({"tailnum": ["N1"], "seats": [3]}).to_batches()[0]) == 1
         t.commit()

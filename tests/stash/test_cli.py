@@ -29,7 +29,7 @@ def test_cli_commands(tmp_path: Path) -> None:
     _seed(url)
     res = r.invoke(main, ["collections", url, "--json"])
     assert res.exit_code == 0
-    assert json.loads(res.output) == [
+    assert [json.loads(x) for x in res.output.splitlines()] == [
         {
             "id": 1,
             "key_codec": "json",
@@ -40,7 +40,7 @@ def test_cli_commands(tmp_path: Path) -> None:
         }
     ]
     res = r.invoke(main, ["peek", url, "orders", "--json"])
-    assert json.loads(res.output) == [
+    assert [json.loads(x) for x in res.output.splitlines()] == [
         {"key": "a", "value": {"qty": 1}, "diff": 2},
         {"key": "b", "value": 2, "diff": 1},
     ]
@@ -49,7 +49,7 @@ def test_cli_commands(tmp_path: Path) -> None:
     res = r.invoke(main, ["consolidate", url, "orders"])
     assert res.exit_code == 0
     res = r.invoke(main, ["iter", url, "orders", "--json"])
-    assert json.loads(res.output) == [
+    assert [json.loads(x) for x in res.output.splitlines()] == [
         {"key": "a", "value": {"qty": 1}, "time": 1, "diff": 2},
         {"key": "b", "value": 2, "time": 1, "diff": 1},
     ]
@@ -106,6 +106,6 @@ def test_cli_shows_markup_literally(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert "[red]k[/red]" in res.output
     assert "\\x1b]0;title\\x07" in res.output and "\x1b" not in res.output
     res = r.invoke(main, ["iter", url, name, "--json"])
-    assert json.loads(res.output) == [
+    assert [json.loads(x) for x in res.output.splitlines()] == [
         {"key": "[red]k[/red]", "value": "\x1b]0;title\x07", "time": 0, "diff": 1}
     ]

@@ -146,7 +146,7 @@ def test_console_script_end_to_end(tmp_path: Path) -> None:
         check=False,
     )
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == [
+    assert [json.loads(x) for x in out.stdout.splitlines()] == [
         {"key": "a", "value": 1, "diff": 1},
         {"key": "b", "value": 2, "diff": 1},
     ]

@@ -18,6 +18,7 @@ from stash import (
     StashError,
     TableTransaction,
     TypedCollection,
+    UniquenessViolation,
 )
 from stash.antichain import I64_MAX
 from tests.stash.conftest_helpers import tick
@@ -39,7 +40,9 @@ def test_new_collection_is_empty_with_zero_frontiers(stash: Stash) -> None:
     assert "orders" in stash.collections()
     with pytest.raises(PeekSinceUpperError) as e:
         stash.peek(c)
-    assert err(e) == f"stash error: collection {c.id} since {{0}} is not less than upper {{0}}"
+    assert err(e) == "stash error: collection orders since {0} is not less than upper {0}"
+    assert stash.peek_one(c) == {}  # nothing was ever appended: empty
+    assert stash.peek_key_one(c, "k") is None
     # The frontiers the peek read travel with the error, so a caller decides on them.
     assert (e.value.since, e.value.upper) == (A(0), A(0))
     assert e.value.never_written()
@@ -191,7 +194,7 @@ def test_compact_batch_and_empty_since(stash: Stash) -> None:
     assert err(e) == "stash error: cannot iterate collection with empty since frontier"
     with pytest.raises(PeekSinceUpperError) as e2:
         stash.peek(c)
-    assert err(e2) == f"stash error: collection {c.id} since {{}} is not less than upper {{}}"
+    assert err(e2) == f"stash error: collection {c.name} since {{}} is not less than upper {{}}"
     assert (e2.value.since, e2.value.upper) == (EMPTY, EMPTY)
     assert not e2.value.never_written()
     stash.consolidate(c)
@@ -458,14 +461,18 @@ def test_typed_collection(stash: Stash) -> None:
     assert t.upper(stash) == stash.upper(t.get(stash))
 
 
-def test_typed_collection_bumps_upper_when_since_equals_upper(stash: Stash) -> None:
+def test_typed_collection_writes_when_since_equals_upper(stash: Stash) -> None:
+    # One write transaction reads every sealed time and writes at the upper: one tick
+    # (the read no longer needs an empty batch to bump the upper first).
     t: TypedCollection[str, str] = TypedCollection("t")
     c = t.get(stash)
     stash.seal(c, A(4))
     stash.compact(c, A(4))
     t.upsert_key(stash, "k", "v")
     assert t.peek_one(stash) == {"k": "v"}
-    assert stash.upper(c) == A(6)
+    assert stash.upper(c) == A(5) and stash.since(c) == A(4)
+    t.upsert_key(stash, "k", "v")  # unchanged: writes nothing
+    assert stash.upper(c) == A(5)
 
 
 def test_typed_collection_lost_race_raises(open_stash) -> None:  # type: ignore[no-untyped-def]
@@ -489,7 +496,9 @@ def test_table_transaction_commit(stash: Stash) -> None:
     tt.insert(3, {"name": "cy"})
     with pytest.raises(StashError) as e:
         tt.insert(4, {"name": "ann"})
-    assert err(e) == "stash error: uniqueness violation"
+    assert err(e).startswith("stash error: uniqueness violation")
+    assert isinstance(e.value, UniquenessViolation)
+    assert (e.value.key, e.value.existing_key) == (4, 1)
     with pytest.raises(StashError):
         tt.insert(1, {"name": "zed"})
     assert tt.update(lambda k, v: {"name": "bo"} if k == 2 else None) == 1
@@ -618,3 +627,307 @@ def test_malformed_url(url: str) -> None:
         Stash.open(url)
     assert err(e).startswith("stash error: ")
     assert "pw" not in err(e)
+
+
+# ------------------------------------------------- defects of a stash review
+def test_stored_json_null_is_a_value_for_upsert_key_and_insert(stash: Stash) -> None:
+    """A key whose value is JSON ``null`` holds a value: ``insert_without_overwrite``
+    keeps it and ``upsert_key`` retracts it (both took it as absent, and the key ended
+    with two values)."""
+    t = TypedCollection[str, object]("nulls")
+    t.upsert(stash, [("a", None), ("b", None)])
+    assert t.insert_without_overwrite(stash, "a", 1) is None
+    assert t.peek_one(stash) == {"a": None, "b": None}
+    t.upsert_key(stash, "b", 2)
+    assert t.peek_one(stash) == {"a": None, "b": 2}
+    t.upsert_key(stash, "a", None)
+    t.upsert_key(stash, "a", None)
+    assert t.peek_one(stash) == {"a": None, "b": 2}
+    assert t.peek_key_one(stash, "a") is None
+
+
+def test_migrate_rewrites_entries_at_and_beyond_the_upper(stash: Stash) -> None:
+    """Entries ``update`` wrote at or beyond the upper are migrated at their own times:
+    none is left in the old encoding (they were, and every later peek failed)."""
+    t = TypedCollection[str, object]("mig")
+    t.upsert(stash, [("a", 1)])
+    c = t.get(stash)
+    up = stash.upper(c).as_option()
+    assert up is not None
+    stash.update(c, ("b", 2), up, 1)  # at the upper
+    stash.update(c, ("c", 3), up + 5, 1)  # beyond it
+    new = t.migrate(stash, "str", "str", lambda k, v: (k, str(v)))
+    assert new.peek_one(stash) == {"a": "1", "b": "2"}
+    nc = new.get(stash)
+    stash.seal(nc, A(up + 6))
+    assert new.peek_one(stash) == {"a": "1", "b": "2", "c": "3"}
+    assert [(kv, d) for kv, _, d in stash.iter(nc)] == [
+        (("a", "1"), 1),
+        (("b", "2"), 1),
+        (("c", "3"), 1),
+    ]
+
+
+def test_pre_encoded_entries_are_canonical_on_every_backend(stash: Stash) -> None:
+    """Entries encoded by hand are checked and stored as the codecs encode them: ``1.0``
+    and ``1`` are one value on every backend (they stayed apart on memory and SQLite and
+    merged on Postgres), and a key that is not JSON commits nothing (it was committed on
+    memory and SQLite)."""
+    c = stash.collection("pre")
+    b = c.make_batch(stash)
+    b.entries.append((("1.0", '{"b": 1, "a": 2.0}'), b.timestamp, 1))
+    b.entries.append((("1", '{"a":2,"b":1}'), b.timestamp, 1))
+    stash.append([b])
+    assert stash.peek(c) == [(1, {"a": 2, "b": 1}, 2)]
+    assert [(kv, d) for kv, _, d in stash.iter(c)] == [((1, {"a": 2, "b": 1}), 2)]
+
+    b = c.make_batch(stash)
+    c.append_to_batch(b, "ok", 1, 1)
+    b.entries.append((("not json", "1"), b.timestamp, 1))
+    with pytest.raises(StashError) as e:
+        stash.append([b])
+    assert "collection pre" in err(e) and "'not json'" in err(e) and "json codec" in err(e)
+    assert stash.upper(c) == A(1)
+    assert stash.peek(c) == [(1, {"a": 2, "b": 1}, 2)]
+
+    # Cleared, reordered and mixed with entries encoded by hand: every hand entry checked.
+    b = c.make_batch(stash)
+    c.append_to_batch(b, "gone", 1, 1)
+    b.entries.clear()
+    c.append_to_batch(b, "x", 1, 1)
+    b.entries.insert(0, (("2.0", "[1.0]"), b.timestamp, 1))
+    stash.append([b])
+    assert stash.peek(c) == [(1, {"a": 2, "b": 1}, 2), (2, [1], 1), ("x", 1, 1)]
+
+    ints = stash.collection("pre_int", key="int", value="str")
+    b = ints.make_batch(stash)
+    b.entries.append((("7.0", '"x"'), b.timestamp, 1))
+    stash.append([b])
+    assert stash.peek_one(ints) == {7: "x"}
+    b = ints.make_batch(stash)
+    b.entries.append((("8", "9"), b.timestamp, 1))  # a number is no str value
+    with pytest.raises(StashError, match="str codec"):
+        stash.append([b])
+
+
+# --------------------------------------- transactions with one consistent read
+def test_table_commit_never_commits_over_a_newer_write(open_stash) -> None:  # type: ignore[no-untyped-def]
+    """``TypedCollection.table`` is bound to the upper it read: a commit after another
+    writer's append fails and commits nothing (the documented path used to append the
+    changes over it, retracting a value no longer live and breaking every later peek)."""
+    s1, s2 = open_stash(), open_stash()
+    t = TypedCollection[str, int]("tbl", key="str", value="int")
+    t.upsert(s1, [("a", 1)])
+    tt = t.table(s1)
+    tt.set("a", 2)
+    t.upsert_key(s2, "a", 5)  # lands between the read and the commit
+    with pytest.raises(AppendLowerMismatch) as e:
+        tt.commit()
+    assert e.value.collection == "tbl"
+    assert t.peek_one(s1) == {"a": 5}
+    tt = t.table(s1)  # read again: commits
+    tt.set("a", 2)
+    tt.set("b", 3)
+    tt.commit()
+    assert t.peek_one(s2) == {"a": 2, "b": 3}
+    with pytest.raises(StashError, match="committed already"):
+        tt.commit()
+    with pytest.raises(StashError, match="not bound"):
+        TableTransaction({}).commit()
+
+
+def test_table_commit_on_a_new_collection(stash: Stash) -> None:
+    """A new collection reads as empty and its table commits at lower {0} (the old
+    batch-first order failed there with AppendLowerMismatch)."""
+    t = TypedCollection[str, int]("fresh", key="str", value="int")
+    assert t.peek_one(stash) == {}
+    tt = t.table(stash)
+    assert tt.items() == {}
+    tt.insert("a", 1)
+    tt.commit()
+    assert t.peek_one(stash) == {"a": 1}
+    assert stash.upper(t.get(stash)) == A(1)
+    unchanged = t.table(stash)
+    unchanged.commit()  # nothing pending: nothing written
+    assert stash.upper(t.get(stash)) == A(1)
+
+
+def test_uniqueness_violation_names_collection_and_both_keys(stash: Stash) -> None:
+    t = TypedCollection[str, dict]("people", key="str")
+    t.upsert(stash, [("ann", {"name": "Ann"})])
+    tt = t.table(stash, lambda a, b: a["name"] == b["name"])
+    with pytest.raises(UniquenessViolation) as e:
+        tt.insert("ann2", {"name": "Ann"})
+    assert (e.value.collection, e.value.key, e.value.existing_key) == ("people", "ann2", "ann")
+    assert "people" in err(e) and "'ann2'" in err(e) and "'ann'" in err(e)
+    with pytest.raises(UniquenessViolation) as e:
+        tt.insert("ann", {"name": "Other"})
+    assert err(e).startswith("stash error: uniqueness violation: key already exists")
+    assert isinstance(e.value, StashError)
+
+
+def test_with_transaction_commits_atomically_and_returns_the_result(stash: Stash) -> None:
+    tables = TypedCollection[str, int]("w_tables", key="str", value="int")
+    columns = TypedCollection[tuple, str]("w_columns", key=tuple, value="str")
+
+    def create(tx):  # type: ignore[no-untyped-def]
+        t = tx.table(tables)
+        t.insert("orders", 1)
+        c = tx.table(columns)
+        c.insert(("orders", "id"), "int")
+        c.insert(("orders", "qty"), "int")
+        assert tx.peek_one(tables) == {"orders": 1}  # its own changes
+        assert tx.peek_key_one(columns, ("orders", "id")) == "int"
+        with pytest.raises(StashError, match="with_transaction"):
+            t.commit()
+        return "done"
+
+    assert stash.with_transaction(create) == "done"
+    assert tables.peek_one(stash) == {"orders": 1}
+    assert columns.peek_one(stash) == {("orders", "id"): "int", ("orders", "qty"): "int"}
+
+    def failing(tx):  # type: ignore[no-untyped-def]
+        tx.table(tables).set("orders", None)
+        tx.table(columns).insert(("orders", "id"), "dup")  # raises: nothing commits
+
+    with pytest.raises(UniquenessViolation):
+        stash.with_transaction(failing)
+    assert tables.peek_one(stash) == {"orders": 1}
+    uppers = (stash.upper(tables.get(stash)), stash.upper(columns.get(stash)))
+    assert stash.with_transaction(lambda tx: tx.peek_one(tables)) == {"orders": 1}
+    assert (stash.upper(tables.get(stash)), stash.upper(columns.get(stash))) == uppers
+
+
+def test_with_transaction_reads_at_one_point_and_runs_again(open_stash) -> None:  # type: ignore[no-untyped-def]
+    """A write landing between two reads of one attempt ends the attempt before the
+    function sees a torn state; the function runs again and sees the new state whole."""
+    s, other = open_stash(), open_stash()
+    a = TypedCollection[str, int]("one_a", key="str", value="int")
+    b = TypedCollection[str, int]("one_b", key="str", value="int")
+    a.upsert(s, [("x", 1)])
+    b.upsert(s, [("x", 1)])
+    seen: list[tuple[int, int | None]] = []
+
+    def rename(tx):  # type: ignore[no-untyped-def]
+        va = tx.peek_key_one(a, "x")
+        if not seen:  # the first attempt: another writer moves both collections now
+            other.with_transaction(lambda t2: (t2.table(a).set("x", 2), t2.table(b).set("x", 2)))
+        seen.append((va, None))
+        vb = tx.peek_key_one(b, "x")
+        seen[-1] = (va, vb)
+        tx.table(a).set("x", va + 10)
+        return va, vb
+
+    assert s.with_transaction(rename) == (2, 2)
+    assert seen == [(1, None), (2, 2)]  # the first attempt never read b's newer value
+    assert a.peek_one(s) == {"x": 12}
+
+
+def test_with_transaction_checks_collections_it_only_read(open_stash) -> None:  # type: ignore[no-untyped-def]
+    s, other = open_stash(), open_stash()
+    src = TypedCollection[str, int]("ro_src", key="str", value="int")
+    dst = TypedCollection[str, int]("ro_dst", key="str", value="int")
+    src.upsert(s, [("n", 1)])
+    runs: list[int] = []
+
+    def copy(tx):  # type: ignore[no-untyped-def]
+        n = tx.peek_key_one(src, "n")
+        runs.append(n)
+        if len(runs) == 1:
+            src.upsert_key(other, "n", 7)  # after the read, before the commit
+        tx.table(dst).set("n", n)
+
+    s.with_transaction(copy)
+    assert runs == [1, 7]
+    assert dst.peek_one(s) == {"n": 7}  # never the stale 1
+
+
+def test_with_transaction_gives_up_after_retries(open_stash) -> None:  # type: ignore[no-untyped-def]
+    s, other = open_stash(), open_stash()
+    t = TypedCollection[str, int]("busy", key="str", value="int")
+    t.upsert(s, [("k", 0)])
+    runs = []
+
+    def contended(tx):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        v = tx.peek_key_one(t, "k")
+        t.upsert_key(other, "k", v + 100)  # always someone faster
+        tx.table(t).set("k", v + 1)
+
+    with pytest.raises(AppendLowerMismatch) as e:
+        s.with_transaction(contended, retries=2)
+    assert len(runs) == 3 and e.value.collection == "busy"
+    assert t.peek_one(s) == {"k": 300}  # only the other writer's changes
+    with pytest.raises(StashError, match="retries"):
+        s.with_transaction(contended, retries=-1)
+
+
+def test_writers_of_distinct_keys_do_not_conflict(open_stash) -> None:  # type: ignore[no-untyped-def]
+    """A transaction checks the keys it read, not the whole collection: another
+    writer's commit of a different key in between costs no retry (it cost one, and two
+    processes inserting different keys conflicted hundreds of times); the same key, or
+    a rule that reads every row, still conflicts (serializable)."""
+    s, other = open_stash(), open_stash()
+    t = TypedCollection[str, int]("keys", key="str", value="int")
+    t.upsert(s, [("a", 1), ("b", 1)])
+    runs: list[int] = []
+
+    def bump_a(tx):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        tt = tx.table(t)
+        v = tt.get("a")
+        if len(runs) == 1:
+            t.upsert_key(other, "b", 5)  # a distinct key, between the read and the commit
+            other.with_transaction(lambda t2: t2.table(t).insert("c", 9))
+        tt.set("a", v + 1)
+        assert tx.peek_key_one(t, "a") == v + 1
+
+    s.with_transaction(bump_a)
+    assert runs == [1]
+    assert t.peek_one(s) == {"a": 2, "b": 5, "c": 9}
+
+    # A bound table too: a distinct key lands, the commit succeeds.
+    tt = t.table(s)
+    tt.set("a", 3)
+    t.upsert_key(other, "b", 6)
+    tt.commit()
+    assert t.peek_one(s) == {"a": 3, "b": 6, "c": 9}
+
+    # The same key: a conflict.
+    tt = t.table(s)
+    tt.set("a", 4)
+    t.upsert_key(other, "a", 7)
+    with pytest.raises(AppendLowerMismatch, match="key"):
+        tt.commit()
+    assert t.peek_one(s) == {"a": 7, "b": 6, "c": 9}
+
+    # A key read as absent, then inserted by another writer: a conflict (no phantom).
+    tt = t.table(s)
+    assert tt.get("d") is None
+    t.upsert_key(other, "d", 1)
+    tt.insert("d", 2)  # "d" was read before the other insert: still absent here
+    with pytest.raises(AppendLowerMismatch):
+        tt.commit()
+    assert t.peek_key_one(s, "d") == 1
+
+    # A uniqueness rule reads every row: any other write is a conflict.
+    tt = t.table(s, lambda x, y: x == y)
+    tt.set("e", 100)
+    t.upsert_key(other, "f", 1)
+    with pytest.raises(AppendLowerMismatch):
+        tt.commit()
+    assert "e" not in t.peek_one(s)
+
+    # items() reads every row too.
+    runs.clear()
+
+    def count(tx):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        tt = tx.table(t)
+        n = len(tt.items())
+        if len(runs) == 1:
+            t.upsert_key(other, "g", 1)
+        tt.set("n", n)
+
+    s.with_transaction(count)
+    assert len(runs) == 2 and t.peek_key_one(s, "n") == 6

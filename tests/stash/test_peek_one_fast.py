@@ -1,5 +1,5 @@
-"""The whole-column ``peek_one`` path (:meth:`Stash._peek_one_fast`) against the checked
-one-entry-at-a-time path it short-cuts (:meth:`Stash._peek_one_checked`) and a model
+"""The whole-column ``peek_one`` path (:func:`stash.peek.peek_one_fast`) against the checked
+one-entry-at-a-time path it short-cuts (:func:`stash.peek.peek_one_checked`) and a model
 (the diffs of each ``(key, value)`` summed over the sealed times), on random collections
 with retractions, multiplicities, duplicate keys, keys equal in Python (``True`` and
 ``1``), list and object keys; and the bulk decode (:func:`stash.codec.decode_all`)
@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from stash import Antichain, Stash, StashError
 from stash.codec import IntCodec, JsonCodec, StrCodec, decode_all
 from stash.collection import StashCollection
+from stash.peek import peek_one_checked, peek_one_fast
 
 _names = itertools.count()
 
@@ -80,8 +81,8 @@ def test_peek_one_fast_path_matches_checked_path(
     stash.compact(c, Antichain.from_option(min(since, upper - 1)))
 
     raw = stash._peek_raw(c)
-    checked = _outcome(lambda: stash._peek_one_checked(c, list(raw)))
-    direct = stash._peek_one_fast(c, list(raw))
+    checked = _outcome(lambda: peek_one_checked(c, list(raw)))
+    direct = peek_one_fast(c, list(raw))
     if direct is not None:  # the fast path answered: exactly what the checked path says
         assert checked == ("ok", [(k, type(k), v) for k, v in direct.items()])
     fast = _outcome(lambda: stash.peek_one(c))
@@ -140,7 +141,7 @@ def test_peek_one_orders_keys_by_codec(stash: Stash, key: str) -> None:
     keys: list[Any] = list(range(25, -5, -1)) if key != "str" else ["b", "a", "ab", "é", ""]
     stash.update_many(c, [((k, str(k)), 0, 1) for k in keys])
     stash.seal(c, Antichain.from_option(1))
-    assert stash._peek_one_fast(c, stash._peek_raw(c)) is not None
+    assert peek_one_fast(c, stash._peek_raw(c)) is not None
     got = stash.peek_one(c)
     assert list(got) == sorted(keys, key=c.key_codec.sort_key)
     assert got == {k: str(k) for k in keys}

@@ -80,3 +80,55 @@ def test_url_argument_secret_with_space_removed_from_message() -> None:
     url = "postgresql+psycopg://user:hunter 2xyz@host/db"
     out = redact("driver said: hunter 2xyz rejected", url=url)
     assert "2xyz" not in out, out
+
+
+QUESTION_PASSWORDS = ["pa?ss word", "pa?ss'q", 'pa?s"s', "p?w", "a?b=c d", "p/w?x y", "x?y#z w"]
+
+
+@pytest.mark.parametrize("password", QUESTION_PASSWORDS)
+def test_password_with_question_mark_is_accepted_and_hidden(password: str) -> None:
+    """A password holding ``?`` (with a space or a quote, or alone) is read as
+    SQLAlchemy reads it, and no message shows it (it was refused, and printed verbatim
+    by the malformed-URL error, ``redact()`` and the CLI)."""
+    import sqlalchemy as sa
+
+    url = f"postgresql+psycopg://user:{password}@localhost:5432/db"
+    assert parse_url(url) == sa.engine.make_url(url)  # what SQLAlchemy reads
+    u = parse_url(url)
+    assert (u.username, u.password, u.host, u.port, u.database) == (
+        "user",
+        password,
+        "localhost",
+        5432,
+        "db",
+    )
+    shown = redact(url)
+    assert shown == "postgresql+psycopg://user:***@localhost:5432/db"
+    assert redact(f"{url}: connection refused") == f"{shown}: connection refused"
+    assert password not in redact(u)
+
+
+@pytest.mark.parametrize("password", ["s p?a@c:e", "x y?z'@q", "?"])
+def test_odd_url_never_shows_its_password(password: str) -> None:
+    """Unparseable (the first), or read by SQLAlchemy's first-``@`` rule (the second):
+    the password is shown nowhere."""
+    from stash import Stash, StashError
+
+    url = f"postgresql+psycopg://user:{password}@localhost:5432/db"
+    assert password not in redact(url)
+    try:
+        Stash.open(url, connect_timeout=2)
+    except StashError as e:
+        assert password not in str(e)
+
+
+def test_cli_never_prints_a_question_mark_password() -> None:
+    from click.testing import CliRunner
+
+    from stash.cli import main
+
+    for password in QUESTION_PASSWORDS + ["s p?a@c:e"]:
+        url = f"postgresql+psycopg://user:{password}@127.0.0.1:1/db"
+        r = CliRunner().invoke(main, ["collections", url])
+        assert r.exit_code != 0
+        assert password not in r.output, r.output

@@ -1,7 +1,7 @@
 """Protects: a TableTransaction reads keys written as JSON arrays as peek_one does.
 
 The attack: TypedCollection.table over a collection whose keys are JSON arrays (a tuple key
-written with the default JSON codec): peek_one turns them into tuples (base._frozen_key),
+written with the default JSON codec): peek_one turns them into tuples (stash.peek.frozen_key),
 but the TableTransaction built from the same contents keeps them as lists, so items()
 and initial -- the read-your-writes view -- crash with a raw TypeError."""
 

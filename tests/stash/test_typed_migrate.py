@@ -115,8 +115,10 @@ def test_a_stale_handles_writes_are_all_refused(open_stash: OpenStash) -> None:
         c.append_to_batch(batch, "z", "not-an-int", 1)
         with pytest.raises(StashError, match=refused):
             h.append([batch])
-    table.insert("z", "not-an-int")
+    with pytest.raises(StashError, match=STALE.format(new="int")):
+        table.insert("z", "not-an-int")  # the table reads the key: through the stale handle
     batch = cb.make_batch(b)
+    cb.append_to_batch(batch, "z", "not-an-int", 1)
     for k, v, d in table.pending():
         cb.append_to_batch(batch, k, v, d)
     with pytest.raises(StashError, match=refused):

@@ -1,0 +1,91 @@
+"""The history record of a state version: what changed, when and how much
+(:func:`make_record`), decided by the state machine on the version it publishes.
+
+A record is ``{"seqno", "time", "ms", "op", "params", "metrics"}``: the version's seqno,
+the logical time its contents are read at (``upper - 1`` of the new version, ``None``
+before anything is definite), the commit timestamp (UTC ms), the operation (one of
+:data:`persist.commit_note.OPERATIONS`), its parameters and metrics (``rows_inserted``,
+``rows_retracted`` when the operation knew them, ``None`` otherwise; ``updates_added``,
+``bytes_added``, ``parts_added``, ``parts_removed`` from the parts the version adds
+and drops).  They are written to the shard's history collection in the same atomic
+append as the version (:class:`persist.consensus.HistoryAppend`).
+
+Invariants kept here: only a version that changes the shard's contents, schema,
+retention or since-by-retention gets a record (lease renewals, registrations and
+expiries get none: they are hidden from history); the timestamps never decrease from
+one record to the next (``max(now, previous)``, the previous one being in the state
+the version is computed from, so it holds across processes and clocks).
+
+Source of the idea: Delta Lake's ``commitInfo`` (``timestamp``, ``operation``,
+``operationParameters``, ``operationMetrics``) and its monotonic commit timestamps
+(the ``inCommitTimestamp`` table feature).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from persist.commit_note import current
+from persist.state import ShardState
+
+__all__ = ["make_record"]
+
+#: The machine's command names that may make a record.
+COMMAND_OPS = ("create", "append", "txn", "optimize", "schema", "since", "retention")
+
+
+def _parts(st: ShardState) -> dict[str, tuple[int, int]]:
+    """Part id -> (rows, bytes) of every part ``st`` references."""
+    return {
+        pid: (p.rows, p.encoded_size_bytes)
+        for b in st.trace.batches()
+        for p in b.parts
+        if (pid := p.part_id) is not None
+    }
+
+
+def make_record(
+    old: ShardState, new: ShardState, command: str, now_ms: int
+) -> dict[str, Any] | None:
+    """The history record of ``new`` (a version about to be published on ``old``) made
+    by the machine command ``command`` (one of :data:`COMMAND_OPS`), or ``None`` when
+    the version is one history hides.  Reads the running table operation's note
+    (:func:`persist.commit_note.current`)."""
+    note = current()
+    op, params, metrics = command, {}, {}
+    if command in ("append", "txn"):
+        if note is not None:
+            op, params, metrics = note.op, dict(note.params), dict(note.metrics)
+    elif command == "optimize":
+        params = {"auto": True}
+        if note is not None and note.op == "optimize":
+            params = dict(note.params)
+    elif command == "since":
+        if note is None or note.op != "retention":
+            return None
+        op, params = "retention", dict(note.params)
+    elif command == "retention" and note is not None:
+        params = dict(note.params)
+    if command in ("optimize", "since") and (
+        old.since == new.since and old.trace.batches() == new.trace.batches()
+    ):
+        return None
+    if command == "schema" and old.schema_history == new.schema_history:
+        return None
+    before, after = _parts(old), _parts(new)
+    added = [v for k, v in after.items() if k not in before]
+    metrics.setdefault("rows_inserted", None)
+    metrics.setdefault("rows_retracted", None)
+    metrics["updates_added"] = sum(r for r, _b in added)
+    metrics["bytes_added"] = sum(b for _r, b in added)
+    metrics["parts_added"] = len(added)
+    metrics["parts_removed"] = sum(1 for k in before if k not in after)
+    upper = new.upper.as_option()
+    return {
+        "seqno": new.seqno,
+        "time": None if not upper else upper - 1,
+        "ms": max(now_ms, old.history_ms),
+        "op": op,
+        "params": params,
+        "metrics": metrics,
+    }

@@ -1,0 +1,608 @@
+"""The user-facing table: a shard anyone can open by name, write rows to and read rows
+from, without ``_time``, ``_diff`` or explicit uppers (:class:`Table`).
+
+A :class:`Table` is a thin layer over a shard's handles, after delta-rs's ``DeltaTable``
+and pyiceberg's ``Table``: :meth:`PersistClient.create_table
+<persist.client.PersistClient.create_table>` makes one (or returns the existing one with
+the same schema), :meth:`PersistClient.table <persist.client.PersistClient.table>` opens
+one with its newest schema.  Writes go through the shard's
+:class:`~persist.write.WriteHandle` (row changes) or a :class:`~persist.txn.Txn`
+(appends, retried at the next time without uploading again); reads go through one state
+version and its parts, without a lease (:mod:`persist.version_read`).  The operating
+side lives in modules of its own: history (:mod:`persist.history`, written by the
+machine: :mod:`persist.history_record`), retention (:mod:`persist.retention`), full
+compaction (:mod:`persist.optimize`), DuckDB (:mod:`persist.duckdb_read`), the blob
+store's identity (:mod:`persist.store_identity`) and progress
+(:mod:`persist.progress`).
+
+Invariants kept here:
+
+* every input goes through one conversion (:func:`persist.arrow_input.as_arrow_table`),
+  then the shard's column check and casts (:func:`persist.rows.conform_rows`): a value
+  that does not fit is refused and nothing is committed;
+* ``append`` commits its rows at one time, the shard's upper when it commits (the
+  smallest time that can commit), and returns it;
+* a read is the consolidated snapshot of ONE state version at one ``as_of``, each row
+  repeated by its multiplicity, without ``_time``/``_diff``; it registers no reader and
+  writes nothing (so it works on a readonly stash): if GC deleted a part of that
+  version meanwhile, it reads again on the newer version at the same ``as_of`` (exact
+  while ``as_of`` is at or after the since), or fails naming the since;
+* an ``as_of`` before the since raises :class:`~persist.errors.SinceViolation` naming
+  the since; one at or beyond the upper raises :class:`~persist.errors.InvalidUsage`
+  naming the upper; a ``datetime`` resolves to the time of the newest version
+  committed at or before it (its history record);
+* ``restore(as_of)`` is one commit of ``rows(as_of) - rows(now)``, consolidated, so
+  afterwards ``to_arrow()`` equals ``to_arrow(as_of)``.
+
+Sources: delta-rs's ``DeltaTable`` (``python/deltalake/table.py``) and pyiceberg's
+``Table`` (``pyiceberg/table/__init__.py``): the calls users know; Materialize's
+persist-client ``ReadHandle::snapshot_and_fetch`` for reading one version.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist import retention
+from persist import rows as rows_mod
+from persist.arrow_input import as_arrow_table
+from persist.commit_note import noting
+from persist.compactor import Compactor
+from persist.consolidation import consolidate
+from persist.context import SHARD_ID_REF
+from persist.duckdb_read import direct_paths, scan_parts
+from persist.errors import (
+    InvalidUsage,
+    SchemaMismatch,
+    SinceViolation,
+)
+from persist.filters import check_columns, check_filter
+from persist.gc import GcReport, collect_garbage
+from persist.history import history_table, time_at
+from persist.machine import ShardMachine
+from persist.optimize import OptimizeReport, optimize
+from persist.parts import updates_schema
+from persist.progress import Progress
+from persist.relation import expand_rows
+from persist.rows import RowChanges
+from persist.state import ShardState
+from persist.txn import Txn
+from persist.version_read import check_readable, read_version
+from persist.write import WriteHandle
+from stash import redact
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from persist.shards import Shards
+
+__all__ = ["Table", "VacuumReport"]
+
+
+@dataclass(frozen=True)
+class VacuumReport:
+    """What :meth:`Table.vacuum` did: the ``since`` after it (``None``: empty) and the
+    garbage collection's :class:`~persist.gc.GcReport` (``gc``)."""
+
+    since: int | None
+    gc: GcReport
+
+
+log = logging.getLogger(__name__)
+
+
+def split_schema(name: str, schema: pa.Schema, key: Sequence[str]) -> tuple[pa.Schema, pa.Schema]:
+    """``schema`` split into the key schema (the ``key`` columns, in ``key``'s order)
+    and the value schema (the other columns, in ``schema``'s order).
+
+    Raises:
+        InvalidUsage: ``schema`` is not a ``pyarrow.Schema``; ``key`` is not a
+            non-empty list of distinct column names of ``schema``.
+    """
+    if not isinstance(schema, pa.Schema):
+        raise InvalidUsage(
+            f"table {name!r}: schema must be a pyarrow.Schema, not {type(schema).__name__}"
+        )
+    if isinstance(key, str) or not isinstance(key, Sequence) or not key:
+        raise InvalidUsage(
+            f"table {name!r}: key must be a non-empty list of column names, got {key!r}"
+        )
+    keys = list(key)
+    unknown = [k for k in keys if not isinstance(k, str) or schema.get_field_index(k) < 0]
+    if unknown:
+        raise InvalidUsage(
+            f"table {name!r}: key column(s) {unknown} are not in the schema {schema.names}"
+        )
+    if len(set(keys)) != len(keys):
+        raise InvalidUsage(f"table {name!r}: key {keys} names a column twice")
+    if len(set(schema.names)) != len(schema.names):
+        raise InvalidUsage(f"table {name!r}: schema {schema.names} names a column twice")
+    key_schema = pa.schema([schema.field(k) for k in keys])
+    value_schema = pa.schema([f for f in schema if f.name not in set(keys)])
+    return key_schema, value_schema
+
+
+class Table:
+    """A table: one shard, opened by name (see the module docstring).  Made by
+    :meth:`PersistClient.create_table <persist.client.PersistClient.create_table>` and
+    :meth:`PersistClient.table <persist.client.PersistClient.table>`, never directly.
+
+    Thread-safe: its methods may run in several threads at once (each write commits at
+    its own time).
+
+    Attributes:
+        name: the table's (shard's) name.
+        shard_id: the shard's id.
+    """
+
+    def __init__(self, shards: Shards, name: str, shard_id: str, compactor: Compactor) -> None:
+        self._shards = shards
+        self._compactor = compactor
+        self._ctx = shards.ctx
+        self.name = name
+        self.shard_id = shard_id
+        self._machine: ShardMachine = self._ctx.machine(shard_id)
+        self._lock = threading.Lock()
+        self._writer: WriteHandle | None = None
+
+    def __repr__(self) -> str:
+        return f"Table({self.name!r}, key={self.key}, schema={self.schema.names})"
+
+    # ------------------------------------------------------------------ shape
+    def _state(self) -> ShardState:
+        """The latest state (the cached one if the head did not move)."""
+        st = self._machine.recent()
+        st.check_not_finalized()
+        return st
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The table's columns (``pyarrow.Schema``): the key columns, then the value
+        columns of the newest schema version."""
+        st = self._machine.state()
+        return pa.schema([*st.key_schema, *st.value_schema])
+
+    @property
+    def key(self) -> list[str]:
+        """The names of the key columns."""
+        return list(self._machine.state().key_schema.names)
+
+    # ----------------------------------------------------------------- writes
+    def _write_handle(self) -> WriteHandle:
+        """The writer of this table, in the shard's newest schema (made again when
+        another process evolved the schema, or its lease ran out)."""
+        st = self._state()
+        newest = st.schemas().newest
+        with self._lock:
+            w = self._writer
+            if w is not None and not w._expired and w.schema_id == newest:
+                return w
+        w = self._shards.writer(self._machine, self.name, st.key_schema, st.value_schema, newest)
+        with self._lock:
+            old, self._writer = self._writer, w
+        if old is not None and old is not w:
+            old.expire()
+        return w
+
+    def _rows(self, data: Any, what: str, w: WriteHandle) -> pa.Table:
+        """``data`` (anything Arrow takes) as the table's key and value columns."""
+        what = f"{what} table {self.name!r}"
+        return rows_mod.conform_rows(as_arrow_table(data, what), w.schema, what)
+
+    def append(self, data: Any) -> int:
+        """Insert the rows of ``data`` at the next time (the shard's upper when the
+        commit lands; a race moves it later, without uploading again).
+
+        Args:
+            data: the table's columns (no ``_time``/``_diff``): a pyarrow ``Table``,
+                ``RecordBatch`` or ``RecordBatchReader``, a pandas or polars
+                ``DataFrame``, or any object with ``__arrow_c_stream__``.
+
+        Returns: the time the rows were committed at (int).
+
+        Raises:
+            InvalidUsage: unknown input kind, missing or unknown columns, a value that
+                does not fit its column; nothing is committed.
+            BlobError, ConsensusError: storage failed.
+        """
+        with Progress(f"table {self.name!r}: append") as progress:
+            w = self._write_handle()
+            progress.set_phase("converting")
+            rows = self._rows(data, "append to", w)
+            progress.rows, progress.nbytes = rows.num_rows, rows.nbytes
+            txn = Txn(self._shards)
+            try:
+                with noting("append") as note:
+                    note.metrics.update(rows_inserted=rows.num_rows, rows_retracted=0)
+                    progress.set_phase("writing parts")
+                    txn.write(w, rows)
+                    progress.set_phase("committing", rows.num_rows)
+                    return txn.commit()
+            except BaseException:
+                txn.abort()
+                raise
+
+    def upsert(self, data: Any) -> RowChanges:
+        """Replace every live row whose key is in ``data`` by ``data``'s row, at one
+        new time (:meth:`WriteHandle.upsert <persist.write.WriteHandle.upsert>`).
+
+        Raises: as :meth:`append`; also InvalidUsage when ``data`` has a key twice.
+        """
+        with Progress(f"table {self.name!r}: upsert") as progress:
+            w = self._write_handle()
+            progress.set_phase("converting")
+            rows = self._rows(data, "upsert into", w)
+            progress.rows, progress.nbytes = rows.num_rows, rows.nbytes
+            progress.set_phase("reading live rows, writing changes, committing")
+            return w.upsert(rows)
+
+    def delete(self, filter: pc.Expression) -> RowChanges:
+        """Delete every live row ``filter`` (a boolean ``pyarrow.compute`` expression
+        over the columns) keeps, at one new time (:meth:`WriteHandle.delete
+        <persist.write.WriteHandle.delete>`)."""
+        with Progress(f"table {self.name!r}: delete") as progress:
+            progress.set_phase("reading live rows, writing retractions, committing")
+            return self._write_handle().delete(filter)
+
+    def update(self, filter: pc.Expression, set: Mapping[str, Any]) -> RowChanges:
+        """Set columns of every live row ``filter`` keeps (``set``: column -> scalar or
+        ``pyarrow.compute`` expression over the old row), at one new time
+        (:meth:`WriteHandle.update <persist.write.WriteHandle.update>`)."""
+        with Progress(f"table {self.name!r}: update") as progress:
+            progress.set_phase("reading live rows, writing changes, committing")
+            return self._write_handle().update(filter, set)
+
+    # ------------------------------------------------------------------ reads
+    def resolve_as_of(self, st: ShardState, as_of: Any) -> int | None:
+        """The logical time a read ``as_of`` means on ``st``: the latest definite time
+        for ``None`` (``None`` itself when nothing was ever committed), ``as_of`` for an
+        int, the time of the newest version committed at or before it for a
+        timezone-aware ``datetime`` (:func:`persist.history.time_at`).
+
+        Raises:
+            SinceViolation: before the since.  InvalidUsage: at or beyond the upper,
+                not a time, a naive datetime, or a datetime before the first commit
+                (naming the since).
+        """
+        upper, since = st.upper.as_option(), st.since.as_option()
+        if isinstance(as_of, dt.datetime):
+            records = self._ctx.consensus.history(self.shard_id)
+            as_of = time_at(records, as_of, st.since, f"table {self.name!r}")
+        if as_of is None:
+            if not upper:
+                return None
+            return upper - 1 if since is None else max(upper - 1, since)
+        if isinstance(as_of, bool) or not isinstance(as_of, int):
+            raise InvalidUsage(
+                f"table {self.name!r}: as_of must be an int time or a timezone-aware "
+                f"datetime, not {type(as_of).__name__}"
+            )
+        if not st.since.less_equal(as_of):
+            raise SinceViolation(as_of, st.since)
+        if upper is None or as_of >= upper:
+            raise InvalidUsage(
+                f"table {self.name!r}: as_of {as_of} is not before its upper {st.upper}: "
+                "no data is definite there yet"
+            )
+        return as_of
+
+    def _snapshot(
+        self,
+        as_of: Any,
+        columns: Sequence[str] | None,
+        filter: pc.Expression | None,
+    ) -> pa.Table:
+        """The consolidated rows (with ``_diff``) of one state version at ``as_of``
+        (:func:`persist.version_read.read_version`: no lease; a part GC removed meanwhile
+        is read from the newer version at the same time)."""
+        st = self._state()
+        t = self.resolve_as_of(st, as_of)
+        schema = pa.schema([*st.key_schema, *st.value_schema])
+        cols = check_columns(columns, schema)
+        wanted = [*(cols or schema.names), "_diff"]
+        if t is None:
+            check_filter(
+                filter,
+                updates_schema(st.key_schema, st.value_schema),
+                st.key_schema.names,
+                st.value_schema.names,
+            )
+            return updates_schema(st.key_schema, st.value_schema).empty_table().select(wanted)
+        out = read_version(self._ctx, self._machine, st, t, columns=wanted, filter=filter)
+        return out
+
+    def to_arrow(
+        self,
+        as_of: Any = None,
+        columns: Sequence[str] | None = None,
+        filter: pc.Expression | None = None,
+    ) -> pa.Table:
+        """The live rows as of ``as_of``: each (key, value) row repeated by its
+        multiplicity, sorted by key and value, without ``_time``/``_diff``.
+
+        Args:
+            as_of: ``None`` (the latest definite time), a time (int), or a
+                timezone-aware ``datetime`` (the table as it was at that instant).
+            columns: the columns to return, in order (``None``: all).
+            filter: a boolean ``pyarrow.compute`` expression over the columns, e.g.
+                ``pc.field("id") < 10`` (parts that cannot hold a kept row are not read).
+
+        Raises:
+            SinceViolation: ``as_of`` is before the since (naming it).
+            InvalidUsage: ``as_of`` at or beyond the upper; bad columns or filter; a row
+                with a negative multiplicity (more retractions than insertions).
+            CorruptPart, BlobError, ConsensusError: storage failed.
+        """
+        with Progress(f"table {self.name!r}: read") as progress:
+            progress.set_phase("reading and consolidating parts")
+            out = expand_rows(self._snapshot(as_of, columns, filter), self.name)
+            progress.rows, progress.nbytes = out.num_rows, out.nbytes
+            return out
+
+    def to_pandas(
+        self,
+        as_of: Any = None,
+        columns: Sequence[str] | None = None,
+        filter: pc.Expression | None = None,
+    ) -> pd.DataFrame:
+        """:meth:`to_arrow`'s rows as a pandas ``DataFrame`` (needs pandas)."""
+        return self.to_arrow(as_of, columns, filter).to_pandas()
+
+    def to_reader(
+        self,
+        as_of: Any = None,
+        columns: Sequence[str] | None = None,
+        filter: pc.Expression | None = None,
+    ) -> pa.RecordBatchReader:
+        """:meth:`to_arrow`'s rows as a ``pyarrow.RecordBatchReader``."""
+        t = self.to_arrow(as_of, columns, filter)
+        return pa.RecordBatchReader.from_batches(t.schema, t.to_batches())
+
+    # ------------------------------------------------------------- operating
+    def restore(self, as_of: Any) -> RowChanges:
+        """Make the live rows those of ``as_of`` (a time or a timezone-aware
+        ``datetime``, as :meth:`to_arrow`) in one commit at the next time: the rows
+        live now and not then are retracted, those live then and not now inserted
+        (multiplicities included); history records it as ``restore``.
+
+        Raises:
+            SinceViolation, InvalidUsage: as :meth:`to_arrow`'s ``as_of``.
+            ChangeContended, BlobError, ConsensusError: as :meth:`upsert`.
+        """
+        t = self.resolve_as_of(self._state(), as_of)
+        w = self._write_handle()
+        names = [*w.key_schema.names, *w.value_schema.names]
+        target = (
+            self._snapshot(t, None, None).select([*names, "_diff"])
+            if t is not None
+            else w.schema.empty_table().select([*names, "_diff"])
+        )
+        with noting("restore", {"time": t}):
+            return rows_mod.apply_change(
+                w, lambda read, upper: plan_restore(read(None), target, w), op="restore"
+            )
+
+    def optimize(self) -> OptimizeReport:
+        """Merge every batch into one batch (one sorted run, parts cut by size),
+        consolidated at the since (:func:`persist.optimize.optimize`); what every
+        readable ``as_of`` sees is unchanged.  A table already so is left alone.
+        History records it as ``optimize`` (``{"full": true}``).
+
+        Returns: an :class:`~persist.optimize.OptimizeReport`.
+        """
+        with Progress(f"table {self.name!r}: optimize") as progress:
+            st = self._machine.state()
+            progress.rows, progress.nbytes = sum(b.len for b in st.batches()), st.blob_bytes()
+            progress.set_phase("reading, consolidating, writing one run")
+            return optimize(self._ctx, self._compactor, self._machine)
+
+    def details(self) -> dict[str, Any]:
+        """What the table is and holds, from its latest state (JSON-able; writes
+        nothing): ``name``, ``shard_id``, ``key``, ``schema`` (``"name: type"`` per
+        column), ``since`` and ``upper`` (ints, ``None`` for the empty frontier),
+        ``batches``, ``runs``, ``parts``, ``updates`` (stored rows, not consolidated),
+        ``bytes`` (blob parts), ``inline_bytes``, ``schema_versions``,
+        ``retention_seconds`` (``None``: none), ``blob_store`` (credentials
+        redacted)."""
+        st = self._machine.fetch()
+        batches = st.batches()
+        return {
+            "name": self.name,
+            "shard_id": self.shard_id,
+            "key": list(st.key_schema.names),
+            "schema": [
+                f"{f.name}: {f.type}{'' if f.nullable else ' not null'}"
+                for f in [*st.key_schema, *st.value_schema]
+            ],
+            "since": st.since.as_option(),
+            "upper": st.upper.as_option(),
+            "batches": len(batches),
+            "runs": sum(len(b.runs) + 1 for b in batches if b.parts),
+            "parts": st.num_parts(),
+            "updates": sum(b.len for b in batches),
+            "bytes": st.blob_bytes(),
+            "inline_bytes": st.inline_bytes(),
+            "schema_versions": len(st.schema_history),
+            "retention_seconds": None if st.retention_ms is None else st.retention_ms / 1000,
+            "blob_store": redact(repr(self._ctx.raw_blob)),
+        }
+
+    # -------------------------------------------------------------- retention
+    @property
+    def retention(self) -> dt.timedelta | None:
+        """The retention set by :meth:`set_retention` (``None``: none)."""
+        ms = self._machine.state().retention_ms
+        return None if ms is None else dt.timedelta(milliseconds=ms)
+
+    def set_retention(self, duration: dt.timedelta | None) -> None:
+        """Keep the table's states of the last ``duration`` readable: from now on its
+        since follows the newest time committed at or before ``now - duration``, at
+        every commit and at :meth:`vacuum` (:mod:`persist.retention`); reader leases
+        may hold it further back.  Kept in the shard's state; ``None`` clears it (the
+        since stays where it is).  History records it as ``retention``.
+
+        Raises:
+            InvalidUsage: ``duration`` is not a ``timedelta`` >= 0 or ``None``.
+        """
+        if duration is not None and (
+            not isinstance(duration, dt.timedelta) or duration < dt.timedelta(0)
+        ):
+            raise InvalidUsage(
+                f"table {self.name!r}: retention must be a datetime.timedelta >= 0 or None, "
+                f"got {duration!r}"
+            )
+        self._state()
+        if duration is None:
+            with noting("retention", {"duration_seconds": None}):
+                self._machine.set_retention(None, (), None)
+            return
+        ms = int(duration / dt.timedelta(milliseconds=1))
+        records = self._ctx.consensus.history(self.shard_id)
+        now = self._machine.now_ms()
+        marks = retention.marks_from(records, ms)
+        hold = retention.exact_hold(records, now, ms)
+        with noting("retention", {"duration_seconds": ms / 1000}):
+            self._machine.set_retention(ms, marks, hold)
+
+    def vacuum(self, grace_seconds: float | None = None) -> VacuumReport:
+        """Move the since exactly to where the retention puts it (the newest time
+        committed at or before ``now - retention``, from history; reader leases may
+        hold it back), then collect garbage
+        (:func:`persist.gc.collect_garbage`: blobs no version references any more,
+        older than the grace period).  Without a retention only the garbage is
+        collected.
+
+        Raises:
+            InvalidUsage: a stash that is not writable.  BlobError, ConsensusError:
+                storage failed.
+        """
+        self._ctx.check_may_delete("vacuum")
+        st = self._machine.fetch()
+        st.check_not_finalized()
+        if st.retention_ms is not None:
+            records = self._ctx.consensus.history(self.shard_id)
+            hold = retention.exact_hold(records, self._machine.now_ms(), st.retention_ms)
+            with noting("retention", {"vacuum": True}):
+                self._machine.advance_retention(hold)
+        gc = collect_garbage(self._ctx, SHARD_ID_REF + self.shard_id, grace_seconds=grace_seconds)
+        return VacuumReport(self._machine.state().since.as_option(), gc)
+
+    # ---------------------------------------------------------------- history
+    def history(self, limit: int | None = None) -> pa.Table:
+        """The table's versions that changed its contents, schema or retention, newest
+        first (:func:`persist.history.history_table`): ``version`` (the state's seqno),
+        ``time`` (the logical time its contents are read at), ``timestamp`` (UTC,
+        never decreasing from one version to the next), ``operation``, ``parameters``
+        and ``metrics`` (JSON text).  Writes nothing.
+
+        Raises:
+            InvalidUsage: a bad ``limit``.  ConsensusError: the stash failed.
+        """
+        return history_table(self._ctx.consensus.history(self.shard_id), limit)
+
+    # ----------------------------------------------------------------- duckdb
+    def to_duckdb(self, con: Any = None, as_of: Any = None) -> Any:
+        """The live rows as of ``as_of`` (as :meth:`to_arrow`) as a
+        ``duckdb.DuckDBPyRelation`` of ``con`` (default: a new in-memory connection).
+        DuckDB scans the Parquet parts itself when they are the snapshot as stored (one
+        consolidated run at one time in a local store, :mod:`persist.duckdb_read`);
+        otherwise persist merges and hands the rows over as Arrow.  Either way the
+        relation's rows are exactly :meth:`to_arrow`'s.
+
+        Raises: as :meth:`to_arrow`.
+        """
+        import duckdb
+
+        if con is None:
+            con = duckdb.connect()
+        st = self._state()
+        t = self.resolve_as_of(st, as_of)
+        names = [*st.key_schema.names, *st.value_schema.names]
+        if t is not None:
+            check_readable(st, t, self.name)
+            paths = direct_paths(st, self._ctx.raw_blob, t)
+            if paths:
+                return scan_parts(con, paths, names, self.name)
+        return con.from_arrow(self.to_arrow(t))
+
+    # ---------------------------------------------------------------- closing
+    def close(self) -> None:
+        """Expire this table's writer (its lease; the client's close does it too)."""
+        with self._lock:
+            w, self._writer = self._writer, None
+        if w is not None:
+            w.expire()
+
+    def __enter__(self) -> Table:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def plan_restore(live: pa.Table, target: pa.Table, w: WriteHandle) -> rows_mod.Planned:
+    """The updates that turn ``live`` (consolidated, with ``_diff``) into ``target``
+    (likewise): ``target`` minus ``live``, consolidated (rows equal in both cancel)."""
+    names = [*w.key_schema.names, *w.value_schema.names]
+    kv = pa.schema([w.schema.field(n) for n in names])
+    cols = pa.schema([*kv, pa.field("_diff", pa.int64(), False)])
+    now = live.select([*names, "_diff"]).cast(cols)
+    now = now.set_column(len(names), cols.field("_diff"), pc.negate(now.column("_diff")))
+    both = pa.concat_tables([target.cast(cols), now])
+    both = both.append_column("_time", pa.array(np.zeros(both.num_rows, np.int64)))
+    out = consolidate(both, w.key_schema.names, w.value_schema.names).drop_columns(["_time"])
+    diffs = out.column("_diff")
+    inserted = pc.sum(pc.if_else(pc.greater(diffs, 0), diffs, 0)).as_py() or 0
+    retracted = -(pc.sum(pc.if_else(pc.less(diffs, 0), diffs, 0)).as_py() or 0)
+    return rows_mod.Planned(out, inserted, retracted)
+
+
+def create_table(
+    shards: Shards, compactor: Compactor, name: str, schema: pa.Schema, key: Sequence[str]
+) -> Table:
+    """:meth:`PersistClient.create_table <persist.client.PersistClient.create_table>`."""
+    shards.ctx.check_open()
+    key_schema, value_schema = split_schema(name, schema, key)
+    updates_schema(key_schema, value_schema)  # validates names and types
+    ctx = shards.ctx
+    shard_id = ctx.consensus.register(name, int(ctx.config.clock() * 1000))
+    m = ctx.machine(shard_id)
+    st = m.initialize(ShardState(shard_id, name, key_schema, value_schema), ctx.store.stamp)
+    st.check_not_finalized()
+    shards.adopt_store(m, st)
+    if not (st.key_schema.equals(key_schema) and st.value_schema.equals(value_schema)):
+        have = pa.schema([*st.key_schema, *st.value_schema])
+        raise SchemaMismatch(
+            repr(name),
+            "*",
+            f"the table exists with key {st.key_schema.names} and schema "
+            f"{_fields(have)}, not key {list(key_schema.names)} and schema "
+            f"{_fields(pa.schema([*key_schema, *value_schema]))}",
+            "open it with client.table(name); nothing was changed",
+        )
+    return Table(shards, name, shard_id, compactor)
+
+
+def open_table(shards: Shards, compactor: Compactor, name: str) -> Table:
+    """:meth:`PersistClient.table <persist.client.PersistClient.table>`."""
+    shards.ctx.check_open()
+    shard_id = shards.ctx.shard_id(name)
+    m = shards.ctx.machine(shard_id)
+    st = m.fetch()
+    if st.tombstone:
+        raise InvalidUsage(f"table {name!r} ({shard_id}) was dropped: it cannot be opened")
+    shards.adopt_store(m, st)
+    return Table(shards, st.name, shard_id, compactor)
+
+
+def _fields(schema: pa.Schema) -> str:
+    return ", ".join(f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in schema)

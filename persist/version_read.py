@@ -1,0 +1,114 @@
+"""Reading a shard without a lease: the consolidated snapshot of one state version at
+one time (:func:`read_version`), what tables, ``snapshot_many`` and ``persist cat`` /
+``persist sql`` read with, on writable and readonly stashes alike.
+
+A leased reader (:class:`~persist.read.ReadHandle`) records a seqno hold in the state
+so that GC keeps every part of the version it reads; that costs state versions and needs
+a writable stash.  A read without a lease writes nothing: it reads the parts of the
+version it read, and GC may delete a part of it only after a newer version stopped
+referencing it and the grace period passed.  When a part is found missing, the read
+starts again on the newer version at the SAME time, which is exact as long as that time
+is still at or after the newer version's since; otherwise it fails naming the since.
+
+Invariants kept here: the result is exactly the consolidated snapshot at ``as_of`` of
+one state version (:func:`persist.fetch.snapshot_table`), in the newest schema version
+of the state it was read from; nothing is written to consensus or blob; a missing part
+is reported (``CorruptPart``) only when the latest version still references it.
+
+Source of the idea: Materialize's persist-client ``ReadHandle::snapshot_and_fetch`` and
+its "leased reader" vs. "critical reader" split (``src/persist-client/src/read.rs``):
+a reader that does not need to hold the since back does not register one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist.context import PersistContext
+from persist.errors import CorruptPart, DiffOverflow, InvalidUsage, SinceViolation
+from persist.fetch import snapshot_table
+from persist.filters import check_filter
+from persist.machine import ShardMachine
+from persist.parts import updates_schema
+from persist.state import ShardState
+
+__all__ = ["MISSING_RETRIES", "read_version"]
+
+log = logging.getLogger(__name__)
+
+#: How many times a read starts again on a newer version after meeting a missing part.
+MISSING_RETRIES = 3
+
+
+def check_readable(st: ShardState, as_of: int, name: str) -> None:
+    """Raise unless ``since <= as_of < upper`` on ``st`` (the whole time range is
+    readable once the upper is empty).
+
+    Raises:
+        InvalidUsage: a dropped shard; ``as_of`` at or beyond the upper.
+        SinceViolation: ``as_of`` before the since (naming it).
+    """
+    st.check_not_finalized()
+    if not st.since.less_equal(as_of):
+        raise SinceViolation(as_of, st.since)
+    if st.upper.less_equal(as_of):
+        raise InvalidUsage(
+            f"{name!r}: as_of {as_of} is not before its upper {st.upper}: no data is "
+            "definite there yet"
+        )
+
+
+def read_version(
+    ctx: PersistContext,
+    machine: ShardMachine,
+    st: ShardState,
+    as_of: int,
+    *,
+    columns: Sequence[str] | None = None,
+    filter: pc.Expression | None = None,
+) -> pa.Table:
+    """The consolidated snapshot of the version ``st`` at ``as_of`` (what
+    :meth:`ReadHandle.snapshot <persist.read.ReadHandle.snapshot>` returns: key and
+    value columns, ``_time`` = ``as_of``, ``_diff``; with ``columns``, only those), read
+    without a lease (see the module docstring).
+
+    Raises:
+        SinceViolation: ``as_of`` is before the since (of ``st``, or of the newer version
+            read after GC removed a part).
+        InvalidUsage: ``as_of`` at or beyond the upper; a bad filter; a dropped shard.
+        CorruptPart: a part the latest version references is missing or corrupt.
+        DiffOverflow: a row's diffs sum beyond int64 (naming the shard).
+        BlobError, ConsensusError: storage failed.
+    """
+    for attempt in range(MISSING_RETRIES + 1):
+        check_readable(st, as_of, st.name)
+        schema = updates_schema(st.key_schema, st.value_schema)
+        keys, values = st.key_schema.names, st.value_schema.names
+        check_filter(filter, schema, keys, values)
+        try:
+            return snapshot_table(
+                ctx.blob,
+                [b for b in st.batches() if b.len > 0 and b.desc.lower.less_equal(as_of)],
+                schema,
+                keys,
+                values,
+                as_of,
+                max_workers=ctx.config.read_workers,
+                schemas=(st.schemas(), st.schemas().newest),
+                filter=filter,
+                columns=columns,
+            )
+        except DiffOverflow as e:
+            raise e.in_shard(f"{st.name!r} ({st.shard_id})") from e
+        except CorruptPart as e:
+            # GC deleted a part of this version after a newer one stopped referencing
+            # it: read that newer version at the same as_of.
+            if not e.missing or attempt == MISSING_RETRIES:
+                raise
+            log.info("read of shard %s met a missing part, re-reading: %s", st.name, e)
+            st = machine.fetch()
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,253 @@
+"""Operations on a whole stash: backup and restore, export and import as JSON lines.
+
+* :func:`backup` writes a consistent snapshot of a stash to a SQLite stash file: a SQLite
+  stash through SQLite's online backup API (``sqlite3.Connection.backup``: pages copied
+  under a read lock, restarted by SQLite when a writer commits in between, so the copy
+  is one committed state); any other stash through one read transaction (Postgres:
+  ``REPEATABLE READ``) whose rows are written to a new SQLite stash file.  The backup is
+  itself a stash: ``sqlite:///FILE`` opens it.
+* :func:`restore` brings a backup into a stash: onto a SQLite file with the online
+  backup API (the whole database is replaced, in one step for readers); into any other
+  stash by importing its snapshot (the target must hold none of its collections).
+* :func:`export` writes a snapshot as JSON lines, one object per line: a
+  ``{"collection": NAME, "key_codec", "value_codec", "since", "upper"}`` line per
+  collection, then ``{"collection": NAME, "key", "value", "time", "diff"}`` per stored
+  row (key and value as the stored JSON); :func:`import_` reads them back.
+
+Invariants kept here: a snapshot is read in one read transaction, so it is one committed
+state of every collection; an import (and a restore by import) writes everything in one
+write transaction or nothing, and refuses a target that already holds a collection of
+the snapshot; rows are copied as stored (canonical JSON text), never decoded with codecs
+(a collection whose record type is not importable here copies alike).
+
+Source of the idea: SQLite's online backup API (``sqlite3_backup_*``), ``pg_dump``'s
+one-snapshot dump, and etcd's ``snapshot save`` / ``snapshot restore``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from stash.errors import StashError
+from stash.txn import Row, Txn
+
+__all__ = ["Snapshot", "backup", "export", "import_", "read_snapshot", "restore"]
+
+
+@dataclass
+class CollectionSnapshot:
+    """One collection of a snapshot: its codec names, frontiers and stored rows."""
+
+    name: str
+    key_codec: str
+    value_codec: str
+    since: int | None
+    upper: int | None
+    rows: list[Row] = field(default_factory=list)
+
+
+@dataclass
+class Snapshot:
+    """Every collection of a stash at one committed state."""
+
+    collections: list[CollectionSnapshot]
+
+
+def read_snapshot(stash: Any) -> Snapshot:
+    """Every collection with its rows, read in one read transaction."""
+
+    def read(tx: Txn) -> Snapshot:
+        out = []
+        for name, cid, kc, vc in sorted(tx.list_collections()):
+            since, upper = tx.frontiers(cid)
+            out.append(CollectionSnapshot(name, kc, vc, since, upper, tx.rows(cid)))
+        return Snapshot(out)
+
+    snap: Snapshot = stash._read(read, codecs=())
+    return snap
+
+
+def write_snapshot(stash: Any, snap: Snapshot) -> None:
+    """Create every collection of ``snap`` in ``stash`` with its rows and frontiers, in
+    one write transaction.
+
+    Raises:
+        StashError: the stash already holds a collection of the snapshot (nothing is
+            written).
+    """
+
+    def write(tx: Txn) -> None:
+        for c in snap.collections:
+            if tx.lookup_collection(c.name) is not None:
+                raise StashError(
+                    f"the target stash already has collection {c.name}: restore or import "
+                    "into a stash without the snapshot's collections; nothing was written"
+                )
+            cid = tx.create_collection(c.name, c.key_codec, c.value_codec)
+            tx.lock([cid])
+            if c.rows:
+                tx.insert(cid, c.rows)
+            tx.set_upper(cid, c.upper)
+            tx.set_since(cid, c.since)
+
+    stash._write(write, codecs=())
+
+
+def _sqlite_path(url: str) -> Path | None:
+    from stash.url import parse_url
+
+    u = parse_url(url)
+    if u.get_backend_name() != "sqlite" or not u.database:
+        return None
+    return Path(u.database).expanduser()
+
+
+def _online_copy(src: Path, dst: Path) -> None:
+    """Copy SQLite database ``src`` onto ``dst`` with the online backup API."""
+    from stash.migrate import create_sqlite_file
+
+    create_sqlite_file(str(dst))
+    source = sqlite3.connect(f"{src.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        target = sqlite3.connect(dst)
+        try:
+            source.backup(target)
+            target.execute("PRAGMA journal_mode=WAL")
+        finally:
+            target.close()
+    finally:
+        source.close()
+
+
+def backup(url: str, file: str | os.PathLike[str]) -> None:
+    """Write a consistent snapshot of the stash at ``url`` to the new SQLite stash file
+    ``file`` (see the module docstring).
+
+    Raises:
+        StashError: ``file`` exists; the stash cannot be opened.
+    """
+    from stash.base import Stash
+
+    dst = Path(file).expanduser()
+    if dst.exists():
+        raise StashError(f"backup file {dst} exists; choose a new file")
+    src = _sqlite_path(url)
+    with Stash.open(url, mode="readonly", fenced=False) as s:  # checks the schema
+        if src is not None:
+            _online_copy(src, dst)
+            return
+        snap = read_snapshot(s)
+    with Stash.open(f"sqlite:///{dst}", fenced=False) as out:
+        write_snapshot(out, snap)
+
+
+def restore(file: str | os.PathLike[str], url: str, *, replace: bool = False) -> None:
+    """Bring the backup ``file`` into the stash at ``url`` (see the module docstring).
+
+    Args:
+        replace: a SQLite target that holds collections is replaced whole (without it,
+            such a target is refused).
+
+    Raises:
+        StashError: ``file`` is no stash; the target holds collections (a SQLite one
+            without ``replace``, any other always); nothing is written then.
+    """
+    from stash.base import Stash
+
+    src = Path(file).expanduser()
+    if not src.is_file():
+        raise StashError(f"backup file {src} does not exist")
+    with Stash.open(f"sqlite:///{src}", mode="readonly", fenced=False) as b:
+        snap = read_snapshot(b)
+    dst = _sqlite_path(url)
+    if dst is not None:
+        if dst.exists() and not replace:
+            with Stash.open(url, mode="readonly", fenced=False) as t:
+                if t.collections():
+                    raise StashError(
+                        f"the target stash {t.redacted_url} holds collections; pass "
+                        "replace=True (stash restore --replace) to replace it whole"
+                    )
+        _online_copy(src, dst)
+        return
+    with Stash.open(url, fenced=False) as t:
+        write_snapshot(t, snap)
+
+
+def export(stash: Any, out: IO[str]) -> int:
+    """Write a snapshot of ``stash`` to ``out`` as JSON lines; return the rows written."""
+    snap = read_snapshot(stash)
+    n = 0
+    for c in snap.collections:
+        head = {
+            "collection": c.name,
+            "key_codec": c.key_codec,
+            "value_codec": c.value_codec,
+            "since": c.since,
+            "upper": c.upper,
+        }
+        out.write(json.dumps(head, sort_keys=True, ensure_ascii=False) + "\n")
+    for c in snap.collections:
+        for k, v, t, d in c.rows:
+            line = f'{{"collection":{json.dumps(c.name, ensure_ascii=False)},"diff":{d},'
+            out.write(f'{line}"key":{k},"time":{t},"value":{v}}}\n')
+            n += 1
+    return n
+
+
+def _parse(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise StashError(f"import: line {i} is not JSON: {e}") from None
+        if not isinstance(obj, dict) or "collection" not in obj:
+            raise StashError(f"import: line {i} is not an object with a collection")
+        yield i, obj
+
+
+def import_(stash: Any, lines: Iterable[str]) -> int:
+    """Create the collections of an :func:`export` in ``stash``, in one write
+    transaction; return the rows written.
+
+    Raises:
+        StashError: a line is malformed (naming it), a row names a collection without
+            a header line, or the stash already holds a collection of the export;
+            nothing is written then.
+    """
+    from stash.codec import canonical_json
+    from stash.collection import check_diff, check_time
+
+    snaps: dict[str, CollectionSnapshot] = {}
+    n = 0
+    for i, obj in _parse(lines):
+        name = obj["collection"]
+        if "key_codec" in obj:
+            snaps[name] = CollectionSnapshot(
+                name, obj["key_codec"], obj["value_codec"], obj["since"], obj["upper"]
+            )
+            continue
+        c = snaps.get(name)
+        if c is None:
+            raise StashError(f"import: line {i} is a row of collection {name!r} before its header")
+        try:
+            row = (
+                canonical_json(obj["key"]),
+                canonical_json(obj["value"]),
+                check_time(obj["time"]),
+                check_diff(obj["diff"]),
+            )
+        except (KeyError, StashError) as e:
+            raise StashError(f"import: line {i}: {e}") from None
+        c.rows.append(row)
+        n += 1
+    write_snapshot(stash, Snapshot(list(snaps.values())))
+    return n

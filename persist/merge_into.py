@@ -49,6 +49,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist.arrow_input import as_arrow_table
+from persist.commit_note import note_metrics
 from persist.errors import InvalidUsage
 from persist.key_identity import key_filter
 from persist.merge_plan import (
@@ -208,26 +210,15 @@ def check_spec(
 
 # ------------------------------------------------------------------ running
 def as_source(data: Any) -> pa.Table:
-    """A merge source as an Arrow table: a ``pa.Table``, ``RecordBatch``,
-    ``RecordBatchReader``, a pandas or polars DataFrame, or any object with
-    ``__arrow_c_stream__``.
+    """A merge source as an Arrow table: anything ``Table.append`` takes
+    (:func:`persist.arrow_input.as_arrow_table`: a ``pa.Table``, ``RecordBatch``,
+    ``RecordBatchReader``, a pandas or polars DataFrame, any object with
+    ``__arrow_c_stream__``).
 
     Raises:
         InvalidUsage: anything else.
     """
-    if isinstance(data, pa.Table):
-        return data
-    if isinstance(data, pa.RecordBatch):
-        return pa.Table.from_batches([data])
-    if isinstance(data, pa.RecordBatchReader):
-        return data.read_all()
-    try:
-        return pa.table(data)
-    except (TypeError, pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise InvalidUsage(
-            f"merge: the source must be Arrow data (a pyarrow Table, RecordBatch, reader, "
-            f"a pandas or polars DataFrame), not {type(data).__name__}: {e}"
-        ) from None
+    return as_arrow_table(data, "merge source")
 
 
 _COMPARE = {
@@ -381,7 +372,8 @@ def run_merge(
     def plan(read: Callable[[pc.Expression | None], pa.Table], upper: int) -> Planned:
         planned, counts = plan_on_read(read, source, spec, schema, key_names, evaluator)
         last[:] = [counts]
+        note_metrics(counts.metrics())
         return planned
 
-    changes = apply_change(writer, plan)
+    changes = apply_change(writer, plan, op="merge", params=spec.parameters())
     return last[0].result(changes.time)

@@ -71,9 +71,11 @@ class MergeClause:
         """The clause as JSON-able parameters (for history)."""
         out: dict[str, Any] = {"clause": f"when_{self.kind}_{self.action}"}
         if self.condition is not None:
-            out["condition"] = self.condition
+            out["condition"] = str(self.condition)  # SQL text (or a Spark Column's)
         if self.values is not None:
-            out["set" if self.action == "update" else "values"] = dict(self.values)
+            out["set" if self.action == "update" else "values"] = {
+                k: str(v) for k, v in self.values.items()
+            }
         elif self.action != "delete":
             out["all"] = True
         return out

@@ -535,3 +535,33 @@ def test_txn_merge_refused_at_commit_commits_nothing(client: PersistClient) -> N
     assert (wa.fetch_recent_upper(), wb.fetch_recent_upper()) == before
     with pytest.raises(InvalidUsage, match="no column 'id'"):
         client.begin().merge("a", pa.table({"x": [1]})).when_matched_delete().execute()
+
+
+# ------------------------------------------------------------------ the table
+def test_table_merge_and_its_history(client: PersistClient) -> None:
+    import json
+
+    t = client.create_table("orders", SCHEMA, key=["id"])
+    t.append(rows({1: ("a", 1, None), 2: ("b", 2, None)}))
+    m = (
+        t.merge(rows({2: ("B", 2, None), 3: ("c", 3, None)}), source_alias="s", target_alias="t")
+        .when_matched_update_all(condition="s.v <> t.v")
+        .when_not_matched_insert_all()
+        .execute()
+    )
+    assert (m.num_target_rows_updated, m.num_target_rows_inserted) == (1, 1)
+    got = t.to_arrow().sort_by("id").select(["id", "v"]).to_pylist()
+    assert got == [{"id": 1, "v": "a"}, {"id": 2, "v": "B"}, {"id": 3, "v": "c"}]
+    (h,) = t.history(limit=1).to_pylist()
+    assert (h["operation"], h["time"]) == ("merge", m.time)
+    params = json.loads(h["parameters"])
+    assert params["predicate"] == "s.id = t.id"
+    assert params["clauses"][0] == {
+        "clause": "when_matched_update",
+        "condition": "s.v <> t.v",
+        "all": True,
+    }
+    metrics = json.loads(h["metrics"])
+    assert metrics["num_target_rows_updated"] == 1
+    assert metrics["num_target_rows_inserted"] == 1
+    assert (metrics["rows_inserted"], metrics["rows_retracted"]) == (2, 1)

@@ -33,6 +33,14 @@ contestants in an order rotated every round (:func:`bench.common.interleave`):
   ``DeltaTable.update(updates, predicate)``; pyiceberg has no update, so its contestant
   reads the row (``scan(row_filter)``) and upserts it changed.  Goal: at least 10 times
   the faster peer.
+* ``merge``: a conditional MERGE of a 1% slice against delta-rs's ``DeltaTable.merge``
+  with the same clauses (pyiceberg has no merge): the source holds the slice's first
+  third with ``l_quantity + 1`` (updated: ``when_matched_update_all`` where the source's
+  quantity is greater), its second third with ``l_quantity - 1`` (matched, condition
+  false: unchanged), and new keys (``l_linenumber + 100``, inserted:
+  ``when_not_matched_insert_all``); the slice's last third, absent from the source, is
+  deleted by ``when_not_matched_by_source_delete`` restricted to the slice's key range.
+  Goal: at least 1.0 times delta-rs.
 
 Invariants kept here:
 
@@ -77,13 +85,18 @@ from bench.common import (
 
 __all__ = ["KEYS", "SECTIONS", "Contestants", "main", "run"]
 
-SECTIONS = ("upsert", "delete", "update")
+SECTIONS = ("upsert", "delete", "update", "merge")
 KEYS = ("l_orderkey", "l_linenumber")
-GOALS = {"upsert": Goal(">=", 1.0), "delete": Goal(">=", 1.0), "update": Goal(">=", 10.0)}
+GOALS = {
+    "upsert": Goal(">=", 1.0),
+    "delete": Goal(">=", 1.0),
+    "update": Goal(">=", 10.0),
+    "merge": Goal(">=", 1.0),
+}
 PEERS = ("delta-rs", "pyiceberg")
 PERSIST = "persist"
 #: Slots (1% slices of the table) reserved per section: rounds + warm-up + profile.
-SLOTS_PER_SECTION = 30
+SLOTS_PER_SECTION = 24
 ONE = pa.scalar(decimal.Decimal("1.00"), pa.decimal128(15, 2))
 
 
@@ -187,6 +200,29 @@ class Contestants:
             new = pa.concat_tables([kept.select(rows.column_names).cast(rows.schema), rows])
             self.iceberg.overwrite(new, overwrite_filter=rng)
 
+    def merge(self, name: str, source: pa.Table, lo: int, hi: int) -> None:
+        rng = f"t.l_orderkey >= {lo} AND t.l_orderkey < {hi}"
+        if name == PERSIST:
+            (
+                self.write.merge(source, source_alias="s", target_alias="t")
+                .when_matched_update_all(condition="s.l_quantity > t.l_quantity")
+                .when_not_matched_insert_all()
+                .when_not_matched_by_source_delete(condition=rng)
+                .execute()
+            )
+        else:
+            from deltalake import DeltaTable
+
+            on = " AND ".join(f"t.{k} = s.{k}" for k in KEYS)
+            (
+                DeltaTable(self.delta_path)
+                .merge(source, on, source_alias="s", target_alias="t", streamed_exec=False)
+                .when_matched_update_all(predicate="s.l_quantity > t.l_quantity")
+                .when_not_matched_insert_all()
+                .when_not_matched_by_source_delete(predicate=rng)
+                .execute()
+            )
+
     def delete(self, name: str, lo: int, hi: int) -> None:
         if name == PERSIST:
             self.write.delete((pc.field("l_orderkey") >= lo) & (pc.field("l_orderkey") < hi))
@@ -249,14 +285,22 @@ class Contestants:
             )
         return _canonical(t, self.schema)
 
-    def check(self, lo: int, hi: int, expected: pa.Table, what: str) -> None:
-        """All three tables hold exactly ``expected`` in ``[lo, hi)``.
+    def check(
+        self,
+        lo: int,
+        hi: int,
+        expected: pa.Table,
+        what: str,
+        names: tuple[str, ...] = (PERSIST, *PEERS),
+    ) -> None:
+        """The tables ``names`` (default all three) hold exactly ``expected`` in
+        ``[lo, hi)``.
 
         Raises:
             AssertionError: naming the contestant that differs.
         """
         want = _canonical(expected, self.schema)
-        for name in (PERSIST, *PEERS):
+        for name in names:
             got = self.rows_in(name, lo, hi)
             if not got.equals(want):
                 raise AssertionError(
@@ -308,6 +352,27 @@ def upsert_rows(orig: pa.Table, tag: str) -> tuple[pa.Table, pa.Table]:
     return incoming, pa.concat_tables([upd, orig.slice(half), ins])
 
 
+def merge_rows(orig: pa.Table, tag: str) -> tuple[pa.Table, pa.Table]:
+    """The merge of a slice: (source rows, the rows the slice then holds).  See the
+    module docstring: a third updated, a third matched but unchanged, a third deleted,
+    and new keys inserted."""
+    third = orig.num_rows // 3
+    q = orig.schema.get_field_index("l_quantity")
+    qt = orig.schema.field(q)
+    upd = orig.slice(0, third)
+    upd = upd.set_column(q, qt, pc.add(upd.column(q), ONE).cast(qt.type))
+    c = upd.schema.get_field_index("l_comment")
+    upd = upd.set_column(c, upd.schema.field(c), pa.array([tag] * third, pa.string()))
+    kept = orig.slice(third, third)
+    lower = kept.set_column(q, qt, pc.subtract(kept.column(q), ONE).cast(qt.type))
+    ins = orig.slice(0, third)
+    ln = ins.schema.get_field_index("l_linenumber")
+    ins = ins.set_column(
+        ln, ins.schema.field(ln), pc.add(ins.column(ln), 100).cast(ins.schema.field(ln).type)
+    )
+    return pa.concat_tables([upd, lower, ins]), pa.concat_tables([upd, kept, ins])
+
+
 def one_row_update(orig: pa.Table) -> tuple[int, int, pa.Table]:
     """The update of a slice's first row: (orderkey, linenumber, the rows of its order
     after it)."""
@@ -325,21 +390,24 @@ def one_row_update(orig: pa.Table) -> tuple[int, int, pa.Table]:
 def _records(
     res: BenchResults, section: str, what: str, samples: dict[str, list[float]], rows: int
 ) -> None:
-    faster = [min(d, i) for d, i in zip(samples["delta-rs"], samples["pyiceberg"], strict=True)]
+    peers = [p for p in PEERS if p in samples]
+    faster = [min(r) for r in zip(*(samples[p] for p in peers), strict=True)]
     rec = res.add(
         ratio_record(
             section,
             f"{what}: persist vs the faster peer",
             subject="persist",
             subject_samples=samples[PERSIST],
-            reference="faster of delta-rs and pyiceberg (per round)",
+            reference=(
+                "faster of delta-rs and pyiceberg (per round)" if len(peers) > 1 else peers[0]
+            ),
             reference_samples=faster,
             measure="speed",
             goal=GOALS[section],
             note=f"{rows:,} rows changed per round; load average {_load()}",
         )
     )
-    for peer in PEERS:
+    for peer in peers:
         res.add(
             ratio_record(
                 section,
@@ -357,7 +425,7 @@ def _records(
             what,
             f"{median(samples[PERSIST]):.3f} s",
             f"{median(samples['delta-rs']):.3f} s",
-            f"{median(samples['pyiceberg']):.3f} s",
+            f"{median(samples['pyiceberg']):.3f} s" if "pyiceberg" in samples else "-",
             f"{fmt_num(rec.value)}x",
             str(GOALS[section]),
             f"{fmt_num(sp[0])}-{fmt_num(sp[1])}x",
@@ -404,6 +472,18 @@ def run_section(
             c.check(sl[r].lo, sl[r].hi, sl[r].rows.schema.empty_table(), f"delete round {r}")
 
         profiled = lambda: c.delete(PERSIST, sl[-1].lo, sl[-1].hi)  # noqa: E731
+    elif section == "merge":
+        merges = [merge_rows(s.rows, f"merged {i}") for i, s in enumerate(sl)]
+        what = f"merge of a {sl[0].rows.num_rows:,}-row slice (update, insert, by-source delete)"
+        names = (PERSIST, "delta-rs")
+
+        def op(name: str) -> Callable[[int], float]:
+            return lambda r: _timed(lambda: c.merge(name, merges[r][0], sl[r].lo, sl[r].hi))
+
+        def check(r: int) -> None:
+            c.check(sl[r].lo, sl[r].hi, merges[r][1], f"merge round {r}", (PERSIST, "delta-rs"))
+
+        profiled = lambda: c.merge(PERSIST, merges[-1][0], sl[-1].lo, sl[-1].hi)  # noqa: E731
     else:
         ups = [one_row_update(s.rows) for s in sl]
         what = "update 1 row by key"

@@ -43,6 +43,7 @@ from persist.fetch import read_batch, read_batches
 from persist.fsck import FsckReport, fsck
 from persist.gc import GcReport, collect_garbage
 from persist.machine import ShardMachine
+from persist.merge_into import MergeBuilder, MergeResult
 from persist.read import Listen, ListenEvent, ReadHandle
 from persist.rows import ChangeContended, RowChanges
 from persist.snapshots import snapshot_many
@@ -56,6 +57,8 @@ from persist.types import Description, HollowBatch, PartRef
 from persist.write import BatchBuilder, WriteHandle
 
 __all__ = [
+    "MergeBuilder",
+    "MergeResult",
     "ApplyMergeResult",
     "Batch",
     "ChangeContended",

@@ -29,6 +29,7 @@ __all__ = [
     "OPERATIONS",
     "CommitNote",
     "current",
+    "note_metrics",
     "note_rows",
     "noting",
     "noting_unless_noted",
@@ -97,6 +98,14 @@ def noting_unless_noted(op: str, params: Mapping[str, Any] | None = None) -> Ite
 def current() -> CommitNote | None:
     """The note of the running table operation, if any."""
     return _NOTE.get()
+
+
+def note_metrics(metrics: Mapping[str, int]) -> None:
+    """Record an operation's own counts for the attempt about to be appended (if a note
+    runs), e.g. a merge's ``num_target_rows_updated``."""
+    note = _NOTE.get()
+    if note is not None:
+        note.metrics.update({k: int(v) for k, v in metrics.items()})
 
 
 def note_rows(inserted: int, retracted: int) -> None:

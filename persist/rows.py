@@ -51,7 +51,6 @@ Semantics (decisions recorded here):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -63,6 +62,7 @@ import pyarrow.dataset as ds
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from persist import key_identity
+from persist.casts import cast_column, set_scalar
 from persist.commit_note import note_rows, noting_unless_noted
 from persist.consolidation import consolidate
 from persist.errors import CorruptPart, InvalidUsage, PersistError, UpperMismatch
@@ -200,15 +200,22 @@ def net_changes(
     value_names: Sequence[str],
     *,
     consolidated: bool = False,
+    retracting: Sequence[bool] | None = None,
 ) -> Planned:
     """The updates ``parts`` (key and value columns and ``_diff``, one schema) with
     every retraction and insertion of one row summed as consolidation sums them
     (:func:`persist.consolidation.consolidate`: equal rows by its equality, ``-0.0`` =
-    ``0.0``, NaN = NaN, nulls equal), zero sums dropped, with their counts:
-    ``inserted`` the sum of the positive diffs, ``retracted`` that of the negative
-    ones (absolute).  So a row retracted and inserted again by one change (an upsert or
-    update that changes nothing) is neither written nor counted.  The one count of a
-    change, for every path.
+    ``0.0``, NaN = NaN, nulls equal), zero sums dropped, with their counts.  So a row retracted
+    and inserted again by one change (an upsert or update that changes nothing) is
+    neither written nor counted.  The one count of a change, for every path.
+
+    Counts are by role when ``retracting`` says, per part, whether it holds the
+    change's retractions (the live rows it removes, whatever the sign of their diffs:
+    a live row of count -1 is retracted with ``_diff`` +1) or its insertions:
+    ``retracted`` is the retractions' absolute diffs and ``inserted`` the insertions',
+    each less what cancelled between the two (per row, ``(|r| + |i| - |r + i|) / 2``
+    for its retraction ``r`` and insertion ``i``).  Without ``retracting``, by sign:
+    ``inserted`` the positive net diffs, ``retracted`` the negative ones (absolute).
 
     Only the rows that may cancel (:func:`_cancelling`: a cheap same-key comparison) are
     consolidated, unless ``consolidated``: then all of them are (one row per distinct
@@ -234,9 +241,16 @@ def net_changes(
             net = pa.concat_tables([both.filter(pa.array(keep)), net])
         both = net
     diff = both.column(DIFF)
-    inserted = int(pc.sum(pc.max_element_wise(diff, 0)).as_py() or 0)
-    retracted = int(pc.sum(pc.max_element_wise(pc.negate(diff), 0)).as_py() or 0)
-    return Planned(both, inserted, retracted)
+    if retracting is None:
+        inserted = int(pc.sum(pc.max_element_wise(diff, 0)).as_py() or 0)
+        retracted = int(pc.sum(pc.max_element_wise(pc.negate(diff), 0)).as_py() or 0)
+        return Planned(both, inserted, retracted)
+    by_role = [0, 0]  # insertions, retractions: their absolute diffs
+    for part, role in zip(parts, retracting, strict=True):
+        by_role[role] += int(pc.sum(pc.abs(part.column(DIFF))).as_py() or 0)
+    net = int(pc.sum(pc.abs(diff)).as_py() or 0)
+    cancelled = (by_role[0] + by_role[1] - net) // 2
+    return Planned(both, by_role[0] - cancelled, by_role[1] - cancelled)
 
 
 def conform_rows(rows: pa.Table | pa.RecordBatch, schema: pa.Schema, what: str) -> pa.Table:
@@ -342,7 +356,7 @@ def plan_upsert(
     old = with_keys_of(live, rows, key_names)
     parts = [_retractions(old, names), _with_diff(rows.select(names), 1)]
     if net:
-        return net_changes(parts, key_names, value_names)
+        return net_changes(parts, key_names, value_names, retracting=(True, False))
     schema = _out_schema(rows.schema, names)
     retracted = int(pc.sum(pc.abs(old.column(DIFF))).as_py() or 0)
     return Planned(pa.concat_tables([p.cast(schema) for p in parts]), rows.num_rows, retracted)
@@ -351,104 +365,7 @@ def plan_upsert(
 def plan_delete(live: pa.Table, key_names: Sequence[str], value_names: Sequence[str]) -> Planned:
     """Retract every row of ``live`` (the live rows the delete's filter keeps)."""
     names = [*key_names, *value_names]
-    return net_changes([_retractions(live, names)], key_names, value_names)
-
-
-def _python_scalar(v: Any, field: pa.Field, column: str) -> pa.Scalar:
-    """A Python value as a scalar of ``field``'s type, exactly or refused: Arrow's
-    conversion (``pyarrow.scalar(v, type)``) refuses a value of another kind, and the
-    value converted by its own type and cast safely (``Scalar.cast(safe=True)``)
-    must agree: no float truncated into an integer, no finer time truncated to a
-    coarser unit, no finite float overflowed into ``float32``'s infinity."""
-    t = field.type
-    try:
-        out = pa.scalar(v, t)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-        raise InvalidUsage(f"update: set value {v!r} for column {column!r} ({t}): {e}") from None
-    except (OverflowError, TypeError, ValueError) as e:
-        raise InvalidUsage(
-            f"update: set value {v!r} for column {column!r} ({t}) does not fit: {e}"
-        ) from None
-    try:
-        own = pa.scalar(v)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
-        return out  # e.g. an int beyond int64 for uint64: the conversion checked its range
-    if own.type == t or (pa.types.is_integer(own.type) and pa.types.is_decimal(t)):
-        return out  # the conversion of an int to a decimal is exact or refused
-    return _cast_scalar(own, field, column)
-
-
-def _kind(t: pa.DataType) -> str:
-    for kind, test in (
-        ("number", lambda t: pa.types.is_integer(t) or pa.types.is_floating(t)),
-        ("decimal", pa.types.is_decimal),
-        ("bool", pa.types.is_boolean),
-        ("string", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
-        ("binary", lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)),
-        ("timestamp", pa.types.is_timestamp),
-        ("date", pa.types.is_date),
-        ("time", pa.types.is_time),
-        ("duration", pa.types.is_duration),
-    ):
-        if test(t):
-            return kind
-    return str(t)
-
-
-def _shown(v: pa.Scalar) -> str:
-    """An Arrow scalar for a message (Arrow's string cast: exact, and never an
-    ``OverflowError`` from a value Python cannot hold)."""
-    try:
-        return str(pc.cast(pa.array([v]), pa.string())[0].as_py())
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-        return f"<{v.type} scalar>"
-
-
-def _cast_scalar(v: pa.Scalar, field: pa.Field, column: str) -> pa.Scalar:
-    """An Arrow scalar as one of ``field``'s type, by a safe cast within its kind
-    (numbers, decimals, strings, binaries, each temporal kind: never a string parsed
-    into a number), refusing a finite float that overflows into an infinity."""
-    t = field.type
-    kinds = {_kind(v.type), _kind(t)}
-    if len(kinds) > 1 and kinds != {"number", "decimal"}:
-        raise InvalidUsage(
-            f"update: set value {_shown(v)} of type {v.type} does not fit column {column!r} ({t})"
-        )
-    try:
-        out = v.cast(t, safe=True)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-        raise InvalidUsage(
-            f"update: set value {_shown(v)} for column {column!r} ({t}): {e}"
-        ) from None
-    if (
-        pa.types.is_floating(t)
-        and out.is_valid
-        and math.isinf(out.as_py())
-        and not (pa.types.is_floating(v.type) and math.isinf(v.as_py()))
-    ):
-        raise InvalidUsage(f"update: set value {_shown(v)} overflows column {column!r} ({t})")
-    return out
-
-
-def set_scalar(v: Any, field: pa.Field, column: str) -> pa.Scalar:
-    """A ``set`` value (a Python value, an Arrow scalar or ``None``) as a scalar of
-    ``field``'s type, converted exactly (see :func:`_python_scalar`).
-
-    Raises:
-        InvalidUsage: the value is of another kind (e.g. a string for an integer
-            column), loses information (``1.9`` into ``int64``, microseconds into a
-            ``duration[s]``), is out of range (``2**70`` into ``int64``), or is null
-            for a non-nullable column; naming the column.
-    """
-    if isinstance(v, pa.Scalar):
-        out = _cast_scalar(v, field, column)
-    elif v is None:
-        out = pa.scalar(None, field.type)
-    else:
-        out = _python_scalar(v, field, column)
-    if not out.is_valid and not field.nullable:
-        raise InvalidUsage(f"update: set gives nulls to the non-nullable column {column!r}")
-    return out
+    return net_changes([_retractions(live, names)], key_names, value_names, retracting=(True,))
 
 
 def check_set(
@@ -510,10 +427,13 @@ def new_values(old: pa.Table, set: Mapping[str, Any], names: Sequence[str]) -> p
             cols.append(old.column(n))
             continue
         v = set[n]
+        if n in evaluated:
+            cols.append(
+                cast_column(evaluated[n], field, f"update: set expression for column {n!r}")
+            )
+            continue
         try:
-            if n in evaluated:
-                arr: pa.Array | pa.ChunkedArray = evaluated[n].cast(field.type, safe=True)
-            elif isinstance(v, pc.Expression):
+            if isinstance(v, pc.Expression):
                 arr = pa.array([], field.type)
             else:
                 scalar = v if isinstance(v, pa.Scalar) else set_scalar(v, field, n)
@@ -609,7 +529,10 @@ def plan_update(
     if changes_key(set, key_names) and live.num_rows:
         _check_key_change(live, new, at_new_keys, key_names)
     return net_changes(
-        [_retractions(live, names), _with_diff(new, live.column(DIFF))], key_names, value_names
+        [_retractions(live, names), _with_diff(new, live.column(DIFF))],
+        key_names,
+        value_names,
+        retracting=(True, False),
     )
 
 

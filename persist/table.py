@@ -69,6 +69,7 @@ from persist.filters import check_columns, check_filter
 from persist.gc import GcReport, collect_garbage
 from persist.history import history_table, time_at
 from persist.machine import ShardMachine
+from persist.merge_into import MergeBuilder, MergeResult
 from persist.optimize import OptimizeReport, optimize
 from persist.parts import updates_schema
 from persist.progress import Progress
@@ -244,6 +245,26 @@ class Table:
             progress.rows, progress.nbytes = rows.num_rows, rows.nbytes
             progress.set_phase("reading live rows, writing changes, committing")
             return w.upsert(rows)
+
+    def merge(
+        self,
+        source: Any,
+        on: Sequence[str] | None = None,
+        source_alias: str = "source",
+        target_alias: str = "target",
+    ) -> MergeBuilder[MergeResult]:
+        """A MERGE INTO the table (delta-rs's ``DeltaTable.merge``): chain ``when_*``
+        clauses, then ``execute()`` commits them as one change, recorded in history as
+        ``merge`` with its predicate, clauses and metrics.  Semantics, errors and cost:
+        :meth:`WriteHandle.merge <persist.write.WriteHandle.merge>` and
+        :mod:`persist.merge_into`.
+
+        Args:
+            source: anything :meth:`append` takes.
+            on: the key columns to match on (default: the table's key).
+            source_alias, target_alias: the names conditions and values use.
+        """
+        return self._write_handle().merge(source, on, source_alias, target_alias)
 
     def delete(self, filter: pc.Expression) -> RowChanges:
         """Delete every live row ``filter`` (a boolean ``pyarrow.compute`` expression

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -56,6 +56,8 @@ from persist import rows as rows_mod
 from persist.batch import Batch
 from persist.errors import CorruptPart, InvalidUsage, SchemaMismatch
 from persist.filters import apply_filter, check_filter, update_filter
+from persist.merge_into import MergeBuilder, as_source, check_spec, plan_on_read, read_filter
+from persist.merge_plan import MergeCounts, MergeResult, MergeSpec
 from persist.parts import DIFF, TIME
 from persist.rows import Planned, RowChanges
 from persist.state import ShardState, token_entry
@@ -74,7 +76,7 @@ RAW_TIME = I64_MIN
 #: the writer registered by the first upload, moves the version planned on).
 PLAN_ATTEMPTS = 5
 
-Kind = Literal["upsert", "delete", "update"]
+Kind = Literal["upsert", "delete", "update", "merge"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ class RowOp:
     filter: pc.Expression | None = None
     set: Mapping[str, Any] | None = None
     row_filter: bool = True
+    merge: MergeSpec | None = None
+    #: a merge's counts as last planned (a one-element list, replaced by each plan)
+    merge_counts: list[MergeCounts] = field(default_factory=list)
 
 
 @dataclass
@@ -176,6 +181,12 @@ def _plan_op(
     values: list[str],
 ) -> Planned:
     """One change planned on ``read`` (:mod:`persist.rows`, as the handle plans it)."""
+    if op.kind == "merge":
+        assert op.merge is not None and op.rows is not None
+        data = pa.schema([schema.field(n) for n in [*keys, *values]])
+        planned, counts = plan_on_read(read, op.rows, op.merge, data, keys)
+        op.merge_counts[:] = [counts]
+        return planned
     if op.kind == "upsert":
         assert op.rows is not None
         rows = op.rows
@@ -388,6 +399,57 @@ class TxnRowChanges:
         changes = rows_mod.check_set(set, w.schema, keys, values)
         op = RowOp("update", filter=filter, set=changes, row_filter=row)
         self._add_op(self._row_shard(w), op)
+
+    def merge(
+        self,
+        shard: str | WriteHandle,
+        source: Any,
+        on: Sequence[str] | None = None,
+        source_alias: str = "source",
+        target_alias: str = "target",
+    ) -> MergeBuilder[None]:
+        """A MERGE INTO ``shard`` when the transaction commits: the builder of
+        :meth:`persist.write.WriteHandle.merge` (the same clauses and semantics), whose
+        ``execute()`` adds the merge to the transaction instead of committing it.  Its
+        :class:`~persist.MergeResult` is in :meth:`merge_results` after the commit.
+
+        Raises:
+            InvalidUsage: unknown shard; a bad source, ``on`` or aliases; as
+                :meth:`upsert`.  Bad clauses are refused by :meth:`commit` (nothing
+                committed).
+        """
+        self._check_changeable()
+        w = self._row_writer(shard)
+        src = as_source(source)
+        keys = w.key_schema.names
+        spec = check_spec(on, source_alias, target_alias, keys)
+        data = pa.schema([w.schema.field(n) for n in [*keys, *w.value_schema.names]])
+
+        def stage(spec: MergeSpec) -> None:
+            self._check_changeable()
+            read_filter(src, spec, data, keys)  # a bad source is refused now
+            self._add_op(self._row_shard(w), RowOp("merge", rows=src, merge=spec))
+
+        return MergeBuilder(spec, stage)
+
+    def merge_results(self) -> list[MergeResult]:
+        """The committed merges' results, in the order they were added (the counts of
+        the last plan, as :meth:`row_changes` says).
+
+        Raises:
+            InvalidUsage: the transaction has not committed.
+        """
+        if self.committed_ts is None:
+            raise InvalidUsage("merge_results: the transaction has not committed")
+        out = []
+        for sid, i in self._row_ops:
+            rc = self._shards[sid].rows
+            assert rc is not None
+            op = dict(rc.ops)[i]
+            if op.kind == "merge":
+                counts = op.merge_counts[0] if op.merge_counts else MergeCounts()
+                out.append(counts.result(self.committed_ts))
+        return out
 
     def row_changes(self) -> list[RowChanges]:
         """The committed row-level changes' outcomes, in the order they were added

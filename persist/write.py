@@ -98,6 +98,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist import merge_into
 from persist import metrics as persist_metrics
 from persist import rows as rows_mod
 from persist.batch import Batch
@@ -131,6 +132,7 @@ from persist.keys import key_writer_id
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.lease_state import TOKEN_SEP
 from persist.machine import ShardMachine
+from persist.merge_into import MergeBuilder, MergeResult
 from persist.rows import Planned, RowChanges
 from persist.rows_read import read_live_rows
 from persist.spine import FueledMergeRes, worth_compacting
@@ -514,6 +516,39 @@ class WriteHandle(ShardHandle):
 
         params = {"predicate": str(filter), "set": {k: str(v) for k, v in set.items()}}
         return rows_mod.apply_change(self, plan, op="update", params=params)
+
+    def merge(
+        self,
+        source: Any,
+        on: Sequence[str] | None = None,
+        source_alias: str = "source",
+        target_alias: str = "target",
+    ) -> MergeBuilder[MergeResult]:
+        """A MERGE INTO this shard (:mod:`persist.merge_into`, after Delta Lake's
+        ``DeltaTable.merge``): chain ``when_*`` clauses, then ``execute()`` commits them
+        as one change (serializable; planned again on a lost race).
+
+        Args:
+            source: the source rows: a pyarrow ``Table``/``RecordBatch``/reader, a pandas
+                or polars DataFrame, or any object with ``__arrow_c_stream__``.
+            on: the key columns to match on (default: every key column).
+            source_alias, target_alias: the names conditions and values use for the
+                source's and the target's columns.
+
+        Raises:
+            InvalidUsage: bad source, ``on`` or aliases (more at ``execute()``).
+        """
+        self._check()
+        src = merge_into.as_source(source)
+        keys = self.key_schema.names
+        spec = merge_into.check_spec(on, source_alias, target_alias, keys)
+        data = pa.schema([self.schema.field(n) for n in [*keys, *self.value_schema.names]])
+
+        def run(spec: merge_into.MergeSpec) -> merge_into.MergeResult:
+            self._check()
+            return merge_into.run_merge(self, src, spec, data, keys)
+
+        return MergeBuilder(spec, run)
 
     def change_state(self) -> ShardState:
         """The shard's state freshly read from consensus, for a row-level change: its

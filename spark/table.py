@@ -405,6 +405,28 @@ class PersistTable:
         (:func:`spark.row_changes.upsert`); returns the :class:`persist.RowChanges`."""
         return row_changes.upsert(self, df)
 
+    def merge(
+        self,
+        source: DataFrame,
+        on: Sequence[str] | None = None,
+        source_alias: str = "source",
+        target_alias: str = "target",
+    ) -> Any:
+        """A MERGE INTO the shard (delta-spark's ``DeltaTable.merge``): chain
+        ``when_*`` clauses (conditions and values: Spark SQL strings or ``Column``s over
+        ``source.<col>`` and ``target.<col>``, or the aliases given), then ``execute()``
+        commits them as one change and returns a :class:`persist.MergeResult`.  The
+        semantics are ``persist.WriteHandle.merge``'s (:mod:`persist.merge_into`); the
+        source is collected to the driver (:mod:`spark.merge`).
+
+        Args:
+            source: a DataFrame (or Arrow data).
+            on: the key columns to match on (default: every key column).
+        """
+        from spark.merge import merge_builder
+
+        return merge_builder(self, source, on, source_alias, target_alias)
+
     def delete(self, condition: str | Column) -> Any:
         """Retract the rows ``condition`` (a SQL string or a ``Column``) holds for
         (:func:`spark.row_changes.delete`); returns the :class:`persist.RowChanges`."""

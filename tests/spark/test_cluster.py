@@ -6,10 +6,11 @@ with a PostgreSQL stash and an S3 blob (moto, credentials from the environment o
   figures itself) and leaves the shard whole (fsck); ``persist sql`` answers the job's
   on-time query from the shard with the same figures;
 * ``spark.jobs.compact`` answers merge requests of another shard as Spark tasks on the
-  executors, and no readable ``as_of`` changes;
+  executors, and no readable ``as_of`` changes (a campaign: ``make reliability``; the
+  job runs in local mode in ``make test``);
 * both jobs stop the session they built: the log has no executor relaunched at exit.
 
-It runs once (not parametrized) and starts two small clusters: about a minute on 2 cores.
+Each test runs once (not parametrized) and starts one small cluster.
 """
 
 from __future__ import annotations
@@ -130,12 +131,25 @@ def test_jobs_on_a_local_cluster_with_postgres_and_s3(
             r = json.loads(line)
             got[r["carrier"]] = (r["flights"], r["arrived"], r["on_time"], r["delay_minutes"])
         assert got == _expected(as_of, 7)
+    with Stash.open(postgres_url, fenced=False) as s:
+        c = PersistClient(s, s3_blob_uri, compaction="off")
+        try:
+            assert fsck(c, "flights").ok
+        finally:
+            c.close()
 
+
+@pytest.mark.campaign
+def test_compact_job_on_a_local_cluster_with_postgres_and_s3(
+    postgres_url: str, s3_server: S3Server, s3_blob_uri: str
+) -> None:
+    """The compaction job's merges run as Spark tasks on a cluster's executors (the
+    same job runs in local mode in ``make test``: tests/spark/test_compact_job.py)."""
+    migrate_to_head(postgres_url)
     # A shard with outstanding merge requests for the compaction job.
     with Stash.open(postgres_url, fenced=False) as s:
         c = PersistClient(s, s3_blob_uri, compaction="off", inline_max_bytes=0)
         try:
-            assert fsck(c, "flights").ok
             write, read = c.open("c", KEYS, VALUES)
             for t in range(8):
                 rows = [(((k,), (f"v{k}-{t}",)), t, 1) for k in range(t * 40, t * 40 + 80)]

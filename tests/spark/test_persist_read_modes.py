@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from persist import PersistClient
 from stash import Stash
+from tests.reliability.campaign import runs
 
 pytestmark = pytest.mark.spark
 
@@ -155,8 +156,9 @@ def _sums(rows: Any) -> dict[Any, int]:
     return {k: d for k, d in out.items() if d != 0}
 
 
+@pytest.mark.sized
 @settings(
-    max_examples=12,
+    max_examples=runs(5, 30),  # about 10 Spark reads each
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyspark.sql.datasource import EqualTo, GreaterThan, IsNotNull, IsNull, LessThan
 
+from tests.reliability.campaign import runs
 from tests.support.source_harness import build, model, norm, read_source
 
 pytestmark = pytest.mark.adversarial
@@ -56,7 +57,8 @@ FILTERS: list[tuple[Any, Any]] = [
 ]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.sized
+@settings(max_examples=runs(15, 80), deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=SPEC)
 def test_source_reads_equal_the_model(tmp_path_factory: Any, spec: dict[str, Any]) -> None:
     root = Path(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp()))

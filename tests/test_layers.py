@@ -158,6 +158,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.builder",
                 "persist.batch_rules",
                 "persist.idempotency",
+                "persist.write_rows",
                 "persist.write",
                 "persist.rows",
                 "persist.merge_plan",

@@ -188,7 +188,7 @@ def test_bad_on_and_aliases(client: PersistClient) -> None:
         w.merge(rows({}), source_alias="s; drop")
     with pytest.raises(InvalidUsage, match="both"):
         w.merge(rows({}), source_alias="a", target_alias="A")
-    with pytest.raises(InvalidUsage, match="Arrow data"):
+    with pytest.raises(InvalidUsage, match="merge source: takes a pyarrow Table"):
         w.merge(object())
     with pytest.raises(InvalidUsage, match="no column 'id'"):
         w.merge(pa.table({"x": [1]})).when_matched_delete().execute()

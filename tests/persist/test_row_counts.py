@@ -28,9 +28,7 @@ def client() -> Iterator[PersistClient]:
 
 def _shard(client: PersistClient, name: str, count: int) -> None:
     w, _ = client.open(name, KEY, VAL)
-    w.compare_and_append(
-        pa.table({"id": [1], "v": ["a"], "_time": [0], "_diff": [count]}), 0, 1
-    )
+    w.compare_and_append(pa.table({"id": [1], "v": ["a"], "_time": [0], "_diff": [count]}), 0, 1)
 
 
 def _handle(client: PersistClient, name: str, op: str) -> tuple[int, int]:

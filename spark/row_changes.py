@@ -162,6 +162,11 @@ def _commit(
     return RowChanges(upper, inserted, retracted)
 
 
+ROLE = "__persist_retract"
+"""The column a plan marks its retractions with (true) and its insertions (false), so
+the counts go by role (:func:`_counts`), whatever the sign of a live row's count."""
+
+
 def _net(changes: Any, names: Sequence[str]) -> Any:
     """``changes`` summed per row (key and value columns; Spark's grouping normalizes
     ``-0.0`` and NaN as consolidation compares them, and groups nulls), zero sums
@@ -172,17 +177,22 @@ def _net(changes: Any, names: Sequence[str]) -> Any:
     return summed.where(F.col(DIFF) != 0)
 
 
-def _counts(changes: Any) -> tuple[int, int]:
-    """(inserted, retracted) of netted ``changes``: the sums of the positive and of the
-    negative diffs' magnitudes (:func:`persist.rows.net_changes`'s counts)."""
+def _counts(changes: Any, netted: Any) -> tuple[int, int]:
+    """(inserted, retracted) by role, as :func:`persist.rows.net_changes` counts them
+    with ``retracting``: the retractions' (``changes`` rows with :data:`ROLE` true) and
+    the insertions' absolute diffs, each less what cancelled in ``netted`` (the same
+    changes summed per row)."""
     from pyspark.sql import functions as F
 
-    d = F.col(DIFF)
+    d = F.abs(F.col(DIFF))
     row = changes.agg(
-        F.coalesce(F.sum(F.when(d > 0, d)), F.lit(0)).alias("ins"),
-        F.coalesce(F.sum(F.when(d < 0, -d)), F.lit(0)).alias("ret"),
+        F.coalesce(F.sum(F.when(F.col(ROLE), d)), F.lit(0)).alias("ret"),
+        F.coalesce(F.sum(F.when(~F.col(ROLE), d)), F.lit(0)).alias("ins"),
     ).first()
-    return int(row["ins"]), int(row["ret"])
+    net = netted.agg(F.coalesce(F.sum(d), F.lit(0)).alias("n")).first()["n"]
+    ins, ret = int(row["ins"]), int(row["ret"])
+    cancelled = (ins + ret - int(net)) // 2
+    return ins - cancelled, ret - cancelled
 
 
 def _run(table: ShardTable, plan: Any) -> RowChanges:
@@ -225,11 +235,13 @@ def _run(table: ShardTable, plan: Any) -> RowChanges:
                 changes = plan(upper)
                 if changes is None:
                     return _commit(table, upper, None, names, (0, 0))
-                changes = _net(changes, names).persist()
+                changes = changes.persist()
+                netted = _net(changes, names).persist()
                 try:
-                    counts = _counts(changes)
-                    return _commit(table, upper, changes, names, counts)
+                    counts = _counts(changes, netted)
+                    return _commit(table, upper, netted, names, counts)
                 finally:
+                    netted.unpersist()
                     changes.unpersist()
     except RetryError as e:
         last = e.last_attempt.exception()
@@ -312,7 +324,7 @@ def upsert(table: ShardTable, df: Any) -> RowChanges:
         bounds, n = _key_bounds(rows, keys)
 
         def plan(upper: int) -> Any:
-            inserts = rows.withColumn(DIFF, F.lit(1).cast("long"))
+            inserts = rows.withColumn(DIFF, F.lit(1).cast("long")).withColumn(ROLE, F.lit(False))
             if upper == 0 or n == 0:
                 return inserts if n else None
             live = _live(table, upper - 1)
@@ -325,7 +337,7 @@ def upsert(table: ShardTable, df: Any) -> RowChanges:
             if rng is not None:
                 live = live.where(rng)
             old = live.alias("l").join(rows.alias("r"), _on(keys), "left_semi")
-            retract = old.withColumn(DIFF, -F.col(DIFF))
+            retract = old.withColumn(DIFF, -F.col(DIFF)).withColumn(ROLE, F.lit(True))
             return retract.unionByName(inserts)
 
         return _run(table, plan)
@@ -407,7 +419,7 @@ def delete(table: ShardTable, condition: Any) -> RowChanges:
         if upper == 0:
             return None
         live = _live(table, upper - 1).where(cond)
-        return live.withColumn(DIFF, -F.col(DIFF))
+        return live.withColumn(DIFF, -F.col(DIFF)).withColumn(ROLE, F.lit(True))
 
     return _run(table, plan)
 
@@ -458,8 +470,8 @@ def update(table: ShardTable, condition: Any, set: Mapping[str, Any]) -> RowChan
         )
         if key_change:
             _check_keys(new, live.where(~cond), keys)
-        retract = old.withColumn(DIFF, -F.col(DIFF))
-        inserts = new.select(*[col(n) for n in names], DIFF)
+        retract = old.withColumn(DIFF, -F.col(DIFF)).withColumn(ROLE, F.lit(True))
+        inserts = new.select(*[col(n) for n in names], DIFF).withColumn(ROLE, F.lit(False))
         return retract.unionByName(inserts)
 
     return _run(table, plan)

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from persist.commit_note import noting
 from spark import row_changes
 from spark.persist_common import PersistSourceError, ShardTarget, persist_client
 
@@ -338,10 +339,33 @@ class PersistTable:
         except InvalidUsage as e:
             raise PersistSourceError(str(e)) from None
 
-    def history(self, limit: int | None = None, *, leases: bool = False) -> DataFrame:
+    def history(self, limit: int | None = None) -> DataFrame:
+        """The table's history, newest first, as ``persist.Table.history`` gives it
+        (delta-spark's ``DeltaTable.history(limit)``): ``version``, ``time``,
+        ``timestamp`` (UTC), ``operation`` (``create``, ``append``, ``upsert``,
+        ``delete``, ``update``, ``merge``, ``restore``, ``optimize``, ``schema``,
+        ``retention``, ``txn``), ``parameters`` and ``metrics`` (JSON text); the same
+        rows as ``persist history NAME``.  Read without a lease.
+
+        Args:
+            limit: at most this many rows (``int >= 1``), the newest; ``None``: all.
+
+        Raises:
+            PersistSourceError: ``limit`` not ``None`` nor an int ``>= 1``; unknown shard.
+        """
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise PersistSourceError(f"history limit must be an int >= 1 or None, got {limit!r}")
+        if limit is not None and limit < 1:
+            raise PersistSourceError(f"history limit must be an int >= 1 or None, got {limit}")
+        with self.client(readonly=True) as c:
+            self._state(c)
+            rows = c.table(self.shard).history(limit)
+        return self.spark.createDataFrame(rows)
+
+    def versions(self, limit: int | None = None, *, leases: bool = False) -> DataFrame:
         """The shard's state versions the stash still holds (the rollup and the diffs
         after it; GC's truncation drops older ones), newest first, each compared with
-        the version before it (after delta-spark's ``DeltaTable.history(limit)``).
+        the version before it: what changed in consensus, below :meth:`history`.
 
         Columns: ``seqno``, ``operation`` (``create``, ``rollup``, ``append``,
         ``compaction``, ``schema``, ``since``, ``finalize``, ``other``; with ``leases``
@@ -403,7 +427,8 @@ class PersistTable:
     def upsert(self, df: DataFrame) -> Any:
         """Insert ``df``'s rows, replacing the rows of the shard with the same key
         (:func:`spark.row_changes.upsert`); returns the :class:`persist.RowChanges`."""
-        return row_changes.upsert(self, df)
+        with noting("upsert"):
+            return row_changes.upsert(self, df)
 
     def merge(
         self,
@@ -430,13 +455,17 @@ class PersistTable:
     def delete(self, condition: str | Column) -> Any:
         """Retract the rows ``condition`` (a SQL string or a ``Column``) holds for
         (:func:`spark.row_changes.delete`); returns the :class:`persist.RowChanges`."""
-        return row_changes.delete(self, condition)
+        with noting("delete", {"predicate": str(condition)}):
+            return row_changes.delete(self, condition)
 
     def update(self, condition: str | Column, set: Mapping[str, str | Column]) -> Any:
         """Set columns (``set``: column -> SQL string or ``Column``) of the rows
         ``condition`` holds for (:func:`spark.row_changes.update`); returns the
         :class:`persist.RowChanges`."""
-        return row_changes.update(self, condition, set)
+        with noting(
+            "update", {"predicate": str(condition), "set": {k: str(v) for k, v in set.items()}}
+        ):
+            return row_changes.update(self, condition, set)
 
 
 def _fmt(schema: pa.Schema) -> str:

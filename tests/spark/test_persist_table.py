@@ -370,7 +370,7 @@ def test_python_path_dataframe_stays_usable_for_a_lease(table: Any, spark_store:
 
 
 def test_history_compact_and_gc(table: Any, spark_store: Any) -> None:
-    hist = table.history().collect()
+    hist = table.versions().collect()
     assert [r["seqno"] for r in hist] == sorted((r["seqno"] for r in hist), reverse=True)
     appends = [r for r in hist if r["operation"] == "append"]
     assert appends and all(r["upper"] == r["lower"] + 1 for r in appends)

@@ -176,7 +176,9 @@ def test_counts_are_write_handles(spark: Any, spark_store: Any, twins: Any) -> N
         ],
     )
     t = Table(spark, "spark", spark_store.stash_url, spark_store.blob_uri)
-    _same(rc.delete(t, "id = 1"), tw.model.delete(pc.field("id") == 1), tw)
+    deleted = rc.delete(t, "id = 1")
+    _same(deleted, tw.model.delete(pc.field("id") == 1), tw)
+    assert (deleted.inserted, deleted.retracted) == (0, 1)  # by role, not by the diff's sign
     _same(
         rc.update(t, "id = 2", {"v": "'d'"}), tw.model.update(pc.field("id") == 2, {"v": "d"}), tw
     )

@@ -73,8 +73,8 @@ def history_table(spark: Any, spark_store: Any) -> tuple[Any, dict[str, int]]:
 
 def test_history_hides_lease_only_versions_by_default(history_table: Any) -> None:
     table, seqnos = history_table
-    everything = [r.asDict() for r in table.history(leases=True).collect()]
-    shown = [r.asDict() for r in table.history().collect()]
+    everything = [r.asDict() for r in table.versions(leases=True).collect()]
+    shown = [r.asDict() for r in table.versions().collect()]
     # leases=True: every retained version, newest first, as before.
     assert everything[0]["seqno"] >= seqnos["last"]
     assert [r["seqno"] for r in everything] == list(range(everything[0]["seqno"], -1, -1))
@@ -106,7 +106,9 @@ def test_history_lease_only_versions_change_only_lease_entries(
     """Every hidden version's consensus entries differ from its predecessor's in reader
     and writer entries (and the seqno) only, checked on the raw committed entries."""
     table, _ = history_table
-    hidden = {r["seqno"] for r in table.history(leases=True).collect() if r["operation"] == "lease"}
+    hidden = {
+        r["seqno"] for r in table.versions(leases=True).collect() if r["operation"] == "lease"
+    }
     with table.client(readonly=True) as c:
         versions = c.consensus.versions(c.shard_id("t"))
     for before, after in zip(versions, versions[1:], strict=False):
@@ -127,16 +129,50 @@ def test_history_lease_only_versions_change_only_lease_entries(
 
 def test_history_limit_keeps_the_newest(history_table: Any) -> None:
     table, _ = history_table
-    shown = table.history().collect()
-    assert table.history(limit=2).collect() == shown[:2]
-    assert table.history(limit=1000).collect() == shown
-    assert table.history(3, leases=True).collect() == table.history(leases=True).collect()[:3]
+    shown = table.versions().collect()
+    assert table.versions(limit=2).collect() == shown[:2]
+    assert table.versions(limit=1000).collect() == shown
+    assert table.versions(3, leases=True).collect() == table.versions(leases=True).collect()[:3]
 
 
 def test_history_bad_input_raises_naming_the_rule(history_table: Any) -> None:
     table, _ = history_table
     for bad in (0, -1, "2", 1.5, True):
         with pytest.raises(PersistSourceError, match="history limit must be an int >= 1"):
-            table.history(limit=bad)
+            table.versions(limit=bad)
     with pytest.raises(PersistSourceError, match="history leases must be a bool"):
-        table.history(leases="yes")
+        table.versions(leases="yes")
+
+
+def test_history_is_the_tables(spark: Any, spark_store: Any) -> None:
+    """``PersistTable.history`` gives ``persist.Table.history``'s rows (what ``persist
+    history`` prints), and Spark's row changes are named in it."""
+    from spark import PersistTable
+
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        c = PersistClient(s, spark_store.blob_uri)
+        try:
+            t = c.create_table("h", pa.schema([("id", pa.int64()), ("v", pa.string())]), ["id"])
+            t.append(pa.table({"id": [1, 2], "v": ["a", "b"]}))
+        finally:
+            c.close()
+    table = PersistTable.for_name(
+        spark, "h", stash=spark_store.stash_url, blob=spark_store.blob_uri
+    )
+    table.upsert(spark.createDataFrame([(2, "B"), (3, "c")], "id long, v string"))
+    table.delete("id = 1")
+    table.update("id = 3", {"v": "upper(v)"})
+    got = [r.asDict() for r in table.history().collect()]
+    assert [r["operation"] for r in got] == ["update", "delete", "upsert", "append", "create"]
+    assert got[1]["parameters"] == '{"predicate":"id = 1"}'
+    with Stash.open(spark_store.stash_url, mode="readonly") as s:
+        c = PersistClient(s, spark_store.blob_uri)
+        try:
+            want = c.table("h").history().to_pylist()
+        finally:
+            c.close()
+    assert [{k: r[k] for k in ("version", "time", "operation")} for r in got] == [
+        {k: r[k] for k in ("version", "time", "operation")} for r in want
+    ]
+    assert table.history(limit=2).count() == 2
+    table.close()

@@ -316,7 +316,7 @@ def test_cli_tables_are_inert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert outputs["missing"].exit_code == 1
     assert not problems, problems
     res = runner.invoke(main, ["peek", url, EVIL_NAME, "--json"])
-    assert json.loads(res.output) == [
+    assert [json.loads(line) for line in res.output.splitlines()] == [
         {"key": EVIL_NAME, "value": {EVIL_NAME: 1}, "diff": 1},
         {"key": EVIL_KEY, "value": EVIL_VALUE, "diff": 1},
     ]

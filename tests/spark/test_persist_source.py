@@ -53,8 +53,12 @@ def _bag(rows: Any) -> Counter[tuple[Any, ...]]:
 
 
 def _blob_keys(store: Any) -> set[str]:
+    """The store's blob keys, but its identity marker (no part of a shard)."""
+    from persist.store_identity import MARKER_KEY
+
     root = Path(store.blob_uri[len("file://") :])
-    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    keys = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    return {k for k in keys if not k.startswith(MARKER_KEY + "/")}
 
 
 def _state(store: Any, shard: str) -> Any:

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy.engine import make_url
 
-from persist import PersistClient
+from persist import MemoryBlob, PersistClient
 from persist.cli import main as persist_main
 from stash import Stash
 from stash.cli import main as stash_main
@@ -36,6 +36,7 @@ def test_odd_passwords_never_shown(postgres_url: str, caplog: pytest.LogCaptureF
     caplog.set_level(logging.DEBUG)
     shown: list[str] = []
     leaks: list[tuple[str, str]] = []
+    blob = MemoryBlob()  # one store for the shard every role opens
     for i, pw in enumerate(PASSWORDS):
         role = f"pwsweep{i}"
         with psycopg.connect(admin, autocommit=True) as conn:
@@ -51,7 +52,7 @@ def test_odd_passwords_never_shown(postgres_url: str, caplog: pytest.LogCaptureF
         texts: list[str] = []
         with Stash.open(good, fenced=True) as s:  # fenced: logs "took leader epoch"
             texts.append(repr(s))
-            c = PersistClient(s, "memory://", compaction="off")
+            c = PersistClient(s, blob, compaction="off")
             texts.append(repr(c))
             c.open("sh", *_schemas())
             c.close()

@@ -50,9 +50,11 @@ MARKER_KEY = "persist-store-id"
 
 T = TypeVar("T")
 
-#: Attempts of a marker read or write (it guards every open, so a transient blob error
-#: there is retried more than a part's upload: the open would fail for nothing).
-MARKER_ATTEMPTS = 6
+#: Attempts of a marker read or write on top of the client's own blob retries
+#: (``PersistConfig.blob_retries``): one, as for every other blob call.  The layers
+#: multiply (each of the blob's attempts may hold an S3 SDK's own retries), so an
+#: unreachable store fails in seconds instead of minutes.
+MARKER_ATTEMPTS = 1
 
 
 def _retried(fn: Callable[[], T]) -> T:

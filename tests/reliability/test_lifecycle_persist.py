@@ -648,6 +648,7 @@ class Lifecycle(RuleBasedStateMachine):
 
 
 @pytest.mark.campaign
+@pytest.mark.timeout(runs(600, 5400))  # long-sized: 300 examples of up to 50 steps
 def test_lifecycle_model() -> None:
     FIG.clear()
     n = runs(40, 300)

@@ -138,13 +138,13 @@ def test_lost_race_replans(spark: Any, spark_store: Any, stores: Stores, monkeyp
     real = rc._counts
     raced: list[int] = []
 
-    def racing(changes: Any) -> Any:
+    def racing(*changes: Any) -> Any:
         if not raced:
             w = stores.writers["spark"]
             upper = stores.client.inspect("spark").upper.as_option()
             w.compare_and_append(_table([(8, "late", 0, 1)], upper), upper, upper + 1)
             raced.append(upper)
-        return real(changes)
+        return real(*changes)
 
     monkeypatch.setattr(rc, "_counts", racing)
     out = rc.upsert(t, spark.createDataFrame([(8, "new", 1)], "id long, v string, n long"))

@@ -19,40 +19,24 @@ keeper with no thread runs the renewals when told.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
-import pytest
 
 from persist import MemoryBlob, PersistClient, collect_garbage, fsck
 from persist.lease import LeaseKeeper
 from stash import Stash
+from tests.persist.test_held_batch_leases import HOUR, KS, LEASE, VS, stash, upd
+from tests.persist.test_held_batch_leases import client as held_client
 from tests.support.clock import Clock
 
-KS = pa.schema([("k", pa.int64())])
-VS = pa.schema([("v", pa.string())])
-HOUR = 3600.0
-LEASE = 600.0
-
-
-@pytest.fixture
-def stash() -> Iterator[Stash]:
-    s = Stash.open("memory://", fenced=False)
-    yield s
-    s.close()
+__all__ = ["KS", "VS", "stash", "upd"]  # the shared setup, re-used here
 
 
 def client(stash: Stash, blob: Any, clock: Clock, **kw: Any) -> PersistClient:
-    kw.setdefault("compaction", "off")
-    kw.setdefault("inline_max_bytes", 0)
-    kw.setdefault("writer_lease_seconds", LEASE)
+    """The held-batch tests' client, its readers leased for ten hours."""
     kw.setdefault("reader_lease_seconds", 10 * HOUR)
-    return PersistClient(stash, blob, clock=clock, **kw)
-
-
-def upd(k: int, v: str, t: int = 0) -> Any:
-    return ((k,), (v,)), t, 1
+    return held_client(stash, blob, clock, **kw)
 
 
 def rows(t: pa.Table) -> list[tuple[int, str, int]]:

@@ -10,7 +10,6 @@ one definition of a key."""
 from __future__ import annotations
 
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,8 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from persist import MemoryBlob, PersistClient, PersistError
 from persist.write import WriteHandle
 from stash import Stash
-from tests.persist.arrow_strategies import canonical_rows
-from tests.persist.test_row_paths_differential import _examples
+from tests.persist.test_row_paths_differential import _examples, _live
 from tests.reliability.campaign import runs
 
 
@@ -34,12 +32,6 @@ def client() -> Iterator[PersistClient]:
     finally:
         c.close()
         s.close()
-
-
-def _live(w: WriteHandle) -> Counter[tuple[Any, ...]]:
-    t = w.read_live(w.change_state(), None)
-    names = [*w.key_schema.names, *w.value_schema.names]
-    return Counter(dict(zip(canonical_rows(t, names), t.column("_diff").to_pylist(), strict=True)))
 
 
 def _upsert(w: WriteHandle, rows: Any) -> tuple[int, int]:

@@ -45,7 +45,7 @@ import pyarrow as pa
 
 from persist.commit_note import noting
 from spark import row_changes
-from spark.persist_common import PersistSourceError, ShardTarget, persist_client
+from spark.persist_common import PersistSourceError, ShardTarget, open_read, persist_client
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -99,8 +99,17 @@ class PersistTable:
     since downgrade alone changes no row read at that time, and keeps it.
     """
 
-    def __init__(self, spark: SparkSession, shard: str, stash_url: str, blob_uri: str) -> None:
+    def __init__(
+        self,
+        spark: SparkSession,
+        shard: str,
+        stash_url: str,
+        blob_uri: str,
+        *,
+        readonly: bool = False,
+    ) -> None:
         self.spark = spark
+        self.readonly = readonly
         self.shard = shard
         self.stash_url = stash_url
         self.blob_uri = blob_uri
@@ -129,7 +138,9 @@ class PersistTable:
         holds ``self._lock``."""
         if self._kept_client is None:
             stack = contextlib.ExitStack()
-            self._kept_client = stack.enter_context(persist_client(self.target))
+            self._kept_client = stack.enter_context(
+                persist_client(self.target, readonly=self.readonly)
+            )
             self._finalizer = weakref.finalize(self, stack.close)
         return self._kept_client
 
@@ -157,15 +168,21 @@ class PersistTable:
 
     # ---------------------------------------------------------------- opening
     @classmethod
-    def for_name(cls, spark: SparkSession, shard: str, *, stash: str, blob: str) -> PersistTable:
-        """The existing shard ``shard`` (Delta's ``DeltaTable.forName``).
+    def for_name(
+        cls, spark: SparkSession, shard: str, *, stash: str, blob: str, readonly: bool = False
+    ) -> PersistTable:
+        """The existing shard ``shard`` (Delta's ``DeltaTable.forName``).  With
+        ``readonly``, the stash is opened ``readonly`` for reads (:meth:`to_df`,
+        :meth:`history`, :meth:`schemas`): they take no reader lease and write no state
+        version.  Without a lease, a GC by a writer while Spark reads may delete a part
+        of the version read: the job then fails naming the missing file; run it again.
 
         Raises:
             PersistSourceError: no shard has that name in ``stash``.
         """
         from spark.persist_common import registered_schemas
 
-        table = cls(spark, shard, stash, blob)
+        table = cls(spark, shard, stash, blob, readonly=readonly)
         if registered_schemas(table.target) is None:
             from stash import redact
 
@@ -309,9 +326,9 @@ class PersistTable:
         from spark.persist_planning import resolve_as_of
 
         register(self.spark)
-        with self.client() as c:
+        with self.client(readonly=self.readonly) as c:
             st = self._state(c)
-            read = c.open_reader(self.shard, st.key_schema, st.value_schema)
+            read = open_read(c, self.shard, st.key_schema, st.value_schema)
             try:
                 # Decided after the reader's since hold was taken: the since cannot
                 # pass the time decided on.
@@ -327,6 +344,8 @@ class PersistTable:
                 raise
         r = self.spark.read.format("persist").option("stash", self.stash_url)
         r = r.option("blob", self.blob_uri)
+        if self.readonly:
+            r = r.option("readonly", "true")
         if t is not None:
             r = r.option("as_of", str(t))
         return r.load(self.shard)

@@ -173,7 +173,9 @@ def split_parts(
     clean = [i for i, r in enumerate(runs) if r[2] is not None and r[3] is not None]
     clean.sort(key=lambda i: -runs[i][4])
     taken: list[int] = []
-    if clean:
+    if len(clean) == 1:  # nothing to compare: no keys to decode
+        taken = clean
+    elif clean:
         ranks = _ranks([k for i in clean for k in runs[i][3] or ()], key_schema)
         spans = {i: (ranks[2 * j], ranks[2 * j + 1]) for j, i in enumerate(clean)}
         for i in clean:

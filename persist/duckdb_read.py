@@ -23,8 +23,11 @@ the store's credentials, which persist does not hand to it.
 Invariants: the relation's rows are exactly ``to_arrow(as_of)``'s (as a multiset, in
 the same column names and types); a negative multiplicity is refused as ``to_arrow``
 refuses it; every decision is taken on one state version; a part that GC removed
-meanwhile makes the read start again on the newer version at the same ``as_of``
-(as :func:`persist.version_read.read_version`).
+while the relation is built makes the build start again on the newer version at the
+same ``as_of`` (as :func:`persist.version_read.read_version`).  The relation is lazy:
+DuckDB reads the scanned parts when a query on it runs, so a part GC deletes after the
+build (a newer version stopped referencing it and the grace period passed) fails that
+query naming the file: build the relation again.
 
 Sources: pyiceberg's ``Table.to_duckdb`` and delta-rs's ``DeltaTable.to_pyarrow_dataset``
 (DuckDB scanning the table's Parquet files); Materialize's persist-client ``fetch.rs``

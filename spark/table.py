@@ -376,9 +376,7 @@ class PersistTable:
             raise PersistSourceError(f"history limit must be an int >= 1 or None, got {limit!r}")
         if limit is not None and limit < 1:
             raise PersistSourceError(f"history limit must be an int >= 1 or None, got {limit}")
-        with self.client(readonly=True) as c:
-            self._state(c)
-            rows = c.table(self.shard).history(limit)
+        rows = self._table_call(True, lambda t: t.history(limit))
         return self.spark.createDataFrame(rows)
 
     def versions(self, limit: int | None = None, *, leases: bool = False) -> DataFrame:
@@ -418,6 +416,47 @@ class PersistTable:
             self._state(c)
             rows = history_rows(c, self.shard, leases=leases)
         return self.spark.createDataFrame(rows[:limit], history_schema())
+
+    # ------------------------------------------------ persist.Table delegates
+    def _table_call(self, readonly: bool, call: Any) -> Any:
+        """``call(table)`` on the shard's :class:`persist.Table` over a client of this
+        table's stores (readonly: writes nothing); unknown shards raise
+        :class:`PersistSourceError`."""
+        with self.client(readonly=readonly or self.readonly) as c:
+            self._state(c)
+            return call(c.table(self.shard))
+
+    def details(self) -> dict[str, Any]:
+        """What the table is and holds: :meth:`persist.Table.details` (name, shard id,
+        key, schema, since, upper, batches, runs, parts, updates, bytes, inline bytes,
+        schema versions, retention, blob store redacted).  Writes nothing."""
+        return self._table_call(True, lambda t: t.details())  # type: ignore[no-any-return]
+
+    def restore(self, as_of: Any) -> Any:
+        """Make the live rows those of ``as_of`` (a time or a timezone-aware
+        ``datetime``) in one commit (delta-spark's ``DeltaTable.restoreToVersion``):
+        :meth:`persist.Table.restore`; returns the :class:`persist.RowChanges`.
+
+        Raises: as :meth:`persist.Table.restore` (``SinceViolation`` naming the since).
+        """
+        return self._table_call(False, lambda t: t.restore(as_of))
+
+    def optimize(self) -> Any:
+        """Merge every batch into one run consolidated at the since (delta-spark's
+        ``DeltaTable.optimize().executeCompaction()``): :meth:`persist.Table.optimize`
+        on the driver; returns its :class:`persist.optimize.OptimizeReport`."""
+        return self._table_call(False, lambda t: t.optimize())
+
+    def set_retention(self, duration: Any) -> None:
+        """Keep the states of the last ``duration`` (a ``timedelta``; ``None`` clears
+        it) readable: :meth:`persist.Table.set_retention`."""
+        self._table_call(False, lambda t: t.set_retention(duration))
+
+    def vacuum(self, grace_seconds: float | None = None) -> Any:
+        """Move the since to where the retention puts it, then collect garbage
+        (delta-spark's ``DeltaTable.vacuum``): :meth:`persist.Table.vacuum`; returns
+        its :class:`persist.table.VacuumReport`."""
+        return self._table_call(False, lambda t: t.vacuum(grace_seconds))
 
     # ------------------------------------------------------------ maintenance
     def compact(self) -> Any:

@@ -532,3 +532,57 @@ def test_readonly_reads_write_nothing(spark: Any, spark_store: Any) -> None:
         assert collected(ro.to_df(as_of=5, path="native")) == want5
         assert ro.history().count() > 0
     assert seqno() == before
+
+
+def test_operating_calls_delegate_to_persist_table(spark: Any, spark_store: Any) -> None:
+    """``details``, ``optimize``, ``restore``, ``set_retention`` and ``vacuum`` of
+    ``spark.PersistTable`` are ``persist.Table``'s: the same details, the same rows after
+    them, and history names each operation; on a readonly table a write is refused
+    before anything is committed."""
+    import datetime as dt
+
+    from spark import PersistTable
+
+    schema = pa.schema([*KEYS, *V0])
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        c = PersistClient(s, spark_store.blob_uri, compaction="off")
+        try:
+            t = c.create_table("ops", schema, key=["k"])
+            t.append(_rows([1, 2, 3], "a", V0))
+            t.upsert(_rows([2], "b", V0))
+            first = t.to_arrow(as_of=0)
+        finally:
+            c.close()
+    url, blob = spark_store.stash_url, spark_store.blob_uri
+    with PersistTable.for_name(spark, "ops", stash=url, blob=blob) as pt:
+        with Stash.open(url, fenced=False) as s:
+            c = PersistClient(s, blob, compaction="off")
+            try:
+                assert pt.details() == c.table("ops").details()
+            finally:
+                c.close()
+        assert pt.optimize().batches_after == 1
+        changes = pt.restore(0)
+        assert (changes.inserted, changes.retracted) == (1, 1)
+        pt.set_retention(dt.timedelta(days=7))
+        assert pt.vacuum().since is not None
+        ops = [r["operation"] for r in pt.history().collect()]
+        assert ops[0] == "retention"
+        assert [o for o in ops if o != "retention"][:2] == ["restore", "optimize"]
+    with Stash.open(url, fenced=False) as s:
+        c = PersistClient(s, blob, compaction="off")
+        try:
+            assert c.table("ops").to_arrow() == first
+            seqno = c.inspect("ops").seqno
+        finally:
+            c.close()
+    ro = PersistTable.for_name(spark, "ops", stash=url, blob=blob, readonly=True)
+    assert ro.details()["upper"] is not None
+    with pytest.raises(Exception, match="readonly"):
+        ro.restore(1)  # 2 -> "b" again: a change, refused
+    with Stash.open(url, mode="readonly") as s:
+        c = PersistClient(s, blob, compaction="off")
+        try:
+            assert c.inspect("ops").seqno == seqno
+        finally:
+            c.close()

@@ -95,10 +95,11 @@ def test_negative_multiplicity_refused_like_to_arrow(client: PersistClient) -> N
         t.to_duckdb()
 
 
-_ids = st.integers(0, 4)
+_ids = st.integers(0, 30)
 _row = st.tuples(_ids, st.sampled_from(["a", "b", None]), st.sampled_from([0.5, -0.0, None]))
 _op = st.one_of(
-    st.tuples(st.just("append"), st.lists(_row, min_size=1, max_size=4)),
+    st.tuples(st.just("append"), st.lists(_row, min_size=1, max_size=8)),
+    st.tuples(st.just("bulk"), st.integers(0, 20)),
     st.tuples(st.just("upsert"), st.dictionaries(_ids, _row, max_size=3)),
     st.tuples(st.just("delete"), _ids),
     st.tuples(st.just("optimize")),
@@ -110,6 +111,9 @@ _op = st.one_of(
 def _apply(c: PersistClient, t: Table, op: tuple[Any, ...]) -> None:
     if op[0] == "append":
         t.append(pa.table(list(zip(*op[1], strict=True)), schema=SCHEMA))
+    elif op[0] == "bulk":  # distinct keys, inserts only: a run DuckDB may scan
+        ids = list(range(op[1], op[1] + 12))
+        t.append(pa.table([ids, ["b"] * 12, [0.5] * 12], schema=SCHEMA))
     elif op[0] == "upsert":
         rows = [(i, r[1], r[2]) for i, r in sorted(op[1].items())]
         cols = list(zip(*rows, strict=True)) if rows else [[], [], []]
@@ -142,7 +146,7 @@ def _apply(c: PersistClient, t: Table, op: tuple[Any, ...]) -> None:
 def test_to_duckdb_equals_to_arrow(
     tmp_path: Path, ops: list[tuple[Any, ...]], store: str, data: st.DataObject
 ) -> None:
-    """Over random histories (appends of inserts with duplicates, upserts, deletes, full
+    """Over random histories (appends with duplicates, bulk appends, upserts, deletes, full
     and ordinary compactions, since moves) and a random ``as_of``, ``to_duckdb`` has
     exactly ``to_arrow``'s rows, on a memory store (all Arrow) and on a file store whose
     directory name holds glob characters (DuckDB scanning parts, with and without
@@ -151,7 +155,8 @@ def test_to_duckdb_equals_to_arrow(
     blob = MemoryBlob() if store == "memory" else FileBlob(str(root))
     inline = 4096 if store == "file-inline" else 0
     with Stash.open("memory://", fenced=False) as s:
-        c = PersistClient(s, blob, compaction="off", inline_max_bytes=inline)
+        # One row per part: runs of many parts, most of them untouched by the tail.
+        c = PersistClient(s, blob, compaction="off", inline_max_bytes=inline, target_part_bytes=1)
         try:
             t = c.create_table("p", SCHEMA, key=["id"])
             for op in ops:

@@ -169,3 +169,24 @@ def test_to_duckdb_equals_to_arrow(
                 _same(t.to_duckdb(as_of=as_of), t, as_of)
         finally:
             c.close()
+
+
+def test_part_paths_are_names_not_patterns(tmp_path: Path) -> None:
+    """DuckDB reads each part by its literal path: a store directory ``b[ab]`` next to a
+    copy of it named ``ba`` (which the pattern ``b[ab]`` would match too) gives every row
+    once."""
+    import shutil
+
+    root = tmp_path / "b[ab]"
+    with Stash.open("memory://", fenced=False) as s:
+        c = PersistClient(s, FileBlob(str(root)), compaction="off", inline_max_bytes=0)
+        try:
+            t = c.create_table("g", SCHEMA, key=["id"])
+            t.append(pa.table({"id": [1, 2], "name": ["a", "b"], 'we"ird': [1.0, 2.0]}))
+            shutil.copytree(root, tmp_path / "ba")
+            rel = t.to_duckdb()
+            assert "PARQUET" in _plan(rel).upper()
+            _same(rel, t)
+            assert rel.aggregate("count(*) AS n").fetchall() == [(2,)]
+        finally:
+            c.close()

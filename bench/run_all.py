@@ -20,7 +20,10 @@ of one cannot disturb the next):
 7. ``bench.bench_txn``: 2-shard transactions against separate ``compare_and_append``
    calls;
 8. ``bench.bench_rows``: row-level upsert, delete and update on TPC-H ``lineitem``
-   against delta-rs and pyiceberg.
+   against delta-rs and pyiceberg;
+9. ``bench.bench_table``: ``Table.to_duckdb`` + an aggregate against DuckDB's
+   ``read_parquet``, ``Table.to_arrow`` against ``pq.read_table``, and a readonly read of
+   a 1,000-batch table against a read-write one.
 
 Invariants kept here:
 
@@ -130,6 +133,14 @@ BENCHES: tuple[BenchSpec, ...] = (
         2400,
         600,
         "Row-level changes against delta-rs and pyiceberg",
+    ),
+    BenchSpec(
+        "table",
+        "bench.bench_table",
+        (),
+        900,
+        240,
+        "persist.Table reads against pyarrow.parquet and DuckDB",
     ),
 )
 

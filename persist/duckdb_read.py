@@ -1,29 +1,42 @@
-"""A table as a DuckDB relation (:func:`to_duckdb`): DuckDB reads the Parquet parts that
-need no merge itself, persist merges the rest.
+"""A table as a DuckDB relation (:func:`to_relation`): DuckDB reads the Parquet parts
+that need no merge itself, persist merges only the rest, and the relation is the
+``UNION ALL`` of the two.
 
-A snapshot at ``as_of`` is every update at or before ``as_of``, consolidated.  When
-all of it is one *clean* run (one batch, one sorted and consolidated run whose parts'
-``_time`` statistics show a single time at or before ``as_of``, e.g. a table after
-``optimize()`` or one big append), each (key, value) appears once in its Parquet parts,
-with its multiplicity in ``_diff``: the parts are the snapshot's rows as stored, so
-DuckDB scans them itself (``read_parquet``) and repeats each row by its ``_diff``.  It
-does so only for parts in a local directory (:class:`~persist.blob.FileBlob`), written
-under the newest schema version, whose columns DuckDB gives back in the very Arrow types
-persist does (:data:`DIRECT_TYPES`).  Everything else (inline parts, several runs,
-several times, an object store) is read and consolidated by persist
-(:meth:`Table.to_arrow <persist.table.Table.to_arrow>`) and handed to DuckDB as Arrow.
+Which parts need no merge is :mod:`persist.direct_plan`'s rule, the one Spark's native
+read plans with (:mod:`spark.native_plan`): the parts of clean runs (one time at or
+before ``as_of``, sorted and consolidated; runs of inserts only may overlap) whose key
+interval holds no key of the tail.  Their rows are snapshot rows as stored, each with its
+multiplicity in ``_diff``, so DuckDB scans them (``read_parquet``, the paths given as a
+list of literal file names, never as patterns) and repeats each row by its ``_diff``.
+Persist reads the tail (every other part: inline parts, runs of several times, runs
+overlapping a taken one) together with the direct parts whose interval holds a tail key,
+consolidates them at ``as_of`` (:func:`persist.fetch.snapshot_table`) and hands the rows
+to DuckDB as Arrow.
 
-Invariant: the relation's rows are exactly ``to_arrow(as_of)``'s (as a multiset, in the
-same column names and types); a negative multiplicity is refused as ``to_arrow``
-refuses it; every decision is taken on one state version.
+DuckDB reads a part only when it is in a local directory
+(:class:`~persist.blob.FileBlob`), is no symbolic link, was written under the newest
+schema version, and the table's columns are all of types DuckDB gives back as the very
+Arrow types persist reads (:data:`DIRECT_TYPES`); other parts go through the Arrow side.
+Parts in an object store (S3) always do: DuckDB would need its ``httpfs`` extension and
+the store's credentials, which persist does not hand to it.
+
+Invariants: the relation's rows are exactly ``to_arrow(as_of)``'s (as a multiset, in
+the same column names and types); a negative multiplicity is refused as ``to_arrow``
+refuses it; every decision is taken on one state version; a part that GC removed
+while the relation is built makes the build start again on the newer version at the
+same ``as_of`` (as :func:`persist.version_read.read_version`).  The relation is lazy:
+DuckDB reads the scanned parts when a query on it runs, so a part GC deletes after the
+build (a newer version stopped referencing it and the grace period passed) fails that
+query naming the file: build the relation again.
 
 Sources: pyiceberg's ``Table.to_duckdb`` and delta-rs's ``DeltaTable.to_pyarrow_dataset``
-(DuckDB scanning the table's Parquet files), and the native read plan of this project's
-Spark source (``spark/native_plan.py``).
+(DuckDB scanning the table's Parquet files); Materialize's persist-client ``fetch.rs``
+(a part read as is when nothing needs merging with it).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -31,15 +44,23 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from persist.blob import Blob, FileBlob, RetryingBlob
-from persist.errors import InvalidUsage
+from persist.consolidation import consolidate
+from persist.context import PersistContext
+from persist.direct_plan import DIFF, DirectPart, mark_touched, split_parts
+from persist.errors import CorruptPart, InvalidUsage
+from persist.fetch import prune_batches, slice_batch, snapshot_table
+from persist.machine import ShardMachine
+from persist.parts import updates_schema
+from persist.relation import expand_rows
 from persist.state import ShardState
-from persist.stats import max_time, min_time
-from persist.types import HollowBatch
+from persist.version_read import MISSING_RETRIES, check_readable, read_version, version_batches
 
 if TYPE_CHECKING:
     import duckdb
 
-__all__ = ["DIRECT_TYPES", "direct_paths", "quote"]
+__all__ = ["DIRECT_TYPES", "quote", "to_relation"]
+
+log = logging.getLogger(__name__)
 
 
 def _direct_type(t: pa.DataType) -> bool:
@@ -53,8 +74,8 @@ def _direct_type(t: pa.DataType) -> bool:
     )
 
 
-#: What :func:`direct_paths` allows, for the docs: integers, floats, booleans, ``string``
-#: and ``date32`` columns.
+#: Column types with which DuckDB scans parts itself, for the docs: integers, floats,
+#: booleans, ``string`` and ``date32`` columns.
 DIRECT_TYPES = "integers, floats, booleans, string, date32"
 
 
@@ -68,57 +89,162 @@ def _file_root(blob: Blob) -> str | None:
     return str(inner.root) if isinstance(inner, FileBlob) else None
 
 
-def direct_paths(st: ShardState, blob: Blob, as_of: int) -> list[str] | None:
-    """The local paths of the Parquet parts DuckDB may scan as the whole snapshot of
-    ``st`` at ``as_of`` (see the module docstring), or ``None`` when persist must merge.
-    """
-    root = _file_root(blob)
-    schema = [*st.key_schema, *st.value_schema]
-    if root is None or not all(_direct_type(f.type) for f in schema):
-        return None
-    batches: list[HollowBatch] = [
-        b for b in st.batches() if b.len > 0 and b.desc.lower.less_equal(as_of)
-    ]
-    if len(batches) != 1 or batches[0].runs:
-        return None
-    b = batches[0]
-    floor = max(b.desc.lower.as_option() or 0, b.desc.since.as_option() or 0)
-    newest = st.schemas().newest
-    times: set[int] = set()
-    paths: list[str] = []
-    for p in b.parts:
-        lo, hi = min_time(p.stats, floor), max_time(p.stats, floor)
-        if p.key is None or p.schema_id != newest or lo is None or hi is None or lo != hi:
-            return None
-        times.add(lo)
-        path = os.path.join(root, *p.key.split("/"))
-        if os.path.realpath(path) != path:  # a symbolic link: FileBlob never follows one
-            return None
-        paths.append(path)
-    if len(times) > 1 or (times and max(times) > as_of):
-        return None
-    return paths
+def _local_path(root: str, key: str) -> str | None:
+    """The file of blob ``key`` under ``root``, or ``None`` for a symbolic link
+    (:class:`~persist.blob.FileBlob` never follows one)."""
+    path = os.path.join(root, *key.split("/"))
+    return path if os.path.realpath(path) == path else None
 
 
-def scan_parts(
-    con: duckdb.DuckDBPyConnection, paths: Sequence[str], names: Sequence[str], what: str
+def _diff_range(part: DirectPart) -> tuple[int, int] | None:
+    """The least and greatest ``_diff`` of a part, by its statistics."""
+    for name, lo, hi, _n in part.ref.stats or ():
+        if name == DIFF and lo is not None and hi is not None:
+            return int(lo), int(hi)
+    return None
+
+
+def to_relation(
+    ctx: PersistContext,
+    machine: ShardMachine,
+    st: ShardState,
+    as_of: int,
+    con: duckdb.DuckDBPyConnection,
 ) -> duckdb.DuckDBPyRelation:
-    """The relation of ``paths``' rows, each repeated by its ``_diff``, with the columns
-    ``names``.
+    """The live rows of the version ``st`` at ``as_of`` (as :meth:`Table.to_arrow
+    <persist.table.Table.to_arrow>`) as a relation of ``con`` (see the module
+    docstring).
+
+    Raises:
+        SinceViolation: ``as_of`` before the since.  InvalidUsage: ``as_of`` at or
+            beyond the upper; a negative multiplicity.
+        CorruptPart, BlobError, ConsensusError: storage failed.
+    """
+    import duckdb
+
+    for attempt in range(MISSING_RETRIES + 1):
+        check_readable(st, as_of, st.name)
+        try:
+            return _relation(ctx, machine, st, as_of, con)
+        except (CorruptPart, duckdb.IOException) as e:
+            missing = e.missing if isinstance(e, CorruptPart) else _gone(e)
+            if not missing or attempt == MISSING_RETRIES:
+                raise
+            log.info("read of shard %s met a missing part, re-reading: %s", st.name, e)
+            st = machine.fetch()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _gone(e: Exception) -> bool:
+    return "No files found" in str(e) or "No such file" in str(e)
+
+
+def _relation(
+    ctx: PersistContext,
+    machine: ShardMachine,
+    st: ShardState,
+    as_of: int,
+    con: duckdb.DuckDBPyConnection,
+) -> duckdb.DuckDBPyRelation:
+    names = [*st.key_schema.names, *st.value_schema.names]
+    root = _file_root(ctx.raw_blob)
+    if root is None or not all(_direct_type(f.type) for f in [*st.key_schema, *st.value_schema]):
+        return _arrow(con, read_version(ctx, machine, st, as_of, columns=[*names, DIFF]), st)
+    schema = updates_schema(st.key_schema, st.value_schema)
+    keys, values = st.key_schema.names, st.value_schema.names
+    history = (st.schemas(), st.schemas().newest)
+    batches = prune_batches(version_batches(st, as_of), schema, as_of, None, history)
+    split = split_parts(batches, st.key_schema, history, as_of)
+    paths = {
+        id(p): path
+        for p in split.direct
+        if p.schema_id == history[1] and (path := _local_path(root, p.key)) is not None
+    }
+    if not paths:
+        return _arrow(con, read_version(ctx, machine, st, as_of, columns=[*names, DIFF]), st)
+
+    def read(slices: Sequence[tuple[object, list[int]]]) -> pa.Table:
+        return snapshot_table(
+            ctx.blob,
+            [slice_batch(b, idx) for b, idx in slices],  # type: ignore[arg-type]
+            schema,
+            keys,
+            values,
+            as_of,
+            max_workers=ctx.config.read_workers,
+            schemas=history,
+        )
+
+    rest: pa.Table | None = None
+    if split.tail:
+        rest = read(split.tail)
+        mark_touched(split.direct, split.intervals, st.key_schema, rest.select(keys))
+    # Direct parts DuckDB does not read (touched by a tail key, an older schema
+    # version, a link) join the tail: merged by persist.
+    where = {id(p): (bi, j) for bi, b in enumerate(batches) for j, p in enumerate(b.parts)}
+    merged: dict[int, list[int]] = {}
+    scan: list[DirectPart] = []
+    for p in split.direct:
+        if p.touched or id(p) not in paths:
+            bi, j = where[id(p.ref)]
+            merged.setdefault(bi, []).append(j)
+        else:
+            scan.append(p)
+    if merged:
+        more = read([(batches[bi], sorted(idx)) for bi, idx in merged.items()])
+        both = more if rest is None else pa.concat_tables([rest, more])
+        rest = consolidate(both, keys, values, since=as_of)
+    if rest is None:
+        rest = schema.empty_table()
+    rest = rest.select([*names, DIFF])
+    if not scan:
+        return _arrow(con, rest, st)
+    out = _scan(con, [paths[id(p)] for p in scan], scan, names, st.name)
+    if rest.num_rows:
+        out = out.union(_arrow(con, rest, st))
+    return out
+
+
+def _arrow(
+    con: duckdb.DuckDBPyConnection, snapshot: pa.Table, st: ShardState
+) -> duckdb.DuckDBPyRelation:
+    """``snapshot`` (consolidated, with ``_diff``) expanded by multiplicity, as Arrow
+    handed to ``con``."""
+    return con.from_arrow(expand_rows(snapshot, st.name))
+
+
+def _scan(
+    con: duckdb.DuckDBPyConnection,
+    paths: Sequence[str],
+    parts: Sequence[DirectPart],
+    names: Sequence[str],
+    what: str,
+) -> duckdb.DuckDBPyRelation:
+    """The relation of ``paths``' rows (local Parquet files, read as literal names),
+    each repeated by its ``_diff``, with the columns ``names``; the parts' ``_diff``
+    statistics decide whether rows repeat and refuse a negative multiplicity before
+    anything is read (the rows are counted only when a part has no such statistics).
 
     Raises:
         InvalidUsage: a negative multiplicity (as :func:`persist.relation.expand_rows`).
     """
     rel = con.read_parquet(list(paths))
-    counts = rel.query(
-        "parts", "SELECT count(*) FILTER (WHERE _diff < 0), coalesce(max(_diff), 1) FROM parts"
-    )
-    assert counts is not None
-    negative, top = (int(x) for x in counts.fetchall()[0])
+    ranges = [_diff_range(p) for p in parts]
+    if all(r is not None for r in ranges):
+        low = min(r[0] for r in ranges if r is not None)
+        top = max(r[1] for r in ranges if r is not None)
+        negative = int(low < 0)
+    else:
+        counts = rel.query(
+            "parts",
+            "SELECT count(*) FILTER (WHERE _diff < 0), coalesce(max(_diff), 1) FROM parts",
+        )
+        assert counts is not None
+        negative, top = (int(x) for x in counts.fetchall()[0])
     if negative:
         raise InvalidUsage(
-            f"shard {what!r} has {negative} row(s) with a negative multiplicity at this "
-            "time (more retractions than insertions): it is not a relation"
+            f"shard {what!r} has row(s) with a negative multiplicity at this time (more "
+            "retractions than insertions): it is not a relation"
         )
     cols = ", ".join(quote(n) for n in names)
     if top == 1:

@@ -59,7 +59,7 @@ from persist.commit_note import noting
 from persist.compactor import Compactor
 from persist.consolidation import consolidate
 from persist.context import SHARD_ID_REF
-from persist.duckdb_read import direct_paths, scan_parts
+from persist.duckdb_read import to_relation
 from persist.errors import (
     InvalidUsage,
     SchemaMismatch,
@@ -77,7 +77,7 @@ from persist.relation import expand_rows
 from persist.rows import RowChanges
 from persist.state import ShardState
 from persist.txn import Txn
-from persist.version_read import check_readable, read_version
+from persist.version_read import read_version
 from persist.write import WriteHandle
 from stash import redact
 
@@ -532,12 +532,22 @@ class Table:
 
     # ----------------------------------------------------------------- duckdb
     def to_duckdb(self, con: Any = None, as_of: Any = None) -> Any:
-        """The live rows as of ``as_of`` (as :meth:`to_arrow`) as a
-        ``duckdb.DuckDBPyRelation`` of ``con`` (default: a new in-memory connection).
-        DuckDB scans the Parquet parts itself when they are the snapshot as stored (one
-        consolidated run at one time in a local store, :mod:`persist.duckdb_read`);
-        otherwise persist merges and hands the rows over as Arrow.  Either way the
-        relation's rows are exactly :meth:`to_arrow`'s.
+        """The live rows as of ``as_of`` (as :meth:`to_arrow`: a time, a timezone-aware
+        ``datetime`` or ``None``) as a ``duckdb.DuckDBPyRelation`` of ``con`` (default:
+        a new in-memory connection).
+
+        DuckDB scans the Parquet parts that need no merge itself (the parts of
+        compacted runs, or of appends of inserts only, whose keys no other part
+        touches: the plan Spark's native read makes, :mod:`persist.direct_plan`);
+        persist merges only the rest (recent upserts and deletes, inline parts) and
+        hands it over as Arrow; the relation is the ``UNION ALL`` of both
+        (:mod:`persist.duckdb_read`).  Either way its rows are exactly
+        :meth:`to_arrow`'s, as a multiset (its row order is DuckDB's).  DuckDB scans
+        only parts in a local directory store (:class:`~persist.blob.FileBlob`) of
+        tables whose columns are all integers, floats, booleans, strings or dates;
+        over an object store (S3) persist reads every part, as DuckDB's ``httpfs``
+        would need the store's credentials.  Writes nothing (no lease): works on a
+        readonly stash.
 
         Raises: as :meth:`to_arrow`.
         """
@@ -547,13 +557,9 @@ class Table:
             con = duckdb.connect()
         st = self._state()
         t = self.resolve_as_of(st, as_of)
-        names = [*st.key_schema.names, *st.value_schema.names]
-        if t is not None:
-            check_readable(st, t, self.name)
-            paths = direct_paths(st, self._ctx.raw_blob, t)
-            if paths:
-                return scan_parts(con, paths, names, self.name)
-        return con.from_arrow(self.to_arrow(t))
+        if t is None:
+            return con.from_arrow(self.to_arrow(t))
+        return to_relation(self._ctx, self._machine, st, t, con)
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:

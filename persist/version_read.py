@@ -35,8 +35,10 @@ from persist.filters import check_filter
 from persist.machine import ShardMachine
 from persist.parts import updates_schema
 from persist.state import ShardState
+from persist.types import HollowBatch
+from persist.updates import SchemaHistory
 
-__all__ = ["MISSING_RETRIES", "read_version"]
+__all__ = ["MISSING_RETRIES", "VersionReader", "check_readable", "read_version", "version_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,12 @@ def check_readable(st: ShardState, as_of: int, name: str) -> None:
             f"{name!r}: as_of {as_of} is not before its upper {st.upper}: no data is "
             "definite there yet"
         )
+
+
+def version_batches(st: ShardState, as_of: int) -> list[HollowBatch]:
+    """The batches of the version ``st`` that hold updates a read at ``as_of`` sees
+    (non-empty, lower at or before ``as_of``), listed without a lease."""
+    return [b for b in st.batches() if b.len > 0 and b.desc.lower.less_equal(as_of)]
 
 
 def read_version(
@@ -92,7 +100,7 @@ def read_version(
         try:
             return snapshot_table(
                 ctx.blob,
-                [b for b in st.batches() if b.len > 0 and b.desc.lower.less_equal(as_of)],
+                version_batches(st, as_of),
                 schema,
                 keys,
                 values,
@@ -112,3 +120,49 @@ def read_version(
             log.info("read of shard %s met a missing part, re-reading: %s", st.name, e)
             st = machine.fetch()
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+class VersionReader:
+    """A reader of one state version without a lease: the calls of
+    :class:`~persist.read.ReadHandle` that planning a read of parts makes
+    (:meth:`read_schemas`, :meth:`snapshot_batches`, :meth:`detach`, :meth:`expire`,
+    :meth:`downgrade_since`), writing nothing, as a client over a readonly stash must.
+    It holds back neither the since nor GC: a part GC deletes after a newer version
+    stopped referencing it is missing for a reader of this version (callers that read
+    parts themselves, such as Spark's, fail naming it; run the read again).
+
+    Attributes:
+        schema: the updates schema (key, newest value schema, ``_time``, ``_diff``).
+    """
+
+    def __init__(self, st: ShardState) -> None:
+        st.check_not_finalized()
+        self._st = st
+        self.schema = updates_schema(st.key_schema, st.value_schema)
+
+    def read_schemas(self) -> tuple[SchemaHistory, int]:
+        """``(schema history, newest schema id)`` of the version."""
+        return self._st.schemas(), self._st.schemas().newest
+
+    def snapshot_batches(self, as_of: int) -> list[HollowBatch]:
+        """The version's batches a read at ``as_of`` sees (:func:`version_batches`).
+
+        Raises: as :func:`check_readable`.
+        """
+        check_readable(self._st, as_of, self._st.name)
+        return version_batches(self._st, as_of)
+
+    def downgrade_since(self, since: int) -> None:
+        """Nothing: a reader without a lease holds no since."""
+
+    def detach(self, hold_since: bool = False) -> None:
+        """Nothing: there is no lease to leave running."""
+
+    def expire(self) -> None:
+        """Nothing: there is no lease to end."""
+
+    def __enter__(self) -> VersionReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.expire()

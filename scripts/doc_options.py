@@ -38,6 +38,11 @@ PERSIST_READ: dict[tuple[str, ...], str] = {
     ("pushdown",): """`true`: take Spark's filters on key and value columns, skip parts by
         their statistics and apply the filters in the tasks, on a PySpark that plans each
         query afresh (not PySpark 4, see "Filters and projection"; default `false`)""",
+    ("readonly",): """`true`: open the stash `readonly` and plan without a reader lease, so
+        the read writes nothing (no state version); a GC by a writer during the job may
+        delete a part it reads, and the job then fails naming the file (run it again).
+        Batch reads only; `PersistTable.for_name(..., readonly=True)` sets it (default
+        `false`)""",
 }
 
 PERSIST_WRITE: dict[tuple[str, ...], str] = {

@@ -1,31 +1,10 @@
 """Planning a native read of a persist shard: which parts Spark's own Parquet reader may
 read as they are, and the rest of the snapshot, read by persist on the driver.
 
-A snapshot at ``as_of`` is every update with a time ``<= as_of``, consolidated: one row
-per distinct (key, value) with its summed diff. Most of a compacted shard is one sorted,
-consolidated run whose updates all carry one time (a compaction's output, or one big
-append): each (key, value) appears once in it, so its Parquet parts are rows of the
-snapshot already, unless another run holds updates of the same (key, value). This
-module splits a snapshot's parts into
-
-* **direct** parts: the blob parts of *clean* runs (every part's ``_time`` statistics
-  show one single time, the same for the whole run, not after ``as_of``; the conform step
-  keeps runs sorted and consolidated; key samples recorded), the largest such run first
-  and then every other clean run whose key interval (first to last key, by its parts' key
-  samples) is disjoint from those taken, or that holds only inserts (``_diff``
-  statistics 1 to 1) as every overlapping taken run does. Runs of inserts only need no
-  merge with each other: each of their rows is a live row with count 1, whatever the
-  others hold (a fresh Spark write, one run per task, overlapping key ranges, reads all
-  direct). The one difference from a consolidated snapshot: a (key, value) that several
-  such runs each insert reads as one row per run, ``_diff`` 1 each (the same updates,
-  not summed); every other (key, value) is once;
-* the **tail**: every other part (inline parts, runs with several times, such as the
-  appends since the last compaction, retractions included, and clean runs overlapping a
-  taken one), read and consolidated here by persist (:func:`persist.fetch.snapshot_table`);
-* among the direct parts, the **touched** ones: those whose key interval holds some key
-  of the tail (by consolidation's order, :func:`persist.merge.key_ranks`). Only their
-  rows of those keys can combine with tail rows; every other direct row is a snapshot row
-  as stored.
+The split itself (direct parts, tail, touched parts) is
+:mod:`persist.direct_plan`'s, the same rule ``Table.to_duckdb`` reads with
+(:mod:`persist.duckdb_read`); this module reads the tail, decides between Spark and the
+Python path (``auto``) and merges touched rows on the driver.
 
 After Materialize's persist-client, whose ``internal/state.rs`` keeps each batch's runs
 sorted and consolidated and whose ``fetch.rs`` reads a part as is when nothing needs
@@ -41,17 +20,27 @@ only repeat); every decision is taken on one state version (the one
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from persist.direct_plan import DIFF, TIME, DirectPart, mark_touched, split_parts
+
+__all__ = [
+    "DIFF",
+    "TIME",
+    "DirectPart",
+    "NativePlan",
+    "merge_on_driver",
+    "native_type",
+    "plan_snapshot",
+]
+
 log = logging.getLogger(__name__)
 
-TIME = "_time"
-DIFF = "_diff"
 
 #: The tail is read on the driver; ``path="auto"`` takes the Python path instead when the
 #: tail holds more than this share of the snapshot's encoded bytes (and more than
@@ -84,18 +73,6 @@ def native_type(t: pa.DataType) -> bool:
         or (pa.types.is_timestamp(t) and t.unit in ("s", "ms", "us"))
         or (pa.types.is_decimal(t) and t.precision <= 38)
     )
-
-
-@dataclass
-class DirectPart:
-    """A blob part Spark reads as it is: its blob key, the schema version it was written
-    with, its encoded size and whether its key interval holds a tail key."""
-
-    key: str
-    schema_id: int
-    size: int
-    touched: bool = False
-    ref: Any = None
 
 
 @dataclass
@@ -147,55 +124,6 @@ class NativePlan:
         )
 
 
-def _run_time(parts: Sequence[Any], floor: int) -> int | None:
-    """The one time every update of a run of blob ``parts`` has once advanced to
-    ``floor``, by the parts' ``_time`` statistics as stored (all equal); ``None``
-    when they do not prove a single stored time."""
-    times = set()
-    for p in parts:
-        if p.key is None or p.stats is None:
-            return None
-        t = [(lo, hi) for name, lo, hi, _n in p.stats if name == TIME]
-        if not t or t[0][0] is None or t[0][0] != t[0][1]:
-            return None
-        times.add(int(t[0][0]))
-    if len(times) != 1:
-        return None
-    return max(times.pop(), floor)
-
-
-def _inserts_only(parts: Sequence[Any]) -> bool:
-    """Whether every update of a run of blob ``parts`` has ``_diff`` 1, by the parts'
-    ``_diff`` statistics."""
-    for p in parts:
-        if p.stats is None:
-            return False
-        d = [(lo, hi) for name, lo, hi, _n in p.stats if name == DIFF]
-        if not d or d[0][0] != 1 or d[0][1] != 1:
-            return False
-    return True
-
-
-def _bounds(parts: Sequence[Any]) -> tuple[Any, Any] | None:
-    """The first and last encoded key of a run's parts (their key samples include each
-    part's first and last row), or ``None`` when a part has none."""
-    if any(not p.key_samples for p in parts):
-        return None
-    return parts[0].key_samples[0], parts[-1].key_samples[-1]
-
-
-def _ranks(keys: Sequence[Any], key_schema: pa.Schema, extra: pa.Table | None = None) -> np.ndarray:
-    """Consolidation-order ranks of encoded ``keys`` followed by the rows of ``extra``
-    (a table of key columns)."""
-    from persist.merge import decode_keys, key_ranks
-
-    table = decode_keys(list(keys), key_schema)
-    if extra is not None and extra.num_rows:
-        cols = [extra.column(f.name).cast(f.type) for f in table.schema]
-        table = pa.concat_tables([table, pa.Table.from_arrays(cols, schema=table.schema)])
-    return key_ranks(table, key_schema.names)
-
-
 def plan_snapshot(
     client: Any,
     shard: str,
@@ -226,9 +154,10 @@ def plan_snapshot(
         persist.errors.CorruptPart: a tail part is missing or corrupt.
     """
     from persist.fetch import prune_batches, slice_batch, snapshot_table
+    from spark.persist_common import open_read
     from spark.persist_planning import resolve_as_of
 
-    with client.open_reader(shard, key_schema, value_schema) as read:
+    with open_read(client, shard, key_schema, value_schema) as read:
         state = client.inspect(shard)
         t = resolve_as_of(state, as_of, shard, client.blob)
         if t is None:
@@ -241,20 +170,18 @@ def plan_snapshot(
         if reuse is not None and reuse.identity == identity:
             read.detach()
             return reuse
-        plan = _split(batches, key_schema, history, t)
-        tail_batches = []
-        for b, idx in plan.pop("tail"):
-            tail_batches.append(slice_batch(b, idx))
+        plan = split_parts(batches, key_schema, history, t)
+        tail_batches = [slice_batch(b, idx) for b, idx in plan.tail]
         out = NativePlan(
             as_of=t,
             history=history,
-            parts=plan["parts"],
+            parts=plan.parts,
             tail_parts=sum(len(b.parts) for b in tail_batches),
             tail_bytes=sum(p.encoded_size_bytes for b in tail_batches for p in b.parts),
-            total_bytes=plan["bytes"],
+            total_bytes=plan.bytes,
             identity=identity,
         )
-        out.direct = plan["direct"]
+        out.direct = plan.direct
         if auto and out.tail_parts:
             if not out.direct:
                 out.declined = "no part can be read as it is (no compacted run)"
@@ -273,7 +200,7 @@ def plan_snapshot(
             out.tail = table if table.num_rows else None
         read.detach()
     if out.declined is None and out.tail is not None and out.direct:
-        _mark_touched(out, plan["intervals"], key_schema)
+        mark_touched(out.direct, plan.intervals, key_schema, out.tail.select(key_schema.names))
         touched = sum(p.size for p in out.direct if p.touched)
         if touched <= DRIVER_MERGE_MAX_BYTES:
             merge_on_driver(out, client.blob, key_schema, repr(client.raw_blob))
@@ -310,86 +237,3 @@ def merge_on_driver(plan: NativePlan, blob: Any, key_schema: pa.Schema, blob_id:
     )
     values = hist.versions[dst].names
     plan.merged = consolidate(pa.concat_tables([rows, tail]), names, values, since=plan.as_of)
-
-
-def _split(
-    batches: Sequence[Any], key_schema: pa.Schema, history: Any, as_of: int
-) -> dict[str, Any]:
-    """The direct parts (with each one's key interval) and the tail (per batch, the
-    indexes of its tail parts) of ``batches``."""
-    hist, dst = history
-    runs: list[tuple[int, list[int], int | None, tuple[Any, Any] | None, int]] = []
-    inserts: set[int] = set()  # clean runs of inserts only
-    total = 0
-    nparts = 0
-    for bi, b in enumerate(batches):
-        floor = max(
-            (e for e in (b.desc.lower.as_option(), b.desc.since.as_option()) if e is not None),
-            default=-(2**63),
-        )
-        start = 0
-        for run in b.run_parts():
-            idx = list(range(start, start + len(run)))
-            start += len(run)
-            nparts += len(run)
-            size = sum(p.encoded_size_bytes for p in run)
-            total += size
-            time = _run_time(run, floor)
-            ok = (
-                time is not None
-                and time <= as_of
-                and all(hist.plan(p.schema_id, dst).keeps_runs for p in run)
-            )
-            if ok and _inserts_only(run):
-                inserts.add(len(runs))
-            runs.append((bi, idx, time if ok else None, _bounds(run) if ok else None, size))
-    # Largest clean runs first; a run joins only if its key interval is disjoint from
-    # every taken one's, or both runs hold inserts only.
-    clean = [i for i, r in enumerate(runs) if r[2] is not None and r[3] is not None]
-    clean.sort(key=lambda i: -runs[i][4])
-    taken: list[int] = []
-    if clean:
-        ranks = _ranks([k for i in clean for k in runs[i][3] or ()], key_schema)
-        spans = {i: (ranks[2 * j], ranks[2 * j + 1]) for j, i in enumerate(clean)}
-        for i in clean:
-            lo, hi = spans[i]
-            if all(
-                hi < spans[j][0] or lo > spans[j][1] or (i in inserts and j in inserts)
-                for j in taken
-            ):
-                taken.append(i)
-    direct: list[DirectPart] = []
-    intervals: list[tuple[Any, Any]] = []
-    tail: dict[int, list[int]] = {}
-    chosen = set(taken)
-    for i, (bi, idx, _t, _b, _s) in enumerate(runs):
-        b = batches[bi]
-        if i in chosen:
-            for j in idx:
-                p = b.parts[j]
-                direct.append(DirectPart(p.key, p.schema_id, p.encoded_size_bytes, ref=p))
-                intervals.append((p.key_samples[0], p.key_samples[-1]))
-        else:
-            tail.setdefault(bi, []).extend(idx)
-    return {
-        "direct": direct,
-        "intervals": intervals,
-        "tail": [(batches[bi], sorted(idx)) for bi, idx in tail.items()],
-        "parts": nparts,
-        "bytes": total,
-    }
-
-
-def _mark_touched(
-    plan: NativePlan, intervals: list[tuple[Any, Any]], key_schema: pa.Schema
-) -> None:
-    """Mark the direct parts whose key interval holds a key of the tail."""
-    assert plan.tail is not None
-    tail_keys = plan.tail.select(key_schema.names)
-    ranks = _ranks([k for iv in intervals for k in iv], key_schema, tail_keys)
-    n = 2 * len(intervals)
-    tail_ranks = np.sort(ranks[n:])
-    for j, part in enumerate(plan.direct):
-        lo, hi = ranks[2 * j], ranks[2 * j + 1]
-        at = np.searchsorted(tail_ranks, lo, side="left")
-        part.touched = bool(at < len(tail_ranks) and tail_ranks[at] <= hi)

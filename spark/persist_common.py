@@ -86,8 +86,10 @@ READ_OPTIONS = (
     "expand",
     "partitions",
     "pushdown",
+    "readonly",
 )
-"""Every option a read (batch or streaming) of the persist source understands."""
+"""Every option a read (batch or streaming) of the persist source understands
+(``readonly``: batch reads only)."""
 
 WRITE_OPTIONS = (
     "stash",
@@ -206,6 +208,20 @@ def persist_client(
         stash.close()
 
 
+def open_read(client: Any, shard: str, key_schema: pa.Schema, value_schema: pa.Schema) -> Any:
+    """What planning a read of ``shard`` lists its parts with: a leased reader
+    (:meth:`persist.PersistClient.open_reader`, holding GC back while Spark reads the
+    parts) on a writable stash; on a readonly one, a reader of the latest state version
+    without a lease, writing nothing (:class:`persist.version_read.VersionReader`).
+    Both are context managers with ``read_schemas``, ``snapshot_batches``, ``detach``
+    and ``expire``."""
+    if getattr(client.stash, "mode", "writable") == "readonly":
+        from persist.version_read import VersionReader
+
+        return VersionReader(client.inspect(shard))
+    return client.open_reader(shard, key_schema, value_schema)
+
+
 def registered_schemas(target: ShardTarget) -> tuple[pa.Schema, pa.Schema] | None:
     """The shard's registered ``(key_schema, value_schema)``, or ``None`` if no shard has
     that name yet."""
@@ -239,6 +255,8 @@ class ReadSettings:
     #: Key ranges of a consolidated read (``None``: as many as a raw read's partitions).
     partitions: int | None = None
     pushdown: bool = False
+    #: Plan on a readonly stash: no reader lease, nothing written (option ``readonly``).
+    readonly: bool = False
 
     @property
     def full(self) -> bool:

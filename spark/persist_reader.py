@@ -30,7 +30,14 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from spark.arrow_spark import to_spark_column
-from spark.persist_common import DIFF, TIME, PersistSourceError, ReadSettings, persist_client
+from spark.persist_common import (
+    DIFF,
+    TIME,
+    PersistSourceError,
+    ReadSettings,
+    open_read,
+    persist_client,
+)
 from spark.persist_planning import (
     KeyRangePartition,
     PartsPartition,
@@ -242,8 +249,8 @@ class PersistBatchReader(DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         s = self.settings
         with (
-            persist_client(s.target) as client,
-            client.open_reader(s.target.shard, s.key_schema, s.value_schema) as read,
+            persist_client(s.target, readonly=s.readonly) as client,
+            open_read(client, s.target.shard, s.key_schema, s.value_schema) as read,
         ):
             # since, upper and parts from one state version read after the reader's
             # since hold was taken (so the since cannot pass the time decided on).

@@ -285,6 +285,7 @@ class PersistDataSource(DataSource):
             expand=expand,
             partitions=partitions,
             pushdown=_truthy(self.options, "pushdown"),
+            readonly=_truthy(self.options, "readonly"),
         )
 
     @staticmethod

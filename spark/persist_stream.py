@@ -23,7 +23,14 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from spark.persist_common import DIFF, HEARTBEAT_SECONDS, TIME, ReadSettings, persist_client
+from spark.persist_common import (
+    DIFF,
+    HEARTBEAT_SECONDS,
+    TIME,
+    PersistSourceError,
+    ReadSettings,
+    persist_client,
+)
 from spark.persist_planning import resolve_as_of
 from spark.persist_reader import _to_output
 
@@ -61,6 +68,11 @@ class PersistStreamReader(DataSourceStreamReader):
     def _reader(self) -> Any:
         if self._read is None:
             s = self.settings
+            if s.readonly:
+                raise PersistSourceError(
+                    f"persist shard {s.target.shard}: option readonly=true is for batch "
+                    "reads; a stream holds a reader lease, which needs a writable stash"
+                )
             stack = contextlib.ExitStack()
             client = stack.enter_context(persist_client(s.target))
             self._client = client

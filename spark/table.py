@@ -45,7 +45,7 @@ import pyarrow as pa
 
 from persist.commit_note import noting
 from spark import row_changes
-from spark.persist_common import PersistSourceError, ShardTarget, persist_client
+from spark.persist_common import PersistSourceError, ShardTarget, open_read, persist_client
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -99,8 +99,17 @@ class PersistTable:
     since downgrade alone changes no row read at that time, and keeps it.
     """
 
-    def __init__(self, spark: SparkSession, shard: str, stash_url: str, blob_uri: str) -> None:
+    def __init__(
+        self,
+        spark: SparkSession,
+        shard: str,
+        stash_url: str,
+        blob_uri: str,
+        *,
+        readonly: bool = False,
+    ) -> None:
         self.spark = spark
+        self.readonly = readonly
         self.shard = shard
         self.stash_url = stash_url
         self.blob_uri = blob_uri
@@ -129,7 +138,9 @@ class PersistTable:
         holds ``self._lock``."""
         if self._kept_client is None:
             stack = contextlib.ExitStack()
-            self._kept_client = stack.enter_context(persist_client(self.target))
+            self._kept_client = stack.enter_context(
+                persist_client(self.target, readonly=self.readonly)
+            )
             self._finalizer = weakref.finalize(self, stack.close)
         return self._kept_client
 
@@ -157,15 +168,21 @@ class PersistTable:
 
     # ---------------------------------------------------------------- opening
     @classmethod
-    def for_name(cls, spark: SparkSession, shard: str, *, stash: str, blob: str) -> PersistTable:
-        """The existing shard ``shard`` (Delta's ``DeltaTable.forName``).
+    def for_name(
+        cls, spark: SparkSession, shard: str, *, stash: str, blob: str, readonly: bool = False
+    ) -> PersistTable:
+        """The existing shard ``shard`` (Delta's ``DeltaTable.forName``).  With
+        ``readonly``, the stash is opened ``readonly`` for reads (:meth:`to_df`,
+        :meth:`history`, :meth:`schemas`): they take no reader lease and write no state
+        version.  Without a lease, a GC by a writer while Spark reads may delete a part
+        of the version read: the job then fails naming the missing file; run it again.
 
         Raises:
             PersistSourceError: no shard has that name in ``stash``.
         """
         from spark.persist_common import registered_schemas
 
-        table = cls(spark, shard, stash, blob)
+        table = cls(spark, shard, stash, blob, readonly=readonly)
         if registered_schemas(table.target) is None:
             from stash import redact
 
@@ -309,9 +326,9 @@ class PersistTable:
         from spark.persist_planning import resolve_as_of
 
         register(self.spark)
-        with self.client() as c:
+        with self.client(readonly=self.readonly) as c:
             st = self._state(c)
-            read = c.open_reader(self.shard, st.key_schema, st.value_schema)
+            read = open_read(c, self.shard, st.key_schema, st.value_schema)
             try:
                 # Decided after the reader's since hold was taken: the since cannot
                 # pass the time decided on.
@@ -327,6 +344,8 @@ class PersistTable:
                 raise
         r = self.spark.read.format("persist").option("stash", self.stash_url)
         r = r.option("blob", self.blob_uri)
+        if self.readonly:
+            r = r.option("readonly", "true")
         if t is not None:
             r = r.option("as_of", str(t))
         return r.load(self.shard)
@@ -357,9 +376,7 @@ class PersistTable:
             raise PersistSourceError(f"history limit must be an int >= 1 or None, got {limit!r}")
         if limit is not None and limit < 1:
             raise PersistSourceError(f"history limit must be an int >= 1 or None, got {limit}")
-        with self.client(readonly=True) as c:
-            self._state(c)
-            rows = c.table(self.shard).history(limit)
+        rows = self._table_call(True, lambda t: t.history(limit))
         return self.spark.createDataFrame(rows)
 
     def versions(self, limit: int | None = None, *, leases: bool = False) -> DataFrame:
@@ -399,6 +416,47 @@ class PersistTable:
             self._state(c)
             rows = history_rows(c, self.shard, leases=leases)
         return self.spark.createDataFrame(rows[:limit], history_schema())
+
+    # ------------------------------------------------ persist.Table delegates
+    def _table_call(self, readonly: bool, call: Any) -> Any:
+        """``call(table)`` on the shard's :class:`persist.Table` over a client of this
+        table's stores (readonly: writes nothing); unknown shards raise
+        :class:`PersistSourceError`."""
+        with self.client(readonly=readonly or self.readonly) as c:
+            self._state(c)
+            return call(c.table(self.shard))
+
+    def details(self) -> dict[str, Any]:
+        """What the table is and holds: :meth:`persist.Table.details` (name, shard id,
+        key, schema, since, upper, batches, runs, parts, updates, bytes, inline bytes,
+        schema versions, retention, blob store redacted).  Writes nothing."""
+        return self._table_call(True, lambda t: t.details())  # type: ignore[no-any-return]
+
+    def restore(self, as_of: Any) -> Any:
+        """Make the live rows those of ``as_of`` (a time or a timezone-aware
+        ``datetime``) in one commit (delta-spark's ``DeltaTable.restoreToVersion``):
+        :meth:`persist.Table.restore`; returns the :class:`persist.RowChanges`.
+
+        Raises: as :meth:`persist.Table.restore` (``SinceViolation`` naming the since).
+        """
+        return self._table_call(False, lambda t: t.restore(as_of))
+
+    def optimize(self) -> Any:
+        """Merge every batch into one run consolidated at the since (delta-spark's
+        ``DeltaTable.optimize().executeCompaction()``): :meth:`persist.Table.optimize`
+        on the driver; returns its :class:`persist.optimize.OptimizeReport`."""
+        return self._table_call(False, lambda t: t.optimize())
+
+    def set_retention(self, duration: Any) -> None:
+        """Keep the states of the last ``duration`` (a ``timedelta``; ``None`` clears
+        it) readable: :meth:`persist.Table.set_retention`."""
+        self._table_call(False, lambda t: t.set_retention(duration))
+
+    def vacuum(self, grace_seconds: float | None = None) -> Any:
+        """Move the since to where the retention puts it, then collect garbage
+        (delta-spark's ``DeltaTable.vacuum``): :meth:`persist.Table.vacuum`; returns
+        its :class:`persist.table.VacuumReport`."""
+        return self._table_call(False, lambda t: t.vacuum(grace_seconds))
 
     # ------------------------------------------------------------ maintenance
     def compact(self) -> Any:

@@ -149,7 +149,10 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
         ),
         ("4 consensus", ["persist.consensus"]),
         ("5 machine", ["persist.machine"]),
-        ("6 appended, fetch", ["persist.appended", "persist.fetch", "persist.rows_read"]),
+        (
+            "6 appended, fetch",
+            ["persist.appended", "persist.fetch", "persist.rows_read", "persist.direct_plan"],
+        ),
         ("7 context", ["persist.context"]),
         (
             "8 handles and maintenance",

@@ -469,3 +469,120 @@ def test_s3_blob_takes_the_python_path_without_hadoop_aws(spark: Any) -> None:
 
     why = _s3a_unreadable(spark)
     assert why is not None and "hadoop-aws" in why and "class path" in why
+
+
+def test_native_spark_read_agrees_with_to_duckdb(table: Any, spark: Any, spark_store: Any) -> None:
+    """The native Spark path and ``Table.to_duckdb`` plan with one rule
+    (``persist/direct_plan.py``) and read the same rows: on the shard of three schema
+    versions (its old-version parts go through Arrow in DuckDB) at the since, at a
+    retraction under a widened schema and at the latest time; and on a one-schema shard
+    whose bulk run DuckDB scans while persist merges the upserted and deleted keys."""
+    import duckdb
+
+    from spark import PersistTable
+
+    with table.client() as c:
+        upper = c.inspect("t").upper.as_option()
+        t = c.table("t")
+        for as_of in (3, 5, upper - 1):
+            rows = t.to_duckdb(as_of=as_of).fetchall()
+            assert Counter(rows) == collected(table.to_df(as_of=as_of, path="native")), as_of
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        c = PersistClient(
+            s, spark_store.blob_uri, compaction="off", inline_max_bytes=0, target_part_bytes=1500
+        )
+        try:
+            m = c.create_table("m", pa.schema([*KEYS, *V0]), key=["k"])
+            m.append(_rows(list(range(N)), "v", V0))
+            m.upsert(_rows([5, 150, 400], "u", V0))
+            m.delete(pc.field("k") == 299)
+            plan = str(m.to_duckdb(duckdb.connect()).explain()).upper()
+            assert "PARQUET" in plan and "ARROW" in plan  # a mixed read
+            rows = Counter(m.to_duckdb().fetchall())
+        finally:
+            c.close()
+    pt = PersistTable.for_name(spark, "m", stash=spark_store.stash_url, blob=spark_store.blob_uri)
+    with pt:
+        assert rows == collected(pt.to_df(path="native"))
+
+
+def test_readonly_reads_write_nothing(spark: Any, spark_store: Any) -> None:
+    """``PersistTable.for_name(..., readonly=True)``: both read paths and ``history``
+    over a readonly stash give the snapshot and leave the shard's seqno where it was (no
+    reader lease, no state version)."""
+    from spark import PersistTable
+
+    upper = build(spark_store)
+    want, want5 = snapshot(spark_store, upper - 1), snapshot(spark_store, 5)
+
+    def seqno() -> int:
+        with Stash.open(spark_store.stash_url, mode="readonly") as s:
+            c = PersistClient(s, spark_store.blob_uri, compaction="off")
+            try:
+                return int(c.inspect("t").seqno)
+            finally:
+                c.close()
+
+    before = seqno()
+    with PersistTable.for_name(
+        spark, "t", stash=spark_store.stash_url, blob=spark_store.blob_uri, readonly=True
+    ) as ro:
+        assert collected(ro.to_df(path="native")) == want
+        assert collected(ro.to_df(path="python")) == want
+        assert collected(ro.to_df(as_of=5, path="native")) == want5
+        assert ro.history().count() > 0
+    assert seqno() == before
+
+
+def test_operating_calls_delegate_to_persist_table(spark: Any, spark_store: Any) -> None:
+    """``details``, ``optimize``, ``restore``, ``set_retention`` and ``vacuum`` of
+    ``spark.PersistTable`` are ``persist.Table``'s: the same details, the same rows after
+    them, and history names each operation; on a readonly table a write is refused
+    before anything is committed."""
+    import datetime as dt
+
+    from spark import PersistTable
+
+    schema = pa.schema([*KEYS, *V0])
+    with Stash.open(spark_store.stash_url, fenced=False) as s:
+        c = PersistClient(s, spark_store.blob_uri, compaction="off")
+        try:
+            t = c.create_table("ops", schema, key=["k"])
+            t.append(_rows([1, 2, 3], "a", V0))
+            t.upsert(_rows([2], "b", V0))
+            first = t.to_arrow(as_of=0)
+        finally:
+            c.close()
+    url, blob = spark_store.stash_url, spark_store.blob_uri
+    with PersistTable.for_name(spark, "ops", stash=url, blob=blob) as pt:
+        with Stash.open(url, fenced=False) as s:
+            c = PersistClient(s, blob, compaction="off")
+            try:
+                assert pt.details() == c.table("ops").details()
+            finally:
+                c.close()
+        assert pt.optimize().batches_after == 1
+        changes = pt.restore(0)
+        assert (changes.inserted, changes.retracted) == (1, 1)
+        pt.set_retention(dt.timedelta(days=7))
+        assert pt.vacuum().since is not None
+        ops = [r["operation"] for r in pt.history().collect()]
+        assert ops[0] == "retention"
+        assert [o for o in ops if o != "retention"][:2] == ["restore", "optimize"]
+    with Stash.open(url, fenced=False) as s:
+        c = PersistClient(s, blob, compaction="off")
+        try:
+            assert c.table("ops").to_arrow() == first
+            seqno = c.inspect("ops").seqno
+        finally:
+            c.close()
+    ro = PersistTable.for_name(spark, "ops", stash=url, blob=blob, readonly=True)
+    assert ro.details()["upper"] is not None
+    with pytest.raises(Exception, match="readonly"):
+        ro.restore(1)  # 2 -> "b" again: a change, refused
+    with Stash.open(url, mode="readonly") as s:
+        c = PersistClient(s, blob, compaction="off")
+        try:
+            assert c.inspect("ops").seqno == seqno
+        finally:
+            c.close()

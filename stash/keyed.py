@@ -36,7 +36,7 @@ from stash.checks import check_codecs_tx
 from stash.codec import CodecLike, JsonCodec, canonical_json, resolve_codec
 from stash.collection import StashCollection
 from stash.errors import StashError
-from stash.retention import retained_since
+from stash.retention import commit_since, now_ms
 from stash.txn import Row, Txn
 
 __all__ = ["Target", "insert_without_overwrite", "upsert", "upsert_key"]
@@ -79,10 +79,10 @@ def _held(c: StashCollection[Any, Any], rows: list[tuple[str, str, int]]) -> dic
     return out
 
 
-def _commit(tx: Txn, c: StashCollection[Any, Any], t: int, rows: list[Row]) -> None:
+def _commit(tx: Txn, c: StashCollection[Any, Any], t: int, rows: list[Row], now: int) -> None:
     """Write ``rows`` at ``t``; the upper becomes ``t + 1`` and the since ``t``, or the
-    since the collection's retention keeps (:func:`stash.feed.retained_since`)."""
-    since = retained_since(tx, c.id, c.name, t)
+    since the collection's retention keeps (:func:`stash.retention.commit_since`)."""
+    since = commit_since(tx, c.id, c.name, t, now)
     tx.insert(c.id, rows)
     tx.set_upper(c.id, t + 1)
     Stash._compact_tx(tx, c.id, Antichain.from_elem(since))
@@ -145,7 +145,7 @@ def _write_keys(
                 out.append((kj, old, t, -1))
             out.append((kj, vj, t, 1))
         if out:
-            _commit(tx, c, t, out)
+            _commit(tx, c, t, out, now_ms(stash))
         return c, prev
 
     done = stash._write_checked({}, write, codecs=())

@@ -315,7 +315,9 @@ class PgOps(_Ops):
             "CREATE INDEX ON pg_temp.data (collection_id, jsonb_hash_extended(key, 0));"
             "CREATE INDEX ON pg_temp.data (collection_id, time);"
             "CREATE TEMP TABLE sinces (collection_id integer PRIMARY KEY, since bigint);"
-            "CREATE TEMP TABLE uppers (collection_id integer PRIMARY KEY, upper bigint)"
+            "CREATE TEMP TABLE uppers (collection_id integer PRIMARY KEY, upper bigint);"
+            "CREATE TEMP TABLE commit_times (collection_id integer, time bigint,"
+            " committed_at bigint NOT NULL, PRIMARY KEY (collection_id, time))"
         )
         for table, cols in TABLE_COLUMNS.items():
             names = sql.SQL(", ").join(sql.Identifier(c) for c in cols)
@@ -616,6 +618,8 @@ class PgTxn(SqlTxn):
         self._wrote = False
 
     # ------------------------------------------------------------- plumbing
+    _param = "%({})s"  # commit_times statements (SqlTxn)
+
     def _exec(self, statement: str, params: Any = None, prepare: bool | None = None) -> Any:
         return self.cur.execute(statement, params, prepare=prepare)
 

@@ -36,7 +36,7 @@ from stash.checks import check_codecs_tx
 from stash.codec import CodecLike, JsonCodec, canonical_json, resolve_codec
 from stash.collection import StashCollection
 from stash.errors import StashError
-from stash.retention import commit_since, now_ms
+from stash.retention import RETENTION_COLLECTION, commit_since, now_ms
 from stash.txn import Row, Txn
 
 __all__ = ["Target", "insert_without_overwrite", "upsert", "upsert_key"]
@@ -113,6 +113,12 @@ def _write_keys(
     encoded = {kc.encode(k): vc.encode(v) for k, v in entries}
 
     def write(tx: Txn) -> tuple[StashCollection[Any, Any], dict[str, str]] | None:
+        prefetch = getattr(tx, "prefetch_key", None)
+        if prefetch is not None and len(encoded) == 1:
+            # Postgres: the reads below, sent ahead in one round trip (PgTxn.prefetch_key).
+            prefetch(
+                target.name, next(iter(encoded)), RETENTION_COLLECTION, canonical_json(target.name)
+            )
         found = tx.lookup_collection(target.name)
         if found is None:
             return None

@@ -866,10 +866,12 @@ class Stash(abc.ABC):
         :attr:`clock`, or both (:func:`stash.feed.set_retention`)."""
         load_by_name("stash.feed.set_retention")(self, collection, keep_times, keep_for)
 
-    def batch_frontiers(self, collection: StashCollection[Any, Any]) -> tuple[int | None, int]:
-        """``(upper, compact)`` of a new batch (``StashCollection.make_batch``), read in
-        one read transaction (:func:`stash.retention.batch_frontiers`)."""
-        result: tuple[int | None, int] = load_by_name("stash.retention.batch_frontiers")(
+    def batch_frontiers(
+        self, collection: StashCollection[Any, Any]
+    ) -> tuple[int | None, int, bool]:
+        """``(upper, compact, stamp)`` of a new batch (``StashCollection.make_batch``),
+        read in one read transaction (:func:`stash.retention.batch_frontiers`)."""
+        result: tuple[int | None, int, bool] = load_by_name("stash.retention.batch_frontiers")(
             self, collection
         )
         return result

@@ -44,10 +44,13 @@ Source: Materialize's ``Stash`` trait (``src/stash/src/lib.rs``): ``Stash``, ``A
 from __future__ import annotations
 
 import abc
+import datetime as dt
 import importlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from types import EllipsisType
 from typing import Any, Literal, TypeVar
 
 from sqlalchemy.engine import URL
@@ -127,10 +130,14 @@ class Stash(abc.ABC):
     Attributes:
         mode: ``"writable"``, ``"readonly"`` or ``"savepoint"``.
         fenced: whether this handle took (and checks) the leader epoch.
+        clock: the wall clock (seconds since the Unix epoch, as ``time.time``) that
+            stamps commits and measures retentions by duration (``Stash.open(...,
+            clock=...)`` replaces it, e.g. in tests).
     """
 
     mode: Mode
     fenced: bool
+    clock: Callable[[], float] = staticmethod(time.time)
 
     def __init__(self, mode: Mode, fenced: bool) -> None:
         if mode not in MODES:
@@ -157,7 +164,8 @@ class Stash(abc.ABC):
             fenced: in writable mode, take the leader epoch so that older handles are
                 fenced, and check it on every transaction.  ``fenced=False`` handles are
                 optimistic multi-writers: they never fence and are never fenced.
-            options: backend options (e.g. ``synchronous="NORMAL"`` for SQLite).
+            options: backend options (e.g. ``synchronous="NORMAL"`` for SQLite), and
+                ``clock`` (every backend): the :attr:`clock` to use.
 
         Raises:
             StashError: malformed URL, unknown scheme, unreachable server, schema behind
@@ -171,7 +179,13 @@ class Stash(abc.ABC):
                 "sqlite or postgresql+psycopg"
             )
         cls: type[Stash] = load_by_name(backend)
-        return cls._from_url(u, mode=mode, fenced=fenced, **options)
+        clock = options.pop("clock", None)
+        if clock is not None and not callable(clock):
+            raise StashError(f"clock must be a callable returning seconds, got {clock!r}")
+        opened = cls._from_url(u, mode=mode, fenced=fenced, **options)
+        if clock is not None:
+            opened.clock = clock
+        return opened
 
     @classmethod
     def _from_url(cls, url: URL, *, mode: Mode, fenced: bool, **options: Any) -> Stash:
@@ -733,6 +747,12 @@ class Stash(abc.ABC):
                 tx.insert(cid, rows)
             self._seal_tx(tx, cid, b.upper)
             self._compact_tx(tx, cid, b.compact)
+            if b._stamp:  # make_batch under a retention by duration (stash.retention)
+                since = b.compact.as_option()
+                at_ms = int(self.clock() * 1000)
+                tx.record_commit_time(
+                    cid, b.timestamp, at_ms, b.timestamp if since is None else since
+                )
             if rows:
                 # Keep the collection physically consolidated where this batch touched it.
                 tx.consolidate(cid, b.compact.as_option(), {k for k, _, _, _ in rows})
@@ -835,16 +855,23 @@ class Stash(abc.ABC):
         return it
 
     def set_retention(
-        self, collection: StashCollection[Any, Any], *, keep_times: int | None
+        self,
+        collection: StashCollection[Any, Any],
+        *,
+        keep_times: int | None | EllipsisType = ...,
+        keep_for: dt.timedelta | None = None,
     ) -> None:
-        """Make the collection's since follow a retention instead of every append
-        (:func:`stash.feed.set_retention`)."""
-        load_by_name("stash.feed.set_retention")(self, collection, keep_times)
+        """Make the collection's since follow a retention instead of every append: the
+        last ``keep_times`` times, every time committed within ``keep_for`` of
+        :attr:`clock`, or both (:func:`stash.feed.set_retention`)."""
+        load_by_name("stash.feed.set_retention")(self, collection, keep_times, keep_for)
 
-    def batch_frontiers(self, collection: StashCollection[Any, Any]) -> tuple[int | None, int]:
-        """``(upper, compact)`` of a new batch (``StashCollection.make_batch``), read in
-        one read transaction (:func:`stash.retention.batch_frontiers`)."""
-        result: tuple[int | None, int] = load_by_name("stash.retention.batch_frontiers")(
+    def batch_frontiers(
+        self, collection: StashCollection[Any, Any]
+    ) -> tuple[int | None, int, bool]:
+        """``(upper, compact, stamp)`` of a new batch (``StashCollection.make_batch``),
+        read in one read transaction (:func:`stash.retention.batch_frontiers`)."""
+        result: tuple[int | None, int, bool] = load_by_name("stash.retention.batch_frontiers")(
             self, collection
         )
         return result

@@ -108,8 +108,9 @@ class StashCollection(Generic[K, V]):
                 timestamp``) or ``t + 1`` overflows i64 (``cannot determine new upper``).
         """
         frontiers = getattr(stash, "batch_frontiers", None)
+        stamp = False
         if frontiers is not None:  # a stash: the upper and the retained since, one read
-            t, since = frontiers(self)
+            t, since, stamp = frontiers(self)
         else:
             t = stash.upper(self).as_option()
             since = t
@@ -117,13 +118,15 @@ class StashCollection(Generic[K, V]):
             raise StashError("cannot determine batch timestamp")
         if t >= I64_MAX:
             raise StashError("cannot determine new upper")
-        return AppendBatch(
+        batch = AppendBatch(
             collection=self,
             lower=Antichain.from_elem(t),
             upper=Antichain.from_elem(t + 1),
             compact=Antichain.from_elem(t if since is None else since),
             timestamp=t,
         )
+        batch._stamp = stamp
+        return batch
 
     def append_to_batch(self, batch: AppendBatch, key: K, value: V, diff: int) -> None:
         """Encode ``(key, value)`` and add it to ``batch`` at ``batch.timestamp`` with
@@ -220,6 +223,9 @@ class AppendBatch:
     _encoded: list[tuple[tuple[str, str], int, int]] = field(
         default_factory=list, init=False, repr=False, compare=False
     )
+    #: Set by ``make_batch`` under a retention by duration: ``append`` records the wall
+    #: clock it commits ``timestamp`` at (see :mod:`stash.retention`).
+    _stamp: bool = field(default=False, init=False, repr=False, compare=False)
 
     def canonical_entries(self) -> list[tuple[tuple[str, str], int, int]]:
         """The entries, each one ``append_to_batch`` did not encode made canonical by

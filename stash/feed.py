@@ -19,7 +19,8 @@ Invariants kept here:
   and the since, never a wrong or partial feed;
 * a collection's since follows its retention when one is set (``set_retention``:
   ``keep_times=N`` keeps the last ``N`` times readable, ``keep_times=None`` every time
-  since the retention was set): ``make_batch`` and the one-transaction typed writes
+  since the retention was set, ``keep_for=timedelta`` every time committed within that
+  duration): ``make_batch``, the one-transaction typed writes and ``with_transaction``
   compact to the retained since instead of to the batch's time.  The setting is stored
   in the collection ``stash.retention`` (key: collection name), so every writer of
   every process follows it;
@@ -34,8 +35,10 @@ with a revision to resume from.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from types import EllipsisType
 from typing import Any, NamedTuple
 
 from stash.antichain import Antichain
@@ -74,25 +77,51 @@ class FeedCompacted(StashError):
 
 # ------------------------------------------------------------------ retention
 def set_retention(
-    stash: Any, collection: StashCollection[Any, Any], keep_times: int | None
+    stash: Any,
+    collection: StashCollection[Any, Any],
+    keep_times: int | None | EllipsisType = ...,
+    keep_for: dt.timedelta | None = None,
 ) -> None:
     """Make the collection's since follow a retention instead of every append
-    (``Stash.set_retention`` calls this; see :mod:`stash.retention`): ``keep_times=N``
-    keeps its last ``N`` times readable (with one append per time, its last ``N``
-    appends); ``keep_times=None`` keeps every time from now on.  ``make_batch`` and the
-    typed writes follow it; a batch built by hand keeps the ``compact`` it asks for.
-    Stored in the stash (collection ``stash.retention``), so writers of every process
-    follow it.
+    (``Stash.set_retention`` calls this; see :mod:`stash.retention`).
+
+    ``keep_times=N`` keeps its last ``N`` times readable (with one append per time, its
+    last ``N`` appends); ``keep_times=None`` keeps every time from now on.
+    ``keep_for=timedelta`` keeps every time committed within that duration of the
+    stash's wall clock (``Stash.clock``): the since becomes the newest time committed at
+    or before ``now - keep_for`` (times committed before the setting count as older than
+    any later one).  With both, the since keeps what either asks for.  A new setting
+    replaces the previous one; the since never goes back.  ``make_batch``, the typed
+    writes and ``with_transaction`` follow it; a batch built by hand keeps the
+    ``compact`` it asks for.  Stored in the stash (collection ``stash.retention``), so
+    writers of every process follow it.
 
     Raises:
-        StashError: ``keep_times`` is not a positive int or ``None``; a readonly stash.
+        StashError: neither ``keep_times`` nor ``keep_for`` given; ``keep_times`` is
+            not a positive int or ``None``; ``keep_for`` is not a positive
+            ``timedelta``; ``keep_times=None`` (every time) with a ``keep_for``; a
+            readonly stash.  Nothing is written then.
     """
-    if keep_times is not None and (
-        isinstance(keep_times, bool) or not isinstance(keep_times, int) or keep_times < 1
-    ):
-        raise StashError(f"keep_times must be a positive int or None, got {keep_times!r}")
+    policy: dict[str, Any] = {}
+    if keep_times is not ...:
+        if keep_times is not None and (
+            isinstance(keep_times, bool) or not isinstance(keep_times, int) or keep_times < 1
+        ):
+            raise StashError(f"keep_times must be a positive int or None, got {keep_times!r}")
+        policy["keep_times"] = keep_times
+    if keep_for is not None:
+        if not isinstance(keep_for, dt.timedelta) or keep_for <= dt.timedelta(0):
+            raise StashError(f"keep_for must be a positive datetime.timedelta, got {keep_for!r}")
+        if keep_times is None:
+            raise StashError(
+                "set_retention: keep_times=None keeps every time already; give keep_for "
+                "alone, or with a keep_times count"
+            )
+        policy["keep_for_ms"] = max(1, keep_for // dt.timedelta(milliseconds=1))
+    if not policy:
+        raise StashError("set_retention: give keep_times (a count of times) or keep_for")
     target = Target(RETENTION_COLLECTION, "str", "json")
-    upsert_key(stash, target, collection.name, {"keep_times": keep_times})
+    upsert_key(stash, target, collection.name, policy)
 
 
 # ------------------------------------------------------------------ the feed

@@ -36,7 +36,7 @@ from stash.checks import check_codecs_tx
 from stash.codec import CodecLike, JsonCodec, canonical_json, resolve_codec
 from stash.collection import StashCollection
 from stash.errors import StashError
-from stash.retention import retained_since
+from stash.retention import RETENTION_COLLECTION, commit_since, now_ms
 from stash.txn import Row, Txn
 
 __all__ = ["Target", "insert_without_overwrite", "upsert", "upsert_key"]
@@ -79,10 +79,10 @@ def _held(c: StashCollection[Any, Any], rows: list[tuple[str, str, int]]) -> dic
     return out
 
 
-def _commit(tx: Txn, c: StashCollection[Any, Any], t: int, rows: list[Row]) -> None:
+def _commit(tx: Txn, c: StashCollection[Any, Any], t: int, rows: list[Row], now: int) -> None:
     """Write ``rows`` at ``t``; the upper becomes ``t + 1`` and the since ``t``, or the
-    since the collection's retention keeps (:func:`stash.feed.retained_since`)."""
-    since = retained_since(tx, c.id, c.name, t)
+    since the collection's retention keeps (:func:`stash.retention.commit_since`)."""
+    since = commit_since(tx, c.id, c.name, t, now)
     tx.insert(c.id, rows)
     tx.set_upper(c.id, t + 1)
     Stash._compact_tx(tx, c.id, Antichain.from_elem(since))
@@ -113,6 +113,12 @@ def _write_keys(
     encoded = {kc.encode(k): vc.encode(v) for k, v in entries}
 
     def write(tx: Txn) -> tuple[StashCollection[Any, Any], dict[str, str]] | None:
+        prefetch = getattr(tx, "prefetch_key", None)
+        if prefetch is not None and len(encoded) == 1:
+            # Postgres: the reads below, sent ahead in one round trip (PgTxn.prefetch_key).
+            prefetch(
+                target.name, next(iter(encoded)), RETENTION_COLLECTION, canonical_json(target.name)
+            )
         found = tx.lookup_collection(target.name)
         if found is None:
             return None
@@ -145,7 +151,7 @@ def _write_keys(
                 out.append((kj, old, t, -1))
             out.append((kj, vj, t, 1))
         if out:
-            _commit(tx, c, t, out)
+            _commit(tx, c, t, out, now_ms(stash))
         return c, prev
 
     done = stash._write_checked({}, write, codecs=())

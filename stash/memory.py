@@ -49,6 +49,8 @@ class _Coll:
     since: int | None = 0
     upper: int | None = 0
     rows: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    # time -> the wall clock (Unix ms) it was committed at (SQL: table commit_times)
+    commit_times: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class _MemTxn:
         self.undo_front: dict[int, tuple[int | None, int | None]] = {}
         self.undo_rows: dict[tuple[int, tuple[str, str, int]], int | None] = {}
         self.undo_codecs: dict[int, tuple[str, str]] = {}
+        self.undo_commit_times: dict[int, dict[int, int]] = {}
 
     def _get(self, cid: int) -> _Coll:
         c = self.store.colls.get(cid)
@@ -183,6 +186,18 @@ class _MemTxn:
         if not diff_sums_fit(mine):
             raise DiffSumOverflow(cid)
 
+    def record_commit_time(self, cid: int, time: int, at_ms: int, forget_before: int) -> None:
+        c = self._get(cid)
+        self.undo_commit_times.setdefault(cid, dict(c.commit_times))
+        c.commit_times.setdefault(time, at_ms)
+        for t in [t for t in c.commit_times if t < forget_before]:
+            del c.commit_times[t]
+
+    def newest_time_committed_by(self, cid: int, at_ms: int) -> int | None:
+        return max(
+            (t for t, at in self._get(cid).commit_times.items() if at <= at_ms), default=None
+        )
+
     def check_fence(self) -> None:
         self.stash._check_fence(self.store)
 
@@ -202,6 +217,8 @@ class _MemTxn:
         for cid, (kname, vname) in self.undo_codecs.items():
             c = self.store.colls[cid]
             c.key_codec, c.value_codec = kname, vname
+        for cid, times in self.undo_commit_times.items():
+            self.store.colls[cid].commit_times = times
         for cid in self.created:
             c = self.store.colls.pop(cid)
             self.store.by_name.pop(c.name, None)
@@ -296,6 +313,7 @@ class Memory(Stash):
     def __init__(self, inner: Stash) -> None:
         super().__init__(inner.mode, inner.fenced)
         self.inner = inner
+        self.clock = inner.clock
         self._savepoint_of = inner._savepoint_of
         # Caching is sound only for the single leader: a fenced writable handle.
         self.caching = inner.fenced and inner.mode == "writable"
@@ -479,6 +497,12 @@ class _CachedTxn:
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
         self._touch(cid)
         self.inner.consolidate(cid, since, keys)
+
+    def record_commit_time(self, cid: int, time: int, at_ms: int, forget_before: int) -> None:
+        self.inner.record_commit_time(cid, time, at_ms, forget_before)
+
+    def newest_time_committed_by(self, cid: int, at_ms: int) -> int | None:
+        return self.inner.newest_time_committed_by(cid, at_ms)
 
     def check_fence(self) -> None:
         self.inner.check_fence()

@@ -26,6 +26,11 @@ Invariants kept here:
   per-key ``consolidate`` of an append are buffered and sent at the end as one
   statement per collection (data-modifying CTEs, which all see the statement's
   snapshot), so a 1-entry fenced append is ``BEGIN``, the lock, the write, ``COMMIT``.
+  A one-key typed write (``upsert_key``) sends its reads ahead in one pipeline with the
+  ``BEGIN`` (:meth:`PgTxn.prefetch_key`: the lock by name, then the key's values and the
+  retention setting as later statements, so they see what the lock waited for): the
+  client waits three times, as for a SQLAlchemy Core upsert.  The statements live in
+  :mod:`stash.pg_statements`.
 * **Faults.** A connection lost before COMMIT makes the whole transaction run again on a
   new connection.  A connection lost *during* COMMIT is resolved by asking the server
   (``txid_status`` of the transaction's id, learnt in the transaction): committed is
@@ -59,10 +64,22 @@ import sqlalchemy as sa
 from psycopg import sql
 from sqlalchemy.engine import URL
 
-from stash.antichain import I64_MAX, I64_MIN
 from stash.base import Mode
 from stash.consolidation import DiffSumOverflow
 from stash.errors import IndeterminateError, StashError
+from stash.pg_statements import (
+    _FLUSH_SQL,
+    _FRONTIERS_FENCED_SQL,
+    _FRONTIERS_SQL,
+    _LOCK_BY_NAME_FENCED_SQL,
+    _LOCK_BY_NAME_SQL,
+    _LOCK_FENCED_SQL,
+    _LOCK_SQL,
+    _PEEK_KEY_BY_NAME_SQL,
+    _PEEK_KEY_SQL,
+    _PEEK_SQL,
+    _ROWS_BY_NAME_SQL,
+)
 from stash.placement import install, placement
 from stash.sql import (
     TABLE_COLUMNS,
@@ -315,7 +332,9 @@ class PgOps(_Ops):
             "CREATE INDEX ON pg_temp.data (collection_id, jsonb_hash_extended(key, 0));"
             "CREATE INDEX ON pg_temp.data (collection_id, time);"
             "CREATE TEMP TABLE sinces (collection_id integer PRIMARY KEY, since bigint);"
-            "CREATE TEMP TABLE uppers (collection_id integer PRIMARY KEY, upper bigint)"
+            "CREATE TEMP TABLE uppers (collection_id integer PRIMARY KEY, upper bigint);"
+            "CREATE TEMP TABLE commit_times (collection_id integer, time bigint,"
+            " committed_at bigint NOT NULL, PRIMARY KEY (collection_id, time))"
         )
         for table, cols in TABLE_COLUMNS.items():
             names = sql.SQL(", ").join(sql.Identifier(c) for c in cols)
@@ -377,206 +396,6 @@ def _txid_status(stash: SqlStash, xid: int) -> str | None:
         fairy.close()
 
 
-# The lock statement: uppers and sinces rows of the collections, in id order, their
-# names and recorded codec names (the collections rows FOR SHARE: a migration's update of them waits
-# for this transaction, and a lock that waited for a migration re-reads them), the stash's
-# identity, and (for a fenced handle) the fence row FOR SHARE and the transaction id, in
-# one round trip.  The
-# collections rows come after the uppers and sinces rows in the locking clauses, so that a
-# writer waiting for a migration's uppers row should hold no lock the migration's update of
-# the collections row waits for; were it otherwise, the deadlock (40P01) is retried.
-_LOCK = (
-    "SELECT u.collection_id, u.upper, s.since, c.key_codec, c.value_codec{fcols}, c.name,"
-    " txid_current()"
-    " FROM uppers u JOIN sinces s ON s.collection_id = u.collection_id"
-    " JOIN collections c ON c.collection_id = u.collection_id{fjoin}"
-    " WHERE u.collection_id = ANY(%(ids)s::int4[])"
-    " ORDER BY u.collection_id FOR UPDATE OF u, s FOR SHARE OF c{flock}"
-)
-_LOCK_SQL = _LOCK.format(fcols=", f.stash_id", fjoin=" CROSS JOIN fence f", flock="")
-_LOCK_FENCED_SQL = _LOCK.format(
-    fcols=", f.stash_id, f.epoch, f.nonce", fjoin=" CROSS JOIN fence f", flock=", f"
-)
-# A reader's frontiers, codec names and name (and fence), in one statement of its snapshot.
-_FRONTIERS = (
-    "SELECT s.since, u.upper, c.key_codec, c.value_codec{fcols}, c.name FROM sinces s"
-    " JOIN uppers u"
-    " ON u.collection_id = s.collection_id"
-    " JOIN collections c ON c.collection_id = s.collection_id{fjoin}"
-    " WHERE s.collection_id = %(c)s"
-)
-_FRONTIERS_SQL = _FRONTIERS.format(fcols="", fjoin="")
-_FRONTIERS_FENCED_SQL = _FRONTIERS.format(fcols=", f.epoch, f.nonce", fjoin=" CROSS JOIN fence f")
-
-
-def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
-    """One statement writing one collection's buffered work: new rows, their
-    consolidation (``consolidate``: ``None``, ``"keys"`` for the keys in ``%(ck)s`` or
-    ``"all"``) at the since ``%(cs)s``, and the new upper and since (each only if its flag
-    is set).
-
-    Consolidation sums the rows of each ``(key, value, greatest(time, since))`` group
-    (exactly: numeric) of the keys concerned into one row: for ``"keys"`` (an append or
-    update) only groups of several rows are rewritten and new zero diffs are not written,
-    so a lone stored row stays where it is (no rewrite, and no cached generic plan ever
-    gets to delete on a key that has no group); ``"all"`` leaves the rows as the memory
-    backend holds them (every row at ``greatest(time, since)``, no zero diff).  The
-    statement returns whether the rule on diff sums is broken afterwards.  All parts see the
-    snapshot of the statement, so the consolidation merges the new rows (from the ``c_new`` CTE)
-    with the stored ones (from the table) itself.  Built from constant fragments with
-    :mod:`psycopg.sql`; every value is a bound parameter.  The arrays are sent in
-    binary (``%(name)b``): as text, psycopg escaped every JSON text for the array
-    literal, about 20% of a one-row persist append's client CPU.
-    """
-    q = sql.SQL
-    ctes: list[sql.Composable] = []
-    if has_rows:
-        ctes.append(
-            q(
-                "c_new AS (SELECT k::jsonb AS key, v::jsonb AS value, t AS time, d AS diff"
-                " FROM unnest(%(ks)b::text[], %(vs)b::text[], %(ts)b::int8[], %(ds)b::int8[])"
-                " AS x(k, v, t, d))"
-            )
-        )
-    inserts: list[sql.Composable] = []
-    check: sql.Composable = q("")
-    if consolidate is not None:
-        if consolidate == "keys":
-            # A set joined (hashed or index-probed), never "= ANY(array)": under a generic
-            # plan that is a linear scan of the array for every row, O(rows x keys).
-            ctes.append(
-                q(
-                    "c_keys AS (SELECT DISTINCT k::jsonb AS key, jsonb_hash_extended(k::jsonb, 0)"
-                    " AS h FROM unnest(%(ck)b::text[]) AS k)"
-                )
-            )
-            # Stored rows are fetched key by key through the (collection_id, key hash) index
-            # (a LATERAL probe per key; OFFSET 0 keeps the planner from flattening it
-            # into a join): otherwise each append may scan the collection, O(collection).
-            sources: list[sql.Composable] = [q(_KEY_ROWS_SQL)]
-            if has_rows:
-                sources.append(
-                    q(
-                        "SELECT key, value, time, diff FROM c_new"
-                        " WHERE key IN (SELECT key FROM c_keys)"
-                    )
-                )
-        else:
-            sources = [q("SELECT key, value, time, diff FROM data WHERE collection_id = %(c)s")]
-            if has_rows:
-                sources.append(q("SELECT key, value, time, diff FROM c_new"))
-        # The rows concerned are read once (a CTE referenced twice is materialized) and
-        # summed once per (key, value, greatest(time, since)): the groups to rewrite
-        # and the check of the rule on diff sums both come from those sums.  Sums are
-        # numeric (exact).  A sum beyond i64 becomes NULL in c_grp instead of failing
-        # the statement (its row is not written): the statement's result then reports
-        # the broken rule, and the caller rolls the transaction back.
-        ctes.append(q("c_src AS ({})").format(q(" UNION ALL ").join(sources)))
-        ctes.append(
-            q(
-                "c_sum AS (SELECT key, value, greatest(time, %(cs)s::int8) AS time,"
-                " sum(diff) AS s, count(*) AS n{whole} FROM c_src"
-                " GROUP BY key, value, greatest(time, %(cs)s::int8))"
-            ).format(
-                whole=q(", min(time) AS t0, bool_or(diff = 0) AS z")
-                if consolidate == "all"
-                else q("")
-            )
-        )
-        ctes.append(
-            q(
-                "c_grp AS (SELECT key, value, time,"
-                " CASE WHEN s BETWEEN {lo} AND {hi} THEN s::int8 END AS diff"
-                " FROM c_sum WHERE n > 1{whole})"
-            ).format(
-                lo=q(str(I64_MIN)),
-                hi=q(str(I64_MAX)),
-                whole=q(" OR t0 < %(cs)s::int8 OR z") if consolidate == "all" else q(""),
-            )
-        )
-        ctes.append(
-            q(
-                # Gated by "EXISTS (c_grp)" (a one-time filter): an append of new keys,
-                # or of new values of stored keys, has no group and never runs the scan,
-                # whatever plan was cached for it.
-                "c_del AS (DELETE FROM data d USING c_grp g WHERE EXISTS (SELECT 1 FROM c_grp)"
-                " AND d.collection_id = %(c)s AND jsonb_hash_extended(d.key, 0) ="
-                " jsonb_hash_extended(g.key, 0) AND d.key = g.key AND d.value = g.value"
-                " AND greatest(d.time, %(cs)s::int8) = g.time)"
-            )
-        )
-        inserts.append(q("SELECT %(c)s, key, value, time, diff FROM c_grp WHERE diff <> 0"))
-        # The statement's result: whether a (key, value) concerned breaks the rule on
-        # diff sums afterwards (its rows are the nonzero sums grouped above).
-        check = q(
-            "SELECT EXISTS (SELECT 1 FROM c_sum GROUP BY key, value"
-            " HAVING coalesce(sum(s) FILTER (WHERE s > 0), 0) > {hi}"
-            " OR coalesce(sum(s) FILTER (WHERE s < 0), 0) < {lo})"
-        ).format(lo=q(str(I64_MIN)), hi=q(str(I64_MAX)))
-    if has_rows:
-        keep = q("")
-        if consolidate is not None:
-            keep = q(
-                " WHERE n.diff <> 0 AND NOT EXISTS (SELECT 1 FROM c_grp g WHERE g.key = n.key"
-                " AND g.value = n.value AND g.time = greatest(n.time, %(cs)s::int8))"
-            )
-        inserts.insert(0, q("SELECT %(c)s, key, value, time, diff FROM c_new n{}").format(keep))
-    if inserts:
-        ctes.append(
-            q("c_ins AS (INSERT INTO data (collection_id, key, value, time, diff) {})").format(
-                q(" UNION ALL ").join(inserts)
-            )
-        )
-    ctes.append(
-        q(
-            "c_up AS (UPDATE uppers SET upper = %(u)s::int8"
-            " WHERE collection_id = %(c)s AND %(su)s::bool)"
-        )
-    )
-    set_since = q(
-        "UPDATE sinces SET since = %(s)s::int8 WHERE collection_id = %(c)s AND %(ss)s::bool"
-    )
-    if consolidate is None:
-        statement = q("WITH {} {}").format(q(", ").join(ctes), set_since)
-    else:
-        ctes.append(q("c_since AS ({})").format(set_since))
-        statement = q("WITH {} {}").format(q(", ").join(ctes), check)
-    return statement.as_string()
-
-
-# A key is found through the index (collection_id, jsonb_hash_extended(key, 0)) (a btree
-# entry holding a long key itself would exceed Postgres' 2704 bytes): by its hash, then by
-# the key itself (the hash is consistent with jsonb equality; equal hashes may differ).
-
-#: Every stored row of the keys in ``c_keys``, probed key by key.
-_KEY_ROWS_SQL = (
-    "SELECT d.key, d.value, d.time, d.diff FROM c_keys k CROSS JOIN LATERAL"
-    " (SELECT key, value, time, diff FROM data WHERE collection_id = %(c)s"
-    " AND jsonb_hash_extended(key, 0) = k.h AND key = k.key OFFSET 0) d"
-)
-
-
-_FLUSH_SQL = {
-    (rows, cons): _flush_sql(rows, cons) for rows in (False, True) for cons in (None, "keys", "all")
-}
-
-
-# A whole collection's rows, consolidated in Python (_consolidate_rendered): a server-side
-# GROUP BY of jsonb (key, value) cost more than the rest of a 10,000-entry peek.
-_PEEK_SQL = (
-    "SELECT key::text, value::text, diff FROM data WHERE collection_id = %(c)s AND time <= %(ts)s"
-)
-# "(time <= ..) IS TRUE": not an index condition, so even a generic plan cached while the
-# table was tiny finds the key through the (collection_id, key hash) index, never by scanning
-# the collection's rows in time order.
-_PEEK_KEY_SQL = (
-    "SELECT key::text, value::text, sum(diff)::int8 FROM data"
-    " WHERE collection_id = %(c)s AND (time <= %(ts)s) IS TRUE"
-    " AND jsonb_hash_extended(key, 0) = jsonb_hash_extended(%(k)s::jsonb, 0)"
-    " AND key = %(k)s::jsonb GROUP BY key, value HAVING sum(diff) <> 0"
-)
-
-
 class _Pending:
     """Buffered writes of one collection in a write transaction."""
 
@@ -614,8 +433,12 @@ class PgTxn(SqlTxn):
         self._locked: set[int] = set()
         self._pending: dict[int, _Pending] = {}
         self._wrote = False
+        # Answers read ahead by prefetch_key, each used once, all dropped by any write.
+        self._ahead: dict[tuple[Any, ...], Any] = {}
 
     # ------------------------------------------------------------- plumbing
+    _param = "%({})s"  # commit_times statements (SqlTxn)
+
     def _exec(self, statement: str, params: Any = None, prepare: bool | None = None) -> Any:
         return self.cur.execute(statement, params, prepare=prepare)
 
@@ -663,6 +486,9 @@ class PgTxn(SqlTxn):
 
     # ------------------------------------------------------------ collections
     def lookup_collection(self, name: str) -> tuple[int, str, str] | None:
+        if ("lookup", name) in self._ahead:
+            found: tuple[int, str, str] | None = self._ahead.pop(("lookup", name))
+            return found
         self._ensure_fence()
         row = self._exec(
             "SELECT collection_id, key_codec, value_codec FROM collections WHERE name = %(n)s",
@@ -671,6 +497,7 @@ class PgTxn(SqlTxn):
         return None if row is None else (int(row[0]), str(row[1]), str(row[2]))
 
     def create_collection(self, name: str, key_codec: str, value_codec: str) -> int:
+        self._ahead.clear()
         self._ensure_fence()
         row = self._exec(
             "WITH c AS (INSERT INTO collections (name, key_codec, value_codec)"
@@ -691,6 +518,7 @@ class PgTxn(SqlTxn):
         return cid
 
     def set_collection_codecs(self, cid: int, key_codec: str, value_codec: str) -> None:
+        self._ahead.clear()
         self._ensure_fence()
         self._exec(
             "UPDATE collections SET key_codec = %(k)s, value_codec = %(v)s"
@@ -715,6 +543,10 @@ class PgTxn(SqlTxn):
             return
         fenced = self._fence_pending
         rows = self._exec(_LOCK_FENCED_SQL if fenced else _LOCK_SQL, {"ids": todo}).fetchall()
+        self._took_locks(rows, fenced)
+
+    def _took_locks(self, rows: list[Any], fenced: bool) -> None:
+        """Record the rows of a lock statement (frontiers, codecs, identity, fence)."""
         if rows:
             self._sid = str(rows[0][5])
         if fenced:
@@ -752,7 +584,47 @@ class PgTxn(SqlTxn):
                 raise StashError(f"collection id {cid} does not exist")
         return f[0], f[1]
 
+    def prefetch_key(self, name: str, key: str, side: str, side_key: str) -> None:
+        """Read ahead, in one pipeline (one round trip, its ``BEGIN`` included), what a
+        one-key write of collection ``name`` reads next: its lookup and lock, the sealed
+        values of ``key`` at its upper - 1, and the collection ``side`` with its rows of
+        ``side_key`` (the retention setting).  Later calls of :meth:`lookup_collection`,
+        :meth:`lock`, :meth:`peek_rows` and :meth:`rows` asking exactly that are answered
+        from these reads (once each; any write first drops them).  The peek and the side
+        read are statements after the lock, so under READ COMMITTED they see every commit
+        before the lock was granted, as separate calls would."""
+        if not self.write or self._pending:
+            return
+        fenced = self._fence_pending
+        lock = _LOCK_BY_NAME_FENCED_SQL if fenced else _LOCK_BY_NAME_SQL
+        with self.dbc.pipeline():
+            c_lock, c_peek, c_side = self.dbc.cursor(), self.dbc.cursor(), self.dbc.cursor()
+            c_lock.execute(lock, {"n": name})
+            c_peek.execute(_PEEK_KEY_BY_NAME_SQL, {"n": name, "k": key})
+            c_side.execute(_ROWS_BY_NAME_SQL, {"rn": side, "rk": side_key})
+        rows = c_lock.fetchall()
+        self._took_locks(rows, fenced)
+        if not rows:
+            self._ahead[("lookup", name)] = None
+            return
+        cid, upper = int(rows[0][0]), rows[0][1]
+        self._ahead[("lookup", name)] = (cid, str(rows[0][3]), str(rows[0][4]))
+        c = canonical_text
+        if upper is not None:
+            peek = [(c(k), c(v), int(d)) for k, v, d in c_peek.fetchall()]
+            self._ahead[("peek", cid, int(upper) - 1, key)] = peek
+        found = c_side.fetchall()
+        if found:
+            sid = int(found[0][0])
+            self._ahead[("lookup", side)] = (sid, str(found[0][1]), str(found[0][2]))
+            self._ahead[("rows", sid, side_key)] = [
+                (c(k), c(v), int(t), int(d)) for _, _, _, k, v, t, d in found if k is not None
+            ]
+        else:
+            self._ahead[("lookup", side)] = None
+
     def _pend(self, cid: int) -> _Pending:
+        self._ahead.clear()
         p = self._pending.get(cid)
         if p is None:
             self.frontiers(cid)  # locks it (writers only get here)
@@ -831,7 +703,7 @@ class PgTxn(SqlTxn):
         # deletes rows: it is planned afresh each time (never a cached generic plan, which
         # may have been made while the table was tiny and then scan the whole
         # collection).  Appends of new keys keep the prepared plan; for them the
-        # deletion is gated off (see _flush_sql).
+        # deletion is gated off (see stash.pg_statements._flush_sql).
         fresh = cons is not None and any(r[3] < 0 for r in p.rows)
         statement, prepare = _FLUSH_SQL[(bool(p.rows), cons)], False if fresh else None
         if defer:  # inside a pipeline: a cursor of its own, read after the sync
@@ -847,6 +719,9 @@ class PgTxn(SqlTxn):
         return None
 
     def rows(self, cid: int, key: str | None = None) -> list[Row]:
+        if ("rows", cid, key) in self._ahead:
+            ahead: list[Row] = self._ahead.pop(("rows", cid, key))
+            return ahead
         self._ensure_fence()
         self._flush()
         if key is None:
@@ -866,6 +741,9 @@ class PgTxn(SqlTxn):
         return [(c(k), c(v), int(t), int(d)) for k, v, t, d in out]
 
     def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
+        if ("peek", cid, ts, key) in self._ahead:
+            peeked: list[tuple[str, str, int]] = self._ahead.pop(("peek", cid, ts, key))
+            return peeked
         self._ensure_fence()
         self._flush()
         out = self._exec(
@@ -878,6 +756,7 @@ class PgTxn(SqlTxn):
 
     def consolidate(self, cid: int, since: int | None, keys: Collection[str] | None) -> None:
         if since is None:
+            self._ahead.clear()
             self._flush_one(cid)
             self.frontiers(cid)
             self._wrote = True

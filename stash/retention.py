@@ -2,14 +2,21 @@
 a setting instead of moving with every append.
 
 The setting of collection ``NAME`` is the value of key ``NAME`` in the collection
-``stash.retention`` (JSON ``{"keep_times": N}``: the last ``N`` times stay readable;
-``{"keep_times": null}``: every time since the setting).  Invariants kept here:
+``stash.retention``, a JSON object: ``"keep_times": N`` keeps the last ``N`` times
+readable (``null``: every time since the setting); ``"keep_for_ms": D`` keeps every time
+committed within the last ``D`` milliseconds of wall clock (the since becomes the newest
+time committed at or before ``now - D``).  With both, the since keeps what either asks
+for (the older of the two).  Invariants kept here:
 
-* every writer that picks a batch's since asks :func:`retained_since` in the
-  transaction (or read) that picks its upper: ``make_batch``
-  (:func:`batch_frontiers`) and the one-transaction typed writes (:mod:`stash.keyed`);
+* every writer that picks a batch's since asks this module in the transaction (or read)
+  that picks its upper: ``make_batch`` (:func:`batch_frontiers`), the one-transaction
+  typed writes (:mod:`stash.keyed`) and ``with_transaction`` (:func:`commit_since`);
   without a setting the since moves to the batch's time, as it always did;
 * the since never goes back and never passes the batch's time;
+* under a retention by duration, each time those writers commit records its wall clock
+  (``Stash.clock``) in the same transaction (table ``commit_times``); a time without a
+  record (committed before the setting, or by a batch built by hand) only holds the
+  since back: the since moves past it once a later recorded time is old enough;
 * batches a caller builds by hand (``AppendBatch(..., compact=...)``) keep the since
   they ask for.
 
@@ -26,7 +33,7 @@ from stash.codec import canonical_json
 from stash.collection import StashCollection
 from stash.txn import Txn
 
-__all__ = ["RETENTION_COLLECTION", "batch_frontiers", "retained_since"]
+__all__ = ["RETENTION_COLLECTION", "batch_frontiers", "commit_since", "now_ms"]
 
 RETENTION_COLLECTION = "stash.retention"
 
@@ -45,31 +52,61 @@ def _policy(tx: Txn, name: str) -> dict[str, Any] | None:
     return json.loads(live[0]) if len(live) == 1 else None
 
 
-def retained_since(tx: Txn, cid: int, name: str, t: int) -> int:
-    """The since a write at time ``t`` (the new upper ``t + 1``) leaves collection ``cid``
-    at: ``t`` without a retention (every append compacts, as before), else the since the
-    retention keeps (never below the current since, never beyond ``t``)."""
+def now_ms(stash: Any) -> int:
+    """The stash's wall clock (``Stash.clock``, seconds since the epoch) in Unix ms."""
+    return int(stash.clock() * 1000)
+
+
+def _since(tx: Txn, cid: int, t: int, policy: dict[str, Any], now: int) -> int:
+    """The since ``policy`` keeps for a write at time ``t``, at wall clock ``now``."""
+    since, _ = tx.frontiers(cid)
+    cur = 0 if since is None else since
+    wanted = []
+    if "keep_times" in policy:
+        keep = policy["keep_times"]
+        wanted.append(cur if keep is None else t + 1 - int(keep))
+    keep_ms = policy.get("keep_for_ms")
+    if keep_ms is not None:
+        newest = tx.newest_time_committed_by(cid, now - int(keep_ms))
+        wanted.append(cur if newest is None else newest)
+    if not wanted:  # an unknown policy (a newer release's): keep everything
+        return cur
+    return min(t, max(cur, min(wanted)))
+
+
+def commit_since(tx: Txn, cid: int, name: str, t: int, now: int) -> int:
+    """The since a write committing time ``t`` (the new upper ``t + 1``) in ``tx`` at
+    wall clock ``now`` (Unix ms) leaves collection ``cid`` at: ``t`` without a retention
+    (every append compacts, as before), else the since the retention keeps (never below
+    the current since, never beyond ``t``).  Under a retention by duration it records
+    ``now`` as the commit time of ``t`` (and forgets the records before the new since)."""
     policy = _policy(tx, name)
     if policy is None:
         return t
-    since, _ = tx.frontiers(cid)
-    cur = 0 if since is None else since
-    keep = policy.get("keep_times")
-    if keep is None:
-        return cur
-    return min(t, max(cur, t + 1 - int(keep)))
+    since = _since(tx, cid, t, policy, now)
+    if policy.get("keep_for_ms") is not None:
+        tx.record_commit_time(cid, t, now, since)
+    return since
 
 
-def batch_frontiers(stash: Any, collection: StashCollection[Any, Any]) -> tuple[int | None, int]:
-    """``(upper, compact)`` for ``make_batch``, read in one read transaction: the upper
-    ``t`` (``None``: empty) and the since the batch compacts to."""
+def batch_frontiers(
+    stash: Any, collection: StashCollection[Any, Any]
+) -> tuple[int | None, int, bool]:
+    """``(upper, compact, stamp)`` for ``make_batch``, read in one read transaction: the
+    upper ``t`` (``None``: empty), the since the batch compacts to, and whether its
+    append records its commit time (a retention by duration)."""
     cid = collection.id
+    now = now_ms(stash)
 
-    def read(tx: Txn) -> tuple[int | None, int]:
+    def read(tx: Txn) -> tuple[int | None, int, bool]:
         _, upper = tx.frontiers(cid)
         if upper is None:
-            return None, 0
-        return upper, retained_since(tx, cid, collection.name, upper)
+            return None, 0, False
+        policy = _policy(tx, collection.name)
+        if policy is None:
+            return upper, upper, False
+        stamp = policy.get("keep_for_ms") is not None
+        return upper, _since(tx, cid, upper, policy, now), stamp
 
-    result: tuple[int | None, int] = stash._read(read, codecs=())
+    result: tuple[int | None, int, bool] = stash._read(read, codecs=())
     return result

@@ -7,7 +7,8 @@ identity: a uuid given at creation, never changed), ``collections``
 Postgres ``(collection_id, jsonb_hash_extended(key, 0))``: any key length) and
 ``(collection_id, time)``, and on Postgres ``(collection_id, left(key::text, 1024)
 COLLATE "C")`` for key ranges), ``sinces`` and ``uppers`` (one row per collection; NULL is the
-empty frontier), and the view ``stash_entries(collection, key, value, time, diff)``.
+empty frontier), ``commit_times`` (``collection_id, time, committed_at``: the wall clock,
+Unix ms, a time was committed at; kept for retentions by duration), and the view ``stash_entries(collection, key, value, time, diff)``.
 
 Invariants kept here: keys and values are canonical JSON: ``jsonb`` on Postgres, JSON
 text on SQLite, so ``SELECT * FROM stash_entries`` is readable; ``SCHEMA_HEAD`` equals the
@@ -23,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_HEAD = "0005"
+SCHEMA_HEAD = "0006"
 
 STASH_ENTRIES_VIEW = (
     "CREATE VIEW stash_entries AS "
@@ -126,6 +127,20 @@ uppers = sa.Table(
         autoincrement=False,
     ),
     sa.Column("upper", sa.BigInteger, nullable=True),
+)
+
+commit_times = sa.Table(
+    "commit_times",
+    metadata,
+    sa.Column(
+        "collection_id",
+        sa.Integer,
+        sa.ForeignKey("collections.collection_id"),
+        nullable=False,
+    ),
+    sa.Column("time", sa.BigInteger, nullable=False),
+    sa.Column("committed_at", sa.BigInteger, nullable=False),
+    sa.PrimaryKeyConstraint("collection_id", "time"),
 )
 
 

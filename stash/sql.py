@@ -93,6 +93,7 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "data": ("collection_id", "key", "value", "time", "diff"),
     "sinces": ("collection_id", "since"),
     "uppers": ("collection_id", "upper"),
+    "commit_times": ("collection_id", "time", "committed_at"),
 }
 
 
@@ -642,6 +643,33 @@ class SqlTxn:
     def stash_id(self) -> str:
         self._sid = self._sid or str(self._one("SELECT stash_id FROM fence", {})[0])
         return self._sid
+
+    # ---------------------------------------------------------- commit times
+    #: How a named parameter is written (psycopg: ``%(name)s``; see PgTxn).
+    _param = ":{}"
+
+    def _commit_times_sql(self, sql: str, params: dict[str, Any]) -> Any:
+        """Run a statement of ``commit_times`` (names written ``{name}``)."""
+        text = sql.format(**{k: self._param.format(k) for k in params})
+        return self.dbc.execute(text, params)
+
+    def record_commit_time(self, cid: int, time: int, at_ms: int, forget_before: int) -> None:
+        self._commit_times_sql(
+            "INSERT INTO commit_times (collection_id, time, committed_at)"
+            " VALUES ({c}, {t}, {at}) ON CONFLICT (collection_id, time) DO NOTHING",
+            {"c": cid, "t": time, "at": at_ms},
+        )
+        self._commit_times_sql(
+            "DELETE FROM commit_times WHERE collection_id = {c} AND time < {before}",
+            {"c": cid, "before": forget_before},
+        )
+
+    def newest_time_committed_by(self, cid: int, at_ms: int) -> int | None:
+        row = self._commit_times_sql(
+            "SELECT max(time) FROM commit_times WHERE collection_id = {c} AND committed_at <= {at}",
+            {"c": cid, "at": at_ms},
+        ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
 
     # ------------------------------------------------------------ collections
     def lookup_collection(self, name: str) -> tuple[int, str, str] | None:

@@ -178,6 +178,8 @@ _SQLITE_SAVEPOINT_DDL = (
     " value TEXT NOT NULL, time INTEGER NOT NULL, diff INTEGER NOT NULL)",
     "CREATE TEMP TABLE sinces (collection_id INTEGER PRIMARY KEY, since INTEGER)",
     "CREATE TEMP TABLE uppers (collection_id INTEGER PRIMARY KEY, upper INTEGER)",
+    "CREATE TEMP TABLE commit_times (collection_id INTEGER NOT NULL, time INTEGER NOT NULL,"
+    " committed_at INTEGER NOT NULL, PRIMARY KEY (collection_id, time))",
     *(
         f"INSERT INTO temp.{t} ({', '.join(c)}) SELECT {', '.join(c)} FROM main.{t}"  # noqa: S608 - constant names
         for t, c in TABLE_COLUMNS.items()

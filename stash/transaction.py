@@ -14,7 +14,8 @@ changes in one write transaction.  Invariants kept here:
   that upper: writes land at or after the upper);
 * a commit locks every collection read or written, checks that nothing read changed,
   then appends each written collection's changes at its upper ``t`` (entries at ``t``,
-  new upper ``t + 1``, since ``t``, as ``make_batch``): all of it or nothing, and never
+  new upper ``t + 1``, since ``t`` or the since its retention keeps, as ``make_batch``;
+  :func:`stash.retention.commit_since`): all of it or nothing, and never
   over a newer write of anything read, so transactions are serializable and writers of
   distinct keys do not conflict; a transaction that changed nothing writes nothing;
 * ``run_transaction`` runs the function again on a conflict, up to ``retries`` times
@@ -39,6 +40,7 @@ from stash.antichain import I64_MAX, Antichain
 from stash.collection import AppendBatch, StashCollection
 from stash.errors import AppendLowerMismatch, PeekSinceUpperError, StashError
 from stash.peek import frozen_key, peek_one_checked, peek_one_fast, peek_unique
+from stash.retention import commit_since, now_ms
 from stash.table import TableTransaction
 from stash.txn import Txn
 
@@ -294,7 +296,8 @@ def commit_changes(
         tx.lock(ids)
         for r in reads:
             r.check(tx)
-        batches = [_batch(r.handle, tx.frontiers(r.handle.id)[1], p) for r, p in changes]
+        now = now_ms(stash)
+        batches = [_batch(tx, r.handle, p, now) for r, p in changes]
         stash._append_tx(tx, batches, [b.entries for b in batches])
 
     written = [r.handle for r, _ in changes]
@@ -302,8 +305,10 @@ def commit_changes(
     stash._write_checked(names, write, codecs=written, handles=handles)
 
 
-def _batch(c: StashCollection[Any, Any], upper: int | None, pending: list[Any]) -> AppendBatch:
-    """The batch of ``pending`` changes at ``upper`` (as ``make_batch``)."""
+def _batch(tx: Txn, c: StashCollection[Any, Any], pending: list[Any], now: int) -> AppendBatch:
+    """The batch of ``pending`` changes at the upper of ``c`` in ``tx``, compacting to the
+    since its retention keeps at wall clock ``now`` (Unix ms), as ``make_batch``."""
+    upper = tx.frontiers(c.id)[1]
     if upper is None:
         raise StashError(f"collection {c.name} is sealed (empty upper): cannot write")
     if upper >= I64_MAX:
@@ -312,7 +317,7 @@ def _batch(c: StashCollection[Any, Any], upper: int | None, pending: list[Any]) 
         collection=c,
         lower=Antichain.from_elem(upper),
         upper=Antichain.from_elem(upper + 1),
-        compact=Antichain.from_elem(upper),
+        compact=Antichain.from_elem(commit_since(tx, c.id, c.name, upper, now)),
         timestamp=upper,
     )
     for k, v, d in pending:

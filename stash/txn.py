@@ -94,6 +94,18 @@ class Txn(Protocol):
         """
         ...
 
+    def record_commit_time(self, cid: int, time: int, at_ms: int, forget_before: int) -> None:
+        """Record that ``time`` of the collection commits at wall clock ``at_ms`` (Unix
+        milliseconds; a time recorded already keeps its first record), and forget the
+        records of times before ``forget_before`` (the since: no retention asks for them
+        again).  Kept for retentions by duration (:mod:`stash.retention`)."""
+        ...
+
+    def newest_time_committed_by(self, cid: int, at_ms: int) -> int | None:
+        """The newest recorded time of the collection committed at or before wall clock
+        ``at_ms`` (Unix ms), or ``None`` if none is recorded."""
+        ...
+
     def check_fence(self) -> None:
         """Raise :class:`stash.errors.FenceError` if this handle has been fenced."""
         ...

@@ -60,7 +60,7 @@ def test_a_backup_under_writes_restores_a_committed_state(stash_url: str, tmp_pa
     finally:
         stop.set()
         t.join()
-    for target in (f"sqlite:///{tmp_path}/restored.db", f"memory://restore-{id(tmp_path)}"):
+    for target in (f"sqlite:///{tmp_path}/restored.db", f"memory://restore-{tmp_path.name}"):
         ops.restore(tmp_path / "b.db", target)
         orders, count = _state(target) if target.startswith("sqlite") else _memory_state(target)
         n = count["n"]

@@ -70,7 +70,10 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             ],
         ),
         ("collection handles and table transactions", ["stash.collection", "stash.table"]),
-        ("the peek rules and the handle checks", ["stash.peek", "stash.checks"]),
+        (
+            "the peek rules, the handle checks, retention",
+            ["stash.peek", "stash.checks", "stash.retention"],
+        ),
         ("transactions with one consistent read", ["stash.transaction"]),
         ("the Stash contract (backends looked up by name)", ["stash.base"]),
         (
@@ -79,12 +82,11 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "stash.typed",
                 "stash.keyed",
                 "stash.ranges",
-                "stash.retention",
                 "stash.feed",
                 "stash.ops",
             ],
         ),
-        ("backends", ["stash.memory", "stash.sql"]),
+        ("backends, Postgres statements", ["stash.memory", "stash.sql", "stash.pg_statements"]),
         (
             "SQL dialects (each imports stash.sql, never the reverse)",
             ["stash.sqlite", "stash.postgres"],

@@ -207,6 +207,7 @@ def test_aliases_and_quoted_names(client: PersistClient) -> None:
 
 def test_pandas_source(client: PersistClient) -> None:
     import pandas as pd
+
     w, r = client.open("s", KEY, VAL)
     df = pd.DataFrame({"id": [1, 2], "v": ["a", "b"], "n": [1, 2], "flag": [True, False]})
     m = w.merge(df).when_not_matched_insert_all().execute()

@@ -86,6 +86,20 @@ def make_record(
         "time": None if not upper else upper - 1,
         "ms": max(now_ms, old.history_ms),
         "op": op,
-        "params": params,
+        "params": storable(params),
         "metrics": metrics,
     }
+
+
+def storable(value: Any) -> Any:
+    """``value`` with each NUL character of its strings written as JSON escapes it
+    (``\\u0000``, six characters): the stash refuses NULs in a value (Postgres' jsonb
+    cannot hold them), and a record's parameters are the text of what the user passed
+    (a predicate over string keys may hold one), shown as JSON text."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\\u0000") if "\x00" in value else value
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable(v) for v in value]
+    return value

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import decimal
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -59,6 +60,7 @@ __all__ = [
     "key_bounds",
     "key_filter",
     "null_flags",
+    "show_key",
     "view_int",
 ]
 
@@ -324,4 +326,21 @@ def key_filter(rows: pa.Table, key_names: Sequence[str]) -> pc.Expression | None
             e = field.is_null() if e is None else e | field.is_null()
         assert e is not None  # rows is not empty
         out = e if out is None else out & e
+    return out
+
+
+def show_key(rows: pa.Table, key_names: Sequence[str], at: int) -> list[Any]:
+    """The key of row ``at`` for a message: temporal values as Arrow prints them (exact,
+    never through Python objects, which truncate nanoseconds and overflow), with their
+    stored integer and type when Arrow cannot print them."""
+    out: list[Any] = []
+    for k in key_names:
+        col = rows.column(k).slice(at, 1)
+        if pa.types.is_temporal(col.type) and col.null_count == 0:
+            try:
+                out.append(pc.cast(col, pa.string())[0].as_py())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                out.append(f"{view_int(col)[0].as_py()} ({col.type})")
+        else:
+            out.append(col[0].as_py())
     return out

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from persist.casts import cast_column
 from persist.consolidation import _compare_pairs
 from persist.errors import InvalidUsage
-from persist.key_identity import aligned, duplicate_key, isin
+from persist.key_identity import aligned, duplicate_key, isin, show_key
 from persist.parts import DIFF
 from persist.rows import Planned, net_changes
 
@@ -352,10 +352,6 @@ def rows_equal(a: pa.Table, b: pa.Table) -> pa.ChunkedArray:
     return pa.chunked_array([out])
 
 
-def _key_of(table: pa.Table, row: int, key_names: Sequence[str]) -> list[Any]:
-    return [table.column(k)[row].as_py() for k in key_names]
-
-
 # ------------------------------------------------------------------ planning
 def source_on(source: pa.Table, spec: MergeSpec, schema: pa.Schema) -> pa.Table:
     """The source's ``on`` columns cast (safely) to the key columns' types.  A null
@@ -592,7 +588,7 @@ def _plan_kind(
                 raise InvalidUsage(
                     f"merge: when_{c.kind}_update would change the key column(s) "
                     f"{changed_key} of the row with key {list(key_names)} = "
-                    f"{_key_of(old, bad, key_names)}; a merge may not change keys; "
+                    f"{show_key(old, key_names, bad)}; a merge may not change keys; "
                     "nothing was committed"
                 )
             # keep the stored key exactly (an equal key may be another representation)
@@ -637,7 +633,7 @@ def _check_matched_once(pairs: pa.Table, target: pa.Table, key_names: Sequence[s
         row = dup.column(T_ROW)[0].as_py()
         raise InvalidUsage(
             f"merge: the target row with key {list(key_names)} = "
-            f"{_key_of(target, row, key_names)} is matched by "
+            f"{show_key(target, key_names, row)} is matched by "
             f"{dup.column('count_all')[0].as_py()} source rows; each target row may match "
             "one source row at most; nothing was committed"
         )
@@ -658,7 +654,7 @@ def _check_new_keys(
     if dup is not None:
         raise InvalidUsage(
             f"merge: two inserted rows have one key {list(key_names)} = "
-            f"{_key_of(new, dup, key_names)}; nothing was committed"
+            f"{show_key(new, key_names, dup)}; nothing was committed"
         )
     live = read_keys(new)
     if not live.num_rows:
@@ -670,6 +666,6 @@ def _check_new_keys(
         row = pc.index(hit, True).as_py()
         raise InvalidUsage(
             f"merge: an inserted row has the key {list(key_names)} = "
-            f"{_key_of(live, row, key_names)} of a live row the merge keeps; "
+            f"{show_key(live, key_names, row)} of a live row the merge keeps; "
             "nothing was committed"
         )

@@ -285,23 +285,6 @@ def conform_rows(rows: pa.Table | pa.RecordBatch, schema: pa.Schema, what: str) 
 key_filter = key_identity.key_filter
 
 
-def _show_key(rows: pa.Table, key_names: Sequence[str], at: int) -> list[Any]:
-    """The key of row ``at`` for a message: temporal values as Arrow prints them (exact,
-    never through Python objects, which truncate nanoseconds and overflow), with their
-    stored integer and type when Arrow cannot print them."""
-    out: list[Any] = []
-    for k in key_names:
-        col = rows.column(k).slice(at, 1)
-        if pa.types.is_temporal(col.type) and col.null_count == 0:
-            try:
-                out.append(pc.cast(col, pa.string())[0].as_py())
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                out.append(f"{key_identity.view_int(col)[0].as_py()} ({col.type})")
-        else:
-            out.append(col[0].as_py())
-    return out
-
-
 def check_distinct_keys(rows: pa.Table, key_names: Sequence[str]) -> None:
     """Check the keys of ``rows`` distinct by key identity
     (:func:`persist.key_identity.duplicate_key`).
@@ -313,7 +296,7 @@ def check_distinct_keys(rows: pa.Table, key_names: Sequence[str]) -> None:
     if at is not None:
         raise InvalidUsage(
             f"upsert: two rows have one key {list(key_names)} = "
-            f"{_show_key(rows, key_names, at)}; each key may appear once; nothing was committed"
+            f"{key_identity.show_key(rows, key_names, at)}; each key may appear once; nothing was committed"
         )
 
 
@@ -481,7 +464,7 @@ def _check_key_change(
         at = int(pc.min(merged.column(f"{key_identity.ROW}_min_min")).as_py())
         raise InvalidUsage(
             f"update: two updated rows would get one key {list(key_names)} = "
-            f"{_show_key(new, key_names, at)}; nothing was committed"
+            f"{key_identity.show_key(new, key_names, at)}; nothing was committed"
         )
     if at_new_keys is None or not at_new_keys.num_rows:
         return
@@ -498,7 +481,7 @@ def _check_key_change(
         at = int(pc.index(hit, True).as_py())
         raise InvalidUsage(
             f"update: an updated row would get the key {list(key_names)} = "
-            f"{_show_key(moved, key_names, at)} of a live row it does not change; "
+            f"{key_identity.show_key(moved, key_names, at)} of a live row it does not change; "
             "nothing was committed"
         )
 

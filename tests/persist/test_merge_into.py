@@ -180,6 +180,18 @@ def test_a_target_row_matched_twice_is_refused_naming_its_key(client: PersistCli
     assert w.fetch_recent_upper() == Antichain([1])
 
 
+def test_a_refused_key_python_cannot_hold_is_named_exactly(client: PersistClient) -> None:
+    """An error naming a key prints temporal values as Arrow does: a duration beyond
+    ``datetime.timedelta``'s range once raised ``OverflowError`` from the message."""
+    ks = pa.schema([pa.field("d", pa.duration("ms"), False)])
+    w, _ = client.open("far", ks, pa.schema([pa.field("v", pa.int64())]))
+    far = -(1 << 62)
+    src = pa.table({"d": pa.array([far, far], pa.duration("ms")), "v": [1, 2]})
+    with pytest.raises(InvalidUsage, match=str(far)):
+        w.merge(src).when_not_matched_insert_all().execute()
+    assert w.fetch_recent_upper() == Antichain([0])
+
+
 def test_bad_on_and_aliases(client: PersistClient) -> None:
     w, _ = client.open("s", KEY, VAL)
     with pytest.raises(InvalidUsage, match="not key columns"):

@@ -684,6 +684,22 @@ class Stash(abc.ABC):
                 entry encoded by hand that is not an encoding of the collection's codec.
             In every case nothing is committed.
         """
+        batches, entries = self._checked_batches(batches)
+        # No batch still runs the (empty) transaction: a fenced-out leader learns it here
+        # as from any other write.
+        names = {b.collection.id: b.collection.name for b in batches}
+        self._write_checked(
+            names,
+            lambda tx: self._append_tx(tx, batches, entries),
+            codecs=[b.collection for b in batches],
+        )
+
+    @staticmethod
+    def _checked_batches(
+        batches: Iterable[AppendBatch],
+    ) -> tuple[list[AppendBatch], list[list[tuple[tuple[str, str], int, int]]]]:
+        """``batches`` checked for :meth:`append` (types, times, diffs), with each
+        batch's canonical entries (the work :meth:`_append_tx` is given)."""
         batches = list(batches)
         for b in batches:
             if not isinstance(b, AppendBatch):
@@ -696,14 +712,7 @@ class Stash(abc.ABC):
             for _, t, d in es:
                 check_time(t)
                 check_diff(d)
-        # No batch still runs the (empty) transaction: a fenced-out leader learns it here
-        # as from any other write.
-        names = {b.collection.id: b.collection.name for b in batches}
-        self._write_checked(
-            names,
-            lambda tx: self._append_tx(tx, batches, entries),
-            codecs=[b.collection for b in batches],
-        )
+        return batches, entries
 
     def _write_checked(
         self,

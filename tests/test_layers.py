@@ -77,8 +77,9 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
         ("transactions with one consistent read", ["stash.transaction"]),
         ("the Stash contract (backends looked up by name)", ["stash.base"]),
         (
-            "typed collections, key ranges, change feed",
+            "typed collections, key ranges, change feed, compare-and-set logs",
             [
+                "stash.logs",
                 "stash.typed",
                 "stash.keyed",
                 "stash.ranges",

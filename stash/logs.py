@@ -44,7 +44,7 @@ from stash.collection import AppendBatch, validate_collection_name
 from stash.errors import LogRaceLost, StashError
 from stash.txn import Txn
 
-__all__ = ["LogEntry", "LogRow", "head", "names", "scan", "truncate", "write"]
+__all__ = ["LogEntry", "LogRaceLost", "LogRow", "head", "names", "scan", "truncate", "write"]
 
 
 class LogEntry(NamedTuple):

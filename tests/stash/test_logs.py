@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -242,3 +243,48 @@ def _run_model(s: Stash, ops: list[tuple[str, str, bool, int]]) -> None:
         start = max((n for n, (r, _) in log.items() if r), default=0)
         assert L.head(s, name) == [r for r in got if r.seqno >= start]
     assert L.names(s) == sorted(n for n in model if model[n])
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_postgres_concurrent_insert_of_the_same_seqno_is_a_lost_race(
+    open_stash: OpenStash, stash_url: str
+) -> None:
+    """Under READ COMMITTED both writers see the expected head; the later INSERT waits
+    on the primary key and fails once the earlier commits: read as a lost race, and the
+    stash's transaction ends with nothing written."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    s = open_stash()
+    L.write(s, [_e("l", None, "a", True)])
+    conninfo = make_url(stash_url).set(drivername="postgresql").render_as_string(False)
+    out: list[BaseException | None] = []
+    with psycopg.connect(conninfo) as other:
+        other.execute("INSERT INTO logs (name, seqno, rollup, data) VALUES ('l', 1, false, 'x')")
+        t = threading.Thread(target=lambda: out.append(_try(s, _e("l", 0, "mine"))))
+        t.start()
+        with psycopg.connect(conninfo, autocommit=True) as watch:
+            for _ in range(600):  # until the stash's INSERT waits on the other's row
+                row = watch.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE 'INSERT INTO logs%'"
+                ).fetchone()
+                if row is not None and row[0]:
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError("the stash's INSERT never waited on the other writer")
+        other.commit()
+        t.join(60)
+    assert len(out) == 1 and isinstance(out[0], LogRaceLost), out
+    assert [r.data for r in L.scan(s, "l")] == ["a", "x"]
+    L.write(s, [_e("l", 1, "next")])  # the handle carries on
+    assert [r.seqno for r in L.head(s, "l")] == [0, 1, 2]
+
+
+def _try(s: Stash, e: L.LogEntry) -> BaseException | None:
+    try:
+        L.write(s, [e])
+    except BaseException as x:  # noqa: BLE001 - handed to the test thread
+        return x
+    return None

@@ -36,15 +36,26 @@ Source of the idea: Materialize's Postgres consensus (``src/persist/src/postgres
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
 
-from stash.base import Stash
 from stash.collection import AppendBatch, validate_collection_name
 from stash.errors import LogRaceLost, StashError
 from stash.txn import Txn
 
-__all__ = ["LogEntry", "LogRaceLost", "LogRow", "head", "names", "scan", "truncate", "write"]
+__all__ = [
+    "LogEntry",
+    "LogRaceLost",
+    "LogRow",
+    "head",
+    "head_seqno",
+    "names",
+    "scan",
+    "truncate",
+    "write",
+]
+
+R = TypeVar("R")
 
 
 class LogEntry(NamedTuple):
@@ -78,6 +89,17 @@ class LogRow(NamedTuple):
 _MAX_SEQNO = (1 << 63) - 1
 
 
+class _Stash(Protocol):
+    """What this module needs of a :class:`stash.Stash` (which imports this module:
+    :meth:`stash.Stash.append` writes log entries with its batches)."""
+
+    def append(self, batches: Iterable[AppendBatch | LogEntry]) -> None: ...
+
+    def _read(self, fn: Callable[[Txn], R], *, codecs: Sequence[Any]) -> R: ...
+
+    def _write(self, fn: Callable[[Txn], R], *, codecs: Sequence[Any]) -> R: ...
+
+
 def _check_entry(e: object) -> LogEntry:
     if not isinstance(e, LogEntry):
         raise StashError(f"log writes take LogEntry objects, got {type(e).__name__}")
@@ -100,9 +122,35 @@ def _check_entry(e: object) -> LogEntry:
     return e
 
 
-def write(stash: Stash, entries: Iterable[LogEntry], batches: Iterable[AppendBatch] = ()) -> None:
+def checked_entries(entries: Sequence[object]) -> list[LogEntry]:
+    """``entries`` checked against the rules of :class:`LogEntry`, at most one per log
+    (what :meth:`stash.Stash.append` checks before its transaction).
+
+    Raises:
+        StashError: naming the log and the rule broken.
+    """
+    out = [_check_entry(e) for e in entries]
+    if len({e.name for e in out}) != len(out):
+        raise StashError("a log write names one log twice; write one entry per log")
+    return out
+
+
+def insert_entries(tx: Txn, entries: Sequence[LogEntry]) -> None:
+    """Insert checked ``entries`` in the transaction ``tx``, each on top of its expected
+    head (one conditional ``INSERT`` each).
+
+    Raises:
+        LogRaceLost: the first log whose head is not the expected one (the caller's
+            transaction then ends without committing anything).
+    """
+    for e in entries:
+        if not tx.log_insert(e.name, e.expected, e.seqno, e.rollup, e.data):
+            raise LogRaceLost(e.name, e.expected)
+
+
+def write(stash: _Stash, entries: Iterable[LogEntry], batches: Iterable[AppendBatch] = ()) -> None:
     """Write ``entries`` (each on top of its log's expected head) and append ``batches``
-    (as :meth:`stash.Stash.append`) in ONE transaction: all or nothing.
+    in ONE transaction, all or nothing: :meth:`stash.Stash.append` of both.
 
     Args:
         stash: a writable stash.
@@ -117,36 +165,33 @@ def write(stash: Stash, entries: Iterable[LogEntry], batches: Iterable[AppendBat
             handle, ...).  In every case nothing is committed.
         IndeterminateError: the ``COMMIT``'s outcome is unknown.
     """
-    logs = [_check_entry(e) for e in entries]
-    if len({e.name for e in logs}) != len(logs):
-        raise StashError("a log write names one log twice; write one entry per log")
-    checked, rows = stash._checked_batches(batches)
-
-    def fn(tx: Txn) -> None:
-        for e in logs:
-            if not tx.log_insert(e.name, e.expected, e.seqno, e.rollup, e.data):
-                raise LogRaceLost(e.name, e.expected)
-        if checked:
-            stash._append_tx(tx, checked, rows)
-
-    names = {b.collection.id: b.collection.name for b in checked}
-    stash._write_checked(names, fn, codecs=[b.collection for b in checked])
+    entries = list(entries)
+    for e in entries:  # a LogEntry is told from a batch by its type: refuse others here
+        _check_entry(e)
+    stash.append([*entries, *batches])
 
 
-def head(stash: Stash, name: str) -> list[LogRow]:
+def head(stash: _Stash, name: str) -> list[LogRow]:
     """The entries of log ``name`` from its latest rollup on, oldest first (every entry
     if none is a rollup; ``[]`` for a log with no entry).  The last is the head."""
     validate_collection_name(name)
     return [LogRow(*r) for r in stash._read(lambda tx: tx.log_rows(name, None), codecs=())]
 
 
-def scan(stash: Stash, name: str, from_seqno: int = 0) -> list[LogRow]:
+def head_seqno(stash: _Stash, name: str) -> int | None:
+    """The head seqno of log ``name`` (one indexed read, no data), ``None`` when the log
+    has no entry."""
+    validate_collection_name(name)
+    return stash._read(lambda tx: tx.log_head_seqno(name), codecs=())
+
+
+def scan(stash: _Stash, name: str, from_seqno: int = 0) -> list[LogRow]:
     """The entries of log ``name`` with seqno ``>= from_seqno``, oldest first."""
     validate_collection_name(name)
     return [LogRow(*r) for r in stash._read(lambda tx: tx.log_rows(name, from_seqno), codecs=())]
 
 
-def truncate(stash: Stash, name: str, before: int) -> int:
+def truncate(stash: _Stash, name: str, before: int) -> int:
     """Delete the entries of log ``name`` with seqno below ``before``, except the head
     (a log never loses its latest entry); return how many were deleted.  Maintenance:
     never part of a :func:`write`."""
@@ -156,6 +201,6 @@ def truncate(stash: Stash, name: str, before: int) -> int:
     return stash._write(lambda tx: tx.log_truncate(name, before), codecs=())
 
 
-def names(stash: Stash) -> list[str]:
+def names(stash: _Stash) -> list[str]:
     """The names of every log holding an entry, sorted."""
     return stash._read(lambda tx: tx.log_names(), codecs=())

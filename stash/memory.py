@@ -226,9 +226,13 @@ class _MemTxn:
             from_seqno = max((n for n, (r, _) in log.items() if r), default=0)
         return [(n, r, d) for n, (r, d) in sorted(log.items()) if n >= from_seqno]
 
+    def log_head_seqno(self, name: str) -> int | None:
+        return max(self.store.logs.get(name, ()), default=None)
+
     def log_truncate(self, name: str, before: int) -> int:
         log = self.store.logs.get(name, {})
-        gone = [n for n in log if n < before and n < max(log)]
+        top = max(log, default=0)
+        gone = [n for n in log if n < before and n < top]
         for n in gone:
             self._log_set(name, n, None)
         return len(gone)
@@ -558,6 +562,9 @@ class _CachedTxn:
 
     def log_rows(self, name: str, from_seqno: int | None) -> list[LogRow]:
         return self.inner.log_rows(name, from_seqno)
+
+    def log_head_seqno(self, name: str) -> int | None:
+        return self.inner.log_head_seqno(name)
 
     def log_truncate(self, name: str, before: int) -> int:
         return self.inner.log_truncate(name, before)

@@ -538,6 +538,11 @@ class PgTxn(SqlTxn):
             rows = self._exec(_PG_LOG_SCAN, {"n": name, "s": from_seqno}).fetchall()
         return [(int(n), bool(r), str(d)) for n, r, d in rows]
 
+    def log_head_seqno(self, name: str) -> int | None:
+        self._ensure_fence()
+        row = self._exec("SELECT max(seqno) FROM logs WHERE name = %(n)s", {"n": name}).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
     def log_truncate(self, name: str, before: int) -> int:
         self._ensure_fence()
         self._ahead.clear()

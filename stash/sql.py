@@ -711,6 +711,10 @@ class SqlTxn:
             rows = self.dbc.execute(_SQLITE_LOG_SCAN, (name, from_seqno)).fetchall()
         return [(int(n), bool(r), str(d)) for n, r, d in rows]
 
+    def log_head_seqno(self, name: str) -> int | None:
+        row = self._one("SELECT max(seqno) FROM logs WHERE name = :n", {"n": name})
+        return None if row is None or row[0] is None else int(row[0])
+
     def log_truncate(self, name: str, before: int) -> int:
         return int(self.dbc.execute(_SQLITE_LOG_TRUNCATE, (name, before, name)).rowcount)
 

@@ -135,6 +135,10 @@ class Txn(Protocol):
         none)."""
         ...
 
+    def log_head_seqno(self, name: str) -> int | None:
+        """The head (greatest seqno) of log ``name``, ``None`` for a log with no entry."""
+        ...
+
     def log_truncate(self, name: str, before: int) -> int:
         """Delete the entries of log ``name`` before ``before``, never the head; return
         how many were deleted."""

@@ -41,7 +41,7 @@ def _e(name: str, expected: int | None, data: str, rollup: bool = False) -> L.Lo
 
 def test_write_on_expected_head_and_lost_race(open_stash: OpenStash) -> None:
     s = open_stash()
-    assert L.head(s, "a") == [] and L.names(s) == []
+    assert L.head(s, "a") == [] and L.names(s) == [] and L.head_seqno(s, "a") is None
     L.write(s, [_e("a", None, "v0", True)])
     L.write(s, [_e("a", 0, "d1")])
     with pytest.raises(LogRaceLost) as ei:
@@ -51,7 +51,7 @@ def test_write_on_expected_head_and_lost_race(open_stash: OpenStash) -> None:
     with pytest.raises(LogRaceLost):
         L.write(s, [_e("a", None, "again", True)])  # not empty
     assert L.scan(s, "a") == [L.LogRow(0, True, "v0"), L.LogRow(1, False, "d1")]
-    assert L.names(s) == ["a"]
+    assert L.names(s) == ["a"] and L.head_seqno(s, "a") == 1
 
 
 def test_head_from_latest_rollup_scan_and_truncate(open_stash: OpenStash) -> None:
@@ -242,6 +242,7 @@ def _run_model(s: Stash, ops: list[tuple[str, str, bool, int]]) -> None:
         assert got == [L.LogRow(n, r, d) for n, (r, d) in sorted(log.items())]
         start = max((n for n, (r, _) in log.items() if r), default=0)
         assert L.head(s, name) == [r for r in got if r.seqno >= start]
+        assert L.head_seqno(s, name) == max(log, default=None)
     assert L.names(s) == sorted(n for n in model if model[n])
 
 

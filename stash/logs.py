@@ -15,7 +15,8 @@ the entries below a seqno (never the head), as maintenance.
 Invariants kept here:
 
 * a write of several log entries together with ordinary stash
-  :class:`~stash.collection.AppendBatch` es is one database transaction: every head check
+  :class:`~stash.collection.AppendBatch` es (:func:`write`, which is
+  :meth:`stash.Stash.append` of both) is one database transaction: every head check
   and every batch's lower check pass and all commits, or nothing does (the first failed
   check is raised: :class:`~stash.errors.LogRaceLost` naming the log, or
   :class:`~stash.errors.AppendLowerMismatch` naming the collection);

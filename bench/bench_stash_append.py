@@ -13,7 +13,9 @@ per-round ratios reported):
   ``BEGIN`` (``BEGIN IMMEDIATE`` on SQLite), read the upper (``FOR UPDATE`` on Postgres),
   insert the entry, advance the upper, ``COMMIT``;
 * informational: the stash with ``make_batch`` before each append (a second, read-only
-  transaction per append), and on Postgres the stash with ``pre_ping=True``.
+  transaction per append), on Postgres the stash with ``pre_ping=True``, and a
+  compare-and-set log write (``stash.logs.write`` of one entry on top of the head the
+  writer knows: one conditional ``INSERT`` and the ``COMMIT``, through a fenced handle).
 
 Goal: stash appends per second >= 0.5 x raw appends per second, on each backend.
 Bursts are short (0.3 s) and rounds many (15) so that each round's ratio compares the
@@ -45,7 +47,7 @@ from typing import Any
 import click
 
 from bench.common import ROOT, BenchResults, Goal, burst, interleave, profile_text, ratio_record
-from stash import Antichain, AppendBatch, Stash, StashCollection
+from stash import Antichain, AppendBatch, Stash, StashCollection, logs
 
 __all__ = ["main", "run"]
 
@@ -79,6 +81,24 @@ class StashAppender:
         c.append_to_batch(b, t, t, 1)
         self.stash.append([b])
         self.upper = t + 1
+
+    def close(self) -> None:
+        self.stash.close()
+
+
+class LogWriter:
+    """Writes one compare-and-set log entry at a time (:mod:`stash.logs`) through a
+    fenced handle, on top of the head the writer knows (a leader's loop)."""
+
+    def __init__(self, url: str) -> None:
+        self.stash = Stash.open(url, fenced=True)
+        self.head = logs.head_seqno(self.stash, "bench-log")
+
+    def append(self, _i: int) -> None:
+        h = self.head
+        n = 0 if h is None else h + 1
+        logs.write(self.stash, [logs.LogEntry("bench-log", h, n, str(n))])
+        self.head = n
 
     def close(self) -> None:
         self.stash.close()
@@ -324,11 +344,11 @@ def _sqlite(res: BenchResults, seconds: float, rounds: int, profile: bool) -> No
             "stash sqlite with make_batch": StashAppender(
                 f"sqlite:///{root}/stash-mb.db", make_batch=True
             ),
+            "stash sqlite log write": LogWriter(f"sqlite:///{root}/stash-log.db"),
         }
+        informational = ["stash sqlite with make_batch", "stash sqlite log write"]
         try:
-            _measure_appends(
-                res, "sqlite", appenders, ["stash sqlite with make_batch"], seconds, rounds, profile
-            )
+            _measure_appends(res, "sqlite", appenders, informational, seconds, rounds, profile)
         finally:
             for a in appenders.values():
                 a.close()
@@ -367,13 +387,18 @@ def _postgres(res: BenchResults, seconds: float, rounds: int, profile: bool) -> 
             "stash postgres": StashAppender(url),
             "stash postgres with make_batch": StashAppender(database("bench_mb"), make_batch=True),
             "stash postgres with pre_ping": StashAppender(database("bench_pp"), pre_ping=True),
+            "stash postgres log write": LogWriter(database("bench_log")),
         }
         try:
             _measure_appends(
                 res,
                 "postgres",
                 appenders,
-                ["stash postgres with make_batch", "stash postgres with pre_ping"],
+                [
+                    "stash postgres with make_batch",
+                    "stash postgres with pre_ping",
+                    "stash postgres log write",
+                ],
                 seconds,
                 rounds,
                 profile,

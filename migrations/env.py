@@ -19,7 +19,7 @@ from alembic import context
 
 from stash.migrate import create_sqlite_file, lock_migrations, migration_engine
 from stash.placement import placement
-from stash.schema import exists_on, metadata
+from stash.schema import VIEWS, exists_on, metadata
 
 config = context.config
 
@@ -37,8 +37,8 @@ def _url() -> str:
 def _include_object(
     obj: object, name: str | None, type_: str, reflected: bool, compare_to: object
 ) -> bool:
-    # The stash_entries view is managed by the revisions themselves.
-    return not (type_ == "table" and name == "stash_entries")
+    # The views are managed by the revisions themselves.
+    return not (type_ == "table" and name in VIEWS)
 
 
 def _run(connection: sa.Connection) -> None:

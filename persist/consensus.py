@@ -1,28 +1,26 @@
 """Consensus: a linearizable log of each shard's state versions, kept in a stash.
 
-Each shard has one stash collection, ``persist.shard.<shard_id>`` (keys ``str``, values
-``json``), holding the *latest* state version in two parts (after persist-client's
-consensus, whose rows are a rollup and the diffs after it):
+Each shard has one compare-and-set log of the stash (:mod:`stash.logs`, table ``logs``,
+readable through the view ``stash_logs``), named ``persist.shard.<shard_id>``, whose
+rows are a rollup and the diffs after it (after persist-client's consensus):
 
-* a **rollup**: the state of some version ``r`` as a set of entries, one per component
-  of the state (see :meth:`persist.state.ShardState.to_entries`); the entry ``meta`` is
-  an object holding that version's ``seqno``;
-* one **diff** entry per later version ``n`` (``r < n <= head``), keyed
-  ``diff/<n, 20 digits>``, whose value ``{"del": [...], "seqno": n, "set": {...}}``
-  names the entries version ``n`` removed and the texts of those it added or changed.
+* a **rollup** row (``rollup`` true) at version ``r``: the state of version ``r`` as a
+  canonical JSON object of entries, one per component of the state (see
+  :meth:`persist.state.ShardState.to_entries`); the entry ``meta`` is an object holding
+  that version's ``seqno``;
+* one **diff** row per later version ``n`` (``r < n <= head``), at seqno ``n``, whose
+  data ``{"del": [...], "seqno": n, "set": {...}}`` names the entries version ``n``
+  removed and the texts of those it added or changed.
 
-A new version is written by :meth:`Consensus.compare_and_set` as one stash ``append``
-at time ``seqno``: usually a single diff entry (one row, whatever the state's size);
-every :attr:`Consensus.max_diffs` versions, or once the diffs outweigh both the rollup
-and :data:`MAX_DIFF_CHARS`, a new rollup instead, which retracts (diff ``-1``) every diff entry and
-each rollup entry that changed and inserts (diff ``+1``) the new texts.  The collection's upper is
-always ``head seqno + 1``, so the append's ``lower`` is the expected seqno's successor and two
-writers racing on the same seqno cannot both win: the loser gets the stash's
-``AppendLowerMismatch`` and nothing of its batch is committed.  A rollup also moves the
-collection's since to its seqno, so older versions are logically truncated in the same
-transaction (the stash consolidates the touched keys physically; :meth:`truncate`
-consolidates the rest).  The state stays readable JSON in the stash (``stash_entries``):
-the rollup's entries, then each diff applied in seqno order.
+A new version is written by :meth:`Consensus.compare_and_set` as ONE conditional
+``INSERT`` of its row at seqno ``expected + 1`` (no frontier rows, no consolidation):
+usually a diff row (whatever the state's size); every :attr:`Consensus.max_diffs`
+versions, or once the diffs outweigh both the rollup and :data:`MAX_DIFF_CHARS`, a
+rollup row instead.  Two writers racing on the same seqno cannot both win: the loser
+gets the stash's :class:`~stash.LogRaceLost` and nothing of its write is committed.  The
+head is read from the latest rollup row on; the rows before it are deleted by
+:meth:`Consensus.truncate`, its own transaction (after a rollup commits, and from GC),
+never inside an append.
 
 Blob keys retired by compaction (waiting for GC's grace period) live in a second
 collection per shard, ``persist.retired.<shard_id>`` (key: blob key, value: retirement
@@ -37,20 +35,22 @@ maps names to :class:`ShardId` strings; registering races resolve the same way.
 The state machine of one shard in one process, which applies commands to a copy of the
 cached state and publishes the next version here by compare-and-set, is
 :class:`persist.machine.ShardMachine`; a transaction over several shards
-(:mod:`persist.txn_commit`) builds the stash batches of each shard's staged version with
-:meth:`Consensus.version_batches` and sends them, with any other stash batches, as one
-:meth:`Consensus.append_atomic`: every shard's seqno check and every other batch's lower
-check pass together or nothing is committed.
+(:mod:`persist.txn_commit`) builds the log entry and stash batches of each shard's staged
+version with :meth:`Consensus.version_batches` and sends them, with any other stash
+batches, as one :meth:`Consensus.append_atomic` (one database transaction): every shard's
+seqno check and every other batch's lower check pass together or nothing is committed.
 
 Invariants kept here: a version is only ever published on top of the version it was
-computed from; the diff entries present are exactly those of the versions after the
-rollup's, contiguous (anything else reads as a corrupt collection, never as a state); a
+computed from; the rows from the latest rollup on are exactly that rollup and the diffs
+of the versions after it, contiguous (anything else reads as a corrupt log, never as a
+state); a
 caller is told "committed" only if the version is durable, "not committed" only if it
 is not, and otherwise gets a :class:`ConsensusError` whose
 ``is_indeterminate()`` is true.
 
-Sources: Materialize's early persist engine's consensus/meta handling (``src/persist/src/indexed/``)
-and the stash's ``Append`` (``src/stash/src/lib.rs``).
+Sources: Materialize's Postgres consensus (``src/persist/src/postgres.rs``), its rollups
+and diffs (``src/persist-client/src/internal/state_versions.rs``) and the stash's
+``Append`` (``src/stash/src/lib.rs``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple, TypeVar
@@ -74,9 +74,18 @@ from tenacity import (
 
 from persist.errors import ConsensusError, InvalidUsage
 from persist.ids import new_shard_id, validate_shard_id, validate_shard_name
-from stash import AppendBatch, AppendLowerMismatch, Stash, StashCollection, StashError
+from stash import (
+    AppendBatch,
+    AppendLowerMismatch,
+    LogRaceLost,
+    Stash,
+    StashCollection,
+    StashError,
+    logs,
+)
 from stash.antichain import Antichain
 from stash.codec import canonical_json
+from stash.logs import LogEntry, LogRow
 
 __all__ = [
     "REGISTRY_COLLECTION",
@@ -145,19 +154,17 @@ class VersionedData(NamedTuple):
 
 @dataclass(frozen=True)
 class VersionPlan:
-    """The stash updates that publish version ``seqno`` of a shard
-    (:meth:`Consensus.plan`), and how that version is stored once they commit.
+    """The log entry that publishes version ``seqno`` of a shard
+    (:meth:`Consensus.plan`), and how that version is stored once it commits.
 
     Attributes:
-        seqno: the new version's seqno (the append's lower).
-        entries: the updates of the shard's collection, at ``seqno``.
-        compact: the collection's since after the append (the rollup's seqno).
+        seqno: the new version's seqno.
+        entry: the row of the shard's log: a diff, or a rollup (``entry.rollup``).
         stored: the new version's :class:`Stored` layout.
     """
 
     seqno: int
-    entries: list[tuple[tuple[str, str], int, int]]
-    compact: int
+    entry: LogEntry
     stored: Stored
 
 
@@ -244,7 +251,6 @@ class Consensus:
         self.stash = stash
         self.retries = max(1, retries)
         self.max_diffs = max_diffs
-        self._colls: dict[str, StashCollection[Any, Any]] = {}
         self._retired_colls: dict[str, StashCollection[Any, Any]] = {}
         self._history_colls: dict[str, StashCollection[Any, Any]] = {}
         self._lock = threading.Lock()
@@ -299,11 +305,11 @@ class Consensus:
                 cache[shard_id] = c
         return c
 
-    def collection(self, shard_id: str) -> StashCollection[Any, Any]:
-        """The stash collection holding ``shard_id``'s versions (created if missing)."""
-        return self._cached_collection(
-            self._colls, shard_id, SHARD_COLLECTION_PREFIX + shard_id, "json", "collection"
-        )
+    @staticmethod
+    def log_name(shard_id: str) -> str:
+        """The name of the stash log holding ``shard_id``'s versions."""
+        validate_shard_id(shard_id)
+        return SHARD_COLLECTION_PREFIX + shard_id
 
     def retired_collection(self, shard_id: str) -> StashCollection[Any, Any]:
         """The stash collection holding ``shard_id``'s retired blob keys."""
@@ -415,39 +421,37 @@ class Consensus:
         Raises:
             ConsensusError: the stash failed (after retries) or holds malformed entries.
         """
-        c = self.collection(shard_id)
-        rows = self._call(f"head of shard {shard_id}", lambda: self.stash.iter(c))
+        name = self.log_name(shard_id)
+        rows = self._call(f"head of shard {shard_id}", lambda: logs.head(self.stash, name))
         return self._assemble(shard_id, rows)
 
-    def _assemble(
-        self, shard_id: str, rows: list[tuple[tuple[Any, Any], int, int]]
-    ) -> VersionedData | None:
-        acc: dict[tuple[str, str], int] = {}
-        values: dict[tuple[str, str], Any] = {}
-        for (k, v), _t, d in rows:
-            text = canonical_json(v)
-            acc[(k, text)] = acc.get((k, text), 0) + d
-            values[(k, text)] = v
-        data: dict[str, Any] = {}
-        texts: dict[str, str] = {}
-        diffs: dict[str, tuple[str, Any]] = {}
-        for (k, text), n in acc.items():
-            if n == 0:
-                continue
-            if n != 1 or k in data or k in diffs:
-                raise _corrupt(shard_id, f"entry {k!r} has multiplicity {n} or several values")
-            if k.startswith(DIFF_PREFIX):
-                diffs[k] = (text, values[(k, text)])
-            else:
-                data[k] = values[(k, text)]
-                texts[k] = text
-        if not data:
-            if diffs:
-                raise _corrupt(shard_id, "it holds diff entries but no rollup")
+    def _assemble(self, shard_id: str, rows: list[LogRow]) -> VersionedData | None:
+        """The version of the log rows ``rows`` (a rollup row and the diff rows after
+        it), or ``None`` for no row."""
+        if not rows:
             return None
+        first = rows[0]
+        if not first.rollup:
+            raise _corrupt(shard_id, "it holds diff rows but no rollup")
+        try:
+            data = json.loads(first.data)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise _corrupt(shard_id, f"the rollup at seqno {first.seqno} is not a JSON object")
+        texts = {k: canonical_json(v) for k, v in data.items()}
         seqno = _meta_seqno(shard_id, data)
+        if seqno != first.seqno:
+            raise _corrupt(shard_id, f"the rollup at seqno {first.seqno} holds version {seqno}")
         stored = Stored(dict(texts))
-        if diffs:
+        if len(rows) > 1:
+            diffs: dict[str, tuple[str, Any]] = {}
+            for r in rows[1:]:
+                try:
+                    value = json.loads(r.data)
+                except ValueError:
+                    value = None
+                diffs[diff_key(r.seqno)] = (r.data, value)
             stored = self._apply_diffs(shard_id, seqno, diffs, data, texts)
             seqno = _meta_seqno(shard_id, data)
         return VersionedData(seqno, data, texts, stored)
@@ -465,7 +469,7 @@ class Consensus:
 
         Raises:
             ConsensusError: the diffs are not exactly versions ``seqno + 1, ...`` in a
-                row, or one is malformed (the collection is corrupt)."""
+                row, or one is malformed (the log is corrupt)."""
         base = dict(texts)
         order = sorted(diffs)
         chars = 0
@@ -500,13 +504,11 @@ class Consensus:
         return Stored(base, tuple((k, diffs[k][0]) for k in order), chars)
 
     def head_seqno(self, shard_id: str) -> int | None:
-        """The latest seqno (cheap: read from the collection's upper), or ``None``."""
-        c = self.collection(shard_id)
-        upper = self._call(f"upper of shard {shard_id}", lambda: self.stash.upper(c))
-        t = upper.as_option()
-        if t is None or t == 0:
-            return None
-        return t - 1
+        """The latest seqno (cheap: one indexed read of the log), or ``None``."""
+        name = self.log_name(shard_id)
+        return self._call(
+            f"head seqno of shard {shard_id}", lambda: logs.head_seqno(self.stash, name)
+        )
 
     def plan(
         self,
@@ -564,7 +566,7 @@ class Consensus:
                     f"{'empty' if head is None else f'version {head.seqno}'}"
                 )
             texts, stored = head.texts, head.stored
-        key = self.collection(shard_id).key_codec.encode
+        name = self.log_name(shard_id)
         if expected is not None and len(stored.diffs) < self.max_diffs:
             text = _diff_text(texts, new, seqno)
             chars = stored.diff_chars + len(text)
@@ -572,13 +574,11 @@ class Consensus:
                 dk = diff_key(seqno)
                 return VersionPlan(
                     seqno,
-                    [((key(dk), text), seqno, 1)],
-                    seqno - len(stored.diffs) - 1,  # the rollup's seqno: the since stays
+                    LogEntry(name, expected, seqno, text, False),
                     Stored(stored.base, (*stored.diffs, (dk, text)), chars, stored.base_chars),
                 )
-        entries = [((key(dk), t), seqno, -1) for dk, t in stored.diffs]
-        entries += _version_entries(key, stored.base, new, seqno)
-        return VersionPlan(seqno, entries, seqno, Stored(dict(new)))
+        rollup = LogEntry(name, expected, seqno, _rollup_text(new), True)
+        return VersionPlan(seqno, rollup, Stored(dict(new)))
 
     def compare_and_set(
         self,
@@ -622,39 +622,39 @@ class Consensus:
                 plan = self.plan(shard_id, expected, new, prev)
             except _NotAtHead:
                 return False  # the head is not ``expected``: nothing to commit
-        c = self.collection(shard_id)
-        batches = self._plan_batches(c, plan)
+        batches: list[AppendBatch] = []
         if retired is not None:
             batches.append(self._retired_batch(shard_id, retired))
         if history is not None:
             batches.append(self._history_batch(shard_id, history))
+        entry = plan.entry
         try:
             self._call(
                 f"compare_and_set of shard {shard_id} at seqno {plan.seqno}",
-                lambda: self.stash.append(batches),
+                lambda: logs.write(self.stash, [entry], batches),
             )
-        except AppendLowerMismatch as e:
-            if e.collection != c.name:
-                raise ConsensusError(
-                    f"the retired or history collection of shard {shard_id} is out of step "
-                    f"with its state: {e}"
-                ) from e
+        except LogRaceLost:
             return False
+        except AppendLowerMismatch as e:
+            raise ConsensusError(
+                f"the retired or history collection of shard {shard_id} is out of step "
+                f"with its state: {e}"
+            ) from e
+        self._after_commit([entry])
         return True
 
-    @staticmethod
-    def _plan_batches(c: StashCollection[Any, Any], plan: VersionPlan) -> list[AppendBatch]:
-        seqno = plan.seqno
-        return [
-            AppendBatch(
-                collection=c,
-                lower=Antichain.from_elem(seqno),
-                upper=Antichain.from_elem(seqno + 1),
-                compact=Antichain.from_elem(plan.compact),
-                timestamp=seqno,
-                entries=plan.entries,
-            )
-        ]
+    def _after_commit(self, entries: list[LogEntry]) -> None:
+        """Maintenance after a commit, in transactions of their own: the rows before a
+        rollup just written are deleted (a failure is logged: GC truncates again)."""
+        for e in entries:
+            if e.rollup and e.seqno > 0:
+                try:
+                    self._call(
+                        f"truncate of {e.name}",
+                        partial(logs.truncate, self.stash, e.name, e.seqno),
+                    )
+                except ConsensusError as err:
+                    log.warning("truncate of %s below seqno %d failed: %s", e.name, e.seqno, err)
 
     def version_batches(
         self,
@@ -666,17 +666,18 @@ class Consensus:
         *,
         plan: VersionPlan | None = None,
         history: HistoryAppend | None = None,
-    ) -> list[AppendBatch]:
-        """The stash batches that publish version ``expected + 1`` of ``shard_id`` on top
-        of ``expected`` (the same batches :meth:`compare_and_set` sends), without sending
-        them: a multi-shard transaction (:mod:`persist.txn_commit`) sends several shards'
-        batches, and batches of other collections, in one atomic stash ``append``.
+    ) -> list[AppendBatch | LogEntry]:
+        """The log entry and stash batches that publish version ``expected + 1`` of
+        ``shard_id`` on top of ``expected`` (what :meth:`compare_and_set` writes),
+        without writing them: a multi-shard transaction (:mod:`persist.txn_commit`)
+        sends several shards' entries, and batches of other collections, in one
+        :meth:`append_atomic`.
 
         Args: as :meth:`compare_and_set` (``expected`` is never ``None`` here).
         """
         if plan is None:
             plan = self.plan(shard_id, expected, new, prev)
-        out = self._plan_batches(self.collection(shard_id), plan)
+        out: list[AppendBatch | LogEntry] = [plan.entry]
         if retired is not None:
             out.append(self._retired_batch(shard_id, retired))
         if history is not None:
@@ -701,21 +702,26 @@ class Consensus:
             rc.append_to_batch(rb, k, ms, -1)
         return rb
 
-    def append_atomic(self, batches: list[AppendBatch], what: str) -> str | None:
-        """Send ``batches`` (several shards' versions from :meth:`version_batches`, and
-        any other stash batches) as ONE stash ``append``: all commit or none does.
+    def append_atomic(self, batches: Sequence[AppendBatch | LogEntry], what: str) -> str | None:
+        """Write ``batches`` (several shards' versions from :meth:`version_batches`, and
+        any other stash batches) in ONE stash transaction (:func:`stash.logs.write`):
+        all commit or none does.
 
-        Returns: ``None`` if committed, else the name of the collection whose lower
+        Returns: ``None`` if committed, else the name of the shard log
+            (``persist.shard.<id>``) whose head check or of the collection whose lower
             check failed (nothing was committed).
 
         Raises:
             ConsensusError: the stash failed (after retries of transient, determinate
                 errors); ``is_indeterminate()`` tells whether it may have committed.
         """
+        entries = [b for b in batches if isinstance(b, LogEntry)]
+        stash_batches = [b for b in batches if isinstance(b, AppendBatch)]
         try:
-            self._call(what, lambda: self.stash.append(batches))
+            self._call(what, lambda: logs.write(self.stash, entries, stash_batches))
         except AppendLowerMismatch as e:
             return str(e.collection)
+        self._after_commit(entries)
         return None
 
     def scan(self, shard_id: str, from_seqno: int = 0) -> list[VersionedData]:
@@ -727,30 +733,32 @@ class Consensus:
         return [] if h is None or h.seqno < from_seqno else [h]
 
     def versions(self, shard_id: str) -> list[VersionedData]:
-        """Every version the stash still holds, oldest first: the rollup and one per
-        diff entry after it (versions before the rollup are gone), each assembled as
+        """Every version from the latest rollup on, oldest first: the rollup and one per
+        diff row after it (versions before the rollup are gone), each assembled as
         :meth:`head` assembles the latest; ``[]`` for a shard with no state.
 
         Raises:
             ConsensusError: the stash failed or holds malformed entries.
         """
-        c = self.collection(shard_id)
-        rows = self._call(f"versions of shard {shard_id}", lambda: self.stash.iter(c))
-        diffs = sorted({k for (k, _v), _t, _d in rows if k.startswith(DIFF_PREFIX)})
+        name = self.log_name(shard_id)
+        rows = self._call(f"versions of shard {shard_id}", lambda: logs.head(self.stash, name))
         out: list[VersionedData] = []
-        for n in range(len(diffs) + 1):
-            upto = set(diffs[:n])
-            sub = [r for r in rows if not r[0][0].startswith(DIFF_PREFIX) or r[0][0] in upto]
-            v = self._assemble(shard_id, sub)
+        for n in range(1, len(rows) + 1):
+            v = self._assemble(shard_id, rows[:n])
             if v is not None:
                 out.append(v)
         return out
 
     def truncate(self, shard_id: str) -> None:
-        """Physically drop the rows of versions before the head's rollup (consolidate
-        the collection); the rollup and the diffs after it stay."""
-        c = self.collection(shard_id)
-        self._call(f"truncate of shard {shard_id}", lambda: self.stash.consolidate(c))
+        """Delete the rows of versions before the head's rollup (its own transaction,
+        never part of an append); the rollup and the diffs after it stay."""
+        name = self.log_name(shard_id)
+        rows = self._call(f"head of shard {shard_id}", lambda: logs.head(self.stash, name))
+        if rows and rows[0].rollup and rows[0].seqno > 0:
+            below = rows[0].seqno
+            self._call(
+                f"truncate of shard {shard_id}", lambda: logs.truncate(self.stash, name, below)
+            )
 
     # ----------------------------------------------------------------- registry
     def shards(self) -> dict[str, str]:
@@ -825,7 +833,7 @@ def diff_key(seqno: int) -> str:
 
 
 def _corrupt(shard_id: str, what: str) -> ConsensusError:
-    return ConsensusError(f"consensus collection of shard {shard_id} is corrupt: {what}")
+    return ConsensusError(f"consensus log of shard {shard_id} is corrupt: {what}")
 
 
 def _meta_seqno(shard_id: str, data: Mapping[str, Any]) -> int:
@@ -855,22 +863,8 @@ def _diff_text(prev: Mapping[str, str], new: Mapping[str, str], seqno: int) -> s
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
-def _version_entries(
-    key: Callable[[str], str], prev: Mapping[str, str], new: Mapping[str, str], seqno: int
-) -> list[tuple[tuple[str, str], int, int]]:
-    """The stash updates at ``seqno`` that turn a shard's rollup entries ``prev`` into
-    ``new`` (path -> JSON text): a retraction of each changed or removed entry and an
-    addition of each changed or added one; unchanged entries are left."""
-    entries: list[tuple[tuple[str, str], int, int]] = []
-    for k, text in new.items():
-        old = prev.get(k)
-        if old == text:
-            continue
-        kt = key(k)
-        if old is not None:
-            entries.append(((kt, old), seqno, -1))
-        entries.append(((kt, text), seqno, 1))
-    for k, old in prev.items():
-        if k not in new:
-            entries.append(((key(k), old), seqno, -1))
-    return entries
+def _rollup_text(new: Mapping[str, str]) -> str:
+    """The canonical JSON text of a rollup row: the object of the entries ``new``
+    (canonical texts by key; canonical texts nested under sorted keys are the canonical
+    text of the whole, as in :func:`_diff_text`)."""
+    return "{" + ",".join(f"{_dumps(k)}:{new[k]}" for k in sorted(new)) + "}"

@@ -7,7 +7,7 @@ attempt whose acknowledgement was lost landed:
 * :func:`commit_shards` stages every written shard's next version
   (:meth:`~persist.machine.ShardMachine.stage_commit_txn`, the pure command
   :meth:`~persist.state.ShardState.commit_txn`) under the shard machines' locks, sends all
-  of them with the stash batches as ONE stash ``append``
+  of them with the stash batches in ONE stash transaction
   (:meth:`~persist.consensus.Consensus.append_atomic`), and installs the staged versions
   once it committed;
 * :func:`find_landed` re-reads the written shards' heads for the transaction's token;
@@ -16,9 +16,9 @@ attempt whose acknowledgement was lost landed:
 
 Invariants kept here:
 
-* **atomic across shards and stash collections**: every shard's version and every stash
-  batch go in one stash ``append``, whose compare-and-set is each shard's seqno and each
-  stash batch's lower: all of them commit or none does.  A staged version is installed
+* **atomic across shards and stash collections**: every shard's version (a row of its
+  stash log) and every stash batch go in one stash transaction, whose compare-and-set is
+  each shard's seqno and each stash batch's lower: all of them commit or none does.  A staged version is installed
   in its machine only after the append committed;
 * **a refused change commits nothing**: a shard whose upper is beyond the commit time
   (:class:`TxnUpperMismatch`), an expired writer, a finalized shard or a batch already
@@ -75,6 +75,7 @@ from persist.txn_rows import ShardWrites, plan_on_head
 from persist.types import HollowBatch
 from persist.write import handed_off_owners
 from stash import Antichain, AppendBatch, StashError
+from stash.logs import LogEntry
 
 __all__ = [
     "TxnUpperMismatch",
@@ -343,7 +344,7 @@ def _commit_locked(
             for sid, m in zip(order, machines, strict=True):
                 fresh[sid] = m.fetch().seqno
             continue
-        batches: list[AppendBatch] = []
+        batches: list[AppendBatch | LogEntry] = []
         for m, st, _reqs in staged:
             batches.extend(
                 c.consensus.version_batches(
@@ -379,7 +380,8 @@ def _commit_locked(
             None,
         )
         if sid_lost is None:
-            raise TxnUpperMismatch(ts, {}, {lost: lost_collection_upper(c, batches, lost)})
+            others = [b for b in batches if isinstance(b, AppendBatch)]
+            raise TxnUpperMismatch(ts, {}, {lost: lost_collection_upper(c, others, lost)})
         # A lost seqno race: re-read every shard (cheap when unchanged) and
         # stage again; no part is written again.
         races[0] += 1

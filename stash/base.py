@@ -73,6 +73,7 @@ from stash.errors import (
     ReadOnlyError,
     StashError,
 )
+from stash.logs import LogEntry, checked_entries, insert_entries
 from stash.peek import peek_one_checked, peek_one_fast, peek_unique
 from stash.transaction import DEFAULT_RETRIES, Transaction, run_transaction
 from stash.txn import Row, Txn
@@ -661,9 +662,10 @@ class Stash(abc.ABC):
         names = {c.id: c.name for c in collections}
         self._write_checked(names, write, codecs=(), handles=collections)
 
-    def append(self, batches: Iterable[AppendBatch]) -> None:
+    def append(self, batches: Iterable[AppendBatch | LogEntry]) -> None:
         """Atomically add entries to, seal and compact several collections (Materialize's
-        ``Append``).
+        ``Append``), and add entries to compare-and-set logs (:mod:`stash.logs`: each a
+        :class:`~stash.logs.LogEntry`, written first, on top of its expected head).
 
         For each batch: ``lower`` must equal the collection's upper (then ``upper`` is the
         new upper and ``compact`` the new since); entries must be at or beyond ``lower``.
@@ -674,7 +676,8 @@ class Stash(abc.ABC):
 
         Raises:
             AppendLowerMismatch: ``append lower {1} does not match the current upper
-                frontier {2} of collection orders``;
+                frontier {2} of collection orders``; :class:`~stash.errors.LogRaceLost`
+                (a subclass) when a log's head is not a log entry's expected one;
             StashError: any seal/compact/entry-time rule of the single methods; the
                 diffs of a ``(key, value)`` would sum beyond i64 (``diff sums must fit
                 in i64``); a batch's collection records other codecs than its handle's
@@ -684,25 +687,32 @@ class Stash(abc.ABC):
                 entry encoded by hand that is not an encoding of the collection's codec.
             In every case nothing is committed.
         """
-        batches = list(batches)
-        for b in batches:
+        items = list(batches)
+        logs = checked_entries([x for x in items if isinstance(x, LogEntry)])
+        checked: list[AppendBatch] = []
+        for b in items:
+            if isinstance(b, LogEntry):
+                continue
             if not isinstance(b, AppendBatch):
-                raise StashError(f"append takes AppendBatch objects, got {type(b).__name__}")
+                raise StashError(
+                    f"append takes AppendBatch (or LogEntry) objects, got {type(b).__name__}"
+                )
             _check_antichain(b.lower, "append lower")
             _check_antichain(b.upper, "append upper")
             _check_antichain(b.compact, "append compact")
-        entries = [b.canonical_entries() for b in batches]
+            checked.append(b)
+        entries = [b.canonical_entries() for b in checked]
         for es in entries:
             for _, t, d in es:
                 check_time(t)
                 check_diff(d)
         # No batch still runs the (empty) transaction: a fenced-out leader learns it here
         # as from any other write.
-        names = {b.collection.id: b.collection.name for b in batches}
+        names = {b.collection.id: b.collection.name for b in checked}
         self._write_checked(
             names,
-            lambda tx: self._append_tx(tx, batches, entries),
-            codecs=[b.collection for b in batches],
+            lambda tx: self._append_tx(tx, checked, entries, logs),
+            codecs=[b.collection for b in checked],
         )
 
     def _write_checked(
@@ -728,7 +738,12 @@ class Stash(abc.ABC):
         tx: Txn,
         batches: list[AppendBatch],
         entries: list[list[tuple[tuple[str, str], int, int]]],
+        logs: Sequence[LogEntry] = (),
     ) -> None:
+        if logs:
+            insert_entries(tx, logs)  # first: a lost race ends the transaction at once
+            if not batches:
+                return
         tx.lock(sorted({b.collection.id for b in batches}))
         for b, es in zip(batches, entries, strict=True):
             cid = b.collection.id

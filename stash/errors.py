@@ -94,6 +94,26 @@ class AppendLowerMismatch(StashError):
         self.current = current
 
 
+class LogRaceLost(AppendLowerMismatch):
+    """A compare-and-set log's head was not the expected one (a lost race; nothing of the
+    write was committed); see :mod:`stash.logs`.
+
+    Attributes:
+        collection: the log's name (as :class:`AppendLowerMismatch` names a collection).
+        expected: the head seqno the write expected (``None``: an empty log).
+        current: ``None`` (the head is not read again; :func:`stash.logs.head` tells).
+    """
+
+    def __init__(self, name: str, expected: int | None) -> None:
+        super().__init__(
+            f"log {name}: the head is not the expected seqno "
+            f"{'(an empty log)' if expected is None else expected}; another writer won",
+            name,
+            expected,
+            None,
+        )
+
+
 class UniquenessViolation(StashError):
     """A :class:`~stash.table.TableTransaction` change would leave two rows whose values
     break the uniqueness rule, or insert a key that is there already (``str()`` starts

@@ -38,7 +38,7 @@ from sqlalchemy.engine import URL
 from stash.base import Mode, Stash
 from stash.consolidation import DiffSumOverflow, diff_sums_fit
 from stash.errors import FenceError, StashError
-from stash.txn import Row, Txn
+from stash.txn import LogRow, Row, Txn
 
 
 @dataclass
@@ -62,6 +62,8 @@ class _Store:
     nonce: bytes = b""
     # The store's identity (as a SQL stash's fence.stash_id): given at creation.
     stash_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Compare-and-set logs (SQL: table logs): name -> seqno -> (rollup, data).
+    logs: dict[str, dict[int, tuple[bool, str]]] = field(default_factory=dict)
 
 
 R = TypeVar("R")
@@ -89,6 +91,8 @@ class _MemTxn:
         self.undo_rows: dict[tuple[int, tuple[str, str, int]], int | None] = {}
         self.undo_codecs: dict[int, tuple[str, str]] = {}
         self.undo_commit_times: dict[int, dict[int, int]] = {}
+        # (log name, seqno) -> the entry before this transaction (None: absent)
+        self.undo_logs: dict[tuple[str, int], tuple[bool, str] | None] = {}
 
     def _get(self, cid: int) -> _Coll:
         c = self.store.colls.get(cid)
@@ -198,6 +202,44 @@ class _MemTxn:
             (t for t, at in self._get(cid).commit_times.items() if at <= at_ms), default=None
         )
 
+    def _log_set(self, name: str, seqno: int, entry: tuple[bool, str] | None) -> None:
+        log = self.store.logs.setdefault(name, {})
+        self.undo_logs.setdefault((name, seqno), log.get(seqno))
+        if entry is None:
+            log.pop(seqno, None)
+            if not log:
+                del self.store.logs[name]
+        else:
+            log[seqno] = entry
+
+    def log_insert(
+        self, name: str, expected: int | None, seqno: int, rollup: bool, data: str
+    ) -> bool:
+        if max(self.store.logs.get(name, ()), default=None) != expected:
+            return False
+        self._log_set(name, seqno, (rollup, data))
+        return True
+
+    def log_rows(self, name: str, from_seqno: int | None) -> list[LogRow]:
+        log = self.store.logs.get(name, {})
+        if from_seqno is None:
+            from_seqno = max((n for n, (r, _) in log.items() if r), default=0)
+        return [(n, r, d) for n, (r, d) in sorted(log.items()) if n >= from_seqno]
+
+    def log_head_seqno(self, name: str) -> int | None:
+        return max(self.store.logs.get(name, ()), default=None)
+
+    def log_truncate(self, name: str, before: int) -> int:
+        log = self.store.logs.get(name, {})
+        top = max(log, default=0)
+        gone = [n for n in log if n < before and n < top]
+        for n in gone:
+            self._log_set(name, n, None)
+        return len(gone)
+
+    def log_names(self) -> list[str]:
+        return sorted(self.store.logs)
+
     def check_fence(self) -> None:
         self.stash._check_fence(self.store)
 
@@ -222,6 +264,14 @@ class _MemTxn:
         for cid in self.created:
             c = self.store.colls.pop(cid)
             self.store.by_name.pop(c.name, None)
+        for (name, seqno), entry in self.undo_logs.items():
+            log = self.store.logs.setdefault(name, {})
+            if entry is None:
+                log.pop(seqno, None)
+            else:
+                log[seqno] = entry
+            if not log:
+                del self.store.logs[name]
 
 
 class MemoryStash(Stash):
@@ -241,6 +291,7 @@ class MemoryStash(Stash):
                     by_name=dict(store.by_name),
                     epoch=store.epoch,
                     nonce=store.nonce,
+                    logs={n: dict(log) for n, log in store.logs.items()},
                     stash_id=uuid.uuid4().hex,  # its own: see stash.checks.check_handles_tx
                 )
         self._store = store
@@ -503,6 +554,23 @@ class _CachedTxn:
 
     def newest_time_committed_by(self, cid: int, at_ms: int) -> int | None:
         return self.inner.newest_time_committed_by(cid, at_ms)
+
+    def log_insert(
+        self, name: str, expected: int | None, seqno: int, rollup: bool, data: str
+    ) -> bool:
+        return self.inner.log_insert(name, expected, seqno, rollup, data)
+
+    def log_rows(self, name: str, from_seqno: int | None) -> list[LogRow]:
+        return self.inner.log_rows(name, from_seqno)
+
+    def log_head_seqno(self, name: str) -> int | None:
+        return self.inner.log_head_seqno(name)
+
+    def log_truncate(self, name: str, before: int) -> int:
+        return self.inner.log_truncate(name, before)
+
+    def log_names(self) -> list[str]:
+        return self.inner.log_names()
 
     def check_fence(self) -> None:
         self.inner.check_fence()

@@ -91,7 +91,7 @@ from stash.sql import (
     _Transient,
     first_line,
 )
-from stash.txn import Row
+from stash.txn import LogRow, Row
 from stash.url import redact
 
 log = logging.getLogger(__name__)
@@ -334,7 +334,9 @@ class PgOps(_Ops):
             "CREATE TEMP TABLE sinces (collection_id integer PRIMARY KEY, since bigint);"
             "CREATE TEMP TABLE uppers (collection_id integer PRIMARY KEY, upper bigint);"
             "CREATE TEMP TABLE commit_times (collection_id integer, time bigint,"
-            " committed_at bigint NOT NULL, PRIMARY KEY (collection_id, time))"
+            " committed_at bigint NOT NULL, PRIMARY KEY (collection_id, time));"
+            "CREATE TEMP TABLE logs (name text, seqno bigint, rollup boolean NOT NULL,"
+            " data text NOT NULL, PRIMARY KEY (name, seqno))"
         )
         for table, cols in TABLE_COLUMNS.items():
             names = sql.SQL(", ").join(sql.Identifier(c) for c in cols)
@@ -394,6 +396,29 @@ def _txid_status(stash: SqlStash, xid: int) -> str | None:
         return ""
     finally:
         fairy.close()
+
+
+# Compare-and-set logs (stash.logs): see stash.sql for the SQLite spelling.  The head is
+# read through the primary key; a concurrent writer of the same seqno makes the later
+# INSERT fail on that key (a lost race) once the earlier commits.
+_PG_LOG_INSERT = (
+    "INSERT INTO logs (name, seqno, rollup, data)"
+    " SELECT %(n)s, %(s)s, %(r)s, %(d)s"
+    " WHERE (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
+    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
+)
+_PG_LOG_HEAD = (
+    "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= coalesce("
+    "(SELECT seqno FROM logs WHERE name = %(n)s AND rollup ORDER BY seqno DESC LIMIT 1), 0)"
+    " ORDER BY seqno"
+)
+_PG_LOG_SCAN = (
+    "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= %(s)s ORDER BY seqno"
+)
+_PG_LOG_TRUNCATE = (
+    "DELETE FROM logs WHERE name = %(n)s AND seqno < %(b)s"
+    " AND seqno < (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
+)
 
 
 class _Pending:
@@ -483,6 +508,51 @@ class PgTxn(SqlTxn):
             )
         self.xid = int(rows[0][1])
         return int(rows[0][0])
+
+    # ------------------------------------------------- compare-and-set logs
+    def log_insert(
+        self, name: str, expected: int | None, seqno: int, rollup: bool, data: str
+    ) -> bool:
+        """One conditional INSERT (the transaction's id comes back with it, for a COMMIT
+        whose answer is lost); under READ COMMITTED two writers may both see the
+        expected head, and the later one then fails on the primary key: a lost race,
+        after which the transaction is aborted (the caller ends it)."""
+        self._ensure_fence()
+        self._ahead.clear()
+        params = {"n": name, "s": seqno, "r": rollup, "d": data, "e": expected}
+        try:
+            row = self._exec(_PG_LOG_INSERT, params).fetchone()
+        except psycopg.errors.UniqueViolation:
+            return False
+        if row is None:
+            return False
+        self._wrote = True
+        self.xid = int(row[0])
+        return True
+
+    def log_rows(self, name: str, from_seqno: int | None) -> list[LogRow]:
+        self._ensure_fence()
+        if from_seqno is None:
+            rows = self._exec(_PG_LOG_HEAD, {"n": name}).fetchall()
+        else:
+            rows = self._exec(_PG_LOG_SCAN, {"n": name, "s": from_seqno}).fetchall()
+        return [(int(n), bool(r), str(d)) for n, r, d in rows]
+
+    def log_head_seqno(self, name: str) -> int | None:
+        self._ensure_fence()
+        row = self._exec("SELECT max(seqno) FROM logs WHERE name = %(n)s", {"n": name}).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def log_truncate(self, name: str, before: int) -> int:
+        self._ensure_fence()
+        self._ahead.clear()
+        cur = self._exec(_PG_LOG_TRUNCATE, {"n": name, "b": before})
+        self._wrote = self._wrote or cur.rowcount > 0
+        return int(cur.rowcount)
+
+    def log_names(self) -> list[str]:
+        self._ensure_fence()
+        return [str(r[0]) for r in self._exec("SELECT DISTINCT name FROM logs ORDER BY name")]
 
     # ------------------------------------------------------------ collections
     def lookup_collection(self, name: str) -> tuple[int, str, str] | None:

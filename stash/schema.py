@@ -8,7 +8,10 @@ Postgres ``(collection_id, jsonb_hash_extended(key, 0))``: any key length) and
 ``(collection_id, time)``, and on Postgres ``(collection_id, left(key::text, 1024)
 COLLATE "C")`` for key ranges), ``sinces`` and ``uppers`` (one row per collection; NULL is the
 empty frontier), ``commit_times`` (``collection_id, time, committed_at``: the wall clock,
-Unix ms, a time was committed at; kept for retentions by duration), and the view ``stash_entries(collection, key, value, time, diff)``.
+Unix ms, a time was committed at; kept for retentions by duration), ``logs`` (``name,
+seqno, rollup, data``, primary key ``(name, seqno)``: the compare-and-set logs of
+:mod:`stash.logs`), and the views ``stash_entries(collection, key, value, time, diff)``
+and ``stash_logs(log, seqno, rollup, data)``.
 
 Invariants kept here: keys and values are canonical JSON: ``jsonb`` on Postgres, JSON
 text on SQLite, so ``SELECT * FROM stash_entries`` is readable; ``SCHEMA_HEAD`` equals the
@@ -24,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_HEAD = "0006"
+SCHEMA_HEAD = "0008"
 
 STASH_ENTRIES_VIEW = (
     "CREATE VIEW stash_entries AS "
@@ -142,6 +145,19 @@ commit_times = sa.Table(
     sa.Column("committed_at", sa.BigInteger, nullable=False),
     sa.PrimaryKeyConstraint("collection_id", "time"),
 )
+
+logs = sa.Table(
+    "logs",
+    metadata,
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("seqno", sa.BigInteger, nullable=False),
+    sa.Column("rollup", sa.Boolean, nullable=False),
+    sa.Column("data", sa.Text, nullable=False),
+    sa.PrimaryKeyConstraint("name", "seqno"),
+)
+
+#: Views the revisions manage themselves (alembic's autogenerate leaves them alone).
+VIEWS = ("stash_entries", "stash_logs")
 
 
 def exists_on(item: object, dialect: str) -> bool:

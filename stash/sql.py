@@ -77,7 +77,7 @@ from stash.migrate import (
     lock_migrations,
     upgrade_connection,
 )
-from stash.txn import Row, Txn
+from stash.txn import LogRow, Row, Txn
 from stash.url import redact
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "sinces": ("collection_id", "since"),
     "uppers": ("collection_id", "upper"),
     "commit_times": ("collection_id", "time", "committed_at"),
+    "logs": ("name", "seqno", "rollup", "data"),
 }
 
 
@@ -556,6 +557,29 @@ _SQLITE_TAKE_KEYS = (
 )
 
 
+# Compare-and-set logs (stash.logs): the entry goes in only if the log's head (its
+# greatest seqno, read through the primary key) is the expected one (NULL: no entry).
+_SQLITE_LOG_INSERT = (
+    "INSERT INTO logs (name, seqno, rollup, data) SELECT ?, ?, ?, ?"
+    " WHERE (SELECT max(seqno) FROM logs WHERE name = ?) IS ?"
+)
+# From the latest rollup on (every entry when there is none).
+_SQLITE_LOG_HEAD = (
+    "SELECT seqno, rollup, data FROM logs WHERE name = ?1 AND seqno >= coalesce("
+    "(SELECT seqno FROM logs WHERE name = ?2 AND rollup ORDER BY seqno DESC LIMIT 1), 0)"
+    " ORDER BY seqno"
+)
+_SQLITE_LOG_SCAN = (
+    "SELECT seqno, rollup, data FROM logs WHERE name = ? AND seqno >= ? ORDER BY seqno"
+)
+# Never the head: a log keeps its latest entry, so its head seqno never goes back.
+_SQLITE_LOG_TRUNCATE = (
+    "DELETE FROM logs WHERE name = ? AND seqno < ?"
+    " AND seqno < (SELECT max(seqno) FROM logs WHERE name = ?)"
+)
+_LOG_NAMES = "SELECT DISTINCT name FROM logs ORDER BY name"
+
+
 def _consolidate_peek(rows: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
     """``rows`` (``(key, value, diff)``) as ``_SQLITE_PEEK`` returns them: one row per
     ``(key, value)`` with the sum of its diffs, no zero sum, sorted by (key, value)
@@ -670,6 +694,32 @@ class SqlTxn:
             {"c": cid, "at": at_ms},
         ).fetchone()
         return None if row is None or row[0] is None else int(row[0])
+
+    # ------------------------------------------------- compare-and-set logs
+    # (stash.logs; the statements of SQLite, where a writer holds the write lock, so
+    # the head read by the INSERT's condition cannot change before COMMIT)
+    def log_insert(
+        self, name: str, expected: int | None, seqno: int, rollup: bool, data: str
+    ) -> bool:
+        cur = self.dbc.execute(_SQLITE_LOG_INSERT, (name, seqno, rollup, data, name, expected))
+        return bool(cur.rowcount == 1)
+
+    def log_rows(self, name: str, from_seqno: int | None) -> list[LogRow]:
+        if from_seqno is None:
+            rows = self.dbc.execute(_SQLITE_LOG_HEAD, (name, name)).fetchall()
+        else:
+            rows = self.dbc.execute(_SQLITE_LOG_SCAN, (name, from_seqno)).fetchall()
+        return [(int(n), bool(r), str(d)) for n, r, d in rows]
+
+    def log_head_seqno(self, name: str) -> int | None:
+        row = self._one("SELECT max(seqno) FROM logs WHERE name = :n", {"n": name})
+        return None if row is None or row[0] is None else int(row[0])
+
+    def log_truncate(self, name: str, before: int) -> int:
+        return int(self.dbc.execute(_SQLITE_LOG_TRUNCATE, (name, before, name)).rowcount)
+
+    def log_names(self) -> list[str]:
+        return [str(r[0]) for r in self.dbc.execute(_LOG_NAMES).fetchall()]
 
     # ------------------------------------------------------------ collections
     def lookup_collection(self, name: str) -> tuple[int, str, str] | None:

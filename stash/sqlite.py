@@ -180,6 +180,8 @@ _SQLITE_SAVEPOINT_DDL = (
     "CREATE TEMP TABLE uppers (collection_id INTEGER PRIMARY KEY, upper INTEGER)",
     "CREATE TEMP TABLE commit_times (collection_id INTEGER NOT NULL, time INTEGER NOT NULL,"
     " committed_at INTEGER NOT NULL, PRIMARY KEY (collection_id, time))",
+    "CREATE TEMP TABLE logs (name TEXT NOT NULL, seqno INTEGER NOT NULL,"
+    " rollup BOOLEAN NOT NULL, data TEXT NOT NULL, PRIMARY KEY (name, seqno))",
     *(
         f"INSERT INTO temp.{t} ({', '.join(c)}) SELECT {', '.join(c)} FROM main.{t}"  # noqa: S608 - constant names
         for t, c in TABLE_COLUMNS.items()

@@ -23,6 +23,9 @@ from typing import Protocol
 Row = tuple[str, str, int, int]
 """``(key_json, value_json, time, diff)``."""
 
+LogRow = tuple[int, bool, str]
+"""An entry of a compare-and-set log (:mod:`stash.logs`): ``(seqno, rollup, data)``."""
+
 
 class Txn(Protocol):
     """Primitive reads and writes of one backend transaction."""
@@ -113,4 +116,34 @@ class Txn(Protocol):
     def stash_id(self) -> str:
         """The identity the stash recorded when it was created (a uuid as 32 hex
         digits), read in this transaction."""
+        ...
+
+    # ------------------------------------------------- compare-and-set logs
+    def log_insert(
+        self, name: str, expected: int | None, seqno: int, rollup: bool, data: str
+    ) -> bool:
+        """Add entry ``seqno`` to log ``name`` if the log's head (its greatest seqno) is
+        ``expected`` (``None``: the log is empty); ``False`` (nothing written) if it is
+        not, or if a concurrent transaction added ``seqno`` first.  A ``False`` may leave
+        the transaction unusable (Postgres): the caller ends it.  ``seqno`` is
+        ``expected + 1`` (``0`` for an empty log), checked by :mod:`stash.logs`."""
+        ...
+
+    def log_rows(self, name: str, from_seqno: int | None) -> list[LogRow]:
+        """The entries of log ``name`` with seqno ``>= from_seqno``, oldest first;
+        ``from_seqno=None``: from the latest rollup entry on (every entry if there is
+        none)."""
+        ...
+
+    def log_head_seqno(self, name: str) -> int | None:
+        """The head (greatest seqno) of log ``name``, ``None`` for a log with no entry."""
+        ...
+
+    def log_truncate(self, name: str, before: int) -> int:
+        """Delete the entries of log ``name`` before ``before``, never the head; return
+        how many were deleted."""
+        ...
+
+    def log_names(self) -> list[str]:
+        """The names of every log that holds an entry, sorted."""
         ...

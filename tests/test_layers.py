@@ -71,8 +71,8 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
         ),
         ("collection handles and table transactions", ["stash.collection", "stash.table"]),
         (
-            "the peek rules, the handle checks, retention",
-            ["stash.peek", "stash.checks", "stash.retention"],
+            "the peek rules, the handle checks, retention, compare-and-set logs",
+            ["stash.peek", "stash.checks", "stash.retention", "stash.logs"],
         ),
         ("transactions with one consistent read", ["stash.transaction"]),
         ("the Stash contract (backends looked up by name)", ["stash.base"]),

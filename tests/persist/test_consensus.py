@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,8 +19,9 @@ from persist.machine import ShardMachine, Stale
 from persist.spine import FueledMergeRes
 from persist.state import LeaseExpired, ShardState
 from persist.types import Description, HollowBatch, PartRef
-from stash import Antichain, AppendBatch, Stash, StashError
+from stash import Antichain, MemoryStash, Stash, StashError, logs
 from stash.codec import canonical_json
+from stash.sql import SqlStash
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string()), ("n", pa.float64())])
@@ -104,20 +106,18 @@ def _register_readers(c: Consensus, sid: str, n: int) -> ShardMachine:
 
 
 def test_old_versions_are_truncated_and_state_is_readable(stash: Stash) -> None:
-    """Every version written as a rollup (``max_diffs=0``): once truncated, the
-    collection holds the head's entries alone, one readable JSON row each."""
+    """Every version written as a rollup (``max_diffs=0``): the rows before each rollup
+    are deleted once it commits, so the log holds the head alone, a readable JSON
+    object of the entries."""
     c = Consensus(stash, max_diffs=0)
     sid = new_shard_id()
     _register_readers(c, sid, 5)
-    coll = c.collection(sid)
-    assert stash.since(coll) == ac(5) and stash.upper(coll) == ac(6)
+    rows = logs.scan(stash, c.log_name(sid))
+    assert [(r.seqno, r.rollup) for r in rows] == [(5, True)]
     c.truncate(sid)
-    rows = stash.iter(coll)
-    # Only the head version is left: one live row per entry, readable JSON.
-    assert all(d == 1 for _, _, d in rows)
-    keys = [k for (k, _), _, _ in rows]
-    assert len(keys) == len(set(keys))
-    by_key = {k: v for (k, v), _, _ in rows}
+    assert logs.scan(stash, c.log_name(sid)) == rows
+    by_key = json.loads(rows[0].data)
+    keys = list(by_key)
     assert by_key["meta"]["seqno"] == 5
     assert by_key["shard"]["name"] == "orders"
     assert by_key["shard"]["key_schema"]["fields"] == ["k: int64"]
@@ -126,14 +126,14 @@ def test_old_versions_are_truncated_and_state_is_readable(stash: Stash) -> None:
 
 def test_versions_are_diffs_after_a_rollup_and_roll_up_every_max_diffs(stash: Stash) -> None:
     """The default layout: version 0 is a rollup, each later version one diff entry,
-    until ``max_diffs`` diffs follow the rollup; the next version is a rollup that
-    retracts them (and moves the since to itself).  Every head read assembles the same
+    until ``max_diffs`` diffs follow the rollup; the next version is a rollup, and the
+    rows before it are deleted once it commits.  Every head read assembles the same
     state as the machine that wrote it."""
     c = Consensus(stash, max_diffs=3)
     sid = new_shard_id()
     m = ShardMachine(c, sid)
     m.initialize(ShardState(sid, "orders", KS, VS))
-    coll = c.collection(sid)
+    name = c.log_name(sid)
     layouts = []
     for i in range(9):
 
@@ -144,9 +144,9 @@ def test_versions_are_diffs_after_a_rollup_and_roll_up_every_max_diffs(stash: St
             return None, True
 
         m._apply(fn)
-        rows = stash.iter(coll)
-        diffs = sorted(k for (k, _), _, _ in rows if k.startswith("diff/"))
-        layouts.append((len(diffs), stash.since(coll).as_option()))
+        rows = logs.scan(stash, name)
+        assert rows == logs.head(stash, name) and rows[0].rollup
+        layouts.append((len(rows) - 1, rows[0].seqno))
         fresh_state = ShardMachine(Consensus(stash), sid).fetch()
         assert fresh_state.to_json() == m.state().to_json()
         assert c.head_seqno(sid) == i + 1
@@ -157,7 +157,7 @@ def test_versions_are_diffs_after_a_rollup_and_roll_up_every_max_diffs(stash: St
     assert h is not None and h.stored is not None
     assert [k for k, _ in h.stored.diffs] == [diff_key(9)]
     # The diff entry is readable JSON naming what changed.
-    diff = {k: v for (k, v), _, _ in stash.iter(coll)}[diff_key(9)]
+    diff = json.loads(logs.scan(stash, name)[-1].data)
     assert diff["seqno"] == 9 and diff["del"] == ["reader/r7"] and "reader/r8" in diff["set"]
 
 
@@ -195,8 +195,8 @@ def test_any_sequence_of_versions_reads_back_whatever_the_layout(
         for seqno, extra in enumerate(versions):
             new = texts(c, seqno, **{k: v for k, v in extra.items() if v is not None})
             plan = c.plan(sid, None if prev is None else seqno - 1, new, prev)
-            for (_k, text), _t, _d in plan.entries:
-                assert canonical_json(json.loads(text)) == text
+            text = plan.entry.data
+            assert canonical_json(json.loads(text)) == text
             if prev is not None:  # a stale expected seqno loses
                 assert not c.compare_and_set(sid, seqno - 2 if seqno > 1 else None, new)
             assert c.compare_and_set(sid, None if prev is None else seqno - 1, new, plan=plan)
@@ -206,16 +206,27 @@ def test_any_sequence_of_versions_reads_back_whatever_the_layout(
             assert len(prev.stored.diffs) <= max_diffs
 
 
-def _publish_raw(
-    stash: Stash, c: Consensus, sid: str, changes: list[tuple[str, object, int]]
-) -> None:
-    coll = c.collection(sid)
-    up = stash.upper(coll).as_option()
-    assert up is not None
-    b = AppendBatch(coll, ac(up), ac(up + 1), stash.since(coll), up)
-    for k, v, d in changes:
-        coll.append_to_batch(b, k, v, d)
-    stash.append([b])
+def _damage(stash: Stash, name: str, changes: dict[int, tuple[bool, str] | None]) -> None:
+    """Rewrite rows of log ``name`` behind the stash's back (``None`` deletes)."""
+    if isinstance(stash, MemoryStash):
+        log = stash._store.logs[name]
+        for n, row in changes.items():
+            if row is None:
+                log.pop(n, None)
+            else:
+                log[n] = row
+        return
+    assert isinstance(stash, SqlStash)
+    with stash.engine.begin() as conn:
+        for n, row in changes.items():
+            conn.execute(
+                sa.text("DELETE FROM logs WHERE name = :n AND seqno = :s"), {"n": name, "s": n}
+            )
+            if row is not None:
+                conn.execute(
+                    sa.text("INSERT INTO logs VALUES (:n, :s, :r, :d)"),
+                    {"n": name, "s": n, "r": row[0], "d": row[1]},
+                )
 
 
 @pytest.mark.parametrize(
@@ -223,39 +234,43 @@ def _publish_raw(
     [
         "gap",
         "garbage",
+        "not json",
         "wrong seqno",
         "no meta",
         "sets a diff key",
         "removes a missing entry",
-        "retracted",
         "orphan",
+        "rollup of another version",
+        "rollup not an object",
     ],
 )
 def test_a_damaged_diff_entry_reads_as_a_corrupt_collection(stash: Stash, damage: str) -> None:
-    """A diff entry missing, malformed, out of order or without a rollup under it is a
-    ConsensusError naming the shard, never a state."""
+    """A diff row missing, malformed, out of order or without a rollup under it, or a
+    malformed rollup, is a ConsensusError naming the shard, never a state."""
     c = Consensus(stash, max_diffs=8)
     sid = new_shard_id()
     _register_readers(c, sid, 3)
-    rows = {k: v for (k, v), _, _ in stash.iter(c.collection(sid))}
-    d1, d2 = rows[diff_key(1)], rows[diff_key(2)]
-    changes: list[tuple[str, object, int]] = {
-        "gap": [(diff_key(2), d2, -1)],
-        "garbage": [(diff_key(2), d2, -1), (diff_key(2), [1, 2], 1)],
-        "wrong seqno": [(diff_key(2), d2, -1), (diff_key(2), {**d2, "seqno": 7}, 1)],
-        "no meta": [(diff_key(2), d2, -1), (diff_key(2), {**d2, "set": {}}, 1)],
-        "sets a diff key": [
-            (diff_key(2), d2, -1),
-            (diff_key(2), {**d2, "set": {**d2["set"], diff_key(9): 1}}, 1),
-        ],
-        "removes a missing entry": [
-            (diff_key(2), d2, -1),
-            (diff_key(2), {**d2, "del": ["reader/nobody"]}, 1),
-        ],
-        "retracted": [(diff_key(1), d1, -1), (diff_key(1), d1, -1)],
-        "orphan": [(k, v, -1) for k, v in rows.items() if not k.startswith("diff/")],
+    name = c.log_name(sid)
+    rows = {r.seqno: r for r in logs.scan(stash, name)}
+    d2 = json.loads(rows[2].data)
+    r0 = json.loads(rows[0].data)
+
+    def diff(v: object) -> tuple[bool, str]:
+        return (False, canonical_json(v))
+
+    changes: dict[int, tuple[bool, str] | None] = {
+        "gap": {2: None},
+        "garbage": {2: diff([1, 2])},
+        "not json": {2: (False, "{not json")},
+        "wrong seqno": {2: diff({**d2, "seqno": 7})},
+        "no meta": {2: diff({**d2, "set": {}})},
+        "sets a diff key": {2: diff({**d2, "set": {**d2["set"], diff_key(9): 1}})},
+        "removes a missing entry": {2: diff({**d2, "del": ["reader/nobody"]})},
+        "orphan": {0: None},
+        "rollup of another version": {0: (True, canonical_json({**r0, "meta": {"seqno": 4}}))},
+        "rollup not an object": {0: (True, "[1]")},
     }[damage]
-    _publish_raw(stash, c, sid, changes)
+    _damage(stash, name, changes)
     with pytest.raises(ConsensusError, match=f"shard {sid} is corrupt"):
         Consensus(stash).head(sid)
 
@@ -281,8 +296,8 @@ def test_a_shard_written_whole_goes_on_in_diffs_and_back(stash: Stash) -> None:
     assert sorted(ShardMachine(Consensus(stash), sid).fetch().readers) == [
         f"r{i}" for i in range(9)
     ]
-    rows = stash.iter(whole.collection(sid))
-    assert not [k for (k, _), _, _ in rows if k.startswith("diff/")]  # m0 rolled them up
+    rows = logs.head(stash, whole.log_name(sid))
+    assert [r.rollup for r in rows] == [True]  # m0 rolled them up
 
 
 def test_state_entries_may_not_use_the_diff_namespace(stash: Stash) -> None:
@@ -464,3 +479,26 @@ def test_merge_results_retire_replaced_blob_keys() -> None:
     assert gone and st.retire_adds == {k: 4242 for k in gone}
     assert "s/c/2-y/out.parquet" in st.referenced_blob_keys()
     st.trace.validate()
+
+
+def test_a_diff_version_is_one_conditional_insert_and_the_commit(tmp_path: Path) -> None:
+    """On SQLite, publishing a version that is a diff runs ``BEGIN IMMEDIATE``, one
+    ``INSERT`` into the shard's log and ``COMMIT``: no frontier rows, no consolidation
+    (the stash ``append`` it replaced ran about ten statements)."""
+    with Stash.open(f"sqlite:///{tmp_path}/s.db", fenced=False) as s:
+        assert isinstance(s, SqlStash)
+        c = Consensus(s)
+        sid = new_shard_id()
+        v0 = texts(c, 0, a=1)
+        assert c.compare_and_set(sid, None, v0)
+        h = c.head(sid)
+        statements: list[str] = []
+        sa.event.listen(
+            s.engine,
+            "checkout",
+            lambda dbc, _rec, _proxy: dbc.set_trace_callback(statements.append),
+        )
+        assert c.compare_and_set(sid, 0, texts(c, 1, a=2), h)
+        assert [t.split()[0] for t in statements] == ["BEGIN", "INSERT", "COMMIT"]
+        assert "INTO logs" in statements[1]
+        assert c.head_seqno(sid) == 1

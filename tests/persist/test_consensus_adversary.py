@@ -15,6 +15,7 @@ rollup) are fixed; their tests, and those of what held, are regression tests.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import random
 import threading
@@ -29,12 +30,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from persist import ConsensusError, MemoryBlob, PersistClient, UpperMismatch, collect_garbage
-from persist.consensus import Consensus, VersionedData, diff_key
+from persist.consensus import Consensus, VersionedData
 from persist.errors import InvalidUsage
 from persist.ids import new_shard_id
 from persist.machine import ShardMachine, Stale
 from persist.state import ShardState
-from stash import IndeterminateError, Stash
+from stash import IndeterminateError, Stash, logs
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -76,21 +77,24 @@ def _add_reader(m: ShardMachine, rid: str) -> None:
     m._apply(fn)
 
 
-def _physical_rows(stash: Stash, c: Consensus, sid: str) -> list[tuple[tuple[str, Any], int, int]]:
+def _physical_rows(stash: Stash, c: Consensus, sid: str) -> list[logs.LogRow]:
     c.truncate(sid)
-    return stash.iter(c.collection(sid))
+    return logs.scan(stash, c.log_name(sid))
 
 
 def _check_layout(stash: Stash, c: Consensus, sid: str) -> None:
-    """The collection holds exactly the head's rollup entries and its diffs, each once
-    (no retraction that failed to cancel, no diff left behind by a rollup)."""
+    """Once truncated, the log holds exactly the head's rollup row and its diff rows, in
+    seqno order without a gap (no diff left behind by a rollup)."""
     h = Consensus(stash).head(sid)
     assert h is not None and h.stored is not None
     rows = _physical_rows(stash, c, sid)
-    assert all(d == 1 for _, _, d in rows), [r for r in rows if r[2] != 1]
-    keys = sorted(k for (k, _), _, _ in rows)
-    assert keys == sorted([*h.stored.base, *(k for k, _ in h.stored.diffs)])
-    assert stash.upper(c.collection(sid)).as_option() == h.seqno + 1
+    first = h.seqno - len(h.stored.diffs)
+    assert [(r.seqno, r.rollup) for r in rows] == [
+        (first + i, i == 0) for i in range(len(h.stored.diffs) + 1)
+    ]
+    assert json.loads(rows[0].data) == {k: json.loads(t) for k, t in h.stored.base.items()}
+    assert [r.data for r in rows[1:]] == [t for _, t in h.stored.diffs]
+    assert logs.head_seqno(stash, c.log_name(sid)) == h.seqno
 
 
 def _snapshot_counts(r: Any, upper: int) -> Counter[str]:
@@ -116,8 +120,9 @@ def _append(w: Any, key: str, token: str | None = None) -> None:
 
 
 class _Indeterminate:
-    """Stash wrapper: the armed append raises IndeterminateError, after committing
-    (``landed``) or without touching the store."""
+    """Stash wrapper: the armed append (a shard's log entry goes in an ``append`` too)
+    raises IndeterminateError, after committing (``landed``) or without touching the
+    store."""
 
     def __init__(self, inner: Stash) -> None:
         self.inner = inner
@@ -520,7 +525,7 @@ def test_postgres_jsonb_round_trip_keeps_the_layout(postgres_url: str) -> None:
         assert prev is not None
         assert other.compare_and_set(sid, 11, _texts(other, 12, fin=True), prev)
         _check_layout(s, c, sid)
-        assert diff_key(12) not in {k for (k, _), _, _ in s.iter(c.collection(sid))}
+        assert [r.rollup for r in logs.scan(s, c.log_name(sid))] == [True]
 
 
 def test_txn_staged_plans_survive_a_lost_race_at_the_rollup(url: str) -> None:

@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from persist import CorruptPart, FileBlob, PersistClient, PersistError, fsck
-from stash import Antichain, AppendBatch, Stash, StashError
+from stash import Antichain, Stash, StashError, logs
+from stash.codec import canonical_json
 from tests.reliability.campaign import record, runs
 
 KS = pa.schema([("k", pa.int64())])
@@ -350,16 +351,38 @@ def test_corrupt_parts_are_named_and_recoverable(tmp_path: Path) -> None:
     )
 
 
-def _publish(stash: Stash, coll: Any, changes: list[tuple[str, Any, int]]) -> None:
-    """Write raw entries into a shard's consensus collection as the next version, the way
-    consensus does (lower = upper, since = the new seqno), bumping meta.seqno."""
-    upper = stash.upper(coll).as_option()
-    assert upper is not None
-    b = AppendBatch(coll, Antichain.from_elem(upper), Antichain.from_elem(upper + 1),
-                    Antichain.from_elem(upper), upper)  # fmt: skip
+class _ShardLog:
+    """A shard's consensus log (``persist.shard.<id>``, every version a rollup row), read
+    and written as the head's entries."""
+
+    def __init__(self, stash: Stash, shard_id: str) -> None:
+        self.stash, self.name = stash, f"persist.shard.{shard_id}"
+
+    def entries(self) -> dict[str, Any]:
+        """The entries of the head row (a rollup), as stored, however malformed."""
+        return dict(json.loads(logs.scan(self.stash, self.name)[-1].data))
+
+    def upper(self) -> Antichain:
+        """The head seqno's successor (what a next version is written at)."""
+        h = logs.head_seqno(self.stash, self.name)
+        return Antichain.from_elem(0 if h is None else h + 1)
+
+
+def _publish(stash: Stash, coll: _ShardLog, changes: list[tuple[str, Any, int]]) -> None:
+    """Write raw entries into a shard's consensus log as the next version, a rollup row
+    on top of the head, the way consensus does: ``changes`` retract (``-1``) and add
+    (``+1``) entries of the head's."""
+    entries = coll.entries()
+    for k, _v, d in changes:
+        if d < 0:
+            entries.pop(k, None)
     for k, v, d in changes:
-        coll.append_to_batch(b, k, v, d)
-    stash.append([b])
+        if d > 0:
+            entries[k] = v
+    head = logs.head_seqno(stash, coll.name)
+    assert head is not None
+    text = canonical_json(entries)
+    logs.write(stash, [logs.LogEntry(coll.name, head, head + 1, text, True)])
 
 
 @pytest.mark.campaign
@@ -376,14 +399,14 @@ def test_corrupt_state_json(tmp_path: Path) -> None:
     for t in range(6):
         w.compare_and_append([(((t,), ("x",)), t, 1)], t, t + 1)
     shard_id = client.shard_id("state")
-    coll = stash.collection(f"persist.shard.{shard_id}", key="str", value="json")
+    coll = _ShardLog(stash, shard_id)
     counts = {"corruptions": 0, "rejected": 0, "accepted": 0}
     leaks: list[str] = []
 
     @settings(max_examples=runs(120, 1000), deadline=None, suppress_health_check=list(HealthCheck))
     @given(data=st.data(), junk=json_garbage, remove=st.booleans())
     def run(data: st.DataObject, junk: Any, remove: bool) -> None:
-        entries = dict(stash.peek_one(coll))
+        entries = dict(coll.entries())
         key = data.draw(st.sampled_from(sorted(entries)))
         old = entries[key]
         meta = entries["meta"]
@@ -399,7 +422,7 @@ def test_corrupt_state_json(tmp_path: Path) -> None:
             return
         _publish(stash, coll, changes)
         counts["corruptions"] += 1
-        upper_before = stash.upper(coll)
+        upper_before = coll.upper()
         fresh = PersistClient(stash, client.raw_blob, compaction="off")
         try:
             outcome = _guarded(lambda: fresh.inspect("state").trace.validate())
@@ -416,14 +439,14 @@ def test_corrupt_state_json(tmp_path: Path) -> None:
                     ),
                 ):
                     assert _guarded(fn) != "ok", "a corrupt shard was opened"
-                assert stash.upper(coll) == upper_before, "a rejected call wrote"
+                assert coll.upper() == upper_before, "a rejected call wrote"
         except Leak as e:
             leaks.append(f"{key} -> {junk!r:.80}: {e}")
         finally:
             fresh.close()
             # Repair: the original entry and a fresh seqno on top of whatever is there.
-            now = dict(stash.peek_one(coll))
-            repaired_meta = {**meta, "seqno": stash.upper(coll).as_option()}
+            now = dict(coll.entries())
+            repaired_meta = {**meta, "seqno": coll.upper().as_option()}
             fix = [(k, v, -1) for k, v in now.items() if k in (key, "meta")]
             fix += [(key, old, 1)] if key != "meta" else []
             fix += [("meta", repaired_meta, 1)]
@@ -505,8 +528,8 @@ def test_regression_corrupt_state_error_names_the_shard(tmp_path: Path) -> None:
     client.consensus.max_diffs = 0  # every version a rollup: the entries edited below
     client.open("named", KS, VS)
     sid = client.shard_id("named")
-    coll = stash.collection(f"persist.shard.{sid}", key="str", value="json")
-    entries = stash.peek_one(coll)
+    coll = _ShardLog(stash, sid)
+    entries = coll.entries()
     meta = entries["meta"]
     _publish(stash, coll, [("shard", entries["shard"], -1), ("meta", meta, -1),
                            ("meta", {**meta, "seqno": meta["seqno"] + 1}, 1)])  # fmt: skip

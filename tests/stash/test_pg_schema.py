@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from stash import Stash, StashError, TypedCollection
+from stash import Stash, StashError, TypedCollection, logs
 from stash.cli import main
 from stash.feed import Change
 
@@ -41,6 +41,9 @@ def test_the_stash_lives_in_its_schema_beside_the_application(postgres_url: str)
         assert s.peek_range(c, prefix="o").entries == [("orders", 1)]
         feed = [e for e in s.subscribe([c], start, idle_timeout=0.2) if isinstance(e, Change)]
         assert {e.key for e in feed} == {"orders", "users"}
+        logs.write(s, [logs.LogEntry("orders.log", None, 0, "v0", True)])
+        logs.write(s, [logs.LogEntry("orders.log", 0, 1, "d1")])
+        assert [r.data for r in logs.head(s, "orders.log")] == ["v0", "d1"]
     with psycopg.connect(_conninfo(postgres_url), autocommit=True) as conn:
         assert conn.execute("SELECT id FROM public.data").fetchall() == [(1,)]
         assert conn.execute("SELECT version_num FROM public.alembic_version").fetchall() == [
@@ -50,7 +53,14 @@ def test_the_stash_lives_in_its_schema_beside_the_application(postgres_url: str)
         assert head and head[0][0] >= "0005"
         n = conn.execute("SELECT count(*) FROM catalog.stash_entries").fetchone()
         assert n is not None and n[0] >= 2
+        assert conn.execute(
+            "SELECT log, seqno FROM catalog.stash_logs ORDER BY seqno"
+        ).fetchall() == [
+            ("orders.log", 0),
+            ("orders.log", 1),
+        ]
         assert conn.execute("SELECT to_regclass('public.collections')").fetchone() == (None,)
+        assert conn.execute("SELECT to_regclass('public.logs')").fetchone() == (None,)
     res = CliRunner().invoke(main, ["collections", url, "--json"])
     assert res.exit_code == 0, res.output
     assert [json.loads(x)["name"] for x in res.output.splitlines()] == ["tables"]

@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 import pytest
 from sqlalchemy.engine import make_url
 
-from stash import Antichain, AppendBatch, AppendLowerMismatch, Stash, StashCollection, StashError
+from stash import (
+    Antichain,
+    AppendBatch,
+    AppendLowerMismatch,
+    Stash,
+    StashCollection,
+    StashError,
+    logs,
+)
 from tests.support.dbutil import migrate_to_head
 from tests.support.pgserver import PostgresServer
 
@@ -360,6 +368,37 @@ def test_unresolvable_commit_is_indeterminate(pg, proxy: FaultProxy) -> None:  #
         assert s.peek(c) == [(1, 1, 1), (2, 2, 1)]
         _append(s, c, 3)
         assert s.upper(c) == A(3)
+
+
+@pytest.mark.parametrize("mode", ["cut", "drop"])
+def test_lost_commit_of_a_log_write_is_resolved(pg, proxy: FaultProxy, mode: str, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A compare-and-set log write on an unfenced handle (no fence statement gives the
+    transaction id: the INSERT's RETURNING does) whose COMMIT answer is lost: ``cut``
+    committed -> success, there once; ``drop`` -> run again -> there once."""
+    caplog.set_level(logging.WARNING, logger="stash")
+    with Stash.open(via(proxy, pg), fenced=False) as s:
+        logs.write(s, [logs.LogEntry("l", None, 0, "a", True)])
+        proxy.arm(mode)
+        logs.write(s, [logs.LogEntry("l", 0, 1, "b")])  # its COMMIT answer is lost
+        assert proxy.fired == 1
+        logs.write(s, [logs.LogEntry("l", 1, 2, "c")])
+        assert [(r.seqno, r.data) for r in logs.scan(s, "l")] == [(0, "a"), (1, "b"), (2, "c")]
+    expected = "committed" if mode == "cut" else "aborted, running it again"
+    assert "reports transaction" in caplog.text and expected in caplog.text
+
+
+def test_unresolvable_commit_of_a_log_write_is_indeterminate(pg, proxy: FaultProxy) -> None:  # type: ignore[no-untyped-def]
+    with Stash.open(via(proxy, pg), fenced=False, retry_budget=1.0) as s:
+        logs.write(s, [logs.LogEntry("l", None, 0, "a", True)])
+        proxy.arm("cut-and-refuse")
+        with pytest.raises(StashError) as e:
+            logs.write(s, [logs.LogEntry("l", 0, 1, "b")])
+        assert e.value.is_indeterminate() and "outcome is unknown" in str(e.value)
+        proxy.accept()
+        # It did commit: writing it again is a lost race, never a second entry.
+        with pytest.raises(logs.LogRaceLost):
+            logs.write(s, [logs.LogEntry("l", 0, 1, "b")])
+        assert [r.data for r in logs.scan(s, "l")] == ["a", "b"]
 
 
 def test_read_whose_commit_is_lost_is_run_again(pg, proxy: FaultProxy) -> None:  # type: ignore[no-untyped-def]

@@ -4,7 +4,7 @@ model and the transaction interrupt tests).
 
 ``AckLostStash(inner)``: an ``append`` that is *hit* commits on ``inner`` and then raises
 :class:`stash.IndeterminateError` (the acknowledgement was lost); after it, the next
-``reads_to_fail`` reads (``iter``/``upper``) fail with a plain :class:`stash.StashError`
+``reads_to_fail`` reads (``iter``/``upper``, and the reads of :mod:`stash.logs`) fail with a plain :class:`stash.StashError`
 (the server stays unreachable).  An append is hit when :meth:`arm` was called before it
 (once), or at random with probability ``p`` (seeded).  Everything else is delegated.
 
@@ -52,18 +52,23 @@ class AckLostStash:
         self.reads_to_fail = reads
         raise IndeterminateError("injected: connection lost during COMMIT")
 
-    def _read(self, what: str) -> None:
+    def _fail_read(self, what: str) -> None:
         if self.reads_to_fail > 0:
             self.reads_to_fail -= 1
             raise StashError(f"injected: {what} failed (server unreachable)")
 
     def iter(self, c: Any) -> Any:
-        self._read("iter")
+        self._fail_read("iter")
         return self.inner.iter(c)
 
     def upper(self, c: Any) -> Any:
-        self._read("upper")
+        self._fail_read("upper")
         return self.inner.upper(c)
+
+    def _read(self, fn: Any, *, codecs: Any) -> Any:
+        """Every other read of the stash (a shard's log: :mod:`stash.logs`)."""
+        self._fail_read("read")
+        return self.inner._read(fn, codecs=codecs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -20,7 +20,7 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persist import FileBlob, PersistClient
+from persist import FileBlob, PersistClient, fingerprint
 from persist.fingerprint import updates_fingerprint
 from stash import Antichain, Stash
 from tests.persist.arrow_strategies import COLUMN_TYPES, arrow_array, column_values
@@ -141,3 +141,23 @@ def test_fingerprints_are_equal_exactly_for_equal_values(
     changed = [*values[:i], other, *values[i + 1 :]]
     same = _same(values[i], other, t)
     assert (updates_fingerprint(E, N, _updates(arrow_array(changed, t), n)) == fp) == same
+
+
+@settings(max_examples=60, deadline=None)
+@given(_columns())
+def test_few_row_path_matches_numpy_path(
+    drawn: tuple[pa.DataType, list[Any], list[Any], list[Any], int, int],
+) -> None:
+    """The Python reading of a few values (NaN search, string offsets) gives the
+    fingerprint numpy's reading gives, on slices of every column type a shard holds."""
+    t, values, _, prefix, _, _ = drawn
+    n = len(values)
+    arr = arrow_array(prefix + values, t).slice(len(prefix))
+    table = _updates(arr, n)
+    few = updates_fingerprint(E, N, table)
+    saved = fingerprint._FEW
+    fingerprint._FEW = -1  # numpy for every size
+    try:
+        assert updates_fingerprint(E, N, table) == few
+    finally:
+        fingerprint._FEW = saved

@@ -81,20 +81,14 @@ def updates_fingerprint(expected: Antichain, new: Antichain, table: pa.Table) ->
     h.update(b"%d;" % table.num_rows)
     if table.num_rows:
         # The columns' names and types (not the schema's metadata).
-        h.update(_schema_text(table.schema))
+        text: str = table.schema.to_string(show_field_metadata=False, show_schema_metadata=False)
+        h.update(text.encode())
         # One chunk a column (no copy when there is one already); the offsets of its
         # arrays are read, not assumed zero.
         for batch in table.combine_chunks().to_batches():
             for column in batch.columns:
                 _hash_column(h, column)
     return UPDATES + h.hexdigest()[:32]
-
-
-@functools.lru_cache(maxsize=256)
-def _schema_text(schema: pa.Schema) -> bytes:
-    """The names and types of ``schema``'s fields, as text (not its metadata)."""
-    text: str = schema.to_string(show_field_metadata=False, show_schema_metadata=False)
-    return text.encode()
 
 
 # How :func:`_hash_column` reads the values of a type.

@@ -21,9 +21,7 @@ Invariants kept here:
   a pool busy with other calls, or a pool whose threads are gone cannot deadlock it;
 * a child made by ``os.fork`` (Spark's Python workers are forked) starts pools of its
   own (the parent's threads do not exist in the child), so it works in parallel too;
-* tasks of the upload pool never wait for either pool, so they always finish;
-* :func:`in_background` never waits for a pool thread to start either: a task no
-  thread took yet is cancelled and run by the caller.
+* tasks of the upload pool never wait for either pool, so they always finish.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["IO_THREADS", "POOL_THREADS", "in_background", "run_all", "submit_io"]
+__all__ = ["IO_THREADS", "POOL_THREADS", "run_all", "submit_io"]
 
 _T = TypeVar("_T")
 
@@ -75,21 +73,6 @@ def submit_io(fn: Callable[..., _T], *args: Any) -> Future[_T]:
             _io_pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="persist-io")
         pool = _io_pool
     return pool.submit(fn, *args)
-
-
-def in_background(fn: Callable[..., _T], *args: Any) -> Callable[[], _T]:
-    """Start ``fn(*args)`` in the shared pool, so that it runs while the caller goes on;
-    the callable returned gives its result (or raises what it raised), waiting for it
-    if a pool thread runs it, running it in the caller if none took it yet (a busy
-    pool never makes the caller wait for a thread to start).  Call it exactly once."""
-    future = _executor().submit(fn, *args)
-
-    def result() -> _T:
-        if future.cancel():  # still queued: no thread took it
-            return fn(*args)
-        return future.result()
-
-    return result
 
 
 def run_all(

@@ -89,7 +89,6 @@ Sources: the persist-client ``WriteHandle`` (Materialize's
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -128,7 +127,6 @@ from persist.keys import key_writer_id
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.lease_state import TOKEN_SEP
 from persist.machine import ShardMachine
-from persist.pool import in_background
 from persist.spine import FueledMergeRes, worth_compacting
 from persist.types import Description, HollowBatch, as_frontier
 from persist.write_rows import RowChangeMethods
@@ -142,10 +140,6 @@ __all__ = ["BatchBuilder", "WriteHandle", "handed_off_owners"]
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-#: Updates of at least this many rows under a fresh token are fingerprinted while their
-#: parts are encoded (fewer are hashed in less time than a thread hand-off takes).
-_OVERLAP_ROWS = 16_384
 
 # The names this module held before its split, for their importers.
 _TokenSource = TokenSource
@@ -400,16 +394,9 @@ class WriteHandle(RowChangeMethods):
         token = checked_token(idempotency_token, self.writer_id, self._machine.state().seqno)
         table = self.runs.normalize(updates)
         rng = check_times(table, expected, new)
+        fingerprint = updates_fingerprint(expected, new, table)
         retry = idempotency_token is not None
         seen: int | None = None
-        fingerprint_of: Callable[[], str] | None = None
-        fingerprint = ""
-        if retry or expected == new or table.num_rows < _OVERLAP_ROWS:
-            fingerprint = updates_fingerprint(expected, new, table)
-        else:
-            # A fresh token: the fingerprint is first needed by the commit, so the
-            # updates are hashed while their parts are encoded (hashlib releases the GIL).
-            fingerprint_of = in_background(updates_fingerprint, expected, new, table)
         if retry:
             landed, seen = self._token_landed(token, fingerprint)
             if landed:
@@ -419,26 +406,14 @@ class WriteHandle(RowChangeMethods):
             self._append_batches([], expected, new, token, fingerprint=fingerprint, seen=seen)
             return
         # 2. write parts
-        try:
-            with carrying_token(token):
-                run = self.runs.write_run(table, self.schema_id)
-        except BaseException:
-            if fingerprint_of is not None:
-                with contextlib.suppress(Exception):
-                    fingerprint_of()  # no hashing goes on after this call
-            raise
+        with carrying_token(token):
+            run = self.runs.write_run(table, self.schema_id)
         hollow = HollowBatch(
             desc=Description(expected, new),
             parts=tuple(run),
             len=sum(p.rows for p in run),
         )
         batch = Batch(self._ctx.blob, self.shard_id, hollow, time_range=rng)
-        if fingerprint_of is not None:
-            try:
-                fingerprint = fingerprint_of()
-            except BaseException:
-                batch.delete()  # nothing refers to its parts
-                raise
         # 3. commit and 4. maintenance
         try:
             self._append_batches(

@@ -162,24 +162,3 @@ def test_pool_works_in_a_forked_child() -> None:
     results, error, peak, uploaded = q.get(timeout=5)  # type: ignore[misc]
     assert error is None and results == list(range(16))
     assert peak == 2 and uploaded == "uploaded"
-
-
-def test_in_background_runs_on_a_pool_thread_or_in_the_caller() -> None:
-    """``in_background`` gives the task's result or error; a task no pool thread took
-    (every thread busy) runs in the caller instead of waiting for one."""
-    from persist import pool
-
-    assert pool.in_background(lambda x: x + 1, 41)() == 42
-    boom = pool.in_background(lambda: 1 // 0)
-    with pytest.raises(ZeroDivisionError):
-        boom()
-    release = threading.Event()
-    busy = [pool._executor().submit(release.wait) for _ in range(pool.POOL_THREADS)]
-    try:
-        ran_in: list[threading.Thread] = []
-        result = pool.in_background(lambda: ran_in.append(threading.current_thread()) or 7)
-        assert result() == 7 and ran_in == [threading.current_thread()]
-    finally:
-        release.set()
-        for f in busy:
-            f.result()

@@ -119,6 +119,8 @@ class RunWriter:
         # types in order, and the columns that must hold no null.
         self._conforming: pa.Schema | None = None
         self._not_null = [i for i, f in enumerate(self.schema) if not f.nullable]
+        # Whether check_whole_days has a column to check (it looks each field up).
+        self._date64 = any(pa.types.is_date64(t) for t in self.schema.types)
 
     def key_prefix(self, kind: str = "b") -> str:
         """The stem of a run's blob keys, ``<shard_id>/<kind>/<writer id>-<unix ms>``,
@@ -156,9 +158,8 @@ class RunWriter:
             else:
                 return to_updates_table(updates, self.key_schema, self.value_schema)
             if all(updates.column(i).null_count == 0 for i in self._not_null):
-                return check_whole_days(
-                    updates if same else pa.Table.from_arrays(updates.columns, schema=schema)
-                )
+                table = updates if same else pa.Table.from_arrays(updates.columns, schema=schema)
+                return check_whole_days(table) if self._date64 else table
         return to_updates_table(updates, self.key_schema, self.value_schema)
 
     def write_run(

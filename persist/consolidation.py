@@ -487,6 +487,40 @@ def consolidate(
     return table if order is None else _take(table, order)
 
 
+#: The last schemas :func:`_schema_problems` judged, with their columns and verdicts.
+_PROBLEMS: list[tuple[pa.Schema, tuple[str, ...], tuple[str | None, str | None]]] = []
+_PROBLEMS_KEPT = 16
+
+
+def _schema_problems(schema: pa.Schema, cols: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """What :func:`consolidate_order` refuses in ``schema`` alone (its column
+    ``cols``, then ``_diff``): the first column missing, and the first of ``cols`` of
+    an unsupported type, as error messages (``None``: nothing).  The verdicts of the
+    last few schemas are kept (a writer consolidates tables of one schema over and
+    over), found by ``==`` (names, types and nullability; hashing a schema costs more
+    than judging it)."""
+    global _PROBLEMS
+    for seen, seen_cols, verdict in _PROBLEMS:
+        if seen_cols == cols and seen == schema:
+            return verdict
+    missing = unsupported = None
+    for c in [*cols, DIFF]:
+        if schema.get_field_index(c) < 0:
+            missing = f"consolidate: the table has no column {c!r}"
+            break
+    else:
+        for c in cols:
+            if not is_supported_type(schema.field(c).type):
+                unsupported = (
+                    f"consolidate: column {c!r} has unsupported type {schema.field(c).type}"
+                )
+                break
+    verdict = (missing, unsupported)
+    # A new list, never one mutated in place (readers in other threads iterate it).
+    _PROBLEMS = [(schema, cols, verdict), *_PROBLEMS[: _PROBLEMS_KEPT - 1]]
+    return verdict
+
+
 def consolidate_order(
     table: pa.Table,
     key_names: Sequence[str],
@@ -502,18 +536,15 @@ def consolidate_order(
     Raises: as :func:`consolidate`.
     """
     cols = [*key_names, *value_names, TIME]
-    for c in [*cols, DIFF]:
-        if table.schema.get_field_index(c) < 0:
-            raise InvalidUsage(f"consolidate: the table has no column {c!r}")
+    missing, unsupported = _schema_problems(table.schema, tuple(cols))
+    if missing is not None:
+        raise InvalidUsage(missing)
     for c in (TIME, DIFF):
         col = table.column(c)
         if col.type != pa.int64() or col.null_count:
             raise InvalidUsage(f"column {c!r} must be non-null int64, got {col.type}")
-    for c in cols:
-        if not is_supported_type(table.schema.field(c).type):
-            raise InvalidUsage(
-                f"consolidate: column {c!r} has unsupported type {table.schema.field(c).type}"
-            )
+    if unsupported is not None:
+        raise InvalidUsage(unsupported)
     n = table.num_rows
     if n == 0:
         return table, None

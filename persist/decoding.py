@@ -52,7 +52,9 @@ class _InlineCache:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[int, tuple[bytes, pa.Table, int]] = OrderedDict()
+        # By id of the bytes: (the bytes, the table or the Arrow IPC stream to read it
+        # from on first use, the bytes accounted).
+        self._entries: OrderedDict[int, tuple[bytes, pa.Table | pa.Buffer, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -65,12 +67,20 @@ class _InlineCache:
             if entry is None or entry[0] is not data:
                 return None
             self._entries.move_to_end(id(data))
-            return entry[1]
+            held = entry[1]
+        if isinstance(held, pa.Table):
+            return held
+        # Kept as the stream just encoded (its rows only): read on first use.
+        table = pa.ipc.open_stream(held).read_all().replace_schema_metadata(None)
+        self._store(data, table, table.get_total_buffer_size() + len(data), held)
+        return table
 
     def put(self, ref: PartRef, table: pa.Table, stream: pa.Buffer | None = None) -> None:
         """Cache ``table`` as what ``ref``'s inline bytes decode to; ``stream``, if
-        given, is the uncompressed Arrow IPC stream of those bytes (the table is then
-        read back from it, without a copy, when it is a slice of larger buffers)."""
+        given, is the uncompressed Arrow IPC stream of those bytes: when the table is
+        most likely a slice of larger buffers, that stream is kept instead and read
+        (without a copy) on the first :meth:`get`, not now: a one-row append whose
+        part is never read back pays nothing for it."""
         data = ref.inline
         if data is None or self.max_bytes <= 0:
             return
@@ -81,20 +91,33 @@ class _InlineCache:
             # Most likely a slice of a larger table (a one-row slice of a batch):
             # caching it would pin the parent's buffers; the stream just encoded holds
             # exactly its rows (about 25 us to read back, half of decoding the part).
-            table = pa.ipc.open_stream(stream).read_all()
-            size = table.get_total_buffer_size() + len(data)
+            size = 2 * int(stream.size) + len(data)  # the stream, then the table read
+            if size <= self.max_bytes // 4:
+                self._store(data, stream, size)
+            return
         if size > 4 * length + 4096 or size > self.max_bytes // 4:
             # Buffers much bigger than the stream (an Arrow IPC stream holds the table's
             # bytes; a Parquet one holds them compressed): most likely a slice of a
             # larger table, and caching it would pin the parent's buffers (copying it
             # costs about what decoding does); or too big.
             return
-        table = table.replace_schema_metadata(None)
+        self._store(data, table.replace_schema_metadata(None), size)
+
+    def _store(
+        self, data: bytes, held: pa.Table | pa.Buffer, size: int, replacing: object = None
+    ) -> None:
+        """Keep ``held`` for ``data`` (``size`` bytes accounted); with ``replacing``,
+        only if the entry of ``data`` still holds that object (the stream a table was
+        just read from), else the entry is left as it is."""
         with self._lock:
-            old = self._entries.pop(id(data), None)
+            old = self._entries.get(id(data))
+            if replacing is not None:
+                if old is None or old[0] is not data or old[1] is not replacing:
+                    return
             if old is not None:
+                del self._entries[id(data)]
                 self._bytes -= old[2]
-            self._entries[id(data)] = (data, table, size)
+            self._entries[id(data)] = (data, held, size)
             self._bytes += size
             while self._bytes > self.max_bytes and self._entries:
                 _, (_, _, dropped) = self._entries.popitem(last=False)

@@ -37,6 +37,8 @@ contents are named too, and the shard keeps the records (:mod:`persist.landed`).
 
 from __future__ import annotations
 
+import array
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -79,15 +81,43 @@ def updates_fingerprint(expected: Antichain, new: Antichain, table: pa.Table) ->
     h.update(b"%d;" % table.num_rows)
     if table.num_rows:
         # The columns' names and types (not the schema's metadata).
-        h.update(
-            table.schema.to_string(show_field_metadata=False, show_schema_metadata=False).encode()
-        )
+        text: str = table.schema.to_string(show_field_metadata=False, show_schema_metadata=False)
+        h.update(text.encode())
         # One chunk a column (no copy when there is one already); the offsets of its
         # arrays are read, not assumed zero.
         for batch in table.combine_chunks().to_batches():
             for column in batch.columns:
                 _hash_column(h, column)
     return UPDATES + h.hexdigest()[:32]
+
+
+# How :func:`_hash_column` reads the values of a type.
+_BOOL, _VAR32, _VAR64, _FIXED, _FLOAT = range(5)
+
+
+@functools.lru_cache(maxsize=256)
+def _kind(t: pa.DataType) -> int:
+    """How the values of ``t`` are read (``_BOOL`` ... ``_FLOAT``).
+
+    Raises:
+        TypeError: a type a shard does not hold.
+    """
+    if pa.types.is_boolean(t):
+        return _BOOL
+    if pa.types.is_string(t) or pa.types.is_binary(t):
+        return _VAR32
+    if pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+        return _VAR64
+    if pa.types.is_floating(t):
+        return _FLOAT
+    if (
+        pa.types.is_integer(t)
+        or pa.types.is_temporal(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_fixed_size_binary(t)
+    ):
+        return _FIXED
+    raise TypeError(f"no fingerprint of a column of type {t} (not a type a shard holds)")
 
 
 def _hash_column(h: hashlib._Hash, arr: pa.Array) -> None:
@@ -98,39 +128,41 @@ def _hash_column(h: hashlib._Hash, arr: pa.Array) -> None:
     bits, nor the bytes under a null slot (the array is compacted by
     ``pyarrow.compute.drop_null``)."""
     t = arr.type
+    kind = _kind(t)
     if arr.null_count:
         h.update(b"N")
         h.update(pc.is_valid(arr).to_numpy(zero_copy_only=False).tobytes())
         arr = arr.drop_null()
     else:
         h.update(b"A")
-    n, off = len(arr), arr.offset
-    if pa.types.is_boolean(t):
+    if kind == _BOOL:
         h.update(arr.to_numpy(zero_copy_only=False).tobytes())
-    elif pa.types.is_string(t) or pa.types.is_binary(t):
+    elif kind == _VAR32:
         _hash_var_width(h, arr, np.int32)
-    elif pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+    elif kind == _VAR64:
         _hash_var_width(h, arr, np.int64)
-    elif (
-        pa.types.is_integer(t)
-        or pa.types.is_floating(t)
-        or pa.types.is_temporal(t)
-        or pa.types.is_decimal(t)
-        or pa.types.is_fixed_size_binary(t)
-    ):
-        w = t.byte_width
+    else:
+        n = len(arr)
         data = arr.buffers()[1]
         if data is None or not n:
             return
-        raw = data.slice(off * w, n * w)
-        if pa.types.is_floating(t):
+        w = t.byte_width
+        raw = data.slice(arr.offset * w, n * w)
+        if kind == _FLOAT and _has_nan(raw, w, n):
             values = np.frombuffer(raw, np.dtype(f"f{w}"))
-            nan = np.isnan(values)
-            if nan.any():
-                raw = np.where(nan, np.nan, values).astype(values.dtype).tobytes()
+            raw = np.where(np.isnan(values), np.nan, values).astype(values.dtype).tobytes()
         h.update(raw)
-    else:
-        raise TypeError(f"no fingerprint of a column of type {t} (not a type a shard holds)")
+
+
+#: Up to this many values, NaNs are looked for in Python (cheaper than numpy's calls).
+_FEW = 16
+
+
+def _has_nan(raw: pa.Buffer, width: int, n: int) -> bool:
+    """Whether the ``n`` floats of ``width`` bytes in ``raw`` hold a NaN."""
+    if n <= _FEW and width in (4, 8):
+        return any(x != x for x in memoryview(raw).cast("f" if width == 4 else "d"))
+    return bool(np.isnan(np.frombuffer(raw, np.dtype(f"f{width}"))).any())
 
 
 def batches_fingerprint(expected: Antichain, new: Antichain, batches: Sequence[Batch]) -> str:
@@ -153,6 +185,15 @@ def _hash_var_width(h: hashlib._Hash, arr: pa.Array, width: type[np.signedintege
     if not n:
         return
     _, offsets, data = arr.buffers()
+    if n <= _FEW:  # the same bytes, without numpy's calls
+        size = 4 if width is np.int32 else 8
+        view = memoryview(offsets)[off * size : (off + n + 1) * size]
+        own = (view.cast("i") if size == 4 else view.cast("q")).tolist()
+        first, last = own[0], own[-1]
+        h.update(array.array("q", [e - first for e in own]).tobytes())
+        if data is not None and last > first:
+            h.update(data.slice(first, last - first))
+        return
     ends = np.frombuffer(offsets, width)[off : off + n + 1].astype(np.int64)
     h.update((ends - ends[0]).tobytes())
     if data is not None and ends[-1] > ends[0]:

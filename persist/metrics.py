@@ -151,8 +151,16 @@ def observe_commit(old: Any, new: Any, now_ms: int) -> None:
         n = sum(1 for hid, h in before.items() if hid not in after and h.expired(now_ms))
         if n:
             LEASE_EXPIRIES.labels(kind).inc(n)
-    SHARD_BATCHES.labels(shard).set(new.trace.num_hollow_batches())
-    INLINE_BYTES.labels(shard).set(new.inline_bytes())
+    batches, inline = _shard_gauges(shard)
+    batches.set(new.trace.num_hollow_batches())
+    inline.set(new.inline_bytes())
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_gauges(shard: str) -> tuple[Any, Any]:
+    """The ``SHARD_BATCHES`` and ``INLINE_BYTES`` children of ``shard`` (their label
+    lookups, with their locks and checks, done once per shard, not once per commit)."""
+    return SHARD_BATCHES.labels(shard), INLINE_BYTES.labels(shard)
 
 
 @_safe

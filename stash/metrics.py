@@ -20,6 +20,7 @@ label values are a small closed set (no collection names, no URLs, so no credent
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -93,4 +94,11 @@ def observe_txn(stash: Any, write: bool, run: Callable[[], R]) -> R:
         TXN_FENCE_ERRORS.labels(backend).inc()
         raise
     finally:
-        TXN_SECONDS.labels(backend, "write" if write else "read").observe(time.perf_counter() - t0)
+        _txn_seconds(backend, write).observe(time.perf_counter() - t0)
+
+
+@functools.lru_cache(maxsize=64)
+def _txn_seconds(backend: str, write: bool) -> Any:
+    """The ``TXN_SECONDS`` child of ``backend`` and the kind (its label lookup, with
+    its lock and checks, done once: label values are a small closed set)."""
+    return TXN_SECONDS.labels(backend, "write" if write else "read")

@@ -262,6 +262,7 @@ class SqlStash(Stash):
     ) -> None:
         super().__init__(mode, fenced)
         self._url = url
+        self._redacted: tuple[URL, str] | None = None
         self.backend = url.get_backend_name()
         try:
             self.retry_budget = float(retry_budget)
@@ -306,7 +307,11 @@ class SqlStash(Stash):
 
     @property
     def redacted_url(self) -> str:
-        return redact(self._url)
+        # Redacted once per URL (a URL is immutable): every write names its handle by it.
+        cached = self._redacted
+        if cached is None or cached[0] is not self._url:
+            cached = self._redacted = (self._url, redact(self._url))
+        return cached[1]
 
     # ------------------------------------------------------------ open helpers
     def _check_schema(self, auto_migrate: bool) -> None:

@@ -1169,3 +1169,29 @@ def test_dictionary_string_columns_are_read_as_dictionaries_and_expanded(
     back = decode_part(fallback, make_part_ref("k/f.parquet", fallback, n))
     assert back.schema == t.schema
     assert back.equals(t)
+
+
+def test_a_slice_kept_inline_is_read_back_only_when_first_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writing a one-row slice as an inline part reads nothing back: the cache keeps the
+    stream just encoded and reads its rows on the first lookup (an append whose part is
+    never read pays nothing for the cache), and those rows equal the decoded part."""
+    big = _sample(5000)
+    row = big.slice(4321, 1)
+    reads: list[object] = []
+    real = pa.ipc.open_stream
+
+    def counting(source: object, *args: object, **kwargs: object) -> object:
+        reads.append(source)
+        return real(source, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pa.ipc, "open_stream", counting)
+    refs = write_parts(FileBlob(tmp_path / "b"), row, "s1/batch-1", inline_max_bytes=64 * 1024)
+    assert len(refs) == 1 and refs[0].inline is not None
+    assert reads == []  # nothing read back by the write
+    cached = INLINE_CACHE.get(refs[0])
+    assert cached is not None and cached.equals(row) and len(reads) == 1
+    assert INLINE_CACHE.get(refs[0]) is cached and len(reads) == 1  # read once
+    assert cached.get_total_buffer_size() < 8 * 1024
+    assert cached.equals(decoding.decode_part(refs[0].inline, refs[0]))

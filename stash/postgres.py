@@ -85,12 +85,12 @@ from stash.sql import (
     TABLE_COLUMNS,
     EngineOptions,
     SqlStash,
-    SqlTxn,
     _driver_error,
     _Ops,
     _Transient,
     first_line,
 )
+from stash.sql_txn import SqlTxn
 from stash.txn import LogRow, Row
 from stash.url import redact
 

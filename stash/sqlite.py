@@ -40,12 +40,12 @@ from stash.sql import (
     TABLE_COLUMNS,
     EngineOptions,
     SqlStash,
-    SqlTxn,
     _driver_error,
     _Ops,
     _Transient,
     first_line,
 )
+from stash.sql_txn import SqlTxn
 
 SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
 

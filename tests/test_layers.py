@@ -86,7 +86,10 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "stash.ops",
             ],
         ),
-        ("backends, Postgres statements", ["stash.memory", "stash.sql", "stash.pg_statements"]),
+        (
+            "backends, their primitive transactions and statements",
+            ["stash.memory", "stash.sql", "stash.sql_txn", "stash.pg_statements"],
+        ),
         (
             "SQL dialects (each imports stash.sql, never the reverse)",
             ["stash.sqlite", "stash.postgres"],

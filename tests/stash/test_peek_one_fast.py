@@ -164,7 +164,7 @@ def test_sqlite_peek_consolidation_matches_group_by(rows: list[tuple[str, str, i
     key, value HAVING sum(diff) <> 0`` query returned, in the same (key, value) order."""
     import sqlite3
 
-    from stash.sql import _consolidate_peek
+    from stash.sql_txn import _consolidate_peek
 
     db = sqlite3.connect(":memory:")
     db.execute("CREATE TABLE data (key TEXT, value TEXT, diff INTEGER)")
@@ -180,7 +180,7 @@ def test_sqlite_peek_consolidation_matches_group_by(rows: list[tuple[str, str, i
 def test_sqlite_peek_rows_matches_group_by_query(tmp_path: Any) -> None:
     """On a stored collection with retractions, history beyond the peek time and
     duplicate keys, ``SqlTxn.peek_rows`` returns what the ``GROUP BY`` query returns."""
-    from stash.sql import _SQLITE_PEEK
+    from stash.sql_txn import _SQLITE_PEEK
 
     with Stash.open(f"sqlite:///{tmp_path}/p.db", fenced=False) as s:
         c: StashCollection[Any, Any] = s.collection("c", key="int")

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import stash.sql as stash_sql
+import stash.sql_txn as stash_sql
 from stash import Antichain, AppendBatch, Stash, StashError
 
 A = Antichain.from_elem

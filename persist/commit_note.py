@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
+
 __all__ = [
     "OPERATIONS",
     "CommitNote",
@@ -33,6 +35,7 @@ __all__ = [
     "note_rows",
     "noting",
     "noting_unless_noted",
+    "param_text",
 ]
 
 #: The operations history names (Delta's and pyiceberg's vocabulary, and ``txn``).
@@ -114,3 +117,18 @@ def note_rows(inserted: int, retracted: int) -> None:
     if note is not None:
         note.metrics["rows_inserted"] = int(inserted)
         note.metrics["rows_retracted"] = int(retracted)
+
+
+def param_text(value: Any) -> str:
+    """A parameter's value as text for history: an Arrow scalar as Arrow prints it (a
+    nanosecond timestamp beyond Python's ``datetime`` overflows ``str``), else
+    ``str(value)``, else its ``repr``."""
+    if isinstance(value, pa.Scalar):
+        try:
+            return str(value.cast(pa.string()).as_py())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            pass
+    try:
+        return str(value)
+    except (OverflowError, ValueError):
+        return repr(value)

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from persist import merge_into
 from persist import rows as rows_mod
 from persist.builder import Updates
+from persist.commit_note import param_text
 from persist.errors import SchemaMismatch
 from persist.filters import check_filter
 from persist.handle import ShardHandle
@@ -114,7 +115,7 @@ class RowChangeMethods(ShardHandle):
                 at_new = read(rows_mod.key_filter(new, keys))
             return rows_mod.plan_update(live, changes, keys, values, at_new)
 
-        params = {"predicate": str(filter), "set": {k: str(v) for k, v in set.items()}}
+        params = {"predicate": str(filter), "set": {k: param_text(v) for k, v in set.items()}}
         return rows_mod.apply_change(self, plan, op="update", params=params)
 
     def merge(

@@ -299,6 +299,21 @@ def test_a_predicate_holding_a_nul_is_recorded(client: PersistClient) -> None:
     assert "a\\u0000b" in params[0]["predicate"] and "a\\u0000b" in params[1]["predicate"]
 
 
+def test_an_update_set_beyond_python_datetimes_is_recorded(client: PersistClient) -> None:
+    """An update's ``set`` value is recorded as Arrow prints it: a nanosecond timestamp
+    that Python's ``datetime`` cannot hold once failed the update on ``str(value)``."""
+    ts = pa.timestamp("ns", tz="America/New_York")
+    t = client.create_table(
+        "far", pa.schema([pa.field("id", pa.int64(), False), ("at", ts)]), key=["id"]
+    )
+    t.append(pa.table({"id": [1], "at": pa.array([0], ts)}))
+    far = pa.scalar(-(2**63) + 1, ts)
+    t.update(pc.field("id") == 1, {"at": far})
+    assert t.to_arrow().column("at").cast(pa.int64()).to_pylist() == [-(2**63) + 1]
+    params = json.loads(t.history().column("parameters")[0].as_py())
+    assert params["set"]["at"] == far.cast(pa.string()).as_py()
+
+
 def test_old_states_without_history_decode() -> None:
     """A state written before history and table entries existed decodes (no history,
     no retention), and one with them round-trips."""

@@ -12,6 +12,8 @@ of one cannot disturb the next):
 3. ``bench.bench_commit --backend all --json PATH``: persist's one-row
    ``compare_and_append`` against a raw ``sqlite3``/psycopg commit of one row, at several
    shard lengths, and 8 processes against 1 on Postgres;
+3b. ``bench.bench_growth``: the CPU of a one-row append on a shard of 3,000 uncompacted
+   batches against a fresh shard;
 4. ``bench.bench_persist``: persist against ``pyarrow.parquet``, delta-rs, pyiceberg and
    DuckDB;
 5. ``bench.bench_spark``: the Spark ``persist`` source against Spark's Parquet;
@@ -93,6 +95,14 @@ BENCHES: tuple[BenchSpec, ...] = (
         1500,
         600,
         "Persist one-row compare_and_append against the commit it must do",
+    ),
+    BenchSpec(
+        "growth",
+        "bench.bench_growth",
+        (),
+        900,
+        300,
+        "One-row commits as the state grows (compaction off)",
     ),
     BenchSpec(
         "persist",

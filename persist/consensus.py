@@ -60,7 +60,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple, TypeVar
@@ -516,6 +516,7 @@ class Consensus:
         expected: int | None,
         new: Mapping[str, str],
         prev: VersionedData | Mapping[str, str] | None = None,
+        touched: Collection[str] | None = None,
     ) -> VersionPlan:
         """The stash updates that publish version ``expected + 1`` (``0`` when
         ``expected`` is ``None``) on top of ``prev``, and how it will be stored: one diff
@@ -537,6 +538,10 @@ class Consensus:
             prev: the ``expected`` version as :meth:`head` returned it (or as a previous
                 plan stored it), or its entry texts (required unless ``expected`` is
                 ``None``).
+            touched: the keys that may differ between ``prev`` and ``new`` (every key
+                changed, added or removed is among them), if the caller knows them
+                (:meth:`persist.state.ShardState.to_entries_delta`): only those are
+                compared, so a diff costs what changed, not the state's size.
 
         Raises:
             InvalidUsage: ``new`` has no ``meta`` entry, or an entry key in the diffs'
@@ -546,7 +551,7 @@ class Consensus:
         """
         if META_KEY not in new:
             raise InvalidUsage(f"a consensus version needs a {META_KEY!r} entry with its seqno")
-        for k in new:
+        for k in new if touched is None else touched:
             if k.startswith(DIFF_PREFIX):
                 raise InvalidUsage(f"state entry {k!r} is in the diffs' namespace")
         seqno = 0 if expected is None else expected + 1
@@ -568,7 +573,7 @@ class Consensus:
             texts, stored = head.texts, head.stored
         name = self.log_name(shard_id)
         if expected is not None and len(stored.diffs) < self.max_diffs:
-            text = _diff_text(texts, new, seqno)
+            text = _diff_text(texts, new, seqno, touched)
             chars = stored.diff_chars + len(text)
             if len(text) <= MAX_DIFF_CHARS and chars <= max(stored.base_chars, MAX_DIFF_CHARS):
                 dk = diff_key(seqno)
@@ -844,15 +849,25 @@ def _meta_seqno(shard_id: str, data: Mapping[str, Any]) -> int:
     return seqno
 
 
-def _diff_text(prev: Mapping[str, str], new: Mapping[str, str], seqno: int) -> str:
+def _diff_text(
+    prev: Mapping[str, str],
+    new: Mapping[str, str],
+    seqno: int,
+    touched: Collection[str] | None = None,
+) -> str:
     """The canonical JSON text of the diff entry turning ``prev`` into ``new`` (entry
     texts by key, both canonical): ``{"del": [removed keys], "seqno": seqno, "set":
     {added or changed key: value}}``.  Built from the entries' texts without decoding
     them: canonical texts nested under sorted keys are the canonical text of the whole
     (the keys were checked to be outside the diffs' namespace by :meth:`Consensus.plan`).
+    ``touched``: only these keys may differ (see :meth:`Consensus.plan`).
     """
-    changed = [k for k, t in new.items() if prev.get(k) != t]
-    removed = [k for k in prev if k not in new]
+    if touched is None:  # every key may have changed
+        changed = [k for k, t in new.items() if prev.get(k) != t]
+        removed = [k for k in prev if k not in new]
+    else:
+        changed = [k for k in touched if k in new and prev.get(k) != new[k]]
+        removed = [k for k in touched if k in prev and k not in new]
     changed.sort()
     removed.sort()
     # Entry keys are str (as JSON: what canonical_json makes of a str).

@@ -35,13 +35,44 @@ COMMAND_OPS = ("create", "append", "txn", "optimize", "schema", "since", "retent
 
 
 def _parts(st: ShardState) -> dict[str, tuple[int, int]]:
-    """Part id -> (rows, bytes) of every part ``st`` references."""
+    """Part id -> (rows, bytes) of every part ``st`` references (the full recount that
+    :func:`parts_changed` must agree with; used by the tests' checks)."""
     return {
         pid: (p.rows, p.encoded_size_bytes)
         for b in st.trace.batches()
         for p in b.parts
         if (pid := p.part_id) is not None
     }
+
+
+def parts_changed(old: ShardState, new: ShardState) -> tuple[list[tuple[int, int]], int]:
+    """The ``(rows, bytes)`` of each part ``new`` references and ``old`` does not, and
+    how many parts ``old`` references that ``new`` does not (by part id).
+
+    Proportional to what changed: spine batches are immutable and shared between
+    versions, so only the spine batches of one version that are not (the same object)
+    in the other are looked into, and each of their parts is looked up in the other
+    version's spine batches' :attr:`~persist.spine_levels.SpineBatch.part_index`.
+    """
+    before = [b for b, _ in old.trace.spine_batches()]
+    after = [b for b, _ in new.trace.spine_batches()]
+    old_ids = {id(b) for b in before}
+    new_ids = {id(b) for b in after}
+    added: dict[str, tuple[int, int]] = {}
+    for b in after:
+        if id(b) in old_ids:
+            continue
+        for pid, v in b.part_index.items():
+            if not any(pid in o.part_index for o in before):
+                added[pid] = v
+    removed: set[str] = set()
+    for b in before:
+        if id(b) in new_ids:
+            continue
+        for pid in b.part_index:
+            if not any(pid in n.part_index for n in after):
+                removed.add(pid)
+    return list(added.values()), len(removed)
 
 
 def make_record(
@@ -72,14 +103,13 @@ def make_record(
         return None
     if command == "schema" and old.schema_history == new.schema_history:
         return None
-    before, after = _parts(old), _parts(new)
-    added = [v for k, v in after.items() if k not in before]
+    added, removed = parts_changed(old, new)
     metrics.setdefault("rows_inserted", None)
     metrics.setdefault("rows_retracted", None)
     metrics["updates_added"] = sum(r for r, _b in added)
     metrics["bytes_added"] = sum(b for _r, b in added)
     metrics["parts_added"] = len(added)
-    metrics["parts_removed"] = sum(1 for k in before if k not in after)
+    metrics["parts_removed"] = removed
     upper = new.upper.as_option()
     return {
         "seqno": new.seqno,

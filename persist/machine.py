@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from persist import metrics as persist_metrics
-from persist import retention
+from persist import retention, state_check, state_codec
 from persist.commands import AppendCmd, Inputs, NeedsInput, TxnCmd
 from persist.consensus import (
     Consensus,
@@ -356,15 +356,26 @@ class ShardMachine:
                 if record["time"] is not None and st.retention_ms is not None:
                     retention.note_commit(st, record["ms"], record["time"])
                     retention.advance(st, self.now_ms())
-        data = st.to_entries()
+        # Only the entries the command may have touched are looked at (the state's
+        # spine batches are shared with the cached version's): the cost of a version
+        # follows what changed, not the state's size.
         old, old_texts = cache.version.data, cache.version.texts
-        # Unchanged components are mostly the very objects of the cached version
-        # (memoized JSON of immutable batches): identity first, equality after.
-        texts = {
-            k: (old_texts[k] if (o := old.get(k, _MISSING)) is v or o == v else Consensus.encode(v))
-            for k, v in data.items()
-        }
-        plan = self.consensus.plan(self.shard_id, cache.state.seqno, texts, cache.version)
+        data, touched = st.to_entries_delta(cache.state, old)
+        texts = state_codec.copy_entries(old_texts)
+        for k in touched:
+            v = data.get(k, _MISSING)
+            if v is _MISSING:
+                texts.pop(k, None)
+                continue
+            # Unchanged components are mostly the very objects of the cached version
+            # (memoized JSON of immutable batches): identity first, equality after.
+            o = old.get(k, _MISSING)
+            texts[k] = old_texts[k] if o is v or o == v else Consensus.encode(v)
+        if state_check.ENABLED:
+            state_check.check_version(cache.state, old_texts, st, data, texts, touched)
+        plan = self.consensus.plan(
+            self.shard_id, cache.state.seqno, texts, cache.version, touched=touched
+        )
         return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan, history)
 
     def install(self, staged: Staged) -> None:

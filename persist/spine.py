@@ -169,6 +169,26 @@ class Trace:
             for p in b.parts:
                 yield p.batch
 
+    def spine_batches(self) -> Iterator[tuple[SpineBatch, int]]:
+        """The spine batches with their levels, oldest first (a fueled batch once)."""
+        for index in range(len(self._levels) - 1, -1, -1):
+            for b in self._levels[index].batches:
+                yield b, index
+
+    def inline_bytes(self) -> int:
+        """The summed size (bytes) of the inline parts of every hollow batch (a sum of
+        the spine batches' running counters, see :class:`SpineBatch`)."""
+        return sum(b.inline_bytes for b in self._spine_batches())
+
+    def num_parts(self) -> int:
+        """The number of parts of every hollow batch (from the spine batches' counters)."""
+        return sum(b.num_parts for b in self._spine_batches())
+
+    def references_part(self, part_id: str) -> bool:
+        """Whether a part with this :attr:`~persist.types.PartRef.part_id` is in the
+        trace (a lookup per spine batch, see :attr:`SpineBatch.part_index`)."""
+        return any(part_id in b.part_index for b in self._spine_batches())
+
     def num_spine_batches(self) -> int:
         """The number of spine batches (a fueled batch counts once)."""
         return sum(len(level.batches) for level in self._levels)
@@ -509,6 +529,39 @@ class Trace:
             )
 
     # ------------------------------------------------------------------ JSON
+
+    def meta_json(self) -> dict[str, Any]:
+        """The parts of :meth:`to_json` that are not batches: ``since``, ``upper``,
+        ``next_id`` and ``fueling_merges`` (the same values; a pass over the levels only)."""
+        merges: dict[str, Any] = {}
+        for index in range(len(self._levels) - 1, -1, -1):
+            fm = self._levels[index].merge
+            if fm is not None:
+                merges[str(fm.id)] = {
+                    "since": fm.since.to_json(),
+                    "remaining_work": fm.remaining_work,
+                }
+        return {
+            "since": self._since.to_json(),
+            "upper": self._upper.to_json(),
+            "next_id": self._next_id,
+            "fueling_merges": merges,
+        }
+
+    def flat_batch(
+        self, b: SpineBatch, index: int
+    ) -> tuple[str, dict[str, Any], list[tuple[str, Any]]]:
+        """The flattened form of spine batch ``b`` at level ``index``, as :meth:`to_json`
+        lists it: its name, its ``spine_batches`` entry and its ``hollow_batches``
+        entries as ``(name, value)`` (shared, read-only objects when the last
+        :meth:`to_json` made them)."""
+        m = self._json_memo.get(b.id)
+        if m is not None and m[0] is b and m[1] == index:
+            return m[2], m[3], m[4]
+        names = [str(p.id) for p in b.parts]
+        entry = {"level": index, "desc": b.desc.to_json(), "parts": names}
+        parts = [(n, p.batch.to_json()) for n, p in zip(names, b.parts, strict=True)]
+        return str(b.id), entry, parts
 
     def to_json(self) -> dict[str, Any]:
         """The flattened trace as JSON-able values (Materialize's ``flatten``)::

@@ -18,7 +18,7 @@ full or merging; :meth:`MergeState.complete` always leaves the level vacant.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from persist.spine_merge import (
     ApplyMergeResult,
@@ -61,7 +61,12 @@ class SpineBatch:
     (two or more hollow batches awaiting a merge result, described by ``desc``).
 
     ``len`` caches the summed ``len`` of ``parts``; for a fueled batch it is an upper bound
-    on the merged batch's length.
+    on the merged batch's length.  Running counters of the batch, computed once when it is
+    made (a spine batch is immutable and shared by every version that holds it, so the
+    trace's totals cost a sum over its few spine batches, never a pass over its hollow
+    batches): ``inline_bytes`` (summed :attr:`HollowBatch.inline_bytes`),
+    ``num_parts`` (parts of all hollow batches) and ``part_index`` (part id ->
+    ``(rows, encoded bytes)`` of every part that has an id; do not mutate it).
     """
 
     id: SpineId
@@ -69,6 +74,23 @@ class SpineBatch:
     parts: tuple[IdHollowBatch, ...]
     len: int
     fueled: bool
+    inline_bytes: int = field(init=False, compare=False, repr=False)
+    num_parts: int = field(init=False, compare=False, repr=False)
+    part_index: dict[str, tuple[int, int]] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        inline = count = 0
+        index: dict[str, tuple[int, int]] = {}
+        for p in self.parts:
+            b = p.batch
+            inline += b.inline_bytes
+            count += len(b.parts)
+            for part in b.parts:
+                if (pid := part.part_id) is not None:
+                    index[pid] = (part.rows, part.encoded_size_bytes)
+        object.__setattr__(self, "inline_bytes", inline)
+        object.__setattr__(self, "num_parts", count)
+        object.__setattr__(self, "part_index", index)
 
     @staticmethod
     def merged(b: IdHollowBatch) -> SpineBatch:

@@ -420,8 +420,7 @@ class ShardState(ShardStateBase):
         """
         if not given:
             return
-        ref = self.referenced_part_ids()
-        again = [k for k in given if k in ref]
+        again = [k for k in given if self.trace.references_part(k)]
         if not again and self.retired_upper > 0:
             if inputs.retired is None or inputs.retired[0] != self.retired_upper:
                 raise NeedsInput("retired", self.retired_upper)
@@ -500,9 +499,8 @@ class ShardState(ShardStateBase):
         for hb in cmd.pieces:
             reqs.extend(self.append_batch(hb, cmd.writer_id, now_ms, cmd.lease_ms))
         self.record_landed(cmd.recorded, now_ms)
-        ref = self.referenced_part_ids()
         for k in cmd.consumed:  # truncated copies: a later copy is refused
-            if k not in ref:
+            if not self.trace.references_part(k):
                 self.retire_adds[k] = now_ms
         self.settle_handed_off(cmd.handed)
         return reqs, True
@@ -551,6 +549,14 @@ class ShardState(ShardStateBase):
         """The state flattened into one JSON value per component, keyed by a path
         (:func:`persist.state_codec.to_entries`)."""
         return state_codec.to_entries(self)
+
+    def to_entries_delta(
+        self, old: ShardState, old_entries: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], set[str]]:
+        """:meth:`to_entries`, made from ``old``'s entries ``old_entries`` in time
+        proportional to what changed, with the keys that may differ
+        (:func:`persist.state_codec.to_entries_delta`)."""
+        return state_codec.to_entries_delta(old, old_entries, self)
 
     @classmethod
     def from_entries(cls, entries: Mapping[str, Any]) -> ShardState:

@@ -282,8 +282,9 @@ class ShardStateBase:
         return {i for b in self.trace.batches() for p in b.parts if (i := p.part_id) is not None}
 
     def inline_bytes(self) -> int:
-        """Total size (bytes) of the inline parts held in this state."""
-        return sum(b.inline_bytes for b in self.trace.batches())
+        """Total size (bytes) of the inline parts held in this state (the trace's running
+        counters: :meth:`persist.spine.Trace.inline_bytes`)."""
+        return self.trace.inline_bytes()
 
     def blob_bytes(self) -> int:
         """Total size (bytes) of the blob parts the trace references."""
@@ -293,7 +294,7 @@ class ShardStateBase:
 
     def num_parts(self) -> int:
         """Number of parts (inline and blob) the trace references."""
-        return sum(len(b.parts) for b in self.trace.batches())
+        return self.trace.num_parts()
 
     # ------------------------------------------------------------ transitions
     def register_reader(

@@ -6,13 +6,20 @@ start first on every worker).
 Hypothesis: when ``CI`` is set, the ``ci`` profile draws each property's examples from
 a seed derived from the test itself (``derandomize``), so a CI run is reproducible and
 its verdict does not depend on the luck of the draw; local runs draw fresh examples each
-time and keep exploring (a failure they find is added as an ``@example`` or fixed)."""
+time and keep exploring (a failure they find is added as an ``@example`` or fixed).
+
+Every state version the tests make is checked against its full recomputation
+(``PERSIST_CHECK_INCREMENTAL``, :mod:`persist.state_check`), as Materialize's debug builds
+do; set it to ``0`` to measure without the checks."""
 
 from __future__ import annotations
 
 import os
 
-from hypothesis import settings
+# Before persist is imported (persist.state_check reads it once).
+os.environ.setdefault("PERSIST_CHECK_INCREMENTAL", "1")
+
+from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):

@@ -153,7 +153,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             ],
         ),
         ("4 consensus", ["persist.consensus"]),
-        ("5 machine", ["persist.machine"]),
+        ("5 machine", ["persist.machine", "persist.state_check"]),
         (
             "6 appended, fetch",
             ["persist.appended", "persist.fetch", "persist.rows_read", "persist.direct_plan"],

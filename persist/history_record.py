@@ -98,7 +98,7 @@ def make_record(
     elif command == "retention" and note is not None:
         params = dict(note.params)
     if command in ("optimize", "since") and (
-        old.since == new.since and old.trace.batches() == new.trace.batches()
+        old.since == new.since and list(old.trace.batches()) == list(new.trace.batches())
     ):
         return None
     if command == "schema" and old.schema_history == new.schema_history:

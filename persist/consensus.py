@@ -89,7 +89,7 @@ from stash.logs import LogEntry, LogRow
 
 __all__ = [
     "REGISTRY_COLLECTION",
-    "HISTORY_COLLECTION_PREFIX",
+    "HISTORY_LOG_PREFIX",
     "HistoryAppend",
     "RETIRED_COLLECTION_PREFIX",
     "SHARD_COLLECTION_PREFIX",
@@ -107,7 +107,9 @@ log = logging.getLogger(__name__)
 REGISTRY_COLLECTION = "persist.shards"
 SHARD_COLLECTION_PREFIX = "persist.shard."
 RETIRED_COLLECTION_PREFIX = "persist.retired."
-HISTORY_COLLECTION_PREFIX = "persist.history."
+#: A shard's history records are the entries of the log ``persist.history.<shard_id>``
+#: (entry seqno: the record's index, the state's ``history_upper`` before it).
+HISTORY_LOG_PREFIX = "persist.history."
 META_KEY = "meta"
 DIFF_PREFIX = "diff/"
 #: A version whose diff entry would be longer than this (characters) is written as a
@@ -216,8 +218,9 @@ class RetiredChange:
 
 @dataclass(frozen=True)
 class HistoryAppend:
-    """The history record written with one version: the history collection's current
-    upper ``lower``, the record's key (its version's seqno, 20 digits) and value."""
+    """The history record written with one version: its index ``lower`` (the state's
+    ``history_upper`` before the version: the seqno of its entry in the shard's history
+    log), the record's key (its version's seqno, 20 digits) and value."""
 
     lower: int
     key: str
@@ -252,7 +255,6 @@ class Consensus:
         self.retries = max(1, retries)
         self.max_diffs = max_diffs
         self._retired_colls: dict[str, StashCollection[Any, Any]] = {}
-        self._history_colls: dict[str, StashCollection[Any, Any]] = {}
         self._lock = threading.Lock()
         self._registry: StashCollection[Any, Any] | None = None
 
@@ -321,51 +323,35 @@ class Consensus:
             "the retired collection",
         )
 
-    def history_collection(self, shard_id: str) -> StashCollection[Any, Any]:
-        """The stash collection holding ``shard_id``'s history records (key: the
-        version's seqno, 20 digits; value: the record, JSON; see
-        :mod:`persist.history`)."""
-        return self._cached_collection(
-            self._history_colls,
-            shard_id,
-            HISTORY_COLLECTION_PREFIX + shard_id,
-            "json",
-            "the history collection",
-        )
+    @staticmethod
+    def history_log_name(shard_id: str) -> str:
+        """The name of the stash log holding ``shard_id``'s history records (entry
+        ``i``: the ``i``-th record, as canonical JSON; see :mod:`persist.history`)."""
+        validate_shard_id(shard_id)
+        return HISTORY_LOG_PREFIX + shard_id
 
     def history(self, shard_id: str) -> list[dict[str, Any]]:
-        """The shard's history records, oldest first (``[]`` when it has none; a
-        readonly stash creates nothing).
+        """The shard's history records, oldest first (``[]`` when it has none; reads
+        write nothing, so a readonly stash works).
 
         Raises:
             ConsensusError: the stash failed.
         """
-        if shard_id not in self._history_colls and self.stash.mode == "readonly":
-            name = HISTORY_COLLECTION_PREFIX + shard_id
-            if name not in self._call("listing collections", self.stash.collections):
-                return []
-        c = self.history_collection(shard_id)
-        rows = self._call(f"reading the history of shard {shard_id}", lambda: self.stash.iter(c))
-        acc: dict[tuple[str, str], int] = {}
-        values: dict[tuple[str, str], Any] = {}
-        for (k, v), _t, d in rows:
-            at = (str(k), canonical_json(v))
-            acc[at] = acc.get(at, 0) + d
-            values[at] = v
-        return [dict(values[at]) for at in sorted(acc) if acc[at] > 0]
-
-    def _history_batch(self, shard_id: str, h: HistoryAppend) -> AppendBatch:
-        """The stash batch that writes ``h``, appended with its version."""
-        hc = self.history_collection(shard_id)
-        b = AppendBatch(
-            collection=hc,
-            lower=Antichain.from_elem(h.lower),
-            upper=Antichain.from_elem(h.lower + 1),
-            compact=Antichain.from_elem(h.lower),
-            timestamp=h.lower,
+        name = self.history_log_name(shard_id)
+        rows = self._call(
+            f"reading the history of shard {shard_id}", lambda: logs.scan(self.stash, name)
         )
-        hc.append_to_batch(b, h.key, dict(h.record), 1)
-        return b
+        return [dict(json.loads(r.data)) for r in rows]
+
+    def _history_entry(self, shard_id: str, h: HistoryAppend) -> LogEntry:
+        """The history log entry that writes ``h``, on top of the record before it, in
+        the same transaction as its version (whose compare-and-set orders it)."""
+        return LogEntry(
+            self.history_log_name(shard_id),
+            h.lower - 1 if h.lower else None,
+            h.lower,
+            canonical_json(dict(h.record)),
+        )
 
     def retired(self, shard_id: str) -> dict[str, int]:
         """The shard's retired blob keys: key -> wall-clock ms of retirement."""
@@ -611,7 +597,7 @@ class Consensus:
             plan: :meth:`plan`'s result for these arguments, if the caller made it
                 already (it learns how the version is stored from it).
             history: the version's history record, written atomically with it
-                (``new`` must record the history collection's new upper).
+                (``new`` must record the history log's new length).
 
         Returns: ``True`` if committed, ``False`` if the head was not ``expected`` (a lost
             race: nothing was committed).
@@ -630,20 +616,24 @@ class Consensus:
         batches: list[AppendBatch] = []
         if retired is not None:
             batches.append(self._retired_batch(shard_id, retired))
-        if history is not None:
-            batches.append(self._history_batch(shard_id, history))
         entry = plan.entry
+        entries = [entry]  # the version first: its race is the one reported
+        if history is not None:
+            entries.append(self._history_entry(shard_id, history))
         try:
             self._call(
                 f"compare_and_set of shard {shard_id} at seqno {plan.seqno}",
-                lambda: logs.write(self.stash, [entry], batches),
+                lambda: logs.write(self.stash, entries, batches),
             )
-        except LogRaceLost:
-            return False
+        except LogRaceLost as e:
+            if e.collection == entry.name:
+                return False
+            raise ConsensusError(
+                f"the history log of shard {shard_id} is out of step with its state: {e}"
+            ) from e
         except AppendLowerMismatch as e:
             raise ConsensusError(
-                f"the retired or history collection of shard {shard_id} is out of step "
-                f"with its state: {e}"
+                f"the retired collection of shard {shard_id} is out of step with its state: {e}"
             ) from e
         self._after_commit([entry])
         return True
@@ -686,7 +676,7 @@ class Consensus:
         if retired is not None:
             out.append(self._retired_batch(shard_id, retired))
         if history is not None:
-            out.append(self._history_batch(shard_id, history))
+            out.append(self._history_entry(shard_id, history))
         return out
 
     def _retired_batch(self, shard_id: str, retired: RetiredChange) -> AppendBatch:

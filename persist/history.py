@@ -3,7 +3,7 @@ retention, newest first (:func:`history_table`), and time travel by wall-clock
 timestamp (:func:`time_at`).
 
 The records are written by the state machine with each version
-(:mod:`persist.history_record`) into the shard's history collection in the stash
+(:mod:`persist.history_record`) into the shard's history log in the stash
 (:meth:`persist.consensus.Consensus.history`), in the same atomic append, so a record
 exists exactly for the versions that committed.  Versions that only renew, register or
 expire leases have none (they are hidden); versions written before records existed

@@ -7,7 +7,7 @@ before anything is definite), the commit timestamp (UTC ms), the operation (one 
 :data:`persist.commit_note.OPERATIONS`), its parameters and metrics (``rows_inserted``,
 ``rows_retracted`` when the operation knew them, ``None`` otherwise; ``updates_added``,
 ``bytes_added``, ``parts_added``, ``parts_removed`` from the parts the version adds
-and drops).  They are written to the shard's history collection in the same atomic
+and drops).  They are written to the shard's history log in the same atomic
 append as the version (:class:`persist.consensus.HistoryAppend`).
 
 Invariants kept here: only a version that changes the shard's contents, schema,

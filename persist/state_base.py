@@ -137,7 +137,7 @@ class ShardStateBase:
         landed_horizon: the highest seqno of a pruned record (``-1``: none).
         retire_adds, retire_removes: transient (not serialised) changes to the retired
             collection made by this transition: blob key -> retirement ms.
-        history_upper: the upper of the shard's history collection (one record per
+        history_upper: the length of the shard's history log (one record per
             version that changed the shard's contents, schema or retention; see
             :mod:`persist.history`); ``0`` for states written before it existed.
         history_ms: the commit timestamp (UTC ms) of the newest history record: the

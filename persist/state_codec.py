@@ -85,7 +85,7 @@ _SCHEMAS = "schemas"
 _WRITER = "writer/"
 _LANDED = "landed/"
 # The table's entries (absent from states that never had them, so those decode and
-# encode as before): the history collection's upper and newest timestamp, and the
+# encode as before): the history log's length and newest timestamp, and the
 # retention and blob store identity.
 _HISTORY = "history"
 _TABLE = "table"

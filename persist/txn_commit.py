@@ -63,7 +63,11 @@ from functools import partial
 from persist.batch import Batch
 from persist.batch_rules import concat_runs
 from persist.commands import TxnCmd
-from persist.consensus import RETIRED_COLLECTION_PREFIX, SHARD_COLLECTION_PREFIX
+from persist.consensus import (
+    HISTORY_LOG_PREFIX,
+    RETIRED_COLLECTION_PREFIX,
+    SHARD_COLLECTION_PREFIX,
+)
 from persist.context import PersistContext
 from persist.errors import ConsensusError, InvalidUsage, UpperMismatch
 from persist.keys import key_writer_id
@@ -379,6 +383,8 @@ def _commit_locked(
             ),
             None,
         )
+        if lost.startswith(HISTORY_LOG_PREFIX):
+            raise ConsensusError(f"transaction at {ts}: history log {lost} is out of step")
         if sid_lost is None:
             others = [b for b in batches if isinstance(b, AppendBatch)]
             raise TxnUpperMismatch(ts, {}, {lost: lost_collection_upper(c, others, lost)})

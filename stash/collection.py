@@ -23,6 +23,7 @@ Source of the idea: Materialize's ``StashCollection``, ``AppendBatch``, ``make_b
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -42,6 +43,7 @@ class UpperSource(Protocol):
 
 
 MAX_NAME_LENGTH = 255
+_CONTROL_CHAR = re.compile("[\x00-\x1f\x7f]")
 
 
 def validate_collection_name(name: object) -> str:
@@ -60,7 +62,7 @@ def validate_collection_name(name: object) -> str:
         raise StashError(
             f"collection name is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}"
         )
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+    if _CONTROL_CHAR.search(name):
         raise StashError(f"collection name {name!r} contains a control character")
     return name
 

@@ -168,7 +168,8 @@ def write(stash: _Stash, entries: Iterable[LogEntry], batches: Iterable[AppendBa
     """
     entries = list(entries)
     for e in entries:  # a LogEntry is told from a batch by its type: refuse others here
-        _check_entry(e)
+        if not isinstance(e, LogEntry):  # (Stash.append checks the entries' rules)
+            raise StashError(f"log writes take LogEntry objects, got {type(e).__name__}")
     stash.append([*entries, *batches])
 
 

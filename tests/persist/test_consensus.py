@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persist.consensus import Consensus, diff_key
+from persist.consensus import Consensus, HistoryAppend, diff_key
 from persist.errors import ConsensusError, InvalidUsage
 from persist.ids import new_shard_id, validate_shard_id, validate_shard_name
 from persist.machine import ShardMachine, Stale
@@ -67,6 +67,32 @@ def test_head_and_compare_and_set(stash: Stash) -> None:
     assert [v.seqno for v in c.scan(sid)] == [1]
     with pytest.raises(InvalidUsage, match="meta"):
         c.compare_and_set(sid, 1, {"a": "1"}, v1)
+
+
+def test_history_records_are_log_entries_committed_with_their_version(stash: Stash) -> None:
+    c = Consensus(stash)
+    sid = new_shard_id()
+    v0 = texts(c, 0, a=1)
+    rec0 = {"seqno": 0, "op": "create"}
+    assert c.compare_and_set(sid, None, v0, history=HistoryAppend(0, f"{0:020d}", rec0))
+    v1 = texts(c, 1, a=2)
+    rec1 = {"seqno": 1, "op": "append"}
+    assert c.compare_and_set(sid, 0, v1, v0, history=HistoryAppend(1, f"{1:020d}", rec1))
+    assert c.history(sid) == [rec0, rec1]
+    # Entries of the log persist.history.<id>, numbered by record; no collection.
+    rows = logs.scan(stash, c.history_log_name(sid))
+    assert [r.seqno for r in rows] == [0, 1]
+    assert not [n for n in stash.collections() if n.startswith("persist.history.")]
+    # A lost version race commits no record.
+    lost = HistoryAppend(2, f"{1:020d}", {"seqno": 1, "op": "lost"})
+    assert not c.compare_and_set(sid, 0, texts(c, 1, a=9), v0, history=lost)
+    assert c.history(sid) == [rec0, rec1]
+    # A record out of step with the log is refused, and its version is not committed.
+    bad = HistoryAppend(5, f"{2:020d}", {"seqno": 2, "op": "append"})
+    with pytest.raises(ConsensusError, match="history log .* out of step"):
+        c.compare_and_set(sid, 1, texts(c, 2, a=3), v1, history=bad)
+    assert c.head_seqno(sid) == 1
+    assert c.history(sid) == [rec0, rec1]
 
 
 def test_racing_compare_and_set_has_one_winner(stash: Stash) -> None:

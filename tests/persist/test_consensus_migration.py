@@ -1,7 +1,8 @@
 """Shards written when consensus kept each shard's versions in a stash collection
 (``persist.shard.<id>``: a rollup of entries and one ``diff/<seqno>`` entry per later
 version) read back unchanged once ``migrations/versions/0008_persist_shard_logs.py`` moved
-them to compare-and-set logs, on SQLite and Postgres.
+them to compare-and-set logs, on SQLite and Postgres; their history records (collections
+``persist.history.<id>``) likewise once ``0009_persist_history_logs.py`` moved them.
 
 The stash is rebuilt from ``data/consensus_collections_0006.json``: the rows of a stash at
 revision 0006 that the code before the logs wrote (``data/make_consensus_collections_0006.py``,
@@ -20,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 from persist import PersistClient
+from persist.consensus import Consensus
 from stash import Stash, logs
 from stash.migrate import current_revision, downgrade, upgrade
 from stash.schema import SCHEMA_HEAD
@@ -107,16 +109,24 @@ def test_shards_kept_in_collections_read_back_unchanged_from_logs(
     engine = sa.create_engine(db_url)
     try:
         _load(engine, fx)
+        upgrade(engine, "0008")
+        old_history = _history_rows(engine)
         upgrade(engine)
         with engine.connect() as conn:
             assert current_revision(conn) == SCHEMA_HEAD
             names = [r[0] for r in conn.execute(sa.text("SELECT name FROM collections"))]
-        assert not [n for n in names if n.startswith("persist.shard.")]
-        assert len([n for n in names if n.startswith("persist.history.")]) == 4
+        assert not [n for n in names if n.startswith(("persist.shard.", "persist.history."))]
     finally:
         engine.dispose()
     want = fx["expected"]
     assert _read(db_url, blob, fx) == want
+    assert len(old_history) == 4
+    with Stash.open(db_url, mode="readonly") as s:
+        # The records, in order, as the history collections held them.
+        consensus = Consensus(s)
+        assert {
+            sid: consensus.history(sid.removeprefix("persist.history.")) for sid in old_history
+        } == old_history
     with Stash.open(db_url, fenced=False) as s:
         layout = {
             n: [(r.seqno, r.rollup) for r in logs.scan(s, f"persist.shard.{v['shard_id']}")]
@@ -139,6 +149,28 @@ def test_shards_kept_in_collections_read_back_unchanged_from_logs(
             client.close()
 
 
+def _history_rows(engine: sa.Engine) -> dict[str, list[dict[str, Any]]]:
+    """The live records of every history collection by name, ordered by key (as the
+    code before the history logs read them)."""
+    pg = engine.dialect.name == "postgresql"
+    text = "::text" if pg else ""
+    out: dict[str, list[dict[str, Any]]] = {}
+    with engine.connect() as conn:
+        for cid, name in conn.execute(sa.text("SELECT collection_id, name FROM collections")):
+            if not name.startswith("persist.history."):
+                continue
+            rows = conn.execute(
+                sa.text(
+                    f"SELECT key{text}, value{text} FROM data WHERE collection_id = :c"  # noqa: S608
+                    " GROUP BY key, value HAVING sum(diff) = 1"
+                ),
+                {"c": cid},
+            ).all()
+            out[name] = [json.loads(v) for k, v in sorted(rows, key=lambda r: json.loads(r[0]))]
+            assert out[name]
+    return out
+
+
 def test_downgrade_turns_the_logs_back_into_collections(db_url: str, tmp_path: Path) -> None:
     fx = json.loads(FIXTURE.read_text())
     blob = _blob(fx, tmp_path)
@@ -148,11 +180,18 @@ def test_downgrade_turns_the_logs_back_into_collections(db_url: str, tmp_path: P
         upgrade(engine)
         with Stash.open(db_url, mode="readonly") as s:
             before = {n: logs.head(s, n) for n in logs.names(s)}
+        downgrade(engine, "0008")
+        with engine.connect() as conn:
+            q = "SELECT count(*) FROM logs WHERE name LIKE 'persist.history.%'"
+            assert conn.execute(sa.text(q)).scalar_one() == 0
+        history = _history_rows(engine)
         downgrade(engine, "0007")
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM logs")).scalar_one() == 0
             names = {r[0] for r in conn.execute(sa.text("SELECT name FROM collections"))}
         assert set(before) <= names
+        upgrade(engine, "0008")
+        assert _history_rows(engine) == history
         upgrade(engine)
         with Stash.open(db_url, mode="readonly") as s:
             assert {n: logs.head(s, n) for n in logs.names(s)} == before

@@ -480,3 +480,36 @@ def test_write_batches_takes_transmitted_batches(client: PersistClient, blob: Me
     assert contents(snap["a"]) == Counter({("x", 1): 1})
     assert contents(snap["b"]) == Counter({("y", 1): 1})
     assert client.inspect("a").upper == ac(5)
+
+
+def test_history_records_commit_with_the_transaction_or_not_at_all(
+    client: PersistClient, stash: Stash
+) -> None:
+    """Each shard's history record is an entry of its history log inserted in the
+    transaction's one database transaction: a record out of step on one shard commits
+    nothing on any shard."""
+    from stash import logs
+
+    sids = {n: client.shard_id(n) for n in ("a", "b")}
+    before = {n: client.consensus.history(s) for n, s in sids.items()}
+    txn = client.begin()
+    txn.write("a", rows(["x"], [1]))
+    txn.write("b", rows(["y"], [2]))
+    assert txn.commit_at(4) == 4
+    after = {n: client.consensus.history(s) for n, s in sids.items()}
+    for n in sids:
+        assert after[n][: len(before[n])] == before[n]
+        assert [r["op"] for r in after[n][len(before[n]) :]] == ["txn"]
+    # Damage b's history log: an entry the state does not know of.
+    name = client.consensus.history_log_name(sids["b"])
+    head = logs.head_seqno(stash, name)
+    assert head is not None
+    logs.write(stash, [logs.LogEntry(name, head, head + 1, '{"seqno": -1}')])
+    uppers = {n: client.inspect(n).upper for n in sids}
+    txn = client.begin()
+    txn.write("a", rows(["x2"], [1]))
+    txn.write("b", rows(["y2"], [2]))
+    with pytest.raises(ConsensusError, match="history log .* out of step"):
+        txn.commit_at(6)
+    assert {n: client.inspect(n).upper for n in sids} == uppers
+    assert client.consensus.history(sids["a"]) == after["a"]

@@ -14,9 +14,11 @@ rows are a rollup and the diffs after it (after persist-client's consensus):
 
 A new version is written by :meth:`Consensus.compare_and_set` as ONE conditional
 ``INSERT`` of its row at seqno ``expected + 1`` (no frontier rows, no consolidation):
-usually a diff row (whatever the state's size); every :attr:`Consensus.max_diffs`
-versions, or once the diffs outweigh both the rollup and :data:`MAX_DIFF_CHARS`, a
-rollup row instead.  Two writers racing on the same seqno cannot both win: the loser
+usually a diff row (whatever the state's size); a rollup row instead once
+:attr:`Consensus.max_diffs` diffs follow the rollup and they add up to
+:data:`ROLLUP_SHARE` of its length (a rollup rewrites the whole state, so its cost is
+spread over diffs that add up to a fixed share of it, whatever the state's size), or
+once the diffs outweigh both the rollup and :data:`MAX_DIFF_CHARS`.  Two writers racing on the same seqno cannot both win: the loser
 gets the stash's :class:`~stash.LogRaceLost` and nothing of its write is committed.  The
 head is read from the latest rollup row on; the rows before it are deleted by
 :meth:`Consensus.truncate`, its own transaction (after a rollup commits, and from GC),
@@ -115,6 +117,9 @@ DIFF_PREFIX = "diff/"
 #: A version whose diff entry would be longer than this (characters) is written as a
 #: rollup instead (the diff of a big compaction or a large inline part).
 MAX_DIFF_CHARS = 1 << 20
+#: Past :attr:`Consensus.max_diffs` diffs, a version is still a diff while the diffs
+#: add up to less than this share of the rollup's length.
+ROLLUP_SHARE = 1 / 8
 
 
 T = TypeVar("T")
@@ -242,8 +247,9 @@ class Consensus:
         retries: attempts for a consensus call that fails with a transient (determinate)
             stash error, with exponential backoff; ``1`` means no retry.
         max_diffs: how many diff entries may follow a rollup (see the module
-            docstring); the version after them is written as a rollup.  ``0`` writes
-            every version as a rollup.
+            docstring); the version after them is written as a rollup once the diffs
+            add up to :data:`ROLLUP_SHARE` of the rollup's length.  ``0`` writes every
+            version as a rollup.
 
     Thread-safe.
     """
@@ -507,7 +513,7 @@ class Consensus:
         """The stash updates that publish version ``expected + 1`` (``0`` when
         ``expected`` is ``None``) on top of ``prev``, and how it will be stored: one diff
         entry, or a rollup: for the first version, when ``prev`` has :attr:`max_diffs`
-        diffs already, or when the diffs would pass both the rollup's length and
+        diffs already that add up to :data:`ROLLUP_SHARE` of the rollup's length, or when the diffs would pass both the rollup's length and
         :data:`MAX_DIFF_CHARS` (so a head read costs at most about the state's size, or
         that constant for a small state), or when the diff alone would be longer than
         :data:`MAX_DIFF_CHARS`.  A rollup is only ever built on the stored layout of
@@ -558,10 +564,15 @@ class Consensus:
                 )
             texts, stored = head.texts, head.stored
         name = self.log_name(shard_id)
-        if expected is not None and len(stored.diffs) < self.max_diffs:
+        if expected is not None and self.max_diffs > 0:
             text = _diff_text(texts, new, seqno, touched)
             chars = stored.diff_chars + len(text)
-            if len(text) <= MAX_DIFF_CHARS and chars <= max(stored.base_chars, MAX_DIFF_CHARS):
+            few = len(stored.diffs) < self.max_diffs or chars < stored.base_chars * ROLLUP_SHARE
+            if (
+                few
+                and len(text) <= MAX_DIFF_CHARS
+                and chars <= max(stored.base_chars, MAX_DIFF_CHARS)
+            ):
                 dk = diff_key(seqno)
                 return VersionPlan(
                     seqno,

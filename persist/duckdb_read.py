@@ -53,7 +53,7 @@ from persist.machine import ShardMachine
 from persist.parts import updates_schema
 from persist.relation import expand_rows
 from persist.state import ShardState
-from persist.version_read import MISSING_RETRIES, check_readable, read_version, version_batches
+from persist.version_read import check_readable, on_newest_version, read_at, version_batches
 
 if TYPE_CHECKING:
     import duckdb
@@ -122,17 +122,16 @@ def to_relation(
     """
     import duckdb
 
-    for attempt in range(MISSING_RETRIES + 1):
-        check_readable(st, as_of, st.name)
-        try:
-            return _relation(ctx, machine, st, as_of, con)
-        except (CorruptPart, duckdb.IOException) as e:
-            missing = e.missing if isinstance(e, CorruptPart) else _gone(e)
-            if not missing or attempt == MISSING_RETRIES:
-                raise
-            log.info("read of shard %s met a missing part, re-reading: %s", st.name, e)
-            st = machine.fetch()
-    raise AssertionError("unreachable")  # pragma: no cover
+    def gone(e: BaseException) -> bool:
+        if isinstance(e, CorruptPart):
+            return e.missing
+        return isinstance(e, duckdb.IOException) and _gone(e)
+
+    def relation(s: ShardState) -> duckdb.DuckDBPyRelation:
+        check_readable(s, as_of, s.name)
+        return _relation(ctx, s, as_of, con)
+
+    return on_newest_version(machine, st, relation, gone)
 
 
 def _gone(e: Exception) -> bool:
@@ -141,7 +140,6 @@ def _gone(e: Exception) -> bool:
 
 def _relation(
     ctx: PersistContext,
-    machine: ShardMachine,
     st: ShardState,
     as_of: int,
     con: duckdb.DuckDBPyConnection,
@@ -149,7 +147,7 @@ def _relation(
     names = [*st.key_schema.names, *st.value_schema.names]
     root = _file_root(ctx.raw_blob)
     if root is None or not all(_direct_type(f.type) for f in [*st.key_schema, *st.value_schema]):
-        return _arrow(con, read_version(ctx, machine, st, as_of, columns=[*names, DIFF]), st)
+        return _arrow(con, read_at(ctx, st, as_of, columns=[*names, DIFF]), st)
     schema = updates_schema(st.key_schema, st.value_schema)
     keys, values = st.key_schema.names, st.value_schema.names
     history = (st.schemas(), st.schemas().newest)
@@ -161,7 +159,7 @@ def _relation(
         if p.schema_id == history[1] and (path := _local_path(root, p.key)) is not None
     }
     if not paths:
-        return _arrow(con, read_version(ctx, machine, st, as_of, columns=[*names, DIFF]), st)
+        return _arrow(con, read_at(ctx, st, as_of, columns=[*names, DIFF]), st)
 
     def read(slices: Sequence[tuple[object, list[int]]]) -> pa.Table:
         return snapshot_table(

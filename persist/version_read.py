@@ -23,10 +23,12 @@ a reader that does not need to hold the since back does not register one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 from persist.context import PersistContext
 from persist.errors import CorruptPart, DiffOverflow, InvalidUsage, SinceViolation
@@ -38,9 +40,18 @@ from persist.state import ShardState
 from persist.types import HollowBatch
 from persist.updates import SchemaHistory
 
-__all__ = ["MISSING_RETRIES", "VersionReader", "check_readable", "read_version", "version_batches"]
+__all__ = [
+    "MISSING_RETRIES",
+    "VersionReader",
+    "check_readable",
+    "on_newest_version",
+    "read_at",
+    "read_version",
+    "version_batches",
+]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: How many times a read starts again on a newer version after meeting a missing part.
 MISSING_RETRIES = 3
@@ -70,6 +81,35 @@ def version_batches(st: ShardState, as_of: int) -> list[HollowBatch]:
     return [b for b in st.batches() if b.len > 0 and b.desc.lower.less_equal(as_of)]
 
 
+def on_newest_version(
+    machine: ShardMachine,
+    st: ShardState,
+    read: Callable[[ShardState], T],
+    missing: Callable[[BaseException], bool] = lambda e: isinstance(e, CorruptPart) and e.missing,
+) -> T:
+    """``read(st)``; when it fails because a part of ``st`` is gone (``missing(e)``: GC
+    deleted it after a newer version stopped referencing it), ``read`` again on the
+    newest version, at most :data:`MISSING_RETRIES` times (tenacity), then the error.
+
+    Raises: whatever ``read`` raises (``CorruptPart`` once the newest version still
+        references the missing part); ConsensusError reading the newer version.
+    """
+    state = [st]
+
+    def newer(rs: RetryCallState) -> None:
+        e = rs.outcome.exception() if rs.outcome is not None else None
+        log.info("read of shard %s met a missing part, re-reading: %s", state[0].name, e)
+        state[0] = machine.fetch()
+
+    retrying = Retrying(
+        stop=stop_after_attempt(MISSING_RETRIES + 1),
+        retry=retry_if_exception(missing),
+        before_sleep=newer,
+        reraise=True,
+    )
+    return retrying(lambda: read(state[0]))
+
+
 def read_version(
     ctx: PersistContext,
     machine: ShardMachine,
@@ -82,7 +122,8 @@ def read_version(
     """The consolidated snapshot of the version ``st`` at ``as_of`` (what
     :meth:`ReadHandle.snapshot <persist.read.ReadHandle.snapshot>` returns: key and
     value columns, ``_time`` = ``as_of``, ``_diff``; with ``columns``, only those), read
-    without a lease (see the module docstring).
+    without a lease (see the module docstring): :func:`read_at` on
+    :func:`on_newest_version`.
 
     Raises:
         SinceViolation: ``as_of`` is before the since (of ``st``, or of the newer version
@@ -92,34 +133,42 @@ def read_version(
         DiffOverflow: a row's diffs sum beyond int64 (naming the shard).
         BlobError, ConsensusError: storage failed.
     """
-    for attempt in range(MISSING_RETRIES + 1):
-        check_readable(st, as_of, st.name)
-        schema = updates_schema(st.key_schema, st.value_schema)
-        keys, values = st.key_schema.names, st.value_schema.names
-        check_filter(filter, schema, keys, values)
-        try:
-            return snapshot_table(
-                ctx.blob,
-                version_batches(st, as_of),
-                schema,
-                keys,
-                values,
-                as_of,
-                max_workers=ctx.config.read_workers,
-                schemas=(st.schemas(), st.schemas().newest),
-                filter=filter,
-                columns=columns,
-            )
-        except DiffOverflow as e:
-            raise e.in_shard(f"{st.name!r} ({st.shard_id})") from e
-        except CorruptPart as e:
-            # GC deleted a part of this version after a newer one stopped referencing
-            # it: read that newer version at the same as_of.
-            if not e.missing or attempt == MISSING_RETRIES:
-                raise
-            log.info("read of shard %s met a missing part, re-reading: %s", st.name, e)
-            st = machine.fetch()
-    raise AssertionError("unreachable")  # pragma: no cover
+    return on_newest_version(
+        machine, st, lambda s: read_at(ctx, s, as_of, columns=columns, filter=filter)
+    )
+
+
+def read_at(
+    ctx: PersistContext,
+    st: ShardState,
+    as_of: int,
+    *,
+    columns: Sequence[str] | None = None,
+    filter: pc.Expression | None = None,
+) -> pa.Table:
+    """:func:`read_version` of ``st`` alone: a missing part is not read again elsewhere.
+
+    Raises: as :func:`read_version` (``CorruptPart`` for a missing part of ``st``).
+    """
+    check_readable(st, as_of, st.name)
+    schema = updates_schema(st.key_schema, st.value_schema)
+    keys, values = st.key_schema.names, st.value_schema.names
+    check_filter(filter, schema, keys, values)
+    try:
+        return snapshot_table(
+            ctx.blob,
+            version_batches(st, as_of),
+            schema,
+            keys,
+            values,
+            as_of,
+            max_workers=ctx.config.read_workers,
+            schemas=(st.schemas(), st.schemas().newest),
+            filter=filter,
+            columns=columns,
+        )
+    except DiffOverflow as e:
+        raise e.in_shard(f"{st.name!r} ({st.shard_id})") from e
 
 
 class VersionReader:

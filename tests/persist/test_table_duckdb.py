@@ -190,3 +190,28 @@ def test_part_paths_are_names_not_patterns(tmp_path: Path) -> None:
             assert rel.aggregate("count(*) AS n").fetchall() == [(2,)]
         finally:
             c.close()
+
+
+def test_a_read_of_a_version_whose_parts_gc_deleted_reads_the_newest(
+    client: PersistClient, tmp_path: Path
+) -> None:
+    """A read without a lease holds an older version; once compaction replaced its parts
+    and GC deleted them, the read starts again on the newest version at the same time
+    (for DuckDB's scan and for persist's own read alike)."""
+    from persist.duckdb_read import to_relation
+    from persist.gc import collect_garbage
+    from persist.version_read import read_version
+
+    t = client.create_table("g", SCHEMA, key=["id"])
+    t.append(pa.table({"id": [1, 2], "name": ["a", "b"], 'we"ird': [1.0, 2.0]}))
+    t.append(pa.table({"id": [3], "name": ["c"], 'we"ird': [3.0]}))
+    old = t._state()
+    as_of = old.upper.as_option() - 1
+    old_files = {p.key for b in old.batches() for p in b.parts if p.key}
+    t.optimize()
+    collect_garbage(client, "g", grace_seconds=0)
+    on_disk = {str(p.relative_to(tmp_path / "blob")) for p in (tmp_path / "blob").rglob("*")}
+    assert old_files and not old_files & on_disk  # the old version's parts are gone
+    _same(to_relation(t._ctx, t._machine, old, as_of, duckdb.connect()), t)
+    got = read_version(t._ctx, t._machine, old, as_of).drop_columns(["_time", "_diff"])
+    assert _sorted(got) == _sorted(t.to_arrow())

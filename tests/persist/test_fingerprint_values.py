@@ -17,13 +17,24 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persist import FileBlob, PersistClient, fingerprint
+from persist import (
+    ConsensusError,
+    FileBlob,
+    InvalidUsage,
+    MemoryBlob,
+    PersistClient,
+    fingerprint,
+)
+from persist import write as write_module
 from persist.fingerprint import updates_fingerprint
+from persist.lease_state import TOKEN_SEP
 from stash import Antichain, Stash
 from tests.persist.arrow_strategies import COLUMN_TYPES, arrow_array, column_values
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.bool_()), ("n", pa.int64())])
@@ -251,10 +262,6 @@ def test_large_append_records_its_fingerprint_and_its_token_names_it(tmp_path: P
     """An append of many rows (fingerprinted in the background while its parts are
     written) records the fingerprint of its updates; a retry with its token and equal
     updates writes nothing, one with other updates is refused."""
-    from persist import InvalidUsage
-    from persist import write as write_module
-    from persist.lease_state import TOKEN_SEP
-
     t = _many_rows().select([*_MANY_KS.names, *_MANY_VS.names, "_time", "_diff"])
     assert t.num_rows >= write_module._BACKGROUND_FINGERPRINT_ROWS
     s = Stash.open(f"sqlite:///{tmp_path / 's.db'}", fenced=False)
@@ -279,13 +286,8 @@ def test_large_append_records_its_fingerprint_and_its_token_names_it(tmp_path: P
         rows = sum(r.snapshot(7).column("_diff").to_pylist())
         w.compare_and_append(t.slice(0, t.num_rows), 0, 7, idempotency_token="bulk-job-1")
         assert sum(r.snapshot(7).column("_diff").to_pylist()) == rows
-        other = t.slice(1)
-        try:
-            w.compare_and_append(other, 0, 7, idempotency_token="bulk-job-1")
-        except InvalidUsage as err:
-            assert "different append" in str(err)
-        else:
-            raise AssertionError("a token reused on other updates was accepted")
+        with pytest.raises(InvalidUsage, match="different append"):
+            w.compare_and_append(t.slice(1), 0, 7, idempotency_token="bulk-job-1")
     finally:
         c.close()
         s.close()
@@ -294,8 +296,6 @@ def test_large_append_records_its_fingerprint_and_its_token_names_it(tmp_path: P
 def test_large_append_whose_fingerprint_fails_commits_nothing_and_leaves_no_part(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    from persist import write as write_module
-
     def broken(*args: Any) -> str:
         raise RuntimeError("fingerprint failed")
 
@@ -306,14 +306,49 @@ def test_large_append_whose_fingerprint_fails_commits_nothing_and_leaves_no_part
     try:
         w, _r = c.open("many", _MANY_KS, _MANY_VS)
         monkeypatch.setattr(write_module, "updates_fingerprint", broken)
-        try:
+        with pytest.raises(RuntimeError, match="fingerprint failed"):
             w.compare_and_append(t, 0, 7)
-        except RuntimeError as err:
-            assert "fingerprint failed" in str(err)
-        else:
-            raise AssertionError("the append succeeded without a fingerprint")
         assert w.fetch_recent_upper() == Antichain.from_elem(0)
-        assert [p for p in blob_dir.rglob("*.parquet")] == []
+        assert list(blob_dir.rglob("*.parquet")) == []
     finally:
         c.close()
         s.close()
+
+
+def test_large_append_of_unknown_outcome_is_recognised_by_its_retry() -> None:
+    """The fingerprint hashed in the background by a large append whose commit landed
+    unacknowledged is the one its retry computes in the caller's thread: the retry
+    writes nothing again; the token on other updates is refused."""
+    inner = Stash.open("memory://", fenced=False)
+    flaky = AckLostStash(inner)
+    blob = MemoryBlob()
+    c = PersistClient(
+        flaky,  # type: ignore[arg-type]
+        blob,
+        compaction="off",
+        consensus_retries=1,
+        inline_max_bytes=0,
+    )
+    try:
+        w, r = c.open("many", _MANY_KS, _MANY_VS)
+        w.resolve_max_wait = 0.001
+        w.resolve_attempts = 2
+        w.heartbeat()  # registered: the lost acknowledgement is the append's own commit
+        t = _many_rows().select([*_MANY_KS.names, *_MANY_VS.names, "_time", "_diff"])
+        flaky.arm(reads=50)  # consensus stays unreadable longer than the append tries
+        with pytest.raises(ConsensusError) as e:
+            w.compare_and_append(t, 0, 7)
+        token = e.value.idempotency_token
+        assert e.value.is_indeterminate() and token
+        flaky.reads_to_fail = 0
+        sets = blob.metrics.snapshot().sets
+        w.compare_and_append(t, 0, 7, idempotency_token=token)  # landed: nothing again
+        with pytest.raises(InvalidUsage, match="names a different append"):
+            w.compare_and_append(t.slice(1), 0, 7, idempotency_token=token)
+        assert blob.metrics.snapshot().sets == sets
+        assert w.fetch_recent_upper() == Antichain.from_elem(7)
+        diffs = t.column("_diff").to_pylist()
+        assert sum(r.snapshot(6).column("_diff").to_pylist()) == sum(diffs)  # written once
+    finally:
+        c.close()
+        inner.close()

@@ -46,7 +46,7 @@ from persist.encoding import (
 )
 from persist.errors import BlobError, CorruptPart, InvalidUsage
 from persist.merge import key_samples
-from persist.pool import run_all, submit_io
+from persist.pool import in_background, run_all, submit_io
 from persist.stats import table_stats
 from persist.types import PartRef
 from persist.updates import DIFF, TIME, SchemaHistory, to_updates_table, updates_schema
@@ -170,10 +170,11 @@ def write_parts(
     """Encode ``table`` as Parquet parts and upload them; return their refs in order.
 
     ``before_upload``, if given, is called once before the first blob upload (never for
-    a table kept inline), by the first encoding thread ready to upload while the others
-    go on encoding; a writer registers itself there, so that GC knows the owner of every
-    key it lists (:mod:`persist.keys`).  An error it raises is raised as is, with
-    nothing uploaded.
+    a table kept inline): started in the shared pool once the table is known to go to
+    blob parts, while they are gathered and encoded (or by the first encoding thread
+    ready to upload, if no pool thread started it), and every upload waits for it; a
+    writer registers itself there, so that GC knows the owner of every key it lists
+    (:mod:`persist.keys`).  An error it raises is raised as is, with nothing uploaded.
 
     The table is written as given (consolidate it first for a sorted run), or, with
     ``order`` (an int64 numpy array of row positions, e.g. from
@@ -242,10 +243,12 @@ def write_parts(
         if len(pieces) > 1 and len(whole) <= target_part_bytes:
             pieces = [table]  # the whole encoding fits one part: reuse it
     keys = [f"{key_prefix}/{name_prefix}{uuid.uuid4().hex}.parquet" for _ in pieces]
-    # The owner's registration (a consensus commit) runs in the first encoding thread
-    # to reach its upload, while the other threads go on encoding; every upload waits
-    # for it, and none is submitted once it failed.
+    # The owner's registration (a consensus commit, durable: an fsync or a round trip)
+    # starts in the shared pool now, while the parts are gathered and encoded; every
+    # upload waits for it (the first encoding thread to reach its upload runs it, if no
+    # pool thread has started it yet), and none is submitted once it failed.
     registration = _Once(before_upload)
+    registering = None if before_upload is None else in_background(registration.run)
     # Row offsets of the pieces (slices of the table, or of ``order``).
     starts = [0]
     for p in pieces[:-1]:
@@ -286,6 +289,8 @@ def write_parts(
 
     tasks: list[Callable[[], PartRef]] = [partial(encode, i) for i in range(len(pieces))]
     results, error = run_all(tasks, max_workers)
+    if registering is not None:
+        registering.wait()  # ended (or never started) before anything is decided
     if registration.error is not None:
         error = registration.error  # raised as is; nothing was uploaded
     elif isinstance(error, _UploadFailed):

@@ -21,7 +21,10 @@ Invariants kept here:
   a pool busy with other calls, or a pool whose threads are gone cannot deadlock it;
 * a child made by ``os.fork`` (Spark's Python workers are forked) starts pools of its
   own (the parent's threads do not exist in the child), so it works in parallel too;
-* tasks of the upload pool never wait for either pool, so they always finish.
+* tasks of the upload pool never wait for either pool, so they always finish;
+* a :class:`Background` task (:func:`in_background`) runs at most once: in a thread of
+  the shared pool, or, if none has started it when its result is wanted, in the thread
+  that wants it (so waiting for it never deadlocks either).
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["IO_THREADS", "POOL_THREADS", "run_all", "submit_io"]
+__all__ = ["IO_THREADS", "POOL_THREADS", "Background", "in_background", "run_all", "submit_io"]
 
 _T = TypeVar("_T")
 
@@ -73,6 +76,40 @@ def submit_io(fn: Callable[..., _T], *args: Any) -> Future[_T]:
             _io_pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="persist-io")
         pool = _io_pool
     return pool.submit(fn, *args)
+
+
+class Background(Generic[_T]):
+    """A task handed to the shared pool (:func:`in_background`), to overlap with the
+    caller's own work: e.g. the fingerprint of an append (``hashlib`` releases the GIL)
+    while its parts are sorted and encoded."""
+
+    def __init__(self, fn: Callable[[], _T]) -> None:
+        self._fn = fn
+        self._future: Future[_T] = _executor().submit(fn)
+
+    def result(self) -> _T:
+        """The task's result (or its exception, raised), waiting for it if a pool thread
+        runs it; a task no pool thread has started yet is taken back and run here."""
+        if self._future.cancel():
+            return self._fn()
+        return self._future.result()
+
+    def wait(self) -> None:
+        """:meth:`result`, its outcome ignored: the task has ended when this returns (a
+        caller cleaning up after its own failure need not wait for a task still queued:
+        it is cancelled)."""
+        if self._future.cancel():
+            return
+        try:
+            self._future.result()
+        except Exception:  # the caller's own error is the one it raises
+            pass
+
+
+def in_background(fn: Callable[[], _T]) -> Background[_T]:
+    """Start ``fn()`` in the shared pool; its :meth:`Background.result` gives its
+    result."""
+    return Background(fn)
 
 
 def run_all(

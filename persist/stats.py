@@ -25,6 +25,8 @@ Invariants kept here:
   whose statistics were not recorded) is never pruned for that column;
 * ``nulls`` counts the nulls of the column; a column whose values are all null has
   ``min`` and ``max`` ``None``;
+* ``min`` and ``max`` are those of ``pyarrow.compute.min_max`` (found among packed
+  integers for short strings of one width, the same values: :func:`_packed_min_max`);
 * ``_time`` statistics are the times as stored: a reader advances them to the batch's
   floor (``max(t, lower, since)``) before comparing (:func:`min_time`).
 
@@ -40,6 +42,7 @@ import decimal
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -49,6 +52,12 @@ from persist.exprs import prunable
 
 #: Strings and binary values longer than this (bytes) are not recorded as min or max.
 MAX_STAT_BYTES = 64
+
+#: A string or binary column of at least this many values, none null, all of one length
+#: of at most :data:`_PACKED_MAX_WIDTH` bytes (codes: airports, currencies, countries) has
+#: its min and max found among integers (:func:`_packed_min_max`).
+_PACKED_MIN_ROWS = 256
+_PACKED_MAX_WIDTH = 8
 
 #: One column's statistics: ``(column, min, max, nulls)`` (JSON-safe encodings).
 ColumnStats = tuple[str, Any, Any, int]
@@ -133,6 +142,47 @@ def decode_value(encoded: Any, t: pa.DataType) -> pa.Scalar:
         raise ValueError(f"statistic {encoded!r:.80} is not a valid {t} value: {e}") from None
 
 
+def _packed_min_max(column: pa.ChunkedArray | pa.Array) -> tuple[pa.Scalar, pa.Scalar] | None:
+    """The least and greatest values of a string or binary ``column`` (one chunk) of at
+    least :data:`_PACKED_MIN_ROWS` values, none null, all ``w <= _PACKED_MAX_WIDTH``
+    bytes long; ``None`` when it is not such a column.
+
+    Byte strings of one length order as the big-endian integers of their bytes, which is
+    the order ``pyarrow.compute.min_max`` compares them in (bytewise, unsigned): the
+    values are packed into ``uint64`` keys, compared by numpy in one pass, about eight
+    times faster than Arrow's comparisons of strings (a flights part's airport codes:
+    0.6 ms against 5 ms)."""
+    if isinstance(column, pa.ChunkedArray):
+        if column.num_chunks != 1:
+            return None
+        column = column.chunk(0)
+    n = len(column)
+    t = column.type
+    if (
+        n < _PACKED_MIN_ROWS
+        or column.null_count
+        or not (pa.types.is_string(t) or pa.types.is_binary(t))
+    ):
+        return None
+    _, offsets, data = column.buffers()
+    if offsets is None or data is None:
+        return None
+    ends = np.frombuffer(offsets, np.int32, count=n + 1, offset=4 * column.offset)
+    first = int(ends[0])
+    width = (int(ends[-1]) - first) // n
+    if not 1 <= width <= _PACKED_MAX_WIDTH:
+        return None
+    lengths = np.diff(ends)
+    if int(lengths.min()) != width or int(lengths.max()) != width:
+        return None
+    values = np.frombuffer(data, np.uint8, count=n * width, offset=first).reshape(n, width)
+    keys = values[:, 0].astype(np.uint64)
+    for j in range(1, width):
+        keys <<= np.uint64(8)
+        keys |= values[:, j]
+    return column[int(keys.argmin())], column[int(keys.argmax())]
+
+
 def column_stats(name: str, column: pa.ChunkedArray | pa.Array) -> ColumnStats | None:
     """The statistics of one column, or ``None`` when its type has none or its min or
     max is not recorded (too long)."""
@@ -154,10 +204,13 @@ def column_stats(name: str, column: pa.ChunkedArray | pa.Array) -> ColumnStats |
                 view = column.view(storage)
             mm = pc.min_max(view)
             return (name, int(mm["min"].as_py()), int(mm["max"].as_py()), nulls)
-        mm = pc.min_max(column)
+        packed = _packed_min_max(column)
+        if packed is None:
+            mm = pc.min_max(column)
+            packed = mm["min"], mm["max"]
     except pa.ArrowNotImplementedError:
         return None
-    lo, hi = encode_value(mm["min"]), encode_value(mm["max"])
+    lo, hi = encode_value(packed[0]), encode_value(packed[1])
     if lo is None or hi is None:
         return None
     return (name, lo, hi, nulls)

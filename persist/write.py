@@ -12,7 +12,9 @@ upload, handed down as a plain function, step 2):
 1. validate and plan: the bounds and the updates' times (:mod:`persist.batch_rules`:
    ``append_bounds``, ``check_times``; ``check_batches``, ``validate_truncate``,
    ``check_appendable`` and ``plan_pieces`` for batches), the idempotency token
-   (:mod:`persist.idempotency`) and the append's fingerprint (:mod:`persist.fingerprint`);
+   (:mod:`persist.idempotency`) and the append's fingerprint (:mod:`persist.fingerprint`;
+   for updates of many rows hashed in the shared pool, :func:`persist.pool.in_background`,
+   while step 2 writes their parts, and awaited before the commit);
 2. write parts: :meth:`persist.builder.RunWriter.write_run`, through
    :func:`persist.parts.write_parts` (given the handle's ``_ensure_registered`` as its
    ``before_upload`` function: the writer registers in the shard state before its
@@ -127,6 +129,7 @@ from persist.keys import key_writer_id
 from persist.lease import DEFAULT_KEEPER, LeaseKeeper
 from persist.lease_state import TOKEN_SEP
 from persist.machine import ShardMachine
+from persist.pool import Background, in_background
 from persist.spine import FueledMergeRes, worth_compacting
 from persist.types import Description, HollowBatch, as_frontier
 from persist.write_rows import RowChangeMethods
@@ -140,6 +143,11 @@ __all__ = ["BatchBuilder", "WriteHandle", "handed_off_owners"]
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+#: Updates of at least this many rows are fingerprinted in the shared pool, while their
+#: parts are written; smaller ones in the caller's thread (a thread hop costs tens of
+#: microseconds, about what hashing a few hundred rows does).
+_BACKGROUND_FINGERPRINT_ROWS = 4096
 
 # The names this module held before its split, for their importers.
 _TokenSource = TokenSource
@@ -394,8 +402,14 @@ class WriteHandle(RowChangeMethods):
         token = checked_token(idempotency_token, self.writer_id, self._machine.state().seqno)
         table = self.runs.normalize(updates)
         rng = check_times(table, expected, new)
-        fingerprint = updates_fingerprint(expected, new, table)
         retry = idempotency_token is not None
+        hashing: Background[str] | None = None
+        if retry or expected == new or table.num_rows < _BACKGROUND_FINGERPRINT_ROWS:
+            fingerprint = updates_fingerprint(expected, new, table)
+        else:
+            # Needed only by the commit: hashed in the shared pool while the parts are
+            # sorted and encoded (hashlib and pyarrow release the GIL).
+            hashing = in_background(partial(updates_fingerprint, expected, new, table))
         seen: int | None = None
         if retry:
             landed, seen = self._token_landed(token, fingerprint)
@@ -406,14 +420,25 @@ class WriteHandle(RowChangeMethods):
             self._append_batches([], expected, new, token, fingerprint=fingerprint, seen=seen)
             return
         # 2. write parts
-        with carrying_token(token):
-            run = self.runs.write_run(table, self.schema_id)
+        try:
+            with carrying_token(token):
+                run = self.runs.write_run(table, self.schema_id)
+        except BaseException:
+            if hashing is not None:
+                hashing.wait()  # no work of this call goes on after it
+            raise
         hollow = HollowBatch(
             desc=Description(expected, new),
             parts=tuple(run),
             len=sum(p.rows for p in run),
         )
         batch = Batch(self._ctx.blob, self.shard_id, hollow, time_range=rng)
+        if hashing is not None:
+            try:
+                fingerprint = hashing.result()
+            except BaseException:
+                batch.delete()  # nothing was committed: the parts are garbage
+                raise
         # 3. commit and 4. maintenance
         try:
             self._append_batches(

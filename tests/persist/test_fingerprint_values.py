@@ -17,13 +17,24 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persist import FileBlob, PersistClient, fingerprint
+from persist import (
+    ConsensusError,
+    FileBlob,
+    InvalidUsage,
+    MemoryBlob,
+    PersistClient,
+    fingerprint,
+)
+from persist import write as write_module
 from persist.fingerprint import updates_fingerprint
+from persist.lease_state import TOKEN_SEP
 from stash import Antichain, Stash
 from tests.persist.arrow_strategies import COLUMN_TYPES, arrow_array, column_values
+from tests.support.stash_faults import AckLostStash
 
 KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.bool_()), ("n", pa.int64())])
@@ -184,3 +195,160 @@ def test_fingerprints_recorded_by_this_format_stay_the_same() -> None:
     assert updates_fingerprint(e, n, t) == "V5b03bbe288949efb7620915b11529342"
     assert updates_fingerprint(e, n, t.slice(1, 1)) == "Vbf518e93b31489118678bee2b80d71a6"
     assert updates_fingerprint(e, n, t.slice(0, 0)) == "Vf885bf241f8862ce0af1d425559fb953"
+
+
+def _many_rows(n: int = 5000) -> pa.Table:
+    """Updates of every kind of column, with nulls, NaNs and signed zeros, long enough
+    for the numpy reading of every column and for an append's background fingerprint."""
+    i = np.arange(n)
+    return pa.table(
+        {
+            "k": pa.array(np.where(i % 7 == 0, None, i * 3 - 4000).tolist(), pa.int64()),
+            "s": pa.array(
+                [None if j % 11 == 0 else f"s{j % 97}" * (j % 5) for j in range(n)], pa.string()
+            ),
+            "b": pa.array([None if j % 13 == 0 else j % 3 == 0 for j in range(n)], pa.bool_()),
+            "f": pa.array(
+                [math.nan if j % 17 == 0 else (-0.0 if j % 19 == 0 else j / 8) for j in range(n)],
+                pa.float64(),
+            ),
+            "g": pa.array(
+                [
+                    None if j % 5 == 0 else (-math.nan if j % 23 == 0 else j * 0.25)
+                    for j in range(n)
+                ],
+                pa.float32(),
+            ),
+            "l": pa.array(
+                [None if j % 29 == 0 else bytes([j % 256]) * (j % 4) for j in range(n)],
+                pa.large_binary(),
+            ),
+            "d": pa.array(i * 1000, pa.timestamp("us", "UTC")),
+            "_time": pa.array(5 + i % 2, pa.int64()),
+            "_diff": pa.array(1 - 2 * (i % 3 == 0), pa.int64()),
+        }
+    )
+
+
+def test_fingerprints_of_many_rows_stay_the_same() -> None:
+    """The numpy reading of the columns (more than ``_FEW`` rows) gives the fingerprints
+    recorded before: values computed by the version that introduced the ``V`` form."""
+    t = _many_rows()
+    e, n = Antichain.from_elem(5), Antichain.from_elem(7)
+    assert updates_fingerprint(e, n, t) == "V55bf2cab7131492d89a145d79b84703a"
+    assert updates_fingerprint(e, n, t.slice(1000, 3000)) == "V5cafdbb77ec3fb207e9dbe0bc93bd549"
+    chunked = pa.concat_tables([t.slice(0, 1234), t.slice(1234)])
+    assert updates_fingerprint(e, n, chunked) == "V55bf2cab7131492d89a145d79b84703a"
+
+
+def _recorded(c: PersistClient, shard: str) -> list[str]:
+    """The landed records (``token + TOKEN_SEP + fingerprint``) of a shard's state."""
+    return [rec.entry for rec in c.inspect(shard).landed.values()]
+
+
+_MANY_KS = pa.schema([("k", pa.int64()), ("s", pa.string())])
+_MANY_VS = pa.schema(
+    [
+        ("b", pa.bool_()),
+        ("f", pa.float64()),
+        ("g", pa.float32()),
+        ("l", pa.large_binary()),
+        ("d", pa.timestamp("us", "UTC")),
+    ]
+)
+
+
+def test_large_append_records_its_fingerprint_and_its_token_names_it(tmp_path: Path) -> None:
+    """An append of many rows (fingerprinted in the background while its parts are
+    written) records the fingerprint of its updates; a retry with its token and equal
+    updates writes nothing, one with other updates is refused."""
+    t = _many_rows().select([*_MANY_KS.names, *_MANY_VS.names, "_time", "_diff"])
+    assert t.num_rows >= write_module._BACKGROUND_FINGERPRINT_ROWS
+    s = Stash.open(f"sqlite:///{tmp_path / 's.db'}", fenced=False)
+    c = PersistClient(s, FileBlob(tmp_path / "blob"), compaction="off")
+    try:
+        w, r = c.open("many", _MANY_KS, _MANY_VS)
+        w.compare_and_append(t, 0, 7, idempotency_token="bulk-job-1")
+        want = updates_fingerprint(Antichain.from_elem(0), Antichain.from_elem(7), w._normalize(t))
+        recorded = {
+            x.split(TOKEN_SEP)[1] for x in _recorded(c, "many") if x.startswith("bulk-job-1")
+        }
+        assert recorded == {want}
+        # A fresh token (no retry): recorded with the same fingerprint.
+        t2 = t.set_column(
+            t.schema.get_field_index("_time"), "_time", pa.array([7] * t.num_rows, pa.int64())
+        )
+        w.compare_and_append(t2, 7, 8)
+        want2 = updates_fingerprint(
+            Antichain.from_elem(7), Antichain.from_elem(8), w._normalize(t2)
+        )
+        assert any(x.endswith(TOKEN_SEP + want2) for x in _recorded(c, "many"))
+        rows = sum(r.snapshot(7).column("_diff").to_pylist())
+        w.compare_and_append(t.slice(0, t.num_rows), 0, 7, idempotency_token="bulk-job-1")
+        assert sum(r.snapshot(7).column("_diff").to_pylist()) == rows
+        with pytest.raises(InvalidUsage, match="different append"):
+            w.compare_and_append(t.slice(1), 0, 7, idempotency_token="bulk-job-1")
+    finally:
+        c.close()
+        s.close()
+
+
+def test_large_append_whose_fingerprint_fails_commits_nothing_and_leaves_no_part(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    def broken(*args: Any) -> str:
+        raise RuntimeError("fingerprint failed")
+
+    t = _many_rows().select([*_MANY_KS.names, *_MANY_VS.names, "_time", "_diff"])
+    s = Stash.open(f"sqlite:///{tmp_path / 's.db'}", fenced=False)
+    blob_dir = tmp_path / "blob"
+    c = PersistClient(s, FileBlob(blob_dir), compaction="off")
+    try:
+        w, _r = c.open("many", _MANY_KS, _MANY_VS)
+        monkeypatch.setattr(write_module, "updates_fingerprint", broken)
+        with pytest.raises(RuntimeError, match="fingerprint failed"):
+            w.compare_and_append(t, 0, 7)
+        assert w.fetch_recent_upper() == Antichain.from_elem(0)
+        assert list(blob_dir.rglob("*.parquet")) == []
+    finally:
+        c.close()
+        s.close()
+
+
+def test_large_append_of_unknown_outcome_is_recognised_by_its_retry() -> None:
+    """The fingerprint hashed in the background by a large append whose commit landed
+    unacknowledged is the one its retry computes in the caller's thread: the retry
+    writes nothing again; the token on other updates is refused."""
+    inner = Stash.open("memory://", fenced=False)
+    flaky = AckLostStash(inner)
+    blob = MemoryBlob()
+    c = PersistClient(
+        flaky,  # type: ignore[arg-type]
+        blob,
+        compaction="off",
+        consensus_retries=1,
+        inline_max_bytes=0,
+    )
+    try:
+        w, r = c.open("many", _MANY_KS, _MANY_VS)
+        w.resolve_max_wait = 0.001
+        w.resolve_attempts = 2
+        w.heartbeat()  # registered: the lost acknowledgement is the append's own commit
+        t = _many_rows().select([*_MANY_KS.names, *_MANY_VS.names, "_time", "_diff"])
+        flaky.arm(reads=50)  # consensus stays unreadable longer than the append tries
+        with pytest.raises(ConsensusError) as e:
+            w.compare_and_append(t, 0, 7)
+        token = e.value.idempotency_token
+        assert e.value.is_indeterminate() and token
+        flaky.reads_to_fail = 0
+        sets = blob.metrics.snapshot().sets
+        w.compare_and_append(t, 0, 7, idempotency_token=token)  # landed: nothing again
+        with pytest.raises(InvalidUsage, match="names a different append"):
+            w.compare_and_append(t.slice(1), 0, 7, idempotency_token=token)
+        assert blob.metrics.snapshot().sets == sets
+        assert w.fetch_recent_upper() == Antichain.from_elem(7)
+        diffs = t.column("_diff").to_pylist()
+        assert sum(r.snapshot(6).column("_diff").to_pylist()) == sum(diffs)  # written once
+    finally:
+        c.close()
+        inner.close()

@@ -823,9 +823,9 @@ class _RecordingBlob(MemoryBlob):
 
 @pytest.mark.parametrize("workers", [1, 2, 4])
 def test_before_upload_runs_once_before_every_upload(workers: int) -> None:
-    """The owner's registration runs in an encoding thread, overlapping the encoding of
-    other parts, but exactly once and before the first upload; never for an inline
-    table."""
+    """The owner's registration runs in the shared pool or an encoding thread,
+    overlapping the encoding of parts, but exactly once and before the first upload;
+    never for an inline table."""
     events: list[str] = []
     lock = threading.Lock()
 
@@ -893,6 +893,38 @@ def test_before_upload_overlaps_the_encoding_of_other_parts(
         before_upload=register,
     )
     assert seen == [True]
+    assert read_parts(blob, refs).equals(t)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_before_upload_starts_before_the_first_part_is_encoded(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registration (a durable commit: an fsync or a round trip) starts as soon as
+    the table is known to go to blob parts, overlapping the encoding of the first part,
+    however many encoding threads there are (before, it waited for a part's encoding,
+    and with one worker nothing overlapped it)."""
+    started = threading.Event()
+    waited: list[bool] = []
+    real = parts.encode_part
+
+    def encoding(table: pa.Table) -> bytes:
+        waited.append(started.wait(timeout=5))  # the registration runs meanwhile
+        return real(table)
+
+    monkeypatch.setattr(parts, "encode_part", encoding)
+    blob = MemoryBlob()
+    t = _sample(5000)
+    refs = write_parts(
+        blob,
+        t,
+        "s/b",
+        target_part_bytes=10_000,
+        inline_max_bytes=0,
+        max_workers=workers,
+        before_upload=started.set,
+    )
+    assert waited and all(waited)
     assert read_parts(blob, refs).equals(t)
 
 

@@ -1,6 +1,7 @@
-"""Tests of persist.pool.run_all: the shared worker pool keeps each call's concurrency
-bound, results in order, the first error by task index, nothing running after a call
-returns, nesting and sharing without deadlock, and a parallel pool in a forked child."""
+"""Tests of persist.pool: ``run_all`` keeps each call's concurrency bound, results in
+order, the first error by task index, nothing running after a call returns, nesting and
+sharing without deadlock, and a parallel pool in a forked child; an ``in_background``
+task runs once, in the pool or in the caller when no pool thread took it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from persist.pool import POOL_THREADS, run_all, submit_io
+from persist.pool import POOL_THREADS, in_background, run_all, submit_io
 
 
 def _tracking(n: int, sleep: float = 0.002) -> tuple[list[Callable[[], int]], Callable[[], int]]:
@@ -162,3 +163,67 @@ def test_pool_works_in_a_forked_child() -> None:
     results, error, peak, uploaded = q.get(timeout=5)  # type: ignore[misc]
     assert error is None and results == list(range(16))
     assert peak == 2 and uploaded == "uploaded"
+
+
+def test_background_task_runs_in_the_pool_and_gives_its_result() -> None:
+    started = threading.Event()
+    release = threading.Event()
+
+    def task() -> str:
+        started.set()
+        release.wait(10)
+        return threading.current_thread().name
+
+    job = in_background(task)
+    assert started.wait(10), "the background task never started"
+    release.set()
+    assert job.result() != threading.current_thread().name  # a pool thread ran it
+
+
+def test_background_task_error_is_raised_by_result() -> None:
+    def task() -> int:
+        raise ValueError("boom")
+
+    job = in_background(task)
+    with pytest.raises(ValueError, match="boom"):
+        job.result()
+
+
+def test_background_task_queued_behind_a_busy_pool_runs_in_the_caller() -> None:
+    """Every pool thread blocked: the caller takes the task back and runs it itself
+    (waiting for the pool would deadlock if the pool waited for the caller)."""
+    release = threading.Event()
+    blockers = [in_background(lambda: release.wait(30)) for _ in range(POOL_THREADS)]
+    try:
+        ran_in: list[str] = []
+        job = in_background(lambda: ran_in.append(threading.current_thread().name) or 7)
+        assert job.result() == 7
+        assert ran_in == [threading.current_thread().name]
+    finally:
+        release.set()
+        for b in blockers:
+            b.result()
+
+
+def test_background_wait_cancels_a_queued_task_and_joins_a_running_one() -> None:
+    release = threading.Event()
+    blockers = [in_background(lambda: release.wait(30)) for _ in range(POOL_THREADS)]
+    ran: list[int] = []
+    queued = in_background(lambda: ran.append(1))
+    queued.wait()  # never started: cancelled, never runs
+    release.set()
+    for b in blockers:
+        b.wait()
+    time.sleep(0.05)
+    assert ran == []
+    done = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.05)
+        done.set()
+        raise ValueError("ignored by wait")
+
+    running = in_background(slow)
+    time.sleep(0.01)
+    running.wait()
+    assert done.is_set()

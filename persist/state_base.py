@@ -32,6 +32,7 @@ from persist.lease_state import (
 )
 from persist.schemacache import schema_cache
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
+from persist.tracked import TrackedDict
 from persist.types import HollowBatch
 from persist.updates import SchemaHistory, check_schema_evolution
 from stash import Antichain
@@ -260,9 +261,11 @@ class ShardStateBase:
         return replace(
             self,
             trace=self.trace.copy(),
-            readers=dict(self.readers),
-            writers=dict(self.writers),
-            landed=dict(self.landed),
+            # Copies that note the keys a command sets or removes (persist.tracked):
+            # encoding the new version looks only at those.
+            readers=TrackedDict(self.readers),
+            writers=TrackedDict(self.writers),
+            landed=TrackedDict(self.landed),
             retire_adds={},
             retire_removes={},
             history_record=None,

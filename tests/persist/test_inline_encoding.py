@@ -35,7 +35,7 @@ def _reference(table: pa.Table) -> bytes:
         writer.write_table(table)
     stream = sink.getvalue()
     codec = pa.Codec("zstd", compression_level=1)
-    frame = codec.compress(stream, asbytes=True)
+    frame: bytes = codec.compress(stream, asbytes=True)
     return INLINE_ZSTD_MAGIC + int(stream.size).to_bytes(4, "little") + frame
 
 

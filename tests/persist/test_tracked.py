@@ -136,3 +136,55 @@ def test_a_one_append_version_does_not_walk_the_landed_records(
     finally:
         client.close()
         stash.close()
+
+
+class _Leases(dict[str, Any]):
+    """Leases whose full walk fails (``observe_commit`` swallows errors: the count then
+    stays put)."""
+
+    def items(self) -> Any:
+        raise AssertionError("the metrics walked every lease")
+
+
+def test_lease_expiries_are_counted_from_the_diff() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    from persist import metrics
+    from persist.lease_state import ReaderState, WriterState
+    from stash import Antichain
+
+    def sample(kind: str) -> float:
+        v = REGISTRY.get_sample_value("persist_lease_expiries_total", {"kind": kind})
+        return v or 0.0
+
+    class _Trace:
+        def num_hollow_batches(self) -> int:
+            return 0
+
+    def state(readers: dict[str, Any], writers: dict[str, Any]) -> Any:
+        return SimpleNamespace(
+            name="tracked-metrics",
+            shard_id="s0",
+            readers=readers,
+            writers=writers,
+            trace=_Trace(),
+            inline_bytes=lambda: 0,
+        )
+
+    now = 10_000
+    old = state(
+        _Leases(
+            r1=ReaderState(Antichain([0]), 0, 1),  # ran out
+            r2=ReaderState(Antichain([0]), now, 1000),
+        ),
+        _Leases(w1=WriterState(0, 1), w2=WriterState(now, 1000)),
+    )
+    new = state(TrackedDict(old.readers), TrackedDict(old.writers))
+    del new.readers["r1"]
+    del new.writers["w1"]
+    new.writers.pop("w2")  # dropped, but its lease had not run out
+    before = sample("reader"), sample("writer")
+    metrics.observe_commit(old, new, now)
+    assert (sample("reader"), sample("writer")) == (before[0] + 1, before[1] + 1)

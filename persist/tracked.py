@@ -13,7 +13,10 @@ Invariants kept here: every key whose value may differ from the ``origin`` dict'
 (a superset: a key set back to its old value stays listed); ``origin`` is the dict the
 copy was made of, which its owner never mutates afterwards (a published version is
 immutable), so ``changed`` is meaningful only while ``origin`` is the very dict compared
-against (:func:`changed_keys` checks it).
+against (:func:`changed_keys` checks it, and compares every key otherwise).  A copy
+keeps at most one version alive: copying a :class:`TrackedDict` drops that one's own
+``origin`` (its version was encoded before it was copied; if not, its encoding falls
+back to comparing every key), so the versions a shard went through are not chained.
 
 Source of the idea: Materialize's persist-client ``internal/state_diff.rs``, whose
 ``StateDiff`` lists the changed entries of each collection of the state rather than
@@ -44,7 +47,13 @@ class TrackedDict(dict[K, V]):
             super().__init__()
         else:
             super().__init__(origin)
-        self.origin = origin
+            if type(origin) is TrackedDict:
+                # The origin is copied again: its own version was encoded, so its
+                # record of changes goes (else every version would keep the one
+                # before it alive, back to the first).
+                origin.origin = None
+                origin.changed = set()
+        self.origin: Mapping[K, V] | None = origin
         self.changed: set[K] = set()
 
     def __setitem__(self, key: K, value: V) -> None:

@@ -188,3 +188,27 @@ def test_lease_expiries_are_counted_from_the_diff() -> None:
     before = sample("reader"), sample("writer")
     metrics.observe_commit(old, new, now)
     assert (sample("reader"), sample("writer")) == (before[0] + 1, before[1] + 1)
+
+
+def test_versions_are_not_chained(tmp_path: Path) -> None:
+    """Each version's records point at the version they were copied from; copying them
+    again lets that one go (else a shard's every version stays in memory)."""
+    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
+    client = PersistClient(stash, f"file://{tmp_path}/blob", compaction="off")
+    try:
+        write, read = client.open("chain", pa.schema([("k", pa.int64())]), pa.schema([]))
+        for i in range(20):
+            write.append(pa.table({"k": [i], "_time": [i], "_diff": [1]}), i, i + 1)
+        st = write._machine.state()
+        for records in (st.landed, st.writers, st.readers):
+            depth = 0
+            x: Any = records
+            while x is not None:
+                depth += 1
+                x = getattr(x, "origin", None)
+            assert depth <= 2
+        write.expire()
+        read.expire()
+    finally:
+        client.close()
+        stash.close()

@@ -21,8 +21,8 @@ Invariants kept here:
 """
 
 import hashlib
+import os
 import threading
-import uuid
 
 import numpy as np
 import pyarrow as pa
@@ -326,7 +326,8 @@ def make_part_ref(
             checksum=_sha256(data),
             inline=bytes(data),
             stats=stats,
-            nonce=uuid.uuid4().hex,  # its identity: equal bytes may be two parts
+            # Its identity (equal bytes may be two parts): 32 random hex digits.
+            nonce=os.urandom(16).hex(),
         )
     if key is None:
         raise InvalidUsage("a part that is not inline needs a blob key")

@@ -11,6 +11,7 @@ once get their own contexts.
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pyarrow as pa
@@ -88,3 +89,10 @@ def test_threads_encode_with_their_own_contexts() -> None:
     for th in threads:
         th.join()
     assert not errors
+
+
+def test_an_inline_part_is_named_by_32_random_hex_digits() -> None:
+    data = encode_inline_part(pa.table({"k": [1]}))
+    nonces = {make_part_ref(None, data, 1, inline=True).nonce for _ in range(100)}
+    assert len(nonces) == 100  # equal bytes, distinct parts
+    assert all(n is not None and re.fullmatch(r"[0-9a-f]{32}", n) for n in nonces)

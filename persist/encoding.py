@@ -11,18 +11,24 @@ Invariants kept here:
 
 * decoding what :func:`encode_part` or :func:`encode_inline_part` produced gives back the
   table, column types included;
+* an inline part is exactly the bytes pyarrow's ``RecordBatchStreamWriter`` and
+  ``Codec("zstd", 1)`` make of the table, though its stream is put together from a
+  cached schema message and the batches' messages and compressed by a zstd context
+  reused per thread (``zstandard``);
 * a :class:`~persist.types.PartRef` from :func:`make_part_ref` carries the SHA-256 of
   exactly the bytes given, and a blob part's key is a valid blob key; the statistics it
   carries are the caller's, computed from the very table encoded.
 """
 
 import hashlib
-import uuid
+import os
+import threading
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import zstandard
 
 from persist.blob import validate_key
 from persist.consolidation import _scratch_pool
@@ -156,12 +162,77 @@ INLINE_ZSTD_MAGIC = b"PZI1"
 #: corrupt length; inline parts are a few KiB).
 INLINE_MAX_STREAM_BYTES = 64 * _MIB
 #: zstd at level 1: a one-row flights part's 2,840-byte stream becomes 1,012 bytes in
-#: about 16 us (level 3: 960 bytes, 19 us).
+#: about 16 us (level 3: 960 bytes, 19 us).  Decompression (any zstd frame).
 _INLINE_CODEC = pa.Codec("zstd", compression_level=1)
+#: The zstd level of inline parts (:data:`_INLINE_CODEC`'s).
+_INLINE_LEVEL = 1
 #: The options of inline parts' Arrow IPC streams: pyarrow's defaults (metadata V5, no
 #: legacy format), made once (``pa.ipc.new_stream`` reads two environment variables
 #: for them on every call, about a sixth of a one-row part's encoding).
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()
+#: The end-of-stream marker of an Arrow IPC stream (a continuation token, then a
+#: zero length: the Arrow columnar format's "Streaming format").
+_IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+#: The schema messages of the last few schemas encoded: ``(schema, message)``.
+_SCHEMA_MESSAGES: tuple[tuple[pa.Schema, bytes], ...] = ()
+_SCHEMA_MESSAGES_KEPT = 8
+#: One zstd compression context per thread (``zstandard.ZstdCompressor`` is not
+#: thread-safe), reused: ``pyarrow.Codec.compress`` makes and frees a context per call.
+_COMPRESSORS = threading.local()
+
+
+def _has_dictionary(t: pa.DataType) -> bool:
+    """Whether ``t`` is or nests a dictionary type."""
+    if pa.types.is_dictionary(t):
+        return True
+    return any(_has_dictionary(t.field(i).type) for i in range(t.num_fields))
+
+
+def _schema_message(schema: pa.Schema) -> bytes | None:
+    """The IPC schema message of ``schema`` (cached for the last few schemas, compared
+    by value, metadata included), or ``None`` when a stream of it needs more than a
+    schema and record batch messages (dictionary-encoded columns: their dictionaries
+    are messages of their own)."""
+    global _SCHEMA_MESSAGES
+    known = _SCHEMA_MESSAGES
+    for s, cached in known:
+        if s is schema or s.equals(schema, check_metadata=True):
+            return cached
+    if any(_has_dictionary(f.type) for f in schema):
+        return None
+    message: bytes = schema.serialize().to_pybytes()
+    # Replaced whole (threads may be reading the old tuple).
+    _SCHEMA_MESSAGES = ((schema, message), *known[: _SCHEMA_MESSAGES_KEPT - 1])
+    return message
+
+
+def _ipc_stream(table: pa.Table) -> pa.Buffer:
+    """The Arrow IPC stream of ``table`` (pyarrow's ``RecordBatchStreamWriter`` with
+    default options, one record batch per chunk).  For a schema without dictionaries it
+    is put together from the cached schema message and each chunk's record batch
+    message (``RecordBatch.serialize``), the very bytes the writer writes (checked in
+    tests/persist/test_parts.py) without its set-up and schema serialization per call."""
+    schema = table.schema
+    message = _schema_message(schema)
+    if message is None:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.RecordBatchStreamWriter(sink, schema, options=_IPC_OPTIONS) as writer:
+            writer.write_table(table)
+        return sink.getvalue()
+    pieces: list[bytes | pa.Buffer] = [message]
+    pieces.extend(b.serialize() for b in table.to_batches())
+    pieces.append(_IPC_EOS)
+    return pa.py_buffer(b"".join(pieces))
+
+
+def _compress(stream: pa.Buffer) -> bytes:
+    """``stream`` as one zstd frame at :data:`_INLINE_LEVEL` (with its content size, as
+    ``pyarrow.Codec("zstd").compress`` writes it), by this thread's reused context."""
+    c = getattr(_COMPRESSORS, "c", None)
+    if c is None:
+        c = _COMPRESSORS.c = zstandard.ZstdCompressor(level=_INLINE_LEVEL)
+    frame: bytes = c.compress(stream)
+    return frame
 
 
 def encode_inline_part(table: pa.Table) -> bytes:
@@ -189,21 +260,17 @@ def encode_inline_part_stream(table: pa.Table) -> tuple[bytes, pa.Buffer]:
     Raises:
         InvalidUsage: pyarrow cannot encode the table.
     """
-    sink = pa.BufferOutputStream()
     try:
-        with pa.ipc.RecordBatchStreamWriter(sink, table.schema, options=_IPC_OPTIONS) as writer:
-            writer.write_table(table)
+        stream = _ipc_stream(table)
     except (pa.ArrowException, ValueError, TypeError) as e:
         raise InvalidUsage(f"cannot encode inline part as Arrow IPC: {e}") from None
-    stream = sink.getvalue()
     size = int(stream.size)
     if size > INLINE_MAX_STREAM_BYTES:
         raise InvalidUsage(
             f"an inline part's Arrow IPC stream may be at most {INLINE_MAX_STREAM_BYTES} "
             f"bytes, got {size}"
         )
-    frame: bytes = _INLINE_CODEC.compress(stream, asbytes=True)
-    return INLINE_ZSTD_MAGIC + size.to_bytes(4, "little") + frame, stream
+    return INLINE_ZSTD_MAGIC + size.to_bytes(4, "little") + _compress(stream), stream
 
 
 def inline_stream(data: bytes) -> bytes | pa.Buffer:
@@ -259,7 +326,8 @@ def make_part_ref(
             checksum=_sha256(data),
             inline=bytes(data),
             stats=stats,
-            nonce=uuid.uuid4().hex,  # its identity: equal bytes may be two parts
+            # Its identity (equal bytes may be two parts): 32 random hex digits.
+            nonce=os.urandom(16).hex(),
         )
     if key is None:
         raise InvalidUsage("a part that is not inline needs a blob key")

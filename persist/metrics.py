@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from persist.tracked import changed_keys
+
 __all__ = [
     "APPEND_SECONDS",
     "BLOB_FETCHED_BYTES",
@@ -142,13 +144,18 @@ def fetched(value: bytes | None) -> bytes | None:
 def observe_commit(old: Any, new: Any, now_ms: int) -> None:
     """A state version ``new`` replaced ``old`` (both :class:`~persist.state.ShardState`)
     at ``now_ms``: count the leases that ran out and were dropped, and set the shard's
-    batch and inline-bytes gauges."""
+    batch and inline-bytes gauges.  From the version's diff: only the leases the
+    command changed are looked at (:func:`persist.tracked.changed_keys`)."""
     shard = str(getattr(new, "name", "") or new.shard_id)
     for kind, before, after in (
         ("reader", old.readers, new.readers),
         ("writer", old.writers, new.writers),
     ):
-        n = sum(1 for hid, h in before.items() if hid not in after and h.expired(now_ms))
+        n = 0
+        for hid in changed_keys(before, after):
+            h = before.get(hid)
+            if h is not None and hid not in after and h.expired(now_ms):
+                n += 1
         if n:
             LEASE_EXPIRIES.labels(kind).inc(n)
     batches, inline = _shard_gauges(shard)

@@ -32,6 +32,7 @@ from persist.lease_state import (
 )
 from persist.schemacache import schema_cache
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
+from persist.tracked import TrackedDict
 from persist.types import HollowBatch
 from persist.updates import SchemaHistory, check_schema_evolution
 from stash import Antichain
@@ -256,17 +257,23 @@ class ShardStateBase:
         return self.trace.upper
 
     def clone(self) -> Self:
-        """An independent copy (batches and frontiers are immutable and shared)."""
-        return replace(
-            self,
-            trace=self.trace.copy(),
-            readers=dict(self.readers),
-            writers=dict(self.writers),
-            landed=dict(self.landed),
-            retire_adds={},
-            retire_removes={},
-            history_record=None,
-        )
+        """An independent copy (batches and frontiers are immutable and shared).
+
+        Made field by field (``dataclasses.replace`` would run ``__init__`` and
+        ``__post_init__`` again, whose check the copy passes as the original did)."""
+        new = object.__new__(type(self))
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields["trace"] = self.trace.copy()
+        # Copies that note the keys a command sets or removes (persist.tracked):
+        # encoding the new version looks only at those.
+        fields["readers"] = TrackedDict(self.readers)
+        fields["writers"] = TrackedDict(self.writers)
+        fields["landed"] = TrackedDict(self.landed)
+        fields["retire_adds"] = {}
+        fields["retire_removes"] = {}
+        fields["history_record"] = None
+        return new
 
     def batches(self) -> list[HollowBatch]:
         """The trace's hollow batches, oldest first."""

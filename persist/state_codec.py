@@ -29,6 +29,7 @@ from persist.landed import Landed
 from persist.lease_state import ReaderState, WriterState
 from persist.schemacache import schema_cache
 from persist.spine import Trace
+from persist.tracked import changed_keys
 from stash import Antichain
 
 __all__ = [
@@ -248,14 +249,19 @@ def _delta_of_records(
     key: Callable[[str, Any], str],
 ) -> None:
     """Update ``data`` from the records ``old`` to ``new`` (frozen objects by id, so an
-    unchanged record is the very same object): ``key(id, record)`` is its entry key."""
-    for i, r in old.items():
-        if new.get(i) is not r:
-            k = key(i, r)
+    unchanged record is the very same object): ``key(id, record)`` is its entry key.
+    Only the ids ``new`` reports changed are looked at (:func:`persist.tracked.changed_keys`:
+    a command's clone of the records notes what it set or removed)."""
+    for i in changed_keys(old, new):
+        o = old.get(i)
+        r = new.get(i)
+        if o is r:
+            continue
+        if o is not None:
+            k = key(i, o)
             data.pop(k, None)
             touched.add(k)
-    for i, r in new.items():
-        if old.get(i) is not r:
+        if r is not None:
             k = key(i, r)
             data[k] = r.to_json()
             touched.add(k)

@@ -104,6 +104,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.ids",
                 "persist.config",
                 "persist.metrics",
+                "persist.tracked",
             ],
         ),
         # The blob store sits below the data modules that write and read parts (as

@@ -30,7 +30,9 @@ Lock order (every thread takes locks in this order, never the reverse):
    only in shard-id order (a multi-shard transaction,
    :func:`persist.txn_commit.commit_shards`);
 2. leaves, taken inside them and calling out to nothing: the client's transaction lock
-   (``Shards._txn_lock``), a machine's ``_offered_lock``, the lease keeper's condition.
+   (``Shards._txn_lock``), a machine's ``_offered_lock``, the lease keeper's condition,
+   the maintenance worker's condition (:meth:`persist.maintenance.Maintenance.rollup_due`
+   queues a rollup under it, called holding the machine's lock).
 
 Under a machine's lock a thread does consensus calls and pure computation only: no blob
 upload or part read, and no wait for a thread of the shared pools (:mod:`persist.pool`),

@@ -789,6 +789,11 @@ class Trace:
 
 def _spine_batch(id: SpineId, v: Mapping[str, Any], parts: list[IdHollowBatch]) -> SpineBatch:
     """The spine batch ``id`` of the ``spine_batches`` entry ``v`` and its ``parts``."""
+    level = v["level"]
+    # A batch's level is log2 of its update count (an i64): a corrupt one is refused
+    # before anything is built on it (and before levels are allocated for it).
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 64:
+        raise ValueError(f"spine batch {id} has level {level!r}, outside 0..64")
     desc = Description.from_json(v["desc"])
     if len(parts) == 1:
         sb = SpineBatch.merged(parts[0])

@@ -327,18 +327,14 @@ class ShardMachine:
             return self._attempted.get(token)
 
     def recent(self) -> ShardState:
-        """The latest state: the cached one if the head seqno did not move (one cheap
-        read of the collection's upper), else re-read.
+        """The latest state: the cached one if no version followed it (one cheap read of
+        the log rows after it), else the cached one caught up with the newer diffs
+        (:meth:`refresh`).
 
         Raises:
             PersistError: the shard has no state.
         """
-        with self._lock:
-            if self._cache is not None:
-                seq = self.consensus.head_seqno(self.shard_id)
-                if seq == self._cache.state.seqno:
-                    return self._cache.state
-            return self.fetch()
+        return self.refresh()
 
     def state(self) -> ShardState:
         """The cached state (read from consensus the first time).  Do not mutate it."""

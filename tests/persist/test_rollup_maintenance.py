@@ -295,6 +295,40 @@ def test_a_lost_race_decodes_only_the_newer_entries(
         stash.close()
 
 
+def test_recent_catches_up_without_a_full_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handle asking for the latest state (``fetch_recent_upper``, a snapshot) after
+    another process's commits decodes only what they changed.  Failed on the old code,
+    which read and decoded the whole head once the seqno moved."""
+    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
+    try:
+        c = Consensus(stash)
+        sid = new_shard_id()
+        m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
+        m1.initialize(ShardState(sid, "s", KS, VS))
+        for i in range(10):
+            _add_reader(m1, f"r{i}")
+        m2.recent()
+        _add_reader(m1, "new")
+        monkeypatch.setattr(state_check, "ENABLED", False)
+        full: list[int] = []
+        orig_full = ShardState.from_entries.__func__  # type: ignore[attr-defined]
+
+        def spy_full(cls: type[ShardState], entries: Any) -> ShardState:
+            full.append(1)
+            return orig_full(cls, entries)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(ShardState, "from_entries", classmethod(spy_full))
+        st = m2.recent()
+        assert full == [] and "new" in st.readers
+        assert m2.recent() is st  # nothing newer: the cached state
+        monkeypatch.undo()
+        assert ShardMachine(Consensus(stash), sid).fetch() == st
+    finally:
+        stash.close()
+
+
 def test_a_lost_append_decodes_only_the_new_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

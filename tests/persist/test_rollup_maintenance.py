@@ -451,3 +451,50 @@ def test_racing_machines_catch_up_to_what_a_full_read_gives(
         finally:
             for c in clients:
                 c.close()
+
+
+def test_a_transaction_that_lost_a_seqno_race_catches_up_from_the_diffs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A multi-shard transaction whose compare-and-set lost to another process's
+    version re-stages on its cached versions caught up with the newer diffs.  Failed
+    on the old code, which re-read and decoded every shard's whole head."""
+    with Stash.open("memory://", fenced=False) as stash:
+        blob = MemoryBlob()
+        a = PersistClient(stash, blob, compaction="off")
+        b = PersistClient(stash, blob, compaction="off")
+        try:
+            ks = pa.schema([("k", pa.string())])
+            vs = pa.schema([("v", pa.int64())])
+            wa, _ = a.open("a", ks, vs)
+            wa.compare_and_append([((("o",), (0,)), 0, 1)], 0, 1)
+            txn = a.begin()
+            txn.write("a", pa.table({"k": ["x"], "v": [1]}))
+            orig = a.consensus.append_atomic
+            raced: list[int] = []
+            full: list[int] = []
+
+            def racing(batches: Any, what: str) -> str | None:
+                if not raced:
+                    raced.append(1)
+                    b.open("a", ks, vs)  # another process's version (a new reader)
+                    monkeypatch.setattr(state_check, "ENABLED", False)
+                    orig_full = ShardState.from_entries.__func__  # type: ignore[attr-defined]
+
+                    def spy(cls: type[ShardState], entries: Any) -> ShardState:
+                        full.append(1)
+                        return orig_full(cls, entries)  # type: ignore[no-any-return]
+
+                    monkeypatch.setattr(ShardState, "from_entries", classmethod(spy))
+                return orig(batches, what)
+
+            monkeypatch.setattr(a.consensus, "append_atomic", racing)
+            assert txn.commit() == 1
+            assert raced == [1] and full == []
+            monkeypatch.undo()
+            sid = wa._machine.shard_id
+            assert wa._machine.metrics["catch_ups"] >= 1
+            assert ShardMachine(Consensus(stash), sid).fetch() == wa._machine.state()
+        finally:
+            a.close()
+            b.close()

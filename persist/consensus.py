@@ -14,15 +14,22 @@ rows are a rollup and the diffs after it (after persist-client's consensus):
 
 A new version is written by :meth:`Consensus.compare_and_set` as ONE conditional
 ``INSERT`` of its row at seqno ``expected + 1`` (no frontier rows, no consolidation):
-usually a diff row (whatever the state's size); a rollup row instead once
-:attr:`Consensus.max_diffs` diffs follow the rollup and they add up to
-:data:`ROLLUP_SHARE` of its length (a rollup rewrites the whole state, so its cost is
-spread over diffs that add up to a fixed share of it, whatever the state's size), or
-once the diffs outweigh both the rollup and :data:`MAX_DIFF_CHARS`.  Two writers racing on the same seqno cannot both win: the loser
-gets the stash's :class:`~stash.LogRaceLost` and nothing of its write is committed.  The
-head is read from the latest rollup row on; the rows before it are deleted by
-:meth:`Consensus.truncate`, its own transaction (after a rollup commits, and from GC),
-never inside an append.
+a diff row (whatever the state's size), except for the first version and a diff
+alone longer than :data:`MAX_DIFF_CHARS`.  Once the diffs after the rollup pass the
+bound (:meth:`Consensus.rollup_due`: :attr:`Consensus.max_diffs` diffs adding up to
+:data:`ROLLUP_SHARE` of the rollup's length, or diffs outweighing both the rollup and
+:data:`MAX_DIFF_CHARS`), maintenance writes a rollup as a version of its own: the
+head's state with the next seqno, as a rollup row, by its own compare-and-set
+(:meth:`persist.machine.ShardMachine.write_rollup`, after Materialize's
+``internal/state_versions.rs``), never inside a command's version, so a user's append
+never pays for rewriting the whole state.  With no maintenance running the diffs stop
+at twice the bound: the next version is written as a rollup itself, so a head read
+stays bounded.  Two writers racing on the same seqno cannot both win: the loser gets
+the stash's :class:`~stash.LogRaceLost` and nothing of its write is committed; it
+catches up by reading only the rows after the version it had
+(:meth:`Consensus.catch_up`).  The head is read from the latest rollup row on; the
+rows before it are deleted by :meth:`Consensus.truncate`, its own transaction (after a
+rollup commits, and from GC), never inside an append.
 
 Blob keys retired by compaction (waiting for GC's grace period) live in a second
 collection per shard, ``persist.retired.<shard_id>`` (key: blob key, value: retirement
@@ -59,9 +66,7 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
-import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -75,7 +80,9 @@ from tenacity import (
 )
 
 from persist.errors import ConsensusError, InvalidUsage
-from persist.ids import new_shard_id, validate_shard_id, validate_shard_name
+from persist.ids import validate_shard_id
+from persist.retired_keys import RetiredChange, RetiredKey, parse_retired, retired_entry
+from persist.shard_registry import REGISTRY_COLLECTION, ShardRegistry
 from stash import (
     AppendBatch,
     AppendLowerMismatch,
@@ -102,11 +109,11 @@ __all__ = [
     "VersionPlan",
     "VersionedData",
     "diff_key",
+    "retired_entry",
 ]
 
 log = logging.getLogger(__name__)
 
-REGISTRY_COLLECTION = "persist.shards"
 SHARD_COLLECTION_PREFIX = "persist.shard."
 RETIRED_COLLECTION_PREFIX = "persist.retired."
 #: A shard's history records are the entries of the log ``persist.history.<shard_id>``
@@ -176,52 +183,6 @@ class VersionPlan:
 
 
 @dataclass(frozen=True)
-class RetiredKey:
-    """One row of a shard's retired collection.
-
-    Attributes:
-        entry: the row's key as stored: ``<blob key>@<seqno>`` (``<blob key>`` alone for
-            rows written before retirement seqnos were recorded).
-        ms: wall-clock ms of the retirement.
-        seqno: the state version that stopped referencing the blob key (versions before
-            it reference it), or ``None`` for the older rows.
-    """
-
-    entry: str
-    ms: int
-    seqno: int | None
-
-    @property
-    def blob_key(self) -> str:
-        """The retired blob key."""
-        return self.entry.rpartition("@")[0] if self.seqno is not None else self.entry
-
-
-def retired_entry(blob_key: str, seqno: int) -> str:
-    """The retired collection's row key for ``blob_key`` retired at ``seqno`` (``@`` is
-    never part of a blob key, so the split is unambiguous)."""
-    return f"{blob_key}@{seqno}"
-
-
-def _parse_retired(entry: str, ms: int) -> RetiredKey:
-    head, sep, tail = entry.rpartition("@")
-    if sep and tail.isdigit():
-        return RetiredKey(entry, ms, int(tail))
-    return RetiredKey(entry, ms, None)
-
-
-@dataclass(frozen=True)
-class RetiredChange:
-    """Changes to a shard's retired collection made with one version: the collection's
-    current upper ``lower`` and the rows (row key, see :class:`RetiredKey`, ->
-    retirement ms) to add and remove."""
-
-    lower: int
-    adds: Mapping[str, int]
-    removes: Mapping[str, int]
-
-
-@dataclass(frozen=True)
 class HistoryAppend:
     """The history record written with one version: its index ``lower`` (the state's
     ``history_upper`` before the version: the seqno of its entry in the shard's history
@@ -238,7 +199,7 @@ def _wrap(e: StashError, what: str) -> ConsensusError:
     )
 
 
-class Consensus:
+class Consensus(ShardRegistry):
     """Shard state versions in a stash (see the module docstring).
 
     Args:
@@ -246,10 +207,9 @@ class Consensus:
             processes can share it; readonly works for reads).
         retries: attempts for a consensus call that fails with a transient (determinate)
             stash error, with exponential backoff; ``1`` means no retry.
-        max_diffs: how many diff entries may follow a rollup (see the module
-            docstring); the version after them is written as a rollup once the diffs
-            add up to :data:`ROLLUP_SHARE` of the rollup's length.  ``0`` writes every
-            version as a rollup.
+        max_diffs: how many diff entries may follow a rollup before maintenance owes
+            one (see the module docstring), once they add up to :data:`ROLLUP_SHARE`
+            of the rollup's length.  ``0`` writes every version as a rollup.
 
     Thread-safe.
     """
@@ -382,24 +342,10 @@ class Consensus:
         out: dict[str, RetiredKey] = {}
         for (k, v), n in acc.items():
             if n > 0:
-                r = _parse_retired(k, v)
+                r = parse_retired(k, v)
                 out[r.blob_key] = r
         t = up.as_option()
         return (0 if t is None else t), out
-
-    def _registry_coll(self) -> StashCollection[Any, Any] | None:
-        """The registry collection; ``None`` when it does not exist yet and the stash
-        is readonly (so no shard exists)."""
-        if self._registry is None:
-            if self.stash.mode == "readonly" and REGISTRY_COLLECTION not in self._call(
-                "listing collections", self.stash.collections
-            ):
-                return None
-            self._registry = self._call(
-                "opening the shard registry",
-                lambda: self.stash.collection(REGISTRY_COLLECTION, key="str", value="json"),
-            )
-        return self._registry
 
     @staticmethod
     def encode(value: Any) -> str:
@@ -455,14 +401,18 @@ class Consensus:
         diffs: dict[str, tuple[str, Any]],
         data: dict[str, Any],
         texts: dict[str, str],
+        prior: Stored | None = None,
+        changed: set[str] | None = None,
     ) -> Stored:
-        """Apply the diff entries (key -> (text, value)) to the rollup of version
-        ``seqno`` (``data`` and ``texts``, changed in place); return the layout.
+        """Apply the diff entries (key -> (text, value)) to version ``seqno`` (``data``
+        and ``texts``, changed in place): its rollup, or a version stored as ``prior``
+        (whose diffs the new ones extend); return the layout.  ``changed`` gets every
+        entry key a diff set or removed.
 
         Raises:
             ConsensusError: the diffs are not exactly versions ``seqno + 1, ...`` in a
                 row, or one is malformed (the log is corrupt)."""
-        base = dict(texts)
+        base = dict(texts) if prior is None else prior.base
         order = sorted(diffs)
         chars = 0
         for i, key in enumerate(order, start=1):
@@ -490,10 +440,58 @@ class Consensus:
                     raise _corrupt(shard_id, f"diff entry {key!r} sets entry {k!r}")
                 data[k] = v
                 texts[k] = canonical_json(v)
+            if changed is not None:
+                changed.update(value["del"])
+                changed.update(value["set"])
             if _meta_seqno(shard_id, data) != want:
                 raise _corrupt(shard_id, f"diff entry {key!r} sets another meta.seqno")
             chars += len(text)
-        return Stored(base, tuple((k, diffs[k][0]) for k in order), chars)
+        new = tuple((k, diffs[k][0]) for k in order)
+        if prior is None:
+            return Stored(base, new, chars)
+        return Stored(base, prior.diffs + new, prior.diff_chars + chars, prior.base_chars)
+
+    def catch_up(self, shard_id: str, prev: VersionedData) -> tuple[VersionedData, set[str]] | None:
+        """The head, made from ``prev`` (a version as :meth:`head` or a plan stored it)
+        and only the log rows after it, with the entry keys they set or removed
+        (``prev`` itself and no key when there is none); ``None`` when those rows are
+        not exactly diffs of the versions after ``prev`` in a row (a rollup among them,
+        a gap, a malformed one): the
+        caller then reads the whole head (:meth:`head`), which tells a corrupt log
+        apart.  What a writer that lost a race needs (Materialize's persist-client
+        ``internal/apply.rs`` fetches only the diffs after its cached seqno).
+
+        Raises:
+            ConsensusError: the stash failed (after retries).
+        """
+        if prev.stored is None:
+            return None
+        name = self.log_name(shard_id)
+        rows = self._call(
+            f"diffs of shard {shard_id} after seqno {prev.seqno}",
+            lambda: logs.scan(self.stash, name, prev.seqno + 1),
+        )
+        if not rows:
+            return prev, set()  # a head never moves back: ``prev`` is still the head
+        if rows[0].seqno != prev.seqno + 1 or any(r.rollup for r in rows):
+            return None
+        diffs: dict[str, tuple[str, Any]] = {}
+        for r in rows:
+            try:
+                diffs[diff_key(r.seqno)] = (r.data, json.loads(r.data))
+            except ValueError:
+                return None
+        # dict.copy clones the table in C (dict(d) re-inserts every key).
+        data = prev.data.copy() if type(prev.data) is dict else dict(prev.data)
+        texts = prev.texts.copy() if type(prev.texts) is dict else dict(prev.texts)
+        changed: set[str] = set()
+        try:
+            stored = self._apply_diffs(
+                shard_id, prev.seqno, diffs, data, texts, prev.stored, changed
+            )
+        except ConsensusError:
+            return None
+        return VersionedData(rows[-1].seqno, data, texts, stored), changed
 
     def head_seqno(self, shard_id: str) -> int | None:
         """The latest seqno (cheap: one indexed read of the log), or ``None``."""
@@ -512,10 +510,10 @@ class Consensus:
     ) -> VersionPlan:
         """The stash updates that publish version ``expected + 1`` (``0`` when
         ``expected`` is ``None``) on top of ``prev``, and how it will be stored: one diff
-        entry, or a rollup: for the first version, when ``prev`` has :attr:`max_diffs`
-        diffs already that add up to :data:`ROLLUP_SHARE` of the rollup's length, or when the diffs would pass both the rollup's length and
-        :data:`MAX_DIFF_CHARS` (so a head read costs at most about the state's size, or
-        that constant for a small state), or when the diff alone would be longer than
+        entry, or a rollup: for the first version, when the diffs after ``prev``'s
+        rollup would pass twice the bound of :meth:`rollup_due` (nobody wrote the
+        rollup that maintenance owed: a head read stays bounded), or when the diff
+        alone would be longer than
         :data:`MAX_DIFF_CHARS`.  A rollup is only ever built on the stored layout of
         ``prev``: when ``prev`` is given without it (texts alone, a
         :class:`VersionedData` without ``stored``), the layout is read from the head
@@ -567,20 +565,45 @@ class Consensus:
         if expected is not None and self.max_diffs > 0:
             text = _diff_text(texts, new, seqno, touched)
             chars = stored.diff_chars + len(text)
-            few = len(stored.diffs) < self.max_diffs or chars < stored.base_chars * ROLLUP_SHARE
-            if (
-                few
-                and len(text) <= MAX_DIFF_CHARS
-                and chars <= max(stored.base_chars, MAX_DIFF_CHARS)
-            ):
+            n = len(stored.diffs) + 1
+            if len(text) <= MAX_DIFF_CHARS and not self._past(n, chars, stored.base_chars, 2):
                 dk = diff_key(seqno)
                 return VersionPlan(
                     seqno,
                     LogEntry(name, expected, seqno, text, False),
                     Stored(stored.base, (*stored.diffs, (dk, text)), chars, stored.base_chars),
                 )
-        rollup = LogEntry(name, expected, seqno, _rollup_text(new), True)
+        return self.plan_rollup(shard_id, expected, new)
+
+    def plan_rollup(
+        self, shard_id: str, expected: int | None, new: Mapping[str, str]
+    ) -> VersionPlan:
+        """The plan that publishes version ``expected + 1`` (entry texts ``new``) as a
+        rollup row (see :meth:`plan`; maintenance writes one with a version that
+        changes nothing but the seqno, :meth:`persist.machine.ShardMachine.write_rollup`)."""
+        seqno = 0 if expected is None else expected + 1
+        rollup = LogEntry(self.log_name(shard_id), expected, seqno, _rollup_text(new), True)
         return VersionPlan(seqno, rollup, Stored(dict(new)))
+
+    def _past(self, n: int, chars: int, base_chars: int, k: int) -> bool:
+        """Whether ``n`` diffs of ``chars`` characters after a rollup of ``base_chars``
+        pass ``k`` times the bound: :attr:`max_diffs` diffs adding up to
+        :data:`ROLLUP_SHARE` of the rollup, or more than the rollup and
+        :data:`MAX_DIFF_CHARS` (what a head read costs beyond the state)."""
+        return (
+            n > k * self.max_diffs and chars >= k * base_chars * ROLLUP_SHARE
+        ) or chars > k * max(base_chars, MAX_DIFF_CHARS)
+
+    def rollup_due(self, stored: Stored) -> bool:
+        """Whether the diffs of a version stored as ``stored`` passed the bound, so
+        maintenance should write a rollup (a version that changes nothing but its
+        seqno, as its own compare-and-set; Materialize's ``RoutineMaintenance``
+        ``write_rollup``).  Past twice the bound :meth:`plan` writes the next
+        version as a rollup itself, so a head read stays bounded when no maintenance
+        runs."""
+        if self.max_diffs == 0 or not stored.diffs:
+            return False
+        return self._past(len(stored.diffs), stored.diff_chars, stored.base_chars, 1)
 
     def compare_and_set(
         self,
@@ -765,67 +788,6 @@ class Consensus:
             self._call(
                 f"truncate of shard {shard_id}", lambda: logs.truncate(self.stash, name, below)
             )
-
-    # ----------------------------------------------------------------- registry
-    def shards(self) -> dict[str, str]:
-        """Every registered shard: name -> shard id."""
-        reg = self._registry_coll()
-        if reg is None:
-            return {}
-        rows = self._call("listing shards", lambda: self.stash.iter(reg))
-        out: dict[str, str] = {}
-        for (name, v), _t, d in rows:
-            if d > 0 and isinstance(v, dict):
-                out[str(name)] = str(v.get("shard_id"))
-        return dict(sorted(out.items()))
-
-    def lookup(self, name: str) -> str | None:
-        """The shard id registered under ``name``, or ``None``."""
-        reg = self._registry_coll()
-        if reg is None:
-            return None
-        rows = self._call(f"looking up shard {name!r}", lambda: self.stash.iter_key(reg, name))
-        for v, _t, d in rows:
-            if d > 0 and isinstance(v, dict):
-                return str(v["shard_id"])
-        return None
-
-    def register(self, name: str, now_ms: int) -> str:
-        """The id of shard ``name``, registering a new id if there is none (race-safe:
-        of two processes registering one name at once, both get the winner's id)."""
-        validate_shard_name(name)
-        reg = self._registry_coll()
-        if reg is None:
-            raise ConsensusError(f"cannot register shard {name!r}: the stash is readonly")
-        for attempt in range(1000):
-            # Read the upper first: the append below commits only if nothing was
-            # registered since, so the lookup in between cannot be stale.
-            upper = self._call("reading the registry upper", lambda: self.stash.upper(reg))
-            found = self.lookup(name)
-            if found is not None:
-                return found
-            shard_id = new_shard_id()
-            t = upper.as_option()
-            if t is None:
-                raise ConsensusError("the shard registry is sealed (empty upper)")
-            batch = AppendBatch(
-                collection=reg,
-                lower=upper,
-                upper=Antichain.from_elem(t + 1),
-                compact=Antichain.from_elem(t),
-                timestamp=t,
-            )
-            reg.append_to_batch(batch, name, {"shard_id": shard_id, "created_ms": now_ms}, 1)
-            try:
-                self._call(
-                    f"registering shard {name!r}",
-                    partial(self.stash.append, [batch]),
-                )
-            except AppendLowerMismatch:
-                time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
-                continue
-            return shard_id
-        raise ConsensusError(f"could not register shard {name!r}: too much contention")
 
 
 class _NotAtHead(InvalidUsage):

@@ -70,6 +70,11 @@ class MaintenanceHooks(Protocol):
     def since_moved(self, shard_id: str) -> None:
         """A shard's since may have moved (a reader downgraded or went away)."""
 
+    def rollup_due(self, machine: ShardMachine) -> None:
+        """A version of the shard committed whose diffs passed the rollup bound: write
+        a rollup as its own compare-and-set (:meth:`ShardMachine.write_rollup`), soon
+        or now, never failing the caller.  Called holding the machine's lock."""
+
     def release_outputs(self, machine: ShardMachine, results: list[FueledMergeRes]) -> None:
         """Compaction outputs an append was offered but did not apply: delete those the
         latest known state neither references nor retired."""
@@ -82,6 +87,9 @@ class NoMaintenance:
         return None
 
     def since_moved(self, shard_id: str) -> None:
+        return None
+
+    def rollup_due(self, machine: ShardMachine) -> None:
         return None
 
     def release_outputs(self, machine: ShardMachine, results: list[FueledMergeRes]) -> None:
@@ -145,7 +153,11 @@ class PersistContext:
             m = self.machines.setdefault(
                 shard_id,
                 ShardMachine(
-                    self.consensus, shard_id, clock=self.config.clock, check=self.store.check
+                    self.consensus,
+                    shard_id,
+                    clock=self.config.clock,
+                    check=self.store.check,
+                    on_rollup_due=lambda m: self.maintenance.rollup_due(m),
                 ),
             )
         return m

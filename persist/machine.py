@@ -5,8 +5,11 @@
 command as: copy the cached state, call the :class:`~persist.state.ShardState` method of
 the same name on the copy (a pure function of the state and the command's inputs, see
 :mod:`persist.state`), and publish the next version by compare-and-set through
-:class:`~persist.consensus.Consensus`; on a lost race it re-reads the head and runs the
-command again.  A command that would fail on a cached state raises
+:class:`~persist.consensus.Consensus`; on a lost race it catches up by applying only the
+log's newer diffs to its cached version, decoding only the entries they changed
+(:meth:`ShardMachine.refresh`), and runs the command again.  Once a version's diffs pass
+the rollup bound it asks its maintenance (``on_rollup_due``) for a rollup, which
+:meth:`ShardMachine.write_rollup` writes as a version of its own.  A command that would fail on a cached state raises
 :class:`~persist.state.Stale` and is re-run on a fresh one, where failing is real.
 Compaction results computed by this process may ride along in a writer's version
 (:meth:`ShardMachine.offer_merge_results`), saving a compare-and-set per merge.
@@ -27,7 +30,9 @@ Lock order (every thread takes locks in this order, never the reverse):
    only in shard-id order (a multi-shard transaction,
    :func:`persist.txn_commit.commit_shards`);
 2. leaves, taken inside them and calling out to nothing: the client's transaction lock
-   (``Shards._txn_lock``), a machine's ``_offered_lock``, the lease keeper's condition.
+   (``Shards._txn_lock``), a machine's ``_offered_lock``, the lease keeper's condition,
+   the maintenance worker's condition (:meth:`persist.maintenance.Maintenance.rollup_due`
+   queues a rollup under it, called holding the machine's lock).
 
 Under a machine's lock a thread does consensus calls and pure computation only: no blob
 upload or part read, and no wait for a thread of the shared pools (:mod:`persist.pool`),
@@ -121,6 +126,11 @@ class ShardMachine:
         check: called with every state read from consensus before it is used (the
             client's blob store check, :mod:`persist.store_identity`); what it raises
             propagates, nothing cached.
+        on_rollup_due: called (holding the machine's lock; it must only queue work or
+            call :meth:`write_rollup`) after a version commits whose diffs passed the
+            bound of :meth:`Consensus.rollup_due` (the client's maintenance,
+            :mod:`persist.maintenance`); ``None``: nobody writes rollups but the hard
+            cap of :meth:`Consensus.plan`.
     """
 
     def __init__(
@@ -131,16 +141,25 @@ class ShardMachine:
         clock: Callable[[], float] = time.time,
         max_races: int = 10_000,
         check: Callable[[ShardState], None] | None = None,
+        on_rollup_due: Callable[[ShardMachine], None] | None = None,
     ) -> None:
         self.consensus = consensus
         self.check = check
+        self.on_rollup_due = on_rollup_due
         self.shard_id = validate_shard_id(shard_id)
         self.clock = clock
         self.max_races = max_races
         self._lock = threading.RLock()
         self._offered_lock = threading.Lock()
         self._cache: _Cache | None = None
-        self.metrics = {"cas": 0, "cas_lost": 0, "heads": 0, "indeterminate": 0}
+        self.metrics = {
+            "cas": 0,
+            "cas_lost": 0,
+            "heads": 0,
+            "indeterminate": 0,
+            "catch_ups": 0,
+            "rollups": 0,
+        }
         self._offered: list[FueledMergeRes] = []
         # Idempotency tokens of appends whose outcome was left unknown -> the seqno of
         # a version read before their first attempt (persist.landed's ``lo``).
@@ -182,6 +201,10 @@ class ShardMachine:
             if self.shard_id in str(e):
                 raise
             raise PersistError(f"shard {self.shard_id}: {e}") from e
+        return self._checked(st, h)
+
+    def _checked(self, st: ShardState, h: VersionedData) -> _Cache:
+        """``st``, decoded from the version ``h``, checked before it is cached."""
         if st.shard_id != self.shard_id:
             raise PersistError(
                 f"shard {self.shard_id}: its state is corrupt: it names shard {st.shard_id!r}"
@@ -205,6 +228,88 @@ class ShardMachine:
             self._cache = c
             return c.state
 
+    def refresh(self) -> ShardState:
+        """Catch up with the head (and cache it), as :meth:`fetch` but reading only the
+        log rows after the cached version and decoding only the entries they set or
+        removed (:meth:`Consensus.catch_up`, :meth:`ShardState.from_entries_delta`;
+        Materialize's persist-client ``internal/apply.rs``): what a command does after
+        a lost race.  Anything else (no cached version, a rollup among those rows, a
+        gap, a malformed row) reads the whole head (:meth:`fetch`).
+
+        Raises:
+            PersistError: the shard has no state.
+        """
+        with self._lock:
+            c = self._cache
+            if c is None:
+                return self.fetch()
+            got = self.consensus.catch_up(self.shard_id, c.version)
+            if got is None:
+                return self.fetch()
+            h, changed = got
+            if h is c.version:
+                return c.state  # no newer version
+            try:
+                st = ShardState.from_entries_delta(c.state, h.data, changed)
+            except PersistError as e:
+                log.warning("shard %s: catching up failed (%s); reading the head", self.shard_id, e)
+                return self.fetch()
+            if state_check.ENABLED:
+                state_check.check_catch_up(st, h.data)
+            self.metrics["catch_ups"] += 1
+            self._cache = self._checked(st, h)
+            return st
+
+    # ------------------------------------------------------------- rollups
+    def _rollup_due(self) -> None:
+        """Ask for a rollup (:attr:`on_rollup_due`) if the cached version's diffs
+        passed the bound (:meth:`Consensus.rollup_due`)."""
+        c = self._cache
+        if (
+            self.on_rollup_due is not None
+            and c is not None
+            and c.version.stored is not None
+            and self.consensus.rollup_due(c.version.stored)
+        ):
+            self.on_rollup_due(self)
+
+    def write_rollup(self, attempts: int = 3) -> bool:
+        """Maintenance: if the head's diffs passed the bound (:meth:`Consensus.rollup_due`),
+        publish a version that changes nothing but its seqno as a rollup row, by its
+        own compare-and-set (the rows before it are then truncated); after Materialize's
+        persist-client ``internal/state_versions.rs`` (``write_rollup``), never part of
+        a command's version.  It writes no history record (it changes nothing a user
+        sees).  A lost race is no error: the cache catches up and, while a rollup is
+        still due, it tries again, ``attempts`` times in all.
+
+        Returns: whether a rollup was written.
+
+        Raises:
+            ConsensusError: the stash failed (after retries; an indeterminate outcome
+                leaves the cache to catch up on the next command).
+        """
+        with self._lock:
+            for _ in range(attempts):
+                c = self._cache
+                if c is None or c.version.stored is None:
+                    return False
+                if not self.consensus.rollup_due(c.version.stored):
+                    return False
+                st = c.state.clone()
+                st.seqno = c.state.seqno + 1
+                data, texts, touched = self._encode(c, st)
+                if state_check.ENABLED:
+                    state_check.check_version(c.state, c.version.texts, st, data, texts, touched)
+                plan = self.consensus.plan_rollup(self.shard_id, c.state.seqno, texts)
+                if self.consensus.compare_and_set(
+                    self.shard_id, c.state.seqno, texts, c.version, plan=plan
+                ):
+                    self.metrics["rollups"] += 1
+                    self._cache = _Cache(st, VersionedData(plan.seqno, data, texts, plan.stored))
+                    return True
+                self.refresh()
+            return False
+
     # ------------------------------------------ appends of unknown outcome (tokens)
     def note_attempt(self, token: str, lo: int) -> None:
         """An append with idempotency ``token``, first tried after version ``lo``, ended
@@ -222,18 +327,14 @@ class ShardMachine:
             return self._attempted.get(token)
 
     def recent(self) -> ShardState:
-        """The latest state: the cached one if the head seqno did not move (one cheap
-        read of the collection's upper), else re-read.
+        """The latest state: the cached one if no version followed it (one cheap read of
+        the log rows after it), else the cached one caught up with the newer diffs
+        (:meth:`refresh`).
 
         Raises:
             PersistError: the shard has no state.
         """
-        with self._lock:
-            if self._cache is not None:
-                seq = self.consensus.head_seqno(self.shard_id)
-                if seq == self._cache.state.seqno:
-                    return self._cache.state
-            return self.fetch()
+        return self.refresh()
 
     def state(self) -> ShardState:
         """The cached state (read from consensus the first time).  Do not mutate it."""
@@ -356,9 +457,20 @@ class ShardMachine:
                 if record["time"] is not None and st.retention_ms is not None:
                     retention.note_commit(st, record["ms"], record["time"])
                     retention.advance(st, self.now_ms())
-        # Only the entries the command may have touched are looked at (the state's
-        # spine batches are shared with the cached version's): the cost of a version
-        # follows what changed, not the state's size.
+        data, texts, touched = self._encode(cache, st)
+        if state_check.ENABLED:
+            state_check.check_version(cache.state, cache.version.texts, st, data, texts, touched)
+        plan = self.consensus.plan(
+            self.shard_id, cache.state.seqno, texts, cache.version, touched=touched
+        )
+        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan, history)
+
+    @staticmethod
+    def _encode(cache: _Cache, st: ShardState) -> tuple[dict[str, Any], dict[str, str], set[str]]:
+        """The entries of ``st``, a version made of ``cache``'s, their texts and the keys
+        that may differ.  Only the entries the command may have touched are looked at
+        (the state's spine batches are shared with the cached version's): the cost of
+        a version follows what changed, not the state's size."""
         old, old_texts = cache.version.data, cache.version.texts
         data, touched = st.to_entries_delta(cache.state, old)
         texts = state_codec.copy_entries(old_texts)
@@ -371,18 +483,14 @@ class ShardMachine:
             # (memoized JSON of immutable batches): identity first, equality after.
             o = old.get(k, _MISSING)
             texts[k] = old_texts[k] if o is v or o == v else Consensus.encode(v)
-        if state_check.ENABLED:
-            state_check.check_version(cache.state, old_texts, st, data, texts, touched)
-        plan = self.consensus.plan(
-            self.shard_id, cache.state.seqno, texts, cache.version, touched=touched
-        )
-        return Staged(cache.state.seqno, st, data, texts, cache.version, retired, plan, history)
+        return data, texts, touched
 
     def install(self, staged: Staged) -> None:
         """Cache a staged version once the caller's atomic append committed it."""
         self.metrics["cas"] += 1
         with self._lock:
             self._cache = _Cache(staged.state, _published(staged))
+            self._rollup_due()
 
     # ----------------------------------------------------------------- writes
     def _apply(
@@ -427,7 +535,7 @@ class ShardMachine:
                 except Stale:
                     if fresh:
                         raise
-                    self.fetch()
+                    self.refresh()
                     fresh = True
                     continue
                 staged = self._next_version(cache, st, changed, keep, op)
@@ -461,7 +569,7 @@ class ShardMachine:
                         raise
                     # Learn the outcome: re-read; fn recognises its own committed effect.
                     try:
-                        self.fetch()
+                        self.refresh()
                     except ConsensusError as e2:
                         raise ConsensusError(
                             f"{e}; and re-reading the head to learn the outcome failed: {e2}",
@@ -472,6 +580,7 @@ class ShardMachine:
                 if ok:
                     self._cache = _Cache(st, _published(staged))
                     persist_metrics.observe_commit(cache.state, st, self.now_ms())
+                    self._rollup_due()
                     return result
                 self.metrics["cas_lost"] += 1
                 races += 1
@@ -481,7 +590,7 @@ class ShardMachine:
                     )
                 if races > 2:
                     time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
-                self.fetch()
+                self.refresh()  # only the diffs after the cached version
                 fresh = True
 
     # ------------------------------------------------------------- commands

@@ -11,9 +11,17 @@ A handle calls the hooks of its :class:`~persist.context.PersistContext`
 * :meth:`Maintenance.since_moved`: a reader downgraded its since or went away, so
   more may be merged: with ``"background"`` the shard is queued;
 * :meth:`Maintenance.release_outputs`: compaction outputs an append was offered and did
-  not apply are deleted unless the state references or retired them.
+  not apply are deleted unless the state references or retired them;
+* :meth:`Maintenance.rollup_due`: a version committed whose diffs passed the rollup
+  bound (:meth:`persist.consensus.Consensus.rollup_due`): a rollup is written as its
+  own compare-and-set (:meth:`persist.machine.ShardMachine.write_rollup`), never inside
+  the command's version: with compaction ``"background"`` by the worker thread, with
+  ``"inline"`` at once after the command (a failure is logged, never raised), with
+  ``"off"`` not at all (the next command's version becomes the rollup once the diffs
+  pass twice the bound, :meth:`persist.consensus.Consensus.plan`).
 
-The worker thread answers the queued shards' outstanding merge requests
+The worker thread writes the rollups asked for, then answers the queued shards'
+outstanding merge requests
 (:meth:`persist.compactor.Compactor.compact_once` with the compaction heuristic) and
 runs GC (:func:`persist.gc.collect_garbage`) on a shard it compacted at most every
 ``gc_interval_seconds``.
@@ -58,6 +66,7 @@ class Maintenance:
         self.compactor = compactor
         self._cv = threading.Condition()
         self._pending: set[str] = set()
+        self._rollups: dict[str, ShardMachine] = {}  # shard id -> machine
         self._busy = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -81,6 +90,24 @@ class Maintenance:
         """Called when a shard's since may have moved."""
         if self.ctx.config.compaction == "background":
             self.notify(shard_id)
+
+    def rollup_due(self, machine: ShardMachine) -> None:
+        """Called (holding the machine's lock) after a version whose diffs passed the
+        rollup bound committed (see the module docstring)."""
+        mode = self.ctx.config.compaction
+        if mode == "inline":
+            self._write_rollup(machine)
+        elif mode == "background":
+            with self._cv:
+                self._rollups[machine.shard_id] = machine
+                self._cv.notify_all()
+
+    @staticmethod
+    def _write_rollup(machine: ShardMachine) -> None:
+        try:
+            machine.write_rollup()
+        except PersistError as e:  # the hard cap of Consensus.plan bounds the head
+            log.warning("rollup of shard %s failed: %s", machine.shard_id, e)
 
     def release_outputs(self, machine: ShardMachine, results: list[FueledMergeRes]) -> None:
         """:meth:`persist.compactor.Compactor.release_outputs`."""
@@ -107,7 +134,7 @@ class Maintenance:
         ``None`` for no limit).  Returns False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._pending or self._busy:
+            while self._pending or self._rollups or self._busy:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -127,16 +154,24 @@ class Maintenance:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._pending and not self._stop:
+                while not self._pending and not self._rollups and not self._stop:
                     self._cv.wait()
                 if self._stop:
                     self._pending.clear()
+                    self._rollups.clear()
                     self._busy = False
                     self._cv.notify_all()
                     return
                 shards = sorted(self._pending)
                 self._pending.clear()
+                rollups = [m for _sid, m in sorted(self._rollups.items())]
+                self._rollups.clear()
                 self._busy = True
+            for m in rollups:
+                try:
+                    self._write_rollup(m)
+                except Exception as e:  # never let the thread die
+                    log.warning("rollup of shard %s failed: %s", m.shard_id, e)
             for sid in shards:
                 try:
                     self.compactor.compact_once(SHARD_ID_REF + sid, fresh=False, heuristic=True)

@@ -56,7 +56,7 @@ the merge requests and results it hands out and takes back (re-exported here, so
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -463,8 +463,10 @@ class Trace:
 
     # ------------------------------------------------------------------ validation
 
-    def validate(self) -> None:
-        """Check the invariants listed in the module docstring.
+    def validate(self, checked: set[int] | None = None) -> None:
+        """Check the invariants listed in the module docstring (``checked``: the ids of
+        the only spine batches whose own invariants are checked, :meth:`SpineBatch.check`;
+        ``None``: every one).
 
         Raises:
             ValueError: naming the first invariant found broken.
@@ -516,7 +518,8 @@ class Trace:
                         f"spine batch {b.id} holds {b.len} updates, more than the 2**{index} "
                         f"allowed at level {index}"
                     )
-                b.check(self._since)
+                if checked is None or id(b) in checked:
+                    b.check(self._since)
                 expected_lo = b.id.hi
                 frontier = b.desc.upper
         if self._next_id != expected_lo:
@@ -629,11 +632,120 @@ class Trace:
         hollow = {
             SpineId.parse(k): HollowBatch.from_json(v) for k, v in d["hollow_batches"].items()
         }
+        spine = sorted((SpineId.parse(k), v) for k, v in d["spine_batches"].items())
+        batches: list[tuple[int, SpineBatch]] = []
+        for id, v in spine:
+            parts = []
+            for name in v["parts"]:
+                pid = SpineId.parse(name)
+                if pid not in hollow:
+                    raise ValueError(f"spine batch {id} references missing hollow batch {pid}")
+                parts.append(IdHollowBatch(pid, hollow.pop(pid)))
+            batches.append((v["level"], _spine_batch(id, v, parts)))
+        if hollow:
+            raise ValueError(
+                f"{len(hollow)} hollow batches left after reconstructing the "
+                f"spine: {', '.join(map(str, sorted(hollow)))}"
+            )
+        trace = cls._assemble(d, batches)
+        trace.validate()
+        return trace
+
+    @classmethod
+    def from_json_delta(
+        cls,
+        prev: Trace,
+        meta: dict[str, Any],
+        spine_entry: Callable[[str], Any],
+        changed_spine: Mapping[str, Any],
+        changed_hollow: Mapping[str, Any],
+    ) -> Trace:
+        """:meth:`from_json` of a newer version of ``prev``'s flattened form, decoding
+        only what changed: ``meta`` (:meth:`meta_json`: since, upper, next_id,
+        fueling_merges), the ``spine_batches`` and ``hollow_batches`` entries set or
+        removed since ``prev`` (name -> JSON value; ``None`` for a removed one), and
+        ``spine_entry(name)``, the newer version's ``spine_batches`` entry of a batch
+        that holds a changed hollow batch.  Every other spine batch, and every hollow
+        batch not among the changed, is ``prev``'s very object (shared, immutable).
+        Equal to :meth:`from_json` of the whole newer form (checked in the test suite,
+        :mod:`persist.state_check`).
+
+        Raises:
+            ValueError: the changes do not fit ``prev`` (a reference to a missing or
+                removed hollow batch, a hollow batch left unreferenced) or the result
+                breaks an invariant of :meth:`validate`.
+        """
+        try:
+            return cls._from_json_delta(prev, meta, spine_entry, changed_spine, changed_hollow)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed trace JSON: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _from_json_delta(
+        cls,
+        prev: Trace,
+        meta: dict[str, Any],
+        spine_entry: Callable[[str], Any],
+        changed_spine: Mapping[str, Any],
+        changed_hollow: Mapping[str, Any],
+    ) -> Trace:
+        hollow = {SpineId.parse(k): v for k, v in changed_hollow.items()}
+        kept: dict[SpineId, tuple[int, SpineBatch]] = {}
+        entries: dict[SpineId, Any] = {}
+        removed: list[SpineBatch] = []  # prev's batches whose entry changed or went
+        for sb, index in prev.spine_batches():
+            name = str(sb.id)
+            if name in changed_spine:
+                removed.append(sb)
+            elif any(sb.id.lo <= h.lo and h.hi <= sb.id.hi for h in hollow):
+                removed.append(sb)  # its entry is unchanged, a hollow batch of it is not
+                entries[sb.id] = spine_entry(name)
+            else:
+                kept[sb.id] = (index, sb)
+        for name, v in changed_spine.items():
+            if v is not None:
+                entries[SpineId.parse(name)] = v
+        old_parts = {p.id: p for sb in removed for p in sb.parts}
+        used: set[SpineId] = set()
+        batches = list(kept.values())
+        for sid, v in sorted(entries.items()):
+            parts = []
+            for name in v["parts"]:
+                pid = SpineId.parse(name)
+                if pid in hollow:
+                    if hollow[pid] is None:
+                        raise ValueError(f"spine batch {sid} references removed hollow batch {pid}")
+                    parts.append(IdHollowBatch(pid, HollowBatch.from_json(hollow[pid])))
+                else:
+                    p = old_parts.get(pid)
+                    if p is None:
+                        raise ValueError(f"spine batch {sid} references missing hollow batch {pid}")
+                    parts.append(p)
+                used.add(pid)
+            batches.append((v["level"], _spine_batch(sid, v, parts)))
+        left = sorted(
+            ({pid for pid, v in hollow.items() if v is not None} | (old_parts.keys() - hollow))
+            - used
+        )
+        if left:
+            raise ValueError(
+                f"{len(left)} hollow batches left after reconstructing the "
+                f"spine: {', '.join(map(str, left))}"
+            )
+        batches.sort(key=lambda lb: lb[1].id)
+        trace = cls._assemble(meta, batches)
+        trace._json_memo = prev._json_memo  # read-only: each to_json replaces it whole
+        trace.validate(checked={id(b) for _, b in batches} - {id(b) for _, b in kept.values()})
+        return trace
+
+    @classmethod
+    def _assemble(cls, d: Mapping[str, Any], batches: list[tuple[int, SpineBatch]]) -> Trace:
+        """The trace of ``d``'s ``since``, ``upper``, ``next_id`` and ``fueling_merges``
+        and the spine ``batches`` (level, batch), oldest first (not yet validated)."""
         merges = {
             SpineId.parse(k): (Antichain.from_json(v["since"]), v["remaining_work"])
             for k, v in d["fueling_merges"].items()
         }
-        spine = sorted((SpineId.parse(k), v) for k, v in d["spine_batches"].items())
         next_id = d["next_id"]
         if isinstance(next_id, bool) or not isinstance(next_id, int):
             raise ValueError(f"trace next_id must be an int, got {next_id!r}")
@@ -642,7 +754,7 @@ class Trace:
         trace._since = Antichain.from_json(d["since"])
         trace._upper = Antichain.from_json(d["upper"])
         trace._next_id = next_id
-        top = spine[0][1]["level"] if spine else -1
+        top = batches[0][0] if batches else -1
         # A batch's level is log2 of its update count (an i64), so no spine is deeper
         # than 64 levels: checked before allocating, so a corrupt level cannot exhaust
         # memory.
@@ -650,25 +762,11 @@ class Trace:
             raise ValueError(f"spine batch level {top!r} is outside 0..64")
         n_levels = top + 1
         levels = [MergeState() for _ in range(n_levels)]
-        for id, v in spine:
-            level = v["level"]
+        for level, sb in batches:
             if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < n_levels:
-                raise ValueError(f"spine batch {id} has level {level!r}, outside 0..{n_levels - 1}")
-            desc = Description.from_json(v["desc"])
-            parts = []
-            for name in v["parts"]:
-                pid = SpineId.parse(name)
-                if pid not in hollow:
-                    raise ValueError(f"spine batch {id} references missing hollow batch {pid}")
-                parts.append(IdHollowBatch(pid, hollow.pop(pid)))
-            if len(parts) == 1:
-                sb = SpineBatch.merged(parts[0])
-                if sb.id != id or sb.desc != desc:
-                    raise ValueError(
-                        f"spine batch {id} {desc} does not match its hollow batch {sb.id} {sb.desc}"
-                    )
-            else:
-                sb = SpineBatch.make_fueled(id, desc, tuple(parts))
+                raise ValueError(
+                    f"spine batch {sb.id} has level {level!r}, outside 0..{n_levels - 1}"
+                )
             state = levels[level]
             state.push_batch(sb)
             if state.is_full():
@@ -680,16 +778,28 @@ class Trace:
                 if isinstance(work, bool) or not isinstance(work, int):
                     raise ValueError(f"merge {mid} remaining_work must be an int, got {work!r}")
                 state.merge = FuelingMerge(mid, since, work)
-        if hollow:
-            raise ValueError(
-                f"{len(hollow)} hollow batches left after reconstructing the "
-                f"spine: {', '.join(map(str, sorted(hollow)))}"
-            )
         if merges:
             raise ValueError(
                 f"{len(merges)} merges left after reconstructing the spine: "
                 f"{', '.join(map(str, sorted(merges)))}"
             )
         trace._levels = levels
-        trace.validate()
         return trace
+
+
+def _spine_batch(id: SpineId, v: Mapping[str, Any], parts: list[IdHollowBatch]) -> SpineBatch:
+    """The spine batch ``id`` of the ``spine_batches`` entry ``v`` and its ``parts``."""
+    level = v["level"]
+    # A batch's level is log2 of its update count (an i64): a corrupt one is refused
+    # before anything is built on it (and before levels are allocated for it).
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 64:
+        raise ValueError(f"spine batch {id} has level {level!r}, outside 0..64")
+    desc = Description.from_json(v["desc"])
+    if len(parts) == 1:
+        sb = SpineBatch.merged(parts[0])
+        if sb.id != id or sb.desc != desc:
+            raise ValueError(
+                f"spine batch {id} {desc} does not match its hollow batch {sb.id} {sb.desc}"
+            )
+        return sb
+    return SpineBatch.make_fueled(id, desc, tuple(parts))

@@ -74,7 +74,7 @@ Sources of the ideas: Materialize's early persist engine's ``AppliedState``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -566,6 +566,20 @@ class ShardState(ShardStateBase):
             PersistError: an entry is missing or malformed.
         """
         return cls(**state_codec.from_entries(entries))
+
+    @classmethod
+    def from_entries_delta(
+        cls, prev: ShardState, entries: Mapping[str, Any], changed: Collection[str]
+    ) -> ShardState:
+        """:meth:`from_entries` of a newer version of ``prev``'s entries that differs
+        from them at the keys ``changed`` only, decoding only those and sharing every
+        other component with ``prev`` (:func:`persist.state_codec.from_entries_delta`).
+
+        Raises:
+            PersistError: an entry is missing or malformed, or the changes do not fit
+                ``prev``.
+        """
+        return cls(**state_codec.from_entries_delta(prev, entries, changed))
 
     def to_json(self) -> dict[str, Any]:
         """One readable JSON document of this version (for inspection)."""

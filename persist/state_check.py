@@ -10,6 +10,10 @@ and ``part_index``; :func:`persist.history_record.parts_changed`).  When :data:`
 :class:`AssertionError` naming the first difference.  Slow (a full pass per version);
 never enabled in production.
 
+A machine that catches up with the head by decoding only the entries of the diffs it
+missed (:meth:`persist.state.ShardState.from_entries_delta`) is checked the same way by
+:func:`check_catch_up`.
+
 Invariant checked: the state rebuilt from the entries equals the state; the entries
 and their texts equal the full encoding; every key whose text differs from the previous
 version's is among the touched keys; the running counters equal a recount.
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from persist.state import ShardState
 
-__all__ = ["ENABLED", "check_version"]
+__all__ = ["ENABLED", "check_catch_up", "check_version"]
 
 #: Whether the state machine checks every version it makes (see the module docstring).
 ENABLED: bool = os.environ.get("PERSIST_CHECK_INCREMENTAL") == "1"
@@ -81,6 +85,25 @@ def check_version(
             f"parts changed: incremental {sorted(got_added)}, {got_removed}; "
             f"recounted {added}, {removed}"
         )
+
+
+def check_catch_up(st: ShardState, data: Mapping[str, Any]) -> None:
+    """Check a state a machine caught up to by decoding only the entries the newer
+    diffs set or removed (:meth:`persist.state.ShardState.from_entries_delta`) against
+    the state decoded in full from its entries ``data``.
+
+    Raises:
+        AssertionError: naming what differs.
+    """
+    from persist.state import ShardState
+
+    full = ShardState.from_entries(data)
+    if st != full:
+        names = [f for f in vars(full) if getattr(st, f) != getattr(full, f)]
+        raise AssertionError(f"caught-up state differs from the full decoding at {names}")
+    if st.to_entries() != dict(data):
+        raise AssertionError("caught-up state does not encode to the entries it came from")
+    check_counters(st)
 
 
 def check_counters(st: ShardState) -> None:

@@ -307,7 +307,7 @@ def _commit_locked(
                 is_fresh = fresh.get(sid) == m.state().seqno
                 (kind, value), st = m.stage_commit_txn(cmd, is_fresh, relist)
             except Stale:
-                fresh[sid] = m.fetch().seqno
+                fresh[sid] = m.refresh().seqno
                 restage = True
                 break
             if kind == "landed":
@@ -396,7 +396,7 @@ def _commit_locked(
                 f"transaction at {ts}: gave up after {races[0]} lost compare-and-set races"
             )
         for sid, m in zip(order, machines, strict=True):
-            fresh[sid] = m.fetch().seqno
+            fresh[sid] = m.refresh().seqno  # only the diffs after the cached version
         if races[0] > 2:
             time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races[0], 10))))
 

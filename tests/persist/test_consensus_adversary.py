@@ -210,8 +210,10 @@ def test_compare_and_set_on_the_heads_texts_publishes_the_new_version(url: str, 
 def test_the_rollup_rule_as_documented(url: str) -> None:
     """The rule as documented since c240bbe (it used to read "once the diffs outweigh
     the rollup", which small states never obeyed): diffs go on while their summed
-    length stays within both the rollup's and :data:`MAX_DIFF_CHARS`; the version whose
-    diffs would pass both is a rollup; a diff alone longer than the constant is one."""
+    length stays within both the rollup's and :data:`MAX_DIFF_CHARS`; past both, a
+    rollup is due (maintenance writes it as its own version); a version whose diffs
+    would pass twice both is a rollup itself (nobody wrote one); a diff alone longer
+    than the constant is one."""
     from persist.consensus import MAX_DIFF_CHARS
 
     with Stash.open(url, fenced=False) as s:
@@ -220,6 +222,8 @@ def test_the_rollup_rule_as_documented(url: str) -> None:
         assert c.compare_and_set(sid, None, _texts(c, 0))
         n = 0
 
+        due: list[bool] = []
+
         def put(**extra: object) -> int:
             nonlocal n
             prev = c.head(sid)
@@ -227,15 +231,21 @@ def test_the_rollup_rule_as_documented(url: str) -> None:
             n += 1
             plan = c.plan(sid, n - 1, _texts(c, n, **extra), prev)
             assert c.compare_and_set(sid, n - 1, _texts(c, n, **extra), plan=plan)
+            due.append(c.rollup_due(plan.stored))
             return len(plan.stored.diffs)
 
         # A small rollup: eight ~2,000-character diffs stay diffs (within 1 MiB).
         assert [put(blob=f"{i}" * 2000) for i in range(8)] == list(range(1, 9))
+        assert not any(due)
         # A diff alone past the constant: a rollup (of about 1.2 MiB).
         assert put(big="x" * (MAX_DIFF_CHARS + 200_000)) == 0
-        # Diffs of 400,000 characters each: within the rollup's length, then past both.
-        got = [put(blob=f"{i}" * 400_000) for i in range(5)]
-        assert got[:3] == [1, 2, 3] and 0 in got[3:]
+        # Diffs of 400,000 characters each: within the rollup's length; past both, a
+        # rollup is due (maintenance writes it); past twice both, the version is one.
+        due.clear()
+        got = [put(blob=f"{i}" * 400_000) for i in range(8)]
+        assert got[:3] == [1, 2, 3] and due[:2] == [False, False] and True in due[2:4]
+        first = got.index(0)
+        assert 5 <= first < 8 and got[first - 1] == first and due[first - 1]
         _check_layout(s, c, sid)
 
 

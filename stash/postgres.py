@@ -241,6 +241,11 @@ class PgOps(_Ops):
         except psycopg.Error:
             pass
 
+    def is_idle(self, dbc: Any) -> bool:
+        return bool(
+            not dbc.broken and dbc.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        )
+
     def is_lost(self, e: BaseException, dbc: Any) -> bool:
         if isinstance(e, sa.exc.DBAPIError) and e.connection_invalidated:
             return True

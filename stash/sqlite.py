@@ -147,6 +147,12 @@ class SqliteOps(_Ops):
         except sqlite3.Error:
             pass
 
+    def is_idle(self, dbc: Any) -> bool:
+        try:
+            return not dbc.in_transaction
+        except sqlite3.Error:  # closed
+            return False
+
     def classify(self, e: BaseException, opening: bool) -> BaseException:
         if isinstance(e, StashError):
             return e

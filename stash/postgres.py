@@ -412,6 +412,19 @@ _PG_LOG_INSERT = (
     " WHERE (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
     " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
 )
+# The same on a fenced handle whose fence is not checked yet in the transaction: the
+# fence row is read FOR SHARE (as by PgTxn.check_fence) in the same statement, and the
+# entry goes in only if it holds this handle's epoch and nonce.  No row: the fence or
+# the head differs; check_fence then tells which (a FenceError first, as when checked
+# on its own before the INSERT).
+_PG_LOG_INSERT_FENCED = (
+    "WITH f AS (SELECT epoch, nonce FROM fence FOR SHARE)"
+    " INSERT INTO logs (name, seqno, rollup, data)"
+    " SELECT %(n)s, %(s)s, %(r)s, %(d)s FROM f"
+    " WHERE f.epoch = %(ep)s AND f.nonce = %(no)s"
+    " AND (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
+    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
+)
 _PG_LOG_HEAD = (
     "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= coalesce("
     "(SELECT seqno FROM logs WHERE name = %(n)s AND rollup ORDER BY seqno DESC LIMIT 1), 0)"
@@ -522,15 +535,23 @@ class PgTxn(SqlTxn):
         whose answer is lost); under READ COMMITTED two writers may both see the
         expected head, and the later one then fails on the primary key: a lost race,
         after which the transaction is aborted (the caller ends it)."""
-        self._ensure_fence()
         self._ahead.clear()
         params = {"n": name, "s": seqno, "r": rollup, "d": data, "e": expected}
+        fenced = self._fence_pending and self.write
+        if fenced:  # the fence check rides on the INSERT: one round trip less
+            params["ep"], params["no"] = self.stash._epoch, self.stash._nonce
+        else:
+            self._ensure_fence()
         try:
-            row = self._exec(_PG_LOG_INSERT, params).fetchone()
+            row = self._exec(_PG_LOG_INSERT_FENCED if fenced else _PG_LOG_INSERT, params).fetchone()
         except psycopg.errors.UniqueViolation:
+            # Only after the fence row matched (the INSERT's condition held).
             return False
         if row is None:
+            if fenced:
+                self.check_fence()  # raises FenceError if the fence moved
             return False
+        self._fence_pending = False
         self._wrote = True
         self.xid = int(row[0])
         return True

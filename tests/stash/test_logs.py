@@ -289,3 +289,42 @@ def _try(s: Stash, e: L.LogEntry) -> BaseException | None:
     except BaseException as x:  # noqa: BLE001 - handed to the test thread
         return x
     return None
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_postgres_fenced_log_write_waits_twice(
+    open_stash: OpenStash, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fenced log write on Postgres sends its fence check inside the conditional
+    INSERT: the client waits for the INSERT and the COMMIT (psycopg's BEGIN aside), not
+    for a fence statement of its own.  A fenced-out handle and a lost race still come out
+    as FenceError and LogRaceLost.  Fails on a log write that checks the fence first."""
+    import psycopg
+
+    s = open_stash(fenced=True)
+    L.write(s, [_e("w", None, "a", True)])
+    seen: list[str] = []
+    execute, commit = psycopg.Cursor.execute, psycopg.Connection.commit
+
+    def spy_execute(self: object, query: object, *a: object, **k: object) -> object:
+        seen.append(str(query)[:30])
+        return execute(self, query, *a, **k)  # type: ignore[arg-type]
+
+    def spy_commit(self: psycopg.Connection[object]) -> None:
+        seen.append("COMMIT")
+        commit(self)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", spy_execute)
+    monkeypatch.setattr(psycopg.Connection, "commit", spy_commit)
+    for h in range(3):
+        seen.clear()
+        L.write(s, [_e("w", h, f"d{h}")])
+        assert len(seen) == 2 and seen[-1] == "COMMIT", seen
+    with pytest.raises(LogRaceLost):
+        L.write(s, [_e("w", 1, "stale")])
+    open_stash(fenced=True)  # takes the epoch
+    with pytest.raises(FenceError):
+        L.write(s, [_e("w", 3, "late")])
+    with pytest.raises(FenceError):  # fenced out and stale: the fence is reported
+        L.write(s, [_e("w", 0, "late")])
+    assert [r.data for r in L.scan(open_stash(mode="readonly"), "w")] == ["a", "d0", "d1", "d2"]

@@ -507,6 +507,10 @@ class PgTxn(SqlTxn):
             row = self._exec("SELECT epoch, nonce FROM fence").fetchone()
         self._compare_fence(row)
 
+    def fence_before(self, e: BaseException) -> None:
+        """Nothing: a failed statement aborted the transaction, and every statement
+        of a fenced transaction checks the fence first (_ensure_fence)."""
+
     def finish(self) -> None:
         self._flush()
         if self._fence_pending:

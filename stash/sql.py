@@ -468,12 +468,17 @@ class SqlStash(Stash):
         """Run ``fn`` as one transaction on the DBAPI connection ``dbc``, committed."""
         ops = self._ops
         ops.begin(dbc, write)
+        tx: SqlTxn | None = None
         try:
             tx = ops.txn(self, dbc, write, False)
             result = fn(tx)
             tx.finish()
-        except BaseException:
-            ops.rollback(dbc)
+        except BaseException as e:
+            try:
+                if tx is not None:
+                    tx.fence_before(e)
+            finally:
+                ops.rollback(dbc)
             raise
         ops.commit(self, tx, dbc)
         return result
@@ -531,8 +536,11 @@ class SqlStash(Stash):
             try:
                 yield tx
                 tx.finish()
-            except BaseException:
-                self._ops.rollback(dbc)
+            except BaseException as e:
+                try:
+                    tx.fence_before(e)
+                finally:
+                    self._ops.rollback(dbc)
                 raise
             self._ops.commit(self, tx, dbc)
         finally:

@@ -117,7 +117,10 @@ class SqliteOps(_Ops):
     def txn(self, stash: SqlStash, dbc: Any, write: bool, savepoint: bool) -> SqlTxn:
         tx = SqlTxn(stash, dbc, write)
         if stash._epoch is not None and not savepoint:
-            tx.check_fence()
+            if write:  # checked by the first statement that can (see SqlTxn)
+                tx._fence_pending = True
+            else:
+                tx.check_fence()
         return tx
 
     def begin(self, dbc: Any, write: bool) -> None:

@@ -68,12 +68,15 @@ from stash.base import Mode
 from stash.consolidation import DiffSumOverflow
 from stash.errors import IndeterminateError, StashError
 from stash.pg_statements import (
+    _FLUSH_ONE_SQL,
     _FLUSH_SQL,
     _FRONTIERS_FENCED_SQL,
     _FRONTIERS_SQL,
     _LOCK_BY_NAME_FENCED_SQL,
     _LOCK_BY_NAME_SQL,
     _LOCK_FENCED_SQL,
+    _LOCK_ONE_FENCED_SQL,
+    _LOCK_ONE_SQL,
     _LOCK_SQL,
     _PEEK_KEY_BY_NAME_SQL,
     _PEEK_KEY_SQL,
@@ -642,7 +645,11 @@ class PgTxn(SqlTxn):
         if not self.write or not todo:
             return
         fenced = self._fence_pending
-        rows = self._exec(_LOCK_FENCED_SQL if fenced else _LOCK_SQL, {"ids": todo}).fetchall()
+        if len(todo) == 1:
+            statement, params = _LOCK_ONE_FENCED_SQL if fenced else _LOCK_ONE_SQL, {"id": todo[0]}
+        else:
+            statement, params = _LOCK_FENCED_SQL if fenced else _LOCK_SQL, {"ids": todo}
+        rows = self._exec(statement, params).fetchall()
         self._took_locks(rows, fenced)
 
     def _took_locks(self, rows: list[Any], fenced: bool) -> None:
@@ -791,12 +798,18 @@ class PgTxn(SqlTxn):
             "ss": p.set_since,
             "cs": p.cons_since,
         }
-        if p.rows:
+        # One row whose key is the one consolidated (a one-entry append): scalars.
+        one = len(p.rows) == 1 and (
+            cons != "keys" or (isinstance(p.cons, list) and p.cons == [p.rows[0][0]])
+        )
+        if one:
+            params["k1"], params["v1"], params["t1"], params["d1"] = p.rows[0]
+        elif p.rows:
             params["ks"] = [r[0] for r in p.rows]
             params["vs"] = [r[1] for r in p.rows]
             params["ts"] = [r[2] for r in p.rows]
             params["ds"] = [r[3] for r in p.rows]
-        if cons == "keys":
+        if cons == "keys" and not one:
             params["ck"] = p.cons
         self._wrote = True
         # A batch with retractions (an update of stored keys) consolidates groups and
@@ -805,7 +818,8 @@ class PgTxn(SqlTxn):
         # collection).  Appends of new keys keep the prepared plan; for them the
         # deletion is gated off (see stash.pg_statements._flush_sql).
         fresh = cons is not None and any(r[3] < 0 for r in p.rows)
-        statement, prepare = _FLUSH_SQL[(bool(p.rows), cons)], False if fresh else None
+        statement = _FLUSH_ONE_SQL[cons] if one else _FLUSH_SQL[(bool(p.rows), cons)]
+        prepare = False if fresh else None
         if defer:  # inside a pipeline: a cursor of its own, read after the sync
             cur = self.dbc.cursor()
             cur.execute(statement, params, prepare=prepare)

@@ -645,6 +645,7 @@ class PgTxn(SqlTxn):
         if not self.write or not todo:
             return
         fenced = self._fence_pending
+        params: dict[str, Any]
         if len(todo) == 1:
             statement, params = _LOCK_ONE_FENCED_SQL if fenced else _LOCK_ONE_SQL, {"id": todo[0]}
         else:

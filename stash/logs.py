@@ -138,12 +138,19 @@ def checked_entries(entries: Sequence[object]) -> list[LogEntry]:
 
 def insert_entries(tx: Txn, entries: Sequence[LogEntry]) -> None:
     """Insert checked ``entries`` in the transaction ``tx``, each on top of its expected
-    head (one conditional ``INSERT`` each).
+    head (one conditional ``INSERT`` each; on Postgres several go out in one pipeline,
+    ``PgTxn.log_insert_many``).
 
     Raises:
         LogRaceLost: the first log whose head is not the expected one (the caller's
             transaction then ends without committing anything).
     """
+    many = getattr(tx, "log_insert_many", None)  # several at once (Postgres: one pipeline)
+    if many is not None and len(entries) > 1:
+        lost = many(entries)
+        if lost is not None:
+            raise LogRaceLost(entries[lost].name, entries[lost].expected)
+        return
     for e in entries:
         if not tx.log_insert(e.name, e.expected, e.seqno, e.rollup, e.data):
             raise LogRaceLost(e.name, e.expected)

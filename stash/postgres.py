@@ -563,6 +563,52 @@ class PgTxn(SqlTxn):
         self.xid = int(row[0])
         return True
 
+    def log_insert_many(self, entries: Sequence[Any]) -> int | None:
+        """:meth:`log_insert` of each of ``entries`` (``LogEntry`` s: name, expected,
+        seqno, data, rollup), sent in ONE pipeline (one wait for the server instead of
+        one per entry; a persist commit writes its state log and its history log);
+        return the index of the first entry not written (its head was not the expected
+        one, or a concurrent transaction added its seqno first: the transaction is then
+        unusable and the caller ends it), ``None`` when all were.  The entries after a
+        refused one may have been written: the caller rolls back.
+
+        Raises:
+            FenceError: the fence moved (checked by every INSERT, as by log_insert).
+        """
+        self._ahead.clear()
+        fenced = self._fence_pending and self.write
+        if not fenced:
+            self._ensure_fence()
+        statement = _PG_LOG_INSERT_FENCED if fenced else _PG_LOG_INSERT
+        curs: list[Any] = []
+        try:
+            with self.dbc.pipeline():
+                for e in entries:
+                    params = {"n": e.name, "s": e.seqno, "r": e.rollup, "d": e.data}
+                    params["e"] = e.expected
+                    if fenced:
+                        params["ep"], params["no"] = self.stash._epoch, self.stash._nonce
+                    cur = self.dbc.cursor()
+                    cur.execute(statement, params)
+                    curs.append(cur)
+        except psycopg.errors.UniqueViolation:
+            # The statements before the failed one have their results; its fence held
+            # (its condition did), so it is a lost race.
+            for i, cur in enumerate(curs):
+                if cur.pgresult is None or cur.pgresult.status != psycopg.pq.ExecStatus.TUPLES_OK:
+                    return i
+            return len(curs) - 1  # pragma: no cover - psycopg reports the failed one
+        for i, cur in enumerate(curs):
+            row = cur.fetchone()
+            if row is None:
+                if fenced:
+                    self.check_fence()  # raises FenceError if the fence moved
+                return i
+            self.xid = int(row[0])
+        self._fence_pending = False
+        self._wrote = True
+        return None
+
     def log_rows(self, name: str, from_seqno: int | None) -> list[LogRow]:
         self._ensure_fence()
         if from_seqno is None:

@@ -1,7 +1,7 @@
 """The SQL statements of the Postgres backend (:mod:`stash.postgres`), built once at
 import: the lock, a reader's frontiers, the one-statement flush of a collection's
-buffered writes, peeks, and the statements a one-key write sends ahead in one pipeline
-(:meth:`stash.postgres.PgTxn.prefetch_key`).
+buffered writes, peeks, the statements a one-key write sends ahead in one pipeline
+(:meth:`stash.postgres.PgTxn.prefetch_key`) and those of the compare-and-set logs.
 
 Invariants kept here: every value is a bound parameter; identifiers are constants;
 statements are built from constant fragments with :mod:`psycopg.sql`.
@@ -269,4 +269,40 @@ _ROWS_BY_NAME_SQL = (
     " AND jsonb_hash_extended(d.key, 0) = jsonb_hash_extended(%(rk)s::jsonb, 0)"
     " AND d.key = %(rk)s::jsonb"
     " WHERE c.name = %(rn)s"
+)
+
+
+# Compare-and-set logs (stash.logs): see stash.sql_txn for the SQLite spelling.  The head is
+# read through the primary key; a concurrent writer of the same seqno makes the later
+# INSERT fail on that key (a lost race) once the earlier commits.
+_PG_LOG_INSERT = (
+    "INSERT INTO logs (name, seqno, rollup, data)"
+    " SELECT %(n)s, %(s)s, %(r)s, %(d)s"
+    " WHERE (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
+    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
+)
+# The same on a fenced handle whose fence is not checked yet in the transaction: the
+# fence row is read FOR SHARE (as by PgTxn.check_fence) in the same statement, and the
+# entry goes in only if it holds this handle's epoch and nonce.  No row: the fence or
+# the head differs; check_fence then tells which (a FenceError first, as when checked
+# on its own before the INSERT).
+_PG_LOG_INSERT_FENCED = (
+    "WITH f AS (SELECT epoch, nonce FROM fence FOR SHARE)"
+    " INSERT INTO logs (name, seqno, rollup, data)"
+    " SELECT %(n)s, %(s)s, %(r)s, %(d)s FROM f"
+    " WHERE f.epoch = %(ep)s AND f.nonce = %(no)s"
+    " AND (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
+    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
+)
+_PG_LOG_HEAD = (
+    "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= coalesce("
+    "(SELECT seqno FROM logs WHERE name = %(n)s AND rollup ORDER BY seqno DESC LIMIT 1), 0)"
+    " ORDER BY seqno"
+)
+_PG_LOG_SCAN = (
+    "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= %(s)s ORDER BY seqno"
+)
+_PG_LOG_TRUNCATE = (
+    "DELETE FROM logs WHERE name = %(n)s AND seqno < %(b)s"
+    " AND seqno < (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
 )

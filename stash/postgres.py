@@ -81,6 +81,11 @@ from stash.pg_statements import (
     _PEEK_KEY_BY_NAME_SQL,
     _PEEK_KEY_SQL,
     _PEEK_SQL,
+    _PG_LOG_HEAD,
+    _PG_LOG_INSERT,
+    _PG_LOG_INSERT_FENCED,
+    _PG_LOG_SCAN,
+    _PG_LOG_TRUNCATE,
     _ROWS_BY_NAME_SQL,
 )
 from stash.placement import install, placement
@@ -406,42 +411,6 @@ def _txid_status(stash: SqlStash, xid: int) -> str | None:
         fairy.close()
 
 
-# Compare-and-set logs (stash.logs): see stash.sql for the SQLite spelling.  The head is
-# read through the primary key; a concurrent writer of the same seqno makes the later
-# INSERT fail on that key (a lost race) once the earlier commits.
-_PG_LOG_INSERT = (
-    "INSERT INTO logs (name, seqno, rollup, data)"
-    " SELECT %(n)s, %(s)s, %(r)s, %(d)s"
-    " WHERE (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
-    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
-)
-# The same on a fenced handle whose fence is not checked yet in the transaction: the
-# fence row is read FOR SHARE (as by PgTxn.check_fence) in the same statement, and the
-# entry goes in only if it holds this handle's epoch and nonce.  No row: the fence or
-# the head differs; check_fence then tells which (a FenceError first, as when checked
-# on its own before the INSERT).
-_PG_LOG_INSERT_FENCED = (
-    "WITH f AS (SELECT epoch, nonce FROM fence FOR SHARE)"
-    " INSERT INTO logs (name, seqno, rollup, data)"
-    " SELECT %(n)s, %(s)s, %(r)s, %(d)s FROM f"
-    " WHERE f.epoch = %(ep)s AND f.nonce = %(no)s"
-    " AND (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
-    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
-)
-_PG_LOG_HEAD = (
-    "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= coalesce("
-    "(SELECT seqno FROM logs WHERE name = %(n)s AND rollup ORDER BY seqno DESC LIMIT 1), 0)"
-    " ORDER BY seqno"
-)
-_PG_LOG_SCAN = (
-    "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= %(s)s ORDER BY seqno"
-)
-_PG_LOG_TRUNCATE = (
-    "DELETE FROM logs WHERE name = %(n)s AND seqno < %(b)s"
-    " AND seqno < (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
-)
-
-
 class _Pending:
     """Buffered writes of one collection in a write transaction."""
 
@@ -564,17 +533,10 @@ class PgTxn(SqlTxn):
         return True
 
     def log_insert_many(self, entries: Sequence[Any]) -> int | None:
-        """:meth:`log_insert` of each of ``entries`` (``LogEntry`` s: name, expected,
-        seqno, data, rollup), sent in ONE pipeline (one wait for the server instead of
-        one per entry; a persist commit writes its state log and its history log);
-        return the index of the first entry not written (its head was not the expected
-        one, or a concurrent transaction added its seqno first: the transaction is then
-        unusable and the caller ends it), ``None`` when all were.  The entries after a
-        refused one may have been written: the caller rolls back.
-
-        Raises:
-            FenceError: the fence moved (checked by every INSERT, as by log_insert).
-        """
+        """:meth:`log_insert` of each ``LogEntry`` of ``entries`` in ONE pipeline (one
+        wait instead of one per entry: a persist commit writes two logs); the index of
+        the first entry not written (as :meth:`log_insert`'s ``False``; the caller rolls
+        back), ``None`` when all were.  Raises FenceError if the fence moved."""
         self._ahead.clear()
         fenced = self._fence_pending and self.write
         if not fenced:

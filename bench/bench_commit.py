@@ -72,6 +72,9 @@ GOAL_ONE_ROW = Goal(">=", 0.3)
 GOAL_SQLITE_ONE_ROW = Goal(">=", 0.5)
 GOAL_SQLITE_CPU_MS = Goal("<=", 0.45)
 GOAL_PROCESSES = Goal(">=", 3.0)
+#: Server CPU and WAL of a one-row persist append, as a multiple of a one-entry
+#: ``Stash.append``'s.
+GOAL_PG_COSTS = Goal("<=", 2.0)
 PROCESSES = 8
 
 
@@ -228,6 +231,147 @@ class RawPgOneRow:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class StashOneEntry:
+    """One-entry ``Stash.append`` of a leader that knows its upper (the reference of the
+    Postgres costs: what the stash itself spends on one commit), on a handle opened as
+    persist opens its own (``fenced=False``)."""
+
+    def __init__(self, stash_url: str) -> None:
+        from stash import Antichain, AppendBatch, Stash
+
+        self._ac, self._batch = Antichain.from_elem, AppendBatch
+        self.stash = Stash.open(stash_url, mode="writable", fenced=False)
+        self.coll = self.stash.collection("one-entry", key="int", value="int")
+        self.upper = self.stash.upper(self.coll).as_option() or 0
+        self.count = 0
+
+    def append(self, _i: int) -> None:
+        t, ac = self.upper, self._ac
+        b = self._batch(self.coll, ac(t), ac(t + 1), ac(t), t)
+        self.coll.append_to_batch(b, t, t, 1)
+        self.stash.append([b])
+        self.upper = t + 1
+        self.count += 1
+
+    def close(self) -> None:
+        self.stash.close()
+
+
+def _backend_ticks(conn: Any, dbname: str) -> int:
+    """CPU clock ticks (user + system, ``/proc/<pid>/stat``) used so far by the server
+    backends connected to ``dbname`` (``conn``'s own included: it only runs these
+    queries), or ``-1`` when ``/proc`` cannot be read."""
+    pids = [
+        int(r[0])
+        for r in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s", (dbname,)
+        ).fetchall()
+    ]
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return -1
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total
+
+
+def _pg_costs(
+    res: BenchResults,
+    section: str,
+    conninfo: str,
+    dbname: str,
+    contenders: dict[str, Any],
+    appends: int,
+    rounds: int,
+) -> None:
+    """Per append of each contender, in interleaved rounds of ``appends`` appends: the
+    client's CPU (``time.process_time``, its background threads included), the server
+    backends' CPU (``/proc`` of the backends of ``dbname``: ticks of 10 ms, so summed
+    over a whole round) and the WAL written (``pg_current_wal_lsn`` before and after:
+    server-wide, so anything else writing to the server counts: nothing else runs
+    against this throwaway server).  A table, and two ratios against the one-entry
+    ``Stash.append``."""
+    import psycopg
+
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    costs: dict[str, dict[str, list[float]]] = {
+        k: {"client": [], "server": [], "wal": []} for k in contenders
+    }
+    with psycopg.connect(conninfo, autocommit=True) as mon:
+        for c in contenders.values():  # warm-up
+            for i in range(min(appends, 100)):
+                c.append(i)
+        for r in range(rounds):
+            names = list(contenders)
+            names = names[r % len(names) :] + names[: r % len(names)]
+            for name in names:
+                c = contenders[name]
+                prep = getattr(c, "prepare", None)
+                if prep is not None:
+                    prep()
+                lsn0 = mon.execute("SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
+                ticks0 = _backend_ticks(mon, dbname)
+                t0 = time.process_time()
+                for i in range(appends):
+                    c.append(i)
+                cpu = time.process_time() - t0
+                ticks1 = _backend_ticks(mon, dbname)
+                wal = mon.execute(
+                    "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", (lsn0,)
+                ).fetchone()[0]  # type: ignore[index]
+                costs[name]["client"].append(cpu / appends * 1000)
+                if ticks0 >= 0 and ticks1 >= 0:
+                    costs[name]["server"].append((ticks1 - ticks0) / tick / appends * 1000)
+                costs[name]["wal"].append(float(wal) / appends)
+    med = {k: {m: (median(v) if v else None) for m, v in d.items()} for k, d in costs.items()}
+    res.tables.append(
+        Table(
+            section=section,
+            name="postgres costs",
+            title=f"Postgres: costs per append (medians of {rounds} rounds of {appends} appends; "
+            "client CPU includes persist's background compaction; server CPU from /proc of "
+            "the database's backends, 10 ms ticks)",
+            columns=["contender", "client CPU ms", "server CPU ms", "WAL bytes"],
+            rows=[
+                [
+                    name,
+                    fmt_num(m["client"]),
+                    fmt_num(m["server"]),
+                    fmt_num(m["wal"]),
+                ]
+                for name, m in med.items()
+            ],
+        )
+    )
+    for name, m in med.items():
+        res.log(
+            f"  {name}: client CPU {fmt_num(m['client'])} ms "
+            f"[{fmt_num(min(costs[name]['client']))}-{fmt_num(max(costs[name]['client']))}], "
+            f"server CPU {fmt_num(m['server'])} ms, WAL {fmt_num(m['wal'])} bytes per append"
+        )
+    ref = "one-entry Stash.append"
+    for measure, unit in (("server", "server CPU ms/append"), ("wal", "WAL bytes/append")):
+        subj, refs = costs["persist"][measure], costs[ref][measure]
+        if subj and len(subj) == len(refs) and min(subj) > 0 and min(refs) > 0:
+            res.add(
+                ratio_record(
+                    section,
+                    f"postgres: persist one-row append {unit} vs a one-entry Stash.append",
+                    subject="persist compare_and_append (1 row)",
+                    subject_samples=costs["persist"][measure],
+                    reference=ref,
+                    reference_samples=costs[ref][measure],
+                    measure="slowdown",
+                    unit=unit,
+                    goal=GOAL_PG_COSTS,
+                    note="cost ratio: lower is better (goal: within 2x)",
+                )
+            )
 
 
 def _rate(
@@ -497,6 +641,19 @@ def _postgres(res: BenchResults, seconds: float, rounds: int, quick: bool, profi
                 res.profiles["postgres: persist one-row compare_and_append"] = profile_text(
                     lambda: burst(persist.append, seconds=2.0), max_lines=90
                 )
+            one = StashOneEntry(url)
+            try:
+                _pg_costs(
+                    res,
+                    section,
+                    conninfo,
+                    "commit",
+                    {"persist": persist, "one-entry Stash.append": one, "raw psycopg": raw},
+                    300 if quick else 1000,
+                    3 if quick else 5,
+                )
+            finally:
+                one.close()
         finally:
             persist.close()
             raw.close()

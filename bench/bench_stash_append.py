@@ -17,7 +17,10 @@ per-round ratios reported):
   compare-and-set log write (``stash.logs.write`` of one entry on top of the head the
   writer knows: one conditional ``INSERT`` and the ``COMMIT``, through a fenced handle).
 
-Goal: stash appends per second >= 0.5 x raw appends per second, on each backend.
+Goal: stash appends per second >= 0.9 x raw appends per second, on each backend.  The
+client CPU per append (``time.process_time`` over each burst; on Postgres the server's
+CPU is not in it) is reported beside the rates: the rate ratio is bounded by fsync
+(SQLite) and round trips (Postgres), the CPU is what the stash adds on top.
 Bursts are short (0.3 s) and rounds many (15) so that each round's ratio compares the
 contestants under nearly the same load: on a shared machine the fsync latency and the
 CPU left to the server change from one second to the next.
@@ -51,7 +54,7 @@ from stash import Antichain, AppendBatch, Stash, StashCollection, logs
 
 __all__ = ["main", "run"]
 
-GOAL = Goal(">=", 0.5)
+GOAL = Goal(">=", 0.9)
 PEEK_ENTRIES = 100_000
 
 
@@ -166,12 +169,15 @@ class RawPostgres:
         self.conn.close()
 
 
-def _contestant(appender: Any, seconds: float) -> Callable[[int], float]:
+def _contestant(appender: Any, seconds: float, cpu: list[float]) -> Callable[[int], float]:
     """A contestant for :func:`bench.common.interleave`: appends for ``seconds`` and
-    returns the seconds per append of that burst."""
+    returns the seconds per append of that burst (its CPU seconds per append go to
+    ``cpu``)."""
 
     def run(_round: int) -> float:
+        t0 = time.process_time()
         n, elapsed = burst(appender.append, seconds=seconds, min_ops=20)
+        cpu.append((time.process_time() - t0) / n)
         return elapsed / n
 
     return run
@@ -186,7 +192,8 @@ def _measure_appends(
     rounds: int,
     profile: bool,
 ) -> None:
-    contestants = {name: _contestant(a, seconds) for name, a in appenders.items()}
+    cpus: dict[str, list[float]] = {name: [] for name in appenders}
+    contestants = {name: _contestant(a, seconds, cpus[name]) for name, a in appenders.items()}
     samples = interleave(contestants, rounds, warmup=1, log=res.log)
     rates = {name: [1.0 / x for x in xs] for name, xs in samples.items()}
     raw = f"raw {backend}"
@@ -218,6 +225,14 @@ def _measure_appends(
             samples=xs,
             unit="appends/s",
             definition="1-entry appends per second, median of rounds",
+        )
+        res.absolute(
+            backend,
+            f"{backend}: {name} client CPU per append",
+            subject=name,
+            samples=[x * 1e6 for x in cpus[name][-len(xs) :]],
+            unit="us",
+            definition="client CPU (time.process_time) per 1-entry append, median of rounds",
         )
     if profile or missed:
         stash_appender = appenders[f"stash {backend}"]
@@ -465,7 +480,7 @@ def run(
 def main(
     backend: str, seconds: float, rounds: int, quick: bool, profile: bool, json_path: str | None
 ) -> None:
-    """Stash appends per second against the raw driver, as a ratio (goal >= 0.5)."""
+    """Stash appends per second against the raw driver, as a ratio (goal >= 0.9)."""
     path = run(backend, seconds, rounds, quick, profile, json_path)
     click.echo(f"stash bench results: {path}")
 

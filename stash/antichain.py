@@ -30,6 +30,8 @@ def check_i64(value: object, what: str) -> int:
         TypeError: ``value`` is not an ``int`` (``bool`` is refused too).
         ValueError: ``value`` is outside ``[-2**63, 2**63 - 1]``.
     """
+    if type(value) is int and I64_MIN <= value <= I64_MAX:  # the common case, first
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int (i64), got {type(value).__name__}: {value!r}")
     if not I64_MIN <= value <= I64_MAX:
@@ -61,12 +63,14 @@ class Antichain:
     @classmethod
     def from_elem(cls, t: int) -> Antichain:
         """The frontier ``{t}``."""
-        return cls((t,))
+        a = object.__new__(cls)  # as cls((t,)) without the loop (a frontier per append)
+        a._elem = check_i64(t, "antichain element")
+        return a
 
     @classmethod
     def from_option(cls, t: int | None) -> Antichain:
         """``{t}`` for an int, ``{}`` for ``None`` (the inverse of :meth:`as_option`)."""
-        return cls() if t is None else cls((t,))
+        return cls() if t is None else cls.from_elem(t)
 
     @property
     def elements(self) -> tuple[int, ...]:

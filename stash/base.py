@@ -116,6 +116,12 @@ def _ac(t: int | None) -> Antichain:
     return Antichain.from_option(t)
 
 
+def _le(a: int | None, b: int | None) -> bool:
+    """``Antichain.from_option(a) <= Antichain.from_option(b)`` without building them
+    (``None``, the empty frontier, is the greatest): the frontier checks of every append."""
+    return b is None or (a is not None and a <= b)
+
+
 def _check_antichain(value: object, what: str) -> Antichain:
     if not isinstance(value, Antichain):
         raise StashError(f"{what} must be an Antichain, got {type(value).__name__}")
@@ -598,9 +604,10 @@ class Stash(abc.ABC):
     @staticmethod
     def _seal_tx(tx: Txn, cid: int, new: Antichain) -> None:
         _, upper = tx.frontiers(cid)
-        cur = _ac(upper)
-        if not cur <= new:
-            raise StashError(f"seal request {new} is less than the current upper frontier {cur}")
+        if not _le(upper, new.as_option()):
+            raise StashError(
+                f"seal request {new} is less than the current upper frontier {_ac(upper)}"
+            )
         tx.set_upper(cid, new.as_option())
 
     def compact(self, collection: StashCollection[Any, Any], since: Antichain) -> None:
@@ -630,17 +637,17 @@ class Stash(abc.ABC):
     @staticmethod
     def _compact_tx(tx: Txn, cid: int, new: Antichain) -> None:
         since, upper = tx.frontiers(cid)
-        cur_since, cur_upper = _ac(since), _ac(upper)
-        if not cur_since <= new:
+        n = new.as_option()
+        if not _le(since, n):
             raise StashError(
-                f"compact request {new} is less than the current since frontier {cur_since}"
+                f"compact request {new} is less than the current since frontier {_ac(since)}"
             )
-        if not new <= cur_upper:
+        if not _le(n, upper):
             raise StashError(
-                f"compact request {new} is greater than the current upper frontier {cur_upper}"
+                f"compact request {new} is greater than the current upper frontier {_ac(upper)}"
             )
-        if new != cur_since:  # an unchanged since writes nothing
-            tx.set_since(cid, new.as_option())
+        if n != since:  # an unchanged since writes nothing
+            tx.set_since(cid, n)
 
     def consolidate(self, collection: StashCollection[Any, Any]) -> None:
         """Physical compaction, the same rows on every backend: every row moves to
@@ -748,7 +755,7 @@ class Stash(abc.ABC):
         for b, es in zip(batches, entries, strict=True):
             cid = b.collection.id
             _, upper = tx.frontiers(cid)
-            if _ac(upper) != b.lower:
+            if upper != b.lower.as_option():
                 raise AppendLowerMismatch(
                     f"append lower {b.lower} does not match the current upper frontier "
                     f"{_ac(upper)} of collection {b.collection.name}",

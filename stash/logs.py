@@ -21,11 +21,13 @@ Invariants kept here:
   check is raised: :class:`~stash.errors.LogRaceLost` naming the log, or
   :class:`~stash.errors.AppendLowerMismatch` naming the collection);
 * a write of log entries alone is the least a commit needs: one conditional ``INSERT``
-  per entry and the ``COMMIT`` (no frontier rows, no consolidation); fencing is checked
-  as by :meth:`stash.Stash.append` on a fenced handle, failures are classified as there
-  (a ``COMMIT`` whose outcome is unknown raises
-  :class:`~stash.errors.IndeterminateError`; transient failures run the transaction
-  again);
+  per entry and the ``COMMIT`` (no frontier rows, no consolidation), on the connection
+  the handle holds for its writes (no pool checkout); a fenced handle's fence check
+  rides on the ``INSERT`` (a fenced-out handle gets :class:`~stash.errors.FenceError`
+  before any lost race), and on Postgres the ``INSERT`` s of several logs go out in one
+  pipeline; failures are classified as for :meth:`stash.Stash.append` (a ``COMMIT``
+  whose outcome is unknown raises :class:`~stash.errors.IndeterminateError` and drops
+  the held connection; transient failures run the transaction again);
 * a head only moves forward: entries are never rewritten and :func:`truncate` never
   deletes the head, so a seqno names one entry for the log's life;
 * names are data (bound parameters only), validated as collection names.
@@ -138,12 +140,19 @@ def checked_entries(entries: Sequence[object]) -> list[LogEntry]:
 
 def insert_entries(tx: Txn, entries: Sequence[LogEntry]) -> None:
     """Insert checked ``entries`` in the transaction ``tx``, each on top of its expected
-    head (one conditional ``INSERT`` each).
+    head (one conditional ``INSERT`` each; on Postgres several go out in one pipeline,
+    ``PgTxn.log_insert_many``).
 
     Raises:
         LogRaceLost: the first log whose head is not the expected one (the caller's
             transaction then ends without committing anything).
     """
+    many = getattr(tx, "log_insert_many", None)  # several at once (Postgres: one pipeline)
+    if many is not None and len(entries) > 1:
+        lost = many(entries)
+        if lost is not None:
+            raise LogRaceLost(entries[lost].name, entries[lost].expected)
+        return
     for e in entries:
         if not tx.log_insert(e.name, e.expected, e.seqno, e.rollup, e.data):
             raise LogRaceLost(e.name, e.expected)

@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 
 from prometheus_client import Counter, Histogram
 
+from stash.errors import AppendLowerMismatch, FenceError
+
 __all__ = [
     "TXN_CONFLICTS",
     "TXN_FENCE_ERRORS",
@@ -81,20 +83,17 @@ def record_retry(backend: str) -> None:
 def observe_txn(stash: Any, write: bool, run: Callable[[], R]) -> R:
     """Run ``run()`` (one whole transaction of ``stash``) and record its duration and,
     if it raised, whether it was a conflict or a fence error; re-raises what it raised."""
-    from stash.errors import AppendLowerMismatch, FenceError
-
-    backend = backend_of(stash)
     t0 = time.perf_counter()
     try:
         return run()
     except AppendLowerMismatch:
-        TXN_CONFLICTS.labels(backend).inc()
+        TXN_CONFLICTS.labels(backend_of(stash)).inc()
         raise
     except FenceError:
-        TXN_FENCE_ERRORS.labels(backend).inc()
+        TXN_FENCE_ERRORS.labels(backend_of(stash)).inc()
         raise
     finally:
-        _txn_seconds(backend, write).observe(time.perf_counter() - t0)
+        _txn_seconds(backend_of(stash), write).observe(time.perf_counter() - t0)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,7 +1,7 @@
 """The SQL statements of the Postgres backend (:mod:`stash.postgres`), built once at
 import: the lock, a reader's frontiers, the one-statement flush of a collection's
-buffered writes, peeks, and the statements a one-key write sends ahead in one pipeline
-(:meth:`stash.postgres.PgTxn.prefetch_key`).
+buffered writes, peeks, the statements a one-key write sends ahead in one pipeline
+(:meth:`stash.postgres.PgTxn.prefetch_key`) and those of the compare-and-set logs.
 
 Invariants kept here: every value is a bound parameter; identifiers are constants;
 statements are built from constant fragments with :mod:`psycopg.sql`.
@@ -33,6 +33,12 @@ _LOCK_SQL = _LOCK.format(fcols=", f.stash_id", fjoin=" CROSS JOIN fence f", floc
 _LOCK_FENCED_SQL = _LOCK.format(
     fcols=", f.stash_id, f.epoch, f.nonce", fjoin=" CROSS JOIN fence f", flock=", f"
 )
+# The same for one collection, its id %(id)s a scalar (no array to dump).
+_LOCK_ONE = _LOCK.replace("= ANY(%(ids)s::int4[])", "= %(id)s::int4")
+_LOCK_ONE_SQL = _LOCK_ONE.format(fcols=", f.stash_id", fjoin=" CROSS JOIN fence f", flock="")
+_LOCK_ONE_FENCED_SQL = _LOCK_ONE.format(
+    fcols=", f.stash_id, f.epoch, f.nonce", fjoin=" CROSS JOIN fence f", flock=", f"
+)
 # A reader's frontiers, codec names and name (and fence), in one statement of its snapshot.
 _FRONTIERS = (
     "SELECT s.since, u.upper, c.key_codec, c.value_codec{fcols}, c.name FROM sinces s"
@@ -45,7 +51,7 @@ _FRONTIERS_SQL = _FRONTIERS.format(fcols="", fjoin="")
 _FRONTIERS_FENCED_SQL = _FRONTIERS.format(fcols=", f.epoch, f.nonce", fjoin=" CROSS JOIN fence f")
 
 
-def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
+def _flush_sql(has_rows: bool, consolidate: str | None, one: bool = False) -> str:
     """One statement writing one collection's buffered work: new rows, their
     consolidation (``consolidate``: ``None``, ``"keys"`` for the keys in ``%(ck)s`` or
     ``"all"``) at the since ``%(cs)s``, and the new upper and since (each only if its flag
@@ -62,11 +68,21 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
     with the stored ones (from the table) itself.  Built from constant fragments with
     :mod:`psycopg.sql`; every value is a bound parameter.  The arrays are sent in
     binary (``%(name)b``): as text, psycopg escaped every JSON text for the array
-    literal, about 20% of a one-row persist append's client CPU.
+    literal, about 20% of a one-row persist append's client CPU.  ``one``: the rows are
+    one row (``%(k1)s``, ``%(v1)s``, ``%(t1)s``, ``%(d1)s``) and the keys to consolidate,
+    if any, that row's key: sent as scalars, not arrays (psycopg's array dumper, run on
+    every execute, cost a third of a one-entry append's client CPU).
     """
     q = sql.SQL
     ctes: list[sql.Composable] = []
-    if has_rows:
+    if has_rows and one:
+        ctes.append(
+            q(
+                "c_new AS (SELECT %(k1)s::jsonb AS key, %(v1)s::jsonb AS value,"
+                " %(t1)s::int8 AS time, %(d1)s::int8 AS diff)"
+            )
+        )
+    elif has_rows:
         ctes.append(
             q(
                 "c_new AS (SELECT k::jsonb AS key, v::jsonb AS value, t AS time, d AS diff"
@@ -82,6 +98,11 @@ def _flush_sql(has_rows: bool, consolidate: str | None) -> str:
             # plan that is a linear scan of the array for every row, O(rows x keys).
             ctes.append(
                 q(
+                    "c_keys AS (SELECT %(k1)s::jsonb AS key,"
+                    " jsonb_hash_extended(%(k1)s::jsonb, 0) AS h)"
+                )
+                if one
+                else q(
                     "c_keys AS (SELECT DISTINCT k::jsonb AS key, jsonb_hash_extended(k::jsonb, 0)"
                     " AS h FROM unnest(%(ck)b::text[]) AS k)"
                 )
@@ -195,6 +216,8 @@ _KEY_ROWS_SQL = (
 _FLUSH_SQL = {
     (rows, cons): _flush_sql(rows, cons) for rows in (False, True) for cons in (None, "keys", "all")
 }
+#: One row, and (``"keys"``) its key consolidated: scalars in place of arrays.
+_FLUSH_ONE_SQL = {cons: _flush_sql(True, cons, one=True) for cons in (None, "keys", "all")}
 
 
 # A whole collection's rows, consolidated in Python (_consolidate_rendered): a server-side
@@ -246,4 +269,40 @@ _ROWS_BY_NAME_SQL = (
     " AND jsonb_hash_extended(d.key, 0) = jsonb_hash_extended(%(rk)s::jsonb, 0)"
     " AND d.key = %(rk)s::jsonb"
     " WHERE c.name = %(rn)s"
+)
+
+
+# Compare-and-set logs (stash.logs): see stash.sql_txn for the SQLite spelling.  The head is
+# read through the primary key; a concurrent writer of the same seqno makes the later
+# INSERT fail on that key (a lost race) once the earlier commits.
+_PG_LOG_INSERT = (
+    "INSERT INTO logs (name, seqno, rollup, data)"
+    " SELECT %(n)s, %(s)s, %(r)s, %(d)s"
+    " WHERE (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
+    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
+)
+# The same on a fenced handle whose fence is not checked yet in the transaction: the
+# fence row is read FOR SHARE (as by PgTxn.check_fence) in the same statement, and the
+# entry goes in only if it holds this handle's epoch and nonce.  No row: the fence or
+# the head differs; check_fence then tells which (a FenceError first, as when checked
+# on its own before the INSERT).
+_PG_LOG_INSERT_FENCED = (
+    "WITH f AS (SELECT epoch, nonce FROM fence FOR SHARE)"
+    " INSERT INTO logs (name, seqno, rollup, data)"
+    " SELECT %(n)s, %(s)s, %(r)s, %(d)s FROM f"
+    " WHERE f.epoch = %(ep)s AND f.nonce = %(no)s"
+    " AND (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
+    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
+)
+_PG_LOG_HEAD = (
+    "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= coalesce("
+    "(SELECT seqno FROM logs WHERE name = %(n)s AND rollup ORDER BY seqno DESC LIMIT 1), 0)"
+    " ORDER BY seqno"
+)
+_PG_LOG_SCAN = (
+    "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= %(s)s ORDER BY seqno"
+)
+_PG_LOG_TRUNCATE = (
+    "DELETE FROM logs WHERE name = %(n)s AND seqno < %(b)s"
+    " AND seqno < (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
 )

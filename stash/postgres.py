@@ -68,16 +68,24 @@ from stash.base import Mode
 from stash.consolidation import DiffSumOverflow
 from stash.errors import IndeterminateError, StashError
 from stash.pg_statements import (
+    _FLUSH_ONE_SQL,
     _FLUSH_SQL,
     _FRONTIERS_FENCED_SQL,
     _FRONTIERS_SQL,
     _LOCK_BY_NAME_FENCED_SQL,
     _LOCK_BY_NAME_SQL,
     _LOCK_FENCED_SQL,
+    _LOCK_ONE_FENCED_SQL,
+    _LOCK_ONE_SQL,
     _LOCK_SQL,
     _PEEK_KEY_BY_NAME_SQL,
     _PEEK_KEY_SQL,
     _PEEK_SQL,
+    _PG_LOG_HEAD,
+    _PG_LOG_INSERT,
+    _PG_LOG_INSERT_FENCED,
+    _PG_LOG_SCAN,
+    _PG_LOG_TRUNCATE,
     _ROWS_BY_NAME_SQL,
 )
 from stash.placement import install, placement
@@ -241,6 +249,11 @@ class PgOps(_Ops):
         except psycopg.Error:
             pass
 
+    def is_idle(self, dbc: Any) -> bool:
+        return bool(
+            not dbc.broken and dbc.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        )
+
     def is_lost(self, e: BaseException, dbc: Any) -> bool:
         if isinstance(e, sa.exc.DBAPIError) and e.connection_invalidated:
             return True
@@ -398,29 +411,6 @@ def _txid_status(stash: SqlStash, xid: int) -> str | None:
         fairy.close()
 
 
-# Compare-and-set logs (stash.logs): see stash.sql for the SQLite spelling.  The head is
-# read through the primary key; a concurrent writer of the same seqno makes the later
-# INSERT fail on that key (a lost race) once the earlier commits.
-_PG_LOG_INSERT = (
-    "INSERT INTO logs (name, seqno, rollup, data)"
-    " SELECT %(n)s, %(s)s, %(r)s, %(d)s"
-    " WHERE (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
-    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
-)
-_PG_LOG_HEAD = (
-    "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= coalesce("
-    "(SELECT seqno FROM logs WHERE name = %(n)s AND rollup ORDER BY seqno DESC LIMIT 1), 0)"
-    " ORDER BY seqno"
-)
-_PG_LOG_SCAN = (
-    "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= %(s)s ORDER BY seqno"
-)
-_PG_LOG_TRUNCATE = (
-    "DELETE FROM logs WHERE name = %(n)s AND seqno < %(b)s"
-    " AND seqno < (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
-)
-
-
 class _Pending:
     """Buffered writes of one collection in a write transaction."""
 
@@ -489,6 +479,10 @@ class PgTxn(SqlTxn):
             row = self._exec("SELECT epoch, nonce FROM fence").fetchone()
         self._compare_fence(row)
 
+    def fence_before(self, e: BaseException) -> None:
+        """Nothing: a failed statement aborted the transaction, and every statement
+        of a fenced transaction checks the fence first (_ensure_fence)."""
+
     def finish(self) -> None:
         self._flush()
         if self._fence_pending:
@@ -517,18 +511,65 @@ class PgTxn(SqlTxn):
         whose answer is lost); under READ COMMITTED two writers may both see the
         expected head, and the later one then fails on the primary key: a lost race,
         after which the transaction is aborted (the caller ends it)."""
-        self._ensure_fence()
         self._ahead.clear()
         params = {"n": name, "s": seqno, "r": rollup, "d": data, "e": expected}
+        fenced = self._fence_pending and self.write
+        if fenced:  # the fence check rides on the INSERT: one round trip less
+            params["ep"], params["no"] = self.stash._epoch, self.stash._nonce
+        else:
+            self._ensure_fence()
         try:
-            row = self._exec(_PG_LOG_INSERT, params).fetchone()
+            row = self._exec(_PG_LOG_INSERT_FENCED if fenced else _PG_LOG_INSERT, params).fetchone()
         except psycopg.errors.UniqueViolation:
+            # Only after the fence row matched (the INSERT's condition held).
             return False
         if row is None:
+            if fenced:
+                self.check_fence()  # raises FenceError if the fence moved
             return False
+        self._fence_pending = False
         self._wrote = True
         self.xid = int(row[0])
         return True
+
+    def log_insert_many(self, entries: Sequence[Any]) -> int | None:
+        """:meth:`log_insert` of each ``LogEntry`` of ``entries`` in ONE pipeline (one
+        wait instead of one per entry: a persist commit writes two logs); the index of
+        the first entry not written (as :meth:`log_insert`'s ``False``; the caller rolls
+        back), ``None`` when all were.  Raises FenceError if the fence moved."""
+        self._ahead.clear()
+        fenced = self._fence_pending and self.write
+        if not fenced:
+            self._ensure_fence()
+        statement = _PG_LOG_INSERT_FENCED if fenced else _PG_LOG_INSERT
+        curs: list[Any] = []
+        try:
+            with self.dbc.pipeline():
+                for e in entries:
+                    params = {"n": e.name, "s": e.seqno, "r": e.rollup, "d": e.data}
+                    params["e"] = e.expected
+                    if fenced:
+                        params["ep"], params["no"] = self.stash._epoch, self.stash._nonce
+                    cur = self.dbc.cursor()
+                    cur.execute(statement, params)
+                    curs.append(cur)
+        except psycopg.errors.UniqueViolation:
+            # The statements before the failed one have their results; its fence held
+            # (its condition did), so it is a lost race.
+            for i, cur in enumerate(curs):
+                if cur.pgresult is None or cur.pgresult.status != psycopg.pq.ExecStatus.TUPLES_OK:
+                    return i
+            return len(curs) - 1  # pragma: no cover - psycopg reports the failed one
+        for i, cur in enumerate(curs):
+            row = cur.fetchone()
+            if row is None:
+                if fenced:
+                    self.check_fence()  # raises FenceError if the fence moved
+                return i
+            self.xid = int(row[0])
+        self._fence_pending = False
+        self._wrote = True
+        return None
 
     def log_rows(self, name: str, from_seqno: int | None) -> list[LogRow]:
         self._ensure_fence()
@@ -612,7 +653,12 @@ class PgTxn(SqlTxn):
         if not self.write or not todo:
             return
         fenced = self._fence_pending
-        rows = self._exec(_LOCK_FENCED_SQL if fenced else _LOCK_SQL, {"ids": todo}).fetchall()
+        params: dict[str, Any]
+        if len(todo) == 1:
+            statement, params = _LOCK_ONE_FENCED_SQL if fenced else _LOCK_ONE_SQL, {"id": todo[0]}
+        else:
+            statement, params = _LOCK_FENCED_SQL if fenced else _LOCK_SQL, {"ids": todo}
+        rows = self._exec(statement, params).fetchall()
         self._took_locks(rows, fenced)
 
     def _took_locks(self, rows: list[Any], fenced: bool) -> None:
@@ -761,12 +807,18 @@ class PgTxn(SqlTxn):
             "ss": p.set_since,
             "cs": p.cons_since,
         }
-        if p.rows:
+        # One row whose key is the one consolidated (a one-entry append): scalars.
+        one = len(p.rows) == 1 and (
+            cons != "keys" or (isinstance(p.cons, list) and p.cons == [p.rows[0][0]])
+        )
+        if one:
+            params["k1"], params["v1"], params["t1"], params["d1"] = p.rows[0]
+        elif p.rows:
             params["ks"] = [r[0] for r in p.rows]
             params["vs"] = [r[1] for r in p.rows]
             params["ts"] = [r[2] for r in p.rows]
             params["ds"] = [r[3] for r in p.rows]
-        if cons == "keys":
+        if cons == "keys" and not one:
             params["ck"] = p.cons
         self._wrote = True
         # A batch with retractions (an update of stored keys) consolidates groups and
@@ -775,7 +827,8 @@ class PgTxn(SqlTxn):
         # collection).  Appends of new keys keep the prepared plan; for them the
         # deletion is gated off (see stash.pg_statements._flush_sql).
         fresh = cons is not None and any(r[3] < 0 for r in p.rows)
-        statement, prepare = _FLUSH_SQL[(bool(p.rows), cons)], False if fresh else None
+        statement = _FLUSH_ONE_SQL[cons] if one else _FLUSH_SQL[(bool(p.rows), cons)]
+        prepare = False if fresh else None
         if defer:  # inside a pipeline: a cursor of its own, read after the sync
             cur = self.dbc.cursor()
             cur.execute(statement, params, prepare=prepare)

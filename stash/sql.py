@@ -30,6 +30,11 @@ Invariants kept here:
 * a COMMIT whose outcome cannot be known raises an
   :class:`~stash.errors.IndeterminateError`, never success or plain failure (Postgres
   first asks the server what became of the transaction, see :mod:`stash.postgres`);
+* a writable handle runs its write transactions on one connection it holds (checked out
+  of the pool at the first write, given back by ``close``); a thread that finds it in
+  use takes a pooled connection; a held connection that was lost, or whose COMMIT's
+  outcome is unknown, or that a failure left inside a transaction, is dropped (the
+  next write checks out a new one);
 * a fenced writable handle bumps ``fence.epoch`` at open and checks epoch and nonce in
   every transaction, before anything it writes; an older handle then fails with a
   :class:`~stash.errors.FenceError`;
@@ -190,6 +195,10 @@ class _Ops:
         """Roll back whatever is open on ``dbc``; never raises."""
         raise NotImplementedError
 
+    def is_idle(self, dbc: Any) -> bool:
+        """Whether ``dbc`` is usable and outside any transaction (after a rollback)."""
+        raise NotImplementedError
+
     def is_lost(self, e: BaseException, dbc: Any) -> bool:
         """Whether ``e`` means the connection is gone (never to be reused)."""
         return False
@@ -265,6 +274,12 @@ class SqlStash(Stash):
         self._nonce = b""
         self._sp_fairy: PoolProxiedConnection | None = None
         self._sp_lock = threading.RLock()
+        # The connection held for write transactions (see _attempt_held), checked out
+        # at the first write; a thread that finds it in use takes a pooled one.  Not
+        # with pre_ping: a held connection would skip the ping the caller asked for.
+        self._held: PoolProxiedConnection | None = None
+        self._held_lock = threading.Lock()
+        self._hold = not pre_ping and mode == "writable"
         self._opening = True  # a server that is down at open fails fast, without retries
         self._ops = sql_dialect(self.backend)
         self.engine = self._ops.engine(
@@ -409,28 +424,70 @@ class SqlStash(Stash):
         return self._retrying(lambda: self._attempt(write, fn))
 
     def _attempt(self, write: bool, fn: Callable[[Txn], R]) -> R:
-        """One try of a transaction on a pooled connection."""
-        ops = self._ops
-        fairy = self.engine.raw_connection()
-        dbc = fairy.driver_connection
-        try:
-            ops.begin(dbc, write)
+        """One try of a transaction: a write on the held connection when no other thread
+        is using it (:meth:`_attempt_held`), anything else on a pooled connection."""
+        if write and self._hold and self._held_lock.acquire(blocking=False):
             try:
-                tx = ops.txn(self, dbc, write, False)
-                result = fn(tx)
-                tx.finish()
-            except BaseException:
-                ops.rollback(dbc)
-                raise
-            ops.commit(self, tx, dbc)
-            return result
+                return self._attempt_held(fn)
+            finally:
+                self._held_lock.release()
+        fairy = self.engine.raw_connection()
+        try:
+            return self._once(fairy.driver_connection, write, fn)
         except BaseException as e:
-            cause = e.cause if isinstance(e, _Transient) else e
-            if ops.is_lost(cause, dbc) or isinstance(e, IndeterminateError):
+            if self._broken(e, fairy.driver_connection):
                 fairy.invalidate()  # never hand a broken connection to the next caller
             raise
         finally:
             fairy.close()
+
+    def _attempt_held(self, fn: Callable[[Txn], R]) -> R:
+        """One try of a write transaction on the connection this handle holds for its
+        writes (checked out of the pool once, not per transaction: a one-entry append or
+        log write is a handful of statements, and the pool's checkout and return, with
+        its reset, cost as much CPU as they do).  The caller holds ``_held_lock``.  A
+        connection that failed in a way that may have left it unusable (lost, an
+        unknown COMMIT outcome, a transaction left open) is dropped; the next write
+        checks out a new one."""
+        fairy = self._held
+        if fairy is None:
+            if self._closed:  # closed concurrently: the pool says what that means
+                raise StashError("stash handle is closed")
+            fairy = self._held = self.engine.raw_connection()
+        dbc = fairy.driver_connection
+        try:
+            return self._once(dbc, True, fn)
+        except BaseException as e:
+            if self._broken(e, dbc) or not self._ops.is_idle(dbc):
+                self._held = None
+                fairy.invalidate()
+                fairy.close()
+            raise
+
+    def _once(self, dbc: Any, write: bool, fn: Callable[[Txn], R]) -> R:
+        """Run ``fn`` as one transaction on the DBAPI connection ``dbc``, committed."""
+        ops = self._ops
+        ops.begin(dbc, write)
+        tx: SqlTxn | None = None
+        try:
+            tx = ops.txn(self, dbc, write, False)
+            result = fn(tx)
+            tx.finish()
+        except BaseException as e:
+            try:
+                if tx is not None:
+                    tx.fence_before(e)
+            finally:
+                ops.rollback(dbc)
+            raise
+        ops.commit(self, tx, dbc)
+        return result
+
+    def _broken(self, e: BaseException, dbc: Any) -> bool:
+        """Whether the failure ``e`` of a transaction on ``dbc`` means the connection
+        must never be used again (lost, or its COMMIT's outcome unknown)."""
+        cause = e.cause if isinstance(e, _Transient) else e
+        return isinstance(e, IndeterminateError) or self._ops.is_lost(cause, dbc)
 
     def _run_savepoint(self, write: bool, fn: Callable[[Txn], R]) -> R:
         """One operation of a savepoint handle: a SAVEPOINT inside its open transaction,
@@ -479,14 +536,21 @@ class SqlStash(Stash):
             try:
                 yield tx
                 tx.finish()
-            except BaseException:
-                self._ops.rollback(dbc)
+            except BaseException as e:
+                try:
+                    tx.fence_before(e)
+                finally:
+                    self._ops.rollback(dbc)
                 raise
             self._ops.commit(self, tx, dbc)
         finally:
             fairy.close()
 
     def _close(self) -> None:
+        with self._held_lock:  # waits for a write running on the held connection
+            held, self._held = self._held, None
+        if held is not None:
+            held.close()  # back to the pool, which dispose() below closes
         fairy, self._sp_fairy = self._sp_fairy, None
         if fairy is not None:
             with self._sp_lock:

@@ -51,6 +51,10 @@ _SQLITE_FRONTIERS = (
     " JOIN collections c ON c.collection_id = s.collection_id CROSS JOIN fence f"
     " WHERE s.collection_id = :c"
 )
+# The same with the fence's epoch and nonce, for a write whose fence is not checked yet.
+_SQLITE_FRONTIERS_FENCED = _SQLITE_FRONTIERS.replace(
+    "f.stash_id FROM", "f.stash_id, f.epoch, f.nonce FROM"
+)
 _SQLITE_PEEK = (
     "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND time <= :ts"
     " GROUP BY key, value HAVING sum(diff) <> 0"
@@ -91,6 +95,13 @@ _SQLITE_TAKE_KEYS = (
 _SQLITE_LOG_INSERT = (
     "INSERT INTO logs (name, seqno, rollup, data) SELECT ?, ?, ?, ?"
     " WHERE (SELECT max(seqno) FROM logs WHERE name = ?) IS ?"
+)
+# The same for a write whose fence is not checked yet: the fence must also hold the
+# handle's epoch and nonce (no row: check_fence then tells a fence error from a lost race).
+_SQLITE_LOG_INSERT_FENCED = (
+    "INSERT INTO logs (name, seqno, rollup, data) SELECT ?, ?, ?, ?"
+    " WHERE (SELECT max(seqno) FROM logs WHERE name = ?) IS ?"
+    " AND EXISTS (SELECT 1 FROM fence WHERE epoch = ? AND nonce = ?)"
 )
 # From the latest rollup on (every entry when there is none).
 _SQLITE_LOG_HEAD = (
@@ -154,10 +165,31 @@ class SqlTxn:
         # retraction and the row it cancels are never written only to be deleted.
         self._buffered: dict[int, list[Row]] = {}
         self._sid: str | None = None  # fence.stash_id, once read
+        # A fenced write (see SqliteOps.txn) checks its fence with its first read of a
+        # collection's frontiers, or its log INSERT, or at the latest in finish(): the
+        # writer holds the write lock from BEGIN IMMEDIATE on, so the fence cannot move
+        # before COMMIT, and a fenced-out handle's failure is reported as the fence
+        # error whatever else failed first (fence_before).
+        self._fence_pending = False
 
     def finish(self) -> None:
         """Called once ``fn`` is done and before COMMIT (buffered work goes out here)."""
+        if self._fence_pending:
+            self.check_fence()
         self._write_buffered()
+
+    def fence_before(self, e: BaseException) -> None:
+        """Called when the transaction's work raised ``e`` (before the rollback): a
+        fenced write whose fence is not checked yet checks it now and raises
+        :class:`~stash.errors.FenceError` in place of ``e`` if the handle is fenced out,
+        as if the fence had been checked first."""
+        if self._fence_pending and isinstance(e, Exception):
+            try:
+                self.check_fence()
+            except FenceError:
+                raise
+            except Exception:  # noqa: BLE001, S110 - the connection failed: e says more
+                pass
 
     def _write_buffered(self, cid: int | None = None) -> None:
         """Write the buffered rows (of ``cid``, or of every collection)."""
@@ -172,6 +204,7 @@ class SqlTxn:
 
     # ----------------------------------------------------------------- fence
     def check_fence(self) -> None:
+        self._fence_pending = False
         if self.stash._epoch is not None:  # the stash's identity comes with it: no query
             self._compare_fence(row := self._one("SELECT epoch, nonce, stash_id FROM fence", {}))
             self._sid = str(row[2])
@@ -230,8 +263,18 @@ class SqlTxn:
     def log_insert(
         self, name: str, expected: int | None, seqno: int, rollup: bool, data: str
     ) -> bool:
-        cur = self.dbc.execute(_SQLITE_LOG_INSERT, (name, seqno, rollup, data, name, expected))
-        return bool(cur.rowcount == 1)
+        if not self._fence_pending:
+            cur = self.dbc.execute(_SQLITE_LOG_INSERT, (name, seqno, rollup, data, name, expected))
+            return bool(cur.rowcount == 1)
+        cur = self.dbc.execute(
+            _SQLITE_LOG_INSERT_FENCED,
+            (name, seqno, rollup, data, name, expected, self.stash._epoch, self.stash._nonce),
+        )
+        if cur.rowcount == 1:
+            self._fence_pending = False  # the fence held this handle's epoch and nonce
+            return True
+        self.check_fence()  # FenceError if the fence moved, else a lost race
+        return False
 
     def log_rows(self, name: str, from_seqno: int | None) -> list[LogRow]:
         if from_seqno is None:
@@ -291,9 +334,15 @@ class SqlTxn:
     def frontiers(self, cid: int) -> tuple[int | None, int | None]:
         f = self._front.get(cid)
         if f is None:
-            row = self._one(_SQLITE_FRONTIERS, {"c": cid})
+            fenced = self._fence_pending
+            row = self._one(_SQLITE_FRONTIERS_FENCED if fenced else _SQLITE_FRONTIERS, {"c": cid})
             if row is None:
+                if fenced:
+                    self.check_fence()
                 raise StashError(f"collection id {cid} does not exist")
+            if fenced:
+                self._fence_pending = False
+                self._compare_fence((row[6], row[7]))
             f = self._front[cid] = [row[0], row[1], str(row[2]), str(row[3]), str(row[4])]
             self._sid = str(row[5])
         return f[0], f[1]

@@ -117,7 +117,10 @@ class SqliteOps(_Ops):
     def txn(self, stash: SqlStash, dbc: Any, write: bool, savepoint: bool) -> SqlTxn:
         tx = SqlTxn(stash, dbc, write)
         if stash._epoch is not None and not savepoint:
-            tx.check_fence()
+            if write:  # checked by the first statement that can (see SqlTxn)
+                tx._fence_pending = True
+            else:
+                tx.check_fence()
         return tx
 
     def begin(self, dbc: Any, write: bool) -> None:
@@ -146,6 +149,12 @@ class SqliteOps(_Ops):
                 dbc.execute("ROLLBACK")
         except sqlite3.Error:
             pass
+
+    def is_idle(self, dbc: Any) -> bool:
+        try:
+            return not dbc.in_transaction
+        except sqlite3.Error:  # closed
+            return False
 
     def classify(self, e: BaseException, opening: bool) -> BaseException:
         if isinstance(e, StashError):

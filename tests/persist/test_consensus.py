@@ -555,6 +555,8 @@ def test_a_diff_version_is_one_conditional_insert_and_the_commit(tmp_path: Path)
             "checkout",
             lambda dbc, _rec, _proxy: dbc.set_trace_callback(statements.append),
         )
+        if s._held is not None:  # the connection the stash holds for its writes
+            s._held.driver_connection.set_trace_callback(statements.append)
         assert c.compare_and_set(sid, 0, texts(c, 1, a=2), h)
         assert [t.split()[0] for t in statements] == ["BEGIN", "INSERT", "COMMIT"]
         assert "INTO logs" in statements[1]

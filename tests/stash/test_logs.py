@@ -289,3 +289,119 @@ def _try(s: Stash, e: L.LogEntry) -> BaseException | None:
     except BaseException as x:  # noqa: BLE001 - handed to the test thread
         return x
     return None
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_postgres_fenced_log_write_waits_twice(
+    open_stash: OpenStash, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fenced log write on Postgres sends its fence check inside the conditional
+    INSERT: the client waits for the INSERT and the COMMIT (psycopg's BEGIN aside), not
+    for a fence statement of its own.  A fenced-out handle and a lost race still come out
+    as FenceError and LogRaceLost.  Fails on a log write that checks the fence first."""
+    import psycopg
+
+    s = open_stash(fenced=True)
+    L.write(s, [_e("w", None, "a", True)])
+    seen: list[str] = []
+    execute, commit = psycopg.Cursor.execute, psycopg.Connection.commit
+
+    def spy_execute(self: object, query: object, *a: object, **k: object) -> object:
+        seen.append(str(query)[:30])
+        return execute(self, query, *a, **k)  # type: ignore[arg-type]
+
+    def spy_commit(self: psycopg.Connection[object]) -> None:
+        seen.append("COMMIT")
+        commit(self)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", spy_execute)
+    monkeypatch.setattr(psycopg.Connection, "commit", spy_commit)
+    for h in range(3):
+        seen.clear()
+        L.write(s, [_e("w", h, f"d{h}")])
+        assert len(seen) == 2 and seen[-1] == "COMMIT", seen
+    with pytest.raises(LogRaceLost):
+        L.write(s, [_e("w", 1, "stale")])
+    open_stash(fenced=True)  # takes the epoch
+    with pytest.raises(FenceError):
+        L.write(s, [_e("w", 3, "late")])
+    with pytest.raises(FenceError):  # fenced out and stale: the fence is reported
+        L.write(s, [_e("w", 0, "late")])
+    assert [r.data for r in L.scan(open_stash(mode="readonly"), "w")] == ["a", "d0", "d1", "d2"]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_postgres_log_write_of_several_logs_is_one_pipeline(
+    open_stash: OpenStash, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write of entries of two logs (a persist commit: its state and its history)
+    sends both conditional INSERTs in one pipeline: the client waits for it and for the
+    COMMIT.  A lost race still names the first log refused, on either log, and a
+    fenced-out handle still gets FenceError.  Fails on the old code (one wait per
+    INSERT)."""
+    import psycopg
+
+    s = open_stash(fenced=True)
+    L.write(s, [_e("a", None, "a0", True), _e("b", None, "b0", True)])
+    seen: list[str] = []
+    execute, commit = psycopg.Cursor.execute, psycopg.Connection.commit
+
+    def spy_execute(self: psycopg.Cursor[object], query: object, *a: object, **k: object) -> object:
+        if self.connection._pipeline is None:
+            seen.append(str(query)[:30])
+        return execute(self, query, *a, **k)  # type: ignore[arg-type]
+
+    def spy_commit(self: psycopg.Connection[object]) -> None:
+        seen.append("COMMIT")
+        commit(self)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", spy_execute)
+    monkeypatch.setattr(psycopg.Connection, "commit", spy_commit)
+    for h in range(3):
+        seen.clear()
+        L.write(s, [_e("a", h, f"a{h + 1}"), _e("b", h, f"b{h + 1}")])
+        assert seen == ["COMMIT"], seen
+    monkeypatch.undo()
+    with pytest.raises(LogRaceLost) as ei:
+        L.write(s, [_e("a", 2, "x"), _e("b", 3, "y")])
+    assert ei.value.collection == "a"
+    with pytest.raises(LogRaceLost) as ei:
+        L.write(s, [_e("a", 3, "x"), _e("b", 2, "y")])
+    assert ei.value.collection == "b"
+    assert [r.data for r in L.scan(s, "b")] == ["b0", "b1", "b2", "b3"]
+    open_stash(fenced=True)  # takes the epoch
+    with pytest.raises(FenceError):
+        L.write(s, [_e("a", 3, "late"), _e("b", 3, "late")])
+    r = open_stash(mode="readonly")
+    assert [x.data for x in L.scan(r, "a")] == ["a0", "a1", "a2", "a3"]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_postgres_pipelined_write_losing_on_the_key_names_the_log(
+    open_stash: OpenStash, stash_url: str
+) -> None:
+    """Under READ COMMITTED a concurrent writer of the same seqno makes the pipelined
+    INSERT fail on the primary key once it commits: the log named is the one whose
+    INSERT failed, first or second, and nothing of the write commits."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    s = open_stash(fenced=True)
+    L.write(s, [_e("a", None, "a0", True), _e("b", None, "b0", True)])
+    conninfo = make_url(stash_url).set(drivername="postgresql").render_as_string(False)
+    for n, (other, lost) in enumerate([("b", "b"), ("a", "a")]):
+        with psycopg.connect(conninfo) as c:
+            c.execute(
+                "INSERT INTO logs (name, seqno, rollup, data) VALUES (%s, %s, false, 'other')",
+                (other, n + 1),
+            )
+            timer = threading.Timer(0.3, c.commit)
+            timer.start()
+            with pytest.raises(LogRaceLost) as ei:
+                L.write(s, [_e("a", n, "mine"), _e("b", n, "mine")])
+            timer.join()
+        assert ei.value.collection == lost
+        if other == "b":  # keep the heads in step for the next round
+            L.write(s, [_e("a", 0, "a1")])
+    assert [r.data for r in L.scan(s, "a")] == ["a0", "a1", "other"]
+    assert [r.data for r in L.scan(s, "b")] == ["b0", "other"]

@@ -394,6 +394,7 @@ def test_unresolvable_commit_of_a_log_write_is_indeterminate(pg, proxy: FaultPro
         with pytest.raises(StashError) as e:
             logs.write(s, [logs.LogEntry("l", 0, 1, "b")])
         assert e.value.is_indeterminate() and "outcome is unknown" in str(e.value)
+        assert s._held is None  # the connection this handle held for writes is dropped
         proxy.accept()
         # It did commit: writing it again is a lost race, never a second entry.
         with pytest.raises(logs.LogRaceLost):

@@ -21,7 +21,7 @@ A = Antichain.from_elem
 
 def _row_changes(s: Stash, fn: Any) -> int:
     """Rows inserted, updated or deleted by ``fn()`` on the stash's connections
-    (``sqlite3.Connection.total_changes``)."""
+    (``sqlite3.Connection.total_changes``): the pooled ones and the one it holds."""
     seen: dict[int, sqlite3.Connection] = {}
 
     def checkout(dbapi_conn: sqlite3.Connection, *_: Any) -> None:
@@ -31,6 +31,9 @@ def _row_changes(s: Stash, fn: Any) -> int:
     sa.event.listen(engine, "checkout", checkout)
     try:
         fn()  # the first call records the pooled connection
+        held = getattr(s, "_held", None)  # the connection the handle holds for writes
+        if held is not None:
+            seen.setdefault(id(held.driver_connection), held.driver_connection)
         before = {k: c.total_changes for k, c in seen.items()}
         fn()
         return sum(c.total_changes - before.get(k, 0) for k, c in seen.items())

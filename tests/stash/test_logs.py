@@ -377,6 +377,35 @@ def test_postgres_log_write_of_several_logs_is_one_pipeline(
 
 
 @pytest.mark.parametrize("backend", ["postgres"])
+def test_postgres_pipelined_write_names_the_log_whose_head_moved_first(
+    open_stash: OpenStash, stash_url: str
+) -> None:
+    """A write of two logs whose first log moved on (committed) while the second did
+    not, and whose second INSERT then fails on the key of a concurrent writer of the
+    second log: the race lost is the first log's (its INSERT wrote no row), never the
+    second's.  Persist reads the second as its history log being out of step with its
+    state (a version that changes the state log alone, such as a lease renewal or a
+    rollup, followed by a concurrent append); the old code named the second."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    s = open_stash(fenced=False)
+    L.write(s, [_e("a", None, "a0", True), _e("b", None, "b0", True)])
+    L.write(s, [_e("a", 0, "a1")])  # the first log alone moves on
+    conninfo = make_url(stash_url).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(conninfo) as c:
+        c.execute("INSERT INTO logs (name, seqno, rollup, data) VALUES ('b', 1, false, 'other')")
+        timer = threading.Timer(0.3, c.commit)
+        timer.start()
+        with pytest.raises(LogRaceLost) as ei:
+            L.write(s, [_e("a", 0, "mine"), _e("b", 0, "mine")])
+        timer.join()
+    assert ei.value.collection == "a"
+    assert [r.data for r in L.scan(s, "a")] == ["a0", "a1"]
+    assert [r.data for r in L.scan(s, "b")] == ["b0", "other"]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
 def test_postgres_pipelined_write_losing_on_the_key_names_the_log(
     open_stash: OpenStash, stash_url: str
 ) -> None:

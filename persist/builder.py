@@ -188,6 +188,9 @@ class RunWriter:
         the first upload; each part records ``schema_id``."""
         cfg = self.config
         directory, name = self.key_prefix().rsplit("/", 1)
+        history = self._machine.state().schemas()
+        # A table of exactly this schema is kept inline without its schema message.
+        schema = history.updates_schema(schema_id) if schema_id <= history.newest else None
         refs = write_parts(
             self.blob,
             table,
@@ -199,6 +202,7 @@ class RunWriter:
             name_prefix=name + "-",
             before_upload=self._before_upload,
             key_names=self.key_schema.names,
+            schema=schema,
         )
         return refs if not schema_id else [replace(r, schema_id=schema_id) for r in refs]
 

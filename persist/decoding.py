@@ -25,7 +25,7 @@ from persist.encoding import (
     INLINE_BARE_MAGIC,
     INLINE_ZSTD_MAGIC,
     _sha256,
-    bare_inline_stream,
+    bare_inline_batches,
     inline_stream,
 )
 from persist.errors import CorruptPart, InvalidUsage
@@ -282,8 +282,10 @@ def decode_part(
         )
     if ref.inline is not None and (bare or data[:4] in (INLINE_ZSTD_MAGIC, _IPC_STREAM_MAGIC)):
         try:
-            stream = bare_inline_stream(data, schema) if bare and schema else inline_stream(data)
-            table = pa.ipc.open_stream(pa.BufferReader(stream)).read_all()
+            if bare and schema is not None:
+                table = pa.Table.from_batches(bare_inline_batches(data, schema), schema)
+            else:
+                table = pa.ipc.open_stream(pa.BufferReader(inline_stream(data))).read_all()
             if columns is not None:
                 table = table.select(list(columns))
         except KeyError:

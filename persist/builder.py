@@ -118,6 +118,9 @@ class RunWriter:
         # normalize: the last input schema found to have this writer's column names and
         # types in order, and the columns that must hold no null.
         self._conforming: pa.Schema | None = None
+        # inline_schema: (the state's key schema and schema versions, by identity, the
+        # schema id, the updates schema of that id or None).
+        self._inline_schema: tuple[object, object, int, pa.Schema | None] | None = None
         self._not_null = [i for i, f in enumerate(self.schema) if not f.nullable]
         # Whether check_whole_days has a column to check (it looks each field up).
         self._date64 = any(pa.types.is_date64(t) for t in self.schema.types)
@@ -128,6 +131,25 @@ class RunWriter:
         :mod:`persist.keys`): one flat directory per shard and kind."""
         name = part_name_prefix(self.writer_id, self._machine.now_ms())
         return f"{self.shard_id}/{kind}/{name[:-1]}"
+
+    def inline_schema(self, schema_id: int) -> pa.Schema | None:
+        """The shard's updates schema of version ``schema_id`` (``None``: unknown to the
+        state in hand): a table of exactly this schema is kept inline without its schema
+        message (:func:`persist.encoding.encode_inline_part`). Cached while the state's
+        schema versions are the same objects (looking it up costs about 20 us)."""
+        st = self._machine.state()
+        c = self._inline_schema
+        if (
+            c is not None
+            and c[0] is st.key_schema
+            and c[1] is st.schema_history
+            and c[2] == schema_id
+        ):
+            return c[3]
+        history = st.schemas()
+        schema = history.updates_schema(schema_id) if schema_id <= history.newest else None
+        self._inline_schema = (st.key_schema, st.schema_history, schema_id, schema)
+        return schema
 
     def inline_max(self) -> int:
         """Inline writes are allowed while the state holds less than the total budget."""
@@ -188,6 +210,7 @@ class RunWriter:
         the first upload; each part records ``schema_id``."""
         cfg = self.config
         directory, name = self.key_prefix().rsplit("/", 1)
+        schema = self.inline_schema(schema_id)
         refs = write_parts(
             self.blob,
             table,
@@ -199,6 +222,7 @@ class RunWriter:
             name_prefix=name + "-",
             before_upload=self._before_upload,
             key_names=self.key_schema.names,
+            schema=schema,
         )
         return refs if not schema_id else [replace(r, schema_id=schema_id) for r in refs]
 

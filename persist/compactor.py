@@ -220,6 +220,7 @@ class Compactor:
             order=order,
             name_prefix=stem,
             key_names=ks.names,
+            schema=history.updates_schema(newest),
         )
         if newest:
             parts = [replace(p, schema_id=newest) for p in parts]

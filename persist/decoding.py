@@ -20,8 +20,15 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from persist.encoding import _IPC_STREAM_MAGIC, INLINE_ZSTD_MAGIC, _sha256, inline_stream
-from persist.errors import CorruptPart
+from persist.encoding import (
+    _IPC_STREAM_MAGIC,
+    INLINE_BARE_MAGIC,
+    INLINE_ZSTD_MAGIC,
+    _sha256,
+    bare_inline_batches,
+    inline_stream,
+)
+from persist.errors import CorruptPart, InvalidUsage
 from persist.types import PartRef
 
 _MIB = 1024 * 1024
@@ -86,7 +93,11 @@ class _InlineCache:
             return
         size = table.get_total_buffer_size() + len(data)
         # The Arrow IPC stream's length (before the zstd of a compressed inline part).
-        length = int.from_bytes(data[4:8], "little") if data[:4] == INLINE_ZSTD_MAGIC else len(data)
+        length = (
+            int.from_bytes(data[4:8], "little")
+            if data[:4] in (INLINE_ZSTD_MAGIC, INLINE_BARE_MAGIC)
+            else len(data)
+        )
         if size > 4 * length + 4096 and stream is not None:
             # Most likely a slice of a larger table (a one-row slice of a batch):
             # caching it would pin the parent's buffers; the stream just encoded holds
@@ -232,18 +243,28 @@ def _expand_dictionaries(table: pa.Table, names: Sequence[str], arrow: pa.Schema
     return table
 
 
-def decode_part(data: bytes, ref: PartRef, columns: Sequence[str] | None = None) -> pa.Table:
+def decode_part(
+    data: bytes,
+    ref: PartRef,
+    columns: Sequence[str] | None = None,
+    schema: pa.Schema | None = None,
+) -> pa.Table:
     """Verify ``data`` against ``ref`` (size, SHA-256, row count) and parse it.
 
     Args:
         data: the part's bytes (from the blob store or ``ref.inline``).
         ref: the part's reference.
         columns: read only these columns (``None``: all).
+        schema: the part's write schema, all its columns (the shard's updates schema of
+            ``ref.schema_id``): needed to read a schema-less inline part
+            (:data:`persist.encoding.INLINE_BARE_MAGIC`), unused by the other formats.
 
     Raises:
         CorruptPart: naming ``ref.key`` (or ``"<inline>"``) when the size or checksum
             differs, the bytes are not valid Parquet (or, inline, Arrow IPC), the row
-            count differs, or a requested column is missing.
+            count differs, a requested column is missing, or ``schema`` is not the one
+            a schema-less inline part was written with.
+        InvalidUsage: a schema-less inline part and no ``schema``.
     """
     name = _part_name(ref)
     if len(data) != ref.encoded_size_bytes:
@@ -253,9 +274,18 @@ def decode_part(data: bytes, ref: PartRef, columns: Sequence[str] | None = None)
     digest = _sha256(data)
     if digest != ref.checksum:
         raise CorruptPart(name, f"SHA-256 {digest} does not match the reference {ref.checksum}")
-    if ref.inline is not None and data[:4] in (INLINE_ZSTD_MAGIC, _IPC_STREAM_MAGIC):
+    bare = data[:4] == INLINE_BARE_MAGIC
+    if bare and schema is None:
+        raise InvalidUsage(
+            f"part {name} (schema version {ref.schema_id}) is stored without its schema: "
+            "its reader must give the shard's updates schema of that version"
+        )
+    if ref.inline is not None and (bare or data[:4] in (INLINE_ZSTD_MAGIC, _IPC_STREAM_MAGIC)):
         try:
-            table = pa.ipc.open_stream(pa.BufferReader(inline_stream(data))).read_all()
+            if bare and schema is not None:
+                table = pa.Table.from_batches(bare_inline_batches(data, schema), schema)
+            else:
+                table = pa.ipc.open_stream(pa.BufferReader(inline_stream(data))).read_all()
             if columns is not None:
                 table = table.select(list(columns))
         except KeyError:

@@ -3,7 +3,9 @@
 :func:`encode_part` chooses per column between dictionary, delta and plain encodings;
 :func:`encode_inline_part` writes a zstd-compressed Arrow IPC stream for parts small
 enough to live in the shard's state (:data:`INLINE_ZSTD_MAGIC`, the stream's length,
-then the zstd frame; decoders also read the plain streams written before); :func:`make_part_ref`
+then the zstd frame; decoders also read the plain streams written before), or, for a
+table of exactly the shard's updates schema, only its record batch messages
+(:data:`INLINE_BARE_MAGIC`: its readers give the schema); :func:`make_part_ref`
 describes encoded bytes with their SHA-256 checksum (the persist-client batch builder, Materialize's
 ``src/persist-client/src/batch.rs``).
 
@@ -11,16 +13,19 @@ Invariants kept here:
 
 * decoding what :func:`encode_part` or :func:`encode_inline_part` produced gives back the
   table, column types included;
-* an inline part is exactly the bytes pyarrow's ``RecordBatchStreamWriter`` and
-  ``Codec("zstd", 1)`` make of the table, though its stream is put together from a
-  cached schema message and the batches' messages and compressed by a zstd context
-  reused per thread (``zstandard``);
+* an inline part's stream is exactly the bytes pyarrow's ``RecordBatchStreamWriter``
+  makes of the table, though put together from a cached schema message and the
+  batches' messages, and compressed by a zstd context reused per thread
+  (``zstandard``); a schema-less one compresses the same stream without its schema
+  message and end-of-stream marker: its reader reads the record batch messages with
+  the schema it gives, after checking that schema's digest;
 * a :class:`~persist.types.PartRef` from :func:`make_part_ref` carries the SHA-256 of
   exactly the bytes given, and a blob part's key is a valid blob key; the statistics it
   carries are the caller's, computed from the very table encoded.
 """
 
 import hashlib
+import json
 import os
 import threading
 
@@ -158,13 +163,20 @@ _IPC_STREAM_MAGIC = b"\xff\xff\xff\xff"
 #: The first bytes of a compressed inline part: then the Arrow IPC stream's length in
 #: bytes (4 bytes, little-endian) and the stream as one zstd frame.
 INLINE_ZSTD_MAGIC = b"PZI1"
+#: The first bytes of a schema-less inline part: then the length in bytes of its Arrow
+#: IPC record batch messages (4 bytes, little-endian), a digest of the schema they were
+#: written with (the shard's updates schema of the part's schema version; see
+#: :func:`_schema_digest`), and those messages as one zstd frame. The
+#: stream's schema message and end-of-stream marker are left out: the reader gives the
+#: schema (:func:`bare_inline_batches`), and a schema whose digest differs is refused.
+INLINE_BARE_MAGIC = b"PZS1"
+#: The header of a schema-less inline part: magic, length, schema digest.
+_BARE_HEADER = 16
 #: The longest IPC stream a compressed inline part may announce (a guard against a
 #: corrupt length; inline parts are a few KiB).
 INLINE_MAX_STREAM_BYTES = 64 * _MIB
-#: zstd at level 1: a one-row flights part's 2,840-byte stream becomes 1,012 bytes in
-#: about 16 us (level 3: 960 bytes, 19 us).  Decompression (any zstd frame).
-_INLINE_CODEC = pa.Codec("zstd", compression_level=1)
-#: The zstd level of inline parts (:data:`_INLINE_CODEC`'s).
+#: The zstd level of inline parts: a one-row flights part's 2,840-byte stream becomes
+#: 1,012 bytes in about 16 us (level 3: 960 bytes, 19 us).
 _INLINE_LEVEL = 1
 #: The options of inline parts' Arrow IPC streams: pyarrow's defaults (metadata V5, no
 #: legacy format), made once (``pa.ipc.new_stream`` reads two environment variables
@@ -173,11 +185,13 @@ _IPC_OPTIONS = pa.ipc.IpcWriteOptions()
 #: The end-of-stream marker of an Arrow IPC stream (a continuation token, then a
 #: zero length: the Arrow columnar format's "Streaming format").
 _IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
-#: The schema messages of the last few schemas encoded: ``(schema, message)``.
-_SCHEMA_MESSAGES: tuple[tuple[pa.Schema, bytes], ...] = ()
+#: The schema messages of the last few schemas encoded: ``(schema, message, digest)``
+#: (the first 8 bytes of the message's SHA-256).
+_SCHEMA_MESSAGES: tuple[tuple[pa.Schema, bytes, bytes], ...] = ()
 _SCHEMA_MESSAGES_KEPT = 8
 #: One zstd compression context per thread (``zstandard.ZstdCompressor`` is not
-#: thread-safe), reused: ``pyarrow.Codec.compress`` makes and frees a context per call.
+#: thread-safe), reused: ``pyarrow.Codec.compress`` makes and frees a context per call;
+#: likewise one decompression context (``d``).
 _COMPRESSORS = threading.local()
 
 
@@ -193,17 +207,36 @@ def _schema_message(schema: pa.Schema) -> bytes | None:
     by value, metadata included), or ``None`` when a stream of it needs more than a
     schema and record batch messages (dictionary-encoded columns: their dictionaries
     are messages of their own)."""
+    found = _schema_entry(schema)
+    return None if found is None else found[0]
+
+
+def _schema_digest(schema: pa.Schema) -> bytes:
+    """The first 8 bytes of the SHA-256 of a canonical text of ``schema``'s columns: the
+    JSON list of ``[name, type, nullable]`` per column, in order (``type`` as pyarrow
+    prints it, e.g. ``timestamp[us, tz=UTC]``). Metadata is left out (record batch messages do
+    not depend on it: a reader whose schema differs only in metadata reads the part),
+    and so is pyarrow's serialization of the schema, which a pyarrow release may change
+    without changing the schema."""
+    text = json.dumps([[f.name, str(f.type), f.nullable] for f in schema])
+    return hashlib.sha256(text.encode("utf-8")).digest()[:8]
+
+
+def _schema_entry(schema: pa.Schema) -> tuple[bytes, bytes] | None:
+    """``(message, digest)`` of ``schema`` (:func:`_schema_message`,
+    :func:`_schema_digest`), or ``None`` (dictionary columns)."""
     global _SCHEMA_MESSAGES
     known = _SCHEMA_MESSAGES
-    for s, cached in known:
+    for s, cached, digest in known:
         if s is schema or s.equals(schema, check_metadata=True):
-            return cached
+            return cached, digest
     if any(_has_dictionary(f.type) for f in schema):
         return None
     message: bytes = schema.serialize().to_pybytes()
+    digest = _schema_digest(schema)
     # Replaced whole (threads may be reading the old tuple).
-    _SCHEMA_MESSAGES = ((schema, message), *known[: _SCHEMA_MESSAGES_KEPT - 1])
-    return message
+    _SCHEMA_MESSAGES = ((schema, message, digest), *known[: _SCHEMA_MESSAGES_KEPT - 1])
+    return message, digest
 
 
 def _ipc_stream(table: pa.Table) -> pa.Buffer:
@@ -235,27 +268,39 @@ def _compress(stream: pa.Buffer) -> bytes:
     return frame
 
 
-def encode_inline_part(table: pa.Table) -> bytes:
+def encode_inline_part(table: pa.Table, schema: pa.Schema | None = None) -> bytes:
     """Encode a small part to be kept inline in the shard state: an Arrow IPC stream,
-    compressed whole with zstd behind :data:`INLINE_ZSTD_MAGIC` and the stream's length.
+    compressed whole with zstd behind :data:`INLINE_ZSTD_MAGIC` and the stream's length;
+    or, when ``schema`` is given and ``table``'s schema equals it exactly (names, types,
+    nullability, schema and field metadata), only the stream's record batch messages,
+    behind :data:`INLINE_BARE_MAGIC`, their length and the schema's digest: its reader
+    must then give that schema (:func:`persist.decoding.decode_part`).
+
+    ``schema`` is the shard's updates schema of the part's schema version
+    (:meth:`persist.updates.SchemaHistory.updates_schema` of ``PartRef.schema_id``),
+    which every reader knows. The schema message is most of a tiny part: a one-row
+    flights part is 1,007 bytes with it and 518 without (its record batch message is
+    1,672 bytes before zstd, 1,176 of them metadata: each column's buffer offsets).
 
     A one-row flights part encodes in about 40 us and decodes in about 40 us this way,
     against about 400 us and 320 us as Parquet (whose writer and reader set-up dominates
-    for a few rows). Compressing the whole stream, schema message included, makes a
-    one-row flights part 2.8 times smaller than the plain stream (1,020 bytes against
-    2,840), and the shard state's entry with it: a one-row append then writes about a
-    third of the bytes to the stash. :func:`decode_part` tells the formats apart by
-    their magic bytes (and still reads plain IPC streams). Blob parts are always Parquet.
+    for a few rows). Compressing the stream makes a one-row flights part 2.8 times
+    smaller than the plain stream (1,020 bytes against 2,840). :func:`decode_part` tells
+    the formats apart by their magic bytes (and still reads plain IPC streams). Blob
+    parts are always Parquet.
 
     Raises:
         InvalidUsage: pyarrow cannot encode the table.
     """
-    return encode_inline_part_stream(table)[0]
+    return encode_inline_part_stream(table, schema)[0]
 
 
-def encode_inline_part_stream(table: pa.Table) -> tuple[bytes, pa.Buffer]:
-    """:func:`encode_inline_part`, and the Arrow IPC stream it compressed (reading the
-    stream back gives the table without copying, in buffers of the stream's size).
+def encode_inline_part_stream(
+    table: pa.Table, schema: pa.Schema | None = None
+) -> tuple[bytes, pa.Buffer]:
+    """:func:`encode_inline_part`, and the whole Arrow IPC stream it compressed (or
+    whose record batch messages it compressed; reading the stream back gives the table
+    without copying, in buffers of the stream's size).
 
     Raises:
         InvalidUsage: pyarrow cannot encode the table.
@@ -270,6 +315,16 @@ def encode_inline_part_stream(table: pa.Table) -> tuple[bytes, pa.Buffer]:
             f"an inline part's Arrow IPC stream may be at most {INLINE_MAX_STREAM_BYTES} "
             f"bytes, got {size}"
         )
+    if schema is not None and (
+        table.schema is schema or table.schema.equals(schema, check_metadata=True)
+    ):
+        entry = _schema_entry(schema)
+        if entry is not None:
+            message, digest = entry
+            # The stream is that very message, the batches' messages and the marker.
+            batches = memoryview(stream)[len(message) : size - len(_IPC_EOS)]
+            head = INLINE_BARE_MAGIC + len(batches).to_bytes(4, "little") + digest
+            return head + _compress(batches), stream
     return INLINE_ZSTD_MAGIC + size.to_bytes(4, "little") + _compress(stream), stream
 
 
@@ -285,13 +340,58 @@ def inline_stream(data: bytes) -> bytes | pa.Buffer:
         return data
     if len(data) < 8:
         raise ValueError("truncated compressed inline part header")
+    return _decompress(data, 8)
+
+
+def _decompress(data: bytes, start: int) -> pa.Buffer:
+    """The zstd frame of ``data`` from ``start``, of the length ``data[4:8]`` announces,
+    by this thread's reused ``zstandard`` context (a third of ``pyarrow.Codec``'s time
+    for a one-row part, which makes a context per call)."""
     n = int.from_bytes(data[4:8], "little")
     if n > INLINE_MAX_STREAM_BYTES:
         raise ValueError(f"compressed inline part announces {n} bytes, more than allowed")
+    d = getattr(_COMPRESSORS, "d", None)
+    if d is None:
+        d = _COMPRESSORS.d = zstandard.ZstdDecompressor()
     try:
-        return _INLINE_CODEC.decompress(memoryview(data)[8:], decompressed_size=n, asbytes=False)
-    except (pa.ArrowException, OSError) as e:
+        out = d.decompress(memoryview(data)[start:], max_output_size=n)
+    except zstandard.ZstdError as e:
         raise ValueError(f"zstd frame does not decompress: {e}") from None
+    if len(out) != n:
+        raise ValueError(f"zstd frame decompresses to {len(out)} bytes, not the {n} announced")
+    return pa.py_buffer(out)
+
+
+def bare_inline_batches(data: bytes, schema: pa.Schema) -> list[pa.RecordBatch]:
+    """The record batches of a schema-less inline part (:data:`INLINE_BARE_MAGIC`)
+    written with ``schema``, read with it (``pyarrow.ipc.read_record_batch``: no schema
+    message to parse, half the time of reading the whole stream for a one-row part).
+
+    Raises:
+        ValueError: a truncated header, a bad length or frame, or ``schema`` is not the
+            one the part was written with (its digest differs), or has dictionaries.
+        pyarrow.ArrowException: the messages are not record batches of ``schema``.
+    """
+    if len(data) < _BARE_HEADER:
+        raise ValueError("truncated schema-less inline part header")
+    entry = _schema_entry(schema)
+    if entry is None:
+        raise ValueError("a schema with dictionary columns cannot read a schema-less part")
+    digest = entry[1]
+    if data[8:16] != digest:
+        raise ValueError(
+            f"was written with another schema (digest {data[8:16].hex()}) than the one "
+            f"given to read it ({digest.hex()})"
+        )
+    messages = _decompress(data, _BARE_HEADER)
+    src = pa.BufferReader(messages)
+    out = []
+    while src.tell() < messages.size:
+        message = pa.ipc.read_message(src)
+        if message.type != "record batch":
+            raise ValueError(f"holds a {message.type} message, not a record batch")
+        out.append(pa.ipc.read_record_batch(message, schema))
+    return out
 
 
 def _sha256(data: bytes) -> str:

@@ -641,7 +641,8 @@ def stream_snapshot(
     if not flat:
         return
     keys = list(key_names)
-    samples = [part_key_samples(p, keys) for _, p in flat]
+    parts_schema = schema if schemas is None else schemas[0]  # reads schema-less parts
+    samples = [part_key_samples(p, keys, parts_schema) for _, p in flat]
     if any(not smp for smp in samples):  # unknown (or, never written, empty)
         yield from whole()
         return

@@ -179,24 +179,38 @@ def key_samples(
     return encode_keys(table.select(list(key_names)).take(pa.array(pos, pa.int64())))
 
 
-def part_key_samples(ref: Any, key_names: Sequence[str]) -> tuple[KeySample, ...] | None:
+def part_key_samples(
+    ref: Any, key_names: Sequence[str], schemas: Any = None
+) -> tuple[KeySample, ...] | None:
     """The key samples of a part (a :class:`~persist.types.PartRef`): those recorded in
     the state, or, for an inline part (which records none: its bytes are in the state
     already, and sampling every one-row append cost a sixth of it), those of its decoded
     rows (an inline part is a slice of a sorted run); ``None`` when unknown (a blob part
     written before samples existed, or an inline part that does not decode: the read
-    then reports it)."""
+    then reports it).
+
+    ``schemas`` is what reads a schema-less inline part: the shard's
+    :class:`~persist.updates.SchemaHistory` (the part is read with the updates schema of
+    its ``schema_id``) or the part's updates schema (``pyarrow.Schema``); without it such
+    a part has no samples."""
     if ref.key_samples:
         return tuple(ref.key_samples)
     if ref.inline is None:
         return None
+    import pyarrow as pa
+
     from persist.decoding import INLINE_CACHE, decode_part
     from persist.errors import PersistError
 
     table = INLINE_CACHE.get(ref)
     if table is None:
         try:
-            table = decode_part(ref.inline, ref)
+            if schemas is None or isinstance(schemas, pa.Schema):
+                schema = schemas
+            else:
+                schemas.check_id(ref.schema_id, f"part {ref.key or '<inline>'}")
+                schema = schemas.updates_schema(ref.schema_id)
+            table = decode_part(ref.inline, ref, schema=schema)
         except PersistError:
             return None
     try:

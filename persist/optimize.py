@@ -124,6 +124,7 @@ def optimize(ctx: PersistContext, compactor: Compactor, machine: ShardMachine) -
             order=order,
             name_prefix=part_name_prefix(wid, machine.now_ms()),
             key_names=ks.names,
+            schema=history.updates_schema(history.newest),
         )
         if history.newest:
             parts = [replace(p, schema_id=history.newest) for p in parts]

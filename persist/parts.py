@@ -166,6 +166,7 @@ def write_parts(
     name_prefix: str = "",
     before_upload: Callable[[], None] | None = None,
     key_names: Sequence[str] | None = None,
+    schema: pa.Schema | None = None,
 ) -> list[PartRef]:
     """Encode ``table`` as Parquet parts and upload them; return their refs in order.
 
@@ -182,8 +183,10 @@ def write_parts(
     by the thread that encodes it, so the whole reordered table never exists at once
     and gathering overlaps encoding. If its inline encoding
     (:func:`encode_inline_part`) is at most ``inline_max_bytes`` it becomes one inline
-    part (no blob call; Materialize's ``src/persist-client/src/batch.rs``'s inline writes).
-    Otherwise it is split by
+    part (no blob call; Materialize's ``src/persist-client/src/batch.rs``'s inline writes),
+    without its schema message when ``table``'s schema equals ``schema`` exactly (give the
+    shard's updates schema of the schema version the parts will record: their readers
+    decode them with it). Otherwise it is split by
     :func:`split_for_parts` (at least ``max_workers`` parts when it holds at least
     ``2 * MIN_PARALLEL_PART_BYTES``, and a multiple of ``max_workers`` when several)
     and the parts are encoded by ``max_workers`` threads, each at key
@@ -223,7 +226,7 @@ def write_parts(
     if order is None and inline_max_bytes > 0 and n <= _INLINE_PROBE_ROWS:
         # Perhaps small enough to be kept inline: try (an IPC encoding of a few rows costs
         # tens of microseconds, less than measuring the table's ``nbytes``).
-        small, stream = encode_inline_part_stream(table)
+        small, stream = encode_inline_part_stream(table, schema)
         if len(small) <= inline_max_bytes:
             # No key samples for an inline part: planning samples its rows when it
             # needs them (persist.merge.part_key_samples).
@@ -365,6 +368,7 @@ def read_parts(
         SchemaMismatch: a value does not fit an older reader's type.
     """
     refs = list(parts)
+    whole = schema  # all the parts' columns: schema-less inline parts are read with it
     if schema is not None and columns is not None:
         schema = pa.schema([schema.field(c) for c in columns])
     if not refs:
@@ -374,7 +378,7 @@ def read_parts(
 
     def fetch(ref: PartRef) -> pa.Table:
         if conform is None:
-            return fetch_raw(ref, columns, schema)
+            return fetch_raw(ref, columns, schema, whole)
         history, dst = conform
         history.check_id(ref.schema_id, f"part {_part_name(ref)}")
         plan = history.plan(ref.schema_id, dst)
@@ -382,10 +386,13 @@ def read_parts(
         src_schema = plan.source
         if src_cols is not None:
             src_schema = pa.schema([src_schema.field(c) for c in src_cols])
-        return plan.apply(fetch_raw(ref, src_cols, src_schema), columns)
+        return plan.apply(fetch_raw(ref, src_cols, src_schema, plan.source), columns)
 
     def fetch_raw(
-        ref: PartRef, columns: Sequence[str] | None, schema: pa.Schema | None
+        ref: PartRef,
+        columns: Sequence[str] | None,
+        schema: pa.Schema | None,
+        whole: pa.Schema | None,
     ) -> pa.Table:
         cached = INLINE_CACHE.get(ref)
         if cached is not None:
@@ -407,7 +414,7 @@ def read_parts(
             if got is None:
                 raise CorruptPart(ref.key, "the part is missing from the blob store", missing=True)
             data = got
-        table = decode_part(data, ref, columns)
+        table = decode_part(data, ref, columns, whole)
         if columns is None:
             INLINE_CACHE.put(ref, table)  # verified: its checksum matched
         if schema is not None and not table.schema.equals(schema):

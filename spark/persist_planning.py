@@ -93,7 +93,7 @@ def slice_batch(batch: Any, indexes: Sequence[int]) -> Any:
 
 
 def plan_key_ranges(
-    batches: Sequence[Any], key_schema: Any, partitions: int
+    batches: Sequence[Any], key_schema: Any, partitions: int, history: Any = None
 ) -> list[tuple[list[Any], Any, Any]] | None:
     """Split a consolidated read into at most ``partitions`` key ranges of about equal
     bytes (:func:`persist.merge.plan_ranges` over the parts' key samples).
@@ -102,7 +102,9 @@ def plan_key_ranges(
     every part that overlaps the range (runs kept, see :func:`slice_batch`) and the
     range's bounds as encoded keys (:func:`persist.merge.encode_keys`; ``None``:
     unbounded), ranges with no part left out; ``None`` when some part has no key samples
-    (then the read cannot be cut by key: read it in one partition).
+    (then the read cannot be cut by key: read it in one partition). ``history``, the
+    shard's :class:`~persist.updates.SchemaHistory`, reads the rows of schema-less inline
+    parts (:func:`persist.merge.part_key_samples`).
     """
     from persist.merge import encode_keys, part_key_samples, plan_ranges
 
@@ -110,7 +112,7 @@ def plan_key_ranges(
     if not flat:
         return []
     refs = [batches[bi].parts[pi] for bi, pi in flat]
-    samples = [part_key_samples(r, key_schema.names) for r in refs]
+    samples = [part_key_samples(r, key_schema.names, history) for r in refs]
     if any(not smp for smp in samples):
         return None
     plan = plan_ranges(
@@ -185,7 +187,7 @@ def resolve_as_of(state: Any, as_of: int | None, shard: str, blob: Any) -> int |
             return None if upper == 0 else upper - 1
         if state.since.is_empty():
             return None
-        latest = latest_data_time(state.batches(), blob)
+        latest = latest_data_time(state.batches(), blob, state.schemas())
         return since if latest is None or latest < since else latest
     if since is not None and as_of < since:
         raise PersistSourceError(
@@ -202,12 +204,14 @@ def resolve_as_of(state: Any, as_of: int | None, shard: str, blob: Any) -> int |
     return as_of
 
 
-def latest_data_time(batches: Sequence[Any], blob: Any) -> int | None:
+def latest_data_time(batches: Sequence[Any], blob: Any, history: Any = None) -> int | None:
     """The greatest time of any update in ``batches`` (hollow batches) once advanced to
     its batch's lower and since: from each batch's bounds (a batch with a finite upper
     holds times below it) and its parts' ``_time`` statistics; the ``_time`` column of a
     part without statistics in a batch with upper ``{}`` (an inline part, or one written
-    before statistics existed) is read from ``blob`` (inline parts need no fetch).
+    before statistics existed) is read from ``blob`` (inline parts need no fetch), each
+    part with its write schema from ``history`` (the shard's
+    :class:`~persist.updates.SchemaHistory`; needed for schema-less inline parts).
     ``None`` when no batch holds updates.
 
     Raises:
@@ -237,7 +241,9 @@ def latest_data_time(batches: Sequence[Any], blob: Any) -> int | None:
             else:
                 latest = t if latest is None else max(latest, t)
         if unknown:
-            hi = pc.max(read_parts(blob, unknown, columns=["_time"]).column("_time")).as_py()
+            conform = None if history is None else (history, history.newest)
+            times = read_parts(blob, unknown, columns=["_time"], conform=conform)
+            hi = pc.max(times.column("_time")).as_py()
             if hi is not None:
                 t = max(hi, floor)
                 latest = t if latest is None else max(latest, t)

@@ -167,7 +167,7 @@ def _to_output(
 
 
 def key_range_partitions(
-    batches: Sequence[Any], s: ReadSettings, as_of: int
+    batches: Sequence[Any], s: ReadSettings, as_of: int, schemas: Any = None
 ) -> list[InputPartition] | None:
     """The input partitions of a consolidated read cut by key range
     (:func:`~spark.persist_planning.plan_key_ranges`): ``s.partitions`` ranges, by default
@@ -176,7 +176,8 @@ def key_range_partitions(
     wanted = s.partitions
     if wanted is None:
         wanted = max(1, len(plan_parts(batches, s.partition_bytes, False)))
-    planned = plan_key_ranges(batches, s.key_schema, wanted)
+    history = None if schemas is None else schemas[0]  # reads schema-less inline parts
+    planned = plan_key_ranges(batches, s.key_schema, wanted, history)
     if planned is None:
         log.info("shard %s has parts without key samples: one partition", s.target.shard)
         return None
@@ -267,7 +268,7 @@ class PersistBatchReader(DataSourceReader):
             batches, read.schema, self._columns(), as_of, self.pushed, schemas
         )
         if s.full:
-            ranged = key_range_partitions(batches, s, as_of)
+            ranged = key_range_partitions(batches, s, as_of, schemas)
             if ranged is not None:
                 for r in ranged:
                     r.schemas = schemas  # type: ignore[attr-defined]

@@ -216,7 +216,11 @@ class ShardMachine:
         return _Cache(st, h)
 
     def fetch(self) -> ShardState:
-        """Re-read the head from consensus (and cache it).
+        """Re-read the head from consensus from scratch, decoding the whole state (and
+        cache it): for a check of what is stored (fsck, an inspection) or a machine with
+        no cached version.  A caller that needs only the newest state uses
+        :meth:`refresh`, which gives the same state (checked in the test suite) by
+        catching up from the cached version.
 
         Raises:
             PersistError: the shard has no state (it was never initialised).
@@ -233,8 +237,10 @@ class ShardMachine:
         log rows after the cached version and decoding only the entries they set or
         removed (:meth:`Consensus.catch_up`, :meth:`ShardState.from_entries_delta`;
         Materialize's persist-client ``internal/apply.rs``): what a command does after
-        a lost race.  Anything else (no cached version, a rollup among those rows, a
-        gap, a malformed row) reads the whole head (:meth:`fetch`).
+        a lost race.  A rollup among those rows (maintenance's,
+        :meth:`write_rollup`) is compared entry by entry with the cached version's
+        texts, and only the entries that differ are decoded.  Anything else (no cached
+        version, a gap, a malformed row) reads the whole head (:meth:`fetch`).
 
         Raises:
             PersistError: the shard has no state.

@@ -555,9 +555,13 @@ class PgTxn(SqlTxn):
                     curs.append(cur)
         except psycopg.errors.UniqueViolation:
             # The statements before the failed one have their results; its fence held
-            # (its condition did), so it is a lost race.
+            # (its condition did), so it is a lost race.  An earlier one that inserted
+            # no row (its head was not the expected one) lost first: e.g. the shard
+            # log's head moved by a rollup (no history record) while the history
+            # log's INSERT met another writer's row.
             for i, cur in enumerate(curs):
-                if cur.pgresult is None or cur.pgresult.status != psycopg.pq.ExecStatus.TUPLES_OK:
+                res = cur.pgresult
+                if res is None or res.status != psycopg.pq.ExecStatus.TUPLES_OK or not res.ntuples:
                     return i
             return len(curs) - 1  # pragma: no cover - psycopg reports the failed one
         for i, cur in enumerate(curs):

@@ -405,3 +405,31 @@ def test_postgres_pipelined_write_losing_on_the_key_names_the_log(
             L.write(s, [_e("a", 0, "a1")])
     assert [r.data for r in L.scan(s, "a")] == ["a0", "a1", "other"]
     assert [r.data for r in L.scan(s, "b")] == ["b0", "other"]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_postgres_pipelined_write_names_the_first_log_that_lost(
+    open_stash: OpenStash, stash_url: str
+) -> None:
+    """The first log's head moved (its conditional INSERT writes no row) and the
+    second's INSERT then fails on the key of a concurrent writer's row: the race is
+    the first log's (a persist writer whose shard log moved by a rollup, which writes
+    no history record, lost the shard race, not the history log's).  Failed before:
+    the second log was named, which persist reports as a history log out of step."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    s = open_stash(fenced=True)
+    L.write(s, [_e("a", None, "a0", True), _e("b", None, "b0", True)])
+    L.write(s, [_e("a", 0, "a1", True)])  # a's head moved, b's did not
+    conninfo = make_url(stash_url).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(conninfo) as c:
+        c.execute("INSERT INTO logs (name, seqno, rollup, data) VALUES ('b', 1, false, 'other')")
+        timer = threading.Timer(0.3, c.commit)
+        timer.start()
+        with pytest.raises(LogRaceLost) as ei:
+            L.write(s, [_e("a", 0, "mine"), _e("b", 0, "mine")])
+        timer.join()
+    assert ei.value.collection == "a"
+    assert [r.data for r in L.scan(s, "a")] == ["a0", "a1"]
+    assert [r.data for r in L.scan(s, "b")] == ["b0", "other"]

@@ -6,8 +6,9 @@ command as: copy the cached state, call the :class:`~persist.state.ShardState` m
 the same name on the copy (a pure function of the state and the command's inputs, see
 :mod:`persist.state`), and publish the next version by compare-and-set through
 :class:`~persist.consensus.Consensus`; on a lost race it catches up by applying only the
-log's newer diffs to its cached version, decoding only the entries they changed
-(:meth:`ShardMachine.refresh`), and runs the command again.  Once a version's diffs pass
+log's newer diffs to its cached version (or, across a rollup, comparing the rollup's
+entries with it), decoding only the entries that changed (:meth:`ShardMachine.refresh`,
+also what every caller needing only the newest state uses), and runs the command again.  Once a version's diffs pass
 the rollup bound it asks its maintenance (``on_rollup_due``) for a rollup, which
 :meth:`ShardMachine.write_rollup` writes as a version of its own.  A command that would fail on a cached state raises
 :class:`~persist.state.Stale` and is re-run on a fresh one, where failing is real.

@@ -235,7 +235,7 @@ def materialize(
     # opened with other versions.
     history = machine.state().schemas()
     if any(p.schema_id > history.newest for p in b.hollow.parts):
-        history = machine.fetch().schemas()  # a version this process has not seen
+        history = machine.refresh().schemas()  # a version this process has not seen
     table = read_batch(
         runs.blob,
         b.hollow,

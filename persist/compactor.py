@@ -189,7 +189,7 @@ class Compactor:
         history = st.schemas()
         newest = history.newest
         if any(p.schema_id > newest for b in inputs for p in b.parts):
-            st = machine.fetch()  # a version registered since this process last looked
+            st = machine.refresh()  # a version registered since this process last looked
             history, newest = st.schemas(), st.schemas().newest
         ks, vs = st.key_schema, st.value_schema
         # Consolidated at the since of the committed version in hand (never a cache of
@@ -355,7 +355,7 @@ class Compactor:
         with ``heuristic`` (the background thread) only those worth a physical merge
         (:func:`persist.spine.worth_compacting`)."""
         m = self.ctx.machine(self.ctx.shard_id(shard))
-        st = m.fetch() if fresh else m.state()
+        st = m.refresh() if fresh else m.state()  # fresh: the head, read now (caught up)
         if heuristic:
             reqs = st.trace.worth_compacting_reqs()
         else:

@@ -81,6 +81,9 @@ from tenacity import (
 
 from persist.errors import ConsensusError, InvalidUsage
 from persist.ids import validate_shard_id
+from persist.log_text import diff_text as _diff_text
+from persist.log_text import rollup_members as _rollup_members
+from persist.log_text import rollup_text as _rollup_text
 from persist.retired_keys import RetiredChange, RetiredKey, parse_retired, retired_entry
 from persist.shard_registry import REGISTRY_COLLECTION, ShardRegistry
 from stash import (
@@ -453,13 +456,22 @@ class Consensus(ShardRegistry):
 
     def catch_up(self, shard_id: str, prev: VersionedData) -> tuple[VersionedData, set[str]] | None:
         """The head, made from ``prev`` (a version as :meth:`head` or a plan stored it)
-        and only the log rows after it, with the entry keys they set or removed
-        (``prev`` itself and no key when there is none); ``None`` when those rows are
-        not exactly diffs of the versions after ``prev`` in a row (a rollup among them,
-        a gap, a malformed one): the
-        caller then reads the whole head (:meth:`head`), which tells a corrupt log
-        apart.  What a writer that lost a race needs (Materialize's persist-client
+        and only the log rows after it, with the entry keys whose values differ from
+        ``prev``'s (``prev`` itself and no key when there is no newer row).  What a
+        writer that lost a race needs (Materialize's persist-client
         ``internal/apply.rs`` fetches only the diffs after its cached seqno).
+
+        Newer rows that are all diffs are applied to ``prev``.  When they hold a rollup
+        (at seqno ``r``; the last one if several), the rollup is version ``r`` in full:
+        its entries are split from the row's text without decoding the state
+        (:func:`_rollup_members`), an entry whose text equals ``prev``'s is unchanged,
+        and the diffs after ``r`` are applied to it; the rows before ``r`` (truncated
+        or not) are superseded and not read.  The layout is then the rollup's.
+
+        ``None`` when the rows are not that (newer diffs not exactly the versions after
+        ``prev`` or after the rollup in a row: a gap, or a log truncated past ``prev``
+        with no rollup; a malformed row): the caller then reads the whole head
+        (:meth:`head`), which tells a corrupt log apart.
 
         Raises:
             ConsensusError: the stash failed (after retries).
@@ -473,22 +485,37 @@ class Consensus(ShardRegistry):
         )
         if not rows:
             return prev, set()  # a head never moves back: ``prev`` is still the head
-        if rows[0].seqno != prev.seqno + 1 or any(r.rollup for r in rows):
+        last = max((i for i, r in enumerate(rows) if r.rollup), default=-1)
+        if last < 0 and rows[0].seqno != prev.seqno + 1:
             return None
         diffs: dict[str, tuple[str, Any]] = {}
-        for r in rows:
+        for r in rows[last + 1 :]:
             try:
                 diffs[diff_key(r.seqno)] = (r.data, json.loads(r.data))
             except ValueError:
                 return None
-        # dict.copy clones the table in C (dict(d) re-inserts every key).
-        data = prev.data.copy() if type(prev.data) is dict else dict(prev.data)
-        texts = prev.texts.copy() if type(prev.texts) is dict else dict(prev.texts)
         changed: set[str] = set()
+        if last < 0:
+            # dict.copy clones the table in C (dict(d) re-inserts every key).
+            data = prev.data.copy() if type(prev.data) is dict else dict(prev.data)
+            texts = prev.texts.copy() if type(prev.texts) is dict else dict(prev.texts)
+            seqno, prior = prev.seqno, prev.stored
+        else:
+            rollup = rows[last]
+            got = _rollup_members(rollup.data, prev.texts, prev.data)
+            if got is None:
+                return None
+            data, texts, changed = got
+            seqno, prior = rollup.seqno, None
+            try:
+                if _meta_seqno(shard_id, data) != seqno:
+                    return None
+            except ConsensusError:
+                return None
+            if not diffs:
+                return VersionedData(seqno, data, texts, Stored(dict(texts))), changed
         try:
-            stored = self._apply_diffs(
-                shard_id, prev.seqno, diffs, data, texts, prev.stored, changed
-            )
+            stored = self._apply_diffs(shard_id, seqno, diffs, data, texts, prior, changed)
         except ConsensusError:
             return None
         return VersionedData(rows[-1].seqno, data, texts, stored), changed
@@ -810,39 +837,3 @@ def _meta_seqno(shard_id: str, data: Mapping[str, Any]) -> int:
     if isinstance(seqno, bool) or not isinstance(seqno, int):
         raise _corrupt(shard_id, "no meta.seqno entry")
     return seqno
-
-
-def _diff_text(
-    prev: Mapping[str, str],
-    new: Mapping[str, str],
-    seqno: int,
-    touched: Collection[str] | None = None,
-) -> str:
-    """The canonical JSON text of the diff entry turning ``prev`` into ``new`` (entry
-    texts by key, both canonical): ``{"del": [removed keys], "seqno": seqno, "set":
-    {added or changed key: value}}``.  Built from the entries' texts without decoding
-    them: canonical texts nested under sorted keys are the canonical text of the whole
-    (the keys were checked to be outside the diffs' namespace by :meth:`Consensus.plan`).
-    ``touched``: only these keys may differ (see :meth:`Consensus.plan`).
-    """
-    if touched is None:  # every key may have changed
-        changed = [k for k, t in new.items() if prev.get(k) != t]
-        removed = [k for k in prev if k not in new]
-    else:
-        changed = [k for k in touched if k in new and prev.get(k) != new[k]]
-        removed = [k for k in touched if k in prev and k not in new]
-    changed.sort()
-    removed.sort()
-    # Entry keys are str (as JSON: what canonical_json makes of a str).
-    sets = ",".join(f"{_dumps(k)}:{new[k]}" for k in changed)
-    return f'{{"del":{_dumps(removed)},"seqno":{seqno},"set":{{{sets}}}}}'
-
-
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-
-
-def _rollup_text(new: Mapping[str, str]) -> str:
-    """The canonical JSON text of a rollup row: the object of the entries ``new``
-    (canonical texts by key; canonical texts nested under sorted keys are the canonical
-    text of the whole, as in :func:`_diff_text`)."""
-    return "{" + ",".join(f"{_dumps(k)}:{new[k]}" for k in sorted(new)) + "}"

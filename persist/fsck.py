@@ -107,6 +107,8 @@ def fsck(source: PersistContext | HasContext, shard: str) -> FsckReport:
     """
     ctx = as_context(source)
     shard_id = ctx.shard_id(shard)
+    # A full read from scratch (never a catch-up from this process's cache): fsck
+    # checks what is stored, so it must decode the whole head itself.
     st = ctx.machine(shard_id).fetch()
     report = FsckReport(shard_id, st.name, st.seqno, tombstone=st.tombstone)
     referenced: set[str] = set()

@@ -242,7 +242,10 @@ def _commit_expiry(m: ShardMachine) -> ShardState:
     ``internal/state.rs`` (``expire_writer``) and ``internal/maintenance.rs``, where
     writers are expired through the state machine, never behind it.
     """
-    m.fetch()  # decide on a head read after the listing, never on an older cache
+    # Decide on the head as read after the listing, never on an older cache: catching
+    # up (the log rows after the cached version, read now) gives that head without
+    # decoding the whole state.
+    m.refresh()
     return m.expire_leases(m.now_ms())
 
 

@@ -208,7 +208,7 @@ def token_landed(machine: ShardMachine, token: str, fingerprint: str) -> tuple[b
             record of the append may have been pruned, so the outcome cannot be learned.
     """
     lo = token_floor(machine, token)
-    st = machine.fetch()
+    st = machine.refresh()  # the head as read now (caught up from the cached version)
     verdict, entry = token_verdict(st, token, lo)
     if verdict == TOKEN_LANDED:
         assert entry is not None

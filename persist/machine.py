@@ -6,8 +6,9 @@ command as: copy the cached state, call the :class:`~persist.state.ShardState` m
 the same name on the copy (a pure function of the state and the command's inputs, see
 :mod:`persist.state`), and publish the next version by compare-and-set through
 :class:`~persist.consensus.Consensus`; on a lost race it catches up by applying only the
-log's newer diffs to its cached version, decoding only the entries they changed
-(:meth:`ShardMachine.refresh`), and runs the command again.  Once a version's diffs pass
+log's newer diffs to its cached version (or, across a rollup, comparing the rollup's
+entries with it), decoding only the entries that changed (:meth:`ShardMachine.refresh`,
+also what every caller needing only the newest state uses), and runs the command again.  Once a version's diffs pass
 the rollup bound it asks its maintenance (``on_rollup_due``) for a rollup, which
 :meth:`ShardMachine.write_rollup` writes as a version of its own.  A command that would fail on a cached state raises
 :class:`~persist.state.Stale` and is re-run on a fresh one, where failing is real.
@@ -216,7 +217,11 @@ class ShardMachine:
         return _Cache(st, h)
 
     def fetch(self) -> ShardState:
-        """Re-read the head from consensus (and cache it).
+        """Re-read the head from consensus from scratch, decoding the whole state (and
+        cache it): for a check of what is stored (fsck, an inspection) or a machine with
+        no cached version.  A caller that needs only the newest state uses
+        :meth:`refresh`, which gives the same state (checked in the test suite) by
+        catching up from the cached version.
 
         Raises:
             PersistError: the shard has no state (it was never initialised).
@@ -233,8 +238,10 @@ class ShardMachine:
         log rows after the cached version and decoding only the entries they set or
         removed (:meth:`Consensus.catch_up`, :meth:`ShardState.from_entries_delta`;
         Materialize's persist-client ``internal/apply.rs``): what a command does after
-        a lost race.  Anything else (no cached version, a rollup among those rows, a
-        gap, a malformed row) reads the whole head (:meth:`fetch`).
+        a lost race.  A rollup among those rows (maintenance's,
+        :meth:`write_rollup`) is compared entry by entry with the cached version's
+        texts, and only the entries that differ are decoded.  Anything else (no cached
+        version, a gap, a malformed row) reads the whole head (:meth:`fetch`).
 
         Raises:
             PersistError: the shard has no state.

@@ -91,7 +91,7 @@ def optimize(ctx: PersistContext, compactor: Compactor, machine: ShardMachine) -
     """
     cfg = ctx.config
     for _attempt in range(ATTEMPTS):
-        st = machine.fetch()
+        st = machine.refresh()
         st.check_not_finalized()
         prefix = tuple(st.batches())
         parts_before = sum(len(b.parts) for b in prefix)

@@ -205,12 +205,12 @@ class ReadHandle(ShardHandle):
         st = self._machine.state()
         r = st.readers.get(self.reader_id)
         if r is None:
-            st = self._machine.fetch()
+            st = self._machine.refresh()
         return st.reader(self.reader_id).since
 
     def shard_since(self) -> Antichain:
         """The shard's since, freshly read."""
-        return self._machine.fetch().since
+        return self._machine.refresh().since
 
     # -------------------------------------------------------------------- leases
     def downgrade_since(self, since: Antichain | int) -> None:
@@ -549,7 +549,7 @@ class ReadHandle(ShardHandle):
                 if not e.missing or attempt == _MISSING_RETRIES:
                     raise
                 log.info("snapshot of shard %s met a missing part, re-reading: %s", self.name, e)
-                self._machine.fetch()
+                self._machine.refresh()
             finally:
                 self._release_seqno(token)
         raise AssertionError("unreachable")  # pragma: no cover

@@ -259,6 +259,8 @@ class Shards:
 
     def inspect(self, shard: str) -> ShardState:
         """The latest state of a shard (a name, or ``id:<shard id>``), freshly read."""
+        # A full read from scratch, not a catch-up from the cache: an inspection shows
+        # what is stored (a corrupt or foreign state raises here).
         return self.ctx.machine(self.ctx.shard_id(shard)).fetch()
 
     def finalize_shard(self, shard: str) -> int:

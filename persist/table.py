@@ -434,7 +434,7 @@ class Table:
         ``bytes`` (blob parts), ``inline_bytes``, ``schema_versions``,
         ``retention_seconds`` (``None``: none), ``blob_store`` (credentials
         redacted)."""
-        st = self._machine.fetch()
+        st = self._machine.refresh()
         batches = st.batches()
         return {
             "name": self.name,
@@ -507,7 +507,7 @@ class Table:
                 storage failed.
         """
         self._ctx.check_may_delete("vacuum")
-        st = self._machine.fetch()
+        st = self._machine.refresh()
         st.check_not_finalized()
         if st.retention_ms is not None:
             records = self._ctx.consensus.history(self.shard_id)
@@ -624,7 +624,7 @@ def open_table(shards: Shards, compactor: Compactor, name: str) -> Table:
     shards.ctx.check_open()
     shard_id = shards.ctx.shard_id(name)
     m = shards.ctx.machine(shard_id)
-    st = m.fetch()
+    st = m.refresh()
     if st.tombstone:
         raise InvalidUsage(f"table {name!r} ({shard_id}) was dropped: it cannot be opened")
     shards.adopt_store(m, st)

@@ -380,7 +380,7 @@ class Txn(TxnRowChanges):
         sid = c.consensus.lookup(name)
         if sid is None:
             return  # created by the open
-        st = c.machine(sid).fetch()
+        st = c.machine(sid).refresh()
         if not st.tombstone:
             st.clone().register_schema(key_schema, value_schema)
 
@@ -748,7 +748,7 @@ class Txn(TxnRowChanges):
             up = m.recent().upper.as_option()
             name = self._shards[sid].name
             if up is None or up >= I64_MAX:
-                st = m.fetch()
+                st = m.refresh()
                 if st.tombstone:
                     raise InvalidUsage(
                         f"cannot commit: shard {name!r} ({sid}) was finalized (dropped by "

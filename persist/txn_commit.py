@@ -322,7 +322,7 @@ def _commit_locked(
             continue
         if landed_at is not None:
             for m in machines:  # an earlier attempt landed: learn its versions
-                m.fetch()
+                m.refresh()
             return landed_at
         if mismatched:
             # Uppers only advance: a cached upper beyond ts is a real race.  The
@@ -335,7 +335,7 @@ def _commit_locked(
             # Row changes that changed nothing, and nothing else: write nothing (no
             # version, no part) once every shard is read again at the version its
             # changes were planned on (so all of them held at one instant).
-            if all(m.fetch().seqno == st.expected for m, st, _reqs in staged):
+            if all(m.refresh().seqno == st.expected for m, st, _reqs in staged):
                 for sw in writes.values():
                     sw.wrote = False
                 return ts
@@ -346,7 +346,7 @@ def _commit_locked(
                     "that changed nothing"
                 )
             for sid, m in zip(order, machines, strict=True):
-                fresh[sid] = m.fetch().seqno
+                fresh[sid] = m.refresh().seqno
             continue
         batches: list[AppendBatch | LogEntry] = []
         for m, st, _reqs in staged:
@@ -414,7 +414,7 @@ def _upper_mismatch(
     unfixable: set[str] = set()
     for sid, m in zip(order, machines, strict=True):
         sw = writes[sid]
-        upper = m.fetch().upper
+        upper = m.refresh().upper
         if not upper.less_equal(ts):
             shards[sw.name] = upper
         los = [
@@ -516,7 +516,7 @@ def find_landed(
     last: Exception | None = None
     for attempt in range(attempts):
         try:
-            st = m.fetch()
+            st = m.refresh()
         except ConsensusError as e:
             last = e
             time.sleep(min(max_wait, 0.005 * 2**attempt))
@@ -526,7 +526,7 @@ def find_landed(
             _, _, fp = entry.partition(TOKEN_SEP)
             for other in order[1:]:
                 with contextlib.suppress(ConsensusError):
-                    ctx.machine(other).fetch()
+                    ctx.machine(other).refresh()
             return int(fp[1:]) if fp.startswith("t") else -1
         if verdict == TOKEN_UNKNOWN:
             # A landed commit's record may have been pruned (persist.landed): its

@@ -277,7 +277,7 @@ def plan_on_head(sw: ShardWrites, m: ShardMachine, ts: int, token: str) -> None:
         except CorruptPart as e:
             if not e.missing or attempt + 1 == PLAN_ATTEMPTS:
                 raise
-            m.fetch()  # a GC raced the version read: plan on the latest
+            m.refresh()  # a GC raced the version read: plan on the latest
             continue
         _use(sw, updates)
         if m.recent().seqno == st.seqno:

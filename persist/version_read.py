@@ -99,7 +99,7 @@ def on_newest_version(
     def newer(rs: RetryCallState) -> None:
         e = rs.outcome.exception() if rs.outcome is not None else None
         log.info("read of shard %s met a missing part, re-reading: %s", state[0].name, e)
-        state[0] = machine.fetch()
+        state[0] = machine.refresh()
 
     retrying = Retrying(
         stop=stop_after_attempt(MISSING_RETRIES + 1),

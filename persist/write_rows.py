@@ -159,7 +159,7 @@ class RowChangeMethods(ShardHandle):
             SchemaMismatch: this handle's schema version is older than the shard's
                 newest (its retractions could not name the newer columns).
         """
-        st = self._machine.fetch()
+        st = self._machine.refresh()
         newest = st.schemas().newest
         if self.schema_id != newest:
             raise SchemaMismatch(

@@ -554,14 +554,11 @@ class PgTxn(SqlTxn):
                     cur.execute(statement, params)
                     curs.append(cur)
         except psycopg.errors.UniqueViolation:
-            # The statements before the failed one have their results: the first that
-            # wrote no row lost its race (its log moved on, committed, while another's
-            # head had not yet: a version that changes the state log alone, then a
-            # concurrent writer of the other log's next seqno committing under the
-            # second INSERT); else the failed one did, its fence held (its condition
-            # did).  A fenced statement that wrote no row may also mean a moved fence,
-            # which the aborted transaction cannot check: reported as the race, the
-            # caller's retry meets the fence.
+            # The first statement that wrote no row lost its race (its log moved on
+            # while another's had not: a rollup writes no history record); else the
+            # failed one did (its fence held).  A fenced one that wrote no row may mean
+            # a moved fence, which the aborted transaction cannot check: the caller's
+            # retry meets it.
             for i, cur in enumerate(curs):
                 res = cur.pgresult
                 if res is None or res.status != psycopg.pq.ExecStatus.TUPLES_OK or not res.ntuples:

@@ -153,7 +153,15 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.store_identity",
             ],
         ),
-        ("4 consensus", ["persist.retired_keys", "persist.shard_registry", "persist.consensus"]),
+        (
+            "4 consensus",
+            [
+                "persist.retired_keys",
+                "persist.shard_registry",
+                "persist.log_text",
+                "persist.consensus",
+            ],
+        ),
         ("5 machine", ["persist.machine", "persist.state_check"]),
         (
             "6 appended, fetch",

@@ -17,6 +17,7 @@ writer that lost a race fetches only the diffs after its cached seqno):
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 from collections import Counter
 from pathlib import Path
@@ -368,8 +369,9 @@ def test_a_lost_append_decodes_only_the_new_batches(
 
 
 def test_catch_up_falls_back_to_the_head(tmp_path: Path) -> None:
-    """A rollup among the newer rows, rows truncated past the cached version, a gap or
-    a malformed row: the whole head is read (which tells a corrupt log apart)."""
+    """Rows truncated past the cached version with no rollup (a gap), a malformed diff
+    or rollup row: the whole head is read (which tells a corrupt log apart).  A rollup
+    among the newer rows is caught up across (the rows before it truncated or not)."""
     stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
     try:
         c = Consensus(stash, max_diffs=2)
@@ -382,22 +384,138 @@ def test_catch_up_falls_back_to_the_head(tmp_path: Path) -> None:
         for i in range(3):
             _add_reader(m1, f"r{i}")
         assert m1.write_rollup()  # a rollup; the rows before it are truncated
-        assert c.catch_up(sid, v0) is None
+        got = c.catch_up(sid, v0)
+        assert got is not None and got[1] == {"meta", "reader/r0", "reader/r1", "reader/r2"}
+        assert got[0] == c.head(sid)
         heads = m2.metrics["heads"]
-        assert m2.refresh() == m1.state() and m2.metrics["heads"] == heads + 1
-        # A gap: a version whose next row is missing.
-        v = m2._cache.version  # type: ignore[union-attr]
-        gap = v._replace(seqno=v.seqno - 1)
+        assert m2.refresh() == m1.state() and m2.metrics["heads"] == heads
         _add_reader(m1, "g")
-        assert c.catch_up(sid, gap) is None
         m2.refresh()
+        # A rollup row that is not a compact JSON object, or names another seqno: the
+        # head is read (it reads a well-formed one whatever its spacing).
+        v = m2._cache.version  # type: ignore[union-attr]
+        spaced = json.dumps(c.head(sid).data | {"meta": v.data["meta"] | {"seqno": v.seqno + 1}})  # type: ignore[union-attr]
+        logs.write(stash, [LogEntry(c.log_name(sid), v.seqno, v.seqno + 1, spaced, True)])
+        assert c.catch_up(sid, v) is None
+        heads = m2.metrics["heads"]
+        assert m2.refresh().seqno == v.seqno + 1 and m2.metrics["heads"] == heads + 1
+        v = m2._cache.version  # type: ignore[union-attr]
+        other = v.data | {"meta": v.data["meta"] | {"seqno": v.seqno + 5}}
+        logs.write(
+            stash,
+            [
+                LogEntry(
+                    c.log_name(sid), v.seqno, v.seqno + 1, consensus_mod.canonical_json(other), True
+                )
+            ],
+        )
+        assert c.catch_up(sid, v) is None
+        with pytest.raises(ConsensusError, match="corrupt"):
+            m2.refresh()
+    finally:
+        stash.close()
+
+
+def test_catch_up_with_a_malformed_diff_row_reads_the_head(tmp_path: Path) -> None:
+    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
+    try:
+        c = Consensus(stash, max_diffs=2)
+        sid = new_shard_id()
+        m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
+        m1.initialize(ShardState(sid, "s", KS, VS))
+        m2.state()
+        _add_reader(m1, "a")
+        _add_reader(m1, "b")
+        # A gap: the row after the cached version is missing, no rollup after it.
+        v = m2._cache.version  # type: ignore[union-attr]
+        with sqlite3.connect(tmp_path / "s.db") as db:
+            db.execute("DELETE FROM logs WHERE name = ? AND seqno = ?", (c.log_name(sid), 1))
+        assert c.catch_up(sid, v) is None
+        with pytest.raises(ConsensusError, match="corrupt"):
+            m2.refresh()
         # A malformed diff row after the cached version.
+        sid = new_shard_id()
+        m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
+        m1.initialize(ShardState(sid, "s", KS, VS))
+        m2.state()
         v = m2._cache.version  # type: ignore[union-attr]
         logs.write(stash, [LogEntry(c.log_name(sid), v.seqno, v.seqno + 1, '{"del": 1}')])
         assert c.catch_up(sid, v) is None
         with pytest.raises(ConsensusError, match="corrupt"):
             m2.refresh()
     finally:
+        stash.close()
+
+
+def _rolled_up(m: ShardMachine) -> None:
+    """Maintenance's rollup of ``m``'s head, due or not (as :meth:`write_rollup` writes it)."""
+    c = m._cache
+    assert c is not None
+    st = c.state.clone()
+    st.seqno += 1
+    _data, texts, _touched = m._encode(c, st)
+    plan = m.consensus.plan_rollup(m.shard_id, c.state.seqno, texts)
+    assert m.consensus.compare_and_set(m.shard_id, c.state.seqno, texts, c.version, plan=plan)
+    m.refresh()
+
+
+@pytest.mark.parametrize("diffs_before, diffs_after", [(0, 0), (2, 0), (0, 2), (2, 2)])
+def test_catching_up_across_a_maintenance_rollup_decodes_no_batch_in_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, diffs_before: int, diffs_after: int
+) -> None:
+    """Another process's maintenance rollup among the newer rows (the rows before it
+    truncated): a machine catching up decodes only the entries that differ from its
+    cached version, no spine batch in full and no whole state.  Failed on the old
+    code, which read and decoded the whole head once a rollup was among the rows."""
+    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
+    blob = MemoryBlob()
+    a = PersistClient(stash, blob, compaction="off")
+    b = PersistClient(stash, blob, compaction="off")
+    try:
+        wa, _ = a.open("t", SCHEMA, pa.schema([]))
+        wb, rb = b.open("t", SCHEMA, pa.schema([]))
+        for i in range(40):
+            wa.append(_row(i), i, i + 1)
+        mb = wb._machine
+        mb.fetch()  # cached at the head
+        upper = 40
+        for _ in range(diffs_before):
+            wa.append(_row(upper), upper, upper + 1)
+            upper += 1
+        _rolled_up(wa._machine)
+        for _ in range(diffs_after):
+            wa.append(_row(upper), upper, upper + 1)
+            upper += 1
+        monkeypatch.setattr(state_check, "ENABLED", False)
+        full: list[int] = []
+        batches: list[int] = []
+        orig_full = ShardState.from_entries.__func__  # type: ignore[attr-defined]
+        orig_batch = HollowBatch.from_json.__func__  # type: ignore[attr-defined]
+
+        def spy_full(cls: type[ShardState], entries: Any) -> ShardState:
+            full.append(1)
+            return orig_full(cls, entries)  # type: ignore[no-any-return]
+
+        def spy_batch(cls: type[HollowBatch], d: Any) -> HollowBatch:
+            batches.append(1)
+            return orig_batch(cls, d)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(ShardState, "from_entries", classmethod(spy_full))
+        monkeypatch.setattr(HollowBatch, "from_json", classmethod(spy_batch))
+        heads, catch_ups = mb.metrics["heads"], mb.metrics["catch_ups"]
+        st = mb.refresh()
+        assert full == [] and len(batches) <= diffs_before + diffs_after + 2
+        assert mb.metrics["heads"] == heads and mb.metrics["catch_ups"] == catch_ups + 1
+        monkeypatch.undo()
+        head = ShardMachine(Consensus(stash), mb.shard_id).fetch()
+        assert st == head and st.seqno == head.seqno
+        assert mb._cache.version == Consensus(stash).head(mb.shard_id)  # type: ignore[union-attr]
+        wb.append(_row(upper), upper, upper + 1)  # builds on the caught-up layout
+        got = sorted(row["k"] for row in rb.snapshot(upper).to_pylist())
+        assert got == list(range(upper + 1))
+    finally:
+        a.close()
+        b.close()
         stash.close()
 
 
@@ -418,9 +536,11 @@ def test_catch_up_falls_back_to_the_head(tmp_path: Path) -> None:
 def test_racing_machines_catch_up_to_what_a_full_read_gives(
     ops: list[tuple[int, str]], compaction: str, max_diffs: int
 ) -> None:
-    """Two clients on one shard run random commands, each on its stale cache: every
-    catch-up (checked against the full decoding by :mod:`persist.state_check`) equals a
-    full read of the head."""
+    """Two clients on one shard run random commands and maintenance rollups, each on its
+    stale cache: every catch-up (checked against the full decoding by
+    :mod:`persist.state_check`) equals a full read of the head, and none reads the
+    whole head, a rollup among the newer rows or not (the no-head-read check failed on
+    the old code, which read the head once a rollup was among them)."""
     with Stash.open("memory://", fenced=False) as stash:
         blob = MemoryBlob()
         clients = [PersistClient(stash, blob, compaction=compaction) for _ in range(2)]
@@ -444,7 +564,9 @@ def test_racing_machines_catch_up_to_what_a_full_read_gives(
                     m.write_rollup()
                 for c in clients:
                     cm = c._ctx.machine(sid)
+                    heads = cm.metrics["heads"]
                     got = cm.refresh()
+                    assert cm.metrics["heads"] == heads  # caught up, across rollups too
                     head = ShardMachine(Consensus(stash), sid).fetch()
                     assert got == head
                     assert got.to_entries() == json.loads(json.dumps(head.to_entries()))
@@ -498,3 +620,47 @@ def test_a_transaction_that_lost_a_seqno_race_catches_up_from_the_diffs(
         finally:
             a.close()
             b.close()
+
+
+_chars = st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(_chars, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(_chars, max_size=3), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+_entries = st.dictionaries(st.sampled_from(["meta", "a", "b/1", 'q"\\', "é"]), _json_values)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prev=_entries, new=_entries, spaced=st.booleans())
+def test_rollup_members_equal_a_full_parse(
+    prev: dict[str, Any], new: dict[str, Any], spaced: bool
+) -> None:
+    """Splitting a rollup row against an older version's entries (reusing the ones
+    whose texts are unchanged) gives what parsing and re-encoding it in full gives; a
+    row that is not compact is refused (the caller reads it in full)."""
+    from persist.log_text import rollup_members, rollup_text
+    from stash.codec import canonical_json
+
+    prev_texts = {k: canonical_json(v) for k, v in prev.items()}
+    new_texts = {k: canonical_json(v) for k, v in new.items()}
+    text = rollup_text(new_texts)
+    assert json.loads(text) == new
+    if spaced:
+        text = json.dumps(new, indent=1)
+        if "\n" in text:  # spaces outside strings
+            assert rollup_members(text, prev_texts, prev) is None
+            return
+    got = rollup_members(text, prev_texts, prev)
+    assert got is not None
+    data, texts, changed = got
+    assert texts == new_texts
+    assert {k: canonical_json(v) for k, v in data.items()} == new_texts
+    want = {k for k in set(prev_texts) | set(new_texts) if prev_texts.get(k) != new_texts.get(k)}
+    assert changed == want
+    for bad in ("", "[]", text[:-1], text + " ", text + "x", '{"a" 1}', '{"a":1,}', "{1:2}"):
+        if bad != text:
+            assert rollup_members(bad, prev_texts, prev) is None

@@ -1,0 +1,126 @@
+"""The texts of a shard log's rows (:mod:`persist.consensus`), built and split
+without decoding the state.
+
+A rollup row's text is the canonical JSON object of the state's entries and a diff
+row's text ``{"del": [...], "seqno": n, "set": {...}}``; both are built from the
+entries' canonical texts (:func:`rollup_text`, :func:`diff_text`): canonical texts
+nested under sorted keys are the canonical text of the whole.  :func:`rollup_members`
+splits a rollup row back into its entries' texts, so a machine catching up across a
+rollup re-encodes and decodes only the entries that changed.
+
+Invariant kept here: every text built here is canonical JSON (:func:`stash.codec.canonical_json`
+of the value it denotes), given canonical entry texts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from stash import StashError
+from stash.codec import canonical_json
+
+__all__ = ["diff_text", "rollup_members", "rollup_text"]
+
+
+def diff_text(
+    prev: Mapping[str, str],
+    new: Mapping[str, str],
+    seqno: int,
+    touched: Collection[str] | None = None,
+) -> str:
+    """The canonical JSON text of the diff entry turning ``prev`` into ``new`` (entry
+    texts by key, both canonical): ``{"del": [removed keys], "seqno": seqno, "set":
+    {added or changed key: value}}``.  Built from the entries' texts without decoding
+    them: canonical texts nested under sorted keys are the canonical text of the whole
+    (the keys were checked to be outside the diffs' namespace by
+    :meth:`persist.consensus.Consensus.plan`).
+    ``touched``: only these keys may differ (see :meth:`persist.consensus.Consensus.plan`).
+    """
+    if touched is None:  # every key may have changed
+        changed = [k for k, t in new.items() if prev.get(k) != t]
+        removed = [k for k in prev if k not in new]
+    else:
+        changed = [k for k in touched if k in new and prev.get(k) != new[k]]
+        removed = [k for k in touched if k in prev and k not in new]
+    changed.sort()
+    removed.sort()
+    # Entry keys are str (as JSON: what canonical_json makes of a str).
+    sets = ",".join(f"{_dumps(k)}:{new[k]}" for k in changed)
+    return f'{{"del":{_dumps(removed)},"seqno":{seqno},"set":{{{sets}}}}}'
+
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def rollup_text(new: Mapping[str, str]) -> str:
+    """The canonical JSON text of a rollup row: the object of the entries ``new``
+    (canonical texts by key; canonical texts nested under sorted keys are the canonical
+    text of the whole, as in :func:`diff_text`)."""
+    return "{" + ",".join(f"{_dumps(k)}:{new[k]}" for k in sorted(new)) + "}"
+
+
+# The C scanner of the json module: (value, end) of the JSON value at an index of a
+# text (set by JSONDecoder.__init__; absent from typeshed's stub).
+_SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def rollup_members(
+    text: str, prev_texts: Mapping[str, str], prev_data: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, str], set[str]] | None:
+    """The entries of a rollup row's ``text`` by key, their canonical texts, and the
+    keys whose texts differ from ``prev_texts`` (an older version's entry texts by key,
+    whose values are ``prev_data``) or that only the older version has; ``None`` when
+    ``text`` is not a compact JSON object of JSON values (no space outside strings, as
+    every canonical text: the caller then decodes it in full).
+
+    A member whose text in the row is the older version's (canonical) text is that
+    entry, unchanged: its value is ``prev_data``'s, not parsed again (a complete JSON
+    value followed by ``,`` or ``}`` is the member's whole value).  Only the other
+    members are parsed (the ``json`` module's C scanner) and re-encoded
+    (:func:`canonical_json`).  A rollup's text is made of its entries' canonical texts
+    (:func:`rollup_text`), so a catch-up across a rollup decodes and re-encodes only
+    what changed, never the whole state.
+    """
+    data: dict[str, Any] = {}
+    texts: dict[str, str] = {}
+    changed: set[str] = set()
+    scan = _SCAN
+    get = prev_texts.get
+    try:
+        if text[:1] != "{":
+            return None
+        i = 1
+        if text[1:2] == "}":
+            i = 2
+        else:
+            while True:
+                key, i = scan(text, i)
+                if type(key) is not str or text[i] != ":":
+                    return None
+                i += 1
+                old = get(key)
+                if old is not None and text.startswith(old, i) and text[i + len(old)] in ",}":
+                    data[key] = prev_data[key]
+                    texts[key] = old
+                    i += len(old)
+                else:
+                    value, i = scan(text, i)
+                    t = canonical_json(value)
+                    if t != old:
+                        changed.add(key)
+                    data[key] = value
+                    texts[key] = t
+                c = text[i]
+                i += 1
+                if c == "}":
+                    break
+                if c != ",":
+                    return None
+        if i != len(text):
+            return None
+    except (StopIteration, IndexError, KeyError, ValueError, RecursionError, StashError):
+        return None
+    changed.update(k for k in prev_texts if k not in texts)
+    return data, texts, changed

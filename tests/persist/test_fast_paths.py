@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import persist.consolidation as consolidation
 import persist.parts as parts
 from persist import FileBlob, MemoryBlob, PersistClient
+from persist.encoding import encode_inline_part
 from persist.fetch import read_batches, snapshot_table
 from persist.gc import collect_garbage, key_created_ms
 from persist.parts import (
@@ -213,9 +214,17 @@ def test_one_row_appends_of_a_wide_schema_stay_inline_and_compaction_moves_them_
     stash: Stash, tmp_path: Path
 ) -> None:
     blob = FileBlob(tmp_path / "blob")
-    # A one-row part of WIDE is ~610 bytes compressed, 40 rows ~930: merges of more than
-    # a few rows go to blob.
-    c = PersistClient(stash, blob, compaction="inline", inline_max_bytes=650)
+    # The inline cap lies halfway between the encoded sizes of one row and eight rows of
+    # WIDE (about 250 and 330 bytes without the schema message, 610 and 680 with it):
+    # one-row parts stay inline, merges of more than a few rows go to blob.
+    sch = updates_schema(WIDE, pa.schema([]))
+
+    def size(n: int) -> int:
+        rows = pa.concat_tables([_wide_row(i, i) for i in range(n)]).cast(sch)
+        return len(encode_inline_part(rows, schema=sch))
+
+    cap = (size(1) + size(8)) // 2
+    c = PersistClient(stash, blob, compaction="inline", inline_max_bytes=cap)
     try:
         w, r = c.open("wide", WIDE, pa.schema([]))
         for i in range(40):

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 from persist import FileBlob, MemoryBlob, PersistClient, SinceViolation, UpperMismatch
+from persist.read import Listen
 from stash import Antichain, Stash
 from tests.reliability.campaign import record
 
@@ -134,8 +135,13 @@ def test_shared_handles_under_threads(backend: str, compaction: str, tmp_path: P
     final_upper = 1 + (WRITERS + 1) * APPENDS
     heard_by = [Counter[tuple[str, int, int]](), Counter[tuple[str, int, int]]()]
 
-    def listener(heard: Counter[tuple[str, int, int]]) -> None:
-        with r.listen(0, poll_max_seconds=0.01) as listen:
+    # Opened before any thread starts: a listen takes its since hold when it opens,
+    # and the downgraders may move the reader's since past 0 before a listener thread
+    # runs (a listen at as_of 0 then is rightly refused).
+    listens = [r.listen(0, poll_max_seconds=0.01) for _ in heard_by]
+
+    def listener(heard: Counter[tuple[str, int, int]], listen: Listen) -> None:
+        with listen:
             for ev in listen:
                 if ev.updates is not None:
                     for row in ev.updates.to_pylist():
@@ -155,7 +161,10 @@ def test_shared_handles_under_threads(backend: str, compaction: str, tmp_path: P
             lambda: downgrader(25),
         )
     ]
-    ears = [threading.Thread(target=guard(lambda h=h: listener(h))) for h in heard_by]
+    ears = [
+        threading.Thread(target=guard(lambda h=h, ls=ls: listener(h, ls)))
+        for h, ls in zip(heard_by, listens, strict=True)
+    ]
     for t in [*threads, *background, *ears]:
         t.start()
     for t in threads:

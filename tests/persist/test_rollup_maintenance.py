@@ -45,6 +45,20 @@ KS = pa.schema([("k", pa.int64())])
 VS = pa.schema([("v", pa.string())])
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[int]:
+    """Spy on the classmethod ``cls.name`` for the rest of the test: each call appends
+    to the list returned (how the tests count full decodes)."""
+    calls: list[int] = []
+    orig = getattr(cls, name).__func__
+
+    def spy(c: type, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return orig(c, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, classmethod(spy))
+    return calls
+
+
 def _row(i: int) -> pa.Table:
     return pa.table({"k": [i], "v": [f"v{i}"], "_time": [i], "_diff": [1]})
 
@@ -271,21 +285,8 @@ def test_a_lost_race_decodes_only_the_newer_entries(
         m2.state()
         _add_reader(m1, "new")
         monkeypatch.setattr(state_check, "ENABLED", False)  # its check decodes in full
-        full: list[int] = []
-        decoded: list[int] = []
-        orig_full = ShardState.from_entries.__func__  # type: ignore[attr-defined]
-        orig_reader = ReaderState.from_json.__func__  # type: ignore[attr-defined]
-
-        def spy_full(cls: type[ShardState], entries: Any) -> ShardState:
-            full.append(1)
-            return orig_full(cls, entries)  # type: ignore[no-any-return]
-
-        def spy_reader(cls: type[ReaderState], d: Any) -> ReaderState:
-            decoded.append(1)
-            return orig_reader(cls, d)  # type: ignore[no-any-return]
-
-        monkeypatch.setattr(ShardState, "from_entries", classmethod(spy_full))
-        monkeypatch.setattr(ReaderState, "from_json", classmethod(spy_reader))
+        full = count_calls(monkeypatch, ShardState, "from_entries")
+        decoded = count_calls(monkeypatch, ReaderState, "from_json")
         _add_reader(m2, "mine")  # loses once, catches up, commits
         assert m2.metrics["cas_lost"] == 1
         assert full == [] and len(decoded) == 1  # the reader "new" alone
@@ -313,14 +314,7 @@ def test_recent_catches_up_without_a_full_read(
         m2.recent()
         _add_reader(m1, "new")
         monkeypatch.setattr(state_check, "ENABLED", False)
-        full: list[int] = []
-        orig_full = ShardState.from_entries.__func__  # type: ignore[attr-defined]
-
-        def spy_full(cls: type[ShardState], entries: Any) -> ShardState:
-            full.append(1)
-            return orig_full(cls, entries)  # type: ignore[no-any-return]
-
-        monkeypatch.setattr(ShardState, "from_entries", classmethod(spy_full))
+        full = count_calls(monkeypatch, ShardState, "from_entries")
         st = m2.recent()
         assert full == [] and "new" in st.readers
         assert m2.recent() is st  # nothing newer: the cached state
@@ -346,14 +340,7 @@ def test_a_lost_append_decodes_only_the_new_batches(
         wa.append(_row(60), 60, 61)
         wa.append(_row(61), 61, 62)
         monkeypatch.setattr(state_check, "ENABLED", False)
-        calls: list[int] = []
-        orig = HollowBatch.from_json.__func__  # type: ignore[attr-defined]
-
-        def spy(cls: type[HollowBatch], d: Any) -> HollowBatch:
-            calls.append(1)
-            return orig(cls, d)  # type: ignore[no-any-return]
-
-        monkeypatch.setattr(HollowBatch, "from_json", classmethod(spy))
+        calls = count_calls(monkeypatch, HollowBatch, "from_json")
         wb.append(_row(62), 62, 63)
         assert 0 < len(calls) <= 4  # the two newer batches (and a spine merge's)
         assert wb._machine.metrics["catch_ups"] >= 1
@@ -487,21 +474,8 @@ def test_catching_up_across_a_maintenance_rollup_decodes_no_batch_in_full(
             wa.append(_row(upper), upper, upper + 1)
             upper += 1
         monkeypatch.setattr(state_check, "ENABLED", False)
-        full: list[int] = []
-        batches: list[int] = []
-        orig_full = ShardState.from_entries.__func__  # type: ignore[attr-defined]
-        orig_batch = HollowBatch.from_json.__func__  # type: ignore[attr-defined]
-
-        def spy_full(cls: type[ShardState], entries: Any) -> ShardState:
-            full.append(1)
-            return orig_full(cls, entries)  # type: ignore[no-any-return]
-
-        def spy_batch(cls: type[HollowBatch], d: Any) -> HollowBatch:
-            batches.append(1)
-            return orig_batch(cls, d)  # type: ignore[no-any-return]
-
-        monkeypatch.setattr(ShardState, "from_entries", classmethod(spy_full))
-        monkeypatch.setattr(HollowBatch, "from_json", classmethod(spy_batch))
+        full = count_calls(monkeypatch, ShardState, "from_entries")
+        batches = count_calls(monkeypatch, HollowBatch, "from_json")
         heads, catch_ups = mb.metrics["heads"], mb.metrics["catch_ups"]
         st = mb.refresh()
         assert full == [] and len(batches) <= diffs_before + diffs_after + 2

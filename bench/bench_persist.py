@@ -99,8 +99,10 @@ SECTIONS = (
 )
 PERSIST = "persist"
 LIMIT = ParquetLimit.name
-#: The write goal: persist's write at least this fraction of ``write_table``'s speed.
-WRITE_LIMIT_GOAL = 0.8
+#: The write goal: persist's write at least this fraction of ``write_table``'s speed
+#: (wall clock: persist encodes its parts on two threads and hashes its fingerprint
+#: beside them, so a machine with no core to spare misses it, its CPU being ~2.2x).
+WRITE_LIMIT_GOAL = 0.85
 
 
 class Params:

@@ -58,6 +58,7 @@ Source of the idea: Materialize's ``Sqlite`` and ``Postgres`` stash backends
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import uuid
@@ -278,6 +279,7 @@ class SqlStash(Stash):
         # at the first write; a thread that finds it in use takes a pooled one.  Not
         # with pre_ping: a held connection would skip the ping the caller asked for.
         self._held: PoolProxiedConnection | None = None
+        self._pid = os.getpid()  # a forked child owns none of this process's connections
         self._held_lock = threading.Lock()
         self._hold = not pre_ping and mode == "writable"
         self._opening = True  # a server that is down at open fails fast, without retries
@@ -426,6 +428,8 @@ class SqlStash(Stash):
     def _attempt(self, write: bool, fn: Callable[[Txn], R]) -> R:
         """One try of a transaction: a write on the held connection when no other thread
         is using it (:meth:`_attempt_held`), anything else on a pooled connection."""
+        if self._pid != os.getpid():
+            self._forked()
         if write and self._hold and self._held_lock.acquire(blocking=False):
             try:
                 return self._attempt_held(fn)
@@ -440,6 +444,17 @@ class SqlStash(Stash):
             raise
         finally:
             fairy.close()
+
+    def _forked(self) -> None:
+        """In a child forked from the process that opened this handle (Spark forks its
+        Python workers): the held and pooled connections (sockets, SQLite handles) are
+        the parent's; leave them to it, untouched, and open new ones.  The held
+        connection's lock is made anew: another thread of the parent may have held it
+        at the fork, and no thread of the child would ever release it."""
+        self._held_lock = threading.Lock()
+        self._held = None
+        self.engine.dispose(close=False)
+        self._pid = os.getpid()
 
     def _attempt_held(self, fn: Callable[[Txn], R]) -> R:
         """One try of a write transaction on the connection this handle holds for its

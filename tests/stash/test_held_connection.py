@@ -141,3 +141,46 @@ def test_a_lost_held_connection_is_replaced(open_stash: OpenStash, backend: str)
         L.write(s, [_e("l", 0, "b")])
     assert s._held is not None and s._held is not old
     assert [r.data for r in L.scan(s, "l")] == ["a", "b"]
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_forked_child_writes_on_a_connection_of_its_own(
+    open_stash: OpenStash, busy: bool
+) -> None:
+    """A process forked while the handle holds its write connection (as Spark forks its
+    Python workers) never writes on the parent's connection (a shared socket or SQLite
+    handle): it takes a new one, held for its own writes, even when another thread of
+    the parent was using the held connection at the fork (``busy``: its lock, copied
+    locked, is never released in the child); the parent's goes on working.  Failed
+    before: the child wrote on the parent's held connection."""
+    import os
+
+    s = open_stash(fenced=False)
+    assert isinstance(s, SqlStash)
+    L.write(s, [_e("p", None, "p0")])
+    held = s._held
+    assert held is not None
+    parent_dbc = id(held.driver_connection)
+    r, w = os.pipe()
+    if busy:
+        s._held_lock.acquire()
+    pid = os.fork()
+    if busy and pid != 0:
+        s._held_lock.release()
+    if pid == 0:  # the child: report, then leave without running any cleanup
+        code = 1
+        try:
+            L.write(s, [_e("c", None, "c0")])
+            mine = s._held
+            code = 0 if mine is not None and id(mine.driver_connection) != parent_dbc else 2
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == bytes([0]), f"the child reported {got!r} (2: it wrote on the parent's connection)"
+    L.write(s, [_e("p", 0, "p1")])
+    assert [x.data for x in L.scan(s, "p")] == ["p0", "p1"]
+    assert [x.data for x in L.scan(s, "c")] == ["c0"]

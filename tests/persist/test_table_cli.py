@@ -57,15 +57,18 @@ def test_retention_command(tmp_path: Path) -> None:
     url, blob = _store(tmp_path)
     r = CliRunner()
     args = ["--stash", url, "--blob", blob, "--json"]
-    res = r.invoke(main, ["retention", "orders", "--duration", "7d", *args])
-    assert res.exit_code == 0, (res.output, res.exception)
-    assert json.loads(res.output)["retention_seconds"] == 7 * 86400
-    res = r.invoke(main, ["retention", "orders", *args])  # shows it, readonly
-    assert json.loads(res.output)["retention_seconds"] == 7 * 86400
-    res = r.invoke(main, ["retention", "orders", "--duration", "1d12h", *args])
-    assert json.loads(res.output)["retention_seconds"] == 36 * 3600
-    res = r.invoke(main, ["retention", "orders", "--duration", "none", *args])
-    assert json.loads(res.output)["retention_seconds"] is None
+
+    def retention(*duration: str) -> int | None:
+        """Run ``persist retention orders [--duration D]``; the retention it reports."""
+        res = r.invoke(main, ["retention", "orders", *duration, *args])
+        assert res.exit_code == 0, (res.output, res.exception)
+        value: int | None = json.loads(res.output)["retention_seconds"]
+        return value
+
+    assert retention("--duration", "7d") == 7 * 86400
+    assert retention() == 7 * 86400  # shows it, readonly
+    assert retention("--duration", "1d12h") == 36 * 3600
+    assert retention("--duration", "none") is None
     res = r.invoke(main, ["retention", "orders", "--duration", "7 days", *args])
     assert res.exit_code == 2 and "not a duration" in res.output
 

@@ -562,6 +562,12 @@ class SqlStash(Stash):
             fairy.close()
 
     def _close(self) -> None:
+        if self._pid != os.getpid():
+            # A forked child closing its copy: the connections are the parent's (giving
+            # the held one back would roll back on its socket, disposing would end its
+            # sessions); leave them, and close only what the child opened since.
+            self._forked()
+            self._sp_fairy = None
         with self._held_lock:  # waits for a write running on the held connection
             held, self._held = self._held, None
         if held is not None:

@@ -262,7 +262,7 @@ class ShardMachine:
                 log.warning("shard %s: catching up failed (%s); reading the head", self.shard_id, e)
                 return self.fetch()
             if state_check.ENABLED:
-                state_check.check_catch_up(st, h.data)
+                state_check.check_catch_up(st, h.data, h.texts)
             self.metrics["catch_ups"] += 1
             self._cache = self._checked(st, h)
             return st

@@ -218,14 +218,18 @@ def column_stats(name: str, column: pa.ChunkedArray | pa.Array) -> ColumnStats |
 
 def table_stats(table: pa.Table) -> tuple[ColumnStats, ...]:
     """The statistics of every column of a part's table (but the columns
-    :func:`column_stats` skips), in column order. ``_diff``'s tell a part of inserts
-    only (``1`` to ``1``), whose rows need no merge with another such part's
+    :func:`column_stats` skips), sorted by column name: the order their JSON form
+    (:func:`stats_to_json`, an object whose keys canonical JSON sorts) reads back in,
+    so a part's reference in the state of the process that wrote it equals the one
+    every other process decodes. ``_diff``'s tell a part of inserts only (``1`` to
+    ``1``), whose rows need no merge with another such part's
     (:mod:`spark.native_plan`)."""
     out = []
     for name, col in zip(table.column_names, table.columns, strict=True):
         s = column_stats(name, col)
         if s is not None:
             out.append(s)
+    out.sort(key=lambda s: s[0])
     return tuple(out)
 
 

@@ -437,12 +437,18 @@ class SqlStash(Stash):
                 self._held_lock.release()
         fairy = self.engine.raw_connection()
         try:
+            if self._closed:  # closed while this thread checked out: run nothing
+                raise StashError("stash handle is closed")
             return self._once(fairy.driver_connection, write, fn)
         except BaseException as e:
             if self._broken(e, fairy.driver_connection):
                 fairy.invalidate()  # never hand a broken connection to the next caller
             raise
         finally:
+            if self._closed and fairy.is_valid:
+                # The pool was (or is being) disposed: close the connection rather
+                # than give it back to a pool nobody will dispose again.
+                fairy.invalidate()
             fairy.close()
 
     def _forked(self) -> None:

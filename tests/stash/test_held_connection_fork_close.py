@@ -1,4 +1,6 @@
-"""A process forked from one holding a SQL stash handle (``multiprocessing`` with the
+"""Closing a SQL stash handle: in a forked child, and while another thread writes.
+
+A process forked from one holding a SQL stash handle (``multiprocessing`` with the
 fork start method, Spark's forked Python workers) may close its copy of the handle, as
 any ``with Stash.open(...)`` block or cleanup does, without ever having used it: that
 close must leave the parent's connections alone (``SqlStash._close`` in a child: the
@@ -6,7 +8,11 @@ held and pooled connections are the parent's sockets and SQLite handles).
 
 Source of the rule: SQLAlchemy's "Using Connection Pools with Multiprocessing or
 os.fork()" (a child calls ``Engine.dispose(close=False)``, never closing the parent's
-connections)."""
+connections).
+
+A write racing ``close`` in another thread either ends before ``close`` returns (the
+held connection's, which ``close`` waits for) or fails with "closed", committing
+nothing and leaving no connection open."""
 
 from __future__ import annotations
 
@@ -87,3 +93,55 @@ def test_a_forked_child_closing_its_copy_leaves_the_parents_connections(
     if backend == "postgres":
         assert s._held.driver_connection.info.backend_pid == backend_pid
     assert [x.data for x in L.scan(s, "p")] == ["p0", "p1"]
+
+
+def test_a_write_racing_close_on_a_pooled_connection_commits_nothing_after_it(
+    open_stash: OpenStash, backend: str
+) -> None:
+    """A thread's write that found the held connection busy and was checking out a
+    pooled one while another thread closed the handle fails with "closed", commits
+    nothing, and leaves no connection open behind the closed handle.  Failed on the old
+    code: the write committed after ``close`` returned, on a connection of the disposed
+    pool that stayed open."""
+    import sqlalchemy as sa
+
+    from stash import Stash, StashError
+
+    s = open_stash(fenced=False)
+    assert isinstance(s, SqlStash)
+    L.write(s, [_e("p", None, "p0")])  # the held connection exists
+    entered, go = threading.Event(), threading.Event()
+    made: list[object] = []
+
+    @sa.event.listens_for(s.engine, "connect")
+    def _connect(dbapi_connection: object, _record: object) -> None:
+        made.append(dbapi_connection)
+        entered.set()
+        go.wait(20)
+
+    out: list[BaseException | None] = []
+
+    def write() -> None:
+        try:
+            L.write(s, [_e("p", 0, "late")])
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out.append(e)
+
+    s._held_lock.acquire()  # another thread's write on the held connection
+    t = threading.Thread(target=write)
+    t.start()
+    try:
+        assert entered.wait(20)  # checking out a new pooled connection
+    finally:
+        s._held_lock.release()
+    s.close()
+    go.set()
+    t.join(20)
+    assert len(out) == 1
+    assert isinstance(out[0], StashError) and "closed" in str(out[0]), out
+    (dbc,) = made
+    with pytest.raises(Exception):  # noqa: B017,PT011 - the driver's "closed" error
+        dbc.cursor().execute("SELECT 1")  # type: ignore[attr-defined]
+    with Stash.open(s._url.render_as_string(hide_password=False), fenced=False) as s2:
+        assert [x.data for x in L.scan(s2, "p")] == ["p0"]

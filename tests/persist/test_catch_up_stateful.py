@@ -5,7 +5,8 @@ and a blob directory, each with its own cached versions, compaction mode, rollup
 (``max_diffs``: 0, 1, 2, 32) and part format (blob parts with statistics, or inline
 parts): appends on stale caches, transactions over both shards, compaction, GC (which
 truncates the log below the head's rollup) with leases expiring on an injected clock,
-maintenance rollups, a value schema evolving, readers moving their since.  After every
+maintenance rollups (some whose writer dies before truncating the log below them), a
+value schema evolving, readers moving their since.  After every
 step each client's machine catches up (:meth:`persist.machine.ShardMachine.refresh`) and
 must hold exactly the stored head: the state a full read decodes
 (:meth:`~persist.machine.ShardMachine.fetch`), the head's entries and their texts, and
@@ -128,6 +129,18 @@ class CatchUp(RuleBasedStateMachine):
     @rule(i=clients_)
     def rollup(self, i: int) -> None:
         self.handles[i][0]._machine.write_rollup()
+
+    @rule(i=clients_)
+    def rollup_then_crash(self, i: int) -> None:
+        # A rollup whose writer dies before truncating the rows below it (a rollup
+        # owed or not): older rollups and diffs stay in the log until GC truncates.
+        cons = self.clients[i].consensus
+        cons.rollup_due = lambda stored: bool(stored.diffs)  # type: ignore[method-assign]
+        cons._after_commit = lambda entries: None  # type: ignore[method-assign]
+        try:
+            self.handles[i][0]._machine.write_rollup()
+        finally:
+            del cons.rollup_due, cons._after_commit
 
     @rule(i=clients_, seconds=st.sampled_from([1, 40]))
     def gc(self, i: int, seconds: int) -> None:

@@ -53,9 +53,11 @@ dropped in the version a command publishes.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -152,6 +154,7 @@ class ShardMachine:
         self.max_races = max_races
         self._lock = threading.RLock()
         self._offered_lock = threading.Lock()
+        _MACHINES.add(self)
         self._cache: _Cache | None = None
         self.metrics = {
             "cas": 0,
@@ -862,6 +865,24 @@ class ShardMachine:
 
         return self._stage(fn, fresh, keep=(cmd.writer_id,), op="txn")
 
+
+#: Every machine of this process (weakly held), for :func:`_after_fork_in_child`.
+_MACHINES: weakref.WeakSet[ShardMachine] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a child made by ``os.fork`` (Spark forks its Python workers): a thread of the
+    parent (the maintenance worker writing a rollup, a lease renewal) may have held a
+    machine's lock at the fork, and no thread of the child would ever release it, so
+    every machine gets new locks.  Its cached version stays valid: a version is only
+    published by compare-and-set, so a command the parent had under way is at worst a
+    newer version the child catches up with."""
+    for m in list(_MACHINES):
+        m._lock = threading.RLock()
+        m._offered_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 #: How many tokens of appends of unknown outcome a machine remembers (oldest first).
 _ATTEMPTS_KEPT = 4096

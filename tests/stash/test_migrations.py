@@ -129,6 +129,57 @@ def test_postgres_data_is_jsonb(postgres_url: str) -> None:
     assert tuple(row) == ("orders", "x", 2)
 
 
+def test_postgres_log_entries_are_lz4_compressed(postgres_url: str) -> None:
+    """A long log entry (a rollup: JSON of base64 and hex that pglz gives up on) is
+    stored LZ4-compressed, inline or out of line, and reads back unchanged; the
+    downgrade sets the column back to the default compression.  Failed on the old code
+    (stored uncompressed, ``pg_column_compression`` NULL)."""
+    import base64
+    import json
+    import random
+
+    from stash import logs
+    from stash.logs import LogEntry
+
+    engine = sa.create_engine(postgres_url)
+    try:
+        upgrade(engine)
+        with engine.connect() as conn:
+            lz4 = conn.exec_driver_sql(
+                "SELECT 'lz4' = ANY(enumvals) FROM pg_settings"
+                " WHERE name = 'default_toast_compression'"
+            ).scalar()
+        if not lz4:
+            pytest.skip("this PostgreSQL server was built without LZ4")
+        rng = random.Random(7)
+        entries = {
+            f"trace/hollow_batches/{i}-{i + 1}": {
+                "desc": {"lower": [i], "since": [0], "upper": [i + 1]},
+                "inline": base64.b64encode(rng.randbytes(500)).decode(),
+                "sha256": rng.randbytes(32).hex(),
+            }
+            for i in range(60)
+        }
+        text = json.dumps(entries, sort_keys=True)
+        with Stash.open(postgres_url, fenced=False) as s:
+            logs.write(s, [LogEntry("persist.shard.x", None, 0, text, True)])
+            assert logs.head(s, "persist.shard.x")[0].data == text
+        with engine.connect() as conn:
+            method, stored = conn.exec_driver_sql(
+                "SELECT pg_column_compression(data), pg_column_size(data) FROM logs"
+            ).one()
+        assert method == "lz4" and stored < len(text)
+        downgrade(engine, "0009")
+        with engine.connect() as conn:
+            att = conn.exec_driver_sql(
+                "SELECT attcompression FROM pg_attribute"
+                " WHERE attrelid = 'logs'::regclass AND attname = 'data'"
+            ).scalar()
+        assert att in ("", "\x00", None)
+    finally:
+        engine.dispose()
+
+
 def test_upgrade_from_0001_keeps_rows_gives_an_identity_and_takes_long_keys(
     db_url: str,
 ) -> None:

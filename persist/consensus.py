@@ -84,7 +84,13 @@ from persist.ids import validate_shard_id
 from persist.log_text import diff_text as _diff_text
 from persist.log_text import rollup_members as _rollup_members
 from persist.log_text import rollup_text as _rollup_text
-from persist.retired_keys import RetiredChange, RetiredKey, parse_retired, retired_entry
+from persist.retired_keys import (
+    RetiredChange,
+    RetiredKey,
+    parse_retired,
+    retired_entry,
+    retired_ids,
+)
 from persist.shard_registry import REGISTRY_COLLECTION, ShardRegistry
 from stash import (
     AppendBatch,
@@ -340,7 +346,8 @@ class Consensus(ShardRegistry):
         return {k: r.ms for k, r in rows.items()}
 
     def retired_entries(self, shard_id: str) -> tuple[int, dict[str, RetiredKey]]:
-        """The retired collection's upper and its rows by blob key.  The upper is read
+        """The retired collection's upper and its rows by blob key or inline part id
+        (the ids of one row each map to that row: :func:`persist.retired_keys.retired_ids`).  The upper is read
         first: if a state version whose ``retired_upper`` equals it is still the head
         when a transition commits, the rows were exactly these (what makes GC's
         "forget" idempotent)."""
@@ -358,7 +365,8 @@ class Consensus(ShardRegistry):
         for (k, v), n in acc.items():
             if n > 0:
                 r = parse_retired(k, v)
-                out[r.blob_key] = r
+                for key in retired_ids(r):  # a row may hold several inline part ids
+                    out[key] = r
         t = up.as_option()
         return (0 if t is None else t), out
 

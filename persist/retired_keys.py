@@ -6,9 +6,10 @@ Invariants kept here: a row key is ``<blob key>@<seqno>`` (``@`` is never part o
 key, so the split is unambiguous), or the blob key alone for rows written before
 retirement seqnos were recorded; the ids of inline parts one version retires together
 (``inline:`` and a nonce of hex digits: a compaction merging several inline parts away)
-share rows, up to :data:`INLINE_IDS_PER_ROW` per row, ``inline:<nonce>,<nonce>,...@<seqno>``
-(``,`` is never part of a nonce), so a merge of eight one-row batches writes one row and
-its indexes rather than eight (and GC later retracts one).  An id in such a row reads as
+share rows, up to :data:`INLINE_IDS_PER_ROW` per row, ``inlines:<nonce>,<nonce>,...@<seqno>``
+(a prefix no row of one id has; ``,`` is never part of a hex nonce), so a merge of eight
+one-row batches writes one row and its indexes rather than eight (and GC later retracts
+one).  An id in such a row reads as
 retired exactly as one in a row of its own; rows of one id each (written before) read
 as before.
 """
@@ -33,6 +34,8 @@ __all__ = [
 #: short enough for the collection's key indexes: about 1 KB).
 INLINE_IDS_PER_ROW = 32
 _INLINE = "inline:"
+#: The prefix of a row of several inline ids (``inline:`` is that of a row of one).
+_INLINES = "inlines:"
 _NONCE = re.compile(r"[0-9a-f]+")
 
 
@@ -54,8 +57,8 @@ class RetiredKey:
 
     @property
     def blob_key(self) -> str:
-        """The retired blob key (for a row of several inline ids, their joined text:
-        :func:`retired_ids` names each)."""
+        """The retired blob key (for a row of several inline ids, ``inlines:`` and their
+        nonces: :func:`retired_ids` names each)."""
         return self.entry.rpartition("@")[0] if self.seqno is not None else self.entry
 
 
@@ -81,16 +84,17 @@ def retired_rows(adds: Mapping[str, int], seqno: int) -> dict[str, int]:
     for ms, nonces in groups.items():
         nonces.sort()
         for i in range(0, len(nonces), INLINE_IDS_PER_ROW):
-            chunk = ",".join(nonces[i : i + INLINE_IDS_PER_ROW])
-            rows[retired_entry(_INLINE + chunk, seqno)] = ms
+            chunk = nonces[i : i + INLINE_IDS_PER_ROW]
+            head = _INLINE + chunk[0] if len(chunk) == 1 else _INLINES + ",".join(chunk)
+            rows[retired_entry(head, seqno)] = ms
     return rows
 
 
 def retired_ids(r: RetiredKey) -> list[str]:
     """The blob key or inline part ids the row ``r`` retires."""
     head = r.blob_key
-    if head.startswith(_INLINE) and "," in head:
-        return [_INLINE + n for n in head[len(_INLINE) :].split(",")]
+    if head.startswith(_INLINES):
+        return [_INLINE + n for n in head[len(_INLINES) :].split(",")]
     return [head]
 
 

@@ -169,12 +169,17 @@ def test_retired_rows_of_one_id_each_still_read() -> None:
         ["s1/b/k.parquet"],
     ]
     rows = retired_rows(
-        {"inline:bb": 1, "inline:aa": 1, "inline:cc": 2, "inline:n,x": 1, "s/k.parquet": 1}, 9
+        {"inline:bb": 1, "inline:aa": 1, "inline:cc": 2, "inline:d,e": 1, "s/k.parquet": 1}, 9
     )
     assert rows == {
-        "inline:aa,bb@9": 1,
-        "inline:cc@9": 2,
-        "inline:n,x@9": 1,  # not a hex nonce: a row of its own
+        "inlines:aa,bb@9": 1,
+        "inline:cc@9": 2,  # alone: a row of one id, as before
+        "inline:d,e@9": 1,  # not a hex nonce: a row of its own, read as one id
         "s/k.parquet@9": 1,
     }
-    assert retired_ids(parse_retired("inline:aa,bb@9", 1)) == ["inline:aa", "inline:bb"]
+    assert [retired_ids(parse_retired(k, ms)) for k, ms in rows.items()] == [
+        ["inline:d,e"],
+        ["s/k.parquet"],
+        ["inline:aa", "inline:bb"],
+        ["inline:cc"],
+    ]

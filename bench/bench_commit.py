@@ -21,7 +21,7 @@ ratios reported with its spread):
   costs of one append (client CPU, the server backends' CPU, WAL bytes) against a
   one-entry ``Stash.append`` (goals: server CPU and WAL within 2x), and the WAL by source
   (``pg_walinspect``, each record by the relation it writes: the log rows, their TOAST
-  (rollups), the log's primary key, truncation's DELETEs, stash collection rows (the
+  (rollups, the longest diffs), the log's primary key, truncation's DELETEs, stash collection rows (the
   retired collection), frontiers, commit records; full-page images, which follow
   checkpoints, a server setting, counted apart too);
 * **8 processes**: 8 processes, each appending one-row batches to its own shard of one
@@ -289,7 +289,7 @@ def _backend_ticks(conn: Any, dbname: str) -> int:
 #: The sources of :func:`_wal_by_source`'s table, in its order.
 WAL_SOURCES = (
     "logs: rows inserted (diffs, history records, small rollups)",
-    "logs: TOAST (entries past ~2 KB out of line: rollups)",
+    "logs: TOAST (entries past ~2 KB out of line: rollups, the longest diffs)",
     "logs: primary key",
     "logs: DELETEs (truncation below a rollup, heap and TOAST)",
     "stash collections: data rows and their indexes",

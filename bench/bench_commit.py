@@ -17,7 +17,13 @@ ratios reported with its spread):
   process, background compaction included; goal <= 0.45 ms), with raw sqlite3's;
 * **Postgres**: the same on a Postgres stash (a throwaway server, production durability:
   ``fsync`` and ``synchronous_commit`` on) against a raw psycopg transaction (``SELECT ...
-  FOR UPDATE``, ``INSERT``, ``UPDATE``, ``COMMIT``).  Goal: >= 0.3x;
+  FOR UPDATE``, ``INSERT``, ``UPDATE``, ``COMMIT``).  Goal: >= 0.3x.  Beside it, the
+  costs of one append (client CPU, the server backends' CPU, WAL bytes) against a
+  one-entry ``Stash.append`` (goals: server CPU and WAL within 2x), and the WAL by source
+  (``pg_walinspect``, each record by the relation it writes: the log rows, their TOAST
+  (rollups, the longest diffs), the log's primary key, truncation's DELETEs, stash collection rows (the
+  retired collection), frontiers, commit records; full-page images, which follow
+  checkpoints, a server setting, counted apart too);
 * **8 processes**: 8 processes, each appending one-row batches to its own shard of one
   Postgres stash, against 1 process doing the same: the aggregate rate, as a ratio (goal
   >= 3x: independent shards must not serialise on each other; Postgres groups their WAL
@@ -280,6 +286,81 @@ def _backend_ticks(conn: Any, dbname: str) -> int:
     return total
 
 
+#: The sources of :func:`_wal_by_source`'s table, in its order.
+WAL_SOURCES = (
+    "logs: rows inserted (diffs, history records, small rollups)",
+    "logs: TOAST (entries past ~2 KB out of line: rollups, the longest diffs)",
+    "logs: primary key",
+    "logs: DELETEs (truncation below a rollup, heap and TOAST)",
+    "stash collections: data rows and their indexes",
+    "stash frontiers and locks (uppers, sinces, collections)",
+    "commit records",
+    "other (raw psycopg's own table, anything else)",
+)
+
+
+def _wal_relations(mon: Any) -> dict[str, str]:
+    """The relation file nodes of the stash's tables, indexes and TOAST by source (see
+    :data:`WAL_SOURCES`): ``{filenode: "logs" | "logs_pkey" | "logs_toast" | "data" |
+    "frontier"}``."""
+    rels: dict[str, str] = {}
+    rows = mon.execute(
+        "SELECT c.relname, pg_relation_filenode(c.oid), pg_relation_filenode(t.oid), "
+        "pg_relation_filenode(ti.indexrelid) FROM pg_class c "
+        "LEFT JOIN pg_class t ON t.oid = c.reltoastrelid "
+        "LEFT JOIN pg_index ti ON ti.indrelid = t.oid "
+        "WHERE c.relkind = 'r' AND c.relname IN "
+        "('logs', 'data', 'uppers', 'sinces', 'collections', 'commit_times', 'fence')"
+    ).fetchall()
+    for name, node, toast, toast_index in rows:
+        kind = name if name in ("logs", "data") else "frontier"
+        for n in (node, toast, toast_index):
+            if n is not None:
+                rels[str(n)] = kind if n == node or kind != "logs" else "logs_toast"
+    for node, table in mon.execute(
+        "SELECT pg_relation_filenode(x.indexrelid), t.relname FROM pg_index x "
+        "JOIN pg_class t ON t.oid = x.indrelid WHERE t.relname IN "
+        "('logs', 'data', 'uppers', 'sinces', 'collections', 'commit_times', 'fence')"
+    ).fetchall():
+        rels[str(node)] = {"logs": "logs_pkey", "data": "data"}.get(table, "frontier")
+    return rels
+
+
+def _wal_by_source(mon: Any, rels: dict[str, str], lsn0: str, lsn1: str) -> dict[str, float]:
+    """The WAL between ``lsn0`` and ``lsn1`` in bytes by source (:data:`WAL_SOURCES`),
+    plus ``"of which full-page images"``, read with ``pg_walinspect`` (PostgreSQL 15's
+    ``pg_get_wal_records_info``: each record's total length, its full-page images' part,
+    and the relation of its first block)."""
+    out = dict.fromkeys((*WAL_SOURCES, "of which full-page images"), 0.0)
+    rows = mon.execute(
+        "SELECT resource_manager, record_type, substring(block_ref from 'rel [0-9]+/[0-9]+/"
+        "([0-9]+)'), sum(record_length), sum(fpi_length) "
+        "FROM pg_get_wal_records_info(%s, %s) GROUP BY 1, 2, 3",
+        (lsn0, lsn1),
+    ).fetchall()
+    for rmgr, rtype, node, length, fpi in rows:
+        kind = rels.get(node or "", "")
+        if rmgr == "Transaction":
+            src = "commit records"
+        elif kind in ("logs", "logs_toast") and rmgr == "Heap" and "DELETE" in rtype:
+            src = WAL_SOURCES[3]
+        elif kind == "logs":
+            src = WAL_SOURCES[0]
+        elif kind == "logs_toast":
+            src = WAL_SOURCES[1]
+        elif kind == "logs_pkey":
+            src = WAL_SOURCES[2]
+        elif kind == "data":
+            src = WAL_SOURCES[4]
+        elif kind == "frontier":
+            src = WAL_SOURCES[5]
+        else:
+            src = WAL_SOURCES[7]
+        out[src] += float(length)
+        out["of which full-page images"] += float(fpi or 0)
+    return out
+
+
 def _pg_costs(
     res: BenchResults,
     section: str,
@@ -302,7 +383,14 @@ def _pg_costs(
     costs: dict[str, dict[str, list[float]]] = {
         k: {"client": [], "server": [], "wal": []} for k in contenders
     }
+    by_source: dict[str, dict[str, list[float]]] = {k: {} for k in contenders}
     with psycopg.connect(conninfo, autocommit=True) as mon:
+        try:
+            mon.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            rels: dict[str, str] | None = _wal_relations(mon)
+        except psycopg.Error as e:  # no contrib package: no breakdown, the rest stands
+            res.notes.append(f"postgres: no WAL breakdown by source (pg_walinspect: {e})")
+            rels = None
         for c in contenders.values():  # warm-up
             for i in range(min(appends, 100)):
                 c.append(i)
@@ -321,13 +409,16 @@ def _pg_costs(
                     c.append(i)
                 cpu = time.process_time() - t0
                 ticks1 = _backend_ticks(mon, dbname)
-                wal = mon.execute(
-                    "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", (lsn0,)
-                ).fetchone()[0]  # type: ignore[index]
+                lsn1, wal = mon.execute(
+                    "SELECT l, pg_wal_lsn_diff(l, %s) FROM pg_current_wal_lsn() AS l", (lsn0,)
+                ).fetchone()  # type: ignore[misc]
                 costs[name]["client"].append(cpu / appends * 1000)
                 if ticks0 >= 0 and ticks1 >= 0:
                     costs[name]["server"].append((ticks1 - ticks0) / tick / appends * 1000)
                 costs[name]["wal"].append(float(wal) / appends)
+                if rels is not None:
+                    for src, b in _wal_by_source(mon, rels, lsn0, lsn1).items():
+                        by_source[name].setdefault(src, []).append(b / appends)
     med = {k: {m: (median(v) if v else None) for m, v in d.items()} for k, d in costs.items()}
     res.tables.append(
         Table(
@@ -348,6 +439,22 @@ def _pg_costs(
             ],
         )
     )
+    if rels is not None:
+        res.tables.append(
+            Table(
+                section=section,
+                name="postgres WAL by source",
+                title=f"Postgres: WAL bytes per append by source (medians of {rounds} rounds; "
+                "pg_walinspect: each record by the relation of its first block; full-page "
+                "images, which follow checkpoints (a server setting), are counted in their "
+                "source and again on the last line)",
+                columns=["source", *contenders],
+                rows=[
+                    [src, *(fmt_num(median(by_source[k].get(src) or [0.0])) for k in contenders)]
+                    for src in (*WAL_SOURCES, "of which full-page images")
+                ],
+            )
+        )
     for name, m in med.items():
         res.log(
             f"  {name}: client CPU {fmt_num(m['client'])} ms "

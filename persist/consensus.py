@@ -84,7 +84,13 @@ from persist.ids import validate_shard_id
 from persist.log_text import diff_text as _diff_text
 from persist.log_text import rollup_members as _rollup_members
 from persist.log_text import rollup_text as _rollup_text
-from persist.retired_keys import RetiredChange, RetiredKey, parse_retired, retired_entry
+from persist.retired_keys import (
+    RetiredChange,
+    RetiredKey,
+    parse_retired,
+    retired_entry,
+    retired_ids,
+)
 from persist.shard_registry import REGISTRY_COLLECTION, ShardRegistry
 from stash import (
     AppendBatch,
@@ -108,6 +114,7 @@ __all__ = [
     "RetiredChange",
     "RetiredKey",
     "Consensus",
+    "DEFAULT_MAX_DIFFS",
     "Stored",
     "VersionPlan",
     "VersionedData",
@@ -130,6 +137,14 @@ MAX_DIFF_CHARS = 1 << 20
 #: Past :attr:`Consensus.max_diffs` diffs, a version is still a diff while the diffs
 #: add up to less than this share of the rollup's length.
 ROLLUP_SHARE = 1 / 8
+#: Diffs after a rollup before maintenance owes the next one (the default of
+#: Materialize's ``persist_rollup_threshold``, the seqnos between rollups).  Each
+#: rollup rewrites the whole state (tens of KB for a shard of a few hundred small
+#: batches) while a diff is a few hundred bytes to a few KB: at 32, rollups were more
+#: than half of the Postgres WAL a one-row append costs (``bench/bench_commit.py``'s
+#: WAL-by-source table); at 128 a fresh process's head read decodes up to 128 diffs more
+#: (see ``docs/scaling.md``).
+DEFAULT_MAX_DIFFS = 128
 
 
 T = TypeVar("T")
@@ -212,12 +227,15 @@ class Consensus(ShardRegistry):
             stash error, with exponential backoff; ``1`` means no retry.
         max_diffs: how many diff entries may follow a rollup before maintenance owes
             one (see the module docstring), once they add up to :data:`ROLLUP_SHARE`
-            of the rollup's length.  ``0`` writes every version as a rollup.
+            of the rollup's length (default :data:`DEFAULT_MAX_DIFFS`).  ``0`` writes
+            every version as a rollup.
 
     Thread-safe.
     """
 
-    def __init__(self, stash: Stash, *, retries: int = 4, max_diffs: int = 32) -> None:
+    def __init__(
+        self, stash: Stash, *, retries: int = 4, max_diffs: int = DEFAULT_MAX_DIFFS
+    ) -> None:
         if max_diffs < 0:
             raise InvalidUsage(f"max_diffs must be >= 0, got {max_diffs}")
         self.stash = stash
@@ -328,7 +346,8 @@ class Consensus(ShardRegistry):
         return {k: r.ms for k, r in rows.items()}
 
     def retired_entries(self, shard_id: str) -> tuple[int, dict[str, RetiredKey]]:
-        """The retired collection's upper and its rows by blob key.  The upper is read
+        """The retired collection's upper and its rows by blob key or inline part id
+        (the ids of one row each map to that row: :func:`persist.retired_keys.retired_ids`).  The upper is read
         first: if a state version whose ``retired_upper`` equals it is still the head
         when a transition commits, the rows were exactly these (what makes GC's
         "forget" idempotent)."""
@@ -346,7 +365,8 @@ class Consensus(ShardRegistry):
         for (k, v), n in acc.items():
             if n > 0:
                 r = parse_retired(k, v)
-                out[r.blob_key] = r
+                for key in retired_ids(r):  # a row may hold several inline part ids
+                    out[key] = r
         t = up.as_option()
         return (0 if t is None else t), out
 

@@ -74,11 +74,11 @@ from persist.consensus import (
     RetiredChange,
     VersionedData,
     VersionPlan,
-    retired_entry,
 )
 from persist.errors import ConsensusError, PersistError
 from persist.history_record import make_record
 from persist.ids import validate_shard_id
+from persist.retired_keys import retired_rows
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes
 from persist.state import ShardState, Stale
 from persist.types import HollowBatch
@@ -447,7 +447,7 @@ class ShardMachine:
             at = cache.state.seqno + 1
             retired = RetiredChange(
                 st.retired_upper,
-                {retired_entry(k, at): ms for k, ms in st.retire_adds.items()},
+                retired_rows(st.retire_adds, at),
                 dict(st.retire_removes),
             )
             st.retire_adds, st.retire_removes = {}, {}

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_HEAD = "0009"
+SCHEMA_HEAD = "0010"
 
 STASH_ENTRIES_VIEW = (
     "CREATE VIEW stash_entries AS "

@@ -349,6 +349,7 @@ def test_an_indeterminate_append_at_a_rollup_boundary_lands_once(
     with Stash.open(url, fenced=False) as inner:
         flaky = _Indeterminate(inner)
         client = PersistClient(flaky, MemoryBlob(), compaction="inline")  # type: ignore[arg-type]
+        client.consensus.max_diffs = 32  # the cadence the boundaries above are counted in
         w, r = client.open("adv", KS, VS)
         w.resolve_max_wait = 0.001
         m = client.machine(w.shard_id)
@@ -380,6 +381,7 @@ def test_txns_interleaved_with_appends_across_rollup_boundaries(shared_url: str)
     blob = MemoryBlob()
     clients = [PersistClient(s, blob, compaction="inline") for s in stashes]
     try:
+        clients[0].consensus.max_diffs = 32  # the cadence the boundaries are counted in
         clients[1].consensus.max_diffs = 0
         handles = [(c.open("a", KS, VS), c.open("b", KS, VS)) for c in clients]
         acked: Counter[tuple[str, str]] = Counter()
@@ -546,6 +548,8 @@ def test_txn_staged_plans_survive_a_lost_race_at_the_rollup(url: str) -> None:
         blob = MemoryBlob()  # one store: a shard records its store's identity
         c1 = PersistClient(s, blob, compaction="off")
         c2 = PersistClient(s, blob, compaction="off")
+        for c in (c1, c2):  # the cadence the 31st/32nd/33rd versions are counted in
+            c.consensus.max_diffs = 32
         w1, r1 = c1.open("a", KS, VS)
         c1.open("b", KS, VS)
         w2, _ = c2.open("a", KS, VS)

@@ -137,6 +137,32 @@ def test_appends_past_the_bound_write_no_rollup_row_maintenance_does(
         stash.close()
 
 
+def test_the_default_cadence_writes_a_rollup_every_128_diffs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default ``max_diffs`` (Materialize's rollup threshold, 128) a client
+    with maintenance writes no rollup over the first 128 one-row appends, and one soon
+    after: a rollup rewrites the whole state, so the cadence sets most of the database
+    log a small append costs.  Failed on the old code (a rollup every 32 diffs)."""
+    assert Consensus(None).max_diffs == 128  # type: ignore[arg-type]
+    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
+    client = PersistClient(stash, MemoryBlob(), compaction="inline")
+    writes = _Writes(monkeypatch)
+    try:
+        write, read = client.open("cadence", SCHEMA, pa.schema([]))
+        name = Consensus.log_name(write._machine.shard_id)
+        for i in range(140):
+            write.append(_row(i), i, i + 1)
+        rollups = [e.seqno for e in writes.shard_entries(with_history=False) if e.rollup]
+        assert rollups and min(rollups) > 128, rollups
+        assert len(rollups) == 1
+        assert sorted(r["k"] for r in read.snapshot(139).to_pylist()) == list(range(140))
+        assert logs.head(stash, name)[0].rollup
+    finally:
+        client.close()
+        stash.close()
+
+
 def test_a_rollup_changes_nothing_but_the_seqno(tmp_path: Path) -> None:
     stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
     try:

@@ -129,6 +129,77 @@ def test_postgres_data_is_jsonb(postgres_url: str) -> None:
     assert tuple(row) == ("orders", "x", 2)
 
 
+def test_postgres_log_entries_are_lz4_compressed(postgres_url: str) -> None:
+    """A long log entry (a rollup: JSON of base64 and hex that pglz gives up on) is
+    stored LZ4-compressed and reads back unchanged, as does one written before the
+    migration; the downgrade sets the column back to the default compression.  Failed
+    on the old code (stored uncompressed, ``pg_column_compression`` NULL)."""
+    import base64
+    import json
+    import random
+
+    from stash import logs
+    from stash.logs import LogEntry
+
+    engine = sa.create_engine(postgres_url)
+    try:
+        with engine.connect() as conn:
+            lz4 = conn.exec_driver_sql(
+                "SELECT 'lz4' = ANY(enumvals) FROM pg_settings"
+                " WHERE name = 'default_toast_compression'"
+            ).scalar()
+        if not lz4:
+            pytest.skip("this PostgreSQL server was built without LZ4")
+        rng = random.Random(7)
+
+        def rollup(n: int) -> str:
+            return json.dumps(
+                {
+                    f"trace/hollow_batches/{i}-{i + 1}": {
+                        "desc": {"lower": [i], "since": [0], "upper": [i + 1]},
+                        "inline": base64.b64encode(rng.randbytes(500)).decode(),
+                        "sha256": rng.randbytes(32).hex(),
+                    }
+                    for i in range(n)
+                },
+                sort_keys=True,
+            )
+
+        old, new = rollup(60), rollup(61)
+        upgrade(engine, "0009")  # an entry written before the migration reads after it
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text("INSERT INTO logs VALUES ('persist.shard.old', 0, true, :d)"), {"d": old}
+            )
+        upgrade(engine)
+        with Stash.open(postgres_url, fenced=False) as s:
+            logs.write(s, [LogEntry("persist.shard.new", None, 0, new, True)])
+            assert logs.head(s, "persist.shard.old")[0].data == old
+            assert logs.head(s, "persist.shard.new")[0].data == new
+        with engine.connect() as conn:
+            got = {
+                name: (method, smaller)
+                for name, method, smaller in conn.exec_driver_sql(
+                    "SELECT name, pg_column_compression(data), "
+                    "pg_column_size(data) < octet_length(data) FROM logs"
+                ).all()
+            }
+        assert got["persist.shard.new"] == ("lz4", True)
+        assert got["persist.shard.old"][0] != "lz4"
+        downgrade(engine, "0009")
+        with engine.connect() as conn:
+            att = conn.exec_driver_sql(
+                "SELECT attcompression FROM pg_attribute"
+                " WHERE attrelid = 'logs'::regclass AND attname = 'data'"
+            ).scalar()
+            data = conn.exec_driver_sql(
+                "SELECT data FROM logs WHERE name = 'persist.shard.new'"
+            ).scalar()
+        assert att in ("", "\\x00", None) and data == new
+    finally:
+        engine.dispose()
+
+
 def test_upgrade_from_0001_keeps_rows_gives_an_identity_and_takes_long_keys(
     db_url: str,
 ) -> None:

@@ -71,7 +71,6 @@ from persist.spine_levels import (
     level_for_len,
 )
 from persist.spine_merge import (
-    COMPACTION_MIN_INLINE_INPUTS,
     COMPACTION_MIN_INPUTS,
     COMPACTION_MIN_PARTS,
     COMPACTION_MIN_UPDATES,
@@ -87,7 +86,6 @@ from stash import Antichain
 
 __all__ = [
     "BATCHES_PER_LEVEL",
-    "COMPACTION_MIN_INLINE_INPUTS",
     "COMPACTION_MIN_INPUTS",
     "COMPACTION_MIN_PARTS",
     "COMPACTION_MIN_UPDATES",

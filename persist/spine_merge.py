@@ -23,7 +23,6 @@ from persist.types import Description, HollowBatch
 from stash import Antichain
 
 __all__ = [
-    "COMPACTION_MIN_INLINE_INPUTS",
     "COMPACTION_MIN_INPUTS",
     "COMPACTION_MIN_PARTS",
     "COMPACTION_MIN_UPDATES",
@@ -41,25 +40,12 @@ __all__ = [
 #: inputs (hollow batches), or its inputs this many parts, or this many updates.  Smaller
 #: requests are skipped: their fueled spine batch keeps listing its few hollow batches
 #: (the Spine's bookkeeping is unchanged) until a merge above it includes them, so the
-#: state stays O(log n) hollow batches (fewer than ``COMPACTION_MIN_INPUTS``, or
-#: ``COMPACTION_MIN_INLINE_INPUTS`` when all inline, per fueled batch below
-#: ``COMPACTION_MIN_UPDATES`` updates) while one-row appends do about one physical
-#: merge per ``COMPACTION_MIN_INLINE_INPUTS`` appends instead of one per append.
+#: state stays O(log n) hollow batches (fewer than ``COMPACTION_MIN_INPUTS`` per fueled
+#: batch below ``COMPACTION_MIN_UPDATES`` updates) while one-row appends do about one
+#: physical merge per ``COMPACTION_MIN_INPUTS`` appends instead of one per append.
 COMPACTION_MIN_INPUTS = 8
 COMPACTION_MIN_PARTS = 8
 COMPACTION_MIN_UPDATES = 1024
-#: The inputs (and parts) a request whose parts are all inline needs, in place of
-#: :data:`COMPACTION_MIN_INPUTS` and :data:`COMPACTION_MIN_PARTS` (its updates count as
-#: any request's).  An inline part costs a reader no blob fetch, only the decoding of a
-#: few rows (usually a cache hit), so more of them may wait; and a merge of one-row
-#: inline batches costs about the same whether it merges 8 or 16 (its fixed costs
-#: dominate: reading, consolidating and encoding a few rows, the compare-and-set that
-#: applies it).  One-row appends then do about one physical merge per 16 appends
-#: instead of per 8 (bench_commit's one-row SQLite append: compactor CPU about 0.29 ->
-#: 0.19 ms per append) for about 8 more hollow batches in the state (19 instead of 13
-#: on average over 512 appends with every merge answered at once, at most 35 instead of
-#: 22: still logarithmic, fewer than this many per fueled spine batch).
-COMPACTION_MIN_INLINE_INPUTS = 16
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -157,18 +143,13 @@ def merge_output_desc(req: FueledMergeReq, state_since: Antichain) -> Descriptio
 
 def worth_compacting(req: FueledMergeReq) -> bool:
     """Whether ``req`` passes the compaction heuristic (see :data:`COMPACTION_MIN_INPUTS`):
-    enough inputs, parts or updates that a physical merge pays for itself; a request
-    whose parts are all inline needs :data:`COMPACTION_MIN_INLINE_INPUTS` inputs or
-    parts."""
+    enough inputs, parts or updates that a physical merge pays for itself."""
     inputs = req.inputs
-    if sum(i.batch.len for i in inputs) >= COMPACTION_MIN_UPDATES:
+    if len(inputs) >= COMPACTION_MIN_INPUTS:
         return True
-    inline = all(p.inline is not None for i in inputs for p in i.batch.parts)
-    min_inputs = COMPACTION_MIN_INLINE_INPUTS if inline else COMPACTION_MIN_INPUTS
-    if len(inputs) >= min_inputs:
+    if sum(len(i.batch.parts) for i in inputs) >= COMPACTION_MIN_PARTS:
         return True
-    parts = sum(len(i.batch.parts) for i in inputs)
-    return parts >= (COMPACTION_MIN_INLINE_INPUTS if inline else COMPACTION_MIN_PARTS)
+    return sum(i.batch.len for i in inputs) >= COMPACTION_MIN_UPDATES
 
 
 class ApplyMergeResult(enum.Enum):

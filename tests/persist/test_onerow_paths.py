@@ -145,9 +145,7 @@ def test_time_range_gives_what_min_max_gives(times: list[int], chunks: int) -> N
 # ------------------------------------------------------------ compaction heuristic
 
 
-def _req(lens: list[int], parts: int = 1, inline: int = 0) -> FueledMergeReq:
-    """A request of one input per length, each of ``parts`` blob parts, the first
-    ``inline`` inputs of inline parts instead."""
+def _req(lens: list[int], parts: int = 1) -> FueledMergeReq:
     inputs = []
     lo = 0
     for n in lens:
@@ -156,8 +154,6 @@ def _req(lens: list[int], parts: int = 1, inline: int = 0) -> FueledMergeReq:
         )
         refs = tuple(
             PartRef(key=f"k{lo}-{j}", rows=1, encoded_size_bytes=1, checksum="0")
-            if lo >= inline
-            else PartRef(key=None, rows=1, encoded_size_bytes=1, checksum="0", inline=b"x")
             for j in range(parts)
         )
         inputs.append(IdHollowBatch(SpineId(lo, lo + 1), HollowBatch(d, refs, n)))
@@ -176,24 +172,6 @@ def test_worth_compacting_thresholds() -> None:
     assert not worth_compacting(_req([spine.COMPACTION_MIN_UPDATES // 2 - 1] * 2))
 
 
-def test_worth_compacting_waits_for_more_inline_inputs() -> None:
-    """A request of inline parts only (one-row appends) is answered from
-    ``COMPACTION_MIN_INLINE_INPUTS`` inputs or parts (its fixed costs dominate a merge
-    of a few rows); one blob part among them brings back the usual thresholds; enough
-    updates are always worth a merge."""
-    many = spine.COMPACTION_MIN_INLINE_INPUTS
-    assert many > spine.COMPACTION_MIN_INPUTS
-    assert not worth_compacting(_req([1] * spine.COMPACTION_MIN_INPUTS, inline=99))
-    assert not worth_compacting(_req([1] * (many - 1), inline=99))
-    assert worth_compacting(_req([1] * many, inline=99))
-    assert not worth_compacting(_req([1, 1], parts=many // 2 - 1, inline=99))
-    assert worth_compacting(_req([1, 1], parts=many // 2, inline=99))
-    mixed = spine.COMPACTION_MIN_INPUTS - 1
-    assert worth_compacting(_req([1] * spine.COMPACTION_MIN_INPUTS, inline=mixed))
-    assert worth_compacting(_req([spine.COMPACTION_MIN_UPDATES // 2] * 2, inline=99))
-    assert not worth_compacting(_req([spine.COMPACTION_MIN_UPDATES // 2 - 1] * 2, inline=99))
-
-
 ROW = pa.schema([("k", pa.int64())])
 
 
@@ -207,8 +185,8 @@ def test_one_row_appends_skip_small_merges_and_keep_the_state_small(
     client: PersistClient,
 ) -> None:
     """One-row appends with inline compaction do about one physical merge per
-    ``COMPACTION_MIN_INLINE_INPUTS`` appends (not one per append), the hollow batches
-    stay logarithmic in number, and every row reads back."""
+    ``COMPACTION_MIN_INPUTS`` appends (not one per append), the hollow batches stay
+    logarithmic in number, and every row reads back."""
     w, r = client.open("heur", ROW, pa.schema([]))
     n = 512
     most = 0
@@ -216,9 +194,9 @@ def test_one_row_appends_skip_small_merges_and_keep_the_state_small(
         w.compare_and_append(_row(i), i, i + 1)
         most = max(most, client.inspect("heur").trace.num_hollow_batches())
     done = client.compactor.totals.applied + client.compactor.totals.not_applied
-    assert 0 < done <= n // spine.COMPACTION_MIN_INLINE_INPUTS + 16
-    # Fewer than COMPACTION_MIN_INLINE_INPUTS hollow batches per spine batch below the
-    # updates threshold: a small multiple of the log2(n) of a fully compacted trace.
+    assert 0 < done <= n // spine.COMPACTION_MIN_INPUTS + 16
+    # Fewer than COMPACTION_MIN_INPUTS hollow batches per spine batch below the updates
+    # threshold: a small multiple of the log2(n) of a fully compacted trace.
     assert most <= 4 * n.bit_length()
     snap = r.snapshot(n - 1)
     assert sorted(snap.column("k").to_pylist()) == list(range(n))

@@ -210,6 +210,10 @@ def _single_time_run(batches: Sequence[HollowBatch]) -> bool:
     return len(times) == 1
 
 
+#: Tables of at most this many rows are advanced by :func:`_advance_and_filter` in Python.
+_FEW_ROWS = 32
+
+
 def _advance_and_filter(
     table: pa.Table, floors: list[int], rows: list[int], lower: int | None, upper: int | None
 ) -> pa.Table:
@@ -218,9 +222,22 @@ def _advance_and_filter(
         return table
     ti = table.schema.get_field_index(TIME)
     times = table.column(TIME)
-    mm = pc.min_max(times)
-    t_min, t_max = int(mm["min"].as_py()), int(mm["max"].as_py())
-    if t_min < max(floors):
+    if table.num_rows <= _FEW_ROWS:
+        # A few rows (a merge of one-row parts): the same in Python, without the
+        # pyarrow and numpy calls that cost microseconds each however small the input.
+        t_py = times.to_pylist()
+        t_min, t_max = min(t_py), max(t_py)
+        if t_min < max(floors) and sum(rows) == len(t_py):
+            row_floors = [f for f, n in zip(floors, rows, strict=True) for _ in range(n)]
+            if any(t < f for t, f in zip(t_py, row_floors, strict=True)):
+                t_py = [max(t, f) for t, f in zip(t_py, row_floors, strict=True)]
+                times = pa.chunked_array([pa.array(t_py, pa.int64())])
+                table = table.set_column(ti, table.schema.field(ti), times)
+                t_min, t_max = min(t_py), max(t_py)
+    else:
+        mm = pc.min_max(times)
+        t_min, t_max = int(mm["min"].as_py()), int(mm["max"].as_py())
+    if table.num_rows > _FEW_ROWS and t_min < max(floors):
         # Some time may lie below its batch's floor: advance them (row-aligned floors).
         floor_arr = np.repeat(np.asarray(floors, dtype=np.int64), np.asarray(rows, dtype=np.int64))
         if len(floor_arr) == table.num_rows:

@@ -37,9 +37,9 @@ contents are named too, and the shard keeps the records (:mod:`persist.landed`).
 
 from __future__ import annotations
 
-import array
 import functools
 import hashlib
+import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -81,14 +81,42 @@ def updates_fingerprint(expected: Antichain, new: Antichain, table: pa.Table) ->
     h.update(b"%d;" % table.num_rows)
     if table.num_rows:
         # The columns' names and types (not the schema's metadata).
-        text: str = table.schema.to_string(show_field_metadata=False, show_schema_metadata=False)
+        schema = table.schema
+        text: str = schema.to_string(show_field_metadata=False, show_schema_metadata=False)
         h.update(text.encode())
+        kinds = _schema_kinds(text, schema)
         # One chunk a column (no copy when there is one already); the offsets of its
         # arrays are read, not assumed zero.
         for batch in table.combine_chunks().to_batches():
-            for column in batch.columns:
-                _hash_column(h, column)
+            for column, kind in zip(batch.columns, kinds, strict=True):
+                _hash_column(h, column, kind)
     return UPDATES + h.hexdigest()[:32]
+
+
+#: :func:`_schema_kinds` by the schema's text (names and types): a writer fingerprints
+#: tables of one schema over and over.  Replaced whole, never mutated (threads).
+_KINDS: dict[str, tuple[tuple[int, int], ...]] = {}
+_KINDS_KEPT = 64
+
+
+def _schema_kinds(text: str, schema: pa.Schema) -> tuple[tuple[int, int], ...]:
+    """``(kind, byte width)`` of each column of ``schema`` (``text``, its names and
+    types, identifies it: a type's text names it exactly), the width ``0`` when the
+    kind reads no fixed width.
+
+    Raises:
+        TypeError: a column of a type a shard does not hold.
+    """
+    global _KINDS
+    got = _KINDS.get(text)
+    if got is None:
+        got = tuple(
+            (k, t.byte_width if k in (_FIXED, _FLOAT) else 0)
+            for t in schema.types
+            for k in (_kind(t),)
+        )
+        _KINDS = {**(_KINDS if len(_KINDS) < _KINDS_KEPT else {}), text: got}
+    return got
 
 
 # How :func:`_hash_column` reads the values of a type.
@@ -120,15 +148,22 @@ def _kind(t: pa.DataType) -> int:
     raise TypeError(f"no fingerprint of a column of type {t} (not a type a shard holds)")
 
 
-def _hash_column(h: hashlib._Hash, arr: pa.Array) -> None:
+def _hash_column(
+    h: hashlib._Hash, arr: pa.Array, kind_width: tuple[int, int] | None = None
+) -> None:
     """Feed ``h`` the values of ``arr``: its validity (one byte a row, when it has
     nulls), then its non-null values: fixed-width ones as their bytes (floats with
     every NaN as the one NaN), booleans one byte each, strings and binaries as their
     lengths and bytes.  Only the slots of the array are read: never its parent's
     bits, nor the bytes under a null slot (the array is compacted by
-    ``pyarrow.compute.drop_null``)."""
-    t = arr.type
-    kind = _kind(t)
+    ``pyarrow.compute.drop_null``). ``kind_width``: the column's
+    :func:`_schema_kinds` entry (looked up when not given)."""
+    if kind_width is None:
+        t = arr.type
+        kind = _kind(t)
+        w = t.byte_width if kind in (_FIXED, _FLOAT) else 0
+    else:
+        kind, w = kind_width
     if arr.null_count:
         h.update(b"N")
         h.update(pc.is_valid(arr).to_numpy(zero_copy_only=False).tobytes())
@@ -146,7 +181,6 @@ def _hash_column(h: hashlib._Hash, arr: pa.Array) -> None:
         data = arr.buffers()[1]
         if data is None or not n:
             return
-        w = t.byte_width
         raw = data.slice(arr.offset * w, n * w)
         if kind == _FLOAT and _has_nan(raw, w, n):
             values = np.frombuffer(raw, np.dtype(f"f{w}"))
@@ -156,6 +190,9 @@ def _hash_column(h: hashlib._Hash, arr: pa.Array) -> None:
 
 #: Up to this many values, NaNs are looked for in Python (cheaper than numpy's calls).
 _FEW = 16
+#: Native-order ``struct`` formats of ``n`` 32- or 64-bit integers (``array``'s and
+#: numpy's byte order), by letter and ``n <= _FEW + 1``.
+_STRUCTS = {c: [struct.Struct(f"={n}{c}") for n in range(_FEW + 2)] for c in "iq"}
 
 
 def _has_nan(raw: pa.Buffer, width: int, n: int) -> bool:
@@ -187,10 +224,9 @@ def _hash_var_width(h: hashlib._Hash, arr: pa.Array, width: type[np.signedintege
     _, offsets, data = arr.buffers()
     if n <= _FEW:  # the same bytes, without numpy's calls
         size = 4 if width is np.int32 else 8
-        view = memoryview(offsets)[off * size : (off + n + 1) * size]
-        own = (view.cast("i") if size == 4 else view.cast("q")).tolist()
+        own = _STRUCTS["i" if size == 4 else "q"][n + 1].unpack_from(offsets, off * size)
         first, last = own[0], own[-1]
-        h.update(array.array("q", [e - first for e in own]).tobytes())
+        h.update(_STRUCTS["q"][n + 1].pack(*[e - first for e in own]))
         if data is not None and last > first:
             h.update(data.slice(first, last - first))
         return

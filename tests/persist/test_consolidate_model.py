@@ -1,7 +1,8 @@
 """Protects: consolidation sums each (key, value, time) exactly, on every sort path.
 
 A property: consolidate equals a Counter model for chunked inputs of many
-types, on every sort path (arrow / packed codes / narrow codes), and both sort kinds."""
+types, on every sort path (arrow / packed codes / narrow codes / the Python path of
+small tables), and both sort kinds."""
 
 import math
 from collections import Counter
@@ -24,15 +25,17 @@ NAN = float("nan")
 
 @contextmanager
 def path(kind: str, sort_kind: str | None):
-    old = consolidation._CODES_MIN_ROWS, consolidation._WORD_BITS, consolidation._sort_kind
-    consolidation._CODES_MIN_ROWS = 10**12 if kind == "arrow" else 0
-    consolidation._WORD_BITS = 8 if kind == "narrow" else 64
+    c = consolidation
+    old = c._CODES_MIN_ROWS, c._WORD_BITS, c._sort_kind, c._SMALL_ROWS
+    c._CODES_MIN_ROWS = 10**12 if kind == "arrow" else 0
+    c._WORD_BITS = 8 if kind == "narrow" else 64
+    c._SMALL_ROWS = 10**12 if kind == "small" else 0  # the Python path at any size
     if sort_kind is not None:
-        consolidation._sort_kind = lambda w: sort_kind  # type: ignore[assignment]
+        c._sort_kind = lambda w: sort_kind  # type: ignore[assignment]
     try:
         yield
     finally:
-        consolidation._CODES_MIN_ROWS, consolidation._WORD_BITS, consolidation._sort_kind = old
+        c._CODES_MIN_ROWS, c._WORD_BITS, c._sort_kind, c._SMALL_ROWS = old
 
 
 def _norm(x):
@@ -115,7 +118,7 @@ def _model(table, since):
     rows=st.lists(row, min_size=0, max_size=60),
     cuts=st.lists(st.integers(0, 60), max_size=10),
     since=st.one_of(st.none(), st.integers(0, 5)),
-    kind=st.sampled_from(["arrow", "codes", "narrow"]),
+    kind=st.sampled_from(["arrow", "codes", "narrow", "small"]),
     sort_kind=st.sampled_from([None, "stable", "quicksort"]),
 )
 def test_consolidate_matches_model(rows, cuts, since, kind, sort_kind) -> None:

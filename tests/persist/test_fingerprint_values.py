@@ -352,3 +352,25 @@ def test_large_append_of_unknown_outcome_is_recognised_by_its_retry() -> None:
     finally:
         c.close()
         inner.close()
+
+
+def test_column_kinds_follow_each_schema() -> None:
+    """The reading of each column is looked up once per schema (by its names and
+    types): tables of schemas differing only in a column's type (same bytes under it)
+    get different fingerprints, each the one computed without the lookup, and a type a
+    shard does not hold is refused every time."""
+    from persist import fingerprint
+
+    ints = pa.table({"k": pa.array([1, 2], pa.int64()), "_time": [0, 0], "_diff": [1, 1]})
+    stamps = ints.set_column(0, "k", ints.column("k").cast(pa.timestamp("us")))
+    fps = set()
+    for t in (ints, stamps, ints, stamps):
+        fp = updates_fingerprint(E, N, t)
+        fingerprint._KINDS = {}  # the lookup made again
+        assert updates_fingerprint(E, N, t) == fp
+        fps.add(fp)
+    assert len(fps) == 2
+    nested = pa.table({"k": pa.array([[1]], pa.list_(pa.int64())), "_time": [0], "_diff": [1]})
+    for _ in range(2):
+        with pytest.raises(TypeError, match="list<item: int64>"):
+            updates_fingerprint(E, N, nested)

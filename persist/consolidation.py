@@ -402,6 +402,22 @@ def _codes_order(table: pa.Table, cols: Sequence[str]) -> tuple[np.ndarray, np.n
     return order, same
 
 
+def _row_values(table: pa.Table, at: int) -> dict[str, object]:
+    """Row ``at`` of ``table`` as Python values, to show in an error: a value Python
+    cannot hold (a duration, date or timestamp beyond ``datetime``'s range) is shown as
+    Arrow prints it, with its type (``"duration[s] 4611686018427387904"``), rather than
+    raising ``OverflowError`` in place of the error being reported."""
+    row: dict[str, object] = {}
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        cell = col.slice(at, 1)
+        try:
+            row[name] = cell.to_pylist()[0]
+        except (OverflowError, ValueError):
+            text = cell.to_string(skip_new_lines=True).strip().strip("[]").strip()
+            row[name] = f"{col.type} {text}"
+    return row
+
+
 def _py_values(col: pa.ChunkedArray) -> list[Any] | None:
     """The values of a sort column as Python objects that compare, through
     :func:`_small_keys`, in consolidation's order and equality: numbers, decimals,
@@ -683,7 +699,7 @@ def consolidate_order(
         sums = _sum_groups(diffs, starts)
     except _GroupOverflow as e:
         at = int(starts[e.index]) if order is None else int(order[starts[e.index]])
-        raise DiffOverflow(table.select(cols).slice(at, 1).to_pylist()[0]) from None
+        raise DiffOverflow(_row_values(table.select(cols), at)) from None
     keep = sums != 0
     rows = starts[keep] if order is None else order[starts[keep]]
     out = table.take(pa.array(rows, pa.int64()))

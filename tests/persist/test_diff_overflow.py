@@ -58,3 +58,24 @@ def test_one_append_whose_diffs_overflow_is_refused(client: PersistClient) -> No
         w.compare_and_append([upd("big", 7, 0, 2**62), upd("big", 7, 0, 2**62)], 0, 1)
     assert e.value.row == {"k": "big", "v": 7, "_time": 0}
     assert client.inspect("one").upper == Antichain.from_elem(0)
+
+
+def test_an_overflow_on_a_value_python_cannot_hold_still_names_the_row(
+    client: PersistClient,
+) -> None:
+    """A row whose key is a duration beyond ``timedelta``'s range: the error shows it
+    as Arrow prints it (it raised ``OverflowError`` while making the message)."""
+    ks = pa.schema([("k", pa.duration("s"))])
+    w, r = client.open("durations", ks, VS)
+    rows = pa.table(
+        {
+            "k": pa.array([2**62, 2**62], pa.duration("s")),
+            "v": [7, 7],
+            "_time": [0, 0],
+            "_diff": [2**62, 2**62],
+        }
+    )
+    with pytest.raises(DiffOverflow, match="'durations'") as e:
+        w.compare_and_append(rows, 0, 1)
+    assert e.value.row == {"k": f"duration[s] {2**62}", "v": 7, "_time": 0}
+    assert client.inspect("durations").upper == Antichain.from_elem(0)

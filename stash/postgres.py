@@ -22,14 +22,13 @@ Invariants kept here:
   :class:`~stash.errors.FenceError`; nothing a deposed handle writes after the fence
   commits.  Its read transactions check the epoch in their snapshot without locking
   (a lock would make every read write WAL and wait for an fsync at COMMIT).
-* **Writes in one round trip.** ``insert``, ``set_upper``, ``set_since`` and the
-  per-key ``consolidate`` of an append are buffered and sent at the end as one
-  statement per collection (data-modifying CTEs, which all see the statement's
-  snapshot), so a 1-entry fenced append is ``BEGIN``, the lock, the write, ``COMMIT``.
-  A one-key typed write (``upsert_key``) sends its reads ahead in one pipeline with the
-  ``BEGIN`` (:meth:`PgTxn.prefetch_key`: the lock by name, then the key's values and the
-  retention setting as later statements, so they see what the lock waited for): the
-  client waits three times, as for a SQLAlchemy Core upsert.  The statements live in
+* **Writes in one round trip.** An append's ``insert``, ``set_upper``, ``set_since`` and
+  per-key ``consolidate`` are buffered and sent at the end as one statement per
+  collection (data-modifying CTEs: one snapshot), so a 1-entry fenced append is
+  ``BEGIN``, the lock, the write, ``COMMIT``.  A one-key typed write (``upsert_key``)
+  sends its reads ahead with the ``BEGIN`` in one pipeline (:meth:`PgTxn.prefetch_key`:
+  the lock by name, then the key's values and the retention setting, which see what the
+  lock waited for): three waits, as a SQLAlchemy Core upsert.  The statements live in
   :mod:`stash.pg_statements`.
 * **Faults.** A connection lost before COMMIT makes the whole transaction run again on a
   new connection.  A connection lost *during* COMMIT is resolved by asking the server
@@ -543,27 +542,28 @@ class PgTxn(SqlTxn):
             self._ensure_fence()
         statement = _PG_LOG_INSERT_FENCED if fenced else _PG_LOG_INSERT
         curs: list[Any] = []
-        try:
-            with self.dbc.pipeline():
+        with self.dbc.pipeline() as pipeline:
+            try:
                 for e in entries:
                     params = {"n": e.name, "s": e.seqno, "r": e.rollup, "d": e.data}
                     params["e"] = e.expected
                     if fenced:
                         params["ep"], params["no"] = self.stash._epoch, self.stash._nonce
-                    cur = self.dbc.cursor()
+                    curs.append(cur := self.dbc.cursor())  # before it can fail
                     cur.execute(statement, params)
-                    curs.append(cur)
-        except psycopg.errors.UniqueViolation:
-            # The first statement that wrote no row lost its race (its log moved on
-            # while another's had not: a rollup writes no history record); else the
-            # failed one did (its fence held).  A fenced one that wrote no row may mean
-            # a moved fence, which the aborted transaction cannot check: the caller's
-            # retry meets it.
-            for i, cur in enumerate(curs):
-                res = cur.pgresult
-                if res is None or res.status != psycopg.pq.ExecStatus.TUPLES_OK or not res.ntuples:
-                    return i
-            return len(curs) - 1  # pragma: no cover - psycopg reports the failed one
+                pipeline.sync()
+            except psycopg.errors.UniqueViolation:  # here: out of the block, psycopg warns
+                # The first statement that wrote no row lost its race (its log moved on,
+                # not another's: a rollup writes no history record), else the failed one
+                # did; a moved fence, which an aborted transaction cannot check, meets
+                # the retry.
+                for i, c in enumerate(curs):
+                    res = c.pgresult
+                    if res is None or res.status != psycopg.pq.ExecStatus.TUPLES_OK:
+                        return i
+                    if not res.ntuples:
+                        return i
+                return len(curs) - 1  # pragma: no cover - psycopg reports the failed one
         for i, cur in enumerate(curs):
             row = cur.fetchone()
             if row is None:

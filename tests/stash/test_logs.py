@@ -7,6 +7,7 @@ racing writers on SQL backends never both win; the rows are readable through the
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import threading
 import time
@@ -378,7 +379,7 @@ def test_postgres_log_write_of_several_logs_is_one_pipeline(
 
 @pytest.mark.parametrize("backend", ["postgres"])
 def test_postgres_pipelined_write_losing_on_the_key_names_the_log(
-    open_stash: OpenStash, stash_url: str
+    open_stash: OpenStash, stash_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Under READ COMMITTED a concurrent writer of the same seqno makes the pipelined
     INSERT fail on the primary key once it commits: the log named is the one whose
@@ -397,10 +398,11 @@ def test_postgres_pipelined_write_losing_on_the_key_names_the_log(
             )
             timer = threading.Timer(0.3, c.commit)
             timer.start()
-            with pytest.raises(LogRaceLost) as ei:
+            with caplog.at_level(logging.WARNING), pytest.raises(LogRaceLost) as ei:
                 L.write(s, [_e("a", n, "mine"), _e("b", n, "mine")])
             timer.join()
         assert ei.value.collection == lost
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         if other == "b":  # keep the heads in step for the next round
             L.write(s, [_e("a", 0, "a1")])
     assert [r.data for r in L.scan(s, "a")] == ["a0", "a1", "other"]
@@ -410,7 +412,7 @@ def test_postgres_pipelined_write_losing_on_the_key_names_the_log(
 @pytest.mark.parametrize("backend", ["postgres"])
 @pytest.mark.parametrize("fenced", [True, False])
 def test_postgres_pipelined_write_names_the_first_log_that_lost(
-    open_stash: OpenStash, stash_url: str, fenced: bool
+    open_stash: OpenStash, stash_url: str, fenced: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The first log's head moved (its conditional INSERT writes no row) and the
     second's INSERT then fails on the key of a concurrent writer's row: the race is
@@ -429,9 +431,53 @@ def test_postgres_pipelined_write_names_the_first_log_that_lost(
         c.execute("INSERT INTO logs (name, seqno, rollup, data) VALUES ('b', 1, false, 'other')")
         timer = threading.Timer(0.3, c.commit)
         timer.start()
-        with pytest.raises(LogRaceLost) as ei:
+        with caplog.at_level(logging.WARNING), pytest.raises(LogRaceLost) as ei:
             L.write(s, [_e("a", 0, "mine"), _e("b", 0, "mine")])
         timer.join()
     assert ei.value.collection == "a"
+    # A lost race is routine: nothing logged (psycopg warned of the aborted pipeline).
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.data for r in L.scan(s, "a")] == ["a0", "a1"]
     assert [r.data for r in L.scan(s, "b")] == ["b0", "other"]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+def test_postgres_pipelined_write_losing_while_sending_logs_nothing(
+    open_stash: OpenStash,
+    stash_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first INSERT's key violation arrives while the second is being sent (psycopg
+    raises it inside the pipeline): the race is reported as lost, and nothing is logged.
+    Failed before: psycopg warned "error ignored terminating Pipeline ... pipeline
+    aborted" on every such lost race."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    s = open_stash(fenced=False)
+    L.write(s, [_e("a", None, "a0", True), _e("b", None, "b0", True)])
+    conninfo = make_url(stash_url).set(drivername="postgresql").render_as_string(False)
+    sent: list[str] = []
+    execute = psycopg.Cursor.execute
+
+    def slow_second(cur: psycopg.Cursor, query: object, *args: object, **kw: object) -> object:
+        if "INTO logs" in str(query) and cur.connection.info.dbname != "postgres":
+            sent.append(str(query))
+            if len(sent) == 2:
+                time.sleep(0.6)  # the first INSERT's violation has arrived meanwhile
+        return execute(cur, query, *args, **kw)  # type: ignore[arg-type]
+
+    with psycopg.connect(conninfo) as c:
+        c.execute("INSERT INTO logs (name, seqno, rollup, data) VALUES ('a', 1, false, 'other')")
+        timer = threading.Timer(0.2, c.commit)
+        timer.start()
+        monkeypatch.setattr(psycopg.Cursor, "execute", slow_second)
+        with caplog.at_level(logging.WARNING), pytest.raises(LogRaceLost) as ei:
+            L.write(s, [_e("a", 0, "mine"), _e("b", 0, "mine")])
+        monkeypatch.undo()
+        timer.join()
+    assert ei.value.collection == "a"
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.data for r in L.scan(s, "a")] == ["a0", "other"]
+    assert [r.data for r in L.scan(s, "b")] == ["b0"]

@@ -39,9 +39,11 @@ from persist.config import DEFAULT_TARGET_PART_BYTES
 from persist.consolidation import _take, consolidate, consolidate_order
 from persist.decoding import INLINE_CACHE, _part_name, decode_part
 from persist.encoding import (
+    EncodingPlan,
     encode_inline_part,
     encode_inline_part_stream,
     encode_part,
+    encoding_plan,
     make_part_ref,
 )
 from persist.errors import BlobError, CorruptPart, InvalidUsage
@@ -267,13 +269,27 @@ def write_parts(
             upload_failed.set()
         in_flight.release()
 
+    # One encoding plan for every part of the run, made from a sample of all its rows
+    # by the first encoding thread to need it (the others wait for it).
+    plans: list[EncodingPlan] = []
+    planning = threading.Lock()
+
+    def plan() -> EncodingPlan:
+        with planning:
+            if not plans:
+                plans.append(encoding_plan(table, order))
+            return plans[0]
+
     def encode(i: int) -> PartRef:
         if upload_failed.is_set():
             raise _UploadFailed
         piece = pieces[i]
         if order is not None:
             piece = _take(table, order[starts[i] : starts[i] + piece.num_rows])
-        data = whole if whole is not None and len(pieces) == 1 else encode_part(piece)
+        if whole is not None and len(pieces) == 1:
+            data = whole
+        else:
+            data = encode_part(piece, plan() if len(pieces) > 1 else None)
         ref = _with_samples(
             make_part_ref(keys[i], data, piece.num_rows, stats=table_stats(piece)),
             piece,

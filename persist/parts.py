@@ -290,11 +290,6 @@ def write_parts(
             data = whole
         else:
             data = encode_part(piece, plan() if len(pieces) > 1 else None)
-        ref = _with_samples(
-            make_part_ref(keys[i], data, piece.num_rows, stats=table_stats(piece)),
-            piece,
-            key_names,
-        )
         registration.run()
         in_flight.acquire()
         try:
@@ -304,7 +299,13 @@ def write_parts(
             raise
         upload.add_done_callback(done)
         uploads.append(upload)
-        return ref
+        # Described while it uploads (the last part's upload is a write and an fsync
+        # that the whole write waits for).
+        return _with_samples(
+            make_part_ref(keys[i], data, piece.num_rows, stats=table_stats(piece)),
+            piece,
+            key_names,
+        )
 
     tasks: list[Callable[[], PartRef]] = [partial(encode, i) for i in range(len(pieces))]
     results, error = run_all(tasks, max_workers)

@@ -798,6 +798,45 @@ def test_uploads_overlap_encoding_and_end_before_return(workers: int) -> None:
     assert read_parts(blob, refs).equals(t)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_part_uploads_while_it_is_described(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part's upload is handed to the upload pool as soon as it is encoded, before its
+    statistics, key samples and checksum are computed (they overlap the write and fsync
+    of its bytes); its ref still describes exactly the bytes uploaded."""
+    submitted: list[str] = []
+    described: list[int] = []
+    real_submit, real_stats = parts.submit_io, parts.table_stats
+    lock = threading.Lock()
+
+    def submit(fn: Any, key: str, data: bytes) -> Any:
+        with lock:
+            submitted.append(key)
+        return real_submit(fn, key, data)
+
+    def stats(table: pa.Table) -> Any:
+        with lock:
+            described.append(len(submitted))
+        return real_stats(table)
+
+    monkeypatch.setattr(parts, "submit_io", submit)
+    monkeypatch.setattr(parts, "table_stats", stats)
+    blob = MemoryBlob()
+    t = _sample(5000)
+    refs = write_parts(
+        blob, t, "s/b", target_part_bytes=10_000, inline_max_bytes=0, max_workers=workers
+    )
+    assert len(described) == len(refs) > 2
+    # The k-th part described (in any thread) had at least k uploads submitted before.
+    assert all(n >= k + 1 for k, n in enumerate(described))
+    for ref in refs:
+        assert ref.key is not None
+        data = blob.get(ref.key)
+        assert data is not None and ref == make_part_ref(ref.key, data, ref.rows, stats=ref.stats)
+    assert read_parts(blob, refs).equals(t)
+
+
 def test_no_part_is_encoded_after_an_upload_failed() -> None:
     blob = _SlowBlob(delay=0.01, fail_first=True)
     with pytest.raises(BlobError, match="first upload"):

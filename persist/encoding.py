@@ -61,13 +61,11 @@ ROW_GROUP_MIN_ROWS = 16_384
 # -------------------------------------------------------------------------- parts
 
 
-def _sample(table: pa.Table, order: np.ndarray | None = None) -> pa.Table:
-    """About :data:`_DICTIONARY_SAMPLE_ROWS` rows of ``table`` (or of
-    ``table.take(order)``), strided over all of it; the table itself when it is small."""
-    n = table.num_rows if order is None else len(order)
+def _sample(table: pa.Table) -> pa.Table:
+    """About :data:`_DICTIONARY_SAMPLE_ROWS` rows of ``table``, strided over all of it
+    (the table itself when it is small)."""
+    n = table.num_rows
     step = max(1, n // _DICTIONARY_SAMPLE_ROWS)
-    if order is not None:
-        return table.take(pa.array(order[::step], pa.int64()))
     if step == 1:
         return table
     return table.take(pa.array(np.arange(0, n, step, dtype=np.int64)))
@@ -95,10 +93,9 @@ def _integer_range_bits(col: pa.Array | pa.ChunkedArray) -> int | None:
     return int(hi - lo).bit_length()
 
 
-def _dictionary_columns(table: pa.Table, order: np.ndarray | None = None) -> list[str]:
+def _dictionary_columns(table: pa.Table) -> list[str]:
     """The columns worth dictionary-encoding, judged on a strided sample of
-    :data:`_DICTIONARY_SAMPLE_ROWS` rows of ``table`` (or of ``table.take(order)``,
-    :func:`_sample`): those with few distinct values (fewer than
+    :data:`_DICTIONARY_SAMPLE_ROWS` rows of ``table`` (:func:`_sample`): those with few distinct values (fewer than
     :data:`_DICTIONARY_MAX_DISTINCT` of the sample's rows; a column of mostly distinct
     values would fill a dictionary page and fall back to plain encoding, the dictionary
     work wasted: ~15% of encoding lineitem), unless it is integer-like
@@ -110,10 +107,9 @@ def _dictionary_columns(table: pa.Table, order: np.ndarray | None = None) -> lis
     ``hour`` and ``minute`` encode in 6.2 ms against 11.8, to 992 KB against 958 KB).
     Integers of a wide, sparse range (``distance``, ids, prices) keep their dictionary,
     whose indices are far narrower."""
-    n = table.num_rows if order is None else len(order)
-    if n <= _DICTIONARY_MIN_ROWS:
+    if table.num_rows <= _DICTIONARY_MIN_ROWS:
         return []
-    sample = _sample(table, order)
+    sample = _sample(table)
     limit = _DICTIONARY_MAX_DISTINCT * sample.num_rows
     dictionary: list[str] = []
     for name, col in zip(sample.column_names, sample.columns, strict=True):
@@ -151,10 +147,10 @@ class EncodingPlan(NamedTuple):
     compression: dict[str, str]
 
 
-def encoding_plan(table: pa.Table, order: np.ndarray | None = None) -> EncodingPlan:
-    """How :func:`encode_part` encodes the columns of ``table`` (or of
-    ``table.take(order)``, e.g. every part of one run: the plan is made once, from a
-    sample of all the rows, :func:`_dictionary_columns`):
+def encoding_plan(table: pa.Table) -> EncodingPlan:
+    """How :func:`encode_part` encodes the columns of ``table``, or of any table of its
+    rows in another order or cut into parts (every part of one run is encoded with the
+    plan of all its rows, made once: :func:`_dictionary_columns` judges a sample):
 
     * few distinct values: dictionary, LZ4; but integer-like columns whose values span
       about as few bits as a dictionary index: ``DELTA_BINARY_PACKED``, uncompressed;
@@ -165,7 +161,7 @@ def encoding_plan(table: pa.Table, order: np.ndarray | None = None) -> EncodingP
       decodes as fast;
     * the rest (floats, strings, binary, bool, wide decimals): plain, LZ4.
     """
-    dictionary = _dictionary_columns(table, order)
+    dictionary = _dictionary_columns(table)
     in_dict = set(dictionary)
     encoding: dict[str, str] = {}
     compression: dict[str, str] = {}

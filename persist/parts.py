@@ -269,15 +269,17 @@ def write_parts(
             upload_failed.set()
         in_flight.release()
 
-    # One encoding plan for every part of the run, made from a sample of all its rows
-    # by the first encoding thread to need it (the others wait for it).
+    # One encoding plan for every part of the run, made by the first encoding thread to
+    # need it (the others wait for it) from a strided sample of ``table``: its rows are
+    # the run's (``order`` only permutes them), read in their order at a fixed stride
+    # (a sample gathered through ``order`` reads them at random: a third more time).
     plans: list[EncodingPlan] = []
     planning = threading.Lock()
 
     def plan() -> EncodingPlan:
         with planning:
             if not plans:
-                plans.append(encoding_plan(table, order))
+                plans.append(encoding_plan(table))
             return plans[0]
 
     def encode(i: int) -> PartRef:

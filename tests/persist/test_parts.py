@@ -1030,10 +1030,11 @@ def test_write_read_under_random_blob_faults(tmp_path: Path, seed: int) -> None:
 
 def test_part_encoding_settings() -> None:
     """Blob parts: dictionaries only on columns with few distinct values, and only for
-    parts of more than a few rows, but not on integer-like columns whose values span
-    about as few bits as a dictionary index; the other integer-like columns
-    DELTA_BINARY_PACKED and uncompressed; everything else LZ4 (LZ4_RAW); decimals of
-    precision <= 18 as integers (as delta-rs and pyiceberg write them)."""
+    parts of more than a few rows, but not on integer-like columns of more than a
+    handful of values spanning about as few bits as a dictionary index; the other
+    integer-like columns DELTA_BINARY_PACKED and uncompressed; everything else LZ4
+    (LZ4_RAW); decimals of precision <= 18 as integers (as delta-rs and pyiceberg write
+    them)."""
     n = 20_000
     t = pa.table(
         {
@@ -1051,17 +1052,19 @@ def test_part_encoding_settings() -> None:
             "_diff": pa.array([1] * n, pa.int64()),
         }
     )
-    assert encoding._dictionary_columns(t) == ["few", "sparse"]
+    assert encoding._dictionary_columns(t) == ["few", "sparse", "_time", "_diff"]
     assert encoding._dictionary_columns(t.slice(0, 10)) == []
     data = encode_part(t)
     meta = pq.ParquetFile(pa.BufferReader(data)).metadata
     assert meta.schema.column(3).physical_type == "INT64"
     assert meta.schema.column(6).physical_type == "FIXED_LEN_BYTE_ARRAY"
     col = {meta.schema.column(i).name: meta.row_group(0).column(i) for i in range(9)}
-    delta = {"unique", "dec", "price", "_time", "_diff"}
+    delta = {"unique", "dec", "price"}
     for name, c in col.items():
         assert ("DELTA_BINARY_PACKED" in c.encodings) == (name in delta), name
-        assert ("RLE_DICTIONARY" in c.encodings) == (name in {"few", "sparse"}), name
+        assert ("RLE_DICTIONARY" in c.encodings) == (name in {"few", "sparse", "_time", "_diff"}), (
+            name
+        )
         assert c.compression == ("UNCOMPRESSED" if name in delta else "LZ4"), name
     assert decode_part(data, make_part_ref("k/p.parquet", data, n)).equals(t)
     # Few rows: no dictionaries, so every integer-like column is delta-encoded.
@@ -1092,21 +1095,23 @@ def test_integer_like_columns_of_a_dense_range_are_delta_encoded(
     """Few distinct integer-like values in a dense range (hours, minutes, codes) are
     delta-encoded rather than dictionary-encoded, whatever the integer storage (plain
     integers, temporal types, decimals); the same values spread over a wide range keep
-    their dictionary; both read back exactly, also by DuckDB (for the types it holds
-    exactly)."""
+    their dictionary, and so does a handful of values (months); all read back exactly,
+    also by DuckDB (for the types it holds exactly)."""
     n = 5_000
+    names = ("dense", "sparse", "handful")
     dense = [(i * 7919) % 60 for i in range(n)]  # 60 values, scattered: 6 bits either way
     sparse = [v << 24 for v in dense]  # the same 60 values over 2**30: dictionary
+    handful = [v % encoding._DICTIONARY_ALWAYS for v in dense]
     if pa.types.is_decimal(type_):
-        cols = [pa.array([v * step for v in xs], type_) for xs in (dense, sparse)]
+        cols = [pa.array([v * step for v in xs], type_) for xs in (dense, sparse, handful)]
     elif pa.types.is_integer(type_):
-        cols = [pa.array(xs, type_) for xs in (dense, sparse)]
+        cols = [pa.array(xs, type_) for xs in (dense, sparse, handful)]
     else:
         storage = pa.int32() if type_.bit_width == 32 else pa.int64()
-        cols = [pa.array(xs, storage).view(type_) for xs in (dense, sparse)]
-    t = pa.table({"dense": cols[0], "sparse": cols[1]})
+        cols = [pa.array(xs, storage).view(type_) for xs in (dense, sparse, handful)]
+    t = pa.table(dict(zip(names, cols, strict=True)))
     plan = encoding.encoding_plan(t)
-    assert plan.dictionary == ["sparse"]
+    assert plan.dictionary == ["sparse", "handful"]
     assert plan.encoding == {"dense": "DELTA_BINARY_PACKED"}
     data = encode_part(t, plan)
     assert decode_part(data, make_part_ref("k/p.parquet", data, n)).equals(t)
@@ -1115,7 +1120,7 @@ def test_integer_like_columns_of_a_dense_range_are_delta_encoded(
     path = tmp_path / "p.parquet"
     path.write_bytes(data)
     got = duckdb.sql("select * from read_parquet($p)", params={"p": str(path)}).to_arrow_table()
-    for name in ("dense", "sparse"):
+    for name in names:
         assert got.column(name).cast(type_).equals(t.column(name)), name
 
 

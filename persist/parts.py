@@ -49,7 +49,7 @@ from persist.encoding import (
 from persist.errors import BlobError, CorruptPart, InvalidUsage
 from persist.merge import key_samples
 from persist.pool import in_background, run_all, submit_io
-from persist.stats import table_stats
+from persist.stats import ColumnStats, table_stats
 from persist.types import PartRef
 from persist.updates import DIFF, TIME, SchemaHistory, to_updates_table, updates_schema
 
@@ -288,26 +288,37 @@ def write_parts(
         piece = pieces[i]
         if order is not None:
             piece = _take(table, order[starts[i] : starts[i] + piece.num_rows])
-        if whole is not None and len(pieces) == 1:
-            data = whole
-        else:
-            data = encode_part(piece, plan() if len(pieces) > 1 else None)
-        registration.run()
-        in_flight.acquire()
-        try:
-            upload = submit_io(blob.set, keys[i], data)
-        except BaseException:
-            in_flight.release()
-            raise
-        upload.add_done_callback(done)
-        uploads.append(upload)
-        # Described while it uploads (the last part's upload is a write and an fsync
-        # that the whole write waits for).
-        return _with_samples(
-            make_part_ref(keys[i], data, piece.num_rows, stats=table_stats(piece)),
-            piece,
-            key_names,
+        # Several parts: each one's statistics and key samples are found in the shared
+        # pool while it encodes, by a core the other encoding threads leave idle (the
+        # last part's encoding is what the write waits for).
+        describing = (
+            in_background(partial(_describe, piece, key_names)) if len(pieces) > 1 else None
         )
+        try:
+            if whole is not None and len(pieces) == 1:
+                data = whole
+            else:
+                data = encode_part(piece, plan() if len(pieces) > 1 else None)
+            registration.run()
+            in_flight.acquire()
+            try:
+                upload = submit_io(blob.set, keys[i], data)
+            except BaseException:
+                in_flight.release()
+                raise
+            upload.add_done_callback(done)
+            uploads.append(upload)
+            # Its checksum is computed while it uploads (the last part's upload is a
+            # write and an fsync that the whole write waits for).
+            ref = make_part_ref(keys[i], data, piece.num_rows)
+            stats, samples = (
+                _describe(piece, key_names) if describing is None else describing.result()
+            )
+        except BaseException:
+            if describing is not None:
+                describing.wait()  # no work of this call goes on after it
+            raise
+        return dataclasses.replace(ref, stats=stats, key_samples=samples)
 
     tasks: list[Callable[[], PartRef]] = [partial(encode, i) for i in range(len(pieces))]
     results, error = run_all(tasks, max_workers)
@@ -331,14 +342,20 @@ def write_parts(
     return [r for r in results if r is not None]
 
 
-def _with_samples(ref: PartRef, table: pa.Table, key_names: Sequence[str] | None) -> PartRef:
-    """``ref`` with the key samples of ``table`` (its sorted rows) when ``key_names``."""
+def _describe(
+    table: pa.Table, key_names: Sequence[str] | None
+) -> tuple[tuple[ColumnStats, ...], Any]:
+    """A part's statistics (:func:`persist.stats.table_stats`) and, with ``key_names``
+    (``table`` sorted by them), its key samples (:func:`persist.merge.key_samples`), or
+    ``None`` when a sampled value cannot go into the shard state (see
+    :func:`_fits_state`)."""
+    stats = table_stats(table)
     if key_names is None:
-        return ref
+        return stats, None
     samples = key_samples(table, key_names)
     if not all(_fits_state(v) for row in samples for v in row):
-        return ref  # no samples: key-range reads treat the part as unknown (one range)
-    return dataclasses.replace(ref, key_samples=samples)
+        return stats, None  # no samples: key-range reads treat the part as one range
+    return stats, samples
 
 
 #: Longest string (UTF-8 bytes) a key sample keeps in the shard state.

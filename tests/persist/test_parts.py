@@ -43,6 +43,7 @@ from persist.parts import (
     updates_schema,
     write_parts,
 )
+from persist.stats import table_stats
 
 KS = pa.schema([("k", pa.int64()), ("name", pa.string())])
 VS = pa.schema([("v", pa.float64())])
@@ -800,15 +801,15 @@ def test_uploads_overlap_encoding_and_end_before_return(workers: int) -> None:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_part_uploads_while_it_is_described(
+def test_a_part_uploads_while_its_checksum_is_computed(
     workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A part's upload is handed to the upload pool as soon as it is encoded, before its
-    statistics, key samples and checksum are computed (they overlap the write and fsync
-    of its bytes); its ref still describes exactly the bytes uploaded."""
+    checksum is computed (which overlaps the write and fsync of its bytes); its ref
+    still describes exactly the bytes uploaded, with the statistics of its rows."""
     submitted: list[str] = []
     described: list[int] = []
-    real_submit, real_stats = parts.submit_io, parts.table_stats
+    real_submit, real_ref = parts.submit_io, parts.make_part_ref
     lock = threading.Lock()
 
     def submit(fn: Any, key: str, data: bytes) -> Any:
@@ -816,13 +817,13 @@ def test_a_part_uploads_while_it_is_described(
             submitted.append(key)
         return real_submit(fn, key, data)
 
-    def stats(table: pa.Table) -> Any:
+    def ref(*args: Any, **kwargs: Any) -> Any:
         with lock:
             described.append(len(submitted))
-        return real_stats(table)
+        return real_ref(*args, **kwargs)
 
     monkeypatch.setattr(parts, "submit_io", submit)
-    monkeypatch.setattr(parts, "table_stats", stats)
+    monkeypatch.setattr(parts, "make_part_ref", ref)
     blob = MemoryBlob()
     t = _sample(5000)
     refs = write_parts(
@@ -831,10 +832,52 @@ def test_a_part_uploads_while_it_is_described(
     assert len(described) == len(refs) > 2
     # The k-th part described (in any thread) had at least k uploads submitted before.
     assert all(n >= k + 1 for k, n in enumerate(described))
-    for ref in refs:
-        assert ref.key is not None
-        data = blob.get(ref.key)
-        assert data is not None and ref == make_part_ref(ref.key, data, ref.rows, stats=ref.stats)
+    rows = 0
+    for r in refs:
+        assert r.key is not None
+        data = blob.get(r.key)
+        assert data is not None
+        assert r == real_ref(r.key, data, r.rows, stats=table_stats(t.slice(rows, r.rows)))
+        rows += r.rows
+    assert read_parts(blob, refs).equals(t)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_parts_of_a_run_are_described_while_they_encode(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With several parts, a part's statistics are computed in the shared pool while the
+    part encodes (a core the encoding threads leave idle takes them), not after its
+    encoding in the thread that encodes it."""
+    started: list[int] = []
+    during: list[bool] = []
+    encoded = [0]
+    real_encode, real_stats = parts.encode_part, parts.table_stats
+    lock = threading.Lock()
+    cond = threading.Condition(lock)
+
+    def stats(table: pa.Table) -> Any:
+        with cond:
+            started.append(table.num_rows)
+            cond.notify_all()
+        return real_stats(table)
+
+    def encode(table: pa.Table, plan: Any = None) -> bytes:
+        with cond:
+            encoded[0] += 1
+            want = encoded[0] if workers == 1 else 1
+            # This part's statistics start while it encodes.
+            during.append(cond.wait_for(lambda: len(started) >= want, timeout=2))
+        return real_encode(table, plan)
+
+    monkeypatch.setattr(parts, "encode_part", encode)
+    monkeypatch.setattr(parts, "table_stats", stats)
+    blob = MemoryBlob()
+    t = _sample(5000)
+    refs = write_parts(
+        blob, t, "s/b", target_part_bytes=20_000, inline_max_bytes=0, max_workers=workers
+    )
+    assert len(refs) > 2 and during and all(during)
     assert read_parts(blob, refs).equals(t)
 
 

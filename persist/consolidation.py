@@ -176,9 +176,17 @@ def _offset_codes(values: np.ndarray, valid: np.ndarray | None) -> tuple[np.ndar
 
 
 def _valid_mask(arr: pa.Array) -> np.ndarray | None:
+    """``arr``'s validity as a numpy bool array (``None``: no null), unpacked from its
+    bitmap by numpy (a tenth of the time of ``is_valid().to_numpy()``)."""
     if arr.null_count == 0:
         return None
-    return np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    bitmap = arr.buffers()[0]
+    assert bitmap is not None  # an array with nulls has a validity bitmap
+    off, n = arr.offset, len(arr)
+    first = off // 8
+    raw = np.frombuffer(bitmap, np.uint8, count=(off + n + 7) // 8 - first, offset=first)
+    bits = np.unpackbits(raw, bitorder="little")[off % 8 : off % 8 + n]
+    return bits.view(np.bool_)
 
 
 def _dense(codes: np.ndarray, size: int, n: int) -> tuple[np.ndarray, int]:
@@ -214,34 +222,48 @@ _NAN_KEY = np.uint64(0xFFF0000000000001)  # just above the key of +inf
 
 
 def _float_codes(arr: pa.Array) -> tuple[np.ndarray, int]:
-    """Codes of a float column: numbers < NaN < null; NaN == NaN; -0.0 == 0.0."""
+    """Codes of a float column: numbers < NaN < null; NaN == NaN; -0.0 == 0.0.
+
+    Read from the values buffer as it lies (what is under a null slot never reaches a
+    code); integral values within +-2**53 are coded as integers ``value - min``."""
     valid = _valid_mask(arr)
-    f = np.asarray(pc.fill_null(arr, 0).to_numpy(), dtype=np.float64)
-    nan = np.isnan(f)  # null rows were filled with 0, so nan rows are valid
-    any_nan = bool(nan.any())
+    n = len(arr)
+    data = arr.buffers()[1]
+    assert data is not None
+    width = arr.type.byte_width
+    raw = np.frombuffer(data, np.dtype(f"f{width}"), count=n, offset=arr.offset * width)
+    f = raw.astype(np.float64) if width != 8 else raw
+    nan = np.isnan(f)  # also under null slots: masked by ``valid`` below
     num = ~nan if valid is None else (~nan & valid)
-    nums = f[num]
-    if np.all(np.abs(nums) <= 2.0**53) and np.array_equal(np.floor(nums), nums):
-        # Integral values: code them as integers (-0.0 and 0.0 both become 0).
-        if len(nums):
-            imin, imax = int(nums.min()), int(nums.max())
-        else:
-            imin = imax = 0
-        top = imax - imin
-        ints = np.where(num, f, 0.0).astype(np.int64)  # exact: |value| <= 2**53
-        codes = (ints - np.int64(imin)).view(np.uint64)
-        size = top + 1
-        if any_nan:
-            codes[nan] = np.uint64(size)
-            size += 1
-        if valid is not None:
-            codes[~valid] = np.uint64(size)
-            size += 1
-        return codes, size
+    every = bool(num.all())
+    if every:
+        g = f
+    elif num.any():
+        g = np.where(num, f, f[int(np.argmax(num))])  # the rest filled with a number
+    else:
+        g = np.zeros(n, dtype=np.float64)  # no number at all
+    lo, hi = (float(g.min()), float(g.max())) if n else (0.0, 0.0)
+    if -(2.0**53) <= lo and hi <= 2.0**53:
+        ints = g.astype(np.int64)  # exact for integral values: |value| <= 2**53
+        if np.array_equal(ints, g):
+            # Integral values: code them as integers (-0.0 and 0.0 both become 0).
+            imin = int(lo)
+            top = int(hi) - imin
+            codes = (ints - np.int64(imin)).view(np.uint64)
+            size = top + 1
+            nan_rows = nan if valid is None else (nan & valid)
+            if nan_rows.any():
+                codes[nan_rows] = np.uint64(size)
+                size += 1
+            if valid is not None:
+                codes[~valid] = np.uint64(size)
+                size += 1
+            return codes, size
     # General floats: IEEE-754 bits made order-preserving; NaN just above +inf.
+    f = np.where(valid, f, 0.0) if valid is not None else f
     bits = (f + 0.0).view(np.int64)  # + 0.0 turns -0.0 into 0.0
     key = np.where(bits < 0, ~bits, bits | np.int64(-(2**63))).view(np.uint64)
-    key[nan] = _NAN_KEY
+    key[nan if valid is None else (nan & valid)] = _NAN_KEY
     res = _offset_codes(key, valid)
     assert res is not None  # keys span less than 2**64 - 2**52
     return _dense(res[0], res[1], len(f))

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -50,6 +51,9 @@ _DICTIONARY_SAMPLE_ROWS = 8192
 #: A column is dictionary-encoded when its sample has fewer distinct values than this
 #: fraction of the sample's rows.
 _DICTIONARY_MAX_DISTINCT = 0.3
+#: Integer-like columns whose sample has at most this many distinct values keep their
+#: dictionary whatever their range (see :func:`_dictionary_columns`).
+_DICTIONARY_ALWAYS = 16
 #: Tables up to this many in-memory bytes are encoded whole first (as one part if it fits).
 
 #: A part is written as about this many Parquet row groups ...
@@ -60,22 +64,74 @@ ROW_GROUP_MIN_ROWS = 16_384
 # -------------------------------------------------------------------------- parts
 
 
-def _dictionary_columns(table: pa.Table) -> list[str]:
-    """The columns worth dictionary-encoding: those with few distinct values (under
-    ``_DICTIONARY_MAX_DISTINCT`` of a strided sample of ``_DICTIONARY_SAMPLE_ROWS`` rows).
-    A column of mostly distinct values would fill a dictionary page and fall back to
-    plain encoding, the dictionary work wasted (~15% of encoding lineitem)."""
+def _sample(table: pa.Table) -> pa.Table:
+    """About :data:`_DICTIONARY_SAMPLE_ROWS` rows of ``table``, strided over all of it
+    (the table itself when it is small)."""
     n = table.num_rows
-    if n <= _DICTIONARY_MIN_ROWS:
-        return []
     step = max(1, n // _DICTIONARY_SAMPLE_ROWS)
-    sample = table.take(pa.array(np.arange(0, n, step, dtype=np.int64))) if step > 1 else table
+    if step == 1:
+        return table
+    return table.take(pa.array(np.arange(0, n, step, dtype=np.int64)))
+
+
+def _integer_range_bits(col: pa.Array | pa.ChunkedArray) -> int | None:
+    """Bits of ``max - min`` over the integer values Parquet stores for an integer-like
+    column (:func:`_is_integer_physical`: integers, temporal types by their storage,
+    decimals scaled to integers); ``None`` when it has no non-null value."""
+    t = col.type
+    if pa.types.is_decimal(t):
+        mm = pc.min_max(col)
+        lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        if lo is None or hi is None:
+            return None
+        return int((hi - lo).scaleb(t.scale)).bit_length()
+    if not pa.types.is_integer(t):
+        storage = pa.int32() if t.bit_width == 32 else pa.int64()
+        chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+        col = pa.chunked_array([c.view(storage) for c in chunks], storage)
+    mm = pc.min_max(col)
+    lo, hi = mm["min"].as_py(), mm["max"].as_py()
+    if lo is None or hi is None:
+        return None
+    return int(hi - lo).bit_length()
+
+
+def _dictionary_columns(table: pa.Table) -> list[str]:
+    """The columns worth dictionary-encoding, judged on a strided sample of
+    :data:`_DICTIONARY_SAMPLE_ROWS` rows of ``table`` (:func:`_sample`): those with few
+    distinct values (fewer than :data:`_DICTIONARY_MAX_DISTINCT` of the sample's rows; a
+    column of mostly distinct values would fill a dictionary page and fall back to plain
+    encoding, the dictionary work wasted: ~15% of encoding lineitem).
+
+    But an integer-like column (:func:`_is_integer_physical`) of more than
+    :data:`_DICTIONARY_ALWAYS` distinct values whose sample's values span at most one bit
+    more than a dictionary index
+    (``(max - min).bit_length() <= (distinct - 1).bit_length() + 1``) is left to
+    ``DELTA_BINARY_PACKED``: its codes are about as narrow (a delta of two values in the range fits in the range's bits, plus a sign) and
+    they encode faster than the dictionary's hashing. A handful of values (flags, months,
+    a constant ``_time`` or ``_diff``) keeps its dictionary: runs of narrow indices
+    encode as fast and decode faster. Integers of a wide, sparse range (``distance``,
+    ids, prices) keep theirs too: their indices are far narrower than their deltas.
+    Measured against dictionaries for every such column: half of flights, sorted,
+    encodes in 44.1 ms instead of 48.4 and decodes in 19.6 instead of 20.3, 0.7% larger; a
+    300,000-row lineitem part encodes in 85.8 ms instead of 92.4 and decodes in 35.9
+    instead of 35.5, 2% smaller."""
+    if table.num_rows <= _DICTIONARY_MIN_ROWS:
+        return []
+    sample = _sample(table)
     limit = _DICTIONARY_MAX_DISTINCT * sample.num_rows
-    return [
-        name
-        for name, col in zip(sample.column_names, sample.columns, strict=True)
-        if pc.count_distinct(col, mode="all").as_py() < limit
-    ]
+    dictionary: list[str] = []
+    for name, col in zip(sample.column_names, sample.columns, strict=True):
+        distinct = pc.count_distinct(col, mode="all").as_py()
+        if distinct >= limit:
+            continue
+        if _is_integer_physical(col.type):
+            bits = _integer_range_bits(col)
+            narrow = bits is None or bits <= (distinct - 1).bit_length() + 1
+            if distinct > _DICTIONARY_ALWAYS and narrow:
+                continue  # delta-encoded (encoding_plan)
+        dictionary.append(name)
+    return dictionary
 
 
 def _is_integer_physical(t: pa.DataType) -> bool:
@@ -92,11 +148,23 @@ def _is_integer_physical(t: pa.DataType) -> bool:
 _CODEC = "lz4"
 
 
-def _encoding_plan(table: pa.Table) -> tuple[list[str], dict[str, str], dict[str, str]]:
-    """How :func:`encode_part` encodes each column: ``(dictionary columns,
-    column_encoding, compression)``.
+class EncodingPlan(NamedTuple):
+    """How :func:`encode_part` encodes each column (:func:`encoding_plan`): the
+    dictionary-encoded columns, ``column_encoding`` and ``compression`` by column."""
 
-    * few distinct values (:func:`_dictionary_columns`): dictionary, LZ4;
+    dictionary: list[str]
+    encoding: dict[str, str]
+    compression: dict[str, str]
+
+
+def encoding_plan(table: pa.Table) -> EncodingPlan:
+    """How :func:`encode_part` encodes the columns of ``table``, or of any table of its
+    rows in another order or cut into parts (every part of one run is encoded with the
+    plan of all its rows, made once: :func:`_dictionary_columns` judges a sample):
+
+    * few distinct values: dictionary, LZ4; but integer-like columns of more than a
+      handful of values spanning about as few bits as a dictionary index:
+      ``DELTA_BINARY_PACKED``, uncompressed;
     * other integer-like columns (:func:`_is_integer_physical`): ``DELTA_BINARY_PACKED``,
       uncompressed. Deltas of sorted or clustered integers pack into a few bits; on
       lineitem parts this was smaller than LZ4 over plain values and 2-3x faster to
@@ -114,16 +182,18 @@ def _encoding_plan(table: pa.Table) -> tuple[list[str], dict[str, str], dict[str
             compression[f.name] = "none"
         else:
             compression[f.name] = _CODEC
-    return dictionary, encoding, compression
+    return EncodingPlan(dictionary, encoding, compression)
 
 
-def encode_part(table: pa.Table) -> bytes:
-    """Encode one part as Parquet bytes.
+def encode_part(table: pa.Table, plan: EncodingPlan | None = None) -> bytes:
+    """Encode one part as Parquet bytes, as ``plan`` says (by default
+    :func:`encoding_plan` of ``table``; parts of at most :data:`_DICTIONARY_MIN_ROWS` rows
+    never have dictionaries).
 
-    Settings chosen for speed and size (:func:`_encoding_plan`): dictionaries for the
-    columns with few distinct values, ``DELTA_BINARY_PACKED`` for the other integer-like
-    columns, LZ4 (``LZ4_RAW``) for everything but delta-encoded columns; statistics
-    only for ``_time`` (min/max time of the part); decimals of precision up to 18 stored
+    Settings chosen for speed and size (:func:`encoding_plan`): dictionaries for the
+    columns with few distinct values (but integers of a dense range),
+    ``DELTA_BINARY_PACKED`` for the other integer-like columns, LZ4 (``LZ4_RAW``)
+    for everything but delta-encoded columns; statistics only for ``_time`` (min/max time of the part); decimals of precision up to 18 stored
     as integers; about :data:`ROW_GROUPS_PER_PART` row groups (of at least
     :data:`ROW_GROUP_MIN_ROWS` rows) so that key-range reads can skip some; the Arrow schema stored
     so that types such as ``large_string`` or time zones round-trip.
@@ -133,7 +203,9 @@ def encode_part(table: pa.Table) -> bytes:
     """
     sink = pa.BufferOutputStream()
     stats: bool | list[str] = [TIME] if TIME in table.column_names else False
-    dictionary, encoding, compression = _encoding_plan(table)
+    dictionary, encoding, compression = encoding_plan(table) if plan is None else plan
+    if dictionary and table.num_rows <= _DICTIONARY_MIN_ROWS:
+        dictionary = []
     try:
         pq.write_table(
             table,

@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from persist.errors import InvalidUsage
 from persist.lease_state import TOKEN_SEP
@@ -166,7 +165,7 @@ def _hash_column(
         kind, w = kind_width
     if arr.null_count:
         h.update(b"N")
-        h.update(pc.is_valid(arr).to_numpy(zero_copy_only=False).tobytes())
+        h.update(_validity_bytes(arr))
         arr = arr.drop_null()
     else:
         h.update(b"A")
@@ -186,6 +185,19 @@ def _hash_column(
             values = np.frombuffer(raw, np.dtype(f"f{w}"))
             raw = np.where(np.isnan(values), np.nan, values).astype(values.dtype).tobytes()
         h.update(raw)
+
+
+def _validity_bytes(arr: pa.Array) -> bytes:
+    """One byte a slot of ``arr`` (which has nulls, so a validity bitmap): 1 valid, 0
+    null; the bytes of ``pyarrow.compute.is_valid(arr)`` as a numpy bool array, unpacked from the
+    bitmap by numpy (a sixteenth of the time for 336,776 rows)."""
+    bitmap = arr.buffers()[0]
+    assert bitmap is not None  # an array with nulls has a validity bitmap
+    off, n = arr.offset, len(arr)
+    first = off // 8
+    raw = np.frombuffer(bitmap, np.uint8, count=(off + n + 7) // 8 - first, offset=first)
+    bits = np.unpackbits(raw, bitorder="little")
+    return bits[off % 8 : off % 8 + n].tobytes()
 
 
 #: Up to this many values, NaNs are looked for in Python (cheaper than numpy's calls).

@@ -39,15 +39,17 @@ from persist.config import DEFAULT_TARGET_PART_BYTES
 from persist.consolidation import _take, consolidate, consolidate_order
 from persist.decoding import INLINE_CACHE, _part_name, decode_part
 from persist.encoding import (
+    EncodingPlan,
     encode_inline_part,
     encode_inline_part_stream,
     encode_part,
+    encoding_plan,
     make_part_ref,
 )
 from persist.errors import BlobError, CorruptPart, InvalidUsage
 from persist.merge import key_samples
 from persist.pool import in_background, run_all, submit_io
-from persist.stats import table_stats
+from persist.stats import ColumnStats, table_stats
 from persist.types import PartRef
 from persist.updates import DIFF, TIME, SchemaHistory, to_updates_table, updates_schema
 
@@ -267,28 +269,56 @@ def write_parts(
             upload_failed.set()
         in_flight.release()
 
+    # One encoding plan for every part of the run, made by the first encoding thread to
+    # need it (the others wait for it) from a strided sample of ``table``: its rows are
+    # the run's (``order`` only permutes them), read in their order at a fixed stride
+    # (a sample gathered through ``order`` reads them at random: a third more time).
+    plans: list[EncodingPlan] = []
+    planning = threading.Lock()
+
+    def plan() -> EncodingPlan:
+        with planning:
+            if not plans:
+                plans.append(encoding_plan(table))
+            return plans[0]
+
     def encode(i: int) -> PartRef:
         if upload_failed.is_set():
             raise _UploadFailed
         piece = pieces[i]
         if order is not None:
             piece = _take(table, order[starts[i] : starts[i] + piece.num_rows])
-        data = whole if whole is not None and len(pieces) == 1 else encode_part(piece)
-        ref = _with_samples(
-            make_part_ref(keys[i], data, piece.num_rows, stats=table_stats(piece)),
-            piece,
-            key_names,
+        # Several parts: each one's statistics and key samples are found in the shared
+        # pool while it encodes, by a core the other encoding threads leave idle (the
+        # last part's encoding is what the write waits for).
+        describing = (
+            in_background(partial(_describe, piece, key_names)) if len(pieces) > 1 else None
         )
-        registration.run()
-        in_flight.acquire()
         try:
-            upload = submit_io(blob.set, keys[i], data)
+            if whole is not None and len(pieces) == 1:
+                data = whole
+            else:
+                data = encode_part(piece, plan() if len(pieces) > 1 else None)
+            registration.run()
+            in_flight.acquire()
+            try:
+                upload = submit_io(blob.set, keys[i], data)
+            except BaseException:
+                in_flight.release()
+                raise
+            upload.add_done_callback(done)
+            uploads.append(upload)
+            # Its checksum is computed while it uploads (the last part's upload is a
+            # write and an fsync that the whole write waits for).
+            ref = make_part_ref(keys[i], data, piece.num_rows)
+            stats, samples = (
+                _describe(piece, key_names) if describing is None else describing.result()
+            )
         except BaseException:
-            in_flight.release()
+            if describing is not None:
+                describing.wait()  # no work of this call goes on after it
             raise
-        upload.add_done_callback(done)
-        uploads.append(upload)
-        return ref
+        return dataclasses.replace(ref, stats=stats, key_samples=samples)
 
     tasks: list[Callable[[], PartRef]] = [partial(encode, i) for i in range(len(pieces))]
     results, error = run_all(tasks, max_workers)
@@ -312,14 +342,20 @@ def write_parts(
     return [r for r in results if r is not None]
 
 
-def _with_samples(ref: PartRef, table: pa.Table, key_names: Sequence[str] | None) -> PartRef:
-    """``ref`` with the key samples of ``table`` (its sorted rows) when ``key_names``."""
+def _describe(
+    table: pa.Table, key_names: Sequence[str] | None
+) -> tuple[tuple[ColumnStats, ...], Any]:
+    """A part's statistics (:func:`persist.stats.table_stats`) and, with ``key_names``
+    (``table`` sorted by them), its key samples (:func:`persist.merge.key_samples`), or
+    ``None`` when a sampled value cannot go into the shard state (see
+    :func:`_fits_state`)."""
+    stats = table_stats(table)
     if key_names is None:
-        return ref
+        return stats, None
     samples = key_samples(table, key_names)
     if not all(_fits_state(v) for row in samples for v in row):
-        return ref  # no samples: key-range reads treat the part as unknown (one range)
-    return dataclasses.replace(ref, key_samples=samples)
+        return stats, None  # no samples: key-range reads treat the part as one range
+    return stats, samples
 
 
 #: Longest string (UTF-8 bytes) a key sample keeps in the shard state.

@@ -155,3 +155,31 @@ def test_many_small_chunks_large() -> None:
         a = consolidate(chunked, ["k"], [], 1)
     b = consolidate(t, ["k"], [], 1)
     assert a.equals(b)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    values=st.lists(floats, min_size=1, max_size=40),
+    under=st.lists(st.sampled_from([NAN, math.inf, -0.0, 7.25, 2.0**60]), min_size=40, max_size=40),
+    prefix=st.integers(0, 9),
+    typ=st.sampled_from([pa.float64(), pa.float32()]),
+)
+def test_float_codes_follow_the_order_whatever_lies_under_nulls(values, under, prefix, typ):
+    """The sort codes of a float column (read from its values buffer as it lies) order
+    and equate its values as consolidation does (numbers < NaN < null, NaN == NaN,
+    -0.0 == 0.0), also for a slice at an offset with any bytes under its null slots (NaN,
+    infinities, non-integral or huge values there never reach a code)."""
+    n = len(values)
+    filled = [under[i] if v is None else v for i, v in enumerate(values)]
+    plain = pa.array(values, typ)
+    validity = pa.array([1.0] * prefix + values, typ).buffers()[0]
+    data = pa.array([1.5] * prefix + filled, typ).buffers()[1]
+    laid = pa.Array.from_buffers(typ, prefix + n, [validity, data], null_count=-1).slice(prefix)
+    codes, size = consolidation._float_codes(laid)
+    assert np.array_equal(codes, consolidation._float_codes(plain)[0])
+    assert len(codes) == n and int(codes.max()) < size
+    want = [_okey(_norm(v)) for v in plain.to_pylist()]  # the values as stored
+    for i in range(n):
+        for j in range(n):
+            assert (codes[i] < codes[j]) == (want[i] < want[j])
+            assert (codes[i] == codes[j]) == (want[i] == want[j])

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -374,3 +375,17 @@ def test_column_kinds_follow_each_schema() -> None:
     for _ in range(2):
         with pytest.raises(TypeError, match="list<item: int64>"):
             updates_fingerprint(E, N, nested)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=80), st.integers(0, 40), st.integers(0, 40))
+def test_validity_bytes_are_those_of_is_valid(valid: list[bool], start: int, cut: int) -> None:
+    """The validity bytes hashed for a column with nulls (unpacked from its bitmap by
+    numpy) are those of ``pyarrow.compute.is_valid`` as numpy booleans, for slices at
+    any bit offset."""
+    arr = pa.array([i if v else None for i, v in enumerate(valid)], pa.int64())
+    arr = arr.slice(min(start, len(valid) - 1), cut)
+    if arr.null_count == 0:
+        return
+    want = pc.is_valid(arr).to_numpy(zero_copy_only=False).tobytes()
+    assert fingerprint._validity_bytes(arr) == want

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,6 +43,7 @@ from persist.parts import (
     updates_schema,
     write_parts,
 )
+from persist.stats import table_stats
 
 KS = pa.schema([("k", pa.int64()), ("name", pa.string())])
 VS = pa.schema([("v", pa.float64())])
@@ -798,6 +800,87 @@ def test_uploads_overlap_encoding_and_end_before_return(workers: int) -> None:
     assert read_parts(blob, refs).equals(t)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_part_uploads_while_its_checksum_is_computed(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part's upload is handed to the upload pool as soon as it is encoded, before its
+    checksum is computed (which overlaps the write and fsync of its bytes); its ref
+    still describes exactly the bytes uploaded, with the statistics of its rows."""
+    submitted: list[str] = []
+    described: list[int] = []
+    real_submit, real_ref = parts.submit_io, parts.make_part_ref
+    lock = threading.Lock()
+
+    def submit(fn: Any, key: str, data: bytes) -> Any:
+        with lock:
+            submitted.append(key)
+        return real_submit(fn, key, data)
+
+    def ref(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            described.append(len(submitted))
+        return real_ref(*args, **kwargs)
+
+    monkeypatch.setattr(parts, "submit_io", submit)
+    monkeypatch.setattr(parts, "make_part_ref", ref)
+    blob = MemoryBlob()
+    t = _sample(5000)
+    refs = write_parts(
+        blob, t, "s/b", target_part_bytes=10_000, inline_max_bytes=0, max_workers=workers
+    )
+    assert len(described) == len(refs) > 2
+    # The k-th part described (in any thread) had at least k uploads submitted before.
+    assert all(n >= k + 1 for k, n in enumerate(described))
+    rows = 0
+    for r in refs:
+        assert r.key is not None
+        data = blob.get(r.key)
+        assert data is not None
+        assert r == real_ref(r.key, data, r.rows, stats=table_stats(t.slice(rows, r.rows)))
+        rows += r.rows
+    assert read_parts(blob, refs).equals(t)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_parts_of_a_run_are_described_while_they_encode(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With several parts, a part's statistics are computed in the shared pool while the
+    part encodes (a core the encoding threads leave idle takes them), not after its
+    encoding in the thread that encodes it."""
+    started: list[int] = []
+    during: list[bool] = []
+    encoded = [0]
+    real_encode, real_stats = parts.encode_part, parts.table_stats
+    lock = threading.Lock()
+    cond = threading.Condition(lock)
+
+    def stats(table: pa.Table) -> Any:
+        with cond:
+            started.append(table.num_rows)
+            cond.notify_all()
+        return real_stats(table)
+
+    def encode(table: pa.Table, plan: Any = None) -> bytes:
+        with cond:
+            encoded[0] += 1
+            want = encoded[0] if workers == 1 else 1
+            # This part's statistics start while it encodes.
+            during.append(cond.wait_for(lambda: len(started) >= want, timeout=2))
+        return real_encode(table, plan)
+
+    monkeypatch.setattr(parts, "encode_part", encode)
+    monkeypatch.setattr(parts, "table_stats", stats)
+    blob = MemoryBlob()
+    t = _sample(5000)
+    refs = write_parts(
+        blob, t, "s/b", target_part_bytes=20_000, inline_max_bytes=0, max_workers=workers
+    )
+    assert len(refs) > 2 and during and all(during)
+    assert read_parts(blob, refs).equals(t)
+
+
 def test_no_part_is_encoded_after_an_upload_failed() -> None:
     blob = _SlowBlob(delay=0.01, fail_first=True)
     with pytest.raises(BlobError, match="first upload"):
@@ -868,12 +951,12 @@ def test_before_upload_overlaps_the_encoding_of_other_parts(
     lock = threading.Lock()
     real = parts.encode_part
 
-    def counting(table: pa.Table) -> bytes:
+    def counting(table: pa.Table, plan: Any = None) -> bytes:
         with lock:
             count[0] += 1
             if count[0] >= 2:
                 encoded.set()
-        return real(table)
+        return real(table, plan)
 
     monkeypatch.setattr(parts, "encode_part", counting)
     seen: list[bool] = []
@@ -908,9 +991,9 @@ def test_before_upload_starts_before_the_first_part_is_encoded(
     waited: list[bool] = []
     real = parts.encode_part
 
-    def encoding(table: pa.Table) -> bytes:
+    def encoding(table: pa.Table, plan: Any = None) -> bytes:
         waited.append(started.wait(timeout=5))  # the registration runs meanwhile
-        return real(table)
+        return real(table, plan)
 
     monkeypatch.setattr(parts, "encode_part", encoding)
     blob = MemoryBlob()
@@ -990,14 +1073,18 @@ def test_write_read_under_random_blob_faults(tmp_path: Path, seed: int) -> None:
 
 def test_part_encoding_settings() -> None:
     """Blob parts: dictionaries only on columns with few distinct values, and only for
-    parts of more than a few rows; the other integer-like columns DELTA_BINARY_PACKED and
-    uncompressed; everything else LZ4 (LZ4_RAW); decimals of precision <= 18 as integers
-    (as delta-rs and pyiceberg write them)."""
+    parts of more than a few rows, but not on integer-like columns of more than a
+    handful of values spanning about as few bits as a dictionary index; the other
+    integer-like columns DELTA_BINARY_PACKED and uncompressed; everything else LZ4
+    (LZ4_RAW); decimals of precision <= 18 as integers (as delta-rs and pyiceberg write
+    them)."""
     n = 20_000
     t = pa.table(
         {
             "unique": pa.array(range(n), pa.int64()),
             "few": pa.array([f"s{i % 7}" for i in range(n)], pa.string()),
+            # 500 values spanning 2**40: dictionary indices (9 bits) are far narrower.
+            "sparse": pa.array([(i % 500) << 40 for i in range(n)], pa.int64()),
             "dec": pa.array(
                 [decimal.Decimal(i % 500) / 100 for i in range(n)], pa.decimal128(15, 2)
             ),
@@ -1008,25 +1095,102 @@ def test_part_encoding_settings() -> None:
             "_diff": pa.array([1] * n, pa.int64()),
         }
     )
-    assert encoding._dictionary_columns(t) == ["few", "dec", "_time", "_diff"]
+    assert encoding._dictionary_columns(t) == ["few", "sparse", "_time", "_diff"]
     assert encoding._dictionary_columns(t.slice(0, 10)) == []
     data = encode_part(t)
     meta = pq.ParquetFile(pa.BufferReader(data)).metadata
-    assert meta.schema.column(2).physical_type == "INT64"
-    assert meta.schema.column(5).physical_type == "FIXED_LEN_BYTE_ARRAY"
-    col = {meta.schema.column(i).name: meta.row_group(0).column(i) for i in range(8)}
-    delta = {"unique", "price"}
+    assert meta.schema.column(3).physical_type == "INT64"
+    assert meta.schema.column(6).physical_type == "FIXED_LEN_BYTE_ARRAY"
+    col = {meta.schema.column(i).name: meta.row_group(0).column(i) for i in range(9)}
+    delta = {"unique", "dec", "price"}
     for name, c in col.items():
         assert ("DELTA_BINARY_PACKED" in c.encodings) == (name in delta), name
-        assert ("RLE_DICTIONARY" in c.encodings) == (name in {"few", "dec", "_time", "_diff"})
+        assert ("RLE_DICTIONARY" in c.encodings) == (name in {"few", "sparse", "_time", "_diff"}), (
+            name
+        )
         assert c.compression == ("UNCOMPRESSED" if name in delta else "LZ4"), name
     assert decode_part(data, make_part_ref("k/p.parquet", data, n)).equals(t)
     # Few rows: no dictionaries, so every integer-like column is delta-encoded.
     small = t.slice(0, 10)
     data = encode_part(small)
     meta = pq.ParquetFile(pa.BufferReader(data)).metadata
-    assert "DELTA_BINARY_PACKED" in meta.row_group(0).column(6).encodings
+    assert "DELTA_BINARY_PACKED" in meta.row_group(0).column(7).encodings
+    assert "RLE_DICTIONARY" not in meta.row_group(0).column(1).encodings
     assert decode_part(data, make_part_ref("k/p.parquet", data, 10)).equals(small)
+
+
+@pytest.mark.parametrize(
+    ("type_", "step"),
+    [
+        (pa.int32(), 1),
+        (pa.uint64(), 1),
+        (pa.date32(), 1),
+        (pa.timestamp("us", tz="UTC"), 1),
+        (pa.time64("ns"), 1),
+        (pa.duration("ms"), 1),
+        (pa.decimal128(18, 3), decimal.Decimal("0.001")),
+    ],
+    ids=str,
+)
+def test_integer_like_columns_of_a_dense_range_are_delta_encoded(
+    type_: pa.DataType, step: Any, tmp_path: Path
+) -> None:
+    """Few distinct integer-like values in a dense range (hours, minutes, codes) are
+    delta-encoded rather than dictionary-encoded, whatever the integer storage (plain
+    integers, temporal types, decimals); the same values spread over a wide range keep
+    their dictionary, and so does a handful of values (months); all read back exactly,
+    also by DuckDB (for the types it holds exactly)."""
+    n = 5_000
+    names = ("dense", "sparse", "handful")
+    dense = [(i * 7919) % 60 for i in range(n)]  # 60 values, scattered: 6 bits either way
+    sparse = [v << 24 for v in dense]  # the same 60 values over 2**30: dictionary
+    handful = [v % encoding._DICTIONARY_ALWAYS for v in dense]
+    if pa.types.is_decimal(type_):
+        cols = [pa.array([v * step for v in xs], type_) for xs in (dense, sparse, handful)]
+    elif pa.types.is_integer(type_):
+        cols = [pa.array(xs, type_) for xs in (dense, sparse, handful)]
+    else:
+        storage = pa.int32() if type_.bit_width == 32 else pa.int64()
+        cols = [pa.array(xs, storage).view(type_) for xs in (dense, sparse, handful)]
+    t = pa.table(dict(zip(names, cols, strict=True)))
+    plan = encoding.encoding_plan(t)
+    assert plan.dictionary == ["sparse", "handful"]
+    assert plan.encoding == {"dense": "DELTA_BINARY_PACKED"}
+    data = encode_part(t, plan)
+    assert decode_part(data, make_part_ref("k/p.parquet", data, n)).equals(t)
+    if pa.types.is_time(type_) or pa.types.is_duration(type_):
+        return  # DuckDB's TIME and INTERVAL do not hold these exactly
+    path = tmp_path / "p.parquet"
+    path.write_bytes(data)
+    got = duckdb.sql("select * from read_parquet($p)", params={"p": str(path)}).to_arrow_table()
+    for name in names:
+        assert got.column(name).cast(type_).equals(t.column(name)), name
+
+
+def test_one_encoding_plan_for_every_part_of_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parts of one run are encoded with one plan, made once from a sample of all its
+    rows (in the order given when the writer gathers them itself), and they read back as
+    the run, the same rows as a one-part write of it."""
+    monkeypatch.setattr(parts, "MIN_PARALLEL_PART_BYTES", 10_000)
+    made: list[int] = []
+    real = encoding.encoding_plan
+
+    def spy(table: pa.Table) -> encoding.EncodingPlan:
+        made.append(table.num_rows)
+        return real(table)
+
+    monkeypatch.setattr(parts, "encoding_plan", spy)
+    t = _sample(5000)
+    reverse = np.arange(t.num_rows - 1, -1, -1, dtype=np.int64)
+    blob = MemoryBlob()
+    for order in (None, reverse):
+        made.clear()
+        refs = write_parts(blob, t, "s/b", inline_max_bytes=0, max_workers=2, order=order)
+        assert len(refs) == 2 and made == [5000]
+        want = t if order is None else t.take(pa.array(order))
+        assert read_parts(blob, refs).equals(want)
+        one = write_parts(blob, want, "s/c", inline_max_bytes=0, max_workers=1)
+        assert len(one) == 1 and read_parts(blob, one).equals(read_parts(blob, refs))
 
 
 def _times(unit_us: int) -> st.SearchStrategy[dt.time]:

@@ -107,8 +107,9 @@ def _dictionary_columns(table: pa.Table) -> list[str]:
     :data:`_DICTIONARY_ALWAYS` distinct values whose sample's values span at most one bit
     more than a dictionary index
     (``(max - min).bit_length() <= (distinct - 1).bit_length() + 1``) is left to
-    ``DELTA_BINARY_PACKED``: its codes are about as narrow (a delta of two values in the range fits in the range's bits, plus a sign) and
-    they encode faster than the dictionary's hashing. A handful of values (flags, months,
+    ``DELTA_BINARY_PACKED``: its codes are about as narrow (a delta of two values in the
+    range fits in the range's bits, plus a sign) and they encode faster than the
+    dictionary's hashing. A handful of values (flags, months,
     a constant ``_time`` or ``_diff``) keeps its dictionary: runs of narrow indices
     encode as fast and decode faster. Integers of a wide, sparse range (``distance``,
     ids, prices) keep theirs too: their indices are far narrower than their deltas.
@@ -193,10 +194,11 @@ def encode_part(table: pa.Table, plan: EncodingPlan | None = None) -> bytes:
     Settings chosen for speed and size (:func:`encoding_plan`): dictionaries for the
     columns with few distinct values (but integers of a dense range),
     ``DELTA_BINARY_PACKED`` for the other integer-like columns, LZ4 (``LZ4_RAW``)
-    for everything but delta-encoded columns; statistics only for ``_time`` (min/max time of the part); decimals of precision up to 18 stored
-    as integers; about :data:`ROW_GROUPS_PER_PART` row groups (of at least
-    :data:`ROW_GROUP_MIN_ROWS` rows) so that key-range reads can skip some; the Arrow schema stored
-    so that types such as ``large_string`` or time zones round-trip.
+    for everything but delta-encoded columns; statistics only for ``_time`` (min/max
+    time of the part); decimals of precision up to 18 stored as integers; about
+    :data:`ROW_GROUPS_PER_PART` row groups (of at least :data:`ROW_GROUP_MIN_ROWS` rows)
+    so that key-range reads can skip some; the Arrow schema stored so that types such as
+    ``large_string`` or time zones round-trip.
 
     Raises:
         InvalidUsage: pyarrow cannot encode the table.

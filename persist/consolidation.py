@@ -444,28 +444,16 @@ def _py_values(col: pa.ChunkedArray) -> list[Any] | None:
     """The values of a sort column as Python objects that compare, through
     :func:`_small_keys`, in consolidation's order and equality: numbers, decimals,
     booleans, strings (Python orders by code point, which is UTF-8's byte order, Arrow's)
-    and binary as themselves, temporal values as their integer storage; ``None`` for a
-    type without such an order (then the Arrow path sorts)."""
+    and binary as themselves, temporal values as their integer storage: every type a shard
+    holds (:func:`persist.updates.is_supported_type`); ``None`` for any other type (then
+    the Arrow path sorts)."""
     t = col.type
+    if not is_supported_type(t):
+        return None
     if pa.types.is_temporal(t):
-        if pa.types.is_interval(t):
-            return None
         view = pa.int32() if t.bit_width == 32 else pa.int64()
         return col.combine_chunks().view(view).to_pylist()  # type: ignore[no-any-return]
-    if (
-        pa.types.is_integer(t)
-        or pa.types.is_float32(t)
-        or pa.types.is_float64(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_decimal(t)
-        or pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
-    ):
-        return col.to_pylist()  # type: ignore[no-any-return]
-    return None
+    return col.to_pylist()  # type: ignore[no-any-return]
 
 
 def _small_keys(values: list[Any], floating: bool, nulls: bool) -> list[Any]:

@@ -51,7 +51,7 @@ import pyarrow.compute as pc
 
 from persist.consolidation import _CODES_MIN_ROWS, _adjacent, _codes_order, consolidate
 from persist.errors import InvalidUsage
-from persist.updates import TIME
+from persist.updates import TIME, is_supported_type
 
 __all__ = [
     "RangePlan",
@@ -294,28 +294,18 @@ def _py_order(t: pa.DataType) -> Callable[[pa.ChunkedArray | pa.Array], Any] | N
     ``as_py`` values are ordered as consolidation orders the column's (temporal values
     through their integer storage); ``None`` for other types (then
     :func:`cut_positions` ranks rows instead of comparing them)."""
+    if not is_supported_type(t):
+        return None
     view = _int_view(t)
-    if view is not None and not pa.types.is_interval(t):
+    if view is not None:
 
         def as_ints(col: pa.ChunkedArray | pa.Array) -> pa.Array:
             arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
             return arr.view(view)
 
         return as_ints
-    if (
-        pa.types.is_integer(t)
-        or pa.types.is_floating(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_decimal(t)
-        or pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
-    ):
-        # Strings: Python orders by code point, which is UTF-8's byte order (Arrow's).
-        return lambda col: col
-    return None
+    # Strings: Python orders by code point, which is UTF-8's byte order (Arrow's).
+    return lambda col: col
 
 
 def _order_key(x: Any) -> tuple[int, Any]:

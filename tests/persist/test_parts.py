@@ -867,7 +867,7 @@ def test_the_parts_of_a_run_are_described_while_they_encode(
             encoded[0] += 1
             want = encoded[0] if workers == 1 else 1
             # This part's statistics start while it encodes.
-            during.append(cond.wait_for(lambda: len(started) >= want, timeout=2))
+            during.append(cond.wait_for(lambda: len(started) >= want, timeout=30))
         return real_encode(table, plan)
 
     monkeypatch.setattr(parts, "encode_part", encode)

@@ -5,11 +5,11 @@ counted in exactly one source, and a stash append's rows and frontiers land in t
 from __future__ import annotations
 
 import psycopg
-import pytest
 import sqlalchemy as sa
 
 from bench.bench_commit import WAL_SOURCES, StashOneEntry, _wal_by_source, _wal_relations
 from stash.migrate import upgrade
+from tests.support.pg_fixtures import _unavailable
 
 
 def test_wal_by_source_adds_up_and_names_the_stash_tables(postgres_url: str) -> None:
@@ -25,7 +25,7 @@ def test_wal_by_source_adds_up_and_names_the_stash_tables(postgres_url: str) -> 
             try:
                 mon.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
             except psycopg.Error as e:  # pragma: no cover - contrib not installed
-                pytest.skip(f"pg_walinspect unavailable: {e}")
+                _unavailable(f"its extension pg_walinspect (contrib) is missing: {e}")
             rels = _wal_relations(mon)
             lsn0 = mon.execute("SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
             for i in range(20):

@@ -148,8 +148,15 @@ def test_postgres_log_entries_are_lz4_compressed(postgres_url: str) -> None:
                 "SELECT 'lz4' = ANY(enumvals) FROM pg_settings"
                 " WHERE name = 'default_toast_compression'"
             ).scalar()
-        if not lz4:
-            pytest.skip("this PostgreSQL server was built without LZ4")
+        if not lz4:  # a server built without LZ4: the migration changes nothing
+            upgrade(engine)
+            with engine.connect() as conn:
+                att = conn.exec_driver_sql(
+                    "SELECT attcompression FROM pg_attribute"
+                    " WHERE attrelid = 'logs'::regclass AND attname = 'data'"
+                ).scalar()
+            assert att in ("", "\\x00", None)
+            return
         rng = random.Random(7)
 
         def rollup(n: int) -> str:

@@ -9,9 +9,8 @@ retirement seqnos were recorded; the ids of inline parts one version retires tog
 share rows, up to :data:`INLINE_IDS_PER_ROW` per row, ``inlines:<nonce>,<nonce>,...@<seqno>``
 (a prefix no row of one id has; ``,`` is never part of a hex nonce), so a merge of eight
 one-row batches writes one row and its indexes rather than eight (and GC later retracts
-one).  An id in such a row reads as
-retired exactly as one in a row of its own; rows of one id each (written before) read
-as before.
+one).  An id in such a row reads as retired exactly as one in a row of its own; rows of
+one id each (written before) read as before.
 """
 
 from __future__ import annotations

@@ -445,7 +445,8 @@ def _py_values(col: pa.ChunkedArray) -> list[Any] | None:
     :func:`_small_keys`, in consolidation's order and equality: numbers, decimals,
     booleans, strings (Python orders by code point, which is UTF-8's byte order, Arrow's)
     and binary as themselves, temporal values as their integer storage; ``None`` for a
-    type without such an order (then the Arrow path sorts)."""
+    type without such an order (then the Arrow path sorts).  Not ``decimal32`` or
+    ``decimal64``: Arrow's multi-column sort orders them by their bytes, not by value."""
     t = col.type
     if pa.types.is_temporal(t):
         if pa.types.is_interval(t):
@@ -457,7 +458,8 @@ def _py_values(col: pa.ChunkedArray) -> list[Any] | None:
         or pa.types.is_float32(t)
         or pa.types.is_float64(t)
         or pa.types.is_boolean(t)
-        or pa.types.is_decimal(t)
+        or pa.types.is_decimal128(t)
+        or pa.types.is_decimal256(t)
         or pa.types.is_string(t)
         or pa.types.is_large_string(t)
         or pa.types.is_binary(t)

@@ -1119,6 +1119,9 @@ def test_part_encoding_settings() -> None:
     assert decode_part(data, make_part_ref("k/p.parquet", data, 10)).equals(small)
 
 
+_NARROW_DECIMALS = [d for d in ("decimal32", "decimal64") if hasattr(pa, d)]
+
+
 @pytest.mark.parametrize(
     ("type_", "step"),
     [
@@ -1129,6 +1132,8 @@ def test_part_encoding_settings() -> None:
         (pa.time64("ns"), 1),
         (pa.duration("ms"), 1),
         (pa.decimal128(18, 3), decimal.Decimal("0.001")),
+        # pyarrow >= 18: no min_max kernel for these (their range is read as decimal128)
+        *[(getattr(pa, d)(9, 3), decimal.Decimal("0.001")) for d in _NARROW_DECIMALS],
     ],
     ids=str,
 )

@@ -1396,3 +1396,38 @@ def test_a_slice_kept_inline_is_read_back_only_when_first_used(
     assert INLINE_CACHE.get(refs[0]) is cached and len(reads) == 1  # read once
     assert cached.get_total_buffer_size() < 8 * 1024
     assert cached.equals(decoding.decode_part(refs[0].inline, refs[0]))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_part_description_failing_in_the_pool_leaves_no_part(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The statistics of one part of several (found in the shared pool while it encodes
+    and uploads) fail: the write raises that error once every upload and description
+    has ended, and every part it uploaded, before or after the failing one, is
+    deleted."""
+    real_stats = parts.table_stats
+    calls = [0]
+    lock = threading.Lock()
+
+    def stats(table: pa.Table) -> Any:
+        with lock:
+            calls[0] += 1
+            n = calls[0]
+        if n == 3:
+            raise ValueError("injected failure of a part's statistics")
+        return real_stats(table)
+
+    monkeypatch.setattr(parts, "table_stats", stats)
+    blob = _SlowBlob(delay=0.005)
+    with pytest.raises(ValueError, match="injected failure"):
+        write_parts(
+            blob,
+            _sample(5000),
+            "s/b",
+            target_part_bytes=10_000,
+            inline_max_bytes=0,
+            max_workers=workers,
+        )
+    assert blob.sets >= 3 and blob.in_flight == 0
+    assert blob.list_keys() == []

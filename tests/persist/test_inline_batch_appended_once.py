@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from persist import BatchAppended, FileBlob, InvalidUsage, PersistClient
 from persist.gc import collect_garbage
@@ -183,3 +185,39 @@ def test_retired_rows_of_one_id_each_still_read() -> None:
         ["inline:aa", "inline:bb"],
         ["inline:cc"],
     ]
+
+
+def _ids() -> st.SearchStrategy[str]:
+    """Ids a version may retire: inline ids (hex nonces, or anything a state may hold:
+    separators, prefixes) and blob keys."""
+    hexes = st.text("0123456789abcdef", min_size=1, max_size=8)
+    odd = st.text(",@:sinle0a ", min_size=0, max_size=8)
+    return st.one_of(
+        hexes.map(lambda n: "inline:" + n),
+        odd.map(lambda n: "inline:" + n),
+        st.text("abc/._-", min_size=1, max_size=8).map(lambda k: f"s1/{k}.parquet"),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(adds=st.dictionaries(_ids(), st.integers(0, 2), max_size=80), seqno=st.integers(0, 10**12))
+def test_retired_rows_name_every_id_once_with_its_ms_and_seqno(
+    adds: dict[str, int], seqno: int
+) -> None:
+    """Whatever the ids one version retires (more than a row holds, nonces holding
+    ``,``, ``@``, ``:`` or looking like a row's prefix, blob keys), the rows written name
+    each id exactly once, with its ms and the version's seqno, and no row holds more
+    than ``INLINE_IDS_PER_ROW`` ids (a version retiring 67 hex ids writes 3 rows)."""
+    from persist.retired_keys import INLINE_IDS_PER_ROW, parse_retired, retired_ids, retired_rows
+
+    named: dict[str, tuple[int, int | None]] = {}
+    for k, ms in retired_rows(adds, seqno).items():
+        r = parse_retired(k, ms)
+        ids = retired_ids(r)
+        assert len(ids) <= INLINE_IDS_PER_ROW
+        for i in ids:
+            assert i not in named, (i, k)
+            named[i] = (r.ms, r.seqno)
+    assert named == {k: (ms, seqno) for k, ms in adds.items()}
+    many = {f"inline:{i:032x}": 7 for i in range(2 * INLINE_IDS_PER_ROW + 3)}
+    assert len(retired_rows(many, seqno)) == 3

@@ -295,6 +295,10 @@ def _column_codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, int]:
         res = _offset_codes(values, valid)
         if res is not None:
             return _dense(res[0], res[1], len(arr))
+    if pa.types.is_decimal(t) and not (pa.types.is_decimal128(t) or pa.types.is_decimal256(t)):
+        # decimal32/decimal64: Arrow's multi-column sort orders them by their bytes (and
+        # has no dictionary kernel for them); rank them the same way.
+        arr = arr.view(pa.binary(t.byte_width))
     return _rank_codes(arr)
 
 

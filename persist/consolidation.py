@@ -494,12 +494,17 @@ def _small_order(table: pa.Table, cols: Sequence[str]) -> tuple[list[int] | None
     (``sort_indices``, which is stable, then :func:`_adjacent`) gives.
 
     Raises:
-        LookupError: a column's type has no Python order (the caller sorts with Arrow).
+        LookupError: a column's type has no Python order, or a string column holds
+            bytes that are not UTF-8 (Arrow does not check them; it orders them by
+            their bytes): the caller sorts with Arrow.
     """
     keys_by_col: list[list[Any]] = []
     for c in cols:
         col = table.column(c)
-        values = _py_values(col)
+        try:
+            values = _py_values(col)
+        except UnicodeDecodeError:
+            raise LookupError(c) from None
         if values is None:
             raise LookupError(c)
         keys_by_col.append(_small_keys(values, pa.types.is_floating(col.type), col.null_count > 0))

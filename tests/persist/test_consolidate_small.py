@@ -199,3 +199,23 @@ def test_narrow_decimals_take_the_arrow_order_on_both_paths(make: str) -> None:
     assert _run(table, ["k"], ["v"], None, small=True) == _run(
         table, ["k"], ["v"], None, small=False
     )
+
+
+def test_strings_that_are_not_utf8_take_the_arrow_path() -> None:
+    """A string column whose bytes are not UTF-8 (Arrow does not check them unless
+    asked; ``to_updates_table`` takes them, and a part written by another process holds
+    what it was given): the Python path cannot make Python strings of them, and leaves
+    the table to Arrow, which orders them by their bytes, rather than failing a merge of
+    a few parts with ``UnicodeDecodeError`` (a larger merge of the same rows passes)."""
+    data = b"\xff\xfeb\x80a\xff"
+    offsets = pa.py_buffer(np.array([0, 1, 2, 3, 4, 5, 6], dtype=np.int32).tobytes())
+    s = pa.Array.from_buffers(pa.string(), 6, [None, offsets, pa.py_buffer(data)])
+    table = pa.table(
+        {
+            "s": s,
+            "_time": pa.array([0] * 6, pa.int64()),
+            "_diff": pa.array([1, 1, 1, 1, 1, -1], pa.int64()),
+        }
+    )
+    got = _run(table, ["s"], [], None, small=True)
+    assert got == _run(table, ["s"], [], None, small=False)

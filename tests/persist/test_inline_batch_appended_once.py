@@ -221,3 +221,44 @@ def test_retired_rows_name_every_id_once_with_its_ms_and_seqno(
     assert named == {k: (ms, seqno) for k, ms in adds.items()}
     many = {f"inline:{i:032x}": 7 for i in range(2 * INLINE_IDS_PER_ROW + 3)}
     assert len(retired_rows(many, seqno)) == 3
+
+
+def test_more_inline_ids_than_a_row_holds_retired_by_one_version(tmp_path: Path) -> None:
+    """One version (a full compaction: ``optimize``) merges away more inline batches than
+    a row of the retired collection holds: their ids take several rows, each id reads
+    as retired, a copy of one from each row is refused, and GC forgets every row."""
+    from persist.optimize import optimize
+    from persist.retired_keys import INLINE_IDS_PER_ROW
+
+    s = Stash.open(f"sqlite:///{tmp_path / 's.db'}", fenced=False)
+    c = PersistClient(s, FileBlob(tmp_path / "blob"), compaction="off")
+    try:
+        w, r = c.open("x", KS, VS)
+        n = INLINE_IDS_PER_ROW + 8
+        datas, pids = [], []
+        for t in range(n):
+            b = w.batch([(((t,), ("a",)), t, 1)], t, t + 1)
+            pids.extend(b.part_ids())
+            datas.append(b.into_transmittable())
+            w.compare_and_append_batch([w.batch_from_transmittable(datas[-1])], t, t + 1)
+        optimize(c.context, c.compactor, c.machine(w.shard_id))
+        held = {p.part_id for hb in c.inspect("x").batches() for p in hb.parts}
+        assert not held & set(pids)
+        coll = c.consensus.retired_collection(w.shard_id)
+        rows = [k for (k, _v), _t, d in s.iter(coll) if d > 0]
+        assert len(rows) == 2, rows
+        assert set(c.consensus.retired(w.shard_id)) == set(pids)
+        for i in (0, n - 1):  # an id of each row
+            copy = w.batch_from_transmittable(datas[i])
+            copy.rewrite_ts(Antichain.from_elem(n), Antichain.from_elem(n + 1))
+            with pytest.raises(BatchAppended):
+                w.compare_and_append_batch([copy], n, n + 1)
+        assert sorted(r.snapshot(n - 1).column("k").to_pylist()) == list(range(n))
+        r.expire()
+        report = collect_garbage(c, "x", grace_seconds=0)
+        assert sorted(report.forgot_inline) == sorted(pids)
+        assert c.consensus.retired(w.shard_id) == {}
+        assert [k for (k, _v), _t, d in s.iter(coll) if d != 0] == []
+    finally:
+        c.close()
+        s.close()

@@ -295,11 +295,36 @@ def _column_codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, int]:
         res = _offset_codes(values, valid)
         if res is not None:
             return _dense(res[0], res[1], len(arr))
-    if pa.types.is_decimal(t) and not (pa.types.is_decimal128(t) or pa.types.is_decimal256(t)):
-        # decimal32/decimal64: Arrow's multi-column sort orders them by their bytes (and
-        # has no dictionary kernel for them); rank them the same way.
-        arr = arr.view(pa.binary(t.byte_width))
+    if _is_narrow_decimal(t):
+        arr = arr.cast(_sort_type(t))  # no dictionary kernel for decimal32/decimal64
     return _rank_codes(arr)
+
+
+def _is_narrow_decimal(t: pa.DataType) -> bool:
+    """Whether ``t`` is ``decimal32`` or ``decimal64`` (pyarrow >= 18)."""
+    return pa.types.is_decimal(t) and not (pa.types.is_decimal128(t) or pa.types.is_decimal256(t))
+
+
+def _sort_type(t: pa.DataType) -> pa.DataType:
+    """The type ``t``'s values are sorted as: ``decimal32``/``decimal64`` as the
+    ``decimal128`` of their precision and scale (Arrow has no sort kernel for them, and
+    its multi-column sort orders them by their bytes, not by value: ``0.50`` before
+    ``-1.00``, while its comparisons, Python and Spark order them by value); any other
+    type as itself."""
+    return pa.decimal128(t.precision, t.scale) if _is_narrow_decimal(t) else t
+
+
+def _sort_view(table: pa.Table, cols: Sequence[str]) -> pa.Table:
+    """``table`` with its columns ``cols`` of a narrow decimal type cast to
+    :func:`_sort_type` (``table`` itself when there is none), for Arrow's
+    ``sort_indices``: every path then orders rows by value."""
+    out = table
+    for c in cols:
+        t = table.schema.field(c).type
+        if _is_narrow_decimal(t):
+            i = out.schema.get_field_index(c)
+            out = out.set_column(i, pa.field(c, _sort_type(t)), out.column(i).cast(_sort_type(t)))
+    return out
 
 
 def _is_rank_coded(t: pa.DataType) -> bool:
@@ -416,7 +441,9 @@ def _codes_order(table: pa.Table, cols: Sequence[str]) -> tuple[np.ndarray, np.n
     sub = pa.Table.from_arrays(
         [pa.array(run_id, pa.int64()), *sub.columns], names=[run_name, *rest]
     )
-    sub_order = pc.sort_indices(sub, sort_keys=[(c, "ascending") for c in [run_name, *rest]])
+    sub_order = pc.sort_indices(
+        _sort_view(sub, rest), sort_keys=[(c, "ascending") for c in [run_name, *rest]]
+    )
     sub_sorted = sub.take(sub_order)
     order[pos] = rows[np.asarray(sub_order.to_numpy(), dtype=np.int64)]
     _, sub_same = _adjacent(sub_sorted, rest, check_order=False)
@@ -449,8 +476,8 @@ def _py_values(col: pa.ChunkedArray) -> list[Any] | None:
     :func:`_small_keys`, in consolidation's order and equality: numbers, decimals,
     booleans, strings (Python orders by code point, which is UTF-8's byte order, Arrow's)
     and binary as themselves, temporal values as their integer storage; ``None`` for a
-    type without such an order (then the Arrow path sorts).  Not ``decimal32`` or
-    ``decimal64``: Arrow's multi-column sort orders them by their bytes, not by value."""
+    type without such an order (then the Arrow path sorts).  Decimals of every width
+    order by value, as the Arrow paths sort them (:func:`_sort_type`)."""
     t = col.type
     if pa.types.is_temporal(t):
         if pa.types.is_interval(t):
@@ -462,8 +489,7 @@ def _py_values(col: pa.ChunkedArray) -> list[Any] | None:
         or pa.types.is_float32(t)
         or pa.types.is_float64(t)
         or pa.types.is_boolean(t)
-        or pa.types.is_decimal128(t)
-        or pa.types.is_decimal256(t)
+        or pa.types.is_decimal(t)
         or pa.types.is_string(t)
         or pa.types.is_large_string(t)
         or pa.types.is_binary(t)
@@ -712,7 +738,9 @@ def consolidate_order(
             if n >= _CODES_MIN_ROWS:
                 order, same = _codes_order(table, cols)
             else:
-                arrow_order = pc.sort_indices(table, sort_keys=[(c, "ascending") for c in cols])
+                arrow_order = pc.sort_indices(
+                    _sort_view(table, cols), sort_keys=[(c, "ascending") for c in cols]
+                )
                 table = table.take(arrow_order)
                 _, same = _adjacent(table, cols, check_order=False)
     diff_index = table.schema.get_field_index(DIFF)

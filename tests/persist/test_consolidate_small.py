@@ -177,12 +177,11 @@ def test_small_path_is_taken_for_a_merge_of_one_row_parts(monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("make", ["decimal32", "decimal64"])
-def test_narrow_decimals_take_the_arrow_order_on_both_paths(make: str) -> None:
+def test_narrow_decimals_sort_by_value_on_both_paths(make: str) -> None:
     """``decimal32``/``decimal64`` columns (pyarrow >= 18; ``is_decimal`` accepts them):
-    Arrow's multi-column sort orders them by their bytes, not by value (it has no
-    single-column sort, ``min_max`` or dictionary kernel for them).  The Python path
-    must not order them by value instead, or a merge of a few parts and one of many
-    would lay the same rows out in different orders: it leaves them to Arrow."""
+    Arrow has no sort kernel for them and its multi-column sort ordered them by their
+    bytes (``0.50`` before ``-1.00``), while Python orders them by value: both paths
+    now sort them by value, as every decimal128."""
     if not hasattr(pa, make):
         pytest.skip(f"pyarrow {pa.__version__} has no {make}")
     t = getattr(pa, make)(9, 2)
@@ -196,9 +195,10 @@ def test_narrow_decimals_take_the_arrow_order_on_both_paths(make: str) -> None:
             "_diff": pa.array([1, -1] * (n // 2), pa.int64()),
         }
     )
-    assert _run(table, ["k"], ["v"], None, small=True) == _run(
-        table, ["k"], ["v"], None, small=False
-    )
+    small = _run(table, ["k"], ["v"], None, small=True)
+    assert small == _run(table, ["k"], ["v"], None, small=False)
+    base, _order = consolidate_order(table, ["k"], ["v"])
+    assert base.column("k").to_pylist() == sorted(vals)
 
 
 def test_strings_that_are_not_utf8_take_the_arrow_path() -> None:

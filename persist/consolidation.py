@@ -10,7 +10,9 @@ Invariants kept here:
   with nulls last in every column (floats: NaN after numbers, before null), one row per
   distinct (key, value, time) whose ``_diff`` is the sum of that group's diffs (never
   zero), and every ``_time`` at least ``since``; equal means equal values, nulls equal to
-  nulls, NaN equal to NaN, ``-0.0`` equal to ``0.0``;
+  nulls, NaN equal to NaN, ``-0.0`` equal to ``0.0``; values order as Arrow sorts them,
+  decimals of every width by value (``decimal32``/``decimal64`` as ``decimal128``:
+  :func:`_sort_type`);
 * it is vectorised (pyarrow compute and numpy; no per-row Python), except for tables
   of at most ``_SMALL_ROWS`` rows, which are sorted and grouped in Python with the same
   order, equality and stable tie order as the Arrow path (a differential test,

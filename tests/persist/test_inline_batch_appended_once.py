@@ -223,14 +223,29 @@ def test_retired_rows_name_every_id_once_with_its_ms_and_seqno(
     assert len(retired_rows(many, seqno)) == 3
 
 
-def test_more_inline_ids_than_a_row_holds_retired_by_one_version(tmp_path: Path) -> None:
+@pytest.mark.parametrize("db", ["sqlite", "postgres"])
+def test_more_inline_ids_than_a_row_holds_retired_by_one_version(
+    tmp_path: Path, db: str, request: pytest.FixtureRequest
+) -> None:
     """One version (a full compaction: ``optimize``) merges away more inline batches than
-    a row of the retired collection holds: their ids take several rows, each id reads
-    as retired, a copy of one from each row is refused, and GC forgets every row."""
+    a row of the retired collection holds: their ids take several rows (a full row's key,
+    32 ids, fits the key indexes of Postgres), each id reads as retired, a copy of one
+    from each row is refused, and GC forgets every row."""
     from persist.optimize import optimize
     from persist.retired_keys import INLINE_IDS_PER_ROW
 
-    s = Stash.open(f"sqlite:///{tmp_path / 's.db'}", fenced=False)
+    url = (
+        f"sqlite:///{tmp_path / 's.db'}"
+        if db == "sqlite"
+        else str(request.getfixturevalue("postgres_url"))
+    )
+    if db == "postgres":
+        from stash.migrate import migration_engine, upgrade
+
+        engine = migration_engine(url)
+        upgrade(engine)
+        engine.dispose()
+    s = Stash.open(url, fenced=False)
     c = PersistClient(s, FileBlob(tmp_path / "blob"), compaction="off")
     try:
         w, r = c.open("x", KS, VS)

@@ -248,7 +248,9 @@ def to_updates_table(
     Raises:
         InvalidUsage: bad schemas; a column missing, extra, of another type (naming the
             column and both types), or null where it may not be (``_time``, ``_diff``
-            and non-nullable fields); a malformed update row.
+            and non-nullable fields); a malformed update row; a ``date64`` value that is
+            not a whole day (:func:`check_whole_days`); a string that is not UTF-8
+            (:func:`check_utf8`).
     """
     schema = updates_schema(key_schema, value_schema)
     if isinstance(updates, pa.RecordBatch):

@@ -221,7 +221,7 @@ def part_key_samples(
             return None
     try:
         return key_samples(table, key_names) or None
-    except KeyError:
+    except (KeyError, UnicodeDecodeError):  # a key string that is not UTF-8: unknown
         return None
 
 

@@ -85,3 +85,44 @@ def test_strings_that_are_not_utf8_are_refused_and_nothing_is_written(
             assert sorted(got.column(other).to_pylist()) == sorted(good.column(other).to_pylist())
         finally:
             c.close()
+
+
+def test_a_part_holding_strings_that_are_not_utf8_has_no_string_statistics() -> None:
+    """Parts written before such strings were refused are still merged by compaction:
+    their string columns' least or greatest value that is not UTF-8 gives no statistics
+    (no pruning) rather than failing the merge's part writing with UnicodeDecodeError."""
+    from persist.stats import column_stats, table_stats
+
+    col = _strings([b"\xff", b"a", b"b"], pa.string())
+    assert column_stats("v", col) is None
+    assert column_stats("w", _strings([b"a", b"\xfe"], pa.large_string())) is None
+    assert [s[0] for s in table_stats(pa.table({"v": col, "k": [1, 2, 3]}))] == ["k"]
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_parts_keyed_by_strings_that_are_not_utf8_are_written_without_samples(
+    inline: bool,
+) -> None:
+    """Compaction rewrites the rows of such older parts (``write_parts`` takes what it
+    is given): a part whose key strings are not UTF-8 is written, and read back,
+    without key samples (key-range reads treat it as one range) instead of failing
+    with UnicodeDecodeError; so is an inline part's sampling when a plan asks for it."""
+    from persist import MemoryBlob
+    from persist.merge import part_key_samples
+    from persist.parts import read_parts, write_parts
+
+    n = 200
+    t = pa.table(
+        {
+            "k": _strings([b"a\xff%03d" % i for i in range(n)], pa.string()),
+            "_time": pa.array([0] * n, pa.int64()),
+            "_diff": pa.array([1] * n, pa.int64()),
+        }
+    )
+    blob = MemoryBlob()
+    refs = write_parts(blob, t, "s/b", inline_max_bytes=(1 << 20) if inline else 0, key_names=["k"])
+    assert [r.key_samples for r in refs] == [None]
+    assert part_key_samples(refs[0], ["k"], t.schema) is None
+    assert (
+        read_parts(blob, refs).column("k").cast(pa.binary()).equals(t.column("k").cast(pa.binary()))
+    )

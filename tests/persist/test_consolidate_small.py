@@ -43,6 +43,8 @@ SCHEMA = pa.schema(
         ("d", pa.decimal128(20, 2)),
         ("bin", pa.large_binary()),
         ("fb", pa.binary(2)),
+        # Narrow decimals (pyarrow >= 18): sorted by value on both paths.
+        *[(d, getattr(pa, d)(7, 2)) for d in ("decimal32", "decimal64") if hasattr(pa, d)],
         ("_time", pa.int64()),
         ("_diff", pa.int64()),
     ]
@@ -64,6 +66,10 @@ VALUES = {
     "d": [None, Decimal("0.00"), Decimal("-1.50"), Decimal("99999.99")],
     "bin": [None, b"", b"\x00", b"\xff", b"\x00\xff"],
     "fb": [None, b"\x00\x00", b"ab", b"\x00a", b"\xff\x00"],
+    **{
+        d: [None, Decimal("-1.00"), Decimal("0.50"), Decimal("0.00"), Decimal("-99999.99")]
+        for d in ("decimal32", "decimal64")
+    },
 }
 
 

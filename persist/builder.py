@@ -50,7 +50,7 @@ from persist.keys import part_name_prefix
 from persist.machine import ShardMachine
 from persist.parts import TIME, consolidate_order, to_updates_table, updates_schema, write_parts
 from persist.types import Description, HollowBatch, PartRef, as_frontier
-from persist.updates import check_whole_days
+from persist.updates import check_utf8, check_whole_days, string_columns
 from stash import Antichain
 
 __all__ = ["BatchBuilder", "BuilderHost", "RunWriter", "Updates", "time_range"]
@@ -124,6 +124,8 @@ class RunWriter:
         self._not_null = [i for i, f in enumerate(self.schema) if not f.nullable]
         # Whether check_whole_days has a column to check (it looks each field up).
         self._date64 = any(pa.types.is_date64(t) for t in self.schema.types)
+        # The columns check_utf8 checks.
+        self._strings = string_columns(self.schema)
 
     def key_prefix(self, kind: str = "b") -> str:
         """The stem of a run's blob keys, ``<shard_id>/<kind>/<writer id>-<unix ms>``,
@@ -181,6 +183,8 @@ class RunWriter:
                 return to_updates_table(updates, self.key_schema, self.value_schema)
             if all(updates.column(i).null_count == 0 for i in self._not_null):
                 table = updates if same else pa.Table.from_arrays(updates.columns, schema=schema)
+                if self._strings:
+                    check_utf8(table, self._strings)
                 return check_whole_days(table) if self._date64 else table
         return to_updates_table(updates, self.key_schema, self.value_schema)
 

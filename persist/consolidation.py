@@ -10,7 +10,9 @@ Invariants kept here:
   with nulls last in every column (floats: NaN after numbers, before null), one row per
   distinct (key, value, time) whose ``_diff`` is the sum of that group's diffs (never
   zero), and every ``_time`` at least ``since``; equal means equal values, nulls equal to
-  nulls, NaN equal to NaN, ``-0.0`` equal to ``0.0``;
+  nulls, NaN equal to NaN, ``-0.0`` equal to ``0.0``; values order as Arrow sorts them,
+  decimals of every width by value (``decimal32``/``decimal64`` as ``decimal128``:
+  :func:`_sort_type`);
 * it is vectorised (pyarrow compute and numpy; no per-row Python), except for tables
   of at most ``_SMALL_ROWS`` rows, which are sorted and grouped in Python with the same
   order, equality and stable tie order as the Arrow path (a differential test,
@@ -295,7 +297,36 @@ def _column_codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, int]:
         res = _offset_codes(values, valid)
         if res is not None:
             return _dense(res[0], res[1], len(arr))
+    if _is_narrow_decimal(t):
+        arr = arr.cast(_sort_type(t))  # no dictionary kernel for decimal32/decimal64
     return _rank_codes(arr)
+
+
+def _is_narrow_decimal(t: pa.DataType) -> bool:
+    """Whether ``t`` is ``decimal32`` or ``decimal64`` (pyarrow >= 18)."""
+    return pa.types.is_decimal(t) and not (pa.types.is_decimal128(t) or pa.types.is_decimal256(t))
+
+
+def _sort_type(t: pa.DataType) -> pa.DataType:
+    """The type ``t``'s values are sorted as: ``decimal32``/``decimal64`` as the
+    ``decimal128`` of their precision and scale (Arrow has no sort kernel for them, and
+    its multi-column sort orders them by their bytes, not by value: ``0.50`` before
+    ``-1.00``, while its comparisons, Python and Spark order them by value); any other
+    type as itself."""
+    return pa.decimal128(t.precision, t.scale) if _is_narrow_decimal(t) else t
+
+
+def _sort_view(table: pa.Table, cols: Sequence[str]) -> pa.Table:
+    """``table`` with its columns ``cols`` of a narrow decimal type cast to
+    :func:`_sort_type` (``table`` itself when there is none), for Arrow's
+    ``sort_indices``: every path then orders rows by value."""
+    out = table
+    for c in cols:
+        t = table.schema.field(c).type
+        if _is_narrow_decimal(t):
+            i = out.schema.get_field_index(c)
+            out = out.set_column(i, pa.field(c, _sort_type(t)), out.column(i).cast(_sort_type(t)))
+    return out
 
 
 def _is_rank_coded(t: pa.DataType) -> bool:
@@ -412,7 +443,9 @@ def _codes_order(table: pa.Table, cols: Sequence[str]) -> tuple[np.ndarray, np.n
     sub = pa.Table.from_arrays(
         [pa.array(run_id, pa.int64()), *sub.columns], names=[run_name, *rest]
     )
-    sub_order = pc.sort_indices(sub, sort_keys=[(c, "ascending") for c in [run_name, *rest]])
+    sub_order = pc.sort_indices(
+        _sort_view(sub, rest), sort_keys=[(c, "ascending") for c in [run_name, *rest]]
+    )
     sub_sorted = sub.take(sub_order)
     order[pos] = rows[np.asarray(sub_order.to_numpy(), dtype=np.int64)]
     _, sub_same = _adjacent(sub_sorted, rest, check_order=False)
@@ -446,7 +479,8 @@ def _py_values(col: pa.ChunkedArray) -> list[Any] | None:
     booleans, strings (Python orders by code point, which is UTF-8's byte order, Arrow's)
     and binary as themselves, temporal values as their integer storage: every type a shard
     holds (:func:`persist.updates.is_supported_type`); ``None`` for any other type (then
-    the Arrow path sorts)."""
+    the Arrow path sorts).  Decimals of every width order by value, as the Arrow paths
+    sort them (:func:`_sort_type`)."""
     t = col.type
     if not is_supported_type(t):
         return None
@@ -476,12 +510,17 @@ def _small_order(table: pa.Table, cols: Sequence[str]) -> tuple[list[int] | None
     (``sort_indices``, which is stable, then :func:`_adjacent`) gives.
 
     Raises:
-        LookupError: a column's type has no Python order (the caller sorts with Arrow).
+        LookupError: a column's type has no Python order, or a string column holds
+            bytes that are not UTF-8 (Arrow does not check them; it orders them by
+            their bytes): the caller sorts with Arrow.
     """
     keys_by_col: list[list[Any]] = []
     for c in cols:
         col = table.column(c)
-        values = _py_values(col)
+        try:
+            values = _py_values(col)
+        except UnicodeDecodeError:
+            raise LookupError(c) from None
         if values is None:
             raise LookupError(c)
         keys_by_col.append(_small_keys(values, pa.types.is_floating(col.type), col.null_count > 0))
@@ -689,7 +728,9 @@ def consolidate_order(
             if n >= _CODES_MIN_ROWS:
                 order, same = _codes_order(table, cols)
             else:
-                arrow_order = pc.sort_indices(table, sort_keys=[(c, "ascending") for c in cols])
+                arrow_order = pc.sort_indices(
+                    _sort_view(table, cols), sort_keys=[(c, "ascending") for c in cols]
+                )
                 table = table.take(arrow_order)
                 _, same = _adjacent(table, cols, check_order=False)
     diff_index = table.schema.get_field_index(DIFF)

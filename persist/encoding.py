@@ -80,6 +80,9 @@ def _integer_range_bits(col: pa.Array | pa.ChunkedArray) -> int | None:
     decimals scaled to integers); ``None`` when it has no non-null value."""
     t = col.type
     if pa.types.is_decimal(t):
+        if not (pa.types.is_decimal128(t) or pa.types.is_decimal256(t)):
+            # decimal32/decimal64: Arrow has no min_max kernel for them.
+            col = col.cast(pa.decimal128(t.precision, t.scale))
         mm = pc.min_max(col)
         lo, hi = mm["min"].as_py(), mm["max"].as_py()
         if lo is None or hi is None:

@@ -92,29 +92,33 @@ def updates_fingerprint(expected: Antichain, new: Antichain, table: pa.Table) ->
     return UPDATES + h.hexdigest()[:32]
 
 
-#: :func:`_schema_kinds` by the schema's text (names and types): a writer fingerprints
-#: tables of one schema over and over.  Replaced whole, never mutated (threads).
-_KINDS: dict[str, tuple[tuple[int, int], ...]] = {}
+#: :func:`_schema_kinds` by the schema's text (names and types), with the schema it was
+#: made for: a writer fingerprints tables of one schema over and over.  Replaced whole,
+#: never mutated (threads).
+_KINDS: dict[str, tuple[pa.Schema, tuple[tuple[int, int], ...]]] = {}
 _KINDS_KEPT = 64
 
 
 def _schema_kinds(text: str, schema: pa.Schema) -> tuple[tuple[int, int], ...]:
-    """``(kind, byte width)`` of each column of ``schema`` (``text``, its names and
-    types, identifies it: a type's text names it exactly), the width ``0`` when the
-    kind reads no fixed width.
+    """``(kind, byte width)`` of each column of ``schema`` (``text``: its names and
+    types as printed), the width ``0`` when the kind reads no fixed width.
+
+    Found by ``text`` and taken only for a schema equal to the one it was made for
+    (``Schema.equals``, a fraction of a microsecond): names are data, so two schemas
+    of different types can print the same text (a name holding a newline and
+    ``": "``), and the kinds of one would misread the other's columns.
 
     Raises:
         TypeError: a column of a type a shard does not hold.
     """
     global _KINDS
-    got = _KINDS.get(text)
-    if got is None:
-        got = tuple(
-            (k, t.byte_width if k in (_FIXED, _FLOAT) else 0)
-            for t in schema.types
-            for k in (_kind(t),)
-        )
-        _KINDS = {**(_KINDS if len(_KINDS) < _KINDS_KEPT else {}), text: got}
+    seen = _KINDS.get(text)
+    if seen is not None and seen[0].equals(schema):
+        return seen[1]
+    got = tuple(
+        (k, t.byte_width if k in (_FIXED, _FLOAT) else 0) for t in schema.types for k in (_kind(t),)
+    )
+    _KINDS = {**(_KINDS if len(_KINDS) < _KINDS_KEPT else {}), text: (schema, got)}
     return got
 
 

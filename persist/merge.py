@@ -49,7 +49,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.consolidation import _CODES_MIN_ROWS, _adjacent, _codes_order, consolidate
+from persist.consolidation import (
+    _CODES_MIN_ROWS,
+    _adjacent,
+    _codes_order,
+    _sort_view,
+    consolidate,
+)
 from persist.errors import InvalidUsage
 from persist.updates import TIME, is_supported_type
 
@@ -215,7 +221,7 @@ def part_key_samples(
             return None
     try:
         return key_samples(table, key_names) or None
-    except KeyError:
+    except (KeyError, UnicodeDecodeError):  # a key string that is not UTF-8: unknown
         return None
 
 
@@ -246,7 +252,9 @@ def key_ranks(table: pa.Table, names: Sequence[str]) -> np.ndarray:
         order, same = _codes_order(keys, list(names))
     else:
         # Arrow's default order is consolidation's: nulls at the end, NaN before them.
-        arrow_order = pc.sort_indices(keys, sort_keys=[(c, "ascending") for c in names])
+        arrow_order = pc.sort_indices(
+            _sort_view(keys, names), sort_keys=[(c, "ascending") for c in names]
+        )
         order = np.asarray(arrow_order.to_numpy(), dtype=np.int64)
         same = (
             _adjacent(keys.take(arrow_order), list(names), check_order=False)[1] if n > 1 else None

@@ -352,7 +352,12 @@ def _describe(
     stats = table_stats(table)
     if key_names is None:
         return stats, None
-    samples = key_samples(table, key_names)
+    try:
+        samples = key_samples(table, key_names)
+    except UnicodeDecodeError:
+        # A key string that is not UTF-8 (in parts written before writers refused
+        # such strings, merged by compaction): no samples.
+        return stats, None
     if not all(_fits_state(v) for row in samples for v in row):
         return stats, None  # no samples: key-range reads treat the part as one range
     return stats, samples

@@ -105,7 +105,12 @@ def encode_value(value: pa.Scalar) -> Any:
     if pa.types.is_decimal(t):
         return str(value.as_py())
     if pa.types.is_string(t) or pa.types.is_large_string(t):
-        s = value.as_py()
+        try:
+            s = value.as_py()
+        except UnicodeDecodeError:
+            # Not UTF-8 (parts written before writers refused such strings): no
+            # statistics, which only means no pruning.
+            return None
         # No statistics for a NUL character: the stash's JSON (as Postgres JSONB)
         # cannot hold one, and unknown statistics only mean no pruning.
         return s if len(s.encode("utf-8")) <= MAX_STAT_BYTES and "\x00" not in s else None

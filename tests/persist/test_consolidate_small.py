@@ -43,6 +43,8 @@ SCHEMA = pa.schema(
         ("d", pa.decimal128(20, 2)),
         ("bin", pa.large_binary()),
         ("fb", pa.binary(2)),
+        # Narrow decimals (pyarrow >= 18): sorted by value on both paths.
+        *[(d, getattr(pa, d)(7, 2)) for d in ("decimal32", "decimal64") if hasattr(pa, d)],
         ("_time", pa.int64()),
         ("_diff", pa.int64()),
     ]
@@ -64,6 +66,10 @@ VALUES = {
     "d": [None, Decimal("0.00"), Decimal("-1.50"), Decimal("99999.99")],
     "bin": [None, b"", b"\x00", b"\xff", b"\x00\xff"],
     "fb": [None, b"\x00\x00", b"ab", b"\x00a", b"\xff\x00"],
+    **{
+        d: [None, Decimal("-1.00"), Decimal("0.50"), Decimal("0.00"), Decimal("-99999.99")]
+        for d in ("decimal32", "decimal64")
+    },
 }
 
 
@@ -174,3 +180,48 @@ def test_small_path_is_taken_for_a_merge_of_one_row_parts(monkeypatch: pytest.Mo
         {"k": 4, "v": "d", "_time": 1, "_diff": 1},
         {"k": 5, "v": "e", "_time": 3, "_diff": 1},
     ]
+
+
+@pytest.mark.parametrize("make", ["decimal32", "decimal64"])
+def test_narrow_decimals_sort_by_value_on_both_paths(make: str) -> None:
+    """``decimal32``/``decimal64`` columns (pyarrow >= 18; ``is_decimal`` accepts them):
+    Arrow has no sort kernel for them and its multi-column sort ordered them by their
+    bytes (``0.50`` before ``-1.00``), while Python orders them by value: both paths
+    now sort them by value, as every decimal128."""
+    if not hasattr(pa, make):
+        pytest.skip(f"pyarrow {pa.__version__} has no {make}")
+    t = getattr(pa, make)(9, 2)
+    vals = [Decimal(i - 20) / 4 for i in (5, 3, 40, 1, 17, 22, 9, 0, 33, 5)]
+    n = len(vals)
+    table = pa.table(
+        {
+            "k": pa.array(vals, t),
+            "v": pa.array(range(n), pa.int64()),
+            "_time": pa.array([0] * n, pa.int64()),
+            "_diff": pa.array([1, -1] * (n // 2), pa.int64()),
+        }
+    )
+    small = _run(table, ["k"], ["v"], None, small=True)
+    assert small == _run(table, ["k"], ["v"], None, small=False)
+    base, _order = consolidate_order(table, ["k"], ["v"])
+    assert base.column("k").to_pylist() == sorted(vals)
+
+
+def test_strings_that_are_not_utf8_take_the_arrow_path() -> None:
+    """A string column whose bytes are not UTF-8 (Arrow does not check them unless
+    asked; ``to_updates_table`` takes them, and a part written by another process holds
+    what it was given): the Python path cannot make Python strings of them, and leaves
+    the table to Arrow, which orders them by their bytes, rather than failing a merge of
+    a few parts with ``UnicodeDecodeError`` (a larger merge of the same rows passes)."""
+    data = b"\xff\xfeb\x80a\xff"
+    offsets = pa.py_buffer(np.array([0, 1, 2, 3, 4, 5, 6], dtype=np.int32).tobytes())
+    s = pa.Array.from_buffers(pa.string(), 6, [None, offsets, pa.py_buffer(data)])
+    table = pa.table(
+        {
+            "s": s,
+            "_time": pa.array([0] * 6, pa.int64()),
+            "_diff": pa.array([1, 1, 1, 1, 1, -1], pa.int64()),
+        }
+    )
+    got = _run(table, ["s"], [], None, small=True)
+    assert got == _run(table, ["s"], [], None, small=False)

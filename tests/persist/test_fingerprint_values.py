@@ -389,3 +389,38 @@ def test_validity_bytes_are_those_of_is_valid(valid: list[bool], start: int, cut
         return
     want = pc.is_valid(arr).to_numpy(zero_copy_only=False).tobytes()
     assert fingerprint._validity_bytes(arr) == want
+
+
+def test_column_kinds_of_schemas_with_the_same_text_are_each_their_own() -> None:
+    """Column names are data: a name may hold a newline and ``": "``, so two schemas of
+    different column types can print the same text (``p: int64\\nq: string\\nr: int64``
+    is both ``p``, ``q: string\\nr`` of int64 and ``p: int64\\nq`` of string, ``r``).
+    Each table's fingerprint is the one computed without any lookup made before: the
+    string column is hashed as strings even after the other schema was seen (the lookup
+    by the text alone hashed its offsets as 8-byte integers)."""
+    from persist import fingerprint
+
+    ints = pa.table(
+        {
+            "p": pa.array([1, 2], pa.int64()),
+            "q: string\nr": pa.array([3, 4], pa.int64()),
+            "_time": pa.array([0, 0], pa.int64()),
+            "_diff": pa.array([1, 1], pa.int64()),
+        }
+    )
+    strs = pa.table(
+        {
+            "p: int64\nq": pa.array(["a", "bc"], pa.string()),
+            "r": pa.array([3, 4], pa.int64()),
+            "_time": pa.array([0, 0], pa.int64()),
+            "_diff": pa.array([1, 1], pa.int64()),
+        }
+    )
+    fresh = {}
+    for t in (ints, strs):
+        fingerprint._KINDS = {}
+        fresh[t.column_names[0]] = updates_fingerprint(E, N, t)
+    for first, then in ((ints, strs), (strs, ints)):
+        fingerprint._KINDS = {}
+        updates_fingerprint(E, N, first)
+        assert updates_fingerprint(E, N, then) == fresh[then.column_names[0]]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from persist import BatchAppended, FileBlob, InvalidUsage, PersistClient
 from persist.gc import collect_garbage
@@ -183,3 +185,95 @@ def test_retired_rows_of_one_id_each_still_read() -> None:
         ["inline:aa", "inline:bb"],
         ["inline:cc"],
     ]
+
+
+def _ids() -> st.SearchStrategy[str]:
+    """Ids a version may retire: inline ids (hex nonces, or anything a state may hold:
+    separators, prefixes) and blob keys."""
+    hexes = st.text("0123456789abcdef", min_size=1, max_size=8)
+    odd = st.text(",@:sinle0a ", min_size=0, max_size=8)
+    return st.one_of(
+        hexes.map(lambda n: "inline:" + n),
+        odd.map(lambda n: "inline:" + n),
+        st.text("abc/._-", min_size=1, max_size=8).map(lambda k: f"s1/{k}.parquet"),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(adds=st.dictionaries(_ids(), st.integers(0, 2), max_size=80), seqno=st.integers(0, 10**12))
+def test_retired_rows_name_every_id_once_with_its_ms_and_seqno(
+    adds: dict[str, int], seqno: int
+) -> None:
+    """Whatever the ids one version retires (more than a row holds, nonces holding
+    ``,``, ``@``, ``:`` or looking like a row's prefix, blob keys), the rows written name
+    each id exactly once, with its ms and the version's seqno, and no row holds more
+    than ``INLINE_IDS_PER_ROW`` ids (a version retiring 67 hex ids writes 3 rows)."""
+    from persist.retired_keys import INLINE_IDS_PER_ROW, parse_retired, retired_ids, retired_rows
+
+    named: dict[str, tuple[int, int | None]] = {}
+    for k, ms in retired_rows(adds, seqno).items():
+        r = parse_retired(k, ms)
+        ids = retired_ids(r)
+        assert len(ids) <= INLINE_IDS_PER_ROW
+        for i in ids:
+            assert i not in named, (i, k)
+            named[i] = (r.ms, r.seqno)
+    assert named == {k: (ms, seqno) for k, ms in adds.items()}
+    many = {f"inline:{i:032x}": 7 for i in range(2 * INLINE_IDS_PER_ROW + 3)}
+    assert len(retired_rows(many, seqno)) == 3
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgres"])
+def test_more_inline_ids_than_a_row_holds_retired_by_one_version(
+    tmp_path: Path, db: str, request: pytest.FixtureRequest
+) -> None:
+    """One version (a full compaction: ``optimize``) merges away more inline batches than
+    a row of the retired collection holds: their ids take several rows (a full row's key,
+    32 ids, fits the key indexes of Postgres), each id reads as retired, a copy of one
+    from each row is refused, and GC forgets every row."""
+    from persist.optimize import optimize
+    from persist.retired_keys import INLINE_IDS_PER_ROW
+
+    url = (
+        f"sqlite:///{tmp_path / 's.db'}"
+        if db == "sqlite"
+        else str(request.getfixturevalue("postgres_url"))
+    )
+    if db == "postgres":
+        from stash.migrate import migration_engine, upgrade
+
+        engine = migration_engine(url)
+        upgrade(engine)
+        engine.dispose()
+    s = Stash.open(url, fenced=False)
+    c = PersistClient(s, FileBlob(tmp_path / "blob"), compaction="off")
+    try:
+        w, r = c.open("x", KS, VS)
+        n = INLINE_IDS_PER_ROW + 8
+        datas, pids = [], []
+        for t in range(n):
+            b = w.batch([(((t,), ("a",)), t, 1)], t, t + 1)
+            pids.extend(b.part_ids())
+            datas.append(b.into_transmittable())
+            w.compare_and_append_batch([w.batch_from_transmittable(datas[-1])], t, t + 1)
+        optimize(c.context, c.compactor, c.machine(w.shard_id))
+        held = {p.part_id for hb in c.inspect("x").batches() for p in hb.parts}
+        assert not held & set(pids)
+        coll = c.consensus.retired_collection(w.shard_id)
+        rows = [k for (k, _v), _t, d in s.iter(coll) if d > 0]
+        assert len(rows) == 2, rows
+        assert set(c.consensus.retired(w.shard_id)) == set(pids)
+        for i in (0, n - 1):  # an id of each row
+            copy = w.batch_from_transmittable(datas[i])
+            copy.rewrite_ts(Antichain.from_elem(n), Antichain.from_elem(n + 1))
+            with pytest.raises(BatchAppended):
+                w.compare_and_append_batch([copy], n, n + 1)
+        assert sorted(r.snapshot(n - 1).column("k").to_pylist()) == list(range(n))
+        r.expire()
+        report = collect_garbage(c, "x", grace_seconds=0)
+        assert sorted(report.forgot_inline) == sorted(pids)
+        assert c.consensus.retired(w.shard_id) == {}
+        assert [k for (k, _v), _t, d in s.iter(coll) if d != 0] == []
+    finally:
+        c.close()
+        s.close()

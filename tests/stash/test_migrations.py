@@ -252,3 +252,43 @@ def test_upgrade_from_0001_keeps_rows_gives_an_identity_and_takes_long_keys(
             assert s.peek_one(s.collection("c")) == {"old": 2}
     finally:
         engine.dispose()
+
+
+def test_lz4_migration_alters_only_the_stash_logs_in_its_schema(postgres_url: str) -> None:
+    """A stash in a schema of its own (``stash_schema``) beside an application table
+    also named ``logs``: the LZ4 migration and its downgrade change the stash's
+    ``logs.data`` only, never the application's column."""
+    engine = sa.create_engine(postgres_url)
+    try:
+        with engine.begin() as conn:
+            lz4 = conn.exec_driver_sql(
+                "SELECT 'lz4' = ANY(enumvals) FROM pg_settings"
+                " WHERE name = 'default_toast_compression'"
+            ).scalar()
+            conn.exec_driver_sql("CREATE TABLE public.logs (data text)")
+        if not lz4:
+            pytest.skip("this PostgreSQL server was built without LZ4")
+        url = postgres_url + "?stash_schema=catalog&stash_version_table=stash_alembic_version"
+        from stash.migrate import migration_engine
+
+        stash_engine = migration_engine(url)
+
+        def compression() -> dict[str, str]:
+            with engine.connect() as conn:
+                rows = conn.exec_driver_sql(
+                    "SELECT n.nspname, a.attcompression FROM pg_attribute a"
+                    " JOIN pg_class c ON c.oid = a.attrelid"
+                    " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                    " WHERE c.relname = 'logs' AND a.attname = 'data'"
+                ).all()
+            return {ns: str(att or "") for ns, att in rows}
+
+        try:
+            upgrade(stash_engine)
+            assert compression() == {"catalog": "l", "public": ""}
+            downgrade(stash_engine, "0009")
+            assert compression() == {"catalog": "", "public": ""}
+        finally:
+            stash_engine.dispose()
+    finally:
+        engine.dispose()

@@ -379,11 +379,11 @@ def test_postgres_log_write_of_several_logs_is_one_statement(
 
 
 @pytest.mark.parametrize("backend", ["postgres"])
-def test_postgres_pipelined_write_losing_on_the_key_names_the_log(
+def test_postgres_write_of_several_logs_losing_on_the_key_names_the_log(
     open_stash: OpenStash, stash_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Under READ COMMITTED a concurrent writer of the same seqno makes the pipelined
-    INSERT fail on the primary key once it commits: the log named is the one whose
+    """Under READ COMMITTED a concurrent writer of the same seqno makes the INSERT
+    statement fail on the primary key once it commits: the log named is the one whose
     INSERT failed, first or second, and nothing of the write commits."""
     import psycopg
     from sqlalchemy.engine import make_url
@@ -412,7 +412,7 @@ def test_postgres_pipelined_write_losing_on_the_key_names_the_log(
 
 @pytest.mark.parametrize("backend", ["postgres"])
 @pytest.mark.parametrize("fenced", [True, False])
-def test_postgres_pipelined_write_names_the_first_log_that_lost(
+def test_postgres_write_of_several_logs_names_the_first_log_that_lost(
     open_stash: OpenStash, stash_url: str, fenced: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The first log's head moved (its conditional INSERT writes no row) and the
@@ -436,23 +436,25 @@ def test_postgres_pipelined_write_names_the_first_log_that_lost(
             L.write(s, [_e("a", 0, "mine"), _e("b", 0, "mine")])
         timer.join()
     assert ei.value.collection == "a"
-    # A lost race is routine: nothing logged (psycopg warned of the aborted pipeline).
+    # A lost race is routine: nothing logged (psycopg warned of an aborted pipeline when
+    # the entries went out in one).
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.data for r in L.scan(s, "a")] == ["a0", "a1"]
     assert [r.data for r in L.scan(s, "b")] == ["b0", "other"]
 
 
 @pytest.mark.parametrize("backend", ["postgres"])
-def test_postgres_pipelined_write_losing_while_sending_logs_nothing(
+def test_postgres_write_of_several_logs_losing_on_the_key_logs_nothing(
     open_stash: OpenStash,
     stash_url: str,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The first INSERT's key violation arrives while the second is being sent (psycopg
-    raises it inside the pipeline): the race is reported as lost, and nothing is logged.
-    Failed before: psycopg warned "error ignored terminating Pipeline ... pipeline
-    aborted" on every such lost race."""
+    """The first log's entry fails on the key of a concurrent writer's row, the second
+    is slow to go out: the race is reported as lost, and nothing is logged.  Written
+    when the entries went out in a pipeline (the violation then arrived while the
+    second was being sent, and psycopg warned "error ignored terminating Pipeline ...
+    pipeline aborted"); they are one statement since, sent once."""
     import psycopg
     from sqlalchemy.engine import make_url
 

@@ -24,8 +24,8 @@ Invariants kept here:
   per entry and the ``COMMIT`` (no frontier rows, no consolidation), on the connection
   the handle holds for its writes (no pool checkout); a fenced handle's fence check
   rides on the ``INSERT`` (a fenced-out handle gets :class:`~stash.errors.FenceError`
-  before any lost race), and on Postgres the ``INSERT`` s of several logs go out in one
-  pipeline; failures are classified as for :meth:`stash.Stash.append` (a ``COMMIT``
+  before any lost race), and on Postgres the ``INSERT`` s of several logs are one
+  statement (one data-modifying CTE per log); failures are classified as for :meth:`stash.Stash.append` (a ``COMMIT``
   whose outcome is unknown raises :class:`~stash.errors.IndeterminateError` and drops
   the held connection; transient failures run the transaction again);
 * a head only moves forward: entries are never rewritten and :func:`truncate` never
@@ -140,14 +140,14 @@ def checked_entries(entries: Sequence[object]) -> list[LogEntry]:
 
 def insert_entries(tx: Txn, entries: Sequence[LogEntry]) -> None:
     """Insert checked ``entries`` in the transaction ``tx``, each on top of its expected
-    head (one conditional ``INSERT`` each; on Postgres several go out in one pipeline,
+    head (one conditional ``INSERT`` each; on Postgres several are one statement,
     ``PgTxn.log_insert_many``).
 
     Raises:
         LogRaceLost: the first log whose head is not the expected one (the caller's
             transaction then ends without committing anything).
     """
-    many = getattr(tx, "log_insert_many", None)  # several at once (Postgres: one pipeline)
+    many = getattr(tx, "log_insert_many", None)  # several at once (Postgres: one statement)
     if many is not None and len(entries) > 1:
         lost = many(entries)
         if lost is not None:

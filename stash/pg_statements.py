@@ -273,27 +273,46 @@ _ROWS_BY_NAME_SQL = (
 
 
 # Compare-and-set logs (stash.logs): see stash.sql_txn for the SQLite spelling.  The head is
-# read through the primary key; a concurrent writer of the same seqno makes the later
-# INSERT fail on that key (a lost race) once the earlier commits.
-_PG_LOG_INSERT = (
-    "INSERT INTO logs (name, seqno, rollup, data)"
-    " SELECT %(n)s, %(s)s, %(r)s, %(d)s"
-    " WHERE (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
-    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
+# read through the primary key.  A write of N entries (at most one per log) is ONE
+# statement (pg_log_insert_sql), one data-modifying CTE per entry: entry i goes in only if
+# its log's head is %(ei)s (its seqno is %(si)s), and the statement answers one row with
+# one column per entry, the transaction's id if the entry went in, NULL if not (the
+# first NULL names the log that lost).  Under READ COMMITTED a concurrent writer may also
+# have seen the expected head: the INSERT of the same seqno waits for it and fails on the
+# primary key once it commits (a lost race, named by PgTxn._lost_on_key).  No ON CONFLICT
+# clause: its speculative insertion writes ~160 bytes more WAL per entry.
+def pg_log_insert_sql(count: int, fenced: bool) -> str:
+    """The conditional INSERT of ``count`` log entries (parameters ``n0, s0, r0, d0, e0,
+    n1, ...``: name, seqno, rollup, data, expected head).  ``fenced``: a fenced handle
+    whose fence is not checked yet in the transaction; the fence row is read FOR SHARE
+    (as by ``PgTxn.check_fence``) in the same statement, with parameters ``ep`` and
+    ``no``, and no entry goes in unless it holds this handle's epoch and nonce (every
+    column NULL: the fence or the heads differ; ``check_fence`` then tells which, a
+    FenceError first, as when checked on its own before the INSERT)."""
+    cached = _LOG_INSERT_CACHE.get((count, fenced))
+    if cached is not None:
+        return cached
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"a log write inserts at least one entry, got {count!r}")
+    ctes = [_LOG_FENCE_CTE] if fenced else []
+    where = _LOG_FENCE_WHERE if fenced else " WHERE"
+    for i in range(count):  # only the entry's index (an int) goes into the text
+        ctes.append(_LOG_ENTRY_CTE.replace("{where}", where).replace("#", str(i)))
+    cols = ", ".join(_LOG_ENTRY_COL.replace("#", str(i)) for i in range(count))
+    statement = _LOG_INSERT_CACHE[(count, fenced)] = "WITH " + ", ".join(ctes) + " SELECT " + cols
+    return statement
+
+
+_LOG_INSERT_CACHE: dict[tuple[int, bool], str] = {}
+_LOG_FENCE_CTE = "f AS (SELECT epoch, nonce FROM fence FOR SHARE)"
+_LOG_FENCE_WHERE = " FROM f WHERE f.epoch = %(ep)s AND f.nonce = %(no)s AND"
+_LOG_ENTRY_CTE = (
+    "i# AS (INSERT INTO logs (name, seqno, rollup, data)"
+    " SELECT %(n#)s, %(s#)s, %(r#)s, %(d#)s{where}"
+    " (SELECT max(seqno) FROM logs WHERE name = %(n#)s) IS NOT DISTINCT FROM %(e#)s::bigint"
+    " RETURNING txid_current() AS x)"
 )
-# The same on a fenced handle whose fence is not checked yet in the transaction: the
-# fence row is read FOR SHARE (as by PgTxn.check_fence) in the same statement, and the
-# entry goes in only if it holds this handle's epoch and nonce.  No row: the fence or
-# the head differs; check_fence then tells which (a FenceError first, as when checked
-# on its own before the INSERT).
-_PG_LOG_INSERT_FENCED = (
-    "WITH f AS (SELECT epoch, nonce FROM fence FOR SHARE)"
-    " INSERT INTO logs (name, seqno, rollup, data)"
-    " SELECT %(n)s, %(s)s, %(r)s, %(d)s FROM f"
-    " WHERE f.epoch = %(ep)s AND f.nonce = %(no)s"
-    " AND (SELECT max(seqno) FROM logs WHERE name = %(n)s)"
-    " IS NOT DISTINCT FROM %(e)s::bigint RETURNING txid_current()"
-)
+_LOG_ENTRY_COL = "(SELECT x FROM i#)"
 _PG_LOG_HEAD = (
     "SELECT seqno, rollup, data FROM logs WHERE name = %(n)s AND seqno >= coalesce("
     "(SELECT seqno FROM logs WHERE name = %(n)s AND rollup ORDER BY seqno DESC LIMIT 1), 0)"

@@ -81,11 +81,10 @@ from stash.pg_statements import (
     _PEEK_KEY_SQL,
     _PEEK_SQL,
     _PG_LOG_HEAD,
-    _PG_LOG_INSERT,
-    _PG_LOG_INSERT_FENCED,
     _PG_LOG_SCAN,
     _PG_LOG_TRUNCATE,
     _ROWS_BY_NAME_SQL,
+    pg_log_insert_sql,
 )
 from stash.placement import install, placement
 from stash.sql import (
@@ -108,6 +107,8 @@ RETRY_STATES = frozenset({"40001", "40P01"})
 #: SQLSTATEs that mean the server ended or refused the session (plus class 08).
 LOST_STATES = frozenset({"57P01", "57P02", "57P03", "53300"})
 _UNIQUE_VIOLATION = "23505"
+#: Log entries per INSERT statement (a statement binds at most 65,535 parameters).
+LOG_INSERT_CHUNK = 64
 
 
 def pg_engine(url: URL, *, pool_size: int, connect_timeout: float, pre_ping: bool) -> sa.Engine:
@@ -506,74 +507,63 @@ class PgTxn(SqlTxn):
     def log_insert(
         self, name: str, expected: int | None, seqno: int, rollup: bool, data: str
     ) -> bool:
-        """One conditional INSERT (the transaction's id comes back with it, for a COMMIT
-        whose answer is lost); under READ COMMITTED two writers may both see the
-        expected head, and the later one then fails on the primary key: a lost race,
-        after which the transaction is aborted (the caller ends it)."""
-        self._ahead.clear()
-        params = {"n": name, "s": seqno, "r": rollup, "d": data, "e": expected}
-        fenced = self._fence_pending and self.write
-        if fenced:  # the fence check rides on the INSERT: one round trip less
-            params["ep"], params["no"] = self.stash._epoch, self.stash._nonce
-        else:
-            self._ensure_fence()
-        try:
-            row = self._exec(_PG_LOG_INSERT_FENCED if fenced else _PG_LOG_INSERT, params).fetchone()
-        except psycopg.errors.UniqueViolation:
-            # Only after the fence row matched (the INSERT's condition held).
-            return False
-        if row is None:
-            if fenced:
-                self.check_fence()  # raises FenceError if the fence moved
-            return False
-        self._fence_pending = False
-        self._wrote = True
-        self.xid = int(row[0])
-        return True
+        """One conditional INSERT (:meth:`log_insert_many` of one entry): ``False`` when
+        the log's head is not ``expected`` (a lost race; the caller ends the
+        transaction)."""
+        return self._log_insert([(name, seqno, rollup, data, expected)]) is None
 
     def log_insert_many(self, entries: Sequence[Any]) -> int | None:
-        """:meth:`log_insert` of each ``LogEntry`` of ``entries`` in ONE pipeline (one
-        wait instead of one per entry: a persist commit writes two logs); the index of
-        the first entry not written (as :meth:`log_insert`'s ``False``; the caller rolls
-        back), ``None`` when all were.  Raises FenceError if the fence moved."""
+        """:meth:`log_insert` of each ``LogEntry`` of ``entries`` (at most one per log)
+        in ONE statement (``stash.pg_statements.pg_log_insert_sql``; one per
+        :data:`LOG_INSERT_CHUNK` entries): the index of the first entry not written (a
+        lost race; the caller rolls back), ``None`` when all were.  Raises FenceError if
+        the fence moved.  A write waits 3 times (BEGIN, this, COMMIT): psycopg's pipeline
+        would fold the BEGIN in, but costs more client CPU than a local round trip."""
+        return self._log_insert([(e.name, e.seqno, e.rollup, e.data, e.expected) for e in entries])
+
+    def _log_insert(self, entries: list[tuple[str, int, bool, str, int | None]]) -> int | None:
+        # Each statement answers the transaction's id per entry written (for a COMMIT
+        # whose answer is lost), NULL for an entry whose log's head had moved.
         self._ahead.clear()
-        fenced = self._fence_pending and self.write
-        if not fenced:
-            self._ensure_fence()
-        statement = _PG_LOG_INSERT_FENCED if fenced else _PG_LOG_INSERT
-        curs: list[Any] = []
-        with self.dbc.pipeline() as pipeline:
+        for start in range(0, len(entries), LOG_INSERT_CHUNK):
+            chunk = entries[start : start + LOG_INSERT_CHUNK]
+            fenced = self._fence_pending and self.write
+            params: dict[str, Any] = {}
+            if fenced:  # the fence check rides on the INSERT: one round trip less
+                params["ep"], params["no"] = self.stash._epoch, self.stash._nonce
+            else:
+                self._ensure_fence()
+            for i, (n, s, r, d, e) in enumerate(chunk):
+                params[f"n{i}"], params[f"s{i}"], params[f"r{i}"] = n, s, r
+                params[f"d{i}"], params[f"e{i}"] = d, e
             try:
-                for e in entries:
-                    params = {"n": e.name, "s": e.seqno, "r": e.rollup, "d": e.data}
-                    params["e"] = e.expected
+                row = self._exec(pg_log_insert_sql(len(chunk), fenced), params).fetchone()
+            except psycopg.errors.UniqueViolation:
+                return self._lost_on_key(entries)
+            for i, xid in enumerate(row):
+                if xid is None:
                     if fenced:
-                        params["ep"], params["no"] = self.stash._epoch, self.stash._nonce
-                    curs.append(cur := self.dbc.cursor())  # before it can fail
-                    cur.execute(statement, params)
-                pipeline.sync()
-            except psycopg.errors.UniqueViolation:  # here: out of the block, psycopg warns
-                # The first statement that wrote no row lost its race (its log moved on,
-                # not another's: a rollup writes no history record), else the failed one
-                # did; a moved fence, which an aborted transaction cannot check, meets
-                # the retry.
-                for i, c in enumerate(curs):
-                    res = c.pgresult
-                    if res is None or res.status != psycopg.pq.ExecStatus.TUPLES_OK:
-                        return i
-                    if not res.ntuples:
-                        return i
-                return len(curs) - 1  # pragma: no cover - psycopg reports the failed one
-        for i, cur in enumerate(curs):
-            row = cur.fetchone()
-            if row is None:
-                if fenced:
-                    self.check_fence()  # raises FenceError if the fence moved
-                return i
-            self.xid = int(row[0])
-        self._fence_pending = False
-        self._wrote = True
+                        self.check_fence()  # raises FenceError if the fence moved
+                    return start + i
+                self.xid = int(xid)
+            self._fence_pending = False
+            self._wrote = True
         return None
+
+    def _lost_on_key(self, entries: list[tuple[str, int, bool, str, int | None]]) -> int:
+        """The entry that lost its race when a log INSERT failed on the primary key: a
+        concurrent writer of one of these seqnos, which also saw the expected head
+        (READ COMMITTED), committed first.  The error does not say whose; the first log
+        whose head is no longer the expected one is (as a head that moved before the
+        statement would be).  The transaction is aborted: rolled back here (the caller
+        ends it again), and the heads read after it."""
+        if len(entries) == 1:
+            return 0
+        self.dbc.rollback()
+        for i, (name, _, _, _, expected) in enumerate(entries):
+            if self.log_head_seqno(name) != expected:
+                return i
+        return 0  # pragma: no cover - the failed entry's head has moved
 
     def log_rows(self, name: str, from_seqno: int | None) -> list[LogRow]:
         self._ensure_fence()

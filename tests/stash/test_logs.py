@@ -269,7 +269,7 @@ def test_postgres_concurrent_insert_of_the_same_seqno_is_a_lost_race(
             for _ in range(600):  # until the stash's INSERT waits on the other's row
                 row = watch.execute(
                     "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                    " AND query LIKE 'INSERT INTO logs%'"
+                    " AND query LIKE '%INSERT INTO logs%'"
                 ).fetchone()
                 if row is not None and row[0]:
                     break
@@ -332,13 +332,14 @@ def test_postgres_fenced_log_write_waits_twice(
 
 
 @pytest.mark.parametrize("backend", ["postgres"])
-def test_postgres_log_write_of_several_logs_is_one_pipeline(
+def test_postgres_log_write_of_several_logs_is_one_statement(
     open_stash: OpenStash, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A write of entries of two logs (a persist commit: its state and its history)
-    sends both conditional INSERTs in one pipeline: the client waits for it and for the
-    COMMIT.  A lost race still names the first log refused, on either log, and a
-    fenced-out handle still gets FenceError.  Fails on the old code (one wait per
+    sends both conditional INSERTs as ONE statement (no pipeline to set up, one cursor):
+    the client waits for it and for the COMMIT.  A lost race still names the first log
+    refused, on either log, and a fenced-out handle still gets FenceError.  Fails on the
+    old code (one statement per entry, in a pipeline; before that, one wait per
     INSERT)."""
     import psycopg
 
@@ -348,8 +349,8 @@ def test_postgres_log_write_of_several_logs_is_one_pipeline(
     execute, commit = psycopg.Cursor.execute, psycopg.Connection.commit
 
     def spy_execute(self: psycopg.Cursor[object], query: object, *a: object, **k: object) -> object:
-        if self.connection._pipeline is None:
-            seen.append(str(query)[:30])
+        pipelined = self.connection._pipeline is not None
+        seen.append(("pipelined " if pipelined else "") + str(query)[:30])
         return execute(self, query, *a, **k)  # type: ignore[arg-type]
 
     def spy_commit(self: psycopg.Connection[object]) -> None:
@@ -361,7 +362,7 @@ def test_postgres_log_write_of_several_logs_is_one_pipeline(
     for h in range(3):
         seen.clear()
         L.write(s, [_e("a", h, f"a{h + 1}"), _e("b", h, f"b{h + 1}")])
-        assert seen == ["COMMIT"], seen
+        assert seen == ["WITH f AS (SELECT epoch, nonce", "COMMIT"], seen
     monkeypatch.undo()
     with pytest.raises(LogRaceLost) as ei:
         L.write(s, [_e("a", 2, "x"), _e("b", 3, "y")])
@@ -378,11 +379,11 @@ def test_postgres_log_write_of_several_logs_is_one_pipeline(
 
 
 @pytest.mark.parametrize("backend", ["postgres"])
-def test_postgres_pipelined_write_losing_on_the_key_names_the_log(
+def test_postgres_write_of_several_logs_losing_on_the_key_names_the_log(
     open_stash: OpenStash, stash_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Under READ COMMITTED a concurrent writer of the same seqno makes the pipelined
-    INSERT fail on the primary key once it commits: the log named is the one whose
+    """Under READ COMMITTED a concurrent writer of the same seqno makes the INSERT
+    statement fail on the primary key once it commits: the log named is the one whose
     INSERT failed, first or second, and nothing of the write commits."""
     import psycopg
     from sqlalchemy.engine import make_url
@@ -411,7 +412,7 @@ def test_postgres_pipelined_write_losing_on_the_key_names_the_log(
 
 @pytest.mark.parametrize("backend", ["postgres"])
 @pytest.mark.parametrize("fenced", [True, False])
-def test_postgres_pipelined_write_names_the_first_log_that_lost(
+def test_postgres_write_of_several_logs_names_the_first_log_that_lost(
     open_stash: OpenStash, stash_url: str, fenced: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The first log's head moved (its conditional INSERT writes no row) and the
@@ -435,23 +436,25 @@ def test_postgres_pipelined_write_names_the_first_log_that_lost(
             L.write(s, [_e("a", 0, "mine"), _e("b", 0, "mine")])
         timer.join()
     assert ei.value.collection == "a"
-    # A lost race is routine: nothing logged (psycopg warned of the aborted pipeline).
+    # A lost race is routine: nothing logged (psycopg warned of an aborted pipeline when
+    # the entries went out in one).
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.data for r in L.scan(s, "a")] == ["a0", "a1"]
     assert [r.data for r in L.scan(s, "b")] == ["b0", "other"]
 
 
 @pytest.mark.parametrize("backend", ["postgres"])
-def test_postgres_pipelined_write_losing_while_sending_logs_nothing(
+def test_postgres_write_of_several_logs_losing_on_the_key_logs_nothing(
     open_stash: OpenStash,
     stash_url: str,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The first INSERT's key violation arrives while the second is being sent (psycopg
-    raises it inside the pipeline): the race is reported as lost, and nothing is logged.
-    Failed before: psycopg warned "error ignored terminating Pipeline ... pipeline
-    aborted" on every such lost race."""
+    """The first log's entry fails on the key of a concurrent writer's row, the second
+    is slow to go out: the race is reported as lost, and nothing is logged.  Written
+    when the entries went out in a pipeline (the violation then arrived while the
+    second was being sent, and psycopg warned "error ignored terminating Pipeline ...
+    pipeline aborted"); they are one statement since, sent once."""
     import psycopg
     from sqlalchemy.engine import make_url
 

@@ -517,13 +517,12 @@ class PgTxn(SqlTxn):
         in ONE statement (``stash.pg_statements.pg_log_insert_sql``; one per
         :data:`LOG_INSERT_CHUNK` entries): the index of the first entry not written (a
         lost race; the caller rolls back), ``None`` when all were.  Raises FenceError if
-        the fence moved.  A write waits 3 times (BEGIN, this, COMMIT): psycopg's pipeline
-        would fold the BEGIN in, but costs more client CPU than a local round trip."""
+        the fence moved.  Two waits: ``BEGIN`` and this statement, ``COMMIT``."""
         return self._log_insert([(e.name, e.seqno, e.rollup, e.data, e.expected) for e in entries])
 
     def _log_insert(self, entries: list[tuple[str, int, bool, str, int | None]]) -> int | None:
-        # Each statement answers the transaction's id per entry written (for a COMMIT
-        # whose answer is lost), NULL for an entry whose log's head had moved.
+        # A statement answers, per entry, the transaction's id (for a COMMIT whose answer
+        # is lost) or NULL (the log's head had moved).
         self._ahead.clear()
         for start in range(0, len(entries), LOG_INSERT_CHUNK):
             chunk = entries[start : start + LOG_INSERT_CHUNK]
@@ -533,11 +532,10 @@ class PgTxn(SqlTxn):
                 params["ep"], params["no"] = self.stash._epoch, self.stash._nonce
             else:
                 self._ensure_fence()
-            for i, (n, s, r, d, e) in enumerate(chunk):
-                params[f"n{i}"], params[f"s{i}"], params[f"r{i}"] = n, s, r
-                params[f"d{i}"], params[f"e{i}"] = d, e
+            for i, entry in enumerate(chunk):  # name, seqno, rollup, data, expected head
+                params.update({f"{k}{i}": v for k, v in zip("nsrde", entry, strict=True)})
             try:
-                row = self._exec(pg_log_insert_sql(len(chunk), fenced), params).fetchone()
+                row = self._fetch_first(pg_log_insert_sql(len(chunk), fenced), params)
             except psycopg.errors.UniqueViolation:
                 return self._lost_on_key(entries)
             for i, xid in enumerate(row):
@@ -550,13 +548,26 @@ class PgTxn(SqlTxn):
             self._wrote = True
         return None
 
+    def _fetch_first(self, statement: str, params: dict[str, Any]) -> Any:
+        """The first row of ``statement``; sent first in a transaction, in one pipeline with
+        its ``BEGIN``: one wait, not two (for ~35 us of client CPU)."""
+        if self.dbc.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            return self._exec(statement, params).fetchone()
+        failed: psycopg.Error | None = None
+        with self.dbc.pipeline() as pipeline:
+            try:  # caught in the block: leaving it with the error, psycopg warns
+                self._exec(statement, params)
+                pipeline.sync()
+            except psycopg.errors.UniqueViolation as e:
+                failed = e
+        if failed:
+            raise failed
+        return self.cur.fetchone()
+
     def _lost_on_key(self, entries: list[tuple[str, int, bool, str, int | None]]) -> int:
-        """The entry that lost its race when a log INSERT failed on the primary key: a
-        concurrent writer of one of these seqnos, which also saw the expected head
-        (READ COMMITTED), committed first.  The error does not say whose; the first log
-        whose head is no longer the expected one is (as a head that moved before the
-        statement would be).  The transaction is aborted: rolled back here (the caller
-        ends it again), and the heads read after it."""
+        """The entry that lost its race when a log INSERT failed on the primary key (a
+        concurrent writer of its seqno, which saw the same head, committed first): the
+        first whose log's head moved, read after rolling the aborted transaction back."""
         if len(entries) == 1:
             return 0
         self.dbc.rollback()

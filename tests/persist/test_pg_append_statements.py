@@ -1,8 +1,9 @@
 """What a persist append sends to Postgres: a one-row ``compare_and_append`` is ONE
 statement (the conditional INSERTs of the shard's state entry and its history record,
-``stash.pg_statements.pg_log_insert_sql``) and the ``COMMIT``, on the connection the
-stash handle holds for its writes; no pipeline, no lock statement, no read.  Pins the
-client's round trips (each costs client CPU: psycopg's wait) against regressions."""
+``stash.pg_statements.pg_log_insert_sql``), sent in one pipeline with the ``BEGIN``,
+and the ``COMMIT``, on the connection the stash handle holds for its writes; no lock
+statement, no read.  Pins the client's round trips (each costs a network round trip
+and client CPU: psycopg's wait) against regressions."""
 
 from __future__ import annotations
 
@@ -45,6 +46,6 @@ def test_one_row_append_is_one_statement_and_commit(
             row = {"k": [str(u)], "_time": pa.array([u], pa.int64()), "_diff": [1]}
             w.compare_and_append(pa.table(row), u, u + 1)
             assert len(seen) == 2 and seen[1] == "COMMIT", seen
-            assert seen[0].startswith("WITH ") and seen[0].count("INSERT INTO logs") == 2
+            assert seen[0].startswith("pipelined WITH ") and seen[0].count("INSERT INTO logs") == 2
         monkeypatch.undo()
         assert w.upper.as_option() == 6

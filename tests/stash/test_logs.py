@@ -336,11 +336,11 @@ def test_postgres_log_write_of_several_logs_is_one_statement(
     open_stash: OpenStash, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A write of entries of two logs (a persist commit: its state and its history)
-    sends both conditional INSERTs as ONE statement (no pipeline to set up, one cursor):
-    the client waits for it and for the COMMIT.  A lost race still names the first log
-    refused, on either log, and a fenced-out handle still gets FenceError.  Fails on the
-    old code (one statement per entry, in a pipeline; before that, one wait per
-    INSERT)."""
+    sends both conditional INSERTs as ONE statement, in one pipeline with the BEGIN
+    (one cursor): the client waits for it and for the COMMIT.  A lost race still names
+    the first log refused, on either log, and a fenced-out handle still gets FenceError.
+    Fails on the old code (one statement per entry, in a pipeline; before that, one wait
+    per INSERT)."""
     import psycopg
 
     s = open_stash(fenced=True)
@@ -362,7 +362,7 @@ def test_postgres_log_write_of_several_logs_is_one_statement(
     for h in range(3):
         seen.clear()
         L.write(s, [_e("a", h, f"a{h + 1}"), _e("b", h, f"b{h + 1}")])
-        assert seen == ["WITH f AS (SELECT epoch, nonce", "COMMIT"], seen
+        assert seen == ["pipelined WITH f AS (SELECT epoch, nonce", "COMMIT"], seen
     monkeypatch.undo()
     with pytest.raises(LogRaceLost) as ei:
         L.write(s, [_e("a", 2, "x"), _e("b", 3, "y")])

@@ -219,3 +219,49 @@ def test_a_missing_s3_server_fails_under_ci_and_skips_otherwise(
     monkeypatch.setenv("CI", "")
     with pytest.raises(pytest.skip.Exception, match="not CI, so skipped"):
         s3_fixtures.require_s3_server()
+
+
+def test_an_s3_request_is_tried_at_most_three_times_by_the_sdk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store opened from an ``s3://`` URI has the SDK retry a failing request 3 times
+    (``S3FileSystem``'s own default), under persist's own ``RetryingBlob``: counted on a
+    local server answering every request with a retryable 500.  Failed before: the
+    filesystem ``FileSystem.from_uri`` makes has the AWS SDK's default strategy (31
+    requests for one listing here; 6 s against a refused endpoint)."""
+    import http.server
+    import threading
+
+    from persist.blob.arrowfs import ArrowFsBlob
+
+    seen: list[str] = []
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def _fail(self) -> None:
+            seen.append(self.command)
+            body = b"<Error><Code>InternalError</Code><Message>try again</Message></Error>"
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _fail
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    try:
+        port = server.server_address[1]
+        uri = f"s3://{BUCKET}/p?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+        blob = open_blob(uri)
+        inner = getattr(blob, "inner", blob)
+        assert isinstance(inner, ArrowFsBlob)
+        with pytest.raises(BlobError):
+            inner.list_keys("x/")
+        assert len(seen) == 3, seen
+    finally:
+        server.shutdown()

@@ -24,6 +24,7 @@ import persist.consolidation as consolidation
 from persist.consolidation import consolidate_order
 from persist.encoding import _ipc_stream
 from persist.errors import DiffOverflow
+from tests.support.arrow_types import NARROW_DECIMALS
 
 NAN = float("nan")
 
@@ -44,7 +45,7 @@ SCHEMA = pa.schema(
         ("bin", pa.large_binary()),
         ("fb", pa.binary(2)),
         # Narrow decimals (pyarrow >= 18): sorted by value on both paths.
-        *[(d, getattr(pa, d)(7, 2)) for d in ("decimal32", "decimal64") if hasattr(pa, d)],
+        *[(d, getattr(pa, d)(7, 2)) for d in NARROW_DECIMALS],
         ("_time", pa.int64()),
         ("_diff", pa.int64()),
     ]
@@ -68,7 +69,7 @@ VALUES = {
     "fb": [None, b"\x00\x00", b"ab", b"\x00a", b"\xff\x00"],
     **{
         d: [None, Decimal("-1.00"), Decimal("0.50"), Decimal("0.00"), Decimal("-99999.99")]
-        for d in ("decimal32", "decimal64")
+        for d in NARROW_DECIMALS
     },
 }
 
@@ -182,14 +183,12 @@ def test_small_path_is_taken_for_a_merge_of_one_row_parts(monkeypatch: pytest.Mo
     ]
 
 
-@pytest.mark.parametrize("make", ["decimal32", "decimal64"])
+@pytest.mark.parametrize("make", NARROW_DECIMALS)
 def test_narrow_decimals_sort_by_value_on_both_paths(make: str) -> None:
     """``decimal32``/``decimal64`` columns (pyarrow >= 18; ``is_decimal`` accepts them):
     Arrow has no sort kernel for them and its multi-column sort ordered them by their
     bytes (``0.50`` before ``-1.00``), while Python orders them by value: both paths
     now sort them by value, as every decimal128."""
-    if not hasattr(pa, make):
-        pytest.skip(f"pyarrow {pa.__version__} has no {make}")
     t = getattr(pa, make)(9, 2)
     vals = [Decimal(i - 20) / 4 for i in (5, 3, 40, 1, 17, 22, 9, 0, 33, 5)]
     n = len(vals)

@@ -44,6 +44,7 @@ from persist.parts import (
     write_parts,
 )
 from persist.stats import table_stats
+from tests.support.arrow_types import NARROW_DECIMALS
 
 KS = pa.schema([("k", pa.int64()), ("name", pa.string())])
 VS = pa.schema([("v", pa.float64())])
@@ -399,7 +400,7 @@ def test_consolidate_large_random_both_paths_agree() -> None:
     assert _rows_of(outs[0]) == expected
 
 
-@pytest.mark.parametrize("name", ["decimal32", "decimal64"])
+@pytest.mark.parametrize("name", NARROW_DECIMALS)
 def test_narrow_decimals_sort_by_value_on_every_path(name: str) -> None:
     """``decimal32``/``decimal64`` keys (pyarrow >= 18): every sort path orders them by
     value, as decimal128 (Arrow's multi-column sort ordered them by their bytes, the
@@ -409,8 +410,6 @@ def test_narrow_decimals_sort_by_value_on_every_path(name: str) -> None:
     from persist import merge as merge_module
     from persist.merge import key_ranks
 
-    if not hasattr(pa, name):
-        pytest.skip(f"pyarrow {pa.__version__} has no {name}")
     rng = np.random.default_rng(4)
     n = 3_000
     t = pa.table(
@@ -1169,9 +1168,6 @@ def test_part_encoding_settings() -> None:
     assert decode_part(data, make_part_ref("k/p.parquet", data, 10)).equals(small)
 
 
-_NARROW_DECIMALS = [d for d in ("decimal32", "decimal64") if hasattr(pa, d)]
-
-
 @pytest.mark.parametrize(
     ("type_", "step"),
     [
@@ -1183,7 +1179,7 @@ _NARROW_DECIMALS = [d for d in ("decimal32", "decimal64") if hasattr(pa, d)]
         (pa.duration("ms"), 1),
         (pa.decimal128(18, 3), decimal.Decimal("0.001")),
         # pyarrow >= 18: no min_max kernel for these (their range is read as decimal128)
-        *[(getattr(pa, d)(9, 3), decimal.Decimal("0.001")) for d in _NARROW_DECIMALS],
+        *[(getattr(pa, d)(9, 3), decimal.Decimal("0.001")) for d in NARROW_DECIMALS],
     ],
     ids=str,
 )

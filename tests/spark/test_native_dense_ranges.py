@@ -18,6 +18,7 @@ import pytest
 from persist import PersistClient
 from stash import Stash
 from tests.spark.test_persist_table import collected, snapshot
+from tests.support.arrow_types import NARROW_DECIMALS
 
 pytestmark = pytest.mark.spark
 
@@ -33,7 +34,7 @@ VS = pa.schema(
         ("day", pa.date32()),
         ("flag", pa.int32()),
         # Narrow decimals (pyarrow >= 18): no min_max kernel for their range.
-        *[(d, getattr(pa, d)(9, 2)) for d in ("decimal32", "decimal64") if hasattr(pa, d)],
+        *[(d, getattr(pa, d)(9, 2)) for d in NARROW_DECIMALS],
     ]
 )
 
@@ -105,7 +106,7 @@ def test_dense_ranges_at_the_ends_of_their_types_read_natively(
     assert collected(table.to_df(path="native")) == want
 
 
-@pytest.mark.parametrize("name", ["decimal32", "decimal64"])
+@pytest.mark.parametrize("name", NARROW_DECIMALS)
 def test_a_key_of_a_narrow_decimal_reads_natively(spark: Any, spark_store: Any, name: str) -> None:
     """A shard keyed by one ``decimal32``/``decimal64`` column (pyarrow >= 18), written in
     runs that overlap: the native plan ranks their keys (it failed with
@@ -114,8 +115,6 @@ def test_a_key_of_a_narrow_decimal_reads_natively(spark: Any, spark_store: Any, 
     from spark import PersistTable
     from spark.native_plan import plan_snapshot
 
-    if not hasattr(pa, name):
-        pytest.skip(f"pyarrow {pa.__version__} has no {name}")
     t = getattr(pa, name)(7, 2)
     ks, vs = pa.schema([("k", t)]), pa.schema([("v", pa.int64())])
     shard = f"narrow_{name}"

@@ -394,7 +394,8 @@ def test_details(client: PersistClient) -> None:
     assert d["schema"] == ["id: int64 not null", "name: string", "v: double"]
     assert (d["since"], d["upper"], d["batches"], d["parts"], d["updates"]) == (0, 1, 1, 1, 1)
     assert d["runs"] == 1 and d["inline_bytes"] > 0 and d["bytes"] == 0
-    assert d["schema_versions"] == 1 and d["retention_seconds"] is None
+    retention = d["retention_seconds"]
+    assert d["schema_versions"] == 1 and retention is None
     assert d["blob_store"].startswith("MemoryBlob")
     json.dumps(d)
 
@@ -414,8 +415,10 @@ def test_retention_moves_the_since_at_every_commit(clocked: tuple[PersistClient,
     t = client.create_table("ret", SCHEMA, key=["id"])
     _commit_every_10s(t, clock, 3)  # times 0, 1, 2 at +10, +20, +30 s
     assert t.details()["since"] == 0
-    t.set_retention(dt.timedelta(seconds=15))  # now +30: newest commit at or before +15 is time 0
-    assert t.retention == dt.timedelta(seconds=15) and t.details()["retention_seconds"] == 15
+    fifteen = dt.timedelta(seconds=15)  # a setting, not a measured time
+    t.set_retention(fifteen)  # now +30: newest commit at or before +15 is time 0
+    stored = t.details()["retention_seconds"]
+    assert t.retention == fifteen and stored == 15
     assert t.details()["since"] == 0
     assert t.history(limit=1).column("operation").to_pylist() == ["retention"]
     _commit_every_10s(t, clock, 2)  # times 3, 4 at +40, +50: cutoff +35: time 2
@@ -426,7 +429,7 @@ def test_retention_moves_the_since_at_every_commit(clocked: tuple[PersistClient,
     # another client sees the retention (it is in the state)
     other = PersistClient(client.stash, client.raw_blob, compaction="off")
     try:
-        assert other.table("ret").retention == dt.timedelta(seconds=15)
+        assert other.table("ret").retention == fifteen
     finally:
         other.close()
     # clearing it leaves the since where it is

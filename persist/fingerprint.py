@@ -126,16 +126,36 @@ def updates_fingerprint(
     h.update(b"%d;" % table.num_rows)
     if table.num_rows:
         # The columns' names and types (not the schema's metadata).
-        schema = table.schema
-        text: str = schema.to_string(show_field_metadata=False, show_schema_metadata=False)
-        h.update(text.encode())
-        kinds = _schema_kinds(text, schema)
+        text, kinds = _schema_text(table.schema)
+        h.update(text)
         # One chunk a column (no copy when there is one already); the offsets of its
         # arrays are read, not assumed zero.
-        for batch in table.combine_chunks().to_batches():
-            for column, kind in zip(batch.columns, kinds, strict=True):
-                _hash_column(h, column, kind)
+        batches = table.to_batches()
+        if len(batches) != 1:
+            batches = table.combine_chunks().to_batches()
+        for column, kind in zip(batches[0].columns, kinds, strict=True):
+            _hash_column(h, column, kind)
     return version + h.hexdigest()[:32]
+
+
+#: The schema :func:`_schema_text` saw last, its text and kinds (replaced whole, never
+#: mutated: threads).
+_LAST_SCHEMA: tuple[pa.Schema, bytes, tuple[tuple[int, int], ...]] | None = None
+
+
+def _schema_text(schema: pa.Schema) -> tuple[bytes, tuple[tuple[int, int], ...]]:
+    """The names and types of ``schema`` as printed (UTF-8) and its
+    :func:`_schema_kinds`; those of the last schema seen when ``schema`` equals it
+    (names, types and nullability, what the text prints: ``Schema.equals`` costs a
+    fortieth of printing it)."""
+    global _LAST_SCHEMA
+    last = _LAST_SCHEMA
+    if last is not None and last[0].equals(schema):
+        return last[1], last[2]
+    text: str = schema.to_string(show_field_metadata=False, show_schema_metadata=False)
+    kinds = _schema_kinds(text, schema)
+    _LAST_SCHEMA = (schema, text.encode(), kinds)
+    return _LAST_SCHEMA[1], kinds
 
 
 #: :func:`_schema_kinds` by the schema's text (names and types), with the schema it was
@@ -258,7 +278,10 @@ _STRUCTS = {c: [struct.Struct(f"={n}{c}") for n in range(_FEW + 2)] for c in "iq
 def _has_nan(raw: pa.Buffer, width: int, n: int) -> bool:
     """Whether the ``n`` floats of ``width`` bytes in ``raw`` hold a NaN."""
     if n <= _FEW and width in (4, 8):
-        return any(x != x for x in memoryview(raw).cast("f" if width == 4 else "d"))
+        values = memoryview(raw).cast("f" if width == 4 else "d")
+        if n == 1:
+            return bool(values[0] != values[0])
+        return any(x != x for x in values)
     return bool(np.isnan(np.frombuffer(raw, np.dtype(f"f{width}"))).any())
 
 

@@ -393,7 +393,7 @@ def test_column_kinds_follow_each_schema() -> None:
     fps = set()
     for t in (ints, stamps, ints, stamps):
         fp = updates_fingerprint(E, N, t)
-        fingerprint._KINDS = {}  # the lookup made again
+        fingerprint._KINDS, fingerprint._LAST_SCHEMA = {}, None  # the lookup made again
         assert updates_fingerprint(E, N, t) == fp
         fps.add(fp)
     assert len(fps) == 2
@@ -444,9 +444,34 @@ def test_column_kinds_of_schemas_with_the_same_text_are_each_their_own() -> None
     )
     fresh = {}
     for t in (ints, strs):
-        fingerprint._KINDS = {}
+        fingerprint._KINDS, fingerprint._LAST_SCHEMA = {}, None
         fresh[t.column_names[0]] = updates_fingerprint(E, N, t)
     for first, then in ((ints, strs), (strs, ints)):
-        fingerprint._KINDS = {}
+        fingerprint._KINDS, fingerprint._LAST_SCHEMA = {}, None
         updates_fingerprint(E, N, first)
         assert updates_fingerprint(E, N, then) == fresh[then.column_names[0]]
+
+
+def test_the_last_schema_is_taken_again_only_when_equal() -> None:
+    """The text and kinds of the last schema seen are reused for an equal schema (its
+    metadata aside, which the text does not print), never for one differing in a type
+    or a column's nullability (which it prints): each fingerprint is the one computed
+    with nothing seen before."""
+    from persist import fingerprint
+
+    t = _golden()
+    tagged = t.replace_schema_metadata({"origin": "elsewhere"})
+    strict = t.cast(
+        pa.schema([f.with_nullable(False) if f.name == "_time" else f for f in t.schema])
+    )
+    stamps = t.set_column(0, "k", t.column("k").cast(pa.timestamp("us")))
+    fresh = {}
+    for name, table in (("t", t), ("tagged", tagged), ("strict", strict), ("stamps", stamps)):
+        fingerprint._KINDS, fingerprint._LAST_SCHEMA = {}, None
+        fresh[name] = updates_fingerprint(E, N, table)
+    assert fresh["t"] == fresh["tagged"]
+    assert len({fresh["t"], fresh["strict"], fresh["stamps"]}) == 3
+    order = ["t", "tagged", "t", "strict", "strict", "stamps", "t", "stamps"]
+    tables = {"t": t, "tagged": tagged, "strict": strict, "stamps": stamps}
+    for name in order:
+        assert updates_fingerprint(E, N, tables[name]) == fresh[name]

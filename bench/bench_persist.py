@@ -101,9 +101,9 @@ PERSIST = "persist"
 LIMIT = ParquetLimit.name
 #: The write goal: persist's write at least this fraction of ``write_table``'s speed
 #: (wall clock: persist encodes its parts on two threads and hashes its fingerprint
-#: beside them, so a machine with no core to spare misses it, its CPU being ~2.1x:
-#: sorting, gathering, statistics, the fingerprint's SHA-256 and fsyncs besides an
-#: encoding as costly as write_table's).
+#: beside them, so a machine with no core to spare misses it, its CPU being ~1.8x:
+#: sorting, gathering, UTF-8 checks, statistics, the fingerprint (XXH3) and fsyncs
+#: besides an encoding as costly as write_table's).
 WRITE_LIMIT_GOAL = 0.85
 
 

@@ -30,15 +30,18 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist import parts
 from persist.batch import Batch
 from persist.blob import Blob
 from persist.config import PersistConfig
 from persist.consolidation import _adjacent
+from persist.encoding import EncodingPlan, encoding_plan
 from persist.errors import (
     DiffOverflow,
     InvalidBounds,
@@ -48,7 +51,14 @@ from persist.errors import (
 )
 from persist.keys import part_name_prefix
 from persist.machine import ShardMachine
-from persist.parts import TIME, consolidate_order, to_updates_table, updates_schema, write_parts
+from persist.parts import (
+    TIME,
+    consolidate_order,
+    to_updates_table,
+    updates_schema,
+    write_parts,
+)
+from persist.pool import Background, in_background
 from persist.types import Description, HollowBatch, PartRef, as_frontier
 from persist.updates import check_utf8, check_whole_days, string_columns
 from stash import Antichain
@@ -58,6 +68,10 @@ __all__ = ["BatchBuilder", "BuilderHost", "RunWriter", "Updates", "time_range"]
 Updates = Any
 """A ``pyarrow.Table``/``RecordBatch`` or a list of ``((key, value), time, diff)``."""
 
+
+#: Tables of fewer rows are not measured (``nbytes``) to plan their encoding ahead
+#: (:meth:`RunWriter.write_run`): their parts are planned as they are encoded.
+_PLAN_AHEAD_ROWS = 4096
 
 #: Tables of at most this many rows take the pure-Python paths of :func:`time_range`
 #: (a pyarrow compute call costs tens of microseconds however small its input).
@@ -200,18 +214,44 @@ class RunWriter:
             BlobError: an upload failed (what was uploaded is deleted).
         """
         vs = self.value_schema if value_schema is None else value_schema
+        # A table that will be cut into parts encoded in parallel: their common
+        # encoding plan (a strided sample of its rows, which sorting only permutes) is
+        # made in the shared pool while the rows are sorted, instead of by an encoding
+        # thread while the other one waits for it.
+        planning: Background[EncodingPlan] | None = None
+        workers = self.config.write_workers
+        if (
+            workers > 1
+            and table.num_rows >= _PLAN_AHEAD_ROWS
+            and table.nbytes >= 2 * parts.MIN_PARALLEL_PART_BYTES
+        ):
+            planning = in_background(partial(encoding_plan, table))
         try:
-            table, order = consolidate_order(table, self.key_schema.names, vs.names)
-        except DiffOverflow as e:
-            raise e.in_shard(f"{self.name!r} ({self.shard_id})") from e
-        if (table.num_rows if order is None else len(order)) == 0:
-            return []
-        return self.write_sorted(table, order, schema_id)
+            try:
+                table, order = consolidate_order(table, self.key_schema.names, vs.names)
+            except DiffOverflow as e:
+                raise e.in_shard(f"{self.name!r} ({self.shard_id})") from e
+            if (table.num_rows if order is None else len(order)) == 0:
+                return []
+            return self.write_sorted(
+                table, order, schema_id, None if planning is None else planning.result
+            )
+        finally:
+            if planning is not None:
+                planning.wait()  # no work of this call goes on after it
 
-    def write_sorted(self, table: pa.Table, order: Any, schema_id: int) -> list[PartRef]:
+    def write_sorted(
+        self,
+        table: pa.Table,
+        order: Any,
+        schema_id: int,
+        plan: Callable[[], EncodingPlan] | None = None,
+    ) -> list[PartRef]:
         """Write ``table`` (in ``order``, from :func:`consolidate_order`) as one run, its
         parts' keys stamped now (:meth:`key_prefix`), ``before_upload`` called before
-        the first upload; each part records ``schema_id``."""
+        the first upload; each part records ``schema_id``. ``plan``: the encoding plan
+        of ``table``'s rows, if the caller has it made (see
+        :func:`persist.parts.write_parts`)."""
         cfg = self.config
         directory, name = self.key_prefix().rsplit("/", 1)
         schema = self.inline_schema(schema_id)
@@ -227,6 +267,7 @@ class RunWriter:
             before_upload=self._before_upload,
             key_names=self.key_schema.names,
             schema=schema,
+            plan=plan,
         )
         return refs if not schema_id else [replace(r, schema_id=schema_id) for r in refs]
 

@@ -18,7 +18,7 @@ as of a given ``retired_upper``, which a command uses only on a version with tha
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from persist.spine import FueledMergeRes
 from persist.types import HollowBatch
@@ -75,6 +75,8 @@ class AppendCmd:
         consumed: part ids of given batches the append rewrote into new parts
             (truncated): retired in the version that commits it, so that another copy
             of those batches is refused as appended (``BatchAppended``).
+        earlier: the append's fingerprint in another version, by the version's prefix
+            (:func:`persist.fingerprint.check_same_append`), or ``None``.
     """
 
     writer_id: str
@@ -90,6 +92,7 @@ class AppendCmd:
     given: tuple[str, ...] = ()
     lo: int | None = None
     consumed: tuple[str, ...] = ()
+    earlier: Callable[[str], str] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -195,10 +195,16 @@ def token_floor(machine: ShardMachine, token: str) -> int | None:
     return lo
 
 
-def token_landed(machine: ShardMachine, token: str, fingerprint: str) -> tuple[bool, int]:
+def token_landed(
+    machine: ShardMachine,
+    token: str,
+    fingerprint: str,
+    earlier: Callable[[str], str] | None = None,
+) -> tuple[bool, int]:
     """Whether an append with the caller's ``token`` landed, decided on a freshly
     fetched shard state by the shard's landed records (:mod:`persist.landed`, which
-    outlive the writer and its lease); it must be this append (``fingerprint``).
+    outlive the writer and its lease); it must be this append (``fingerprint``, or in
+    another version ``earlier``: :func:`persist.fingerprint.check_same_append`).
     Returns ``(landed, seqno of the state read)``: a retry that did not land is tried
     again with that seqno as its ``lo``.
 
@@ -212,7 +218,7 @@ def token_landed(machine: ShardMachine, token: str, fingerprint: str) -> tuple[b
     verdict, entry = token_verdict(st, token, lo)
     if verdict == TOKEN_LANDED:
         assert entry is not None
-        check_same_append(entry, token, fingerprint)
+        check_same_append(entry, token, fingerprint, earlier)
         return True, st.seqno
     if verdict == TOKEN_UNKNOWN:
         raise OutcomeUnknown(token, machine.shard_id)

@@ -169,6 +169,7 @@ def write_parts(
     before_upload: Callable[[], None] | None = None,
     key_names: Sequence[str] | None = None,
     schema: pa.Schema | None = None,
+    plan: Callable[[], EncodingPlan] | None = None,
 ) -> list[PartRef]:
     """Encode ``table`` as Parquet parts and upload them; return their refs in order.
 
@@ -196,6 +197,12 @@ def write_parts(
     pool (:func:`persist.pool.submit_io`) while the next parts encode; at most
     ``2 * max_workers`` encoded parts wait for their upload at once. It returns after
     every upload ended. An empty table gives ``[]``.
+
+    Several parts are encoded with one encoding plan (:func:`encoding_plan`) of the
+    table's rows: ``plan()`` when given (a caller that started making it before it
+    sorted the rows: the ``result`` of a :class:`persist.pool.Background`), else made by
+    the first encoding thread to need it. ``plan`` is called at most once and only
+    then; waiting for a plan made in the background is the caller's.
 
     With ``key_names`` (only for a table sorted by those columns, e.g. a consolidated
     run), each blob part's ref records its key samples (:func:`persist.merge.key_samples`),
@@ -276,10 +283,10 @@ def write_parts(
     plans: list[EncodingPlan] = []
     planning = threading.Lock()
 
-    def plan() -> EncodingPlan:
+    def plan_of_run() -> EncodingPlan:
         with planning:
             if not plans:
-                plans.append(encoding_plan(table))
+                plans.append(encoding_plan(table) if plan is None else plan())
             return plans[0]
 
     def encode(i: int) -> PartRef:
@@ -298,7 +305,7 @@ def write_parts(
             if whole is not None and len(pieces) == 1:
                 data = whole
             else:
-                data = encode_part(piece, plan() if len(pieces) > 1 else None)
+                data = encode_part(piece, plan_of_run() if len(pieces) > 1 else None)
             registration.run()
             in_flight.acquire()
             try:

@@ -80,7 +80,7 @@ def submit_io(fn: Callable[..., _T], *args: Any) -> Future[_T]:
 
 class Background(Generic[_T]):
     """A task handed to the shared pool (:func:`in_background`), to overlap with the
-    caller's own work: e.g. the fingerprint of an append (``hashlib`` releases the GIL)
+    caller's own work: e.g. the fingerprint of an append (``xxhash`` releases the GIL)
     while its parts are sorted and encoded."""
 
     def __init__(self, fn: Callable[[], _T]) -> None:

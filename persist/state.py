@@ -475,7 +475,8 @@ class ShardState(ShardStateBase):
         entry = token_entry(self, cmd.writer_id, cmd.token)
         if entry is not None:
             if entry != cmd.recorded:  # the token names another append (InvalidUsage)
-                check_same_append(entry, cmd.token, cmd.recorded.partition(TOKEN_SEP)[2])
+                fingerprint = cmd.recorded.partition(TOKEN_SEP)[2]
+                check_same_append(entry, cmd.token, fingerprint, cmd.earlier)
             return [], False  # committed by an attempt whose outcome was indeterminate
         self.check_not_finalized()
         if self.upper != cmd.expected:

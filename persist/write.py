@@ -404,20 +404,25 @@ class WriteHandle(RowChangeMethods):
         rng = check_times(table, expected, new)
         retry = idempotency_token is not None
         hashing: Background[str] | None = None
+        # This append's fingerprint in another version: a record made before the
+        # current one is checked against it (persist.fingerprint.check_same_append).
+        earlier = partial(updates_fingerprint, expected, new, table)
         if retry or expected == new or table.num_rows < _BACKGROUND_FINGERPRINT_ROWS:
             fingerprint = updates_fingerprint(expected, new, table)
         else:
             # Needed only by the commit: hashed in the shared pool while the parts are
-            # sorted and encoded (hashlib and pyarrow release the GIL).
+            # sorted and encoded (xxhash and pyarrow release the GIL).
             hashing = in_background(partial(updates_fingerprint, expected, new, table))
         seen: int | None = None
         if retry:
-            landed, seen = self._token_landed(token, fingerprint)
+            landed, seen = self._token_landed(token, fingerprint, earlier)
             if landed:
                 return  # an earlier attempt landed: write nothing again
         if expected == new:
             # Nothing can be written into an empty range: just check the upper.
-            self._append_batches([], expected, new, token, fingerprint=fingerprint, seen=seen)
+            self._append_batches(
+                [], expected, new, token, fingerprint=fingerprint, seen=seen, earlier=earlier
+            )
             return
         # 2. write parts
         try:
@@ -450,6 +455,7 @@ class WriteHandle(RowChangeMethods):
                 fresh=batch,
                 fingerprint=fingerprint,
                 seen=seen,
+                earlier=earlier,
             )
         except PersistError as e:
             if not e.is_indeterminate():
@@ -559,12 +565,15 @@ class WriteHandle(RowChangeMethods):
         fresh: Batch | None = None,
         fingerprint: str | None = None,
         seen: int | None = None,
+        earlier: Callable[[str], str] | None = None,
     ) -> None:
         """:meth:`compare_and_append_batch` after its arguments were converted;
         ``retry``: the token came from the caller (an earlier attempt may have landed);
         ``fresh``: a batch whose parts this call just wrote (not checked for existence,
         not one this writer lent out); ``seen``: the seqno of a state the caller already
-        found not to record the retried token (:meth:`_token_landed`)."""
+        found not to record the retried token (:meth:`_token_landed`); ``earlier``: the
+        append's ``fingerprint`` in another version (see
+        :func:`persist.fingerprint.check_same_append`)."""
         # 1. validate and plan (persist.batch_rules)
         check_batches(batches, self.shard_id)
         validate_truncate(batches, expected, new)
@@ -574,7 +583,7 @@ class WriteHandle(RowChangeMethods):
         # Any attempt of this append lands after version ``lo`` (persist.landed).
         lo = token_floor(machine, token)
         if retry and seen is None:
-            landed, seen = self._token_landed(token, fingerprint)
+            landed, seen = self._token_landed(token, fingerprint, earlier)
             if landed:
                 for b in batches:  # an earlier attempt landed them
                     b.mark_consumed()
@@ -606,6 +615,7 @@ class WriteHandle(RowChangeMethods):
             writer_id=self.writer_id,
             token=token,
             recorded=f"{token}{TOKEN_SEP}{fingerprint}",
+            earlier=earlier,
             expected=expected,
             pieces=tuple(pieces),
             lease_ms=self._lease_ms,
@@ -710,16 +720,18 @@ class WriteHandle(RowChangeMethods):
             shard_id=self.shard_id,
         )
 
-    def _token_landed(self, token: str, fingerprint: str) -> tuple[bool, int]:
-        """Whether the append with the caller's ``token`` (and ``fingerprint``) landed,
-        and the seqno of the state that says so
+    def _token_landed(
+        self, token: str, fingerprint: str, earlier: Callable[[str], str] | None = None
+    ) -> tuple[bool, int]:
+        """Whether the append with the caller's ``token`` (and ``fingerprint``; in
+        another version ``earlier``) landed, and the seqno of the state that says so
         (:func:`persist.idempotency.token_landed`).
 
         Raises:
             InvalidUsage: the token names another append.
             ConsensusError: indeterminate: the outcome can no longer be learned.
         """
-        return token_landed(self._machine, token, fingerprint)
+        return token_landed(self._machine, token, fingerprint, earlier)
 
     def _count_transmitted(self) -> None:
         """A batch of this handle's builders, with blob parts, was transmitted."""

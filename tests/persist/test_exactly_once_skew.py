@@ -329,8 +329,8 @@ def test_a_token_reused_with_other_content_is_refused_when_the_appends_race(
     wb = world.a.open_writer("s", KS, VS)
     checked = wa._token_landed
 
-    def racing(token: str, fingerprint: str) -> Any:
-        out = checked(token, fingerprint)
+    def racing(token: str, fingerprint: str, *earlier: Any) -> Any:
+        out = checked(token, fingerprint, *earlier)
         wb.compare_and_append([upd("b", 2, 0)], 0, 1, idempotency_token="shared-token-1")
         return out
 

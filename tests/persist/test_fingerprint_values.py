@@ -175,11 +175,8 @@ def test_few_row_path_matches_numpy_path(
         fingerprint._FEW = saved
 
 
-def test_fingerprints_recorded_by_this_format_stay_the_same() -> None:
-    """The fingerprints a shard already records (``V`` and 32 hex digits) are computed
-    the same way by this version: a retry after an upgrade is still recognised.  The
-    expected values were computed by the version that introduced the ``V`` form."""
-    t = pa.table(
+def _golden() -> pa.Table:
+    return pa.table(
         {
             "k": pa.array([3, None, 1], pa.int64()),
             "s": pa.array(["a", "", None], pa.string()),
@@ -192,10 +189,30 @@ def test_fingerprints_recorded_by_this_format_stay_the_same() -> None:
             "_diff": pa.array([1, -1, 2], pa.int64()),
         }
     )
+
+
+def test_fingerprints_recorded_by_the_sha256_format_stay_the_same() -> None:
+    """The ``V`` fingerprints shards recorded before the ``X`` form (SHA-256) are still
+    computed the same way: a retry of an append recorded before an upgrade is checked
+    against them.  The expected values were computed by the version that introduced
+    the ``V`` form."""
+    t = _golden()
     e, n = Antichain.from_elem(5), Antichain.from_elem(7)
-    assert updates_fingerprint(e, n, t) == "V5b03bbe288949efb7620915b11529342"
-    assert updates_fingerprint(e, n, t.slice(1, 1)) == "Vbf518e93b31489118678bee2b80d71a6"
-    assert updates_fingerprint(e, n, t.slice(0, 0)) == "Vf885bf241f8862ce0af1d425559fb953"
+    assert updates_fingerprint(e, n, t, "V") == "V5b03bbe288949efb7620915b11529342"
+    assert updates_fingerprint(e, n, t.slice(1, 1), "V") == "Vbf518e93b31489118678bee2b80d71a6"
+    assert updates_fingerprint(e, n, t.slice(0, 0), "V") == "Vf885bf241f8862ce0af1d425559fb953"
+
+
+def test_fingerprints_recorded_by_this_format_stay_the_same() -> None:
+    """The fingerprints this version records (``X`` and 32 hex digits, XXH3-128) are
+    computed the same way by later ones: a retry after an upgrade is still recognised.
+    The expected values were computed by the version that introduced the ``X`` form
+    (and ``test_both_versions_hash_the_same_stream`` ties them to the ``V`` ones)."""
+    t = _golden()
+    e, n = Antichain.from_elem(5), Antichain.from_elem(7)
+    assert updates_fingerprint(e, n, t) == "X53061438bba95049c2d6b026d73bb146"
+    assert updates_fingerprint(e, n, t.slice(1, 1)) == "X5606dcce7bdb53656110584b716f88fa"
+    assert updates_fingerprint(e, n, t.slice(0, 0)) == "X7940bfa5191a94b68658c7b2054558d7"
 
 
 def _many_rows(n: int = 5000) -> pa.Table:
@@ -231,15 +248,24 @@ def _many_rows(n: int = 5000) -> pa.Table:
     )
 
 
-def test_fingerprints_of_many_rows_stay_the_same() -> None:
+@pytest.mark.parametrize(
+    ("version", "whole", "part"),
+    [
+        # Computed by the version that introduced the ``V`` form.
+        ("V", "V55bf2cab7131492d89a145d79b84703a", "V5cafdbb77ec3fb207e9dbe0bc93bd549"),
+        # Computed by the version that introduced the ``X`` form.
+        ("X", "Xc1fd6f9827ebef05e73fd36962843b39", "X7d3f8d18b8c531e03a1aba5af2ca25ba"),
+    ],
+)
+def test_fingerprints_of_many_rows_stay_the_same(version: str, whole: str, part: str) -> None:
     """The numpy reading of the columns (more than ``_FEW`` rows) gives the fingerprints
-    recorded before: values computed by the version that introduced the ``V`` form."""
+    recorded before, in either version."""
     t = _many_rows()
     e, n = Antichain.from_elem(5), Antichain.from_elem(7)
-    assert updates_fingerprint(e, n, t) == "V55bf2cab7131492d89a145d79b84703a"
-    assert updates_fingerprint(e, n, t.slice(1000, 3000)) == "V5cafdbb77ec3fb207e9dbe0bc93bd549"
+    assert updates_fingerprint(e, n, t, version) == whole
+    assert updates_fingerprint(e, n, t.slice(1000, 3000), version) == part
     chunked = pa.concat_tables([t.slice(0, 1234), t.slice(1234)])
-    assert updates_fingerprint(e, n, chunked) == "V55bf2cab7131492d89a145d79b84703a"
+    assert updates_fingerprint(e, n, chunked, version) == whole
 
 
 def _recorded(c: PersistClient, shard: str) -> list[str]:
@@ -367,7 +393,7 @@ def test_column_kinds_follow_each_schema() -> None:
     fps = set()
     for t in (ints, stamps, ints, stamps):
         fp = updates_fingerprint(E, N, t)
-        fingerprint._KINDS = {}  # the lookup made again
+        fingerprint._KINDS, fingerprint._LAST_SCHEMA = {}, None  # the lookup made again
         assert updates_fingerprint(E, N, t) == fp
         fps.add(fp)
     assert len(fps) == 2
@@ -418,9 +444,34 @@ def test_column_kinds_of_schemas_with_the_same_text_are_each_their_own() -> None
     )
     fresh = {}
     for t in (ints, strs):
-        fingerprint._KINDS = {}
+        fingerprint._KINDS, fingerprint._LAST_SCHEMA = {}, None
         fresh[t.column_names[0]] = updates_fingerprint(E, N, t)
     for first, then in ((ints, strs), (strs, ints)):
-        fingerprint._KINDS = {}
+        fingerprint._KINDS, fingerprint._LAST_SCHEMA = {}, None
         updates_fingerprint(E, N, first)
         assert updates_fingerprint(E, N, then) == fresh[then.column_names[0]]
+
+
+def test_the_last_schema_is_taken_again_only_when_equal() -> None:
+    """The text and kinds of the last schema seen are reused for an equal schema (its
+    metadata aside, which the text does not print), never for one differing in a type
+    or a column's nullability (which it prints): each fingerprint is the one computed
+    with nothing seen before."""
+    from persist import fingerprint
+
+    t = _golden()
+    tagged = t.replace_schema_metadata({"origin": "elsewhere"})
+    strict = t.cast(
+        pa.schema([f.with_nullable(False) if f.name == "_time" else f for f in t.schema])
+    )
+    stamps = t.set_column(0, "k", t.column("k").cast(pa.timestamp("us")))
+    fresh = {}
+    for name, table in (("t", t), ("tagged", tagged), ("strict", strict), ("stamps", stamps)):
+        fingerprint._KINDS, fingerprint._LAST_SCHEMA = {}, None
+        fresh[name] = updates_fingerprint(E, N, table)
+    assert fresh["t"] == fresh["tagged"]
+    assert len({fresh["t"], fresh["strict"], fresh["stamps"]}) == 3
+    order = ["t", "tagged", "t", "strict", "strict", "stamps", "t", "stamps"]
+    tables = {"t": t, "tagged": tagged, "strict": strict, "stamps": stamps}
+    for name in order:
+        assert updates_fingerprint(E, N, tables[name]) == fresh[name]

@@ -375,8 +375,13 @@ class Table:
         columns: Sequence[str] | None = None,
         filter: pc.Expression | None = None,
     ) -> pd.DataFrame:
-        """:meth:`to_arrow`'s rows as a pandas ``DataFrame`` (needs pandas)."""
-        return self.to_arrow(as_of, columns, filter).to_pandas()
+        """:meth:`to_arrow`'s rows as a pandas ``DataFrame`` (needs pandas), exactly:
+        as pyarrow's ``Table.to_pandas``, except that an integer column holding a null
+        is a pandas nullable integer column (``Int64``...; pyarrow's float64 rounds
+        integers beyond 2**53) and a ``time64[ns]`` column is ``time64[ns][pyarrow]``
+        (Python's ``time`` holds microseconds), so ``upsert(to_pandas())`` writes
+        nothing."""
+        return exact_pandas(self.to_arrow(as_of, columns, filter))
 
     def to_reader(
         self,
@@ -574,6 +579,35 @@ class Table:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def exact_pandas(t: pa.Table) -> pd.DataFrame:
+    """``t`` as a pandas ``DataFrame`` whose values convert back to ``t``'s exactly (see
+    :meth:`Table.to_pandas`): the columns pyarrow's defaults would round or cannot hold
+    are converted on their own with an exact dtype."""
+    import pandas as pd
+
+    def exact(f: pa.Field) -> Any:
+        if pa.types.is_integer(f.type) and t.column(f.name).null_count:
+            bits = f.type.bit_width
+            return pd.api.types.pandas_dtype(
+                f"{'Int' if pa.types.is_signed_integer(f.type) else 'UInt'}{bits}"
+            )
+        if pa.types.is_time64(f.type) and f.type.unit == "ns":
+            return pd.ArrowDtype(f.type)
+        return None
+
+    special = {f.name: d for f in t.schema if (d := exact(f)) is not None}
+    if not special:
+        return t.to_pandas()
+    df = t.drop_columns(list(special)).to_pandas()
+    if df.shape[1] == 0:
+        df = pd.DataFrame(index=pd.RangeIndex(t.num_rows))
+    for i, name in enumerate(t.column_names):
+        if name in special:
+            series = t.column(name).to_pandas(types_mapper=lambda _t, d=special[name]: d)
+            df.insert(i, name, series)
+    return df
 
 
 def plan_restore(live: pa.Table, target: pa.Table, w: WriteHandle) -> rows_mod.Planned:

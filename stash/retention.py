@@ -31,6 +31,7 @@ from typing import Any
 
 from stash.codec import canonical_json
 from stash.collection import StashCollection
+from stash.errors import StashError
 from stash.txn import Txn
 
 __all__ = ["RETENTION_COLLECTION", "batch_frontiers", "commit_since", "now_ms"]
@@ -41,7 +42,13 @@ RETENTION_COLLECTION = "stash.retention"
 def _policy(tx: Txn, name: str) -> dict[str, Any] | None:
     """The retention recorded for collection ``name``, read in ``tx`` (``None``: none).
     Read with ``rows`` (no lock: a write of one collection never waits for writers of
-    others on the retention collection)."""
+    others on the retention collection).
+
+    Raises:
+        StashError: the setting is not what ``Stash.set_retention`` writes (anyone may
+            write the collection): not an object, or a count that is not a positive
+            int or null.
+    """
     found = tx.lookup_collection(RETENTION_COLLECTION)
     if found is None:
         return None
@@ -49,7 +56,19 @@ def _policy(tx: Txn, name: str) -> dict[str, Any] | None:
     for _, v, _, d in tx.rows(found[0], canonical_json(name)):
         sums[v] = sums.get(v, 0) + d
     live = [v for v, d in sums.items() if d == 1]
-    return json.loads(live[0]) if len(live) == 1 else None
+    if len(live) != 1:
+        return None
+    policy = json.loads(live[0])
+    if not isinstance(policy, dict) or not all(
+        policy.get(k) is None or (type(policy[k]) is int and policy[k] >= 1)
+        for k in ("keep_times", "keep_for_ms")
+    ):
+        raise StashError(
+            f"the retention setting of collection {name} (its key in collection "
+            f"{RETENTION_COLLECTION}) is {live[0]}, not an object whose keep_times and "
+            "keep_for_ms are positive ints or null: set it with Stash.set_retention"
+        )
+    return policy
 
 
 def now_ms(stash: Any) -> int:

@@ -7,7 +7,8 @@ read plans with (:mod:`spark.native_plan`): the parts of clean runs (one time at
 before ``as_of``, sorted and consolidated; runs of inserts only may overlap) whose key
 interval holds no key of the tail.  Their rows are snapshot rows as stored, each with its
 multiplicity in ``_diff``, so DuckDB scans them (``read_parquet``, the paths given as a
-list of literal file names, never as patterns) and repeats each row by its ``_diff``.
+list of file names with their glob characters escaped, :func:`literal_path`, never as
+patterns) and repeats each row by its ``_diff``.
 Persist reads the tail (every other part: inline parts, runs of several times, runs
 overlapping a taken one) together with the direct parts whose interval holds a tail key,
 consolidates them at ``as_of`` (:func:`persist.fetch.snapshot_table`) and hands the rows
@@ -94,6 +95,15 @@ def _local_path(root: str, key: str) -> str | None:
     (:class:`~persist.blob.FileBlob` never follows one)."""
     path = os.path.join(root, *key.split("/"))
     return path if os.path.realpath(path) == path else None
+
+
+def literal_path(path: str) -> str:
+    """``path`` as a DuckDB file name that globs to exactly that path: DuckDB's
+    ``read_parquet`` expands ``*``, ``?`` and ``[...]`` in every name it is given (a
+    list too), so each is written as a one-character class (``[*]``, ``[?]``, ``[[]``);
+    braces and backslashes are literal to it already.  Like :func:`spark.names.literal_path`
+    for Hadoop's globs."""
+    return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in path)
 
 
 def _diff_range(part: DirectPart) -> tuple[int, int] | None:
@@ -226,7 +236,7 @@ def _scan(
     Raises:
         InvalidUsage: a negative multiplicity (as :func:`persist.relation.expand_rows`).
     """
-    rel = con.read_parquet(list(paths))
+    rel = con.read_parquet([literal_path(p) for p in paths])
     ranges = [_diff_range(p) for p in parts]
     if all(r is not None for r in ranges):
         low = min(r[0] for r in ranges if r is not None)

@@ -91,18 +91,25 @@ def _file_root(blob: Blob) -> str | None:
 
 
 def _local_path(root: str, key: str) -> str | None:
-    """The file of blob ``key`` under ``root``, or ``None`` for a symbolic link
-    (:class:`~persist.blob.FileBlob` never follows one)."""
+    """The file of blob ``key`` under ``root`` as DuckDB is to be given it
+    (:func:`literal_path`), or ``None`` for a symbolic link (:class:`~persist.blob.FileBlob`
+    never follows one) or a name DuckDB cannot be given literally (persist reads it)."""
     path = os.path.join(root, *key.split("/"))
-    return path if os.path.realpath(path) == path else None
+    return literal_path(path) if os.path.realpath(path) == path else None
 
 
-def literal_path(path: str) -> str:
-    """``path`` as a DuckDB file name that globs to exactly that path: DuckDB's
-    ``read_parquet`` expands ``*``, ``?`` and ``[...]`` in every name it is given (a
-    list too), so each is written as a one-character class (``[*]``, ``[?]``, ``[[]``);
-    braces and backslashes are literal to it already.  Like :func:`spark.names.literal_path`
-    for Hadoop's globs."""
+def literal_path(path: str) -> str | None:
+    """``path`` as a DuckDB file name that globs to exactly that path, or ``None`` when
+    there is none.  DuckDB's ``read_parquet`` expands ``*``, ``?`` and ``[...]`` in every
+    name it is given (a list too), so each is written as a one-character class (``[*]``,
+    ``[?]``, ``[[]``); braces are literal to it.  A name holding no glob character is
+    taken as is, backslashes included; one holding both has no spelling (in a pattern
+    DuckDB reads a backslash as a separator or an escape), so ``None``.  Like
+    :func:`spark.names.literal_path` for Hadoop's globs."""
+    if not any(ch in path for ch in "*?["):
+        return path
+    if "\\" in path:
+        return None
     return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in path)
 
 
@@ -228,7 +235,8 @@ def _scan(
     names: Sequence[str],
     what: str,
 ) -> duckdb.DuckDBPyRelation:
-    """The relation of ``paths``' rows (local Parquet files, read as literal names),
+    """The relation of ``paths``' rows (local Parquet files, as :func:`literal_path`
+    spells them),
     each repeated by its ``_diff``, with the columns ``names``; the parts' ``_diff``
     statistics decide whether rows repeat and refuse a negative multiplicity before
     anything is read (the rows are counted only when a part has no such statistics).
@@ -236,7 +244,7 @@ def _scan(
     Raises:
         InvalidUsage: a negative multiplicity (as :func:`persist.relation.expand_rows`).
     """
-    rel = con.read_parquet([literal_path(p) for p in paths])
+    rel = con.read_parquet(list(paths))
     ranges = [_diff_range(p) for p in parts]
     if all(r is not None for r in ranges):
         low = min(r[0] for r in ranges if r is not None)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -251,11 +252,7 @@ def _scan(
         top = max(r[1] for r in ranges if r is not None)
         negative = int(low < 0)
     else:
-        counts = rel.query(
-            "parts",
-            "SELECT count(*) FILTER (WHERE _diff < 0), coalesce(max(_diff), 1) FROM parts",
-        )
-        assert counts is not None
+        counts = rel.aggregate("count(*) FILTER (WHERE _diff < 0), coalesce(max(_diff), 1)")
         negative, top = (int(x) for x in counts.fetchall()[0])
     if negative:
         raise InvalidUsage(
@@ -265,7 +262,10 @@ def _scan(
     cols = ", ".join(quote(n) for n in names)
     if top == 1:
         return rel.project(cols)
-    # The column names are quoted identifiers (:func:`quote`), never SQL text.
-    out = rel.query("parts", f"SELECT {cols} FROM parts, range(parts._diff)")  # noqa: S608
+    # The column names are quoted identifiers (:func:`quote`), never SQL text.  The
+    # scan's name is one of its own: a name the connection already has (a user's table
+    # "parts") would be bound instead.
+    view = f"__persist_parts_{uuid.uuid4().hex}"
+    out = rel.query(view, f"SELECT {cols} FROM {view}, range({view}._diff)")  # noqa: S608
     assert out is not None
     return out

@@ -30,5 +30,5 @@ def test_to_duckdb_on_a_connection_with_a_table_of_the_same_name(
     rel = t.to_duckdb(con)
     assert "parquet" in rel.explain().lower()
     assert rel.aggregate("count(*), sum(v)").fetchall() == [(3000 * copies, 3000 * copies)]
-    assert con.execute(f'SELECT * FROM "{name}"').fetchall() == [(42, -5)]
+    assert con.table(name).fetchall() == [(42, -5)]
     c.close()

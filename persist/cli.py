@@ -447,7 +447,7 @@ def history(ctx: click.Context, table: str, limit: int | None, as_json: bool) ->
     _guard(run)
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(w|d|h|m|s|ms)")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|w|d|h|m|s)")  # ms before m
 _UNIT_SECONDS = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 
@@ -469,7 +469,10 @@ def parse_duration(text: str) -> dt.timedelta:
             f"{text!r} is not a duration: write a number and a unit (w, d, h, m, s, ms), "
             "e.g. 7d or 1d12h"
         )
-    return dt.timedelta(seconds=seconds)
+    try:
+        return dt.timedelta(seconds=seconds)
+    except OverflowError:
+        raise click.BadParameter(f"{text!r} is longer than a duration can be") from None
 
 
 @main.command()

@@ -7,7 +7,8 @@ read plans with (:mod:`spark.native_plan`): the parts of clean runs (one time at
 before ``as_of``, sorted and consolidated; runs of inserts only may overlap) whose key
 interval holds no key of the tail.  Their rows are snapshot rows as stored, each with its
 multiplicity in ``_diff``, so DuckDB scans them (``read_parquet``, the paths given as a
-list of literal file names, never as patterns) and repeats each row by its ``_diff``.
+list of file names with their glob characters escaped, :func:`literal_path`, never as
+patterns) and repeats each row by its ``_diff``.
 Persist reads the tail (every other part: inline parts, runs of several times, runs
 overlapping a taken one) together with the direct parts whose interval holds a tail key,
 consolidates them at ``as_of`` (:func:`persist.fetch.snapshot_table`) and hands the rows
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -90,10 +92,26 @@ def _file_root(blob: Blob) -> str | None:
 
 
 def _local_path(root: str, key: str) -> str | None:
-    """The file of blob ``key`` under ``root``, or ``None`` for a symbolic link
-    (:class:`~persist.blob.FileBlob` never follows one)."""
+    """The file of blob ``key`` under ``root`` as DuckDB is to be given it
+    (:func:`literal_path`), or ``None`` for a symbolic link (:class:`~persist.blob.FileBlob`
+    never follows one) or a name DuckDB cannot be given literally (persist reads it)."""
     path = os.path.join(root, *key.split("/"))
-    return path if os.path.realpath(path) == path else None
+    return literal_path(path) if os.path.realpath(path) == path else None
+
+
+def literal_path(path: str) -> str | None:
+    """``path`` as a DuckDB file name that globs to exactly that path, or ``None`` when
+    there is none.  DuckDB's ``read_parquet`` expands ``*``, ``?`` and ``[...]`` in every
+    name it is given (a list too), so each is written as a one-character class (``[*]``,
+    ``[?]``, ``[[]``); braces are literal to it.  A name holding no glob character is
+    taken as is, backslashes included; one holding both has no spelling (in a pattern
+    DuckDB reads a backslash as a separator or an escape), so ``None``.  Like
+    :func:`spark.names.literal_path` for Hadoop's globs."""
+    if not any(ch in path for ch in "*?["):
+        return path
+    if "\\" in path:
+        return None
+    return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in path)
 
 
 def _diff_range(part: DirectPart) -> tuple[int, int] | None:
@@ -218,7 +236,8 @@ def _scan(
     names: Sequence[str],
     what: str,
 ) -> duckdb.DuckDBPyRelation:
-    """The relation of ``paths``' rows (local Parquet files, read as literal names),
+    """The relation of ``paths``' rows (local Parquet files, as :func:`literal_path`
+    spells them),
     each repeated by its ``_diff``, with the columns ``names``; the parts' ``_diff``
     statistics decide whether rows repeat and refuse a negative multiplicity before
     anything is read (the rows are counted only when a part has no such statistics).
@@ -233,11 +252,7 @@ def _scan(
         top = max(r[1] for r in ranges if r is not None)
         negative = int(low < 0)
     else:
-        counts = rel.query(
-            "parts",
-            "SELECT count(*) FILTER (WHERE _diff < 0), coalesce(max(_diff), 1) FROM parts",
-        )
-        assert counts is not None
+        counts = rel.aggregate("count(*) FILTER (WHERE _diff < 0), coalesce(max(_diff), 1)")
         negative, top = (int(x) for x in counts.fetchall()[0])
     if negative:
         raise InvalidUsage(
@@ -247,7 +262,10 @@ def _scan(
     cols = ", ".join(quote(n) for n in names)
     if top == 1:
         return rel.project(cols)
-    # The column names are quoted identifiers (:func:`quote`), never SQL text.
-    out = rel.query("parts", f"SELECT {cols} FROM parts, range(parts._diff)")  # noqa: S608
+    # The column names are quoted identifiers (:func:`quote`), never SQL text.  The
+    # scan's name is one of its own: a name the connection already has (a user's table
+    # "parts") would be bound instead.
+    view = f"__persist_parts_{uuid.uuid4().hex}"
+    out = rel.query(view, f"SELECT {cols} FROM {view}, range({view}._diff)")  # noqa: S608
     assert out is not None
     return out

@@ -427,6 +427,7 @@ def plan_merge(
     counts = MergeCounts(source=source.num_rows)
     retract_rows: list[int] = []  # target row positions retracted
     new_tables: list[pa.Table] = []  # new rows (names + _diff)
+    insert_tables: list[pa.Table] = []  # those of them that insert clauses give
     try:
         for kind in ("matched", "not_matched", "not_matched_by_source"):
             clauses = [c for c in spec.clauses if c.kind == kind]
@@ -437,6 +438,7 @@ def plan_merge(
             )
             retract_rows.extend(planned.retract)
             new_tables.extend(planned.new)
+            insert_tables.extend(planned.inserts)
             counts.inserted += planned.inserted
             counts.updated += planned.updated
             counts.deleted += planned.deleted
@@ -447,7 +449,10 @@ def plan_merge(
     retracted_tbl = target.take(pa.array(sorted(set(retract_rows)), pa.int64()))
     retractions = retracted_tbl.set_column(len(names), DIFF, pc.negate(retracted_tbl.column(DIFF)))
     inserts = [t for t in new_tables if t.num_rows]
-    _check_new_keys(inserts, retracted_tbl, key_names, read_keys)
+    # Updated rows keep the key of the live row they replace (checked above), so only
+    # inserted rows can bring a key twice: two distinct live rows of one key (a table is
+    # a multiset) are both updated, as two copies of one row are.
+    _check_new_keys([t for t in insert_tables if t.num_rows], retracted_tbl, key_names, read_keys)
     parts = [retractions.cast(out_schema), *[t.cast(out_schema) for t in inserts]]
     value_names = [n for n in names if n not in key_names]
     roles = (True, *[False] * len(inserts))
@@ -458,6 +463,7 @@ def plan_merge(
 class _KindPlan:
     retract: list[int] = field(default_factory=list)
     new: list[pa.Table] = field(default_factory=list)
+    inserts: list[pa.Table] = field(default_factory=list)  # the insert clauses' part of new
     inserted: int = 0
     updated: int = 0
     deleted: int = 0
@@ -576,6 +582,7 @@ def _plan_kind(
         new = pa.Table.from_arrays(cols, schema=schema)
         if c.action == "insert":
             out.new.append(new.append_column(DIFF, pa.array([1] * new.num_rows, pa.int64())))
+            out.inserts.append(out.new[-1])
             out.inserted += new.num_rows
             continue
         assert old is not None and t_rows is not None

@@ -41,10 +41,11 @@ persist-client ``ReadHandle::snapshot_and_fetch`` for reading one version.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +76,7 @@ from persist.parts import updates_schema
 from persist.progress import Progress
 from persist.relation import expand_rows
 from persist.rows import RowChanges
-from persist.state import ShardState
+from persist.state import LeaseExpired, ShardState
 from persist.txn import Txn
 from persist.version_read import read_version
 from persist.write import WriteHandle
@@ -180,12 +181,19 @@ class Table:
     # ----------------------------------------------------------------- writes
     def _write_handle(self) -> WriteHandle:
         """The writer of this table, in the shard's newest schema (made again when
-        another process evolved the schema, or its lease ran out)."""
+        another process evolved the schema, or its lease ran out: a table outlives its
+        writers' leases, as :meth:`persist.shards.Shards.txn_writer` does)."""
         st = self._state()
         newest = st.schemas().newest
+        now = self._machine.now_ms()
         with self._lock:
             w = self._writer
-            if w is not None and not w._expired and w.schema_id == newest:
+            if (
+                w is not None
+                and not w._expired
+                and not (w._registered and now - w._last_heartbeat_ms > w._lease_ms)
+                and w.schema_id == newest
+            ):
                 return w
         w = self._shards.writer(self._machine, self.name, st.key_schema, st.value_schema, newest)
         with self._lock:
@@ -193,6 +201,19 @@ class Table:
         if old is not None and old is not w:
             old.expire()
         return w
+
+    @contextlib.contextmanager
+    def _writing(self, w: WriteHandle) -> Iterator[None]:
+        """Run a write through ``w``; if its writer is found expired (by another
+        process, while its lease still ran: the write committed nothing), drop it, so
+        the table's next write opens a new one."""
+        try:
+            yield
+        except LeaseExpired:
+            with self._lock:
+                if self._writer is w:
+                    self._writer = None
+            raise
 
     def _rows(self, data: Any, what: str, w: WriteHandle) -> pa.Table:
         """``data`` (anything Arrow takes) as the table's key and value columns."""
@@ -222,7 +243,7 @@ class Table:
             progress.rows, progress.nbytes = rows.num_rows, rows.nbytes
             txn = Txn(self._shards)
             try:
-                with noting("append") as note:
+                with self._writing(w), noting("append") as note:
                     note.metrics.update(rows_inserted=rows.num_rows, rows_retracted=0)
                     progress.set_phase("writing parts")
                     txn.write(w, rows)
@@ -244,7 +265,8 @@ class Table:
             rows = self._rows(data, "upsert into", w)
             progress.rows, progress.nbytes = rows.num_rows, rows.nbytes
             progress.set_phase("reading live rows, writing changes, committing")
-            return w.upsert(rows)
+            with self._writing(w):
+                return w.upsert(rows)
 
     def merge(
         self,
@@ -264,7 +286,16 @@ class Table:
             on: the key columns to match on (default: the table's key).
             source_alias, target_alias: the names conditions and values use.
         """
-        return self._write_handle().merge(source, on, source_alias, target_alias)
+        w = self._write_handle()
+        builder = w.merge(source, on, source_alias, target_alias)
+        run = builder._run
+
+        def execute(spec: Any) -> MergeResult:
+            with self._writing(w):
+                return run(spec)
+
+        builder._run = execute
+        return builder
 
     def delete(self, filter: pc.Expression) -> RowChanges:
         """Delete every live row ``filter`` (a boolean ``pyarrow.compute`` expression
@@ -272,7 +303,9 @@ class Table:
         <persist.write.WriteHandle.delete>`)."""
         with Progress(f"table {self.name!r}: delete") as progress:
             progress.set_phase("reading live rows, writing retractions, committing")
-            return self._write_handle().delete(filter)
+            w = self._write_handle()
+            with self._writing(w):
+                return w.delete(filter)
 
     def update(self, filter: pc.Expression, set: Mapping[str, Any]) -> RowChanges:
         """Set columns of every live row ``filter`` keeps (``set``: column -> scalar or
@@ -280,7 +313,9 @@ class Table:
         (:meth:`WriteHandle.update <persist.write.WriteHandle.update>`)."""
         with Progress(f"table {self.name!r}: update") as progress:
             progress.set_phase("reading live rows, writing changes, committing")
-            return self._write_handle().update(filter, set)
+            w = self._write_handle()
+            with self._writing(w):
+                return w.update(filter, set)
 
     # ------------------------------------------------------------------ reads
     def resolve_as_of(self, st: ShardState, as_of: Any) -> int | None:
@@ -375,8 +410,13 @@ class Table:
         columns: Sequence[str] | None = None,
         filter: pc.Expression | None = None,
     ) -> pd.DataFrame:
-        """:meth:`to_arrow`'s rows as a pandas ``DataFrame`` (needs pandas)."""
-        return self.to_arrow(as_of, columns, filter).to_pandas()
+        """:meth:`to_arrow`'s rows as a pandas ``DataFrame`` (needs pandas), exactly:
+        as pyarrow's ``Table.to_pandas``, except that an integer column holding a null
+        is a pandas nullable integer column (``Int64``...; pyarrow's float64 rounds
+        integers beyond 2**53) and a ``time64[ns]`` column is ``time64[ns][pyarrow]``
+        (Python's ``time`` holds microseconds), so ``upsert(to_pandas())`` writes
+        nothing."""
+        return exact_pandas(self.to_arrow(as_of, columns, filter))
 
     def to_reader(
         self,
@@ -407,7 +447,7 @@ class Table:
             if t is not None
             else w.schema.empty_table().select([*names, "_diff"])
         )
-        with noting("restore", {"time": t}):
+        with self._writing(w), noting("restore", {"time": t}):
             return rows_mod.apply_change(
                 w, lambda read, upper: plan_restore(read(None), target, w), op="restore"
             )
@@ -574,6 +614,35 @@ class Table:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def exact_pandas(t: pa.Table) -> pd.DataFrame:
+    """``t`` as a pandas ``DataFrame`` whose values convert back to ``t``'s exactly (see
+    :meth:`Table.to_pandas`): the columns pyarrow's defaults would round or cannot hold
+    are converted on their own with an exact dtype."""
+    import pandas as pd
+
+    def exact(f: pa.Field) -> Any:
+        if pa.types.is_integer(f.type) and t.column(f.name).null_count:
+            bits = f.type.bit_width
+            return pd.api.types.pandas_dtype(
+                f"{'Int' if pa.types.is_signed_integer(f.type) else 'UInt'}{bits}"
+            )
+        if pa.types.is_time64(f.type) and f.type.unit == "ns":
+            return pd.ArrowDtype(f.type)
+        return None
+
+    special = {f.name: d for f in t.schema if (d := exact(f)) is not None}
+    if not special:
+        return t.to_pandas()
+    df = t.drop_columns(list(special)).to_pandas()
+    if df.shape[1] == 0:
+        df = pd.DataFrame(index=pd.RangeIndex(t.num_rows))
+    for i, name in enumerate(t.column_names):
+        if name in special:
+            series = t.column(name).to_pandas(types_mapper=lambda _t, d=special[name]: d)
+            df.insert(i, name, series)
+    return df
 
 
 def plan_restore(live: pa.Table, target: pa.Table, w: WriteHandle) -> rows_mod.Planned:

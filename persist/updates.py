@@ -85,9 +85,10 @@ def updates_schema(key_schema: pa.Schema, value_schema: pa.Schema) -> pa.Schema:
     (large/fixed-size) binary, date, time, timestamp, duration, decimal.
 
     Raises:
-        InvalidUsage: a name is empty, starts with ``_`` (reserved for persist, e.g.
-            ``_time``/``_diff``), repeats within a schema or is shared by keys and values,
-            or a column type is unsupported (nested, dictionary, view, float16, null).
+        InvalidUsage: a name is empty, holds a NUL character, starts with ``_``
+            (reserved for persist, e.g. ``_time``/``_diff``), repeats within a schema or
+            is shared by keys and values, or a column type is unsupported (nested,
+            dictionary, view, float16, null).
     """
     if not isinstance(key_schema, pa.Schema) or not isinstance(value_schema, pa.Schema):
         raise InvalidUsage(
@@ -105,6 +106,11 @@ def _updates_schema(key_schema: pa.Schema, value_schema: pa.Schema) -> pa.Schema
         for f in schema:
             if f.name == "":
                 raise InvalidUsage(f"{role} schema has a column with an empty name")
+            if "\x00" in f.name:
+                raise InvalidUsage(
+                    f"{role} column {f.name!r}: names may not contain NUL (\\x00): the "
+                    "stash stores schemas as JSON, which cannot hold it (Postgres jsonb)"
+                )
             if f.name.startswith("_"):
                 raise InvalidUsage(
                     f"{role} column {f.name!r}: names starting with '_' are reserved for "

@@ -75,6 +75,7 @@ from stash.errors import (
 )
 from stash.logs import LogEntry, checked_entries, insert_entries
 from stash.peek import peek_one_checked, peek_one_fast, peek_unique
+from stash.retention import record_commit_time
 from stash.transaction import DEFAULT_RETRIES, Transaction, run_transaction
 from stash.txn import Row, Txn
 from stash.url import parse_url, redact
@@ -772,8 +773,8 @@ class Stash(abc.ABC):
             if b._stamp:  # make_batch under a retention by duration (stash.retention)
                 since = b.compact.as_option()
                 at_ms = int(self.clock() * 1000)
-                tx.record_commit_time(
-                    cid, b.timestamp, at_ms, b.timestamp if since is None else since
+                record_commit_time(
+                    tx, cid, b.timestamp, at_ms, b.timestamp if since is None else since
                 )
             if rows:
                 # Keep the collection physically consolidated where this batch touched it.

@@ -190,12 +190,20 @@ def subscribe(
         FeedCompacted: the since of a collection passed the last time yielded (or
             ``as_of``): its history is compacted away (set a retention first).
         StashError: ``as_of`` is not sealed yet; a collection is given twice; a
-            collection records other codecs than its handle's.
+            collection records other codecs than its handle's; an ``as_of`` mapping
+            lacks a subscribed collection (names it does not subscribe are ignored).
     """
     colls = list(collections)
     names = [c.name for c in colls]
     if len(set(names)) != len(names):
         raise StashError("subscribe: a collection is given twice")
+    if isinstance(as_of, Mapping):
+        missing = [n for n in names if n not in as_of]
+        if missing:
+            raise StashError(
+                f"subscribe: as_of gives no time for the subscribed collection(s) {missing} "
+                f"(it names {sorted(str(n) for n in as_of)})"
+            )
     start = {n: as_of[n] if isinstance(as_of, Mapping) else as_of for n in names}
     for n, t in start.items():
         if isinstance(t, bool) or not isinstance(t, int):

@@ -14,8 +14,10 @@ for (the older of the two).  Invariants kept here:
   without a setting the since moves to the batch's time, as it always did;
 * the since never goes back and never passes the batch's time;
 * under a retention by duration, each time those writers commit records its wall clock
-  (``Stash.clock``) in the same transaction (table ``commit_times``); a time without a
-  record (committed before the setting, or by a batch built by hand) only holds the
+  (``Stash.clock``) in the same transaction (table ``commit_times``), never earlier than
+  a time recorded before it (:func:`record_commit_time`: a commit under a clock that
+  stepped back is not recorded); a time without a record (committed before the
+  setting, by a batch built by hand, or under a clock stepped back) only holds the
   since back: the since moves past it once a later recorded time is old enough;
 * batches a caller builds by hand (``AppendBatch(..., compact=...)``) keep the since
   they ask for.
@@ -31,9 +33,16 @@ from typing import Any
 
 from stash.codec import canonical_json
 from stash.collection import StashCollection
+from stash.errors import StashError
 from stash.txn import Txn
 
-__all__ = ["RETENTION_COLLECTION", "batch_frontiers", "commit_since", "now_ms"]
+__all__ = [
+    "RETENTION_COLLECTION",
+    "batch_frontiers",
+    "commit_since",
+    "now_ms",
+    "record_commit_time",
+]
 
 RETENTION_COLLECTION = "stash.retention"
 
@@ -41,7 +50,13 @@ RETENTION_COLLECTION = "stash.retention"
 def _policy(tx: Txn, name: str) -> dict[str, Any] | None:
     """The retention recorded for collection ``name``, read in ``tx`` (``None``: none).
     Read with ``rows`` (no lock: a write of one collection never waits for writers of
-    others on the retention collection)."""
+    others on the retention collection).
+
+    Raises:
+        StashError: the setting is not what ``Stash.set_retention`` writes (anyone may
+            write the collection): not an object, or a count that is not a positive
+            int or null.
+    """
     found = tx.lookup_collection(RETENTION_COLLECTION)
     if found is None:
         return None
@@ -49,7 +64,19 @@ def _policy(tx: Txn, name: str) -> dict[str, Any] | None:
     for _, v, _, d in tx.rows(found[0], canonical_json(name)):
         sums[v] = sums.get(v, 0) + d
     live = [v for v, d in sums.items() if d == 1]
-    return json.loads(live[0]) if len(live) == 1 else None
+    if len(live) != 1:
+        return None
+    policy = json.loads(live[0])
+    if not isinstance(policy, dict) or not all(
+        policy.get(k) is None or (type(policy[k]) is int and policy[k] >= 1)
+        for k in ("keep_times", "keep_for_ms")
+    ):
+        raise StashError(
+            f"the retention setting of collection {name} (its key in collection "
+            f"{RETENTION_COLLECTION}) is {live[0]}, not an object whose keep_times and "
+            "keep_for_ms are positive ints or null: set it with Stash.set_retention"
+        )
+    return policy
 
 
 def now_ms(stash: Any) -> int:
@@ -85,8 +112,26 @@ def commit_since(tx: Txn, cid: int, name: str, t: int, now: int) -> int:
         return t
     since = _since(tx, cid, t, policy, now)
     if policy.get("keep_for_ms") is not None:
-        tx.record_commit_time(cid, t, now, since)
+        record_commit_time(tx, cid, t, now, since)
     return since
+
+
+#: Later than any wall clock (Unix ms): "recorded at any time".
+_ANY_MS = 2**62
+
+
+def record_commit_time(tx: Txn, cid: int, t: int, now: int, since: int) -> None:
+    """Record in ``tx`` that time ``t`` of collection ``cid`` commits at wall clock
+    ``now`` (Unix ms), and forget the records before ``since`` -- unless a time already
+    recorded committed later than ``now`` (the clock stepped back): then ``t`` is not
+    recorded, which only holds the since back (it moves past ``t`` once a later recorded
+    time is old enough).  So recorded commit times never decrease with the time, and a
+    time committed after a step back never becomes "old enough" before the times
+    committed just before it (the since would jump past those)."""
+    newest = tx.newest_time_committed_by(cid, _ANY_MS)
+    if newest is not None and tx.newest_time_committed_by(cid, now) != newest:
+        return
+    tx.record_commit_time(cid, t, now, since)
 
 
 def batch_frontiers(

@@ -422,12 +422,50 @@ def parse_url(url: str) -> URL:
             "sqlite:///path or postgresql+psycopg://user@host/db"
         )
     try:
-        return _parse(url)
+        u = _parse(url)
     except Exception:
-        pass
-    # Raised outside the handler: the parser's own error quotes parts of the URL (a
-    # password's included) and must not ride along as the context.
-    raise StashError(f"malformed stash URL {_redact_unparsed(url)!r}")
+        u = None
+    if u is None:
+        # Raised outside the handler: the parser's own error quotes parts of the URL (a
+        # password's included) and must not ride along as the context.
+        raise StashError(f"malformed stash URL {_redact_unparsed(url)!r}")
+    if u.get_backend_name() == "sqlite":
+        _check_sqlite_query(url, u)
+    return u
+
+
+#: The query options SQLAlchemy's pysqlite dialect passes to ``sqlite3.connect``
+#: (``sqlalchemy/dialects/sqlite/pysqlite.py``, ``create_connect_args``).
+_SQLITE_DRIVER_OPTIONS = (
+    "uri",
+    "timeout",
+    "isolation_level",
+    "detect_types",
+    "check_same_thread",
+    "cached_statements",
+)
+#: ... and the stash's own (refused for SQLite by a message of their own:
+#: ``stash.placement``).
+_SQLITE_OPTIONS = frozenset([*_SQLITE_DRIVER_OPTIONS, "stash_schema", "stash_version_table"])
+
+
+def _check_sqlite_query(text: str, u: URL) -> None:
+    """Refuse a SQLite URL whose query (everything after the first ``?``, as SQLAlchemy
+    reads it) holds an item that is not a known option: a raw ``?`` in the file's path
+    (SQLAlchemy drops ``?b/s.db`` and ignores ``?x=1/s.db``, so another file, the path
+    cut at the ``?``, would be opened).  With ``uri=true`` the path is a SQLite URI and
+    its parameters are SQLite's (not checked).  The message shows an option's name,
+    never its value."""
+    if "?" not in text or str(u.query.get("uri", "")).lower() in ("true", "1"):
+        return
+    for item in text.split("?", 1)[1].split("&"):
+        name, eq, _ = item.partition("=")
+        if not eq or name not in _SQLITE_OPTIONS:
+            raise StashError(
+                f"sqlite stash URL {redact(text)!r}: {name!r} after '?' is not an option "
+                f"(name=value, one of {list(_SQLITE_DRIVER_OPTIONS)}); a '?' in the "
+                "file's path must be percent-encoded as %3F (urllib.parse.quote(path))"
+            )
 
 
 #: The older name of :func:`redact` (kept for callers written before it was renamed).

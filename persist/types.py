@@ -24,7 +24,10 @@ Invariants kept here:
   never zero: every writer of a run consolidates first), which lets a snapshot of a
   single run at a single time skip consolidation;
 * all three are immutable and round-trip through JSON (``to_json`` / ``from_json``); a
-  :class:`HollowBatch` computes its JSON once and returns the same (read-only) dict.
+  :class:`HollowBatch` computes its JSON once and returns the same (read-only) dict (a
+  batch decoded from JSON returns that very JSON, so an entry of an earlier layout
+  encodes as stored); an inline part's JSON leaves out its size and checksum when they
+  are its bytes' own (computed from them when read).
 
 Source of the idea: persist's ``Description`` and ``HollowBatch`` in Materialize's persist-client
 (``src/persist-client/src/internal/trace.rs``, ``src/persist-client/src/batch.rs``).
@@ -140,15 +143,18 @@ class PartRef:
 
     def to_json(self) -> dict[str, Any]:
         """``{"rows", "bytes", "sha256", "key" | "inline", ...}``: an inline part's
-        ``sha256`` is left out when it is its bytes' own (they are right there:
-        :meth:`from_json` computes it from them), 75 characters less in every state
-        version that adds one."""
-        d: dict[str, Any] = {"rows": self.rows, "bytes": self.encoded_size_bytes}
+        ``bytes`` and ``sha256`` are left out when they are its bytes' own (the bytes
+        are right there: :meth:`from_json` computes them), some 90 characters less in
+        every state version that adds one."""
+        d: dict[str, Any] = {"rows": self.rows}
         if self.key is not None:
+            d["bytes"] = self.encoded_size_bytes
             d["sha256"] = self.checksum
             d["key"] = self.key
         else:
             assert self.inline is not None
+            if self.encoded_size_bytes != len(self.inline):
+                d["bytes"] = self.encoded_size_bytes
             if self.checksum != _sha256_hex(self.inline):
                 d["sha256"] = self.checksum
             d["inline"] = base64.b64encode(self.inline).decode("ascii")
@@ -166,9 +172,10 @@ class PartRef:
     def from_json(cls, d: dict[str, Any]) -> PartRef:
         inline = d.get("inline")
         data = None if inline is None else base64.b64decode(inline)
-        # An inline part's checksum is its bytes' (left out of the JSON since it is
-        # computed from them; older states hold it, checked on decode as before).
+        # An inline part's size and checksum are its bytes' (left out of the JSON since
+        # they are computed from them; older states hold them, checked as before).
         sha = d.get("sha256") if data is None or "sha256" in d else _sha256_hex(data)
+        size = d["bytes"] if data is None or "bytes" in d else len(data)
         keys = d.get("keys")
         stats = None
         if "stats" in d:
@@ -179,7 +186,7 @@ class PartRef:
         return cls(
             key=d.get("key"),
             rows=int(d["rows"]),
-            encoded_size_bytes=int(d["bytes"]),
+            encoded_size_bytes=int(size),
             checksum=str(d["sha256"] if sha is None else sha),
             inline=data,
             schema_id=int(d.get("schema", 0)),

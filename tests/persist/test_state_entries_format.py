@@ -2,7 +2,7 @@
 in the earlier layout still read.
 
 A one-row append's diff row leaves out what the reader can rebuild: an inline part's
-``sha256`` (computed from its bytes), a batch's empty ``runs``, a writer's unset
+``bytes`` and ``sha256`` (computed from its bytes), a batch's empty ``runs``, a writer's unset
 ``last_token``; its landed record is ``landed/<seqno>: [token, fingerprint, seqno,
 ms]`` instead of ``landed/<digest>: {"entry", "ms", "seqno"}``.  Each rollup holds the
 same records and parts, so it shrinks too (``bench/bench_commit.py``'s Postgres WAL).
@@ -151,7 +151,7 @@ def test_a_one_row_diff_holds_the_lean_entries(tmp_path: Path) -> None:
             seqno = diff["seqno"]
             sets = diff["set"]
             (part,) = sets["trace/hollow_batches/1-2"]["parts"]
-            assert set(part) == {"bytes", "inline", "nonce", "rows"}
+            assert set(part) == {"inline", "nonce", "rows"}
             assert "runs" not in sets["trace/hollow_batches/1-2"]
             (writer,) = (v for k, v in sets.items() if k.startswith("writer/"))
             assert set(writer) == {"last_heartbeat_ms", "lease_duration_ms"}
@@ -165,18 +165,20 @@ def test_a_one_row_diff_holds_the_lean_entries(tmp_path: Path) -> None:
             client.close()
 
 
-def test_an_inline_part_checksum_is_its_bytes() -> None:
-    """Left out of an inline part's JSON, read back from its bytes; a stored one (older
-    states) is kept, and written again when it is not the bytes' (a damaged part is
-    still caught by it); a blob part needs it."""
+def test_an_inline_part_size_and_checksum_are_its_bytes() -> None:
+    """Left out of an inline part's JSON, read back from its bytes; stored ones (older
+    states) are kept, and written again when they are not the bytes' (a damaged part is
+    still caught by them); a blob part needs them."""
     data = b"PZS1 some bytes"
     sha = hashlib.sha256(data).hexdigest()
     ref = PartRef(None, 1, len(data), sha, inline=data, nonce="ab" * 16)
     d = ref.to_json()
-    assert "sha256" not in d
+    assert "sha256" not in d and "bytes" not in d
     assert PartRef.from_json(d) == ref
     damaged = PartRef.from_json({**d, "sha256": "0" * 64})
     assert damaged.checksum == "0" * 64 and PartRef.from_json(damaged.to_json()) == damaged
+    short = PartRef.from_json({**d, "bytes": 3})
+    assert short.encoded_size_bytes == 3 and PartRef.from_json(short.to_json()) == short
     blob = PartRef("s/k", 1, 2, sha)
     assert blob.to_json()["sha256"] == sha and PartRef.from_json(blob.to_json()) == blob
     with pytest.raises(KeyError):

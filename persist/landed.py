@@ -6,8 +6,9 @@ it, a :class:`Landed` record under its idempotency token: the token with the app
 fingerprint (:mod:`persist.fingerprint`: bounds and contents, so the record also says at
 which upper it landed; a transaction records ``t<ts>``), the seqno of that version and
 the recording process's clock.  The records live in the shard state apart from the
-writer leases (``landed/<digest of the token>`` entries, see
-:mod:`persist.state_codec`): a writer's expiry, a hand-off, GC, or a process whose clock
+writer leases (``landed/<seqno>`` entries, see :mod:`persist.state_codec` and
+:meth:`Landed.entry_json`; states written before them hold ``landed/<digest of the
+token>`` entries, read as before and kept under their key): a writer's expiry, a hand-off, GC, or a process whose clock
 is ahead by more than every lease never drop them, and appends of other threads through
 a shared handle do not push them out as they did the few tokens a writer kept.
 
@@ -30,7 +31,9 @@ question has one of three answers, decided on a version read from consensus
 
 Invariants kept here: records are immutable; a token has at most one record; the kept
 records are exactly the newest :data:`TOKENS_KEPT` by seqno, and every pruned record's
-seqno is ``<=`` the horizon, which only grows.
+seqno is ``<=`` the horizon, which only grows; no two kept records share an entry key (a
+record's key is ``landed/<seqno>``, or its token's digest when another record holds that
+seqno, or the key it was read under).
 
 Source of the idea: Materialize's persist-client ``internal/state.rs``, where
 ``WriterState`` keeps the writer's most recent write token and upper
@@ -41,7 +44,7 @@ is refused; here the record is the shard's, not the writer's, so it outlives the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +55,7 @@ __all__ = [
     "LANDED",
     "NOT_LANDED",
     "NO_HORIZON",
+    "PREFIX",
     "TOKENS_KEPT",
     "UNKNOWN",
     "Landed",
@@ -61,6 +65,8 @@ __all__ = [
     "verdict",
 ]
 
+#: The entry key prefix of a landed record.
+PREFIX = "landed/"
 #: How many landed records a shard keeps (the newest, by seqno).
 TOKENS_KEPT = 256
 #: The horizon of a shard that never pruned a record.
@@ -85,6 +91,7 @@ class Landed:
     ms: int
     _json: dict[str, Any] | None = field(default=None, compare=False, repr=False)
     _key: str | None = field(default=None, compare=False, repr=False)
+    _entry: list[Any] | dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def token(self) -> str:
@@ -93,14 +100,16 @@ class Landed:
 
     @property
     def key(self) -> str:
-        """Its state entry key (:func:`entry_key`, computed once)."""
+        """Its state entry key: the key it was read under or given by :func:`record`,
+        else ``landed/<seqno>`` (computed once)."""
         if self._key is None:
-            object.__setattr__(self, "_key", entry_key(self.token))
+            object.__setattr__(self, "_key", f"{PREFIX}{self.seqno}")
         assert self._key is not None
         return self._key
 
     def to_json(self) -> dict[str, Any]:
-        """``{"entry", "seqno", "ms"}`` (the same dict every call: do not mutate it)."""
+        """``{"entry", "seqno", "ms"}``, the readable document's form (the same dict
+        every call: do not mutate it)."""
         if self._json is None:
             object.__setattr__(
                 self, "_json", {"entry": self.entry, "seqno": self.seqno, "ms": self.ms}
@@ -108,9 +117,39 @@ class Landed:
         assert self._json is not None
         return self._json
 
+    def entry_json(self) -> list[Any] | dict[str, Any]:
+        """The value of its state entry: ``[token, fingerprint, seqno, ms]``, or the
+        :meth:`to_json` form (some 25 characters longer) for an entry without
+        ``TOKEN_SEP`` and for a record read in that form (:meth:`from_entry`: it is
+        stored so).  The same object every call: do not mutate it."""
+        if self._entry is None:
+            token, sep, fp = self.entry.partition(TOKEN_SEP)
+            value = [token, fp, self.seqno, self.ms] if sep else self.to_json()
+            object.__setattr__(self, "_entry", value)
+        assert self._entry is not None
+        return self._entry
+
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Landed:
+        """Inverse of :meth:`to_json`."""
         return cls(str(d["entry"]), int(d["seqno"]), int(d["ms"]))
+
+    @classmethod
+    def from_entry(cls, key: str, value: Any) -> Landed:
+        """The record of the state entry ``key`` (kept as its :attr:`key`) whose value
+        is ``value``: :meth:`entry_json`'s form, or :meth:`to_json`'s (states written
+        before the short form).
+
+        Raises:
+            ValueError, KeyError, TypeError: ``value`` is neither form."""
+        if isinstance(value, list):
+            token, fp, seqno, ms = value
+            rec = cls(f"{token}{TOKEN_SEP}{fp}", int(seqno), int(ms))
+        else:  # the earlier form: kept in it (an unchanged record encodes the same)
+            rec = cls.from_json(value)
+            object.__setattr__(rec, "_entry", rec.to_json())
+        object.__setattr__(rec, "_key", key)
+        return rec
 
 
 class OutcomeUnknown(ConsensusError):
@@ -132,20 +171,25 @@ class OutcomeUnknown(ConsensusError):
 
 
 def entry_key(token: str) -> str:
-    """The state entry key of ``token``'s record (a digest: tokens are any printable
-    text)."""
-    return "landed/" + hashlib.sha256(token.encode()).hexdigest()[:32]
+    """The digest entry key of ``token``'s record (``landed/`` and 32 hex digits: tokens
+    are any printable text): what states before ``landed/<seqno>`` keys used, and the
+    key of a record whose seqno another kept record holds."""
+    return PREFIX + hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
-def record(
-    landed: MutableMapping[str, Landed], horizon: int, entry: str, seqno: int, ms: int
-) -> int:
+def record(landed: dict[str, Landed], horizon: int, entry: str, seqno: int, ms: int) -> int:
     """Add the record ``entry`` (``token + TOKEN_SEP + fingerprint``) landed at ``seqno``
     to ``landed`` (token -> record, oldest first), pruning the oldest beyond
     :data:`TOKENS_KEPT`; returns the new horizon."""
     token = entry.split(TOKEN_SEP, 1)[0]
     landed.pop(token, None)
-    landed[token] = Landed(entry, seqno, ms)
+    rec = Landed(entry, seqno, ms)
+    # One record per version is the rule (one command per version): a second at the
+    # same seqno (the newest record, if any) takes its token's digest key instead.
+    newest = next(reversed(landed.values()), None)
+    if newest is not None and newest.seqno == seqno:
+        object.__setattr__(rec, "_key", entry_key(token))
+    landed[token] = rec
     while len(landed) > TOKENS_KEPT:
         oldest = next(iter(landed))
         horizon = max(horizon, landed.pop(oldest).seqno)

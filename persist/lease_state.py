@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stash import Antichain
@@ -116,6 +116,9 @@ class WriterState:
     tokens: tuple[str, ...] = ()
     handed_off: int = 0
     settled: int = 0
+    #: The JSON it was read from (:meth:`from_json`), which :meth:`to_json` gives back:
+    #: a writer read in an earlier layout encodes as it is stored until it changes.
+    _json: dict[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
     @property
     def outstanding(self) -> int:
@@ -151,11 +154,17 @@ class WriterState:
         )
 
     def to_json(self) -> dict[str, Any]:
+        """``{"last_heartbeat_ms", "lease_duration_ms", ...}``; the legacy fields only
+        when set (``last_token``: states before the landed records wrote it, ``null``
+        when unset; left out since, read back as ``None``)."""
+        if self._json is not None:
+            return self._json
         d: dict[str, Any] = {
             "last_heartbeat_ms": self.last_heartbeat_ms,
             "lease_duration_ms": self.lease_duration_ms,
-            "last_token": self.last_token,
         }
+        if self.last_token is not None:
+            d["last_token"] = self.last_token
         if self.tokens:
             d["tokens"] = list(self.tokens)
         if self.handed_off:
@@ -167,7 +176,7 @@ class WriterState:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> WriterState:
         tok = d.get("last_token")
-        return cls(
+        w = cls(
             int(d["last_heartbeat_ms"]),
             int(d["lease_duration_ms"]),
             None if tok is None else str(tok),
@@ -175,6 +184,8 @@ class WriterState:
             int(d.get("handed_off", 0)),
             int(d.get("settled", 0)),
         )
+        object.__setattr__(w, "_json", d)
+        return w
 
 
 #: How many idempotency tokens of recent appends a writer's state keeps.

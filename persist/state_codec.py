@@ -187,8 +187,9 @@ def to_entries(self: StateFields) -> dict[str, Any]:
     ``schemas`` (only once there is more than one version: every value schema
     version, by id), ``trace/hollow_batches/<id>``,
     ``trace/spine_batches/<id>``, ``reader/<id>``, ``writer/<id>``,
-    ``landed/<digest of a token>`` (:mod:`persist.landed`; ``meta`` holds their
-    ``landed_horizon``), (retired keys live in their own collection).  A new version differs from the
+    ``landed/<seqno>`` (:meth:`persist.landed.Landed.entry_json`; states written
+    before hold ``landed/<digest of a token>`` entries of the readable form, kept under
+    their key; ``meta`` holds their ``landed_horizon``), (retired keys live in their own collection).  A new version differs from the
     previous one in
     ``meta`` and the few components that changed, so consensus writes little.
     """
@@ -213,7 +214,7 @@ def _other_entries(self: StateFields, meta: dict[str, Any]) -> dict[str, Any]:
     for wid, w in self.writers.items():
         out[_WRITER + wid] = w.to_json()
     for rec in self.landed.values():
-        out[rec.key] = rec.to_json()
+        out[rec.key] = rec.entry_json()
     return out
 
 
@@ -248,6 +249,7 @@ def _delta_of_records(
     old: Mapping[str, Any],
     new: Mapping[str, Any],
     key: Callable[[str, Any], str],
+    value: Callable[[Any], Any] = lambda r: r.to_json(),
 ) -> None:
     """Update ``data`` from the records ``old`` to ``new`` (frozen objects by id, so an
     unchanged record is the very same object): ``key(id, record)`` is its entry key.
@@ -264,7 +266,7 @@ def _delta_of_records(
             touched.add(k)
         if r is not None:
             k = key(i, r)
-            data[k] = r.to_json()
+            data[k] = value(r)
             touched.add(k)
 
 
@@ -296,7 +298,9 @@ def to_entries_delta(
     # Leases and landed records are frozen: an unchanged one is the same object.
     _delta_of_records(data, touched, old.readers, new.readers, lambda i, _r: _READER + i)
     _delta_of_records(data, touched, old.writers, new.writers, lambda i, _r: _WRITER + i)
-    _delta_of_records(data, touched, old.landed, new.landed, lambda _i, r: r.key)
+    _delta_of_records(
+        data, touched, old.landed, new.landed, lambda _i, r: r.key, lambda r: r.entry_json()
+    )
     olds = {id(b): (b, i) for b, i in old.trace.spine_batches()}
     news = {id(b): (b, i) for b, i in new.trace.spine_batches()}
     for key, (b, i) in olds.items():
@@ -369,7 +373,7 @@ def from_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
             elif k.startswith(_WRITER):
                 writers[k[len(_WRITER) :]] = WriterState.from_json(v)
             elif k.startswith(_LANDED):
-                landed.append(Landed.from_json(v))
+                landed.append(Landed.from_entry(k, v))
             elif k not in (_SHARD, _META, _SCHEMAS, _HISTORY, _TABLE):
                 raise ValueError(f"unknown state entry {k!r}")
         trace_json.update(maps)
@@ -451,7 +455,7 @@ def from_entries_delta(
             elif k.startswith(_LANDED):
                 landed_gone.add(k)
                 if v is not None:
-                    landed_new.append(Landed.from_json(v))
+                    landed_new.append(Landed.from_entry(k, v))
             elif k not in _FIXED:
                 raise ValueError(f"unknown state entry {k!r}")
         if isinstance(seqno, bool) or not isinstance(seqno, int):

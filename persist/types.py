@@ -24,7 +24,10 @@ Invariants kept here:
   never zero: every writer of a run consolidates first), which lets a snapshot of a
   single run at a single time skip consolidation;
 * all three are immutable and round-trip through JSON (``to_json`` / ``from_json``); a
-  :class:`HollowBatch` computes its JSON once and returns the same (read-only) dict.
+  :class:`HollowBatch` computes its JSON once and returns the same (read-only) dict (a
+  batch decoded from JSON returns that very JSON, so an entry of an earlier layout
+  encodes as stored); an inline part's JSON leaves out its size and checksum when they
+  are its bytes' own (computed from them when read).
 
 Source of the idea: persist's ``Description`` and ``HollowBatch`` in Materialize's persist-client
 (``src/persist-client/src/internal/trace.rs``, ``src/persist-client/src/batch.rs``).
@@ -33,6 +36,7 @@ Source of the idea: persist's ``Description`` and ``HollowBatch`` in Materialize
 from __future__ import annotations
 
 import base64
+import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -75,6 +79,10 @@ class Description:
 
     def __str__(self) -> str:
         return f"({self.lower}, {self.upper}, {self.since})"
+
+
+def _sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 #: The prefix of an inline part's :attr:`PartRef.part_id` (never a blob key's: those
@@ -134,15 +142,21 @@ class PartRef:
         return None if self.nonce is None else INLINE_ID_PREFIX + self.nonce
 
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "rows": self.rows,
-            "bytes": self.encoded_size_bytes,
-            "sha256": self.checksum,
-        }
+        """``{"rows", "bytes", "sha256", "key" | "inline", ...}``: an inline part's
+        ``bytes`` and ``sha256`` are left out when they are its bytes' own (the bytes
+        are right there: :meth:`from_json` computes them), some 90 characters less in
+        every state version that adds one."""
+        d: dict[str, Any] = {"rows": self.rows}
         if self.key is not None:
+            d["bytes"] = self.encoded_size_bytes
+            d["sha256"] = self.checksum
             d["key"] = self.key
         else:
             assert self.inline is not None
+            if self.encoded_size_bytes != len(self.inline):
+                d["bytes"] = self.encoded_size_bytes
+            if self.checksum != _sha256_hex(self.inline):
+                d["sha256"] = self.checksum
             d["inline"] = base64.b64encode(self.inline).decode("ascii")
         if self.schema_id:
             d["schema"] = self.schema_id
@@ -157,6 +171,11 @@ class PartRef:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PartRef:
         inline = d.get("inline")
+        data = None if inline is None else base64.b64decode(inline)
+        # An inline part's size and checksum are its bytes' (left out of the JSON since
+        # they are computed from them; older states hold them, checked as before).
+        sha = d.get("sha256") if data is None or "sha256" in d else _sha256_hex(data)
+        size = d["bytes"] if data is None or "bytes" in d else len(data)
         keys = d.get("keys")
         stats = None
         if "stats" in d:
@@ -167,9 +186,9 @@ class PartRef:
         return cls(
             key=d.get("key"),
             rows=int(d["rows"]),
-            encoded_size_bytes=int(d["bytes"]),
-            checksum=str(d["sha256"]),
-            inline=None if inline is None else base64.b64decode(inline),
+            encoded_size_bytes=int(size),
+            checksum=str(d["sha256"] if sha is None else sha),
+            inline=data,
             schema_id=int(d.get("schema", 0)),
             key_samples=None if keys is None else tuple(tuple(k) for k in keys),
             stats=stats,
@@ -214,21 +233,28 @@ class HollowBatch:
 
     @cached_property
     def _json(self) -> dict[str, Any]:
-        return {
+        d = {
             "desc": self.desc.to_json(),
             "parts": [p.to_json() for p in self.parts],
             "len": self.len,
-            "runs": list(self.runs),
         }
+        if self.runs:  # one run (or none): left out, read back as ``()``
+            d["runs"] = list(self.runs)
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> HollowBatch:
-        return cls(
+        """Inverse of :meth:`to_json`; the batch's JSON is then ``d`` itself (read-only
+        from here on), so a batch read in an earlier layout (its inline parts'
+        ``sha256``, ``"runs": []``) encodes as it is stored."""
+        hb = cls(
             desc=Description.from_json(d["desc"]),
             parts=tuple(PartRef.from_json(p) for p in d["parts"]),
             len=int(d["len"]),
             runs=tuple(int(r) for r in d.get("runs", ())),
         )
+        hb.__dict__["_json"] = d  # the cached_property's slot
+        return hb
 
 
 def as_frontier(x: Antichain | int, what: str) -> Antichain:

@@ -26,6 +26,7 @@ import sqlalchemy as sa
 
 import persist.landed as landed
 from persist import PersistClient
+from persist.fingerprint import UPDATES
 from persist.landed import Landed, entry_key, record
 from persist.lease_state import TOKEN_LANDED, TOKEN_SEP
 from persist.state import ShardState
@@ -156,7 +157,7 @@ def test_a_one_row_diff_holds_the_lean_entries(tmp_path: Path) -> None:
             (writer,) = (v for k, v in sets.items() if k.startswith("writer/"))
             assert set(writer) == {"last_heartbeat_ms", "lease_duration_ms"}
             token, fp, at, ms = sets[f"landed/{seqno}"]
-            assert at == seqno and fp.startswith("V") and isinstance(ms, int)
+            assert at == seqno and fp.startswith(UPDATES) and isinstance(ms, int)
             assert token_verdict(client.inspect("t"), token, None)[0] == TOKEN_LANDED
             assert r.snapshot(1).num_rows == 2
             w.expire()

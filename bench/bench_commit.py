@@ -14,7 +14,9 @@ ratios reported with its spread):
   measured at several shard lengths (1 to 100,000 appends; 20,000 with ``--quick``) so
   that flatness shows: a cost growing with the shard would show as a falling ratio.
   Beside it, persist's CPU per append (``time.process_time`` over each burst: the whole
-  process, background compaction included; goal <= 0.45 ms), with raw sqlite3's;
+  process, background compaction included; goal <= 0.45 ms), with raw sqlite3's, and
+  the CPU of the commit persist makes done with ``sqlite3`` alone (``RawSqliteLogs``:
+  its two log rows in the stash's ``logs`` table; the floor of its ``COMMIT``, no goal);
 * **Postgres**: the same on a Postgres stash (a throwaway server, production durability:
   ``fsync`` and ``synchronous_commit`` on) against a raw psycopg transaction (``SELECT ...
   FOR UPDATE``, ``INSERT``, ``UPDATE``, ``COMMIT``).  Goal: >= 0.3x.  Beside it, the
@@ -70,7 +72,7 @@ from bench.common import (
     ratio_record,
 )
 
-__all__ = ["PersistOneRow", "RawPgOneRow", "RawSqliteOneRow", "main", "run"]
+__all__ = ["PersistOneRow", "RawPgOneRow", "RawSqliteLogs", "RawSqliteOneRow", "main", "run"]
 
 GOAL_ONE_ROW = Goal(">=", 0.3)
 #: The SQLite goals: appends per second against raw sqlite3's, and persist's CPU per
@@ -198,6 +200,66 @@ class RawSqliteOneRow:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class RawSqliteLogs:
+    """The commit a persist append makes, done with ``sqlite3`` alone: a stash's own
+    ``logs`` table (made by the stash's migrations, its primary key included), WAL,
+    ``synchronous=FULL``, and per commit the same two conditional ``INSERT`` s of texts
+    the size of persist's (a shard diff entry and a history entry, ``texts``), each on
+    top of its log's head, then ``COMMIT``.  Not a goal: the floor of persist's
+    ``COMMIT`` (the rows it writes touch about 5 WAL frames, the raw one-row commit's
+    about 2), shown beside its CPU per append."""
+
+    INSERT = (
+        "INSERT INTO logs (name, seqno, rollup, data) SELECT ?, ?, 0, ?"
+        " WHERE (SELECT max(seqno) FROM logs WHERE name = ?) IS ?"
+    )
+
+    def __init__(self, path: Path, texts: tuple[str, str]) -> None:
+        from stash import Stash
+
+        Stash.open(f"sqlite:///{path}", mode="writable", fenced=False).close()  # the schema
+        self.conn = sqlite3.connect(path, isolation_level=None)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.logs = list(zip(("bench.shard", "bench.history"), texts, strict=True))
+        self.head: dict[str, int | None] = {name: None for name, _ in self.logs}
+        self.count = 0
+
+    def append(self, _i: int) -> None:
+        conn, head = self.conn, self.head
+        conn.execute("BEGIN IMMEDIATE")
+        for name, text in self.logs:
+            h = head[name]
+            seqno = 0 if h is None else h + 1
+            cur = conn.execute(self.INSERT, (name, seqno, text, name, h))
+            if cur.rowcount != 1:  # pragma: no cover - one writer
+                raise AssertionError(f"log {name}: head moved")
+            head[name] = seqno
+        conn.execute("COMMIT")
+        self.count += 1
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _persist_log_texts(stash_path: Path) -> tuple[str, str]:
+    """The newest shard diff entry and history entry persist wrote in the stash file at
+    ``stash_path`` (read with ``sqlite3``, after the appends)."""
+    conn = sqlite3.connect(stash_path)
+    try:
+        out = []
+        for prefix in ("persist.shard.", "persist.history."):
+            row = conn.execute(
+                "SELECT data FROM logs WHERE substr(name, 1, ?) = ? AND NOT rollup"
+                " ORDER BY rowid DESC LIMIT 1",
+                (len(prefix), prefix),
+            ).fetchone()
+            out.append(str(row[0]))
+        return out[0], out[1]
+    finally:
+        conn.close()
 
 
 class RawPgOneRow:
@@ -565,6 +627,7 @@ def _sqlite(
     rows = _rows()
     persist = PersistOneRow(f"sqlite:///{root}/stash.db", f"file://{root}/blob", rows)
     raw = RawSqliteOneRow(root / "raw.db", rows)
+    logs: RawSqliteLogs | None = None
     table_rows: list[list[Any]] = []
     series: dict[str, list[tuple[float, float]]] = {
         "persist appends/s": [],
@@ -602,6 +665,25 @@ def _sqlite(
             )
             missed = missed or cpu_rec.goal_met is False
             missed_any = missed_any or missed
+            if logs is None:
+                logs = RawSqliteLogs(root / "raw-logs.db", _persist_log_texts(root / "stash.db"))
+                _fill(logs, 500, res.log)
+            logs_cpu: list[float] = []
+            logs_rate = _rate(logs, seconds, logs_cpu)
+            for _ in range(max(2, rounds)):
+                logs_rate(0)
+            res.absolute(
+                section,
+                f"sqlite: CPU per raw sqlite3 commit of persist's two log rows, beside {at:,} appends",
+                subject="raw sqlite3: persist's log INSERTs and COMMIT",
+                samples=logs_cpu[1:],
+                unit="ms",
+                definition=(
+                    "process CPU time per commit of RawSqliteLogs (the stash's logs table, "
+                    "a shard diff and a history entry of persist's sizes, synchronous=FULL): "
+                    "the floor of persist's COMMIT, not a goal"
+                ),
+            )
             series["persist appends/s"].append((float(at), p))
             series["raw sqlite3 appends/s"].append((float(at), r))
             table_rows.append([f"{at:,}", fmt_num(p), fmt_num(r), f"{fmt_num(ratio)}x"])
@@ -632,6 +714,8 @@ def _sqlite(
     finally:
         persist.close()
         raw.close()
+        if logs is not None:
+            logs.close()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from persist.commit_note import current
+from persist.spine_levels import SpineBatch
 from persist.state import ShardState
 
 __all__ = ["make_record"]
@@ -51,28 +52,38 @@ def parts_changed(old: ShardState, new: ShardState) -> tuple[list[tuple[int, int
 
     Proportional to what changed: spine batches are immutable and shared between
     versions, so only the spine batches of one version that are not (the same object)
-    in the other are looked into, and each of their parts is looked up in the other
-    version's spine batches' :attr:`~persist.spine_levels.SpineBatch.part_index`.
+    in the other are looked into.  A part of a new spine batch is first looked up among
+    the parts of the spine batches it replaced (one set: a fueled merge's batch lists
+    the parts of the batches it replaced), and only if absent there in each shared
+    spine batch's :attr:`~persist.spine_levels.SpineBatch.part_index`; the same the
+    other way round for the removed parts.
     """
     before = [b for b, _ in old.trace.spine_batches()]
     after = [b for b, _ in new.trace.spine_batches()]
     old_ids = {id(b) for b in before}
+    fresh = [b for b in after if id(b) not in old_ids]
+    if not fresh and len(after) == len(before):
+        return [], 0  # the same spine batches (ids are unique among the live ones)
     new_ids = {id(b) for b in after}
+    gone = [b for b in before if id(b) not in new_ids]
+    shared = [b for b in after if id(b) in old_ids]
+    gone_ids = {pid for b in gone for pid in b.part_index}
     added: dict[str, tuple[int, int]] = {}
-    for b in after:
-        if id(b) in old_ids:
-            continue
+    for b in fresh:
         for pid, v in b.part_index.items():
-            if not any(pid in o.part_index for o in before):
+            if pid not in gone_ids and not _in_any(pid, shared):
                 added[pid] = v
-    removed: set[str] = set()
-    for b in before:
-        if id(b) in new_ids:
-            continue
-        for pid in b.part_index:
-            if not any(pid in n.part_index for n in after):
-                removed.add(pid)
+    fresh_ids = {pid for b in fresh for pid in b.part_index}
+    removed = {pid for pid in gone_ids if pid not in fresh_ids and not _in_any(pid, shared)}
     return list(added.values()), len(removed)
+
+
+def _in_any(pid: str, batches: list[SpineBatch]) -> bool:
+    """Whether a part with id ``pid`` is in one of ``batches``."""
+    for b in batches:
+        if pid in b.part_index:
+            return True
+    return False
 
 
 def make_record(

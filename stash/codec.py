@@ -142,6 +142,13 @@ def _check_strings(value: Any) -> None:
             _check_strings(v)
 
 
+#: The encoder of :func:`canonical_json`, made once (``json.dumps`` with options builds
+#: one per call); ``encode`` keeps no state between calls, so threads share it.
+_encode = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+).encode
+
+
 def canonical_json(value: Any) -> str:
     """Canonical JSON text: sorted keys, no spaces, UTF-8 kept, floats that are whole
     numbers written as integers (so ``1.0`` and ``1`` are the same value, as in ``jsonb``,
@@ -158,23 +165,18 @@ def canonical_json(value: Any) -> str:
     if _scan(value, 0):
         value = _normalize(value)
     try:
-        text = json.dumps(
-            value,
-            sort_keys=True,
-            separators=(",", ":"),
-            ensure_ascii=False,
-            allow_nan=False,
-        )
+        text = _encode(value)
     except (TypeError, ValueError) as e:
         raise StashError(f"value is not JSON-encodable: {e}") from None
     except RecursionError:
         raise StashError(f"value is nested deeper than {MAX_JSON_DEPTH} levels") from None
     if "\\u0000" in text:
         _check_strings(value)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise StashError("value contains a lone surrogate, which is not valid UTF-8") from None
+    if not text.isascii():  # a lone surrogate is not ASCII (isascii reads a flag of the str)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise StashError("value contains a lone surrogate, which is not valid UTF-8") from None
     if len(text) > MAX_ENCODED_BYTES:
         raise StashError(f"encoded value is larger than {MAX_ENCODED_BYTES} bytes")
     return text

@@ -235,13 +235,13 @@ class PgOps(_Ops):
         return PgTxn(stash, dbc, write, savepoint)
 
     def begin(self, dbc: Any, write: bool) -> None:
-        # psycopg sends BEGIN with these settings before the first statement.
-        if write:
-            dbc.isolation_level = None  # the server default, READ COMMITTED
-            dbc.read_only = None
-        else:
-            dbc.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-            dbc.read_only = True
+        # psycopg sends BEGIN with these (None: the server's, READ COMMITTED) before the first
+        # statement; a set takes a lock and a wait and drops its cached BEGIN: only on change.
+        level, read_only = (None, None) if write else (psycopg.IsolationLevel.REPEATABLE_READ, True)
+        if dbc.isolation_level != level:
+            dbc.isolation_level = level
+        if dbc.read_only != read_only:
+            dbc.read_only = read_only
 
     def rollback(self, dbc: Any) -> None:
         try:

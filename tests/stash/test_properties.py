@@ -155,6 +155,21 @@ def test_canonical_json_agrees_with_the_plain_rules(value: Any, scalar: int, lev
     assert got == want
 
 
+def test_canonical_json_gives_the_same_texts_in_threads_at_once() -> None:
+    """The one encoder canonical_json shares keeps no state between calls: the texts
+    several threads make at once are those made one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    values = [
+        {"k": [i, {"b": "é" * (i % 3), "a": float(i), "n": {"x": [i] * (i % 4)}}], "z": None}
+        for i in range(3000)
+    ]
+    want = [canonical_json(v) for v in values]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(canonical_json, values, chunksize=25))
+    assert got == want
+
+
 json_texts = st.text(
     alphabet=st.sampled_from(list('{}[]",:0123456789.eE+-tfnrualse \n\\u\t')), max_size=16
 )

@@ -213,3 +213,34 @@ def test_a_retry_racing_its_v_attempt_in_threads(
     finally:
         c.close()
         s.close()
+
+
+def test_a_v_record_retried_on_its_own_expired_handle() -> None:
+    """The retry goes through the very handle whose writer another client expired (this
+    process does not know): landed, nothing written; a token reused on other rows is
+    refused before the expired lease matters."""
+    clock = Clock()
+    s, blob = Stash.open("memory://", fenced=False), MemoryBlob()
+    kw: dict[str, Any] = {"clock": clock, "writer_lease_seconds": 60, "compaction": "off"}
+    c, other = PersistClient(s, blob, **kw), PersistClient(s, blob, **kw)
+    mp = pytest.MonkeyPatch()
+    try:
+        rows = [("a", 1, 1)]
+        w, _ = c.open("s", KS, VS)
+        with mp.context() as m:
+            m.setattr(write_module, "updates_fingerprint", _v_version)
+            w.compare_and_append(_table(rows), 0, 1, idempotency_token=TOKEN)
+        clock.advance(3600)
+        wo, _ = other.open("s", KS, VS)
+        wo.compare_and_append([((("x",), (9,)), 1, 1)], 1, 2)
+        assert w.writer_id not in other.inspect("s").writers
+        seqno = other.inspect("s").seqno
+        w.compare_and_append(_table(rows), 0, 1, idempotency_token=TOKEN)
+        with pytest.raises(InvalidUsage, match="different append"):
+            w.compare_and_append(_table([("b", 1, 1)]), 0, 1, idempotency_token=TOKEN)
+        assert other.inspect("s").seqno == seqno
+        assert _contents(other.open("s", KS, VS)[1], 1) == Counter({("a", 1): 1, ("x", 9): 1})
+    finally:
+        mp.undo()
+        c.close()
+        other.close()

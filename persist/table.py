@@ -182,24 +182,35 @@ class Table:
     def _write_handle(self) -> WriteHandle:
         """The writer of this table, in the shard's newest schema (made again when
         another process evolved the schema, or its lease ran out: a table outlives its
-        writers' leases, as :meth:`persist.shards.Shards.txn_writer` does)."""
+        writers' leases, as :meth:`persist.shards.Shards.txn_writer` does).  Threads
+        that find it stale at once replace it once: the writer one of them installed
+        is the one the others use (never expired under it)."""
         st = self._state()
         newest = st.schemas().newest
-        now = self._machine.now_ms()
-        with self._lock:
-            w = self._writer
-            if (
+
+        def usable(w: WriteHandle | None) -> bool:
+            now = self._machine.now_ms()
+            return (
                 w is not None
                 and not w._expired
                 and not (w._registered and now - w._last_heartbeat_ms > w._lease_ms)
                 and w.schema_id == newest
-            ):
-                return w
-        w = self._shards.writer(self._machine, self.name, st.key_schema, st.value_schema, newest)
+            )
+
         with self._lock:
-            old, self._writer = self._writer, w
-        if old is not None and old is not w:
-            old.expire()
+            stale = self._writer
+            if stale is not None and usable(stale):
+                return stale
+        new = self._shards.writer(self._machine, self.name, st.key_schema, st.value_schema, newest)
+        with self._lock:
+            current = self._writer
+            if current is not stale and usable(current):
+                assert current is not None
+                w, unused = current, new  # another thread replaced it meanwhile
+            else:
+                w, unused, self._writer = new, current, new
+        if unused is not None and unused is not w:
+            unused.expire()
         return w
 
     @contextlib.contextmanager

@@ -424,9 +424,10 @@ class Table:
         """:meth:`to_arrow`'s rows as a pandas ``DataFrame`` (needs pandas), exactly:
         as pyarrow's ``Table.to_pandas``, except that an integer column holding a null
         is a pandas nullable integer column (``Int64``...; pyarrow's float64 rounds
-        integers beyond 2**53) and a ``time64[ns]`` column is ``time64[ns][pyarrow]``
-        (Python's ``time`` holds microseconds), so ``upsert(to_pandas())`` writes
-        nothing."""
+        integers beyond 2**53), a float column holding a NaN is a nullable ``Float64``
+        or ``Float32`` column (pandas reads NaN back as a null) and a ``time64[ns]``
+        column is ``time64[ns][pyarrow]`` (Python's ``time`` holds microseconds), so
+        ``upsert(to_pandas())`` writes nothing."""
         return exact_pandas(self.to_arrow(as_of, columns, filter))
 
     def to_reader(
@@ -641,6 +642,10 @@ def exact_pandas(t: pa.Table) -> pd.DataFrame:
             )
         if pa.types.is_time64(f.type) and f.type.unit == "ns":
             return pd.ArrowDtype(f.type)
+        if pa.types.is_floating(f.type) and pc.any(pc.is_nan(t.column(f.name))).as_py():
+            # pandas reads NaN back as a null: a nullable Float column keeps NaN (a
+            # value) apart from NA (a null).
+            return pd.api.types.pandas_dtype(f"Float{f.type.bit_width}")
         return None
 
     special = {f.name: d for f in t.schema if (d := exact(f)) is not None}

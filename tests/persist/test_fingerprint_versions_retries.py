@@ -28,6 +28,9 @@ from persist.fingerprint import updates_fingerprint
 from persist.lease_state import TOKEN_SEP
 from stash import Antichain, Stash
 from tests.support.clock import Clock
+from tests.support.dbutil import backend_url
+
+pytest_plugins = ["tests.support.pg_fixtures"]
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -145,9 +148,14 @@ def test_a_v_record_outlives_its_expired_writer() -> None:
         other.close()
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 @pytest.mark.parametrize("same", [True, False], ids=["same", "other-updates"])
 def test_a_retry_racing_its_v_attempt_in_threads(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, same: bool
+    request: pytest.FixtureRequest,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    same: bool,
+    backend: str,
 ) -> None:
     """The first attempt (made by the ``V`` version, in one thread) and the retry (``X``,
     another thread, another handle) commit at once, rounds over: with the same updates
@@ -165,7 +173,7 @@ def test_a_retry_racing_its_v_attempt_in_threads(
         return updates_fingerprint(e, n, t, version)
 
     monkeypatch.setattr(write_module, "updates_fingerprint", versioned)
-    s = Stash.open(f"sqlite:///{tmp_path / 's.db'}", fenced=False)
+    s = Stash.open(backend_url(request, backend, tmp_path), fenced=False)
     c = PersistClient(s, MemoryBlob(), compaction="off")
     try:
         for i in range(6):

@@ -202,10 +202,10 @@ class Table:
             if stale is not None and usable(stale):
                 return stale
         new = self._shards.writer(self._machine, self.name, st.key_schema, st.value_schema, newest)
+        unused: WriteHandle | None
         with self._lock:
             current = self._writer
-            if current is not stale and usable(current):
-                assert current is not None
+            if current is not None and current is not stale and usable(current):
                 w, unused = current, new  # another thread replaced it meanwhile
             else:
                 w, unused, self._writer = new, current, new

@@ -60,6 +60,7 @@ from persist.commit_note import noting
 from persist.compactor import Compactor
 from persist.consolidation import consolidate
 from persist.context import SHARD_ID_REF
+from persist.duckdb_read import check_names as check_duckdb_names
 from persist.duckdb_read import to_relation
 from persist.errors import (
     InvalidUsage,
@@ -601,13 +602,17 @@ class Table:
         would need the store's credentials.  Writes nothing (no lease): works on a
         readonly stash.
 
-        Raises: as :meth:`to_arrow`.
+        Raises: as :meth:`to_arrow`; InvalidUsage: two columns whose names differ only
+            in case (one name to DuckDB).
         """
         import duckdb
 
         if con is None:
             con = duckdb.connect()
         st = self._state()
+        check_duckdb_names(
+            con, [*st.key_schema.names, *st.value_schema.names], f"table {self.name!r}"
+        )
         t = self.resolve_as_of(st, as_of)
         if t is None:
             return con.from_arrow(self.to_arrow(t))

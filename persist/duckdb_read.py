@@ -60,7 +60,7 @@ from persist.version_read import check_readable, on_newest_version, read_at, ver
 if TYPE_CHECKING:
     import duckdb
 
-__all__ = ["DIRECT_TYPES", "check_names", "quote", "to_relation"]
+__all__ = ["DIRECT_TYPES", "quote", "to_relation"]
 
 log = logging.getLogger(__name__)
 
@@ -84,32 +84,6 @@ DIRECT_TYPES = "integers, floats, booleans, string, date32"
 def quote(name: str) -> str:
     """A SQL identifier for the column ``name`` (double quotes, doubled inside)."""
     return '"' + name.replace('"', '""') + '"'
-
-
-def check_names(con: duckdb.DuckDBPyConnection, names: Sequence[str], what: str) -> None:
-    """Refuse columns ``names`` that DuckDB does not tell apart: its identifiers are
-    case-insensitive (ASCII letters), so of ``"A"`` and ``"a"`` it renames the second
-    (``a_1``) when handed Arrow, and a projection of ``"a"`` reads ``"A"``.  Asked of
-    DuckDB itself (the names it gives an empty Arrow table of these columns).
-
-    Raises:
-        InvalidUsage: two names DuckDB takes for one, naming both.
-    """
-    got = con.from_arrow(pa.schema([(n, pa.null()) for n in names]).empty_table()).columns
-    if list(got) == list(names):
-        return
-    folded = [n.translate(_ASCII_LOWER) for n in names]
-    for i, (name, seen) in enumerate(zip(names, got, strict=True)):
-        if name != seen:
-            first = next((names[j] for j in range(i) if folded[j] == folded[i]), seen)
-            raise InvalidUsage(
-                f"{what}: columns {first!r} and {name!r} are one name to DuckDB (its "
-                "identifiers are case-insensitive): read it with to_arrow, or rename "
-                "a column"
-            )
-
-
-_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
 def _file_root(blob: Blob) -> str | None:

@@ -60,7 +60,6 @@ from persist.commit_note import noting
 from persist.compactor import Compactor
 from persist.consolidation import consolidate
 from persist.context import SHARD_ID_REF
-from persist.duckdb_read import check_names as check_duckdb_names
 from persist.duckdb_read import to_relation
 from persist.errors import (
     InvalidUsage,
@@ -72,6 +71,7 @@ from persist.gc import GcReport, collect_garbage
 from persist.history import history_table, time_at
 from persist.machine import ShardMachine
 from persist.merge_into import MergeBuilder, MergeResult
+from persist.merge_plan import check_names as check_duckdb_names
 from persist.optimize import OptimizeReport, optimize
 from persist.parts import updates_schema
 from persist.progress import Progress

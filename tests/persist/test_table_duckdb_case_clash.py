@@ -14,7 +14,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from persist import FileBlob, InvalidUsage, MemoryBlob, PersistClient
+from persist import FileBlob, InvalidUsage, MemoryBlob, PersistClient, Table
 from stash import Stash
 
 
@@ -46,3 +46,38 @@ def test_distinct_names_still_read(client: PersistClient) -> None:
     t.append(pa.table({"k": [1], "A": [10], "b": [11]}))
     rel = t.to_duckdb(duckdb.connect())
     assert rel.columns == ["k", "A", "b"] and rel.fetchall() == [(1, 10, 11)]
+
+
+def _merge_table(client: PersistClient) -> tuple[Table, pa.Table]:
+    schema = pa.schema([("k", pa.int64()), ("A", pa.int64()), ("a", pa.int64())])
+    t = client.create_table("m", schema, key=["k"])
+    rows = pa.table({"k": [1, 2], "A": [100, 20], "a": [111, 21]})
+    t.append(rows)
+    return t, rows
+
+
+def test_a_merge_condition_over_names_differing_in_case_is_refused(client: PersistClient) -> None:
+    """A MERGE's conditions and values are DuckDB SQL: ``target.a = 100`` bound to
+    ``A`` and deleted the row whose ``a`` is 111.  Refused, committing nothing."""
+    t, rows = _merge_table(client)
+    source = pa.table({"k": [1, 2], "A": [0, 0], "a": [0, 0]})
+    with pytest.raises(InvalidUsage, match=r"'A' and 'a'.*case"):
+        t.merge(source).when_matched_delete("target.a = 100").execute()
+    with pytest.raises(InvalidUsage, match=r"'A' and 'a'.*case"):
+        t.merge(source).when_matched_update({"a": "source.a + 1"}).execute()
+    assert t.to_arrow().sort_by("k").equals(rows)
+
+
+def test_a_merge_of_plain_references_over_names_differing_in_case_still_works(
+    client: PersistClient,
+) -> None:
+    """Plain column references are taken from the Arrow rows, not DuckDB: unchanged."""
+    t, _ = _merge_table(client)
+    t.merge(pa.table({"k": [2, 3], "A": [200, 300], "a": [222, 333]})).when_matched_update(
+        {"a": "source.a"}
+    ).when_not_matched_insert_all().execute()
+    assert t.to_arrow().sort_by("k").to_pylist() == [
+        {"k": 1, "A": 100, "a": 111},
+        {"k": 2, "A": 20, "a": 222},
+        {"k": 3, "A": 300, "a": 333},
+    ]

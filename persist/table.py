@@ -70,7 +70,7 @@ from persist.filters import check_columns, check_filter
 from persist.gc import GcReport, collect_garbage
 from persist.history import history_table, time_at
 from persist.machine import ShardMachine
-from persist.merge_into import MergeBuilder, MergeResult
+from persist.merge_into import MergeBuilder, MergeResult, as_source
 from persist.merge_plan import check_names as check_duckdb_names
 from persist.optimize import OptimizeReport, optimize
 from persist.parts import updates_schema
@@ -299,12 +299,18 @@ class Table:
             source_alias, target_alias: the names conditions and values use.
         """
         w = self._write_handle()
-        builder = w.merge(source, on, source_alias, target_alias)
+        # Read once (a reader is one-shot): the source of every writer's run.
+        rows = as_source(source)
+        builder = w.merge(rows, on, source_alias, target_alias)
         run = builder._run
 
         def execute(spec: Any) -> MergeResult:
-            with self._writing(w):
-                return run(spec)
+            # The table's writer at execute(): the builder may outlive the lease of
+            # the one it was made with.
+            now = self._write_handle()
+            run_now = run if now is w else now.merge(rows, on, source_alias, target_alias)._run
+            with self._writing(now):
+                return run_now(spec)
 
         builder._run = execute
         return builder

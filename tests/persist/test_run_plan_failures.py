@@ -158,3 +158,32 @@ def test_a_forked_child_writes_a_large_run(
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_many_threads_appending_large_runs_to_one_table(
+    client: tuple[PersistClient, MemoryBlob],
+) -> None:
+    """Threads appending planned runs to one table at once (its transactions race for
+    the upper and retry): every row lands once, no part is left unreferenced."""
+    c, blob = client
+    t = c.create_table("one", pa.schema([("k", pa.int64()), ("s", pa.string())]), key=["k"])
+    n = 4
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def write(i: int) -> None:
+        try:
+            barrier.wait()
+            t.append(_updates(base=i * ROWS).select(["k", "s"]))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads)
+    assert not errors
+    assert t.to_arrow().num_rows == n * ROWS
+    assert not _parts_left(c, blob, "one")

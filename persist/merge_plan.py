@@ -37,6 +37,7 @@ from persist.rows import Planned, net_changes
 __all__ = [
     "CLAUSE",
     "ClauseKind",
+    "check_names",
     "out_of_scope",
     "S_ROW",
     "T_ROW",
@@ -225,6 +226,37 @@ EvaluatorFactory = Callable[[MergeSpec, pa.Table, pa.Table], Evaluator]
 with its row position in :data:`S_ROW` / :data:`T_ROW`)."""
 
 
+def check_names(
+    con: duckdb.DuckDBPyConnection,
+    names: Sequence[str],
+    what: str,
+    advice: str = "read it with to_arrow, or rename a column",
+) -> None:
+    """Refuse columns ``names`` that DuckDB does not tell apart: its identifiers are
+    case-insensitive (ASCII letters), so of ``"A"`` and ``"a"`` it renames the second
+    (``a_1``) when handed Arrow, and a projection of ``"a"`` reads ``"A"``.  Asked of
+    DuckDB itself (the names it gives an empty Arrow table of these columns).
+    ``what`` names the columns' owner, ``advice`` what to do instead.
+
+    Raises:
+        InvalidUsage: two names DuckDB takes for one, naming both.
+    """
+    got = con.from_arrow(pa.schema([(n, pa.null()) for n in names]).empty_table()).columns
+    if list(got) == list(names):
+        return
+    folded = [n.translate(_ASCII_LOWER) for n in names]
+    for i, (name, seen) in enumerate(zip(names, got, strict=True)):
+        if name != seen:
+            first = next((names[j] for j in range(i) if folded[j] == folded[i]), seen)
+            raise InvalidUsage(
+                f"{what}: columns {first!r} and {name!r} are one name to DuckDB (its "
+                f"identifiers are case-insensitive): {advice}"
+            )
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
 @functools.lru_cache(maxsize=256)
 def _duckdb_holds(t: pa.DataType) -> bool:
     """Whether DuckDB can read an Arrow column of type ``t``."""
@@ -245,6 +277,10 @@ def _duckdb_columns(table: pa.Table) -> pa.Table:
     return table if len(keep) == table.num_columns else table.select(keep)
 
 
+#: What to do about names DuckDB does not tell apart, in a merge's conditions and values.
+_RENAME = "rename a column, or write the change with upsert, update or delete"
+
+
 class DuckDBEvaluator:
     """:class:`Evaluator` on an in-memory DuckDB connection with external access
     disabled; conditions and values are DuckDB SQL text."""
@@ -257,6 +293,7 @@ class DuckDBEvaluator:
         # and a plain reference to it is taken from the Arrow rows anyway.
         self.con.register("merge_source", _duckdb_columns(source))
         self.con.register("merge_target", _duckdb_columns(target))
+        self._names = (source.column_names, target.column_names)
 
     def close(self) -> None:
         self.con.close()
@@ -280,6 +317,12 @@ class DuckDBEvaluator:
                 raise InvalidUsage(
                     f"merge: {item.what} must be SQL text, not {type(item.expr).__name__}"
                 )
+        # Names DuckDB does not tell apart ("A" and "a") would bind a condition or a
+        # value to the other column: refused (plain column references are taken from
+        # the Arrow rows, never evaluated here).
+        if values or any(c is not None for c in conditions):
+            for names, what in zip(self._names, ("source", "target"), strict=True):
+                check_names(self.con, names, f"merge: the {what}", _RENAME)
         order = "__persist_merge_i"
         self.con.register(
             "merge_rows", rows.append_column(order, pa.array(range(rows.num_rows), pa.int64()))

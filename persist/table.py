@@ -70,7 +70,8 @@ from persist.filters import check_columns, check_filter
 from persist.gc import GcReport, collect_garbage
 from persist.history import history_table, time_at
 from persist.machine import ShardMachine
-from persist.merge_into import MergeBuilder, MergeResult
+from persist.merge_into import MergeBuilder, MergeResult, as_source
+from persist.merge_plan import check_names as check_duckdb_names
 from persist.optimize import OptimizeReport, optimize
 from persist.parts import updates_schema
 from persist.progress import Progress
@@ -182,24 +183,35 @@ class Table:
     def _write_handle(self) -> WriteHandle:
         """The writer of this table, in the shard's newest schema (made again when
         another process evolved the schema, or its lease ran out: a table outlives its
-        writers' leases, as :meth:`persist.shards.Shards.txn_writer` does)."""
+        writers' leases, as :meth:`persist.shards.Shards.txn_writer` does).  Threads
+        that find it stale at once replace it once: the writer one of them installed
+        is the one the others use (never expired under it)."""
         st = self._state()
         newest = st.schemas().newest
-        now = self._machine.now_ms()
-        with self._lock:
-            w = self._writer
-            if (
+
+        def usable(w: WriteHandle | None) -> bool:
+            now = self._machine.now_ms()
+            return (
                 w is not None
                 and not w._expired
                 and not (w._registered and now - w._last_heartbeat_ms > w._lease_ms)
                 and w.schema_id == newest
-            ):
-                return w
-        w = self._shards.writer(self._machine, self.name, st.key_schema, st.value_schema, newest)
+            )
+
         with self._lock:
-            old, self._writer = self._writer, w
-        if old is not None and old is not w:
-            old.expire()
+            stale = self._writer
+            if stale is not None and usable(stale):
+                return stale
+        new = self._shards.writer(self._machine, self.name, st.key_schema, st.value_schema, newest)
+        unused: WriteHandle | None
+        with self._lock:
+            current = self._writer
+            if current is not None and current is not stale and usable(current):
+                w, unused = current, new  # another thread replaced it meanwhile
+            else:
+                w, unused, self._writer = new, current, new
+        if unused is not None and unused is not w:
+            unused.expire()
         return w
 
     @contextlib.contextmanager
@@ -287,12 +299,18 @@ class Table:
             source_alias, target_alias: the names conditions and values use.
         """
         w = self._write_handle()
-        builder = w.merge(source, on, source_alias, target_alias)
+        # Read once (a reader is one-shot): the source of every writer's run.
+        rows = as_source(source)
+        builder = w.merge(rows, on, source_alias, target_alias)
         run = builder._run
 
         def execute(spec: Any) -> MergeResult:
-            with self._writing(w):
-                return run(spec)
+            # The table's writer at execute(): the builder may outlive the lease of
+            # the one it was made with.
+            now = self._write_handle()
+            run_now = run if now is w else now.merge(rows, on, source_alias, target_alias)._run
+            with self._writing(now):
+                return run_now(spec)
 
         builder._run = execute
         return builder
@@ -413,9 +431,10 @@ class Table:
         """:meth:`to_arrow`'s rows as a pandas ``DataFrame`` (needs pandas), exactly:
         as pyarrow's ``Table.to_pandas``, except that an integer column holding a null
         is a pandas nullable integer column (``Int64``...; pyarrow's float64 rounds
-        integers beyond 2**53) and a ``time64[ns]`` column is ``time64[ns][pyarrow]``
-        (Python's ``time`` holds microseconds), so ``upsert(to_pandas())`` writes
-        nothing."""
+        integers beyond 2**53), a float column holding a NaN is a nullable ``Float64``
+        or ``Float32`` column (pandas reads NaN back as a null) and a ``time64[ns]``
+        column is ``time64[ns][pyarrow]`` (Python's ``time`` holds microseconds), so
+        ``upsert(to_pandas())`` writes nothing."""
         return exact_pandas(self.to_arrow(as_of, columns, filter))
 
     def to_reader(
@@ -589,13 +608,17 @@ class Table:
         would need the store's credentials.  Writes nothing (no lease): works on a
         readonly stash.
 
-        Raises: as :meth:`to_arrow`.
+        Raises: as :meth:`to_arrow`; InvalidUsage: two columns whose names differ only
+            in case (one name to DuckDB).
         """
         import duckdb
 
         if con is None:
             con = duckdb.connect()
         st = self._state()
+        check_duckdb_names(
+            con, [*st.key_schema.names, *st.value_schema.names], f"table {self.name!r}"
+        )
         t = self.resolve_as_of(st, as_of)
         if t is None:
             return con.from_arrow(self.to_arrow(t))
@@ -630,6 +653,10 @@ def exact_pandas(t: pa.Table) -> pd.DataFrame:
             )
         if pa.types.is_time64(f.type) and f.type.unit == "ns":
             return pd.ArrowDtype(f.type)
+        if pa.types.is_floating(f.type) and pc.any(pc.is_nan(t.column(f.name))).as_py():
+            # pandas reads NaN back as a null: a nullable Float column keeps NaN (a
+            # value) apart from NA (a null).
+            return pd.api.types.pandas_dtype(f"Float{f.type.bit_width}")
         return None
 
     special = {f.name: d for f in t.schema if (d := exact(f)) is not None}

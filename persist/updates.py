@@ -88,7 +88,7 @@ def updates_schema(key_schema: pa.Schema, value_schema: pa.Schema) -> pa.Schema:
         InvalidUsage: a name is empty, holds a NUL character, starts with ``_``
             (reserved for persist, e.g. ``_time``/``_diff``), repeats within a schema or
             is shared by keys and values, or a column type is unsupported (nested,
-            dictionary, view, float16, null).
+            dictionary, view, float16, null) or holds a NUL character (a time zone).
     """
     if not isinstance(key_schema, pa.Schema) or not isinstance(value_schema, pa.Schema):
         raise InvalidUsage(
@@ -129,6 +129,12 @@ def _updates_schema(key_schema: pa.Schema, value_schema: pa.Schema) -> pa.Schema
                     f"{role} column {f.name!r} has unsupported type {f.type}: use a "
                     "sortable scalar type (integer, float32/64, bool, string, binary, "
                     "date, time, timestamp, duration, decimal)"
+                )
+            if "\x00" in str(f.type):  # a time zone is free text
+                raise InvalidUsage(
+                    f"{role} column {f.name!r}: its type {str(f.type)!r} holds NUL (\\x00), "
+                    "which a type (a time zone) may not: the stash stores schemas as JSON, "
+                    "which cannot hold it (Postgres jsonb)"
                 )
     return pa.schema(
         [

@@ -47,6 +47,17 @@ __all__ = [
 RETENTION_COLLECTION = "stash.retention"
 
 
+#: The largest ``keep_for_ms`` a setting may hold (about 146 million years): ``now -
+#: keep_for_ms`` is a 64-bit parameter of the ``commit_times`` query.
+_MAX_KEEP_MS = 2**62
+
+
+def _count_ok(value: Any, top: int | None = None) -> bool:
+    """Whether ``value`` of a retention setting is ``None`` or a positive int (not a
+    bool) of at most ``top``."""
+    return value is None or (type(value) is int and value >= 1 and (top is None or value <= top))
+
+
 def _policy(tx: Txn, name: str) -> dict[str, Any] | None:
     """The retention recorded for collection ``name``, read in ``tx`` (``None``: none).
     Read with ``rows`` (no lock: a write of one collection never waits for writers of
@@ -55,7 +66,7 @@ def _policy(tx: Txn, name: str) -> dict[str, Any] | None:
     Raises:
         StashError: the setting is not what ``Stash.set_retention`` writes (anyone may
             write the collection): not an object, or a count that is not a positive
-            int or null.
+            int or null (``keep_for_ms`` at most ``2**62``).
     """
     found = tx.lookup_collection(RETENTION_COLLECTION)
     if found is None:
@@ -67,14 +78,14 @@ def _policy(tx: Txn, name: str) -> dict[str, Any] | None:
     if len(live) != 1:
         return None
     policy = json.loads(live[0])
-    if not isinstance(policy, dict) or not all(
-        policy.get(k) is None or (type(policy[k]) is int and policy[k] >= 1)
-        for k in ("keep_times", "keep_for_ms")
+    if not isinstance(policy, dict) or not (
+        _count_ok(policy.get("keep_times")) and _count_ok(policy.get("keep_for_ms"), _MAX_KEEP_MS)
     ):
         raise StashError(
             f"the retention setting of collection {name} (its key in collection "
-            f"{RETENTION_COLLECTION}) is {live[0]}, not an object whose keep_times and "
-            "keep_for_ms are positive ints or null: set it with Stash.set_retention"
+            f"{RETENTION_COLLECTION}) is {live[0]}, not an object whose keep_times is a "
+            f"positive int or null and keep_for_ms a positive int up to {_MAX_KEEP_MS} "
+            "(a bound of the commit_times query) or null: set it with Stash.set_retention"
         )
     return policy
 

@@ -453,10 +453,28 @@ def _check_sqlite_query(text: str, u: URL) -> None:
     """Refuse a SQLite URL whose query (everything after the first ``?``, as SQLAlchemy
     reads it) holds an item that is not a known option: a raw ``?`` in the file's path
     (SQLAlchemy drops ``?b/s.db`` and ignores ``?x=1/s.db``, so another file, the path
-    cut at the ``?``, would be opened).  With ``uri=true`` the path is a SQLite URI and
-    its parameters are SQLite's (not checked).  The message shows an option's name,
-    never its value."""
-    if "?" not in text or str(u.query.get("uri", "")).lower() in ("true", "1"):
+    cut at the ``?``, would be opened); or a driver option whose value the driver cannot
+    read (``timeout=abc``, or ``?timeout=5/s.db``: a path's ``?`` again), as SQLAlchemy's
+    pysqlite dialect reads it (``create_connect_args``), before anything is created.
+    With ``uri`` true (as SQLAlchemy reads it: ``true``, ``yes``, ``on``, ``1``, ...)
+    the path is a SQLite URI and its other parameters are SQLite's (not checked).  The
+    message shows an option's name, never its value."""
+    if "?" not in text:
+        return
+    dialect = u.get_dialect()()
+    for name in _SQLITE_DRIVER_OPTIONS:
+        if name in u.query:
+            try:
+                dialect.create_connect_args(u.set(query={name: u.query[name]}))
+            except (ValueError, TypeError):
+                raise StashError(
+                    f"sqlite stash URL {redact(text)!r}: option {name!r} has a value the "
+                    "SQLite driver cannot read (given once; a number for timeout, "
+                    "detect_types and cached_statements, true/false for uri and "
+                    "check_same_thread); a '?' in the file's path must be "
+                    "percent-encoded as %3F (urllib.parse.quote(path))"
+                ) from None
+    if sa.util.asbool(u.query.get("uri", False)):
         return
     for item in text.split("?", 1)[1].split("&"):
         name, eq, _ = item.partition("=")

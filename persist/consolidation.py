@@ -509,13 +509,24 @@ def _small_order(table: pa.Table, cols: Sequence[str]) -> tuple[list[int] | None
     ``i + 1`` equals sorted row ``i`` on every column), exactly what the Arrow path
     (``sort_indices``, which is stable, then :func:`_adjacent`) gives.
 
+    Column by column, as a lexicographic sort breaks ties: the rows are sorted (stably)
+    by the first column, then each run of rows tied so far by the next one, and a column
+    is converted to Python values only while some rows are still tied. A merge of
+    one-row parts is usually told apart by its first few key columns (each at its own
+    time at worst), so the other columns are never converted: converting them cost most
+    of such a merge's consolidation (about 12 us per column).
+
     Raises:
-        LookupError: a column's type has no Python order, or a string column holds
-            bytes that are not UTF-8 (Arrow does not check them; it orders them by
-            their bytes): the caller sorts with Arrow.
+        LookupError: a column needed to break a tie has a type with no Python order, or
+            is a string column holding bytes that are not UTF-8 (Arrow does not check
+            them; it orders them by their bytes): the caller sorts with Arrow.
     """
-    keys_by_col: list[list[Any]] = []
+    n = table.num_rows
+    perm = list(range(n))
+    ties = [(0, n)] if n > 1 else []  # runs [start, end) of ``perm`` tied so far
     for c in cols:
+        if not ties:
+            break
         col = table.column(c)
         try:
             values = _py_values(col)
@@ -523,13 +534,25 @@ def _small_order(table: pa.Table, cols: Sequence[str]) -> tuple[list[int] | None
             raise LookupError(c) from None
         if values is None:
             raise LookupError(c)
-        keys_by_col.append(_small_keys(values, pa.types.is_floating(col.type), col.null_count > 0))
-    rows = list(zip(*keys_by_col, strict=True))
-    n = len(rows)
-    perm = sorted(range(n), key=rows.__getitem__)
-    same = np.fromiter(
-        (rows[perm[i + 1]] == rows[perm[i]] for i in range(n - 1)), dtype=bool, count=n - 1
-    )
+        key = _small_keys(values, pa.types.is_floating(col.type), col.null_count > 0)
+        at = key.__getitem__
+        still = []
+        for start, end in ties:
+            run = sorted(perm[start:end], key=at)  # stable: ties keep their order
+            perm[start:end] = run
+            first, prev = start, key[run[0]]
+            for j in range(1, end - start):
+                k = key[run[j]]
+                if k != prev:
+                    if start + j - first > 1:
+                        still.append((first, start + j))
+                    first, prev = start + j, k
+            if end - first > 1:
+                still.append((first, end))
+        ties = still
+    same = np.zeros(max(n - 1, 0), dtype=bool)
+    for start, end in ties:
+        same[start : end - 1] = True
     return (None if perm == list(range(n)) else perm), same
 
 

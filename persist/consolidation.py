@@ -729,7 +729,9 @@ def consolidate_order(
         table = table.combine_chunks()
     if since is not None:
         times = table.column(TIME)
-        if pc.min(times).as_py() < since:
+        # A few rows: their minimum in Python (a compute call costs microseconds).
+        t_min = min(times.to_pylist()) if n <= _SMALL_ROWS else pc.min(times).as_py()
+        if t_min < since:
             i = table.schema.get_field_index(TIME)
             advanced = pc.max_element_wise(times, pa.scalar(since, pa.int64()))
             table = table.set_column(i, table.schema.field(i), advanced)
@@ -757,6 +759,10 @@ def consolidate_order(
                 table = table.take(arrow_order)
                 _, same = _adjacent(table, cols, check_order=False)
     diff_index = table.schema.get_field_index(DIFF)
+    if small is not None and not small[1].any():  # a few rows, none equal to another
+        if 0 in table.column(DIFF).to_pylist():
+            table = table.filter(pc.not_equal(table.column(DIFF), 0))
+        return table, None
     if same is None or not same.any():
         zero = pc.equal(table.column(DIFF), 0)
         if pc.any(zero).as_py():

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import persist.decoding as decoding
 from persist.blob import MemoryBlob
 from persist.decoding import INLINE_CACHE, decode_part
-from persist.encoding import encode_inline_part_stream
+from persist.encoding import encode_inline_part_stream, make_part_ref
 from persist.parts import read_parts, write_parts
 from tests.persist.arrow_strategies import shard_schemas, update_tables
 
@@ -84,3 +84,22 @@ def test_a_one_row_parts_first_cached_read_builds_no_stream_reader(
     assert got is not None and got.equals(row)
     assert got.equals(decode_part(ref.inline, ref, schema=row.schema))
     assert read_parts(blob, [ref], schema=row.schema).equals(row)
+
+
+def test_the_first_read_keeps_the_parts_accounted_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream read on first use holds the stream's buffers (read without a copy): the
+    entry stays accounted as it was put, without measuring the table read (which cost
+    more than reading it), and later reads answer the very table read first."""
+    cache = decoding._InlineCache(1 << 20)
+    monkeypatch.setattr(decoding, "INLINE_CACHE", cache)
+    big = pa.table({"k": pa.array(range(5000), pa.int64()), "s": [f"v{i}" for i in range(5000)]})
+    row = big.slice(4321, 1)
+    data, stream = encode_inline_part_stream(row, row.schema)
+    ref = make_part_ref(None, data, 1, inline=True)
+    cache.put(ref, row, stream)
+    before = cache._bytes
+    assert before > 0
+    got = cache.get(ref)
+    assert got is not None and got.equals(row)
+    assert cache._bytes == before
+    assert cache.get(ref) is got

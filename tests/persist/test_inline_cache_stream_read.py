@@ -103,3 +103,20 @@ def test_the_first_read_keeps_the_parts_accounted_bytes(monkeypatch: pytest.Monk
     assert got is not None and got.equals(row)
     assert cache._bytes == before
     assert cache.get(ref) is got
+
+
+def test_a_part_put_with_its_stream_keeps_the_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part written with its stream (every inline write) is cached as that stream,
+    whatever the table (a slice or a table of its own): nothing is measured or read at
+    write time, and the first read gives what decoding the part gives."""
+    cache = decoding._InlineCache(1 << 20)
+    monkeypatch.setattr(decoding, "INLINE_CACHE", cache)
+    table = pa.table({"k": pa.array([3, 1, 2], pa.int64()), "s": ["a", None, "é"]})
+    data, stream = encode_inline_part_stream(table, table.schema)
+    ref = make_part_ref(None, data, 3, inline=True)
+    cache.put(ref, table, stream)
+    held = cache._entries[id(data)][1]
+    assert isinstance(held, decoding._Stream) and held.stream is stream
+    got = cache.get(ref)
+    assert got is not None and got.equals(table)
+    assert got.equals(decode_part(data, ref, schema=table.schema))

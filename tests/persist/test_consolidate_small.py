@@ -284,3 +284,39 @@ def test_strings_that_are_not_utf8_after_the_deciding_column(tied: bool) -> None
     assert _run(table, ["k", "s"], [], None, small=True) == _run(
         table, ["k", "s"], [], None, small=False
     )
+
+
+def test_a_merge_of_eight_small_runs_takes_the_python_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compactor's next merge up (eight runs of eight rows: 64 rows) is sorted in
+    Python too, with the Arrow path's result."""
+    runs = [
+        pa.table(
+            {
+                "k": pa.array([(r * 5 + i * 3) % 11 for i in range(8)], pa.int64()),
+                "v": pa.array([f"v{(r + i) % 4}" for i in range(8)], pa.string()),
+                "_time": pa.array([r * 8 + i for i in range(8)], pa.int64()),
+                "_diff": pa.array([1, -1] * 4, pa.int64()),
+            }
+        )
+        for r in range(8)
+    ]
+    table = pa.concat_tables(runs)
+    calls: list[int] = []
+    real = consolidation._small_order
+    monkeypatch.setattr(
+        consolidation, "_small_order", lambda t, c: calls.append(t.num_rows) or real(t, c)
+    )
+    base, order = consolidate_order(table, ["k"], ["v"], since=20)
+    assert calls == [64]
+    monkeypatch.undo()
+    got = base.take(order) if order is not None else base
+    old = consolidation._SMALL_ROWS
+    consolidation._SMALL_ROWS = 0
+    try:
+        arrow_base, arrow_order = consolidate_order(table, ["k"], ["v"], since=20)
+    finally:
+        consolidation._SMALL_ROWS = old
+    want = arrow_base.take(arrow_order) if arrow_order is not None else arrow_base
+    assert got.equals(want)

@@ -610,9 +610,8 @@ def test_a_damaged_compressed_inline_part_is_corrupt_not_misread(damage: str) ->
 
 
 def test_a_well_compressed_inline_part_is_cached(tmp_path: Path) -> None:
-    """The inline-part cache tells a slice of a bigger table (not cached) from a part
-    whose rows simply compress well by the size of the Arrow IPC stream, not of its
-    zstd frame: a part compressed more than four times over is cached all the same."""
+    """A part compressed more than four times over is cached all the same (written
+    inline, the cache keeps its Arrow IPC stream, whatever its zstd frame's size)."""
     t = _sample(256)
     refs = write_parts(FileBlob(tmp_path / "b"), t, "s1/batch-1", inline_max_bytes=64 * 1024)
     assert len(refs) == 1 and refs[0].inline is not None

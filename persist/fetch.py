@@ -86,6 +86,10 @@ def _elem(a: Antichain) -> int | None:
     return a.as_option()
 
 
+#: The floor of a part whose batch has neither a lower nor a since.
+_MIN_TIME = -(2**63)
+
+
 def _layout(batches: Sequence[HollowBatch]) -> tuple[list[PartRef], list[int], list[int]]:
     """The parts of ``batches`` in order, each part's time floor (its batch's lower and
     since; ``-2**63`` if none) and each part's row count."""
@@ -93,13 +97,14 @@ def _layout(batches: Sequence[HollowBatch]) -> tuple[list[PartRef], list[int], l
     floors: list[int] = []
     rows: list[int] = []
     for b in batches:
-        floor = max(
-            (e for e in (_elem(b.desc.lower), _elem(b.desc.since)) if e is not None),
-            default=None,
-        )
+        lower, since = b.desc.lower.as_option(), b.desc.since.as_option()
+        if lower is None:
+            floor = _MIN_TIME if since is None else since
+        else:
+            floor = lower if since is None or since < lower else since
         for p in b.parts:
             refs.append(p)
-            floors.append(-(2**63) if floor is None else floor)
+            floors.append(floor)
             rows.append(p.rows)
     return refs, floors, rows
 

@@ -70,12 +70,13 @@ def _unavailable(reason: str) -> None:
 
 _SESSION: dict[str, Any] = {}
 
-#: The driver JVM's options in tests: ``spark.session.build_session``'s own, then the C1
-#: JIT only (``-XX:TieredStopAtLevel=1``, HotSpot's usual setting for short-lived JVMs)
-#: and the serial collector (``-XX:+UseSerialGC``, no GC threads competing for two cores).
-TEST_JVM_OPTIONS = (
-    "-Dio.netty.tryReflectionSetAccessible=true -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-)
+#: HotSpot flags for the JVMs tests start: the C1 JIT only (``-XX:TieredStopAtLevel=1``,
+#: the usual setting for short-lived JVMs) and the serial collector (``-XX:+UseSerialGC``,
+#: no GC threads competing for two cores). Jobs run in a subprocess get them through
+#: ``JAVA_TOOL_OPTIONS`` (every JVM they start, executors included).
+TEST_JVM_FLAGS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: The session's driver JVM options: ``spark.session.build_session``'s own, then the flags.
+TEST_JVM_OPTIONS = f"-Dio.netty.tryReflectionSetAccessible=true {TEST_JVM_FLAGS}"
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,8 @@ every worker the same way (xdist requires identical collections), so that:
   gives it; work stealing then evens out the short tail;
 * the files with a test that needs the worker's SparkSession (the ``spark`` fixture, or a
   Markdown example that calls ``build_session``) all start the first slice, longest
-  first, ahead of its other long files: one JVM for the run instead of one per worker
+  first (those with the fixture before the Markdown files, so that the session is the
+  fixture's), ahead of its other long files: one JVM for the run instead of one per worker
   (its start and JIT warm-up cost tens of CPU-seconds), and the LPT dealing of the other
   long files to the other slices makes up their weight. Work stealing takes the tail of
   a slice, its short files, so the Spark tests stay on the first worker unless it is
@@ -111,9 +112,14 @@ def arrange(
     slices: list[list[pytest.Item]] = [[] for _ in range(workers)]
     load = [0.0] * workers
     moved: set[str] = set()
+    # Files whose tests take the ``spark`` fixture first, so that the session is the
+    # fixture's (its JVM options) rather than one a Markdown example's build_session starts.
     spark_files = sorted(
         (f for f, g in files.items() if any(spark(i) for i in g)),
-        key=lambda f: -weight(files[f]),
+        key=lambda f: (
+            not any("spark" in getattr(i, "fixturenames", ()) for i in files[f]),
+            -weight(files[f]),
+        ),
     )
     if sum(len(files[f]) for f in spark_files) <= sizes[0]:
         for f in spark_files:

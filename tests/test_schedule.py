@@ -6,7 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tests.support.schedule import arrange, durations_from_report, slice_sizes
+from tests.support.schedule import (
+    arrange,
+    durations_from_report,
+    needs_spark_session,
+    slice_sizes,
+)
 
 
 @dataclass(frozen=True)
@@ -51,3 +56,44 @@ def test_durations_from_report_sums_phases() -> None:
         "README.md::[CodeFence#3][line:94]": 80.1,
         "tests/spark/test_compact_job.py::test_merges": 39.0,
     }
+
+
+@dataclass(frozen=True)
+class _SparkItem:
+    nodeid: str
+    fixturenames: tuple[str, ...] = ()
+    code: str | None = None
+
+
+def test_every_file_needing_the_spark_session_starts_the_first_slice() -> None:
+    """One JVM for the run: the files with a test using the ``spark`` fixture or a
+    Markdown example calling ``build_session`` all start the first slice (longest
+    first, short ones too), and the other long files go where the load is least."""
+    items: list[Any] = [
+        _SparkItem("a.py::t0"),
+        _SparkItem("s1.py::t0", ("tmp_path", "spark")),
+        _SparkItem("s1.py::t1"),  # same file: moved with it
+        _SparkItem("a.py::t1"),
+        _SparkItem("long.py::t0"),
+        _SparkItem("s2.py::t0", ("spark",)),
+        _SparkItem("doc.md::[CodeFence#1]", code="s = build_session('local[2]')"),
+        _SparkItem("doc.md::[CodeFence#2]", code="print(1)"),
+        _SparkItem("b.py::t0", ("tmp_path",)),
+        _SparkItem("b.py::t1"),
+        _SparkItem("b.py::t2"),
+        _SparkItem("b.py::t3"),
+    ]
+    seconds = {"s1.py::t0": 30.0, "s2.py::t0": 50.0, "long.py::t0": 40.0}
+    seconds["doc.md::[CodeFence#1]"] = 90.0  # after the fixture's files all the same
+    out = [i.nodeid for i in arrange(items, 2, seconds)]
+    assert sorted(out) == sorted(i.nodeid for i in items)
+    first, second = out[:6], out[6:]
+    assert first[:5] == [
+        "s2.py::t0",
+        "s1.py::t0",
+        "s1.py::t1",
+        "doc.md::[CodeFence#1]",
+        "doc.md::[CodeFence#2]",
+    ]
+    assert second[0] == "long.py::t0"
+    assert not needs_spark_session(items[0]) and needs_spark_session(items[6])

@@ -16,7 +16,6 @@ rollup) are fixed; their tests, and those of what held, are regression tests.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import random
 import threading
 from collections import Counter
@@ -36,6 +35,7 @@ from persist.ids import new_shard_id
 from persist.machine import ShardMachine, Stale
 from persist.state import ShardState
 from stash import IndeterminateError, Stash, logs
+from tests.support.procs import process_context
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -490,7 +490,7 @@ def test_processes_with_other_max_diffs_append_across_rollups(
     with Stash.open(shared_url, fenced=False) as s:
         c = PersistClient(s, FileBlob(blob_root), compaction="off")
         w, r = c.open("adv", KS, VS)
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         q = ctx.Queue()
         n = 25
         procs = [

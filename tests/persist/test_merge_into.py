@@ -5,7 +5,6 @@ source), bad input refused with nothing committed, and processes merging at once
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 from persist import InvalidUsage, MemoryBlob, MergeResult, PersistClient
 from stash import Antichain, Stash
 from tests.reliability.campaign import runs
+from tests.support.procs import process_context
 
 KEY = pa.schema([pa.field("id", pa.int64(), False)])
 VAL = pa.schema([("v", pa.string()), ("n", pa.int64()), ("flag", pa.bool_())])
@@ -479,7 +479,7 @@ def test_four_processes_merging_lose_no_update(
         migrate_to_head(url)
     blob = f"file://{tmp_path / 'blob'}"
     rounds = 3
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     procs = [ctx.Process(target=_merge_worker, args=(url, blob, rounds)) for _ in range(4)]
     for p in procs:
         p.start()

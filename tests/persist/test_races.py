@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from persist import (
 )
 from persist.keys import key_writer_id
 from stash import Antichain, IndeterminateError, Stash, StashError
+from tests.support.procs import process_context
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -154,7 +154,7 @@ def test_four_writer_processes_race_on_one_shard(tmp_path: Path) -> None:
         w0, r0 = c0.open("race", KS, VS)
         r0.expire()  # its reader's seqno hold would keep retired parts
         c0.close()
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     q = ctx.Queue()
     n = 25
     procs = [ctx.Process(target=_writer_process, args=(url, blob_root, i, n, q)) for i in range(4)]

@@ -11,70 +11,48 @@ old code, which called ``fetch()`` (a full read and decode of the head) every ti
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pyarrow as pa
 import pytest
 
-from persist import MemoryBlob, PersistClient
+from persist import PersistClient
 from persist.consensus import Consensus
 from persist.gc import collect_garbage
 from persist.idempotency import token_landed
 from persist.machine import ShardMachine
 from stash import Stash
+from tests.support.rollups import one_row, write_maintenance_rollup
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.string())])
-
-
-def _row(i: int) -> pa.Table:
-    return pa.table({"k": [i], "v": [f"v{i}"], "_time": [i], "_diff": [1]})
-
-
-def _rollup(m: ShardMachine) -> None:
-    """A maintenance rollup of the head, due or not (as ``write_rollup`` writes one)."""
-    m.refresh()
-    c = m._cache
-    assert c is not None
-    st = c.state.clone()
-    st.seqno += 1
-    _data, texts, _touched = m._encode(c, st)
-    plan = m.consensus.plan_rollup(m.shard_id, c.state.seqno, texts)
-    assert m.consensus.compare_and_set(m.shard_id, c.state.seqno, texts, c.version, plan=plan)
 
 
 @pytest.mark.parametrize("call", ["gc", "compact", "token"])
 @pytest.mark.parametrize("with_rollup", [False, True])
 def test_steady_state_maintenance_reads_no_whole_head(
-    tmp_path: Path, call: str, with_rollup: bool
+    sqlite_stash: Stash,
+    two_clients: tuple[PersistClient, PersistClient],
+    call: str,
+    with_rollup: bool,
 ) -> None:
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    blob = MemoryBlob()
-    a = PersistClient(stash, blob, compaction="off")
-    b = PersistClient(stash, blob, compaction="off")
-    try:
-        wa, _ = a.open("t", SCHEMA, pa.schema([]))
-        wb, _rb = b.open("t", SCHEMA, pa.schema([]))
-        for i in range(12):
-            wa.append(_row(i), i, i + 1)
-        m = wb._machine
-        m.refresh()  # cached (a steady state: the machine has read the shard before)
-        upper = 12
-        for rnd in range(3):
-            wa.append(_row(upper), upper, upper + 1)
-            upper += 1
-            if with_rollup:
-                _rollup(wa._machine)
-            heads, catch_ups = m.metrics["heads"], m.metrics["catch_ups"]
-            if call == "gc":
-                collect_garbage(b, "t", grace_seconds=0)
-            elif call == "compact":
-                b.compactor.compact_once("t")
-            else:
-                assert token_landed(m, f"tok{rnd}", "fp") == (False, m.state().seqno)
-            assert m.metrics["heads"] == heads, call
-            assert m.metrics["catch_ups"] > catch_ups
-            assert m.state() == ShardMachine(Consensus(stash), m.shard_id).fetch()
-    finally:
-        a.close()
-        b.close()
-        stash.close()
+    a, b = two_clients
+    wa, _ = a.open("t", SCHEMA, pa.schema([]))
+    wb, _rb = b.open("t", SCHEMA, pa.schema([]))
+    for i in range(12):
+        wa.append(one_row(i), i, i + 1)
+    m = wb._machine
+    m.refresh()  # cached (a steady state: the machine has read the shard before)
+    upper = 12
+    for rnd in range(3):
+        wa.append(one_row(upper), upper, upper + 1)
+        upper += 1
+        if with_rollup:
+            write_maintenance_rollup(wa._machine)
+        heads, catch_ups = m.metrics["heads"], m.metrics["catch_ups"]
+        if call == "gc":
+            collect_garbage(b, "t", grace_seconds=0)
+        elif call == "compact":
+            b.compactor.compact_once("t")
+        else:
+            assert token_landed(m, f"tok{rnd}", "fp") == (False, m.state().seqno)
+        assert m.metrics["heads"] == heads, call
+        assert m.metrics["catch_ups"] > catch_ups
+        assert m.state() == ShardMachine(Consensus(sqlite_stash), m.shard_id).fetch()

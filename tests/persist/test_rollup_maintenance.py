@@ -39,6 +39,7 @@ from persist.state import ShardState
 from persist.types import HollowBatch
 from stash import Antichain, Stash, logs
 from stash.logs import LogEntry
+from tests.support.rollups import one_row, write_maintenance_rollup
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.string())])
 KS = pa.schema([("k", pa.int64())])
@@ -57,10 +58,6 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[i
 
     monkeypatch.setattr(cls, name, classmethod(spy))
     return calls
-
-
-def _row(i: int) -> pa.Table:
-    return pa.table({"k": [i], "v": [f"v{i}"], "_time": [i], "_diff": [1]})
 
 
 def _add_reader(m: ShardMachine, name: str) -> None:
@@ -99,14 +96,13 @@ class _Writes:
 # ===================================================================== rollups
 @pytest.mark.parametrize("mode", ["background", "inline"])
 def test_appends_past_the_bound_write_no_rollup_row_maintenance_does(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+    sqlite_stash: Stash, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     """A user's append never pays for a rollup: its transaction writes a diff row; the
     rollups are versions of their own, written by maintenance (no history record), and
     the head stays bounded.  Failed on the old code, whose appends crossing the bound
     wrote the rollup row themselves."""
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    client = PersistClient(stash, MemoryBlob(), compaction=mode)
+    client = PersistClient(sqlite_stash, MemoryBlob(), compaction=mode)
     writes = _Writes(monkeypatch)
     try:
         client.consensus.max_diffs = 4
@@ -115,10 +111,10 @@ def test_appends_past_the_bound_write_no_rollup_row_maintenance_does(
         name = Consensus.log_name(sid)
         longest = 0
         for i in range(40):
-            write.append(_row(i), i, i + 1)
+            write.append(one_row(i), i, i + 1)
             if mode == "background":
                 assert client.maintenance.wait_idle(10)
-            longest = max(longest, len(logs.head(stash, name)))
+            longest = max(longest, len(logs.head(sqlite_stash, name)))
         user = [e for e in writes.shard_entries(with_history=True) if e.name == name]
         assert len(user) >= 40 and not any(e.rollup for e in user[1:])
         rollups = [e for e in writes.shard_entries(with_history=False) if e.rollup]
@@ -130,110 +126,97 @@ def test_appends_past_the_bound_write_no_rollup_row_maintenance_does(
         assert longest <= 2 * 4 + 2
         got = sorted(row["k"] for row in read.snapshot(39).to_pylist())
         assert got == list(range(40))
-        fresh = ShardMachine(Consensus(stash), sid).fetch()
+        fresh = ShardMachine(Consensus(sqlite_stash), sid).fetch()
         assert fresh == write._machine.state()
     finally:
         client.close()
-        stash.close()
 
 
 def test_the_default_cadence_writes_a_rollup_every_128_diffs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sqlite_stash: Stash, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the default ``max_diffs`` (Materialize's rollup threshold, 128) a client
     with maintenance writes no rollup over the first 128 one-row appends, and one soon
     after: a rollup rewrites the whole state, so the cadence sets most of the database
     log a small append costs.  Failed on the old code (a rollup every 32 diffs)."""
     assert Consensus(None).max_diffs == 128  # type: ignore[arg-type]
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    client = PersistClient(stash, MemoryBlob(), compaction="inline")
+    client = PersistClient(sqlite_stash, MemoryBlob(), compaction="inline")
     writes = _Writes(monkeypatch)
     try:
         write, read = client.open("cadence", SCHEMA, pa.schema([]))
         name = Consensus.log_name(write._machine.shard_id)
         for i in range(140):
-            write.append(_row(i), i, i + 1)
+            write.append(one_row(i), i, i + 1)
         rollups = [e.seqno for e in writes.shard_entries(with_history=False) if e.rollup]
         assert rollups and min(rollups) > 128, rollups
         assert len(rollups) == 1
         assert sorted(r["k"] for r in read.snapshot(139).to_pylist()) == list(range(140))
-        assert logs.head(stash, name)[0].rollup
+        assert logs.head(sqlite_stash, name)[0].rollup
     finally:
         client.close()
-        stash.close()
 
 
-def test_a_rollup_changes_nothing_but_the_seqno(tmp_path: Path) -> None:
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    try:
-        c = Consensus(stash, max_diffs=2)
-        sid = new_shard_id()
-        m = ShardMachine(c, sid)
-        m.initialize(ShardState(sid, "s", KS, VS))
-        assert not m.write_rollup()  # not due: nothing written
-        for i in range(3):
-            _add_reader(m, f"r{i}")
-        before = m.state()
-        hist = len(c.history(sid))
-        assert m.write_rollup()
-        after = m.state()
-        assert after.seqno == before.seqno + 1
-        after_as_before = after.clone()
-        after_as_before.seqno = before.seqno
-        assert after_as_before == before and after.readers == before.readers
-        assert len(c.history(sid)) == hist  # no history record
-        rows = logs.scan(stash, c.log_name(sid))
-        assert [(r.seqno, r.rollup) for r in rows] == [(after.seqno, True)]  # truncated
-        assert not m.write_rollup()
-        assert ShardMachine(Consensus(stash), sid).fetch() == after
-    finally:
-        stash.close()
+def test_a_rollup_changes_nothing_but_the_seqno(sqlite_stash: Stash) -> None:
+    c = Consensus(sqlite_stash, max_diffs=2)
+    sid = new_shard_id()
+    m = ShardMachine(c, sid)
+    m.initialize(ShardState(sid, "s", KS, VS))
+    assert not m.write_rollup()  # not due: nothing written
+    for i in range(3):
+        _add_reader(m, f"r{i}")
+    before = m.state()
+    hist = len(c.history(sid))
+    assert m.write_rollup()
+    after = m.state()
+    assert after.seqno == before.seqno + 1
+    after_as_before = after.clone()
+    after_as_before.seqno = before.seqno
+    assert after_as_before == before and after.readers == before.readers
+    assert len(c.history(sid)) == hist  # no history record
+    rows = logs.scan(sqlite_stash, c.log_name(sid))
+    assert [(r.seqno, r.rollup) for r in rows] == [(after.seqno, True)]  # truncated
+    assert not m.write_rollup()
+    assert ShardMachine(Consensus(sqlite_stash), sid).fetch() == after
 
 
-def test_the_head_stays_bounded_with_maintenance_off(tmp_path: Path) -> None:
+def test_the_head_stays_bounded_with_maintenance_off(sqlite_stash: Stash) -> None:
     """Compaction off (no maintenance): the diffs stop at twice the bound, where a
     command's own version becomes the rollup."""
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    client = PersistClient(stash, MemoryBlob(), compaction="off")
+    client = PersistClient(sqlite_stash, MemoryBlob(), compaction="off")
     try:
         client.consensus.max_diffs = 3
         write, _read = client.open("off", SCHEMA, pa.schema([]))
         name = Consensus.log_name(write._machine.shard_id)
         lengths = []
         for i in range(30):
-            write.append(_row(i), i, i + 1)
-            lengths.append(len(logs.head(stash, name)))
+            write.append(one_row(i), i, i + 1)
+            lengths.append(len(logs.head(sqlite_stash, name)))
         assert max(lengths) <= 2 * 3 + 2
         assert min(lengths[5:]) < max(lengths)  # rollups happened
     finally:
         client.close()
-        stash.close()
 
 
-def test_a_rollup_racing_a_command_retries_or_gives_up_harmlessly(tmp_path: Path) -> None:
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    try:
-        c = Consensus(stash, max_diffs=2)
-        sid = new_shard_id()
-        m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
-        m1.initialize(ShardState(sid, "s", KS, VS))
-        for i in range(3):
-            _add_reader(m1, f"r{i}")
-        m2.state()
-        _add_reader(m2, "x")  # m1's cached version is now stale
-        # m1 loses its first compare-and-set, catches up, and still owes a rollup.
-        assert m1.write_rollup()
-        head = ShardMachine(Consensus(stash), sid).fetch()
-        assert head == m1.state() and "x" in head.readers
-        assert logs.scan(stash, c.log_name(sid))[0].rollup
-        # m2 is stale now; by the time it looks, no rollup is due: nothing, no error.
-        _add_reader(m1, "y")
-        assert not m2.write_rollup(attempts=1) or m2.state().seqno == head.seqno + 2
-        assert not m2.write_rollup()
-        _add_reader(m2, "z")  # m2 catches up over the rollup (a full read) and commits
-        assert set(ShardMachine(Consensus(stash), sid).fetch().readers) >= {"x", "y", "z"}
-    finally:
-        stash.close()
+def test_a_rollup_racing_a_command_retries_or_gives_up_harmlessly(sqlite_stash: Stash) -> None:
+    c = Consensus(sqlite_stash, max_diffs=2)
+    sid = new_shard_id()
+    m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
+    m1.initialize(ShardState(sid, "s", KS, VS))
+    for i in range(3):
+        _add_reader(m1, f"r{i}")
+    m2.state()
+    _add_reader(m2, "x")  # m1's cached version is now stale
+    # m1 loses its first compare-and-set, catches up, and still owes a rollup.
+    assert m1.write_rollup()
+    head = ShardMachine(Consensus(sqlite_stash), sid).fetch()
+    assert head == m1.state() and "x" in head.readers
+    assert logs.scan(sqlite_stash, c.log_name(sid))[0].rollup
+    # m2 is stale now; by the time it looks, no rollup is due: nothing, no error.
+    _add_reader(m1, "y")
+    assert not m2.write_rollup(attempts=1) or m2.state().seqno == head.seqno + 2
+    assert not m2.write_rollup()
+    _add_reader(m2, "z")  # m2 catches up over the rollup (a full read) and commits
+    assert set(ShardMachine(Consensus(sqlite_stash), sid).fetch().readers) >= {"x", "y", "z"}
 
 
 def test_appends_racing_background_rollups_land_once(tmp_path: Path) -> None:
@@ -297,226 +280,190 @@ def test_appends_racing_background_rollups_land_once(tmp_path: Path) -> None:
 
 # ================================================================ lost races
 def test_a_lost_race_decodes_only_the_newer_entries(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sqlite_stash: Stash, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Failed on the old code, which re-read and decoded the whole head."""
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    try:
-        c = Consensus(stash)
-        sid = new_shard_id()
-        m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
-        m1.initialize(ShardState(sid, "s", KS, VS))
-        for i in range(20):
-            _add_reader(m1, f"r{i}")
-        m2.state()
-        _add_reader(m1, "new")
-        monkeypatch.setattr(state_check, "ENABLED", False)  # its check decodes in full
-        full = count_calls(monkeypatch, ShardState, "from_entries")
-        decoded = count_calls(monkeypatch, ReaderState, "from_json")
-        _add_reader(m2, "mine")  # loses once, catches up, commits
-        assert m2.metrics["cas_lost"] == 1
-        assert full == [] and len(decoded) == 1  # the reader "new" alone
-        monkeypatch.undo()
-        assert ShardMachine(Consensus(stash), sid).fetch() == m2.state()
-        assert {"new", "mine"} <= set(m2.state().readers)
-    finally:
-        stash.close()
+    c = Consensus(sqlite_stash)
+    sid = new_shard_id()
+    m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
+    m1.initialize(ShardState(sid, "s", KS, VS))
+    for i in range(20):
+        _add_reader(m1, f"r{i}")
+    m2.state()
+    _add_reader(m1, "new")
+    monkeypatch.setattr(state_check, "ENABLED", False)  # its check decodes in full
+    full = count_calls(monkeypatch, ShardState, "from_entries")
+    decoded = count_calls(monkeypatch, ReaderState, "from_json")
+    _add_reader(m2, "mine")  # loses once, catches up, commits
+    assert m2.metrics["cas_lost"] == 1
+    assert full == [] and len(decoded) == 1  # the reader "new" alone
+    monkeypatch.undo()
+    assert ShardMachine(Consensus(sqlite_stash), sid).fetch() == m2.state()
+    assert {"new", "mine"} <= set(m2.state().readers)
 
 
 def test_recent_catches_up_without_a_full_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sqlite_stash: Stash, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A handle asking for the latest state (``fetch_recent_upper``, a snapshot) after
     another process's commits decodes only what they changed.  Failed on the old code,
     which read and decoded the whole head once the seqno moved."""
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    try:
-        c = Consensus(stash)
-        sid = new_shard_id()
-        m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
-        m1.initialize(ShardState(sid, "s", KS, VS))
-        for i in range(10):
-            _add_reader(m1, f"r{i}")
-        m2.recent()
-        _add_reader(m1, "new")
-        monkeypatch.setattr(state_check, "ENABLED", False)
-        full = count_calls(monkeypatch, ShardState, "from_entries")
-        st = m2.recent()
-        assert full == [] and "new" in st.readers
-        assert m2.recent() is st  # nothing newer: the cached state
-        monkeypatch.undo()
-        assert ShardMachine(Consensus(stash), sid).fetch() == st
-    finally:
-        stash.close()
+    c = Consensus(sqlite_stash)
+    sid = new_shard_id()
+    m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
+    m1.initialize(ShardState(sid, "s", KS, VS))
+    for i in range(10):
+        _add_reader(m1, f"r{i}")
+    m2.recent()
+    _add_reader(m1, "new")
+    monkeypatch.setattr(state_check, "ENABLED", False)
+    full = count_calls(monkeypatch, ShardState, "from_entries")
+    st = m2.recent()
+    assert full == [] and "new" in st.readers
+    assert m2.recent() is st  # nothing newer: the cached state
+    monkeypatch.undo()
+    assert ShardMachine(Consensus(sqlite_stash), sid).fetch() == st
 
 
 def test_a_lost_append_decodes_only_the_new_batches(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sqlite_stash: Stash,
+    two_clients: tuple[PersistClient, PersistClient],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    blob = MemoryBlob()
-    a = PersistClient(stash, blob, compaction="off")
-    b = PersistClient(stash, blob, compaction="off")
-    try:
-        wa, _ = a.open("t", SCHEMA, pa.schema([]))
-        wb, rb = b.open("t", SCHEMA, pa.schema([]))
-        for i in range(60):
-            wa.append(_row(i), i, i + 1)
-        wb._machine.fetch()  # cached at the head
-        wa.append(_row(60), 60, 61)
-        wa.append(_row(61), 61, 62)
-        monkeypatch.setattr(state_check, "ENABLED", False)
-        calls = count_calls(monkeypatch, HollowBatch, "from_json")
-        wb.append(_row(62), 62, 63)
-        assert 0 < len(calls) <= 4  # the two newer batches (and a spine merge's)
-        assert wb._machine.metrics["catch_ups"] >= 1
-        monkeypatch.undo()
-        sid = wb._machine.shard_id
-        assert ShardMachine(Consensus(stash), sid).fetch() == wb._machine.state()
-        got = sorted(row["k"] for row in rb.snapshot(62).to_pylist())
-        assert got == list(range(63))
-    finally:
-        a.close()
-        b.close()
-        stash.close()
+    a, b = two_clients
+    wa, _ = a.open("t", SCHEMA, pa.schema([]))
+    wb, rb = b.open("t", SCHEMA, pa.schema([]))
+    for i in range(60):
+        wa.append(one_row(i), i, i + 1)
+    wb._machine.fetch()  # cached at the head
+    wa.append(one_row(60), 60, 61)
+    wa.append(one_row(61), 61, 62)
+    monkeypatch.setattr(state_check, "ENABLED", False)
+    calls = count_calls(monkeypatch, HollowBatch, "from_json")
+    wb.append(one_row(62), 62, 63)
+    assert 0 < len(calls) <= 4  # the two newer batches (and a spine merge's)
+    assert wb._machine.metrics["catch_ups"] >= 1
+    monkeypatch.undo()
+    sid = wb._machine.shard_id
+    assert ShardMachine(Consensus(sqlite_stash), sid).fetch() == wb._machine.state()
+    got = sorted(row["k"] for row in rb.snapshot(62).to_pylist())
+    assert got == list(range(63))
 
 
-def test_catch_up_falls_back_to_the_head(tmp_path: Path) -> None:
+def test_catch_up_falls_back_to_the_head(sqlite_stash: Stash) -> None:
     """Rows truncated past the cached version with no rollup (a gap), a malformed diff
     or rollup row: the whole head is read (which tells a corrupt log apart).  A rollup
     among the newer rows is caught up across (the rows before it truncated or not)."""
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    try:
-        c = Consensus(stash, max_diffs=2)
-        sid = new_shard_id()
-        m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
-        m1.initialize(ShardState(sid, "s", KS, VS))
-        m2.state()
-        v0 = m2._cache.version  # type: ignore[union-attr]
-        assert c.catch_up(sid, v0) == (v0, set())  # nothing newer: the same version
-        for i in range(3):
-            _add_reader(m1, f"r{i}")
-        assert m1.write_rollup()  # a rollup; the rows before it are truncated
-        got = c.catch_up(sid, v0)
-        assert got is not None and got[1] == {"meta", "reader/r0", "reader/r1", "reader/r2"}
-        assert got[0] == c.head(sid)
-        heads = m2.metrics["heads"]
-        assert m2.refresh() == m1.state() and m2.metrics["heads"] == heads
-        _add_reader(m1, "g")
+    c = Consensus(sqlite_stash, max_diffs=2)
+    sid = new_shard_id()
+    m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
+    m1.initialize(ShardState(sid, "s", KS, VS))
+    m2.state()
+    v0 = m2._cache.version  # type: ignore[union-attr]
+    assert c.catch_up(sid, v0) == (v0, set())  # nothing newer: the same version
+    for i in range(3):
+        _add_reader(m1, f"r{i}")
+    assert m1.write_rollup()  # a rollup; the rows before it are truncated
+    got = c.catch_up(sid, v0)
+    assert got is not None and got[1] == {"meta", "reader/r0", "reader/r1", "reader/r2"}
+    assert got[0] == c.head(sid)
+    heads = m2.metrics["heads"]
+    assert m2.refresh() == m1.state() and m2.metrics["heads"] == heads
+    _add_reader(m1, "g")
+    m2.refresh()
+    # A rollup row that is not a compact JSON object, or names another seqno: the
+    # head is read (it reads a well-formed one whatever its spacing).
+    v = m2._cache.version  # type: ignore[union-attr]
+    spaced = json.dumps(c.head(sid).data | {"meta": v.data["meta"] | {"seqno": v.seqno + 1}})  # type: ignore[union-attr]
+    logs.write(sqlite_stash, [LogEntry(c.log_name(sid), v.seqno, v.seqno + 1, spaced, True)])
+    assert c.catch_up(sid, v) is None
+    heads = m2.metrics["heads"]
+    assert m2.refresh().seqno == v.seqno + 1 and m2.metrics["heads"] == heads + 1
+    v = m2._cache.version  # type: ignore[union-attr]
+    other = v.data | {"meta": v.data["meta"] | {"seqno": v.seqno + 5}}
+    logs.write(
+        sqlite_stash,
+        [
+            LogEntry(
+                c.log_name(sid), v.seqno, v.seqno + 1, consensus_mod.canonical_json(other), True
+            )
+        ],
+    )
+    assert c.catch_up(sid, v) is None
+    with pytest.raises(ConsensusError, match="corrupt"):
         m2.refresh()
-        # A rollup row that is not a compact JSON object, or names another seqno: the
-        # head is read (it reads a well-formed one whatever its spacing).
-        v = m2._cache.version  # type: ignore[union-attr]
-        spaced = json.dumps(c.head(sid).data | {"meta": v.data["meta"] | {"seqno": v.seqno + 1}})  # type: ignore[union-attr]
-        logs.write(stash, [LogEntry(c.log_name(sid), v.seqno, v.seqno + 1, spaced, True)])
-        assert c.catch_up(sid, v) is None
-        heads = m2.metrics["heads"]
-        assert m2.refresh().seqno == v.seqno + 1 and m2.metrics["heads"] == heads + 1
-        v = m2._cache.version  # type: ignore[union-attr]
-        other = v.data | {"meta": v.data["meta"] | {"seqno": v.seqno + 5}}
-        logs.write(
-            stash,
-            [
-                LogEntry(
-                    c.log_name(sid), v.seqno, v.seqno + 1, consensus_mod.canonical_json(other), True
-                )
-            ],
-        )
-        assert c.catch_up(sid, v) is None
-        with pytest.raises(ConsensusError, match="corrupt"):
-            m2.refresh()
-    finally:
-        stash.close()
 
 
-def test_catch_up_with_a_malformed_diff_row_reads_the_head(tmp_path: Path) -> None:
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    try:
-        c = Consensus(stash, max_diffs=2)
-        sid = new_shard_id()
-        m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
-        m1.initialize(ShardState(sid, "s", KS, VS))
-        m2.state()
-        _add_reader(m1, "a")
-        _add_reader(m1, "b")
-        # A gap: the row after the cached version is missing, no rollup after it.
-        v = m2._cache.version  # type: ignore[union-attr]
-        with sqlite3.connect(tmp_path / "s.db") as db:
-            db.execute("DELETE FROM logs WHERE name = ? AND seqno = ?", (c.log_name(sid), 1))
-        assert c.catch_up(sid, v) is None
-        with pytest.raises(ConsensusError, match="corrupt"):
-            m2.refresh()
-        # A malformed diff row after the cached version.
-        sid = new_shard_id()
-        m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
-        m1.initialize(ShardState(sid, "s", KS, VS))
-        m2.state()
-        v = m2._cache.version  # type: ignore[union-attr]
-        logs.write(stash, [LogEntry(c.log_name(sid), v.seqno, v.seqno + 1, '{"del": 1}')])
-        assert c.catch_up(sid, v) is None
-        with pytest.raises(ConsensusError, match="corrupt"):
-            m2.refresh()
-    finally:
-        stash.close()
-
-
-def _rolled_up(m: ShardMachine) -> None:
-    """Maintenance's rollup of ``m``'s head, due or not (as :meth:`write_rollup` writes it)."""
-    c = m._cache
-    assert c is not None
-    st = c.state.clone()
-    st.seqno += 1
-    _data, texts, _touched = m._encode(c, st)
-    plan = m.consensus.plan_rollup(m.shard_id, c.state.seqno, texts)
-    assert m.consensus.compare_and_set(m.shard_id, c.state.seqno, texts, c.version, plan=plan)
-    m.refresh()
+def test_catch_up_with_a_malformed_diff_row_reads_the_head(
+    tmp_path: Path, sqlite_stash: Stash
+) -> None:
+    c = Consensus(sqlite_stash, max_diffs=2)
+    sid = new_shard_id()
+    m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
+    m1.initialize(ShardState(sid, "s", KS, VS))
+    m2.state()
+    _add_reader(m1, "a")
+    _add_reader(m1, "b")
+    # A gap: the row after the cached version is missing, no rollup after it.
+    v = m2._cache.version  # type: ignore[union-attr]
+    with sqlite3.connect(tmp_path / "s.db") as db:
+        db.execute("DELETE FROM logs WHERE name = ? AND seqno = ?", (c.log_name(sid), 1))
+    assert c.catch_up(sid, v) is None
+    with pytest.raises(ConsensusError, match="corrupt"):
+        m2.refresh()
+    # A malformed diff row after the cached version.
+    sid = new_shard_id()
+    m1, m2 = ShardMachine(c, sid), ShardMachine(c, sid)
+    m1.initialize(ShardState(sid, "s", KS, VS))
+    m2.state()
+    v = m2._cache.version  # type: ignore[union-attr]
+    logs.write(sqlite_stash, [LogEntry(c.log_name(sid), v.seqno, v.seqno + 1, '{"del": 1}')])
+    assert c.catch_up(sid, v) is None
+    with pytest.raises(ConsensusError, match="corrupt"):
+        m2.refresh()
 
 
 @pytest.mark.parametrize("diffs_before, diffs_after", [(0, 0), (2, 0), (0, 2), (2, 2)])
 def test_catching_up_across_a_maintenance_rollup_decodes_no_batch_in_full(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, diffs_before: int, diffs_after: int
+    sqlite_stash: Stash,
+    two_clients: tuple[PersistClient, PersistClient],
+    monkeypatch: pytest.MonkeyPatch,
+    diffs_before: int,
+    diffs_after: int,
 ) -> None:
     """Another process's maintenance rollup among the newer rows (the rows before it
     truncated): a machine catching up decodes only the entries that differ from its
     cached version, no spine batch in full and no whole state.  Failed on the old
     code, which read and decoded the whole head once a rollup was among the rows."""
-    stash = Stash.open(f"sqlite:///{tmp_path}/s.db", mode="writable", fenced=False)
-    blob = MemoryBlob()
-    a = PersistClient(stash, blob, compaction="off")
-    b = PersistClient(stash, blob, compaction="off")
-    try:
-        wa, _ = a.open("t", SCHEMA, pa.schema([]))
-        wb, rb = b.open("t", SCHEMA, pa.schema([]))
-        for i in range(40):
-            wa.append(_row(i), i, i + 1)
-        mb = wb._machine
-        mb.fetch()  # cached at the head
-        upper = 40
-        for _ in range(diffs_before):
-            wa.append(_row(upper), upper, upper + 1)
-            upper += 1
-        _rolled_up(wa._machine)
-        for _ in range(diffs_after):
-            wa.append(_row(upper), upper, upper + 1)
-            upper += 1
-        monkeypatch.setattr(state_check, "ENABLED", False)
-        full = count_calls(monkeypatch, ShardState, "from_entries")
-        batches = count_calls(monkeypatch, HollowBatch, "from_json")
-        heads, catch_ups = mb.metrics["heads"], mb.metrics["catch_ups"]
-        st = mb.refresh()
-        assert full == [] and len(batches) <= diffs_before + diffs_after + 2
-        assert mb.metrics["heads"] == heads and mb.metrics["catch_ups"] == catch_ups + 1
-        monkeypatch.undo()
-        head = ShardMachine(Consensus(stash), mb.shard_id).fetch()
-        assert st == head and st.seqno == head.seqno
-        assert mb._cache.version == Consensus(stash).head(mb.shard_id)  # type: ignore[union-attr]
-        wb.append(_row(upper), upper, upper + 1)  # builds on the caught-up layout
-        got = sorted(row["k"] for row in rb.snapshot(upper).to_pylist())
-        assert got == list(range(upper + 1))
-    finally:
-        a.close()
-        b.close()
-        stash.close()
+    a, b = two_clients
+    wa, _ = a.open("t", SCHEMA, pa.schema([]))
+    wb, rb = b.open("t", SCHEMA, pa.schema([]))
+    for i in range(40):
+        wa.append(one_row(i), i, i + 1)
+    mb = wb._machine
+    mb.fetch()  # cached at the head
+    upper = 40
+    for _ in range(diffs_before):
+        wa.append(one_row(upper), upper, upper + 1)
+        upper += 1
+    write_maintenance_rollup(wa._machine)
+    for _ in range(diffs_after):
+        wa.append(one_row(upper), upper, upper + 1)
+        upper += 1
+    monkeypatch.setattr(state_check, "ENABLED", False)
+    full = count_calls(monkeypatch, ShardState, "from_entries")
+    batches = count_calls(monkeypatch, HollowBatch, "from_json")
+    heads, catch_ups = mb.metrics["heads"], mb.metrics["catch_ups"]
+    st = mb.refresh()
+    assert full == [] and len(batches) <= diffs_before + diffs_after + 2
+    assert mb.metrics["heads"] == heads and mb.metrics["catch_ups"] == catch_ups + 1
+    monkeypatch.undo()
+    head = ShardMachine(Consensus(sqlite_stash), mb.shard_id).fetch()
+    assert st == head and st.seqno == head.seqno
+    assert mb._cache.version == Consensus(sqlite_stash).head(mb.shard_id)  # type: ignore[union-attr]
+    wb.append(one_row(upper), upper, upper + 1)  # builds on the caught-up layout
+    got = sorted(row["k"] for row in rb.snapshot(upper).to_pylist())
+    assert got == list(range(upper + 1))
 
 
 @settings(
@@ -554,7 +501,7 @@ def test_racing_machines_catch_up_to_what_a_full_read_gives(
                 w, r = handles[who]
                 m = w._machine
                 if op == "append":
-                    w.append(_row(upper), upper, upper + 1)
+                    w.append(one_row(upper), upper, upper + 1)
                     upper += 1
                 elif op == "reader":
                     _add_reader(m, f"x{len(m.state().readers)}")

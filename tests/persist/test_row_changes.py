@@ -4,7 +4,6 @@ dict, four processes racing ``update(v = v + 1)``, schema evolution and pruning.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import uuid
 from collections import Counter
@@ -32,6 +31,7 @@ from persist import (
 )
 from persist import rows as rows_mod
 from stash import Antichain, Stash
+from tests.support.procs import process_context
 from tests.support.stash_faults import AckLostStash
 
 KEY = pa.schema([pa.field("id", pa.int64(), False)])
@@ -421,7 +421,7 @@ def test_four_processes_update_one_row_no_lost_update(shared_url: str, tmp_path:
     try:
         w, r = c.open("counter", KEY, VAL)
         w.upsert(table([(0, 0)]))
-        with mp.get_context("spawn").Pool(4) as pool:
+        with process_context().Pool(4) as pool:
             acked = sum(pool.starmap(_incrementer, [(url, root, 25)] * 4))
         assert acked == 100
         assert live(r, w) == Counter({(0, 100): 1})
@@ -459,7 +459,7 @@ def test_four_processes_upsert_disjoint_and_overlapping_keys(
     try:
         w, r = c.open("keys", KEY, VAL)
         w.upsert(table([(100, -1)]))
-        with mp.get_context("spawn").Pool(4) as pool:
+        with process_context().Pool(4) as pool:
             acked = sum(pool.starmap(_upserter, [(url, root, p, 8) for p in range(4)]))
         assert acked == 32 and w.fetch_recent_upper() == Antichain([33])
         got = live(r, w)

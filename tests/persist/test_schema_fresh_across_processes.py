@@ -5,7 +5,6 @@ drops and re-adds a column, this client reads and writes the newest version."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from persist import PersistClient
 from stash import Stash
+from tests.support.procs import process_context
 
 KS = pa.schema([pa.field("k", pa.string(), nullable=False)])
 
@@ -62,7 +62,7 @@ def test_a_column_added_by_another_process(env) -> None:
     va = pa.schema([pa.field("a", pa.int64())])
     ts0 = _start(c, va, pa.table({"k": ["p"], "a": [1]}))
     vx = va.append(pa.field("x", pa.string()))
-    p = mp.get_context("spawn").Process(target=_other, args=(url, blob, vx, [], ("q", (2, "x2"))))
+    p = process_context().Process(target=_other, args=(url, blob, vx, [], ("q", (2, "x2"))))
     p.start()
     p.join(120)
     assert p.exitcode == 0

@@ -7,7 +7,6 @@ the commits lost)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pyarrow as pa
 
 from persist import FileBlob, PersistClient
 from stash import Stash
+from tests.support.procs import process_context
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -66,7 +66,7 @@ def test_four_processes_commit_overlapping_transactions(tmp_path: Path) -> None:
         for sh in SHARDS:
             c0.open_writer(sh, KS, VS)
         c0.close()
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     q = ctx.Queue()
     n = 12
     procs = [ctx.Process(target=_committer, args=(url, blob_root, i, n, q)) for i in range(4)]

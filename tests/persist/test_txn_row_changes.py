@@ -6,7 +6,6 @@ update."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from persist import (
     SchemaMismatch,
 )
 from stash import Antichain, Stash
+from tests.support.procs import process_context
 from tests.support.stash_faults import AckLostStash
 
 KEY = pa.schema([pa.field("id", pa.int64(), False)])
@@ -374,7 +374,7 @@ def test_processes_racing_transactions_lose_no_update(shared_url: str, tmp_path:
         for name in "ab":
             w, _ = c.open(name, KEY, VAL)
             w.upsert(table([(0, 0)]))
-        with mp.get_context("spawn").Pool(3) as pool:
+        with process_context().Pool(3) as pool:
             acked = sum(pool.starmap(_txn_incrementer, [(url, root, 6)] * 3))
         assert acked == 18
         for name in "ab":

@@ -5,7 +5,6 @@ before that, is named too, so ``retry_ts()`` is large enough for
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from pathlib import Path
 
 import pyarrow as pa
@@ -13,6 +12,7 @@ import pytest
 
 from persist import PersistClient, TxnUpperMismatch
 from stash import Stash
+from tests.support.procs import process_context
 
 KS = pa.schema([("k", pa.string())])
 VS = pa.schema([("v", pa.int64())])
@@ -39,7 +39,7 @@ def test_retry_ts_covers_shards_whose_cached_upper_is_stale(tmp_path: Path) -> N
     try:
         for name in ("s1", "s2"):
             c.open(name, KS, VS)  # this client caches both at upper 0
-        p = mp.get_context("spawn").Process(target=_advance, args=(url, blob, {"s1": 5, "s2": 10}))
+        p = process_context().Process(target=_advance, args=(url, blob, {"s1": 5, "s2": 10}))
         p.start()
         p.join(120)
         assert p.exitcode == 0

@@ -31,6 +31,7 @@ from persist.cli import main as persist_main
 from stash import Stash
 from tests.support.dbutil import migrate_to_head
 from tests.support.s3_fixtures import S3Server
+from tests.support.spark_fixtures import TEST_JVM_FLAGS
 
 pytestmark = [pytest.mark.spark, pytest.mark.postgres, pytest.mark.cluster]
 
@@ -74,6 +75,7 @@ def _job(module: str, *args: str, stash_url: str) -> tuple[Any, str]:
     env = dict(os.environ)
     env["PERSIST_STASH"] = stash_url
     env["SPARK_LOCAL_IP"] = "127.0.0.1"
+    env["JAVA_TOOL_OPTIONS"] = TEST_JVM_FLAGS  # the driver's, the executors' and the launcher's
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.pop("PYSPARK_GATEWAY_PORT", None)  # a new JVM of its own, not the tests' session
     proc = subprocess.run(

@@ -126,13 +126,14 @@ def test_sigkill_after_persist_commit_then_restart(
     import time
 
     from spark.persist_stream_writer import HOLD_AFTER_COMMIT_ENV, committed_batch
+    from tests.support.spark_fixtures import TEST_JVM_FLAGS
 
     src, ckpt = spark_store.root / "src", spark_store.root / "ckpt"
     _files(src, BATCHES)
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     marker = tmp_path / "committed"
-    env = {**os.environ, HOLD_AFTER_COMMIT_ENV: str(marker)}
+    env = {**os.environ, HOLD_AFTER_COMMIT_ENV: str(marker), "JAVA_TOOL_OPTIONS": TEST_JVM_FLAGS}
     args = [str(src), spark_store.stash_url, spark_store.blob_uri, str(ckpt)]
     proc = subprocess.Popen(
         [sys.executable, str(script), *args],

@@ -11,7 +11,6 @@ in neither; no deadlock is ever detected by the server.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 import threading
 from collections import defaultdict
@@ -31,6 +30,7 @@ from stash import (
 )
 from tests.support.dbutil import migrate_to_head
 from tests.support.pgserver import PostgresServer
+from tests.support.procs import process_context
 
 pytestmark = pytest.mark.postgres
 
@@ -117,7 +117,7 @@ def test_four_processes_read_modify_write(
         s.append([b])
     deadlocks_before = _deadlocks(postgres_server, db)
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     procs = [
         ctx.Process(target=_worker, args=(postgres_url, w, str(tmp_path / f"ack{w}")))
         for w in range(PROCS)

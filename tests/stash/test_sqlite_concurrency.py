@@ -4,10 +4,10 @@ present exactly once."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from pathlib import Path
 
 from stash import AppendLowerMismatch, Stash
+from tests.support.procs import process_context
 
 PROCS = 8
 APPENDS = 40
@@ -41,7 +41,7 @@ def _worker(url: str, wid: int, ack_path: str) -> None:
 def test_eight_processes_append_to_one_sqlite_file(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/stash.db"
     Stash.open(url, fenced=False).close()  # create + migrate once
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     procs = [
         ctx.Process(target=_worker, args=(url, w, str(tmp_path / f"ack{w}"))) for w in range(PROCS)
     ]

@@ -12,7 +12,15 @@ every worker the same way (xdist requires identical collections), so that:
   slices by longest-processing-time-first (Graham's LPT list scheduling), each slice
   starting with its long files, longest first;
 * the other files follow in collection order, filling each slice to the size xdist
-  gives it; work stealing then evens out the short tail.
+  gives it; work stealing then evens out the short tail;
+* the files with a test that needs the worker's SparkSession (the ``spark`` fixture, or a
+  Markdown example that calls ``build_session``) all start the first slice, longest
+  first (those with the fixture before the Markdown files, so that the session is the
+  fixture's), ahead of its other long files: one JVM for the run instead of one per worker
+  (its start and JIT warm-up cost tens of CPU-seconds), and the LPT dealing of the other
+  long files to the other slices makes up their weight. Work stealing takes the tail of
+  a slice, its short files, so the Spark tests stay on the first worker unless it is
+  far behind.
 
 Files are moved whole, so module-scoped fixtures are still set up once per file (a file
 may straddle two slices only among the short ones). Without xdist (``-n 0``) the order is
@@ -31,6 +39,7 @@ import os
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,8 +83,24 @@ def slice_sizes(n: int, workers: int) -> list[int]:
     return sizes
 
 
-def arrange(items: list[pytest.Item], workers: int, seconds: dict[str, float]) -> list[pytest.Item]:
-    """Return ``items`` reordered into ``workers`` contiguous slices, long files first."""
+def needs_spark_session(item: pytest.Item) -> bool:
+    """True when ``item`` uses the worker's SparkSession: the ``spark`` fixture
+    (tests/support/spark_fixtures.py), or a Markdown example (pytest-markdown-docs) whose
+    code calls ``build_session`` (which reuses that session)."""
+    if "spark" in getattr(item, "fixturenames", ()):
+        return True
+    code = getattr(item, "code", None)
+    return isinstance(code, str) and "build_session" in code
+
+
+def arrange(
+    items: list[pytest.Item],
+    workers: int,
+    seconds: dict[str, float],
+    spark: Callable[[pytest.Item], bool] = needs_spark_session,
+) -> list[pytest.Item]:
+    """Return ``items`` reordered into ``workers`` contiguous slices: the files with a
+    test for which ``spark`` is true first in the first slice, then the long files."""
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
@@ -87,8 +112,22 @@ def arrange(items: list[pytest.Item], workers: int, seconds: dict[str, float]) -
     slices: list[list[pytest.Item]] = [[] for _ in range(workers)]
     load = [0.0] * workers
     moved: set[str] = set()
+    # Files whose tests take the ``spark`` fixture first, so that the session is the
+    # fixture's (its JVM options) rather than one a Markdown example's build_session starts.
+    spark_files = sorted(
+        (f for f, g in files.items() if any(spark(i) for i in g)),
+        key=lambda f: (
+            not any("spark" in getattr(i, "fixturenames", ()) for i in files[f]),
+            -weight(files[f]),
+        ),
+    )
+    if sum(len(files[f]) for f in spark_files) <= sizes[0]:
+        for f in spark_files:
+            slices[0].extend(files[f])
+            load[0] += weight(files[f])
+            moved.add(f)
     long_files = sorted(
-        (f for f, g in files.items() if weight(g) >= LONG_FILE_SECONDS),
+        (f for f, g in files.items() if f not in moved and weight(g) >= LONG_FILE_SECONDS),
         key=lambda f: -weight(files[f]),
     )
     for f in long_files:

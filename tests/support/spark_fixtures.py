@@ -10,7 +10,11 @@ Invariants:
   ``scripts/ensure_java.sh`` (if present); if Java still cannot start, it fails the test
   when the ``CI`` environment variable is set, and skips it (with the reason) otherwise;
 * ``spark_store`` gives each test its own SQLite stash file and local blob directory, as
-  absolute URLs, so Spark's Python workers (other processes) see the same stores.
+  absolute URLs, so Spark's Python workers (other processes) see the same stores;
+* the session's JVM runs with :data:`TEST_JVM_OPTIONS` (the C1 JIT only, the serial
+  collector): how Java compiles and collects changes no result, and a test suite's many
+  small queries never repay C2's compilations nor a parallel collector's threads on
+  two cores (about a third less CPU for the session's JVM).
 """
 
 from __future__ import annotations
@@ -66,6 +70,14 @@ def _unavailable(reason: str) -> None:
 
 _SESSION: dict[str, Any] = {}
 
+#: HotSpot flags for the JVMs tests start: the C1 JIT only (``-XX:TieredStopAtLevel=1``,
+#: the usual setting for short-lived JVMs) and the serial collector (``-XX:+UseSerialGC``,
+#: no GC threads competing for two cores). Jobs run in a subprocess get them through
+#: ``JAVA_TOOL_OPTIONS`` (every JVM they start, executors included).
+TEST_JVM_FLAGS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: The session's driver JVM options: ``spark.session.build_session``'s own, then the flags.
+TEST_JVM_OPTIONS = f"-Dio.netty.tryReflectionSetAccessible=true {TEST_JVM_FLAGS}"
+
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
@@ -84,7 +96,10 @@ def spark() -> Iterator[Any]:
             "stashpersist-tests",
             shuffle_partitions=2,
             driver_memory="2g",
-            conf={"spark.python.worker.reuse": "true"},
+            conf={
+                "spark.python.worker.reuse": "true",
+                "spark.driver.extraJavaOptions": TEST_JVM_OPTIONS,
+            },
         )
     except Exception as e:  # Java present but the JVM did not start
         _SESSION["error"] = f"SparkSession could not start: {e}"

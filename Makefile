@@ -3,7 +3,8 @@
 # memory://, file:// and s3:// (an in-process moto server, tests/support/s3_fixtures.py) and
 # one Spark job on local-cluster[2,1,1024]; under CI=true a missing service fails, never skips.
 # Tests run in parallel (pytest-xdist, one process per core; each worker has its own Postgres
-# server, moto server and SparkSession); the closing note gives the wall time, CPU time and
+# server and moto server, and the Spark files are scheduled onto one worker so that one
+# SparkSession serves them: tests/support/schedule.py); the closing note gives the wall time, CPU time and
 # load. The long campaigns (tests marked `campaign`) run in `make reliability`, long-sized.
 SHELL := /bin/bash
 PYTHON ?= python3

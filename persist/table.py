@@ -246,7 +246,12 @@ class Table:
         Raises:
             InvalidUsage: unknown input kind, missing or unknown columns, a value that
                 does not fit its column; nothing is committed.
-            BlobError, ConsensusError: storage failed.
+            BlobError, ConsensusError: storage failed; nothing is committed, unless
+                the error ``is_indeterminate()``: a lost acknowledgement the commit
+                could not settle (it looks for its token first, see
+                :class:`persist.txn.Txn`), so the rows may have landed. Calling
+                ``append`` again is a new append, not a retry: read the table (or
+                :meth:`history`) before appending the rows again.
         """
         with Progress(f"table {self.name!r}: append") as progress:
             w = self._write_handle()

@@ -336,11 +336,17 @@ def _ipc_stream(table: pa.Table) -> pa.Buffer:
 
 
 def _compress(stream: pa.Buffer) -> bytes:
-    """``stream`` as one zstd frame at :data:`_INLINE_LEVEL` (with its content size, as
-    ``pyarrow.Codec("zstd").compress`` writes it), by this thread's reused context."""
+    """``stream`` as one zstd frame at :data:`_INLINE_LEVEL`, with its content size (as
+    ``pyarrow.Codec("zstd").compress`` writes it) and zstd's content checksum (4 bytes,
+    checked by every decompression), by this thread's reused context.
+
+    The checksum is what catches damage to an inline part at rest: a state entry names
+    an inline part by its bytes alone, without their SHA-256
+    (:meth:`persist.types.PartRef.to_json`); parts written before it carry none and are
+    checked by the SHA-256 their entries hold."""
     c = getattr(_COMPRESSORS, "c", None)
     if c is None:
-        c = _COMPRESSORS.c = zstandard.ZstdCompressor(level=_INLINE_LEVEL)
+        c = _COMPRESSORS.c = zstandard.ZstdCompressor(level=_INLINE_LEVEL, write_checksum=True)
     frame: bytes = c.compress(stream)
     return frame
 

@@ -3,8 +3,9 @@
 :func:`persist.encoding.encode_inline_part` builds the Arrow IPC stream from a cached
 schema message and each chunk's record batch message, and compresses it with a zstd
 context reused per thread.  The bytes must be exactly those of pyarrow's
-``RecordBatchStreamWriter`` compressed by ``pyarrow.Codec("zstd", 1)`` (the encoding
-before): every type a shard accepts, nulls, zero rows, several chunks, sliced tables,
+``RecordBatchStreamWriter`` compressed as one zstd frame at level 1 with its content size
+(as ``pyarrow.Codec("zstd", 1)`` writes it, the encoding before) and zstd's content
+checksum (``zstandard.ZstdCompressor(level=1, write_checksum=True)``): every type a shard accepts, nulls, zero rows, several chunks, sliced tables,
 dictionary columns (written by the writer), schema metadata; and threads encoding at
 once get their own contexts.
 """
@@ -15,6 +16,7 @@ import re
 import threading
 
 import pyarrow as pa
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,13 +32,13 @@ from tests.persist.arrow_strategies import shard_schemas, update_tables
 
 
 def _reference(table: pa.Table) -> bytes:
-    """The encoding with pyarrow's stream writer and codec (what was written before)."""
+    """The encoding with pyarrow's stream writer and a fresh zstd context (level 1, the
+    content size, the content checksum)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.RecordBatchStreamWriter(sink, table.schema) as writer:
         writer.write_table(table)
     stream = sink.getvalue()
-    codec = pa.Codec("zstd", compression_level=1)
-    frame: bytes = codec.compress(stream, asbytes=True)
+    frame: bytes = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(stream)
     return INLINE_ZSTD_MAGIC + int(stream.size).to_bytes(4, "little") + frame
 
 

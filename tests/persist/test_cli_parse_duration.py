@@ -23,7 +23,8 @@ from persist.cli import parse_duration
     ],
 )
 def test_units(text: str, want: dt.timedelta) -> None:
-    assert parse_duration(text) == want
+    parsed = parse_duration(text)  # a parsed setting, not a measured time
+    assert parsed == want
 
 
 @pytest.mark.parametrize("text", ["10000000000d", "99999999999999999999w", "5x", "-1d", ""])

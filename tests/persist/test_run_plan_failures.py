@@ -134,7 +134,6 @@ def test_many_threads_writing_large_runs_at_once(
         assert not _parts_left(c, blob, f"t{i}")
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_writes_a_large_run(
     client: tuple[PersistClient, MemoryBlob], tmp_path: Path
 ) -> None:

@@ -155,7 +155,8 @@ def test_a_one_row_diff_holds_the_lean_entries(tmp_path: Path) -> None:
             assert set(part) == {"inline", "nonce", "rows"}
             assert "runs" not in sets["trace/hollow_batches/1-2"]
             (writer,) = (v for k, v in sets.items() if k.startswith("writer/"))
-            assert set(writer) == {"last_heartbeat_ms", "lease_duration_ms"}
+            lease_fields = {"last_heartbeat_ms", "lease_duration_ms"}  # a lease, as stored
+            assert set(writer) == lease_fields
             token, fp, at, ms = sets[f"landed/{seqno}"]
             assert at == seqno and fp.startswith(UPDATES) and isinstance(ms, int)
             assert token_verdict(client.inspect("t"), token, None)[0] == TOKEN_LANDED

@@ -217,8 +217,7 @@ class Shards:
         with self._txn_lock:
             w = self._txn_writers.get(m.shard_id)
         if w is not None and not (
-            w._expired
-            or (w._registered and m.now_ms() - w._last_heartbeat_ms > w._lease_ms)
+            w.lapsed(m.now_ms())
             or w.schema_id != schema_id
             or not (w.key_schema.equals(key_schema) and w.value_schema.equals(value_schema))
         ):

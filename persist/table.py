@@ -190,13 +190,7 @@ class Table:
         newest = st.schemas().newest
 
         def usable(w: WriteHandle | None) -> bool:
-            now = self._machine.now_ms()
-            return (
-                w is not None
-                and not w._expired
-                and not (w._registered and now - w._last_heartbeat_ms > w._lease_ms)
-                and w.schema_id == newest
-            )
+            return w is not None and not w.lapsed(self._machine.now_ms()) and w.schema_id == newest
 
         with self._lock:
             stale = self._writer

@@ -737,6 +737,15 @@ class WriteHandle(RowChangeMethods):
         """A batch of this handle's builders, with blob parts, was transmitted."""
         self._transmitted += 1
 
+    def lapsed(self, now_ms: int) -> bool:
+        """Whether this writer can no longer write: it was expired, or it registered
+        and its lease ran out (no heartbeat within ``lease_seconds`` of ``now_ms``, ms
+        on the machine's clock).  Its owner then opens a new writer: the one test that
+        :meth:`persist.shards.Shards.txn_writer` and :class:`persist.table.Table` use."""
+        return self._expired or (
+            self._registered and now_ms - self._last_heartbeat_ms > self._lease_ms
+        )
+
     def expire(self) -> None:
         """Unregister this writer from the shard state (GC may then delete the parts it
         left behind, once older than the grace period).  Idempotent.

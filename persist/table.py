@@ -55,6 +55,7 @@ import pyarrow.compute as pc
 
 from persist import retention
 from persist import rows as rows_mod
+from persist.app_txn import AppTransaction, AppTxnLog, Seen, rows_fingerprint
 from persist.arrow_input import as_arrow_table
 from persist.commit_note import noting
 from persist.compactor import Compactor
@@ -78,10 +79,11 @@ from persist.progress import Progress
 from persist.relation import expand_rows
 from persist.rows import RowChanges
 from persist.state import LeaseExpired, ShardState
-from persist.txn import Txn
+from persist.txn import Txn, TxnUpperMismatch
 from persist.version_read import read_version
 from persist.write import WriteHandle
 from stash import redact
+from stash.antichain import I64_MAX
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -226,7 +228,7 @@ class Table:
         what = f"{what} table {self.name!r}"
         return rows_mod.conform_rows(as_arrow_table(data, what), w.schema, what)
 
-    def append(self, data: Any) -> int:
+    def append(self, data: Any, *, app_transaction: AppTransaction | None = None) -> int:
         """Insert the rows of ``data`` at the next time (the shard's upper when the
         commit lands; a race moves it later, without uploading again).
 
@@ -234,35 +236,122 @@ class Table:
             data: the table's columns (no ``_time``/``_diff``): a pyarrow ``Table``,
                 ``RecordBatch`` or ``RecordBatchReader``, a pandas or polars
                 ``DataFrame``, or any object with ``__arrow_c_stream__``.
+            app_transaction: names this write ``(app_id, version)`` to make it
+                exactly-once (:mod:`persist.app_txn`; delta-rs's
+                ``CommitProperties(app_transactions=[Transaction(app_id, version)])``,
+                delta-spark's ``txnAppId``/``txnVersion``): the record of the app id's
+                newest version commits with the rows.  Called again with the version
+                committed (a retry: after an indeterminate error, from another
+                process, after the writer's lease ran out), it writes nothing and
+                returns the time recorded; with a lower version it raises
+                :class:`~persist.app_txn.StaleAppVersion`.
 
         Returns: the time the rows were committed at (int).
 
         Raises:
             InvalidUsage: unknown input kind, missing or unknown columns, a value that
-                does not fit its column; nothing is committed.
+                does not fit its column; an ``app_transaction`` whose version was
+                committed with other rows, or on a readonly stash; nothing is
+                committed.
+            StaleAppVersion: ``app_transaction``'s version is below the app id's
+                committed one (an InvalidUsage; nothing is committed).
             BlobError, ConsensusError: storage failed; nothing is committed, unless
                 the error ``is_indeterminate()``: a lost acknowledgement the commit
                 could not settle (it looks for its token first, see
-                :class:`persist.txn.Txn`), so the rows may have landed. Calling
-                ``append`` again is a new append, not a retry: read the table (or
-                :meth:`history`) before appending the rows again.
+                :class:`persist.txn.Txn`), so the rows may have landed.  With an
+                ``app_transaction``, call ``append`` again with it: it appends the rows
+                only if they did not land.  Without one, calling ``append`` again is a
+                new append, not a retry: read the table (or :meth:`history`) before
+                appending the rows again.
         """
+        if app_transaction is not None and not isinstance(app_transaction, AppTransaction):
+            raise InvalidUsage(
+                f"table {self.name!r}: app_transaction must be a persist.AppTransaction, "
+                f"not {type(app_transaction).__name__}"
+            )
+        app = app_transaction
         with Progress(f"table {self.name!r}: append") as progress:
             w = self._write_handle()
             progress.set_phase("converting")
             rows = self._rows(data, "append to", w)
             progress.rows, progress.nbytes = rows.num_rows, rows.nbytes
+            log = fp = seen = None
+            if app is not None:
+                log, fp = AppTxnLog(self._ctx, self.shard_id, self.name), rows_fingerprint(rows)
+                seen = log.read(app.app_id)
+                if seen.record is not None and seen.record.version >= app.version:
+                    return log.settle(app, seen.record, fp)
+            if rows.num_rows == 0:
+                # A change that changes nothing writes nothing (an app transaction's
+                # version alone is recorded, apart from the shard).
+                t = self._definite_time()
+                if app is None:
+                    return t
+                assert log is not None and seen is not None and fp is not None
+                return log.record_alone(seen, app, t, fp, self._machine.now_ms)
+            params = {} if app is None else {"app_id": app.app_id, "version": app.version}
             txn = Txn(self._shards)
             try:
-                with self._writing(w), noting("append") as note:
+                with self._writing(w), noting("append", params) as note:
                     note.metrics.update(rows_inserted=rows.num_rows, rows_retracted=0)
                     progress.set_phase("writing parts")
                     txn.write(w, rows)
                     progress.set_phase("committing", rows.num_rows)
-                    return txn.commit()
+                    if app is None:
+                        return txn.commit()
+                    assert log is not None and seen is not None and fp is not None
+                    return self._commit_app(txn, log, seen, app, rows.num_rows, fp)
             except BaseException:
                 txn.abort()
                 raise
+
+    def _commit_app(
+        self, txn: Txn, log: AppTxnLog, seen: Seen, app: AppTransaction, n: int, fp: str
+    ) -> int:
+        """Commit ``txn`` (the rows of an append) with the record of ``app``, read in
+        ``seen``, at the next time; a race on the shard moves the time later, a race on
+        the app transaction records decides again on them (another writer may have
+        committed ``app``: then ``txn`` is aborted and the recorded time returned)."""
+        while True:
+            up = self._machine.recent().upper.as_option()
+            if up is None or up >= I64_MAX:
+                txn.commit()  # raises the sealed or finalized shard's error
+                raise AssertionError("unreachable")  # pragma: no cover
+            ts = up
+            while True:
+                txn.stash_replace([seen.batch(app, ts, n, fp, self._machine.now_ms())])
+                try:
+                    return txn.commit_at(ts)
+                except TxnUpperMismatch as e:
+                    if e.collections:
+                        break  # another app transaction committed: decide again
+                    nxt = e.retry_ts()
+                    if nxt is None:
+                        raise
+                    ts = max(nxt, ts + 1)
+            seen = log.read(app.app_id)
+            if seen.record is not None and seen.record.version >= app.version:
+                txn.abort()
+                return log.settle(app, seen.record, fp)
+
+    def _definite_time(self) -> int:
+        """The time a write that writes nothing reports: ``upper - 1`` of the latest
+        state (a read as of it shows the table as the write left it), as
+        :class:`~persist.rows.RowChanges` does."""
+        up = self._state().upper.as_option()
+        return (I64_MAX if up is None else up) - 1
+
+    def transaction_version(self, app_id: str) -> int | None:
+        """The newest version committed for ``app_id`` by an append with an
+        :class:`~persist.app_txn.AppTransaction` (``None``: none), read now; writes
+        nothing (works on a readonly stash).  delta-rs's
+        ``DeltaTable.transaction_version``.
+
+        Raises:
+            ConsensusError: the stash failed, or the record is malformed.
+        """
+        rec = AppTxnLog(self._ctx, self.shard_id, self.name).committed(app_id)
+        return None if rec is None else rec.version
 
     def upsert(self, data: Any) -> RowChanges:
         """Replace every live row whose key is in ``data`` by ``data``'s row, at one

@@ -158,9 +158,18 @@ class Table:
         self._machine: ShardMachine = self._ctx.machine(shard_id)
         self._lock = threading.Lock()
         self._writer: WriteHandle | None = None
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"Table({self.name!r}, key={self.key}, schema={self.schema.names})"
+
+    def _check_open(self, verb: str) -> None:
+        """Raises: InvalidUsage: the table was closed (naming it and ``verb``)."""
+        if self._closed:
+            raise InvalidUsage(
+                f"table {self.name!r} is closed: {verb} refused (nothing was committed); "
+                "open it again with client.table(name)"
+            )
 
     # ------------------------------------------------------------------ shape
     def _state(self) -> ShardState:
@@ -195,6 +204,7 @@ class Table:
             return w is not None and not w.lapsed(self._machine.now_ms()) and w.schema_id == newest
 
         with self._lock:
+            self._check_open("a write")
             stale = self._writer
             if stale is not None and usable(stale):
                 return stale
@@ -202,12 +212,17 @@ class Table:
         unused: WriteHandle | None
         with self._lock:
             current = self._writer
-            if current is not None and current is not stale and usable(current):
+            if self._closed:  # closed meanwhile: the new writer is not kept
+                w, unused = None, new
+            elif current is not None and current is not stale and usable(current):
                 w, unused = current, new  # another thread replaced it meanwhile
             else:
                 w, unused, self._writer = new, current, new
         if unused is not None and unused is not w:
             unused.expire()
+        if w is None:
+            self._check_open("a write")
+        assert w is not None
         return w
 
     @contextlib.contextmanager
@@ -270,6 +285,7 @@ class Table:
                 f"not {type(app_transaction).__name__}"
             )
         app = app_transaction
+        self._check_open("append")
         with Progress(f"table {self.name!r}: append") as progress:
             w = self._write_handle()
             progress.set_phase("converting")
@@ -350,6 +366,7 @@ class Table:
         Raises:
             ConsensusError: the stash failed, or the record is malformed.
         """
+        self._check_open("transaction_version")
         rec = AppTxnLog(self._ctx, self.shard_id, self.name).committed(app_id)
         return None if rec is None else rec.version
 
@@ -359,6 +376,7 @@ class Table:
 
         Raises: as :meth:`append`; also InvalidUsage when ``data`` has a key twice.
         """
+        self._check_open("upsert")
         with Progress(f"table {self.name!r}: upsert") as progress:
             w = self._write_handle()
             progress.set_phase("converting")
@@ -386,6 +404,7 @@ class Table:
             on: the key columns to match on (default: the table's key).
             source_alias, target_alias: the names conditions and values use.
         """
+        self._check_open("merge")
         w = self._write_handle()
         # Read once (a reader is one-shot): the source of every writer's run.
         rows = as_source(source)
@@ -395,6 +414,7 @@ class Table:
         def execute(spec: Any) -> MergeResult:
             # The table's writer at execute(): the builder may outlive the lease of
             # the one it was made with.
+            self._check_open("merge")
             now = self._write_handle()
             run_now = run if now is w else now.merge(rows, on, source_alias, target_alias)._run
             with self._writing(now):
@@ -407,6 +427,7 @@ class Table:
         """Delete every live row ``filter`` (a boolean ``pyarrow.compute`` expression
         over the columns) keeps, at one new time (:meth:`WriteHandle.delete
         <persist.write.WriteHandle.delete>`)."""
+        self._check_open("delete")
         with Progress(f"table {self.name!r}: delete") as progress:
             progress.set_phase("reading live rows, writing retractions, committing")
             w = self._write_handle()
@@ -417,6 +438,7 @@ class Table:
         """Set columns of every live row ``filter`` keeps (``set``: column -> scalar or
         ``pyarrow.compute`` expression over the old row), at one new time
         (:meth:`WriteHandle.update <persist.write.WriteHandle.update>`)."""
+        self._check_open("update")
         with Progress(f"table {self.name!r}: update") as progress:
             progress.set_phase("reading live rows, writing changes, committing")
             w = self._write_handle()
@@ -504,6 +526,7 @@ class Table:
                 with a negative multiplicity (more retractions than insertions).
             CorruptPart, BlobError, ConsensusError: storage failed.
         """
+        self._check_open("read")
         with Progress(f"table {self.name!r}: read") as progress:
             progress.set_phase("reading and consolidating parts")
             out = expand_rows(self._snapshot(as_of, columns, filter), self.name)
@@ -523,6 +546,7 @@ class Table:
         or ``Float32`` column (pandas reads NaN back as a null) and a ``time64[ns]``
         column is ``time64[ns][pyarrow]`` (Python's ``time`` holds microseconds), so
         ``upsert(to_pandas())`` writes nothing."""
+        self._check_open("read")
         return exact_pandas(self.to_arrow(as_of, columns, filter))
 
     def to_reader(
@@ -532,6 +556,7 @@ class Table:
         filter: pc.Expression | None = None,
     ) -> pa.RecordBatchReader:
         """:meth:`to_arrow`'s rows as a ``pyarrow.RecordBatchReader``."""
+        self._check_open("read")
         t = self.to_arrow(as_of, columns, filter)
         return pa.RecordBatchReader.from_batches(t.schema, t.to_batches())
 
@@ -546,6 +571,7 @@ class Table:
             SinceViolation, InvalidUsage: as :meth:`to_arrow`'s ``as_of``.
             ChangeContended, BlobError, ConsensusError: as :meth:`upsert`.
         """
+        self._check_open("restore")
         t = self.resolve_as_of(self._state(), as_of)
         w = self._write_handle()
         names = [*w.key_schema.names, *w.value_schema.names]
@@ -567,6 +593,7 @@ class Table:
 
         Returns: an :class:`~persist.optimize.OptimizeReport`.
         """
+        self._check_open("optimize")
         with Progress(f"table {self.name!r}: optimize") as progress:
             st = self._machine.state()
             progress.rows, progress.nbytes = sum(b.len for b in st.batches()), st.blob_bytes()
@@ -581,6 +608,7 @@ class Table:
         ``bytes`` (blob parts), ``inline_bytes``, ``schema_versions``,
         ``retention_seconds`` (``None``: none), ``blob_store`` (credentials
         redacted)."""
+        self._check_open("details")
         st = self._machine.refresh()
         batches = st.batches()
         return {
@@ -621,6 +649,7 @@ class Table:
         Raises:
             InvalidUsage: ``duration`` is not a ``timedelta`` >= 0 or ``None``.
         """
+        self._check_open("set_retention")
         if duration is not None and (
             not isinstance(duration, dt.timedelta) or duration < dt.timedelta(0)
         ):
@@ -653,6 +682,7 @@ class Table:
             InvalidUsage: a stash that is not writable.  BlobError, ConsensusError:
                 storage failed.
         """
+        self._check_open("vacuum")
         self._ctx.check_may_delete("vacuum")
         st = self._machine.refresh()
         st.check_not_finalized()
@@ -675,6 +705,7 @@ class Table:
         Raises:
             InvalidUsage: a bad ``limit``.  ConsensusError: the stash failed.
         """
+        self._check_open("history")
         return history_table(self._ctx.consensus.history(self.shard_id), limit)
 
     # ----------------------------------------------------------------- duckdb
@@ -701,6 +732,7 @@ class Table:
         """
         import duckdb
 
+        self._check_open("to_duckdb")
         if con is None:
             con = duckdb.connect()
         st = self._state()
@@ -714,8 +746,13 @@ class Table:
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
-        """Expire this table's writer (its lease; the client's close does it too)."""
+        """Close the table: expire its writer (its lease; the client's close does it
+        too).  Afterwards every call of it (a write, a read, history, maintenance)
+        raises :class:`~persist.errors.InvalidUsage` naming the table and that it is
+        closed, committing nothing; ``name``, ``shard_id``, ``schema`` and ``key`` stay.
+        Idempotent."""
         with self._lock:
+            self._closed = True
             w, self._writer = self._writer, None
         if w is not None:
             w.expire()

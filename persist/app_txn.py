@@ -19,6 +19,13 @@ step.  A write whose version is not above the app id's committed one writes noth
   is no longer kept: only the newest version per app id is, as Delta keeps only the
   newest ``SetTransaction`` per ``appId``.  Catch it to skip.
 
+Only ``append`` takes an app transaction.  The row changes (``upsert``, ``delete``,
+``update``, ``merge``) plan on the version they commit on: an upsert of the same rows
+or a delete of the same filter, run again after it landed, changes nothing more (unless
+another writer changed those rows meanwhile) and so writes nothing; an ``update`` or
+``merge`` whose values are expressions of the old row is not idempotent (read
+:meth:`persist.table.Table.history` before running it again).
+
 Where the records live: a stash collection of the shard's own,
 ``persist.app_txns.<shard id>`` (key: the app id; value: the record's JSON), written in
 the same stash append as the shard's version (:meth:`persist.txn.Txn.stash_append`).

@@ -21,7 +21,13 @@ Invariants kept here:
   then the shard's column check and casts (:func:`persist.rows.conform_rows`): a value
   that does not fit is refused and nothing is committed;
 * ``append`` commits its rows at one time, the shard's upper when it commits (the
-  smallest time that can commit), and returns it;
+  smallest time that can commit), and returns it; with an app transaction
+  (:mod:`persist.app_txn`) it commits them at most once per ``(app_id, version)``,
+  decided on the app's record as committed, and a retry returns the time recorded;
+* a change that changes nothing writes nothing (an append of no rows, an upsert,
+  delete, update, merge or restore that changes no row): no version, no history
+  entry; it returns ``upper - 1``;
+* a closed table refuses every call (naming the table), committing nothing;
 * a read is the consolidated snapshot of ONE state version at one ``as_of``, each row
   repeated by its multiplicity, without ``_time``/``_diff``; it registers no reader and
   writes nothing (so it works on a readonly stash): if GC deleted a part of that

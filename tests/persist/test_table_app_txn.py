@@ -31,6 +31,7 @@ from persist import (
 from persist.app_txn import APP_TXN_COLLECTION_PREFIX, AppTxnLog
 from stash import Stash
 from tests.support.clock import Clock
+from tests.support.procs import process_context
 from tests.support.stash_faults import AckLostStash
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.string())])
@@ -232,3 +233,35 @@ def test_transaction_version_on_a_readonly_stash(tmp_path: Path) -> None:
         with pytest.raises(InvalidUsage):
             c.table("u").append(batch(1), app_transaction=AppTransaction("job", 1))
         c.close()
+
+
+def _retry_in_a_process(url: str, blob: str, out: Any) -> None:
+    """A fresh process's retry of ``("job", 3)``: its own stash handle, blob store,
+    client and writer; it knows only the table's name and the app transaction."""
+    with Stash.open(url, fenced=False) as s:
+        c = PersistClient(s, blob, compaction="off")
+        t = c.table("t")
+        out.put(t.append(batch(1, 2), app_transaction=AppTransaction("job", 3)))
+        c.close()
+
+
+@pytest.mark.usefixtures("quick_resolve")
+def test_retry_from_another_process_appends_once(tmp_path: Path) -> None:
+    url, blob = f"sqlite:///{tmp_path / 'stash.db'}", f"file://{tmp_path / 'blob'}"
+    flaky = AckLostStash(Stash.open(url, fenced=False))
+    c = PersistClient(flaky, blob, compaction="off", consensus_retries=1)  # type: ignore[arg-type]
+    try:
+        t = c.create_table("t", SCHEMA, key=["k"])
+        t.append(batch(0))
+        _lost(flaky, t, batch(1, 2), AppTransaction("job", 3))
+        ctx = process_context()
+        out = ctx.Queue()
+        p = ctx.Process(target=_retry_in_a_process, args=(url, blob, out))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0
+        assert out.get(timeout=5) == 1  # the time the first attempt landed at
+        assert live(t) == Counter({(0, "x"): 1, (1, "x"): 1, (2, "x"): 1})
+    finally:
+        c.close()
+        flaky.inner.close()

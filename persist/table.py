@@ -333,7 +333,11 @@ class Table:
         """Commit ``txn`` (the rows of an append) with the record of ``app``, read in
         ``seen``, at the next time; a race on the shard moves the time later, a race on
         the app transaction records decides again on them (another writer may have
-        committed ``app``: then ``txn`` is aborted and the recorded time returned)."""
+        committed ``app``: then ``txn`` is aborted and the recorded time returned).
+
+        Raises: as :meth:`persist.txn.Txn.commit`; the last race after
+            ``txn.max_commit_attempts`` of them."""
+        races = 0
         while True:
             up = self._machine.recent().upper.as_option()
             if up is None or up >= I64_MAX:
@@ -345,11 +349,13 @@ class Table:
                 try:
                     return txn.commit_at(ts)
                 except TxnUpperMismatch as e:
+                    races += 1
+                    nxt = e.retry_ts()
+                    if races >= txn.max_commit_attempts or (nxt is None and not e.collections):
+                        raise
                     if e.collections:
                         break  # another app transaction committed: decide again
-                    nxt = e.retry_ts()
-                    if nxt is None:
-                        raise
+                    assert nxt is not None
                     ts = max(nxt, ts + 1)
             seen = log.read(app.app_id)
             if seen.record is not None and seen.record.version >= app.version:

@@ -166,7 +166,8 @@ def test_two_writers_racing_with_one_version_append_once(
     """Writer B reads the records before writer A commits the same (app_id, version):
     B's commit fails its lower check on the records, decides again on them, and
     returns A's time without appending; a writer of another app id racing the same way
-    commits after deciding again."""
+    commits after deciding again, and one racing a plain append commits at a later
+    time."""
     _clock, _flaky, c, other = world
     t = c.create_table("t", SCHEMA, key=["k"])
     b = other().table("t")
@@ -188,6 +189,23 @@ def test_two_writers_racing_with_one_version_append_once(
     assert b.append(batch(3), app_transaction=AppTransaction("other", 1)) == 2
     assert t.transaction_version("other") == 1 and t.transaction_version("third") == 1
     assert live(t) == Counter({(1, "x"): 1, (2, "x"): 1, (3, "x"): 1, (4, "x"): 1})
+    # A race on the shard alone (a plain append just before the commit): the commit
+    # moves to a later time.
+    commit_at = Txn.commit_at
+    races: list[int] = []
+
+    def racing_commit(self: Txn, ts: int) -> int:
+        if not races:
+            races.append(ts)
+            t.append(batch(5))
+        return commit_at(self, ts)
+
+    monkeypatch.setattr(Txn, "commit_at", racing_commit)
+    assert b.append(batch(6), app_transaction=AppTransaction("other", 2)) == 4
+    assert races == [3]
+    assert t.append(batch(6), app_transaction=AppTransaction("other", 2)) == 4  # recorded
+    assert t.transaction_version("other") == 2
+    assert live(t)[(6, "x")] == 1 and live(t)[(5, "x")] == 1
 
 
 def test_an_empty_append_with_an_app_transaction_records_only_the_version(

@@ -10,9 +10,10 @@ step.  A write whose version is not above the app id's committed one writes noth
 
 * the same version is a retry of a write that landed (after an indeterminate error, from
   another process, after the writer's lease ran out): it returns the time recorded,
-  without writing again.  Its rows must be the ones recorded (their fingerprint,
-  :func:`persist.fingerprint.updates_fingerprint`, as conformed to the table's schema),
-  else :class:`~persist.errors.InvalidUsage`: an ``(app_id, version)`` names one write;
+  without writing again.  Its rows must be the ones recorded, in any order (their
+  fingerprint as a multiset, :func:`rows_fingerprint`, as conformed to the table's
+  schema), else :class:`~persist.errors.InvalidUsage`: an ``(app_id, version)`` names
+  one write;
 * a lower version is refused with :class:`StaleAppVersion` (naming the app id, the
   version and the committed one; nothing is written).  Delta's writers skip it
   silently; here it is refused, since its result (the time its rows were committed at)
@@ -56,6 +57,7 @@ above the committed one is skipped); delta-rs's ``CommitProperties(app_transacti
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -204,9 +206,16 @@ def _show(value: Any) -> str:
 
 
 def rows_fingerprint(rows: pa.Table) -> str:
-    """The fingerprint of a write's rows (the table's key and value columns, as
-    conformed to its schema): :func:`persist.fingerprint.updates_fingerprint` with no
-    bounds (32 hex digits after a version letter)."""
+    """The fingerprint of a write's rows as a multiset (the table's key and value
+    columns, as conformed to its schema): the rows sorted by every column, then
+    :func:`persist.fingerprint.updates_fingerprint` with no bounds (32 hex digits after
+    a version letter).  So a retry that makes the same rows in another order (a
+    source read again, a parallel job's output) names the same write.  Rows equal
+    but for the sign of a zero or a NaN's payload may sort either way: a retry of such
+    rows in another order is refused, never taken for other rows."""
+    if rows.num_rows > 1:
+        with contextlib.suppress(pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            rows = rows.sort_by([(n, "ascending") for n in rows.column_names])
     return updates_fingerprint(Antichain(), Antichain(), rows)
 
 

@@ -31,7 +31,11 @@ Where the records live: a stash collection of the shard's own,
 ``persist.app_txns.<shard id>`` (key: the app id; value: the record's JSON), written in
 the same stash append as the shard's version (:meth:`persist.txn.Txn.stash_append`).
 So the records are kept apart from every writer lease and from the shard's landed
-records (which are pruned): a writer's expiry, a hand-off or GC never drop them.
+records (which are pruned): a writer's expiry, a hand-off or GC never drop them.  An
+append of no rows records its version alone (a stash append of the record; no shard
+version, as a change that changes nothing writes none).  A dropped table's records
+stay behind in its collection (a table made again under the name has another shard id,
+so other records).
 
 Invariants kept here:
 

@@ -31,6 +31,7 @@ from persist import (
 from persist.app_txn import APP_TXN_COLLECTION_PREFIX, AppTxnLog
 from stash import Stash
 from tests.support.clock import Clock
+from tests.support.dbutil import backend_url
 from tests.support.procs import process_context
 from tests.support.stash_faults import AckLostStash
 
@@ -52,11 +53,13 @@ def quick_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Txn, "resolve_max_wait", 0.001)
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[tuple[Clock, AckLostStash, PersistClient, Any]]:
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
+def world(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[Clock, AckLostStash, PersistClient, Any]]:
     """A client over a stash that loses acknowledgements, and a way to open another
-    client (its own stash handle, writer and caches) over the same SQLite file."""
-    url = f"sqlite:///{tmp_path / 'stash.db'}"
+    client (its own stash handle, writer and caches) over the same database."""
+    url = backend_url(request, str(request.param), tmp_path)
     clock, blob = Clock(), MemoryBlob()
     kw: dict[str, Any] = {
         "clock": clock,

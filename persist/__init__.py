@@ -14,6 +14,7 @@ Invariants are stated by each module: :mod:`persist.state` (shard state and leas
 :mod:`persist.txn` (transactions across shards and stash collections).
 """
 
+from persist.app_txn import AppTransaction, StaleAppVersion
 from persist.batch import Batch
 from persist.blob import Blob, FileBlob, MemoryBlob, UnreliableBlob, open_blob
 from persist.client import CompactionMode, PersistClient, RetryingBlob
@@ -60,6 +61,7 @@ __all__ = [
     "MergeBuilder",
     "MergeResult",
     "ApplyMergeResult",
+    "AppTransaction",
     "Batch",
     "ChangeContended",
     "BatchBuilder",
@@ -100,6 +102,7 @@ __all__ = [
     "ShardMachine",
     "ShardState",
     "SinceViolation",
+    "StaleAppVersion",
     "StoreMismatch",
     "Table",
     "Trace",

@@ -2,9 +2,14 @@
 ``{"shard_id": ..., "created_ms": ...}``) mapping names to shard ids, as a base of
 :class:`persist.consensus.Consensus` (which supplies the stash and its retrying calls).
 
-Invariant kept here: a name is registered once; of two processes registering one name
+Invariants kept here: a name is registered once; of two processes registering one name
 at once, both get the winner's id (the registering append commits only on top of the
-registry upper read before the lookup).
+registry upper read before the lookup).  An entry that is not persist's (a name that is
+not a shard name, a value that is not ``{"shard_id": <shard id>, ...}``, a
+multiplicity other than 1, two live entries for one name) raises
+:class:`~persist.errors.ConsensusError` naming the entry and the rule it breaks, where
+it is read (never a bare ``KeyError``, never a silent skip that would register the
+name again).
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
-from persist.errors import ConsensusError
-from persist.ids import new_shard_id, validate_shard_name
+from persist.errors import ConsensusError, InvalidUsage
+from persist.ids import new_shard_id, validate_shard_id, validate_shard_name
 from stash import AppendBatch, AppendLowerMismatch, Stash, StashCollection
 from stash.antichain import Antichain
 
@@ -25,6 +30,39 @@ __all__ = ["REGISTRY_COLLECTION", "ShardRegistry"]
 REGISTRY_COLLECTION = "persist.shards"
 
 T = TypeVar("T")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def entry_shard_id(name: Any, value: Any, diff: int) -> str:
+    """The shard id of the registry entry ``(name, value)`` with multiplicity ``diff``
+    (> 0: a live entry).
+
+    Raises:
+        ConsensusError: the entry is not persist's, naming it and the rule broken (the
+            name a shard name, the value ``{"shard_id": <"s" and a UUID>, ...}``, the
+            multiplicity 1).
+    """
+    where = f"shard registry entry {_show(name)} (stash collection {REGISTRY_COLLECTION})"
+    try:
+        validate_shard_name(name)
+    except InvalidUsage as e:
+        raise ConsensusError(f"{where}: its name is not a shard name: {e}") from None
+    if diff != 1:
+        raise ConsensusError(
+            f"{where} has multiplicity {diff}: a name is registered once (multiplicity 1)"
+        )
+    sid = value.get("shard_id") if isinstance(value, dict) else None
+    try:
+        return validate_shard_id(sid)
+    except InvalidUsage:
+        raise ConsensusError(
+            f"{where} has value {_show(value)}: it must be an object whose 'shard_id' is "
+            "'s' followed by a lower-case UUID (it was not written by persist)"
+        ) from None
 
 
 class ShardRegistry:
@@ -58,8 +96,12 @@ class ShardRegistry:
         rows = self._call("listing shards", lambda: self.stash.iter(reg))
         out: dict[str, str] = {}
         for (name, v), _t, d in rows:
-            if d > 0 and isinstance(v, dict):
-                out[str(name)] = str(v.get("shard_id"))
+            if d == 0:
+                continue
+            sid = entry_shard_id(name, v, d)
+            if name in out:
+                raise _twice(name, [out[name], sid])
+            out[name] = sid
         return dict(sorted(out.items()))
 
     def lookup(self, name: str) -> str | None:
@@ -68,10 +110,10 @@ class ShardRegistry:
         if reg is None:
             return None
         rows = self._call(f"looking up shard {name!r}", lambda: self.stash.iter_key(reg, name))
-        for v, _t, d in rows:
-            if d > 0 and isinstance(v, dict):
-                return str(v["shard_id"])
-        return None
+        ids = [entry_shard_id(name, v, d) for v, _t, d in rows if d != 0]
+        if len(ids) > 1:
+            raise _twice(name, ids)
+        return ids[0] if ids else None
 
     def register(self, name: str, now_ms: int) -> str:
         """The id of shard ``name``, registering a new id if there is none (race-safe:
@@ -109,3 +151,10 @@ class ShardRegistry:
                 continue
             return shard_id
         raise ConsensusError(f"could not register shard {name!r}: too much contention")
+
+
+def _twice(name: str, ids: list[str]) -> ConsensusError:
+    return ConsensusError(
+        f"shard registry (stash collection {REGISTRY_COLLECTION}) holds {len(ids)} live "
+        f"entries for the name {name!r} (shard ids {ids}): a name is registered once"
+    )

@@ -21,7 +21,13 @@ Invariants kept here:
   then the shard's column check and casts (:func:`persist.rows.conform_rows`): a value
   that does not fit is refused and nothing is committed;
 * ``append`` commits its rows at one time, the shard's upper when it commits (the
-  smallest time that can commit), and returns it;
+  smallest time that can commit), and returns it; with an app transaction
+  (:mod:`persist.app_txn`) it commits them at most once per ``(app_id, version)``,
+  decided on the app's record as committed, and a retry returns the time recorded;
+* a change that changes nothing writes nothing (an append of no rows, an upsert,
+  delete, update, merge or restore that changes no row): no version, no history
+  entry; it returns ``upper - 1``;
+* a closed table refuses every call (naming the table), committing nothing;
 * a read is the consolidated snapshot of ONE state version at one ``as_of``, each row
   repeated by its multiplicity, without ``_time``/``_diff``; it registers no reader and
   writes nothing (so it works on a readonly stash): if GC deleted a part of that
@@ -55,6 +61,7 @@ import pyarrow.compute as pc
 
 from persist import retention
 from persist import rows as rows_mod
+from persist.app_txn import AppTransaction, AppTxnLog, Seen, rows_fingerprint
 from persist.arrow_input import as_arrow_table
 from persist.commit_note import noting
 from persist.compactor import Compactor
@@ -78,10 +85,11 @@ from persist.progress import Progress
 from persist.relation import expand_rows
 from persist.rows import RowChanges
 from persist.state import LeaseExpired, ShardState
-from persist.txn import Txn
+from persist.txn import Txn, TxnUpperMismatch
 from persist.version_read import read_version
 from persist.write import WriteHandle
 from stash import redact
+from stash.antichain import I64_MAX
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -156,9 +164,18 @@ class Table:
         self._machine: ShardMachine = self._ctx.machine(shard_id)
         self._lock = threading.Lock()
         self._writer: WriteHandle | None = None
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"Table({self.name!r}, key={self.key}, schema={self.schema.names})"
+
+    def _check_open(self, verb: str) -> None:
+        """Raises: InvalidUsage: the table was closed (naming it and ``verb``)."""
+        if self._closed:
+            raise InvalidUsage(
+                f"table {self.name!r} is closed: {verb} refused (nothing was committed); "
+                "open it again with client.table(name)"
+            )
 
     # ------------------------------------------------------------------ shape
     def _state(self) -> ShardState:
@@ -193,6 +210,7 @@ class Table:
             return w is not None and not w.lapsed(self._machine.now_ms()) and w.schema_id == newest
 
         with self._lock:
+            self._check_open("a write")
             stale = self._writer
             if stale is not None and usable(stale):
                 return stale
@@ -200,12 +218,17 @@ class Table:
         unused: WriteHandle | None
         with self._lock:
             current = self._writer
-            if current is not None and current is not stale and usable(current):
+            if self._closed:  # closed meanwhile: the new writer is not kept
+                w, unused = None, new
+            elif current is not None and current is not stale and usable(current):
                 w, unused = current, new  # another thread replaced it meanwhile
             else:
                 w, unused, self._writer = new, current, new
         if unused is not None and unused is not w:
             unused.expire()
+        if w is None:
+            self._check_open("a write")
+        assert w is not None
         return w
 
     @contextlib.contextmanager
@@ -226,7 +249,7 @@ class Table:
         what = f"{what} table {self.name!r}"
         return rows_mod.conform_rows(as_arrow_table(data, what), w.schema, what)
 
-    def append(self, data: Any) -> int:
+    def append(self, data: Any, *, app_transaction: AppTransaction | None = None) -> int:
         """Insert the rows of ``data`` at the next time (the shard's upper when the
         commit lands; a race moves it later, without uploading again).
 
@@ -234,35 +257,130 @@ class Table:
             data: the table's columns (no ``_time``/``_diff``): a pyarrow ``Table``,
                 ``RecordBatch`` or ``RecordBatchReader``, a pandas or polars
                 ``DataFrame``, or any object with ``__arrow_c_stream__``.
+            app_transaction: names this write ``(app_id, version)`` to make it
+                exactly-once (:mod:`persist.app_txn`; delta-rs's
+                ``CommitProperties(app_transactions=[Transaction(app_id, version)])``,
+                delta-spark's ``txnAppId``/``txnVersion``): the record of the app id's
+                newest version commits with the rows.  Called again with the version
+                committed (a retry: after an indeterminate error, from another
+                process, after the writer's lease ran out), it writes nothing and
+                returns the time recorded; with a lower version it raises
+                :class:`~persist.app_txn.StaleAppVersion`.
 
         Returns: the time the rows were committed at (int).
 
         Raises:
             InvalidUsage: unknown input kind, missing or unknown columns, a value that
-                does not fit its column; nothing is committed.
+                does not fit its column; an ``app_transaction`` whose version was
+                committed with other rows, or on a readonly stash; nothing is
+                committed.
+            StaleAppVersion: ``app_transaction``'s version is below the app id's
+                committed one (an InvalidUsage; nothing is committed).
             BlobError, ConsensusError: storage failed; nothing is committed, unless
                 the error ``is_indeterminate()``: a lost acknowledgement the commit
                 could not settle (it looks for its token first, see
-                :class:`persist.txn.Txn`), so the rows may have landed. Calling
-                ``append`` again is a new append, not a retry: read the table (or
-                :meth:`history`) before appending the rows again.
+                :class:`persist.txn.Txn`), so the rows may have landed.  With an
+                ``app_transaction``, call ``append`` again with it: it appends the rows
+                only if they did not land.  Without one, calling ``append`` again is a
+                new append, not a retry: read the table (or :meth:`history`) before
+                appending the rows again.
         """
+        if app_transaction is not None and not isinstance(app_transaction, AppTransaction):
+            raise InvalidUsage(
+                f"table {self.name!r}: app_transaction must be a persist.AppTransaction, "
+                f"not {type(app_transaction).__name__}"
+            )
+        app = app_transaction
+        self._check_open("append")
         with Progress(f"table {self.name!r}: append") as progress:
             w = self._write_handle()
             progress.set_phase("converting")
             rows = self._rows(data, "append to", w)
             progress.rows, progress.nbytes = rows.num_rows, rows.nbytes
+            log = fp = seen = None
+            if app is not None:
+                log, fp = AppTxnLog(self._ctx, self.shard_id, self.name), rows_fingerprint(rows)
+                seen = log.read(app.app_id)
+                if seen.record is not None and seen.record.version >= app.version:
+                    return log.settle(app, seen.record, fp)
+            if rows.num_rows == 0:
+                # A change that changes nothing writes nothing (an app transaction's
+                # version alone is recorded, apart from the shard).
+                t = self._definite_time()
+                if app is None:
+                    return t
+                assert log is not None and seen is not None and fp is not None
+                return log.record_alone(seen, app, t, fp, self._machine.now_ms)
+            params = {} if app is None else {"app_id": app.app_id, "version": app.version}
             txn = Txn(self._shards)
             try:
-                with self._writing(w), noting("append") as note:
+                with self._writing(w), noting("append", params) as note:
                     note.metrics.update(rows_inserted=rows.num_rows, rows_retracted=0)
                     progress.set_phase("writing parts")
                     txn.write(w, rows)
                     progress.set_phase("committing", rows.num_rows)
-                    return txn.commit()
+                    if app is None:
+                        return txn.commit()
+                    assert log is not None and seen is not None and fp is not None
+                    return self._commit_app(txn, log, seen, app, rows.num_rows, fp)
             except BaseException:
                 txn.abort()
                 raise
+
+    def _commit_app(
+        self, txn: Txn, log: AppTxnLog, seen: Seen, app: AppTransaction, n: int, fp: str
+    ) -> int:
+        """Commit ``txn`` (the rows of an append) with the record of ``app``, read in
+        ``seen``, at the next time; a race on the shard moves the time later, a race on
+        the app transaction records decides again on them (another writer may have
+        committed ``app``: then ``txn`` is aborted and the recorded time returned).
+
+        Raises: as :meth:`persist.txn.Txn.commit`; the last race after
+            ``txn.max_commit_attempts`` of them."""
+        races = 0
+        while True:
+            up = self._machine.recent().upper.as_option()
+            if up is None or up >= I64_MAX:
+                txn.commit()  # raises the sealed or finalized shard's error
+                raise AssertionError("unreachable")  # pragma: no cover
+            ts = up
+            while True:
+                txn.stash_replace([seen.batch(app, ts, n, fp, self._machine.now_ms())])
+                try:
+                    return txn.commit_at(ts)
+                except TxnUpperMismatch as e:
+                    races += 1
+                    nxt = e.retry_ts()
+                    if races >= txn.max_commit_attempts or (nxt is None and not e.collections):
+                        raise
+                    if e.collections:
+                        break  # another app transaction committed: decide again
+                    assert nxt is not None
+                    ts = max(nxt, ts + 1)
+            seen = log.read(app.app_id)
+            if seen.record is not None and seen.record.version >= app.version:
+                txn.abort()
+                return log.settle(app, seen.record, fp)
+
+    def _definite_time(self) -> int:
+        """The time a write that writes nothing reports: ``upper - 1`` of the latest
+        state (a read as of it shows the table as the write left it), as
+        :class:`~persist.rows.RowChanges` does."""
+        up = self._state().upper.as_option()
+        return (I64_MAX if up is None else up) - 1
+
+    def transaction_version(self, app_id: str) -> int | None:
+        """The newest version committed for ``app_id`` by an append with an
+        :class:`~persist.app_txn.AppTransaction` (``None``: none), read now; writes
+        nothing (works on a readonly stash).  delta-rs's
+        ``DeltaTable.transaction_version``.
+
+        Raises:
+            ConsensusError: the stash failed, or the record is malformed.
+        """
+        self._check_open("transaction_version")
+        rec = AppTxnLog(self._ctx, self.shard_id, self.name).committed(app_id)
+        return None if rec is None else rec.version
 
     def upsert(self, data: Any) -> RowChanges:
         """Replace every live row whose key is in ``data`` by ``data``'s row, at one
@@ -270,6 +388,7 @@ class Table:
 
         Raises: as :meth:`append`; also InvalidUsage when ``data`` has a key twice.
         """
+        self._check_open("upsert")
         with Progress(f"table {self.name!r}: upsert") as progress:
             w = self._write_handle()
             progress.set_phase("converting")
@@ -297,6 +416,7 @@ class Table:
             on: the key columns to match on (default: the table's key).
             source_alias, target_alias: the names conditions and values use.
         """
+        self._check_open("merge")
         w = self._write_handle()
         # Read once (a reader is one-shot): the source of every writer's run.
         rows = as_source(source)
@@ -306,6 +426,7 @@ class Table:
         def execute(spec: Any) -> MergeResult:
             # The table's writer at execute(): the builder may outlive the lease of
             # the one it was made with.
+            self._check_open("merge")
             now = self._write_handle()
             run_now = run if now is w else now.merge(rows, on, source_alias, target_alias)._run
             with self._writing(now):
@@ -318,6 +439,7 @@ class Table:
         """Delete every live row ``filter`` (a boolean ``pyarrow.compute`` expression
         over the columns) keeps, at one new time (:meth:`WriteHandle.delete
         <persist.write.WriteHandle.delete>`)."""
+        self._check_open("delete")
         with Progress(f"table {self.name!r}: delete") as progress:
             progress.set_phase("reading live rows, writing retractions, committing")
             w = self._write_handle()
@@ -328,6 +450,7 @@ class Table:
         """Set columns of every live row ``filter`` keeps (``set``: column -> scalar or
         ``pyarrow.compute`` expression over the old row), at one new time
         (:meth:`WriteHandle.update <persist.write.WriteHandle.update>`)."""
+        self._check_open("update")
         with Progress(f"table {self.name!r}: update") as progress:
             progress.set_phase("reading live rows, writing changes, committing")
             w = self._write_handle()
@@ -415,6 +538,7 @@ class Table:
                 with a negative multiplicity (more retractions than insertions).
             CorruptPart, BlobError, ConsensusError: storage failed.
         """
+        self._check_open("read")
         with Progress(f"table {self.name!r}: read") as progress:
             progress.set_phase("reading and consolidating parts")
             out = expand_rows(self._snapshot(as_of, columns, filter), self.name)
@@ -434,6 +558,7 @@ class Table:
         or ``Float32`` column (pandas reads NaN back as a null) and a ``time64[ns]``
         column is ``time64[ns][pyarrow]`` (Python's ``time`` holds microseconds), so
         ``upsert(to_pandas())`` writes nothing."""
+        self._check_open("read")
         return exact_pandas(self.to_arrow(as_of, columns, filter))
 
     def to_reader(
@@ -443,6 +568,7 @@ class Table:
         filter: pc.Expression | None = None,
     ) -> pa.RecordBatchReader:
         """:meth:`to_arrow`'s rows as a ``pyarrow.RecordBatchReader``."""
+        self._check_open("read")
         t = self.to_arrow(as_of, columns, filter)
         return pa.RecordBatchReader.from_batches(t.schema, t.to_batches())
 
@@ -457,6 +583,7 @@ class Table:
             SinceViolation, InvalidUsage: as :meth:`to_arrow`'s ``as_of``.
             ChangeContended, BlobError, ConsensusError: as :meth:`upsert`.
         """
+        self._check_open("restore")
         t = self.resolve_as_of(self._state(), as_of)
         w = self._write_handle()
         names = [*w.key_schema.names, *w.value_schema.names]
@@ -478,6 +605,7 @@ class Table:
 
         Returns: an :class:`~persist.optimize.OptimizeReport`.
         """
+        self._check_open("optimize")
         with Progress(f"table {self.name!r}: optimize") as progress:
             st = self._machine.state()
             progress.rows, progress.nbytes = sum(b.len for b in st.batches()), st.blob_bytes()
@@ -492,6 +620,7 @@ class Table:
         ``bytes`` (blob parts), ``inline_bytes``, ``schema_versions``,
         ``retention_seconds`` (``None``: none), ``blob_store`` (credentials
         redacted)."""
+        self._check_open("details")
         st = self._machine.refresh()
         batches = st.batches()
         return {
@@ -532,6 +661,7 @@ class Table:
         Raises:
             InvalidUsage: ``duration`` is not a ``timedelta`` >= 0 or ``None``.
         """
+        self._check_open("set_retention")
         if duration is not None and (
             not isinstance(duration, dt.timedelta) or duration < dt.timedelta(0)
         ):
@@ -564,6 +694,7 @@ class Table:
             InvalidUsage: a stash that is not writable.  BlobError, ConsensusError:
                 storage failed.
         """
+        self._check_open("vacuum")
         self._ctx.check_may_delete("vacuum")
         st = self._machine.refresh()
         st.check_not_finalized()
@@ -586,6 +717,7 @@ class Table:
         Raises:
             InvalidUsage: a bad ``limit``.  ConsensusError: the stash failed.
         """
+        self._check_open("history")
         return history_table(self._ctx.consensus.history(self.shard_id), limit)
 
     # ----------------------------------------------------------------- duckdb
@@ -612,6 +744,7 @@ class Table:
         """
         import duckdb
 
+        self._check_open("to_duckdb")
         if con is None:
             con = duckdb.connect()
         st = self._state()
@@ -625,8 +758,13 @@ class Table:
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
-        """Expire this table's writer (its lease; the client's close does it too)."""
+        """Close the table: expire its writer (its lease; the client's close does it
+        too).  Afterwards every call of it (a write, a read, history, maintenance)
+        raises :class:`~persist.errors.InvalidUsage` naming the table and that it is
+        closed, committing nothing; ``name``, ``shard_id``, ``schema`` and ``key`` stay.
+        Idempotent."""
         with self._lock:
+            self._closed = True
             w, self._writer = self._writer, None
         if w is not None:
             w.expire()

@@ -73,6 +73,8 @@ API: list[tuple[str, list[str]]] = [
             "persist.PersistClient.create_table",
             "persist.PersistClient.table",
             "persist.Table.append",
+            "persist.AppTransaction",
+            "persist.Table.transaction_version",
             "persist.Table.upsert",
             "persist.Table.delete",
             "persist.Table.update",

@@ -191,7 +191,10 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
             ],
         ),
         ("9 txn", ["persist.txn_rows", "persist.txn", "persist.txn_commit", "persist.snapshots"]),
-        ("9b table", ["persist.history", "persist.duckdb_read", "persist.table"]),
+        (
+            "9b table",
+            ["persist.history", "persist.duckdb_read", "persist.app_txn", "persist.table"],
+        ),
         ("10 client, cli, public face", ["persist.client", "persist.cli*", "persist"]),
     ],
     "spark": [

@@ -251,14 +251,23 @@ class Transaction:
     ) -> TableTransaction[Any, Any]:
         """A :class:`~stash.table.TableTransaction` over the collection's contents, whose
         changes commit with this transaction (one per collection: asking again returns
-        the same one).  With a uniqueness rule every row is read now (a new value is
-        checked against all of them); without one, keys are read as they are needed."""
+        the same one, and a uniqueness rule given again is enforced by it too, its
+        pending changes checked against the rule now).  With a uniqueness rule every
+        row is read now (a new value is checked against all of them); without one, keys
+        are read as they are needed.
+
+        Raises:
+            UniquenessViolation: a rule given again is broken by the table's pending
+                changes.
+        """
         c = self._handle(collection)
         tt = self._tables.get(c.id)
         if tt is None:
             tt = self._table(c, uniqueness_violation)
             tt._commit = _owned_by_with_transaction
             self._tables[c.id] = tt
+        elif uniqueness_violation is not None:
+            tt._add_rule(uniqueness_violation)
         return tt
 
     def _table(

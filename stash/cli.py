@@ -516,11 +516,13 @@ def backup(url_file: tuple[str, ...]) -> None:
 @main.command()
 @stash_option
 @URL_FILE
-@click.option("--replace", is_flag=True, help="Replace a SQLite stash that holds collections.")
+@click.option(
+    "--replace", is_flag=True, help="Replace a SQLite stash that holds collections or logs."
+)
 def restore(url_file: tuple[str, ...], replace: bool) -> None:
     """Bring the backup FILE into the stash at URL: a SQLite stash is replaced by it
-    (with --replace if it holds collections), any other must hold none of its
-    collections.  Does not fence the leader."""
+    (with --replace if it holds collections or logs), any other must hold none of its
+    collections and logs.  Does not fence the leader."""
 
     def run() -> None:
         from stash import ops

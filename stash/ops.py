@@ -186,12 +186,13 @@ def restore(file: str | os.PathLike[str], url: str, *, replace: bool = False) ->
     """Bring the backup ``file`` into the stash at ``url`` (see the module docstring).
 
     Args:
-        replace: a SQLite target that holds collections is replaced whole (without it,
-            such a target is refused).
+        replace: a SQLite target that holds collections or logs is replaced whole
+            (without it, such a target is refused).
 
     Raises:
-        StashError: ``file`` is no stash; the target holds collections (a SQLite one
-            without ``replace``, any other always); nothing is written then.
+        StashError: ``file`` is no stash; the target holds collections or logs (a
+            SQLite one without ``replace``, any other those of the backup); nothing is
+            written then.
     """
     from stash.base import Stash
 
@@ -203,10 +204,13 @@ def restore(file: str | os.PathLike[str], url: str, *, replace: bool = False) ->
     dst = _sqlite_path(url)
     if dst is not None:
         if dst.exists() and not replace:
+            from stash import logs
+
             with Stash.open(url, mode="readonly", fenced=False) as t:
-                if t.collections():
+                held = "collections" if t.collections() else "logs" if logs.names(t) else None
+                if held is not None:
                     raise StashError(
-                        f"the target stash {t.redacted_url} holds collections; pass "
+                        f"the target stash {t.redacted_url} holds {held}; pass "
                         "replace=True (stash restore --replace) to replace it whole"
                     )
         _online_copy(src, dst)

@@ -123,3 +123,16 @@ def test_import_and_restore_into_postgres(request: pytest.FixtureRequest, tmp_pa
     with Stash.open(target, fenced=False) as dst:
         ops.import_(dst, io.StringIO(buf.getvalue()))
         _check(dst, blob)
+
+
+def test_restore_refuses_a_sqlite_target_holding_only_logs(tmp_path: Path) -> None:
+    with Stash.open(f"sqlite:///{tmp_path}/src.db", fenced=False) as src:
+        CFG.upsert_key(src, "a", 1)
+    ops.backup(f"sqlite:///{tmp_path}/src.db", tmp_path / "b.db")
+    target = f"sqlite:///{tmp_path}/t.db"
+    with Stash.open(target, fenced=False) as t:
+        logs.write(t, [logs.LogEntry("app", None, 0, '{"v":0}', rollup=True)])
+    with pytest.raises(StashError, match="holds logs; pass replace=True"):
+        ops.restore(tmp_path / "b.db", target)
+    with Stash.open(target, fenced=False) as t:
+        assert logs.head_seqno(t, "app") == 0  # not replaced

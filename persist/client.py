@@ -88,7 +88,8 @@ class PersistClient:
         stash: an open :class:`stash.Stash` (``fenced=False`` to share it between
             processes); the client does not close it.
         blob: a blob URI (``file:///path``, ``memory://``, any ``pyarrow.fs`` URI) or a
-            :class:`~persist.blob.Blob`.
+            :class:`~persist.blob.Blob`.  Over a ``mode="readonly"`` stash a missing
+            local root is not created (it reads as empty).
         compaction: ``"background"`` (a daemon thread answers merge requests),
             ``"inline"`` (the writer answers them right after its append; handy in
             tests) or ``"off"`` (use :meth:`Compactor.compact_once` / ``persist compact``).
@@ -161,7 +162,10 @@ class PersistClient:
             clock=clock,
         )
         self._owns_blob = isinstance(blob, str)
-        raw = open_blob(blob) if isinstance(blob, str) else blob
+        # A readonly stash writes nothing, so neither does its client: not even the
+        # root of a blob store named by a wrong URI.
+        readonly = getattr(stash, "mode", None) == "readonly"
+        raw = open_blob(blob, create=not readonly) if isinstance(blob, str) else blob
         self._ctx = PersistContext(
             config,
             stash,

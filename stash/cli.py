@@ -516,11 +516,13 @@ def backup(url_file: tuple[str, ...]) -> None:
 @main.command()
 @stash_option
 @URL_FILE
-@click.option("--replace", is_flag=True, help="Replace a SQLite stash that holds collections.")
+@click.option(
+    "--replace", is_flag=True, help="Replace a SQLite stash that holds collections or logs."
+)
 def restore(url_file: tuple[str, ...], replace: bool) -> None:
     """Bring the backup FILE into the stash at URL: a SQLite stash is replaced by it
-    (with --replace if it holds collections), any other must hold none of its
-    collections.  Does not fence the leader."""
+    (with --replace if it holds collections or logs), any other must hold none of its
+    collections and logs.  Does not fence the leader."""
 
     def run() -> None:
         from stash import ops
@@ -537,7 +539,8 @@ def restore(url_file: tuple[str, ...], replace: bool) -> None:
 @URL_FILE
 def export_cmd(url_file: tuple[str, ...]) -> None:
     """Write a consistent snapshot of the stash to FILE ("-": stdout) as JSON lines: a
-    header object per collection, then one object per stored row."""
+    header object per collection, then one object per stored row and one per entry of
+    each compare-and-set log (persist's shard versions)."""
 
     def run() -> None:
         from stash import ops
@@ -549,7 +552,10 @@ def export_cmd(url_file: tuple[str, ...]) -> None:
                 return
             with open(file, "x", encoding="utf-8") as out:
                 n = ops.export(s, out)
-        click.echo(printable(f"exported {n} rows to {file}", backslashes=False), err=True)
+        click.echo(
+            printable(f"exported {n} rows and log entries to {file}", backslashes=False),
+            err=True,
+        )
 
     _guard(run)
 
@@ -558,8 +564,8 @@ def export_cmd(url_file: tuple[str, ...]) -> None:
 @stash_option
 @URL_FILE
 def import_cmd(url_file: tuple[str, ...]) -> None:
-    """Create the collections of a JSON-lines export FILE ("-": stdin) in the stash, in
-    one transaction (it must hold none of them).  Does not fence the leader."""
+    """Create the collections and logs of a JSON-lines export FILE ("-": stdin) in the
+    stash, in one transaction (it must hold none of them).  Does not fence the leader."""
 
     def run() -> None:
         from stash import ops
@@ -571,7 +577,7 @@ def import_cmd(url_file: tuple[str, ...]) -> None:
             else:
                 with open(file, encoding="utf-8") as f:
                     n = ops.import_(s, f)
-        click.echo(printable(f"imported {n} rows", backslashes=False), err=True)
+        click.echo(printable(f"imported {n} rows and log entries", backslashes=False), err=True)
 
     _guard(run)
 

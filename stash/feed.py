@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import EllipsisType
 from typing import Any, NamedTuple
 
@@ -191,9 +191,11 @@ def subscribe(
             ``as_of``): its history is compacted away (set a retention first).
         StashError: ``as_of`` is not sealed yet; a collection is given twice; a
             collection records other codecs than its handle's; an ``as_of`` mapping
-            lacks a subscribed collection (names it does not subscribe are ignored).
+            lacks a subscribed collection (names it does not subscribe are ignored);
+            ``collections`` is not a sequence of collection handles or
+            ``TypedCollection`` objects (as ``with_transaction`` reads them).
     """
-    colls = list(collections)
+    colls = _handles(stash, collections)
     names = [c.name for c in colls]
     if len(set(names)) != len(names):
         raise StashError("subscribe: a collection is given twice")
@@ -233,6 +235,46 @@ def subscribe(
             listener.wait(wait)
     finally:
         listener.close()
+
+
+def _handles(stash: Any, collections: Any) -> list[StashCollection[Any, Any]]:
+    """The handles of ``collections``: ``StashCollection`` objects as they are, a
+    ``TypedCollection`` (anything with ``get(stash)`` giving a handle) by its handle.
+
+    Raises:
+        StashError: ``collections`` is one collection rather than a sequence of them,
+            or holds something else.
+    """
+    if isinstance(collections, StashCollection) or _typed(collections):
+        raise StashError(
+            f"subscribe: collections must be a sequence of collections, got one "
+            f"{type(collections).__name__} {collections.name!r}: write [collection]"
+        )
+    if isinstance(collections, (str, bytes, Mapping)) or not isinstance(collections, Iterable):
+        raise StashError(
+            "subscribe: collections must be a sequence of collections, got a "
+            f"{type(collections).__name__}"
+        )
+    out: list[StashCollection[Any, Any]] = []
+    for c in collections:
+        handle = c.get(stash) if _typed(c) else c
+        if not isinstance(handle, StashCollection):
+            raise StashError(
+                "subscribe: collections must be StashCollection or TypedCollection "
+                f"objects, got a {type(c).__name__}"
+            )
+        out.append(handle)
+    return out
+
+
+def _typed(c: Any) -> bool:
+    """Whether ``c`` is a ``TypedCollection`` (not imported here: it imports this
+    module's neighbours): a named object with ``get(stash)`` and codecs."""
+    return (
+        not isinstance(c, (StashCollection, Mapping))
+        and callable(getattr(c, "get", None))
+        and all(hasattr(c, a) for a in ("name", "key", "value"))
+    )
 
 
 def _poll(

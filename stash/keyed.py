@@ -2,7 +2,8 @@
 
 ``TypedCollection.upsert_key``, ``insert_without_overwrite`` and ``upsert`` run here: the
 transaction locks the collection, reads the sealed values of the keys it writes (at
-``upper - 1``: every sealed time, so also when ``since == upper``), and writes at the
+``upper - 1``: every sealed time; at the upper itself when ``since == upper``, where
+physical consolidation moved the rows before the since to it), and writes at the
 upper ``t`` it read: the new entries, the retraction of each replaced value, the upper
 ``t + 1`` and the since ``t`` (the since a ``make_batch`` batch sets), or the since the
 collection's retention keeps (:mod:`stash.feed`).  Invariants kept
@@ -42,18 +43,22 @@ from stash.txn import Row, Txn
 __all__ = ["Target", "insert_without_overwrite", "upsert", "upsert_key"]
 
 
-def _tick(tx: Txn, c: StashCollection[Any, Any]) -> int:
-    """The upper ``t`` of ``c`` that a write at the next tick writes at.
+def _tick(tx: Txn, c: StashCollection[Any, Any]) -> tuple[int, int]:
+    """``(t, ts)``: the upper ``t`` of ``c`` that a write at the next tick writes at, and
+    the time ``ts`` its current contents are read at: ``t - 1``, or ``t`` when the since
+    reached the upper (a collection compacted to its upper: consolidation moves every row
+    before the since to time ``t``, where a read at ``t - 1`` would miss them; the write
+    at ``t`` seals that time, so what it holds there is what the write replaces).
 
     Raises:
         StashError: the upper is the empty frontier, or ``t + 1`` overflows i64.
     """
-    _, upper = tx.frontiers(c.id)
+    since, upper = tx.frontiers(c.id)
     if upper is None:
         raise StashError("cannot determine batch timestamp")
     if upper >= I64_MAX:
         raise StashError("cannot determine new upper")
-    return upper
+    return upper, upper if since is not None and since >= upper else upper - 1
 
 
 def _canonical(text: str) -> str:
@@ -134,13 +139,13 @@ def _write_keys(
             cid, target.name, kc, vc, stash_id=tx.stash_id(), stash_url=stash._handle_url
         )
         check_codecs_tx(tx, c, True)  # as recorded once the collection is locked
-        t = _tick(tx, c)
+        t, ts = _tick(tx, c)
         if len(encoded) == 1:
             (kj,) = encoded
-            rows = tx.peek_rows(cid, t - 1, kj)
+            rows = tx.peek_rows(cid, ts, kj)
         else:
             wanted = encoded.keys()
-            rows = [r for r in tx.peek_rows(cid, t - 1) if r[0] in wanted]
+            rows = [r for r in tx.peek_rows(cid, ts) if r[0] in wanted]
         prev = _held(c, rows)
         out: list[Row] = []
         for kj, vj in encoded.items():

@@ -12,13 +12,18 @@
 * :func:`export` writes a snapshot as JSON lines, one object per line: a
   ``{"collection": NAME, "key_codec", "value_codec", "since", "upper"}`` line per
   collection, then ``{"collection": NAME, "key", "value", "time", "diff"}`` per stored
-  row (key and value as the stored JSON); :func:`import_` reads them back.
+  row (key and value as the stored JSON), then ``{"log": NAME, "seqno", "rollup",
+  "data"}`` per entry of each compare-and-set log (:mod:`stash.logs`: persist keeps its
+  shards' state versions there); :func:`import_` reads them back.
 
 Invariants kept here: a snapshot is read in one read transaction, so it is one committed
-state of every collection; an import (and a restore by import) writes everything in one
-write transaction or nothing, and refuses a target that already holds a collection of
-the snapshot; rows are copied as stored (canonical JSON text), never decoded with codecs
-(a collection whose record type is not importable here copies alike).
+state of every collection and every compare-and-set log; an import (and a restore by
+import) writes everything in one write transaction or nothing, and refuses a target that
+already holds a collection or a log of the snapshot; rows and log entries are copied as
+stored (canonical JSON text, the entries' own text), never decoded with codecs (a
+collection whose record type is not importable here copies alike).  The wall-clock
+records of retentions by duration (``commit_times``) are not copied: a time without a
+record only holds the since back (:mod:`stash.retention`).
 
 Source of the idea: SQLite's online backup API (``sqlite3_backup_*``), ``pg_dump``'s
 one-snapshot dump, and etcd's ``snapshot save`` / ``snapshot restore``.
@@ -35,7 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from stash.errors import StashError
-from stash.txn import Row, Txn
+from stash.txn import LogRow, Row, Txn
 
 __all__ = ["Snapshot", "backup", "export", "import_", "read_snapshot", "restore"]
 
@@ -53,21 +58,37 @@ class CollectionSnapshot:
 
 
 @dataclass
+class LogSnapshot:
+    """One compare-and-set log of a snapshot: its entries ``(seqno, rollup, data)``,
+    oldest first (those truncation left)."""
+
+    name: str
+    entries: list[LogRow] = field(default_factory=list)
+
+
+@dataclass
 class Snapshot:
-    """Every collection of a stash at one committed state."""
+    """Every collection and every compare-and-set log of a stash at one committed state."""
 
     collections: list[CollectionSnapshot]
+    logs: list[LogSnapshot] = field(default_factory=list)
+
+
+#: Below every seqno: a log read from here returns every entry it holds.
+_FIRST_SEQNO = -(2**63)
 
 
 def read_snapshot(stash: Any) -> Snapshot:
-    """Every collection with its rows, read in one read transaction."""
+    """Every collection with its rows and every log with its entries, read in one read
+    transaction."""
 
     def read(tx: Txn) -> Snapshot:
         out = []
         for name, cid, kc, vc in sorted(tx.list_collections()):
             since, upper = tx.frontiers(cid)
             out.append(CollectionSnapshot(name, kc, vc, since, upper, tx.rows(cid)))
-        return Snapshot(out)
+        logs = [LogSnapshot(n, tx.log_rows(n, _FIRST_SEQNO)) for n in tx.log_names()]
+        return Snapshot(out, logs)
 
     snap: Snapshot = stash._read(read, codecs=())
     return snap
@@ -78,11 +99,25 @@ def write_snapshot(stash: Any, snap: Snapshot) -> None:
     one write transaction.
 
     Raises:
-        StashError: the stash already holds a collection of the snapshot (nothing is
-            written).
+        StashError: the stash already holds a collection or a log of the snapshot
+            (nothing is written).
     """
 
     def write(tx: Txn) -> None:
+        for log in snap.logs:
+            expected = tx.log_head_seqno(log.name)
+            if expected is not None:
+                raise StashError(
+                    f"the target stash already has log {log.name}: restore or import into "
+                    "a stash without the snapshot's logs; nothing was written"
+                )
+            for seqno, rollup, data in log.entries:
+                if not tx.log_insert(log.name, expected, seqno, rollup, data):
+                    raise StashError(
+                        f"log {log.name}: entry {seqno} could not be written after "
+                        f"{expected} (a concurrent writer?); nothing was written"
+                    )
+                expected = seqno
         for c in snap.collections:
             if tx.lookup_collection(c.name) is not None:
                 raise StashError(
@@ -151,12 +186,13 @@ def restore(file: str | os.PathLike[str], url: str, *, replace: bool = False) ->
     """Bring the backup ``file`` into the stash at ``url`` (see the module docstring).
 
     Args:
-        replace: a SQLite target that holds collections is replaced whole (without it,
-            such a target is refused).
+        replace: a SQLite target that holds collections or logs is replaced whole
+            (without it, such a target is refused).
 
     Raises:
-        StashError: ``file`` is no stash; the target holds collections (a SQLite one
-            without ``replace``, any other always); nothing is written then.
+        StashError: ``file`` is no stash; the target holds collections or logs (a
+            SQLite one without ``replace``, any other those of the backup); nothing is
+            written then.
     """
     from stash.base import Stash
 
@@ -168,10 +204,13 @@ def restore(file: str | os.PathLike[str], url: str, *, replace: bool = False) ->
     dst = _sqlite_path(url)
     if dst is not None:
         if dst.exists() and not replace:
+            from stash import logs
+
             with Stash.open(url, mode="readonly", fenced=False) as t:
-                if t.collections():
+                held = "collections" if t.collections() else "logs" if logs.names(t) else None
+                if held is not None:
                     raise StashError(
-                        f"the target stash {t.redacted_url} holds collections; pass "
+                        f"the target stash {t.redacted_url} holds {held}; pass "
                         "replace=True (stash restore --replace) to replace it whole"
                     )
         _online_copy(src, dst)
@@ -181,7 +220,8 @@ def restore(file: str | os.PathLike[str], url: str, *, replace: bool = False) ->
 
 
 def export(stash: Any, out: IO[str]) -> int:
-    """Write a snapshot of ``stash`` to ``out`` as JSON lines; return the rows written."""
+    """Write a snapshot of ``stash`` to ``out`` as JSON lines; return the rows and log
+    entries written."""
     snap = read_snapshot(stash)
     n = 0
     for c in snap.collections:
@@ -198,6 +238,11 @@ def export(stash: Any, out: IO[str]) -> int:
             line = f'{{"collection":{json.dumps(c.name, ensure_ascii=False)},"diff":{d},'
             out.write(f'{line}"key":{k},"time":{t},"value":{v}}}\n')
             n += 1
+    for log in snap.logs:
+        for seqno, rollup, data in log.entries:
+            entry = {"data": data, "log": log.name, "rollup": rollup, "seqno": seqno}
+            out.write(json.dumps(entry, sort_keys=True, ensure_ascii=False) + "\n")
+            n += 1
     return n
 
 
@@ -209,26 +254,33 @@ def _parse(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
             obj = json.loads(line)
         except ValueError as e:
             raise StashError(f"import: line {i} is not JSON: {e}") from None
-        if not isinstance(obj, dict) or "collection" not in obj:
-            raise StashError(f"import: line {i} is not an object with a collection")
+        if not isinstance(obj, dict) or ("collection" not in obj and "log" not in obj):
+            raise StashError(f"import: line {i} is not an object with a collection or a log")
         yield i, obj
 
 
 def import_(stash: Any, lines: Iterable[str]) -> int:
-    """Create the collections of an :func:`export` in ``stash``, in one write
-    transaction; return the rows written.
+    """Create the collections and logs of an :func:`export` in ``stash``, in one write
+    transaction; return the rows and log entries written.
 
     Raises:
         StashError: a line is malformed (naming it), a row names a collection without
-            a header line, or the stash already holds a collection of the export;
-            nothing is written then.
+            a header line, a log's entries are not in seqno order, or the stash already
+            holds a collection or a log of the export; nothing is written then.
     """
     from stash.codec import canonical_json
     from stash.collection import check_diff, check_time
 
     snaps: dict[str, CollectionSnapshot] = {}
+    logs: dict[str, LogSnapshot] = {}
     n = 0
     for i, obj in _parse(lines):
+        if "collection" not in obj:
+            logs.setdefault(str(obj["log"]), LogSnapshot(str(obj["log"]))).entries.append(
+                _log_entry(i, obj)
+            )
+            n += 1
+            continue
         name = obj["collection"]
         if "key_codec" in obj:
             snaps[name] = CollectionSnapshot(
@@ -249,5 +301,19 @@ def import_(stash: Any, lines: Iterable[str]) -> int:
             raise StashError(f"import: line {i}: {e}") from None
         c.rows.append(row)
         n += 1
-    write_snapshot(stash, Snapshot(list(snaps.values())))
+    for log in logs.values():
+        seqnos = [e[0] for e in log.entries]
+        if seqnos != sorted(set(seqnos)):
+            raise StashError(f"import: the entries of log {log.name!r} are not in seqno order")
+    write_snapshot(stash, Snapshot(list(snaps.values()), list(logs.values())))
     return n
+
+
+def _log_entry(i: int, obj: dict[str, Any]) -> LogRow:
+    """The ``(seqno, rollup, data)`` of log entry line ``i``."""
+    seqno, rollup, data = obj.get("seqno"), obj.get("rollup"), obj.get("data")
+    if isinstance(seqno, bool) or not isinstance(seqno, int) or not -(2**63) <= seqno < 2**63:
+        raise StashError(f"import: line {i}: a log entry's seqno must be an i64, got {seqno!r}")
+    if not isinstance(rollup, bool) or not isinstance(data, str):
+        raise StashError(f"import: line {i}: a log entry needs a boolean rollup and a string data")
+    return seqno, rollup, data

@@ -232,6 +232,28 @@ class TableTransaction(Generic[K, V]):
         self._commit()
 
     # ------------------------------------------------------------ checks
+    def _add_rule(self, rule: Callable[[V, V], bool]) -> None:
+        """Enforce ``rule`` from now on as well (``Stash.with_transaction``'s
+        ``tx.table`` asked again with a uniqueness rule): every row is read, the pending
+        changes are checked against it, and every later change against it and the
+        rule the table had.
+
+        Raises:
+            UniquenessViolation: a pending change breaks ``rule``; the table keeps its
+                rules then.
+        """
+        old = self._violates
+        if old is rule:
+            return
+        self._need_all()
+        live = {t: kv for t, kv in self._pending.items() if kv[1] is not _DELETED}
+        self._violates = rule
+        try:
+            self._verify(live)
+        finally:
+            self._violates = old
+        self._violates = rule if old is None else (lambda a, b: old(a, b) or rule(a, b))
+
     def _verify(self, changes: Mapping[Any, tuple[K, Any]]) -> None:
         violates = self._violates
         if violates is None:

@@ -10,8 +10,11 @@ changes in one write transaction.  Invariants kept here:
   ends (:class:`~stash.errors.AppendLowerMismatch`) before the function sees anything
   newer.  What was read is tracked per collection: all of it at an upper (the contents
   a peek shows are a function of the upper: every time before it is sealed), or some
-  keys, each at the upper it was read at (a key changed when it has a row at or after
-  that upper: writes land at or after the upper);
+  keys, each at the upper it was read at with the ``(value, diff)`` pairs it held (a key
+  changed when it has a row at or after that upper, as writes land at or after the
+  upper, or when its rows no longer sum to what was read: the consolidation of a later
+  write may fold a deletion into the row it retracts, leaving no row at or after the
+  upper);
 * a commit locks every collection read or written, checks that nothing read changed,
   then appends each written collection's changes at its upper ``t`` (entries at ``t``,
   new upper ``t + 1``, since ``t`` or the since its retention keeps, as ``make_batch``;
@@ -42,7 +45,7 @@ from stash.errors import AppendLowerMismatch, PeekSinceUpperError, StashError
 from stash.peek import frozen_key, peek_one_checked, peek_one_fast, peek_unique
 from stash.retention import commit_since, now_ms
 from stash.table import TableTransaction
-from stash.txn import Txn
+from stash.txn import Row, Txn
 
 #: A ``stash.base.Stash`` (not imported: ``stash.base`` imports this module).
 Stash = Any
@@ -94,18 +97,22 @@ def upper_moved(name: str, read: int | None, now: int | None) -> AppendLowerMism
 @dataclass
 class _ReadSet:
     """What a transaction read of one collection: all of it at ``upper`` (``full``), or
-    some keys, each at the upper it was read at (key text -> upper)."""
+    some keys, each at the upper it was read at (key text -> upper) with the sorted
+    ``(value text, diff)`` pairs it held then (key text -> pairs)."""
 
     handle: StashCollection[Any, Any]
     full: bool = False
     upper: int | None = None
     keys: dict[str, int | None] = field(default_factory=dict)
+    held: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
     def check(self, tx: Txn) -> None:
         """Raise :class:`_Conflict` if what was read may have changed: the upper moved
         (a whole read), or a key read has a row at or after the upper it was read at (a
         write of it since; a whole-collection ``consolidate`` may also move old rows
-        there: a conflict that was not one, never the reverse)."""
+        there: a conflict that was not one, never the reverse), or its rows no longer
+        sum to the pairs it held when read (a deletion consolidated with the row it
+        retracted leaves no row at or after the upper, yet the key changed)."""
         cid = self.handle.id
         if self.full:
             now = tx.frontiers(cid)[1]
@@ -115,7 +122,8 @@ class _ReadSet:
         for kj, up in self.keys.items():
             if up is None:
                 continue  # read at the empty upper: sealed for ever
-            if any(t >= up for _, _, t, _ in tx.rows(cid, kj)):
+            rows = tx.rows(cid, kj)
+            if any(t >= up for _, _, t, _ in rows) or _held(rows) != self.held.get(kj, []):
                 now = tx.frontiers(cid)[1]
                 lower, cur = Antichain.from_option(up), Antichain.from_option(now)
                 raise _Conflict(
@@ -127,6 +135,15 @@ class _ReadSet:
                         cur,
                     )
                 )
+
+
+def _held(rows: list[Row]) -> list[tuple[str, int]]:
+    """The sorted ``(value text, diff)`` sums of one key's ``rows``, zero sums dropped:
+    the key's contents at any upper beyond every row's time."""
+    sums: dict[str, int] = {}
+    for _, vj, _, d in rows:
+        sums[vj] = sums.get(vj, 0) + d
+    return sorted((vj, d) for vj, d in sums.items() if d != 0)
 
 
 class Transaction:
@@ -194,7 +211,9 @@ class Transaction:
             rec.full, rec.upper = True, upper
         elif not rec.full:
             for kj in keys:
-                rec.keys.setdefault(kj, upper)
+                if kj not in rec.keys:
+                    rec.keys[kj] = upper
+                    rec.held[kj] = sorted((vj, d) for k, vj, d in rows if k == kj)
         return rows
 
     def _pairs(self, c: StashCollection[Any, Any], keys: list[Any] | None) -> list[Any]:
@@ -232,14 +251,23 @@ class Transaction:
     ) -> TableTransaction[Any, Any]:
         """A :class:`~stash.table.TableTransaction` over the collection's contents, whose
         changes commit with this transaction (one per collection: asking again returns
-        the same one).  With a uniqueness rule every row is read now (a new value is
-        checked against all of them); without one, keys are read as they are needed."""
+        the same one, and a uniqueness rule given again is enforced by it too, its
+        pending changes checked against the rule now).  With a uniqueness rule every
+        row is read now (a new value is checked against all of them); without one, keys
+        are read as they are needed.
+
+        Raises:
+            UniquenessViolation: a rule given again is broken by the table's pending
+                changes.
+        """
         c = self._handle(collection)
         tt = self._tables.get(c.id)
         if tt is None:
             tt = self._table(c, uniqueness_violation)
             tt._commit = _owned_by_with_transaction
             self._tables[c.id] = tt
+        elif uniqueness_violation is not None:
+            tt._add_rule(uniqueness_violation)
         return tt
 
     def _table(

@@ -99,6 +99,11 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+#: A scheme and its colon at the start of a string without ``://`` (two characters at
+#: least, so a Windows drive letter ``C:`` stays a path).
+_SCHEME_WITHOUT_SLASHES = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")
+
+
 def _backend(scheme: str) -> Any:
     """The store class for ``scheme`` (:data:`BACKENDS`, else :data:`DEFAULT_BACKEND`),
     imported now."""
@@ -109,9 +114,12 @@ def _backend(scheme: str) -> Any:
 def open_blob(uri: str | os.PathLike[str], *, create: bool = True) -> Blob:
     """Open the blob store a URI names.
 
-    * ``file:///abs/path`` (host empty or ``localhost``), or a plain absolute or relative
-      path: a :class:`FileBlob` (its root created if missing; with ``create=False``
-      nothing is created until the first write, and a missing root reads as empty);
+    * ``file:///abs/path`` (host empty or ``localhost``; RFC 8089's ``file:/abs/path``
+      too), or a plain absolute or relative path: a :class:`FileBlob` (its root created
+      if missing; with ``create=False`` nothing is created until the first write, and a
+      missing root reads as empty).  A path's first segment may not look like a scheme
+      (``s3:/bucket``, ``file:rel``): that is a URI missing its ``//``, refused rather
+      than read as a local directory named ``s3:`` (write ``./s3:/x`` for one);
     * ``memory://``: a fresh private :class:`MemoryBlob`; ``memory://name``: the
       in-process store shared by every ``memory://name`` of this process;
     * anything else (``s3://bucket/prefix``, ``gs://...``, ``hdfs://...``, ``mock:///``):
@@ -143,8 +151,17 @@ def open_blob(uri: str | os.PathLike[str], *, create: bool = True) -> Blob:
     if "\x00" in uri:
         raise InvalidUsage(f"blob URI {redact(uri)!r} contains NUL")
     if "://" not in uri:
-        blob = _backend("file")(uri, create=create)
-        return blob
+        head = _SCHEME_WITHOUT_SLASHES.match(uri)
+        if head is None:
+            blob = _backend("file")(uri, create=create)
+            return blob
+        if head.group(1).lower() != "file" or not uri[len(head.group(0)) :].startswith("/"):
+            raise InvalidUsage(
+                f"blob URI {redact(uri)!r} starts with the scheme {head.group(1)!r} but has "
+                f"no '//' after it: write {head.group(1)}://..., or ./{redact(uri)} for a "
+                "local directory of that name"
+            )
+        uri = "file://" + uri[len(head.group(0)) :]  # RFC 8089: file:/abs/path
     scheme = uri.split("://", 1)[0].lower()
     if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
         raise InvalidUsage(f"blob URI {redact(uri)!r} has a malformed scheme")

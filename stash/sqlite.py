@@ -24,9 +24,11 @@ Materialize's ``Sqlite`` stash backend (``src/stash/src/lib.rs``).
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -62,11 +64,19 @@ def _sqlite_engine(
             raise StashError(f"sqlite: cannot create {path}: {e.strerror}") from None
     elif not path.exists():
         raise StashError(f"sqlite stash file {path} does not exist")
-    engine = sa.create_engine(
-        url.set(database=str(path)),
-        pool_size=pool_size,
-        connect_args={"check_same_thread": False, "timeout": busy_timeout},
-    )
+    kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": busy_timeout}}
+    if mode == "readonly" and _read_only_place(path):
+        # SQLite opens a WAL-mode file only where it can create its -wal and -shm files,
+        # or when told the file is immutable: a cleanly closed file (no -wal) in a
+        # directory this process cannot write is read as such (SQLite's "immutable"
+        # URI parameter, https://www.sqlite.org/uri.html).
+        uri = f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1"
+        kwargs = {
+            "creator": lambda: sqlite3.connect(
+                uri, uri=True, check_same_thread=False, timeout=busy_timeout
+            )
+        }
+    engine = sa.create_engine(url.set(database=str(path)), pool_size=pool_size, **kwargs)
     ms = int(busy_timeout * 1000)
 
     @event.listens_for(engine, "connect")
@@ -86,6 +96,13 @@ def _sqlite_engine(
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine
+
+
+def _read_only_place(path: Path) -> bool:
+    """Whether ``path`` is a cleanly closed stash file (no ``-wal`` beside it) in a
+    directory this process cannot write (a read-only mount, an archived copy)."""
+    wal = path.with_name(path.name + "-wal")
+    return not wal.exists() and not os.access(path.parent, os.W_OK)
 
 
 _SQLITE_IOERR = 10  # SQLITE_IOERR: the primary result code of every I/O failure

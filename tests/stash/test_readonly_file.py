@@ -81,12 +81,6 @@ def _written(tmp_path: Path) -> Path:
     return src
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stash/sqlite.py opens a readonly SQLite stash like a writable one: in WAL "
-    "mode SQLite must create -wal/-shm beside the file, which a read-only directory "
-    "refuses ('unable to open database file'); the fix opens it mode=ro&immutable=1 there",
-)
 def test_readonly_stash_reads_a_file_on_a_read_only_directory(tmp_path: Path) -> None:
     src = _written(tmp_path)
     with read_only_copy(src, tmp_path) as ro:

@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 
+from persist.consensus import APP_TXN_COLLECTION_PREFIX
 from persist.errors import ConsensusError, InvalidUsage
 from persist.fingerprint import updates_fingerprint
 from stash import Antichain, AppendBatch, AppendLowerMismatch, StashCollection
@@ -89,8 +90,6 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-#: The prefix of a shard's app transaction collection (then the shard id).
-APP_TXN_COLLECTION_PREFIX = "persist.app_txns."
 #: The largest app id, in characters.
 APP_ID_MAX = 255
 

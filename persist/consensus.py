@@ -106,6 +106,7 @@ from stash.codec import canonical_json
 from stash.logs import LogEntry, LogRow
 
 __all__ = [
+    "APP_TXN_COLLECTION_PREFIX",
     "REGISTRY_COLLECTION",
     "HISTORY_LOG_PREFIX",
     "HistoryAppend",
@@ -126,6 +127,9 @@ log = logging.getLogger(__name__)
 
 SHARD_COLLECTION_PREFIX = "persist.shard."
 RETIRED_COLLECTION_PREFIX = "persist.retired."
+#: The prefix of a table's application transaction records (then the shard id;
+#: :mod:`persist.app_txn`), written by persist alone.
+APP_TXN_COLLECTION_PREFIX = "persist.app_txns."
 #: A shard's history records are the entries of the log ``persist.history.<shard_id>``
 #: (entry seqno: the record's index, the state's ``history_upper`` before it).
 HISTORY_LOG_PREFIX = "persist.history."

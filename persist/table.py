@@ -345,7 +345,9 @@ class Table:
                 raise AssertionError("unreachable")  # pragma: no cover
             ts = up
             while True:
-                txn.stash_replace([seen.batch(app, ts, n, fp, self._machine.now_ms())])
+                txn._replace_stash_batches(
+                    [seen.batch(app, ts, n, fp, self._machine.now_ms())], own=True
+                )
                 try:
                     return txn.commit_at(ts)
                 except TxnUpperMismatch as e:

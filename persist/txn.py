@@ -107,11 +107,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.batch import Batch
-from persist.consensus import (
-    REGISTRY_COLLECTION,
-    RETIRED_COLLECTION_PREFIX,
-    SHARD_COLLECTION_PREFIX,
-)
 from persist.errors import ConsensusError, DiffOverflow, InvalidUsage, PersistError
 from persist.ids import validate_shard_name
 from persist.parts import DIFF, TIME
@@ -120,6 +115,7 @@ from persist.snapshots import snapshot_many
 from persist.state import LeaseExpired
 from persist.txn_commit import (
     TxnUpperMismatch,
+    check_stash_collections,
     commit_shards,
     find_landed,
     is_timed,
@@ -131,7 +127,7 @@ from persist.txn_commit import (
 from persist.txn_rows import ShardWrites, TxnRowChanges, settle_replaced
 from persist.updates import to_updates_table, updates_schema
 from persist.write import WriteHandle
-from stash import Antichain, AppendBatch, StashError
+from stash import Antichain, AppendBatch
 from stash.antichain import I64_MAX, I64_MIN
 
 __all__ = ["Txn", "TxnUpperMismatch", "snapshot_many"]
@@ -140,8 +136,6 @@ log = logging.getLogger(__name__)
 
 #: The raw time of every update a transaction writes (a commit at ``ts`` rewrites it).
 RAW_TIME = I64_MIN
-
-_INTERNAL_PREFIXES = (SHARD_COLLECTION_PREFIX, RETIRED_COLLECTION_PREFIX)
 
 
 def _time_range(table: pa.Table) -> tuple[int, int] | None:
@@ -509,12 +503,19 @@ class Txn(TxnRowChanges):
             InvalidUsage: not an ``AppendBatch``; a collection of another stash (its
                 handle carries another stash's identity, or no collection of that name
                 and id in this client's stash, or other codecs; naming both stashes,
-                URLs redacted); a persist-internal collection (shard versions, the registry);
+                URLs redacted); a persist-internal collection (shard versions, the registry,
+                a table's application transaction records);
                 a batch added twice; a batch for a collection already given a batch
                 with another lower, upper or compact (batches for one collection are
                 committed as one, their entries merged).  Nothing is added.
             ConsensusError: listing the stash's collections failed.
         """
+        self._add_stash_batches(batches, own=False)
+
+    def _add_stash_batches(self, batches: Sequence[AppendBatch], *, own: bool) -> None:
+        """:meth:`stash_append`; ``own``: the batches are persist's own (a table's
+        application transaction records, :mod:`persist.app_txn`), so the refusal of
+        persist-internal collections does not apply to them."""
         self._check_changeable()
         batches = list(batches)
         for b in batches:
@@ -524,38 +525,7 @@ class Txn(TxnRowChanges):
                 )
         if not batches:
             return
-        try:
-            known = self._ctx.stash.collections()
-        except StashError as e:
-            raise ConsensusError(f"listing the stash's collections failed: {e}") from e
-        for b in batches:
-            c = b.collection
-            if c.name == REGISTRY_COLLECTION or c.name.startswith(_INTERNAL_PREFIXES):
-                raise InvalidUsage(
-                    f"stash batch for collection {c.name!r} refused: persist's own "
-                    "collections are written only by persist"
-                )
-            mine = known.get(c.name)
-            if (
-                mine is None
-                or mine.id != c.id
-                or mine.stash_id != c.stash_id
-                or mine.key_codec.name != c.key_codec.name
-                or mine.value_codec.name != c.value_codec.name
-            ):
-                raise InvalidUsage(
-                    f"stash batch for collection {c.name!r} (id {c.id}) is not for this "
-                    f"client's stash {self._ctx.stash.redacted_url} (stash id "
-                    f"{next((k.stash_id for k in known.values()), '?')}): its handle was "
-                    "made by stash "
-                    f"{c.stash_url or '?'} (stash id {c.stash_id}); this stash has "
-                    + (
-                        "no such collection"
-                        if mine is None
-                        else f"collection {mine.name!r} with id {mine.id}, codecs "
-                        f"{mine.key_codec.name}/{mine.value_codec.name}"
-                    )
-                )
+        check_stash_collections(self._ctx.stash, batches, own=own)
         # Batches for one collection are committed as one batch (their entries merged):
         # they must agree on lower, upper and compact.
         firsts = {b.collection.name: b for b in self._stash_batches}
@@ -598,6 +568,10 @@ class Txn(TxnRowChanges):
                 append twice).
             ConsensusError: listing the stash's collections failed.
         """
+        self._replace_stash_batches(batches, own=False)
+
+    def _replace_stash_batches(self, batches: Sequence[AppendBatch], *, own: bool) -> None:
+        """:meth:`stash_replace`; ``own`` as for :meth:`_add_stash_batches`."""
         self._check_changeable()
         if self._maybe_landed and not self._shards:
             raise InvalidUsage(
@@ -609,7 +583,7 @@ class Txn(TxnRowChanges):
         before = self._stash_batches
         self._stash_batches = [b for b in before if b.collection.name not in names]
         try:
-            self.stash_append(batches)
+            self._add_stash_batches(batches, own=own)
         except BaseException:
             self._stash_batches = before
             raise

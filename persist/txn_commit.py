@@ -64,7 +64,9 @@ from persist.batch import Batch
 from persist.batch_rules import concat_runs
 from persist.commands import TxnCmd
 from persist.consensus import (
+    APP_TXN_COLLECTION_PREFIX,
     HISTORY_LOG_PREFIX,
+    REGISTRY_COLLECTION,
     RETIRED_COLLECTION_PREFIX,
     SHARD_COLLECTION_PREFIX,
 )
@@ -78,10 +80,11 @@ from persist.state import TOKEN_SEP, TOKEN_UNKNOWN, token_verdict
 from persist.txn_rows import ShardWrites, plan_on_head
 from persist.types import HollowBatch
 from persist.write import handed_off_owners
-from stash import Antichain, AppendBatch, StashError
+from stash import Antichain, AppendBatch, Stash, StashError
 from stash.logs import LogEntry
 
 __all__ = [
+    "check_stash_collections",
     "TxnUpperMismatch",
     "commit_shards",
     "find_landed",
@@ -539,3 +542,51 @@ def find_landed(
         return None
     assert last is not None
     raise unknown_outcome(token, f"re-reading shard {sid} failed: {last}")
+
+
+_INTERNAL_PREFIXES = (SHARD_COLLECTION_PREFIX, RETIRED_COLLECTION_PREFIX, APP_TXN_COLLECTION_PREFIX)
+
+
+def check_stash_collections(stash: Stash, batches: Sequence[AppendBatch], *, own: bool) -> None:
+    """Refuse stash batches a transaction may not commit in ``stash``: a batch for one
+    of persist's own collections (shard versions, the registry, a table's application
+    transaction records), unless ``own`` (persist writing them, :mod:`persist.app_txn`);
+    a batch whose collection is not ``stash``'s (another stash's handle, no collection
+    of that name and id, other codecs).
+
+    Raises:
+        InvalidUsage: naming the collection and the rule broken (URLs redacted).
+        ConsensusError: listing the stash's collections failed.
+    """
+    try:
+        known = stash.collections()
+    except StashError as e:
+        raise ConsensusError(f"listing the stash's collections failed: {e}") from e
+    for b in batches:
+        c = b.collection
+        if not own and (c.name == REGISTRY_COLLECTION or c.name.startswith(_INTERNAL_PREFIXES)):
+            raise InvalidUsage(
+                f"stash batch for collection {c.name!r} refused: persist's own "
+                "collections are written only by persist"
+            )
+        mine = known.get(c.name)
+        if (
+            mine is None
+            or mine.id != c.id
+            or mine.stash_id != c.stash_id
+            or mine.key_codec.name != c.key_codec.name
+            or mine.value_codec.name != c.value_codec.name
+        ):
+            raise InvalidUsage(
+                f"stash batch for collection {c.name!r} (id {c.id}) is not for this "
+                f"client's stash {stash.redacted_url} (stash id "
+                f"{next((k.stash_id for k in known.values()), '?')}): its handle was "
+                "made by stash "
+                f"{c.stash_url or '?'} (stash id {c.stash_id}); this stash has "
+                + (
+                    "no such collection"
+                    if mine is None
+                    else f"collection {mine.name!r} with id {mine.id}, codecs "
+                    f"{mine.key_codec.name}/{mine.value_codec.name}"
+                )
+            )

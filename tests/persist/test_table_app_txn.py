@@ -292,3 +292,19 @@ def test_retry_from_another_process_appends_once(tmp_path: Path) -> None:
     finally:
         c.close()
         flaky.inner.close()
+
+
+def test_a_users_transaction_cannot_write_the_records(world: Any) -> None:
+    """The records are persist's own: a user's ``Txn.stash_append`` of a batch for them
+    (which could forge a version and so skip a later append) is refused, writes nothing,
+    and the table still records its own."""
+    _clock, _flaky, c, _other = world
+    t = c.create_table("t", SCHEMA, key=["k"])
+    t.append(batch(1), app_transaction=AppTransaction("job", 1))
+    records = c.stash.collection(APP_TXN_COLLECTION_PREFIX + t.shard_id, key="str", value="json")
+    forged = records.make_batch(c.stash)
+    records.append_to_batch(forged, "job", {"version": 99}, 1)
+    with c.begin() as txn, pytest.raises(InvalidUsage, match="persist's own collections"):
+        txn.stash_append([forged])
+    assert t.transaction_version("job") == 1
+    assert t.append(batch(2), app_transaction=AppTransaction("job", 2)) == 1

@@ -376,13 +376,12 @@ class SqlStash(Stash):
         self._sp_fairy = self._retrying(open_sp)
 
     # --------------------------------------------------------- transactions
-    def _retrying(self, attempt: Callable[..., R], *args: Any) -> R:
+    def _retrying(self, attempt: Callable[[], R]) -> R:
         """Run ``attempt`` until it returns or fails for good; transient failures are
         retried with jittered exponential backoff within ``retry_budget`` seconds (the
-        first try runs without building a tenacity loop: that costs tens of microseconds).
-        ``args`` are passed to every try of ``attempt``."""
+        first try runs without building a tenacity loop: that costs tens of microseconds)."""
         try:
-            return self._classified(attempt, *args)
+            return self._classified(attempt)
         except _Transient as t:
             stash_metrics.record_retry(self.backend)
             log.info(
@@ -400,7 +399,7 @@ class SqlStash(Stash):
         try:
             for at in retryer:
                 with at:
-                    return self._classified(attempt, *args)
+                    return self._classified(attempt)
         except _Transient as t:
             raise StashError(
                 f"{self._ops.name}: {first_line(_driver_error(t.cause))}"
@@ -408,11 +407,11 @@ class SqlStash(Stash):
             ) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _classified(self, attempt: Callable[..., R], *args: Any) -> R:
-        """One try, ``attempt(*args)``; failures come out as :class:`_Transient`, a
-        :class:`StashError`, or (bugs, interrupts) as they were."""
+    def _classified(self, attempt: Callable[[], R]) -> R:
+        """One try; failures come out as :class:`_Transient`, a :class:`StashError`, or
+        (bugs, interrupts) as they were."""
         try:
-            return attempt(*args)
+            return attempt()
         except _Transient:
             raise
         except BaseException as e:
@@ -424,8 +423,7 @@ class SqlStash(Stash):
     def _run(self, write: bool, fn: Callable[[Txn], R]) -> R:
         if self._sp_fairy is not None:
             return self._run_savepoint(write, fn)
-        result: R = self._retrying(self._attempt, write, fn)
-        return result
+        return self._retrying(lambda: self._attempt(write, fn))
 
     def _attempt(self, write: bool, fn: Callable[[Txn], R]) -> R:
         """One try of a transaction: a write on the held connection when no other thread

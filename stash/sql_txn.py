@@ -22,6 +22,7 @@ import sqlite3
 from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
+from stash.antichain import I64_MAX, I64_MIN
 from stash.consolidation import DiffSumOverflow, diff_sums_fit
 from stash.errors import FenceError, StashError
 from stash.txn import LogRow, Row
@@ -49,7 +50,7 @@ _SQLITE_FRONTIERS = (
     "SELECT s.since, u.upper, c.key_codec, c.value_codec, c.name, f.stash_id FROM sinces s"
     " JOIN uppers u ON u.collection_id = s.collection_id"
     " JOIN collections c ON c.collection_id = s.collection_id CROSS JOIN fence f"
-    " WHERE s.collection_id = :c"
+    " WHERE s.collection_id = ?"
 )
 # The same with the fence's epoch and nonce, for a write whose fence is not checked yet.
 _SQLITE_FRONTIERS_FENCED = _SQLITE_FRONTIERS.replace(
@@ -87,6 +88,15 @@ _SQLITE_TAKE_KEY = (
 _SQLITE_TAKE_KEYS = (
     "DELETE FROM data WHERE collection_id = :c"
     " AND key IN (SELECT value FROM json_each(:ks)) RETURNING key, value, time, diff"
+)
+
+
+_SQLITE_INSERT = "INSERT INTO data (collection_id, key, value, time, diff) VALUES (?, ?, ?, ?, ?)"
+# One row of a key that has no stored row (an append's fresh key): consolidation would
+# leave it as it is, so it goes in by one statement (SqlTxn._insert_fresh).
+_SQLITE_INSERT_FRESH = (
+    "INSERT INTO data (collection_id, key, value, time, diff) SELECT ?1, ?2, ?3, ?4, ?5"
+    " WHERE NOT EXISTS (SELECT 1 FROM data WHERE collection_id = ?1 AND key = ?2)"
 )
 
 
@@ -335,7 +345,9 @@ class SqlTxn:
         f = self._front.get(cid)
         if f is None:
             fenced = self._fence_pending
-            row = self._one(_SQLITE_FRONTIERS_FENCED if fenced else _SQLITE_FRONTIERS, {"c": cid})
+            row = self.dbc.execute(
+                _SQLITE_FRONTIERS_FENCED if fenced else _SQLITE_FRONTIERS, (cid,)
+            ).fetchone()
             if row is None:
                 if fenced:
                     self.check_fence()
@@ -356,18 +368,16 @@ class SqlTxn:
         return str(self._front[cid][4])
 
     def set_upper(self, cid: int, upper: int | None) -> None:
-        self.dbc.execute(
-            "UPDATE uppers SET upper = :u WHERE collection_id = :c", {"u": upper, "c": cid}
-        )
-        self.frontiers(cid)
-        self._front[cid][1] = upper
+        self.dbc.execute("UPDATE uppers SET upper = ? WHERE collection_id = ?", (upper, cid))
+        f = self._front.get(cid)  # not read yet: the next read reads the new one
+        if f is not None:
+            f[1] = upper
 
     def set_since(self, cid: int, since: int | None) -> None:
-        self.dbc.execute(
-            "UPDATE sinces SET since = :s WHERE collection_id = :c", {"s": since, "c": cid}
-        )
-        self.frontiers(cid)
-        self._front[cid][0] = since
+        self.dbc.execute("UPDATE sinces SET since = ? WHERE collection_id = ?", (since, cid))
+        f = self._front.get(cid)
+        if f is not None:
+            f[0] = since
 
     # ------------------------------------------------------------------ rows
     def insert(self, cid: int, rows: Sequence[Row]) -> None:
@@ -377,10 +387,10 @@ class SqlTxn:
             self._buffered.setdefault(cid, []).extend(rows)
 
     def _write_rows(self, cid: int, rows: Sequence[Row]) -> None:
-        self.dbc.executemany(
-            "INSERT INTO data (collection_id, key, value, time, diff) VALUES (?, ?, ?, ?, ?)",
-            [(cid, k, v, t, d) for k, v, t, d in rows],
-        )
+        if len(rows) == 1:  # executemany costs a few microseconds more for one row
+            self.dbc.execute(_SQLITE_INSERT, (cid, *rows[0]))
+        else:
+            self.dbc.executemany(_SQLITE_INSERT, [(cid, k, v, t, d) for k, v, t, d in rows])
 
     def rows(self, cid: int, key: str | None = None) -> list[Row]:
         self._write_buffered(cid)
@@ -427,6 +437,8 @@ class SqlTxn:
                 self._buffered[cid] = [r for r in pending if r[0] not in keys]
             if not keys:
                 rows = []
+            elif len(todo) == 1 and len(keys) == 1 and self._insert_fresh(cid, since, todo[0]):
+                return  # one row of a key with no stored row: consolidated as it is
             elif _HAS_RETURNING:
                 # Every stored row of a touched key is rewritten at max(time, since)
                 # anyway (they are all older than the new since but for rows of this
@@ -450,6 +462,20 @@ class SqlTxn:
         if not rows and not todo:
             return
         self._consolidate_rows(cid, since, [*rows, *((None, k, v, t, d) for k, v, t, d in todo)])
+
+    def _insert_fresh(self, cid: int, since: int, row: Row) -> bool:
+        """Write the one buffered row of its key at ``max(time, since)`` if the key has
+        no stored row, in one statement (``_SQLITE_INSERT_FRESH``); return whether it
+        was written.  Alone in its key, a non-zero i64 diff is what consolidation would
+        leave of it (one row, its time advanced to since, its sum within the rule), so
+        nothing else is read or written; otherwise (a stored row, or a diff that
+        consolidation would drop or refuse) nothing is written and the caller takes
+        the general path."""
+        k, v, t, d = row
+        if d == 0 or not I64_MIN <= d <= I64_MAX:
+            return False
+        cur = self.dbc.execute(_SQLITE_INSERT_FRESH, (cid, k, v, t if t > since else since, d))
+        return bool(cur.rowcount == 1)
 
     def _rewrite_rows(self, cid: int, since: int, rows: Sequence[Row]) -> None:
         """Write ``rows`` (``(key, value, time, diff)``: every row of the keys concerned,

@@ -108,3 +108,56 @@ def test_taking_the_rows_out_leaves_what_reading_them_leaves(
             stash_sql._HAS_RETURNING = old
         results.append((outcomes, rows))
     assert results[0] == results[1]
+
+
+_lone = st.tuples(
+    st.sampled_from(["a", "b", "c", "d", "e"]),
+    st.integers(0, 1),
+    st.integers(0, 3),  # time offset from the batch lower
+    st.sampled_from([0, -1, 1, 3, 2**63 - 1, -(2**63)]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(_lone, min_size=1, max_size=2), st.integers(0, 4)),
+        max_size=10,
+    )
+)
+def test_a_fresh_key_inserted_alone_leaves_what_consolidation_leaves(
+    tmp_path_factory: Any, batches: list[tuple[list[tuple[str, int, int, int]], int]]
+) -> None:
+    """Differential: the one-entry append of a key with no stored row, written by one
+    conditional INSERT (``SqlTxn._insert_fresh``), leaves the same physical rows, and
+    refuses the same appends, as the general consolidation (the key's rows taken out,
+    merged with the entry, written back), over keys fresh and stored, zero and extreme
+    diffs, and times before and past the since."""
+    results = []
+    for fast in (True, False):
+        path = tmp_path_factory.mktemp("fresh") / "s.db"
+        original = stash_sql.SqlTxn._insert_fresh
+        if not fast:
+            stash_sql.SqlTxn._insert_fresh = lambda *_: False  # type: ignore[method-assign]
+        try:
+            with Stash.open(f"sqlite:///{path}", fenced=True) as s:
+                c = s.collection("c", key="str", value="int")
+                outcomes = []
+                t = 0
+                for entries, lag in batches:
+                    b = AppendBatch(c, A(t), A(t + 4), A(max(0, t + 4 - lag)), t)
+                    for k, v, dt, d in entries:
+                        kv = (c.key_codec.encode(k), c.value_codec.encode(v))
+                        b.entries.append((kv, t + dt, d))
+                    try:
+                        s.append([b])
+                        t += 4
+                        outcomes.append("ok")
+                    except StashError as e:
+                        outcomes.append(str(e))
+            with sqlite3.connect(path) as db:
+                rows = sorted(db.execute("SELECT key, value, time, diff FROM data").fetchall())
+        finally:
+            stash_sql.SqlTxn._insert_fresh = original  # type: ignore[method-assign]
+        results.append((outcomes, rows))
+    assert results[0] == results[1]

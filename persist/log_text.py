@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection, Mapping
-from json.encoder import c_make_encoder, encode_basestring
+from json import encoder as _json_encoder
 from typing import Any
 
 from stash import StashError
@@ -35,10 +35,12 @@ def _not_json(value: Any) -> Any:
 
 # The C encoder of canonical_json's options (sorted keys, no spaces, UTF-8 kept, no NaN),
 # made once: json.JSONEncoder.encode makes one per call.  None without the C module.
+# (c_make_encoder is absent from typeshed's stub.)
+_MAKE: Any = getattr(_json_encoder, "c_make_encoder", None)
 _C_ENCODE: Callable[[Any, int], list[str]] | None = (
     None
-    if c_make_encoder is None
-    else c_make_encoder(None, _not_json, encode_basestring, None, ":", ",", True, False, False)
+    if _MAKE is None
+    else _MAKE(None, _not_json, _json_encoder.encode_basestring, None, ":", ",", True, False, False)
 )
 
 # A float's text (``repr``) holds a ``.`` or an exponent with its sign (``1e+16``,

@@ -58,8 +58,8 @@ def parts_changed(old: ShardState, new: ShardState) -> tuple[list[tuple[int, int
     spine batch's :attr:`~persist.spine_levels.SpineBatch.part_index`; the same the
     other way round for the removed parts.
     """
-    before = [b for b, _ in old.trace.spine_batches()]
-    after = [b for b, _ in new.trace.spine_batches()]
+    before = old.trace.spine_list()
+    after = new.trace.spine_list()
     old_ids = {id(b) for b in before}
     fresh = [b for b in after if id(b) not in old_ids]
     if not fresh and len(after) == len(before):

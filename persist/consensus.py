@@ -212,6 +212,27 @@ class HistoryAppend:
     record: Mapping[str, Any]
 
 
+#: The log names of the shards seen (shard id -> its versions' and its history's log
+#: names), their ids validated once (a regular expression match per command, else).
+_LOG_NAMES: dict[str, tuple[str, str]] = {}
+
+
+def _log_names(shard_id: str) -> tuple[str, str]:
+    """``shard_id``'s versions' and history's log names.
+
+    Raises:
+        InvalidUsage: ``shard_id`` is not a ShardId.
+    """
+    names = _LOG_NAMES.get(shard_id) if type(shard_id) is str else None
+    if names is None:
+        validate_shard_id(shard_id)
+        names = (SHARD_COLLECTION_PREFIX + shard_id, HISTORY_LOG_PREFIX + shard_id)
+        if len(_LOG_NAMES) >= 4096:
+            _LOG_NAMES.clear()
+        _LOG_NAMES[shard_id] = names
+    return names
+
+
 def _wrap(e: StashError, what: str) -> ConsensusError:
     return ConsensusError(
         f"consensus {what} failed: {e.message}", indeterminate=e.is_indeterminate()
@@ -298,8 +319,7 @@ class Consensus(ShardRegistry):
     @staticmethod
     def log_name(shard_id: str) -> str:
         """The name of the stash log holding ``shard_id``'s versions."""
-        validate_shard_id(shard_id)
-        return SHARD_COLLECTION_PREFIX + shard_id
+        return _log_names(shard_id)[0]
 
     def retired_collection(self, shard_id: str) -> StashCollection[Any, Any]:
         """The stash collection holding ``shard_id``'s retired blob keys."""
@@ -315,8 +335,7 @@ class Consensus(ShardRegistry):
     def history_log_name(shard_id: str) -> str:
         """The name of the stash log holding ``shard_id``'s history records (entry
         ``i``: the ``i``-th record, as canonical JSON; see :mod:`persist.history`)."""
-        validate_shard_id(shard_id)
-        return HISTORY_LOG_PREFIX + shard_id
+        return _log_names(shard_id)[1]
 
     def history(self, shard_id: str) -> list[dict[str, Any]]:
         """The shard's history records, oldest first (``[]`` when it has none; reads

@@ -120,18 +120,21 @@ def diff_text(
     changed.sort()
     removed.sort()
     # Entry keys are str (as JSON: what canonical_json makes of a str).
-    sets = ",".join(f"{_dumps(k)}:{new[k]}" for k in changed)
-    return f'{{"del":{_dumps(removed)},"seqno":{seqno},"set":{{{sets}}}}}'
+    sets = ",".join([f"{_key(k)}:{new[k]}" for k in changed])
+    dels = ",".join([_key(k) for k in removed])
+    return f'{{"del":[{dels}],"seqno":{seqno},"set":{{{sets}}}}}'
 
 
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+#: The JSON text of a str, as canonical_json writes it (``json``'s own function for
+#: strings, without the encoder's Python method around it).
+_key: Callable[[str], str] = _json_encoder.encode_basestring
 
 
 def rollup_text(new: Mapping[str, str]) -> str:
     """The canonical JSON text of a rollup row: the object of the entries ``new``
     (canonical texts by key; canonical texts nested under sorted keys are the canonical
     text of the whole, as in :func:`diff_text`)."""
-    return "{" + ",".join(f"{_dumps(k)}:{new[k]}" for k in sorted(new)) + "}"
+    return "{" + ",".join([f"{_key(k)}:{new[k]}" for k in sorted(new)]) + "}"
 
 
 # The C scanner of the json module: (value, end) of the JSON value at an index of a

@@ -4,6 +4,7 @@ keys, and the same error for every value the stash refuses."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persist.log_text import _may_hold_float, entry_text
+from persist.log_text import _may_hold_float, diff_text, entry_text, rollup_text
 from stash import StashError
 from stash.codec import MAX_JSON_DEPTH, canonical_json
 
@@ -104,3 +105,31 @@ def test_may_hold_float_finds_every_float_text() -> None:
             assert _may_hold_float(text), text
     for text in ['{"a":1}', "[1,2,-3]", '{"a":"1.5"}', '"x.y"', '{"k":"e+5"}']:
         assert not _may_hold_float(text), text
+
+
+_entries = st.dictionaries(
+    st.text(max_size=8) | st.sampled_from(["meta", 'a"b', "c\\d", "é", "\x01", "trace/x"]),
+    _json,
+    max_size=6,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_entries, _entries, st.integers(0, 2**40), st.booleans())
+def test_diff_and_rollup_texts_are_canonical(
+    prev: dict[str, Any], new: dict[str, Any], seqno: int, with_touched: bool
+) -> None:
+    """A diff row's and a rollup row's texts, built from entry texts, are the canonical
+    JSON of the values they denote (keys written by json's own string encoder)."""
+    try:
+        pt = {k: canonical_json(v) for k, v in prev.items()}
+        nt = {k: canonical_json(v) for k, v in new.items()}
+        canonical_json([list(prev), list(new)])  # keys too
+    except StashError:
+        return  # not storable entries: never texts
+    touched = set(pt) | set(nt) if with_touched else None
+    changed = {k: json.loads(t) for k, t in nt.items() if pt.get(k) != t}
+    removed = sorted(k for k in pt if k not in nt)
+    want = canonical_json({"del": removed, "seqno": seqno, "set": changed})
+    assert diff_text(pt, nt, seqno, touched) == want
+    assert rollup_text(nt) == canonical_json({k: json.loads(t) for k, t in nt.items()})

@@ -29,7 +29,7 @@ from persist.landed import Landed
 from persist.lease_state import ReaderState, WriterState
 from persist.schemacache import schema_cache
 from persist.spine import Trace
-from persist.tracked import changed_keys
+from persist.tracked import noted_keys
 from stash import Antichain
 
 __all__ = [
@@ -70,6 +70,7 @@ class StateFields(Protocol):
     retention_hold: int | None
     store_id: str | None
     store_name: str | None
+    landed_notes: tuple[Mapping[str, Landed], set[str]] | None
 
     @property
     def since(self) -> Antichain: ...
@@ -250,12 +251,14 @@ def _delta_of_records(
     new: Mapping[str, Any],
     key: Callable[[str, Any], str],
     value: Callable[[Any], Any] = lambda r: r.to_json(),
+    notes: tuple[Mapping[str, Any], set[str]] | None = None,
 ) -> None:
     """Update ``data`` from the records ``old`` to ``new`` (frozen objects by id, so an
     unchanged record is the very same object): ``key(id, record)`` is its entry key.
     Only the ids ``new`` reports changed are looked at (:func:`persist.tracked.changed_keys`:
-    a command's clone of the records notes what it set or removed)."""
-    for i in changed_keys(old, new):
+    a command's clone of the records notes what it set or removed; or ``notes``, see
+    :func:`persist.tracked.noted_keys`)."""
+    for i in noted_keys(old, new, notes):
         o = old.get(i)
         r = new.get(i)
         if o is r:
@@ -299,7 +302,13 @@ def to_entries_delta(
     _delta_of_records(data, touched, old.readers, new.readers, lambda i, _r: _READER + i)
     _delta_of_records(data, touched, old.writers, new.writers, lambda i, _r: _WRITER + i)
     _delta_of_records(
-        data, touched, old.landed, new.landed, lambda _i, r: r.key, lambda r: r.entry_json()
+        data,
+        touched,
+        old.landed,
+        new.landed,
+        lambda _i, r: r.key,
+        lambda r: r.entry_json(),
+        new.landed_notes,
     )
     olds = {id(b): (b, i) for b, i in old.trace.spine_batches()}
     news = {id(b): (b, i) for b, i in new.trace.spine_batches()}

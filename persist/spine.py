@@ -175,6 +175,13 @@ class Trace:
             for b in self._levels[index].batches:
                 yield b, index
 
+    def spine_index(self) -> dict[int, tuple[SpineBatch, int]]:
+        """The spine batches with their levels by the batches' ``id()`` (what
+        :meth:`spine_batches` yields, oldest first), for comparing two versions whose
+        unchanged batches are the same objects."""
+        levels = self._levels
+        return {id(b): (b, i) for i in range(len(levels) - 1, -1, -1) for b in levels[i].batches}
+
     def spine_list(self) -> list[SpineBatch]:
         """The spine batches, oldest first, as a list (what :meth:`spine_batches`
         yields, without the levels)."""

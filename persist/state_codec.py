@@ -310,8 +310,8 @@ def to_entries_delta(
         lambda r: r.entry_json(),
         new.landed_notes,
     )
-    olds = {id(b): (b, i) for b, i in old.trace.spine_batches()}
-    news = {id(b): (b, i) for b, i in new.trace.spine_batches()}
+    olds = old.trace.spine_index()
+    news = new.trace.spine_index()
     for key, (b, i) in olds.items():
         hit = news.get(key)
         if hit is not None and hit[1] == i:

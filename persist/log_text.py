@@ -82,16 +82,17 @@ def entry_text(value: Any) -> str:
     if _C_ENCODE is None:
         return canonical_json(value)
     try:
-        text = "".join(_C_ENCODE(value, 0))
+        chunks = _C_ENCODE(value, 0)
     except (TypeError, ValueError, RecursionError):
         return canonical_json(value)
+    text = chunks[0] if len(chunks) == 1 else "".join(chunks)
     if (
         text[:1] not in ("{", "[", '"')
         or not text.isascii()
         or "\\u0000" in text
         or len(text) > MAX_ENCODED_BYTES
         or text.count("[") + text.count("{") > MAX_JSON_DEPTH
-        or _may_hold_float(text)
+        or (("." in text or "e+" in text or "e-" in text) and _may_hold_float(text))
     ):
         return canonical_json(value)
     return text

@@ -182,6 +182,11 @@ class Trace:
         levels = self._levels
         return {id(b): (b, i) for i in range(len(levels) - 1, -1, -1) for b in levels[i].batches}
 
+    def part_indexes(self) -> list[dict[str, tuple[int, int]]]:
+        """Every spine batch's :attr:`SpineBatch.part_index` (part id -> rows and bytes of
+        each of its parts that has an id; read-only), oldest first."""
+        return [b.part_index for level in reversed(self._levels) for b in level.batches]
+
     def spine_list(self) -> list[SpineBatch]:
         """The spine batches, oldest first, as a list (what :meth:`spine_batches`
         yields, without the levels)."""

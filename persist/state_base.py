@@ -296,7 +296,8 @@ class ShardStateBase:
     def referenced_part_ids(self) -> set[str]:
         """:attr:`~persist.types.PartRef.part_id` of every part the trace references
         (blob keys, ``inline:`` nonces)."""
-        return {i for b in self.trace.batches() for p in b.parts if (i := p.part_id) is not None}
+        # Each spine batch's part_index holds exactly its parts that have an id.
+        return set().union(*self.trace.part_indexes())
 
     def inline_bytes(self) -> int:
         """Total size (bytes) of the inline parts held in this state (the trace's running
@@ -620,7 +621,8 @@ class ShardStateBase:
     def contains_batch(self, batch: HollowBatch) -> bool:
         """Whether the trace holds exactly this hollow batch (e.g. a merge result that
         an earlier attempt already applied)."""
-        return any(b == batch for b in self.trace.batches())
+        n = batch.len
+        return any(b is batch or (b.len == n and b == batch) for b in self.trace.batches())
 
     def forget_retired(self, retired: Mapping[str, int]) -> bool:
         """Remove rows (row key -> retirement ms, exactly as stored: see

@@ -66,3 +66,20 @@ def test_fueled_of_is_make_fueled(bs: list[SpineBatch]) -> None:
     assert got == want
     assert _counters(got) == _counters(want)
     assert (got.len, got.fueled) == (want.len, want.fueled)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_part_indexes_name_every_referenced_part(data: st.DataObject) -> None:
+    """The union of the spine batches' part indexes (what
+    ``ShardStateBase.referenced_part_ids`` takes) is the set of ids of every part the
+    trace's hollow batches reference, through pushes and the merges they complete."""
+    from persist.spine import Trace
+
+    trace = Trace()
+    for t in range(data.draw(st.integers(0, 12))):
+        parts = tuple(_part(data.draw) for _ in range(data.draw(st.integers(0, 2))))
+        d = Description(Antichain.from_elem(t), Antichain.from_elem(t + 1))
+        trace.push_batch(HollowBatch(d, parts, sum(p.rows for p in parts)))
+        want = {i for b in trace.batches() for p in b.parts if (i := p.part_id) is not None}
+        assert set().union(*trace.part_indexes()) == want

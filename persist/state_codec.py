@@ -312,6 +312,9 @@ def to_entries_delta(
     )
     olds = old.trace.spine_index()
     news = new.trace.spine_index()
+    # The hollow batch entries of the spine batches that went: most come back, the very
+    # same objects, in the spine batch a merge made of them (not touched then).
+    gone: dict[str, Any] = {}
     for key, (b, i) in olds.items():
         hit = news.get(key)
         if hit is not None and hit[1] == i:
@@ -321,8 +324,7 @@ def to_entries_delta(
         touched.add(k)
         for p in b.parts:
             k = _HOLLOW_PREFIX + str(p.id)
-            data.pop(k, None)
-            touched.add(k)
+            gone[k] = data.get(k, _ABSENT)
     for key, (b, i) in news.items():
         hit = olds.get(key)
         if hit is not None and hit[1] == i:
@@ -333,8 +335,13 @@ def to_entries_delta(
         touched.add(k)
         for n, v in parts:
             k = _HOLLOW_PREFIX + n
+            if gone.pop(k, _ABSENT) is v:
+                continue  # the old entry's very object: unchanged
             data[k] = v
             touched.add(k)
+    for k in gone:
+        data.pop(k, None)
+        touched.add(k)
     return data, touched
 
 

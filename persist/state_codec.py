@@ -296,8 +296,10 @@ def to_entries_delta(
     for k in _FIXED:
         if k not in fixed and data.pop(k, _ABSENT) is not _ABSENT:
             touched.add(k)
-    data.update(fixed)
-    touched.update(fixed)
+    for k, v in fixed.items():
+        if data.get(k, _ABSENT) is not v:  # the shard entry is mostly the very same
+            data[k] = v
+            touched.add(k)
     # Leases and landed records are frozen: an unchanged one is the same object.
     _delta_of_records(data, touched, old.readers, new.readers, lambda i, _r: _READER + i)
     _delta_of_records(data, touched, old.writers, new.writers, lambda i, _r: _WRITER + i)

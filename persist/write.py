@@ -11,7 +11,8 @@ upload, handed down as a plain function, step 2):
 
 1. validate and plan: the bounds and the updates' times (:mod:`persist.batch_rules`:
    ``append_bounds``, ``check_times``; ``check_batches``, ``validate_truncate``,
-   ``check_appendable`` and ``plan_pieces`` for batches), the idempotency token
+   ``check_appendable`` and ``plan_pieces`` for batches; none of them for the one batch
+   ``compare_and_append`` just wrote, :func:`fresh_alone`), the idempotency token
    (:mod:`persist.idempotency`) and the append's fingerprint (:mod:`persist.fingerprint`;
    for updates of many rows hashed in the shared pool, :func:`persist.pool.in_background`,
    while step 2 writes their parts, and awaited before the commit);

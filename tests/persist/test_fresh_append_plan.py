@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from persist import MemoryBlob, PersistClient
@@ -100,9 +100,12 @@ def test_fresh_plan_is_the_general_plan(writer: WriteHandle, data: st.DataObject
     general = writer._plan_batches([b], expected, new, b)
     assert fast == general
     assert fast.temps == []
+    event("short plan taken")
 
 
-def test_fresh_plan_is_taken_by_compare_and_append(writer: WriteHandle) -> None:
+def test_fresh_plan_is_taken_by_compare_and_append(
+    writer: WriteHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The short plan is the one a one-row ``compare_and_append`` takes."""
     import persist.write as write_mod
 
@@ -113,13 +116,10 @@ def test_fresh_plan_is_taken_by_compare_and_append(writer: WriteHandle) -> None:
         taken.append(real(*args))
         return taken[-1]
 
-    write_mod.fresh_alone = spy  # type: ignore[assignment]
-    try:
-        up = writer.upper.as_option()
-        assert up is not None
-        writer.compare_and_append(_one(up), up, up + 1)
-    finally:
-        write_mod.fresh_alone = real  # type: ignore[assignment]
+    monkeypatch.setattr(write_mod, "fresh_alone", spy)
+    up = writer.upper.as_option()
+    assert up is not None
+    writer.compare_and_append(_one(up), up, up + 1)
     assert taken and taken[0] is not None
 
 

@@ -82,6 +82,7 @@ from tenacity import (
 from persist.errors import ConsensusError, InvalidUsage
 from persist.ids import validate_shard_id
 from persist.log_text import diff_text as _diff_text
+from persist.log_text import entry_text
 from persist.log_text import rollup_members as _rollup_members
 from persist.log_text import rollup_text as _rollup_text
 from persist.retired_keys import (
@@ -215,6 +216,27 @@ class HistoryAppend:
     record: Mapping[str, Any]
 
 
+#: The log names of the shards seen (shard id -> its versions' and its history's log
+#: names), their ids validated once (a regular expression match per command, else).
+_LOG_NAMES: dict[str, tuple[str, str]] = {}
+
+
+def _log_names(shard_id: str) -> tuple[str, str]:
+    """``shard_id``'s versions' and history's log names.
+
+    Raises:
+        InvalidUsage: ``shard_id`` is not a ShardId.
+    """
+    names = _LOG_NAMES.get(shard_id) if type(shard_id) is str else None
+    if names is None:
+        validate_shard_id(shard_id)
+        names = (SHARD_COLLECTION_PREFIX + shard_id, HISTORY_LOG_PREFIX + shard_id)
+        if len(_LOG_NAMES) >= 4096:
+            _LOG_NAMES.clear()
+        _LOG_NAMES[shard_id] = names
+    return names
+
+
 def _wrap(e: StashError, what: str) -> ConsensusError:
     return ConsensusError(
         f"consensus {what} failed: {e.message}", indeterminate=e.is_indeterminate()
@@ -301,8 +323,7 @@ class Consensus(ShardRegistry):
     @staticmethod
     def log_name(shard_id: str) -> str:
         """The name of the stash log holding ``shard_id``'s versions."""
-        validate_shard_id(shard_id)
-        return SHARD_COLLECTION_PREFIX + shard_id
+        return _log_names(shard_id)[0]
 
     def retired_collection(self, shard_id: str) -> StashCollection[Any, Any]:
         """The stash collection holding ``shard_id``'s retired blob keys."""
@@ -318,8 +339,7 @@ class Consensus(ShardRegistry):
     def history_log_name(shard_id: str) -> str:
         """The name of the stash log holding ``shard_id``'s history records (entry
         ``i``: the ``i``-th record, as canonical JSON; see :mod:`persist.history`)."""
-        validate_shard_id(shard_id)
-        return HISTORY_LOG_PREFIX + shard_id
+        return _log_names(shard_id)[1]
 
     def history(self, shard_id: str) -> list[dict[str, Any]]:
         """The shard's history records, oldest first (``[]`` when it has none; reads
@@ -376,8 +396,10 @@ class Consensus(ShardRegistry):
 
     @staticmethod
     def encode(value: Any) -> str:
-        """The canonical JSON text of a value (what the stash stores)."""
-        return canonical_json(value)
+        """The canonical JSON text of a state entry (what the stash stores):
+        :func:`persist.log_text.entry_text`, ``canonical_json``'s text in one call of
+        the C encoder for an entry without floats."""
+        return entry_text(value)
 
     # ---------------------------------------------------------------- versions
     def head(self, shard_id: str) -> VersionedData | None:

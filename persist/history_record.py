@@ -58,13 +58,13 @@ def parts_changed(old: ShardState, new: ShardState) -> tuple[list[tuple[int, int
     spine batch's :attr:`~persist.spine_levels.SpineBatch.part_index`; the same the
     other way round for the removed parts.
     """
-    before = [b for b, _ in old.trace.spine_batches()]
-    after = [b for b, _ in new.trace.spine_batches()]
-    old_ids = {id(b) for b in before}
+    before = old.trace.spine_list()
+    after = new.trace.spine_list()
+    old_ids = set(map(id, before))
     fresh = [b for b in after if id(b) not in old_ids]
     if not fresh and len(after) == len(before):
         return [], 0  # the same spine batches (ids are unique among the live ones)
-    new_ids = {id(b) for b in after}
+    new_ids = set(map(id, after))
     gone = [b for b in before if id(b) not in new_ids]
     shared = [b for b in after if id(b) in old_ids]
     gone_ids = {pid for b in gone for pid in b.part_index}

@@ -8,6 +8,10 @@ nested under sorted keys are the canonical text of the whole.  :func:`rollup_mem
 splits a rollup row back into its entries' texts, so a machine catching up across a
 rollup re-encodes and decodes only the entries that changed.
 
+Also here: :func:`entry_text`, the canonical text of one state entry, the way
+:func:`stash.codec.canonical_json` writes it but at the cost of one call of the
+``json`` module's C encoder for the entries that hold no float.
+
 Invariant kept here: every text built here is canonical JSON (:func:`stash.codec.canonical_json`
 of the value it denotes), given canonical entry texts.
 """
@@ -16,12 +20,82 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection, Mapping
+from json import encoder as _json_encoder
 from typing import Any
 
 from stash import StashError
-from stash.codec import canonical_json
+from stash.codec import MAX_ENCODED_BYTES, MAX_JSON_DEPTH, canonical_json
 
-__all__ = ["diff_text", "rollup_members", "rollup_text"]
+__all__ = ["diff_text", "entry_text", "rollup_members", "rollup_text"]
+
+
+def _not_json(value: Any) -> Any:
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+# The C encoder of canonical_json's options (sorted keys, no spaces, UTF-8 kept, no NaN),
+# made once: json.JSONEncoder.encode makes one per call.  None without the C module.
+# (c_make_encoder is absent from typeshed's stub.)
+_MAKE: Any = getattr(_json_encoder, "c_make_encoder", None)
+_C_ENCODE: Callable[[Any, int], list[str]] | None = (
+    None
+    if _MAKE is None
+    else _MAKE(None, _not_json, _json_encoder.encode_basestring, None, ":", ",", True, False, False)
+)
+
+# A float's text (``repr``) holds a ``.`` or an exponent with its sign (``1e+16``,
+# ``1e-05``), after a digit.
+_FLOAT_MARKS = (".", "e+", "e-")
+
+
+def _may_hold_float(text: str) -> bool:
+    """Whether the compact JSON ``text`` (ASCII) may hold a float: a float mark after
+    digits that follow ``:``, ``[`` or ``,`` (where a number stands in compact JSON, but
+    for a whole text that is a number), or the start of the text.  A false alarm (a
+    string holding such characters) only costs the slow path."""
+    for mark in _FLOAT_MARKS:
+        i = text.find(mark)
+        while i != -1:
+            j = i
+            while j > 0 and "0" <= text[j - 1] <= "9":
+                j -= 1
+            if j < i:
+                if j > 0 and text[j - 1] == "-":
+                    j -= 1
+                if j == 0 or text[j - 1] in ":[,":
+                    return True
+            i = text.find(mark, i + 1)
+    return False
+
+
+def entry_text(value: Any) -> str:
+    """:func:`stash.codec.canonical_json` of ``value``, a state entry (a JSON value
+    whose object keys are all ``str``, as every entry :mod:`persist.state_codec` makes),
+    the very same text: one call of the C encoder (``canonical_json`` first walks the
+    value in Python, for floats, keys and depth).  The few texts it cannot vouch for
+    are made by ``canonical_json`` itself (raising what it raises): those that may
+    hold a float (a whole one is written as an integer there), a NUL escape or a
+    character beyond ASCII, more than ``MAX_JSON_DEPTH`` brackets, or that are not an
+    object, array or string (a top-level number), or too long; and any value the C
+    encoder refuses.  A key that is not a ``str`` is the one thing not checked: the
+    state codec makes none."""
+    if _C_ENCODE is None:
+        return canonical_json(value)
+    try:
+        chunks = _C_ENCODE(value, 0)
+    except (TypeError, ValueError, RecursionError):
+        return canonical_json(value)
+    text = chunks[0] if len(chunks) == 1 else "".join(chunks)
+    if (
+        text[:1] not in ("{", "[", '"')
+        or not text.isascii()
+        or "\\u0000" in text
+        or len(text) > MAX_ENCODED_BYTES
+        or text.count("[") + text.count("{") > MAX_JSON_DEPTH
+        or (("." in text or "e+" in text or "e-" in text) and _may_hold_float(text))
+    ):
+        return canonical_json(value)
+    return text
 
 
 def diff_text(
@@ -47,18 +121,21 @@ def diff_text(
     changed.sort()
     removed.sort()
     # Entry keys are str (as JSON: what canonical_json makes of a str).
-    sets = ",".join(f"{_dumps(k)}:{new[k]}" for k in changed)
-    return f'{{"del":{_dumps(removed)},"seqno":{seqno},"set":{{{sets}}}}}'
+    sets = ",".join([f"{_key(k)}:{new[k]}" for k in changed])
+    dels = ",".join([_key(k) for k in removed])
+    return f'{{"del":[{dels}],"seqno":{seqno},"set":{{{sets}}}}}'
 
 
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+#: The JSON text of a str, as canonical_json writes it (``json``'s own function for
+#: strings, without the encoder's Python method around it).
+_key: Callable[[str], str] = _json_encoder.encode_basestring
 
 
 def rollup_text(new: Mapping[str, str]) -> str:
     """The canonical JSON text of a rollup row: the object of the entries ``new``
     (canonical texts by key; canonical texts nested under sorted keys are the canonical
     text of the whole, as in :func:`diff_text`)."""
-    return "{" + ",".join(f"{_dumps(k)}:{new[k]}" for k in sorted(new)) + "}"
+    return "{" + ",".join([f"{_key(k)}:{new[k]}" for k in sorted(new)]) + "}"
 
 
 # The C scanner of the json module: (value, end) of the JSON value at an index of a

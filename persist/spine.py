@@ -175,19 +175,36 @@ class Trace:
             for b in self._levels[index].batches:
                 yield b, index
 
+    def spine_index(self) -> dict[int, tuple[SpineBatch, int]]:
+        """The spine batches with their levels by the batches' ``id()`` (what
+        :meth:`spine_batches` yields, oldest first), for comparing two versions whose
+        unchanged batches are the same objects."""
+        levels = self._levels
+        return {id(b): (b, i) for i in range(len(levels) - 1, -1, -1) for b in levels[i].batches}
+
+    def part_indexes(self) -> list[dict[str, tuple[int, int]]]:
+        """Every spine batch's :attr:`SpineBatch.part_index` (part id -> rows and bytes of
+        each of its parts that has an id; read-only), oldest first."""
+        return [b.part_index for level in reversed(self._levels) for b in level.batches]
+
+    def spine_list(self) -> list[SpineBatch]:
+        """The spine batches, oldest first, as a list (what :meth:`spine_batches`
+        yields, without the levels)."""
+        return [b for level in reversed(self._levels) for b in level.batches]
+
     def inline_bytes(self) -> int:
         """The summed size (bytes) of the inline parts of every hollow batch (a sum of
         the spine batches' running counters, see :class:`SpineBatch`)."""
-        return sum(b.inline_bytes for b in self._spine_batches())
+        return sum(b.inline_bytes for level in self._levels for b in level.batches)
 
     def num_parts(self) -> int:
         """The number of parts of every hollow batch (from the spine batches' counters)."""
-        return sum(b.num_parts for b in self._spine_batches())
+        return sum(b.num_parts for level in self._levels for b in level.batches)
 
     def references_part(self, part_id: str) -> bool:
         """Whether a part with this :attr:`~persist.types.PartRef.part_id` is in the
         trace (a lookup per spine batch, see :attr:`SpineBatch.part_index`)."""
-        return any(part_id in b.part_index for b in self._spine_batches())
+        return any(part_id in b.part_index for level in self._levels for b in level.batches)
 
     def num_spine_batches(self) -> int:
         """The number of spine batches (a fueled batch counts once)."""
@@ -195,11 +212,11 @@ class Trace:
 
     def num_hollow_batches(self) -> int:
         """The number of hollow batches (what :meth:`batches` yields)."""
-        return sum(len(b.parts) for b in self._spine_batches())
+        return sum(len(b.parts) for level in self._levels for b in level.batches)
 
     def num_updates(self) -> int:
         """The summed ``len`` (rows) of all hollow batches."""
-        return sum(b.len for b in self._spine_batches())
+        return sum(b.len for level in self._levels for b in level.batches)
 
     def num_levels(self) -> int:
         """The number of levels of the spine (for diagnostics)."""

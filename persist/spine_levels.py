@@ -100,6 +100,33 @@ class SpineBatch:
     def make_fueled(id: SpineId, desc: Description, parts: tuple[IdHollowBatch, ...]) -> SpineBatch:
         return SpineBatch(id, desc, parts, sum(p.batch.len for p in parts), True)
 
+    @staticmethod
+    def fueled_of(id: SpineId, desc: Description, bs: Sequence[SpineBatch]) -> SpineBatch:
+        """:meth:`make_fueled` of the hollow batches of ``bs`` (in order), its running
+        counters summed from theirs instead of recounted from every part (the merge
+        that completes on a push does this once per append; a test compares it with
+        :meth:`make_fueled`)."""
+        parts: list[IdHollowBatch] = []
+        index: dict[str, tuple[int, int]] = {}
+        n = inline = count = 0
+        for b in bs:
+            parts.extend(b.parts)
+            index.update(b.part_index)
+            n += b.len
+            inline += b.inline_bytes
+            count += b.num_parts
+        sb = object.__new__(SpineBatch)
+        put = object.__setattr__
+        put(sb, "id", id)
+        put(sb, "desc", desc)
+        put(sb, "parts", tuple(parts))
+        put(sb, "len", n)
+        put(sb, "fueled", True)
+        put(sb, "inline_bytes", inline)
+        put(sb, "num_parts", count)
+        put(sb, "part_index", index)
+        return sb
+
     def is_empty(self) -> bool:
         return self.len == 0
 
@@ -259,10 +286,7 @@ class FuelingMerge:
         desc = Description(first.desc.lower, last.desc.upper, since)
         if all(b.len == 0 for b in bs):
             return SpineBatch.merged(IdHollowBatch(id, HollowBatch(desc)))
-        parts: list[IdHollowBatch] = []
-        for b in bs:
-            parts.extend(b.parts)
-        merged = SpineBatch.make_fueled(id, desc, tuple(parts))
+        merged = SpineBatch.fueled_of(id, desc, bs)
         if log is not None:
             log.append(FueledMergeReq(desc, merged.parts))
         return merged

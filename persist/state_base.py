@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import pyarrow as pa
 
@@ -32,7 +32,7 @@ from persist.lease_state import (
 )
 from persist.schemacache import schema_cache
 from persist.spine import ApplyMergeResult, FueledMergeReq, FueledMergeRes, Trace
-from persist.tracked import TrackedDict
+from persist.tracked import Noting, TrackedDict
 from persist.types import HollowBatch
 from persist.updates import SchemaHistory, check_schema_evolution
 from stash import Antichain
@@ -154,6 +154,9 @@ class ShardStateBase:
         store_name: that store's description (redacted), for messages.
         history_record: transient (not serialised): the record this transition asks to
             write with its version (set by the machine).
+        landed_notes: transient (not serialised): in a :meth:`clone`, the landed
+            records it was copied from and the tokens whose records it set or removed
+            since (:class:`persist.tracked.Noting`); ``None`` otherwise.
     """
 
     shard_id: str
@@ -179,6 +182,9 @@ class ShardStateBase:
     store_id: str | None = None
     store_name: str | None = None
     history_record: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    landed_notes: tuple[Mapping[str, Landed], set[str]] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if not self.schema_history:
@@ -269,7 +275,11 @@ class ShardStateBase:
         # encoding the new version looks only at those.
         fields["readers"] = TrackedDict(self.readers)
         fields["writers"] = TrackedDict(self.writers)
-        fields["landed"] = TrackedDict(self.landed)
+        # The landed records change on every append (one in, the oldest out): a plain
+        # copy (dict.copy clones the table in C) whose writes go through a Noting
+        # (record_landed), the keys noted in landed_notes.
+        fields["landed"] = self.landed.copy()
+        fields["landed_notes"] = (self.landed, set())
         fields["retire_adds"] = {}
         fields["retire_removes"] = {}
         fields["history_record"] = None
@@ -286,7 +296,8 @@ class ShardStateBase:
     def referenced_part_ids(self) -> set[str]:
         """:attr:`~persist.types.PartRef.part_id` of every part the trace references
         (blob keys, ``inline:`` nonces)."""
-        return {i for b in self.trace.batches() for p in b.parts if (i := p.part_id) is not None}
+        # Each spine batch's part_index holds exactly its parts that have an id.
+        return set().union(*self.trace.part_indexes())
 
     def inline_bytes(self) -> int:
         """Total size (bytes) of the inline parts held in this state (the trace's running
@@ -514,8 +525,10 @@ class ShardStateBase:
         """Record that the append named by ``entry`` (``token + TOKEN_SEP +
         fingerprint``) lands in the version this state becomes (seqno ``self.seqno +
         1``), pruning the oldest records (:func:`persist.landed.record`)."""
+        notes = self.landed_notes
+        landed = self.landed if notes is None else Noting(self.landed, notes[1])
         self.landed_horizon = record(
-            self.landed, self.landed_horizon, entry, self.seqno + 1, now_ms
+            cast(dict[str, Landed], landed), self.landed_horizon, entry, self.seqno + 1, now_ms
         )
 
     def heartbeat_writer(self, writer_id: str, now_ms: int, lease_ms: int) -> None:
@@ -608,7 +621,8 @@ class ShardStateBase:
     def contains_batch(self, batch: HollowBatch) -> bool:
         """Whether the trace holds exactly this hollow batch (e.g. a merge result that
         an earlier attempt already applied)."""
-        return any(b == batch for b in self.trace.batches())
+        n = batch.len
+        return any(b is batch or (b.len == n and b == batch) for b in self.trace.batches())
 
     def forget_retired(self, retired: Mapping[str, int]) -> bool:
         """Remove rows (row key -> retirement ms, exactly as stored: see

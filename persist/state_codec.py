@@ -29,7 +29,7 @@ from persist.landed import Landed
 from persist.lease_state import ReaderState, WriterState
 from persist.schemacache import schema_cache
 from persist.spine import Trace
-from persist.tracked import changed_keys
+from persist.tracked import noted_keys
 from stash import Antichain
 
 __all__ = [
@@ -70,6 +70,7 @@ class StateFields(Protocol):
     retention_hold: int | None
     store_id: str | None
     store_name: str | None
+    landed_notes: tuple[Mapping[str, Landed], set[str]] | None
 
     @property
     def since(self) -> Antichain: ...
@@ -250,12 +251,14 @@ def _delta_of_records(
     new: Mapping[str, Any],
     key: Callable[[str, Any], str],
     value: Callable[[Any], Any] = lambda r: r.to_json(),
+    notes: tuple[Mapping[str, Any], set[str]] | None = None,
 ) -> None:
     """Update ``data`` from the records ``old`` to ``new`` (frozen objects by id, so an
     unchanged record is the very same object): ``key(id, record)`` is its entry key.
     Only the ids ``new`` reports changed are looked at (:func:`persist.tracked.changed_keys`:
-    a command's clone of the records notes what it set or removed)."""
-    for i in changed_keys(old, new):
+    a command's clone of the records notes what it set or removed; or ``notes``, see
+    :func:`persist.tracked.noted_keys`)."""
+    for i in noted_keys(old, new, notes):
         o = old.get(i)
         r = new.get(i)
         if o is r:
@@ -293,16 +296,27 @@ def to_entries_delta(
     for k in _FIXED:
         if k not in fixed and data.pop(k, _ABSENT) is not _ABSENT:
             touched.add(k)
-    data.update(fixed)
-    touched.update(fixed)
+    for k, v in fixed.items():
+        if data.get(k, _ABSENT) is not v:  # the shard entry is mostly the very same
+            data[k] = v
+            touched.add(k)
     # Leases and landed records are frozen: an unchanged one is the same object.
     _delta_of_records(data, touched, old.readers, new.readers, lambda i, _r: _READER + i)
     _delta_of_records(data, touched, old.writers, new.writers, lambda i, _r: _WRITER + i)
     _delta_of_records(
-        data, touched, old.landed, new.landed, lambda _i, r: r.key, lambda r: r.entry_json()
+        data,
+        touched,
+        old.landed,
+        new.landed,
+        lambda _i, r: r.key,
+        lambda r: r.entry_json(),
+        new.landed_notes,
     )
-    olds = {id(b): (b, i) for b, i in old.trace.spine_batches()}
-    news = {id(b): (b, i) for b, i in new.trace.spine_batches()}
+    olds = old.trace.spine_index()
+    news = new.trace.spine_index()
+    # The hollow batch entries of the spine batches that went: most come back, the very
+    # same objects, in the spine batch a merge made of them (not touched then).
+    gone: dict[str, Any] = {}
     for key, (b, i) in olds.items():
         hit = news.get(key)
         if hit is not None and hit[1] == i:
@@ -312,8 +326,7 @@ def to_entries_delta(
         touched.add(k)
         for p in b.parts:
             k = _HOLLOW_PREFIX + str(p.id)
-            data.pop(k, None)
-            touched.add(k)
+            gone[k] = data.get(k, _ABSENT)
     for key, (b, i) in news.items():
         hit = olds.get(key)
         if hit is not None and hit[1] == i:
@@ -324,8 +337,13 @@ def to_entries_delta(
         touched.add(k)
         for n, v in parts:
             k = _HOLLOW_PREFIX + n
+            if gone.pop(k, _ABSENT) is v:
+                continue  # the old entry's very object: unchanged
             data[k] = v
             touched.add(k)
+    for k in gone:
+        data.pop(k, None)
+        touched.add(k)
     return data, touched
 
 

@@ -2,11 +2,13 @@
 leases and landed records report what a command touched.
 
 A transition runs on a clone of the cached version (:meth:`persist.state.ShardState.clone`),
-whose ``readers``, ``writers`` and ``landed`` maps are :class:`TrackedDict` copies of the
+whose ``readers`` and ``writers`` maps are :class:`TrackedDict` copies of the
 cached version's.  Whatever code mutates them, through any of the dict's methods, the
 keys it set or removed are in :attr:`TrackedDict.changed`, so encoding the new version
-(:func:`persist.state_codec.to_entries_delta`) looks only at those, not at the 256
-landed records every append keeps.
+(:func:`persist.state_codec.to_entries_delta`) looks only at those.  The 256 landed
+records every append keeps (one in, the oldest out, in one function) are a plain
+``dict`` copy, which ``dict.copy`` clones in C, written through a :class:`Noting`
+that notes the keys it sets or removes (:func:`noted_keys`).
 
 Invariants kept here: every key whose value may differ from the ``origin`` dict's
 (set, replaced or removed through any mutating method of ``dict``) is in ``changed``
@@ -25,10 +27,10 @@ comparing whole versions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator, Mapping, ValuesView
+from typing import Any, Generic, TypeVar
 
-__all__ = ["TrackedDict", "changed_keys"]
+__all__ = ["Noting", "TrackedDict", "changed_keys", "noted_keys"]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -108,3 +110,58 @@ def changed_keys(old: Mapping[K, Any], new: Mapping[K, Any]) -> Iterable[K]:
     keys: dict[K, None] = dict.fromkeys(old)
     keys.update(dict.fromkeys(new))
     return keys
+
+
+class Noting(Generic[K, V]):
+    """Writes to the plain dict ``target`` that note in ``changed`` the keys they set or
+    remove: what a command of a shard state hands the one function that changes its
+    landed records (:func:`persist.landed.record`), whose ``dict`` is copied at
+    C speed (``dict.copy``; a :class:`TrackedDict` copy re-inserts every key of an
+    origin that had a key removed, 256 records per append).  Only the methods that
+    function calls are offered (any other is an ``AttributeError``, never a silent
+    unnoted write)."""
+
+    __slots__ = ("changed", "target")
+
+    def __init__(self, target: dict[K, V], changed: set[K]) -> None:
+        self.target = target
+        self.changed = changed
+
+    def __setitem__(self, key: K, value: V) -> None:
+        self.changed.add(key)
+        self.target[key] = value
+
+    def pop(self, key: K, default: Any = _MISSING) -> Any:
+        if key in self.target:
+            self.changed.add(key)
+            return self.target.pop(key)
+        if default is _MISSING:
+            raise KeyError(key)
+        return default
+
+    def get(self, key: K, default: Any = None) -> Any:
+        return self.target.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.target
+
+    def __len__(self) -> int:
+        return len(self.target)
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self.target)
+
+    def values(self) -> ValuesView[V]:
+        return self.target.values()
+
+
+def noted_keys(
+    old: Mapping[K, Any], new: Mapping[K, Any], notes: tuple[Mapping[K, Any], set[K]] | None
+) -> Iterable[K]:
+    """The keys whose values may differ between ``old`` and ``new``, a copy of ``old``
+    changed only through a :class:`Noting` whose ``changed`` is ``notes[1]``, made when
+    ``notes[0]`` was copied: those keys when ``notes[0]`` is ``old`` itself, else
+    :func:`changed_keys` (every key, unless ``new`` is a :class:`TrackedDict`)."""
+    if notes is not None and notes[0] is old:
+        return notes[1]
+    return changed_keys(old, new)

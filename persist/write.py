@@ -11,7 +11,8 @@ upload, handed down as a plain function, step 2):
 
 1. validate and plan: the bounds and the updates' times (:mod:`persist.batch_rules`:
    ``append_bounds``, ``check_times``; ``check_batches``, ``validate_truncate``,
-   ``check_appendable`` and ``plan_pieces`` for batches), the idempotency token
+   ``check_appendable`` and ``plan_pieces`` for batches; none of them for the one batch
+   ``compare_and_append`` just wrote, :func:`fresh_alone`), the idempotency token
    (:mod:`persist.idempotency`) and the append's fingerprint (:mod:`persist.fingerprint`;
    for updates of many rows hashed in the shared pool, :func:`persist.pool.in_background`,
    while step 2 writes their parts, and awaited before the commit);
@@ -95,7 +96,7 @@ import logging
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import pyarrow as pa
 
@@ -155,6 +156,61 @@ _tokens = tokens
 _token = checked_token
 _carrying_token = carrying_token
 _time_range = time_range
+
+
+class AppendPlan(NamedTuple):
+    """What an append of batches pushes and gives the shard (the fields of its
+    :class:`~persist.commands.AppendCmd` that its batches decide): the hollow batches
+    to push, the temporary batches written to rewrite some (deleted if it fails), the
+    ids of the given parts it pushes, the writers whose parts they are, the other
+    writers' hand-offs it counts down, and the given parts it retires."""
+
+    pieces: tuple[HollowBatch, ...]
+    temps: list[Batch]
+    given: tuple[str, ...]
+    owners: frozenset[str]
+    handed: tuple[tuple[str, int], ...]
+    consumed: tuple[str, ...]
+
+
+def fresh_alone(
+    batches: Sequence[Batch],
+    fresh: Batch | None,
+    expected: Antichain,
+    new: Antichain,
+    appender: str,
+) -> AppendPlan | None:
+    """The :class:`AppendPlan` of an append ``[expected, new)`` whose only batch is
+    ``fresh``, the batch :meth:`WriteHandle.compare_and_append` just wrote: one run
+    (or none) described exactly ``[expected, new)``, of updates in that range, never
+    rewritten nor appended: it pushes ``fresh``'s own hollow batch, gives no part (its
+    parts are new) and counts down no hand-off but those of parts of other writers than
+    ``appender`` (none: its parts are the appender's).  What the batch rules and
+    :meth:`WriteHandle._plan_batches` make of it, without their passes (a differential
+    test checks they agree); ``None`` for any other append (planned in full)."""
+    if fresh is None or len(batches) != 1 or batches[0] is not fresh:
+        return None
+    hb = fresh.hollow
+    d = hb.desc
+    rng = fresh.time_range
+    if (
+        fresh.rewritten
+        or fresh.consumed
+        or hb.runs
+        or (hb.len == 0) != (not hb.parts)
+        or d.lower != expected
+        or d.upper != new
+        or d.since != _MINIMUM_SINCE
+        or (rng is not None and (not expected.less_equal(rng[0]) or new.less_equal(rng[1])))
+    ):
+        return None
+    owners = frozenset(w for p in hb.parts if p.key is not None and (w := key_writer_id(p.key)))
+    handed = tuple((w, 1) for w in owners if w != appender)
+    return AppendPlan((hb,), [], (), owners, handed, ())
+
+
+#: The since of a new batch's description (:class:`~persist.types.Description`'s default).
+_MINIMUM_SINCE = Description(Antichain.from_elem(0), Antichain.from_elem(1)).since
 
 
 class WriteHandle(RowChangeMethods):
@@ -574,9 +630,12 @@ class WriteHandle(RowChangeMethods):
         found not to record the retried token (:meth:`_token_landed`); ``earlier``: the
         append's ``fingerprint`` in another version (see
         :func:`persist.fingerprint.check_same_append`)."""
-        # 1. validate and plan (persist.batch_rules)
-        check_batches(batches, self.shard_id)
-        validate_truncate(batches, expected, new)
+        # 1. validate and plan (persist.batch_rules): a batch this call just wrote
+        # from updates in [expected, new) alone has nothing to check or rewrite.
+        only_fresh = fresh_alone(batches, fresh, expected, new, self.writer_id)
+        if only_fresh is None:
+            check_batches(batches, self.shard_id)
+            validate_truncate(batches, expected, new)
         if fingerprint is None:  # the batches' parts (the same in copies and retries)
             fingerprint = batches_fingerprint(expected, new, batches)
         machine = self._machine
@@ -594,39 +653,26 @@ class WriteHandle(RowChangeMethods):
         # the copy check of the commit re-lists the parts once a GC may have forgotten
         # some.
         checked_upper = machine.state().retired_upper
-        owners = self._check_appendable(batches, fresh)  # parts exist; owners checked below
-        pieces, temps, given = plan_pieces(
-            batches, expected, new, fresh, self._rewriter(expected, new)
-        )
-        fresh_keys = {k for b in [fresh, *temps] if b is not None for k in b.part_ids()}
-        kept = {k for hb in pieces for p in hb.parts if (k := p.part_id) is not None}
-        # Given parts rewritten (truncated) into new ones: retired by the commit, so a
-        # copy of their batch is refused as appended.
-        consumed = tuple(
-            k
-            for b in batches
-            if b is not fresh
-            for k in b.part_ids()
-            if k not in kept and k not in fresh_keys
-        )
+        plan = only_fresh or self._plan_batches(batches, expected, new, fresh)
         # Compaction results offered by the compactor ride along in this version.
-        merges = machine.take_merge_results() if pieces else []
+        merges = machine.take_merge_results() if plan.pieces else []
         cmd = AppendCmd(
             writer_id=self.writer_id,
             token=token,
             recorded=f"{token}{TOKEN_SEP}{fingerprint}",
             earlier=earlier,
             expected=expected,
-            pieces=tuple(pieces),
+            pieces=plan.pieces,
             lease_ms=self._lease_ms,
             registered=self._registered,
-            owners=frozenset(owners),
-            handed=tuple(handed_off_owners(batches, self.writer_id).items()),
+            owners=plan.owners,
+            handed=plan.handed,
             merges=tuple(merges),
-            given=tuple(given),
+            given=plan.given,
             lo=lo,
-            consumed=consumed if pieces else (),
+            consumed=plan.consumed,
         )
+        temps = plan.temps
         # 3. commit (the parts were written by the caller or by plan_pieces' rewrites).
         # The machine lists the given parts again (a plain function of batch_rules) once
         # a GC may have forgotten some (see persist.appended).
@@ -644,9 +690,9 @@ class WriteHandle(RowChangeMethods):
         try:
             reqs = self._apply_resolving(attempt)
         except PersistError as e:
-            self._append_failed(e, batches, temps, merges, token, bool(pieces), lo)
+            self._append_failed(e, batches, temps, merges, token, bool(plan.pieces), lo)
             raise
-        if pieces:
+        if plan.pieces:
             self._registered = True  # the append registered or renewed this writer
             self._last_heartbeat_ms = machine.now_ms()
         own = sum(
@@ -670,6 +716,42 @@ class WriteHandle(RowChangeMethods):
         reqs = [r for r in reqs if worth_compacting(r)]
         if reqs:
             maintenance.after_append(machine, reqs)
+
+    def _plan_batches(
+        self, batches: Sequence[Batch], expected: Antichain, new: Antichain, fresh: Batch | None
+    ) -> AppendPlan:
+        """The :class:`AppendPlan` of an append ``[expected, new)`` of ``batches``
+        (validated; ``fresh``: the one whose parts this call just wrote): every blob part
+        but ``fresh``'s checked to exist (:func:`persist.batch_rules.check_appendable`),
+        the hollow batches to push (:func:`persist.batch_rules.plan_pieces`, rewriting
+        physically what metadata cannot express), the parts given and consumed.
+
+        Raises:
+            PartsMissing: a part is not in the blob store (nothing is committed).
+        """
+        owners = self._check_appendable(batches, fresh)  # parts exist; owners checked later
+        pieces, temps, given = plan_pieces(
+            batches, expected, new, fresh, self._rewriter(expected, new)
+        )
+        fresh_keys = {k for b in [fresh, *temps] if b is not None for k in b.part_ids()}
+        kept = {k for hb in pieces for p in hb.parts if (k := p.part_id) is not None}
+        # Given parts rewritten (truncated) into new ones: retired by the commit, so a
+        # copy of their batch is refused as appended.
+        consumed = tuple(
+            k
+            for b in batches
+            if b is not fresh
+            for k in b.part_ids()
+            if k not in kept and k not in fresh_keys
+        )
+        return AppendPlan(
+            tuple(pieces),
+            temps,
+            tuple(given),
+            frozenset(owners),
+            tuple(handed_off_owners(batches, self.writer_id).items()),
+            consumed if pieces else (),
+        )
 
     def _append_failed(
         self,

@@ -212,3 +212,28 @@ def test_versions_are_not_chained(tmp_path: Path) -> None:
     finally:
         client.close()
         stash.close()
+
+
+@given(
+    start=st.integers(0, TOKENS_KEPT + 3),
+    tokens=st.lists(st.sampled_from(["t0", "t1", "t5", "new", "other"]), max_size=6),
+)
+def test_noting_notes_every_landed_record_changed(start: int, tokens: list[str]) -> None:
+    """Records written through a Noting (a clone's landed records) leave every token
+    whose record is not the origin's (by identity) noted, as a TrackedDict would."""
+    from persist.landed import NO_HORIZON, record
+    from persist.lease_state import TOKEN_SEP
+    from persist.tracked import Noting, noted_keys
+
+    origin: dict[str, Any] = {}
+    horizon = NO_HORIZON
+    for i in range(start):
+        horizon = record(origin, horizon, f"t{i}{TOKEN_SEP}f", i, i)
+    copy_ = origin.copy()
+    notes: tuple[dict[str, Any], set[str]] = (origin, set())
+    for n, tok in enumerate(tokens):
+        horizon = record(Noting(copy_, notes[1]), horizon, f"{tok}{TOKEN_SEP}g", start + n, 0)  # type: ignore[arg-type]
+    differ = {k for k in origin.keys() | copy_.keys() if origin.get(k) is not copy_.get(k)}
+    assert differ <= notes[1]
+    assert differ <= set(noted_keys(origin, copy_, notes))
+    assert set(noted_keys({}, copy_, notes)) == set(copy_)  # another origin: every key

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -65,19 +66,30 @@ def _sqlite_engine(
     elif not path.exists():
         raise StashError(f"sqlite stash file {path} does not exist")
     kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": busy_timeout}}
-    if mode == "readonly" and _read_only_place(path):
+    read_only_place = mode == "readonly" and not os.access(path.parent, os.W_OK)
+    if read_only_place:
         # SQLite opens a WAL-mode file only where it can create its -wal and -shm files,
-        # or when told the file is immutable: a cleanly closed file (no -wal) in a
-        # directory this process cannot write is read as such (SQLite's "immutable"
-        # URI parameter, https://www.sqlite.org/uri.html).
-        uri = f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1"
-        kwargs = {
-            "creator": lambda: sqlite3.connect(
-                uri, uri=True, check_same_thread=False, timeout=busy_timeout
-            )
-        }
+        # where a writer has them open, or when told the file is immutable: in a
+        # directory this process cannot write (a read-only mount, an archived copy), a
+        # cleanly closed file (no -wal) is read as such (SQLite's "immutable" URI
+        # parameter, https://www.sqlite.org/uri.html), each connection deciding when it
+        # is made (_connect_read_only), and checked at each checkout below.
+        kwargs = {"creator": partial(_connect_read_only, path, busy_timeout)}
     engine = sa.create_engine(url.set(database=str(path)), pool_size=pool_size, **kwargs)
     ms = int(busy_timeout * 1000)
+
+    if read_only_place:
+
+        @event.listens_for(engine, "checkout")
+        def _on_checkout(dbapi_conn: Any, _rec: Any, _proxy: Any) -> None:
+            # An immutable connection trusts that the file never changes (it ignores a
+            # -wal and keeps its cache); a writer elsewhere (another user, a writable
+            # mount of the same directory) may have opened it since: then the pool
+            # makes a new connection, which reads what is committed now.
+            if getattr(dbapi_conn, "signature", None) != _signature(path):
+                raise sa.exc.DisconnectionError(
+                    f"sqlite stash file {path} changed since this connection opened it"
+                )
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
@@ -98,11 +110,35 @@ def _sqlite_engine(
     return engine
 
 
-def _read_only_place(path: Path) -> bool:
-    """Whether ``path`` is a cleanly closed stash file (no ``-wal`` beside it) in a
-    directory this process cannot write (a read-only mount, an archived copy)."""
-    wal = path.with_name(path.name + "-wal")
-    return not wal.exists() and not os.access(path.parent, os.W_OK)
+class _ReadOnlyConnection(sqlite3.Connection):
+    """A connection of a readonly stash in a directory it cannot write, with the
+    :func:`_signature` of its file when it was made (``None``: read through a
+    writer's -wal)."""
+
+    signature: tuple[int, int, int] | None = None
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    """``(inode, size, mtime in ns)`` of a cleanly closed stash file (no ``-wal``
+    beside it), or ``None`` while a writer has it open (a ``-wal`` beside it)."""
+    if path.with_name(path.name + "-wal").exists():
+        return None
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _connect_read_only(path: Path, timeout: float) -> sqlite3.Connection:
+    """A read-only connection to ``path`` in a directory this process cannot write:
+    ``immutable`` when the file is cleanly closed (SQLite cannot create the -wal and
+    -shm it needs otherwise), else through the -wal and -shm its writer keeps."""
+    sig = _signature(path)
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro" + ("" if sig is None else "&immutable=1")
+    conn = sqlite3.connect(
+        uri, uri=True, check_same_thread=False, timeout=timeout, factory=_ReadOnlyConnection
+    )
+    assert isinstance(conn, _ReadOnlyConnection)
+    conn.signature = sig
+    return conn
 
 
 _SQLITE_IOERR = 10  # SQLITE_IOERR: the primary result code of every I/O failure

@@ -12,8 +12,9 @@ step.  A write whose version is not above the app id's committed one writes noth
   another process, after the writer's lease ran out): it returns the time recorded,
   without writing again.  Its rows must be the ones recorded, in any order (their
   fingerprint as a multiset, :func:`rows_fingerprint`, as conformed to the table's
-  schema), else :class:`~persist.errors.InvalidUsage`: an ``(app_id, version)`` names
-  one write;
+  schema; after another writer evolved the schema, as conformed back to the version
+  the write was recorded under, :func:`earlier_fingerprints`), else
+  :class:`~persist.errors.InvalidUsage`: an ``(app_id, version)`` names one write;
 * a lower version is refused with :class:`StaleAppVersion` (naming the app id, the
   version and the committed one; nothing is written).  Delta's writers skip it
   silently; here it is refused, since its result (the time its rows were committed at)
@@ -63,7 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -77,6 +78,7 @@ from stash import Antichain, AppendBatch, AppendLowerMismatch, StashCollection
 
 if TYPE_CHECKING:
     from persist.context import PersistContext
+    from persist.updates import SchemaHistory
 
 __all__ = [
     "APP_TXN_COLLECTION_PREFIX",
@@ -85,6 +87,7 @@ __all__ = [
     "AppTxnRecord",
     "Seen",
     "StaleAppVersion",
+    "earlier_fingerprints",
     "rows_fingerprint",
 ]
 
@@ -222,6 +225,31 @@ def rows_fingerprint(rows: pa.Table) -> str:
     return updates_fingerprint(Antichain(), Antichain(), rows)
 
 
+def earlier_fingerprints(rows: pa.Table, history: SchemaHistory) -> Iterator[str]:
+    """The fingerprints (:func:`rows_fingerprint`) ``rows``, conformed to the newest
+    schema version of ``history``, had as a write of each earlier version: the same
+    rows as a writer of that version made them, the columns added since left out and
+    each column cast back to its type then.  A version is passed over when a column of
+    its was dropped since (its values cannot be told), when ``rows`` hold a value in a
+    column added since (no write of that version made it), or when a value does not
+    cast back exactly.  So a retry after the schema evolved finds the write recorded
+    under an earlier version (newest first)."""
+    versions = history.versions
+    for i in range(history.newest - 1, -1, -1):
+        if history.dropped_after(i):
+            continue
+        kept = set(versions[i].names)
+        added = [n for n in versions[history.newest].names if n not in kept]
+        if any(rows.column(n).null_count != rows.num_rows for n in added):
+            continue
+        schema = pa.schema([*history.key_schema, *versions[i]])
+        try:
+            old = rows.select(schema.names).cast(schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError):
+            continue  # ValueError: a null in a column not nullable then
+        yield rows_fingerprint(old)
+
+
 @dataclass(frozen=True)
 class Seen:
     """An app id's record as read at the collection's upper (``batch.lower``), and the
@@ -333,9 +361,17 @@ class AppTxnLog:
         record, raw = self._record(coll, app_id)
         return Seen(record, raw, coll, probe.lower, probe.upper, probe.compact, probe.timestamp)
 
-    def settle(self, app: AppTransaction, record: AppTxnRecord, fp: str) -> int:
+    def settle(
+        self,
+        app: AppTransaction,
+        record: AppTxnRecord,
+        fp: str,
+        earlier: Callable[[], Iterable[str]] = tuple,
+    ) -> int:
         """The result of a write of ``app`` when ``record`` (of ``app.app_id``) is at or
-        beyond its version: the time recorded (the same write, retried).
+        beyond its version: the time recorded (the same write, retried: its
+        fingerprint ``fp``, or one of ``earlier()``, the fingerprints of its rows under
+        the table's earlier schema versions, :func:`earlier_fingerprints`).
 
         Raises:
             StaleAppVersion: ``app.version`` is below the record's.
@@ -343,7 +379,7 @@ class AppTxnLog:
         """
         if app.version < record.version:
             raise StaleAppVersion(self.table, app.app_id, app.version, record.version)
-        if fp != record.fingerprint:
+        if fp != record.fingerprint and record.fingerprint not in earlier():
             raise InvalidUsage(
                 f"table {self.table!r}: app transaction {app.app_id!r} version "
                 f"{app.version} was committed at time {record.time} with other rows "

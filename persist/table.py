@@ -51,8 +51,9 @@ import contextlib
 import datetime as dt
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,7 +62,13 @@ import pyarrow.compute as pc
 
 from persist import retention
 from persist import rows as rows_mod
-from persist.app_txn import AppTransaction, AppTxnLog, Seen, rows_fingerprint
+from persist.app_txn import (
+    AppTransaction,
+    AppTxnLog,
+    Seen,
+    earlier_fingerprints,
+    rows_fingerprint,
+)
 from persist.arrow_input import as_arrow_table
 from persist.commit_note import noting
 from persist.compactor import Compactor
@@ -86,6 +93,7 @@ from persist.relation import expand_rows
 from persist.rows import RowChanges
 from persist.state import LeaseExpired, ShardState
 from persist.txn import Txn, TxnUpperMismatch
+from persist.updates import SchemaHistory
 from persist.version_read import read_version
 from persist.write import WriteHandle
 from stash import redact
@@ -302,7 +310,7 @@ class Table:
                 log, fp = AppTxnLog(self._ctx, self.shard_id, self.name), rows_fingerprint(rows)
                 seen = log.read(app.app_id)
                 if seen.record is not None and seen.record.version >= app.version:
-                    return log.settle(app, seen.record, fp)
+                    return log.settle(app, seen.record, fp, self._earlier(rows, w))
             if rows.num_rows == 0:
                 # A change that changes nothing writes nothing (an app transaction's
                 # version alone is recorded, apart from the shard).
@@ -322,18 +330,27 @@ class Table:
                     if app is None:
                         return txn.commit()
                     assert log is not None and seen is not None and fp is not None
-                    return self._commit_app(txn, log, seen, app, rows.num_rows, fp)
+                    earlier = self._earlier(rows, w)
+                    return self._commit_app(txn, log, seen, app, rows.num_rows, fp, earlier)
             except BaseException:
                 txn.abort()
                 raise
 
     def _commit_app(
-        self, txn: Txn, log: AppTxnLog, seen: Seen, app: AppTransaction, n: int, fp: str
+        self,
+        txn: Txn,
+        log: AppTxnLog,
+        seen: Seen,
+        app: AppTransaction,
+        n: int,
+        fp: str,
+        earlier: Callable[[], Iterable[str]],
     ) -> int:
         """Commit ``txn`` (the rows of an append) with the record of ``app``, read in
         ``seen``, at the next time; a race on the shard moves the time later, a race on
         the app transaction records decides again on them (another writer may have
-        committed ``app``: then ``txn`` is aborted and the recorded time returned).
+        committed ``app``: then ``txn`` is aborted and the recorded time returned;
+        ``fp``, ``earlier``: as :meth:`persist.app_txn.AppTxnLog.settle`).
 
         Raises: as :meth:`persist.txn.Txn.commit`; the last race after
             ``txn.max_commit_attempts`` of them."""
@@ -362,7 +379,16 @@ class Table:
             seen = log.read(app.app_id)
             if seen.record is not None and seen.record.version >= app.version:
                 txn.abort()
-                return log.settle(app, seen.record, fp)
+                return log.settle(app, seen.record, fp, earlier)
+
+    def _earlier(self, rows: pa.Table, w: WriteHandle) -> Callable[[], Iterator[str]]:
+        """The fingerprints of ``rows`` (conformed to ``w``'s schema version) under the
+        table's earlier schema versions, computed when called
+        (:func:`persist.app_txn.earlier_fingerprints`)."""
+        h = self._state().schemas()
+        return partial(
+            earlier_fingerprints, rows, SchemaHistory(h.key_schema, h.versions[: w.schema_id + 1])
+        )
 
     def _definite_time(self) -> int:
         """The time a write that writes nothing reports: ``upper - 1`` of the latest

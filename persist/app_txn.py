@@ -316,12 +316,18 @@ class AppTxnLog:
     def _record(
         self, coll: StashCollection[Any, Any], app_id: str
     ) -> tuple[AppTxnRecord | None, Any]:
-        """``(record, stored value)`` of ``app_id`` (``(None, None)``: none)."""
+        """``(record, stored value)`` of ``app_id`` (``(None, None)``: none): what its
+        rows sum to, whatever times they are kept at (a retention on the collection
+        keeps a replaced record and its retraction apart)."""
         rows = self._call(
             f"reading app transaction {app_id!r}",
             lambda: self._ctx.stash.iter_key(coll, app_id),
         )
-        live = [(v, d) for v, _t, d in rows if d != 0]
+        sums: dict[str, tuple[Any, int]] = {}
+        for v, _t, d in rows:
+            text = json.dumps(v, sort_keys=True)
+            sums[text] = (v, sums.get(text, (v, 0))[1] + d)
+        live = [(v, d) for v, d in sums.values() if d != 0]
         if not live:
             return None, None
         if len(live) > 1 or live[0][1] != 1:

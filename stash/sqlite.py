@@ -120,10 +120,14 @@ class _ReadOnlyConnection(sqlite3.Connection):
 
 def _signature(path: Path) -> tuple[int, int, int] | None:
     """``(inode, size, mtime in ns)`` of a cleanly closed stash file (no ``-wal``
-    beside it), or ``None`` while a writer has it open (a ``-wal`` beside it)."""
-    if path.with_name(path.name + "-wal").exists():
+    beside it), or ``None`` while a writer has it open (a ``-wal`` beside it) or the
+    file cannot be read (then SQLite's open says why)."""
+    try:
+        if path.with_name(path.name + "-wal").exists():
+            return None
+        st = path.stat()
+    except OSError:
         return None
-    st = path.stat()
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 

@@ -53,7 +53,6 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -385,10 +384,13 @@ class Table:
         """The fingerprints of ``rows`` (conformed to ``w``'s schema version) under the
         table's earlier schema versions, computed when called
         (:func:`persist.app_txn.earlier_fingerprints`)."""
-        h = self._state().schemas()
-        return partial(
-            earlier_fingerprints, rows, SchemaHistory(h.key_schema, h.versions[: w.schema_id + 1])
-        )
+
+        def earlier() -> Iterator[str]:
+            h = self._machine.state().schemas()
+            versions = h.versions[: w.schema_id + 1]
+            return earlier_fingerprints(rows, SchemaHistory(h.key_schema, versions))
+
+        return earlier
 
     def _definite_time(self) -> int:
         """The time a write that writes nothing reports: ``upper - 1`` of the latest

@@ -73,7 +73,8 @@ def _sqlite_engine(
         # directory this process cannot write (a read-only mount, an archived copy), a
         # cleanly closed file (no -wal) is read as such (SQLite's "immutable" URI
         # parameter, https://www.sqlite.org/uri.html), each connection deciding when it
-        # is made (_connect_read_only), and checked at each checkout below.
+        # is made (_connect_read_only), checked at each checkout below and at the end of
+        # each read (_ReadOnlyCursor: a read a writer's checkpoint overlapped runs again).
         kwargs = {"creator": partial(_connect_read_only, path, busy_timeout)}
     engine = sa.create_engine(url.set(database=str(path)), pool_size=pool_size, **kwargs)
     ms = int(busy_timeout * 1000)
@@ -112,10 +113,87 @@ def _sqlite_engine(
 
 class _ReadOnlyConnection(sqlite3.Connection):
     """A connection of a readonly stash in a directory it cannot write, with the
-    :func:`_signature` of its file when it was made (``None``: read through a
-    writer's -wal)."""
+    :func:`_signature` of its file ``path`` when it was made (``None``: read through a
+    writer's -wal).  Its ``execute`` runs on a :class:`_ReadOnlyCursor`."""
 
     signature: tuple[int, int, int] | None = None
+    path: Path | None = None
+
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        return self.cursor(_ReadOnlyCursor).execute(sql, parameters)
+
+    def changed(self) -> bool:
+        """Whether this connection is immutable and its file changed since it was made
+        (a writer opened it: its -wal appeared, or a checkpoint rewrote pages)."""
+        return (
+            self.signature is not None
+            and self.path is not None
+            and _signature(self.path) != self.signature
+        )
+
+
+#: The error an immutable connection's statement raises when the file changed under
+#: it: SQLite's "busy", which the stash answers by running the transaction again (on a
+#: new connection: the pool's checkout check replaces this one).
+_CHANGED = (
+    "database is busy: the stash file changed while this read-only connection read it "
+    "as immutable (a writer opened it)"
+)
+
+
+class _ReadOnlyCursor(sqlite3.Cursor):
+    """A cursor of a :class:`_ReadOnlyConnection`: on an immutable connection whose
+    file changed, an error while reading (pages of two states read as one B-tree:
+    "database disk image is malformed") and the COMMIT ending a read (its rows may mix
+    two states) raise SQLite's "busy" instead (:data:`_CHANGED`), so the read is run
+    again and sees one committed state."""
+
+    def _changed(self) -> bool:
+        conn = self.connection
+        return isinstance(conn, _ReadOnlyConnection) and conn.changed()
+
+    def execute(self, sql: str, parameters: Any = (), /) -> _ReadOnlyCursor:
+        if sql == "COMMIT" and self._changed():
+            raise sqlite3.OperationalError(_CHANGED)
+        try:
+            super().execute(sql, parameters)
+            return self
+        except sqlite3.DatabaseError as e:
+            if self._changed():
+                raise sqlite3.OperationalError(_CHANGED) from e
+            raise
+
+    def fetchone(self) -> Any:
+        try:
+            return super().fetchone()
+        except sqlite3.DatabaseError as e:
+            if self._changed():
+                raise sqlite3.OperationalError(_CHANGED) from e
+            raise
+
+    def fetchmany(self, size: int | None = None) -> list[Any]:
+        try:
+            return super().fetchmany(self.arraysize if size is None else size)
+        except sqlite3.DatabaseError as e:
+            if self._changed():
+                raise sqlite3.OperationalError(_CHANGED) from e
+            raise
+
+    def fetchall(self) -> list[Any]:
+        try:
+            return super().fetchall()
+        except sqlite3.DatabaseError as e:
+            if self._changed():
+                raise sqlite3.OperationalError(_CHANGED) from e
+            raise
+
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()
+        except sqlite3.DatabaseError as e:
+            if self._changed():
+                raise sqlite3.OperationalError(_CHANGED) from e
+            raise
 
 
 def _signature(path: Path) -> tuple[int, int, int] | None:
@@ -141,7 +219,7 @@ def _connect_read_only(path: Path, timeout: float) -> sqlite3.Connection:
         uri, uri=True, check_same_thread=False, timeout=timeout, factory=_ReadOnlyConnection
     )
     assert isinstance(conn, _ReadOnlyConnection)
-    conn.signature = sig
+    conn.signature, conn.path = sig, path
     return conn
 
 

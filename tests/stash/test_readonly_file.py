@@ -18,6 +18,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -161,3 +162,40 @@ def test_readonly_stash_on_a_read_only_view_sees_a_writer_that_starts_later(
             assert CFG.peek_one(r) == {"n": 4}
         finally:
             r.close()
+
+
+def test_a_read_that_a_writer_overlaps_is_read_again(tmp_path: Path) -> None:
+    """A read of an immutable connection that a writer's checkpoint overlaps (the writer
+    opened the file elsewhere, committed and closed, copying its pages into the file
+    under the read): the read is run again on a new connection and sees one committed
+    state.  It used to fail with "database disk image is malformed" (pages of two
+    states read as one B-tree), or could return rows of two states."""
+    a: TypedCollection[str, int] = TypedCollection("a", key="str", value="int")
+    b: TypedCollection[str, int] = TypedCollection("b", key="str", value="int")
+    src = tmp_path / "src"
+    src.mkdir()
+    with Stash.open(f"sqlite:///{src}/stash.db") as s:
+        for c in (a, b):  # enough rows that the collections lie on pages of their own
+            c.upsert(s, [(f"k{i:05d}", i) for i in range(3000)])
+            c.upsert_key(s, "n", 1)
+        ids = a.get(s).id, b.get(s).id
+    with read_only_view(src, tmp_path) as (ro, let_writer_in):
+        r = Stash.open(f"sqlite:///{ro}/stash.db", mode="readonly")
+        runs = []
+
+        def read(tx: Any) -> list[list[Any]]:
+            runs.append(1)
+            first = tx.rows(ids[0])
+            if len(runs) == 1:  # a writer commits and checkpoints meanwhile
+                let_writer_in()
+                with Stash.open(f"sqlite:///{src}/stash.db") as w:
+                    a.upsert_key(w, "n", 2)
+                    b.upsert_key(w, "n", 2)
+            return [[x for x in rows if x[0] == '"n"'] for rows in (first, tx.rows(ids[1]))]
+
+        try:
+            got = r._read(read, codecs=())
+        finally:
+            r.close()
+        assert len(runs) == 2  # read again, after the writer closed
+        assert [[v for _k, v, _t, _d in rows] for rows in got] == [["2"], ["2"]]

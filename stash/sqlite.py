@@ -15,7 +15,12 @@ Invariants kept here:
   COMMIT (the WAL frame may or may not be on disk) is an
   :class:`~stash.errors.IndeterminateError`, never success or plain failure;
 * a savepoint handle works on session-private (``TEMP``) copies of the stash tables,
-  inside one transaction that is never committed.
+  inside one transaction that is never committed;
+* a readonly handle in a directory it cannot write reads a cleanly closed file as
+  ``immutable`` (SQLite cannot create the -wal and -shm it needs), but never trusts
+  that it stays so: a connection whose file changed since it was made (a writer
+  opened it elsewhere) is replaced at checkout, and a read it was serving when the
+  file changed is run again (one committed state per read, never two).
 
 This module imports :mod:`stash.sql`, never the reverse: :mod:`stash.sql` finds
 :class:`SqliteOps` by name (``stash.sql.SQL_DIALECTS``).  Source of the idea:

@@ -5,7 +5,8 @@
   under a read lock, restarted by SQLite when a writer commits in between, so the copy
   is one committed state); any other stash through one read transaction (Postgres:
   ``REPEATABLE READ``) whose rows are written to a new SQLite stash file.  The backup is
-  itself a stash: ``sqlite:///FILE`` opens it.
+  itself a stash: ``sqlite:///FILE`` opens it.  It is written under a temporary name
+  beside ``FILE`` and put in place once whole: a backup that fails leaves no file.
 * :func:`restore` brings a backup into a stash: onto a SQLite file with the online
   backup API (the whole database is replaced, in one step for readers); into any other
   stash by importing its snapshot (the target must hold none of its collections).
@@ -34,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,13 +175,39 @@ def backup(url: str, file: str | os.PathLike[str]) -> None:
     if dst.exists():
         raise StashError(f"backup file {dst} exists; choose a new file")
     src = _sqlite_path(url)
-    with Stash.open(url, mode="readonly", fenced=False) as s:  # checks the schema
-        if src is not None:
-            _online_copy(src, dst)
-            return
-        snap = read_snapshot(s)
-    with Stash.open(f"sqlite:///{dst}", fenced=False) as out:
-        write_snapshot(out, snap)
+    # Written under a temporary name beside the target, put in place once whole: a
+    # backup that fails half way leaves no file (an empty or partial stash that a
+    # restore would take for a backup).
+    part = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.partial")
+    try:
+        with Stash.open(url, mode="readonly", fenced=False) as s:  # checks the schema
+            snap = None if src is not None else read_snapshot(s)
+            if src is not None:
+                _online_copy(src, part)
+        if snap is not None:
+            with Stash.open(f"sqlite:///{part}", fenced=False) as out:
+                write_snapshot(out, snap)
+        _publish(part, dst)
+    finally:
+        for p in (part, part.with_name(part.name + "-wal"), part.with_name(part.name + "-shm")):
+            p.unlink(missing_ok=True)
+
+
+def _publish(part: Path, dst: Path) -> None:
+    """Put the closed SQLite file ``part`` in place as ``dst``, never over a file that
+    appeared there meanwhile (a hard link where the file system has them).
+
+    Raises:
+        StashError: ``dst`` exists.
+    """
+    try:
+        os.link(part, dst)
+    except FileExistsError:
+        raise StashError(f"backup file {dst} exists; choose a new file") from None
+    except OSError:  # no hard links here
+        if dst.exists():
+            raise StashError(f"backup file {dst} exists; choose a new file") from None
+        os.replace(part, dst)
 
 
 def restore(file: str | os.PathLike[str], url: str, *, replace: bool = False) -> None:

@@ -87,6 +87,7 @@ __all__ = [
     "AppTxnRecord",
     "Seen",
     "StaleAppVersion",
+    "check_app_id",
     "earlier_fingerprints",
     "rows_fingerprint",
 ]
@@ -112,16 +113,29 @@ class AppTransaction:
     version: int
 
     def __post_init__(self) -> None:
-        a, v = self.app_id, self.version
-        if not isinstance(a, str) or not 1 <= len(a) <= APP_ID_MAX or not a.isprintable():
-            raise InvalidUsage(
-                f"app transaction: app_id must be a printable str of 1 to {APP_ID_MAX} "
-                f"characters, got {a!r}"
-            )
+        a, v = check_app_id(self.app_id), self.version
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
             raise InvalidUsage(
                 f"app transaction {a!r}: version must be an int in [0, 2**63), got {v!r}"
             )
+
+
+def check_app_id(app_id: Any) -> str:
+    """``app_id`` if it is an app id: a printable str of 1 to :data:`APP_ID_MAX`
+    characters (the one rule of :class:`AppTransaction` and
+    :meth:`persist.table.Table.transaction_version`).
+
+    Raises:
+        InvalidUsage: naming the value and the rule.
+    """
+    a = app_id
+    if not isinstance(a, str) or not 1 <= len(a) <= APP_ID_MAX or not a.isprintable():
+        shown = repr(a) if len(repr(a)) <= 80 else repr(a)[:77] + "..."
+        raise InvalidUsage(
+            f"app transaction: app_id must be a printable str of 1 to {APP_ID_MAX} "
+            f"characters, got {shown}"
+        )
+    return a
 
 
 class StaleAppVersion(InvalidUsage):
@@ -225,9 +239,9 @@ def rows_fingerprint(rows: pa.Table) -> str:
     return updates_fingerprint(Antichain(), Antichain(), rows)
 
 
-def earlier_fingerprints(rows: pa.Table, history: SchemaHistory) -> Iterator[str]:
-    """The fingerprints (:func:`rows_fingerprint`) ``rows``, conformed to the newest
-    schema version of ``history``, had as a write of each earlier version: the same
+def earlier_fingerprints(rows: pa.Table, history: SchemaHistory, schema_id: int) -> Iterator[str]:
+    """The fingerprints (:func:`rows_fingerprint`) ``rows``, conformed to schema version
+    ``schema_id`` of ``history``, had as a write of each earlier version: the same
     rows as a writer of that version made them, the columns added since left out and
     each column cast back to its type then.  A version is passed over when a column of
     its was dropped since (its values cannot be told), when ``rows`` hold a value in a
@@ -235,11 +249,11 @@ def earlier_fingerprints(rows: pa.Table, history: SchemaHistory) -> Iterator[str
     cast back exactly.  So a retry after the schema evolved finds the write recorded
     under an earlier version (newest first)."""
     versions = history.versions
-    for i in range(history.newest - 1, -1, -1):
+    for i in range(schema_id - 1, -1, -1):
         if history.dropped_after(i):
             continue
         kept = set(versions[i].names)
-        added = [n for n in versions[history.newest].names if n not in kept]
+        added = [n for n in versions[schema_id].names if n not in kept]
         if any(rows.column(n).null_count != rows.num_rows for n in added):
             continue
         schema = pa.schema([*history.key_schema, *versions[i]])

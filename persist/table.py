@@ -53,6 +53,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,6 +66,7 @@ from persist.app_txn import (
     AppTransaction,
     AppTxnLog,
     Seen,
+    check_app_id,
     earlier_fingerprints,
     rows_fingerprint,
 )
@@ -92,7 +94,6 @@ from persist.relation import expand_rows
 from persist.rows import RowChanges
 from persist.state import LeaseExpired, ShardState
 from persist.txn import Txn, TxnUpperMismatch
-from persist.updates import SchemaHistory
 from persist.version_read import read_version
 from persist.write import WriteHandle
 from stash import redact
@@ -309,7 +310,9 @@ class Table:
                 log, fp = AppTxnLog(self._ctx, self.shard_id, self.name), rows_fingerprint(rows)
                 seen = log.read(app.app_id)
                 if seen.record is not None and seen.record.version >= app.version:
-                    return log.settle(app, seen.record, fp, self._earlier(rows, w))
+                    return log.settle(
+                        app, seen.record, fp, partial(self._earlier, rows, w.schema_id)
+                    )
             if rows.num_rows == 0:
                 # A change that changes nothing writes nothing (an app transaction's
                 # version alone is recorded, apart from the shard).
@@ -329,7 +332,7 @@ class Table:
                     if app is None:
                         return txn.commit()
                     assert log is not None and seen is not None and fp is not None
-                    earlier = self._earlier(rows, w)
+                    earlier = partial(self._earlier, rows, w.schema_id)
                     return self._commit_app(txn, log, seen, app, rows.num_rows, fp, earlier)
             except BaseException:
                 txn.abort()
@@ -380,17 +383,9 @@ class Table:
                 txn.abort()
                 return log.settle(app, seen.record, fp, earlier)
 
-    def _earlier(self, rows: pa.Table, w: WriteHandle) -> Callable[[], Iterator[str]]:
-        """The fingerprints of ``rows`` (conformed to ``w``'s schema version) under the
-        table's earlier schema versions, computed when called
-        (:func:`persist.app_txn.earlier_fingerprints`)."""
-
-        def earlier() -> Iterator[str]:
-            h = self._machine.state().schemas()
-            versions = h.versions[: w.schema_id + 1]
-            return earlier_fingerprints(rows, SchemaHistory(h.key_schema, versions))
-
-        return earlier
+    def _earlier(self, rows: pa.Table, schema_id: int) -> Iterator[str]:
+        """:func:`persist.app_txn.earlier_fingerprints` of ``rows`` (of ``schema_id``)."""
+        return earlier_fingerprints(rows, self._machine.state().schemas(), schema_id)
 
     def _definite_time(self) -> int:
         """The time a write that writes nothing reports: ``upper - 1`` of the latest
@@ -406,9 +401,12 @@ class Table:
         ``DeltaTable.transaction_version``.
 
         Raises:
+            InvalidUsage: ``app_id`` is not an app id (a printable str of 1 to 255
+                characters, as :class:`~persist.app_txn.AppTransaction`'s).
             ConsensusError: the stash failed, or the record is malformed.
         """
         self._check_open("transaction_version")
+        check_app_id(app_id)
         rec = AppTxnLog(self._ctx, self.shard_id, self.name).committed(app_id)
         return None if rec is None else rec.version
 

@@ -91,3 +91,17 @@ def test_a_retry_of_a_write_whose_column_was_dropped_is_refused(
     with pytest.raises(InvalidUsage, match="other rows"):
         t.append(ROWS.drop_columns(["b"]), app_transaction=APP)
     assert client.inspect("t").seqno == seqno
+
+
+@pytest.mark.parametrize("app_id", [None, 5, b"job", "", "\x00", "x" * 256, "a\nb"])
+def test_transaction_version_refuses_what_is_no_app_id(
+    client: PersistClient, app_id: object
+) -> None:
+    """``transaction_version`` takes an app id by the rule of ``AppTransaction``: a bad
+    one is the caller's error (InvalidUsage naming the rule), not a failure of the stash
+    (a ConsensusError, as it was for a non-str or a NUL) nor ``None`` (as for "" or
+    300 characters: an id no write can have)."""
+    t = client.create_table("t", SCHEMA, key=["k"])
+    t.append(ROWS, app_transaction=APP)
+    with pytest.raises(InvalidUsage, match="app_id must be a printable str of 1 to 255"):
+        t.transaction_version(app_id)  # type: ignore[arg-type]

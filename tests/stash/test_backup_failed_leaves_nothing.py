@@ -69,3 +69,25 @@ def test_a_failed_backup_leaves_no_file(
     assert sorted(p.name for p in dst.parent.iterdir()) == ["backup.db"]
     with Stash.open(f"sqlite:///{dst}", mode="readonly", fenced=False) as b:
         assert len(CFG.peek_one(b)) == 2000
+
+
+def test_a_failed_restore_into_a_new_file_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore into a SQLite file that does not exist yet, failing half way, leaves
+    no file.  It used to leave the pages copied so far: a partial stash that opened
+    and listed the backup's collections, and a second restore was refused ("holds
+    collections; pass replace=True")."""
+    with Stash.open(f"sqlite:///{tmp_path}/src.db", fenced=False) as s:
+        CFG.upsert(s, [(f"k{i}", i) for i in range(2000)])
+    ops.backup(f"sqlite:///{tmp_path}/src.db", tmp_path / "backup.db")
+    target = tmp_path / "out" / "restored.db"
+    target.parent.mkdir()
+    with monkeypatch.context() as m:
+        _failing_copy(m)
+        with pytest.raises((StashError, sqlite3.Error)):
+            ops.restore(tmp_path / "backup.db", f"sqlite:///{target}")
+    assert list(target.parent.iterdir()) == []
+    ops.restore(tmp_path / "backup.db", f"sqlite:///{target}")  # again: it works
+    with Stash.open(f"sqlite:///{target}", mode="readonly", fenced=False) as t:
+        assert len(CFG.peek_one(t)) == 2000

@@ -1,8 +1,8 @@
-"""A backup that fails half way leaves no file: the copy is written beside the target
-under a temporary name and put in place only once whole.  A failed backup used to
-leave the file it had created (an empty stash, or a partial copy), so running it again
-was refused ("exists; choose a new file") and a restore of that file restored an empty
-or partial stash without a word."""
+"""A backup (or a restore into a new file) that fails half way leaves no file: the copy
+is written beside the target under a temporary name and put in place only once whole.
+A failed backup used to leave the file it had created (an empty file, or an empty
+migrated stash), so running it again was refused ("exists; choose a new file") and a
+restore of that file restored an empty stash without a word."""
 
 from __future__ import annotations
 
@@ -19,15 +19,19 @@ CFG: TypedCollection[str, int] = TypedCollection("cfg", key="str", value="int")
 
 
 def _failing_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SQLite's online backup fails half way (pages written, then an I/O error)."""
+    """SQLite's online backup fails half way (half the pages copied, then an I/O
+    error: SQLite rolls the target back to what it was, an empty file)."""
 
     class Conn:
         def __init__(self, inner: sqlite3.Connection) -> None:
             self.inner = inner
 
         def backup(self, target: Any) -> None:
-            self.inner.backup(target.inner, pages=1)
-            raise sqlite3.OperationalError("disk I/O error")
+            def progress(_status: int, remaining: int, total: int) -> None:
+                if remaining < total // 2:
+                    raise sqlite3.OperationalError("disk I/O error")
+
+            self.inner.backup(target.inner, pages=1, progress=progress)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self.inner, name)
@@ -75,9 +79,8 @@ def test_a_failed_restore_into_a_new_file_leaves_no_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A restore into a SQLite file that does not exist yet, failing half way, leaves
-    no file.  It used to leave the pages copied so far: a partial stash that opened
-    and listed the backup's collections, and a second restore was refused ("holds
-    collections; pass replace=True")."""
+    no file.  It used to leave the file it had created (empty: SQLite rolled the copy
+    back), where a stash then opened as an empty one."""
     with Stash.open(f"sqlite:///{tmp_path}/src.db", fenced=False) as s:
         CFG.upsert(s, [(f"k{i}", i) for i in range(2000)])
     ops.backup(f"sqlite:///{tmp_path}/src.db", tmp_path / "backup.db")

@@ -232,8 +232,8 @@ class Table:
                 w, unused = current, new  # another thread replaced it meanwhile
             else:
                 w, unused, self._writer = new, current, new
-        if unused is not None and unused is not w:
-            unused.expire()
+        if unused is not None and unused is not w and not unused.lapsed(self._machine.now_ms()):
+            unused.expire()  # a lapsed one is left to lease expiry: a no-op writes nothing
         if w is None:
             self._check_open("a write")
         assert w is not None

@@ -12,8 +12,9 @@ step.  A write whose version is not above the app id's committed one writes noth
   another process, after the writer's lease ran out): it returns the time recorded,
   without writing again.  Its rows must be the ones recorded, in any order (their
   fingerprint as a multiset, :func:`rows_fingerprint`, as conformed to the table's
-  schema), else :class:`~persist.errors.InvalidUsage`: an ``(app_id, version)`` names
-  one write;
+  schema; after another writer evolved the schema, as conformed back to the version
+  the write was recorded under, :func:`earlier_fingerprints`), else
+  :class:`~persist.errors.InvalidUsage`: an ``(app_id, version)`` names one write;
 * a lower version is refused with :class:`StaleAppVersion` (naming the app id, the
   version and the committed one; nothing is written).  Delta's writers skip it
   silently; here it is refused, since its result (the time its rows were committed at)
@@ -63,7 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -77,6 +78,7 @@ from stash import Antichain, AppendBatch, AppendLowerMismatch, StashCollection
 
 if TYPE_CHECKING:
     from persist.context import PersistContext
+    from persist.updates import SchemaHistory
 
 __all__ = [
     "APP_TXN_COLLECTION_PREFIX",
@@ -85,6 +87,8 @@ __all__ = [
     "AppTxnRecord",
     "Seen",
     "StaleAppVersion",
+    "check_app_id",
+    "earlier_fingerprints",
     "rows_fingerprint",
 ]
 
@@ -109,16 +113,29 @@ class AppTransaction:
     version: int
 
     def __post_init__(self) -> None:
-        a, v = self.app_id, self.version
-        if not isinstance(a, str) or not 1 <= len(a) <= APP_ID_MAX or not a.isprintable():
-            raise InvalidUsage(
-                f"app transaction: app_id must be a printable str of 1 to {APP_ID_MAX} "
-                f"characters, got {a!r}"
-            )
+        a, v = check_app_id(self.app_id), self.version
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
             raise InvalidUsage(
                 f"app transaction {a!r}: version must be an int in [0, 2**63), got {v!r}"
             )
+
+
+def check_app_id(app_id: Any) -> str:
+    """``app_id`` if it is an app id: a printable str of 1 to :data:`APP_ID_MAX`
+    characters (the one rule of :class:`AppTransaction` and
+    :meth:`persist.table.Table.transaction_version`).
+
+    Raises:
+        InvalidUsage: naming the value and the rule.
+    """
+    a = app_id
+    if not isinstance(a, str) or not 1 <= len(a) <= APP_ID_MAX or not a.isprintable():
+        shown = repr(a) if len(repr(a)) <= 80 else repr(a)[:77] + "..."
+        raise InvalidUsage(
+            f"app transaction: app_id must be a printable str of 1 to {APP_ID_MAX} "
+            f"characters, got {shown}"
+        )
+    return a
 
 
 class StaleAppVersion(InvalidUsage):
@@ -222,6 +239,31 @@ def rows_fingerprint(rows: pa.Table) -> str:
     return updates_fingerprint(Antichain(), Antichain(), rows)
 
 
+def earlier_fingerprints(rows: pa.Table, history: SchemaHistory, schema_id: int) -> Iterator[str]:
+    """The fingerprints (:func:`rows_fingerprint`) ``rows``, conformed to schema version
+    ``schema_id`` of ``history``, had as a write of each earlier version: the same
+    rows as a writer of that version made them, the columns added since left out and
+    each column cast back to its type then.  A version is passed over when a column of
+    its was dropped since (its values cannot be told), when ``rows`` hold a value in a
+    column added since (no write of that version made it), or when a value does not
+    cast back exactly.  So a retry after the schema evolved finds the write recorded
+    under an earlier version (newest first)."""
+    versions = history.versions
+    for i in range(schema_id - 1, -1, -1):
+        if history.dropped_after(i):
+            continue
+        kept = set(versions[i].names)
+        added = [n for n in versions[schema_id].names if n not in kept]
+        if any(rows.column(n).null_count != rows.num_rows for n in added):
+            continue
+        schema = pa.schema([*history.key_schema, *versions[i]])
+        try:
+            old = rows.select(schema.names).cast(schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError):
+            continue  # ValueError: a null in a column not nullable then
+        yield rows_fingerprint(old)
+
+
 @dataclass(frozen=True)
 class Seen:
     """An app id's record as read at the collection's upper (``batch.lower``), and the
@@ -288,12 +330,18 @@ class AppTxnLog:
     def _record(
         self, coll: StashCollection[Any, Any], app_id: str
     ) -> tuple[AppTxnRecord | None, Any]:
-        """``(record, stored value)`` of ``app_id`` (``(None, None)``: none)."""
+        """``(record, stored value)`` of ``app_id`` (``(None, None)``: none): what its
+        rows sum to, whatever times they are kept at (a retention on the collection
+        keeps a replaced record and its retraction apart)."""
         rows = self._call(
             f"reading app transaction {app_id!r}",
             lambda: self._ctx.stash.iter_key(coll, app_id),
         )
-        live = [(v, d) for v, _t, d in rows if d != 0]
+        sums: dict[str, tuple[Any, int]] = {}
+        for v, _t, d in rows:
+            text = json.dumps(v, sort_keys=True)
+            sums[text] = (v, sums.get(text, (v, 0))[1] + d)
+        live = [(v, d) for v, d in sums.values() if d != 0]
         if not live:
             return None, None
         if len(live) > 1 or live[0][1] != 1:
@@ -333,9 +381,17 @@ class AppTxnLog:
         record, raw = self._record(coll, app_id)
         return Seen(record, raw, coll, probe.lower, probe.upper, probe.compact, probe.timestamp)
 
-    def settle(self, app: AppTransaction, record: AppTxnRecord, fp: str) -> int:
+    def settle(
+        self,
+        app: AppTransaction,
+        record: AppTxnRecord,
+        fp: str,
+        earlier: Callable[[], Iterable[str]] = tuple,
+    ) -> int:
         """The result of a write of ``app`` when ``record`` (of ``app.app_id``) is at or
-        beyond its version: the time recorded (the same write, retried).
+        beyond its version: the time recorded (the same write, retried: its
+        fingerprint ``fp``, or one of ``earlier()``, the fingerprints of its rows under
+        the table's earlier schema versions, :func:`earlier_fingerprints`).
 
         Raises:
             StaleAppVersion: ``app.version`` is below the record's.
@@ -343,7 +399,7 @@ class AppTxnLog:
         """
         if app.version < record.version:
             raise StaleAppVersion(self.table, app.app_id, app.version, record.version)
-        if fp != record.fingerprint:
+        if fp != record.fingerprint and record.fingerprint not in earlier():
             raise InvalidUsage(
                 f"table {self.table!r}: app transaction {app.app_id!r} version "
                 f"{app.version} was committed at time {record.time} with other rows "

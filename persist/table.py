@@ -51,8 +51,9 @@ import contextlib
 import datetime as dt
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,7 +62,14 @@ import pyarrow.compute as pc
 
 from persist import retention
 from persist import rows as rows_mod
-from persist.app_txn import AppTransaction, AppTxnLog, Seen, rows_fingerprint
+from persist.app_txn import (
+    AppTransaction,
+    AppTxnLog,
+    Seen,
+    check_app_id,
+    earlier_fingerprints,
+    rows_fingerprint,
+)
 from persist.arrow_input import as_arrow_table
 from persist.commit_note import noting
 from persist.compactor import Compactor
@@ -224,8 +232,8 @@ class Table:
                 w, unused = current, new  # another thread replaced it meanwhile
             else:
                 w, unused, self._writer = new, current, new
-        if unused is not None and unused is not w:
-            unused.expire()
+        if unused is not None and unused is not w and not unused.lapsed(self._machine.now_ms()):
+            unused.expire()  # a lapsed one is left to lease expiry: a no-op writes nothing
         if w is None:
             self._check_open("a write")
         assert w is not None
@@ -302,7 +310,9 @@ class Table:
                 log, fp = AppTxnLog(self._ctx, self.shard_id, self.name), rows_fingerprint(rows)
                 seen = log.read(app.app_id)
                 if seen.record is not None and seen.record.version >= app.version:
-                    return log.settle(app, seen.record, fp)
+                    return log.settle(
+                        app, seen.record, fp, partial(self._earlier, rows, w.schema_id)
+                    )
             if rows.num_rows == 0:
                 # A change that changes nothing writes nothing (an app transaction's
                 # version alone is recorded, apart from the shard).
@@ -322,18 +332,27 @@ class Table:
                     if app is None:
                         return txn.commit()
                     assert log is not None and seen is not None and fp is not None
-                    return self._commit_app(txn, log, seen, app, rows.num_rows, fp)
+                    earlier = partial(self._earlier, rows, w.schema_id)
+                    return self._commit_app(txn, log, seen, app, rows.num_rows, fp, earlier)
             except BaseException:
                 txn.abort()
                 raise
 
     def _commit_app(
-        self, txn: Txn, log: AppTxnLog, seen: Seen, app: AppTransaction, n: int, fp: str
+        self,
+        txn: Txn,
+        log: AppTxnLog,
+        seen: Seen,
+        app: AppTransaction,
+        n: int,
+        fp: str,
+        earlier: Callable[[], Iterable[str]],
     ) -> int:
         """Commit ``txn`` (the rows of an append) with the record of ``app``, read in
         ``seen``, at the next time; a race on the shard moves the time later, a race on
         the app transaction records decides again on them (another writer may have
-        committed ``app``: then ``txn`` is aborted and the recorded time returned).
+        committed ``app``: then ``txn`` is aborted and the recorded time returned;
+        ``fp``, ``earlier``: as :meth:`persist.app_txn.AppTxnLog.settle`).
 
         Raises: as :meth:`persist.txn.Txn.commit`; the last race after
             ``txn.max_commit_attempts`` of them."""
@@ -362,7 +381,11 @@ class Table:
             seen = log.read(app.app_id)
             if seen.record is not None and seen.record.version >= app.version:
                 txn.abort()
-                return log.settle(app, seen.record, fp)
+                return log.settle(app, seen.record, fp, earlier)
+
+    def _earlier(self, rows: pa.Table, schema_id: int) -> Iterator[str]:
+        """:func:`persist.app_txn.earlier_fingerprints` of ``rows`` (of ``schema_id``)."""
+        return earlier_fingerprints(rows, self._machine.state().schemas(), schema_id)
 
     def _definite_time(self) -> int:
         """The time a write that writes nothing reports: ``upper - 1`` of the latest
@@ -378,9 +401,12 @@ class Table:
         ``DeltaTable.transaction_version``.
 
         Raises:
+            InvalidUsage: ``app_id`` is not an app id (a printable str of 1 to 255
+                characters, as :class:`~persist.app_txn.AppTransaction`'s).
             ConsensusError: the stash failed, or the record is malformed.
         """
         self._check_open("transaction_version")
+        check_app_id(app_id)
         rec = AppTxnLog(self._ctx, self.shard_id, self.name).committed(app_id)
         return None if rec is None else rec.version
 

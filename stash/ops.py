@@ -5,10 +5,13 @@
   under a read lock, restarted by SQLite when a writer commits in between, so the copy
   is one committed state); any other stash through one read transaction (Postgres:
   ``REPEATABLE READ``) whose rows are written to a new SQLite stash file.  The backup is
-  itself a stash: ``sqlite:///FILE`` opens it.
+  itself a stash: ``sqlite:///FILE`` opens it.  It is written under a temporary name
+  beside ``FILE`` and put in place once whole: a backup that fails leaves no file.
 * :func:`restore` brings a backup into a stash: onto a SQLite file with the online
-  backup API (the whole database is replaced, in one step for readers); into any other
-  stash by importing its snapshot (the target must hold none of its collections).
+  backup API (the whole database is replaced, in one step for readers; a file that
+  does not exist yet is written under a temporary name and put in place once whole,
+  so a failed restore leaves none); into any other stash by importing its snapshot
+  (the target must hold none of its collections).
 * :func:`export` writes a snapshot as JSON lines, one object per line: a
   ``{"collection": NAME, "key_codec", "value_codec", "since", "upper"}`` line per
   collection, then ``{"collection": NAME, "key", "value", "time", "diff"}`` per stored
@@ -31,9 +34,11 @@ one-snapshot dump, and etcd's ``snapshot save`` / ``snapshot restore``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,13 +178,43 @@ def backup(url: str, file: str | os.PathLike[str]) -> None:
     if dst.exists():
         raise StashError(f"backup file {dst} exists; choose a new file")
     src = _sqlite_path(url)
-    with Stash.open(url, mode="readonly", fenced=False) as s:  # checks the schema
-        if src is not None:
-            _online_copy(src, dst)
-            return
-        snap = read_snapshot(s)
-    with Stash.open(f"sqlite:///{dst}", fenced=False) as out:
-        write_snapshot(out, snap)
+    # Written under a temporary name beside the target, put in place once whole: a
+    # backup that fails half way leaves no file (an empty or partial stash that a
+    # restore would take for a backup).
+    with _new_file(dst, f"backup file {dst} exists; choose a new file") as part:
+        with Stash.open(url, mode="readonly", fenced=False) as s:  # checks the schema
+            snap = None if src is not None else read_snapshot(s)
+            if src is not None:
+                _online_copy(src, part)
+        if snap is not None:
+            with Stash.open(f"sqlite:///{part}", fenced=False) as out:
+                write_snapshot(out, snap)
+
+
+@contextlib.contextmanager
+def _new_file(dst: Path, exists: str) -> Iterator[Path]:
+    """A temporary path beside ``dst`` to write a SQLite file at, put in place as
+    ``dst`` when the block ends without error (never over a file that appeared there
+    meanwhile: a hard link where the file system has them), and deleted (with its
+    -wal and -shm) in every case.
+
+    Raises:
+        StashError: ``dst`` exists when the file is put in place (message ``exists``).
+    """
+    part = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.partial")
+    try:
+        yield part
+        try:
+            os.link(part, dst)
+        except FileExistsError:
+            raise StashError(exists) from None
+        except OSError:  # no hard links here
+            if dst.exists():
+                raise StashError(exists) from None
+            os.replace(part, dst)
+    finally:
+        for p in (part, part.with_name(part.name + "-wal"), part.with_name(part.name + "-shm")):
+            p.unlink(missing_ok=True)
 
 
 def restore(file: str | os.PathLike[str], url: str, *, replace: bool = False) -> None:
@@ -202,8 +237,16 @@ def restore(file: str | os.PathLike[str], url: str, *, replace: bool = False) ->
     with Stash.open(f"sqlite:///{src}", mode="readonly", fenced=False) as b:
         snap = read_snapshot(b)
     dst = _sqlite_path(url)
+    if dst is not None and not dst.exists():
+        # A new file is copied under a temporary name and put in place once whole: a
+        # restore that fails half way leaves no partial stash behind.
+        with _new_file(
+            dst, f"the target stash file {dst} appeared meanwhile; restore again"
+        ) as part:
+            _online_copy(src, part)
+        return
     if dst is not None:
-        if dst.exists() and not replace:
+        if not replace:
             from stash import logs
 
             with Stash.open(url, mode="readonly", fenced=False) as t:

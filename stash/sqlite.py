@@ -15,7 +15,12 @@ Invariants kept here:
   COMMIT (the WAL frame may or may not be on disk) is an
   :class:`~stash.errors.IndeterminateError`, never success or plain failure;
 * a savepoint handle works on session-private (``TEMP``) copies of the stash tables,
-  inside one transaction that is never committed.
+  inside one transaction that is never committed;
+* a readonly handle in a directory it cannot write reads a cleanly closed file as
+  ``immutable`` (SQLite cannot create the -wal and -shm it needs), but never trusts
+  that it stays so: a connection whose file changed since it was made (a writer
+  opened it elsewhere) is replaced at checkout, and a read it was serving when the
+  file changed is run again (one committed state per read, never two).
 
 This module imports :mod:`stash.sql`, never the reverse: :mod:`stash.sql` finds
 :class:`SqliteOps` by name (``stash.sql.SQL_DIALECTS``).  Source of the idea:
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -65,19 +71,31 @@ def _sqlite_engine(
     elif not path.exists():
         raise StashError(f"sqlite stash file {path} does not exist")
     kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": busy_timeout}}
-    if mode == "readonly" and _read_only_place(path):
+    read_only_place = mode == "readonly" and not os.access(path.parent, os.W_OK)
+    if read_only_place:
         # SQLite opens a WAL-mode file only where it can create its -wal and -shm files,
-        # or when told the file is immutable: a cleanly closed file (no -wal) in a
-        # directory this process cannot write is read as such (SQLite's "immutable"
-        # URI parameter, https://www.sqlite.org/uri.html).
-        uri = f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1"
-        kwargs = {
-            "creator": lambda: sqlite3.connect(
-                uri, uri=True, check_same_thread=False, timeout=busy_timeout
-            )
-        }
+        # where a writer has them open, or when told the file is immutable: in a
+        # directory this process cannot write (a read-only mount, an archived copy), a
+        # cleanly closed file (no -wal) is read as such (SQLite's "immutable" URI
+        # parameter, https://www.sqlite.org/uri.html), each connection deciding when it
+        # is made (_connect_read_only), checked at each checkout below and at the end of
+        # each read (_ReadOnlyCursor: a read a writer's checkpoint overlapped runs again).
+        kwargs = {"creator": partial(_connect_read_only, path, busy_timeout)}
     engine = sa.create_engine(url.set(database=str(path)), pool_size=pool_size, **kwargs)
     ms = int(busy_timeout * 1000)
+
+    if read_only_place:
+
+        @event.listens_for(engine, "checkout")
+        def _on_checkout(dbapi_conn: Any, _rec: Any, _proxy: Any) -> None:
+            # An immutable connection trusts that the file never changes (it ignores a
+            # -wal and keeps its cache); a writer elsewhere (another user, a writable
+            # mount of the same directory) may have opened it since: then the pool
+            # makes a new connection, which reads what is committed now.
+            if getattr(dbapi_conn, "signature", None) != _signature(path):
+                raise sa.exc.DisconnectionError(
+                    f"sqlite stash file {path} changed since this connection opened it"
+                )
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
@@ -98,11 +116,116 @@ def _sqlite_engine(
     return engine
 
 
-def _read_only_place(path: Path) -> bool:
-    """Whether ``path`` is a cleanly closed stash file (no ``-wal`` beside it) in a
-    directory this process cannot write (a read-only mount, an archived copy)."""
-    wal = path.with_name(path.name + "-wal")
-    return not wal.exists() and not os.access(path.parent, os.W_OK)
+class _ReadOnlyConnection(sqlite3.Connection):
+    """A connection of a readonly stash in a directory it cannot write, with the
+    :func:`_signature` of its file ``path`` when it was made (``None``: read through a
+    writer's -wal).  Its ``execute`` runs on a :class:`_ReadOnlyCursor`."""
+
+    signature: tuple[int, int, int] | None = None
+    path: Path | None = None
+
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        return self.cursor(_ReadOnlyCursor).execute(sql, parameters)
+
+    def changed(self) -> bool:
+        """Whether this connection is immutable and its file changed since it was made
+        (a writer opened it: its -wal appeared, or a checkpoint rewrote pages)."""
+        return (
+            self.signature is not None
+            and self.path is not None
+            and _signature(self.path) != self.signature
+        )
+
+
+#: The error an immutable connection's statement raises when the file changed under
+#: it: SQLite's "busy", which the stash answers by running the transaction again (on a
+#: new connection: the pool's checkout check replaces this one).
+_CHANGED = (
+    "database is busy: the stash file changed while this read-only connection read it "
+    "as immutable (a writer opened it)"
+)
+
+
+class _ReadOnlyCursor(sqlite3.Cursor):
+    """A cursor of a :class:`_ReadOnlyConnection`: on an immutable connection whose
+    file changed, an error while reading (pages of two states read as one B-tree:
+    "database disk image is malformed") and the COMMIT ending a read (its rows may mix
+    two states) raise SQLite's "busy" instead (:data:`_CHANGED`), so the read is run
+    again and sees one committed state."""
+
+    def _changed(self) -> bool:
+        conn = self.connection
+        return isinstance(conn, _ReadOnlyConnection) and conn.changed()
+
+    def execute(self, sql: str, parameters: Any = (), /) -> _ReadOnlyCursor:
+        if sql == "COMMIT" and self._changed():
+            raise sqlite3.OperationalError(_CHANGED)
+        try:
+            super().execute(sql, parameters)
+            return self
+        except sqlite3.DatabaseError as e:
+            if self._changed():
+                raise sqlite3.OperationalError(_CHANGED) from e
+            raise
+
+    def fetchone(self) -> Any:
+        try:
+            return super().fetchone()
+        except sqlite3.DatabaseError as e:
+            if self._changed():
+                raise sqlite3.OperationalError(_CHANGED) from e
+            raise
+
+    def fetchmany(self, size: int | None = None) -> list[Any]:
+        try:
+            return super().fetchmany(self.arraysize if size is None else size)
+        except sqlite3.DatabaseError as e:
+            if self._changed():
+                raise sqlite3.OperationalError(_CHANGED) from e
+            raise
+
+    def fetchall(self) -> list[Any]:
+        try:
+            return super().fetchall()
+        except sqlite3.DatabaseError as e:
+            if self._changed():
+                raise sqlite3.OperationalError(_CHANGED) from e
+            raise
+
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()
+        except sqlite3.DatabaseError as e:
+            if self._changed():
+                raise sqlite3.OperationalError(_CHANGED) from e
+            raise
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    """``(inode, size, mtime in ns)`` of a cleanly closed stash file (no ``-wal``
+    beside it), or ``None`` while a writer has it open (a ``-wal`` beside it) or the
+    file cannot be read (then SQLite's open says why)."""
+    try:
+        if path.with_name(path.name + "-wal").exists():
+            return None
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _connect_read_only(path: Path, timeout: float) -> sqlite3.Connection:
+    """A read-only connection to ``path`` in a directory this process cannot write:
+    ``immutable`` when the file is cleanly closed (SQLite cannot create the -wal and
+    -shm it needs otherwise), else through the -wal and -shm its writer keeps."""
+    sig = _signature(path)
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro" + ("" if sig is None else "&immutable=1")
+    conn = sqlite3.connect(
+        uri, uri=True, check_same_thread=False, timeout=timeout, factory=_ReadOnlyConnection
+    )
+    assert isinstance(conn, _ReadOnlyConnection)
+    conn.signature, conn.path = sig, path
+    return conn
 
 
 _SQLITE_IOERR = 10  # SQLITE_IOERR: the primary result code of every I/O failure

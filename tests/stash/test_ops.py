@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,7 @@ def test_export_import_round_trip(open_stash: OpenStash) -> None:
     assert rows == 3
     lines = [json.loads(line) for line in buf.getvalue().splitlines()]
     assert {"collection": "raw", "key": "x", "value": 5, "time": 3, "diff": 2} in lines
-    target = Stash.open(f"memory://import-{id(buf)}", fenced=False)
+    target = Stash.open(f"memory://import-{uuid.uuid4().hex}", fenced=False)
     assert ops.import_(target, io.StringIO(buf.getvalue())) == 3
     for name in ("routes", "raw"):
         a, b = s.collections()[name], target.collections()[name]

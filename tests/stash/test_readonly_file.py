@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -96,3 +97,105 @@ def test_readonly_stash_reads_a_file_on_a_read_only_directory(tmp_path: Path) ->
         finally:
             s.close()
         assert sorted(os.listdir(ro)) == ["blob", "stash.db"]  # nothing written
+
+
+@contextmanager
+def read_only_view(src: Path, where: Path) -> Iterator[tuple[Path, Callable[[], None]]]:
+    """``src`` itself (live, not a copy) seen through a directory this process cannot
+    write, and a function that lets a writer at ``src`` in (another user, or another
+    mount's view of the same directory).  Skips where none can be made."""
+    if os.geteuid() != 0:
+        os.chmod(src, 0o555)
+        try:
+            yield src, lambda: os.chmod(src, 0o755)
+        finally:
+            os.chmod(src, 0o755)
+        return
+    mnt = where / "view"
+    mnt.mkdir()
+    mount, umount = shutil.which("mount"), shutil.which("umount")
+    if mount is None or umount is None:
+        pytest.skip("root without mount(8): cannot make a read-only directory")
+    if subprocess.run([mount, "--bind", str(src), str(mnt)], capture_output=True).returncode:
+        pytest.skip("root cannot bind-mount here: cannot make a read-only directory")
+    try:
+        r = subprocess.run([mount, "-o", "remount,ro,bind", str(mnt)], capture_output=True)
+        if r.returncode:
+            pytest.skip("cannot remount read-only here")
+        yield mnt, lambda: None  # the writer writes through src
+    finally:
+        subprocess.run([umount, str(mnt)], capture_output=True)
+
+
+def test_readonly_stash_on_a_read_only_view_sees_a_writer_that_starts_later(
+    tmp_path: Path,
+) -> None:
+    """A readonly handle opened while the file was closed (read immutable), then a
+    writer opens the file from elsewhere (its owner, a writable mount of the same
+    directory) and commits: the reader's later reads see the commits, through the
+    writer's -wal and after the writer closed, as a reader opened then sees them.  It
+    used to keep reading the file as it was at its open (immutable: SQLite trusts
+    nothing changes, ignores the -wal and keeps its cache)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    with Stash.open(f"sqlite:///{src}/stash.db") as s:
+        CFG.upsert_key(s, "n", 1)
+    with read_only_view(src, tmp_path) as (ro, let_writer_in):
+        r = Stash.open(f"sqlite:///{ro}/stash.db", mode="readonly")
+        try:
+            assert CFG.peek_one(r) == {"n": 1}
+            let_writer_in()
+            w = Stash.open(f"sqlite:///{src}/stash.db")
+            try:
+                CFG.upsert_key(w, "n", 2)
+                assert CFG.peek_one(r) == {"n": 2}  # read through the writer's -wal
+                CFG.upsert_key(w, "n", 3)
+                assert CFG.peek_one(r) == {"n": 3}
+            finally:
+                w.close()
+            assert CFG.peek_one(r) == {"n": 3}  # checkpointed into the file, -wal gone
+            w = Stash.open(f"sqlite:///{src}/stash.db")
+            try:
+                CFG.upsert_key(w, "n", 4)
+            finally:
+                w.close()
+            assert CFG.peek_one(r) == {"n": 4}
+        finally:
+            r.close()
+
+
+def test_a_read_that_a_writer_overlaps_is_read_again(tmp_path: Path) -> None:
+    """A read of an immutable connection that a writer's checkpoint overlaps (the writer
+    opened the file elsewhere, committed and closed, copying its pages into the file
+    under the read): the read is run again on a new connection and sees one committed
+    state.  It used to fail with "database disk image is malformed" (pages of two
+    states read as one B-tree), or could return rows of two states."""
+    a: TypedCollection[str, int] = TypedCollection("a", key="str", value="int")
+    b: TypedCollection[str, int] = TypedCollection("b", key="str", value="int")
+    src = tmp_path / "src"
+    src.mkdir()
+    with Stash.open(f"sqlite:///{src}/stash.db") as s:
+        for c in (a, b):  # enough rows that the collections lie on pages of their own
+            c.upsert(s, [(f"k{i:05d}", i) for i in range(3000)])
+            c.upsert_key(s, "n", 1)
+        ids = a.get(s).id, b.get(s).id
+    with read_only_view(src, tmp_path) as (ro, let_writer_in):
+        r = Stash.open(f"sqlite:///{ro}/stash.db", mode="readonly")
+        runs = []
+
+        def read(tx: Any) -> list[list[Any]]:
+            runs.append(1)
+            first = tx.rows(ids[0])
+            if len(runs) == 1:  # a writer commits and checkpoints meanwhile
+                let_writer_in()
+                with Stash.open(f"sqlite:///{src}/stash.db") as w:
+                    a.upsert_key(w, "n", 2)
+                    b.upsert_key(w, "n", 2)
+            return [[x for x in rows if x[0] == '"n"'] for rows in (first, tx.rows(ids[1]))]
+
+        try:
+            got = r._read(read, codecs=())
+        finally:
+            r.close()
+        assert len(runs) == 2  # read again, after the writer closed
+        assert [[v for _k, v, _t, _d in rows] for rows in got] == [["2"], ["2"]]

@@ -9,6 +9,9 @@ atomic multi-collection ``append``.  Invariants kept here:
   them as recorded); every stash read that decodes and every write that encodes through
   the handle checks, in its own transaction, that the collection still records them (a
   ``TypedCollection.migrate`` may have changed them since) and refuses otherwise;
+* a handle's key codec is in the key role (:func:`stash.codec.resolve_key_codec`,
+  whatever codec it was made with), so every read and write of a key through a handle
+  encodes it by the one key rule;
 * an ``AppendBatch``'s entries are already encoded (canonical JSON text): those
   ``append_to_batch`` encoded are canonical, and any other is checked and made
   canonical with the collection's codecs before it is stored, so pre-encoded entries
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from stash.antichain import I64_MAX, Antichain, check_i64
+from stash.codec import resolve_key_codec
 from stash.errors import StashError
 
 K = TypeVar("K")
@@ -92,6 +96,11 @@ class StashCollection(Generic[K, V]):
     recorded: tuple[str, str] | None = field(default=None, compare=False, repr=False)
     stash_id: str | None = field(default=None, compare=False, repr=False)
     stash_url: str = field(default="", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # The key role (records without their fields at default): one key rule for
+        # every path, whoever made the handle (Stash.collection, keyed writes, ...).
+        object.__setattr__(self, "key_codec", resolve_key_codec(self.key_codec))
 
     @property
     def codec_names(self) -> tuple[str, str]:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 from stash.antichain import I64_MAX, Antichain
 from stash.base import Stash
 from stash.checks import check_codecs_tx
-from stash.codec import CodecLike, JsonCodec, canonical_json, resolve_codec
+from stash.codec import CodecLike, JsonCodec, canonical_json, resolve_codec, resolve_key_codec
 from stash.collection import StashCollection
 from stash.errors import StashError
 from stash.retention import RETENTION_COLLECTION, commit_since, now_ms
@@ -109,7 +109,7 @@ def _write_keys(
     collection up (the lookup of ``Stash.collection`` without a transaction of its own);
     return the handle and the stored value texts the keys held before (of the keys that
     held one).  A missing collection is created first (``Stash.collection``)."""
-    kc, vc = resolve_codec(target.key), resolve_codec(target.value)
+    kc, vc = resolve_key_codec(target.key), resolve_codec(target.value)
     encoded = {kc.encode(k): vc.encode(v) for k, v in entries}
 
     def write(tx: Txn) -> tuple[StashCollection[Any, Any], dict[str, str]] | None:

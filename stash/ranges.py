@@ -167,12 +167,12 @@ def key_range(
 def _prefix(prefix: Any) -> tuple[str, str | None]:
     """``(starts, exact)``: a str prefix is its JSON text without the closing quote; a
     tuple ``(a, b)`` admits texts starting ``[a,b,`` and the text ``[a,b]``."""
-    from stash.codec import canonical_json, to_json
+    from stash.codec import canonical_json, key_json
 
     if isinstance(prefix, str):
         return canonical_json(prefix)[:-1], None
     if isinstance(prefix, tuple):
-        text = canonical_json(to_json(prefix))
+        text = canonical_json(key_json(prefix))  # records in it as keys store them
         if not prefix:
             return "[", None
         return text[:-1] + ",", text

@@ -4,8 +4,8 @@ one append batch.
 Invariants kept here:
 
 * keys and values are compared by their canonical encodings, as the stash compares them
-  (the collection's codecs when given, else canonical JSON with records as objects of
-  their fields), never by Python equality: ``True`` and ``1`` are different keys and
+  (the collection's codecs when given, keys in their key role, else canonical JSON with
+  records as objects of their fields, keys by the key rule :func:`stash.codec.key_json`), never by Python equality: ``True`` and ``1`` are different keys and
   different values;
 * ``items()`` is always the initial contents with the pending changes applied
   (read-your-writes);
@@ -30,7 +30,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-from stash.codec import CodecLike, canonical_json, json_sort_key, resolve_codec, to_json
+from stash.codec import (
+    CodecLike,
+    canonical_json,
+    json_sort_key,
+    key_json,
+    resolve_codec,
+    resolve_key_codec,
+    to_json,
+)
 from stash.errors import StashError, UniquenessViolation
 
 K = TypeVar("K")
@@ -39,11 +47,12 @@ V = TypeVar("V")
 _DELETED: Any = object()
 
 
-def _natural_token(x: Any) -> Any:
-    """Canonical JSON of ``x`` (records as objects, tuples as arrays); a value that is
-    not JSON is compared by Python equality, tagged so it never equals a JSON text."""
+def _natural_token(x: Any, as_json: Callable[[Any], Any] = to_json) -> Any:
+    """Canonical JSON of ``x`` (records as objects, tuples as arrays; ``as_json`` is
+    :func:`~stash.codec.key_json` for keys); a value that is not JSON is compared by
+    Python equality, tagged so it never equals a JSON text."""
     try:
-        return canonical_json(to_json(x))
+        return canonical_json(as_json(x))
     except StashError:
         try:
             hash(x)
@@ -54,9 +63,15 @@ def _natural_token(x: Any) -> Any:
         return ("python", x)
 
 
+def _natural_key_token(x: Any) -> Any:
+    """:func:`_natural_token` of a key: records written by the key rule
+    (:func:`~stash.codec.key_json`), as a collection's key codec writes them."""
+    return _natural_token(x, key_json)
+
+
 def _natural_sort_key(x: Any) -> Any:
     try:
-        return (0, json_sort_key(to_json(x)))
+        return (0, json_sort_key(key_json(x)))
     except Exception:  # noqa: BLE001 - not JSON: after every JSON value, by repr
         return (1, repr(x))
 
@@ -95,10 +110,10 @@ class TableTransaction(Generic[K, V]):
         self.collection = collection
         self._commit: Callable[[], None] | None = None
         if key_codec is None:
-            self._ktok: Callable[[Any], Any] = _natural_token
+            self._ktok: Callable[[Any], Any] = _natural_key_token
             self._ksort: Callable[[Any], Any] = _natural_sort_key
         else:
-            kc = resolve_codec(key_codec)
+            kc = resolve_key_codec(key_codec)
             self._ktok, self._ksort = kc.encode, kc.sort_key
         self._vtok: Callable[[Any], Any] = (
             _natural_token if value_codec is None else resolve_codec(value_codec).encode

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 from stash import keyed
 from stash.antichain import I64_MAX, Antichain
 from stash.base import Stash
-from stash.codec import CodecLike, resolve_codec
+from stash.codec import CodecLike, resolve_codec, resolve_key_codec
 from stash.collection import AppendBatch, StashCollection
 from stash.errors import PeekSinceUpperError, StashError
 from stash.table import TableTransaction
@@ -119,7 +119,7 @@ class TypedCollection(Generic[K, V]):
                 does not encode with its codec; a diff sum would overflow.  Whatever
                 ``fn`` raises is raised as is.  In every case nothing is committed.
         """
-        new_kc, new_vc = resolve_codec(key_codec), resolve_codec(value_codec)
+        new_kc, new_vc = resolve_key_codec(key_codec), resolve_codec(value_codec)
         old = self.get(stash)  # raises if the recorded codecs are not ours
         name = self.name
 

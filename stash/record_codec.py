@@ -588,6 +588,11 @@ class RecordCodec(Generic[T]):
                 return hit[1]
         return text
 
+    def encode_new(self, value: T) -> str:
+        """Canonical JSON of the record's fields by this codec's rule, never the stored
+        text it was read from (what a migration writes: ``TypedCollection.migrate``)."""
+        return canonical_json(self._as_dict(value))
+
     def _remember(self, obj: Any, text: str) -> None:
         """Remember that ``obj`` was read from the evolved row ``text``."""
         key = id(obj)

@@ -91,6 +91,11 @@ class TypedCollection(Generic[K, V]):
         ``(key, value)`` of its contents (decoded with this collection's codecs, the ones
         recorded for it) becomes ``fn(key, value)`` encoded with ``key_codec`` /
         ``value_codec``, keeping its diff, and the recorded codec names become theirs.
+        Keys are written by the key rule (:func:`stash.codec.resolve_key_codec`: records
+        without their fields at default), never as the stored text they were read from:
+        so ``migrate(stash, K, V, lambda k, v: (k, v))`` with the collection's own codecs
+        rewrites keys an earlier release stored with their defaults, and a migration from
+        a key type to one with a changed default keeps what every stored key means.
 
         The new entries are written at the collection's upper ``t`` (the old ones are
         retracted there and consolidated away); the upper becomes ``t + 1`` and the
@@ -144,11 +149,14 @@ class TypedCollection(Generic[K, V]):
             unique = len(set(now)) == len(now)
             out: dict[tuple[str, str, int], int] = {}
             first: dict[tuple[str, int], Any] = {}
+            # Keys by the key rule as of now, never as the stored text a key read from an
+            # earlier release's row (with its defaults) re-encodes to.
+            encode_key = getattr(new_kc, "encode_new", new_kc.encode)
             for (kj, vj, t), d in live.items():
                 k, v = old.key_codec.decode(kj), old.value_codec.decode(vj)
                 k2, v2 = fn(k, v)
                 try:
-                    nk, nv = new_kc.encode(k2), new_vc.encode(v2)
+                    nk, nv = encode_key(k2), new_vc.encode(v2)
                 except (StashError, TypeError, ValueError) as e:
                     raise StashError(
                         f"migrating collection {name}: entry {k!r} maps to a key or value "

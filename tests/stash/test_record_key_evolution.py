@@ -140,6 +140,34 @@ def test_a_record_in_a_tuple_key_gains_a_defaulted_field() -> None:
 
 
 @dataclass(frozen=True)
+class Group1:
+    __stash_name__ = "app.Group"
+    members: tuple[KeyV1, ...]
+
+
+@dataclass(frozen=True)
+class Group2:
+    __stash_name__ = "app.Group"
+    members: tuple[KeyV2, ...]
+
+
+def test_records_in_a_tuple_field_and_in_a_list_inside_a_tuple_key() -> None:
+    with Stash.open("memory://") as s:
+        old = TypedCollection("g", key=Group1, value="int")
+        old.upsert_key(s, Group1((KeyV1("a"), KeyV1("b"))), 1)
+        new = TypedCollection("g", key=Group2, value="int")
+        assert new.peek_key_one(s, Group2((KeyV2("a"), KeyV2("b")))) == 1
+        new.upsert_key(s, Group2((KeyV2("a"), KeyV2("b"))), 2)
+        assert new.peek_one(s) == {Group2((KeyV2("a"), KeyV2("b"))): 2}
+        # A list of records inside an untyped tuple key: the same rule at every depth.
+        plain = TypedCollection("l", key="tuple", value="int")
+        plain.upsert_key(s, ("x", [KeyV1("a")]), 1)
+        plain.upsert_key(s, ("x", [KeyV2("a")]), 2)
+        assert _raw_keys(s, plain) == ['["x",[{"name":"a"}]]']
+        assert plain.peek_key_one(s, ("x", [KeyV1("a")])) == 2
+
+
+@dataclass(frozen=True)
 class KeyEu:
     """The release after KeyV2: ``region`` defaults to "eu" now."""
 

@@ -30,6 +30,7 @@ stash keys are protobuf messages (``src/stash/src/lib.rs``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import threading
 import types
@@ -42,6 +43,8 @@ from stash.canonical import _loads, _loads_all, _normalize, canonical_json, json
 from stash.errors import StashError
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def _is_record_type(cls: Any) -> bool:
@@ -85,6 +88,7 @@ class _RecordPlan:
         "read_from",
         "_key_defaults",
         "_key_differs",
+        "legacy_keys_seen",
     )
 
     convs: tuple[tuple[str, Callable[[Any, str], Any]], ...]
@@ -98,6 +102,7 @@ class _RecordPlan:
         self.read_from: dict[int, tuple[weakref.ref[Any], str, str]] = {}
         self._key_defaults: dict[str, Any] | None = None
         self._key_differs: bool | None = None
+        self.legacy_keys_seen = False  # see RecordCodec._from_dict
 
     def key_defaults(self) -> dict[str, Any]:
         """``{field: its default as key JSON}`` of the fields whose default is one fixed
@@ -518,8 +523,9 @@ class RecordCodec(Generic[T]):
       default is not JSON is always written: adding one to a key type needs a migration;
     * keys stored by releases before this rule with a field at its default (a key type
       that had defaulted fields then) hold the field: read back, such a key retracts its
-      stored text, but a lookup of a new key value misses it; rewrite such a collection
-      once with ``TypedCollection(name, K, V).migrate(stash, K, V, lambda k, v: (k, v))``.
+      stored text, but a lookup of a new key value misses it (reading one logs a
+      warning, once per type); rewrite such a collection once with
+      ``TypedCollection(name, K, V).migrate(stash, K, V, lambda k, v: (k, v))``.
 
     Args:
         cls: the record type.
@@ -611,9 +617,25 @@ class RecordCodec(Generic[T]):
             # keys whose encoding is not the stored JSON.
             if not same_json(self._as_dict(obj), d):
                 self._remember(obj, text)
+                if not self._plan.legacy_keys_seen and d.keys() <= self._plan.fieldset:
+                    self._warn_legacy(d)
         elif _evolved() != before:
             self._remember(obj, text)
         return obj
+
+    def _warn_legacy(self, d: dict[str, Any]) -> None:
+        """Log, once per type, that a key was stored with a field at its default (by a
+        release before the key rule, or by hand): point lookups miss such keys."""
+        self._plan.legacy_keys_seen = True
+        held = sorted(f for f in self._plan.key_defaults() if f in d)
+        log.warning(
+            "keys of %s are stored with fields at their default (%s at the top level), "
+            "as releases before keys omitted their defaults stored them: a lookup or "
+            "upsert by key value misses such a key; rewrite the collection once with "
+            "TypedCollection(name, K, V).migrate(stash, K, V, lambda k, v: (k, v))",
+            self.name,
+            ", ".join(held) or "in nested records",
+        )
 
     def decode(self, text: str) -> T:
         d = _loads(text, self.name)

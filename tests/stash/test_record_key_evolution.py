@@ -13,12 +13,16 @@ missed it).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from stash import Stash, TypedCollection
 from stash.codec import resolve_codec, resolve_key_codec
+from stash.record_codec import _plan
 
 
 @dataclass(frozen=True)
@@ -188,26 +192,42 @@ def test_a_changed_default_is_migrated_from_the_old_type_to_the_new() -> None:
         assert _raw_keys(s, eu) == ['{"name":"a","region":""}', '{"name":"b"}']
 
 
-def test_keys_stored_with_their_defaults_by_earlier_releases_stay_whole() -> None:
+@dataclass(frozen=True)
+class LegacyKey:
+    """A key type that had a defaulted field before the key rule."""
+
+    __stash_name__ = "app.LegacyKey"
+    name: str
+    region: str = ""
+
+
+def test_keys_stored_with_their_defaults_by_earlier_releases_stay_whole(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """An earlier release wrote a key type's defaults into its keys: read back, such a
-    key retracts its stored text (a table's update leaves one entry), and the identity
-    migration rewrites the collection by the key rule, after which lookups find it."""
-    with Stash.open("memory://") as s:
-        v2 = TypedCollection("c", key=KeyV2, value="int")
+    key retracts its stored text (a table's update leaves one entry), a warning names
+    the type and the fix, and the identity migration rewrites the collection by the key
+    rule, after which lookups find it."""
+    _plan(LegacyKey).legacy_keys_seen = False  # warned once per type and process
+    with Stash.open("memory://") as s, caplog.at_level(logging.WARNING, "stash.record_codec"):
+        v2 = TypedCollection("c", key=LegacyKey, value="int")
         c = v2.get(s)
         batch = c.make_batch(s)
         batch.entries.append((('{"name":"a","region":""}', "1"), batch.timestamp, 1))
         s.append([batch])
         assert _raw_keys(s, v2) == ['{"name":"a","region":""}']
-        assert v2.peek_one(s) == {KeyV2("a"): 1}
+        assert v2.peek_one(s) == {LegacyKey("a"): 1}
+        (warned,) = [r.getMessage() for r in caplog.records]
+        assert "record:app.LegacyKey(name)" in warned and "region" in warned
+        assert "migrate(stash, K, V, lambda k, v: (k, v))" in warned
         t = v2.table(s, uniqueness_violation=lambda a, b: False)
         t.update(lambda k, v: v + 1)
         t.commit()
         assert _raw_keys(s, v2) == ['{"name":"a","region":""}']
-        assert v2.peek_one(s) == {KeyV2("a"): 2}
-        v2.migrate(s, KeyV2, "int", lambda k, v: (k, v))
+        assert v2.peek_one(s) == {LegacyKey("a"): 2}
+        v2.migrate(s, LegacyKey, "int", lambda k, v: (k, v))
         assert _raw_keys(s, v2) == ['{"name":"a"}']
-        assert v2.peek_key_one(s, KeyV2("a")) == 2
+        assert v2.peek_key_one(s, LegacyKey("a")) == 2
 
 
 @dataclass(frozen=True)

@@ -115,8 +115,14 @@ class _RecordPlan:
             with _PLANS_LOCK:
                 got = self._key_defaults
                 if got is None:
-                    self._key_defaults = {}  # a default of the type itself sees no defaults
-                    got = self._key_defaults = _key_defaults(self.cls)
+                    if self in _KEY_DEFAULTS_MAKING:
+                        return {}  # a default holding the type itself: all fields written
+                    _KEY_DEFAULTS_MAKING.add(self)
+                    try:
+                        # Published only once whole: another thread waits on the lock.
+                        got = self._key_defaults = _key_defaults(self.cls)
+                    finally:
+                        _KEY_DEFAULTS_MAKING.discard(self)
         return got
 
     def key_differs(self) -> bool:
@@ -172,6 +178,8 @@ def _evolved() -> int:
 
 _PLANS: dict[Any, _RecordPlan] = {}
 _PLANS_LOCK = threading.RLock()  # reentrant: a plan makes the plans of its field types
+#: The plans whose key defaults the thread holding ``_PLANS_LOCK`` is making.
+_KEY_DEFAULTS_MAKING: set[_RecordPlan] = set()
 
 
 def _plan(cls: Any) -> _RecordPlan:

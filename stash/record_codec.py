@@ -71,6 +71,7 @@ class _RecordPlan:
         fieldset: the same as a frozenset (compared with a stored object's keys).
         required: the fields without a default (an old row must hold them).
         convs: ``(field, converter)`` of the fields whose JSON needs converting.
+        hints: the type's resolved annotations (``typing.get_type_hints``, once).
         read_from: the records of the type read from evolved rows, by ``id``: a weak
             reference, the stored text and the record's encoding then (see
             :meth:`RecordCodec.encode`).
@@ -89,6 +90,7 @@ class _RecordPlan:
         "_key_defaults",
         "_key_differs",
         "legacy_keys_seen",
+        "hints",
     )
 
     convs: tuple[tuple[str, Callable[[Any, str], Any]], ...]
@@ -103,6 +105,7 @@ class _RecordPlan:
         self._key_defaults: dict[str, Any] | None = None
         self._key_differs: bool | None = None
         self.legacy_keys_seen = False  # see RecordCodec._from_dict
+        self.hints: dict[str, Any] = {}  # its resolved annotations (set by _plan)
 
     def key_defaults(self) -> dict[str, Any]:
         """``{field: its default as key JSON}`` of the fields whose default is one fixed
@@ -196,7 +199,7 @@ def _plan(cls: Any) -> _RecordPlan:
             # Registered before its converters are made, so a type that refers to itself
             # (a tree of records) finds its plan instead of recursing.
             _PLANS[cls] = plan
-            hints = _type_hints(cls)
+            hints = plan.hints = _type_hints(cls)
             convs = ((f, _converter(hints.get(f, Any))) for f in plan.fields)
             plan.convs = tuple((f, c) for f, c in convs if c is not None)
     return plan
@@ -272,7 +275,7 @@ def _reaches_defaults(cls: Any, seen: set[Any]) -> bool:
     seen.add(cls)
     if _defaulted(cls):
         return True
-    return any(_hint_reaches(h, seen) for h in _type_hints(cls).values())
+    return any(_hint_reaches(h, seen) for h in _plan(cls).hints.values())
 
 
 def _hint_reaches(hint: Any, seen: set[Any]) -> bool:

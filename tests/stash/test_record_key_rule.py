@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import typing
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -248,3 +250,32 @@ def test_every_key_path_writes_one_text_for_a_key(key: Key) -> None:
         assert tc.peek_one(s) == {key: 4}
         assert s.iter_key(c, key)[-1][0] == 4
         assert {name: text for name, text in texts.items() if text != want} == {}
+
+
+@dataclass(frozen=True)
+class FreshLeaf:  # types only the test below uses
+    id: int
+    zone: str | None = None
+
+
+@dataclass(frozen=True)
+class FreshKey:
+    leaf: FreshLeaf
+
+
+def test_a_key_type_resolves_its_annotations_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Any] = []
+    real = typing.get_type_hints
+
+    def counting(obj: Any, *a: Any, **kw: Any) -> Any:
+        calls.append(obj)
+        return real(obj, *a, **kw)
+
+    monkeypatch.setattr(typing, "get_type_hints", counting)
+
+    with Stash.open("memory://") as s:
+        tc = TypedCollection("c", key=FreshKey, value="int")
+        tc.upsert(s, ((FreshKey(FreshLeaf(i)), i) for i in range(50)))
+        assert tc.peek_one(s)[FreshKey(FreshLeaf(7))] == 7
+        assert tc.peek_key_one(s, FreshKey(FreshLeaf(8))) == 8
+    assert calls.count(FreshKey) == 1 and calls.count(FreshLeaf) == 1

@@ -4,9 +4,10 @@ one append batch.
 Invariants kept here:
 
 * keys and values are compared by their canonical encodings, as the stash compares them
-  (the collection's codecs when given, keys in their key role, else canonical JSON with
-  records as objects of their fields, keys by the key rule :func:`stash.codec.key_json`), never by Python equality: ``True`` and ``1`` are different keys and
-  different values;
+  (the collection's codecs when given, the key codec in its key role; else canonical
+  JSON with records as objects of their fields, for keys by the key rule
+  :func:`stash.codec.key_json`), never by Python equality: ``True`` and ``1`` are
+  different keys and different values;
 * ``items()`` is always the initial contents with the pending changes applied
   (read-your-writes);
 * no two visible values violate the uniqueness predicate, and no key appears twice:

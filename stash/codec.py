@@ -35,9 +35,10 @@ A :class:`Codec` maps a Python value to a *canonical* JSON text (``encode``) and
   ``decode`` per text returns, and raises an error of the same type for a bad text.
 
 Canonical JSON text itself lives in :mod:`stash.canonical`, record codecs in
-:mod:`stash.record_codec`; both are re-exported here.  The database stores the encodings: JSON text on SQLite, ``jsonb`` on Postgres, so the
-data is readable with plain SQL.  Source of the idea: Materialize's ``Codec`` trait
-(``src/stash/src/lib.rs`` uses ``mz_persist_types::Codec``) with JSON as the wire format.
+:mod:`stash.record_codec`; both are re-exported here.  The database stores the
+encodings: JSON text on SQLite, ``jsonb`` on Postgres, so the data is readable with
+plain SQL.  Source of the idea: Materialize's ``Codec`` trait (``src/stash/src/lib.rs``
+uses ``mz_persist_types::Codec``) with JSON as the wire format.
 """
 
 from __future__ import annotations

@@ -165,17 +165,21 @@ def test_a_key_loses_exactly_its_fields_at_their_default_and_round_trips(
     assert kc.encode_new(back) == text
 
 
+def _containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(text, inner, max_size=3)
+    )
+
+
 json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.sampled_from([0, 1, -1, 0.0, -0.0, 1.0, 2.5, 2**53, 2.0**53, 2**53 + 1])
     | st.integers(-3, 3)
     | text,
-    lambda inner: (
-        st.lists(inner, max_size=3)
-        | st.lists(inner, max_size=3).map(tuple)
-        | st.dictionaries(text, inner, max_size=3)
-    ),
+    _containers,
     max_leaves=8,
 )
 

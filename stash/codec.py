@@ -48,7 +48,7 @@ import copy
 import importlib
 import json
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from stash.canonical import (
@@ -66,6 +66,7 @@ from stash.record_codec import (
     RecordCodec,
     _converter,
     _hashable,
+    json_key_texts,
     key_json,
     same_json,
     to_json,
@@ -87,8 +88,13 @@ __all__ = [
     "TypedTupleCodec",
     "canonical_json",
     "decode_all",
+    "duplicate_key_error",
     "json_sort_key",
+    "json_key_texts",
     "key_json",
+    "key_identity",
+    "key_probe",
+    "key_texts",
     "resolve_codec",
     "resolve_key_codec",
     "same_json",
@@ -241,6 +247,15 @@ class TupleCodec:
             raise StashError(f"tuple codec: expected a tuple, got {type(value).__name__}")
         return canonical_json(self._json(value))
 
+    def key_texts(self, value: tuple[Any, ...]) -> tuple[str, ...]:
+        """The texts ``value`` may be stored under as a key, today's first
+        (:func:`~stash.record_codec.json_key_texts`); in the value role ``(encode,)``."""
+        if not self.key:
+            return (self.encode(value),)
+        if not isinstance(value, tuple):
+            raise StashError(f"tuple codec: expected a tuple, got {type(value).__name__}")
+        return json_key_texts(value)
+
     def decode(self, text: str) -> tuple[Any, ...]:
         v = _loads(text, self.name)
         if not isinstance(v, list):
@@ -345,6 +360,57 @@ def resolve_key_codec(spec: CodecLike) -> Any:
     if type(codec) in (RecordCodec, TupleCodec, TypedTupleCodec):
         return codec.as_key()
     return codec
+
+
+def key_texts(codec: Codec[Any], key: Any) -> tuple[str, ...]:
+    """The texts ``key`` may be stored under in a collection whose key codec is
+    ``codec`` (in its key role, :func:`resolve_key_codec`): first the text the key rule
+    writes today (``codec.encode(key)`` but for a record read from a stored text), then,
+    where it differs, the text every release before the key rule wrote (every field,
+    also those at their default).  One text for a key holding no record with a field at
+    its default, and for codecs without records (JSON, ints, strings, bytes).
+
+    The one definition of a key's identity on the stash: every key path (``peek_key_one``,
+    ``upsert_key``, ``upsert``, ``insert_without_overwrite``, table transactions,
+    ``with_transaction``) looks a key up under all of these texts in one statement,
+    retracts the text it finds stored, and writes new keys as the first.
+
+    Raises:
+        StashError: ``key`` does not encode with ``codec``.
+    """
+    texts = getattr(codec, "key_texts", None)
+    if texts is None:
+        return (codec.encode(key),)
+    got: tuple[str, ...] = texts(key)
+    return got
+
+
+def duplicate_key_error(name: str, key: Any, texts: Iterable[str]) -> StashError:
+    """The error of collection ``name`` holding ``key`` under two of its candidate
+    texts (:func:`stash.codec.key_texts`): one stored with fields at their default by a
+    release before keys omitted them, one written since (by hand, or by a release that
+    missed it).  Every key path and ``peek_one`` raise it, committing nothing."""
+    a, b = (t if len(t) <= 200 else t[:200] + "..." for t in sorted(texts)[:2])
+    return StashError(
+        f"duplicate key: collection {name!r} holds key {key!r} twice, as {a} and "
+        f"{b} (fields at their default written, as releases before keys omitted "
+        "them wrote them, and not): retract one of them (read both with peek())"
+    )
+
+
+def key_identity(codec: Codec[Any], key: Any) -> str:
+    """``key_texts(codec, key)[0]`` without the other texts: the text the key rule
+    writes ``key`` as today, which tells keys apart (never the stored text a record
+    read from a row remembers, :meth:`RecordCodec.encode`)."""
+    new = getattr(codec, "encode_new", None)
+    return str(new(key)) if new is not None else str(codec.encode(key))
+
+
+def key_probe(texts: tuple[str, ...]) -> str | tuple[str, ...]:
+    """What a backend's ``peek_rows`` is given for a key's candidate ``texts``
+    (:func:`key_texts`): the text itself when there is one (the one-key statement), else
+    the tuple (one statement with the texts as an IN list)."""
+    return texts[0] if len(texts) == 1 else texts
 
 
 #: Built-in codecs whose ``sort_key`` is the decoded value itself (ints, strs): their

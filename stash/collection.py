@@ -139,17 +139,22 @@ class StashCollection(Generic[K, V]):
         batch._stamp = stamp
         return batch
 
-    def append_to_batch(self, batch: AppendBatch, key: K, value: V, diff: int) -> None:
+    def append_to_batch(
+        self, batch: AppendBatch, key: K, value: V, diff: int, *, key_text: str | None = None
+    ) -> None:
         """Encode ``(key, value)`` and add it to ``batch`` at ``batch.timestamp`` with
-        ``diff``.
+        ``diff``.  ``key_text``: the key's text as read from the collection (one of its
+        candidate texts, :func:`stash.codec.key_texts`), to retract exactly what is
+        stored (a transaction's retractions); default the key codec's encoding.
 
         Raises:
             StashError: the batch is for another collection, or key/value/diff is invalid.
         """
         if batch.collection.id != self.id:
             raise StashError(f"batch is for collection {batch.collection.name}, not {self.name}")
+        kj = self.key_codec.encode(key) if key_text is None else key_text
         entry = (
-            (self.key_codec.encode(key), self.value_codec.encode(value)),
+            (kj, self.value_codec.encode(value)),
             batch.timestamp,
             _check_diff(diff),
         )

@@ -344,6 +344,19 @@ def _key_object(value: Any, plan: _RecordPlan) -> dict[str, Any]:
     return out
 
 
+def json_key_texts(value: Any) -> tuple[str, ...]:
+    """The texts a KEY ``value`` may be stored under, the text of today first: its key
+    rule text (:func:`key_json`) and, when it differs (a record with a field at its
+    default), the text every release before the key rule wrote (:func:`to_json`, every
+    field).  The one definition of a key's candidate texts: every codec in the key role
+    (:meth:`RecordCodec.key_texts`, :meth:`stash.codec.TupleCodec.key_texts`) and a
+    table transaction's keys without a codec call it, and every key path looks a key up
+    under all of them (:func:`stash.codec.key_texts`)."""
+    new = canonical_json(key_json(value))
+    old = canonical_json(to_json(value))
+    return (new,) if old == new else (new, old)
+
+
 def to_json(value: Any) -> Any:
     """``value`` with records (dataclass, Struct, NamedTuple instances) turned into JSON
     objects of their fields and tuples into lists, recursively."""
@@ -610,6 +623,25 @@ class RecordCodec(Generic[T]):
         text it was read from (what a migration writes: ``TypedCollection.migrate``)."""
         return canonical_json(self._as_dict(value))
 
+    def key_texts(self, value: T) -> tuple[str, ...]:
+        """The texts ``value`` may be stored under as a key (see :func:`json_key_texts`):
+        :meth:`encode_new`'s first, then the full text of releases before the key rule
+        if it differs, then the stored text ``value`` was read from if it is another
+        (an evolved row).  In the value role: ``(encode(value),)``."""
+        if not self.key:
+            return (self.encode(value),)
+        new = canonical_json(self._as_dict(value))
+        out: tuple[str, ...] = (new,)
+        if self._key_check:
+            old = canonical_json({f: to_json(getattr(value, f)) for f in self._fields})
+            if old != new:
+                out = (new, old)
+        if self._read_from:
+            hit = self._read_from.get(id(value))
+            if hit is not None and hit[0]() is value and hit[2] == new and hit[1] not in out:
+                out = (*out, hit[1])
+        return out
+
     def _remember(self, obj: Any, text: str) -> None:
         """Remember that ``obj`` was read from the evolved row ``text``."""
         key = id(obj)
@@ -628,21 +660,28 @@ class RecordCodec(Generic[T]):
             # keys whose encoding is not the stored JSON.
             if not same_json(self._as_dict(obj), d):
                 self._remember(obj, text)
-                if not self._plan.legacy_keys_seen and d.keys() <= self._plan.fieldset:
+                if (
+                    not self._plan.legacy_keys_seen
+                    and d.keys() <= self._plan.fieldset
+                    and not same_json(to_json(obj), d)
+                ):
                     self._warn_legacy(d)
         elif _evolved() != before:
             self._remember(obj, text)
         return obj
 
     def _warn_legacy(self, d: dict[str, Any]) -> None:
-        """Log, once per type, that a key was stored with a field at its default (by a
-        release before the key rule, or by hand): point lookups miss such keys."""
+        """Log, once per type, that a key is stored under a text that is neither of its
+        candidate texts (:meth:`key_texts`): some fields at their default written and
+        others not, as a release before the key rule wrote a key whose type had fewer
+        defaulted fields then (or a hand-written key).  Point lookups miss such keys."""
         self._plan.legacy_keys_seen = True
         held = sorted(f for f in self._plan.key_defaults() if f in d)
         log.warning(
-            "keys of %s are stored with fields at their default (%s at the top level), "
-            "as releases before keys omitted their defaults stored them: a lookup or "
-            "upsert by key value misses such a key; rewrite the collection once with "
+            "keys of %s are stored with some fields at their default (%s at the top "
+            "level) but not all, as a release before keys omitted their defaults wrote "
+            "them when the type had fewer fields: a lookup or upsert by key value misses "
+            "such a key; rewrite the collection once with "
             "TypedCollection(name, K, V).migrate(stash, K, V, lambda k, v: (k, v))",
             self.name,
             ", ".join(held) or "in nested records",

@@ -34,7 +34,9 @@ from typing import Any, Generic, TypeVar
 from stash.codec import (
     CodecLike,
     canonical_json,
+    duplicate_key_error,
     json_sort_key,
+    key_identity,
     key_json,
     resolve_codec,
     resolve_key_codec,
@@ -115,7 +117,10 @@ class TableTransaction(Generic[K, V]):
             self._ksort: Callable[[Any], Any] = _natural_sort_key
         else:
             kc = resolve_key_codec(key_codec)
-            self._ktok, self._ksort = kc.encode, kc.sort_key
+            # A key's identity: its text by the key rule (never a stored text a record
+            # read from a row remembers), so a key read under an earlier release's text
+            # and the same key given fresh are one key.
+            self._ktok, self._ksort = (lambda k: key_identity(kc, k)), kc.sort_key
         self._vtok: Callable[[Any], Any] = (
             _natural_token if value_codec is None else resolve_codec(value_codec).encode
         )
@@ -126,20 +131,39 @@ class TableTransaction(Generic[K, V]):
             if t in self._initial:
                 raise StashError(f"table transaction: initial contents hold key {k!r} twice")
             self._initial[t] = (k, v)
+        # The key text each initial key was read under (of a table read from a stash):
+        # what a retraction of it writes, so it retracts what is stored.
+        self._stored: dict[Any, str] = {}
         self._pending: dict[Any, tuple[K, Any]] = {}
         self._violates = uniqueness_violation
         # Lazy contents (see _bind_source): keys are read as they are needed.
-        self._load_keys: Callable[[list[K]], list[tuple[K, V]]] | None = None
-        self._load_all: Callable[[], list[tuple[K, V]]] | None = None
+        self._load_keys: Callable[[list[K]], list[tuple[str, K, V]]] | None = None
+        self._load_all: Callable[[], list[tuple[str, K, V]]] | None = None
         self._looked_up: set[Any] = set()
+
+    def _add_stored(self, rows: Iterable[tuple[str, K, V]]) -> None:
+        """Add ``(stored key text, key, value)`` rows read from the collection to the
+        initial contents, keeping each key's stored text for its retraction.
+
+        Raises:
+            StashError: two rows of one key (by its identity): two candidate texts of
+                it stored (:func:`stash.codec.duplicate_key_error`), or ``initial`` twice.
+        """
+        for kj, k, v in rows:
+            t = self._ktok(k)
+            if t in self._initial:
+                raise duplicate_key_error(self.collection or "", k, (self._stored[t], kj))
+            self._initial[t] = (k, v)
+            self._stored[t] = kj
 
     def _bind_source(
         self,
-        load_keys: Callable[[list[K]], list[tuple[K, V]]],
-        load_all: Callable[[], list[tuple[K, V]]],
+        load_keys: Callable[[list[K]], list[tuple[str, K, V]]],
+        load_all: Callable[[], list[tuple[str, K, V]]],
     ) -> None:
-        """Read the contents lazily: ``load_keys(keys)`` returns the ``(key, value)``
-        pairs of those keys that hold a value, ``load_all()`` every pair.  A key is read
+        """Read the contents lazily: ``load_keys(keys)`` returns the ``(stored key text,
+        key, value)`` rows of those keys that hold a value (each key looked up under
+        every candidate text), ``load_all()`` every row.  A key is read
         before anything about it is decided (its retraction needs its value); anything
         that needs every row (``items``, ``update``, ``delete``, a uniqueness check)
         reads them all first."""
@@ -154,8 +178,7 @@ class TableTransaction(Generic[K, V]):
             if t not in self._looked_up:
                 todo.setdefault(t, k)
         if todo:
-            for k, v in self._load_keys(list(todo.values())):
-                self._initial[self._ktok(k)] = (k, v)
+            self._add_stored(self._load_keys(list(todo.values())))
             self._looked_up.update(todo)
 
     def _need_all(self) -> None:
@@ -163,12 +186,8 @@ class TableTransaction(Generic[K, V]):
         if load is None:
             return
         self._load_keys = self._load_all = None
-        self._initial = {}
-        for k, v in load():
-            t = self._ktok(k)
-            if t in self._initial:
-                raise StashError(f"table transaction: contents hold key {k!r} twice")
-            self._initial[t] = (k, v)
+        self._initial, self._stored = {}, {}
+        self._add_stored(load())
 
     @property
     def initial(self) -> dict[K, V]:
@@ -226,6 +245,16 @@ class TableTransaction(Generic[K, V]):
                 out.append((ik, old, -1))
             if new is not _DELETED:
                 out.append((k, new, 1))
+        return out
+
+    def _pending_texts(self) -> list[tuple[str | None, K, V, int]]:
+        """:meth:`pending` with the key text each change writes: a retraction the text
+        its key was read under (``None`` if not read from a stash), an insertion
+        ``None`` (the key rule's text)."""
+        out: list[tuple[str | None, K, V, int]] = []
+        for k, v, d in self.pending():
+            kj = self._stored.get(self._ktok(k)) if d < 0 else None
+            out.append((kj, k, v, d))
         return out
 
     def commit(self) -> None:

@@ -201,13 +201,23 @@ class LegacyKey:
     region: str = ""
 
 
-def test_keys_stored_with_their_defaults_by_earlier_releases_stay_whole(
+@dataclass(frozen=True)
+class LegacyKeyGrown:
+    """``LegacyKey`` after the key rule, grown by a second defaulted field."""
+
+    __stash_name__ = "app.LegacyKey"
+    name: str
+    region: str = ""
+    zone: str = ""
+
+
+def test_keys_stored_with_their_defaults_by_earlier_releases_are_found_without_migration(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """An earlier release wrote a key type's defaults into its keys: read back, such a
-    key retracts its stored text (a table's update leaves one entry), a warning names
-    the type and the fix, and the identity migration rewrites the collection by the key
-    rule, after which lookups find it."""
+    """An earlier release wrote a key type's defaults into its keys: a lookup by a fresh
+    key value finds such a key (its old full text is one of its candidate texts), a
+    table's update retracts the stored text and writes the key by the key rule, and
+    nothing is logged (no migration is needed)."""
     _plan(LegacyKey).legacy_keys_seen = False  # warned once per type and process
     with Stash.open("memory://") as s, caplog.at_level(logging.WARNING, "stash.record_codec"):
         v2 = TypedCollection("c", key=LegacyKey, value="int")
@@ -217,17 +227,38 @@ def test_keys_stored_with_their_defaults_by_earlier_releases_stay_whole(
         s.append([batch])
         assert _raw_keys(s, v2) == ['{"name":"a","region":""}']
         assert v2.peek_one(s) == {LegacyKey("a"): 1}
-        (warned,) = [r.getMessage() for r in caplog.records]
-        assert "record:app.LegacyKey(name)" in warned and "region" in warned
-        assert "migrate(stash, K, V, lambda k, v: (k, v))" in warned
+        assert v2.peek_key_one(s, LegacyKey("a")) == 1
         t = v2.table(s, uniqueness_violation=lambda a, b: False)
         t.update(lambda k, v: v + 1)
         t.commit()
-        assert _raw_keys(s, v2) == ['{"name":"a","region":""}']
-        assert v2.peek_one(s) == {LegacyKey("a"): 2}
-        v2.migrate(s, LegacyKey, "int", lambda k, v: (k, v))
         assert _raw_keys(s, v2) == ['{"name":"a"}']
-        assert v2.peek_key_one(s, LegacyKey("a")) == 2
+        assert v2.peek_one(s) == {LegacyKey("a"): 2}
+        assert not caplog.records
+
+
+def test_keys_stored_by_a_release_whose_type_had_fewer_fields_need_the_migration(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A key stored by a release before the key rule whose type had FEWER defaulted
+    fields than the type of today holds some fields at their default and not others:
+    neither candidate text matches it, so a lookup misses it; reading it logs a warning
+    (once per type) naming the type and the fix, and the identity migration rewrites the
+    collection by the key rule, after which lookups find it."""
+    _plan(LegacyKeyGrown).legacy_keys_seen = False
+    with Stash.open("memory://") as s, caplog.at_level(logging.WARNING, "stash.record_codec"):
+        v3 = TypedCollection("c", key=LegacyKeyGrown, value="int")
+        c = v3.get(s)
+        batch = c.make_batch(s)
+        batch.entries.append((('{"name":"a","region":""}', "1"), batch.timestamp, 1))
+        s.append([batch])
+        assert v3.peek_key_one(s, LegacyKeyGrown("a")) is None  # neither text matches
+        assert v3.peek_one(s) == {LegacyKeyGrown("a"): 1}
+        (warned,) = [r.getMessage() for r in caplog.records]
+        assert "record:app.LegacyKey(name)" in warned and "region" in warned
+        assert "migrate(stash, K, V, lambda k, v: (k, v))" in warned
+        v3.migrate(s, LegacyKeyGrown, "int", lambda k, v: (k, v))
+        assert _raw_keys(s, v3) == ['{"name":"a"}']
+        assert v3.peek_key_one(s, LegacyKeyGrown("a")) == 1
 
 
 @dataclass(frozen=True)

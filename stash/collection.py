@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from stash.antichain import I64_MAX, Antichain, check_i64
-from stash.codec import resolve_key_codec
+from stash.codec import JsonCodec, canonical_json, key_texts, resolve_key_codec
 from stash.errors import StashError
 
 K = TypeVar("K")
@@ -164,7 +164,9 @@ class StashCollection(Generic[K, V]):
     def canonical_entry(self, key_text: object, value_text: object) -> tuple[str, str]:
         """``(key_text, value_text)``, texts encoded by hand, as this handle's codecs
         encode the values they decode to (``1.0`` becomes ``1`` with the JSON codec),
-        the same on every backend.
+        the same on every backend; a key text that is one of its key's candidate texts
+        (:func:`stash.codec.key_texts`: the text an earlier release wrote) stays that
+        text, made canonical, so a retraction by hand retracts what is stored.
 
         Raises:
             StashError: a text is not a ``str``, or not an encoding of the codec (naming
@@ -178,7 +180,16 @@ class StashCollection(Generic[K, V]):
             if not isinstance(text, str):
                 raise StashError("append batch entries must be encoded (use append_to_batch)")
             try:
-                out.append(codec.encode(codec.decode(text)))
+                decoded = codec.decode(text)
+                canonical = codec.encode(decoded)
+                if what == "key":
+                    # A key's text of an earlier release (its fields at default written)
+                    # is kept: a retraction by hand retracts what is stored.
+                    texts = key_texts(codec, decoded)
+                    if len(texts) > 1:
+                        norm = canonical_json(JsonCodec().decode(text))
+                        canonical = norm if norm in texts else canonical
+                out.append(canonical)
             except (StashError, TypeError, ValueError) as e:
                 shown = text if len(text) <= 200 else text[:200] + "..."
                 msg = str(e).removeprefix("stash error: ")

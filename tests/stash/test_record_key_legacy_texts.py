@@ -248,3 +248,22 @@ def test_the_key_texts_are_one_definition() -> None:
         assert kc.encode(key) == new
     assert key_texts(resolve_key_codec(DKey), DKey("a", "eu")) == ('{"name":"a","region":"eu"}',)
     assert key_texts(resolve_key_codec("int"), 3) == ("3",)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_retraction_encoded_by_hand_retracts_the_legacy_text(
+    open_stash: OpenStash, kind: str
+) -> None:
+    """An append batch's entry encoded by hand with a key's old text (as the rows of
+    ``peek`` give it) stays that text, so the retraction removes the stored entry
+    (before, a NamedTuple or tuple key's text was re-encoded by the key rule: a
+    multiplicity -1 for a text not stored, the entry left live)."""
+    _, key, _, old, _ = KINDS[kind]
+    s = open_stash()
+    tc = _legacy_named(s, kind, "byhand")
+    c = tc.get(s)
+    batch = c.make_batch(s)
+    batch.entries.append(((old, "1"), batch.timestamp, -1))
+    s.append([batch])
+    assert [r for r in _raw(s, tc) if r[1] != "7"] == []
+    assert tc.peek_key_one(s, key) is None

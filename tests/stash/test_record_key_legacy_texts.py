@@ -267,3 +267,42 @@ def test_a_retraction_encoded_by_hand_retracts_the_legacy_text(
     s.append([batch])
     assert [r for r in _raw(s, tc) if r[1] != "7"] == []
     assert tc.peek_key_one(s, key) is None
+
+
+@pytest.mark.parametrize("limit", [None, 1])
+def test_peek_range_by_a_prefix_holding_a_record_finds_keys_under_both_texts(
+    open_stash: OpenStash, limit: int | None
+) -> None:
+    """A tuple prefix holding a record with a field at its default admits the keys
+    stored under either text (the key rule's and every field's): both ranges are read,
+    merged in text order, and paged without repeating or skipping a key; a key held
+    under both texts raises the duplicate error."""
+    spec = tuple[str, Inner, str]
+    s = open_stash()
+    old = s.collection("r", key=OldKeyCodec(spec), value="int")
+    legacy = [("a", Inner(1), "p"), ("a", Inner(1), "r"), ("a", Inner(2), "x")]
+    s.update_many(old, [((k, i), 0, 1) for i, k in enumerate(legacy)])
+    s.seal(old, s.upper(old).from_elem(1))
+    tc = TypedCollection("r", key=spec, value="int")
+    tc.upsert(s, [(("a", Inner(1), "q"), 10), (("b", Inner(1), "p"), 11)])
+    want = [(("a", Inner(1), "q"), 10), (("a", Inner(1), "p"), 0), (("a", Inner(1), "r"), 1)]
+    c = tc.get(s)
+    got: list[Any] = []
+    after = None
+    while True:
+        page = s.peek_range(c, prefix=("a", Inner(1)), limit=limit, after=after)
+        got += page.entries
+        if not page.more:
+            break
+        after = page.next_after
+    # In stored text order: '["a",{"tag":"","x":1},...' (every field) before '["a",{"x":1},'.
+    assert sorted(got) == sorted(want) and len(got) == len(want)
+    assert s.peek_range(c, prefix=("a", Inner(2))).entries == [(("a", Inner(2), "x"), 2)]
+    # The key ("a", Inner(1), "p") under its text of today as well: one key, two entries.
+    batch = c.make_batch(s)
+    batch.entries.append((('["a",{"x":1},"p"]', "5"), batch.timestamp, 1))
+    s.append([batch])
+    with pytest.raises(StashError, match="duplicate key: collection 'r' holds key"):
+        s.peek_range(c, prefix=("a", Inner(1)))
+    with pytest.raises(StashError, match="duplicate key: collection 'r' holds key"):
+        s.peek_range(c, prefix=("a",))

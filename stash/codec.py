@@ -20,6 +20,11 @@ A :class:`Codec` maps a Python value to a *canonical* JSON text (``encode``) and
   field with a default and every stored key is still found; in the value role every
   field is written.  A key type's defaults are part of its stored keys: changing one
   needs ``TypedCollection.migrate`` (see :class:`~stash.record_codec.RecordCodec`);
+* a key's candidate texts (:func:`key_texts`, the one definition every key path calls)
+  are the key rule's text and, where it differs, every field's (as releases before the
+  key rule wrote keys): lookups probe both in one statement, writes retract the one
+  stored and write the first; a key held under both is an error
+  (:func:`duplicate_key_error`), never two entries silently;
 * a record type may evolve additively (:class:`RecordCodec`): a stored object is read
   with defaults for the fields it lacks and without the fields the type does not know,
   so one value may have two stored encodings (before and after the change); a write

@@ -11,6 +11,10 @@ here:
 * the read and the write are one transaction under the collection's write lock, so no
   other writer can come between them: these never fail with ``AppendLowerMismatch``,
   and never commit over a newer write;
+* a key is looked up under each of its candidate texts (:func:`stash.codec.key_texts`:
+  the key rule's and, for a record at its defaults, every field's, as earlier releases
+  wrote it) in one statement, replaced and retracted under the text that is stored, and
+  written by the key rule; a key held under two texts is refused, committing nothing;
 * a replaced value is retracted by its stored text, never by a re-encoding of its
   decoded value (an evolved record type re-encodes an old row differently, see
   :class:`stash.codec.RecordCodec`), so a key always keeps exactly one value; a stored

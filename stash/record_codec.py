@@ -16,6 +16,9 @@ Invariants kept here:
   before as it was stored, and lookups, upserts and retractions keep finding them; a
   type without defaulted fields encodes its keys exactly as the value rule does, as
   every release before this one stored them;
+* a key has at most two candidate texts (:func:`json_key_texts`, the one definition):
+  the key rule's, and where it differs the text every release before it wrote (every
+  field); every key path looks a key up under both;
 * a record read from a stored text that its codec would encode otherwise (an evolved
   row, or a key stored with a field at its default by an earlier release) encodes as
   that stored text while it is unchanged, so retracting it retracts what is stored;
@@ -545,10 +548,15 @@ class RecordCodec(Generic[T]):
       it (every stored key had it at its default); otherwise migrate;
     * a field whose ``default_factory`` gives a new value per call (a ``uuid4``) or whose
       default is not JSON is always written: adding one to a key type needs a migration;
-    * keys stored by releases before this rule with a field at its default (a key type
-      that had defaulted fields then) hold the field: read back, such a key retracts its
-      stored text, but a lookup of a new key value misses it (reading one logs a
-      warning, once per type); rewrite such a collection once with
+    * keys stored by releases before this rule (every field written, also those at
+      their default) are found without a migration: every key path looks a key up under
+      both of its texts (:meth:`key_texts`, :func:`stash.codec.key_texts`), retracts the
+      one stored and writes by the rule; a key held under both is refused
+      (:func:`stash.codec.duplicate_key_error`);
+    * a key stored by such a release when the type had FEWER defaulted fields than
+      today's holds some fields at their default and not others: neither text matches,
+      a lookup misses it (reading one logs a warning, once per type); rewrite such a
+      collection once with
       ``TypedCollection(name, K, V).migrate(stash, K, V, lambda k, v: (k, v))``.
 
     Args:

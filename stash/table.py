@@ -8,6 +8,10 @@ Invariants kept here:
   JSON with records as objects of their fields, for keys by the key rule
   :func:`stash.codec.key_json`), never by Python equality: ``True`` and ``1`` are
   different keys and different values;
+* a key's identity is its text by the key rule (:func:`stash.codec.key_identity`); a
+  table read from a stash keeps the text each key was read under (an earlier release's
+  text, every field written, is one of its candidate texts) and retracts exactly that
+  text on commit; insertions are written by the key rule;
 * ``items()`` is always the initial contents with the pending changes applied
   (read-your-writes);
 * no two visible values violate the uniqueness predicate, and no key appears twice:

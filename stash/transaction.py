@@ -18,6 +18,8 @@ changes in one write transaction.  Invariants kept here:
   :func:`stash.retention.commit_since`): all of it or nothing, and never
   over a newer write of anything read, so transactions are serializable and writers of
   distinct keys do not conflict; a transaction that changed nothing writes nothing;
+* a key is read under every candidate text (:func:`stash.codec.key_texts`) in one
+  statement, each text recorded as read; a key held under two texts is refused;
 * ``run_transaction`` runs the function again on a conflict, up to ``retries`` times
   (tenacity, jittered backoff), then raises the last ``AppendLowerMismatch``;
 * a collection nothing was ever appended to (upper ``{0}``) reads as empty; one whose

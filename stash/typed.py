@@ -94,8 +94,10 @@ class TypedCollection(Generic[K, V]):
         Keys are written by the key rule (:func:`stash.codec.resolve_key_codec`: records
         without their fields at default), never as the stored text they were read from:
         so ``migrate(stash, K, V, lambda k, v: (k, v))`` with the collection's own codecs
-        rewrites keys an earlier release stored with their defaults, and a migration from
-        a key type to one with a changed default keeps what every stored key means.
+        rewrites keys an earlier release stored with their defaults (every key path finds
+        those stored with every field without it; keys stored when the type had fewer
+        fields need it), and a migration from a key type to one with a changed default
+        keeps what every stored key means.
 
         The new entries are written at the collection's upper ``t`` (the old ones are
         retracted there and consolidated away); the upper becomes ``t + 1`` and the

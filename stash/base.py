@@ -387,7 +387,7 @@ class Stash(abc.ABC):
                 codecs than the handle's (naming both pairs).
         """
         cid = self._cid(collection)
-        kj = collection.key_codec.encode(key)
+        kj = key_texts(collection.key_codec, key)  # its history under each of its texts
         since, rows = self._read(lambda tx: self._iter_rows(tx, cid, kj), codecs=(collection,))
         cons = consolidate_updates((v, max(t, since), d) for _, v, t, d in rows)
         vc = collection.value_codec
@@ -396,11 +396,11 @@ class Stash(abc.ABC):
         return out
 
     @staticmethod
-    def _iter_rows(tx: Txn, cid: int, key: str | None) -> tuple[int, list[Row]]:
+    def _iter_rows(tx: Txn, cid: int, key: tuple[str, ...] | None) -> tuple[int, list[Row]]:
         since, _ = tx.frontiers(cid)
         if since is None:
             raise StashError("cannot iterate collection with empty since frontier")
-        return since, tx.rows(cid, key)
+        return since, tx.rows(cid) if key is None else [r for k in key for r in tx.rows(cid, k)]
 
     @staticmethod
     def _peek_ts(name: str, since: int | None, upper: int | None) -> int:

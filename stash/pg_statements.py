@@ -239,13 +239,16 @@ _PEEK_KEY_SQL = (
 )
 
 
-# The same for one key's candidate texts (stash.codec.key_texts): a set joined through
-# the (collection_id, key hash) index, one statement for every text.
+# The same for one key's candidate texts (stash.codec.key_texts), in one statement: the
+# index is probed text by text (a LATERAL probe per text; OFFSET 0 keeps the planner from
+# flattening it into a join, which a generic plan made on a tiny table ran as a scan of
+# the collection).
 _PEEK_KEYS_SQL = (
-    "SELECT d.key::text, d.value::text, sum(d.diff)::int8 FROM data d"
-    " JOIN (SELECT DISTINCT k::jsonb AS key FROM unnest(%(k)s::text[]) AS k) w"
-    " ON jsonb_hash_extended(d.key, 0) = jsonb_hash_extended(w.key, 0) AND d.key = w.key"
-    " WHERE d.collection_id = %(c)s AND (d.time <= %(ts)s) IS TRUE"
+    "SELECT d.key::text, d.value::text, sum(d.diff)::int8"
+    " FROM (SELECT DISTINCT k::jsonb AS key FROM unnest(%(k)s::text[]) AS k) w"
+    " CROSS JOIN LATERAL (SELECT key, value, diff FROM data WHERE collection_id = %(c)s"
+    " AND (time <= %(ts)s) IS TRUE AND jsonb_hash_extended(key, 0) ="
+    " jsonb_hash_extended(w.key, 0) AND key = w.key OFFSET 0) d"
     " GROUP BY d.key, d.value HAVING sum(d.diff) <> 0"
 )
 
@@ -281,10 +284,16 @@ _PEEK_KEY_BY_NAME_SQL = (
     " AND d.key = %(k)s::jsonb"
     " WHERE c.name = %(n)s GROUP BY d.key, d.value HAVING sum(d.diff) <> 0"
 )
-_PEEK_KEYS_BY_NAME_SQL = _PEEK_KEY_BY_NAME_SQL.replace(
-    "jsonb_hash_extended(%(k)s::jsonb, 0) AND d.key = %(k)s::jsonb",
-    "ANY(SELECT jsonb_hash_extended(k::jsonb, 0) FROM unnest(%(k)s::text[]) AS k)"
-    " AND d.key IN (SELECT k::jsonb FROM unnest(%(k)s::text[]) AS k)",
+# The same for one key's candidate texts, probed text by text (as _PEEK_KEYS_SQL).
+_PEEK_KEYS_BY_NAME_SQL = (
+    "SELECT d.key::text, d.value::text, sum(d.diff)::int8 FROM collections c"
+    " JOIN uppers u ON u.collection_id = c.collection_id"
+    " CROSS JOIN (SELECT DISTINCT k::jsonb AS key FROM unnest(%(k)s::text[]) AS k) w"
+    " CROSS JOIN LATERAL (SELECT key, value, diff FROM data"
+    " WHERE collection_id = c.collection_id AND (time < u.upper) IS TRUE"
+    " AND jsonb_hash_extended(key, 0) = jsonb_hash_extended(w.key, 0) AND key = w.key"
+    " OFFSET 0) d"
+    " WHERE c.name = %(n)s GROUP BY d.key, d.value HAVING sum(d.diff) <> 0"
 )
 
 

@@ -151,6 +151,10 @@ FIND: dict[str, Path] = {
     "eager table.get": lambda s, tc, k: _eager_table(s, tc).get(k),
     "peek_one": lambda s, tc, k: tc.peek_one(s)[k],
 }
+#: A key's history (not checked for two texts: it lists what is stored).
+HISTORY: dict[str, Path] = {
+    "iter_key": lambda s, tc, k: sum(v * d for v, _, d in s.iter_key(tc.get(s), k)),
+}
 REPLACE: dict[str, Path] = {
     "upsert_key": lambda s, tc, k: tc.upsert_key(s, k, 2),
     "upsert": lambda s, tc, k: tc.upsert(s, [(k, 2), (KINDS_OTHER[type(k)], 7)]),
@@ -179,14 +183,14 @@ def test_every_path_finds_replaces_deletes_and_refuses_a_legacy_key(
     legacy key "a" (and "b"), and the raw consolidated rows are checked after it."""
     _, key, new, old, _ = KINDS[kind]
     s = open_stash()
-    names = [("find", n) for n in FIND] + [("replace", n) for n in REPLACE]
+    names = [("find", n) for n in {**FIND, **HISTORY}] + [("replace", n) for n in REPLACE]
     names += [("delete", n) for n in DELETE] + [("refuse", n) for n in REFUSE]
     for i, (what, name) in enumerate(names):
         # Each path on a collection of its own (named after it).
         tc = _legacy_named(s, kind, f"c{i}")
         before = _raw(s, tc)
         assert (old, "1", 1) in before, name
-        path = {**FIND, **REPLACE, **DELETE, **REFUSE}[name]
+        path = {**FIND, **HISTORY, **REPLACE, **DELETE, **REFUSE}[name]
         got = path(s, tc, key)
         raw = _raw(s, tc)
         mine = [r for r in raw if r[1] != "7"]

@@ -58,7 +58,7 @@ from sqlalchemy.engine import URL
 from stash import metrics as stash_metrics
 from stash.antichain import I64_MAX, Antichain
 from stash.checks import check_handles_tx, with_codec_check
-from stash.codec import CodecLike, resolve_codec
+from stash.codec import CodecLike, key_probe, key_texts, resolve_codec
 from stash.collection import (
     AppendBatch,
     StashCollection,
@@ -74,10 +74,10 @@ from stash.errors import (
     StashError,
 )
 from stash.logs import LogEntry, checked_entries, insert_entries
-from stash.peek import peek_one_checked, peek_one_fast, peek_unique
+from stash.peek import key_entry, peek_one_checked, peek_one_fast, peek_unique
 from stash.retention import record_commit_time
 from stash.transaction import DEFAULT_RETRIES, Transaction, run_transaction
-from stash.txn import Row, Txn
+from stash.txn import KeyProbe, Row, Txn
 from stash.url import parse_url, redact
 
 log = logging.getLogger(__name__)
@@ -387,7 +387,7 @@ class Stash(abc.ABC):
                 codecs than the handle's (naming both pairs).
         """
         cid = self._cid(collection)
-        kj = collection.key_codec.encode(key)
+        kj = key_texts(collection.key_codec, key)  # its history under each of its texts
         since, rows = self._read(lambda tx: self._iter_rows(tx, cid, kj), codecs=(collection,))
         cons = consolidate_updates((v, max(t, since), d) for _, v, t, d in rows)
         vc = collection.value_codec
@@ -396,11 +396,11 @@ class Stash(abc.ABC):
         return out
 
     @staticmethod
-    def _iter_rows(tx: Txn, cid: int, key: str | None) -> tuple[int, list[Row]]:
+    def _iter_rows(tx: Txn, cid: int, key: tuple[str, ...] | None) -> tuple[int, list[Row]]:
         since, _ = tx.frontiers(cid)
         if since is None:
             raise StashError("cannot iterate collection with empty since frontier")
-        return since, tx.rows(cid, key)
+        return since, tx.rows(cid) if key is None else [r for k in key for r in tx.rows(cid, k)]
 
     @staticmethod
     def _peek_ts(name: str, since: int | None, upper: int | None) -> int:
@@ -426,7 +426,7 @@ class Stash(abc.ABC):
         return self._read(lambda tx: self._peek_ts(name, *tx.frontiers(cid)), codecs=())
 
     def _peek_raw_at(
-        self, collection: StashCollection[Any, Any], key: str | None = None
+        self, collection: StashCollection[Any, Any], key: KeyProbe | None = None
     ) -> tuple[int, list[tuple[str, str, int]]]:
         """The peek time and the raw rows at it, both read in one read transaction."""
         cid = self._cid(collection)
@@ -438,7 +438,7 @@ class Stash(abc.ABC):
         return self._read(peek, codecs=(collection,))
 
     def _peek_raw(
-        self, collection: StashCollection[Any, Any], key: str | None = None
+        self, collection: StashCollection[Any, Any], key: KeyProbe | None = None
     ) -> list[tuple[str, str, int]]:
         return self._peek_raw_at(collection, key)[1]
 
@@ -524,16 +524,13 @@ class Stash(abc.ABC):
         """``(held, value)``: whether ``key`` holds a sealed value, and the value (a
         stored JSON ``null`` is held: ``(True, None)``).  Raises as :meth:`peek_key_one`."""
         try:
-            rows = self._peek_raw(collection, collection.key_codec.encode(key))
+            rows = self._peek_raw(collection, key_probe(key_texts(collection.key_codec, key)))
         except PeekSinceUpperError as e:
             if e.never_written():
                 return False, None
             raise
-        if not rows:
-            return False, None
-        if len(rows) > 1 or rows[0][2] != 1:
-            raise StashError("multiple values unexpected")
-        return True, collection.value_codec.decode(rows[0][1])
+        found = key_entry(collection, key, rows)  # under any of its texts, one of them
+        return (False, None) if found is None else (True, collection.value_codec.decode(found[1]))
 
     # ----------------------------------------------------------------- writes
     def update(

@@ -9,6 +9,9 @@ atomic multi-collection ``append``.  Invariants kept here:
   them as recorded); every stash read that decodes and every write that encodes through
   the handle checks, in its own transaction, that the collection still records them (a
   ``TypedCollection.migrate`` may have changed them since) and refuses otherwise;
+* a handle's key codec is in the key role (:func:`stash.codec.resolve_key_codec`,
+  whatever codec it was made with), so every read and write of a key through a handle
+  encodes it by the one key rule;
 * an ``AppendBatch``'s entries are already encoded (canonical JSON text): those
   ``append_to_batch`` encoded are canonical, and any other is checked and made
   canonical with the collection's codecs before it is stored, so pre-encoded entries
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from stash.antichain import I64_MAX, Antichain, check_i64
+from stash.codec import JsonCodec, canonical_json, key_texts, resolve_key_codec
 from stash.errors import StashError
 
 K = TypeVar("K")
@@ -93,6 +97,11 @@ class StashCollection(Generic[K, V]):
     stash_id: str | None = field(default=None, compare=False, repr=False)
     stash_url: str = field(default="", compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # The key role (records without their fields at default): one key rule for
+        # every path, whoever made the handle (Stash.collection, keyed writes, ...).
+        object.__setattr__(self, "key_codec", resolve_key_codec(self.key_codec))
+
     @property
     def codec_names(self) -> tuple[str, str]:
         """``(key_codec, value_codec)`` names as recorded with the collection when this
@@ -130,17 +139,22 @@ class StashCollection(Generic[K, V]):
         batch._stamp = stamp
         return batch
 
-    def append_to_batch(self, batch: AppendBatch, key: K, value: V, diff: int) -> None:
+    def append_to_batch(
+        self, batch: AppendBatch, key: K, value: V, diff: int, *, key_text: str | None = None
+    ) -> None:
         """Encode ``(key, value)`` and add it to ``batch`` at ``batch.timestamp`` with
-        ``diff``.
+        ``diff``.  ``key_text``: the key's text as read from the collection (one of its
+        candidate texts, :func:`stash.codec.key_texts`), to retract exactly what is
+        stored (a transaction's retractions); default the key codec's encoding.
 
         Raises:
             StashError: the batch is for another collection, or key/value/diff is invalid.
         """
         if batch.collection.id != self.id:
             raise StashError(f"batch is for collection {batch.collection.name}, not {self.name}")
+        kj = self.key_codec.encode(key) if key_text is None else key_text
         entry = (
-            (self.key_codec.encode(key), self.value_codec.encode(value)),
+            (kj, self.value_codec.encode(value)),
             batch.timestamp,
             _check_diff(diff),
         )
@@ -150,7 +164,9 @@ class StashCollection(Generic[K, V]):
     def canonical_entry(self, key_text: object, value_text: object) -> tuple[str, str]:
         """``(key_text, value_text)``, texts encoded by hand, as this handle's codecs
         encode the values they decode to (``1.0`` becomes ``1`` with the JSON codec),
-        the same on every backend.
+        the same on every backend; a key text that is one of its key's candidate texts
+        (:func:`stash.codec.key_texts`: the text an earlier release wrote) stays that
+        text, made canonical, so a retraction by hand retracts what is stored.
 
         Raises:
             StashError: a text is not a ``str``, or not an encoding of the codec (naming
@@ -164,7 +180,16 @@ class StashCollection(Generic[K, V]):
             if not isinstance(text, str):
                 raise StashError("append batch entries must be encoded (use append_to_batch)")
             try:
-                out.append(codec.encode(codec.decode(text)))
+                decoded = codec.decode(text)
+                canonical = codec.encode(decoded)
+                if what == "key":
+                    # A key's text of an earlier release (its fields at default written)
+                    # is kept: a retraction by hand retracts what is stored.
+                    texts = key_texts(codec, decoded)
+                    if len(texts) > 1:
+                        norm = canonical_json(JsonCodec().decode(text))
+                        canonical = norm if norm in texts else canonical
+                out.append(canonical)
             except (StashError, TypeError, ValueError) as e:
                 shown = text if len(text) <= 200 else text[:200] + "..."
                 msg = str(e).removeprefix("stash error: ")

@@ -12,6 +12,10 @@ here:
 * the read and the write are one transaction under the collection's write lock, so no
   other writer can come between them: these never fail with ``AppendLowerMismatch``,
   and never commit over a newer write;
+* a key is looked up under each of its candidate texts (:func:`stash.codec.key_texts`:
+  the key rule's and, for a record at its defaults, every field's, as earlier releases
+  wrote it) in one statement, replaced and retracted under the text that is stored, and
+  written by the key rule; a key held under two texts is refused, committing nothing;
 * a replaced value is retracted by its stored text, never by a re-encoding of its
   decoded value (an evolved record type re-encodes an old row differently, see
   :class:`stash.codec.RecordCodec`), so a key always keeps exactly one value; a stored
@@ -34,7 +38,16 @@ from typing import Any, NamedTuple
 from stash.antichain import I64_MAX, Antichain
 from stash.base import Stash
 from stash.checks import check_codecs_tx
-from stash.codec import CodecLike, JsonCodec, canonical_json, resolve_codec
+from stash.codec import (
+    CodecLike,
+    JsonCodec,
+    canonical_json,
+    duplicate_key_error,
+    key_probe,
+    key_texts,
+    resolve_codec,
+    resolve_key_codec,
+)
 from stash.collection import StashCollection
 from stash.errors import StashError
 from stash.retention import RETENTION_COLLECTION, commit_since, now_ms
@@ -114,16 +127,20 @@ def _write_keys(
     collection up (the lookup of ``Stash.collection`` without a transaction of its own);
     return the handle and the stored value texts the keys held before (of the keys that
     held one).  A missing collection is created first (``Stash.collection``)."""
-    kc, vc = resolve_codec(target.key), resolve_codec(target.value)
-    encoded = {kc.encode(k): vc.encode(v) for k, v in entries}
+    kc, vc = resolve_key_codec(target.key), resolve_codec(target.value)
+    # The key's text of today (its identity) -> (the key, its candidate texts, the value).
+    encoded: dict[str, tuple[Any, tuple[str, ...], str]] = {}
+    for k, v in entries:
+        texts = key_texts(kc, k)
+        encoded[texts[0]] = (k, texts, vc.encode(v))
+    owner = {text: ident for ident, (_, texts, _) in encoded.items() for text in texts}
 
     def write(tx: Txn) -> tuple[StashCollection[Any, Any], dict[str, str]] | None:
         prefetch = getattr(tx, "prefetch_key", None)
         if prefetch is not None and len(encoded) == 1:
             # Postgres: the reads below, sent ahead in one round trip (PgTxn.prefetch_key).
-            prefetch(
-                target.name, next(iter(encoded)), RETENTION_COLLECTION, canonical_json(target.name)
-            )
+            probe = key_probe(next(iter(encoded.values()))[1])
+            prefetch(target.name, probe, RETENTION_COLLECTION, canonical_json(target.name))
         found = tx.lookup_collection(target.name)
         if found is None:
             return None
@@ -141,23 +158,28 @@ def _write_keys(
         check_codecs_tx(tx, c, True)  # as recorded once the collection is locked
         t, ts = _tick(tx, c)
         if len(encoded) == 1:
-            (kj,) = encoded
-            rows = tx.peek_rows(cid, ts, kj)
+            # Every candidate text of the key in one statement (stash.codec.key_texts).
+            rows = tx.peek_rows(cid, ts, key_probe(next(iter(encoded.values()))[1]))
         else:
-            wanted = encoded.keys()
-            rows = [r for r in tx.peek_rows(cid, ts) if r[0] in wanted]
-        prev = _held(c, rows)
+            rows = [r for r in tx.peek_rows(cid, ts) if r[0] in owner]
+        # The key's identity -> (the text it is stored under, its value text).
+        prev: dict[str, tuple[str, str]] = {}
+        for kj, vj in _held(c, rows).items():
+            ident = owner[kj]
+            if ident in prev:
+                raise duplicate_key_error(c.name, encoded[ident][0], (prev[ident][0], kj))
+            prev[ident] = (kj, vj)
         out: list[Row] = []
-        for kj, vj in encoded.items():
-            old = prev.get(kj)
-            if old is not None and (not overwrite or _canonical(old) == vj):
+        for ident, (_, _, vj) in encoded.items():
+            old = prev.get(ident)
+            if old is not None and (not overwrite or _canonical(old[1]) == vj):
                 continue
             if old is not None:
-                out.append((kj, old, t, -1))
-            out.append((kj, vj, t, 1))
+                out.append((old[0], old[1], t, -1))  # the text stored, never a re-encoding
+            out.append((ident, vj, t, 1))
         if out:
             _commit(tx, c, t, out, now_ms(stash))
-        return c, prev
+        return c, {ident: vj for ident, (_, vj) in prev.items()}
 
     done = stash._write_checked({}, write, codecs=())
     if done is None:
@@ -185,7 +207,7 @@ def insert_without_overwrite(stash: Stash, target: Target, key: Any, value: Any)
     Raises: as :func:`upsert_key`.
     """
     c, prev = _write_keys(stash, target, [(key, value)], False)
-    old = prev.get(c.key_codec.encode(key))
+    old = prev.get(key_texts(c.key_codec, key)[0])
     return value if old is None else c.value_codec.decode(old)
 
 

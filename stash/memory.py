@@ -38,7 +38,7 @@ from sqlalchemy.engine import URL
 from stash.base import Mode, Stash
 from stash.consolidation import DiffSumOverflow, diff_sums_fit
 from stash.errors import FenceError, StashError
-from stash.txn import LogRow, Row, Txn
+from stash.txn import KeyProbe, LogRow, Row, Txn
 
 
 @dataclass
@@ -164,10 +164,13 @@ class _MemTxn:
         items = self._get(cid).rows.items()
         return [(k, v, t, d) for (k, v, t), d in items if key is None or k == key]
 
-    def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
+    def peek_rows(
+        self, cid: int, ts: int, key: KeyProbe | None = None
+    ) -> list[tuple[str, str, int]]:
+        keys = (key,) if isinstance(key, str) else key
         acc: dict[tuple[str, str], int] = {}
         for (k, v, t), d in self._get(cid).rows.items():
-            if t <= ts and (key is None or k == key):
+            if t <= ts and (keys is None or k in keys):
                 acc[(k, v)] = acc.get((k, v), 0) + d
         return [(k, v, d) for (k, v), d in acc.items() if d]
 
@@ -535,13 +538,16 @@ class _CachedTxn:
             return self.inner.rows(cid, key)
         return [r for r in entry.rows if key is None or r[0] == key]
 
-    def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
+    def peek_rows(
+        self, cid: int, ts: int, key: KeyProbe | None = None
+    ) -> list[tuple[str, str, int]]:
         entry = self._view(cid)
         if entry is None:
             return self.inner.peek_rows(cid, ts, key)
+        keys = (key,) if isinstance(key, str) else key
         acc: dict[tuple[str, str], int] = {}
         for k, v, t, d in entry.rows:
-            if t <= ts and (key is None or k == key):
+            if t <= ts and (keys is None or k in keys):
                 acc[(k, v)] = acc.get((k, v), 0) + d
         return [(k, v, d) for (k, v), d in acc.items() if d]
 

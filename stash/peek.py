@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
-from stash.codec import IDENTITY_SORT_CODECS, decode_all
+from stash.codec import IDENTITY_SORT_CODECS, decode_all, duplicate_key_error, key_texts
 from stash.collection import StashCollection
 from stash.errors import StashError
 
@@ -50,6 +50,30 @@ def frozen_key(k: Any) -> Any:
     if isinstance(k, list):
         return tuple(frozen_key(x) for x in k)
     return k
+
+
+def key_entry(
+    collection: StashCollection[Any, Any],
+    key: Any,
+    rows: list[tuple[str, str, int]],
+    where: str = "",
+) -> tuple[str, str] | None:
+    """``(stored key text, value text)`` of ``key`` among ``rows``, the sealed rows of
+    its candidate texts (a probe of :func:`stash.codec.key_texts`), or ``None``.
+
+    Raises:
+        StashError: the key is held under two texts (:func:`duplicate_key_error`); it
+            holds several values or a multiplicity other than 1 (``multiple values
+            unexpected`` and ``where``).
+    """
+    if not rows:
+        return None
+    texts = {k for k, _, _ in rows}
+    if len(texts) > 1:
+        raise duplicate_key_error(collection.name, key, texts)
+    if len(rows) > 1 or rows[0][2] != 1:
+        raise StashError(f"multiple values unexpected{where}")
+    return rows[0][0], rows[0][1]
 
 
 def peek_unique(
@@ -146,14 +170,18 @@ def peek_one_checked(
     if len(res) != len(uniq):
         # Keys are distinct by their encodings, so two of them are equal in Python
         # (True and 1): name the first such pair.
-        held: dict[K, K] = {}
-        for _, k0, _v in uniq:
+        held: dict[K, tuple[K, str]] = {}
+        kc = collection.key_codec
+        for kj, k0, _v in uniq:
             k = frozen_key(k0)
             if k in held:
+                hk, hj = held[k]
+                if type(hk) is type(k0) and key_texts(kc, hk)[0] == key_texts(kc, k0)[0]:
+                    raise duplicate_key_error(collection.name, k0, (hj, kj))
                 raise StashError(
-                    f"peek_one: keys {held[k]!r} and {k!r} of collection "
+                    f"peek_one: keys {hk!r} and {k!r} of collection "
                     f"{collection.name} are distinct stash keys but equal in Python, so "
                     "one dict cannot hold both; use peek()"
                 )
-            held[k] = k
+            held[k] = (k0, kj)
     return res

@@ -9,9 +9,12 @@ statements are built from constant fragments with :mod:`psycopg.sql`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from psycopg import sql
 
 from stash.antichain import I64_MAX, I64_MIN
+from stash.txn import KeyProbe
 
 # The lock statement: uppers and sinces rows of the collections, in id order, their
 # names and recorded codec names (the collections rows FOR SHARE: a migration's update of them waits
@@ -236,6 +239,28 @@ _PEEK_KEY_SQL = (
 )
 
 
+# The same for one key's candidate texts (stash.codec.key_texts), in one statement: the
+# index is probed text by text (a LATERAL probe per text; OFFSET 0 keeps the planner from
+# flattening it into a join, which a generic plan made on a tiny table ran as a scan of
+# the collection).
+_PEEK_KEYS_SQL = (
+    "SELECT d.key::text, d.value::text, sum(d.diff)::int8"
+    " FROM (SELECT DISTINCT k::jsonb AS key FROM unnest(%(k)s::text[]) AS k) w"
+    " CROSS JOIN LATERAL (SELECT key, value, diff FROM data WHERE collection_id = %(c)s"
+    " AND (time <= %(ts)s) IS TRUE AND jsonb_hash_extended(key, 0) ="
+    " jsonb_hash_extended(w.key, 0) AND key = w.key OFFSET 0) d"
+    " GROUP BY d.key, d.value HAVING sum(d.diff) <> 0"
+)
+
+
+def peek_statement(cid: int, ts: int, key: KeyProbe | None) -> tuple[str, dict[str, Any]]:
+    """``(statement, parameters)`` of ``PgTxn.peek_rows``: a whole collection, one key
+    text, or one key's candidate texts (a tuple)."""
+    if isinstance(key, tuple):
+        return _PEEK_KEYS_SQL, {"c": cid, "ts": ts, "k": list(key)}
+    return _PEEK_SQL if key is None else _PEEK_KEY_SQL, {"c": cid, "ts": ts, "k": key}
+
+
 # --- A one-key write's reads, sent ahead in one pipeline (PgTxn.prefetch_key) --------
 # 1. The lock of the collection named %(n)s (as _LOCK, by name): its id and recorded
 #    codec names answer the write's lookup, and the lock its lock.
@@ -259,6 +284,27 @@ _PEEK_KEY_BY_NAME_SQL = (
     " AND d.key = %(k)s::jsonb"
     " WHERE c.name = %(n)s GROUP BY d.key, d.value HAVING sum(d.diff) <> 0"
 )
+# The same for one key's candidate texts, probed text by text (as _PEEK_KEYS_SQL).
+_PEEK_KEYS_BY_NAME_SQL = (
+    "SELECT d.key::text, d.value::text, sum(d.diff)::int8 FROM collections c"
+    " JOIN uppers u ON u.collection_id = c.collection_id"
+    " CROSS JOIN (SELECT DISTINCT k::jsonb AS key FROM unnest(%(k)s::text[]) AS k) w"
+    " CROSS JOIN LATERAL (SELECT key, value, diff FROM data"
+    " WHERE collection_id = c.collection_id AND (time < u.upper) IS TRUE"
+    " AND jsonb_hash_extended(key, 0) = jsonb_hash_extended(w.key, 0) AND key = w.key"
+    " OFFSET 0) d"
+    " WHERE c.name = %(n)s GROUP BY d.key, d.value HAVING sum(d.diff) <> 0"
+)
+
+
+def peek_by_name_statement(name: str, key: KeyProbe) -> tuple[str, dict[str, Any]]:
+    """``(statement, parameters)`` of ``PgTxn.prefetch_key``'s peek of one key text or
+    of one key's candidate texts (a tuple)."""
+    if isinstance(key, tuple):
+        return _PEEK_KEYS_BY_NAME_SQL, {"n": name, "k": list(key)}
+    return _PEEK_KEY_BY_NAME_SQL, {"n": name, "k": key}
+
+
 # 3. The collection named %(rn)s (the retention settings) and its rows of key %(rk)s
 #    (the collection's setting): one row with NULL row columns if it has none, no row if
 #    the collection does not exist.

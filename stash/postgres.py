@@ -77,13 +77,12 @@ from stash.pg_statements import (
     _LOCK_ONE_FENCED_SQL,
     _LOCK_ONE_SQL,
     _LOCK_SQL,
-    _PEEK_KEY_BY_NAME_SQL,
-    _PEEK_KEY_SQL,
-    _PEEK_SQL,
     _PG_LOG_HEAD,
     _PG_LOG_SCAN,
     _PG_LOG_TRUNCATE,
     _ROWS_BY_NAME_SQL,
+    peek_by_name_statement,
+    peek_statement,
     pg_log_insert_sql,
 )
 from stash.placement import install, placement
@@ -97,7 +96,7 @@ from stash.sql import (
     first_line,
 )
 from stash.sql_txn import SqlTxn
-from stash.txn import LogRow, Row
+from stash.txn import KeyProbe, LogRow, Row
 from stash.url import redact
 
 log = logging.getLogger(__name__)
@@ -705,7 +704,7 @@ class PgTxn(SqlTxn):
                 raise StashError(f"collection id {cid} does not exist")
         return f[0], f[1]
 
-    def prefetch_key(self, name: str, key: str, side: str, side_key: str) -> None:
+    def prefetch_key(self, name: str, key: KeyProbe, side: str, side_key: str) -> None:
         """Read ahead, in one pipeline (one round trip, its ``BEGIN`` included), what a
         one-key write of collection ``name`` reads next: its lookup and lock, the sealed
         values of ``key`` at its upper - 1, and the collection ``side`` with its rows of
@@ -721,7 +720,7 @@ class PgTxn(SqlTxn):
         with self.dbc.pipeline():
             c_lock, c_peek, c_side = self.dbc.cursor(), self.dbc.cursor(), self.dbc.cursor()
             c_lock.execute(lock, {"n": name})
-            c_peek.execute(_PEEK_KEY_BY_NAME_SQL, {"n": name, "k": key})
+            c_peek.execute(*peek_by_name_statement(name, key))
             c_side.execute(_ROWS_BY_NAME_SQL, {"rn": side, "rk": side_key})
         rows = c_lock.fetchall()
         self._took_locks(rows, fenced)
@@ -868,15 +867,15 @@ class PgTxn(SqlTxn):
         c = canonical_text
         return [(c(k), c(v), int(t), int(d)) for k, v, t, d in out]
 
-    def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
+    def peek_rows(
+        self, cid: int, ts: int, key: KeyProbe | None = None
+    ) -> list[tuple[str, str, int]]:
         if ("peek", cid, ts, key) in self._ahead:
             peeked: list[tuple[str, str, int]] = self._ahead.pop(("peek", cid, ts, key))
             return peeked
         self._ensure_fence()
         self._flush()
-        out = self._exec(
-            _PEEK_SQL if key is None else _PEEK_KEY_SQL, {"c": cid, "ts": ts, "k": key}
-        ).fetchall()
+        out = self._exec(*peek_statement(cid, ts, key)).fetchall()
         c = canonical_text
         if key is None:
             return _consolidate_rendered([(c(k), v, int(d)) for k, v, d in out])

@@ -131,11 +131,16 @@ def key_range(
     upper: Any = None,
     prefix: Any = None,
     after: Any = None,
+    *,
+    legacy: bool = False,
+    after_text: str | None = None,
 ) -> KeyRange:
     """The :class:`KeyRange` of ``peek_range``'s arguments: keys ``>= lower``, ``<
-    upper``, ``> after`` (each encoded with the collection's key codec), and starting
-    with ``prefix``: a ``str`` (string keys starting with it) or a tuple (array keys
-    whose first items are its items).
+    upper``, ``> after`` (each encoded with the collection's key codec; ``after_text``:
+    the text ``after`` is stored under, if known), and starting with ``prefix``: a
+    ``str`` (string keys starting with it) or a tuple (array keys whose first items are
+    its items; ``legacy``: as releases before the key rule wrote it, every field of a
+    record in it written, see :func:`prefix_texts`).
 
     Raises:
         StashError: a bound does not encode with the key codec; ``prefix`` is neither a
@@ -147,12 +152,12 @@ def key_range(
     if lower is not None:
         lows.append((kc.encode(lower), False))
     if after is not None:
-        lows.append((kc.encode(after), True))
+        lows.append((kc.encode(after) if after_text is None else after_text, True))
     if upper is not None:
         highs.append((kc.encode(upper), False))
     starts = exact = None
     if prefix is not None:
-        starts, exact = _prefix(prefix)
+        starts, exact = _prefix(prefix, legacy)
         lows.append((starts, False))
         if exact is not None:
             highs.append((exact, True))
@@ -164,15 +169,25 @@ def key_range(
     return KeyRange(lo[0], lo[1], hi[0], hi[1], starts, exact)
 
 
-def _prefix(prefix: Any) -> tuple[str, str | None]:
+def prefix_texts(prefix: Any) -> int:
+    """How many texts keys starting with ``prefix`` may be stored under: 2 for a tuple
+    holding a record with a field at its default (the key rule's text, and every field
+    as releases before it wrote them: :func:`stash.codec.json_key_texts`), else 1."""
+    from stash.codec import json_key_texts
+
+    return len(json_key_texts(prefix)) if isinstance(prefix, tuple) else 1
+
+
+def _prefix(prefix: Any, legacy: bool = False) -> tuple[str, str | None]:
     """``(starts, exact)``: a str prefix is its JSON text without the closing quote; a
-    tuple ``(a, b)`` admits texts starting ``[a,b,`` and the text ``[a,b]``."""
-    from stash.codec import canonical_json, to_json
+    tuple ``(a, b)`` admits texts starting ``[a,b,`` and the text ``[a,b]`` (records in
+    it as keys store them, or with ``legacy`` as earlier releases stored them)."""
+    from stash.codec import canonical_json, json_key_texts
 
     if isinstance(prefix, str):
         return canonical_json(prefix)[:-1], None
     if isinstance(prefix, tuple):
-        text = canonical_json(to_json(prefix))
+        text = json_key_texts(prefix)[-1 if legacy else 0]
         if not prefix:
             return "[", None
         return text[:-1] + ",", text
@@ -245,10 +260,13 @@ def peek_range(
         raise StashError(f"peek_range at must be an int time or None, got {at!r}")
     rng = key_range(collection, lower, upper, prefix, after)
     cid = collection.id
+    two = prefix_texts(prefix) > 1
 
     def read(tx: Txn) -> tuple[int, list[tuple[str, str, int]]]:
         ts = read_time(stash, tx, cid, at, collection.name)
-        return ts, read_range(tx, cid, ts, rng, limit)
+        if not two:
+            return ts, read_range(tx, cid, ts, rng, limit)
+        return ts, _read_both(tx, collection, ts, (lower, upper, prefix, after), limit)
 
     ts, rows = stash._read(read, codecs=(collection,))
     distinct = list(dict.fromkeys(k for k, _, _ in rows))
@@ -269,9 +287,54 @@ def peek_range(
             )
         keys.append(k)
     decoded = decode_all(collection.key_codec, keys)
+    if hasattr(collection.key_codec, "key_texts"):  # keys that may have two texts
+        _check_one_text_per_key(collection, keys, decoded)
     values = decode_all(collection.value_codec, [v for _, v, _ in rows])
     entries = [(_frozen(k), v) for k, v in zip(decoded, values, strict=True)]
     return RangePage(entries, ts, more, entries[-1][0] if entries else None)
+
+
+def _read_both(
+    tx: Txn,
+    collection: StashCollection[Any, Any],
+    ts: int,
+    args: tuple[Any, ...],
+    limit: int | None,
+) -> list[tuple[str, str, int]]:
+    """The rows of a range whose prefix has two texts (:func:`prefix_texts`): both
+    ranges read, merged in text order, up to ``limit + 1`` keys.  ``after`` is bounded
+    by the text it is stored under (one statement probing its candidate texts), so a
+    page follows the previous one in the merged order; a key deleted since is bounded
+    by its smallest text (a page may then repeat keys, never skip them)."""
+    from stash.codec import key_probe, key_texts
+
+    lower, upper, prefix, after = args
+    after_text = None
+    if after is not None:
+        texts = key_texts(collection.key_codec, after)
+        found = tx.peek_rows(collection.id, ts, key_probe(texts)) if len(texts) > 1 else []
+        after_text = found[0][0] if found else min(texts)
+    rows: set[tuple[str, str, int]] = set()
+    for legacy in (False, True):
+        rng = key_range(
+            collection, lower, upper, prefix, after, legacy=legacy, after_text=after_text
+        )
+        rows.update(read_range(tx, collection.id, ts, rng, limit))
+    merged = sorted(rows)
+    return merged if limit is None else _first_keys(merged, limit + 1)
+
+
+def _check_one_text_per_key(
+    collection: StashCollection[Any, Any], texts: list[str], keys: list[Any]
+) -> None:
+    """Raise :func:`stash.codec.duplicate_key_error` if two of ``texts`` are one key."""
+    from stash.codec import duplicate_key_error, key_identity
+
+    seen: dict[str, str] = {}
+    for text, key in zip(texts, keys, strict=True):
+        ident = key_identity(collection.key_codec, key)
+        if seen.setdefault(ident, text) != text:
+            raise duplicate_key_error(collection.name, key, (seen[ident], text))
 
 
 def read_range(

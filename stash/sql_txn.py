@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from stash.antichain import I64_MAX, I64_MIN
 from stash.consolidation import DiffSumOverflow, diff_sums_fit
 from stash.errors import FenceError, StashError
-from stash.txn import LogRow, Row
+from stash.txn import KeyProbe, LogRow, Row
 
 
 class FencedHandle(Protocol):
@@ -68,6 +68,10 @@ _SQLITE_PEEK_ROWS = "SELECT key, value, diff FROM data WHERE collection_id = :c 
 _SQLITE_PEEK_KEY = (
     "SELECT key, value, sum(diff) FROM data WHERE collection_id = :c AND +time <= :ts"
     " AND key = :k GROUP BY key, value HAVING sum(diff) <> 0"
+)
+# The same for one key's candidate texts (stash.codec.key_texts), as an IN list.
+_SQLITE_PEEK_KEYS = _SQLITE_PEEK_KEY.replace(
+    "key = :k", "key IN (SELECT value FROM json_each(:ks))"
 )
 # Every row of a collection (of one key, of several keys) with its rowid, to consolidate.
 _SQLITE_ROWS = "SELECT rowid, key, value, time, diff FROM data WHERE collection_id = :c"
@@ -405,7 +409,9 @@ class SqlTxn:
             )
         return [(k, v, int(t), int(d)) for k, v, t, d in cur.fetchall()]
 
-    def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
+    def peek_rows(
+        self, cid: int, ts: int, key: KeyProbe | None = None
+    ) -> list[tuple[str, str, int]]:
         """The rows at times ``<= ts`` consolidated as ``_SQLITE_PEEK`` would: one row
         per ``(key, value)`` with its diff sum, no zero sum, ordered by (key, value).
 
@@ -414,6 +420,9 @@ class SqlTxn:
         temporary b-tree, which cost half the read of a 100,000-entry ``peek_one``.
         One key's few rows are grouped by SQLite."""
         self._write_buffered(cid)
+        if isinstance(key, tuple):
+            cur = self.dbc.execute(_SQLITE_PEEK_KEYS, {"c": cid, "ts": ts, "ks": json.dumps(key)})
+            return list(cur.fetchall())
         if key is not None:
             cur = self.dbc.execute(_SQLITE_PEEK_KEY, {"c": cid, "ts": ts, "k": key})
             keyed: list[tuple[str, str, int]] = cur.fetchall()

@@ -4,9 +4,14 @@ one append batch.
 Invariants kept here:
 
 * keys and values are compared by their canonical encodings, as the stash compares them
-  (the collection's codecs when given, else canonical JSON with records as objects of
-  their fields), never by Python equality: ``True`` and ``1`` are different keys and
-  different values;
+  (the collection's codecs when given, the key codec in its key role; else canonical
+  JSON with records as objects of their fields, for keys by the key rule
+  :func:`stash.codec.key_json`), never by Python equality: ``True`` and ``1`` are
+  different keys and different values;
+* a key's identity is its text by the key rule (:func:`stash.codec.key_identity`); a
+  table read from a stash keeps the text each key was read under (an earlier release's
+  text, every field written, is one of its candidate texts) and retracts exactly that
+  text on commit; insertions are written by the key rule;
 * ``items()`` is always the initial contents with the pending changes applied
   (read-your-writes);
 * no two visible values violate the uniqueness predicate, and no key appears twice:
@@ -30,7 +35,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-from stash.codec import CodecLike, canonical_json, json_sort_key, resolve_codec, to_json
+from stash.codec import (
+    CodecLike,
+    canonical_json,
+    duplicate_key_error,
+    json_sort_key,
+    key_identity,
+    key_json,
+    resolve_codec,
+    resolve_key_codec,
+    to_json,
+)
 from stash.errors import StashError, UniquenessViolation
 
 K = TypeVar("K")
@@ -39,11 +54,12 @@ V = TypeVar("V")
 _DELETED: Any = object()
 
 
-def _natural_token(x: Any) -> Any:
-    """Canonical JSON of ``x`` (records as objects, tuples as arrays); a value that is
-    not JSON is compared by Python equality, tagged so it never equals a JSON text."""
+def _natural_token(x: Any, as_json: Callable[[Any], Any] = to_json) -> Any:
+    """Canonical JSON of ``x`` (records as objects, tuples as arrays; ``as_json`` is
+    :func:`~stash.codec.key_json` for keys); a value that is not JSON is compared by
+    Python equality, tagged so it never equals a JSON text."""
     try:
-        return canonical_json(to_json(x))
+        return canonical_json(as_json(x))
     except StashError:
         try:
             hash(x)
@@ -54,9 +70,15 @@ def _natural_token(x: Any) -> Any:
         return ("python", x)
 
 
+def _natural_key_token(x: Any) -> Any:
+    """:func:`_natural_token` of a key: records written by the key rule
+    (:func:`~stash.codec.key_json`), as a collection's key codec writes them."""
+    return _natural_token(x, key_json)
+
+
 def _natural_sort_key(x: Any) -> Any:
     try:
-        return (0, json_sort_key(to_json(x)))
+        return (0, json_sort_key(key_json(x)))
     except Exception:  # noqa: BLE001 - not JSON: after every JSON value, by repr
         return (1, repr(x))
 
@@ -95,11 +117,14 @@ class TableTransaction(Generic[K, V]):
         self.collection = collection
         self._commit: Callable[[], None] | None = None
         if key_codec is None:
-            self._ktok: Callable[[Any], Any] = _natural_token
+            self._ktok: Callable[[Any], Any] = _natural_key_token
             self._ksort: Callable[[Any], Any] = _natural_sort_key
         else:
-            kc = resolve_codec(key_codec)
-            self._ktok, self._ksort = kc.encode, kc.sort_key
+            kc = resolve_key_codec(key_codec)
+            # A key's identity: its text by the key rule (never a stored text a record
+            # read from a row remembers), so a key read under an earlier release's text
+            # and the same key given fresh are one key.
+            self._ktok, self._ksort = (lambda k: key_identity(kc, k)), kc.sort_key
         self._vtok: Callable[[Any], Any] = (
             _natural_token if value_codec is None else resolve_codec(value_codec).encode
         )
@@ -110,20 +135,39 @@ class TableTransaction(Generic[K, V]):
             if t in self._initial:
                 raise StashError(f"table transaction: initial contents hold key {k!r} twice")
             self._initial[t] = (k, v)
+        # The key text each initial key was read under (of a table read from a stash):
+        # what a retraction of it writes, so it retracts what is stored.
+        self._stored: dict[Any, str] = {}
         self._pending: dict[Any, tuple[K, Any]] = {}
         self._violates = uniqueness_violation
         # Lazy contents (see _bind_source): keys are read as they are needed.
-        self._load_keys: Callable[[list[K]], list[tuple[K, V]]] | None = None
-        self._load_all: Callable[[], list[tuple[K, V]]] | None = None
+        self._load_keys: Callable[[list[K]], list[tuple[str, K, V]]] | None = None
+        self._load_all: Callable[[], list[tuple[str, K, V]]] | None = None
         self._looked_up: set[Any] = set()
+
+    def _add_stored(self, rows: Iterable[tuple[str, K, V]]) -> None:
+        """Add ``(stored key text, key, value)`` rows read from the collection to the
+        initial contents, keeping each key's stored text for its retraction.
+
+        Raises:
+            StashError: two rows of one key (by its identity): two candidate texts of
+                it stored (:func:`stash.codec.duplicate_key_error`), or ``initial`` twice.
+        """
+        for kj, k, v in rows:
+            t = self._ktok(k)
+            if t in self._initial:
+                raise duplicate_key_error(self.collection or "", k, (self._stored[t], kj))
+            self._initial[t] = (k, v)
+            self._stored[t] = kj
 
     def _bind_source(
         self,
-        load_keys: Callable[[list[K]], list[tuple[K, V]]],
-        load_all: Callable[[], list[tuple[K, V]]],
+        load_keys: Callable[[list[K]], list[tuple[str, K, V]]],
+        load_all: Callable[[], list[tuple[str, K, V]]],
     ) -> None:
-        """Read the contents lazily: ``load_keys(keys)`` returns the ``(key, value)``
-        pairs of those keys that hold a value, ``load_all()`` every pair.  A key is read
+        """Read the contents lazily: ``load_keys(keys)`` returns the ``(stored key text,
+        key, value)`` rows of those keys that hold a value (each key looked up under
+        every candidate text), ``load_all()`` every row.  A key is read
         before anything about it is decided (its retraction needs its value); anything
         that needs every row (``items``, ``update``, ``delete``, a uniqueness check)
         reads them all first."""
@@ -138,8 +182,7 @@ class TableTransaction(Generic[K, V]):
             if t not in self._looked_up:
                 todo.setdefault(t, k)
         if todo:
-            for k, v in self._load_keys(list(todo.values())):
-                self._initial[self._ktok(k)] = (k, v)
+            self._add_stored(self._load_keys(list(todo.values())))
             self._looked_up.update(todo)
 
     def _need_all(self) -> None:
@@ -147,12 +190,8 @@ class TableTransaction(Generic[K, V]):
         if load is None:
             return
         self._load_keys = self._load_all = None
-        self._initial = {}
-        for k, v in load():
-            t = self._ktok(k)
-            if t in self._initial:
-                raise StashError(f"table transaction: contents hold key {k!r} twice")
-            self._initial[t] = (k, v)
+        self._initial, self._stored = {}, {}
+        self._add_stored(load())
 
     @property
     def initial(self) -> dict[K, V]:
@@ -210,6 +249,16 @@ class TableTransaction(Generic[K, V]):
                 out.append((ik, old, -1))
             if new is not _DELETED:
                 out.append((k, new, 1))
+        return out
+
+    def _pending_texts(self) -> list[tuple[str | None, K, V, int]]:
+        """:meth:`pending` with the key text each change writes: a retraction the text
+        its key was read under (``None`` if not read from a stash), an insertion
+        ``None`` (the key rule's text)."""
+        out: list[tuple[str | None, K, V, int]] = []
+        for k, v, d in self.pending():
+            kj = self._stored.get(self._ktok(k)) if d < 0 else None
+            out.append((kj, k, v, d))
         return out
 
     def commit(self) -> None:

@@ -21,6 +21,8 @@ changes in one write transaction.  Invariants kept here:
   :func:`stash.retention.commit_since`): all of it or nothing, and never
   over a newer write of anything read, so transactions are serializable and writers of
   distinct keys do not conflict; a transaction that changed nothing writes nothing;
+* a key is read under every candidate text (:func:`stash.codec.key_texts`) in one
+  statement, each text recorded as read; a key held under two texts is refused;
 * ``run_transaction`` runs the function again on a conflict, up to ``retries`` times
   (tenacity, jittered backoff), then raises the last ``AppendLowerMismatch``;
 * a collection nothing was ever appended to (upper ``{0}``) reads as empty; one whose
@@ -40,12 +42,19 @@ from typing import Any, TypeVar
 import tenacity
 
 from stash.antichain import I64_MAX, Antichain
+from stash.codec import duplicate_key_error, key_identity, key_probe, key_texts
 from stash.collection import AppendBatch, StashCollection
 from stash.errors import AppendLowerMismatch, PeekSinceUpperError, StashError
-from stash.peek import frozen_key, peek_one_checked, peek_one_fast, peek_unique
+from stash.peek import (
+    frozen_key,
+    key_entry,
+    peek_one_checked,
+    peek_one_fast,
+    peek_unique,
+)
 from stash.retention import commit_since, now_ms
 from stash.table import TableTransaction
-from stash.txn import Row, Txn
+from stash.txn import KeyProbe, Row, Txn
 
 #: A ``stash.base.Stash`` (not imported: ``stash.base`` imports this module).
 Stash = Any
@@ -181,9 +190,11 @@ class Transaction:
             f"{type(collection).__name__}"
         )
 
-    def _read_rows(self, c: StashCollection[Any, Any], keys: list[str] | None) -> Rows:
-        """The sealed rows of ``c`` (of ``keys``, or all), read in one read transaction
-        with a check that nothing read before has changed, and recorded as read."""
+    def _read_rows(self, c: StashCollection[Any, Any], keys: list[KeyProbe] | None) -> Rows:
+        """The sealed rows of ``c`` (of ``keys``, or all; a key is given as its candidate
+        texts, :func:`stash.codec.key_probe`, each key read in one statement), read in
+        one read transaction with a check that nothing read before has changed, and
+        recorded as read (every candidate text)."""
         if self._done:
             raise StashError("transaction: used after it ended")
         earlier = list(self._reads.values())
@@ -210,18 +221,34 @@ class Transaction:
         if keys is None:
             rec.full, rec.upper = True, upper
         elif not rec.full:
-            for kj in keys:
-                if kj not in rec.keys:
-                    rec.keys[kj] = upper
-                    rec.held[kj] = sorted((vj, d) for k, vj, d in rows if k == kj)
+            for p in keys:
+                for kj in (p,) if isinstance(p, str) else p:
+                    if kj not in rec.keys:
+                        rec.keys[kj] = upper
+                        rec.held[kj] = sorted((vj, d) for k, vj, d in rows if k == kj)
         return rows
 
     def _pairs(self, c: StashCollection[Any, Any], keys: list[Any] | None) -> list[Any]:
-        """``[(key, value)]`` of ``keys`` (or all) that hold a value, checked as
-        ``peek_one`` checks them; keys as ``peek_one`` gives them (lists as tuples)."""
-        kjs = None if keys is None else [c.key_codec.encode(k) for k in keys]
-        uniq = peek_unique(c, self._read_rows(c, kjs))
-        return [(frozen_key(k) if type(k) is list else k, v) for _, k, v in uniq]
+        """``[(stored key text, key, value)]`` of ``keys`` (or all) that hold a value,
+        each key looked up under every candidate text (:func:`stash.codec.key_texts`)
+        and checked as ``peek_one`` checks them; keys as ``peek_one`` gives them (lists
+        as tuples).
+
+        Raises:
+            StashError: as ``peek_one``; a key held under two of its texts
+                (:func:`stash.codec.duplicate_key_error`).
+        """
+        kc = c.key_codec
+        probes = None if keys is None else [key_probe(key_texts(kc, k)) for k in keys]
+        uniq = peek_unique(c, self._read_rows(c, probes))
+        seen: dict[str, str] = {}
+        out = []
+        for kj, k, v in uniq:
+            ident = key_identity(kc, k)
+            if seen.setdefault(ident, kj) != kj:
+                raise duplicate_key_error(c.name, k, (seen[ident], kj))
+            out.append((kj, frozen_key(k) if type(k) is list else k, v))
+        return out
 
     def peek_one(self, collection: Any) -> dict[Any, Any]:
         """The collection's contents as a dict (as ``Stash.peek_one``), with this
@@ -239,12 +266,9 @@ class Transaction:
         c = self._handle(collection)
         if c.id in self._tables:
             return self._tables[c.id].get(key)
-        rows = self._read_rows(c, [c.key_codec.encode(key)])
-        if not rows:
-            return None
-        if len(rows) > 1 or rows[0][2] != 1:
-            raise StashError(f"multiple values unexpected (collection {c.name})")
-        return c.value_codec.decode(rows[0][1])
+        rows = self._read_rows(c, [key_probe(key_texts(c.key_codec, key))])
+        found = key_entry(c, key, rows, f" (collection {c.name})")
+        return None if found is None else c.value_codec.decode(found[1])
 
     def table(
         self, collection: Any, uniqueness_violation: Callable[[Any, Any], bool] | None = None
@@ -275,13 +299,15 @@ class Transaction:
     ) -> TableTransaction[Any, Any]:
         lazy = uniqueness_violation is None
         tt: TableTransaction[Any, Any] = TableTransaction(
-            [] if lazy else self._pairs(c, None),
+            [],
             uniqueness_violation,
             key_codec=c.key_codec,
             value_codec=c.value_codec,
             collection=c.name,
         )
-        if lazy:
+        if not lazy:
+            tt._add_stored(self._pairs(c, None))
+        else:
             self._read_rows(c, [])  # the frontiers: a since at the upper is bumped now
             tt._bind_source(lambda keys: self._pairs(c, keys), lambda: self._pairs(c, None))
         return tt
@@ -299,7 +325,7 @@ class Transaction:
         if self._done:
             raise StashError("transaction: committed already")
         self._done = True
-        changes = [(self._reads[cid], tt.pending()) for cid, tt in self._tables.items()]
+        changes = [(self._reads[cid], tt._pending_texts()) for cid, tt in self._tables.items()]
         changes = [(r, p) for r, p in changes if p]
         if changes:
             commit_changes(self._stash, changes, list(self._reads.values()))
@@ -308,7 +334,8 @@ class Transaction:
 def commit_changes(
     stash: Stash, changes: list[tuple[_ReadSet, list[Any]]], reads: list[_ReadSet]
 ) -> None:
-    """Append each collection's ``(key, value, diff)`` changes in one write transaction
+    """Append each collection's ``(stored key text or None, key, value, diff)`` changes
+    (:meth:`~stash.table.TableTransaction._pending_texts`) in one write transaction
     that first locks every collection read or written and checks nothing read changed
     (:meth:`_ReadSet.check`).  A collection read whole is appended to at the upper read
     (which the check found unchanged); one read by key at its current upper.
@@ -348,8 +375,10 @@ def _batch(tx: Txn, c: StashCollection[Any, Any], pending: list[Any], now: int) 
         compact=Antichain.from_elem(commit_since(tx, c.id, c.name, upper, now)),
         timestamp=upper,
     )
-    for k, v, d in pending:
-        c.append_to_batch(b, k, v, d)
+    kc = c.key_codec
+    for kj, k, v, d in pending:
+        # A retraction by the key text read (stored), an insertion by the key rule.
+        c.append_to_batch(b, k, v, d, key_text=kj if kj is not None else key_identity(kc, k))
     return b
 
 

@@ -23,6 +23,10 @@ from typing import Protocol
 Row = tuple[str, str, int, int]
 """``(key_json, value_json, time, diff)``."""
 
+KeyProbe = str | tuple[str, ...]
+"""What a peek of one key is given: its text, or its candidate texts
+(:func:`stash.codec.key_texts`), read in one statement."""
+
 LogRow = tuple[int, bool, str]
 """An entry of a compare-and-set log (:mod:`stash.logs`): ``(seqno, rollup, data)``."""
 
@@ -75,9 +79,13 @@ class Txn(Protocol):
         """All rows of a collection (of one key if given), in no particular order."""
         ...
 
-    def peek_rows(self, cid: int, ts: int, key: str | None = None) -> list[tuple[str, str, int]]:
+    def peek_rows(
+        self, cid: int, ts: int, key: KeyProbe | None = None
+    ) -> list[tuple[str, str, int]]:
         """``[(key, value, diff)]`` of rows with ``time <= ts``, consolidated by
-        ``(key, value)``, zero sums dropped, in no particular order.  Without ``key``
+        ``(key, value)``, zero sums dropped, in no particular order.  ``key`` is one key
+        text or a tuple of texts (one key's candidate texts, :func:`stash.codec.key_texts`:
+        read in one statement, as an IN list).  Without ``key``
         (a whole collection, read to be decoded), a value may be a non-canonical JSON
         text of the value stored (Postgres: as ``jsonb`` renders it; one value, one
         text); keys, and the values of one key's peek, are canonical."""

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 from stash import keyed
 from stash.antichain import I64_MAX, Antichain
 from stash.base import Stash
-from stash.codec import CodecLike, resolve_codec
+from stash.codec import CodecLike, resolve_codec, resolve_key_codec
 from stash.collection import AppendBatch, StashCollection
 from stash.errors import PeekSinceUpperError, StashError
 from stash.table import TableTransaction
@@ -91,6 +91,13 @@ class TypedCollection(Generic[K, V]):
         ``(key, value)`` of its contents (decoded with this collection's codecs, the ones
         recorded for it) becomes ``fn(key, value)`` encoded with ``key_codec`` /
         ``value_codec``, keeping its diff, and the recorded codec names become theirs.
+        Keys are written by the key rule (:func:`stash.codec.resolve_key_codec`: records
+        without their fields at default), never as the stored text they were read from:
+        so ``migrate(stash, K, V, lambda k, v: (k, v))`` with the collection's own codecs
+        rewrites keys an earlier release stored with their defaults (every key path finds
+        those stored with every field without it; keys stored when the type had fewer
+        fields need it), and a migration from a key type to one with a changed default
+        keeps what every stored key means.
 
         The new entries are written at the collection's upper ``t`` (the old ones are
         retracted there and consolidated away); the upper becomes ``t + 1`` and the
@@ -119,7 +126,7 @@ class TypedCollection(Generic[K, V]):
                 does not encode with its codec; a diff sum would overflow.  Whatever
                 ``fn`` raises is raised as is.  In every case nothing is committed.
         """
-        new_kc, new_vc = resolve_codec(key_codec), resolve_codec(value_codec)
+        new_kc, new_vc = resolve_key_codec(key_codec), resolve_codec(value_codec)
         old = self.get(stash)  # raises if the recorded codecs are not ours
         name = self.name
 
@@ -144,11 +151,14 @@ class TypedCollection(Generic[K, V]):
             unique = len(set(now)) == len(now)
             out: dict[tuple[str, str, int], int] = {}
             first: dict[tuple[str, int], Any] = {}
+            # Keys by the key rule as of now, never as the stored text a key read from an
+            # earlier release's row (with its defaults) re-encodes to.
+            encode_key = getattr(new_kc, "encode_new", new_kc.encode)
             for (kj, vj, t), d in live.items():
                 k, v = old.key_codec.decode(kj), old.value_codec.decode(vj)
                 k2, v2 = fn(k, v)
                 try:
-                    nk, nv = new_kc.encode(k2), new_vc.encode(v2)
+                    nk, nv = encode_key(k2), new_vc.encode(v2)
                 except (StashError, TypeError, ValueError) as e:
                     raise StashError(
                         f"migrating collection {name}: entry {k!r} maps to a key or value "

@@ -59,6 +59,8 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
         (
             "rules, codecs, URLs, the primitive transaction, the schema",
             [
+                "stash.canonical",
+                "stash.record_codec",
                 "stash.codec",
                 "stash.consolidation",
                 "stash.metrics",

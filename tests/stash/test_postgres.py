@@ -279,15 +279,16 @@ def test_cached_plans_made_on_a_tiny_collection_stay_key_driven(
     a new key and peek_key_one must read only a handful of rows."""
     import json
 
-    from stash.postgres import _FLUSH_SQL, _PEEK_KEY_SQL
+    from stash.pg_statements import _PEEK_KEY_SQL, _PEEK_KEYS_SQL
+    from stash.postgres import _FLUSH_SQL
 
     s = opened(fenced=False)
     c = s.collection("c", key="int", value="int")
     tick(s, c, [(i, i, 1) for i in range(5)])
     append_sql = _FLUSH_SQL[(True, "keys")]
-    names = ["c", "u", "su", "s", "ss", "cs", "ks", "vs", "ts", "ds", "ck", "k"]
+    names = ["c", "u", "su", "s", "ss", "cs", "ks", "vs", "ts", "ds", "ck", "k", "kk"]
     types = ["int", "int8", "bool", "int8", "bool", "int8"] + ["text[]"] * 2 + ["int8[]"] * 2
-    types += ["text[]", "text"]
+    types += ["text[]", "text", "text[]"]
 
     def positional(statement: str) -> tuple[str, list[str]]:
         return _positional(statement, names)
@@ -300,6 +301,8 @@ def test_cached_plans_made_on_a_tiny_collection_stay_key_driven(
             # (deleted and rewritten), key by key too.
             "append_stored": append_sql,
             "peek_key": _PEEK_KEY_SQL.replace("%(ts)s", "%(cs)s"),
+            # One key's candidate texts (stash.codec.key_texts) in one statement.
+            "peek_keys": _PEEK_KEYS_SQL.replace("%(ts)s", "%(cs)s").replace("%(k)s", "%(kk)s"),
         }
         used: dict[str, list[str]] = {}
         for name, statement in statements.items():
@@ -323,6 +326,7 @@ def test_cached_plans_made_on_a_tiny_collection_stay_key_driven(
                 "ds": [1],
                 "ck": [str(10**6)],
                 "k": key,
+                "kk": [key, "3001"],
             }
             if name == "append_stored":
                 values.update(ks=[key], vs=["-1"], ck=[key])

@@ -264,9 +264,13 @@ def peek_range(
 
     def read(tx: Txn) -> tuple[int, list[tuple[str, str, int]]]:
         ts = read_time(stash, tx, cid, at, collection.name)
-        if not two:
+        if two:
+            return ts, _read_both(tx, collection, ts, (lower, upper, prefix, after), limit)
+        if after is None:
             return ts, read_range(tx, cid, ts, rng, limit)
-        return ts, _read_both(tx, collection, ts, (lower, upper, prefix, after), limit)
+        after_text = _after_text(tx, collection, ts, after)
+        got = key_range(collection, lower, upper, prefix, after, after_text=after_text)
+        return ts, read_range(tx, cid, ts, got, limit)
 
     ts, rows = stash._read(read, codecs=(collection,))
     distinct = list(dict.fromkeys(k for k, _, _ in rows))
@@ -306,14 +310,8 @@ def _read_both(
     by the text it is stored under (one statement probing its candidate texts), so a
     page follows the previous one in the merged order; a key deleted since is bounded
     by its smallest text (a page may then repeat keys, never skip them)."""
-    from stash.codec import key_probe, key_texts
-
     lower, upper, prefix, after = args
-    after_text = None
-    if after is not None:
-        texts = key_texts(collection.key_codec, after)
-        found = tx.peek_rows(collection.id, ts, key_probe(texts)) if len(texts) > 1 else []
-        after_text = found[0][0] if found else min(texts)
+    after_text = None if after is None else _after_text(tx, collection, ts, after)
     rows: set[tuple[str, str, int]] = set()
     for legacy in (False, True):
         rng = key_range(
@@ -322,6 +320,23 @@ def _read_both(
         rows.update(read_range(tx, collection.id, ts, rng, limit))
     merged = sorted(rows)
     return merged if limit is None else _first_keys(merged, limit + 1)
+
+
+def _after_text(tx: Txn, collection: StashCollection[Any, Any], ts: int, after: Any) -> str:
+    """The text a range's ``after`` key bounds the page by: the text it is stored under
+    when it has two (:func:`stash.codec.key_texts`: a record with a field at its
+    default, stored by an earlier release with every field or by the key rule without
+    it; one statement probing both), so a page follows the previous one in stored text
+    order, never skipping the keys between the two texts; a key stored under neither
+    (deleted since) is bounded by its smallest text (a page may then repeat keys, never
+    skip them)."""
+    from stash.codec import key_probe, key_texts
+
+    texts = key_texts(collection.key_codec, after)
+    if len(texts) == 1:
+        return texts[0]
+    found = tx.peek_rows(collection.id, ts, key_probe(texts))
+    return str(found[0][0]) if found else min(texts)
 
 
 def _check_one_text_per_key(

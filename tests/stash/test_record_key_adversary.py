@@ -62,3 +62,24 @@ def test_paging_past_a_legacy_key_skips_no_key(open_stash: OpenStash) -> None:
     got = _pages(s, tc2, prefix=("k",))
     assert sorted(got, key=repr) == sorted([(k, i) for i, k in enumerate(keys)], key=repr)
     assert len(got) == 2
+
+
+def test_range_bounds_at_a_legacy_key_admit_and_exclude_it(open_stash: OpenStash) -> None:
+    """``lower=k`` admits the key ``k`` and ``upper=k`` excludes it whichever of its
+    texts it is stored under.  Before, bounds were encoded by the key rule: a key stored
+    by an earlier release with every field (``{"name":"a","region":""}`` sorts before
+    ``{"name":"a"}``) was left out of ``peek_range(lower=k)`` and read by
+    ``peek_range(upper=k)``, and came back once upserted (stored by the rule)."""
+    s = open_stash()
+    for name, K in (("p", PKey), ("n", NPKey)):
+        old = s.collection(name, key=OldKeyCodec(K), value="int")
+        s.update_many(old, [((K("a"), 1), 0, 1), ((K("a", "x"), 2), 0, 1), ((K("b"), 3), 0, 1)])
+        s.seal(old, s.upper(old).from_elem(1))
+        tc = TypedCollection(name, key=K, value="int")
+        c = tc.get(s)
+        assert (K("a"), 1) in s.peek_range(c, lower=K("a")).entries, name
+        assert (K("b"), 3) not in s.peek_range(c, upper=K("b")).entries, name
+        got = s.peek_range(c, lower=K("a"), upper=K("b")).entries
+        assert (K("a"), 1) in got and (K("b"), 3) not in got, (name, got)
+        tc.upsert_key(s, K("a"), 9)  # stored by the rule now: the same answers
+        assert (K("a"), 9) in s.peek_range(c, lower=K("a")).entries, name

@@ -32,6 +32,7 @@ stash keys are protobuf messages (``src/stash/src/lib.rs``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import re
@@ -347,6 +348,10 @@ def _key_object(value: Any, plan: _RecordPlan) -> dict[str, Any]:
     return out
 
 
+#: The types :func:`key_json` returns as they are (no record inside).
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def json_key_texts(value: Any) -> tuple[str, ...]:
     """The texts a KEY ``value`` may be stored under, the text of today first: its key
     rule text (:func:`key_json`) and, when it differs (a record with a field at its
@@ -355,6 +360,9 @@ def json_key_texts(value: Any) -> tuple[str, ...]:
     (:meth:`RecordCodec.key_texts`, :meth:`stash.codec.TupleCodec.key_texts`) and a
     table transaction's keys without a codec call it, and every key path looks a key up
     under all of them (:func:`stash.codec.key_texts`)."""
+    t = type(value)
+    if (t is tuple or t is list) and all(type(v) in _SCALARS for v in value):
+        return (canonical_json(value),)  # no record in it: one text, encoded once
     new = canonical_json(key_json(value))
     old = canonical_json(to_json(value))
     return (new,) if old == new else (new, old)
@@ -604,7 +612,13 @@ class RecordCodec(Generic[T]):
 
     def as_key(self) -> RecordCodec[T]:
         """This codec in the key role (see **Keys**): the same type, name and decoding."""
-        return self if self.key else RecordCodec(self.cls, self.record_name, key=True)
+        if self.key:
+            return self
+        other = copy.copy(self)  # not __init__ again: a collection handle makes one each
+        other.key = True
+        other._key_check = self._plan.key_differs()
+        self._plan.key_defaults()
+        return other
 
     def _as_dict(self, value: T) -> dict[str, Any]:
         if not isinstance(value, self.cls):

@@ -83,3 +83,26 @@ def test_range_bounds_at_a_legacy_key_admit_and_exclude_it(open_stash: OpenStash
         assert (K("a"), 1) in got and (K("b"), 3) not in got, (name, got)
         tc.upsert_key(s, K("a"), 9)  # stored by the rule now: the same answers
         assert (K("a"), 9) in s.peek_range(c, lower=K("a")).entries, name
+
+
+def test_a_handle_makes_its_record_key_codec_once(monkeypatch: Any) -> None:
+    """Opening a collection handle (every ``TypedCollection`` call does) makes the
+    record key codec once, in its key role, as releases before the key rule made it
+    once: the key rule had it made twice (the value role, then ``as_key``), a fifth of
+    ``peek_key_one``'s time on a memory stash for a record key without defaults."""
+    from stash.record_codec import RecordCodec
+
+    s = Stash.open("memory://", fenced=False)
+    tc = TypedCollection("c", key=PKey, value="int")
+    tc.upsert_key(s, PKey("a"), 1)
+    made: list[bool] = []
+    init = RecordCodec.__init__
+
+    def counting(self: Any, *a: Any, **kw: Any) -> None:
+        made.append(kw.get("key", False))
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(RecordCodec, "__init__", counting)
+    assert tc.peek_key_one(s, PKey("a")) == 1
+    assert made == [True]
+    s.close()

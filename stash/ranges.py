@@ -269,11 +269,14 @@ def peek_range(
         ts = read_time(stash, tx, cid, at, collection.name)
         stored = stored_texts(tx, collection, ts, lower=lower, upper=upper, after=after)
         if two:
-            return ts, _read_both(tx, collection, ts, (lower, upper, prefix, after, stored), limit)
-        if stored:
-            got = key_range(collection, lower, upper, prefix, after, stored=stored)
-            return ts, read_range(tx, cid, ts, got, limit)
-        return ts, read_range(tx, cid, ts, rng, limit)
+            got = _read_both(tx, collection, ts, (lower, upper, prefix, after, stored), limit)
+        elif stored:
+            rng2 = key_range(collection, lower, upper, prefix, after, stored=stored)
+            got = read_range(tx, cid, ts, rng2, limit)
+        else:
+            got = read_range(tx, cid, ts, rng, limit)
+        _check_no_other_text(tx, collection, ts, got)
+        return ts, got
 
     ts, rows = stash._read(read, codecs=(collection,))
     distinct = list(dict.fromkeys(k for k, _, _ in rows))
@@ -345,6 +348,47 @@ def stored_texts(
         hit = [t for t in texts if t in found]
         out[n] = hit[0] if hit else min(texts) if n == "after" else texts[0]
     return out
+
+
+def _check_no_other_text(
+    tx: Txn, collection: StashCollection[Any, Any], ts: int, rows: list[tuple[str, str, int]]
+) -> None:
+    """Raise :func:`stash.codec.duplicate_key_error` if a key of a page is also stored
+    under another of its candidate texts (:func:`stash.codec.key_texts`), which may lie
+    outside the page (another page, or past a bound): one statement probing them all,
+    only for key types that can have two texts (a record with a defaulted field)."""
+    from stash.codec import (
+        RecordCodec,
+        TypedTupleCodec,
+        canonical_json,
+        decode_all,
+        duplicate_key_error,
+        key_probe,
+        key_texts,
+    )
+    from stash.record_codec import _hint_reaches
+
+    kc = collection.key_codec
+    if type(kc) is RecordCodec:
+        two = bool(getattr(kc, "_key_check", False))
+    elif type(kc) is TypedTupleCodec:
+        two = _hint_reaches(kc.hint, set())
+    else:
+        two = False  # no record decoded: one text per key
+    if not two or not rows:
+        return
+    page = list(dict.fromkeys(k for k, _, _ in rows))
+    others: dict[str, tuple[Any, str]] = {}
+    for text, key in zip(page, decode_all(kc, page), strict=True):
+        own = canonical_json(json.loads(text))  # a range's rows may hold jsonb's text
+        for t in key_texts(kc, key):
+            if t != own and t != text:  # text: the stored one a key remembers
+                others.setdefault(t, (key, text))
+    if not others:
+        return
+    for t, _, _ in tx.peek_rows(collection.id, ts, key_probe(tuple(others))):
+        key, text = others[t]
+        raise duplicate_key_error(collection.name, key, (text, t))
 
 
 def _check_one_text_per_key(

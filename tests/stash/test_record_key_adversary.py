@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import pytest
+
 from stash import Stash, TypedCollection
+from stash.errors import StashError
 from tests.stash.conftest import OpenStash
 from tests.stash.test_record_key_legacy_texts import OldKeyCodec
 
@@ -106,3 +109,25 @@ def test_a_handle_makes_its_record_key_codec_once(monkeypatch: Any) -> None:
     assert tc.peek_key_one(s, PKey("a")) == 1
     assert made == [True]
     s.close()
+
+
+def test_a_page_refuses_a_key_held_under_both_texts(open_stash: OpenStash) -> None:
+    """A key held under both of its texts (every field's, by an earlier release, and
+    the key rule's) is refused by ``peek_range`` also when only one of the texts is in
+    the page: pages of one key, or a bound between the two texts.  Before, pages of
+    limit 1 returned one of its two values without a word, and a range whose lower
+    bound lay between the texts returned the other."""
+    s = open_stash()
+    for name, K in (("p", PKey), ("n", NPKey)):
+        old = s.collection(name, key=OldKeyCodec(K), value="int")
+        s.update_many(old, [((K("a"), 1), 0, 1), ((K("b"), 3), 0, 1)])
+        s.seal(old, s.upper(old).from_elem(1))
+        tc = TypedCollection(name, key=K, value="int")
+        c = tc.get(s)
+        batch = c.make_batch(s)
+        batch.entries.append((('{"name":"a"}', "5"), batch.timestamp, 1))  # by hand
+        s.append([batch])
+        for kw in ({"limit": 1}, {"lower": K("a", "x")}, {"upper": K("a", "x")}):
+            with pytest.raises(StashError, match=f"duplicate key: collection '{name}' holds"):
+                s.peek_range(c, **kw)
+        assert s.peek_range(c, lower=K("b")).entries == [(K("b"), 3)]  # other keys read

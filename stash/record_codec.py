@@ -135,7 +135,9 @@ class _RecordPlan:
     def key_differs(self) -> bool:
         """Whether a key of this type can encode otherwise than its value (every field
         written): some record type its fields are annotated with, at any depth, this
-        one included, has a field with a default.  When not, a decoded key re-encodes
+        one included, has a field with a default, or a field may hold any record (an
+        ``Any``, ``object``, bare container or unresolved annotation: :func:`key_json`
+        walks the values, not the hints).  When not, a decoded key re-encodes
         as the stored text it was read from unless the row evolved (unknown fields)."""
         got = self._key_differs
         if got is None:
@@ -285,6 +287,10 @@ def _reaches_defaults(cls: Any, seen: set[Any]) -> bool:
 def _hint_reaches(hint: Any, seen: set[Any]) -> bool:
     if _is_record_type(hint):
         return _reaches_defaults(hint, seen)
+    if hint is Any or hint is object or hint in (list, tuple, dict):
+        return True  # may hold any record (key_json walks the values, not the hints)
+    if isinstance(hint, str | typing.ForwardRef | typing.TypeVar):
+        return True  # an annotation not resolved: as Any
     return any(_hint_reaches(a, seen) for a in typing.get_args(hint))
 
 

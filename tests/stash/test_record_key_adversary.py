@@ -22,6 +22,15 @@ class PKey:
     region: str = ""
 
 
+@dataclass(frozen=True)
+class AnyKey:
+    """A key whose field is annotated ``Any`` (here holding a record with a default)."""
+
+    __stash_name__ = "adversary.AnyKey"
+    name: str
+    extra: Any
+
+
 class NPKey(NamedTuple):
     name: str
     region: str = ""
@@ -131,3 +140,21 @@ def test_a_page_refuses_a_key_held_under_both_texts(open_stash: OpenStash) -> No
             with pytest.raises(StashError, match=f"duplicate key: collection '{name}' holds"):
                 s.peek_range(c, **kw)
         assert s.peek_range(c, lower=K("b")).entries == [(K("b"), 3)]  # other keys read
+
+
+def test_a_key_holding_a_record_in_a_field_annotated_any(open_stash: OpenStash) -> None:
+    """A record key without defaults whose field is annotated ``Any`` and holds a record
+    with a default: the key rule leaves the inner default out (it walks the values), so
+    the key has two texts and every path probes both.  Before, the type was taken for
+    one whose keys have one text (its annotations reach no defaulted field): a key
+    stored by an earlier release was not found and ``upsert_key`` wrote a second
+    entry."""
+    s = open_stash()
+    k = AnyKey("a", PKey("x"))
+    old = s.collection("any", key=OldKeyCodec(AnyKey), value="int")
+    s.update_many(old, [((k, 1), 0, 1)])
+    s.seal(old, s.upper(old).from_elem(1))
+    tc = TypedCollection("any", key=AnyKey, value="int")
+    assert tc.peek_key_one(s, k) == 1
+    tc.upsert_key(s, k, 2)
+    assert s._peek_raw(tc.get(s)) == [('{"extra":{"name":"x"},"name":"a"}', "2", 1)]

@@ -4,13 +4,18 @@ corner cases the rule's own tests left out.  Each failed on the code before its 
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from stash import Stash, TypedCollection
-from stash.errors import StashError
+from stash.errors import StashError, UniquenessViolation
 from tests.stash.conftest import OpenStash
 from tests.stash.test_record_key_legacy_texts import OldKeyCodec
 
@@ -158,3 +163,151 @@ def test_a_key_holding_a_record_in_a_field_annotated_any(open_stash: OpenStash) 
     assert tc.peek_key_one(s, k) == 1
     tc.upsert_key(s, k, 2)
     assert s._peek_raw(tc.get(s)) == [('{"extra":{"name":"x"},"name":"a"}', "2", 1)]
+
+
+# --- a stateful model: an earlier release's keys, then every key path of today -------
+
+_names = st.sampled_from(["a", "b"])
+_regions = st.sampled_from(["", "x"])
+_values = st.integers(0, 9)
+
+
+class EveryPathAfterUpgrade(RuleBasedStateMachine):
+    """A collection of NamedTuple keys (which cannot remember the text they were read
+    from) written by a release before the key rule (every field), then through every
+    key path of today, against a model ``{key: value}``: lookups, writes, multi-step
+    table transactions, and pages of ``peek_range`` (every limit, bounds at keys) list
+    exactly the model, one entry per key.  Paged ranges failed before (a key skipped
+    after a page ending at a key stored with every field)."""
+
+    backend = "memory"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp()
+        url = "memory://" if self.backend == "memory" else f"sqlite:///{self.dir}/s.db"
+        self.s = Stash.open(url, fenced=False)
+        self.tc = TypedCollection("c", key=NPKey, value="int")
+        self.model: dict[NPKey, int] = {}
+        self.upgraded = False
+
+    def teardown(self) -> None:
+        self.s.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @precondition(lambda self: not self.upgraded)
+    @rule(name=_names, region=_regions, value=_values)
+    def old_write(self, name: str, region: str, value: int) -> None:
+        old = TypedCollection("c", key=OldKeyCodec(NPKey), value="int")
+        old.upsert_key(self.s, NPKey(name, region), value)
+        self.model[NPKey(name, region)] = value
+
+    @precondition(lambda self: not self.upgraded)
+    @rule()
+    def upgrade(self) -> None:
+        self.upgraded = True
+
+    @precondition(lambda self: self.upgraded)
+    @rule(name=_names, region=_regions, value=_values, how=st.sampled_from(["key", "many", "tx"]))
+    def write(self, name: str, region: str, value: int, how: str) -> None:
+        k = NPKey(name, region)
+        if how == "key":
+            self.tc.upsert_key(self.s, k, value)
+        elif how == "many":
+            self.tc.upsert(self.s, [(k, value)])
+        else:
+            self.s.with_transaction(lambda tx: tx.table(self.tc).set(k, value))
+        self.model[k] = value
+
+    @precondition(lambda self: self.upgraded)
+    @rule(name=_names, region=_regions, value=_values)
+    def insert_without_overwrite(self, name: str, region: str, value: int) -> None:
+        k = NPKey(name, region)
+        assert self.tc.insert_without_overwrite(self.s, k, value) == self.model.setdefault(k, value)
+
+    @precondition(lambda self: self.upgraded)
+    @rule(
+        steps=st.lists(
+            st.tuples(st.sampled_from(["set", "del", "ins", "get"]), _names, _regions, _values),
+            min_size=1,
+            max_size=4,
+        ),
+        eager=st.booleans(),
+    )
+    def table(self, steps: list[tuple[str, str, str, int]], eager: bool) -> None:
+        t = self.tc.table(self.s, uniqueness_violation=lambda a, b: False) if eager else None
+        t = t if t is not None else self.tc.table(self.s)
+        want = dict(self.model)
+        for op, name, region, value in steps:
+            k = NPKey(name, region)
+            if op == "set":
+                t.set(k, value)
+                want[k] = value
+            elif op == "del":
+                t.set(k, None)
+                want.pop(k, None)
+            elif op == "ins":
+                try:
+                    t.insert(k, value)
+                except UniquenessViolation:
+                    assert k in want
+                else:
+                    assert k not in want
+                    want[k] = value
+            else:
+                assert t.get(k) == want.get(k)
+        t.commit()
+        self.model = want
+
+    @precondition(lambda self: self.upgraded)
+    @rule(limit=st.integers(1, 3), lower=st.none() | _names, upper=st.none() | _names)
+    def pages(self, limit: int, lower: str | None, upper: str | None) -> None:
+        c = self.tc.get(self.s)
+        if self.s.upper(c).as_option() == 0:
+            return
+        lo = None if lower is None else NPKey(lower)
+        hi = None if upper is None else NPKey(upper)
+        got: list[Any] = []
+        after = None
+        while True:
+            page = self.s.peek_range(c, lower=lo, upper=hi, limit=limit, after=after)
+            got += page.entries
+            if not page.more:
+                break
+            after = page.next_after
+        # lower/upper at a key admit/exclude that key itself, whichever text it is under
+        everything = self.s.peek_range(c).entries
+        assert len(everything) == len(self.model) and dict(everything) == self.model
+        assert len(got) == len(dict(got))
+        if lo is not None and hi is None and lo in self.model:
+            assert (lo, self.model[lo]) in got
+        if hi is not None:
+            assert hi not in dict(got)
+        if lo is None and hi is None:
+            assert dict(got) == self.model
+
+    @invariant()
+    def one_entry_per_key(self) -> None:
+        c = self.tc.get(self.s)
+        if self.s.upper(c).as_option() == 0:
+            return
+        assert self.tc.peek_one(self.s) == self.model
+        assert all(d == 1 for _, _, d in self.s.peek(c))
+        for k, v in self.model.items():
+            assert self.tc.peek_key_one(self.s, k) == v
+
+
+class EveryPathAfterUpgradeSqlite(EveryPathAfterUpgrade):
+    backend = "sqlite"
+
+
+_SETTINGS = settings(
+    max_examples=10,
+    stateful_step_count=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+EveryPathAfterUpgrade.TestCase.settings = _SETTINGS
+EveryPathAfterUpgradeSqlite.TestCase.settings = _SETTINGS
+test_every_path_after_upgrade_memory = EveryPathAfterUpgrade.TestCase
+test_every_path_after_upgrade_sqlite = EveryPathAfterUpgradeSqlite.TestCase

@@ -349,9 +349,16 @@ def _key_object(value: Any, plan: _RecordPlan) -> dict[str, Any]:
     for f in plan.fields:
         v = key_json(getattr(value, f))
         if defaults and f in defaults and same_json(v, defaults[f]):
+            _OMITTED.n = getattr(_OMITTED, "n", 0) + 1
             continue
         out[f] = v
     return out
+
+
+#: Per thread: how many fields :func:`key_json` left out (at their default); a key's
+#: encoding that changed it has a second text whatever its type's annotations say (a
+#: record in a field annotated ``Any`` or with a base class: the rule walks values).
+_OMITTED = threading.local()
 
 
 #: The types :func:`key_json` returns as they are (no record inside).
@@ -658,9 +665,10 @@ class RecordCodec(Generic[T]):
         (an evolved row).  In the value role: ``(encode(value),)``."""
         if not self.key:
             return (self.encode(value),)
+        before = getattr(_OMITTED, "n", 0)
         new = canonical_json(self._as_dict(value))
         out: tuple[str, ...] = (new,)
-        if self._key_check:
+        if self._key_check or getattr(_OMITTED, "n", 0) != before:
             old = canonical_json({f: to_json(getattr(value, f)) for f in self._fields})
             if old != new:
                 out = (new, old)

@@ -36,6 +36,28 @@ class AnyKey:
     extra: Any
 
 
+@dataclass(frozen=True)
+class Base:
+    __stash_name__ = "adversary.Base"
+    x: int
+
+
+@dataclass(frozen=True)
+class Derived(Base):
+    __stash_name__ = "adversary.Derived"
+    tag: str = ""
+
+
+@dataclass(frozen=True)
+class BaseKey:
+    """A key without defaults whose field is annotated with a record type that has
+    none, holding a subclass that has one."""
+
+    __stash_name__ = "adversary.BaseKey"
+    name: str
+    inner: Base
+
+
 class NPKey(NamedTuple):
     name: str
     region: str = ""
@@ -163,6 +185,24 @@ def test_a_key_holding_a_record_in_a_field_annotated_any(open_stash: OpenStash) 
     assert tc.peek_key_one(s, k) == 1
     tc.upsert_key(s, k, 2)
     assert s._peek_raw(tc.get(s)) == [('{"extra":{"name":"x"},"name":"a"}', "2", 1)]
+
+
+def test_a_key_holding_a_subclass_with_a_default_in_a_field_of_its_base(
+    open_stash: OpenStash,
+) -> None:
+    """A field annotated ``Base`` (no default) holding a ``Derived`` (a defaulted field):
+    the key rule leaves the default out, so the key has two texts, whatever the
+    annotations say.  Before, a key stored by an earlier release was not found and
+    ``upsert_key`` wrote a second entry."""
+    s = open_stash()
+    k = BaseKey("a", Derived(1))
+    old = s.collection("sub", key=OldKeyCodec(BaseKey), value="int")
+    s.update_many(old, [((k, 1), 0, 1)])
+    s.seal(old, s.upper(old).from_elem(1))
+    tc = TypedCollection("sub", key=BaseKey, value="int")
+    assert tc.peek_key_one(s, k) == 1
+    tc.upsert_key(s, k, 2)
+    assert s._peek_raw(tc.get(s)) == [('{"inner":{"x":1},"name":"a"}', "2", 1)]
 
 
 # --- a stateful model: an earlier release's keys, then every key path of today -------

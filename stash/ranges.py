@@ -387,8 +387,9 @@ def _check_no_other_text(
     if not others:
         return
     for t, _, _ in tx.peek_rows(collection.id, ts, key_probe(tuple(others))):
-        key, text = others[t]
-        raise duplicate_key_error(collection.name, key, (text, t))
+        hit = others.get(t) or others.get(canonical_json(json.loads(t)))
+        if hit is not None:
+            raise duplicate_key_error(collection.name, hit[0], (hit[1], t))
 
 
 def _check_one_text_per_key(

@@ -71,6 +71,7 @@ from persist.app_txn import (
     rows_fingerprint,
 )
 from persist.arrow_input import as_arrow_table
+from persist.closing import CloseGate, gated
 from persist.commit_note import noting
 from persist.compactor import Compactor
 from persist.consolidation import consolidate
@@ -172,18 +173,20 @@ class Table:
         self._machine: ShardMachine = self._ctx.machine(shard_id)
         self._lock = threading.Lock()
         self._writer: WriteHandle | None = None
-        self._closed = False
+        self._gate = CloseGate(self._refuse)  # writes in flight; close() waits for them
 
     def __repr__(self) -> str:
         return f"Table({self.name!r}, key={self.key}, schema={self.schema.names})"
 
     def _check_open(self, verb: str) -> None:
         """Raises: InvalidUsage: the table was closed (naming it and ``verb``)."""
-        if self._closed:
-            raise InvalidUsage(
-                f"table {self.name!r} is closed: {verb} refused (nothing was committed); "
-                "open it again with client.table(name)"
-            )
+        self._gate.check(verb)
+
+    def _refuse(self, verb: str) -> None:
+        raise InvalidUsage(
+            f"table {self.name!r} is closed: {verb} refused (nothing was committed); "
+            "open it again with client.table(name)"
+        )
 
     # ------------------------------------------------------------------ shape
     def _state(self) -> ShardState:
@@ -226,7 +229,7 @@ class Table:
         unused: WriteHandle | None
         with self._lock:
             current = self._writer
-            if self._closed:  # closed meanwhile: the new writer is not kept
+            if self._gate.closed:  # closed meanwhile: the new writer is not kept
                 w, unused = None, new
             elif current is not None and current is not stale and usable(current):
                 w, unused = current, new  # another thread replaced it meanwhile
@@ -257,6 +260,7 @@ class Table:
         what = f"{what} table {self.name!r}"
         return rows_mod.conform_rows(as_arrow_table(data, what), w.schema, what)
 
+    @gated("append")
     def append(self, data: Any, *, app_transaction: AppTransaction | None = None) -> int:
         """Insert the rows of ``data`` at the next time (the shard's upper when the
         commit lands; a race moves it later, without uploading again).
@@ -299,7 +303,6 @@ class Table:
                 f"not {type(app_transaction).__name__}"
             )
         app = app_transaction
-        self._check_open("append")
         with Progress(f"table {self.name!r}: append") as progress:
             w = self._write_handle()
             progress.set_phase("converting")
@@ -410,13 +413,13 @@ class Table:
         rec = AppTxnLog(self._ctx, self.shard_id, self.name).committed(app_id)
         return None if rec is None else rec.version
 
+    @gated("upsert")
     def upsert(self, data: Any) -> RowChanges:
         """Replace every live row whose key is in ``data`` by ``data``'s row, at one
         new time (:meth:`WriteHandle.upsert <persist.write.WriteHandle.upsert>`).
 
         Raises: as :meth:`append`; also InvalidUsage when ``data`` has a key twice.
         """
-        self._check_open("upsert")
         with Progress(f"table {self.name!r}: upsert") as progress:
             w = self._write_handle()
             progress.set_phase("converting")
@@ -454,31 +457,31 @@ class Table:
         def execute(spec: Any) -> MergeResult:
             # The table's writer at execute(): the builder may outlive the lease of
             # the one it was made with.
-            self._check_open("merge")
-            now = self._write_handle()
-            run_now = run if now is w else now.merge(rows, on, source_alias, target_alias)._run
-            with self._writing(now):
-                return run_now(spec)
+            with self._gate.entered("merge"):
+                now = self._write_handle()
+                run_now = run if now is w else now.merge(rows, on, source_alias, target_alias)._run
+                with self._writing(now):
+                    return run_now(spec)
 
         builder._run = execute
         return builder
 
+    @gated("delete")
     def delete(self, filter: pc.Expression) -> RowChanges:
         """Delete every live row ``filter`` (a boolean ``pyarrow.compute`` expression
         over the columns) keeps, at one new time (:meth:`WriteHandle.delete
         <persist.write.WriteHandle.delete>`)."""
-        self._check_open("delete")
         with Progress(f"table {self.name!r}: delete") as progress:
             progress.set_phase("reading live rows, writing retractions, committing")
             w = self._write_handle()
             with self._writing(w):
                 return w.delete(filter)
 
+    @gated("update")
     def update(self, filter: pc.Expression, set: Mapping[str, Any]) -> RowChanges:
         """Set columns of every live row ``filter`` keeps (``set``: column -> scalar or
         ``pyarrow.compute`` expression over the old row), at one new time
         (:meth:`WriteHandle.update <persist.write.WriteHandle.update>`)."""
-        self._check_open("update")
         with Progress(f"table {self.name!r}: update") as progress:
             progress.set_phase("reading live rows, writing changes, committing")
             w = self._write_handle()
@@ -601,6 +604,7 @@ class Table:
         return pa.RecordBatchReader.from_batches(t.schema, t.to_batches())
 
     # ------------------------------------------------------------- operating
+    @gated("restore")
     def restore(self, as_of: Any) -> RowChanges:
         """Make the live rows those of ``as_of`` (a time or a timezone-aware
         ``datetime``, as :meth:`to_arrow`) in one commit at the next time: the rows
@@ -611,7 +615,6 @@ class Table:
             SinceViolation, InvalidUsage: as :meth:`to_arrow`'s ``as_of``.
             ChangeContended, BlobError, ConsensusError: as :meth:`upsert`.
         """
-        self._check_open("restore")
         t = self.resolve_as_of(self._state(), as_of)
         w = self._write_handle()
         names = [*w.key_schema.names, *w.value_schema.names]
@@ -625,6 +628,7 @@ class Table:
                 w, lambda read, upper: plan_restore(read(None), target, w), op="restore"
             )
 
+    @gated("optimize")
     def optimize(self) -> OptimizeReport:
         """Merge every batch into one batch (one sorted run, parts cut by size),
         consolidated at the since (:func:`persist.optimize.optimize`); what every
@@ -633,7 +637,6 @@ class Table:
 
         Returns: an :class:`~persist.optimize.OptimizeReport`.
         """
-        self._check_open("optimize")
         with Progress(f"table {self.name!r}: optimize") as progress:
             st = self._machine.state()
             progress.rows, progress.nbytes = sum(b.len for b in st.batches()), st.blob_bytes()
@@ -679,6 +682,7 @@ class Table:
         ms = self._machine.state().retention_ms
         return None if ms is None else dt.timedelta(milliseconds=ms)
 
+    @gated("set_retention")
     def set_retention(self, duration: dt.timedelta | None) -> None:
         """Keep the table's states of the last ``duration`` readable: from now on its
         since follows the newest time committed at or before ``now - duration``, at
@@ -689,7 +693,6 @@ class Table:
         Raises:
             InvalidUsage: ``duration`` is not a ``timedelta`` >= 0 or ``None``.
         """
-        self._check_open("set_retention")
         if duration is not None and (
             not isinstance(duration, dt.timedelta) or duration < dt.timedelta(0)
         ):
@@ -710,6 +713,7 @@ class Table:
         with noting("retention", {"duration_seconds": ms / 1000}):
             self._machine.set_retention(ms, marks, hold)
 
+    @gated("vacuum")
     def vacuum(self, grace_seconds: float | None = None) -> VacuumReport:
         """Move the since exactly to where the retention puts it (the newest time
         committed at or before ``now - retention``, from history; reader leases may
@@ -722,7 +726,6 @@ class Table:
             InvalidUsage: a stash that is not writable.  BlobError, ConsensusError:
                 storage failed.
         """
-        self._check_open("vacuum")
         self._ctx.check_may_delete("vacuum")
         st = self._machine.refresh()
         st.check_not_finalized()
@@ -786,13 +789,14 @@ class Table:
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
-        """Close the table: expire its writer (its lease; the client's close does it
-        too).  Afterwards every call of it (a write, a read, history, maintenance)
-        raises :class:`~persist.errors.InvalidUsage` naming the table and that it is
-        closed, committing nothing; ``name``, ``shard_id``, ``schema`` and ``key`` stay.
-        Idempotent."""
+        """Close the table: wait for its writes in flight (other threads'; none commits
+        after ``close`` returns), then expire its writer (its lease; the client's close
+        does it too).  Afterwards every call of it (a write, a read, history,
+        maintenance) raises :class:`~persist.errors.InvalidUsage` naming the table and
+        that it is closed, committing nothing; ``name``, ``shard_id``, ``schema`` and
+        ``key`` stay.  Idempotent (:class:`persist.closing.CloseGate`)."""
+        self._gate.close()
         with self._lock:
-            self._closed = True
             w, self._writer = self._writer, None
         if w is not None:
             w.expire()

@@ -58,7 +58,7 @@ from sqlalchemy.engine import URL
 from stash import metrics as stash_metrics
 from stash.antichain import I64_MAX, Antichain
 from stash.checks import check_handles_tx, with_codec_check
-from stash.codec import CodecLike, key_probe, key_texts, resolve_codec
+from stash.codec import CodecLike, key_probe, key_texts, resolve_codec, resolve_key_codec
 from stash.collection import (
     AppendBatch,
     StashCollection,
@@ -309,7 +309,7 @@ class Stash(abc.ABC):
                 it does not exist and this handle is readonly.
         """
         validate_collection_name(name)
-        kc, vc = resolve_codec(key), resolve_codec(value)
+        kc, vc = resolve_key_codec(key), resolve_codec(value)
         # Looked up every time: a cached answer would be stale after another handle's
         # migration (TypedCollection.migrate) of the collection.
         sid, found = self._read(lambda tx: (tx.stash_id(), tx.lookup_collection(name)), codecs=())

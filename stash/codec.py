@@ -361,6 +361,12 @@ def resolve_key_codec(spec: CodecLike) -> Any:
     Raises:
         StashError: as :func:`resolve_codec`.
     """
+    if (
+        isinstance(spec, type)
+        and spec not in (int, str, bytes, tuple)
+        and not typing.get_origin(spec)
+    ):
+        return RecordCodec(spec, key=True)  # made once in its role (a handle makes one each)
     codec = resolve_codec(spec)
     if type(codec) in (RecordCodec, TupleCodec, TypedTupleCodec):
         return codec.as_key()

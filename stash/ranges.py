@@ -29,6 +29,7 @@ index.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -133,11 +134,12 @@ def key_range(
     after: Any = None,
     *,
     legacy: bool = False,
-    after_text: str | None = None,
+    stored: Mapping[str, str] | None = None,
 ) -> KeyRange:
     """The :class:`KeyRange` of ``peek_range``'s arguments: keys ``>= lower``, ``<
-    upper``, ``> after`` (each encoded with the collection's key codec; ``after_text``:
-    the text ``after`` is stored under, if known), and starting with ``prefix``: a
+    upper``, ``> after`` (each encoded with the collection's key codec; ``stored``:
+    ``{"lower"|"upper"|"after": the text that bound is stored under}``, where known,
+    :func:`stored_texts`), and starting with ``prefix``: a
     ``str`` (string keys starting with it) or a tuple (array keys whose first items are
     its items; ``legacy``: as releases before the key rule wrote it, every field of a
     record in it written, see :func:`prefix_texts`).
@@ -147,14 +149,15 @@ def key_range(
             str nor a tuple (or does not encode as JSON).
     """
     kc = collection.key_codec
+    known = stored or {}
     lows: list[tuple[str, bool]] = []
     highs: list[tuple[str, bool]] = []
     if lower is not None:
-        lows.append((kc.encode(lower), False))
+        lows.append((known.get("lower") or kc.encode(lower), False))
     if after is not None:
-        lows.append((kc.encode(after) if after_text is None else after_text, True))
+        lows.append((known.get("after") or kc.encode(after), True))
     if upper is not None:
-        highs.append((kc.encode(upper), False))
+        highs.append((known.get("upper") or kc.encode(upper), False))
     starts = exact = None
     if prefix is not None:
         starts, exact = _prefix(prefix, legacy)
@@ -264,9 +267,16 @@ def peek_range(
 
     def read(tx: Txn) -> tuple[int, list[tuple[str, str, int]]]:
         ts = read_time(stash, tx, cid, at, collection.name)
-        if not two:
-            return ts, read_range(tx, cid, ts, rng, limit)
-        return ts, _read_both(tx, collection, ts, (lower, upper, prefix, after), limit)
+        stored = stored_texts(tx, collection, ts, lower=lower, upper=upper, after=after)
+        if two:
+            got = _read_both(tx, collection, ts, (lower, upper, prefix, after, stored), limit)
+        elif stored:
+            rng2 = key_range(collection, lower, upper, prefix, after, stored=stored)
+            got = read_range(tx, cid, ts, rng2, limit)
+        else:
+            got = read_range(tx, cid, ts, rng, limit)
+        _check_no_other_text(tx, collection, ts, got)
+        return ts, got
 
     ts, rows = stash._read(read, codecs=(collection,))
     distinct = list(dict.fromkeys(k for k, _, _ in rows))
@@ -302,26 +312,84 @@ def _read_both(
     limit: int | None,
 ) -> list[tuple[str, str, int]]:
     """The rows of a range whose prefix has two texts (:func:`prefix_texts`): both
-    ranges read, merged in text order, up to ``limit + 1`` keys.  ``after`` is bounded
-    by the text it is stored under (one statement probing its candidate texts), so a
-    page follows the previous one in the merged order; a key deleted since is bounded
-    by its smallest text (a page may then repeat keys, never skip them)."""
-    from stash.codec import key_probe, key_texts
-
-    lower, upper, prefix, after = args
-    after_text = None
-    if after is not None:
-        texts = key_texts(collection.key_codec, after)
-        found = tx.peek_rows(collection.id, ts, key_probe(texts)) if len(texts) > 1 else []
-        after_text = found[0][0] if found else min(texts)
+    ranges read, merged in text order, up to ``limit + 1`` keys; the bounds are those
+    of ``stored`` (:func:`stored_texts`, the last of ``args``)."""
+    lower, upper, prefix, after, stored = args
     rows: set[tuple[str, str, int]] = set()
     for legacy in (False, True):
-        rng = key_range(
-            collection, lower, upper, prefix, after, legacy=legacy, after_text=after_text
-        )
+        rng = key_range(collection, lower, upper, prefix, after, legacy=legacy, stored=stored)
         rows.update(read_range(tx, collection.id, ts, rng, limit))
     merged = sorted(rows)
     return merged if limit is None else _first_keys(merged, limit + 1)
+
+
+def stored_texts(
+    tx: Txn, collection: StashCollection[Any, Any], ts: int, **bounds: Any
+) -> dict[str, str]:
+    """``{bound: text}`` for the range bounds (``lower``, ``upper``, ``after``: keys or
+    ``None``) that have two candidate texts (:func:`stash.codec.key_texts`: a record
+    with a field at its default, stored by an earlier release with every field or by
+    the key rule without it): the text the key is STORED under, found by one statement
+    probing them all, so ``lower`` admits the key itself and ``upper`` excludes it, and
+    a page follows the previous one in stored text order, never skipping the keys that
+    sort between the two texts.  A bound key stored under neither text is bounded by
+    the key rule's text, ``after`` by its smallest (a page may then repeat keys, never
+    skip them).  Bounds with one text are left out (the codec's encoding bounds them)."""
+    from stash.codec import key_probe, key_texts
+
+    cands = {n: key_texts(collection.key_codec, b) for n, b in bounds.items() if b is not None}
+    cands = {n: t for n, t in cands.items() if len(t) > 1}
+    if not cands:
+        return {}
+    probe = tuple(dict.fromkeys(t for texts in cands.values() for t in texts))
+    found = {k for k, _, _ in tx.peek_rows(collection.id, ts, key_probe(probe))}
+    out: dict[str, str] = {}
+    for n, texts in cands.items():
+        hit = [t for t in texts if t in found]
+        out[n] = hit[0] if hit else min(texts) if n == "after" else texts[0]
+    return out
+
+
+def _check_no_other_text(
+    tx: Txn, collection: StashCollection[Any, Any], ts: int, rows: list[tuple[str, str, int]]
+) -> None:
+    """Raise :func:`stash.codec.duplicate_key_error` if a key of a page is also stored
+    under another of its candidate texts (:func:`stash.codec.key_texts`), which may lie
+    outside the page (another page, or past a bound): one statement probing them all,
+    only for key types that can have two texts (a record with a defaulted field)."""
+    from stash.codec import (
+        RecordCodec,
+        TypedTupleCodec,
+        canonical_json,
+        decode_all,
+        duplicate_key_error,
+        key_probe,
+        key_texts,
+    )
+    from stash.record_codec import _hint_reaches
+
+    kc = collection.key_codec
+    if type(kc) is RecordCodec:
+        two = bool(getattr(kc, "_key_check", False))
+    elif type(kc) is TypedTupleCodec:
+        two = _hint_reaches(kc.hint, set())
+    else:
+        two = False  # no record decoded: one text per key
+    if not two or not rows:
+        return
+    page = list(dict.fromkeys(k for k, _, _ in rows))
+    others: dict[str, tuple[Any, str]] = {}
+    for text, key in zip(page, decode_all(kc, page), strict=True):
+        own = canonical_json(json.loads(text))  # a range's rows may hold jsonb's text
+        for t in key_texts(kc, key):
+            if t != own and t != text:  # text: the stored one a key remembers
+                others.setdefault(t, (key, text))
+    if not others:
+        return
+    for t, _, _ in tx.peek_rows(collection.id, ts, key_probe(tuple(others))):
+        hit = others.get(t) or others.get(canonical_json(json.loads(t)))
+        if hit is not None:
+            raise duplicate_key_error(collection.name, hit[0], (hit[1], t))
 
 
 def _check_one_text_per_key(

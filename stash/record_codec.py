@@ -32,6 +32,7 @@ stash keys are protobuf messages (``src/stash/src/lib.rs``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import re
@@ -134,7 +135,9 @@ class _RecordPlan:
     def key_differs(self) -> bool:
         """Whether a key of this type can encode otherwise than its value (every field
         written): some record type its fields are annotated with, at any depth, this
-        one included, has a field with a default.  When not, a decoded key re-encodes
+        one included, has a field with a default, or a field may hold any record (an
+        ``Any``, ``object``, bare container or unresolved annotation: :func:`key_json`
+        walks the values, not the hints).  When not, a decoded key re-encodes
         as the stored text it was read from unless the row evolved (unknown fields)."""
         got = self._key_differs
         if got is None:
@@ -284,6 +287,10 @@ def _reaches_defaults(cls: Any, seen: set[Any]) -> bool:
 def _hint_reaches(hint: Any, seen: set[Any]) -> bool:
     if _is_record_type(hint):
         return _reaches_defaults(hint, seen)
+    if hint is Any or hint is object or hint in (list, tuple, dict):
+        return True  # may hold any record (key_json walks the values, not the hints)
+    if isinstance(hint, str | typing.ForwardRef | typing.TypeVar):
+        return True  # an annotation not resolved: as Any
     return any(_hint_reaches(a, seen) for a in typing.get_args(hint))
 
 
@@ -342,9 +349,20 @@ def _key_object(value: Any, plan: _RecordPlan) -> dict[str, Any]:
     for f in plan.fields:
         v = key_json(getattr(value, f))
         if defaults and f in defaults and same_json(v, defaults[f]):
+            _OMITTED.n = getattr(_OMITTED, "n", 0) + 1
             continue
         out[f] = v
     return out
+
+
+#: Per thread: how many fields :func:`key_json` left out (at their default); a key's
+#: encoding that changed it has a second text whatever its type's annotations say (a
+#: record in a field annotated ``Any`` or with a base class: the rule walks values).
+_OMITTED = threading.local()
+
+
+#: The types :func:`key_json` returns as they are (no record inside).
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def json_key_texts(value: Any) -> tuple[str, ...]:
@@ -355,6 +373,9 @@ def json_key_texts(value: Any) -> tuple[str, ...]:
     (:meth:`RecordCodec.key_texts`, :meth:`stash.codec.TupleCodec.key_texts`) and a
     table transaction's keys without a codec call it, and every key path looks a key up
     under all of them (:func:`stash.codec.key_texts`)."""
+    t = type(value)
+    if (t is tuple or t is list) and all(type(v) in _SCALARS for v in value):
+        return (canonical_json(value),)  # no record in it: one text, encoded once
     new = canonical_json(key_json(value))
     old = canonical_json(to_json(value))
     return (new,) if old == new else (new, old)
@@ -604,7 +625,13 @@ class RecordCodec(Generic[T]):
 
     def as_key(self) -> RecordCodec[T]:
         """This codec in the key role (see **Keys**): the same type, name and decoding."""
-        return self if self.key else RecordCodec(self.cls, self.record_name, key=True)
+        if self.key:
+            return self
+        other = copy.copy(self)  # not __init__ again: a collection handle makes one each
+        other.key = True
+        other._key_check = self._plan.key_differs()
+        self._plan.key_defaults()
+        return other
 
     def _as_dict(self, value: T) -> dict[str, Any]:
         if not isinstance(value, self.cls):
@@ -638,9 +665,10 @@ class RecordCodec(Generic[T]):
         (an evolved row).  In the value role: ``(encode(value),)``."""
         if not self.key:
             return (self.encode(value),)
+        before = getattr(_OMITTED, "n", 0)
         new = canonical_json(self._as_dict(value))
         out: tuple[str, ...] = (new,)
-        if self._key_check:
+        if self._key_check or getattr(_OMITTED, "n", 0) != before:
             old = canonical_json({f: to_json(getattr(value, f)) for f in self._fields})
             if old != new:
                 out = (new, old)

@@ -107,6 +107,7 @@ TIERS: dict[str, list[tuple[str, list[str]]]] = {
                 "persist.config",
                 "persist.metrics",
                 "persist.tracked",
+                "persist.closing",
             ],
         ),
         # The blob store sits below the data modules that write and read parts (as

@@ -35,7 +35,7 @@ versions of Materialize's stash (``src/stash/src/transaction.rs``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -54,7 +54,7 @@ from stash.peek import (
 )
 from stash.retention import commit_since, now_ms
 from stash.table import TableTransaction
-from stash.txn import KeyProbe, Row, Txn
+from stash.txn import KeyProbe, Txn
 
 #: A ``stash.base.Stash`` (not imported: ``stash.base`` imports this module).
 Stash = Any
@@ -132,7 +132,8 @@ class _ReadSet:
             if up is None:
                 continue  # read at the empty upper: sealed for ever
             rows = tx.rows(cid, kj)
-            if any(t >= up for _, _, t, _ in rows) or _held(rows) != self.held.get(kj, []):
+            held = _held((vj, d) for _, vj, _, d in rows)
+            if any(t >= up for _, _, t, _ in rows) or held != self.held.get(kj, []):
                 now = tx.frontiers(cid)[1]
                 lower, cur = Antichain.from_option(up), Antichain.from_option(now)
                 raise _Conflict(
@@ -146,11 +147,12 @@ class _ReadSet:
                 )
 
 
-def _held(rows: list[Row]) -> list[tuple[str, int]]:
-    """The sorted ``(value text, diff)`` sums of one key's ``rows``, zero sums dropped:
-    the key's contents at any upper beyond every row's time."""
+def _held(pairs: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The sorted ``(value text, diff)`` sums of one key's ``(value text, diff)``
+    ``pairs``, zero sums dropped: what the key holds (as read, and as its rows now sum
+    to, compared by :meth:`_ReadSet.check`)."""
     sums: dict[str, int] = {}
-    for _, vj, _, d in rows:
+    for vj, d in pairs:
         sums[vj] = sums.get(vj, 0) + d
     return sorted((vj, d) for vj, d in sums.items() if d != 0)
 
@@ -225,7 +227,7 @@ class Transaction:
                 for kj in (p,) if isinstance(p, str) else p:
                     if kj not in rec.keys:
                         rec.keys[kj] = upper
-                        rec.held[kj] = sorted((vj, d) for k, vj, d in rows if k == kj)
+                        rec.held[kj] = _held((vj, d) for k, vj, d in rows if k == kj)
         return rows
 
     def _pairs(self, c: StashCollection[Any, Any], keys: list[Any] | None) -> list[Any]:
